@@ -1,0 +1,76 @@
+//! `sparse_read`: the consumer of the indexer's selection. It reads every selected MLA KV row and
+//! reduces them to a 64-bit digest — the stand-in for sparse attention, so that the rows sparse
+//! attention would read are read, and checked, too.
+//!
+//! The digest is integer arithmetic with wrapping adds only, so any reduction order gives the same
+//! bits: `row_hash = Σ_j mix64(word_j ^ (j+1)·φ)` over the row's little-endian 8-byte words, and
+//! `digest = Σ_i mix64(row_hash_i ^ (i+1)·ψ)` over selection ranks `i` whose slot is not `-1`.
+
+use super::numerics::mix64;
+use super::store::{check_paged_dst, check_slot};
+use crate::error::{expect_len, Result};
+use crate::layout::{kv_row, KvDtype, LayoutFingerprint, PageFormat};
+
+const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
+const PSI: u64 = 0xC2B2_AE3D_27D4_EB4F;
+
+/// Hash of one KV row's bytes (its length is a multiple of 8 for both KV formats).
+pub fn row_hash(row: &[u8]) -> u64 {
+    debug_assert_eq!(row.len() % 8, 0);
+    row.chunks_exact(8).enumerate().fold(0u64, |acc, (j, w)| {
+        let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        acc.wrapping_add(mix64(w ^ (j as u64 + 1).wrapping_mul(PHI)))
+    })
+}
+
+/// The contribution of the row at selection rank `i`.
+pub fn rank_term(i: usize, row_hash: u64) -> u64 {
+    mix64(row_hash ^ (i as u64 + 1).wrapping_mul(PSI))
+}
+
+/// Digest of a selection given each rank's row (None for padding).
+pub fn digest<'a>(rows: impl IntoIterator<Item = Option<&'a [u8]>>) -> u64 {
+    rows.into_iter()
+        .enumerate()
+        .fold(0u64, |acc, (i, r)| match r {
+            Some(r) => acc.wrapping_add(rank_term(i, row_hash(r))),
+            None => acc,
+        })
+}
+
+/// Arguments of `sparse_read` over `rows` selections of `k` slots.
+#[derive(Clone, Copy, Debug)]
+pub struct SparseReadArgs<'a> {
+    pub dtype: KvDtype,
+    pub k: usize,
+    /// `[rows][k]` slots from `topk`, `-1` padding.
+    pub slots: &'a [i32],
+}
+
+/// The CPU reference of `sparse_read`: `out` is one digest per row.
+pub fn sparse_read(
+    a: &SparseReadArgs,
+    kv: &[u8],
+    kv_fp: LayoutFingerprint,
+    out: &mut [u64],
+) -> Result<()> {
+    const OP: &str = "sparse_read";
+    let format = PageFormat::Kv(a.dtype);
+    let slots = check_paged_dst(OP, format, kv.len(), kv_fp)?;
+    let rows = out.len();
+    expect_len(OP, "slots", a.slots.len(), rows * a.k)?;
+    let tb = format.token_bytes() as usize;
+    for (r, o) in out.iter_mut().enumerate() {
+        let sel = &a.slots[r * a.k..(r + 1) * a.k];
+        let mut acc = 0u64;
+        for (i, &s) in sel.iter().enumerate() {
+            if s < 0 {
+                continue;
+            }
+            let at = kv_row::slot_offset(a.dtype, check_slot(OP, i, s, slots)?);
+            acc = acc.wrapping_add(rank_term(i, row_hash(&kv[at..at + tb])));
+        }
+        *o = acc;
+    }
+    Ok(())
+}

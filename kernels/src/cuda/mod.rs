@@ -1,0 +1,137 @@
+//! The CUDA versions of the kernels: their sources (embedded, because the GPU machine runs staged
+//! binaries without the source tree), NVRTC compilation for `sm_90`, and — with the `cuda`
+//! feature — typed launchers ([`launch`]) that check sizes and fingerprints before any launch.
+//!
+//! NVRTC is loaded dynamically, so this module builds everywhere and CI (no GPU) can still compile
+//! every kernel to PTX; without the `cuda` feature the launch entry points answer
+//! [`KernelError::BuiltWithoutCuda`].
+
+use crate::error::{KernelError, Result};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use std::path::PathBuf;
+
+#[cfg(feature = "cuda")]
+pub mod launch;
+
+/// Prepended to every source before compilation.
+pub const COMMON: &str = include_str!("../../cuda/common.cuh");
+
+/// One `.cu` file and the kernels it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct Source {
+    pub file: &'static str,
+    pub text: &'static str,
+    pub kernels: &'static [&'static str],
+}
+
+/// Every CUDA source of tierkv.
+pub const SOURCES: &[Source] = &[
+    Source {
+        file: "store.cu",
+        text: include_str!("../../cuda/store.cu"),
+        kernels: &["index_k_store", "kv_store"],
+    },
+    Source {
+        file: "q_prep.cu",
+        text: include_str!("../../cuda/q_prep.cu"),
+        kernels: &["q_prep"],
+    },
+    Source {
+        file: "logits.cu",
+        text: include_str!("../../cuda/logits.cu"),
+        kernels: &["index_logits"],
+    },
+    Source {
+        file: "topk.cu",
+        text: include_str!("../../cuda/topk.cu"),
+        kernels: &["topk"],
+    },
+    Source {
+        file: "sparse_read.cu",
+        text: include_str!("../../cuda/sparse_read.cu"),
+        kernels: &["sparse_read"],
+    },
+    Source {
+        file: "page_copy.cu",
+        text: include_str!("../../cuda/page_copy.cu"),
+        kernels: &["page_gather"],
+    },
+];
+
+/// The target architecture: the H200 (Hopper, compute capability 9.0).
+pub const ARCH: &str = "sm_90";
+
+/// Where `cuda_bf16.h` and `cuda_fp8.h` are: `$CUDA_INCLUDE_DIR`, else `$CUDA_HOME/include`, else
+/// `/usr/local/cuda/include` if it exists.
+pub fn cuda_include_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("CUDA_INCLUDE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(h) = std::env::var_os("CUDA_HOME") {
+        let p = PathBuf::from(h).join("include");
+        if p.exists() {
+            return Some(p);
+        }
+    }
+    let p = PathBuf::from("/usr/local/cuda/include");
+    p.exists().then_some(p)
+}
+
+/// Whether the NVRTC library can be loaded on this machine.
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library under its candidate names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// The NVRTC options every kernel is compiled with: exact IEEE division and square root, no
+/// flush-to-zero, and no contraction of a multiply and an add into an FMA that the CPU reference
+/// would not also perform (DESIGN §4).
+pub fn compile_options() -> CompileOptions {
+    CompileOptions {
+        ftz: Some(false),
+        prec_sqrt: Some(true),
+        prec_div: Some(true),
+        fmad: Some(false),
+        arch: Some(ARCH),
+        include_paths: cuda_include_dir()
+            .map(|p| vec![p.to_string_lossy().into_owned()])
+            .unwrap_or_default(),
+        options: vec!["--std=c++17".into()],
+        ..Default::default()
+    }
+}
+
+/// The full text NVRTC compiles for `src`.
+pub fn full_source(src: &Source) -> String {
+    format!("{COMMON}\n#line 1 \"{}\"\n{}", src.file, src.text)
+}
+
+/// Compiles one source to PTX.
+pub fn compile(src: &Source) -> Result<Ptx> {
+    if !nvrtc_available() {
+        return Err(KernelError::Compile {
+            file: src.file,
+            log: "the NVRTC library (libnvrtc.so) was not found on LD_LIBRARY_PATH".into(),
+        });
+    }
+    cudarc::nvrtc::compile_ptx_with_opts(full_source(src), compile_options()).map_err(|e| {
+        let log = match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        };
+        KernelError::Compile {
+            file: src.file,
+            log,
+        }
+    })
+}
+
+/// Without the `cuda` feature every launch answers this.
+pub fn built_without_cuda(op: &'static str) -> KernelError {
+    KernelError::BuiltWithoutCuda { op }
+}
+
+/// Whether this build can launch kernels on a GPU.
+pub const ENABLED: bool = cfg!(feature = "cuda");
