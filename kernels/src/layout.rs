@@ -47,6 +47,7 @@ const _: () = assert!(index_k_token_bytes_of(IndexKDtype::Fp8) * PAGE_TOKENS as 
 const _: () = assert!(index_k_token_bytes_of(IndexKDtype::Bf16) * PAGE_TOKENS as u64 == 16384);
 const _: () = assert!(kv_token_bytes_of(KvDtype::Bf16) == 1152);
 const _: () = assert!(kv_token_bytes_of(KvDtype::Fp8Packed) == 656);
+const _: () = assert!(kv_token_bytes_of(KvDtype::Fp8Unpacked) == 576);
 
 /// Index-K cache element type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -66,6 +67,11 @@ pub enum KvDtype {
     Bf16,
     /// 512 e4m3fn latent values, 4 fp32 tile scales, 64 bf16 RoPE values: 656 B/token.
     Fp8Packed,
+    /// 576 e4m3 values without tile scales: 576 B/token. A foreign row format that tierkv never
+    /// stores (no configuration names it, no kernel accepts it); it exists so that a mirror sized
+    /// for it — upstream #37534, a 576 B host row behind a 656 B device row — can be described,
+    /// and refused by the fingerprint check.
+    Fp8Unpacked,
 }
 
 /// Order of the pinned-host mirror.
@@ -93,12 +99,14 @@ impl IndexKDtype {
 }
 
 impl KvDtype {
+    /// The formats tierkv stores.
     pub const ALL: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Fp8Packed];
     pub const NAMES: &'static [&'static str] = &["bf16", "fp8_packed"];
     pub fn name(self) -> &'static str {
         match self {
             KvDtype::Bf16 => "bf16",
             KvDtype::Fp8Packed => "fp8_packed",
+            KvDtype::Fp8Unpacked => "fp8_unpacked",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -298,6 +306,7 @@ pub const fn kv_token_bytes_of(dtype: KvDtype) -> u64 {
                 + (KV_LORA_RANK / QUANT_BLOCK) as u64 * FP32_BYTES
                 + ROPE_DIM as u64 * BF16_BYTES
         }
+        KvDtype::Fp8Unpacked => KV_ROW_VALUES as u64 * FP8_BYTES,
     }
 }
 

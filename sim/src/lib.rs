@@ -1,1 +1,3 @@
-//! placeholder
+//! tierkv-sim: the deterministic simulator that tests tierkv's engine, and the `tierkv` CLI.
+
+pub mod cli;

@@ -1,1 +1,4 @@
+//! Integration tests of the engine through its public entry points, on the in-order CPU device.
 
+mod engine_smoke;
+mod trace;

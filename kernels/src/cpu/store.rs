@@ -164,6 +164,7 @@ impl KvStoreArgs<'_> {
 /// Packed fp8: each 128-value latent tile quantized with its own scale, RoPE values kept in bf16.
 pub fn kv_token(dtype: KvDtype, row: &[bf16], out: &mut [u8]) {
     match dtype {
+        KvDtype::Fp8Unpacked => panic!("kv_token: fp8_unpacked rows are never stored (kv_store refuses them)"),
         KvDtype::Bf16 => {
             for (v, x) in row.iter().enumerate() {
                 write_u16(out, 2 * v, x.to_bits());
@@ -192,6 +193,9 @@ pub fn kv_token(dtype: KvDtype, row: &[bf16], out: &mut [u8]) {
 pub fn kv_store(a: &KvStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerprint) -> Result<()> {
     const OP: &str = "kv_store";
     a.check()?;
+    if a.dtype == KvDtype::Fp8Unpacked {
+        return Err(bad(OP, "dtype", "fp8_unpacked rows are a foreign format tierkv does not store"));
+    }
     let format = PageFormat::Kv(a.dtype);
     let slots = check_paged_dst(OP, format, dst.len(), dst_fp)?;
     let tb = format.token_bytes() as usize;

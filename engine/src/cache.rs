@@ -1,0 +1,628 @@
+//! The tiered prefix cache: a radix tree over 64-token pages with a device tier and a host tier.
+//!
+//! A node is one full page of tokens under its parent. It may hold a device page (resident), a host
+//! page (backed up), both, or — only transiently — neither while a load or backup is in flight.
+//! This module owns the tree's state machine and its accounting; it moves no bytes (the cache
+//! controller does) and allocates no pages (the engine hands them in).
+//!
+//! Invariants, checked by [`PrefixCache::check_invariants`]:
+//! - device-resident nodes are prefix-closed: a resident node's parent is resident (or the root);
+//! - backed-up nodes are prefix-closed too ("a contiguous prefix from the root");
+//! - a node with neither a device page, a host page nor an operation in flight does not exist;
+//! - `evictable + protected` = device pages held by the tree (incrementally maintained counters
+//!   equal a recount); a node is protected while locked or while a backup reads it;
+//! - lock counts and pins never go below zero (a violation panics where it happens).
+
+use crate::config::WritePolicy;
+use crate::layout::{PageId, PAGE_TOKENS};
+use std::collections::BTreeMap;
+
+/// The tokens of one page.
+pub type PageKey = [u32; PAGE_TOKENS as usize];
+pub type NodeId = u32;
+pub const ROOT: NodeId = 0;
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub parent: NodeId,
+    pub key: PageKey,
+    pub children: BTreeMap<PageKey, NodeId>,
+    /// The published device page.
+    pub device: Option<PageId>,
+    /// The device page a load is filling (published when the load is acknowledged).
+    pub loading: Option<PageId>,
+    /// The valid host copy.
+    pub host: Option<PageId>,
+    /// The host page a backup is filling.
+    pub backing_up: Option<PageId>,
+    /// Running requests using this node's device page.
+    pub lock: u32,
+    /// Loads reading this node's host page.
+    pub host_pins: u32,
+    pub last_access: u64,
+    pub hits: u32,
+}
+
+/// How a node counts in the device-tier accounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    None,
+    Evictable,
+    Protected,
+}
+
+/// The result of matching a request's pages.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Match {
+    /// Matched nodes, root side first: `device` resident ones, then `host` ones to load.
+    pub nodes: Vec<NodeId>,
+    pub device: usize,
+    pub host: usize,
+}
+
+/// What an insertion did with the request's own pages.
+#[derive(Clone, Debug, Default)]
+pub struct Inserted {
+    /// The path of the inserted pages, root side first.
+    pub nodes: Vec<NodeId>,
+    /// The request's pages the tree did not take (it had them already, or a load is filling an
+    /// ancestor): the caller frees these.
+    pub duplicates: Vec<PageId>,
+}
+
+/// What device eviction decided.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceEviction {
+    /// Device pages the caller frees now.
+    pub freed: Vec<PageId>,
+    /// Nodes that must be written back first (write-back policy): the caller backs them up, and
+    /// their device pages are freed when the backup is acknowledged.
+    pub write_back: Vec<NodeId>,
+}
+
+#[derive(Clone, Debug)]
+pub struct PrefixCache {
+    nodes: Vec<Option<Node>>,
+    free_ids: Vec<NodeId>,
+    tick: u64,
+    evictable: u64,
+    protected: u64,
+    /// Device pages of nodes marked for write-back eviction (freed on the backup's ack).
+    evict_after_backup: BTreeMap<NodeId, ()>,
+    /// Under mutant 5 host eviction ignores load pins.
+    pub ignore_pins: bool,
+}
+
+impl Default for PrefixCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn empty_key() -> PageKey {
+    [u32::MAX; PAGE_TOKENS as usize]
+}
+
+impl PrefixCache {
+    pub fn new() -> Self {
+        let root = Node {
+            parent: ROOT,
+            key: empty_key(),
+            children: BTreeMap::new(),
+            device: None,
+            loading: None,
+            host: None,
+            backing_up: None,
+            lock: 0,
+            host_pins: 0,
+            last_access: 0,
+            hits: 0,
+        };
+        PrefixCache {
+            nodes: vec![Some(root)],
+            free_ids: Vec::new(),
+            tick: 0,
+            evictable: 0,
+            protected: 0,
+            evict_after_backup: BTreeMap::new(),
+            ignore_pins: false,
+        }
+    }
+
+    pub fn is_live(&self, id: NodeId) -> bool {
+        id != ROOT && self.nodes.get(id as usize).is_some_and(|n| n.is_some())
+    }
+    pub fn node(&self, id: NodeId) -> &Node {
+        self.nodes[id as usize].as_ref().expect("live node")
+    }
+    fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        self.nodes[id as usize].as_mut().expect("live node")
+    }
+    pub fn live_nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter(|(i, n)| *i != ROOT as usize && n.is_some())
+            .map(|(i, _)| i as NodeId)
+    }
+
+    fn class(&self, id: NodeId) -> Class {
+        if id == ROOT {
+            return Class::None;
+        }
+        let n = self.node(id);
+        match n.device {
+            None => Class::None,
+            Some(_) if n.lock > 0 || n.backing_up.is_some() => Class::Protected,
+            Some(_) => Class::Evictable,
+        }
+    }
+    /// Applies a mutation to a node, keeping the accounting counters exact.
+    fn update(&mut self, id: NodeId, f: impl FnOnce(&mut Node)) {
+        let before = self.class(id);
+        f(self.node_mut(id));
+        let after = self.class(id);
+        self.count(before, -1);
+        self.count(after, 1);
+    }
+    fn count(&mut self, c: Class, d: i64) {
+        let slot = match c {
+            Class::None => return,
+            Class::Evictable => &mut self.evictable,
+            Class::Protected => &mut self.protected,
+        };
+        *slot = slot
+            .checked_add_signed(d)
+            .expect("device accounting went negative");
+    }
+
+    /// Device pages held by the tree that eviction may take / may not take now.
+    pub fn evictable_pages(&self) -> u64 {
+        self.evictable
+    }
+    pub fn protected_pages(&self) -> u64 {
+        self.protected
+    }
+
+    /// Matches `keys` from the root: the resident prefix, then the backed-up suffix that can be
+    /// loaded. Stops at a node with a load in flight (nothing is published before its copy ends).
+    pub fn match_prefix(&mut self, keys: &[PageKey]) -> Match {
+        self.tick += 1;
+        let tick = self.tick;
+        let mut m = Match::default();
+        let mut cur = ROOT;
+        for key in keys {
+            let Some(&child) = self.node(cur).children.get(key) else {
+                break;
+            };
+            let n = self.node(child);
+            if n.loading.is_some() {
+                break;
+            }
+            if n.device.is_some() {
+                if m.host > 0 {
+                    break; // resident below a host-only node: not prefix-closed, cannot happen
+                }
+                m.device += 1;
+            } else if n.host.is_some() {
+                m.host += 1;
+            } else {
+                break; // a backup of a non-resident node cannot be in flight; defensive stop
+            }
+            m.nodes.push(child);
+            cur = child;
+        }
+        for &id in &m.nodes {
+            let n = self.node_mut(id);
+            n.last_access = tick;
+            n.hits += 1;
+        }
+        m
+    }
+
+    pub fn lock(&mut self, nodes: &[NodeId]) {
+        for &id in nodes {
+            self.update(id, |n| n.lock += 1);
+        }
+    }
+    pub fn unlock(&mut self, nodes: &[NodeId]) {
+        self.tick += 1;
+        let tick = self.tick;
+        for &id in nodes {
+            self.update(id, |n| {
+                n.lock = n.lock.checked_sub(1).expect("node unlocked more than locked");
+                n.last_access = tick;
+            });
+        }
+    }
+
+    /// Starts loading host-only nodes into `pages`: pins their host pages until the ack.
+    pub fn begin_load(&mut self, nodes: &[NodeId], pages: &[PageId]) {
+        assert_eq!(nodes.len(), pages.len());
+        for (&id, &p) in nodes.iter().zip(pages) {
+            self.update(id, |n| {
+                assert!(n.device.is_none() && n.loading.is_none(), "node loaded twice");
+                assert!(n.host.is_some(), "loading a node without a host copy");
+                n.loading = Some(p);
+                n.host_pins += 1;
+            });
+        }
+    }
+
+    /// Ends a load. On success the device pages are published; on failure they are returned to
+    /// the caller to free (the node stays host-only).
+    pub fn finish_load(&mut self, nodes: &[NodeId], ok: bool) -> Vec<PageId> {
+        let mut unpublished = Vec::new();
+        for &id in nodes {
+            let mut back = None;
+            self.update(id, |n| {
+                let p = n.loading.take().expect("finishing a load that was not started");
+                n.host_pins = n.host_pins.checked_sub(1).expect("host pin underflow");
+                if ok {
+                    n.device = Some(p);
+                } else {
+                    back = Some(p);
+                }
+            });
+            unpublished.extend(back);
+        }
+        unpublished
+    }
+
+    /// Publishes a load's pages at once (mutant 6: before the copy finished). The later
+    /// `finish_load` then finds nothing loading; this returns the node's pin for it to drop.
+    pub fn publish_early(&mut self, nodes: &[NodeId]) {
+        for &id in nodes {
+            self.update(id, |n| {
+                n.device = n.loading.take();
+            });
+        }
+    }
+
+    /// Ends a load whose pages were published early (mutant 6): only unpins.
+    pub fn unpin(&mut self, nodes: &[NodeId]) {
+        for &id in nodes {
+            self.update(id, |n| {
+                n.host_pins = n.host_pins.checked_sub(1).expect("host pin underflow");
+            });
+        }
+    }
+
+    /// Nodes on the path ending at `last` (root side first) that need a backup: resident, not
+    /// backed up, no backup in flight. Empty when nothing needs one — and also when an ancestor's
+    /// backup is still in flight: a backup never depends on another one, because if that one
+    /// failed, this one would leave a backed-up node under a parent that is not.
+    pub fn needs_backup(&self, last: NodeId) -> Vec<NodeId> {
+        let mut path = Vec::new();
+        let mut cur = last;
+        while cur != ROOT {
+            let n = self.node(cur);
+            if n.backing_up.is_some() {
+                return Vec::new();
+            }
+            if n.host.is_some() {
+                break; // everything above is backed up (prefix-closed)
+            }
+            if n.device.is_some() {
+                path.push(cur);
+            } else {
+                path.clear(); // cannot back up a node without a device copy; nor its subtree
+            }
+            cur = n.parent;
+        }
+        path.reverse();
+        path
+    }
+
+    /// Whether a backup of the path ending at `last` waits for another backup to finish.
+    pub fn backup_deferred(&self, last: NodeId) -> bool {
+        let mut cur = last;
+        while cur != ROOT {
+            let n = self.node(cur);
+            if n.backing_up.is_some() {
+                return true;
+            }
+            if n.host.is_some() {
+                return false;
+            }
+            cur = n.parent;
+        }
+        false
+    }
+
+    pub fn begin_backup(&mut self, nodes: &[NodeId], host_pages: &[PageId]) {
+        assert_eq!(nodes.len(), host_pages.len());
+        for (&id, &p) in nodes.iter().zip(host_pages) {
+            self.update(id, |n| {
+                assert!(n.device.is_some(), "backing up a node without a device page");
+                assert!(n.host.is_none() && n.backing_up.is_none(), "node backed up twice");
+                n.backing_up = Some(p);
+            });
+        }
+    }
+
+    /// Ends a backup. Returns host pages to free (failure) and device pages to free (nodes that
+    /// were being written back for eviction).
+    pub fn finish_backup(&mut self, nodes: &[NodeId], ok: bool) -> (Vec<PageId>, Vec<PageId>) {
+        let mut host_free = Vec::new();
+        let mut device_free = Vec::new();
+        for &id in nodes {
+            // The eviction stands only if nothing came to depend on the device page meanwhile.
+            let evict = self.evict_after_backup.remove(&id).is_some() && !self.has_resident_child(id);
+            let mut hf = None;
+            let mut df = None;
+            self.update(id, |n| {
+                let p = n.backing_up.take().expect("finishing a backup that was not started");
+                if ok {
+                    n.host = Some(p);
+                    if evict && n.lock == 0 {
+                        df = n.device.take();
+                    }
+                } else {
+                    hf = Some(p);
+                }
+            });
+            host_free.extend(hf);
+            device_free.extend(df);
+        }
+        (host_free, device_free)
+    }
+
+    /// Withdraws a write-back eviction whose backup could not be issued.
+    pub fn cancel_write_back(&mut self, id: NodeId) {
+        self.evict_after_backup.remove(&id);
+    }
+
+    fn has_resident_child(&self, id: NodeId) -> bool {
+        self.node(id)
+            .children
+            .values()
+            .any(|&c| self.node(c).device.is_some() || self.node(c).loading.is_some())
+    }
+    fn has_backed_child(&self, id: NodeId) -> bool {
+        self.node(id)
+            .children
+            .values()
+            .any(|&c| self.node(c).host.is_some() || self.node(c).backing_up.is_some())
+    }
+
+    /// Frees up to `want` device pages by LRU over unlocked resident nodes without resident
+    /// children: a backed-up node drops its device page; otherwise, under write-back, the node is
+    /// queued for a backup first; under the write-through policies it is deleted.
+    pub fn evict_device(&mut self, want: usize, policy: WritePolicy) -> DeviceEviction {
+        let mut out = DeviceEviction::default();
+        let mut pending = 0usize;
+        while out.freed.len() + pending < want {
+            let mut cands: Vec<(u64, NodeId)> = self
+                .live_nodes()
+                .filter(|&id| {
+                    self.class(id) == Class::Evictable
+                        && !self.evict_after_backup.contains_key(&id)
+                        && !self.has_resident_child(id)
+                })
+                .map(|id| (self.node(id).last_access, id))
+                .collect();
+            if cands.is_empty() {
+                break;
+            }
+            cands.sort_unstable();
+            let mut progressed = false;
+            for (_, id) in cands {
+                if out.freed.len() + pending >= want {
+                    break;
+                }
+                let n = self.node(id);
+                if n.host.is_some() {
+                    let mut p = None;
+                    self.update(id, |n| p = n.device.take());
+                    out.freed.extend(p);
+                    progressed = true;
+                } else if policy == WritePolicy::WriteBack {
+                    self.evict_after_backup.insert(id, ());
+                    out.write_back.push(id);
+                    pending += 1;
+                    progressed = true;
+                } else if n.children.is_empty() {
+                    let mut p = None;
+                    self.update(id, |n| p = n.device.take());
+                    out.freed.extend(p);
+                    self.delete(id);
+                    progressed = true;
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Frees up to `want` host pages by LRU over backed-up nodes without backed-up children whose
+    /// host page no load is reading: a resident node drops its host copy, a host-only one goes.
+    /// `keep` (and, through it, its ancestors) is spared: it is the parent of a path about to be
+    /// backed up, whose host copy must stay for the backed-up set to remain prefix-closed.
+    pub fn evict_host(&mut self, want: usize, keep: NodeId) -> Vec<PageId> {
+        let mut freed = Vec::new();
+        while freed.len() < want {
+            let mut cands: Vec<(u64, NodeId)> = self
+                .live_nodes()
+                .filter(|&id| {
+                    let n = self.node(id);
+                    id != keep
+                        && n.host.is_some()
+                        && (n.host_pins == 0 || self.ignore_pins)
+                        && !self.has_backed_child(id)
+                })
+                .map(|id| (self.node(id).last_access, id))
+                .collect();
+            if cands.is_empty() {
+                break;
+            }
+            cands.sort_unstable();
+            for (_, id) in cands {
+                if freed.len() >= want {
+                    break;
+                }
+                let mut p = None;
+                self.update(id, |n| p = n.host.take());
+                freed.extend(p);
+                let n = self.node(id);
+                if n.device.is_none() && n.loading.is_none() && n.children.is_empty() {
+                    self.delete(id);
+                }
+            }
+        }
+        freed
+    }
+
+    /// Inserts a request's full pages (`keys[i]` held in `pages[i]`) under the root. Existing
+    /// resident nodes keep their page (the request's is a duplicate); an existing host-only node
+    /// adopts the request's page; missing nodes are created.
+    pub fn insert(&mut self, keys: &[PageKey], pages: &[PageId]) -> Inserted {
+        assert_eq!(keys.len(), pages.len());
+        self.tick += 1;
+        let tick = self.tick;
+        let mut out = Inserted::default();
+        let mut cur = ROOT;
+        for (i, (key, &page)) in keys.iter().zip(pages).enumerate() {
+            let child = match self.node(cur).children.get(key) {
+                Some(&c) => {
+                    let n = self.node(c);
+                    if n.device == Some(page) {
+                        // The request's own prefix node (it matched it).
+                    } else if n.loading.is_some() {
+                        // Another request's load is filling this node: nothing may hang under a
+                        // node that is not resident yet (the load may fail). Keep none of the rest.
+                        out.duplicates.extend_from_slice(&pages[i..]);
+                        break;
+                    } else if n.device.is_some() {
+                        out.duplicates.push(page);
+                    } else {
+                        self.update(c, |n| n.device = Some(page));
+                    }
+                    c
+                }
+                None => {
+                    let id = self.alloc_node(Node {
+                        parent: cur,
+                        key: *key,
+                        children: BTreeMap::new(),
+                        device: None,
+                        loading: None,
+                        host: None,
+                        backing_up: None,
+                        lock: 0,
+                        host_pins: 0,
+                        last_access: tick,
+                        hits: 0,
+                    });
+                    self.node_mut(cur).children.insert(*key, id);
+                    self.update(id, |n| n.device = Some(page));
+                    id
+                }
+            };
+            self.node_mut(child).last_access = tick;
+            out.nodes.push(child);
+            cur = child;
+        }
+        out
+    }
+
+    fn alloc_node(&mut self, n: Node) -> NodeId {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = Some(n);
+                id
+            }
+            None => {
+                self.nodes.push(Some(n));
+                self.nodes.len() as NodeId - 1
+            }
+        }
+    }
+
+    fn delete(&mut self, id: NodeId) {
+        let n = self.node(id);
+        assert!(n.children.is_empty(), "deleting a node with children");
+        assert!(n.device.is_none() && n.loading.is_none(), "deleting a node holding device pages");
+        assert!(n.host.is_none() && n.backing_up.is_none(), "deleting a node holding host pages");
+        assert_eq!(n.lock, 0, "deleting a locked node");
+        let (parent, key) = (n.parent, n.key);
+        self.node_mut(parent).children.remove(&key);
+        self.nodes[id as usize] = None;
+        self.free_ids.push(id);
+    }
+
+    /// Device pages the tree holds (published).
+    pub fn device_pages(&self) -> Vec<PageId> {
+        self.live_nodes()
+            .filter_map(|id| self.node(id).device)
+            .collect()
+    }
+    /// Host pages the tree holds (valid copies and backups in flight).
+    pub fn host_pages(&self) -> Vec<PageId> {
+        self.live_nodes()
+            .flat_map(|id| {
+                let n = self.node(id);
+                n.host.into_iter().chain(n.backing_up)
+            })
+            .collect()
+    }
+    pub fn locked_nodes(&self) -> usize {
+        self.live_nodes().filter(|&id| self.node(id).lock > 0).count()
+    }
+    pub fn pinned_nodes(&self) -> usize {
+        self.live_nodes()
+            .filter(|&id| self.node(id).host_pins > 0)
+            .count()
+    }
+
+    /// Checks every invariant of the module comment; panics on the first broken one.
+    pub fn check_invariants(&self) {
+        let (mut ev, mut pr) = (0u64, 0u64);
+        for id in self.live_nodes() {
+            let n = self.node(id);
+            let p = self.node(n.parent);
+            assert_eq!(p.children.get(&n.key), Some(&id), "node {id} not under its parent");
+            if n.parent != ROOT {
+                if n.device.is_some() || n.loading.is_some() {
+                    assert!(
+                        p.device.is_some() || (n.loading.is_some() && p.loading.is_some()),
+                        "node {id} is resident but its parent {} is not",
+                        n.parent
+                    );
+                }
+                if n.host.is_some() || n.backing_up.is_some() {
+                    assert!(
+                        p.host.is_some() || p.backing_up.is_some(),
+                        "node {id} is backed up but its parent {} is not",
+                        n.parent
+                    );
+                }
+            }
+            assert!(
+                n.device.is_some() || n.loading.is_some() || n.host.is_some() || n.backing_up.is_some(),
+                "node {id} holds nothing"
+            );
+            if n.host_pins > 0 {
+                assert!(n.loading.is_some() || n.device.is_some(), "node {id} pinned without a load");
+            }
+            match self.class(id) {
+                Class::Evictable => ev += 1,
+                Class::Protected => pr += 1,
+                Class::None => {}
+            }
+        }
+        assert_eq!(ev, self.evictable, "evictable accounting");
+        assert_eq!(pr, self.protected, "protected accounting");
+        let resident = self.device_pages().len() as u64;
+        assert_eq!(ev + pr, resident, "evictable + protected = device pages in the tree");
+        let mut seen = std::collections::BTreeSet::new();
+        for p in self.device_pages() {
+            assert!(seen.insert(p), "device page {p} held by two nodes");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,827 @@
+//! The model and cache configuration (DESIGN §3): loaded from TOML or JSON, or taken from a built-in
+//! preset, and validated into a [`Config`] whose every field obeys its rule.
+//!
+//! Parsing never trusts serde's shape errors to explain themselves: a file is read into a generic
+//! value and every field is extracted here, so each invalid input becomes a [`ConfigError`] that
+//! names the field (`model.index_topk`) and the rule it broke. No input panics. A file may start
+//! from a preset (`preset = "sim-small"`) and override any field; without a preset, every field
+//! is required.
+
+use crate::layout::{
+    HostLayout, IndexKDtype, KvDtype, Layout, LayoutError, LayoutParams, INDEX_HEADS_MAX,
+    INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_LORA_RANK, PAGE_TOKENS, QUANT_BLOCK, ROPE_DIM,
+};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::fmt;
+
+/// Which query tokens of a prefill chunk run the indexer (decode tokens always do).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillIndexer {
+    /// Every prefill token is a query, as in the real model.
+    EveryToken,
+    /// Only each request's last prefill token of the chunk; the simulator's default, because the
+    /// indexer dominates its CPU time and the last token already reads the whole context.
+    LastToken,
+}
+
+impl PrefillIndexer {
+    pub const NAMES: &'static [&'static str] = &["every_token", "last_token"];
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillIndexer::EveryToken => "every_token",
+            PrefillIndexer::LastToken => "last_token",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        [PrefillIndexer::EveryToken, PrefillIndexer::LastToken]
+            .into_iter()
+            .find(|v| v.name() == s)
+    }
+}
+
+/// How new KV reaches the host tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WritePolicy {
+    /// Back up every newly cached page at once.
+    WriteThrough,
+    /// Back up a page on its second hit.
+    WriteThroughSelective,
+    /// Back up a page only when the device tier evicts it.
+    WriteBack,
+}
+
+impl WritePolicy {
+    pub const ALL: [WritePolicy; 3] = [
+        WritePolicy::WriteThrough,
+        WritePolicy::WriteThroughSelective,
+        WritePolicy::WriteBack,
+    ];
+    pub const NAMES: &'static [&'static str] =
+        &["write_through", "write_through_selective", "write_back"];
+    pub fn name(self) -> &'static str {
+        match self {
+            WritePolicy::WriteThrough => "write_through",
+            WritePolicy::WriteThroughSelective => "write_through_selective",
+            WritePolicy::WriteBack => "write_back",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|v| v.name() == s)
+    }
+}
+
+/// Host tier size: a multiple of the device pool, or a token count.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostCapacity {
+    Ratio(f64),
+    Tokens(u64),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModelConfig {
+    /// Layers served by this engine.
+    pub layers: u32,
+    /// Global id of the first served layer (0 unless this engine is a later pipeline stage).
+    pub layer_base: u32,
+    pub kv_lora_rank: u32,
+    pub qk_rope_head_dim: u32,
+    pub index_n_heads: u32,
+    pub index_head_dim: u32,
+    /// Positions the indexer selects per query; honoured everywhere (DESIGN §1 incident 3).
+    pub index_topk: u32,
+    pub page_size: u32,
+    pub kv_dtype: KvDtype,
+    pub index_k_dtype: IndexKDtype,
+    /// Round index-K fp8 scales up to powers of two.
+    pub index_k_ue8m0: bool,
+    /// Longest context (prompt + generated) a request may reach.
+    pub context_tokens_max: u32,
+    pub prefill_indexer: PrefillIndexer,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CacheConfig {
+    pub device_pages: u32,
+    pub host: HostCapacity,
+    pub host_layout: HostLayout,
+    pub write_policy: WritePolicy,
+    /// The ring of load slots (three in SGLang).
+    pub load_slots: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SchedulerConfig {
+    /// Requests waiting for admission to a batch; over it, intake rejects.
+    pub queued_requests_max: u32,
+    /// Prompt tokens waiting in the queue; over it, intake rejects.
+    pub pending_tokens_max: u64,
+    /// Prefill tokens one step may process.
+    pub prefill_tokens_per_step_max: u32,
+    /// Requests in the running batch.
+    pub running_requests_max: u32,
+    /// Tokens a request may ask to generate.
+    pub output_tokens_max: u32,
+}
+
+/// A validated configuration. Construct it with [`Config::preset`], [`Config::from_toml`],
+/// [`Config::from_json`] or [`Config::from_file`]; all of them validate.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Config {
+    pub name: String,
+    pub model: ModelConfig,
+    pub cache: CacheConfig,
+    pub scheduler: SchedulerConfig,
+}
+
+/// Why a configuration was refused. Every variant names the field.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("could not read {path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("{format} syntax error: {message}")]
+    Syntax {
+        format: &'static str,
+        message: String,
+    },
+    #[error("unknown preset `{name}`; presets are: {}", Config::PRESETS.join(", "))]
+    UnknownPreset { name: String },
+    #[error("unknown field `{field}`")]
+    UnknownField { field: String },
+    #[error("missing field `{field}` (give it, or start from a preset with `preset = \"...\"`)")]
+    Missing { field: &'static str },
+    #[error("`{field}` has the wrong type: expected {expected}, found {found}")]
+    Type {
+        field: &'static str,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("`{field}` = {value}: {rule}")]
+    Invalid {
+        field: &'static str,
+        value: String,
+        rule: String,
+    },
+    #[error("`{field}` = \"{value}\" is not one of: {}", expected.join(", "))]
+    UnknownName {
+        field: &'static str,
+        value: String,
+        expected: &'static [&'static str],
+    },
+    #[error("`{field}`: {what} overflows u64 bytes")]
+    Overflow {
+        field: &'static str,
+        what: &'static str,
+    },
+}
+
+pub type ConfigResult<T> = Result<T, ConfigError>;
+
+impl Config {
+    pub const PRESETS: &'static [&'static str] =
+        &["deepseek-v3.2", "deepseek-v4-flash-bf16", "sim-small"];
+    /// The simulator's and the README's default.
+    pub const DEFAULT_PRESET: &'static str = "sim-small";
+
+    /// A built-in preset, validated.
+    pub fn preset(name: &str) -> ConfigResult<Config> {
+        let c = match name {
+            // DeepSeek-V3.2-Exp: 61 layers, 64 indexer heads, top-2048, fp8 index-K, packed fp8 KV.
+            "deepseek-v3.2" => Config {
+                name: name.into(),
+                model: ModelConfig {
+                    layers: 61,
+                    layer_base: 0,
+                    kv_lora_rank: KV_LORA_RANK,
+                    qk_rope_head_dim: ROPE_DIM,
+                    index_n_heads: 64,
+                    index_head_dim: INDEX_HEAD_DIM,
+                    index_topk: 2048,
+                    page_size: PAGE_TOKENS,
+                    kv_dtype: KvDtype::Fp8Packed,
+                    index_k_dtype: IndexKDtype::Fp8,
+                    index_k_ue8m0: false,
+                    context_tokens_max: 131_072,
+                    prefill_indexer: PrefillIndexer::EveryToken,
+                },
+                cache: CacheConfig {
+                    device_pages: 4096,
+                    host: HostCapacity::Ratio(2.0),
+                    host_layout: HostLayout::LayerFirst,
+                    write_policy: WritePolicy::WriteThroughSelective,
+                    load_slots: 3,
+                },
+                scheduler: SchedulerConfig {
+                    queued_requests_max: 512,
+                    pending_tokens_max: 4 << 20,
+                    prefill_tokens_per_step_max: 8192,
+                    running_requests_max: 64,
+                    output_tokens_max: 8192,
+                },
+            },
+            // The incident deployment: bf16 index-K for recall, index_topk 512. The layer count and
+            // pool sizes are stand-ins (same as v3.2); the byte layouts are what matter here.
+            "deepseek-v4-flash-bf16" => {
+                let mut c = Config::preset("deepseek-v3.2")?;
+                c.name = name.into();
+                c.model.index_topk = 512;
+                c.model.index_k_dtype = IndexKDtype::Bf16;
+                c
+            }
+            // The simulator's default: few layers and heads, tiny pools that force eviction.
+            "sim-small" => Config {
+                name: name.into(),
+                model: ModelConfig {
+                    layers: 2,
+                    layer_base: 0,
+                    kv_lora_rank: KV_LORA_RANK,
+                    qk_rope_head_dim: ROPE_DIM,
+                    index_n_heads: 2,
+                    index_head_dim: INDEX_HEAD_DIM,
+                    index_topk: 64,
+                    page_size: PAGE_TOKENS,
+                    kv_dtype: KvDtype::Fp8Packed,
+                    index_k_dtype: IndexKDtype::Bf16,
+                    index_k_ue8m0: false,
+                    context_tokens_max: 2048,
+                    prefill_indexer: PrefillIndexer::LastToken,
+                },
+                cache: CacheConfig {
+                    device_pages: 48,
+                    host: HostCapacity::Ratio(3.0),
+                    host_layout: HostLayout::PageFirst,
+                    write_policy: WritePolicy::WriteThrough,
+                    load_slots: 3,
+                },
+                scheduler: SchedulerConfig {
+                    queued_requests_max: 64,
+                    pending_tokens_max: 65_536,
+                    prefill_tokens_per_step_max: 512,
+                    running_requests_max: 8,
+                    output_tokens_max: 64,
+                },
+            },
+            _ => {
+                return Err(ConfigError::UnknownPreset {
+                    name: name.to_string(),
+                })
+            }
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn from_toml(text: &str) -> ConfigResult<Config> {
+        let v: Value = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            format: "TOML",
+            message: e.to_string(),
+        })?;
+        Config::from_value(&v)
+    }
+
+    pub fn from_json(text: &str) -> ConfigResult<Config> {
+        let v: Value = serde_json::from_str(text).map_err(|e| ConfigError::Syntax {
+            format: "JSON",
+            message: e.to_string(),
+        })?;
+        Config::from_value(&v)
+    }
+
+    /// Reads a `.json` file as JSON and anything else as TOML.
+    pub fn from_file(path: &std::path::Path) -> ConfigResult<Config> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        if path.extension().is_some_and(|e| e == "json") {
+            Config::from_json(&text)
+        } else {
+            Config::from_toml(&text)
+        }
+    }
+
+    /// Builds a configuration from a parsed document (TOML and JSON both land here).
+    pub fn from_value(v: &Value) -> ConfigResult<Config> {
+        let top = v.as_object().ok_or_else(|| ConfigError::Type {
+            field: "(document)",
+            expected: "a table of sections",
+            found: kind(v),
+        })?;
+        let base = match top.get("preset") {
+            None => None,
+            Some(Value::String(name)) => Some(Config::preset(name)?),
+            Some(other) => {
+                return Err(ConfigError::Type {
+                    field: "preset",
+                    expected: "a string",
+                    found: kind(other),
+                })
+            }
+        };
+        for key in top.keys() {
+            if !["preset", "name", "model", "cache", "scheduler"].contains(&key.as_str()) {
+                return Err(ConfigError::UnknownField { field: key.clone() });
+            }
+        }
+        let empty = Map::new();
+        let section = |name: &'static str| -> ConfigResult<Fields> {
+            match top.get(name) {
+                None => Ok(Fields::new(name, &empty)),
+                Some(Value::Object(m)) => Ok(Fields::new(name, m)),
+                Some(other) => Err(ConfigError::Type {
+                    field: name,
+                    expected: "a table",
+                    found: kind(other),
+                }),
+            }
+        };
+        let m = section("model")?;
+        let c = section("cache")?;
+        let s = section("scheduler")?;
+        let b = base.as_ref();
+        let name = match top.get("name") {
+            Some(Value::String(n)) => n.clone(),
+            Some(other) => {
+                return Err(ConfigError::Type {
+                    field: "name",
+                    expected: "a string",
+                    found: kind(other),
+                })
+            }
+            None => b.map(|b| b.name.clone()).unwrap_or_else(|| "custom".into()),
+        };
+
+        let model = ModelConfig {
+            layers: m.u32("layers", "model.layers", b.map(|b| b.model.layers))?,
+            layer_base: m.u32("layer_base", "model.layer_base", Some(b.map_or(0, |b| b.model.layer_base)))?,
+            kv_lora_rank: m.u32(
+                "kv_lora_rank",
+                "model.kv_lora_rank",
+                Some(b.map_or(KV_LORA_RANK, |b| b.model.kv_lora_rank)),
+            )?,
+            qk_rope_head_dim: m.u32(
+                "qk_rope_head_dim",
+                "model.qk_rope_head_dim",
+                Some(b.map_or(ROPE_DIM, |b| b.model.qk_rope_head_dim)),
+            )?,
+            index_n_heads: m.u32("index_n_heads", "model.index_n_heads", b.map(|b| b.model.index_n_heads))?,
+            index_head_dim: m.u32(
+                "index_head_dim",
+                "model.index_head_dim",
+                Some(b.map_or(INDEX_HEAD_DIM, |b| b.model.index_head_dim)),
+            )?,
+            index_topk: m.u32("index_topk", "model.index_topk", b.map(|b| b.model.index_topk))?,
+            page_size: m.u32(
+                "page_size",
+                "model.page_size",
+                Some(b.map_or(PAGE_TOKENS, |b| b.model.page_size)),
+            )?,
+            kv_dtype: m.name(
+                "kv_dtype",
+                "model.kv_dtype",
+                KvDtype::NAMES,
+                KvDtype::parse,
+                b.map(|b| b.model.kv_dtype),
+            )?,
+            index_k_dtype: m.name(
+                "index_k_dtype",
+                "model.index_k_dtype",
+                IndexKDtype::NAMES,
+                IndexKDtype::parse,
+                b.map(|b| b.model.index_k_dtype),
+            )?,
+            index_k_ue8m0: m.bool(
+                "index_k_ue8m0",
+                "model.index_k_ue8m0",
+                Some(b.is_some_and(|b| b.model.index_k_ue8m0)),
+            )?,
+            context_tokens_max: m.u32(
+                "context_tokens_max",
+                "model.context_tokens_max",
+                b.map(|b| b.model.context_tokens_max),
+            )?,
+            prefill_indexer: m.name(
+                "prefill_indexer",
+                "model.prefill_indexer",
+                PrefillIndexer::NAMES,
+                PrefillIndexer::parse,
+                Some(b.map_or(PrefillIndexer::EveryToken, |b| b.model.prefill_indexer)),
+            )?,
+        };
+        m.finish()?;
+
+        let host = match (c.get("host_ratio"), c.get("host_tokens")) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::Invalid {
+                    field: "cache.host_tokens",
+                    value: "(with cache.host_ratio)".into(),
+                    rule: "give either cache.host_ratio or cache.host_tokens, not both".into(),
+                })
+            }
+            (Some(_), None) => HostCapacity::Ratio(c.f64("host_ratio", "cache.host_ratio")?),
+            (None, Some(_)) => HostCapacity::Tokens(c.u64("host_tokens", "cache.host_tokens", None)?),
+            (None, None) => b.map(|b| b.cache.host).ok_or(ConfigError::Missing {
+                field: "cache.host_ratio",
+            })?,
+        };
+        let cache = CacheConfig {
+            device_pages: c.u32("device_pages", "cache.device_pages", b.map(|b| b.cache.device_pages))?,
+            host,
+            host_layout: c.name(
+                "host_layout",
+                "cache.host_layout",
+                HostLayout::NAMES,
+                HostLayout::parse,
+                b.map(|b| b.cache.host_layout),
+            )?,
+            write_policy: c.name(
+                "write_policy",
+                "cache.write_policy",
+                WritePolicy::NAMES,
+                WritePolicy::parse,
+                b.map(|b| b.cache.write_policy),
+            )?,
+            load_slots: c.u32("load_slots", "cache.load_slots", Some(b.map_or(3, |b| b.cache.load_slots)))?,
+        };
+        c.finish()?;
+
+        let scheduler = SchedulerConfig {
+            queued_requests_max: s.u32(
+                "queued_requests_max",
+                "scheduler.queued_requests_max",
+                b.map(|b| b.scheduler.queued_requests_max),
+            )?,
+            pending_tokens_max: s.u64(
+                "pending_tokens_max",
+                "scheduler.pending_tokens_max",
+                b.map(|b| b.scheduler.pending_tokens_max),
+            )?,
+            prefill_tokens_per_step_max: s.u32(
+                "prefill_tokens_per_step_max",
+                "scheduler.prefill_tokens_per_step_max",
+                b.map(|b| b.scheduler.prefill_tokens_per_step_max),
+            )?,
+            running_requests_max: s.u32(
+                "running_requests_max",
+                "scheduler.running_requests_max",
+                b.map(|b| b.scheduler.running_requests_max),
+            )?,
+            output_tokens_max: s.u32(
+                "output_tokens_max",
+                "scheduler.output_tokens_max",
+                b.map(|b| b.scheduler.output_tokens_max),
+            )?,
+        };
+        s.finish()?;
+
+        let cfg = Config {
+            name,
+            model,
+            cache,
+            scheduler,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every rule; the first broken one is the error.
+    pub fn validate(&self) -> ConfigResult<()> {
+        let m = &self.model;
+        let inv = |field: &'static str, value: String, rule: &str| ConfigError::Invalid {
+            field,
+            value,
+            rule: rule.to_string(),
+        };
+        if m.layers == 0 {
+            return Err(inv("model.layers", "0".into(), "must be at least 1"));
+        }
+        if m.layer_base.checked_add(m.layers).is_none() {
+            return Err(inv(
+                "model.layer_base",
+                m.layer_base.to_string(),
+                "layer_base + layers must fit in u32",
+            ));
+        }
+        if m.page_size != PAGE_TOKENS {
+            return Err(inv(
+                "model.page_size",
+                m.page_size.to_string(),
+                "must be 64: the paged index-K and KV layouts (DeepGEMM, SGLang, vLLM) fix 64 tokens per page",
+            ));
+        }
+        if m.index_head_dim == 0 || m.index_head_dim % QUANT_BLOCK != 0 {
+            return Err(inv(
+                "model.index_head_dim",
+                m.index_head_dim.to_string(),
+                "must be a non-zero multiple of the 128-value quantization block",
+            ));
+        }
+        if m.index_head_dim != INDEX_HEAD_DIM {
+            return Err(inv(
+                "model.index_head_dim",
+                m.index_head_dim.to_string(),
+                "must be 128: the Hadamard transform and the index-K page layout are defined for 128-value keys",
+            ));
+        }
+        if m.kv_lora_rank != KV_LORA_RANK {
+            return Err(inv(
+                "model.kv_lora_rank",
+                m.kv_lora_rank.to_string(),
+                "must be 512: the MLA KV row layout (576 values, 656 B packed) fixes it",
+            ));
+        }
+        if m.qk_rope_head_dim != ROPE_DIM {
+            return Err(inv(
+                "model.qk_rope_head_dim",
+                m.qk_rope_head_dim.to_string(),
+                "must be 64: the MLA KV row layout fixes it",
+            ));
+        }
+        if m.index_n_heads == 0 || m.index_n_heads > INDEX_HEADS_MAX {
+            return Err(inv(
+                "model.index_n_heads",
+                m.index_n_heads.to_string(),
+                "must be in 1..=64 (the indexer kernels hold at most 64 heads)",
+            ));
+        }
+        if m.index_topk == 0 || m.index_topk > INDEX_TOPK_MAX {
+            return Err(inv(
+                "model.index_topk",
+                m.index_topk.to_string(),
+                "must be in 1..=2048 (the top-k kernel selects at most 2048 positions)",
+            ));
+        }
+        if m.context_tokens_max == 0 {
+            return Err(inv("model.context_tokens_max", "0".into(), "must be at least 1"));
+        }
+        let c = &self.cache;
+        if c.device_pages == 0 {
+            return Err(inv("cache.device_pages", "0".into(), "must be at least 1"));
+        }
+        if c.load_slots == 0 {
+            return Err(inv("cache.load_slots", "0".into(), "must be at least 1"));
+        }
+        let pages_per_request = (m.context_tokens_max as u64).div_ceil(PAGE_TOKENS as u64);
+        if pages_per_request > c.device_pages as u64 {
+            return Err(inv(
+                "model.context_tokens_max",
+                m.context_tokens_max.to_string(),
+                &format!(
+                    "a request of that many tokens needs {pages_per_request} pages, more than cache.device_pages = {}",
+                    c.device_pages
+                ),
+            ));
+        }
+        let device_tokens = c.device_pages as u64 * PAGE_TOKENS as u64;
+        match c.host {
+            HostCapacity::Ratio(r) => {
+                if !r.is_finite() || r <= 1.0 {
+                    return Err(inv(
+                        "cache.host_ratio",
+                        r.to_string(),
+                        "must be a finite number above 1: the host tier must be larger than the device tier",
+                    ));
+                }
+                if r * device_tokens as f64 >= (u32::MAX as f64) * PAGE_TOKENS as f64 {
+                    return Err(inv(
+                        "cache.host_ratio",
+                        r.to_string(),
+                        "gives more than 2^32 host pages",
+                    ));
+                }
+            }
+            HostCapacity::Tokens(t) => {
+                if t <= device_tokens {
+                    return Err(inv(
+                        "cache.host_tokens",
+                        t.to_string(),
+                        &format!("must be larger than the device tier ({device_tokens} tokens)"),
+                    ));
+                }
+                if t / PAGE_TOKENS as u64 > u32::MAX as u64 {
+                    return Err(inv("cache.host_tokens", t.to_string(), "gives more than 2^32 host pages"));
+                }
+            }
+        }
+        let s = &self.scheduler;
+        for (field, v) in [
+            ("scheduler.queued_requests_max", s.queued_requests_max as u64),
+            ("scheduler.pending_tokens_max", s.pending_tokens_max),
+            ("scheduler.prefill_tokens_per_step_max", s.prefill_tokens_per_step_max as u64),
+            ("scheduler.running_requests_max", s.running_requests_max as u64),
+            ("scheduler.output_tokens_max", s.output_tokens_max as u64),
+        ] {
+            if v == 0 {
+                return Err(inv(field, "0".into(), "must be at least 1"));
+            }
+        }
+        if s.output_tokens_max >= m.context_tokens_max {
+            return Err(inv(
+                "scheduler.output_tokens_max",
+                s.output_tokens_max.to_string(),
+                "must be below model.context_tokens_max",
+            ));
+        }
+        self.layout().map(|_| ())
+    }
+
+    /// Host tier pages (whole pages; a ratio rounds down).
+    pub fn host_pages(&self) -> u32 {
+        match self.cache.host {
+            HostCapacity::Ratio(r) => (self.cache.device_pages as f64 * r).floor() as u32,
+            HostCapacity::Tokens(t) => (t / PAGE_TOKENS as u64) as u32,
+        }
+    }
+
+    pub fn layout_params(&self) -> LayoutParams {
+        LayoutParams {
+            layers: self.model.layers,
+            layer_base: self.model.layer_base,
+            index_n_heads: self.model.index_n_heads,
+            index_k_dtype: self.model.index_k_dtype,
+            kv_dtype: self.model.kv_dtype,
+            device_pages: self.cache.device_pages,
+            host_pages: self.host_pages(),
+            host_layout: self.cache.host_layout,
+        }
+    }
+
+    /// The layout every pool of this engine is built from.
+    pub fn layout(&self) -> ConfigResult<Layout> {
+        Layout::new(self.layout_params()).map_err(|e| match e {
+            LayoutError::Overflow { what } => ConfigError::Overflow {
+                field: "cache.device_pages",
+                what,
+            },
+            LayoutError::Zero { field } => ConfigError::Invalid {
+                field,
+                value: "0".into(),
+                rule: "must be at least 1".into(),
+            },
+        })
+    }
+
+    /// The configuration as TOML that [`Config::from_toml`] reads back to an equal value.
+    pub fn to_toml(&self) -> String {
+        let m = &self.model;
+        let c = &self.cache;
+        let s = &self.scheduler;
+        let host = match c.host {
+            HostCapacity::Ratio(r) => format!("host_ratio = {r:?}"),
+            HostCapacity::Tokens(t) => format!("host_tokens = {t}"),
+        };
+        format!(
+            "name = \"{}\"\n\n[model]\nlayers = {}\nlayer_base = {}\nkv_lora_rank = {}\nqk_rope_head_dim = {}\n\
+             index_n_heads = {}\nindex_head_dim = {}\nindex_topk = {}\npage_size = {}\nkv_dtype = \"{}\"\n\
+             index_k_dtype = \"{}\"\nindex_k_ue8m0 = {}\ncontext_tokens_max = {}\nprefill_indexer = \"{}\"\n\n\
+             [cache]\ndevice_pages = {}\n{}\nhost_layout = \"{}\"\nwrite_policy = \"{}\"\nload_slots = {}\n\n\
+             [scheduler]\nqueued_requests_max = {}\npending_tokens_max = {}\nprefill_tokens_per_step_max = {}\n\
+             running_requests_max = {}\noutput_tokens_max = {}\n",
+            self.name,
+            m.layers,
+            m.layer_base,
+            m.kv_lora_rank,
+            m.qk_rope_head_dim,
+            m.index_n_heads,
+            m.index_head_dim,
+            m.index_topk,
+            m.page_size,
+            m.kv_dtype.name(),
+            m.index_k_dtype.name(),
+            m.index_k_ue8m0,
+            m.context_tokens_max,
+            m.prefill_indexer.name(),
+            c.device_pages,
+            host,
+            c.host_layout.name(),
+            c.write_policy.name(),
+            c.load_slots,
+            s.queued_requests_max,
+            s.pending_tokens_max,
+            s.prefill_tokens_per_step_max,
+            s.running_requests_max,
+            s.output_tokens_max,
+        )
+    }
+}
+
+impl fmt::Display for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_toml())
+    }
+}
+
+fn kind(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => format!("the boolean {b}"),
+        Value::Number(n) => format!("the number {n}"),
+        Value::String(s) => format!("the string \"{s}\""),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "a table".into(),
+    }
+}
+
+/// One section's fields, consumed as they are read so that leftovers are reported as unknown.
+struct Fields<'a> {
+    section: &'static str,
+    map: &'a Map<String, Value>,
+    seen: std::cell::RefCell<Vec<&'static str>>,
+}
+
+impl<'a> Fields<'a> {
+    fn new(section: &'static str, map: &'a Map<String, Value>) -> Self {
+        Fields {
+            section,
+            map,
+            seen: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+    fn get(&self, key: &'static str) -> Option<&'a Value> {
+        self.seen.borrow_mut().push(key);
+        self.map.get(key)
+    }
+    fn u64(&self, key: &'static str, field: &'static str, default: Option<u64>) -> ConfigResult<u64> {
+        match self.get(key) {
+            None => default.ok_or(ConfigError::Missing { field }),
+            Some(v) => v.as_u64().ok_or_else(|| match v.as_i64() {
+                Some(n) if n < 0 => ConfigError::Invalid {
+                    field,
+                    value: n.to_string(),
+                    rule: "must not be negative".into(),
+                },
+                _ => ConfigError::Type {
+                    field,
+                    expected: "a non-negative integer",
+                    found: kind(v),
+                },
+            }),
+        }
+    }
+    fn u32(&self, key: &'static str, field: &'static str, default: Option<u32>) -> ConfigResult<u32> {
+        let v = self.u64(key, field, default.map(u64::from))?;
+        u32::try_from(v).map_err(|_| ConfigError::Invalid {
+            field,
+            value: v.to_string(),
+            rule: "must fit in 32 bits".into(),
+        })
+    }
+    fn f64(&self, key: &'static str, field: &'static str) -> ConfigResult<f64> {
+        let v = self.get(key).ok_or(ConfigError::Missing { field })?;
+        v.as_f64().ok_or_else(|| ConfigError::Type {
+            field,
+            expected: "a number",
+            found: kind(v),
+        })
+    }
+    fn bool(&self, key: &'static str, field: &'static str, default: Option<bool>) -> ConfigResult<bool> {
+        match self.get(key) {
+            None => default.ok_or(ConfigError::Missing { field }),
+            Some(v) => v.as_bool().ok_or_else(|| ConfigError::Type {
+                field,
+                expected: "true or false",
+                found: kind(v),
+            }),
+        }
+    }
+    fn name<T>(
+        &self,
+        key: &'static str,
+        field: &'static str,
+        expected: &'static [&'static str],
+        parse: impl Fn(&str) -> Option<T>,
+        default: Option<T>,
+    ) -> ConfigResult<T> {
+        match self.get(key) {
+            None => default.ok_or(ConfigError::Missing { field }),
+            Some(Value::String(s)) => parse(s).ok_or_else(|| ConfigError::UnknownName {
+                field,
+                value: s.clone(),
+                expected,
+            }),
+            Some(v) => Err(ConfigError::Type {
+                field,
+                expected: "a string",
+                found: kind(v),
+            }),
+        }
+    }
+    /// Fails on any key nobody asked for (a typo must not be silently ignored — incident 3).
+    fn finish(&self) -> ConfigResult<()> {
+        let seen = self.seen.borrow();
+        for k in self.map.keys() {
+            if !seen.contains(&k.as_str()) {
+                return Err(ConfigError::UnknownField {
+                    field: format!("{}.{k}", self.section),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,128 @@
+//! The bug zoo's switches (DESIGN §7): each re-creates a real incident inside the engine, so the
+//! simulator can prove it catches it. They exist only with the `mutants` feature, which production
+//! builds never enable; without it [`Mutants::on`] is a constant `false` and every mutant branch
+//! compiles away.
+
+/// A named re-creation of an incident. The doc comment of each variant cites it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mutant {
+    /// 1. Host index-K layout taken from fp8 defaults (132 B/token) while the device pool is bf16
+    ///    (256 B/token), and the copy uses one item size for both sides (DESIGN §1 incident 1).
+    HostIndexKFromFp8Defaults,
+    /// 2. A layer wait missing on the index-K read path (upstream sglang #22811).
+    UngatedIndexKRead,
+    /// 3. Index-K not mirrored on backup (upstream sglang #17085).
+    IndexKNotMirrored,
+    /// 4. Host MLA row sized 576 B (unpacked fp8) while the device packs 656 B (upstream #37534).
+    HostKvRow576,
+    /// 5. Re-entrant host eviction frees host pages an in-flight load still reads (upstream #27631).
+    EvictionIgnoresLoadPins,
+    /// 6. A loaded node published before its copy finished (upstream #8901).
+    PublishBeforeCopy,
+    /// 7. The layer counter indexed by global layer id while the engine serves a layer range that
+    ///    starts above 0, as a pipeline stage does (upstream #39876).
+    GlobalLayerCounter,
+    /// 8. The page-indexed index-K buffer addressed by token slot (upstream #31218).
+    IndexKAddressedBySlot,
+    /// 9. `index_topk` read but ignored, 512 hard-coded (DESIGN §1 incident 3).
+    TopkHardcoded512,
+    /// 10. The store kernel writes the fp8 page layout whatever the pool dtype (DESIGN §1 incident 4).
+    StoreIgnoresPoolDtype,
+    /// 11. The ring of load slots reused before a slot's finish event.
+    LoadSlotReusedEarly,
+    /// 12. A new-token index-K write lands on a page with an outstanding host → device copy: an
+    ///     aborted request's load pages go back to the allocator before the load's finish event.
+    WriteOnLoadingPage,
+    /// 13. No admission control: an unbounded request queue (fixed upstream by admission control).
+    NoAdmissionControl,
+}
+
+impl Mutant {
+    pub const ALL: [Mutant; 13] = [
+        Mutant::HostIndexKFromFp8Defaults,
+        Mutant::UngatedIndexKRead,
+        Mutant::IndexKNotMirrored,
+        Mutant::HostKvRow576,
+        Mutant::EvictionIgnoresLoadPins,
+        Mutant::PublishBeforeCopy,
+        Mutant::GlobalLayerCounter,
+        Mutant::IndexKAddressedBySlot,
+        Mutant::TopkHardcoded512,
+        Mutant::StoreIgnoresPoolDtype,
+        Mutant::LoadSlotReusedEarly,
+        Mutant::WriteOnLoadingPage,
+        Mutant::NoAdmissionControl,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Mutant::HostIndexKFromFp8Defaults => "host-index-k-fp8-defaults",
+            Mutant::UngatedIndexKRead => "ungated-index-k-read",
+            Mutant::IndexKNotMirrored => "index-k-not-mirrored",
+            Mutant::HostKvRow576 => "host-kv-row-576",
+            Mutant::EvictionIgnoresLoadPins => "eviction-ignores-load-pins",
+            Mutant::PublishBeforeCopy => "publish-before-copy",
+            Mutant::GlobalLayerCounter => "global-layer-counter",
+            Mutant::IndexKAddressedBySlot => "index-k-addressed-by-slot",
+            Mutant::TopkHardcoded512 => "topk-hardcoded-512",
+            Mutant::StoreIgnoresPoolDtype => "store-ignores-pool-dtype",
+            Mutant::LoadSlotReusedEarly => "load-slot-reused-early",
+            Mutant::WriteOnLoadingPage => "write-on-loading-page",
+            Mutant::NoAdmissionControl => "no-admission-control",
+        }
+    }
+    pub fn incident(self) -> &'static str {
+        match self {
+            Mutant::HostIndexKFromFp8Defaults => "DESIGN §1.1 (bf16 index-K vs fp8 host mirror)",
+            Mutant::UngatedIndexKRead => "sglang #22811",
+            Mutant::IndexKNotMirrored => "sglang #17085",
+            Mutant::HostKvRow576 => "#37534",
+            Mutant::EvictionIgnoresLoadPins => "#27631",
+            Mutant::PublishBeforeCopy => "#8901",
+            Mutant::GlobalLayerCounter => "#39876",
+            Mutant::IndexKAddressedBySlot => "#31218",
+            Mutant::TopkHardcoded512 => "DESIGN §1.3 (index_topk ignored)",
+            Mutant::StoreIgnoresPoolDtype => "DESIGN §1.4 (store kernel ignores pool dtype)",
+            Mutant::LoadSlotReusedEarly => "load ring reuse",
+            Mutant::WriteOnLoadingPage => "write on a page being loaded",
+            Mutant::NoAdmissionControl => "unbounded request queue",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Mutant> {
+        Mutant::ALL.into_iter().find(|m| m.name() == s)
+    }
+}
+
+/// Which mutant (if any) this engine runs with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mutants {
+    #[cfg(feature = "mutants")]
+    active: Option<Mutant>,
+}
+
+impl Mutants {
+    /// The clean engine.
+    pub fn none() -> Self {
+        Self::default()
+    }
+    /// An engine with one mutant switched on.
+    #[cfg(feature = "mutants")]
+    pub fn only(m: Mutant) -> Self {
+        Mutants { active: Some(m) }
+    }
+    pub fn active(&self) -> Option<Mutant> {
+        #[cfg(feature = "mutants")]
+        return self.active;
+        #[cfg(not(feature = "mutants"))]
+        None
+    }
+    #[inline(always)]
+    pub fn on(&self, m: Mutant) -> bool {
+        #[cfg(feature = "mutants")]
+        return self.active == Some(m);
+        #[cfg(not(feature = "mutants"))]
+        {
+            let _ = m;
+            false
+        }
+    }
+}

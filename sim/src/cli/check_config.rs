@@ -1,0 +1,70 @@
+//! `tierkv check-config`: the derived layout of a configuration, or its validation error.
+
+use tierkv_engine::layout::BufferKind;
+use std::path::PathBuf;
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{bytes} B") } else { format!("{bytes} B ({v:.2} {})", UNITS[u]) }
+}
+
+pub fn run(file: Option<&PathBuf>, preset: Option<&str>) -> i32 {
+    let cfg = match super::load_config(file, preset) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("invalid configuration: {e}");
+            return 2;
+        }
+    };
+    let l = match cfg.layout() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("invalid configuration: {e}");
+            return 2;
+        }
+    };
+    let m = &cfg.model;
+    println!("config {}: valid", cfg.name);
+    println!(
+        "model: {} layers (global {}..{}), index_n_heads {}, index_head_dim {}, index_topk {}, page_size {}",
+        m.layers, m.layer_base, m.layer_base + m.layers, m.index_n_heads, m.index_head_dim, m.index_topk, m.page_size
+    );
+    for kind in BufferKind::ALL {
+        let fmt = l.format(kind);
+        println!(
+            "{:<8} {:<16} {:>5} B/token/layer  {:>6} B/page",
+            kind.name(), fmt.to_string(), l.token_bytes(kind).0, l.page_bytes(kind).0
+        );
+    }
+    println!(
+        "device tier: {} pages = {} tokens",
+        l.device_pages(), l.device_tokens().0
+    );
+    for kind in BufferKind::ALL {
+        println!(
+            "  {:<8} {} per layer, {} all layers",
+            kind.name(), human(l.device_layer_bytes(kind).0), human(l.device_bytes(kind).0)
+        );
+    }
+    println!("  total    {}", human(l.device_total_bytes().0));
+    println!(
+        "host tier ({}): {} pages = {} tokens",
+        cfg.cache.host_layout.name(), l.host_pages(), l.host_tokens().0
+    );
+    for kind in BufferKind::ALL {
+        println!("  {:<8} {}", kind.name(), human(l.host_bytes(kind).0));
+    }
+    println!("  total    {}", human(l.host_total_bytes().0));
+    println!(
+        "cache: write_policy {}, load_slots {}; scheduler: queued_requests_max {}, pending_tokens_max {}",
+        cfg.cache.write_policy.name(), cfg.cache.load_slots,
+        cfg.scheduler.queued_requests_max, cfg.scheduler.pending_tokens_max
+    );
+    0
+}

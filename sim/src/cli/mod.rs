@@ -1,0 +1,51 @@
+//! The `tierkv` CLI: `check-config`, and the simulator's campaigns.
+//!
+//! Exit codes: 0 success; 1 a campaign found failures; 2 bad input (configuration, arguments).
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use tierkv_engine::config::Config;
+
+mod check_config;
+
+#[derive(Parser, Debug)]
+#[command(name = "tierkv", version, about = "tierkv: tiered KV-cache engine for sparse-attention LLM serving, and its deterministic simulator")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Validate a configuration and print its derived layout (exit code 2 when invalid).
+    CheckConfig {
+        /// A TOML or JSON configuration file.
+        file: Option<PathBuf>,
+        /// A built-in preset instead of a file.
+        #[arg(long, conflicts_with = "file")]
+        preset: Option<String>,
+    },
+}
+
+/// Loads a configuration from a file or a preset (the default preset when neither is given).
+pub fn load_config(file: Option<&PathBuf>, preset: Option<&str>) -> Result<Config, String> {
+    match (file, preset) {
+        (Some(f), _) => Config::from_file(f).map_err(|e| format!("{}: {e}", f.display())),
+        (None, Some(p)) => Config::preset(p).map_err(|e| e.to_string()),
+        (None, None) => Config::preset(Config::DEFAULT_PRESET).map_err(|e| e.to_string()),
+    }
+}
+
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    match cli.command {
+        Command::CheckConfig { file, preset } => check_config::run(file.as_ref(), preset.as_deref()),
+    }
+}
