@@ -40,6 +40,11 @@ pub struct Node {
     /// Loads reading this node's host page.
     pub host_pins: u32,
     pub last_access: u64,
+    /// When the host copy was last used (written by a backup, read by a finished load). The host
+    /// tier's LRU orders by this: a match alone does not make a host copy recent, so a node whose
+    /// load is still in flight is among the first the host tier would evict — the pin is what
+    /// stops it (and what mutant 5 ignores).
+    pub host_access: u64,
     pub hits: u32,
 }
 
@@ -116,6 +121,7 @@ impl PrefixCache {
             lock: 0,
             host_pins: 0,
             last_access: 0,
+            host_access: 0,
             hits: 0,
         };
         PrefixCache {
@@ -230,21 +236,40 @@ impl PrefixCache {
         let tick = self.tick;
         for &id in nodes {
             self.update(id, |n| {
-                n.lock = n.lock.checked_sub(1).expect("node unlocked more than locked");
+                n.lock = n
+                    .lock
+                    .checked_sub(1)
+                    .expect("node unlocked more than locked");
                 n.last_access = tick;
             });
         }
     }
 
-    /// Starts loading host-only nodes into `pages`: pins their host pages until the ack.
+    /// Pins host-only nodes a request matched, from the match until its load is acknowledged:
+    /// the host tier never evicts a pinned host copy.
+    pub fn pin_host(&mut self, nodes: &[NodeId]) {
+        for &id in nodes {
+            self.update(id, |n| {
+                assert!(n.host.is_some(), "pinning a node without a host copy");
+                n.host_pins += 1;
+            });
+        }
+    }
+
+    /// Starts loading pinned host-only nodes into `pages` (the pin is dropped by `finish_load`).
     pub fn begin_load(&mut self, nodes: &[NodeId], pages: &[PageId]) {
         assert_eq!(nodes.len(), pages.len());
         for (&id, &p) in nodes.iter().zip(pages) {
             self.update(id, |n| {
-                assert!(n.device.is_none() && n.loading.is_none(), "node loaded twice");
-                assert!(n.host.is_some(), "loading a node without a host copy");
+                assert!(
+                    n.device.is_none() && n.loading.is_none(),
+                    "node loaded twice"
+                );
+                assert!(
+                    n.host_pins > 0,
+                    "loading a node whose host copy is not pinned"
+                );
                 n.loading = Some(p);
-                n.host_pins += 1;
             });
         }
     }
@@ -252,12 +277,18 @@ impl PrefixCache {
     /// Ends a load. On success the device pages are published; on failure they are returned to
     /// the caller to free (the node stays host-only).
     pub fn finish_load(&mut self, nodes: &[NodeId], ok: bool) -> Vec<PageId> {
+        self.tick += 1;
+        let tick = self.tick;
         let mut unpublished = Vec::new();
         for &id in nodes {
             let mut back = None;
             self.update(id, |n| {
-                let p = n.loading.take().expect("finishing a load that was not started");
+                let p = n
+                    .loading
+                    .take()
+                    .expect("finishing a load that was not started");
                 n.host_pins = n.host_pins.checked_sub(1).expect("host pin underflow");
+                n.host_access = tick;
                 if ok {
                     n.device = Some(p);
                 } else {
@@ -334,8 +365,14 @@ impl PrefixCache {
         assert_eq!(nodes.len(), host_pages.len());
         for (&id, &p) in nodes.iter().zip(host_pages) {
             self.update(id, |n| {
-                assert!(n.device.is_some(), "backing up a node without a device page");
-                assert!(n.host.is_none() && n.backing_up.is_none(), "node backed up twice");
+                assert!(
+                    n.device.is_some(),
+                    "backing up a node without a device page"
+                );
+                assert!(
+                    n.host.is_none() && n.backing_up.is_none(),
+                    "node backed up twice"
+                );
                 n.backing_up = Some(p);
             });
         }
@@ -344,17 +381,24 @@ impl PrefixCache {
     /// Ends a backup. Returns host pages to free (failure) and device pages to free (nodes that
     /// were being written back for eviction).
     pub fn finish_backup(&mut self, nodes: &[NodeId], ok: bool) -> (Vec<PageId>, Vec<PageId>) {
+        self.tick += 1;
+        let tick = self.tick;
         let mut host_free = Vec::new();
         let mut device_free = Vec::new();
         for &id in nodes {
             // The eviction stands only if nothing came to depend on the device page meanwhile.
-            let evict = self.evict_after_backup.remove(&id).is_some() && !self.has_resident_child(id);
+            let evict =
+                self.evict_after_backup.remove(&id).is_some() && !self.has_resident_child(id);
             let mut hf = None;
             let mut df = None;
             self.update(id, |n| {
-                let p = n.backing_up.take().expect("finishing a backup that was not started");
+                let p = n
+                    .backing_up
+                    .take()
+                    .expect("finishing a backup that was not started");
                 if ok {
                     n.host = Some(p);
+                    n.host_access = tick;
                     if evict && n.lock == 0 {
                         df = n.device.take();
                     }
@@ -453,7 +497,7 @@ impl PrefixCache {
                         && (n.host_pins == 0 || self.ignore_pins)
                         && !self.has_backed_child(id)
                 })
-                .map(|id| (self.node(id).last_access, id))
+                .map(|id| (self.node(id).host_access, id))
                 .collect();
             if cands.is_empty() {
                 break;
@@ -514,6 +558,7 @@ impl PrefixCache {
                         lock: 0,
                         host_pins: 0,
                         last_access: tick,
+                        host_access: 0,
                         hits: 0,
                     });
                     self.node_mut(cur).children.insert(*key, id);
@@ -544,8 +589,14 @@ impl PrefixCache {
     fn delete(&mut self, id: NodeId) {
         let n = self.node(id);
         assert!(n.children.is_empty(), "deleting a node with children");
-        assert!(n.device.is_none() && n.loading.is_none(), "deleting a node holding device pages");
-        assert!(n.host.is_none() && n.backing_up.is_none(), "deleting a node holding host pages");
+        assert!(
+            n.device.is_none() && n.loading.is_none(),
+            "deleting a node holding device pages"
+        );
+        assert!(
+            n.host.is_none() && n.backing_up.is_none(),
+            "deleting a node holding host pages"
+        );
         assert_eq!(n.lock, 0, "deleting a locked node");
         let (parent, key) = (n.parent, n.key);
         self.node_mut(parent).children.remove(&key);
@@ -569,7 +620,9 @@ impl PrefixCache {
             .collect()
     }
     pub fn locked_nodes(&self) -> usize {
-        self.live_nodes().filter(|&id| self.node(id).lock > 0).count()
+        self.live_nodes()
+            .filter(|&id| self.node(id).lock > 0)
+            .count()
     }
     pub fn pinned_nodes(&self) -> usize {
         self.live_nodes()
@@ -583,7 +636,11 @@ impl PrefixCache {
         for id in self.live_nodes() {
             let n = self.node(id);
             let p = self.node(n.parent);
-            assert_eq!(p.children.get(&n.key), Some(&id), "node {id} not under its parent");
+            assert_eq!(
+                p.children.get(&n.key),
+                Some(&id),
+                "node {id} not under its parent"
+            );
             if n.parent != ROOT {
                 if n.device.is_some() || n.loading.is_some() {
                     assert!(
@@ -601,12 +658,13 @@ impl PrefixCache {
                 }
             }
             assert!(
-                n.device.is_some() || n.loading.is_some() || n.host.is_some() || n.backing_up.is_some(),
+                n.device.is_some()
+                    || n.loading.is_some()
+                    || n.host.is_some()
+                    || n.backing_up.is_some(),
                 "node {id} holds nothing"
             );
-            if n.host_pins > 0 {
-                assert!(n.loading.is_some() || n.device.is_some(), "node {id} pinned without a load");
-            }
+
             match self.class(id) {
                 Class::Evictable => ev += 1,
                 Class::Protected => pr += 1,
@@ -616,7 +674,11 @@ impl PrefixCache {
         assert_eq!(ev, self.evictable, "evictable accounting");
         assert_eq!(pr, self.protected, "protected accounting");
         let resident = self.device_pages().len() as u64;
-        assert_eq!(ev + pr, resident, "evictable + protected = device pages in the tree");
+        assert_eq!(
+            ev + pr,
+            resident,
+            "evictable + protected = device pages in the tree"
+        );
         let mut seen = std::collections::BTreeSet::new();
         for p in self.device_pages() {
             assert!(seen.insert(p), "device page {p} held by two nodes");

@@ -356,7 +356,11 @@ impl Config {
 
         let model = ModelConfig {
             layers: m.u32("layers", "model.layers", b.map(|b| b.model.layers))?,
-            layer_base: m.u32("layer_base", "model.layer_base", Some(b.map_or(0, |b| b.model.layer_base)))?,
+            layer_base: m.u32(
+                "layer_base",
+                "model.layer_base",
+                Some(b.map_or(0, |b| b.model.layer_base)),
+            )?,
             kv_lora_rank: m.u32(
                 "kv_lora_rank",
                 "model.kv_lora_rank",
@@ -367,13 +371,21 @@ impl Config {
                 "model.qk_rope_head_dim",
                 Some(b.map_or(ROPE_DIM, |b| b.model.qk_rope_head_dim)),
             )?,
-            index_n_heads: m.u32("index_n_heads", "model.index_n_heads", b.map(|b| b.model.index_n_heads))?,
+            index_n_heads: m.u32(
+                "index_n_heads",
+                "model.index_n_heads",
+                b.map(|b| b.model.index_n_heads),
+            )?,
             index_head_dim: m.u32(
                 "index_head_dim",
                 "model.index_head_dim",
                 Some(b.map_or(INDEX_HEAD_DIM, |b| b.model.index_head_dim)),
             )?,
-            index_topk: m.u32("index_topk", "model.index_topk", b.map(|b| b.model.index_topk))?,
+            index_topk: m.u32(
+                "index_topk",
+                "model.index_topk",
+                b.map(|b| b.model.index_topk),
+            )?,
             page_size: m.u32(
                 "page_size",
                 "model.page_size",
@@ -422,13 +434,19 @@ impl Config {
                 })
             }
             (Some(_), None) => HostCapacity::Ratio(c.f64("host_ratio", "cache.host_ratio")?),
-            (None, Some(_)) => HostCapacity::Tokens(c.u64("host_tokens", "cache.host_tokens", None)?),
+            (None, Some(_)) => {
+                HostCapacity::Tokens(c.u64("host_tokens", "cache.host_tokens", None)?)
+            }
             (None, None) => b.map(|b| b.cache.host).ok_or(ConfigError::Missing {
                 field: "cache.host_ratio",
             })?,
         };
         let cache = CacheConfig {
-            device_pages: c.u32("device_pages", "cache.device_pages", b.map(|b| b.cache.device_pages))?,
+            device_pages: c.u32(
+                "device_pages",
+                "cache.device_pages",
+                b.map(|b| b.cache.device_pages),
+            )?,
             host,
             host_layout: c.name(
                 "host_layout",
@@ -444,7 +462,11 @@ impl Config {
                 WritePolicy::parse,
                 b.map(|b| b.cache.write_policy),
             )?,
-            load_slots: c.u32("load_slots", "cache.load_slots", Some(b.map_or(3, |b| b.cache.load_slots)))?,
+            load_slots: c.u32(
+                "load_slots",
+                "cache.load_slots",
+                Some(b.map_or(3, |b| b.cache.load_slots)),
+            )?,
         };
         c.finish()?;
 
@@ -555,7 +577,11 @@ impl Config {
             ));
         }
         if m.context_tokens_max == 0 {
-            return Err(inv("model.context_tokens_max", "0".into(), "must be at least 1"));
+            return Err(inv(
+                "model.context_tokens_max",
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         let c = &self.cache;
         if c.device_pages == 0 {
@@ -602,16 +628,29 @@ impl Config {
                     ));
                 }
                 if t / PAGE_TOKENS as u64 > u32::MAX as u64 {
-                    return Err(inv("cache.host_tokens", t.to_string(), "gives more than 2^32 host pages"));
+                    return Err(inv(
+                        "cache.host_tokens",
+                        t.to_string(),
+                        "gives more than 2^32 host pages",
+                    ));
                 }
             }
         }
         let s = &self.scheduler;
         for (field, v) in [
-            ("scheduler.queued_requests_max", s.queued_requests_max as u64),
+            (
+                "scheduler.queued_requests_max",
+                s.queued_requests_max as u64,
+            ),
             ("scheduler.pending_tokens_max", s.pending_tokens_max),
-            ("scheduler.prefill_tokens_per_step_max", s.prefill_tokens_per_step_max as u64),
-            ("scheduler.running_requests_max", s.running_requests_max as u64),
+            (
+                "scheduler.prefill_tokens_per_step_max",
+                s.prefill_tokens_per_step_max as u64,
+            ),
+            (
+                "scheduler.running_requests_max",
+                s.running_requests_max as u64,
+            ),
             ("scheduler.output_tokens_max", s.output_tokens_max as u64),
         ] {
             if v == 0 {
@@ -744,7 +783,12 @@ impl<'a> Fields<'a> {
         self.seen.borrow_mut().push(key);
         self.map.get(key)
     }
-    fn u64(&self, key: &'static str, field: &'static str, default: Option<u64>) -> ConfigResult<u64> {
+    fn u64(
+        &self,
+        key: &'static str,
+        field: &'static str,
+        default: Option<u64>,
+    ) -> ConfigResult<u64> {
         match self.get(key) {
             None => default.ok_or(ConfigError::Missing { field }),
             Some(v) => v.as_u64().ok_or_else(|| match v.as_i64() {
@@ -761,7 +805,12 @@ impl<'a> Fields<'a> {
             }),
         }
     }
-    fn u32(&self, key: &'static str, field: &'static str, default: Option<u32>) -> ConfigResult<u32> {
+    fn u32(
+        &self,
+        key: &'static str,
+        field: &'static str,
+        default: Option<u32>,
+    ) -> ConfigResult<u32> {
         let v = self.u64(key, field, default.map(u64::from))?;
         u32::try_from(v).map_err(|_| ConfigError::Invalid {
             field,
@@ -777,7 +826,12 @@ impl<'a> Fields<'a> {
             found: kind(v),
         })
     }
-    fn bool(&self, key: &'static str, field: &'static str, default: Option<bool>) -> ConfigResult<bool> {
+    fn bool(
+        &self,
+        key: &'static str,
+        field: &'static str,
+        default: Option<bool>,
+    ) -> ConfigResult<bool> {
         match self.get(key) {
             None => default.ok_or(ConfigError::Missing { field }),
             Some(v) => v.as_bool().ok_or_else(|| ConfigError::Type {

@@ -137,14 +137,20 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
         }
         let id = self.next_load;
         self.next_load += 1;
-        let pairs: Vec<(PageId, PageId)> = host_pages.iter().copied().zip(dev_pages.iter().copied()).collect();
+        let pairs: Vec<(PageId, PageId)> = host_pages
+            .iter()
+            .copied()
+            .zip(dev_pages.iter().copied())
+            .collect();
         let events = self.ring_events[slot].clone();
-        let enqueue_failed = self.copy_all_layers(StreamKind::Load, false, &pairs, Some(&events), false)?;
+        let enqueue_failed =
+            self.copy_all_layers(StreamKind::Load, false, &pairs, Some(&events), false)?;
         self.ring[slot] = Some(id);
         self.metrics.loads += 1;
         self.metrics.load_bytes += pairs.len() as u64
             * self.layout.layers() as u64
-            * (self.layout.page_bytes(BufferKind::Kv).0 + self.layout.page_bytes(BufferKind::IndexK).0);
+            * (self.layout.page_bytes(BufferKind::Kv).0
+                + self.layout.page_bytes(BufferKind::IndexK).0);
         self.loads.insert(
             id,
             Load {
@@ -186,7 +192,9 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
         } else {
             self.cache.finish_load(&load.nodes, ok)
         };
-        self.metrics.load_latency.observe(self.clock.now_ns().saturating_sub(load.issued_ns));
+        self.metrics
+            .load_latency
+            .observe(self.clock.now_ns().saturating_sub(load.issued_ns));
         if !ok {
             self.metrics.load_failures += 1;
         }
@@ -259,17 +267,22 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
             .iter()
             .map(|&id| self.cache.node(id).device.expect("resident"))
             .collect();
-        let pairs: Vec<(PageId, PageId)> = dev_pages.into_iter().zip(host_pages.iter().copied()).collect();
+        let pairs: Vec<(PageId, PageId)> = dev_pages
+            .into_iter()
+            .zip(host_pages.iter().copied())
+            .collect();
         let event = self.take_event();
         // The pages were written by the compute stream: the copy starts after its last step.
         self.dev.wait(StreamKind::Write, self.step_done);
         let skip_ik = self.mutants.on(Mutant::IndexKNotMirrored);
-        let enqueue_failed = self.copy_all_layers(StreamKind::Write, true, &pairs, None, skip_ik)?;
+        let enqueue_failed =
+            self.copy_all_layers(StreamKind::Write, true, &pairs, None, skip_ik)?;
         self.dev.record(StreamKind::Write, event);
         self.metrics.backups += 1;
         self.metrics.backup_bytes += pairs.len() as u64
             * self.layout.layers() as u64
-            * (self.layout.page_bytes(BufferKind::Kv).0 + self.layout.page_bytes(BufferKind::IndexK).0);
+            * (self.layout.page_bytes(BufferKind::Kv).0
+                + self.layout.page_bytes(BufferKind::IndexK).0);
         let b = Backup {
             nodes,
             host_pages,
@@ -290,7 +303,9 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
         let (host_free, dev_free) = self.cache.finish_backup(&b.nodes, ok);
         self.pools.host.pages.free(&host_free);
         self.pools.device.pages.free(&dev_free);
-        self.metrics.backup_latency.observe(self.clock.now_ns().saturating_sub(b.issued_ns));
+        self.metrics
+            .backup_latency
+            .observe(self.clock.now_ns().saturating_sub(b.issued_ns));
         if !ok {
             self.metrics.backup_failures += 1;
         }

@@ -137,7 +137,11 @@ pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
             };
             cpu::q_prep(&args, &mut qo, &mut wo).map_err(kerr(name))?;
             mem.region_mut(*q_out)[..qo.len()].copy_from_slice(&qo);
-            put(&mut mem.region_mut(*w_out)[..wo.len() * 4], &wo, f32::to_le_bytes);
+            put(
+                &mut mem.region_mut(*w_out)[..wo.len() * 4],
+                &wo,
+                f32::to_le_bytes,
+            );
             Ok(())
         }
         Op::IndexLogits {
@@ -170,7 +174,11 @@ pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
             let mut o = vec![0f32; rows * *out_stride as usize];
             cpu::index_logits(&args, mem.bytes(*k), mem.desc(*k).fingerprint, &mut o)
                 .map_err(kerr(name))?;
-            put(&mut mem.region_mut(*out)[..o.len() * 4], &o, f32::to_le_bytes);
+            put(
+                &mut mem.region_mut(*out)[..o.len() * 4],
+                &o,
+                f32::to_le_bytes,
+            );
             Ok(())
         }
         Op::TopK {
@@ -194,7 +202,11 @@ pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
             };
             let mut o = vec![0i32; rows * *k as usize];
             cpu::topk(&args, &mut o).map_err(kerr(name))?;
-            put(&mut mem.region_mut(*out)[..o.len() * 4], &o, i32::to_le_bytes);
+            put(
+                &mut mem.region_mut(*out)[..o.len() * 4],
+                &o,
+                i32::to_le_bytes,
+            );
             Ok(())
         }
         Op::SparseRead {
@@ -216,7 +228,11 @@ pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
             let mut o = vec![0u64; rows];
             cpu::sparse_read(&args, mem.bytes(*kv), mem.desc(*kv).fingerprint, &mut o)
                 .map_err(kerr(name))?;
-            put(&mut mem.region_mut(*out)[..o.len() * 8], &o, u64::to_le_bytes);
+            put(
+                &mut mem.region_mut(*out)[..o.len() * 8],
+                &o,
+                u64::to_le_bytes,
+            );
             Ok(())
         }
         Op::PageCopy {
@@ -226,7 +242,10 @@ pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
             dst_view,
             runs,
         } => {
-            assert_ne!(src, dst, "page_copy within one buffer is not an engine operation");
+            assert_ne!(
+                src, dst,
+                "page_copy within one buffer is not an engine operation"
+            );
             mem.with_mut(*dst, |m, d| {
                 cpu::page_copy(m.bytes(*src), src_view, d, dst_view, runs)
             })

@@ -122,7 +122,9 @@ pub enum DeviceError {
         tier: MemoryTier,
         bytes: u64,
     },
-    #[error("{op}: layout mismatch on {buffer} ({role}): op declares {declared}, buffer is {actual}")]
+    #[error(
+        "{op}: layout mismatch on {buffer} ({role}): op declares {declared}, buffer is {actual}"
+    )]
     LayoutMismatch {
         op: &'static str,
         buffer: BufferId,
@@ -326,8 +328,18 @@ impl Op {
     /// The byte ranges this op reads and writes, computed from its arguments.
     pub fn accesses(&self) -> Vec<Access> {
         let mut out = Vec::new();
-        let rd = |out: &mut Vec<Access>, r: ByteRange| out.push(Access { range: r, write: false });
-        let wr = |out: &mut Vec<Access>, r: ByteRange| out.push(Access { range: r, write: true });
+        let rd = |out: &mut Vec<Access>, r: ByteRange| {
+            out.push(Access {
+                range: r,
+                write: false,
+            })
+        };
+        let wr = |out: &mut Vec<Access>, r: ByteRange| {
+            out.push(Access {
+                range: r,
+                write: true,
+            })
+        };
         match self {
             Op::IndexKStore {
                 dst, dtype, slots, ..
@@ -402,8 +414,22 @@ impl Op {
                     for j in 0..run.count {
                         let s = src_view.page_range(crate::layout::PageId(run.src.0 + j));
                         let d = dst_view.page_range(crate::layout::PageId(run.dst.0 + j));
-                        rd(&mut out, ByteRange { buffer: *src, start: s.start, end: s.end });
-                        wr(&mut out, ByteRange { buffer: *dst, start: d.start, end: d.end });
+                        rd(
+                            &mut out,
+                            ByteRange {
+                                buffer: *src,
+                                start: s.start,
+                                end: s.end,
+                            },
+                        );
+                        wr(
+                            &mut out,
+                            ByteRange {
+                                buffer: *dst,
+                                start: d.start,
+                                end: d.end,
+                            },
+                        );
                     }
                 }
             }

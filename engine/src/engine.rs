@@ -150,13 +150,14 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         if mutants.on(Mutant::HostIndexKFromFp8Defaults) {
             host_params.index_k_dtype = crate::layout::IndexKDtype::Fp8;
         }
-        let mut host_layout = Layout::new(host_params).map_err(|_| {
-            crate::config::ConfigError::Overflow {
+        let mut host_layout =
+            Layout::new(host_params).map_err(|_| crate::config::ConfigError::Overflow {
                 field: "cache.host_ratio",
                 what: "host mirror",
-            }
-        })?;
-        if mutants.on(Mutant::HostKvRow576) && layout.params.kv_dtype == crate::layout::KvDtype::Fp8Packed {
+            })?;
+        if mutants.on(Mutant::HostKvRow576)
+            && layout.params.kv_dtype == crate::layout::KvDtype::Fp8Packed
+        {
             host_layout = Layout::new(crate::layout::LayoutParams {
                 kv_dtype: crate::layout::KvDtype::Fp8Unpacked,
                 ..host_params
@@ -170,7 +171,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let out_stride = pt_stride * PAGE_TOKENS;
         let running = cfg.scheduler.running_requests_max as usize;
         let rows_max = match m.prefill_indexer {
-            PrefillIndexer::EveryToken => cfg.scheduler.prefill_tokens_per_step_max as usize + running,
+            PrefillIndexer::EveryToken => {
+                cfg.scheduler.prefill_tokens_per_step_max as usize + running
+            }
             PrefillIndexer::LastToken => running,
         };
         let heads = m.index_n_heads as u64;
@@ -191,7 +194,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             logits: scratch("logits", MemoryTier::Device, q_rows * out_stride as u64 * 4)?,
             topk: scratch("topk", MemoryTier::Device, rows_max as u64 * topk * 4)?,
             digests: scratch("digests", MemoryTier::Device, layers * rows_max as u64 * 8)?,
-            readback: scratch("readback", MemoryTier::PinnedHost, layers * rows_max as u64 * 8)?,
+            readback: scratch(
+                "readback",
+                MemoryTier::PinnedHost,
+                layers * rows_max as u64 * 8,
+            )?,
             rows_max,
             pt_stride,
             out_stride,
@@ -261,7 +268,10 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     }
     /// Nothing queued, running, loading or backing up.
     pub fn is_idle(&self) -> bool {
-        self.queue.is_empty() && self.running.is_empty() && self.loads.is_empty() && self.backups.is_empty()
+        self.queue.is_empty()
+            && self.running.is_empty()
+            && self.loads.is_empty()
+            && self.backups.is_empty()
     }
     pub fn drain_outputs(&mut self) -> Vec<Output> {
         std::mem::take(&mut self.outputs)
@@ -273,9 +283,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// Intake with admission control: a typed rejection over the limits, never an unbounded queue.
     pub fn submit(&mut self, spec: RequestSpec) -> Result<u64, Rejection> {
         let s = &self.cfg.scheduler;
-        let invalid = |reason: String| {
-            Rejection::Invalid { reason }
-        };
+        let invalid = |reason: String| Rejection::Invalid { reason };
         let check = || -> Result<(), Rejection> {
             if spec.prompt.is_empty() {
                 return Err(invalid("empty prompt".into()));
@@ -296,7 +304,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 )));
             }
             if let Some(t) = spec.prompt.iter().find(|&&t| t >= VOCAB) {
-                return Err(invalid(format!("token {t} outside the vocabulary (< {VOCAB})")));
+                return Err(invalid(format!(
+                    "token {t} outside the vocabulary (< {VOCAB})"
+                )));
             }
             Ok(())
         };
@@ -422,7 +432,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let digests = self.forward(&rows)?;
         self.finish_step(&rows, digests)?;
         self.metrics.steps += 1;
-        self.metrics.step_latency.observe(self.clock.now_ns().saturating_sub(t0));
+        self.metrics
+            .step_latency
+            .observe(self.clock.now_ns().saturating_sub(t0));
         self.refresh_gauges();
         report.idle = self.is_idle();
         Ok(report)
@@ -434,7 +446,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             return Ok(Some(p));
         }
         let deficit = n - self.pools.device.pages.free_count() as usize;
-        let ev = self.cache.evict_device(deficit, self.cfg.cache.write_policy);
+        let ev = self
+            .cache
+            .evict_device(deficit, self.cfg.cache.write_policy);
         self.pools.device.pages.free(&ev.freed);
         for node in ev.write_back {
             if !self.issue_backup(node)? {
@@ -460,8 +474,10 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             };
             let m = self.cache.match_prefix(&keys);
             self.cache.lock(&m.nodes);
+            self.cache.pin_host(&m.nodes[m.device..]);
             let need = total - m.device;
             let Some(pages) = self.alloc_device(need)? else {
+                self.cache.unpin(&m.nodes[m.device..]);
                 self.cache.unlock(&m.nodes);
                 break;
             };
@@ -550,7 +566,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
 
     /// After the forward: acknowledge the loads it consumed, emit digests and tokens (discarding
     /// rows that read a failed load), and complete finished requests.
-    fn finish_step(&mut self, rows: &[crate::model::Row], digests: Vec<Vec<u64>>) -> Result<(), EngineError> {
+    fn finish_step(
+        &mut self,
+        rows: &[crate::model::Row],
+        digests: Vec<Vec<u64>>,
+    ) -> Result<(), EngineError> {
         let mut failed: Vec<u64> = Vec::new();
         for row in rows {
             if let Some(load) = self.requests[&row.request].load {
@@ -578,7 +598,10 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             let r = self.requests.get_mut(&row.request).expect("running");
             r.computed = row.to;
             let last = *row.queries.last().expect("a row has a query");
-            if last as usize + 1 == r.tokens.len() && last as usize + 1 >= r.prompt_len && !r.finished() {
+            if last as usize + 1 == r.tokens.len()
+                && last as usize + 1 >= r.prompt_len
+                && !r.finished()
+            {
                 let token = self.synth.next_token(row_digests.last().expect("digests"));
                 r.tokens.push(token);
                 r.generated += 1;
@@ -614,12 +637,18 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     fn complete(&mut self, id: u64) -> Result<(), EngineError> {
         let r = self.requests.remove(&id).expect("finished request exists");
         self.running.retain(|&x| x != id);
-        assert!(r.load.is_none(), "request {id} finished with a load unacknowledged");
+        assert!(
+            r.load.is_none(),
+            "request {id} finished with a load unacknowledged"
+        );
         let full = r.computed / PAGE_TOKENS as usize;
         let keys = page_keys(&r.tokens, full);
         let ins = self.cache.insert(&keys, &r.pages[..full]);
         self.pools.device.pages.free(&ins.duplicates);
-        self.pools.device.pages.free(&r.pages[full.max(r.owned_from)..]);
+        self.pools
+            .device
+            .pages
+            .free(&r.pages[full.max(r.owned_from)..]);
         self.cache.unlock(&r.locked);
         if self.cfg.cache.write_policy == WritePolicy::WriteThrough {
             if let Some(&last) = ins.nodes.last() {

@@ -48,16 +48,24 @@ impl LayerGate {
     }
 
     /// The layer's index-K pool, after the wait.
-    pub(crate) fn index_k<D: Device, C: Clock, T: Transfer>(&mut self, eng: &mut Engine<D, C, T>) -> BufferId {
+    pub(crate) fn index_k<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        eng: &mut Engine<D, C, T>,
+    ) -> BufferId {
         if !eng.mutants.on(Mutant::UngatedIndexKRead) {
             self.ensure(eng);
         }
-        eng.pools.device_buffer(BufferKind::IndexK, LayerId(self.layer as u32))
+        eng.pools
+            .device_buffer(BufferKind::IndexK, LayerId(self.layer as u32))
     }
 
     /// The layer's KV pool, after the wait.
-    pub(crate) fn kv<D: Device, C: Clock, T: Transfer>(&mut self, eng: &mut Engine<D, C, T>) -> BufferId {
+    pub(crate) fn kv<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        eng: &mut Engine<D, C, T>,
+    ) -> BufferId {
         self.ensure(eng);
-        eng.pools.device_buffer(BufferKind::Kv, LayerId(self.layer as u32))
+        eng.pools
+            .device_buffer(BufferKind::Kv, LayerId(self.layer as u32))
     }
 }

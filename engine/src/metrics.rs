@@ -66,18 +66,71 @@ impl Metrics {
     pub fn render_prometheus(&self) -> String {
         let mut s = String::new();
         let mut g = |name: &str, kind: &str, help: &str, v: String| {
-            let _ = writeln!(s, "# HELP tierkv_{name} {help}\n# TYPE tierkv_{name} {kind}\ntierkv_{name} {v}");
+            let _ = writeln!(
+                s,
+                "# HELP tierkv_{name} {help}\n# TYPE tierkv_{name} {kind}\ntierkv_{name} {v}"
+            );
         };
-        g("queue_depth", "gauge", "Requests waiting for admission.", self.queue_depth.to_string());
-        g("queued_tokens", "gauge", "Prompt tokens waiting for admission.", self.queued_tokens.to_string());
-        g("running_requests", "gauge", "Requests in the running batch.", self.running_requests.to_string());
-        g("device_kv_pages_used", "gauge", "Device pool pages in use.", self.device_pages_used.to_string());
-        g("device_kv_pages_total", "gauge", "Device pool pages.", self.device_pages_total.to_string());
-        g("host_tokens_used", "gauge", "Host tier tokens in use.", self.host_tokens_used.to_string());
-        g("host_tokens_capacity", "gauge", "Host tier capacity in tokens.", self.host_tokens_capacity.to_string());
-        g("requests_submitted_total", "counter", "Requests accepted by intake.", self.requests_submitted.to_string());
-        g("requests_finished_total", "counter", "Requests completed.", self.requests_finished.to_string());
-        g("requests_aborted_total", "counter", "Requests aborted.", self.requests_aborted.to_string());
+        g(
+            "queue_depth",
+            "gauge",
+            "Requests waiting for admission.",
+            self.queue_depth.to_string(),
+        );
+        g(
+            "queued_tokens",
+            "gauge",
+            "Prompt tokens waiting for admission.",
+            self.queued_tokens.to_string(),
+        );
+        g(
+            "running_requests",
+            "gauge",
+            "Requests in the running batch.",
+            self.running_requests.to_string(),
+        );
+        g(
+            "device_kv_pages_used",
+            "gauge",
+            "Device pool pages in use.",
+            self.device_pages_used.to_string(),
+        );
+        g(
+            "device_kv_pages_total",
+            "gauge",
+            "Device pool pages.",
+            self.device_pages_total.to_string(),
+        );
+        g(
+            "host_tokens_used",
+            "gauge",
+            "Host tier tokens in use.",
+            self.host_tokens_used.to_string(),
+        );
+        g(
+            "host_tokens_capacity",
+            "gauge",
+            "Host tier capacity in tokens.",
+            self.host_tokens_capacity.to_string(),
+        );
+        g(
+            "requests_submitted_total",
+            "counter",
+            "Requests accepted by intake.",
+            self.requests_submitted.to_string(),
+        );
+        g(
+            "requests_finished_total",
+            "counter",
+            "Requests completed.",
+            self.requests_finished.to_string(),
+        );
+        g(
+            "requests_aborted_total",
+            "counter",
+            "Requests aborted.",
+            self.requests_aborted.to_string(),
+        );
         let _ = writeln!(
             s,
             "# HELP tierkv_requests_rejected_total Requests rejected by admission control.\n\
@@ -97,19 +150,76 @@ impl Metrics {
             self.hit_rate(self.prefix_pages_host_hit)
         );
         let mut g = |name: &str, kind: &str, help: &str, v: String| {
-            let _ = writeln!(s, "# HELP tierkv_{name} {help}\n# TYPE tierkv_{name} {kind}\ntierkv_{name} {v}");
+            let _ = writeln!(
+                s,
+                "# HELP tierkv_{name} {help}\n# TYPE tierkv_{name} {kind}\ntierkv_{name} {v}"
+            );
         };
-        g("prefix_pages_queried_total", "counter", "Prompt pages looked up.", self.prefix_pages_queried.to_string());
-        g("loads_total", "counter", "Host to device loads.", self.loads.to_string());
-        g("load_failures_total", "counter", "Loads whose copy failed.", self.load_failures.to_string());
-        g("load_bytes_total", "counter", "Bytes loaded host to device.", self.load_bytes.to_string());
-        g("backups_total", "counter", "Device to host backups.", self.backups.to_string());
-        g("backup_failures_total", "counter", "Backups whose copy failed.", self.backup_failures.to_string());
-        g("backup_bytes_total", "counter", "Bytes backed up device to host.", self.backup_bytes.to_string());
-        g("steps_total", "counter", "Model steps.", self.steps.to_string());
-        g("prefill_tokens_total", "counter", "Prompt tokens computed.", self.prefill_tokens.to_string());
-        g("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens.to_string());
-        for (name, l) in [("load", self.load_latency), ("backup", self.backup_latency), ("step", self.step_latency)] {
+        g(
+            "prefix_pages_queried_total",
+            "counter",
+            "Prompt pages looked up.",
+            self.prefix_pages_queried.to_string(),
+        );
+        g(
+            "loads_total",
+            "counter",
+            "Host to device loads.",
+            self.loads.to_string(),
+        );
+        g(
+            "load_failures_total",
+            "counter",
+            "Loads whose copy failed.",
+            self.load_failures.to_string(),
+        );
+        g(
+            "load_bytes_total",
+            "counter",
+            "Bytes loaded host to device.",
+            self.load_bytes.to_string(),
+        );
+        g(
+            "backups_total",
+            "counter",
+            "Device to host backups.",
+            self.backups.to_string(),
+        );
+        g(
+            "backup_failures_total",
+            "counter",
+            "Backups whose copy failed.",
+            self.backup_failures.to_string(),
+        );
+        g(
+            "backup_bytes_total",
+            "counter",
+            "Bytes backed up device to host.",
+            self.backup_bytes.to_string(),
+        );
+        g(
+            "steps_total",
+            "counter",
+            "Model steps.",
+            self.steps.to_string(),
+        );
+        g(
+            "prefill_tokens_total",
+            "counter",
+            "Prompt tokens computed.",
+            self.prefill_tokens.to_string(),
+        );
+        g(
+            "generated_tokens_total",
+            "counter",
+            "Tokens generated.",
+            self.generated_tokens.to_string(),
+        );
+        for (name, l) in [
+            ("load", self.load_latency),
+            ("backup", self.backup_latency),
+            ("step", self.step_latency),
+        ] {
             let _ = writeln!(
                 s,
                 "# HELP tierkv_{name}_latency_seconds Latency of {name}s.\n\

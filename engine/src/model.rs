@@ -61,8 +61,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             pool_ik_dtype
         };
         let kv_dtype = self.cfg.model.kv_dtype;
-        let (pt_stride, out_stride, rows_max) =
-            (self.scratch.pt_stride, self.scratch.out_stride, self.scratch.rows_max);
+        let (pt_stride, out_stride, rows_max) = (
+            self.scratch.pt_stride,
+            self.scratch.out_stride,
+            self.scratch.rows_max,
+        );
 
         let mut loads: Vec<u64> = rows
             .iter()
@@ -92,8 +95,14 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         }
         assert!(queries.len() <= rows_max, "batch over the scratch rows");
         let store_rope: Vec<f32> = store_tokens.iter().flat_map(|t| rope_row(t.1)).collect();
-        let query_rope: Vec<Vec<f32>> = queries.iter().map(|q| rope_row(q.position).to_vec()).collect();
-        let pts: Vec<Vec<i32>> = queries.iter().map(|q| self.page_table_row(q.request)).collect();
+        let query_rope: Vec<Vec<f32>> = queries
+            .iter()
+            .map(|q| rope_row(q.position).to_vec())
+            .collect();
+        let pts: Vec<Vec<i32>> = queries
+            .iter()
+            .map(|q| self.page_table_row(q.request))
+            .collect();
         let store_tags = |layer_global| RowTags {
             layer_global,
             rows: store_tokens
@@ -184,7 +193,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                         tags,
                     },
                 )?;
-                let sel = self.region(scratch.topk, base as u64 * topk as u64 * 4, n * topk as u64 * 4);
+                let sel = self.region(
+                    scratch.topk,
+                    base as u64 * topk as u64 * 4,
+                    n * topk as u64 * 4,
+                );
                 self.dev.enqueue(
                     StreamKind::Compute,
                     Op::TopK {
@@ -216,7 +229,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             for (ci, chunk) in queries.chunks(q_rows).enumerate() {
                 let n = chunk.len() as u64;
                 let base = ci * q_rows;
-                let sel = self.region(scratch.topk, base as u64 * topk as u64 * 4, n * topk as u64 * 4);
+                let sel = self.region(
+                    scratch.topk,
+                    base as u64 * topk as u64 * 4,
+                    n * topk as u64 * 4,
+                );
                 let out = self.region(scratch.digests, (l * rows_max + base) as u64 * 8, n * 8);
                 self.dev.enqueue(
                     StreamKind::Compute,
@@ -246,7 +263,8 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let bytes = (layers * rows_max) as u64 * 8;
         let src = self.region(scratch.digests, 0, bytes);
         let dst = self.region(scratch.readback, 0, bytes);
-        self.dev.enqueue(StreamKind::Compute, Op::Copy { src, dst })?;
+        self.dev
+            .enqueue(StreamKind::Compute, Op::Copy { src, dst })?;
         self.dev.record(StreamKind::Compute, self.step_done);
         self.dev.synchronize(self.step_done);
         let mut raw = vec![0u8; bytes as usize];

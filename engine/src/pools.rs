@@ -82,7 +82,11 @@ pub struct Pools {
 
 impl Pools {
     /// Allocates every pool buffer from `layout` (`host_layout` differs from it only under mutants).
-    pub fn new<D: Device>(dev: &mut D, layout: Layout, host_layout: Layout) -> Result<Pools, DeviceError> {
+    pub fn new<D: Device>(
+        dev: &mut D,
+        layout: Layout,
+        host_layout: Layout,
+    ) -> Result<Pools, DeviceError> {
         let mut kv = Vec::new();
         let mut index_k = Vec::new();
         for l in 0..layout.layers() {
@@ -135,7 +139,10 @@ impl Pools {
         }
     }
     pub fn device_side(&self, kind: BufferKind, layer: LayerId) -> (BufferId, PagedView) {
-        (self.device_buffer(kind, layer), self.layout.device_layer_view(kind))
+        (
+            self.device_buffer(kind, layer),
+            self.layout.device_layer_view(kind),
+        )
     }
     pub fn host_side(&self, kind: BufferKind, layer: LayerId) -> (BufferId, PagedView) {
         let b = match kind {

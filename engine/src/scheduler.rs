@@ -16,7 +16,11 @@ pub enum Rejection {
     #[error("queue full: {queued} requests queued, scheduler.queued_requests_max = {limit}")]
     QueueFull { queued: u32, limit: u32 },
     #[error("too many pending tokens: {pending} queued + {prompt} new > scheduler.pending_tokens_max = {limit}")]
-    PendingTokens { pending: u64, prompt: u64, limit: u64 },
+    PendingTokens {
+        pending: u64,
+        prompt: u64,
+        limit: u64,
+    },
     #[error("invalid request: {reason}")]
     Invalid { reason: String },
 }
@@ -31,11 +35,23 @@ pub enum Output {
         digests: Vec<u64>,
     },
     /// A generated token.
-    Token { request: u64, index: u32, token: u32 },
-    Finished { request: u64, generated: Vec<u32> },
-    Aborted { request: u64 },
+    Token {
+        request: u64,
+        index: u32,
+        token: u32,
+    },
+    Finished {
+        request: u64,
+        generated: Vec<u32>,
+    },
+    Aborted {
+        request: u64,
+    },
     /// A load failed: the request recomputes its prefix (no output was emitted from the failed data).
-    Recompute { request: u64, tokens: u32 },
+    Recompute {
+        request: u64,
+        tokens: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

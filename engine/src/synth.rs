@@ -56,7 +56,12 @@ impl Synth {
         let shared = self.stream(KEY_SHARED, token as u64, 0, layer as u64);
         let mut out = Vec::with_capacity(heads as usize * 128);
         for h in 0..heads as u64 {
-            let own = self.stream(QUERY, token as u64, position as u64 ^ (h << 32), layer as u64);
+            let own = self.stream(
+                QUERY,
+                token as u64,
+                position as u64 ^ (h << 32),
+                layer as u64,
+            );
             for d in 0..INDEX_HEAD_DIM as u64 {
                 out.push(bf16::from_f32(
                     1.5 * Self::unit(shared, d) + Self::unit(own, d),

@@ -36,7 +36,11 @@ pub enum TraceError {
     },
 }
 
-fn uint(obj: &serde_json::Map<String, Value>, line: usize, field: &'static str) -> Result<u64, TraceError> {
+fn uint(
+    obj: &serde_json::Map<String, Value>,
+    line: usize,
+    field: &'static str,
+) -> Result<u64, TraceError> {
     let v = obj.get(field).ok_or(TraceError::Missing { line, field })?;
     v.as_u64().ok_or_else(|| TraceError::Invalid {
         line,

@@ -1,3 +1,18 @@
 //! tierkv-sim: the deterministic simulator that tests tierkv's engine, and the `tierkv` CLI.
+//!
+//! A run ([`runner::run`]) drives the real engine on a simulated GPU ([`gpu::SimGpu`]) through a
+//! seeded [`scenario::Scenario`], with the oracles watching ([`oracles`], [`race`]); a campaign
+//! ([`campaign`]) runs many seeds, shrinks failures ([`shrink`]) and writes Perfetto traces
+//! ([`trace_out`]).
 
+pub mod campaign;
 pub mod cli;
+pub mod gpu;
+pub mod oracles;
+pub mod race;
+pub mod report;
+pub mod rng;
+pub mod runner;
+pub mod scenario;
+pub mod shrink;
+pub mod trace_out;

@@ -28,8 +28,16 @@ enum Step {
 
 fn doc(d: u8, len: u8) -> Vec<PageKey> {
     // Four documents sharing their first pages pairwise, up to 6 pages each.
-    let base = [[1, 2, 3, 4, 5, 6], [1, 2, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [11, 17, 18, 19, 20, 21]];
-    base[(d % 4) as usize][..(1 + len % 6) as usize].iter().map(|&k| key(k)).collect()
+    let base = [
+        [1, 2, 3, 4, 5, 6],
+        [1, 2, 7, 8, 9, 10],
+        [11, 12, 13, 14, 15, 16],
+        [11, 17, 18, 19, 20, 21],
+    ];
+    base[(d % 4) as usize][..(1 + len % 6) as usize]
+        .iter()
+        .map(|&k| key(k))
+        .collect()
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -111,6 +119,7 @@ proptest! {
                     let nodes = m.nodes[m.device..].to_vec();
                     let Some(pages) = dev.alloc(nodes.len()) else { continue };
                     c.lock(&m.nodes);
+                    c.pin_host(&nodes);
                     c.begin_load(&nodes, &pages);
                     loads.push((m.nodes.clone(), pages));
                 }

@@ -33,23 +33,74 @@ fn err_field(text: &str) -> String {
 #[test]
 fn invalid_inputs_name_their_field() {
     let cases = [
-        ("preset = \"sim-small\"\n[model]\nindex_topk = 0", "model.index_topk"),
-        ("preset = \"sim-small\"\n[model]\nindex_topk = 4096", "model.index_topk"),
-        ("preset = \"sim-small\"\n[model]\npage_size = 32", "model.page_size"),
-        ("preset = \"sim-small\"\n[model]\npage_size = 0", "model.page_size"),
-        ("preset = \"sim-small\"\n[model]\nindex_head_dim = 100", "model.index_head_dim"),
-        ("preset = \"sim-small\"\n[model]\nlayers = 0", "model.layers"),
-        ("preset = \"sim-small\"\n[model]\nindex_n_heads = 0", "model.index_n_heads"),
-        ("preset = \"sim-small\"\n[model]\nkv_dtype = \"fp4\"", "model.kv_dtype"),
-        ("preset = \"sim-small\"\n[model]\nindex_k_dtype = 7", "model.index_k_dtype"),
-        ("preset = \"sim-small\"\n[cache]\nhost_layout = \"diagonal\"", "cache.host_layout"),
-        ("preset = \"sim-small\"\n[cache]\nwrite_policy = \"sometimes\"", "cache.write_policy"),
-        ("preset = \"sim-small\"\n[cache]\nhost_ratio = 1.0", "cache.host_ratio"),
-        ("preset = \"sim-small\"\n[cache]\nhost_tokens = 64", "cache.host_tokens"),
-        ("preset = \"sim-small\"\n[cache]\ndevice_pages = -3", "cache.device_pages"),
-        ("preset = \"sim-small\"\n[cache]\nhost_ratio = 2.0\nhost_tokens = 99999", "cache.host_tokens"),
-        ("preset = \"sim-small\"\n[model]\nindex_topK = 5", "model.index_topK"),
-        ("preset = \"sim-small\"\n[scheduler]\nqueued_requests_max = 0", "scheduler.queued_requests_max"),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_topk = 0",
+            "model.index_topk",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_topk = 4096",
+            "model.index_topk",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\npage_size = 32",
+            "model.page_size",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\npage_size = 0",
+            "model.page_size",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_head_dim = 100",
+            "model.index_head_dim",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nlayers = 0",
+            "model.layers",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_n_heads = 0",
+            "model.index_n_heads",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nkv_dtype = \"fp4\"",
+            "model.kv_dtype",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_k_dtype = 7",
+            "model.index_k_dtype",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nhost_layout = \"diagonal\"",
+            "cache.host_layout",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nwrite_policy = \"sometimes\"",
+            "cache.write_policy",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nhost_ratio = 1.0",
+            "cache.host_ratio",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nhost_tokens = 64",
+            "cache.host_tokens",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\ndevice_pages = -3",
+            "cache.device_pages",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nhost_ratio = 2.0\nhost_tokens = 99999",
+            "cache.host_tokens",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_topK = 5",
+            "model.index_topK",
+        ),
+        (
+            "preset = \"sim-small\"\n[scheduler]\nqueued_requests_max = 0",
+            "scheduler.queued_requests_max",
+        ),
         ("[model]\nlayers = 3", "model.index_n_heads"),
         ("preset = \"gpt-2\"", "gpt-2"),
         ("preset = \"sim-small\"\n[model\n", "TOML"),
@@ -60,7 +111,10 @@ fn invalid_inputs_name_their_field() {
     ];
     for (text, field) in cases {
         let msg = err_field(text);
-        assert!(msg.contains(field), "{text:?} gave {msg:?}, which does not name {field}");
+        assert!(
+            msg.contains(field),
+            "{text:?} gave {msg:?}, which does not name {field}"
+        );
     }
 }
 
@@ -68,7 +122,8 @@ fn invalid_inputs_name_their_field() {
 fn json_is_accepted_too() {
     let c = Config::from_json(r#"{"preset": "sim-small", "model": {"index_topk": 7}}"#).unwrap();
     assert_eq!(c.model.index_topk, 7);
-    let e = Config::from_json(r#"{"preset": "sim-small", "model": {"index_topk": 0}}"#).unwrap_err();
+    let e =
+        Config::from_json(r#"{"preset": "sim-small", "model": {"index_topk": 0}}"#).unwrap_err();
     assert!(e.to_string().contains("model.index_topk"));
 }
 
@@ -79,18 +134,45 @@ fn arb_value() -> impl Strategy<Value = serde_json::Value> {
         any::<i64>().prop_map(|n| serde_json::json!(n)),
         any::<u64>().prop_map(|n| serde_json::json!(n)),
         (-1e20f64..1e20).prop_map(|f| serde_json::json!(f)),
-        prop::sample::select(vec!["fp8", "bf16", "fp8_packed", "layer_first", "page_first",
-            "write_back", "write_through", "sim-small", "deepseek-v3.2", "x"])
-            .prop_map(|s| serde_json::json!(s)),
+        prop::sample::select(vec![
+            "fp8",
+            "bf16",
+            "fp8_packed",
+            "layer_first",
+            "page_first",
+            "write_back",
+            "write_through",
+            "sim-small",
+            "deepseek-v3.2",
+            "x"
+        ])
+        .prop_map(|s| serde_json::json!(s)),
     ];
     leaf.prop_recursive(2, 24, 6, |inner| {
         prop::collection::btree_map(
-            prop::sample::select(vec!["layers", "index_topk", "index_n_heads", "page_size",
-                "index_head_dim", "kv_dtype", "index_k_dtype", "device_pages", "host_ratio",
-                "host_tokens", "host_layout", "write_policy", "queued_requests_max",
-                "context_tokens_max", "layer_base", "load_slots"]).prop_map(String::from),
-            inner, 0..6)
-            .prop_map(|m| serde_json::Value::Object(m.into_iter().collect()))
+            prop::sample::select(vec![
+                "layers",
+                "index_topk",
+                "index_n_heads",
+                "page_size",
+                "index_head_dim",
+                "kv_dtype",
+                "index_k_dtype",
+                "device_pages",
+                "host_ratio",
+                "host_tokens",
+                "host_layout",
+                "write_policy",
+                "queued_requests_max",
+                "context_tokens_max",
+                "layer_base",
+                "load_slots",
+            ])
+            .prop_map(String::from),
+            inner,
+            0..6,
+        )
+        .prop_map(|m| serde_json::Value::Object(m.into_iter().collect()))
     })
 }
 

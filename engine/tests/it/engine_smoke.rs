@@ -24,16 +24,47 @@ fn run_to_idle(e: &mut Engine<InOrderDevice, ManualClock>) -> Vec<Output> {
 #[test]
 fn requests_finish_and_share_their_prefix() {
     let cfg = Config::preset("sim-small").unwrap();
-    let mut e = Engine::new(cfg, InOrderDevice::new(), ManualClock::default(), EngineOptions::default()).unwrap();
+    let mut e = Engine::new(
+        cfg,
+        InOrderDevice::new(),
+        ManualClock::default(),
+        EngineOptions::default(),
+    )
+    .unwrap();
     let s = e.synth;
-    let a = e.submit(RequestSpec { prompt: prompt(&s, 256, 40, 1), max_new_tokens: 5 }).unwrap();
+    let a = e
+        .submit(RequestSpec {
+            prompt: prompt(&s, 256, 40, 1),
+            max_new_tokens: 5,
+        })
+        .unwrap();
     let out = run_to_idle(&mut e);
-    assert!(out.contains(&Output::Finished { request: a, generated: match out.iter().find_map(|o| match o { Output::Finished { request, generated } if *request == a => Some(generated.clone()), _ => None }) { Some(g) => g, None => panic!("no finish") } }));
+    assert!(out.contains(&Output::Finished {
+        request: a,
+        generated: match out.iter().find_map(|o| match o {
+            Output::Finished { request, generated } if *request == a => Some(generated.clone()),
+            _ => None,
+        }) {
+            Some(g) => g,
+            None => panic!("no finish"),
+        }
+    }));
     let hits_before = e.metrics.prefix_pages_device_hit;
-    let b = e.submit(RequestSpec { prompt: prompt(&s, 256, 30, 2), max_new_tokens: 3 }).unwrap();
+    let b = e
+        .submit(RequestSpec {
+            prompt: prompt(&s, 256, 30, 2),
+            max_new_tokens: 3,
+        })
+        .unwrap();
     let out = run_to_idle(&mut e);
-    assert!(out.iter().any(|o| matches!(o, Output::Finished { request, .. } if *request == b)));
-    assert_eq!(e.metrics.prefix_pages_device_hit - hits_before, 4, "the 4 shared pages hit on the device");
+    assert!(out
+        .iter()
+        .any(|o| matches!(o, Output::Finished { request, .. } if *request == b)));
+    assert_eq!(
+        e.metrics.prefix_pages_device_hit - hits_before,
+        4,
+        "the 4 shared pages hit on the device"
+    );
     e.check_quiescent().unwrap();
 }
 
@@ -41,10 +72,23 @@ fn requests_finish_and_share_their_prefix() {
 fn same_inputs_same_outputs() {
     let run = || {
         let cfg = Config::preset("sim-small").unwrap();
-        let mut e = Engine::new(cfg, InOrderDevice::new(), ManualClock::default(), EngineOptions { seed: 3, ..Default::default() }).unwrap();
+        let mut e = Engine::new(
+            cfg,
+            InOrderDevice::new(),
+            ManualClock::default(),
+            EngineOptions {
+                seed: 3,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let s = e.synth;
         for i in 0..6 {
-            e.submit(RequestSpec { prompt: prompt(&s, 128, 20 + i, i as u64), max_new_tokens: 4 }).unwrap();
+            e.submit(RequestSpec {
+                prompt: prompt(&s, 128, 20 + i, i as u64),
+                max_new_tokens: 4,
+            })
+            .unwrap();
         }
         run_to_idle(&mut e)
     };
@@ -55,18 +99,47 @@ fn same_inputs_same_outputs() {
 fn over_limit_intake_is_rejected_and_the_queue_stays_bounded() {
     let mut cfg = Config::preset("sim-small").unwrap();
     cfg.scheduler.queued_requests_max = 3;
-    let mut e = Engine::new(cfg, InOrderDevice::new(), ManualClock::default(), EngineOptions::default()).unwrap();
+    let mut e = Engine::new(
+        cfg,
+        InOrderDevice::new(),
+        ManualClock::default(),
+        EngineOptions::default(),
+    )
+    .unwrap();
     let s = e.synth;
     for i in 0..3 {
-        e.submit(RequestSpec { prompt: prompt(&s, 0, 10, i), max_new_tokens: 2 }).unwrap();
+        e.submit(RequestSpec {
+            prompt: prompt(&s, 0, 10, i),
+            max_new_tokens: 2,
+        })
+        .unwrap();
     }
     for i in 3..50 {
-        let err = e.submit(RequestSpec { prompt: prompt(&s, 0, 10, i), max_new_tokens: 2 }).unwrap_err();
-        assert!(matches!(err, Rejection::QueueFull { queued: 3, limit: 3 }), "{err}");
+        let err = e
+            .submit(RequestSpec {
+                prompt: prompt(&s, 0, 10, i),
+                max_new_tokens: 2,
+            })
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Rejection::QueueFull {
+                    queued: 3,
+                    limit: 3
+                }
+            ),
+            "{err}"
+        );
         assert_eq!(e.queue_len(), 3);
     }
     assert_eq!(e.metrics.rejected_queue_full, 47);
-    let err = e.submit(RequestSpec { prompt: vec![], max_new_tokens: 2 }).unwrap_err();
+    let err = e
+        .submit(RequestSpec {
+            prompt: vec![],
+            max_new_tokens: 2,
+        })
+        .unwrap_err();
     assert!(matches!(err, Rejection::Invalid { .. }));
     run_to_idle(&mut e);
     e.check_quiescent().unwrap();

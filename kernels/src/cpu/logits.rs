@@ -78,44 +78,79 @@ pub fn decode_key(dtype: IndexKDtype, page: &[u8], t: u32, k: &mut [f32; 128]) -
     }
 }
 
-/// `Σ_h w_h · relu(q_h · k)` in the kernel's order; `q` is `[heads][128]` in f32.
+/// Tokens scored together: independent fused multiply-add chains, so the CPU can run them side by
+/// side in SIMD lanes. Each chain is still the kernel's sequential chain over `d`, so the results
+/// are bit-identical to scoring one token at a time.
+const LANES: usize = 8;
+
+/// `Σ_h w_h · relu(q_h · k_j)` in the kernel's order for up to 8 keys `kt[d][j]`.
 #[inline(always)]
-fn head_sum(q: &[f32], w: &[f32], k: &[f32; 128]) -> f32 {
-    let mut s = 0f32;
+fn head_sum_block(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES] {
+    let mut s = [0f32; LANES];
     for (h, wh) in w.iter().enumerate() {
         let qh = &q[h * 128..(h + 1) * 128];
-        let mut dot = 0f32;
+        let mut dot = [0f32; LANES];
         for d in 0..128 {
-            dot = qh[d].mul_add(k[d], dot);
+            for j in 0..LANES {
+                dot[j] = qh[d].mul_add(kt[d][j], dot[j]);
+            }
         }
-        let r = if dot > 0.0 { dot } else { 0.0 };
-        s = wh.mul_add(r, s);
+        for j in 0..LANES {
+            let r = if dot[j] > 0.0 { dot[j] } else { 0.0 };
+            s[j] = wh.mul_add(r, s[j]);
+        }
     }
     s
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-unsafe fn head_sum_fma(q: &[f32], w: &[f32], k: &[f32; 128]) -> f32 {
-    head_sum(q, w, k)
+#[target_feature(enable = "avx2,fma")]
+unsafe fn head_sum_block_fma(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES] {
+    head_sum_block(q, w, kt)
 }
 
-/// `head_sum` with hardware FMA where the CPU has it (same results: `mul_add` is a correctly rounded
-/// fused multiply-add either way; the hardware instruction is only faster than libm's).
-pub fn score(q: &[f32], w: &[f32], k: &[f32; 128]) -> f32 {
+fn block(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES] {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports FMA, checked just above.
-            return unsafe { head_sum_fma(q, w, k) };
+        if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+            return unsafe { head_sum_block_fma(q, w, kt) };
         }
     }
-    head_sum(q, w, k)
+    head_sum_block(q, w, kt)
+}
+
+/// `Σ_h w_h · relu(q_h · k_n)` for every key (`q` is `[heads][128]` in f32), into `out`.
+/// `mul_add` is a correctly rounded fused multiply-add whether or not the hardware instruction is
+/// used, so the result does not depend on the CPU.
+pub fn scores(q: &[f32], w: &[f32], keys: &[[f32; 128]], out: &mut [f32]) {
+    assert_eq!(keys.len(), out.len());
+    let mut kt = [[0f32; LANES]; 128];
+    for (kc, oc) in keys.chunks(LANES).zip(out.chunks_mut(LANES)) {
+        for (j, k) in kc.iter().enumerate() {
+            for d in 0..128 {
+                kt[d][j] = k[d];
+            }
+        }
+        let s = block(q, w, &kt);
+        oc.copy_from_slice(&s[..oc.len()]);
+    }
+}
+
+/// `Σ_h w_h · relu(q_h · k)` for one key.
+pub fn score(q: &[f32], w: &[f32], k: &[f32; 128]) -> f32 {
+    let mut out = [0f32];
+    scores(q, w, std::slice::from_ref(k), &mut out);
+    out[0]
 }
 
 /// Logit of one key for one query row (`q` decoded to f32, `[heads][128]`).
 pub fn logit(q: &[f32], w: &[f32], k: &[f32; 128], kscale: f32, dtype: IndexKDtype) -> f32 {
-    let s = score(q, w, k);
+    apply_scale(score(q, w, k), kscale, dtype)
+}
+
+/// The key scale multiplies last (fp8 pages only).
+pub fn apply_scale(s: f32, kscale: f32, dtype: IndexKDtype) -> f32 {
     match dtype {
         IndexKDtype::Fp8 => s * kscale,
         IndexKDtype::Bf16 => s,
@@ -149,7 +184,9 @@ pub fn index_logits(
         let pt = &a.page_table[r * a.pt_stride..(r + 1) * a.pt_stride];
         let len = a.context_lens[r] as usize;
         let row = &mut out[r * a.out_stride..(r + 1) * a.out_stride];
-        for (n, o) in row.iter_mut().enumerate().take(len) {
+        let mut keys = vec![[0f32; 128]; len];
+        let mut kscales = vec![0f32; len];
+        for n in 0..len {
             let p = pt[n / PAGE_TOKENS as usize];
             if p < 0 || p as u64 >= pages {
                 return Err(KernelError::OutOfRange {
@@ -160,8 +197,12 @@ pub fn index_logits(
                 });
             }
             let page = &k_buf[p as usize * pb..(p as usize + 1) * pb];
-            let kscale = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, &mut k);
-            *o = logit(&q, w, &k, kscale, a.dtype);
+            kscales[n] = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, &mut k);
+            keys[n] = k;
+        }
+        scores(&q, w, &keys, &mut row[..len]);
+        for (o, ks) in row[..len].iter_mut().zip(&kscales) {
+            *o = apply_scale(*o, *ks, a.dtype);
         }
         for o in row.iter_mut().skip(len) {
             *o = f32::NEG_INFINITY;

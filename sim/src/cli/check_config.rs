@@ -1,7 +1,7 @@
 //! `tierkv check-config`: the derived layout of a configuration, or its validation error.
 
-use tierkv_engine::layout::BufferKind;
 use std::path::PathBuf;
+use tierkv_engine::layout::BufferKind;
 
 fn human(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -11,7 +11,11 @@ fn human(bytes: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{bytes} B") } else { format!("{bytes} B ({v:.2} {})", UNITS[u]) }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{bytes} B ({v:.2} {})", UNITS[u])
+    }
 }
 
 pub fn run(file: Option<&PathBuf>, preset: Option<&str>) -> i32 {
@@ -39,23 +43,31 @@ pub fn run(file: Option<&PathBuf>, preset: Option<&str>) -> i32 {
         let fmt = l.format(kind);
         println!(
             "{:<8} {:<16} {:>5} B/token/layer  {:>6} B/page",
-            kind.name(), fmt.to_string(), l.token_bytes(kind).0, l.page_bytes(kind).0
+            kind.name(),
+            fmt.to_string(),
+            l.token_bytes(kind).0,
+            l.page_bytes(kind).0
         );
     }
     println!(
         "device tier: {} pages = {} tokens",
-        l.device_pages(), l.device_tokens().0
+        l.device_pages(),
+        l.device_tokens().0
     );
     for kind in BufferKind::ALL {
         println!(
             "  {:<8} {} per layer, {} all layers",
-            kind.name(), human(l.device_layer_bytes(kind).0), human(l.device_bytes(kind).0)
+            kind.name(),
+            human(l.device_layer_bytes(kind).0),
+            human(l.device_bytes(kind).0)
         );
     }
     println!("  total    {}", human(l.device_total_bytes().0));
     println!(
         "host tier ({}): {} pages = {} tokens",
-        cfg.cache.host_layout.name(), l.host_pages(), l.host_tokens().0
+        cfg.cache.host_layout.name(),
+        l.host_pages(),
+        l.host_tokens().0
     );
     for kind in BufferKind::ALL {
         println!("  {:<8} {}", kind.name(), human(l.host_bytes(kind).0));

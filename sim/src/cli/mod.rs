@@ -7,9 +7,15 @@ use std::path::PathBuf;
 use tierkv_engine::config::Config;
 
 mod check_config;
+pub mod sim;
+pub mod zoo;
 
 #[derive(Parser, Debug)]
-#[command(name = "tierkv", version, about = "tierkv: tiered KV-cache engine for sparse-attention LLM serving, and its deterministic simulator")]
+#[command(
+    name = "tierkv",
+    version,
+    about = "tierkv: tiered KV-cache engine for sparse-attention LLM serving, and its deterministic simulator"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -25,6 +31,10 @@ pub enum Command {
         #[arg(long, conflicts_with = "file")]
         preset: Option<String>,
     },
+    /// Run the deterministic simulator: one seed, a campaign, or a saved scenario.
+    Sim(sim::SimArgs),
+    /// Run every bug-zoo mutant through seeded campaigns (needs `--features mutants`).
+    Zoo(zoo::ZooArgs),
 }
 
 /// Loads a configuration from a file or a preset (the default preset when neither is given).
@@ -46,6 +56,10 @@ pub fn main() -> i32 {
         }
     };
     match cli.command {
-        Command::CheckConfig { file, preset } => check_config::run(file.as_ref(), preset.as_deref()),
+        Command::CheckConfig { file, preset } => {
+            check_config::run(file.as_ref(), preset.as_deref())
+        }
+        Command::Sim(args) => sim::run_sim(args),
+        Command::Zoo(args) => zoo::run_zoo(args),
     }
 }

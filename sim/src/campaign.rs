@@ -1,0 +1,185 @@
+//! Campaigns: many seeds over worker threads (`--jobs`), a slice of them per machine (`--shard`),
+//! a progress bar, and a summary with the throughput figures. Each seed's run is deterministic and
+//! independent, so the workers share nothing but a counter and a results channel.
+
+use crate::report::{Finding, OracleKind};
+use crate::runner::{run, RunOptions, RunOutcome, RunStats};
+use crate::scenario::{draw, Scenario};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use tierkv_engine::trace::TraceRecord;
+
+#[derive(Clone, Debug)]
+pub struct CampaignOptions {
+    pub first: u64,
+    pub end: u64,
+    pub jobs: usize,
+    /// (index, count): run only seeds with `seed % count == index`.
+    pub shard: Option<(u64, u64)>,
+    pub profile: String,
+    pub mutant: Option<String>,
+    pub progress: bool,
+    /// Stop handing out seeds after the first failure.
+    pub stop_at_first: bool,
+    pub trace_records: Option<Vec<TraceRecord>>,
+}
+
+impl CampaignOptions {
+    pub fn seeds(&self) -> Vec<u64> {
+        (self.first..self.end)
+            .filter(|s| match self.shard {
+                Some((i, n)) => s % n == i,
+                None => true,
+            })
+            .collect()
+    }
+    pub fn scenario(&self, seed: u64) -> Scenario {
+        let mut sc = draw(seed, &self.profile, self.trace_records.as_deref());
+        sc.mutant = self.mutant.clone();
+        sc
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct CampaignSummary {
+    pub seeds_run: u64,
+    pub failures: Vec<(u64, Finding)>,
+    pub by_oracle: BTreeMap<OracleKind, u64>,
+    pub wall: Duration,
+    pub totals: RunStats,
+    /// The first failing seed in seed order, if any.
+    pub first_failure: Option<u64>,
+}
+
+impl CampaignSummary {
+    fn add(&mut self, o: &RunOutcome) {
+        self.seeds_run += 1;
+        let t = &mut self.totals;
+        let s = &o.stats;
+        t.steps += s.steps;
+        t.submitted += s.submitted;
+        t.finished += s.finished;
+        t.rejected += s.rejected;
+        t.aborted += s.aborted;
+        t.recomputed += s.recomputed;
+        t.digests_checked += s.digests_checked;
+        t.rows_checked += s.rows_checked;
+        t.ops += s.ops;
+        t.events += s.events;
+        t.copy_bytes += s.copy_bytes;
+        t.failed_copies += s.failed_copies;
+        t.loads += s.loads;
+        t.backups += s.backups;
+        t.sim_ns += s.sim_ns;
+        t.wall_ns += s.wall_ns;
+        if let Some(f) = o.findings.first() {
+            *self.by_oracle.entry(f.oracle).or_default() += 1;
+            self.failures.push((o.seed, f.clone()));
+            self.first_failure = Some(self.first_failure.map_or(o.seed, |x| x.min(o.seed)));
+        }
+    }
+
+    pub fn print(&self, profile: &str) {
+        let wall = self.wall.as_secs_f64().max(1e-9);
+        let t = &self.totals;
+        println!("== tierkv sim summary (profile {profile})");
+        println!(
+            "seeds run: {}   failures: {}{}",
+            self.seeds_run,
+            self.failures.len(),
+            if self.by_oracle.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "   by oracle: {}",
+                    self.by_oracle
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        );
+        println!(
+            "checked: {} requests finished, {} digests recomputed, {} KV/index-K rows compared, {} ops, {} loads, {} backups, {} failed copies, {} aborts",
+            t.finished, t.digests_checked, t.rows_checked, t.ops, t.loads, t.backups, t.failed_copies, t.aborted
+        );
+        println!(
+            "throughput: {:.2} seeds/s, {:.0} events/s, {:.1} MB copied/s; simulated {:.3} s in {:.2} s of run time: sim/wall ratio {:.2}x",
+            self.seeds_run as f64 / wall,
+            t.events as f64 / wall,
+            t.copy_bytes as f64 / wall / 1e6,
+            t.sim_ns as f64 * 1e-9,
+            t.wall_ns as f64 * 1e-9,
+            t.sim_ns as f64 / t.wall_ns.max(1) as f64
+        );
+    }
+}
+
+/// Runs a campaign; `on_done` sees every outcome (in completion order).
+pub fn run_campaign(
+    opts: &CampaignOptions,
+    mut on_done: impl FnMut(&RunOutcome),
+) -> CampaignSummary {
+    let seeds = opts.seeds();
+    let total = seeds.len() as u64;
+    let next = AtomicU64::new(0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let start = Instant::now();
+    let mut summary = CampaignSummary::default();
+    let (tx, rx) = mpsc::channel::<RunOutcome>();
+    std::thread::scope(|scope| {
+        for _ in 0..opts.jobs.max(1) {
+            let tx = tx.clone();
+            let (next, stop, seeds) = (&next, &stop, &seeds);
+            scope.spawn(move || loop {
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&seed) = seeds.get(i as usize) else {
+                    return;
+                };
+                let out = run(&opts.scenario(seed), &RunOptions::default());
+                if tx.send(out).is_err() {
+                    return;
+                }
+            });
+        }
+        drop(tx);
+        let mut last_draw = Instant::now() - Duration::from_secs(1);
+        for out in rx {
+            summary.add(&out);
+            if out.failed() && opts.stop_at_first {
+                stop.store(true, Ordering::Relaxed);
+            }
+            on_done(&out);
+            if opts.progress
+                && (last_draw.elapsed() > Duration::from_millis(200) || summary.seeds_run == total)
+            {
+                last_draw = Instant::now();
+                let width = 30;
+                let done = (summary.seeds_run * width / total.max(1)) as usize;
+                eprint!(
+                    "\r[{}{}] {}/{} seeds, {} failures, {:.1} seeds/s ",
+                    "=".repeat(done),
+                    " ".repeat(width as usize - done),
+                    summary.seeds_run,
+                    total,
+                    summary.failures.len(),
+                    summary.seeds_run as f64 / start.elapsed().as_secs_f64().max(1e-9)
+                );
+                let _ = std::io::stderr().flush();
+            }
+        }
+    });
+    if opts.progress {
+        eprintln!();
+    }
+    summary.wall = start.elapsed();
+    summary.failures.sort_by_key(|f| f.0);
+    summary
+}

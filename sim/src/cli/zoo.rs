@@ -1,0 +1,151 @@
+//! `tierkv zoo`: every mutant of the bug zoo through a seeded campaign, and the clean engine over
+//! the same seeds. Prints, per mutant: caught or not, seeds to the first catch, wall time, which
+//! oracle fired.
+
+use crate::campaign::{run_campaign, CampaignOptions};
+use crate::report::OracleKind;
+use std::time::Instant;
+use tierkv_engine::mutants::Mutant;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ZooArgs {
+    /// Seeds per mutant: `0..N`.
+    #[arg(long, default_value_t = 100)]
+    pub seeds: u64,
+    /// Worker threads.
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    #[arg(long, default_value = "swarm")]
+    pub profile: String,
+    /// Only these mutants (comma-separated names).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Skip the clean-engine run.
+    #[arg(long)]
+    pub no_clean: bool,
+}
+
+/// One row of the zoo table.
+#[derive(Clone, Debug)]
+pub struct ZooRow {
+    pub mutant: Option<Mutant>,
+    pub caught: bool,
+    /// Seeds run until the first catch (or all of them).
+    pub seeds: u64,
+    pub first_seed: Option<u64>,
+    pub wall_s: f64,
+    pub oracle: Option<OracleKind>,
+    pub message: String,
+}
+
+/// Runs one mutant (or the clean engine, `None`) over seeds `0..seeds`.
+pub fn zoo_row(mutant: Option<Mutant>, seeds: u64, jobs: usize, profile: &str) -> ZooRow {
+    let t = Instant::now();
+    let opts = CampaignOptions {
+        first: 0,
+        end: seeds,
+        jobs,
+        shard: None,
+        profile: profile.to_string(),
+        mutant: mutant.map(|m| m.name().to_string()),
+        progress: false,
+        stop_at_first: mutant.is_some(),
+        trace_records: None,
+    };
+    let s = run_campaign(&opts, |_| {});
+    let first = s.failures.first().cloned();
+    ZooRow {
+        mutant,
+        caught: first.is_some(),
+        seeds: first.as_ref().map_or(s.seeds_run, |f| f.0 + 1),
+        first_seed: first.as_ref().map(|f| f.0),
+        wall_s: t.elapsed().as_secs_f64(),
+        oracle: first.as_ref().map(|f| f.1.oracle),
+        message: first.map(|f| f.1.message).unwrap_or_default(),
+    }
+}
+
+pub fn run_zoo(args: ZooArgs) -> i32 {
+    if !cfg!(feature = "mutants") {
+        eprintln!("tierkv zoo needs the mutants: build with `--features mutants` (e.g. cargo run --release -p tierkv-sim --features mutants -- zoo)");
+        return 2;
+    }
+    let jobs = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mutants: Vec<Mutant> = if args.only.is_empty() {
+        Mutant::ALL.to_vec()
+    } else {
+        let mut v = Vec::new();
+        for n in &args.only {
+            match Mutant::parse(n) {
+                Some(m) => v.push(m),
+                None => {
+                    eprintln!(
+                        "unknown mutant `{n}`; mutants are: {}",
+                        Mutant::ALL.map(|m| m.name()).join(", ")
+                    );
+                    return 2;
+                }
+            }
+        }
+        v
+    };
+    println!(
+        "{:<4} {:<28} {:<8} {:>6} {:>8}  {:<12} {}",
+        "#", "mutant", "caught", "seeds", "wall s", "oracle", "first finding"
+    );
+    let mut missed = 0;
+    for m in &mutants {
+        let r = zoo_row(Some(*m), args.seeds, jobs, &args.profile);
+        if !r.caught {
+            missed += 1;
+        }
+        let idx = Mutant::ALL.iter().position(|x| x == m).map_or(0, |i| i + 1);
+        println!(
+            "{:<4} {:<28} {:<8} {:>6} {:>8.2}  {:<12} {}",
+            idx,
+            m.name(),
+            if r.caught { "yes" } else { "NO" },
+            r.seeds,
+            r.wall_s,
+            r.oracle.map_or("-".to_string(), |o| o.to_string()),
+            truncate(&r.message, 110)
+        );
+    }
+    let mut clean_failures = 0;
+    if !args.no_clean {
+        let r = zoo_row(None, args.seeds, jobs, &args.profile);
+        clean_failures = if r.caught { 1 } else { 0 };
+        println!(
+            "{:<4} {:<28} {:<8} {:>6} {:>8.2}  {:<12} {}",
+            "-",
+            "clean engine",
+            if r.caught { "FINDING" } else { "clean" },
+            r.seeds,
+            r.wall_s,
+            r.oracle.map_or("-".to_string(), |o| o.to_string()),
+            truncate(&r.message, 110)
+        );
+    }
+    println!(
+        "caught {}/{} mutants within {} seeds; clean engine: {} findings",
+        mutants.len() - missed,
+        mutants.len(),
+        args.seeds,
+        clean_failures
+    );
+    if missed > 0 || clean_failures > 0 {
+        1
+    } else {
+        0
+    }
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(n).collect::<String>())
+    }
+}

@@ -1,0 +1,841 @@
+//! The simulated GPU: the engine's `Device`, with real bytes, three streams and events, run by a
+//! discrete-event executor in virtual time.
+//!
+//! What it guarantees is exactly what CUDA guarantees: ops of one stream run in order; across
+//! streams only events order them (a wait waits for the event's most recent record at the time of
+//! the wait call; an event never recorded is complete). Everything else is the seeded scheduler's
+//! choice: when an op starts after it becomes ready (random walk jitter, or PCT-like stream
+//! priorities with change points), how long it runs (latency and bandwidth models, slow-copy
+//! faults), and whether a copy fails. An op's data effect — its reads and its writes — happens at
+//! its completion, so an op that a missing wait leaves unordered really reads stale bytes in the
+//! schedules where it completes first.
+//!
+//! Checks made here: the race detector at every enqueue and host access (independent of the
+//! schedule); the layout check of every op at enqueue and again when it runs; the content oracle
+//! on every KV and index-K row an op reads, at the moment it reads it.
+
+use crate::oracles::content::ContentOracle;
+use crate::race::{join, Accessor, Race, RaceDetector, Vc, HOST};
+use crate::report::{Finding, OracleKind};
+use crate::rng::Rng;
+use std::cell::{Cell, RefCell};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::rc::Rc;
+use tierkv_engine::cpu_device::{run_op, Memory};
+use tierkv_engine::device::*;
+use tierkv_engine::layout::PageId;
+
+/// How the scheduler chooses among ready streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SchedPolicy {
+    /// Every op starts after a random delay once ready.
+    RandomWalk,
+    /// Streams get priorities (lower ones start later); `depth` times in a run, at random op
+    /// counts, the highest-priority stream drops to the lowest (a PCT-style preemption bound).
+    Pct { depth: u32 },
+}
+
+/// Timing and fault model of the simulated GPU.
+#[derive(Clone, Debug)]
+pub struct GpuOptions {
+    pub policy: SchedPolicy,
+    /// Host cost of one API call (launch overhead), ns.
+    pub launch_ns: u64,
+    /// Kernel time model: fixed cost plus bytes touched / rate.
+    pub kernel_ns: u64,
+    pub kernel_bytes_per_ns: f64,
+    /// Copy time model (PCIe): latency plus bytes / bandwidth.
+    pub copy_latency_ns: u64,
+    pub copy_bytes_per_ns: f64,
+    /// Largest random start delay of a ready op, ns (random walk).
+    pub jitter_ns: u64,
+    /// Probability that a copy is slow, and how much slower.
+    pub slow_copy_rate: f64,
+    pub slow_copy_factor: u64,
+    /// Probability that a copy fails (writes garbage, its next event reports `Failed`).
+    pub failed_copy_rate: f64,
+    /// Fail the first pinned-host allocation (the runner retries the engine's construction).
+    pub fail_first_host_alloc: bool,
+    /// Record every op as a trace slice.
+    pub trace: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            policy: SchedPolicy::RandomWalk,
+            launch_ns: 3_000,
+            kernel_ns: 4_000,
+            kernel_bytes_per_ns: 2_000.0,
+            copy_latency_ns: 8_000,
+            copy_bytes_per_ns: 25.0,
+            jitter_ns: 20_000,
+            slow_copy_rate: 0.0,
+            slow_copy_factor: 20,
+            failed_copy_rate: 0.0,
+            fail_first_host_alloc: false,
+            trace: false,
+        }
+    }
+}
+
+/// One op as the trace shows it.
+#[derive(Clone, Debug)]
+pub struct Slice {
+    pub op_id: u64,
+    pub stream: StreamKind,
+    pub name: &'static str,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub detail: String,
+    pub failed: bool,
+}
+
+#[derive(Clone, Debug)]
+struct OpRec {
+    id: u64,
+    op: Op,
+    fail: bool,
+    duration: u64,
+    enq_ns: u64,
+}
+
+#[derive(Clone, Debug)]
+enum Entry {
+    Op(Box<OpRec>),
+    /// Waits for record `rec` (None: the event was never recorded, a no-op).
+    Wait(Option<u64>),
+    Record(u64),
+}
+
+#[derive(Clone, Debug, Default)]
+struct StreamState {
+    queue: VecDeque<Entry>,
+    /// The op running now, with its start and end times.
+    running: Option<(Box<OpRec>, u64, u64)>,
+    /// When the stream finished its last entry.
+    ready_at: u64,
+    /// A failed op since the last record on this stream.
+    failed_since_record: bool,
+    /// Race-detector clock of the stream's enqueue point.
+    vc: Vc,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct RecordState {
+    done_at: Option<u64>,
+    failed: bool,
+    vc: Vc,
+}
+
+/// Counters of a run.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GpuStats {
+    pub ops: u64,
+    pub events: u64,
+    pub copy_bytes: u64,
+    pub failed_copies: u64,
+}
+
+pub struct SimGpu {
+    pub mem: Memory,
+    opts: GpuOptions,
+    rng: Rng,
+    streams: [StreamState; 3],
+    /// Latest record of each event.
+    events: Vec<Option<u64>>,
+    records: BTreeMap<u64, RecordState>,
+    next_record: u64,
+    heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    seq: u64,
+    next_op: u64,
+    host: Rc<Cell<u64>>,
+    host_vc: Vc,
+    host_actions: u64,
+    race: RaceDetector,
+    tainted: BTreeSet<(BufferId, u64)>,
+    /// Writes per paged-buffer page (the content oracle's cache key).
+    page_gen: std::collections::HashMap<(BufferId, u64), u64>,
+    priorities: [u64; 3],
+    change_points: Vec<u64>,
+    pub findings: Vec<Finding>,
+    pub races: Vec<Race>,
+    pub content: Option<Rc<RefCell<ContentOracle>>>,
+    pub trace: Vec<Slice>,
+    /// Op ids involved in the first race (marked in the trace).
+    pub racing_ops: Vec<u64>,
+    pub stats: GpuStats,
+    log_hash: u64,
+    host_allocs: u32,
+}
+
+/// The engine's clock inside the simulation: the host's virtual time.
+#[derive(Clone, Debug)]
+pub struct SimClock(pub Rc<Cell<u64>>);
+
+impl Clock for SimClock {
+    fn now_ns(&self) -> u64 {
+        self.0.get()
+    }
+}
+
+impl SimGpu {
+    pub fn new(seed: u64, opts: GpuOptions) -> SimGpu {
+        let mut rng = Rng::new(seed ^ 0x6770_7500);
+        let mut priorities = [0u64, 1, 2];
+        for i in (1..3).rev() {
+            let j = rng.below(i as u64 + 1) as usize;
+            priorities.swap(i, j);
+        }
+        let change_points = match opts.policy {
+            SchedPolicy::Pct { depth } => {
+                let mut v: Vec<u64> = (0..depth).map(|_| rng.below(2_000)).collect();
+                v.sort_unstable();
+                v
+            }
+            SchedPolicy::RandomWalk => Vec::new(),
+        };
+        SimGpu {
+            mem: Memory::default(),
+            opts,
+            rng,
+            streams: Default::default(),
+            events: Vec::new(),
+            records: BTreeMap::new(),
+            next_record: 0,
+            heap: BinaryHeap::new(),
+            seq: 0,
+            next_op: 0,
+            host: Rc::new(Cell::new(0)),
+            host_vc: [0; 4],
+            host_actions: 0,
+            race: RaceDetector::default(),
+            tainted: BTreeSet::new(),
+            page_gen: std::collections::HashMap::new(),
+            priorities,
+            change_points,
+            findings: Vec::new(),
+            races: Vec::new(),
+            content: None,
+            trace: Vec::new(),
+            racing_ops: Vec::new(),
+            stats: GpuStats::default(),
+            log_hash: 0xC0FF_EE00,
+            host_allocs: 0,
+        }
+    }
+
+    pub fn clock(&self) -> SimClock {
+        SimClock(self.host.clone())
+    }
+    pub fn now(&self) -> u64 {
+        self.host.get()
+    }
+    /// The hash of everything that happened, in order (the determinism oracle compares it).
+    pub fn log_hash(&self) -> u64 {
+        self.log_hash
+    }
+    fn log(&mut self, parts: &[u64]) {
+        for &p in parts {
+            self.log_hash = tierkv_kernels::cpu::numerics::mix64(self.log_hash ^ p);
+        }
+        self.stats.events += 1;
+    }
+
+    /// Moves the host's clock forward (idle time between arrivals), running the device meanwhile.
+    pub fn advance_host_to(&mut self, t: u64) {
+        if t > self.host.get() {
+            self.host.set(t);
+        }
+        self.pump(self.host.get());
+    }
+
+    fn finding(&mut self, oracle: OracleKind, message: String) {
+        self.findings.push(Finding {
+            oracle,
+            time_ns: self.host.get(),
+            message,
+        });
+    }
+
+    fn describe(&self, b: BufferId) -> String {
+        format!("{b} ({})", self.mem.desc(b).role)
+    }
+
+    fn report_races(&mut self, races: Vec<Race>) {
+        for r in races {
+            if self.races.len() < 16 {
+                if self.racing_ops.is_empty() {
+                    self.racing_ops = vec![r.earlier.id, r.later.id];
+                }
+                let role = self.mem.desc(r.buffer).role;
+                let cb = self.race.cell_bytes(r.buffer);
+                let unit = match role {
+                    BufferRole::Pool { .. } | BufferRole::Mirror { .. } => {
+                        format!("page {}", r.cell)
+                    }
+                    BufferRole::Scratch { .. } => {
+                        format!("bytes {}..{}", r.cell * cb, (r.cell + 1) * cb)
+                    }
+                };
+                let who = |write: bool, a: &Accessor| {
+                    format!(
+                        "{} {} by {} (on {})",
+                        if write { "write" } else { "read" },
+                        a.what,
+                        if a.entity == HOST {
+                            "host".to_string()
+                        } else {
+                            format!("op {}", a.id)
+                        },
+                        entity_name(a.entity)
+                    )
+                };
+                let msg = format!(
+                    "data race on {} {unit}: {} is not ordered after {}",
+                    self.describe(r.buffer),
+                    who(r.later_write, &r.later),
+                    who(r.earlier_write, &r.earlier)
+                );
+                self.finding(OracleKind::Race, msg);
+            }
+            self.races.push(r);
+        }
+    }
+
+    fn duration(&mut self, op: &Op) -> (u64, bool) {
+        let accesses = op.accesses();
+        let bytes: u64 = accesses.iter().map(|a| a.range.end - a.range.start).sum();
+        match op {
+            Op::PageCopy { .. } | Op::Copy { .. } => {
+                let base = self.opts.copy_latency_ns
+                    + (bytes as f64 / 2.0 / self.opts.copy_bytes_per_ns) as u64;
+                let mut d = base + self.rng.below(base / 4 + 1);
+                if self.opts.slow_copy_rate > 0.0 && self.rng.chance(self.opts.slow_copy_rate) {
+                    d *= self.opts.slow_copy_factor;
+                }
+                let fail = matches!(op, Op::PageCopy { .. })
+                    && self.opts.failed_copy_rate > 0.0
+                    && self.rng.chance(self.opts.failed_copy_rate);
+                (d, fail)
+            }
+            _ => {
+                let base =
+                    self.opts.kernel_ns + (bytes as f64 / self.opts.kernel_bytes_per_ns) as u64;
+                (base + self.rng.below(base / 2 + 1), false)
+            }
+        }
+    }
+
+    fn start_delay(&mut self, stream: usize) -> u64 {
+        match self.opts.policy {
+            SchedPolicy::RandomWalk => self.rng.below(self.opts.jitter_ns + 1),
+            SchedPolicy::Pct { .. } => {
+                if let Some(&cp) = self.change_points.first() {
+                    if self.next_op >= cp {
+                        self.change_points.remove(0);
+                        // Demote the highest-priority stream to the lowest.
+                        let top = (0..3)
+                            .min_by_key(|&s| self.priorities[s])
+                            .expect("3 streams");
+                        for p in self.priorities.iter_mut() {
+                            *p = p.saturating_sub(1);
+                        }
+                        self.priorities[top] = 2;
+                    }
+                }
+                self.priorities[stream] * self.opts.jitter_ns
+                    + self.rng.below(self.opts.jitter_ns / 4 + 1)
+            }
+        }
+    }
+
+    /// Runs the stream's queue from time `t` as far as it can go without waiting for time.
+    fn advance_stream(&mut self, s: usize, t: u64) {
+        loop {
+            if self.streams[s].running.is_some() {
+                return;
+            }
+            let t = t.max(self.streams[s].ready_at);
+            let Some(head) = self.streams[s].queue.front() else {
+                return;
+            };
+            match head {
+                Entry::Record(rec) => {
+                    let rec = *rec;
+                    self.streams[s].queue.pop_front();
+                    let failed = std::mem::take(&mut self.streams[s].failed_since_record);
+                    let r = self.records.get_mut(&rec).expect("record exists");
+                    r.done_at = Some(t);
+                    r.failed = failed;
+                    self.streams[s].ready_at = t;
+                    self.log(&[1, s as u64, rec, t]);
+                    // A completed record may release waits on other streams.
+                    for o in 0..3 {
+                        if o != s {
+                            self.advance_stream(o, t);
+                        }
+                    }
+                }
+                Entry::Wait(target) => {
+                    let target = *target;
+                    let done = match target {
+                        None => Some(t),
+                        Some(rec) => self.records[&rec].done_at,
+                    };
+                    match done {
+                        Some(at) => {
+                            self.streams[s].queue.pop_front();
+                            self.streams[s].ready_at = t.max(at);
+                        }
+                        None => return,
+                    }
+                }
+                Entry::Op(_) => {
+                    let Some(Entry::Op(rec)) = self.streams[s].queue.pop_front() else {
+                        unreachable!()
+                    };
+                    let start = t.max(rec.enq_ns) + self.start_delay(s);
+                    let end = start + rec.duration;
+                    self.seq += 1;
+                    self.heap.push(Reverse((end, self.seq, s)));
+                    self.log(&[2, s as u64, rec.id, start]);
+                    self.streams[s].running = Some((rec, start, end));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Processes device completions up to time `until`.
+    fn pump(&mut self, until: u64) {
+        while let Some(&Reverse((t, _, s))) = self.heap.peek() {
+            if t > until {
+                break;
+            }
+            self.heap.pop();
+            self.complete(s);
+        }
+    }
+
+    /// Runs the device until record `rec` is complete (the host blocks meanwhile).
+    fn run_until_record(&mut self, rec: u64) -> u64 {
+        loop {
+            if let Some(at) = self.records[&rec].done_at {
+                return at;
+            }
+            let Some(Reverse((_, _, s))) = self.heap.pop() else {
+                panic!("deadlock: the host waits for record {rec}, which no stream will reach");
+            };
+            self.complete(s);
+        }
+    }
+
+    /// The op running on stream `s` ends: its reads and writes happen now.
+    fn complete(&mut self, s: usize) {
+        let (rec, start, end) = self.streams[s].running.take().expect("a running op");
+        self.stats.ops += 1;
+        self.log(&[3, s as u64, rec.id, end]);
+        // The paired check: the op still fits its buffers when it runs.
+        if let Err(e) = check_op(&rec.op, |b| self.mem.desc(b)) {
+            panic!(
+                "op {} passed its enqueue check but not its execution check: {e}",
+                rec.id
+            );
+        }
+        if let Some(c) = self.content.clone() {
+            let view = PageView {
+                tainted: &self.tainted,
+                gen: &self.page_gen,
+            };
+            let found = c.borrow_mut().check_reads(&rec.op, &self.mem, &view);
+            for msg in found {
+                self.finding(
+                    OracleKind::Content,
+                    format!("op {} ({}) at {} ns: {msg}", rec.id, rec.op.name(), end),
+                );
+            }
+        }
+        let mut failed = false;
+        if rec.fail {
+            failed = true;
+            self.stats.failed_copies += 1;
+            self.streams[s].failed_since_record = true;
+            // A failed copy leaves garbage where it was writing.
+            for a in rec.op.accesses().into_iter().filter(|a| a.write) {
+                let garbage = self.rng.next_u64();
+                let buf = &mut self.mem.bufs[a.range.buffer.0 as usize];
+                for (i, b) in buf[a.range.start as usize..a.range.end as usize]
+                    .iter_mut()
+                    .enumerate()
+                {
+                    *b = (garbage >> ((i % 8) * 8)) as u8 ^ i as u8;
+                }
+                self.taint(a.range, true);
+            }
+        } else {
+            if let Err(e) = run_op(&rec.op, &mut self.mem) {
+                self.finding(
+                    OracleKind::Layout,
+                    format!("op {} ({}) failed to run: {e}", rec.id, rec.op.name()),
+                );
+            }
+            for a in rec.op.accesses().into_iter().filter(|a| a.write) {
+                self.taint(a.range, false);
+            }
+            if let Op::PageCopy { .. } = rec.op {
+                self.stats.copy_bytes += rec
+                    .op
+                    .accesses()
+                    .iter()
+                    .filter(|a| a.write)
+                    .map(|a| a.range.end - a.range.start)
+                    .sum::<u64>();
+            }
+        }
+        if self.opts.trace {
+            self.trace.push(Slice {
+                op_id: rec.id,
+                stream: StreamKind::ALL[s],
+                name: rec.op.name(),
+                start_ns: start,
+                end_ns: end,
+                detail: op_detail(&rec.op, &self.mem),
+                failed,
+            });
+        }
+        self.streams[s].ready_at = end;
+        self.advance_stream(s, end);
+    }
+
+    fn taint(&mut self, r: ByteRange, on: bool) {
+        let desc = self.mem.desc(r.buffer);
+        let pb = desc.fingerprint.page_bytes.max(1);
+        if !desc.fingerprint.is_paged() {
+            return;
+        }
+        for p in r.start / pb..r.end.div_ceil(pb) {
+            *self.page_gen.entry((r.buffer, p)).or_default() += 1;
+            if on {
+                self.tainted.insert((r.buffer, p));
+            } else if r.start <= p * pb && r.end >= (p + 1) * pb {
+                self.tainted.remove(&(r.buffer, p));
+            }
+        }
+    }
+
+    fn host_access(&mut self, what: &str, buf: BufferId, offset: u64, len: usize, write: bool) {
+        self.host_actions += 1;
+        self.host_vc[HOST] += 1;
+        let who = Accessor {
+            entity: HOST,
+            epoch: self.host_vc[HOST],
+            id: self.host_actions,
+            what: what.to_string(),
+        };
+        let vc = self.host_vc;
+        let races = self.race.access(
+            ByteRange {
+                buffer: buf,
+                start: offset,
+                end: offset + len as u64,
+            },
+            write,
+            &vc,
+            &who,
+        );
+        self.report_races(races);
+    }
+
+    fn check_host(
+        &self,
+        op: &'static str,
+        buf: BufferId,
+        offset: u64,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        let d = self.mem.desc(buf);
+        if d.tier != MemoryTier::PinnedHost {
+            return Err(DeviceError::NotHostMemory {
+                op,
+                buffer: buf,
+                role: d.role,
+            });
+        }
+        let end = offset + len as u64;
+        if end > d.bytes.0 {
+            return Err(DeviceError::OutOfBounds {
+                op,
+                buffer: buf,
+                role: d.role,
+                start: offset,
+                end,
+                size: d.bytes.0,
+            });
+        }
+        Ok(())
+    }
+
+    /// Faults stop (the liveness phase of a run): no more slow or failed copies.
+    pub fn stop_faults(&mut self) {
+        self.opts.slow_copy_rate = 0.0;
+        self.opts.failed_copy_rate = 0.0;
+    }
+
+    /// Whether any stream still has work.
+    pub fn busy(&self) -> bool {
+        self.streams
+            .iter()
+            .any(|s| s.running.is_some() || !s.queue.is_empty())
+    }
+
+    /// Runs the device until every stream is idle (end of a run).
+    pub fn drain(&mut self) {
+        while let Some(Reverse((_, _, s))) = self.heap.pop() {
+            self.complete(s);
+        }
+    }
+
+    /// Whether this page of a buffer holds bytes from a failed copy.
+    pub fn is_tainted(&self, b: BufferId, page: PageId) -> bool {
+        self.tainted.contains(&(b, page.0 as u64))
+    }
+}
+
+struct PageView<'a> {
+    tainted: &'a BTreeSet<(BufferId, u64)>,
+    gen: &'a std::collections::HashMap<(BufferId, u64), u64>,
+}
+
+impl crate::oracles::content::PageState for PageView<'_> {
+    fn tainted(&self, buf: BufferId, page: u64) -> bool {
+        self.tainted.contains(&(buf, page))
+    }
+    fn generation(&self, buf: BufferId, page: u64) -> u64 {
+        self.gen.get(&(buf, page)).copied().unwrap_or(0)
+    }
+}
+
+fn entity_name(e: usize) -> &'static str {
+    if e == HOST {
+        "host"
+    } else {
+        StreamKind::ALL[e].name()
+    }
+}
+
+/// A short human description of an op for traces and reports.
+pub fn op_detail(op: &Op, mem: &Memory) -> String {
+    let role = |b: BufferId| mem.desc(b).role.to_string();
+    match op {
+        Op::PageCopy { src, dst, runs, .. } => {
+            let pages: u32 = runs.iter().map(|r| r.count).sum();
+            let first = runs
+                .first()
+                .map(|r| format!(" (first run {}→{} x{})", r.src, r.dst, r.count))
+                .unwrap_or_default();
+            format!(
+                "{} → {}: {pages} pages in {} runs{first}",
+                role(*src),
+                role(*dst),
+                runs.len()
+            )
+        }
+        Op::IndexKStore { dst, slots, .. } | Op::KvStore { dst, slots, .. } => {
+            format!("{} tokens into {}", slots.len(), role(*dst))
+        }
+        Op::IndexLogits {
+            k, context_lens, ..
+        } => format!("{} rows over {}", context_lens.len(), role(*k)),
+        Op::SparseRead {
+            kv,
+            context_lens,
+            k,
+            ..
+        } => format!("{} rows x top-{k} of {}", context_lens.len(), role(*kv)),
+        Op::TopK {
+            k, context_lens, ..
+        } => format!("{} rows, k = {k}", context_lens.len()),
+        Op::QPrep { rope, heads, .. } => format!("{} rows x {heads} heads", rope.len() / 64),
+        Op::Copy { src, dst } => format!(
+            "{} → {} ({} B)",
+            role(src.buffer),
+            role(dst.buffer),
+            src.bytes
+        ),
+    }
+}
+
+impl Device for SimGpu {
+    fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
+        if desc.tier == MemoryTier::PinnedHost {
+            self.host_allocs += 1;
+            if self.opts.fail_first_host_alloc && self.host_allocs == 1 {
+                return Err(DeviceError::OutOfMemory {
+                    role: desc.role,
+                    tier: desc.tier,
+                    bytes: desc.bytes.0,
+                });
+            }
+        }
+        let id = self.mem.alloc(desc);
+        let cell = if desc.fingerprint.is_paged() {
+            desc.fingerprint.page_bytes
+        } else {
+            4096
+        };
+        self.race.register(id, cell);
+        self.log(&[4, id.0 as u64, desc.bytes.0]);
+        Ok(id)
+    }
+    fn desc(&self, buf: BufferId) -> BufferDesc {
+        self.mem.desc(buf)
+    }
+    fn new_event(&mut self) -> EventId {
+        self.events.push(None);
+        EventId(self.events.len() as u32 - 1)
+    }
+    fn record(&mut self, stream: StreamKind, ev: EventId) {
+        let s = stream.index();
+        let rec = self.next_record;
+        self.next_record += 1;
+        self.records.insert(
+            rec,
+            RecordState {
+                done_at: None,
+                failed: false,
+                vc: self.streams[s].vc,
+            },
+        );
+        self.events[ev.0 as usize] = Some(rec);
+        self.streams[s].queue.push_back(Entry::Record(rec));
+        self.log(&[5, s as u64, ev.0 as u64, rec]);
+        let now = self.host.get();
+        self.advance_stream(s, now);
+    }
+    fn wait(&mut self, stream: StreamKind, ev: EventId) {
+        let s = stream.index();
+        let target = self.events[ev.0 as usize];
+        if let Some(rec) = target {
+            let vc = self.records[&rec].vc;
+            join(&mut self.streams[s].vc, &vc);
+        }
+        self.streams[s].queue.push_back(Entry::Wait(target));
+        self.log(&[6, s as u64, ev.0 as u64]);
+        let now = self.host.get();
+        self.advance_stream(s, now);
+    }
+    fn query(&mut self, ev: EventId) -> EventState {
+        let now = self.host.get();
+        self.pump(now);
+        let state = match self.events[ev.0 as usize] {
+            None => EventState::Done,
+            Some(rec) => {
+                let r = self.records[&rec];
+                match r.done_at {
+                    Some(at) if at <= now => {
+                        join(&mut self.host_vc, &r.vc);
+                        if r.failed {
+                            EventState::Failed
+                        } else {
+                            EventState::Done
+                        }
+                    }
+                    _ => EventState::Pending,
+                }
+            }
+        };
+        self.log(&[7, ev.0 as u64, state as u64]);
+        state
+    }
+    fn synchronize(&mut self, ev: EventId) -> EventState {
+        let state = match self.events[ev.0 as usize] {
+            None => EventState::Done,
+            Some(rec) => {
+                let at = self.run_until_record(rec);
+                if at > self.host.get() {
+                    self.host.set(at);
+                }
+                let r = self.records[&rec];
+                join(&mut self.host_vc, &r.vc);
+                if r.failed {
+                    EventState::Failed
+                } else {
+                    EventState::Done
+                }
+            }
+        };
+        let now = self.host.get();
+        self.pump(now);
+        self.log(&[8, ev.0 as u64, state as u64, now]);
+        state
+    }
+    fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
+        if let Err(e) = check_op(&op, |b| self.mem.desc(b)) {
+            self.finding(
+                OracleKind::Layout,
+                format!(
+                    "{} refused at enqueue on the {} stream: {e}",
+                    op.name(),
+                    stream.name()
+                ),
+            );
+            return Err(e);
+        }
+        let s = stream.index();
+        self.host.set(self.host.get() + self.opts.launch_ns);
+        let id = self.next_op;
+        self.next_op += 1;
+        // Happens-before: the op follows everything its stream and the host know of.
+        let mut vc = self.streams[s].vc;
+        join(&mut vc, &self.host_vc);
+        vc[s] += 1;
+        self.streams[s].vc = vc;
+        let who_what = format!("{} {}", op.name(), op_detail(&op, &self.mem));
+        for a in op.accesses() {
+            let who = Accessor {
+                entity: s,
+                epoch: vc[s],
+                id,
+                what: who_what.clone(),
+            };
+            let races = self.race.access(a.range, a.write, &vc, &who);
+            if !races.is_empty() {
+                self.report_races(races);
+            }
+        }
+        let (duration, fail) = self.duration(&op);
+        self.log(&[9, s as u64, id, duration, fail as u64]);
+        let now = self.host.get();
+        self.streams[s].queue.push_back(Entry::Op(Box::new(OpRec {
+            id,
+            op,
+            fail,
+            duration,
+            enq_ns: now,
+        })));
+        self.pump(now);
+        self.advance_stream(s, now);
+        Ok(())
+    }
+    fn host_read(&mut self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.check_host("host_read", buf, offset, out.len())?;
+        let now = self.host.get();
+        self.pump(now);
+        self.host_access("host_read", buf, offset, out.len(), false);
+        out.copy_from_slice(&self.mem.bytes(buf)[offset as usize..offset as usize + out.len()]);
+        self.log(&[10, buf.0 as u64, offset]);
+        Ok(())
+    }
+    fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.check_host("host_write", buf, offset, data.len())?;
+        let now = self.host.get();
+        self.pump(now);
+        self.host_access("host_write", buf, offset, data.len(), true);
+        self.mem.bufs[buf.0 as usize][offset as usize..offset as usize + data.len()]
+            .copy_from_slice(data);
+        self.log(&[11, buf.0 as u64, offset]);
+        Ok(())
+    }
+}

@@ -1,0 +1,314 @@
+//! The content oracle: every index-K row an `index_logits` op reads and every KV row a
+//! `sparse_read` op reads is compared, byte for byte, with what the synthetic model says belongs
+//! there — at the moment the simulated GPU runs the op. It knows each request's tokens (the runner
+//! tells it the prompt and every generated token) and computes expected rows with the kernels' CPU
+//! references on fresh inputs; it never looks at the engine's state.
+//!
+//! Rows of pages that a failed copy left garbage in are not compared (the engine must discard what
+//! it computed from them; the digest oracle checks that it did).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use tierkv_engine::config::Config;
+use tierkv_engine::cpu_device::{i32s, Memory};
+use tierkv_engine::device::{BufferId, Op};
+use tierkv_engine::layout::{index_k_page, kv_row, IndexKDtype, KvDtype, PageFormat, PAGE_TOKENS};
+use tierkv_engine::synth::Synth;
+use tierkv_kernels::cpu::store::{index_k_token, kv_token};
+use tierkv_kernels::rope::rope_row;
+
+/// What the synthetic model says an index-K row is: its value bytes and (fp8) scale.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IkRow {
+    pub values: Vec<u8>,
+    pub scale: Option<f32>,
+}
+
+pub struct ContentOracle {
+    pub synth: Synth,
+    pub ik_dtype: IndexKDtype,
+    pub kv_dtype: KvDtype,
+    pub ue8m0: bool,
+    ln: BTreeMap<u32, (Arc<[f32]>, Arc<[f32]>)>,
+    /// Known tokens of each request: prompt, then every generated token.
+    pub tokens: BTreeMap<u64, Vec<u32>>,
+    ik_memo: HashMap<(u32, u32, u32), Arc<IkRow>>,
+    kv_memo: HashMap<(u32, u32, u32), Arc<Vec<u8>>>,
+    /// Selections seen by `sparse_read`: (request, query position, global layer) → positions.
+    pub selections: BTreeMap<(u64, u32, u32), Vec<u32>>,
+    pub rows_checked: u64,
+    /// Pages already compared: (buffer, page) → (write generation, hash of what was expected).
+    /// A page read again, unwritten since and expected to hold the same tokens, holds the bytes
+    /// that were compared — so comparing them again would prove nothing new.
+    verified: HashMap<(BufferId, u64), (u64, u64)>,
+}
+
+/// What the GPU knows about a page: whether a failed copy left garbage in it, and how many times
+/// it has been written.
+pub trait PageState {
+    fn tainted(&self, buf: BufferId, page: u64) -> bool;
+    fn generation(&self, buf: BufferId, page: u64) -> u64;
+}
+
+impl ContentOracle {
+    pub fn new(cfg: &Config, synth: Synth) -> Self {
+        ContentOracle {
+            synth,
+            ik_dtype: cfg.model.index_k_dtype,
+            kv_dtype: cfg.model.kv_dtype,
+            ue8m0: cfg.model.index_k_ue8m0,
+            ln: BTreeMap::new(),
+            tokens: BTreeMap::new(),
+            ik_memo: HashMap::new(),
+            kv_memo: HashMap::new(),
+            selections: BTreeMap::new(),
+            rows_checked: 0,
+            verified: HashMap::new(),
+        }
+    }
+
+    pub fn token(&self, request: u64, position: u32) -> Option<u32> {
+        self.tokens.get(&request)?.get(position as usize).copied()
+    }
+
+    /// The expected index-K row of `token` at `position` in global layer `layer`.
+    pub fn ik_row(&mut self, token: u32, position: u32, layer: u32) -> Arc<IkRow> {
+        if let Some(r) = self.ik_memo.get(&(token, position, layer)) {
+            return r.clone();
+        }
+        let synth = self.synth;
+        let (g, b) = self
+            .ln
+            .entry(layer)
+            .or_insert_with(|| synth.ln_params(layer))
+            .clone();
+        let key = synth.index_key(token, position, layer);
+        let mut values = vec![0u8; index_k_page::values_bytes(self.ik_dtype)];
+        let scale = index_k_token(
+            self.ik_dtype,
+            self.ue8m0,
+            &key,
+            &g,
+            &b,
+            &rope_row(position),
+            &mut values,
+        );
+        let r = Arc::new(IkRow { values, scale });
+        self.ik_memo.insert((token, position, layer), r.clone());
+        r
+    }
+
+    /// The expected KV row bytes of `token` at `position` in global layer `layer`.
+    pub fn kv_row(&mut self, token: u32, position: u32, layer: u32) -> Arc<Vec<u8>> {
+        if let Some(r) = self.kv_memo.get(&(token, position, layer)) {
+            return r.clone();
+        }
+        let row = self.synth.kv_row(token, position, layer);
+        let mut out = vec![0u8; PageFormat::Kv(self.kv_dtype).token_bytes() as usize];
+        kv_token(self.kv_dtype, &row, &mut out);
+        let r = Arc::new(out);
+        self.kv_memo.insert((token, position, layer), r.clone());
+        r
+    }
+
+    /// A hash of the tokens expected at `first..last` of `request` in `layer`.
+    fn expect_hash(&self, request: u64, first: u32, last: u32, layer: u32) -> Option<u64> {
+        let toks = self.tokens.get(&request)?;
+        if last as usize > toks.len() {
+            return None;
+        }
+        let mut h = tierkv_kernels::cpu::numerics::mix64(
+            ((layer as u64) << 40) ^ ((first as u64) << 20) ^ last as u64,
+        );
+        for &t in &toks[first as usize..last as usize] {
+            h = tierkv_kernels::cpu::numerics::mix64(h ^ t as u64);
+        }
+        Some(h)
+    }
+
+    /// Checks the rows `op` reads from `mem`; returns one message per violated op (first row).
+    pub fn check_reads(&mut self, op: &Op, mem: &Memory, pages: &dyn PageState) -> Vec<String> {
+        match op {
+            Op::IndexLogits {
+                k,
+                page_table,
+                pt_stride,
+                context_lens,
+                tags,
+                ..
+            } => self.check_index_k(*k, page_table, *pt_stride, context_lens, tags, mem, pages),
+            Op::SparseRead {
+                k,
+                slots,
+                kv,
+                page_table,
+                pt_stride,
+                context_lens,
+                tags,
+                ..
+            } => {
+                let sel = i32s(mem.region(*slots));
+                self.check_kv(
+                    *kv,
+                    *k,
+                    &sel,
+                    page_table,
+                    *pt_stride,
+                    context_lens,
+                    tags,
+                    mem,
+                    pages,
+                )
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_index_k(
+        &mut self,
+        k: BufferId,
+        page_table: &[i32],
+        pt_stride: u32,
+        context_lens: &[i32],
+        tags: &tierkv_engine::device::RowTags,
+        mem: &Memory,
+        pages: &dyn PageState,
+    ) -> Vec<String> {
+        let dtype = self.ik_dtype;
+        let pb = PageFormat::IndexK(dtype).page_bytes() as usize;
+        let buf = mem.bytes(k);
+        let layer = tags.layer_global;
+        for (r, tag) in tags.rows.iter().enumerate() {
+            let ctx = context_lens[r] as u32;
+            for j in 0..ctx.div_ceil(PAGE_TOKENS) {
+                let page = page_table[r * pt_stride as usize + j as usize];
+                if page < 0 || pages.tainted(k, page as u64) {
+                    continue;
+                }
+                let (first, last) = (j * PAGE_TOKENS, ((j + 1) * PAGE_TOKENS).min(ctx));
+                let Some(want_hash) = self.expect_hash(tag.request, first, last, layer) else {
+                    return vec![format!(
+                        "request {} reads index-K positions {first}..{last}, past its known tokens",
+                        tag.request
+                    )];
+                };
+                // A page compared before, unwritten since and expected to hold the same tokens
+                // holds the very bytes that were compared: nothing new to learn from them.
+                let gen = pages.generation(k, page as u64);
+                self.rows_checked += (last - first) as u64;
+                if self.verified.get(&(k, page as u64)) == Some(&(gen, want_hash)) {
+                    continue;
+                }
+                for n in first..last {
+                    let token = self.tokens[&tag.request][n as usize];
+                    let want = self.ik_row(token, n, layer);
+                    let t = n % PAGE_TOKENS;
+                    let at = page as usize * pb + index_k_page::value_offset(dtype, t, 0);
+                    let got = &buf[at..at + want.values.len()];
+                    if got != want.values.as_slice() {
+                        let i = got
+                            .iter()
+                            .zip(want.values.iter())
+                            .position(|(a, b)| a != b)
+                            .unwrap_or(0);
+                        return vec![format!(
+                            "index-K read of request {} position {n} (page {page}, token {t}) in layer {layer}: \
+                             value byte {i} is {:#04x}, the synthetic model says {:#04x} (query position {})",
+                            tag.request, got[i], want.values[i], tag.position
+                        )];
+                    }
+                    if let (Some(off), Some(scale)) =
+                        (index_k_page::scale_offset(dtype, t), want.scale)
+                    {
+                        let at = page as usize * pb + off;
+                        let got = f32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
+                        if got.to_bits() != scale.to_bits() {
+                            return vec![format!(
+                                "index-K read of request {} position {n} (page {page}) in layer {layer}: \
+                                 scale is {got:e}, the synthetic model says {scale:e}",
+                                tag.request
+                            )];
+                        }
+                    }
+                }
+                self.verified.insert((k, page as u64), (gen, want_hash));
+            }
+        }
+        Vec::new()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_kv(
+        &mut self,
+        kv: BufferId,
+        k: u32,
+        sel: &[i32],
+        page_table: &[i32],
+        pt_stride: u32,
+        context_lens: &[i32],
+        tags: &tierkv_engine::device::RowTags,
+        mem: &Memory,
+        pages: &dyn PageState,
+    ) -> Vec<String> {
+        let dtype = self.kv_dtype;
+        let tb = PageFormat::Kv(dtype).token_bytes() as usize;
+        let buf = mem.bytes(kv);
+        let layer = tags.layer_global;
+        for (r, tag) in tags.rows.iter().enumerate() {
+            let ctx = context_lens[r] as u32;
+            let pt = &page_table[r * pt_stride as usize..][..ctx.div_ceil(PAGE_TOKENS) as usize];
+            let mut positions = Vec::new();
+            for i in 0..k as usize {
+                let s = sel[r * k as usize + i];
+                if s < 0 {
+                    continue;
+                }
+                let (page, t) = (s / PAGE_TOKENS as i32, s as u32 % PAGE_TOKENS);
+                let Some(j) = pt.iter().position(|&p| p == page) else {
+                    return vec![format!(
+                        "request {} (query position {}) layer {layer}: selected slot {s} is in page {page}, \
+                         which is not in the row's page table",
+                        tag.request, tag.position
+                    )];
+                };
+                let n = j as u32 * PAGE_TOKENS + t;
+                if n >= ctx {
+                    return vec![format!(
+                        "request {} (query position {}) layer {layer}: selected position {n} is past the context ({ctx})",
+                        tag.request, tag.position
+                    )];
+                }
+                positions.push(n);
+                if pages.tainted(kv, page as u64) {
+                    continue;
+                }
+                let Some(token) = self.token(tag.request, n) else {
+                    return vec![format!(
+                        "request {} reads KV position {n}, past its known tokens",
+                        tag.request
+                    )];
+                };
+                let want = self.kv_row(token, n, layer);
+                let at = kv_row::slot_offset(dtype, s as u32);
+                let got = &buf[at..at + tb];
+                self.rows_checked += 1;
+                if got != want.as_slice() {
+                    let b = got
+                        .iter()
+                        .zip(want.iter())
+                        .position(|(a, b)| a != b)
+                        .unwrap_or(0);
+                    return vec![format!(
+                        "KV read of request {} position {n} (slot {s}) in layer {layer}: byte {b} is {:#04x}, \
+                         the synthetic model says {:#04x} (query position {})",
+                        tag.request, got[b], want[b], tag.position
+                    )];
+                }
+            }
+            self.selections
+                .insert((tag.request, tag.position, layer), positions);
+        }
+        Vec::new()
+    }
+}

@@ -1,0 +1,193 @@
+//! The digest and top-k oracles: every digest the engine emits is recomputed here from the
+//! synthetic model alone — expected index-K rows, the query's `q_prep`, the logits over the whole
+//! context, the top-k with the *configured* `index_topk`, and the digest of the expected KV rows of
+//! that selection. When a digest differs, the selection the GPU actually read (recorded by the
+//! content oracle) says whether the top-k itself went wrong.
+
+use super::content::ContentOracle;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use tierkv_engine::layout::IndexKDtype;
+use tierkv_kernels::cpu::logits::{apply_scale, decode_q, scores as logit_scores};
+use tierkv_kernels::cpu::numerics::{bf16_value, e4m3_decode, mix64};
+use tierkv_kernels::cpu::q_prep::q_prep_head;
+use tierkv_kernels::cpu::sparse_read::{rank_term, row_hash};
+use tierkv_kernels::cpu::topk::topk_positions;
+use tierkv_kernels::rope::rope_row;
+
+/// Which oracle a digest mismatch belongs to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mismatch {
+    TopK(String),
+    Digest(String),
+}
+
+pub struct DigestOracle {
+    pub topk: u32,
+    pub heads: u32,
+    pub layers: u32,
+    pub layer_base: u32,
+    memo: HashMap<(u64, u32), (u64, Arc<Vec<u32>>)>,
+    keys: HashMap<(u32, u32, u32), Arc<([f32; 128], f32)>>,
+    prefix: BTreeMap<u64, Vec<u64>>,
+    pub digests_checked: u64,
+}
+
+impl DigestOracle {
+    pub fn new(cfg: &tierkv_engine::Config) -> Self {
+        DigestOracle {
+            topk: cfg.model.index_topk,
+            heads: cfg.model.index_n_heads,
+            layers: cfg.model.layers,
+            layer_base: cfg.model.layer_base,
+            memo: HashMap::new(),
+            keys: HashMap::new(),
+            prefix: BTreeMap::new(),
+            digests_checked: 0,
+        }
+    }
+
+    /// Hash of tokens `0..=position` of `request` (content, so equal prefixes share a memo).
+    fn prefix_hash(&mut self, c: &ContentOracle, request: u64, position: u32) -> u64 {
+        let toks = &c.tokens[&request];
+        let h = self.prefix.entry(request).or_default();
+        while h.len() <= position as usize {
+            let i = h.len();
+            let prev = if i == 0 { 0x5EED } else { h[i - 1] };
+            h.push(mix64(prev ^ ((toks[i] as u64) << 20) ^ i as u64));
+        }
+        h[position as usize]
+    }
+
+    fn key(
+        &mut self,
+        c: &mut ContentOracle,
+        token: u32,
+        pos: u32,
+        layer: u32,
+    ) -> Arc<([f32; 128], f32)> {
+        if let Some(k) = self.keys.get(&(token, pos, layer)) {
+            return k.clone();
+        }
+        let row = c.ik_row(token, pos, layer);
+        let mut k = [0f32; 128];
+        match c.ik_dtype {
+            IndexKDtype::Fp8 => {
+                for (d, kd) in k.iter_mut().enumerate() {
+                    *kd = e4m3_decode(row.values[d]);
+                }
+            }
+            IndexKDtype::Bf16 => {
+                for (d, kd) in k.iter_mut().enumerate() {
+                    *kd = bf16_value(u16::from_le_bytes([
+                        row.values[2 * d],
+                        row.values[2 * d + 1],
+                    ]));
+                }
+            }
+        }
+        let v = Arc::new((k, row.scale.unwrap_or(1.0)));
+        self.keys.insert((token, pos, layer), v.clone());
+        v
+    }
+
+    /// The expected digest and selection of `request`'s query at `position` in global `layer`.
+    pub fn expected(
+        &mut self,
+        c: &mut ContentOracle,
+        request: u64,
+        position: u32,
+        layer: u32,
+    ) -> (u64, Arc<Vec<u32>>) {
+        let ph = self.prefix_hash(c, request, position);
+        if let Some(v) = self.memo.get(&(ph, layer)) {
+            return v.clone();
+        }
+        let toks = c.tokens[&request].clone();
+        let token = toks[position as usize];
+        let synth = c.synth;
+        let q = synth.query(token, position, layer, self.heads);
+        let w = synth.head_weights(token, position, layer, self.heads);
+        let rope = rope_row(position);
+        let mut qf = Vec::with_capacity(self.heads as usize * 128);
+        let mut wf = Vec::with_capacity(self.heads as usize);
+        for h in 0..self.heads as usize {
+            let mut codes = [0u8; 128];
+            wf.push(q_prep_head(
+                &q[h * 128..(h + 1) * 128],
+                w[h],
+                &rope,
+                &mut codes,
+            ));
+            qf.extend(decode_q(&codes));
+        }
+        let dtype = c.ik_dtype;
+        let mut keys = Vec::with_capacity(position as usize + 1);
+        let mut kscales = Vec::with_capacity(position as usize + 1);
+        for n in 0..=position {
+            let k = self.key(c, toks[n as usize], n, layer);
+            keys.push(k.0);
+            kscales.push(k.1);
+        }
+        let mut scores = vec![0f32; keys.len()];
+        logit_scores(&qf, &wf, &keys, &mut scores);
+        for (s, ks) in scores.iter_mut().zip(&kscales) {
+            *s = apply_scale(*s, *ks, dtype);
+        }
+        let sel = topk_positions(&scores, self.topk as usize);
+        let digest = sel.iter().enumerate().fold(0u64, |acc, (i, &n)| {
+            let row = c.kv_row(toks[n as usize], n, layer);
+            acc.wrapping_add(rank_term(i, row_hash(&row)))
+        });
+        let v = (digest, Arc::new(sel));
+        self.memo.insert((ph, layer), v.clone());
+        v
+    }
+
+    /// Checks one emitted `Digests` output.
+    pub fn check(
+        &mut self,
+        c: &mut ContentOracle,
+        request: u64,
+        position: u32,
+        digests: &[u64],
+    ) -> Option<Mismatch> {
+        if digests.len() != self.layers as usize {
+            return Some(Mismatch::Digest(format!(
+                "request {request} position {position}: {} digests for {} layers",
+                digests.len(),
+                self.layers
+            )));
+        }
+        for (l, &got) in digests.iter().enumerate() {
+            let layer = self.layer_base + l as u32;
+            let (want, sel) = self.expected(c, request, position, layer);
+            self.digests_checked += 1;
+            if got == want {
+                continue;
+            }
+            if let Some(read) = c.selections.get(&(request, position, layer)) {
+                if read.as_slice() != sel.as_slice() {
+                    let i = read
+                        .iter()
+                        .zip(sel.iter())
+                        .position(|(a, b)| a != b)
+                        .unwrap_or(read.len().min(sel.len()));
+                    return Some(Mismatch::TopK(format!(
+                        "request {request} position {position} layer {layer}: the GPU read {} selected positions, \
+                         the recomputation selects {} (index_topk = {}); first difference at rank {i}: {:?} vs {:?}",
+                        read.len(),
+                        sel.len(),
+                        self.topk,
+                        read.get(i),
+                        sel.get(i)
+                    )));
+                }
+            }
+            return Some(Mismatch::Digest(format!(
+                "request {request} position {position} layer {layer}: digest {got:#018x}, recomputed {want:#018x}"
+            )));
+        }
+        None
+    }
+}

@@ -1,0 +1,72 @@
+//! Findings: what an oracle saw, and which oracle it was.
+
+use serde::Serialize;
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OracleKind {
+    /// An access not ordered after a conflicting one (race detector).
+    Race,
+    /// A copy or launch whose byte counts or fingerprints disagree with its buffers.
+    Layout,
+    /// A KV or index-K row read that differs from the synthetic model.
+    Content,
+    /// A digest that differs from the independent recomputation.
+    Digest,
+    /// A top-k selection that differs from the independent recomputation.
+    TopK,
+    /// Pages, pins or locks not returned at the end of a run.
+    Conservation,
+    /// Requests that never finish, or a queue past its bound.
+    Liveness,
+    /// The same seed gave a different event log.
+    Determinism,
+    /// An engine invariant assertion fired (a panic inside the engine).
+    Invariant,
+    /// The engine returned an error a correct engine never returns.
+    Engine,
+}
+
+impl OracleKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            OracleKind::Race => "race",
+            OracleKind::Layout => "layout",
+            OracleKind::Content => "content",
+            OracleKind::Digest => "digest",
+            OracleKind::TopK => "topk",
+            OracleKind::Conservation => "conservation",
+            OracleKind::Liveness => "liveness",
+            OracleKind::Determinism => "determinism",
+            OracleKind::Invariant => "invariant",
+            OracleKind::Engine => "engine",
+        }
+    }
+}
+
+impl fmt::Display for OracleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    pub oracle: OracleKind,
+    /// Virtual time of the host when it was found.
+    pub time_ns: u64,
+    pub message: String,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "[{}] at {:.3} ms: {}",
+            self.oracle,
+            self.time_ns as f64 / 1e6,
+            self.message
+        )
+    }
+}

@@ -1,0 +1,365 @@
+//! A scenario is everything one simulated run needs, as data: the engine configuration, the GPU's
+//! timing and fault model, the fault injector's rates, the workload and the limits. A seed draws a
+//! scenario (swarm testing: each seed picks its own dtypes, layouts, pool sizes, policies, rates
+//! and workload); the shrinker edits scenarios; a scenario file replays exactly.
+
+use crate::gpu::{GpuOptions, SchedPolicy};
+use crate::rng::Rng;
+use serde::{Deserialize, Serialize};
+use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
+use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
+
+/// One multi-turn session: a shared system prompt, then turns of user/tool tokens and generation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Session {
+    pub start_ns: u64,
+    /// Which shared system prompt (sessions with the same id share it).
+    pub system_id: u64,
+    pub system_tokens: u32,
+    pub turns: Vec<Turn>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Turn {
+    /// Tool output / user tokens appended before this turn's generation.
+    pub append_tokens: u32,
+    pub generate: u32,
+    /// Client think time before the turn is submitted.
+    pub think_ns: u64,
+}
+
+/// A one-shot request with its prompt given as token-stream segments.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OneShot {
+    pub at_ns: u64,
+    /// (stream id, tokens) segments; equal stream ids give equal tokens (shared prefixes).
+    pub segments: Vec<(u64, u32)>,
+    pub generate: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workload {
+    pub sessions: Vec<Session>,
+    pub oneshots: Vec<OneShot>,
+}
+
+impl Workload {
+    pub fn requests(&self) -> usize {
+        self.sessions.iter().map(|s| s.turns.len()).sum::<usize>() + self.oneshots.len()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GpuKnobs {
+    /// "random_walk" or "pct".
+    pub policy: String,
+    pub pct_depth: u32,
+    pub jitter_ns: u64,
+    pub copy_bytes_per_ns: f64,
+    pub slow_copy_rate: f64,
+    pub failed_copy_rate: f64,
+    pub fail_first_host_alloc: bool,
+}
+
+impl GpuKnobs {
+    pub fn options(&self, trace: bool) -> GpuOptions {
+        GpuOptions {
+            policy: if self.policy == "pct" {
+                SchedPolicy::Pct {
+                    depth: self.pct_depth,
+                }
+            } else {
+                SchedPolicy::RandomWalk
+            },
+            jitter_ns: self.jitter_ns,
+            copy_bytes_per_ns: self.copy_bytes_per_ns,
+            slow_copy_rate: self.slow_copy_rate,
+            failed_copy_rate: self.failed_copy_rate,
+            fail_first_host_alloc: self.fail_first_host_alloc,
+            trace,
+            ..GpuOptions::default()
+        }
+    }
+    /// No faults: what the liveness phase runs with.
+    pub fn is_faulty(&self) -> bool {
+        self.slow_copy_rate > 0.0 || self.failed_copy_rate > 0.0 || self.fail_first_host_alloc
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Scenario {
+    pub seed: u64,
+    pub profile: String,
+    /// The engine configuration, as TOML (`Config::from_toml` reads it back).
+    pub config: String,
+    pub gpu: GpuKnobs,
+    /// Probability per engine step that the client aborts one of its in-flight requests.
+    pub abort_rate: f64,
+    /// Probability per engine step of aborting a request whose load is still in flight.
+    #[serde(default)]
+    pub abort_mid_load_rate: f64,
+    pub workload: Workload,
+    /// Engine steps before the run is declared stuck.
+    pub steps_max: u64,
+    /// The mutant to switch on (bug zoo), by name.
+    pub mutant: Option<String>,
+}
+
+impl Scenario {
+    pub fn engine_config(&self) -> Config {
+        Config::from_toml(&self.config).expect("a scenario carries a valid configuration")
+    }
+
+    /// One line describing the drawn configuration.
+    pub fn summary(&self) -> String {
+        let c = self.engine_config();
+        let m = &c.model;
+        format!(
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
+            self.profile,
+            m.layers,
+            m.layer_base,
+            m.index_n_heads,
+            m.index_topk,
+            m.index_k_dtype.name(),
+            m.kv_dtype.name(),
+            if m.index_k_ue8m0 { " ue8m0" } else { "" },
+            c.cache.device_pages,
+            c.host_pages(),
+            c.cache.host_layout.name(),
+            c.cache.write_policy.name(),
+            c.cache.load_slots,
+            c.scheduler.running_requests_max,
+            c.scheduler.prefill_tokens_per_step_max,
+            m.prefill_indexer.name(),
+            self.gpu.policy,
+            if self.gpu.policy == "pct" { format!(" d={}", self.gpu.pct_depth) } else { String::new() },
+            self.gpu.slow_copy_rate,
+            self.gpu.failed_copy_rate,
+            self.abort_rate,
+            self.abort_mid_load_rate,
+            self.workload.sessions.len(),
+            self.workload.oneshots.len(),
+            self.workload.requests(),
+        )
+    }
+}
+
+/// The profiles `tierkv sim --profile` accepts.
+pub const PROFILES: &[&str] = &["swarm", "sessions", "needle", "trace", "quick"];
+
+/// Draws the scenario of `seed` under `profile`. `trace` is a Mooncake trace for the trace profile.
+pub fn draw(
+    seed: u64,
+    profile: &str,
+    trace: Option<&[tierkv_engine::trace::TraceRecord]>,
+) -> Scenario {
+    let mut rng = Rng::new(seed);
+    let mut cr = rng.fork(1);
+    let mut gr = rng.fork(2);
+    let mut wr = rng.fork(3);
+    let quick = profile == "quick";
+
+    let mut cfg = Config::preset("sim-small").expect("preset");
+    cfg.name = format!("swarm-{seed}");
+    let m = &mut cfg.model;
+    m.layers = *cr.pick(&[1, 2, 2, 3, 4]);
+    m.layer_base = if cr.chance(0.3) {
+        cr.range(1, 60) as u32
+    } else {
+        0
+    };
+    m.index_n_heads = cr.range(1, if quick { 2 } else { 4 }) as u32;
+    m.index_k_dtype = if cr.chance(0.5) {
+        IndexKDtype::Fp8
+    } else {
+        IndexKDtype::Bf16
+    };
+    m.kv_dtype = if cr.chance(0.5) {
+        KvDtype::Fp8Packed
+    } else {
+        KvDtype::Bf16
+    };
+    m.index_k_ue8m0 = cr.chance(0.2);
+    m.index_topk = *cr.pick(&[4, 16, 32, 48, 64, 100, 200]);
+    m.context_tokens_max = 1024;
+    m.prefill_indexer = if cr.chance(0.15) {
+        PrefillIndexer::EveryToken
+    } else {
+        PrefillIndexer::LastToken
+    };
+    let c = &mut cfg.cache;
+    c.device_pages = cr.range(17, 40) as u32;
+    c.host = HostCapacity::Ratio(if cr.chance(0.4) {
+        1.05 + cr.unit() * 0.25 // a host tier barely larger than the device: always full
+    } else {
+        1.3 + cr.unit() * 2.7
+    });
+    c.host_layout = if cr.chance(0.5) {
+        HostLayout::LayerFirst
+    } else {
+        HostLayout::PageFirst
+    };
+    c.write_policy = *cr.pick(&WritePolicy::ALL);
+    c.load_slots = cr.range(1, 3) as u32;
+    let s = &mut cfg.scheduler;
+    s.queued_requests_max = cr.range(8, 64) as u32;
+    s.pending_tokens_max = 64 * 1024;
+    s.running_requests_max = cr.range(2, 8) as u32;
+    s.prefill_tokens_per_step_max = if cfg.model.prefill_indexer == PrefillIndexer::EveryToken {
+        cr.range(32, 96) as u32
+    } else {
+        *cr.pick(&[64, 128, 256, 512])
+    };
+    s.output_tokens_max = 32;
+
+    let pct = gr.chance(0.4);
+    let gpu = GpuKnobs {
+        policy: if pct {
+            "pct".into()
+        } else {
+            "random_walk".into()
+        },
+        pct_depth: gr.range(1, 3) as u32,
+        jitter_ns: gr.range(2_000, 60_000),
+        copy_bytes_per_ns: *gr.pick(&[5.0, 12.0, 25.0, 50.0]),
+        slow_copy_rate: if gr.chance(0.5) {
+            0.0
+        } else {
+            0.02 + gr.unit() * 0.18
+        },
+        failed_copy_rate: if gr.chance(0.6) {
+            0.0
+        } else {
+            0.005 + gr.unit() * 0.045
+        },
+        fail_first_host_alloc: gr.chance(0.05),
+    };
+    let abort_rate = if gr.chance(0.6) {
+        0.0
+    } else {
+        0.01 + gr.unit() * 0.05
+    };
+    let abort_mid_load_rate = if gr.chance(0.5) {
+        0.0
+    } else {
+        0.2 + gr.unit() * 0.6
+    };
+
+    let workload = match profile {
+        "needle" => needle_workload(&mut wr),
+        "trace" => match trace {
+            Some(t) => trace_workload(&mut wr, t),
+            None => sessions_workload(&mut wr, 60, 80, false),
+        },
+        "sessions" => sessions_workload(&mut wr, 60, 80, false),
+        "quick" => sessions_workload(&mut wr, 2, 6, false),
+        _ => {
+            if wr.chance(0.15) {
+                needle_workload(&mut wr)
+            } else {
+                let burst = wr.chance(0.3);
+                let hi = if wr.chance(0.1) { 64 } else { 24 };
+                sessions_workload(&mut wr, 6, hi, burst)
+            }
+        }
+    };
+    let requests = workload.requests() as u64;
+    Scenario {
+        seed,
+        profile: profile.to_string(),
+        config: cfg.to_toml(),
+        gpu,
+        abort_rate,
+        abort_mid_load_rate,
+        workload,
+        steps_max: 2_000 + 200 * requests,
+        mutant: None,
+    }
+}
+
+/// Multi-turn tool-call sessions sharing a system prompt; optionally a burst of one-shots.
+fn sessions_workload(r: &mut Rng, lo: u64, hi: u64, burst: bool) -> Workload {
+    let n = r.range(lo, hi);
+    let systems = r.range(1, 2);
+    let system_tokens: Vec<u32> = (0..systems).map(|_| r.range(64, 320) as u32).collect();
+    let sessions = (0..n)
+        .map(|_| {
+            let sid = r.below(systems);
+            let turns = (0..r.range(1, 4))
+                .map(|_| Turn {
+                    append_tokens: r.range(8, 120) as u32,
+                    generate: r.range(2, 10) as u32,
+                    think_ns: r.range(200_000, 5_000_000),
+                })
+                .collect();
+            Session {
+                start_ns: r.below(2_000_000),
+                system_id: 1000 + sid,
+                system_tokens: system_tokens[sid as usize],
+                turns,
+            }
+        })
+        .collect();
+    let oneshots = if burst {
+        let at = r.range(500_000, 3_000_000);
+        (0..r.range(40, 120))
+            .map(|i| OneShot {
+                at_ns: at,
+                segments: vec![(5000 + i, r.range(16, 64) as u32)],
+                generate: 2,
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Workload { sessions, oneshots }
+}
+
+/// Needle requests: a planted token early in the context, distractors, the same token queried last.
+fn needle_workload(r: &mut Rng) -> Workload {
+    let oneshots = (0..r.range(4, 16))
+        .map(|i| {
+            let ctx = r.range(100, 900) as u32;
+            let at = r.below(ctx as u64 / 4) as u32;
+            OneShot {
+                at_ns: r.below(3_000_000),
+                // (stream, n): a shared preamble, the needle, distractors, the needle again.
+                segments: vec![
+                    (77, at),
+                    (9_000_000 + i, 1),
+                    (8000 + i, ctx - at - 2),
+                    (9_000_000 + i, 1),
+                ],
+                generate: r.range(1, 4) as u32,
+            }
+        })
+        .collect();
+    Workload {
+        sessions: Vec::new(),
+        oneshots,
+    }
+}
+
+/// A slice of a Mooncake trace, blocks scaled down to fit the simulator's small contexts: each
+/// 512-token block becomes a 64-token page of the same id, arrivals keep their spacing (ms → µs).
+fn trace_workload(r: &mut Rng, t: &[tierkv_engine::trace::TraceRecord]) -> Workload {
+    let start = r.below(t.len().saturating_sub(64).max(1) as u64) as usize;
+    let slice = &t[start..(start + 48).min(t.len())];
+    let t0 = slice.first().map(|x| x.timestamp_ms).unwrap_or(0);
+    let oneshots = slice
+        .iter()
+        .map(|rec| {
+            let blocks: Vec<(u64, u32)> = rec.hash_ids.iter().take(14).map(|&h| (h, 64)).collect();
+            OneShot {
+                at_ns: (rec.timestamp_ms - t0) * 1_000,
+                segments: blocks,
+                generate: rec.output_length.clamp(1, 8),
+            }
+        })
+        .collect();
+    Workload {
+        sessions: Vec::new(),
+        oneshots,
+    }
+}

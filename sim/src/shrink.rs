@@ -1,0 +1,154 @@
+//! Shrinking: a failing scenario is made smaller — fewer sessions, one-shots and turns, fewer layers
+//! and heads, shorter prompts and generations, faults that are not needed switched off — keeping
+//! each step only if the run still fails with the same oracle. The result is a minimal
+//! reproduction, printed as its configuration and workload and saved for `tierkv sim --replay`.
+
+use crate::report::OracleKind;
+use crate::runner::{run, RunOptions};
+use crate::scenario::Scenario;
+use std::time::{Duration, Instant};
+
+pub struct Shrunk {
+    pub scenario: Scenario,
+    pub runs: u32,
+    pub oracle: OracleKind,
+}
+
+fn fails_with(sc: &Scenario, oracle: OracleKind, runs: &mut u32) -> bool {
+    *runs += 1;
+    run(sc, &RunOptions::default())
+        .findings
+        .first()
+        .map(|f| f.oracle)
+        == Some(oracle)
+}
+
+/// Candidate reductions of a scenario, most aggressive first.
+fn candidates(sc: &Scenario) -> Vec<Scenario> {
+    let mut out = Vec::new();
+    let w = &sc.workload;
+    for (len, half) in [(w.sessions.len(), true), (w.oneshots.len(), false)] {
+        if len == 0 {
+            continue;
+        }
+        let mut keep_first = sc.clone();
+        let mut keep_last = sc.clone();
+        let h = len / 2;
+        if half {
+            keep_first.workload.sessions.truncate(h);
+            keep_last.workload.sessions.drain(..len - h);
+        } else {
+            keep_first.workload.oneshots.truncate(h);
+            keep_last.workload.oneshots.drain(..len - h);
+        }
+        out.push(keep_first);
+        out.push(keep_last);
+        for i in 0..len.min(24) {
+            let mut one = sc.clone();
+            if half {
+                one.workload.sessions.remove(i);
+            } else {
+                one.workload.oneshots.remove(i);
+            }
+            out.push(one);
+        }
+    }
+    for i in 0..w.sessions.len().min(24) {
+        if w.sessions[i].turns.len() > 1 {
+            let mut c = sc.clone();
+            c.workload.sessions[i].turns.pop();
+            out.push(c);
+        }
+    }
+    let cfg = sc.engine_config();
+    if cfg.model.layers > 1 {
+        let mut c = sc.clone();
+        let mut e = cfg.clone();
+        e.model.layers = 1;
+        c.config = e.to_toml();
+        out.push(c);
+        let mut c = sc.clone();
+        let mut e = cfg.clone();
+        e.model.layers -= 1;
+        c.config = e.to_toml();
+        out.push(c);
+    }
+    if cfg.model.index_n_heads > 1 {
+        let mut c = sc.clone();
+        let mut e = cfg.clone();
+        e.model.index_n_heads = 1;
+        c.config = e.to_toml();
+        out.push(c);
+    }
+    if sc.abort_mid_load_rate > 0.0 {
+        let mut c = sc.clone();
+        c.abort_mid_load_rate = 0.0;
+        out.push(c);
+    }
+    for (rate_zero, f) in [
+        (sc.abort_rate == 0.0, 0usize),
+        (sc.gpu.slow_copy_rate == 0.0, 1),
+        (sc.gpu.failed_copy_rate == 0.0, 2),
+        (!sc.gpu.fail_first_host_alloc, 3),
+    ] {
+        if !rate_zero {
+            let mut c = sc.clone();
+            match f {
+                0 => c.abort_rate = 0.0,
+                1 => c.gpu.slow_copy_rate = 0.0,
+                2 => c.gpu.failed_copy_rate = 0.0,
+                _ => c.gpu.fail_first_host_alloc = false,
+            }
+            out.push(c);
+        }
+    }
+    let mut c = sc.clone();
+    let mut changed = false;
+    for s in &mut c.workload.sessions {
+        for t in &mut s.turns {
+            if t.append_tokens > 8 || t.generate > 1 {
+                t.append_tokens = (t.append_tokens / 2).max(8);
+                t.generate = (t.generate / 2).max(1);
+                changed = true;
+            }
+        }
+        if s.system_tokens > 64 {
+            s.system_tokens /= 2;
+            changed = true;
+        }
+    }
+    for o in &mut c.workload.oneshots {
+        if o.generate > 1 {
+            o.generate = (o.generate / 2).max(1);
+            changed = true;
+        }
+    }
+    if changed {
+        out.push(c);
+    }
+    out
+}
+
+/// Shrinks `sc`, which fails with `oracle`, within `budget` of wall time.
+pub fn shrink(sc: &Scenario, oracle: OracleKind, budget: Duration) -> Shrunk {
+    let start = Instant::now();
+    let mut best = sc.clone();
+    let mut runs = 0;
+    'outer: loop {
+        for c in candidates(&best) {
+            if start.elapsed() > budget {
+                break 'outer;
+            }
+            if fails_with(&c, oracle, &mut runs) {
+                best = c;
+                continue 'outer;
+            }
+        }
+        break;
+    }
+    Shrunk {
+        scenario: best,
+        runs,
+        oracle,
+    }
+}
