@@ -402,19 +402,27 @@ impl Layout {
             return Err(LayoutError::Zero { field: "layers" });
         }
         if params.device_pages == 0 {
-            return Err(LayoutError::Zero { field: "device_pages" });
+            return Err(LayoutError::Zero {
+                field: "device_pages",
+            });
         }
         let kv = PageFormat::Kv(params.kv_dtype).page_bytes();
         let ik = PageFormat::IndexK(params.index_k_dtype).page_bytes();
         let dev_kv = mul(params.device_pages as u64, kv, "device KV bytes per layer")?;
-        let dev_ik = mul(params.device_pages as u64, ik, "device index-K bytes per layer")?;
+        let dev_ik = mul(
+            params.device_pages as u64,
+            ik,
+            "device index-K bytes per layer",
+        )?;
         let layers = params.layers as u64;
         // The all-layer device totals must fit too (they are reported and summed).
         mul(dev_kv, layers, "device KV bytes")?;
         mul(dev_ik, layers, "device index-K bytes")?;
         (dev_kv * layers)
             .checked_add(dev_ik * layers)
-            .ok_or(LayoutError::Overflow { what: "device bytes" })?;
+            .ok_or(LayoutError::Overflow {
+                what: "device bytes",
+            })?;
         let host_page_layers = mul(params.host_pages as u64, layers, "host pages x layers")?;
         let host_kv = mul(host_page_layers, kv, "host KV bytes")?;
         let host_ik = mul(host_page_layers, ik, "host index-K bytes")?;
@@ -469,7 +477,10 @@ impl Layout {
     }
     /// Offset of `page` in a device layer buffer.
     pub fn device_page_offset(&self, kind: BufferKind, page: PageId) -> Bytes {
-        assert!(page.0 < self.params.device_pages, "device page {page} out of range");
+        assert!(
+            page.0 < self.params.device_pages,
+            "device page {page} out of range"
+        );
         Bytes(page.0 as u64 * self.format(kind).page_bytes())
     }
     /// Device bytes of `kind` over all layers.
@@ -494,7 +505,10 @@ impl Layout {
     /// Offset of (`layer`, host `page`) in the host mirror of `kind`.
     pub fn host_page_offset(&self, kind: BufferKind, layer: LayerId, page: PageId) -> Bytes {
         assert!(layer.0 < self.params.layers, "layer {layer} out of range");
-        assert!(page.0 < self.params.host_pages, "host page {page} out of range");
+        assert!(
+            page.0 < self.params.host_pages,
+            "host page {page} out of range"
+        );
         let pb = self.format(kind).page_bytes();
         let (layers, pages) = (self.params.layers as u64, self.params.host_pages as u64);
         Bytes(match self.params.host_layout {
@@ -570,7 +584,11 @@ impl PagedView {
     }
     /// Byte range of `page` in the underlying buffer.
     pub fn page_range(&self, page: PageId) -> std::ops::Range<u64> {
-        assert!(page.0 < self.pages, "page {page} outside the view ({} pages)", self.pages);
+        assert!(
+            page.0 < self.pages,
+            "page {page} outside the view ({} pages)",
+            self.pages
+        );
         let start = self.base + page.0 as u64 * self.page_stride;
         start..start + self.page_bytes()
     }

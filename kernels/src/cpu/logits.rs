@@ -112,7 +112,8 @@ unsafe fn head_sum_block_fma(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> 
 fn block(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES] {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2") {
+        if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2")
+        {
             // SAFETY: the CPU supports AVX2 and FMA, checked just above.
             return unsafe { head_sum_block_fma(q, w, kt) };
         }

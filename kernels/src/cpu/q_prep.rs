@@ -26,7 +26,12 @@ impl QPrepArgs<'_> {
         const OP: &str = "q_prep";
         let n = self.tokens();
         expect_len(OP, "rope", self.rope.len(), n * ROPE_DIM as usize)?;
-        expect_len(OP, "q", self.q.len(), n * self.heads * INDEX_HEAD_DIM as usize)?;
+        expect_len(
+            OP,
+            "q",
+            self.q.len(),
+            n * self.heads * INDEX_HEAD_DIM as usize,
+        )?;
         expect_len(OP, "weights", self.weights.len(), n * self.heads)?;
         Ok(())
     }

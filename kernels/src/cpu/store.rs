@@ -129,7 +129,15 @@ pub fn index_k_store(a: &IndexKStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerpr
         let (page, t) = ((slot / PAGE_TOKENS) as usize, slot % PAGE_TOKENS);
         let key = &a.keys[i * 128..(i + 1) * 128];
         let rope = &a.rope[i * 64..(i + 1) * 64];
-        let scale = index_k_token(a.dtype, a.ue8m0, key, a.gamma, a.beta, rope, &mut values[..vb]);
+        let scale = index_k_token(
+            a.dtype,
+            a.ue8m0,
+            key,
+            a.gamma,
+            a.beta,
+            rope,
+            &mut values[..vb],
+        );
         let page_bytes = &mut dst[page * pb..(page + 1) * pb];
         let at = index_k_page::value_offset(a.dtype, t, 0);
         page_bytes[at..at + vb].copy_from_slice(&values[..vb]);
@@ -164,7 +172,9 @@ impl KvStoreArgs<'_> {
 /// Packed fp8: each 128-value latent tile quantized with its own scale, RoPE values kept in bf16.
 pub fn kv_token(dtype: KvDtype, row: &[bf16], out: &mut [u8]) {
     match dtype {
-        KvDtype::Fp8Unpacked => panic!("kv_token: fp8_unpacked rows are never stored (kv_store refuses them)"),
+        KvDtype::Fp8Unpacked => {
+            panic!("kv_token: fp8_unpacked rows are never stored (kv_store refuses them)")
+        }
         KvDtype::Bf16 => {
             for (v, x) in row.iter().enumerate() {
                 write_u16(out, 2 * v, x.to_bits());
@@ -194,7 +204,11 @@ pub fn kv_store(a: &KvStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerprint) -> R
     const OP: &str = "kv_store";
     a.check()?;
     if a.dtype == KvDtype::Fp8Unpacked {
-        return Err(bad(OP, "dtype", "fp8_unpacked rows are a foreign format tierkv does not store"));
+        return Err(bad(
+            OP,
+            "dtype",
+            "fp8_unpacked rows are a foreign format tierkv does not store",
+        ));
     }
     let format = PageFormat::Kv(a.dtype);
     let slots = check_paged_dst(OP, format, dst.len(), dst_fp)?;
@@ -202,7 +216,11 @@ pub fn kv_store(a: &KvStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerprint) -> R
     let nv = KV_ROW_VALUES as usize;
     for (i, &s) in a.slots.iter().enumerate() {
         let at = kv_row::slot_offset(a.dtype, check_slot(OP, i, s, slots)?);
-        kv_token(a.dtype, &a.rows[i * nv..(i + 1) * nv], &mut dst[at..at + tb]);
+        kv_token(
+            a.dtype,
+            &a.rows[i * nv..(i + 1) * nv],
+            &mut dst[at..at + tb],
+        );
     }
     Ok(())
 }

@@ -19,9 +19,15 @@ fn page_sizes_are_the_design_constants() {
     assert_eq!(PageFormat::IndexK(IndexKDtype::Bf16).page_bytes(), 16384);
     assert_eq!(PageFormat::Kv(KvDtype::Bf16).token_bytes(), 1152);
     assert_eq!(PageFormat::Kv(KvDtype::Fp8Packed).token_bytes(), 656);
-    assert_eq!(index_k_page::scale_offset(IndexKDtype::Fp8, 5), Some(8192 + 20));
+    assert_eq!(
+        index_k_page::scale_offset(IndexKDtype::Fp8, 5),
+        Some(8192 + 20)
+    );
     assert_eq!(index_k_page::scale_offset(IndexKDtype::Bf16, 5), None);
-    assert_eq!(index_k_page::value_offset(IndexKDtype::Bf16, 1, 3), (128 + 3) * 2);
+    assert_eq!(
+        index_k_page::value_offset(IndexKDtype::Bf16, 1, 3),
+        (128 + 3) * 2
+    );
 }
 
 #[test]
@@ -68,9 +74,21 @@ fn runs_coalesce_only_when_both_sides_are_consecutive() {
     assert_eq!(
         runs,
         vec![
-            PageRun { src: PageId(1), dst: PageId(7), count: 2 },
-            PageRun { src: PageId(3), dst: PageId(10), count: 1 },
-            PageRun { src: PageId(9), dst: PageId(11), count: 1 },
+            PageRun {
+                src: PageId(1),
+                dst: PageId(7),
+                count: 2
+            },
+            PageRun {
+                src: PageId(3),
+                dst: PageId(10),
+                count: 1
+            },
+            PageRun {
+                src: PageId(9),
+                dst: PageId(11),
+                count: 1
+            },
         ]
     );
 }

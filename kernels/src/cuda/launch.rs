@@ -1,0 +1,496 @@
+//! Typed launchers of the CUDA kernels (feature `cuda`). Every source is compiled once per process
+//! by NVRTC and loaded into the context; each launcher checks sizes, dtypes and fingerprints on the
+//! host before it launches anything — the first half of the paired assertions whose second half is
+//! the kernel's own bounds (the device checks the same on the simulated GPU).
+//!
+//! Buffers are passed as raw device addresses with their sizes ([`DevPtr`]), so the production
+//! device can hand in any allocation it owns (device memory, or mapped pinned host memory).
+
+use super::{compile, SOURCES};
+use crate::error::{bad, KernelError, Result};
+use crate::layout::{
+    IndexKDtype, KvDtype, LayoutFingerprint, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM,
+    INDEX_TOPK_MAX, KV_ROW_VALUES, PAGE_TOKENS, ROPE_DIM,
+};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+/// A device address and the bytes behind it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevPtr {
+    pub ptr: u64,
+    pub bytes: u64,
+}
+
+impl DevPtr {
+    pub fn offset(self, at: u64, bytes: u64) -> DevPtr {
+        assert!(
+            at + bytes <= self.bytes,
+            "sub-range {at}+{bytes} outside {} B",
+            self.bytes
+        );
+        DevPtr {
+            ptr: self.ptr + at,
+            bytes,
+        }
+    }
+}
+
+fn cuda(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
+    move |e| KernelError::Cuda {
+        op,
+        detail: e.to_string(),
+    }
+}
+
+fn need(op: &'static str, buffer: &'static str, p: DevPtr, bytes: u64) -> Result<()> {
+    if p.bytes < bytes {
+        return Err(KernelError::BufferSize {
+            op,
+            buffer,
+            needed: bytes,
+            found: p.bytes,
+        });
+    }
+    Ok(())
+}
+
+fn paged(op: &'static str, format: PageFormat, p: DevPtr, fp: LayoutFingerprint) -> Result<u64> {
+    if fp != format.fingerprint() {
+        return Err(KernelError::LayoutMismatch {
+            op,
+            src: format.fingerprint(),
+            dst: fp,
+        });
+    }
+    if p.bytes % format.page_bytes() != 0 {
+        return Err(bad(
+            op,
+            "pool",
+            format!("{} B is not a whole number of pages", p.bytes),
+        ));
+    }
+    Ok(p.bytes / format.page_bytes())
+}
+
+fn slots_in(op: &'static str, slots: &[i32], limit: u64) -> Result<()> {
+    for (i, &s) in slots.iter().enumerate() {
+        if s < 0 || s as u64 >= limit {
+            return Err(KernelError::OutOfRange {
+                op,
+                index: i,
+                value: s as i64,
+                limit,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The compiled kernels, loaded into one context.
+pub struct Kernels {
+    pub ctx: Arc<CudaContext>,
+    funcs: BTreeMap<&'static str, CudaFunction>,
+}
+
+impl Kernels {
+    /// Compiles every source (once per process: see [`Kernels::global`]) and loads it.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels> {
+        let mut funcs = BTreeMap::new();
+        for src in SOURCES {
+            let ptx = compile(src)?;
+            let module = ctx.load_module(ptx).map_err(cuda("load_module"))?;
+            for &k in src.kernels {
+                funcs.insert(k, module.load_function(k).map_err(cuda("load_function"))?);
+            }
+        }
+        Ok(Kernels {
+            ctx: ctx.clone(),
+            funcs,
+        })
+    }
+
+    /// The process-wide kernels on device 0 (compiled and loaded on first use).
+    pub fn global() -> Result<&'static Kernels> {
+        static K: OnceLock<std::result::Result<Kernels, KernelError>> = OnceLock::new();
+        K.get_or_init(|| {
+            let ctx = CudaContext::new(0).map_err(cuda("CudaContext::new"))?;
+            // tierkv orders its streams itself (events, waits): cudarc's own tracking would add
+            // synchronisation the engine did not ask for and hide its ordering bugs.
+            // SAFETY: every buffer tierkv launches on is ordered by the engine's events.
+            unsafe { ctx.disable_event_tracking() };
+            Kernels::load(&ctx)
+        })
+        .as_ref()
+        .map_err(|e| e.clone())
+    }
+
+    fn f(&self, name: &'static str) -> &CudaFunction {
+        &self.funcs[name]
+    }
+
+    /// `index_k_store` of `n = slots.len()` tokens. `slots_dev` holds `slots` on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn index_k_store(
+        &self,
+        s: &CudaStream,
+        dtype: IndexKDtype,
+        ue8m0: bool,
+        keys: DevPtr,
+        gamma: DevPtr,
+        beta: DevPtr,
+        rope: DevPtr,
+        slots: &[i32],
+        slots_dev: DevPtr,
+        dst: DevPtr,
+        dst_fp: LayoutFingerprint,
+    ) -> Result<()> {
+        const OP: &str = "index_k_store";
+        let n = slots.len() as u64;
+        need(OP, "keys", keys, n * INDEX_HEAD_DIM as u64 * 2)?;
+        need(OP, "gamma", gamma, 512)?;
+        need(OP, "beta", beta, 512)?;
+        need(OP, "rope", rope, n * ROPE_DIM as u64 * 4)?;
+        need(OP, "slots", slots_dev, n * 4)?;
+        let pages = paged(OP, PageFormat::IndexK(dtype), dst, dst_fp)?;
+        slots_in(OP, slots, pages * PAGE_TOKENS as u64)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n32, dt, ue) = (n as i32, (dtype == IndexKDtype::Bf16) as i32, ue8m0 as i32);
+        let mut b = s.launch_builder(self.f("index_k_store"));
+        b.arg(&keys.ptr)
+            .arg(&gamma.ptr)
+            .arg(&beta.ptr)
+            .arg(&rope.ptr)
+            .arg(&slots_dev.ptr);
+        b.arg(&n32).arg(&dt).arg(&ue).arg(&dst.ptr);
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(4), 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every pointer was checked against the sizes the kernel touches.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// `kv_store` of `slots.len()` rows.
+    pub fn kv_store(
+        &self,
+        s: &CudaStream,
+        dtype: KvDtype,
+        rows: DevPtr,
+        slots: &[i32],
+        slots_dev: DevPtr,
+        dst: DevPtr,
+        dst_fp: LayoutFingerprint,
+    ) -> Result<()> {
+        const OP: &str = "kv_store";
+        let n = slots.len() as u64;
+        need(OP, "rows", rows, n * KV_ROW_VALUES as u64 * 2)?;
+        need(OP, "slots", slots_dev, n * 4)?;
+        let dt = match dtype {
+            KvDtype::Bf16 => 0i32,
+            KvDtype::Fp8Packed => 1,
+            KvDtype::Fp8Unpacked => return Err(bad(OP, "dtype", "fp8_unpacked is never stored")),
+        };
+        let pages = paged(OP, PageFormat::Kv(dtype), dst, dst_fp)?;
+        slots_in(OP, slots, pages * PAGE_TOKENS as u64)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n32 = n as i32;
+        let mut b = s.launch_builder(self.f("kv_store"));
+        b.arg(&rows.ptr)
+            .arg(&slots_dev.ptr)
+            .arg(&n32)
+            .arg(&dt)
+            .arg(&dst.ptr);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// `q_prep` of `n` tokens × `heads`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn q_prep(
+        &self,
+        s: &CudaStream,
+        n: usize,
+        heads: usize,
+        q: DevPtr,
+        w: DevPtr,
+        rope: DevPtr,
+        q_out: DevPtr,
+        w_out: DevPtr,
+    ) -> Result<()> {
+        const OP: &str = "q_prep";
+        if heads == 0 || heads > INDEX_HEADS_MAX as usize {
+            return Err(bad(OP, "heads", format!("{heads} outside 1..=64")));
+        }
+        let nh = (n * heads) as u64;
+        need(OP, "q", q, nh * 256)?;
+        need(OP, "w", w, nh * 4)?;
+        need(OP, "rope", rope, n as u64 * 256)?;
+        need(OP, "q_out", q_out, nh * 128)?;
+        need(OP, "w_out", w_out, nh * 4)?;
+        if nh == 0 {
+            return Ok(());
+        }
+        let (n32, h32) = (n as i32, heads as i32);
+        let mut b = s.launch_builder(self.f("q_prep"));
+        b.arg(&q.ptr)
+            .arg(&w.ptr)
+            .arg(&rope.ptr)
+            .arg(&n32)
+            .arg(&h32)
+            .arg(&q_out.ptr)
+            .arg(&w_out.ptr);
+        let cfg = LaunchConfig {
+            grid_dim: ((nh as u32).div_ceil(4), 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// `index_logits` over `context_lens.len()` rows. `page_table`/`context_lens` are the host
+    /// copies (checked here); `pt_dev`/`lens_dev` their device copies.
+    #[allow(clippy::too_many_arguments)]
+    pub fn index_logits(
+        &self,
+        s: &CudaStream,
+        dtype: IndexKDtype,
+        heads: usize,
+        q: DevPtr,
+        w: DevPtr,
+        page_table: &[i32],
+        pt_stride: usize,
+        pt_dev: DevPtr,
+        context_lens: &[i32],
+        lens_dev: DevPtr,
+        k: DevPtr,
+        k_fp: LayoutFingerprint,
+        out: DevPtr,
+        out_stride: usize,
+    ) -> Result<()> {
+        const OP: &str = "index_logits";
+        let rows = context_lens.len();
+        if heads == 0 || heads > INDEX_HEADS_MAX as usize {
+            return Err(bad(OP, "heads", format!("{heads} outside 1..=64")));
+        }
+        need(OP, "q", q, (rows * heads * 128) as u64)?;
+        need(OP, "w", w, (rows * heads * 4) as u64)?;
+        need(OP, "page_table", pt_dev, (rows * pt_stride * 4) as u64)?;
+        need(OP, "context_lens", lens_dev, rows as u64 * 4)?;
+        need(OP, "out", out, (rows * out_stride * 4) as u64)?;
+        if page_table.len() != rows * pt_stride {
+            return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
+        }
+        let pages = paged(OP, PageFormat::IndexK(dtype), k, k_fp)?;
+        for (r, &len) in context_lens.iter().enumerate() {
+            if len < 0
+                || len as usize > out_stride
+                || len as usize > pt_stride * PAGE_TOKENS as usize
+            {
+                return Err(KernelError::OutOfRange {
+                    op: OP,
+                    index: r,
+                    value: len as i64,
+                    limit: out_stride as u64,
+                });
+            }
+            let used = (len as usize).div_ceil(PAGE_TOKENS as usize);
+            slots_in(OP, &page_table[r * pt_stride..r * pt_stride + used], pages)?;
+        }
+        if rows == 0 || out_stride == 0 {
+            return Ok(());
+        }
+        let (pts, h32, dt, os) = (
+            pt_stride as i32,
+            heads as i32,
+            (dtype == IndexKDtype::Bf16) as i32,
+            out_stride as i32,
+        );
+        let mut b = s.launch_builder(self.f("index_logits"));
+        b.arg(&q.ptr)
+            .arg(&w.ptr)
+            .arg(&pt_dev.ptr)
+            .arg(&pts)
+            .arg(&lens_dev.ptr)
+            .arg(&h32)
+            .arg(&dt);
+        b.arg(&k.ptr).arg(&out.ptr).arg(&os);
+        let cfg = LaunchConfig {
+            grid_dim: ((out_stride as u32).div_ceil(128), rows as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (heads * 129 * 4) as u32,
+        };
+        // SAFETY: sizes and every page the rows name were checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// `topk` with any `k` in 1..=2048.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk(
+        &self,
+        s: &CudaStream,
+        k: usize,
+        logits: DevPtr,
+        stride: usize,
+        context_lens: &[i32],
+        lens_dev: DevPtr,
+        page_table: &[i32],
+        pt_stride: usize,
+        pt_dev: DevPtr,
+        out: DevPtr,
+    ) -> Result<()> {
+        const OP: &str = "topk";
+        if k == 0 || k > INDEX_TOPK_MAX as usize {
+            return Err(bad(OP, "k", format!("{k} is outside 1..=2048")));
+        }
+        let rows = context_lens.len();
+        need(OP, "logits", logits, (rows * stride * 4) as u64)?;
+        need(OP, "context_lens", lens_dev, rows as u64 * 4)?;
+        need(OP, "page_table", pt_dev, (rows * pt_stride * 4) as u64)?;
+        need(OP, "out", out, (rows * k * 4) as u64)?;
+        if page_table.len() != rows * pt_stride {
+            return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
+        }
+        for (r, &len) in context_lens.iter().enumerate() {
+            if len < 0 || len as usize > stride || len as usize > pt_stride * PAGE_TOKENS as usize {
+                return Err(KernelError::OutOfRange {
+                    op: OP,
+                    index: r,
+                    value: len as i64,
+                    limit: stride as u64,
+                });
+            }
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (st, k32, pts) = (stride as i32, k as i32, pt_stride as i32);
+        let mut b = s.launch_builder(self.f("topk"));
+        b.arg(&logits.ptr)
+            .arg(&st)
+            .arg(&lens_dev.ptr)
+            .arg(&pt_dev.ptr)
+            .arg(&pts)
+            .arg(&k32)
+            .arg(&out.ptr);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// `sparse_read` of `rows` selections of `k` slots. The selection is device data (from
+    /// `topk`), so the pool is bounds-checked by the caller's declared page tables.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sparse_read(
+        &self,
+        s: &CudaStream,
+        dtype: KvDtype,
+        rows: usize,
+        k: usize,
+        slots: DevPtr,
+        kv: DevPtr,
+        kv_fp: LayoutFingerprint,
+        out: DevPtr,
+    ) -> Result<()> {
+        const OP: &str = "sparse_read";
+        need(OP, "slots", slots, (rows * k * 4) as u64)?;
+        need(OP, "out", out, rows as u64 * 8)?;
+        let dt = match dtype {
+            KvDtype::Bf16 => 0i32,
+            KvDtype::Fp8Packed => 1,
+            KvDtype::Fp8Unpacked => return Err(bad(OP, "dtype", "fp8_unpacked is never stored")),
+        };
+        paged(OP, PageFormat::Kv(dtype), kv, kv_fp)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let k32 = k as i32;
+        let mut b = s.launch_builder(self.f("sparse_read"));
+        b.arg(&slots.ptr)
+            .arg(&k32)
+            .arg(&dt)
+            .arg(&kv.ptr)
+            .arg(&out.ptr);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// `page_gather`: whole pages `pairs[i] = (src page, dst page)` between two strided views.
+    /// `pairs_dev` holds `pairs` flattened on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn page_gather(
+        &self,
+        s: &CudaStream,
+        src: DevPtr,
+        src_view: &crate::layout::PagedView,
+        dst: DevPtr,
+        dst_view: &crate::layout::PagedView,
+        pairs: &[(u32, u32)],
+        pairs_dev: DevPtr,
+    ) -> Result<()> {
+        const OP: &str = "page_gather";
+        let runs: Vec<crate::layout::PageRun> = pairs
+            .iter()
+            .map(|&(a, b)| crate::layout::PageRun {
+                src: crate::layout::PageId(a),
+                dst: crate::layout::PageId(b),
+                count: 1,
+            })
+            .collect();
+        crate::cpu::check_page_copy(src_view, src.bytes, dst_view, dst.bytes, &runs)?;
+        need(OP, "pairs", pairs_dev, pairs.len() as u64 * 8)?;
+        for v in [src_view, dst_view] {
+            if v.base % 16 != 0 || v.page_stride % 16 != 0 || v.page_bytes() % 16 != 0 {
+                return Err(bad(OP, "view", "pages must be 16-byte aligned"));
+            }
+        }
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let n = pairs.len() as i32;
+        let pb = src_view.page_bytes();
+        let mut b = s.launch_builder(self.f("page_gather"));
+        b.arg(&src.ptr)
+            .arg(&src_view.base)
+            .arg(&src_view.page_stride);
+        b.arg(&dst.ptr)
+            .arg(&dst_view.base)
+            .arg(&dst_view.page_stride);
+        b.arg(&pairs_dev.ptr).arg(&n).arg(&pb);
+        let cfg = LaunchConfig {
+            grid_dim: (pairs.len() as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: both views and every pair were checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+}
