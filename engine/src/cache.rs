@@ -46,6 +46,15 @@ pub struct Node {
     /// stops it (and what mutant 5 ignores).
     pub host_access: u64,
     pub hits: u32,
+    /// Children holding or loading a device page (kept by `update`).
+    pub resident_children: u32,
+}
+
+impl Node {
+    /// Holds a device page, or a load is filling one.
+    pub fn is_resident(&self) -> bool {
+        self.device.is_some() || self.loading.is_some()
+    }
 }
 
 /// How a node counts in the device-tier accounting.
@@ -123,6 +132,7 @@ impl PrefixCache {
             last_access: 0,
             host_access: 0,
             hits: 0,
+            resident_children: 0,
         };
         PrefixCache {
             nodes: vec![Some(root)],
@@ -166,10 +176,24 @@ impl PrefixCache {
     /// Applies a mutation to a node, keeping the accounting counters exact.
     fn update(&mut self, id: NodeId, f: impl FnOnce(&mut Node)) {
         let before = self.class(id);
+        let was_resident = self.node(id).is_resident();
         f(self.node_mut(id));
         let after = self.class(id);
         self.count(before, -1);
         self.count(after, 1);
+        let is_resident = self.node(id).is_resident();
+        if was_resident != is_resident && id != ROOT {
+            let parent = self.node(id).parent;
+            let p = self.node_mut(parent);
+            if is_resident {
+                p.resident_children += 1;
+            } else {
+                p.resident_children = p
+                    .resident_children
+                    .checked_sub(1)
+                    .expect("resident children underflow");
+            }
+        }
     }
     fn count(&mut self, c: Class, d: i64) {
         let slot = match c {
@@ -418,10 +442,7 @@ impl PrefixCache {
     }
 
     fn has_resident_child(&self, id: NodeId) -> bool {
-        self.node(id)
-            .children
-            .values()
-            .any(|&c| self.node(c).device.is_some() || self.node(c).loading.is_some())
+        self.node(id).resident_children > 0
     }
     fn has_backed_child(&self, id: NodeId) -> bool {
         self.node(id)
@@ -435,47 +456,51 @@ impl PrefixCache {
     /// queued for a backup first; under the write-through policies it is deleted.
     pub fn evict_device(&mut self, want: usize, policy: WritePolicy) -> DeviceEviction {
         let mut out = DeviceEviction::default();
+        if want == 0 {
+            return out;
+        }
+        let candidate = |c: &PrefixCache, id: NodeId| {
+            id != ROOT
+                && c.class(id) == Class::Evictable
+                && !c.evict_after_backup.contains_key(&id)
+                && !c.has_resident_child(id)
+        };
+        // One scan for the candidates, oldest first; a parent joins when its last resident
+        // child goes.
+        let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(u64, NodeId)>> = self
+            .live_nodes()
+            .filter(|&id| candidate(self, id))
+            .map(|id| std::cmp::Reverse((self.node(id).last_access, id)))
+            .collect();
         let mut pending = 0usize;
         while out.freed.len() + pending < want {
-            let mut cands: Vec<(u64, NodeId)> = self
-                .live_nodes()
-                .filter(|&id| {
-                    self.class(id) == Class::Evictable
-                        && !self.evict_after_backup.contains_key(&id)
-                        && !self.has_resident_child(id)
-                })
-                .map(|id| (self.node(id).last_access, id))
-                .collect();
-            if cands.is_empty() {
+            let Some(std::cmp::Reverse((_, id))) = heap.pop() else {
                 break;
+            };
+            if !self.is_live(id) || !candidate(self, id) {
+                continue;
             }
-            cands.sort_unstable();
-            let mut progressed = false;
-            for (_, id) in cands {
-                if out.freed.len() + pending >= want {
-                    break;
-                }
-                let n = self.node(id);
-                if n.host.is_some() {
-                    let mut p = None;
-                    self.update(id, |n| p = n.device.take());
-                    out.freed.extend(p);
-                    progressed = true;
-                } else if policy == WritePolicy::WriteBack {
-                    self.evict_after_backup.insert(id, ());
-                    out.write_back.push(id);
-                    pending += 1;
-                    progressed = true;
-                } else if n.children.is_empty() {
-                    let mut p = None;
-                    self.update(id, |n| p = n.device.take());
-                    out.freed.extend(p);
-                    self.delete(id);
-                    progressed = true;
-                }
+            let parent = self.node(id).parent;
+            let n = self.node(id);
+            if n.host.is_some() {
+                let mut p = None;
+                self.update(id, |n| p = n.device.take());
+                out.freed.extend(p);
+            } else if policy == WritePolicy::WriteBack {
+                self.evict_after_backup.insert(id, ());
+                out.write_back.push(id);
+                pending += 1;
+                continue;
+            } else if n.children.is_empty() {
+                let mut p = None;
+                self.update(id, |n| p = n.device.take());
+                out.freed.extend(p);
+                self.delete(id);
+            } else {
+                continue;
             }
-            if !progressed {
-                break;
+            if candidate(self, parent) {
+                heap.push(std::cmp::Reverse((self.node(parent).last_access, parent)));
             }
         }
         out
@@ -560,6 +585,7 @@ impl PrefixCache {
                         last_access: tick,
                         host_access: 0,
                         hits: 0,
+                        resident_children: 0,
                     });
                     self.node_mut(cur).children.insert(*key, id);
                     self.update(id, |n| n.device = Some(page));
@@ -665,6 +691,15 @@ impl PrefixCache {
                 "node {id} holds nothing"
             );
 
+            let rc = n
+                .children
+                .values()
+                .filter(|&&c| self.node(c).is_resident())
+                .count() as u32;
+            assert_eq!(
+                rc, n.resident_children,
+                "node {id}: resident children count"
+            );
             match self.class(id) {
                 Class::Evictable => ev += 1,
                 Class::Protected => pr += 1,

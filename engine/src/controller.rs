@@ -23,12 +23,10 @@ use crate::transfer::{Transfer, TransferError};
 /// A load in flight.
 #[derive(Clone, Debug)]
 pub struct Load {
-    pub id: u64,
     pub request: u64,
     pub slot: usize,
     pub nodes: Vec<NodeId>,
     pub dev_pages: Vec<PageId>,
-    pub host_pages: Vec<PageId>,
     pub issued_ns: u64,
     /// A copy could not even be enqueued: the load counts as failed.
     pub enqueue_failed: bool,
@@ -44,7 +42,6 @@ pub struct Load {
 #[derive(Clone, Debug)]
 pub struct Backup {
     pub nodes: Vec<NodeId>,
-    pub host_pages: Vec<PageId>,
     pub event: EventId,
     pub issued_ns: u64,
 }
@@ -154,12 +151,10 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
         self.loads.insert(
             id,
             Load {
-                id,
                 request,
                 slot,
                 nodes,
                 dev_pages,
-                host_pages,
                 issued_ns: self.clock.now_ns(),
                 enqueue_failed,
                 orphaned: false,
@@ -285,7 +280,6 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
                 + self.layout.page_bytes(BufferKind::IndexK).0);
         let b = Backup {
             nodes,
-            host_pages,
             event,
             issued_ns: self.clock.now_ns(),
         };

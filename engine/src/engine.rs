@@ -440,6 +440,20 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         Ok(report)
     }
 
+    /// Evicts up to `pages` device pages from the prefix cache now (unlocked nodes only, the write
+    /// policy respected), e.g. to hand memory back. Returns how many were freed at once.
+    pub fn evict_device(&mut self, pages: usize) -> Result<usize, EngineError> {
+        let ev = self.cache.evict_device(pages, self.cfg.cache.write_policy);
+        self.pools.device.pages.free(&ev.freed);
+        for node in ev.write_back {
+            if !self.issue_backup(node)? {
+                self.cache.cancel_write_back(node);
+            }
+        }
+        self.refresh_gauges();
+        Ok(ev.freed.len())
+    }
+
     /// Device pages for a request, evicting from the device tier as needed.
     fn alloc_device(&mut self, n: usize) -> Result<Option<Vec<PageId>>, EngineError> {
         if let Some(p) = self.pools.device.pages.alloc(n) {

@@ -6,6 +6,7 @@
 //! ([`trace_out`]).
 
 pub mod campaign;
+pub mod checked;
 pub mod cli;
 pub mod gpu;
 pub mod oracles;

@@ -1,1 +1,5 @@
-//! Cross-crate integration tests.
+//! Cross-crate integration tests: the engine with the simulator's oracles and the kernels.
+
+mod acceptance;
+mod scenarios;
+mod zoo;

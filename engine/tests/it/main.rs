@@ -1,4 +1,5 @@
 //! Integration tests of the engine through its public entry points, on the in-order CPU device.
 
+mod architecture;
 mod engine_smoke;
 mod trace;

@@ -87,7 +87,8 @@ fn parse_shard(s: &str) -> Result<(u64, u64), String> {
     Ok((i, n))
 }
 
-fn replay_command(sc: &Scenario) -> String {
+/// The one-line command that replays `sc`'s seed.
+pub fn replay_command(sc: &Scenario) -> String {
     let features = if sc.mutant.is_some() {
         " --features mutants"
     } else {

@@ -1,1 +1,123 @@
+//! The simulator's own tests: a fixed set of seeds (a longer campaign with
+//! `TIERKV_SIM_SEEDS=N`), the CLI's behaviour on good and bad input.
 
+use std::process::Command;
+use tierkv_sim::campaign::{run_campaign, CampaignOptions};
+
+fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
+    CampaignOptions {
+        first,
+        end,
+        jobs: 2,
+        shard: None,
+        profile: profile.into(),
+        mutant: None,
+        progress: false,
+        stop_at_first: false,
+        trace_records: None,
+    }
+}
+
+/// The clean engine has no findings on a fixed set of seeds. `TIERKV_SIM_SEEDS=N` runs seeds
+/// `0..N` instead (a long campaign; not part of the default test run).
+#[test]
+fn fixed_seeds_have_no_findings() {
+    let n: u64 = std::env::var("TIERKV_SIM_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24);
+    let s = run_campaign(&campaign("swarm", 0, n), |_| {});
+    assert_eq!(s.seeds_run, n);
+    assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
+    assert!(
+        s.totals.loads > 0 && s.totals.backups > 0,
+        "the seeds exercise loads and backups"
+    );
+    assert!(s.totals.digests_checked > 0 && s.totals.rows_checked > 0);
+}
+
+/// 60+ concurrent tool-call sessions sharing a system prompt.
+#[test]
+fn sixty_concurrent_sessions_have_no_findings() {
+    let s = run_campaign(&campaign("sessions", 0, 2), |_| {});
+    assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
+    assert!(s.totals.finished >= 60);
+}
+
+#[test]
+fn needle_workloads_have_no_findings() {
+    let s = run_campaign(&campaign("needle", 0, 4), |_| {});
+    assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
+}
+
+#[test]
+fn shards_partition_the_seeds() {
+    let mut all = Vec::new();
+    for i in 0..3 {
+        let mut o = campaign("quick", 0, 20);
+        o.shard = Some((i, 3));
+        all.extend(o.seeds());
+    }
+    all.sort();
+    assert_eq!(all, (0..20).collect::<Vec<_>>());
+}
+
+fn tierkv(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+        .args(args)
+        .output()
+        .expect("run tierkv");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_config_shows_the_layouts() {
+    let (code, out, _) = tierkv(&["check-config", "--preset", "deepseek-v4-flash-bf16"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("index_k/bf16")
+            && out.contains("256 B/token/layer")
+            && out.contains("16384 B/page"),
+        "{out}"
+    );
+    let (code, out, _) = tierkv(&["check-config", "--preset", "deepseek-v3.2"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("132 B/token/layer")
+            && out.contains("8448 B/page")
+            && out.contains("656 B/token/layer"),
+        "{out}"
+    );
+}
+
+#[test]
+fn check_config_refuses_bad_input_with_exit_code_2() {
+    let dir = std::env::temp_dir().join(format!("tierkv-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("bad.toml");
+    std::fs::write(&f, "preset = \"sim-small\"\n[model]\nindex_topk = 0\n").unwrap();
+    let (code, _, err) = tierkv(&["check-config", f.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(err.contains("index_topk"), "{err}");
+    let (code, _, err) = tierkv(&["check-config", "--preset", "nope"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown preset"), "{err}");
+    let (code, _, _) = tierkv(&["sim", "--seeds", "5..2"]);
+    assert_eq!(code, 2);
+    let (code, _, err) = tierkv(&["sim", "--profile", "nope", "--seed", "1"]);
+    assert_eq!(code, 2, "{err}");
+}
+
+#[test]
+fn one_seed_runs_from_the_command_line() {
+    let (code, out, err) = tierkv(&["sim", "--seed", "3", "--profile", "quick"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("ok: no findings") && out.contains("event-log hash"),
+        "{out}"
+    );
+}
