@@ -17,6 +17,7 @@ pub mod metrics;
 mod model;
 pub mod mutants;
 pub mod pools;
+pub mod runtime;
 pub mod scheduler;
 pub mod sync;
 pub mod synth;

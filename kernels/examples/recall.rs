@@ -19,7 +19,9 @@
 //! does not. The rest are easy distractors (cosine in [0, 0.5]).
 
 use tierkv_kernels::cpu::logits::{apply_scale, scores};
-use tierkv_kernels::cpu::numerics::{amax, bf16_bits, bf16_value, e4m3_decode, e4m3_encode, fp8_scale, mix64};
+use tierkv_kernels::cpu::numerics::{
+    amax, bf16_bits, bf16_value, e4m3_decode, e4m3_encode, fp8_scale, mix64,
+};
 use tierkv_kernels::layout::IndexKDtype;
 
 struct Rng(u64);
@@ -84,7 +86,10 @@ fn store(y: &[f32; 128], how: Store) -> ([f32; 128], f32) {
 fn main() {
     let contexts = [1024usize, 4096, 16384, 65536];
     let ks = [512usize, 2048];
-    let trials: usize = std::env::var("RECALL_TRIALS").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
+    let trials: usize = std::env::var("RECALL_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40);
     let heads = 4;
     let eps = 0.01;
     let needle_pos = 7;
@@ -128,13 +133,21 @@ fn main() {
                     q32.extend(qh);
                 }
                 let w32 = vec![1f32; heads];
-                for (si, how) in [Store::F32, Store::Bf16, Store::Fp8].into_iter().enumerate() {
+                for (si, how) in [Store::F32, Store::Bf16, Store::Fp8]
+                    .into_iter()
+                    .enumerate()
+                {
                     let (q, w) = if si == 0 { (&q32, &w32) } else { (&q8, &w8) };
-                    let stored: Vec<([f32; 128], f32)> = keys.iter().map(|y| store(y, how)).collect();
+                    let stored: Vec<([f32; 128], f32)> =
+                        keys.iter().map(|y| store(y, how)).collect();
                     let ks_: Vec<[f32; 128]> = stored.iter().map(|s| s.0).collect();
                     let mut sc = vec![0f32; ctx];
                     scores(q, w, &ks_, &mut sc);
-                    let dtype = if matches!(how, Store::Fp8) { IndexKDtype::Fp8 } else { IndexKDtype::Bf16 };
+                    let dtype = if matches!(how, Store::Fp8) {
+                        IndexKDtype::Fp8
+                    } else {
+                        IndexKDtype::Bf16
+                    };
                     for (s, st) in sc.iter_mut().zip(&stored) {
                         *s = apply_scale(*s, st.1, dtype);
                     }

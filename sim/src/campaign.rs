@@ -25,6 +25,8 @@ pub struct CampaignOptions {
     /// Stop handing out seeds after the first failure.
     pub stop_at_first: bool,
     pub trace_records: Option<Vec<TraceRecord>>,
+    /// Run the ops on the GPU (`--device cuda`).
+    pub cuda: bool,
 }
 
 impl CampaignOptions {
@@ -143,7 +145,13 @@ pub fn run_campaign(
                 let Some(&seed) = seeds.get(i as usize) else {
                     return;
                 };
-                let out = run(&opts.scenario(seed), &RunOptions::default());
+                let out = run(
+                    &opts.scenario(seed),
+                    &RunOptions {
+                        trace: false,
+                        cuda: opts.cuda,
+                    },
+                );
                 if tx.send(out).is_err() {
                     return;
                 }

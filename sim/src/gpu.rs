@@ -59,6 +59,8 @@ pub struct GpuOptions {
     pub fail_first_host_alloc: bool,
     /// Record every op as a trace slice.
     pub trace: bool,
+    /// Run the ops' data effects on a real GPU instead of the CPU references.
+    pub cuda: bool,
 }
 
 impl Default for GpuOptions {
@@ -76,6 +78,7 @@ impl Default for GpuOptions {
             failed_copy_rate: 0.0,
             fail_first_host_alloc: false,
             trace: false,
+            cuda: false,
         }
     }
 }
@@ -168,6 +171,16 @@ pub struct SimGpu {
     pub stats: GpuStats,
     log_hash: u64,
     host_allocs: u32,
+    exec: Executor,
+}
+
+/// What performs an op's data effect when the simulation says it completes.
+enum Executor {
+    /// The kernels' CPU references on the simulator's memory.
+    Cpu,
+    /// The CUDA kernels and copies on a real GPU, through mirrors of the simulator's buffers.
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::cuda_exec::CudaExec>),
 }
 
 /// The engine's clock inside the simulation: the host's virtual time.
@@ -196,7 +209,8 @@ impl SimGpu {
             }
             SchedPolicy::RandomWalk => Vec::new(),
         };
-        SimGpu {
+        let cuda = opts.cuda;
+        let mut g = SimGpu {
             mem: Memory::default(),
             opts,
             rng,
@@ -223,7 +237,12 @@ impl SimGpu {
             stats: GpuStats::default(),
             log_hash: 0xC0FF_EE00,
             host_allocs: 0,
+            exec: Executor::Cpu,
+        };
+        if cuda {
+            g.exec = Executor::cuda();
         }
+        g
     }
 
     pub fn clock(&self) -> SimClock {
@@ -475,7 +494,7 @@ impl SimGpu {
                 self.taint(a.range, true);
             }
         } else {
-            if let Err(e) = run_op(&rec.op, &mut self.mem) {
+            if let Err(e) = self.exec.run(&rec.op, &mut self.mem) {
                 self.finding(
                     OracleKind::Layout,
                     format!("op {} ({}) failed to run: {e}", rec.id, rec.op.name()),
@@ -600,6 +619,26 @@ impl SimGpu {
     /// Whether this page of a buffer holds bytes from a failed copy.
     pub fn is_tainted(&self, b: BufferId, page: PageId) -> bool {
         self.tainted.contains(&(b, page.0 as u64))
+    }
+}
+
+impl Executor {
+    #[cfg(feature = "cuda")]
+    fn cuda() -> Executor {
+        Executor::Cuda(Box::new(
+            crate::cuda_exec::CudaExec::new().expect("a CUDA device for --device cuda"),
+        ))
+    }
+    #[cfg(not(feature = "cuda"))]
+    fn cuda() -> Executor {
+        panic!("--device cuda needs a build with `--features cuda`")
+    }
+    fn run(&mut self, op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
+        match self {
+            Executor::Cpu => run_op(op, mem),
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(c) => c.run(op, mem),
+        }
     }
 }
 

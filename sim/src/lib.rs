@@ -8,6 +8,8 @@
 pub mod campaign;
 pub mod checked;
 pub mod cli;
+#[cfg(feature = "cuda")]
+pub mod cuda_exec;
 pub mod gpu;
 pub mod oracles;
 pub mod race;

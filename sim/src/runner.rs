@@ -19,6 +19,8 @@ use tierkv_engine::{Engine, EngineError, EngineOptions, Output, Rejection, Reque
 pub struct RunOptions {
     /// Record every op for a Chrome trace.
     pub trace: bool,
+    /// Perform the ops on a real GPU (`--device cuda`).
+    pub cuda: bool,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -187,7 +189,9 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
     let make_gpu = |fault_alloc: bool| {
         let mut knobs = sc.gpu.clone();
         knobs.fail_first_host_alloc = fault_alloc;
-        let mut g = SimGpu::new(sc.seed, knobs.options(opts.trace));
+        let mut o = knobs.options(opts.trace);
+        o.cuda = opts.cuda;
+        let mut g = SimGpu::new(sc.seed, o);
         g.content = Some(content.clone());
         g
     };

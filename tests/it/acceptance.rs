@@ -22,9 +22,16 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         progress: false,
         stop_at_first: true,
         trace_records: None,
+        cuda: false,
     };
     let sc = opts.scenario(0);
-    let out = run(&sc, &RunOptions { trace: true });
+    let out = run(
+        &sc,
+        &RunOptions {
+            trace: true,
+            cuda: false,
+        },
+    );
     let f = out.findings.first().expect("the first seed catches it");
     assert_eq!(f.oracle, OracleKind::Race, "{f}");
     // The report names both ops, their streams, the buffer, the layer and the page.
@@ -89,6 +96,7 @@ fn the_same_seed_gives_the_same_event_log() {
         progress: false,
         stop_at_first: false,
         trace_records: None,
+        cuda: false,
     };
     for seed in [3u64, 4, 13] {
         let sc = opts.scenario(seed);

@@ -2,4 +2,5 @@
 
 mod architecture;
 mod engine_smoke;
+mod service;
 mod trace;

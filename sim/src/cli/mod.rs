@@ -6,7 +6,9 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use tierkv_engine::config::Config;
 
+pub mod bench;
 mod check_config;
+pub mod replay;
 pub mod sim;
 pub mod zoo;
 
@@ -35,6 +37,10 @@ pub enum Command {
     Sim(sim::SimArgs),
     /// Run every bug-zoo mutant through seeded campaigns (needs `--features mutants`).
     Zoo(zoo::ZooArgs),
+    /// Time the kernels and page transfers on the GPU (needs `--features cuda`).
+    Bench(bench::BenchArgs),
+    /// Replay a Mooncake trace through the production service (tokio intake, /metrics).
+    Replay(replay::ReplayArgs),
 }
 
 /// Loads a configuration from a file or a preset (the default preset when neither is given).
@@ -61,5 +67,7 @@ pub fn main() -> i32 {
         }
         Command::Sim(args) => sim::run_sim(args),
         Command::Zoo(args) => zoo::run_zoo(args),
+        Command::Bench(args) => bench::run_bench(args),
+        Command::Replay(args) => replay::run_replay(args),
     }
 }

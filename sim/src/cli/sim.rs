@@ -54,6 +54,10 @@ pub struct SimArgs {
     /// Keep going after the first failure.
     #[arg(long)]
     pub keep_going: bool,
+    /// Where the ops run: `cpu` (the kernels' CPU references) or `cuda` (a real GPU; needs
+    /// `--features cuda`). The schedules are the same.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
     /// Where failure artifacts (traces, shrunk scenarios) go.
     #[arg(long, default_value = ".")]
     pub out_dir: PathBuf,
@@ -128,7 +132,13 @@ pub fn report_failure(sc: &Scenario, out: &RunOutcome, args: &SimArgs) {
     }
     println!("  scenario: {}", sc.summary());
     println!("  replay: {}", replay_command(sc));
-    let traced = run(sc, &RunOptions { trace: true });
+    let traced = run(
+        sc,
+        &RunOptions {
+            trace: true,
+            cuda: args.device == "cuda",
+        },
+    );
     let path = args.trace_out.clone().unwrap_or_else(|| {
         args.out_dir
             .join(format!("tierkv-seed-{}.trace.json", sc.seed))
@@ -144,7 +154,13 @@ pub fn report_failure(sc: &Scenario, out: &RunOutcome, args: &SimArgs) {
             &file,
             serde_json::to_string_pretty(&s.scenario).expect("json"),
         );
-        let min = run(&s.scenario, &RunOptions::default());
+        let min = run(
+            &s.scenario,
+            &RunOptions {
+                trace: false,
+                cuda: args.device == "cuda",
+            },
+        );
         println!(
             "  shrunk in {} runs to {} requests ({} sessions, {} one-shots), still failing with [{}]: {}",
             s.runs,
@@ -232,15 +248,32 @@ pub fn run_sim(args: SimArgs) -> i32 {
         progress: true,
         stop_at_first: !args.keep_going,
         trace_records,
+        cuda: args.device == "cuda",
     };
+    if args.device == "cuda" && !cfg!(feature = "cuda") {
+        eprintln!("--device cuda needs a build with `--features cuda`");
+        return 2;
+    }
     if let Some(seed) = args.seed {
         return single(&copts.scenario(seed), &args);
     }
     if args.check_determinism {
         let sc = copts.scenario(copts.first);
         let (a, b) = (
-            run(&sc, &RunOptions::default()),
-            run(&sc, &RunOptions::default()),
+            run(
+                &sc,
+                &RunOptions {
+                    trace: false,
+                    cuda: args.device == "cuda",
+                },
+            ),
+            run(
+                &sc,
+                &RunOptions {
+                    trace: false,
+                    cuda: args.device == "cuda",
+                },
+            ),
         );
         if a.log_hash != b.log_hash {
             println!(
@@ -258,7 +291,13 @@ pub fn run_sim(args: SimArgs) -> i32 {
     summary.print(&args.profile);
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);
-        let out = run(&sc, &RunOptions::default());
+        let out = run(
+            &sc,
+            &RunOptions {
+                trace: false,
+                cuda: args.device == "cuda",
+            },
+        );
         report_failure(&sc, &out, &args);
         return 1;
     }
@@ -271,6 +310,7 @@ fn single(sc: &Scenario, args: &SimArgs) -> i32 {
         sc,
         &RunOptions {
             trace: args.trace_out.is_some(),
+            cuda: args.device == "cuda",
         },
     );
     let s = &out.stats;

@@ -51,6 +51,7 @@ pub fn zoo_row(mutant: Option<Mutant>, seeds: u64, jobs: usize, profile: &str) -
         progress: false,
         stop_at_first: mutant.is_some(),
         trace_records: None,
+        cuda: false,
     };
     let s = run_campaign(&opts, |_| {});
     let first = s.failures.first().cloned();

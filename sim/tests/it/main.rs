@@ -15,6 +15,7 @@ fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
         progress: false,
         stop_at_first: false,
         trace_records: None,
+        cuda: false,
     }
 }
 

@@ -1,0 +1,334 @@
+//! The service around one engine: an async API to submit a request and await its result (tokio),
+//! the engine loop on its own thread owning the device and its streams, `/metrics` in Prometheus
+//! text over loopback HTTP, and graceful shutdown that drains in-flight work and transfers.
+//!
+//! Cross-thread hand-offs go through the `sync` seam: the intake queue ([`Intake`]) that request
+//! handlers push into and the engine thread drains, and the metrics snapshot. Replies travel on
+//! tokio oneshot channels (sent from the engine thread, awaited by the handler).
+
+use crate::device::{Clock, Device};
+use crate::engine::{Engine, EngineError};
+use crate::scheduler::{Output, Rejection, RequestSpec};
+use crate::sync::{Arc, AtomicBool, Condvar, Mutex, Ordering};
+use crate::transfer::Transfer;
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// A finished request as the client sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub request: u64,
+    pub generated: Vec<u32>,
+    /// Submission to first token, and to completion.
+    pub ttft_ns: u64,
+    pub latency_ns: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Rejected(#[from] Rejection),
+    #[error("request {0} was aborted")]
+    Aborted(u64),
+    #[error("the service is shutting down")]
+    ShuttingDown,
+    #[error("the engine stopped: {0}")]
+    EngineFailed(String),
+}
+
+struct Submission {
+    spec: RequestSpec,
+    submitted: Instant,
+    reply: tokio::sync::oneshot::Sender<Result<Completion, ServiceError>>,
+}
+
+/// The intake queue: handlers push, the engine thread drains. Closed at shutdown.
+pub struct Intake {
+    queue: Mutex<VecDeque<Submission>>,
+    ready: Condvar,
+    closed: AtomicBool,
+}
+
+impl Intake {
+    fn new() -> Self {
+        Intake {
+            queue: Mutex::new(VecDeque::new()),
+            ready: Condvar::new(),
+            closed: AtomicBool::new(false),
+        }
+    }
+    fn push(&self, s: Submission) -> Result<(), Submission> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(s);
+        }
+        self.queue.lock().expect("intake lock").push_back(s);
+        self.ready.notify_one();
+        Ok(())
+    }
+    fn drain(&self) -> Vec<Submission> {
+        self.queue.lock().expect("intake lock").drain(..).collect()
+    }
+    fn wait(&self, timeout: Duration) {
+        let q = self.queue.lock().expect("intake lock");
+        if q.is_empty() && !self.closed.load(Ordering::Acquire) {
+            let _ = self.ready.wait_timeout(q, timeout);
+        }
+    }
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+}
+
+/// Step latencies kept for percentiles (the latest `STEP_SAMPLES`).
+const STEP_SAMPLES: usize = 65_536;
+
+/// What the engine thread publishes for readers on other threads.
+#[derive(Default)]
+pub struct Published {
+    pub metrics_text: String,
+    pub step_ns: Vec<u64>,
+    pub metrics: crate::metrics::Metrics,
+}
+
+/// A handle for submitting requests (cheap to clone).
+#[derive(Clone)]
+pub struct Client {
+    intake: Arc<Intake>,
+}
+
+impl Client {
+    /// Submits a request and waits for its result. Admission control answers with
+    /// `ServiceError::Rejected` at once when the engine is over its limits.
+    pub async fn generate(&self, spec: RequestSpec) -> Result<Completion, ServiceError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let sub = Submission {
+            spec,
+            submitted: Instant::now(),
+            reply: tx,
+        };
+        if self.intake.push(sub).is_err() {
+            return Err(ServiceError::ShuttingDown);
+        }
+        rx.await.unwrap_or(Err(ServiceError::ShuttingDown))
+    }
+}
+
+/// The running service.
+pub struct Service {
+    intake: Arc<Intake>,
+    pub published: Arc<Mutex<Published>>,
+    engine_thread: Option<std::thread::JoinHandle<Result<(), String>>>,
+}
+
+impl Service {
+    /// Starts the engine thread; `make` builds the engine on that thread (so the device never
+    /// has to cross threads).
+    pub fn start<D, C, T, F>(make: F) -> Service
+    where
+        D: Device + 'static,
+        C: Clock + 'static,
+        T: Transfer + 'static,
+        F: FnOnce() -> Result<Engine<D, C, T>, EngineError> + Send + 'static,
+    {
+        let intake = Arc::new(Intake::new());
+        let published = Arc::new(Mutex::new(Published::default()));
+        let (i2, p2) = (intake.clone(), published.clone());
+        let engine_thread = std::thread::Builder::new()
+            .name("tierkv-engine".into())
+            .spawn(move || engine_loop(make, &i2, &p2))
+            .expect("spawn the engine thread");
+        Service {
+            intake,
+            published,
+            engine_thread: Some(engine_thread),
+        }
+    }
+
+    pub fn client(&self) -> Client {
+        Client {
+            intake: self.intake.clone(),
+        }
+    }
+
+    /// The current metrics in Prometheus text.
+    pub fn metrics_text(&self) -> String {
+        self.published
+            .lock()
+            .expect("published lock")
+            .metrics_text
+            .clone()
+    }
+
+    /// Stops intake, lets the engine finish every accepted request and every transfer, and joins
+    /// the engine thread.
+    pub fn shutdown(mut self) -> Result<(), String> {
+        self.intake.close();
+        match self.engine_thread.take() {
+            Some(h) => h
+                .join()
+                .map_err(|_| "the engine thread panicked".to_string())?,
+            None => Ok(()),
+        }
+    }
+}
+
+fn engine_loop<D: Device, C: Clock, T: Transfer>(
+    make: impl FnOnce() -> Result<Engine<D, C, T>, EngineError>,
+    intake: &Intake,
+    published: &Mutex<Published>,
+) -> Result<(), String> {
+    let mut engine = match make() {
+        Ok(e) => e,
+        Err(e) => {
+            intake.close();
+            for s in intake.drain() {
+                let _ = s.reply.send(Err(ServiceError::EngineFailed(e.to_string())));
+            }
+            return Err(e.to_string());
+        }
+    };
+    struct Pending {
+        reply: tokio::sync::oneshot::Sender<Result<Completion, ServiceError>>,
+        submitted: Instant,
+        first_token: Option<Instant>,
+    }
+    let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
+    let mut last_publish = Instant::now();
+    loop {
+        for s in intake.drain() {
+            match engine.submit(s.spec) {
+                Ok(id) => {
+                    pending.insert(
+                        id,
+                        Pending {
+                            reply: s.reply,
+                            submitted: s.submitted,
+                            first_token: None,
+                        },
+                    );
+                }
+                Err(r) => {
+                    let _ = s.reply.send(Err(ServiceError::Rejected(r)));
+                }
+            }
+        }
+        let closed = intake.closed.load(Ordering::Acquire);
+        if engine.is_idle() {
+            publish(&engine, published, None);
+            if closed && intake.queue.lock().expect("intake lock").is_empty() {
+                return Ok(());
+            }
+            intake.wait(Duration::from_millis(20));
+            continue;
+        }
+        let t0 = Instant::now();
+        if let Err(e) = engine.step() {
+            let msg = e.to_string();
+            for (_, p) in std::mem::take(&mut pending) {
+                let _ = p.reply.send(Err(ServiceError::EngineFailed(msg.clone())));
+            }
+            intake.close();
+            return Err(msg);
+        }
+        let step_ns = t0.elapsed().as_nanos() as u64;
+        for o in engine.drain_outputs() {
+            match o {
+                Output::Token { request, .. } => {
+                    if let Some(p) = pending.get_mut(&request) {
+                        p.first_token.get_or_insert_with(Instant::now);
+                    }
+                }
+                Output::Finished { request, generated } => {
+                    if let Some(p) = pending.remove(&request) {
+                        let now = Instant::now();
+                        let _ = p.reply.send(Ok(Completion {
+                            request,
+                            generated,
+                            ttft_ns: p
+                                .first_token
+                                .unwrap_or(now)
+                                .duration_since(p.submitted)
+                                .as_nanos() as u64,
+                            latency_ns: now.duration_since(p.submitted).as_nanos() as u64,
+                        }));
+                    }
+                }
+                Output::Aborted { request } => {
+                    if let Some(p) = pending.remove(&request) {
+                        let _ = p.reply.send(Err(ServiceError::Aborted(request)));
+                    }
+                }
+                Output::Digests { .. } | Output::Recompute { .. } => {}
+            }
+        }
+        if last_publish.elapsed() > Duration::from_millis(50) {
+            last_publish = Instant::now();
+            publish(&engine, published, Some(step_ns));
+        } else {
+            let mut p = published.lock().expect("published lock");
+            if p.step_ns.len() < STEP_SAMPLES {
+                p.step_ns.push(step_ns);
+            }
+        }
+    }
+}
+
+fn publish<D: Device, C: Clock, T: Transfer>(
+    engine: &Engine<D, C, T>,
+    published: &Mutex<Published>,
+    step: Option<u64>,
+) {
+    let text = engine.metrics.render_prometheus();
+    let mut p = published.lock().expect("published lock");
+    p.metrics_text = text;
+    p.metrics = engine.metrics.clone();
+    if let Some(s) = step {
+        if p.step_ns.len() < STEP_SAMPLES {
+            p.step_ns.push(s);
+        }
+    }
+}
+
+/// Serves `GET /metrics` (Prometheus text) on `addr` (loopback) until `stop` resolves.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    published: Arc<Mutex<Published>>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stop = stop;
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.changed() => return Ok(()),
+        };
+        let (mut sock, _) = accepted?;
+        let published = published.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            let n = match sock.read(&mut buf).await {
+                Ok(n) => n,
+                Err(_) => return,
+            };
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if req.starts_with("GET /metrics") {
+                (
+                    "200 OK",
+                    published
+                        .lock()
+                        .expect("published lock")
+                        .metrics_text
+                        .clone(),
+                )
+            } else {
+                ("404 Not Found", "only GET /metrics is served\n".to_string())
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+        });
+    }
+}

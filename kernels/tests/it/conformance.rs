@@ -1,0 +1,763 @@
+//! GPU conformance: one test body per kernel, instantiated for the CPU reference and (feature
+//! `cuda`, on a GPU machine) for CUDA. Fresh random inputs every run (the seed is printed),
+//! outputs poisoned before every launch, fp8 and bf16, awkward sizes. Store, q_prep, page copy,
+//! sparse read and top-k must match the CPU reference bit for bit; logits within 1e-5 relative
+//! (the kernel uses the reference's operation order, so in practice they are bit-exact too and the
+//! test reports how many are).
+
+use half::bf16;
+use tierkv_kernels::cpu::{self, numerics::mix64};
+use tierkv_kernels::layout::*;
+use tierkv_kernels::rope::rope_row;
+use tierkv_kernels::Result;
+
+/// Where a kernel runs. Inputs and outputs are host byte buffers; a GPU backend moves them.
+pub trait Backend {
+    fn name(&self) -> &'static str;
+    fn index_k_store(
+        &self,
+        a: &cpu::IndexKStoreArgs,
+        dst: &mut [u8],
+        fp: LayoutFingerprint,
+    ) -> Result<()>;
+    fn kv_store(&self, a: &cpu::KvStoreArgs, dst: &mut [u8], fp: LayoutFingerprint) -> Result<()>;
+    fn q_prep(&self, a: &cpu::QPrepArgs, q_out: &mut [u8], w_out: &mut [f32]) -> Result<()>;
+    fn index_logits(
+        &self,
+        a: &cpu::IndexLogitsArgs,
+        k: &[u8],
+        fp: LayoutFingerprint,
+        out: &mut [f32],
+    ) -> Result<()>;
+    fn topk(&self, a: &cpu::TopKArgs, out: &mut [i32]) -> Result<()>;
+    fn sparse_read(
+        &self,
+        a: &cpu::SparseReadArgs,
+        kv: &[u8],
+        fp: LayoutFingerprint,
+        out: &mut [u64],
+    ) -> Result<()>;
+    fn page_copy(
+        &self,
+        src: &[u8],
+        sv: &PagedView,
+        dst: &mut [u8],
+        dv: &PagedView,
+        runs: &[PageRun],
+    ) -> Result<()>;
+}
+
+pub struct Cpu;
+impl Backend for Cpu {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn index_k_store(
+        &self,
+        a: &cpu::IndexKStoreArgs,
+        dst: &mut [u8],
+        fp: LayoutFingerprint,
+    ) -> Result<()> {
+        cpu::index_k_store(a, dst, fp)
+    }
+    fn kv_store(&self, a: &cpu::KvStoreArgs, dst: &mut [u8], fp: LayoutFingerprint) -> Result<()> {
+        cpu::kv_store(a, dst, fp)
+    }
+    fn q_prep(&self, a: &cpu::QPrepArgs, q_out: &mut [u8], w_out: &mut [f32]) -> Result<()> {
+        cpu::q_prep(a, q_out, w_out)
+    }
+    fn index_logits(
+        &self,
+        a: &cpu::IndexLogitsArgs,
+        k: &[u8],
+        fp: LayoutFingerprint,
+        out: &mut [f32],
+    ) -> Result<()> {
+        cpu::index_logits(a, k, fp, out)
+    }
+    fn topk(&self, a: &cpu::TopKArgs, out: &mut [i32]) -> Result<()> {
+        cpu::topk(a, out)
+    }
+    fn sparse_read(
+        &self,
+        a: &cpu::SparseReadArgs,
+        kv: &[u8],
+        fp: LayoutFingerprint,
+        out: &mut [u64],
+    ) -> Result<()> {
+        cpu::sparse_read(a, kv, fp, out)
+    }
+    fn page_copy(
+        &self,
+        src: &[u8],
+        sv: &PagedView,
+        dst: &mut [u8],
+        dv: &PagedView,
+        runs: &[PageRun],
+    ) -> Result<()> {
+        cpu::page_copy(src, sv, dst, dv, runs)
+    }
+}
+
+pub struct Gen(pub u64);
+impl Gen {
+    pub fn fresh(label: &str) -> Gen {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        let seed = mix64(t ^ label.len() as u64);
+        eprintln!("{label}: seed {seed:#x}");
+        Gen(seed)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix64(self.0)
+    }
+    pub fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    pub fn bf16s(&mut self, n: usize, scale: f32) -> Vec<bf16> {
+        (0..n)
+            .map(|_| bf16::from_f32(self.unit() * scale))
+            .collect()
+    }
+    pub fn poison(&mut self, n: usize) -> Vec<u8> {
+        let p = (self.next() as u8) | 0x81;
+        vec![p; n]
+    }
+    /// `n` distinct slots among `slots`.
+    pub fn slots(&mut self, n: usize, slots: usize) -> Vec<i32> {
+        let mut all: Vec<i32> = (0..slots as i32).collect();
+        for i in 0..n.min(slots) {
+            let j = i + self.below((slots - i) as u64) as usize;
+            all.swap(i, j);
+        }
+        all.truncate(n);
+        all
+    }
+}
+
+pub fn store_body(b: &dyn Backend) {
+    let mut g = Gen::fresh("store");
+    for dtype in IndexKDtype::ALL {
+        for (n, pages) in [(1usize, 1usize), (63, 2), (1000, 20), (4099, 70)] {
+            let ue8m0 = g.next() & 1 == 1;
+            let keys = g.bf16s(n * 128, 6.0);
+            let gamma: Vec<f32> = (0..128).map(|_| 1.0 + 0.5 * g.unit()).collect();
+            let beta: Vec<f32> = (0..128).map(|_| 0.3 * g.unit()).collect();
+            let rope: Vec<f32> = (0..n)
+                .flat_map(|_| rope_row(g.below(131_072) as u32))
+                .collect();
+            let slots = g.slots(n, pages * 64);
+            let a = cpu::IndexKStoreArgs {
+                dtype,
+                ue8m0,
+                keys: &keys,
+                gamma: &gamma,
+                beta: &beta,
+                rope: &rope,
+                slots: &slots,
+            };
+            let fmt = PageFormat::IndexK(dtype);
+            let mut want = g.poison(pages * fmt.page_bytes() as usize);
+            let mut got = want.clone();
+            cpu::index_k_store(&a, &mut want, fmt.fingerprint()).unwrap();
+            b.index_k_store(&a, &mut got, fmt.fingerprint()).unwrap();
+            assert!(
+                got == want,
+                "{} index_k_store {dtype:?} n={n}: {} bytes differ",
+                b.name(),
+                diff(&got, &want)
+            );
+        }
+    }
+    for dtype in KvDtype::ALL {
+        for n in [1usize, 77, 1500] {
+            let rows = g.bf16s(n * 576, 10.0);
+            let pages = n.div_ceil(64) + 1;
+            let slots = g.slots(n, pages * 64);
+            let a = cpu::KvStoreArgs {
+                dtype,
+                rows: &rows,
+                slots: &slots,
+            };
+            let fmt = PageFormat::Kv(dtype);
+            let mut want = g.poison(pages * fmt.page_bytes() as usize);
+            let mut got = want.clone();
+            cpu::kv_store(&a, &mut want, fmt.fingerprint()).unwrap();
+            b.kv_store(&a, &mut got, fmt.fingerprint()).unwrap();
+            assert!(
+                got == want,
+                "{} kv_store {dtype:?} n={n}: {} bytes differ",
+                b.name(),
+                diff(&got, &want)
+            );
+        }
+    }
+}
+
+fn diff(a: &[u8], b: &[u8]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x != y).count()
+}
+
+pub fn q_prep_body(b: &dyn Backend) {
+    let mut g = Gen::fresh("q_prep");
+    for (n, heads) in [(1usize, 1usize), (3, 64), (70, 17), (128, 64)] {
+        let q = g.bf16s(n * heads * 128, 4.0);
+        let w: Vec<f32> = (0..n * heads).map(|_| g.unit()).collect();
+        let rope: Vec<f32> = (0..n)
+            .flat_map(|_| rope_row(g.below(65_536) as u32))
+            .collect();
+        let a = cpu::QPrepArgs {
+            heads,
+            q: &q,
+            weights: &w,
+            rope: &rope,
+        };
+        let (mut qw, mut ww) = (g.poison(n * heads * 128), vec![f32::NAN; n * heads]);
+        let (mut qg, mut wg) = (qw.clone(), ww.clone());
+        cpu::q_prep(&a, &mut qw, &mut ww).unwrap();
+        b.q_prep(&a, &mut qg, &mut wg).unwrap();
+        assert!(
+            qg == qw,
+            "{} q_prep n={n} heads={heads}: q differs",
+            b.name()
+        );
+        assert!(
+            wg.iter().zip(&ww).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{} q_prep: weights differ",
+            b.name()
+        );
+    }
+}
+
+/// A paged index-K buffer filled through the store kernel (CPU) with random keys.
+fn filled_pool(g: &mut Gen, dtype: IndexKDtype, pages: usize) -> Vec<u8> {
+    let n = pages * 64;
+    let keys = g.bf16s(n * 128, 3.0);
+    let ones = vec![1f32; 128];
+    let zeros = vec![0f32; 128];
+    let rope: Vec<f32> = (0..n).flat_map(|p| rope_row(p as u32)).collect();
+    let slots: Vec<i32> = (0..n as i32).collect();
+    let fmt = PageFormat::IndexK(dtype);
+    let mut buf = vec![0u8; pages * fmt.page_bytes() as usize];
+    cpu::index_k_store(
+        &cpu::IndexKStoreArgs {
+            dtype,
+            ue8m0: false,
+            keys: &keys,
+            gamma: &ones,
+            beta: &zeros,
+            rope: &rope,
+            slots: &slots,
+        },
+        &mut buf,
+        fmt.fingerprint(),
+    )
+    .unwrap();
+    buf
+}
+
+pub fn logits_body(b: &dyn Backend) {
+    let mut g = Gen::fresh("logits");
+    for dtype in IndexKDtype::ALL {
+        for (lens, heads) in [
+            (vec![1usize], 1usize),
+            (vec![63, 65, 1, 200], 64),
+            (vec![1000, 999], 7),
+            (vec![65_536, 40_001], 64),
+        ] {
+            let rows = lens.len();
+            let max = *lens.iter().max().unwrap();
+            let pt_stride = max.div_ceil(64);
+            let pages = pt_stride + 3;
+            let pool = filled_pool(&mut g, dtype, pages);
+            let page_table: Vec<i32> = (0..rows * pt_stride)
+                .map(|_| g.below(pages as u64) as i32)
+                .collect();
+            let q: Vec<u8> = (0..rows * heads * 128)
+                .map(|_| cpu::numerics::e4m3_encode(g.unit() * 440.0))
+                .collect();
+            let w: Vec<f32> = (0..rows * heads).map(|_| g.unit() * 0.01).collect();
+            let ctx: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let out_stride = max + 5;
+            let a = cpu::IndexLogitsArgs {
+                dtype,
+                heads,
+                q: &q,
+                weights: &w,
+                page_table: &page_table,
+                pt_stride,
+                context_lens: &ctx,
+                out_stride,
+            };
+            let fp = PageFormat::IndexK(dtype).fingerprint();
+            let mut want = vec![f32::NAN; rows * out_stride];
+            let mut got = vec![f32::NAN; rows * out_stride];
+            cpu::index_logits(&a, &pool, fp, &mut want).unwrap();
+            b.index_logits(&a, &pool, fp, &mut got).unwrap();
+            let mut exact = 0usize;
+            for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                if x.to_bits() == y.to_bits() {
+                    exact += 1;
+                    continue;
+                }
+                assert!(
+                    y.is_finite() && (x - y).abs() <= 1e-5 * y.abs().max(1e-30),
+                    "{} logits {dtype:?} [{i}]: {x} vs {y}",
+                    b.name()
+                );
+            }
+            eprintln!(
+                "{} logits {dtype:?} lens {lens:?} heads {heads}: {exact}/{} bit-exact",
+                b.name(),
+                got.len()
+            );
+        }
+    }
+}
+
+pub fn topk_body(b: &dyn Backend) {
+    let mut g = Gen::fresh("topk");
+    for (rows, len, k, ties) in [
+        (1usize, 1usize, 1usize, false),
+        (3, 100, 512, false),
+        (5, 5000, 2048, true),
+        (4, 3000, 37, true),
+        (64, 65_536, 2048, false),
+        (64, 65_536, 512, true),
+    ] {
+        let stride = len + 3;
+        let pt_stride = len.div_ceil(64);
+        let mut logits: Vec<f32> = (0..rows * stride).map(|_| g.unit() * 50.0).collect();
+        if ties {
+            for v in logits.iter_mut() {
+                *v = (*v * 2.0).round() / 2.0;
+            }
+        }
+        let page_table: Vec<i32> = (0..rows * pt_stride)
+            .map(|_| g.below(1 << 20) as i32)
+            .collect();
+        let ctx: Vec<i32> = (0..rows)
+            .map(|r| {
+                if r % 3 == 1 {
+                    (len / 2) as i32
+                } else {
+                    len as i32
+                }
+            })
+            .collect();
+        let a = cpu::TopKArgs {
+            k,
+            logits: &logits,
+            stride,
+            context_lens: &ctx,
+            page_table: &page_table,
+            pt_stride,
+        };
+        let mut want = vec![i32::MIN; rows * k];
+        let mut got = want.clone();
+        cpu::topk(&a, &mut want).unwrap();
+        b.topk(&a, &mut got).unwrap();
+        assert!(
+            got == want,
+            "{} topk rows {rows} len {len} k {k} ties {ties}: {} entries differ",
+            b.name(),
+            got.iter().zip(&want).filter(|(x, y)| x != y).count()
+        );
+    }
+}
+
+pub fn sparse_read_body(b: &dyn Backend) {
+    let mut g = Gen::fresh("sparse_read");
+    for dtype in KvDtype::ALL {
+        for (rows, k, pages) in [(1usize, 1usize, 1usize), (8, 2048, 40), (33, 100, 5)] {
+            let fmt = PageFormat::Kv(dtype);
+            let kv: Vec<u8> = (0..pages * fmt.page_bytes() as usize)
+                .map(|_| g.next() as u8)
+                .collect();
+            let slots: Vec<i32> = (0..rows * k)
+                .map(|_| {
+                    if g.below(7) == 0 {
+                        -1
+                    } else {
+                        g.below((pages * 64) as u64) as i32
+                    }
+                })
+                .collect();
+            let a = cpu::SparseReadArgs {
+                dtype,
+                k,
+                slots: &slots,
+            };
+            let mut want = vec![0xDEAD_BEEFu64; rows];
+            let mut got = want.clone();
+            cpu::sparse_read(&a, &kv, fmt.fingerprint(), &mut want).unwrap();
+            b.sparse_read(&a, &kv, fmt.fingerprint(), &mut got).unwrap();
+            assert_eq!(
+                got,
+                want,
+                "{} sparse_read {dtype:?} rows {rows} k {k}",
+                b.name()
+            );
+        }
+    }
+}
+
+pub fn page_copy_body(b: &dyn Backend) {
+    let mut g = Gen::fresh("page_copy");
+    for layout in HostLayout::ALL {
+        for ik in IndexKDtype::ALL {
+            let l = Layout::new(LayoutParams {
+                layers: 3,
+                layer_base: 0,
+                index_n_heads: 1,
+                index_k_dtype: ik,
+                kv_dtype: KvDtype::Fp8Packed,
+                device_pages: 40,
+                host_pages: 90,
+                host_layout: layout,
+            })
+            .unwrap();
+            for kind in BufferKind::ALL {
+                let dev: Vec<u8> = (0..l.device_layer_bytes(kind).0)
+                    .map(|_| g.next() as u8)
+                    .collect();
+                let host_view = l.host_layer_view(kind, LayerId(1));
+                let dev_view = l.device_layer_view(kind);
+                let pairs: Vec<(PageId, PageId)> = g
+                    .slots(37, 40)
+                    .into_iter()
+                    .zip(g.slots(37, 90))
+                    .map(|(a, b)| (PageId(a as u32), PageId(b as u32)))
+                    .collect();
+                let runs = coalesce_runs(&pairs);
+                let mut want = g.poison(l.host_bytes(kind).usize());
+                let mut got = want.clone();
+                cpu::page_copy(&dev, &dev_view, &mut want, &host_view, &runs).unwrap();
+                b.page_copy(&dev, &dev_view, &mut got, &host_view, &runs)
+                    .unwrap();
+                assert!(
+                    got == want,
+                    "{} page_copy {layout:?} {kind:?}: {} bytes differ",
+                    b.name(),
+                    diff(&got, &want)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn store_cpu() {
+    store_body(&Cpu);
+}
+#[test]
+fn q_prep_cpu() {
+    q_prep_body(&Cpu);
+}
+#[test]
+fn topk_cpu() {
+    topk_body(&Cpu);
+}
+#[test]
+fn sparse_read_cpu() {
+    sparse_read_body(&Cpu);
+}
+#[test]
+fn page_copy_cpu() {
+    page_copy_body(&Cpu);
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+    use std::sync::Arc;
+    use tierkv_kernels::cuda::launch::{DevPtr, Kernels};
+
+    pub struct Cuda {
+        k: &'static Kernels,
+        s: Arc<CudaStream>,
+    }
+
+    fn bytes<T: Copy>(v: &[T]) -> &[u8] {
+        // SAFETY: plain data viewed as bytes.
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+    }
+    fn bytes_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
+        // SAFETY: plain data viewed as bytes.
+        unsafe {
+            std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v))
+        }
+    }
+
+    impl Cuda {
+        pub fn new() -> Cuda {
+            let k = Kernels::global().expect("a CUDA GPU and NVRTC");
+            Cuda {
+                k,
+                s: k.ctx.new_stream().unwrap(),
+            }
+        }
+        fn up(&self, data: &[u8]) -> (CudaSlice<u8>, DevPtr) {
+            let d = if data.is_empty() {
+                self.s.clone_htod(&[0u8]).unwrap()
+            } else {
+                self.s.clone_htod(data).unwrap()
+            };
+            let p = {
+                let (p, _g) = d.device_ptr(&self.s);
+                p
+            };
+            (
+                d,
+                DevPtr {
+                    ptr: p,
+                    bytes: data.len() as u64,
+                },
+            )
+        }
+        fn down(&self, d: &CudaSlice<u8>, out: &mut [u8]) {
+            self.s.memcpy_dtoh(d, out).unwrap();
+            self.s.synchronize().unwrap();
+        }
+    }
+
+    impl Backend for Cuda {
+        fn name(&self) -> &'static str {
+            "cuda"
+        }
+        fn index_k_store(
+            &self,
+            a: &cpu::IndexKStoreArgs,
+            dst: &mut [u8],
+            fp: LayoutFingerprint,
+        ) -> Result<()> {
+            let (_k, kp) = self.up(bytes(a.keys));
+            let (_g, gp) = self.up(bytes(a.gamma));
+            let (_b, bp) = self.up(bytes(a.beta));
+            let (_r, rp) = self.up(bytes(a.rope));
+            let (_s, sp) = self.up(bytes(a.slots));
+            let (d, dp) = self.up(dst);
+            self.k.index_k_store(
+                &self.s, a.dtype, a.ue8m0, kp, gp, bp, rp, a.slots, sp, dp, fp,
+            )?;
+            self.down(&d, dst);
+            Ok(())
+        }
+        fn kv_store(
+            &self,
+            a: &cpu::KvStoreArgs,
+            dst: &mut [u8],
+            fp: LayoutFingerprint,
+        ) -> Result<()> {
+            let (_r, rp) = self.up(bytes(a.rows));
+            let (_s, sp) = self.up(bytes(a.slots));
+            let (d, dp) = self.up(dst);
+            self.k.kv_store(&self.s, a.dtype, rp, a.slots, sp, dp, fp)?;
+            self.down(&d, dst);
+            Ok(())
+        }
+        fn q_prep(&self, a: &cpu::QPrepArgs, q_out: &mut [u8], w_out: &mut [f32]) -> Result<()> {
+            let (_q, qp) = self.up(bytes(a.q));
+            let (_w, wp) = self.up(bytes(a.weights));
+            let (_r, rp) = self.up(bytes(a.rope));
+            let (qo, qop) = self.up(q_out);
+            let (wo, wop) = self.up(bytes(w_out));
+            self.k
+                .q_prep(&self.s, a.tokens(), a.heads, qp, wp, rp, qop, wop)?;
+            self.down(&qo, q_out);
+            self.down(&wo, bytes_mut(w_out));
+            Ok(())
+        }
+        fn index_logits(
+            &self,
+            a: &cpu::IndexLogitsArgs,
+            k: &[u8],
+            fp: LayoutFingerprint,
+            out: &mut [f32],
+        ) -> Result<()> {
+            let (_q, qp) = self.up(a.q);
+            let (_w, wp) = self.up(bytes(a.weights));
+            let (_p, pp) = self.up(bytes(a.page_table));
+            let (_l, lp) = self.up(bytes(a.context_lens));
+            let (_k, kp) = self.up(k);
+            let (o, op) = self.up(bytes(out));
+            self.k.index_logits(
+                &self.s,
+                a.dtype,
+                a.heads,
+                qp,
+                wp,
+                a.page_table,
+                a.pt_stride,
+                pp,
+                a.context_lens,
+                lp,
+                kp,
+                fp,
+                op,
+                a.out_stride,
+            )?;
+            self.down(&o, bytes_mut(out));
+            Ok(())
+        }
+        fn topk(&self, a: &cpu::TopKArgs, out: &mut [i32]) -> Result<()> {
+            let (_x, xp) = self.up(bytes(a.logits));
+            let (_l, lp) = self.up(bytes(a.context_lens));
+            let (_p, pp) = self.up(bytes(a.page_table));
+            let (o, op) = self.up(bytes(out));
+            self.k.topk(
+                &self.s,
+                a.k,
+                xp,
+                a.stride,
+                a.context_lens,
+                lp,
+                a.page_table,
+                a.pt_stride,
+                pp,
+                op,
+            )?;
+            self.down(&o, bytes_mut(out));
+            Ok(())
+        }
+        fn sparse_read(
+            &self,
+            a: &cpu::SparseReadArgs,
+            kv: &[u8],
+            fp: LayoutFingerprint,
+            out: &mut [u64],
+        ) -> Result<()> {
+            let (_s, sp) = self.up(bytes(a.slots));
+            let (_k, kp) = self.up(kv);
+            let (o, op) = self.up(bytes(out));
+            self.k
+                .sparse_read(&self.s, a.dtype, out.len(), a.k, sp, kp, fp, op)?;
+            self.down(&o, bytes_mut(out));
+            Ok(())
+        }
+        fn page_copy(
+            &self,
+            src: &[u8],
+            sv: &PagedView,
+            dst: &mut [u8],
+            dv: &PagedView,
+            runs: &[PageRun],
+        ) -> Result<()> {
+            let pairs: Vec<(u32, u32)> = runs
+                .iter()
+                .flat_map(|r| (0..r.count).map(move |j| (r.src.0 + j, r.dst.0 + j)))
+                .collect();
+            let flat: Vec<i32> = pairs
+                .iter()
+                .flat_map(|&(a, b)| [a as i32, b as i32])
+                .collect();
+            let (_s, sp) = self.up(src);
+            let (_p, pp) = self.up(bytes(&flat));
+            let (d, dp) = self.up(dst);
+            self.k.page_gather(&self.s, sp, sv, dp, dv, &pairs, pp)?;
+            self.down(&d, dst);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn store_cuda() {
+        store_body(&Cuda::new());
+    }
+    #[test]
+    fn q_prep_cuda() {
+        q_prep_body(&Cuda::new());
+    }
+    #[test]
+    fn logits_cuda() {
+        logits_body(&Cuda::new());
+    }
+    #[test]
+    fn topk_cuda() {
+        topk_body(&Cuda::new());
+    }
+    #[test]
+    fn sparse_read_cuda() {
+        sparse_read_body(&Cuda::new());
+    }
+    #[test]
+    fn page_copy_cuda() {
+        page_copy_body(&Cuda::new());
+    }
+    /// The GPU's e4m3 conversion (`__NV_SATFINITE`) agrees with the `float8` crate over 16.7M
+    /// inputs, every rounding midpoint of the format included: each KV latent tile holds 448 (so
+    /// its scale is exactly 1 and the codes are the conversion of the values themselves).
+    #[test]
+    fn fp8_conversion_matches_satfinite_on_the_gpu() {
+        let c = Cuda::new();
+        let mut g = Gen::fresh("fp8 conversion");
+        // Midpoints between neighbouring codes (exact in bf16), and their neighbours.
+        let mut specials: Vec<f32> = Vec::new();
+        for code in 0..0x7Eu8 {
+            let (a, b) = (
+                cpu::numerics::e4m3_decode(code),
+                cpu::numerics::e4m3_decode(code + 1),
+            );
+            let mid = (a + b) / 2.0;
+            for v in [mid, -mid, a, -b, 450.0, -463.0, 464.0, 500.0] {
+                specials.push(v);
+            }
+        }
+        let mut mismatches = 0usize;
+        for _ in 0..16 {
+            let n = 2048usize;
+            // amax = 448 exactly in every tile, so scale = 1 and codes = e4m3(value).
+            let mut rows = Vec::with_capacity(n * 576);
+            let mut sp = specials.iter().cycle();
+            for _ in 0..n {
+                for tile in 0..4 {
+                    for j in 0..128 {
+                        let v = if j == 0 {
+                            448.0
+                        } else if j < 32 {
+                            sp.next().copied().unwrap_or(1.0).clamp(-448.0, 448.0)
+                        } else {
+                            g.unit() * 448.0 * (1.0 / (1u32 << (g.below(12) + tile)) as f32)
+                        };
+                        rows.push(bf16::from_f32(v));
+                    }
+                }
+                rows.extend((0..64).map(|_| bf16::from_f32(g.unit())));
+            }
+            let slots: Vec<i32> = (0..n as i32).collect();
+            let a = cpu::KvStoreArgs {
+                dtype: KvDtype::Fp8Packed,
+                rows: &rows,
+                slots: &slots,
+            };
+            let fmt = PageFormat::Kv(KvDtype::Fp8Packed);
+            let mut want = vec![0u8; (n / 64) * fmt.page_bytes() as usize];
+            let mut got = want.clone();
+            cpu::kv_store(&a, &mut want, fmt.fingerprint()).unwrap();
+            c.kv_store(&a, &mut got, fmt.fingerprint()).unwrap();
+            mismatches += diff(&got, &want);
+        }
+        assert_eq!(
+            mismatches, 0,
+            "e4m3 codes differ between float8 and __NV_SATFINITE"
+        );
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn without_cuda_the_entry_points_answer_a_typed_error() {
+    let e = tierkv_kernels::cuda::built_without_cuda("index_logits");
+    assert!(matches!(
+        e,
+        tierkv_kernels::KernelError::BuiltWithoutCuda { op: "index_logits" }
+    ));
+    assert!(!tierkv_kernels::cuda::ENABLED);
+}

@@ -1,0 +1,280 @@
+//! `tierkv replay`: replays a Mooncake trace through the production service — tokio intake, the
+//! engine thread, `/metrics` on loopback — on the GPU (`--device cuda`) or the in-order CPU
+//! device, with arrivals at their (scaled) timestamps. Prints hit rates per tier, load and backup
+//! bandwidth, and step and time-to-first-token percentiles.
+//!
+//! What it does not replay faithfully, by choice: prompts are the trace's block ids turned into
+//! tokens (DESIGN §6), generations are capped (`--output-max`), the indexer runs on each prefill
+//! chunk's last token (`prefill_indexer = last_token`; every-token indexing of 8K-token prompts is
+//! beyond a replay's budget), and the model has `--layers` layers of DeepSeek-V3.2's shapes.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer};
+use tierkv_engine::runtime::service::{serve_metrics, Service, ServiceError};
+use tierkv_engine::runtime::MonotonicClock;
+use tierkv_engine::synth::Synth;
+use tierkv_engine::trace::{prompt_tokens, read_trace};
+use tierkv_engine::{Engine, EngineOptions, RequestSpec};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ReplayArgs {
+    /// `cpu` (the in-order CPU device) or `cuda`.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
+    /// A Mooncake-format JSONL trace.
+    #[arg(
+        long,
+        default_value = "../shared/data/mooncake/conversation_trace.jsonl"
+    )]
+    pub trace: PathBuf,
+    /// Replay the first N requests.
+    #[arg(long, default_value_t = 200)]
+    pub requests: usize,
+    /// Divide the trace's inter-arrival times by this.
+    #[arg(long, default_value_t = 10.0)]
+    pub time_scale: f64,
+    /// Model layers (DeepSeek-V3.2 shapes otherwise).
+    #[arg(long, default_value_t = 4)]
+    pub layers: u32,
+    /// Cap on generated tokens per request.
+    #[arg(long, default_value_t = 16)]
+    pub output_max: u32,
+    /// Device pool pages.
+    #[arg(long, default_value_t = 4096)]
+    pub device_pages: u32,
+    /// Serve /metrics on this loopback port (0: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub metrics_port: u16,
+    /// Page transfers: `runs` (one cuMemcpy2DAsync per run) or `gather` (one kernel).
+    #[arg(long, default_value = "gather", value_parser = ["runs", "gather"])]
+    pub copy: String,
+}
+
+fn percentile(v: &mut [u64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable();
+    v[((v.len() - 1) as f64 * p).round() as usize] as f64 / 1e6
+}
+
+pub fn run_replay(a: ReplayArgs) -> i32 {
+    let recs = match read_trace(&a.trace) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    let recs: Vec<_> = recs.into_iter().take(a.requests).collect();
+    let mut cfg = Config::preset("deepseek-v3.2").expect("preset");
+    cfg.name = "replay".into();
+    cfg.model.layers = a.layers;
+    cfg.model.prefill_indexer = PrefillIndexer::LastToken;
+    cfg.cache.device_pages = a.device_pages;
+    cfg.cache.host = HostCapacity::Ratio(2.0);
+    cfg.scheduler.output_tokens_max = a.output_max.max(1);
+    if let Err(e) = cfg.validate() {
+        eprintln!("replay configuration: {e}");
+        return 2;
+    }
+    let synth = Synth::new(0);
+    let t0 = recs.first().map_or(0, |r| r.timestamp_ms);
+    let work: Vec<(Duration, RequestSpec)> = recs
+        .iter()
+        .filter_map(|r| {
+            let mut prompt = prompt_tokens(r, &synth);
+            prompt.truncate(cfg.model.context_tokens_max as usize - a.output_max as usize - 1);
+            (!prompt.is_empty()).then(|| {
+                (
+                    Duration::from_secs_f64((r.timestamp_ms - t0) as f64 / 1e3 / a.time_scale),
+                    RequestSpec {
+                        prompt,
+                        max_new_tokens: r.output_length.clamp(1, a.output_max),
+                    },
+                )
+            })
+        })
+        .collect();
+    let tokens: usize = work.iter().map(|w| w.1.prompt.len()).sum();
+    println!(
+        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host 2x",
+        work.len(),
+        tokens,
+        a.trace.display(),
+        a.device,
+        a.time_scale,
+        a.layers,
+        a.device_pages
+    );
+    let service = match a.device.as_str() {
+        "cpu" => {
+            let cfg = cfg.clone();
+            Service::start(move || {
+                Engine::new(
+                    cfg,
+                    tierkv_engine::cpu_device::InOrderDevice::new(),
+                    MonotonicClock::new(),
+                    EngineOptions::default(),
+                )
+            })
+        }
+        _ => match start_cuda(cfg.clone(), &a.copy) {
+            Some(s) => s,
+            None => return 2,
+        },
+    };
+    let client = service.client();
+    let published = service.published.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio");
+    let started = Instant::now();
+    let result = rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", a.metrics_port))
+            .await
+            .map_err(|e| e.to_string())?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        println!("/metrics on http://{addr}/metrics");
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let server = tokio::spawn(serve_metrics(listener, published, stop_rx));
+        let mut handles = Vec::new();
+        for (at, spec) in work {
+            let c = client.clone();
+            handles.push(tokio::spawn(async move {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(started + at)).await;
+                c.generate(spec).await
+            }));
+        }
+        // Probe /metrics while the replay runs.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let probe = fetch_metrics(addr).await;
+        let mut ttft = Vec::new();
+        let (mut ok, mut rejected, mut failed) = (0, 0, 0);
+        for h in handles {
+            match h.await.map_err(|e| e.to_string())? {
+                Ok(c) => {
+                    ok += 1;
+                    ttft.push(c.ttft_ns);
+                }
+                Err(ServiceError::Rejected(_)) => rejected += 1,
+                Err(e) => {
+                    failed += 1;
+                    eprintln!("request failed: {e}");
+                }
+            }
+        }
+        let _ = stop_tx.send(true);
+        let _ = server.await;
+        Ok::<_, String>((probe, ttft, ok, rejected, failed))
+    });
+    let wall = started.elapsed();
+    let (probe, mut ttft, ok, rejected, failed) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("replay failed: {e}");
+            return 1;
+        }
+    };
+    let published = service.published.clone();
+    if let Err(e) = service.shutdown() {
+        eprintln!("engine: {e}");
+        return 1;
+    }
+    let p = published.lock().expect("published");
+    let m = &p.metrics;
+    let mut steps = p.step_ns.clone();
+    match &probe {
+        Ok(text) => println!(
+            "/metrics answered during the replay ({} lines), e.g. {}",
+            text.lines().count(),
+            text.lines()
+                .find(|l| l.starts_with("tierkv_prefix_hit_rate"))
+                .unwrap_or("")
+        ),
+        Err(e) => println!("/metrics probe failed: {e}"),
+    }
+    println!(
+        "finished {ok}, rejected {rejected}, failed {failed} in {:.2} s",
+        wall.as_secs_f64()
+    );
+    println!(
+        "prefix hit rate: device {:.4}, host {:.4} (of {} prompt pages)",
+        m.hit_rate(m.prefix_pages_device_hit),
+        m.hit_rate(m.prefix_pages_host_hit),
+        m.prefix_pages_queried
+    );
+    let gbps = |bytes: u64, ns: u64| {
+        if ns == 0 {
+            0.0
+        } else {
+            bytes as f64 / ns as f64
+        }
+    };
+    println!(
+        "loads: {} ({:.2} GB, {:.2} GB/s over their latency); backups: {} ({:.2} GB, {:.2} GB/s); load failures {}",
+        m.loads,
+        m.load_bytes as f64 / 1e9,
+        gbps(m.load_bytes, m.load_latency.sum_ns),
+        m.backups,
+        m.backup_bytes as f64 / 1e9,
+        gbps(m.backup_bytes, m.backup_latency.sum_ns),
+        m.load_failures
+    );
+    println!(
+        "step latency ms: p50 {:.3} p90 {:.3} p99 {:.3} ({} steps); TTFT ms: p50 {:.1} p90 {:.1} p99 {:.1}",
+        percentile(&mut steps, 0.5),
+        percentile(&mut steps, 0.9),
+        percentile(&mut steps, 0.99),
+        steps.len(),
+        percentile(&mut ttft, 0.5),
+        percentile(&mut ttft, 0.9),
+        percentile(&mut ttft, 0.99)
+    );
+    if failed > 0 || probe.is_err() {
+        1
+    } else {
+        0
+    }
+}
+
+async fn fetch_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut body = String::new();
+    s.read_to_string(&mut body)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !body.starts_with("HTTP/1.1 200") {
+        return Err(body.lines().next().unwrap_or("").to_string());
+    }
+    Ok(body.split("\r\n\r\n").nth(1).unwrap_or("").to_string())
+}
+
+#[cfg(feature = "cuda")]
+fn start_cuda(cfg: Config, copy: &str) -> Option<Service> {
+    use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice};
+    let strategy = if copy == "runs" {
+        CopyStrategy::MemcpyRuns
+    } else {
+        CopyStrategy::Gather
+    };
+    Some(Service::start(move || {
+        let dev = CudaDevice::new(strategy)?;
+        Engine::new(cfg, dev, MonotonicClock::new(), EngineOptions::default())
+    }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn start_cuda(_: Config, _: &str) -> Option<Service> {
+    eprintln!("--device cuda needs a build with `--features cuda`");
+    None
+}
