@@ -1,9 +1,12 @@
 // topk (cpu::topk is the specification): one block of TOPK_THREADS per row.
-// Radix select over the order-preserving key image finds the k-th key T; the block then takes every
-// position with key > T and, in position order, the first positions with key == T until it has k;
-// a bitonic sort in shared memory orders them (key descending, position ascending), and the page
-// table turns positions into slots. -1 pads rows shorter than k.
+// Radix select over the order-preserving key image finds the k-th key T in four 8-bit passes;
+// each warp counts into its own histogram (no contention between warps), and the 32 histograms
+// are summed per bin. The block then takes every position with key > T and, in position order,
+// the first positions with key == T until it has k; a bitonic sort in shared memory orders them
+// (key descending, position ascending), and the page table turns positions into slots. -1 pads
+// rows shorter than k. The selection buffers reuse the histograms' shared memory.
 #define TOPK_THREADS 1024
+#define TOPK_WARPS (TOPK_THREADS / 32)
 #define TOPK_MAX 2048
 
 __device__ __forceinline__ u32 tkv_order_key(float x) {
@@ -18,13 +21,15 @@ __device__ __forceinline__ bool tkv_before(u32 ka, int pa, u32 kb, int pb) {
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk(
     const float* __restrict__ logits, int stride, const int* __restrict__ ctx_lens,
     const int* __restrict__ page_table, int pt_stride, int k, int* __restrict__ out) {
-    __shared__ u32 hist[256];
-    __shared__ u32 sel_key[TOPK_MAX];
-    __shared__ int sel_pos[TOPK_MAX];
-    __shared__ u32 warp_tot[32];
-    __shared__ u32 s_bin, s_above, s_count, s_eq_base;
+    // 32 warp histograms of 256 bins (32 KB); after the select, the selection (16 KB) lives here.
+    __shared__ u32 smem[TOPK_WARPS * 256];
+    __shared__ u32 total[256];
+    __shared__ u32 warp_tot[TOPK_WARPS];
+    __shared__ u32 s_bin, s_above, s_count;
+    u32* hist = smem;
+    u32* sel_key = smem;
+    int* sel_pos = reinterpret_cast<int*>(smem + TOPK_MAX);
     int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int nwarps = blockDim.x >> 5;
     const float* lr = logits + (size_t)row * stride;
     int len = ctx_lens[row];
 
@@ -33,23 +38,49 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk(
     if (len > k) {
         u32 prefix = 0, mask = 0;
         int kk = k;
+        u32* my = hist + warp * 256;
         for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0;
+            for (int b = tid; b < TOPK_WARPS * 256; b += blockDim.x) hist[b] = 0;
             __syncthreads();
             for (int i = tid; i < len; i += blockDim.x) {
                 u32 key = tkv_order_key(lr[i]);
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+                if ((key & mask) == prefix) atomicAdd(&my[(key >> shift) & 255u], 1u);
             }
             __syncthreads();
-            if (tid == 0) {
-                u32 cum = 0;
-                for (int b = 255; b >= 0; b--) {
-                    if (cum + hist[b] >= (u32)kk) {
-                        s_bin = (u32)b;
-                        s_above = cum;
-                        break;
+            for (int b = tid; b < 256; b += blockDim.x) {
+                u32 s = 0;
+#pragma unroll 8
+                for (int w = 0; w < TOPK_WARPS; w++) s += hist[w * 256 + b];
+                total[b] = s;
+            }
+            __syncthreads();
+            if (warp == 0) {
+                // Bins from the top, 8 per lane: find the bin where the running count reaches kk.
+                u32 c[8];
+                u32 mine = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    c[j] = total[255 - (lane * 8 + j)];
+                    mine += c[j];
+                }
+                u32 incl = mine;
+#pragma unroll
+                for (int off = 1; off < 32; off <<= 1) {
+                    u32 o = __shfl_up_sync(TKV_FULL, incl, off);
+                    if (lane >= off) incl += o;
+                }
+                u32 before = incl - mine;
+                bool here = before < (u32)kk && incl >= (u32)kk;
+                if (here) {
+                    u32 cum = before;
+                    for (int j = 0; j < 8; j++) {
+                        if (cum + c[j] >= (u32)kk) {
+                            s_bin = 255u - (u32)(lane * 8 + j);
+                            s_above = cum;
+                            break;
+                        }
+                        cum += c[j];
                     }
-                    cum += hist[b];
                 }
             }
             __syncthreads();
@@ -62,35 +93,43 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk(
         need_eq = kk;
     }
 
-    if (tid == 0) {
-        s_count = 0;
-        s_eq_base = 0;
-    }
+    if (tid == 0) s_count = 0;
     __syncthreads();
-    for (int base = 0; base < len; base += blockDim.x) {
-        int i = base + tid;
-        u32 key = i < len ? tkv_order_key(lr[i]) : 0u;
-        bool gt = i < len && key > thresh;
-        bool eq = i < len && key == thresh;
-        u32 ball = __ballot_sync(TKV_FULL, eq);
-        if (lane == 0) warp_tot[warp] = __popc(ball);
-        __syncthreads();
-        int before = 0;
-        for (int w = 0; w < warp; w++) before += warp_tot[w];
-        int eq_rank = (int)s_eq_base + before + __popc(ball & ((1u << lane) - 1u));
-        if (gt || (eq && eq_rank < need_eq)) {
+    // Every key above the threshold, in any order (the sort orders them). Each warp walks its own
+    // contiguous chunk of positions, counting the keys equal to the threshold as it goes.
+    int chunk = (len + TOPK_WARPS - 1) / TOPK_WARPS;
+    int lo = min(warp * chunk, len), hi = min(lo + chunk, len);
+    u32 eq_count = 0;
+    for (int base = lo; base < hi; base += 32) {
+        int i = base + lane;
+        u32 key = i < hi ? tkv_order_key(lr[i]) : 0u;
+        if (i < hi && key > thresh) {
             u32 at = atomicAdd(&s_count, 1u);
             sel_key[at] = key;
             sel_pos[at] = i;
         }
-        __syncthreads();
-        if (tid == 0) {
-            u32 tot = 0;
-            for (int w = 0; w < nwarps; w++) tot += warp_tot[w];
-            s_eq_base += tot;
-        }
-        __syncthreads();
+        eq_count += __popc(__ballot_sync(TKV_FULL, i < hi && key == thresh));
     }
+    if (lane == 0) warp_tot[warp] = eq_count;
+    __syncthreads();
+    // Keys equal to the threshold are taken in position order, up to need_eq: a warp's first
+    // rank is the count of equal keys in the chunks before it.
+    u32 rank = 0;
+    for (int w = 0; w < warp; w++) rank += warp_tot[w];
+    for (int base = lo; base < hi && rank < (u32)need_eq; base += 32) {
+        int i = base + lane;
+        u32 key = i < hi ? tkv_order_key(lr[i]) : 0u;
+        bool eq = i < hi && key == thresh;
+        u32 ball = __ballot_sync(TKV_FULL, eq);
+        u32 r = rank + __popc(ball & ((1u << lane) - 1u));
+        if (eq && r < (u32)need_eq) {
+            u32 at = atomicAdd(&s_count, 1u);
+            sel_key[at] = key;
+            sel_pos[at] = i;
+        }
+        rank += __popc(ball);
+    }
+    __syncthreads();
     int count = (int)s_count;
     int n2 = 1;
     while (n2 < count) n2 <<= 1;

@@ -194,6 +194,7 @@ fn engine_loop<D: Device, C: Clock, T: Transfer>(
         first_token: Option<Instant>,
     }
     let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
+    publish(&engine, published, None);
     let mut last_publish = Instant::now();
     loop {
         for s in intake.drain() {

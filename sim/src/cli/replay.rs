@@ -10,7 +10,7 @@
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer};
+use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
 use tierkv_engine::runtime::service::{serve_metrics, Service, ServiceError};
 use tierkv_engine::runtime::MonotonicClock;
 use tierkv_engine::synth::Synth;
@@ -46,6 +46,12 @@ pub struct ReplayArgs {
     /// Serve /metrics on this loopback port (0: any free port).
     #[arg(long, default_value_t = 0)]
     pub metrics_port: u16,
+    /// Host tier size as a multiple of the device tier.
+    #[arg(long, default_value_t = 4.0)]
+    pub host_ratio: f64,
+    /// Write policy of the host tier.
+    #[arg(long, default_value = "write_through", value_parser = ["write_through", "write_through_selective", "write_back"])]
+    pub write_policy: String,
     /// Page transfers: `runs` (one cuMemcpy2DAsync per run) or `gather` (one kernel).
     #[arg(long, default_value = "gather", value_parser = ["runs", "gather"])]
     pub copy: String,
@@ -73,7 +79,12 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
     cfg.model.layers = a.layers;
     cfg.model.prefill_indexer = PrefillIndexer::LastToken;
     cfg.cache.device_pages = a.device_pages;
-    cfg.cache.host = HostCapacity::Ratio(2.0);
+    cfg.cache.host = HostCapacity::Ratio(a.host_ratio);
+    cfg.cache.write_policy = match a.write_policy.as_str() {
+        "write_through" => WritePolicy::WriteThrough,
+        "write_back" => WritePolicy::WriteBack,
+        _ => WritePolicy::WriteThroughSelective,
+    };
     cfg.scheduler.output_tokens_max = a.output_max.max(1);
     if let Err(e) = cfg.validate() {
         eprintln!("replay configuration: {e}");
@@ -99,14 +110,16 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
         .collect();
     let tokens: usize = work.iter().map(|w| w.1.prompt.len()).sum();
     println!(
-        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host 2x",
+        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}",
         work.len(),
         tokens,
         a.trace.display(),
         a.device,
         a.time_scale,
         a.layers,
-        a.device_pages
+        a.device_pages,
+        a.host_ratio,
+        a.write_policy
     );
     let service = match a.device.as_str() {
         "cpu" => {
@@ -149,9 +162,15 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
                 c.generate(spec).await
             }));
         }
-        // Probe /metrics while the replay runs.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let probe = fetch_metrics(addr).await;
+        // Probe /metrics while the replay runs (once the engine has published a snapshot).
+        let mut probe = Err("no snapshot yet".to_string());
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            probe = fetch_metrics(addr).await;
+            if probe.as_ref().is_ok_and(|t| !t.is_empty()) {
+                break;
+            }
+        }
         let mut ttft = Vec::new();
         let (mut ok, mut rejected, mut failed) = (0, 0, 0);
         for h in handles {
