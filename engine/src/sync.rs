@@ -1,15 +1,44 @@
 //! The engine's one seam for cross-thread synchronisation (like `tokio/src/loom/`): std in
-//! production, loom under `cfg(loom)` so the production runtime's cross-thread primitives can be
-//! model-checked. Nothing else in the engine names `std::sync` primitives shared across threads.
+//! production, loom under `cfg(tierkv_loom)` so the production runtime's cross-thread primitives
+//! can be model-checked. Nothing else in the engine names `std::sync` primitives shared across
+//! threads.
+//!
+//! The cfg is `tierkv_loom`, not `loom`: `--cfg loom` would also switch tokio (a dependency) into
+//! its own loom mode, which does not build outside tokio's tests.
+//!
+//!     RUSTFLAGS="--cfg tierkv_loom" cargo test -p tierkv-engine --lib --release loom
 
-#[cfg(not(loom))]
+#[cfg(not(tierkv_loom))]
 pub use std::sync::{
     atomic::{AtomicBool, AtomicU64, Ordering},
     Arc, Condvar, Mutex,
 };
 
-#[cfg(loom)]
+#[cfg(tierkv_loom)]
 pub use loom::sync::{
     atomic::{AtomicBool, AtomicU64, Ordering},
     Arc, Condvar, Mutex,
 };
+
+/// `UnsafeCell` with loom's closure API (loom tracks every access through it).
+pub mod cell {
+    #[cfg(tierkv_loom)]
+    pub use loom::cell::UnsafeCell;
+
+    #[cfg(not(tierkv_loom))]
+    #[derive(Debug, Default)]
+    pub struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+    #[cfg(not(tierkv_loom))]
+    impl<T> UnsafeCell<T> {
+        pub fn new(v: T) -> Self {
+            UnsafeCell(std::cell::UnsafeCell::new(v))
+        }
+        pub fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+            f(self.0.get())
+        }
+        pub fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+            f(self.0.get())
+        }
+    }
+}

@@ -11,6 +11,7 @@
 //! (pitched, so strided `page_first` mirrors need one call per run), or one gather kernel over
 //! mapped host memory for all pages. `tierkv bench` measures both.
 
+use super::ring::{CompletionRing, Ticket};
 use crate::device::*;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::Arc;
@@ -393,6 +394,22 @@ impl CudaOps {
     }
 }
 
+/// Slots of the completion ring (events with larger ids are answered by `cuEventQuery` alone).
+const RING_SLOTS: usize = 4096;
+
+/// What the host callback carries: the ring and the ticket to signal.
+struct Callback {
+    ring: Arc<CompletionRing>,
+    ticket: Ticket,
+}
+
+/// Runs on CUDA's callback thread when the load stream reaches it: no CUDA calls here.
+unsafe extern "C" fn signal_ring(data: *mut std::ffi::c_void) {
+    // SAFETY: `data` is the `Box<Callback>` leaked by `record`, consumed exactly once here.
+    let cb = unsafe { Box::from_raw(data as *mut Callback) };
+    cb.ring.signal(cb.ticket, 0);
+}
+
 /// The production `Device` on one GPU.
 pub struct CudaDevice {
     pub ops: CudaOps,
@@ -400,6 +417,9 @@ pub struct CudaDevice {
     mem: Vec<GpuMem>,
     descs: Vec<BufferDesc>,
     events: Vec<CudaEvent>,
+    /// Load-stream events also signal this ring from a host callback; `query` reads it.
+    ring: Arc<CompletionRing>,
+    tickets: std::collections::BTreeMap<EventId, Ticket>,
 }
 
 impl CudaDevice {
@@ -413,6 +433,8 @@ impl CudaDevice {
             mem: Vec::new(),
             descs: Vec::new(),
             events: Vec::new(),
+            ring: Arc::new(CompletionRing::new(RING_SLOTS)),
+            tickets: std::collections::BTreeMap::new(),
         })
     }
     pub fn stream(&self, k: StreamKind) -> &Arc<CudaStream> {
@@ -472,9 +494,29 @@ impl Device for CudaDevice {
         EventId(self.events.len() as u32 - 1)
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) {
-        self.events[ev.0 as usize]
-            .record(&self.streams[stream.index()])
-            .expect("cuEventRecord");
+        let s = &self.streams[stream.index()];
+        self.events[ev.0 as usize].record(s).expect("cuEventRecord");
+        if stream == StreamKind::Load && (ev.0 as usize) < RING_SLOTS {
+            let ticket = self.ring.issue_after_previous(ev.0 as usize);
+            let cb = Box::into_raw(Box::new(Callback {
+                ring: self.ring.clone(),
+                ticket,
+            }));
+            // SAFETY: `signal_ring` takes ownership of `cb` when CUDA runs it.
+            let r =
+                unsafe { sys::cuLaunchHostFunc(s.cu_stream(), Some(signal_ring), cb as *mut _) };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                self.tickets.insert(ev, ticket);
+            } else {
+                // SAFETY: the callback was not enqueued, so we still own `cb`; the ticket is
+                // completed here so the slot can be re-issued.
+                let cb = unsafe { Box::from_raw(cb) };
+                cb.ring.signal(cb.ticket, 0);
+                self.tickets.remove(&ev);
+            }
+        } else {
+            self.tickets.remove(&ev);
+        }
     }
     fn wait(&mut self, stream: StreamKind, ev: EventId) {
         self.streams[stream.index()]
@@ -482,6 +524,12 @@ impl Device for CudaDevice {
             .expect("cuStreamWaitEvent");
     }
     fn query(&mut self, ev: EventId) -> EventState {
+        if let Some(&t) = self.tickets.get(&ev) {
+            // The host callback ran: the load stream passed this event.
+            if self.ring.poll(t).is_some() {
+                return EventState::Done;
+            }
+        }
         match self.events[ev.0 as usize].try_is_complete() {
             Ok(true) => EventState::Done,
             Ok(false) => EventState::Pending,

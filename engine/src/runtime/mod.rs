@@ -6,6 +6,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod ring;
 pub mod service;
 
 use crate::device::Clock;

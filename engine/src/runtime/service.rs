@@ -75,6 +75,9 @@ impl Intake {
         }
     }
     fn close(&self) {
+        // Under the lock: a waiter checks `closed` under it, so the notify cannot fall between
+        // its check and its wait (loom found that lost wakeup when this store was outside).
+        let _q = self.queue.lock().expect("intake lock");
         self.closed.store(true, Ordering::Release);
         self.ready.notify_all();
     }
@@ -330,6 +333,56 @@ pub async fn serve_metrics(
                 body.len()
             );
             let _ = sock.write_all(resp.as_bytes()).await;
+        });
+    }
+}
+
+#[cfg(all(test, tierkv_loom))]
+mod loom_tests {
+    use super::*;
+    use loom::thread;
+
+    fn submission(n: u32) -> Submission {
+        let (reply, _rx) = tokio::sync::oneshot::channel();
+        Submission {
+            spec: RequestSpec {
+                prompt: vec![n],
+                max_new_tokens: 1,
+            },
+            submitted: Instant::now(),
+            reply,
+        }
+    }
+
+    /// Handlers push and close from another thread; the engine thread's drain/wait loop sees
+    /// every accepted submission and stops only once intake is closed and empty.
+    #[test]
+    fn loom_intake_loses_no_submission_and_no_wakeup() {
+        loom::model(|| {
+            let intake = Arc::new(Intake::new());
+            let i2 = intake.clone();
+            let h = thread::spawn(move || {
+                let accepted =
+                    i2.push(submission(1)).is_ok() as u32 + i2.push(submission(2)).is_ok() as u32;
+                i2.close();
+                accepted
+            });
+            let mut seen = 0u32;
+            loop {
+                seen += intake.drain().len() as u32;
+                if intake.closed.load(Ordering::Acquire) && intake.queue.lock().unwrap().is_empty()
+                {
+                    break;
+                }
+                intake.wait(Duration::from_millis(1));
+            }
+            let accepted = h.join().unwrap();
+            seen += intake.drain().len() as u32;
+            assert_eq!(seen, accepted);
+            assert!(
+                intake.push(submission(3)).is_err(),
+                "a closed intake refuses"
+            );
         });
     }
 }
