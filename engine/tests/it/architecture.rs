@@ -122,7 +122,9 @@ fn layout_byte_sizes_live_only_in_the_layout_module() {
                     ));
                 }
             }
-            if line.contains("size_of") {
+            // `size_of_val` views an existing slice as bytes; `size_of::<T>()` times a count is
+            // a buffer size, which only the layout module computes.
+            if line.contains("size_of::<") || line.contains("size_of(") {
                 bad.push(format!("{rel}:{n}: size_of outside the layout module"));
             }
         }
