@@ -6,7 +6,9 @@
 //! The cfg is `tierkv_loom`, not `loom`: `--cfg loom` would also switch tokio (a dependency) into
 //! its own loom mode, which does not build outside tokio's tests.
 //!
-//!     RUSTFLAGS="--cfg tierkv_loom" cargo test -p tierkv-engine --lib --release loom
+//! ```text
+//! RUSTFLAGS="--cfg tierkv_loom" cargo test -p tierkv-engine --lib --release loom
+//! ```
 
 #[cfg(not(tierkv_loom))]
 pub use std::sync::{
