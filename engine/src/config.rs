@@ -879,3 +879,25 @@ impl<'a> Fields<'a> {
 
 #[cfg(test)]
 mod tests;
+
+/// Fuzz body (`fuzz/fuzz_targets/config.rs`): any bytes, as TOML or JSON, give a configuration
+/// that validates and round-trips, or a typed error — never a panic.
+pub fn fuzz_config(data: &[u8]) {
+    let Some((&which, rest)) = data.split_first() else {
+        return;
+    };
+    let Ok(text) = std::str::from_utf8(rest) else {
+        return;
+    };
+    let parsed = if which % 2 == 0 {
+        Config::from_toml(text)
+    } else {
+        Config::from_json(text)
+    };
+    if let Ok(c) = parsed {
+        c.validate().expect("a parsed configuration validates");
+        let l = c.layout().expect("a valid configuration has a layout");
+        assert!(l.host_tokens().0 > l.device_tokens().0);
+        assert_eq!(Config::from_toml(&c.to_toml()).expect("round trip"), c);
+    }
+}

@@ -188,3 +188,21 @@ pub fn generate(n: usize, seed: u64) -> Vec<TraceRecord> {
         })
         .collect()
 }
+
+/// Fuzz body (`fuzz/fuzz_targets/trace.rs`): any bytes parse to records that obey the format's
+/// rules, or to an error naming a line — never a panic.
+pub fn fuzz_trace(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(recs) = parse_jsonl(text) {
+        let synth = Synth::new(1);
+        for r in recs.iter().filter(|r| r.input_length < 1 << 16) {
+            assert_eq!(
+                r.hash_ids.len(),
+                r.input_length.div_ceil(BLOCK_TOKENS) as usize
+            );
+            assert_eq!(prompt_tokens(r, &synth).len(), r.input_length as usize);
+        }
+    }
+}

@@ -523,8 +523,14 @@ impl Layout {
             HostLayout::LayerFirst => pb,
             HostLayout::PageFirst => pb * self.params.layers as u64,
         };
+        assert!(layer.0 < self.params.layers, "layer {layer} out of range");
+        // Where the layer's page 0 is (or would be: a mirror may have no pages).
+        let base = match self.params.host_layout {
+            HostLayout::LayerFirst => layer.0 as u64 * self.params.host_pages as u64 * pb,
+            HostLayout::PageFirst => layer.0 as u64 * pb,
+        };
         PagedView {
-            base: self.host_page_offset(kind, layer, PageId(0)).0,
+            base,
             page_stride: stride,
             pages: self.params.host_pages,
             fingerprint: self.fingerprint(kind),
@@ -626,3 +632,78 @@ pub fn coalesce_runs(pairs: &[(PageId, PageId)]) -> Vec<PageRun> {
 
 #[cfg(test)]
 mod tests;
+
+/// Fuzz body (`fuzz/fuzz_targets/layout.rs`): layouts and copies built from arbitrary bytes. A
+/// layout is built or refused with a typed error; a copy between two views is checked, and when
+/// the check passes it stays inside both buffers and moves whole pages.
+pub fn fuzz_layout_copy(data: &[u8]) {
+    let mut it = data
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+    let mut next = || it.next().unwrap_or(0);
+    let p = LayoutParams {
+        layers: next() % 8,
+        layer_base: next(),
+        index_n_heads: 1 + next() % 64,
+        index_k_dtype: if next() % 2 == 0 {
+            IndexKDtype::Fp8
+        } else {
+            IndexKDtype::Bf16
+        },
+        kv_dtype: [KvDtype::Bf16, KvDtype::Fp8Packed, KvDtype::Fp8Unpacked][(next() % 3) as usize],
+        device_pages: next() % 64,
+        host_pages: next() % 128,
+        host_layout: if next() % 2 == 0 {
+            HostLayout::LayerFirst
+        } else {
+            HostLayout::PageFirst
+        },
+    };
+    let Ok(l) = Layout::new(p) else {
+        return;
+    };
+    let kind = if next() % 2 == 0 {
+        BufferKind::Kv
+    } else {
+        BufferKind::IndexK
+    };
+    let layer = LayerId(next() % l.layers());
+    let dev = l.device_layer_view(kind);
+    let host = l.host_layer_view(kind, layer);
+    // Sometimes a view of another format, or a truncated buffer.
+    let other = PageFormat::IndexK(if next() % 2 == 0 {
+        IndexKDtype::Fp8
+    } else {
+        IndexKDtype::Bf16
+    });
+    let host = if next() % 5 == 0 {
+        PagedView {
+            fingerprint: other.fingerprint(),
+            ..host
+        }
+    } else {
+        host
+    };
+    let host_len = l.host_bytes(kind).0.saturating_sub((next() % 3) as u64 * 7);
+    let runs: Vec<PageRun> = (0..next() % 6)
+        .map(|_| PageRun {
+            src: PageId(next() % 80),
+            dst: PageId(next() % 140),
+            count: next() % 9,
+        })
+        .collect();
+    let dev_len = l.device_layer_bytes(kind).0;
+    if dev_len > 1 << 24 || host_len > 1 << 24 {
+        return;
+    }
+    let src = vec![0x5Au8; dev_len as usize];
+    let mut dst = vec![0u8; host_len as usize];
+    match crate::cpu::page_copy(&src, &dev, &mut dst, &host, &runs) {
+        Ok(()) => {
+            assert_eq!(dev.fingerprint, host.fingerprint);
+            let copied = dst.iter().filter(|&&b| b == 0x5A).count() as u64;
+            assert_eq!(copied % dev.page_bytes(), 0, "whole pages only");
+        }
+        Err(_) => assert!(dst.iter().all(|&b| b == 0), "a refused copy writes nothing"),
+    }
+}

@@ -1,6 +1,7 @@
 //! Integration tests of the engine through its public entry points, on the in-order CPU device.
 
 mod architecture;
+mod cache_model;
 mod engine_smoke;
 mod service;
 mod trace;
