@@ -53,8 +53,32 @@ extern "C" __global__ void __launch_bounds__(128) index_logits(
             }
         }
     }
+    // Four heads at a time: four independent FMA chains per thread (each head's chain still runs
+    // d = 0..127 in order, and the head sum still adds h = 0, 1, 2, ... in order), so the FMA
+    // latency is hidden by the other chains instead of stalling the thread.
     float s = 0.0f;
-    for (int h = 0; h < heads; h++) {
+    int h = 0;
+    for (; h + 4 <= heads; h += 4) {
+        const float4* q0 = reinterpret_cast<const float4*>(qs + (h + 0) * 128);
+        const float4* q1 = reinterpret_cast<const float4*>(qs + (h + 1) * 128);
+        const float4* q2 = reinterpret_cast<const float4*>(qs + (h + 2) * 128);
+        const float4* q3 = reinterpret_cast<const float4*>(qs + (h + 3) * 128);
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma unroll
+        for (int d4 = 0; d4 < 32; d4++) {
+            float4 a = q0[d4], b = q1[d4], c = q2[d4], e = q3[d4];
+            float k0 = k[4 * d4], k1 = k[4 * d4 + 1], k2 = k[4 * d4 + 2], k3 = k[4 * d4 + 3];
+            d0 = fmaf(a.x, k0, d0); d1 = fmaf(b.x, k0, d1); d2 = fmaf(c.x, k0, d2); d3 = fmaf(e.x, k0, d3);
+            d0 = fmaf(a.y, k1, d0); d1 = fmaf(b.y, k1, d1); d2 = fmaf(c.y, k1, d2); d3 = fmaf(e.y, k1, d3);
+            d0 = fmaf(a.z, k2, d0); d1 = fmaf(b.z, k2, d1); d2 = fmaf(c.z, k2, d2); d3 = fmaf(e.z, k2, d3);
+            d0 = fmaf(a.w, k3, d0); d1 = fmaf(b.w, k3, d1); d2 = fmaf(c.w, k3, d2); d3 = fmaf(e.w, k3, d3);
+        }
+        s = fmaf(ws[h + 0], d0 > 0.0f ? d0 : 0.0f, s);
+        s = fmaf(ws[h + 1], d1 > 0.0f ? d1 : 0.0f, s);
+        s = fmaf(ws[h + 2], d2 > 0.0f ? d2 : 0.0f, s);
+        s = fmaf(ws[h + 3], d3 > 0.0f ? d3 : 0.0f, s);
+    }
+    for (; h < heads; h++) {
         const float4* qh = reinterpret_cast<const float4*>(qs + h * 128);
         float dot = 0.0f;
 #pragma unroll
@@ -65,8 +89,7 @@ extern "C" __global__ void __launch_bounds__(128) index_logits(
             dot = fmaf(qq.z, k[4 * d4 + 2], dot);
             dot = fmaf(qq.w, k[4 * d4 + 3], dot);
         }
-        float r = dot > 0.0f ? dot : 0.0f;
-        s = fmaf(ws[h], r, s);
+        s = fmaf(ws[h], dot > 0.0f ? dot : 0.0f, s);
     }
     *o = dtype == 0 ? s * kscale : s;
 }
