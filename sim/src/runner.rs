@@ -4,6 +4,7 @@
 use crate::gpu::{SimGpu, Slice};
 use crate::oracles::content::ContentOracle;
 use crate::oracles::digest::{DigestOracle, Mismatch};
+use crate::oracles::{conservation, liveness};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
 use crate::scenario::Scenario;
@@ -361,15 +362,8 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
             }
         }
         // Admission control keeps the queue bounded, bursts or not.
-        if engine.queue_len() > queue_limit {
-            findings.push(Finding {
-                oracle: OracleKind::Liveness,
-                time_ns: now,
-                message: format!(
-                    "the request queue holds {} requests, over scheduler.queued_requests_max = {queue_limit} (admission control must reject)",
-                    engine.queue_len()
-                ),
-            });
+        if let Some(f) = liveness::queue_bounded(engine.queue_len(), queue_limit, now) {
+            findings.push(f);
             break;
         }
         let arrivals_left = next_oneshot < oneshots.len() || sessions.iter().any(|s| !s.done);
@@ -505,18 +499,16 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
             });
             break;
         }
-        if stats.steps > sc.steps_max {
-            findings.push(Finding {
-                oracle: OracleKind::Liveness,
-                time_ns: engine.dev.now(),
-                message: format!(
-                    "no quiescence after {} steps: {} queued, {} running, {} sessions unfinished",
-                    stats.steps,
-                    engine.queue_len(),
-                    engine.running_len(),
-                    sessions.iter().filter(|s| !s.done).count()
-                ),
-            });
+        let unfinished = sessions.iter().filter(|s| !s.done).count();
+        if let Some(f) = liveness::within_steps(
+            stats.steps,
+            sc.steps_max,
+            engine.queue_len(),
+            engine.running_len(),
+            unfinished,
+            engine.dev.now(),
+        ) {
+            findings.push(f);
             break;
         }
         if report.idle {
@@ -545,21 +537,12 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
         }
     }
     if findings.is_empty() {
-        if let Some((&id, _)) = owners.iter().next() {
-            findings.push(Finding {
-                oracle: OracleKind::Liveness,
-                time_ns: engine.dev.now(),
-                message: format!(
-                    "request {id} never finished ({} requests open)",
-                    owners.len()
-                ),
-            });
-        } else if let Err(e) = engine.check_quiescent() {
-            findings.push(Finding {
-                oracle: OracleKind::Conservation,
-                time_ns: engine.dev.now(),
-                message: e,
-            });
+        let open: Vec<u64> = owners.keys().copied().collect();
+        let now = engine.dev.now();
+        if let Some(f) =
+            liveness::all_requests_ended(&open, now).or_else(|| conservation::check(&engine, now))
+        {
+            findings.push(f);
         }
     }
     let m = &engine.metrics;

@@ -461,6 +461,10 @@ fn q_prep_cpu() {
     q_prep_body(&Cpu);
 }
 #[test]
+fn logits_cpu() {
+    logits_body(&Cpu);
+}
+#[test]
 fn topk_cpu() {
     topk_body(&Cpu);
 }

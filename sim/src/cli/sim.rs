@@ -54,6 +54,9 @@ pub struct SimArgs {
     /// Keep going after the first failure.
     #[arg(long)]
     pub keep_going: bool,
+    /// Print every seed's drawn configuration and outcome as the campaign goes.
+    #[arg(long)]
+    pub verbose: bool,
     /// Where the ops run: `cpu` (the kernels' CPU references) or `cuda` (a real GPU; needs
     /// `--features cuda`). The schedules are the same.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
@@ -259,35 +262,29 @@ pub fn run_sim(args: SimArgs) -> i32 {
     }
     if args.check_determinism {
         let sc = copts.scenario(copts.first);
-        let (a, b) = (
-            run(
-                &sc,
-                &RunOptions {
-                    trace: false,
-                    cuda: args.device == "cuda",
-                },
-            ),
-            run(
-                &sc,
-                &RunOptions {
-                    trace: false,
-                    cuda: args.device == "cuda",
-                },
-            ),
-        );
-        if a.log_hash != b.log_hash {
-            println!(
-                "FAIL determinism: seed {} gave event-log hashes {:#x} and {:#x}",
-                sc.seed, a.log_hash, b.log_hash
-            );
+        let opts = RunOptions {
+            trace: false,
+            cuda: args.device == "cuda",
+        };
+        if let Some(f) = crate::oracles::determinism::check(&sc, &opts) {
+            println!("FAIL {f}");
             return 1;
         }
         println!(
-            "determinism: seed {} ran twice, event-log hash {:#018x} both times",
-            sc.seed, a.log_hash
+            "determinism: seed {} ran twice with the same event-log hash",
+            sc.seed
         );
     }
-    let summary = run_campaign(&copts, |_| {});
+    let summary = run_campaign(&copts, |out| {
+        if args.verbose {
+            let sc = copts.scenario(out.seed);
+            let verdict = out
+                .findings
+                .first()
+                .map_or("ok".to_string(), |f| format!("FAIL [{}]", f.oracle));
+            eprintln!("\rseed {}: {} -> {verdict}", out.seed, sc.summary());
+        }
+    });
     summary.print(&args.profile);
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);

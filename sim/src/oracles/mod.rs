@@ -1,8 +1,11 @@
-//! The oracles, each in its own module. The race detector (`race.rs`) and the layout checks live
-//! with the simulated GPU that runs them on every op; page, pin and lock conservation and liveness
-//! are checked by the runner at the end of a run through the engine's own accounting
-//! (`Engine::check_quiescent`) and request bookkeeping; determinism by the campaign (a seed run
-//! twice must give the same event-log hash).
+//! The oracles, each in its own module. The content, layout and race checks run inside the
+//! simulated GPU on every op (`gpu.rs` calls `content` and `layout`; the race detector is
+//! `race.rs`); the digest and top-k oracle sees every output; liveness and conservation are asked
+//! by the runner during and at the end of a run; determinism by the campaign and the tests.
 
+pub mod conservation;
 pub mod content;
+pub mod determinism;
 pub mod digest;
+pub mod layout;
+pub mod liveness;
