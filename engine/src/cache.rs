@@ -51,6 +51,25 @@ pub struct Node {
 }
 
 impl Node {
+    /// A node holding nothing yet, under `parent`.
+    fn new(parent: NodeId, key: PageKey, tick: u64) -> Node {
+        Node {
+            parent,
+            key,
+            children: BTreeMap::new(),
+            device: None,
+            loading: None,
+            host: None,
+            backing_up: None,
+            lock: 0,
+            host_pins: 0,
+            last_access: tick,
+            host_access: 0,
+            hits: 0,
+            resident_children: 0,
+        }
+    }
+
     /// Holds a device page, or a load is filling one.
     pub fn is_resident(&self) -> bool {
         self.device.is_some() || self.loading.is_some()
@@ -119,21 +138,7 @@ fn empty_key() -> PageKey {
 
 impl PrefixCache {
     pub fn new() -> Self {
-        let root = Node {
-            parent: ROOT,
-            key: empty_key(),
-            children: BTreeMap::new(),
-            device: None,
-            loading: None,
-            host: None,
-            backing_up: None,
-            lock: 0,
-            host_pins: 0,
-            last_access: 0,
-            host_access: 0,
-            hits: 0,
-            resident_children: 0,
-        };
+        let root = Node::new(ROOT, empty_key(), 0);
         PrefixCache {
             nodes: vec![Some(root)],
             free_ids: Vec::new(),
@@ -572,21 +577,7 @@ impl PrefixCache {
                     c
                 }
                 None => {
-                    let id = self.alloc_node(Node {
-                        parent: cur,
-                        key: *key,
-                        children: BTreeMap::new(),
-                        device: None,
-                        loading: None,
-                        host: None,
-                        backing_up: None,
-                        lock: 0,
-                        host_pins: 0,
-                        last_access: tick,
-                        host_access: 0,
-                        hits: 0,
-                        resident_children: 0,
-                    });
+                    let id = self.alloc_node(Node::new(cur, *key, tick));
                     self.node_mut(cur).children.insert(*key, id);
                     self.update(id, |n| n.device = Some(page));
                     id

@@ -341,49 +341,14 @@ impl Device for InOrderDevice {
         run_op(&op, &mut self.mem)
     }
     fn host_read(&mut self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        let d = self.mem.desc(buf);
-        if d.tier != MemoryTier::PinnedHost {
-            return Err(DeviceError::NotHostMemory {
-                op: "host_read",
-                buffer: buf,
-                role: d.role,
-            });
-        }
-        let end = offset + out.len() as u64;
-        if end > d.bytes.0 {
-            return Err(DeviceError::OutOfBounds {
-                op: "host_read",
-                buffer: buf,
-                role: d.role,
-                start: offset,
-                end,
-                size: d.bytes.0,
-            });
-        }
-        out.copy_from_slice(&self.mem.bytes(buf)[offset as usize..end as usize]);
+        check_host_access("host_read", buf, self.mem.desc(buf), offset, out.len())?;
+        out.copy_from_slice(&self.mem.bytes(buf)[offset as usize..offset as usize + out.len()]);
         Ok(())
     }
     fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        let d = self.mem.desc(buf);
-        if d.tier != MemoryTier::PinnedHost {
-            return Err(DeviceError::NotHostMemory {
-                op: "host_write",
-                buffer: buf,
-                role: d.role,
-            });
-        }
-        let end = offset + data.len() as u64;
-        if end > d.bytes.0 {
-            return Err(DeviceError::OutOfBounds {
-                op: "host_write",
-                buffer: buf,
-                role: d.role,
-                start: offset,
-                end,
-                size: d.bytes.0,
-            });
-        }
-        self.mem.bufs[buf.0 as usize][offset as usize..end as usize].copy_from_slice(data);
+        check_host_access("host_write", buf, self.mem.desc(buf), offset, data.len())?;
+        self.mem.bufs[buf.0 as usize][offset as usize..offset as usize + data.len()]
+            .copy_from_slice(data);
         Ok(())
     }
 }

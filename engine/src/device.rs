@@ -590,6 +590,36 @@ pub trait Device {
     fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
 }
 
+/// The check every device makes before the host reads or writes `len` bytes at `offset` of a
+/// buffer: it must be pinned host memory and the range must lie inside it.
+pub fn check_host_access(
+    op: &'static str,
+    buf: BufferId,
+    desc: BufferDesc,
+    offset: u64,
+    len: usize,
+) -> Result<(), DeviceError> {
+    if desc.tier != MemoryTier::PinnedHost {
+        return Err(DeviceError::NotHostMemory {
+            op,
+            buffer: buf,
+            role: desc.role,
+        });
+    }
+    let end = offset.checked_add(len as u64).unwrap_or(u64::MAX);
+    if end > desc.bytes.0 {
+        return Err(DeviceError::OutOfBounds {
+            op,
+            buffer: buf,
+            role: desc.role,
+            start: offset,
+            end,
+            size: desc.bytes.0,
+        });
+    }
+    Ok(())
+}
+
 /// The checks every device makes before an op may run: declared formats equal the buffers'
 /// registered fingerprints, and every declared range lies inside its buffer.
 pub fn check_op(op: &Op, desc: impl Fn(BufferId) -> BufferDesc) -> Result<(), DeviceError> {

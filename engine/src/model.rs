@@ -28,6 +28,20 @@ struct Query {
     token: u32,
 }
 
+/// The oracles' view of a launch over query rows: whose query, at which position, in which layer.
+fn query_tags(layer_global: u32, chunk: &[Query]) -> RowTags {
+    RowTags {
+        layer_global,
+        rows: chunk
+            .iter()
+            .map(|c| RowTag {
+                request: c.request,
+                position: c.position,
+            })
+            .collect(),
+    }
+}
+
 impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// A request's page table row for the indexer kernels: page ids padded with -1.
     fn page_table_row(&self, request: u64) -> Vec<i32> {
@@ -166,16 +180,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 )?;
                 let page_table = pts[base..base + chunk.len()].concat();
                 let context_lens: Vec<i32> = chunk.iter().map(|c| c.position as i32 + 1).collect();
-                let tags = RowTags {
-                    layer_global: lg,
-                    rows: chunk
-                        .iter()
-                        .map(|c| RowTag {
-                            request: c.request,
-                            position: c.position,
-                        })
-                        .collect(),
-                };
+                let tags = query_tags(lg, chunk);
                 let logits = self.region(scratch.logits, 0, n * out_stride as u64 * 4);
                 self.dev.enqueue(
                     StreamKind::Compute,
@@ -246,16 +251,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                         pt_stride,
                         context_lens: chunk.iter().map(|c| c.position as i32 + 1).collect(),
                         out,
-                        tags: RowTags {
-                            layer_global: lg,
-                            rows: chunk
-                                .iter()
-                                .map(|c| RowTag {
-                                    request: c.request,
-                                    position: c.position,
-                                })
-                                .collect(),
-                        },
+                        tags: query_tags(lg, chunk),
                     },
                 )?;
             }

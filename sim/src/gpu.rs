@@ -567,35 +567,6 @@ impl SimGpu {
         self.report_races(races);
     }
 
-    fn check_host(
-        &self,
-        op: &'static str,
-        buf: BufferId,
-        offset: u64,
-        len: usize,
-    ) -> Result<(), DeviceError> {
-        let d = self.mem.desc(buf);
-        if d.tier != MemoryTier::PinnedHost {
-            return Err(DeviceError::NotHostMemory {
-                op,
-                buffer: buf,
-                role: d.role,
-            });
-        }
-        let end = offset + len as u64;
-        if end > d.bytes.0 {
-            return Err(DeviceError::OutOfBounds {
-                op,
-                buffer: buf,
-                role: d.role,
-                start: offset,
-                end,
-                size: d.bytes.0,
-            });
-        }
-        Ok(())
-    }
-
     /// Faults stop (the liveness phase of a run): no more slow or failed copies.
     pub fn stop_faults(&mut self) {
         self.opts.slow_copy_rate = 0.0;
@@ -859,7 +830,7 @@ impl Device for SimGpu {
         Ok(())
     }
     fn host_read(&mut self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        self.check_host("host_read", buf, offset, out.len())?;
+        check_host_access("host_read", buf, self.mem.desc(buf), offset, out.len())?;
         let now = self.host.get();
         self.pump(now);
         self.host_access("host_read", buf, offset, out.len(), false);
@@ -868,7 +839,7 @@ impl Device for SimGpu {
         Ok(())
     }
     fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        self.check_host("host_write", buf, offset, data.len())?;
+        check_host_access("host_write", buf, self.mem.desc(buf), offset, data.len())?;
         let now = self.host.get();
         self.pump(now);
         self.host_access("host_write", buf, offset, data.len(), true);

@@ -200,62 +200,41 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
         seed: sc.seed,
         mutants,
     };
-    let mut engine: Eng = {
-        let gpu = make_gpu(sc.gpu.fail_first_host_alloc);
+    // Start the engine; an injected host allocation failure must come back as a typed error
+    // (never a panic), and the engine then starts on a device without the fault.
+    enum Start {
+        Ok(Box<Eng>),
+        HostOutOfMemory,
+        Failed(Finding),
+    }
+    let start = |fault_alloc: bool| {
+        let gpu = make_gpu(fault_alloc);
         let clock = gpu.clock();
         match guarded(|| Engine::new(cfg.clone(), gpu, clock, eopts)) {
-            Ok(Ok(e)) => e,
-            // An injected host allocation failure must come back as a typed error; then retry.
-            Ok(Err(EngineError::Device(DeviceError::OutOfMemory { .. })))
-                if sc.gpu.fail_first_host_alloc =>
-            {
-                let gpu = make_gpu(false);
-                let clock = gpu.clock();
-                match guarded(|| Engine::new(cfg.clone(), gpu, clock, eopts)) {
-                    Ok(Ok(e)) => e,
-                    Ok(Err(e)) => {
-                        return fail(
-                            vec![Finding {
-                                oracle: engine_error_kind(&e),
-                                time_ns: 0,
-                                message: format!("engine start: {e}"),
-                            }],
-                            RunStats::default(),
-                        )
-                    }
-                    Err(p) => {
-                        return fail(
-                            vec![Finding {
-                                oracle: OracleKind::Invariant,
-                                time_ns: 0,
-                                message: p,
-                            }],
-                            RunStats::default(),
-                        )
-                    }
-                }
+            Ok(Ok(e)) => Start::Ok(Box::new(e)),
+            Ok(Err(EngineError::Device(DeviceError::OutOfMemory { .. }))) if fault_alloc => {
+                Start::HostOutOfMemory
             }
-            Ok(Err(e)) => {
-                return fail(
-                    vec![Finding {
-                        oracle: engine_error_kind(&e),
-                        time_ns: 0,
-                        message: format!("engine start: {e}"),
-                    }],
-                    RunStats::default(),
-                )
-            }
-            Err(p) => {
-                return fail(
-                    vec![Finding {
-                        oracle: OracleKind::Invariant,
-                        time_ns: 0,
-                        message: p,
-                    }],
-                    RunStats::default(),
-                )
-            }
+            Ok(Err(e)) => Start::Failed(Finding {
+                oracle: engine_error_kind(&e),
+                time_ns: 0,
+                message: format!("engine start: {e}"),
+            }),
+            Err(p) => Start::Failed(Finding {
+                oracle: OracleKind::Invariant,
+                time_ns: 0,
+                message: p,
+            }),
         }
+    };
+    let first = match start(sc.gpu.fail_first_host_alloc) {
+        Start::HostOutOfMemory => start(false),
+        other => other,
+    };
+    let mut engine: Eng = match first {
+        Start::Ok(e) => *e,
+        Start::Failed(f) => return fail(vec![f], RunStats::default()),
+        Start::HostOutOfMemory => unreachable!("the retry runs without the fault"),
     };
 
     let ctx_max = cfg.model.context_tokens_max as usize;

@@ -548,32 +548,31 @@ impl Device for CudaDevice {
         self.ops.run(&s, &op, &|b| self.resolve(b))
     }
     fn host_read(&mut self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        match &self.mem[buf.0 as usize] {
-            GpuMem::Pinned(h) => {
-                let end = offset as usize + out.len();
-                out.copy_from_slice(&h.slice()[offset as usize..end]);
-                Ok(())
-            }
-            GpuMem::Device(_) => Err(DeviceError::NotHostMemory {
-                op: "host_read",
-                buffer: buf,
-                role: self.descs[buf.0 as usize].role,
-            }),
-        }
+        check_host_access(
+            "host_read",
+            buf,
+            self.descs[buf.0 as usize],
+            offset,
+            out.len(),
+        )?;
+        let GpuMem::Pinned(h) = &self.mem[buf.0 as usize] else {
+            unreachable!("pinned host tier checked above");
+        };
+        out.copy_from_slice(&h.slice()[offset as usize..offset as usize + out.len()]);
+        Ok(())
     }
     fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        let role = self.descs[buf.0 as usize].role;
-        match &mut self.mem[buf.0 as usize] {
-            GpuMem::Pinned(h) => {
-                let end = offset as usize + data.len();
-                h.slice_mut()[offset as usize..end].copy_from_slice(data);
-                Ok(())
-            }
-            GpuMem::Device(_) => Err(DeviceError::NotHostMemory {
-                op: "host_write",
-                buffer: buf,
-                role,
-            }),
-        }
+        check_host_access(
+            "host_write",
+            buf,
+            self.descs[buf.0 as usize],
+            offset,
+            data.len(),
+        )?;
+        let GpuMem::Pinned(h) = &mut self.mem[buf.0 as usize] else {
+            unreachable!("pinned host tier checked above");
+        };
+        h.slice_mut()[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        Ok(())
     }
 }

@@ -144,6 +144,7 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
 }
 
 fn truncate(s: &str, n: usize) -> String {
+    let s = s.split_whitespace().collect::<Vec<_>>().join(" ");
     if s.chars().count() <= n {
         s.to_string()
     } else {
