@@ -116,6 +116,8 @@ pub struct DeviceEviction {
 #[derive(Clone, Debug)]
 pub struct PrefixCache {
     nodes: Vec<Option<Node>>,
+    /// Bumped each time a slot gets a new node, so a remembered id can be told from its reuse.
+    generations: Vec<u64>,
     free_ids: Vec<NodeId>,
     tick: u64,
     evictable: u64,
@@ -141,6 +143,7 @@ impl PrefixCache {
         let root = Node::new(ROOT, empty_key(), 0);
         PrefixCache {
             nodes: vec![Some(root)],
+            generations: vec![0],
             free_ids: Vec::new(),
             tick: 0,
             evictable: 0,
@@ -221,9 +224,9 @@ impl PrefixCache {
 
     /// Matches `keys` from the root: the resident prefix, then the backed-up suffix that can be
     /// loaded. Stops at a node with a load in flight (nothing is published before its copy ends).
-    pub fn match_prefix(&mut self, keys: &[PageKey]) -> Match {
-        self.tick += 1;
-        let tick = self.tick;
+    /// Read-only: a match that is not acted on (a request that cannot be admitted yet) must not
+    /// count as a hit or refresh the LRU order; [`PrefixCache::touch`] does that.
+    pub fn match_prefix(&self, keys: &[PageKey]) -> Match {
         let mut m = Match::default();
         let mut cur = ROOT;
         for key in keys {
@@ -247,12 +250,18 @@ impl PrefixCache {
             m.nodes.push(child);
             cur = child;
         }
-        for &id in &m.nodes {
+        m
+    }
+
+    /// Records a use of matched nodes: one hit each, and most recently used.
+    pub fn touch(&mut self, nodes: &[NodeId]) {
+        self.tick += 1;
+        let tick = self.tick;
+        for &id in nodes {
             let n = self.node_mut(id);
             n.last_access = tick;
             n.hits += 1;
         }
-        m
     }
 
     pub fn lock(&mut self, nodes: &[NodeId]) {
@@ -441,6 +450,51 @@ impl PrefixCache {
         (host_free, device_free)
     }
 
+    /// Device pages already on their way out: write-back evictions waiting for their backup.
+    pub fn pending_write_backs(&self) -> usize {
+        self.evict_after_backup.len()
+    }
+
+    /// How many host pages `evict_host(_, keep)` could free at most: backed-up nodes whose host
+    /// copy no load pins, not `keep` or its ancestors, and whose backed-up descendants are all
+    /// evictable too (host eviction goes leaf first).
+    pub fn host_evictable(&self, keep: NodeId) -> usize {
+        let mut protected = std::collections::BTreeSet::new();
+        let mut cur = keep;
+        while cur != ROOT {
+            protected.insert(cur);
+            cur = self.node(cur).parent;
+        }
+        // Post-order without recursion: children before parents.
+        let mut order = Vec::new();
+        let mut stack = vec![ROOT];
+        while let Some(id) = stack.pop() {
+            order.push(id);
+            stack.extend(self.node(id).children.values().copied());
+        }
+        let mut removable: BTreeMap<NodeId, bool> = BTreeMap::new();
+        let mut count = 0;
+        for &id in order.iter().rev() {
+            if id == ROOT {
+                continue;
+            }
+            let n = self.node(id);
+            let children_ok = n.children.values().all(|c| {
+                let cn = self.node(*c);
+                (cn.host.is_none() && cn.backing_up.is_none())
+                    || removable.get(c).copied().unwrap_or(false)
+            });
+            let ok = n.host.is_some()
+                && n.backing_up.is_none()
+                && (n.host_pins == 0 || self.ignore_pins)
+                && !protected.contains(&id)
+                && children_ok;
+            removable.insert(id, ok);
+            count += ok as usize;
+        }
+        count
+    }
+
     /// Withdraws a write-back eviction whose backup could not be issued.
     pub fn cancel_write_back(&mut self, id: NodeId) {
         self.evict_after_backup.remove(&id);
@@ -594,13 +648,20 @@ impl PrefixCache {
         match self.free_ids.pop() {
             Some(id) => {
                 self.nodes[id as usize] = Some(n);
+                self.generations[id as usize] += 1;
                 id
             }
             None => {
                 self.nodes.push(Some(n));
+                self.generations.push(0);
                 self.nodes.len() as NodeId - 1
             }
         }
+    }
+
+    /// The generation of `id`'s slot: equal generations mean the same node.
+    pub fn generation(&self, id: NodeId) -> u64 {
+        self.generations[id as usize]
     }
 
     fn delete(&mut self, id: NodeId) {

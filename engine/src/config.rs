@@ -587,6 +587,13 @@ impl Config {
         if c.device_pages == 0 {
             return Err(inv("cache.device_pages", "0".into(), "must be at least 1"));
         }
+        if c.device_pages as u64 * PAGE_TOKENS as u64 > i32::MAX as u64 {
+            return Err(inv(
+                "cache.device_pages",
+                c.device_pages.to_string(),
+                "must keep every slot (page * 64 + offset) within i32, the kernels' slot type",
+            ));
+        }
         if c.load_slots == 0 {
             return Err(inv("cache.load_slots", "0".into(), "must be at least 1"));
         }

@@ -237,9 +237,10 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
     pub(crate) fn issue_backup(&mut self, last: NodeId) -> Result<bool, EngineError> {
         let nodes = self.cache.needs_backup(last);
         if nodes.is_empty() {
-            if self.cache.backup_deferred(last) && !self.deferred_backups.contains(&last) {
+            let entry = (last, self.cache.generation(last));
+            if self.cache.backup_deferred(last) && !self.deferred_backups.contains(&entry) {
                 // An ancestor's backup is in flight: retry once it is acknowledged.
-                self.deferred_backups.push(last);
+                self.deferred_backups.push(entry);
             }
             return Ok(false);
         }
@@ -249,6 +250,10 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
             None => {
                 let want = n - self.pools.host.pages.free_count() as usize;
                 let keep = self.cache.node(nodes[0]).parent;
+                if self.cache.host_evictable(keep) < want {
+                    // Evicting would drop host copies and still not make room: keep them.
+                    return Ok(false);
+                }
                 let freed = self.cache.evict_host(want, keep);
                 self.pools.host.pages.free(&freed);
                 match self.pools.host.pages.alloc(n) {
@@ -309,8 +314,9 @@ impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
     /// Retries backups that waited for an ancestor's backup (nodes that have gone are dropped).
     pub(crate) fn retry_deferred_backups(&mut self) -> Result<(), EngineError> {
         let pending = std::mem::take(&mut self.deferred_backups);
-        for node in pending {
-            if self.cache.is_live(node) {
+        for (node, generation) in pending {
+            // The node may have gone, and its slot been reused for another one.
+            if self.cache.is_live(node) && self.cache.generation(node) == generation {
                 self.issue_backup(node)?;
             }
         }

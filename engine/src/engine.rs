@@ -101,8 +101,8 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     pub(crate) ring_events: Vec<Vec<EventId>>,
     pub(crate) ring_next: usize,
     pub(crate) backups: Vec<Backup>,
-    /// Backups waiting for an ancestor's backup to be acknowledged.
-    pub(crate) deferred_backups: Vec<NodeId>,
+    /// Backups waiting for an ancestor's backup to be acknowledged (node and its generation).
+    pub(crate) deferred_backups: Vec<(NodeId, u64)>,
     pub(crate) free_events: Vec<EventId>,
     pub(crate) step_done: EventId,
     pub(crate) scratch: Scratch,
@@ -303,6 +303,13 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                     self.cfg.model.context_tokens_max
                 )));
             }
+            if spec.prompt.len() as u64 > s.pending_tokens_max {
+                return Err(invalid(format!(
+                    "a prompt of {} tokens can never fit scheduler.pending_tokens_max = {}",
+                    spec.prompt.len(),
+                    s.pending_tokens_max
+                )));
+            }
             if let Some(t) = spec.prompt.iter().find(|&&t| t >= VOCAB) {
                 return Err(invalid(format!(
                     "token {t} outside the vocabulary (< {VOCAB})"
@@ -496,6 +503,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 break;
             };
             self.queue.pop_front();
+            self.cache.touch(&m.nodes);
             self.metrics.queued_tokens -= prompt_len as u64;
             self.metrics.prefix_pages_queried += keys.len() as u64;
             self.metrics.prefix_pages_device_hit += m.device as u64;

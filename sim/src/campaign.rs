@@ -69,6 +69,7 @@ impl CampaignSummary {
         t.recomputed += s.recomputed;
         t.digests_checked += s.digests_checked;
         t.rows_checked += s.rows_checked;
+        t.rows_cached += s.rows_cached;
         t.ops += s.ops;
         t.events += s.events;
         t.copy_bytes += s.copy_bytes;
@@ -106,8 +107,8 @@ impl CampaignSummary {
             }
         );
         println!(
-            "checked: {} requests finished, {} digests recomputed, {} KV/index-K rows compared, {} ops, {} loads, {} backups, {} failed copies, {} aborts",
-            t.finished, t.digests_checked, t.rows_checked, t.ops, t.loads, t.backups, t.failed_copies, t.aborted
+            "checked: {} requests finished, {} digests recomputed, {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} aborts",
+            t.finished, t.digests_checked, t.rows_checked, t.rows_cached, t.ops, t.loads, t.backups, t.failed_copies, t.aborted
         );
         println!(
             "throughput: {:.2} seeds/s, {:.0} events/s, {:.1} MB copied/s; simulated {:.3} s in {:.2} s of run time: sim/wall ratio {:.2}x",

@@ -17,8 +17,8 @@ pub struct CheckedInOrder {
 
 struct NoTaint;
 impl PageState for NoTaint {
-    fn tainted(&self, _: BufferId, _: u64) -> bool {
-        false
+    fn tainted_rows(&self, _: BufferId, _: u64) -> u64 {
+        0
     }
     fn generation(&self, _: BufferId, _: u64) -> u64 {
         // No cache: every read is compared in full.

@@ -20,11 +20,11 @@ use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::rc::Rc;
 use tierkv_engine::cpu_device::{run_op, Memory};
 use tierkv_engine::device::*;
-use tierkv_engine::layout::PageId;
+use tierkv_engine::layout::{PageId, PAGE_TOKENS};
 
 /// How the scheduler chooses among ready streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,7 +157,8 @@ pub struct SimGpu {
     host_vc: Vc,
     host_actions: u64,
     race: RaceDetector,
-    tainted: BTreeSet<(BufferId, u64)>,
+    /// Token rows (bit `t` of a page's mask) that a failed copy left garbage in.
+    tainted: std::collections::HashMap<(BufferId, u64), u64>,
     /// Writes per paged-buffer page (the content oracle's cache key).
     page_gen: std::collections::HashMap<(BufferId, u64), u64>,
     priorities: [u64; 3],
@@ -225,7 +226,7 @@ impl SimGpu {
             host_vc: [0; 4],
             host_actions: 0,
             race: RaceDetector::default(),
-            tainted: BTreeSet::new(),
+            tainted: std::collections::HashMap::new(),
             page_gen: std::collections::HashMap::new(),
             priorities,
             change_points,
@@ -491,7 +492,10 @@ impl SimGpu {
                 {
                     *b = (garbage >> ((i % 8) * 8)) as u8 ^ i as u8;
                 }
-                self.taint(a.range, true);
+                self.bump_generations(a.range);
+            }
+            for (buf, page, rows) in written_rows(&rec.op) {
+                *self.tainted.entry((buf, page)).or_default() |= rows;
             }
         } else {
             if let Err(e) = self.exec.run(&rec.op, &mut self.mem) {
@@ -501,7 +505,16 @@ impl SimGpu {
                 );
             }
             for a in rec.op.accesses().into_iter().filter(|a| a.write) {
-                self.taint(a.range, false);
+                self.bump_generations(a.range);
+            }
+            // Rows written in full by a successful op hold good bytes again.
+            for (buf, page, rows) in written_rows(&rec.op) {
+                if let Some(m) = self.tainted.get_mut(&(buf, page)) {
+                    *m &= !rows;
+                    if *m == 0 {
+                        self.tainted.remove(&(buf, page));
+                    }
+                }
             }
             if let Op::PageCopy { .. } = rec.op {
                 self.stats.copy_bytes += rec
@@ -528,19 +541,16 @@ impl SimGpu {
         self.advance_stream(s, end);
     }
 
-    fn taint(&mut self, r: ByteRange, on: bool) {
+    /// Every paged-buffer page an op writes gets a new write generation (the content oracle's
+    /// cache key).
+    fn bump_generations(&mut self, r: ByteRange) {
         let desc = self.mem.desc(r.buffer);
-        let pb = desc.fingerprint.page_bytes.max(1);
         if !desc.fingerprint.is_paged() {
             return;
         }
+        let pb = desc.fingerprint.page_bytes.max(1);
         for p in r.start / pb..r.end.div_ceil(pb) {
             *self.page_gen.entry((r.buffer, p)).or_default() += 1;
-            if on {
-                self.tainted.insert((r.buffer, p));
-            } else if r.start <= p * pb && r.end >= (p + 1) * pb {
-                self.tainted.remove(&(r.buffer, p));
-            }
         }
     }
 
@@ -587,9 +597,9 @@ impl SimGpu {
         }
     }
 
-    /// Whether this page of a buffer holds bytes from a failed copy.
+    /// Whether any token row of this page holds bytes from a failed copy.
     pub fn is_tainted(&self, b: BufferId, page: PageId) -> bool {
-        self.tainted.contains(&(b, page.0 as u64))
+        self.tainted.contains_key(&(b, page.0 as u64))
     }
 }
 
@@ -613,14 +623,45 @@ impl Executor {
     }
 }
 
+/// The token rows an op writes in full, per paged-buffer page: whole pages for page copies, one
+/// row per slot for the stores. (Scratch buffers are not paged and carry no rows.)
+fn written_rows(op: &Op) -> Vec<(BufferId, u64, u64)> {
+    match op {
+        Op::PageCopy {
+            dst,
+            dst_view,
+            runs,
+            ..
+        } => runs
+            .iter()
+            .flat_map(|r| (0..r.count).map(move |j| r.dst.0 + j))
+            .map(|p| {
+                let start = dst_view.page_range(PageId(p)).start;
+                (*dst, start / dst_view.page_bytes(), u64::MAX)
+            })
+            .collect(),
+        Op::IndexKStore { dst, slots, .. } | Op::KvStore { dst, slots, .. } => slots
+            .iter()
+            .map(|&s| {
+                (
+                    *dst,
+                    (s.max(0) as u32 / PAGE_TOKENS) as u64,
+                    1u64 << (s.max(0) as u32 % PAGE_TOKENS),
+                )
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 struct PageView<'a> {
-    tainted: &'a BTreeSet<(BufferId, u64)>,
+    tainted: &'a std::collections::HashMap<(BufferId, u64), u64>,
     gen: &'a std::collections::HashMap<(BufferId, u64), u64>,
 }
 
 impl crate::oracles::content::PageState for PageView<'_> {
-    fn tainted(&self, buf: BufferId, page: u64) -> bool {
-        self.tainted.contains(&(buf, page))
+    fn tainted_rows(&self, buf: BufferId, page: u64) -> u64 {
+        self.tainted.get(&(buf, page)).copied().unwrap_or(0)
     }
     fn generation(&self, buf: BufferId, page: u64) -> u64 {
         self.gen.get(&(buf, page)).copied().unwrap_or(0)
@@ -737,6 +778,9 @@ impl Device for SimGpu {
         self.advance_stream(s, now);
     }
     fn query(&mut self, ev: EventId) -> EventState {
+        // A query costs the host a little time, so an engine that spins on one lets the device
+        // progress instead of hanging the simulation.
+        self.host.set(self.host.get() + self.opts.launch_ns / 4);
         let now = self.host.get();
         self.pump(now);
         let state = match self.events[ev.0 as usize] {

@@ -34,6 +34,8 @@ pub struct RunStats {
     pub recomputed: u64,
     pub digests_checked: u64,
     pub rows_checked: u64,
+    /// Rows whose page was compared earlier and not written since (not compared again).
+    pub rows_cached: u64,
     pub ops: u64,
     pub events: u64,
     pub copy_bytes: u64,
@@ -266,6 +268,9 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
     oneshots.sort();
     let mut next_oneshot = 0usize;
     let mut owners: BTreeMap<u64, Owner> = BTreeMap::new();
+    // Each request's prompt length and max_new_tokens, and the digests of its latest query.
+    let mut specs: BTreeMap<u64, (usize, u32)> = BTreeMap::new();
+    let mut last_digests: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     let mut out_hash = 0u64;
     let mut faults_on = true;
 
@@ -300,6 +305,7 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                     st.history = prompt.clone();
                     st.inflight = Some(id);
                     owners.insert(id, Owner::Session(i));
+                    specs.insert(id, (prompt.len(), turn.generate));
                     content.borrow_mut().tokens.insert(id, prompt);
                 }
                 Err(Rejection::Invalid { reason }) => {
@@ -335,6 +341,7 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 Ok(id) => {
                     stats.submitted += 1;
                     owners.insert(id, Owner::OneShot);
+                    specs.insert(id, (prompt.len(), o.generate));
                     content.borrow_mut().tokens.insert(id, prompt);
                 }
                 Err(_) => stats.rejected += 1,
@@ -382,7 +389,10 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 break;
             }
         }
-        let report = match guarded(|| engine.step()) {
+        let stepped = guarded(|| engine.step());
+        // What the GPU saw during the step happened before the step's result.
+        findings.append(&mut engine.dev.findings);
+        let report = match stepped {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 findings.push(Finding {
@@ -402,8 +412,6 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
             }
         };
         stats.steps += 1;
-        // What the GPU saw during the step happened before what the outputs show.
-        findings.append(&mut engine.dev.findings);
         for o in engine.drain_outputs() {
             out_hash = tierkv_kernels::cpu::numerics::mix64(
                 out_hash ^ format!("{o:?}").len() as u64 ^ output_key(&o),
@@ -415,6 +423,22 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                     digests,
                 } => {
                     let mut c = content.borrow_mut();
+                    let tainted = (0..digests.len() as u32).any(|l| {
+                        c.tainted_reads
+                            .get(&(request, position, cfg.model.layer_base + l))
+                            .copied()
+                            .unwrap_or(false)
+                    });
+                    if tainted {
+                        findings.push(Finding {
+                            oracle: OracleKind::Content,
+                            time_ns: engine.dev.now(),
+                            message: format!(
+                                "request {request} position {position}: the engine emitted digests computed from rows a failed copy left garbage in"
+                            ),
+                        });
+                    }
+                    last_digests.insert(request, digests.clone());
                     if let Some(m) = digest.check(&mut c, request, position, &digests) {
                         let (oracle, message) = match m {
                             Mismatch::TopK(s) => (OracleKind::TopK, s),
@@ -427,10 +451,29 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                         });
                     }
                 }
-                Output::Token { request, token, .. } => {
-                    if let Some(t) = content.borrow_mut().tokens.get_mut(&request) {
-                        t.push(token);
+                Output::Token {
+                    request,
+                    token,
+                    index,
+                } => {
+                    // The token follows from the digests of its query, and comes in order.
+                    let (prompt_len, _) = specs.get(&request).copied().unwrap_or((0, 0));
+                    let mut c = content.borrow_mut();
+                    let Some(t) = c.tokens.get_mut(&request) else {
+                        continue;
+                    };
+                    let want = last_digests.get(&request).map(|d| synth.next_token(d));
+                    if index as usize != t.len() - prompt_len || want != Some(token) {
+                        findings.push(Finding {
+                            oracle: OracleKind::Digest,
+                            time_ns: engine.dev.now(),
+                            message: format!(
+                                "request {request}: token #{index} = {token} does not follow (expected #{} = {want:?} from its digests)",
+                                t.len() - prompt_len
+                            ),
+                        });
                     }
+                    t.push(token);
                 }
                 Output::Finished { request, generated } => {
                     stats.finished += 1;
@@ -452,8 +495,20 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                         .get(&request)
                         .cloned()
                         .unwrap_or_default();
-                    if !known.ends_with(&generated) {
-                        findings.push(Finding { oracle: OracleKind::Digest, time_ns: engine.dev.now(), message: format!("request {request} finished with tokens that differ from those it emitted") });
+                    let (prompt_len, max_new) = specs.get(&request).copied().unwrap_or((0, 0));
+                    if known.len() < prompt_len
+                        || known[prompt_len..] != generated[..]
+                        || generated.len() != max_new as usize
+                    {
+                        findings.push(Finding {
+                            oracle: OracleKind::Digest,
+                            time_ns: engine.dev.now(),
+                            message: format!(
+                                "request {request} finished with {} tokens that differ from the {} it emitted (max_new_tokens {max_new})",
+                                generated.len(),
+                                known.len().saturating_sub(prompt_len)
+                            ),
+                        });
                     }
                 }
                 Output::Aborted { request } => {
@@ -534,6 +589,7 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
     stats.failed_copies = g.failed_copies;
     stats.digests_checked = digest.digests_checked;
     stats.rows_checked = content.borrow().rows_checked;
+    stats.rows_cached = content.borrow().rows_cached;
     stats.sim_ns = engine.dev.now();
     stats.wall_ns = wall.elapsed().as_nanos() as u64;
     RunOutcome {

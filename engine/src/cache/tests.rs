@@ -68,6 +68,7 @@ proptest! {
             match s {
                 Step::MatchLock(d, l) => {
                     let m = c.match_prefix(&doc(d, l));
+                    c.touch(&m.nodes);
                     let path = m.nodes[..m.device].to_vec();
                     c.lock(&path);
                     held.push(path);
@@ -76,6 +77,7 @@ proptest! {
                 Step::Insert(d, l) => {
                     let keys = doc(d, l);
                     let m = c.match_prefix(&keys);
+                    c.touch(&m.nodes);
                     c.lock(&m.nodes[..m.device]);
                     let mut pages: Vec<PageId> = m.nodes[..m.device].iter().map(|&n| c.node(n).device.unwrap()).collect();
                     let need = keys.len() - m.device;
@@ -102,6 +104,7 @@ proptest! {
                 Step::Backup(d, l) => {
                     let keys = doc(d, l);
                     let m = c.match_prefix(&keys);
+                    c.touch(&m.nodes);
                     if m.device == 0 { continue; }
                     let path = c.needs_backup(m.nodes[m.device - 1]);
                     if path.is_empty() { continue; }
@@ -115,6 +118,7 @@ proptest! {
                 }
                 Step::Load(d, l) => {
                     let m = c.match_prefix(&doc(d, l));
+                    c.touch(&m.nodes);
                     if m.host == 0 { continue; }
                     let nodes = m.nodes[m.device..].to_vec();
                     let Some(pages) = dev.alloc(nodes.len()) else { continue };

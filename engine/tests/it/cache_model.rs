@@ -242,6 +242,7 @@ impl StateMachineTest for CacheMachine {
             T::Insert(d, l) => {
                 let k = keys(&doc(d, l));
                 let m = s.cache.match_prefix(&k);
+                s.cache.touch(&m.nodes);
                 s.cache.lock(&m.nodes);
                 let mut table: Vec<_> = m.nodes[..m.device]
                     .iter()
@@ -259,10 +260,12 @@ impl StateMachineTest for CacheMachine {
             T::Match(d, l) => {
                 let p = doc(d, l);
                 let m = s.cache.match_prefix(&keys(&p));
+                s.cache.touch(&m.nodes);
                 let _ = m;
             }
             T::Backup(d, l) => {
                 let m = s.cache.match_prefix(&keys(&doc(d, l)));
+                s.cache.touch(&m.nodes);
                 if m.device > 0 {
                     let path = s.cache.needs_backup(m.nodes[m.device - 1]);
                     if !path.is_empty() {
@@ -275,6 +278,7 @@ impl StateMachineTest for CacheMachine {
             }
             T::LoadBack(d, l) => {
                 let m = s.cache.match_prefix(&keys(&doc(d, l)));
+                s.cache.touch(&m.nodes);
                 if m.host > 0 {
                     let host_part = m.nodes[m.device..].to_vec();
                     s.cache.lock(&m.nodes);

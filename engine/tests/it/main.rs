@@ -2,6 +2,7 @@
 
 mod architecture;
 mod cache_model;
+mod cuda_device;
 mod engine_smoke;
 mod service;
 mod trace;

@@ -61,6 +61,7 @@ fn hit_rate_matches_a_simple_computation() {
         let tokens = trace::prompt_tokens(r, &synth);
         let keys = page_keys(&tokens, tokens.len() / 64);
         let m = cache.match_prefix(&keys);
+        cache.touch(&m.nodes);
         dev_hits += m.device as u64;
         host_hits += m.host as u64;
         total += keys.len() as u64;

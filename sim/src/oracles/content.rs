@@ -11,8 +11,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tierkv_engine::config::Config;
 use tierkv_engine::cpu_device::{i32s, Memory};
-use tierkv_engine::device::{BufferId, Op};
-use tierkv_engine::layout::{index_k_page, kv_row, IndexKDtype, KvDtype, PageFormat, PAGE_TOKENS};
+use tierkv_engine::device::{BufferId, BufferRole, Op};
+use tierkv_engine::layout::{
+    index_k_page, kv_row, BufferKind, IndexKDtype, KvDtype, LayerId, PageFormat, PAGE_TOKENS,
+};
 use tierkv_engine::synth::Synth;
 use tierkv_kernels::cpu::store::{index_k_token, kv_token};
 use tierkv_kernels::rope::rope_row;
@@ -37,16 +39,25 @@ pub struct ContentOracle {
     /// Selections seen by `sparse_read`: (request, query position, global layer) → positions.
     pub selections: BTreeMap<(u64, u32, u32), Vec<u32>>,
     pub rows_checked: u64,
+    /// Rows not compared again because their page was compared, unwritten since, against the same
+    /// expected tokens.
+    pub rows_cached: u64,
+    /// For each (request, query position, global layer): whether the latest forward of that query
+    /// read rows a failed copy left garbage in. Those rows are not compared — the engine must
+    /// discard what it computed from them, and the runner checks that no output it emits comes
+    /// from such a forward.
+    pub tainted_reads: BTreeMap<(u64, u32, u32), bool>,
+    layer_base: u32,
     /// Pages already compared: (buffer, page) → (write generation, hash of what was expected).
     /// A page read again, unwritten since and expected to hold the same tokens, holds the bytes
     /// that were compared — so comparing them again would prove nothing new.
     verified: HashMap<(BufferId, u64), (u64, u64)>,
 }
 
-/// What the GPU knows about a page: whether a failed copy left garbage in it, and how many times
-/// it has been written.
+/// What the GPU knows about a page: which token rows a failed copy left garbage in (bit `t`),
+/// and how many times the page has been written.
 pub trait PageState {
-    fn tainted(&self, buf: BufferId, page: u64) -> bool;
+    fn tainted_rows(&self, buf: BufferId, page: u64) -> u64;
     fn generation(&self, buf: BufferId, page: u64) -> u64;
 }
 
@@ -63,6 +74,9 @@ impl ContentOracle {
             kv_memo: HashMap::new(),
             selections: BTreeMap::new(),
             rows_checked: 0,
+            rows_cached: 0,
+            tainted_reads: BTreeMap::new(),
+            layer_base: cfg.model.layer_base,
             verified: HashMap::new(),
         }
     }
@@ -128,6 +142,47 @@ impl ContentOracle {
 
     /// Checks the rows `op` reads from `mem`; returns one message per violated op (first row).
     pub fn check_reads(&mut self, op: &Op, mem: &Memory, pages: &dyn PageState) -> Vec<String> {
+        // The oracle relies on the engine's row tags: they must cover every row, and the pool
+        // read must be the pool of the tagged layer.
+        if let Op::IndexLogits {
+            k: buf,
+            context_lens,
+            tags,
+            ..
+        }
+        | Op::SparseRead {
+            kv: buf,
+            context_lens,
+            tags,
+            ..
+        } = op
+        {
+            if tags.rows.len() != context_lens.len() {
+                return vec![format!(
+                    "{} carries {} row tags for {} rows",
+                    op.name(),
+                    tags.rows.len(),
+                    context_lens.len()
+                )];
+            }
+            let kind = if matches!(op, Op::IndexLogits { .. }) {
+                BufferKind::IndexK
+            } else {
+                BufferKind::Kv
+            };
+            let want = BufferRole::Pool {
+                kind,
+                layer: LayerId(tags.layer_global.wrapping_sub(self.layer_base)),
+            };
+            let role = mem.desc(*buf).role;
+            if role != want {
+                return vec![format!(
+                    "{} for global layer {} reads {role}, not the {want}",
+                    op.name(),
+                    tags.layer_global
+                )];
+            }
+        }
         match op {
             Op::IndexLogits {
                 k,
@@ -181,9 +236,10 @@ impl ContentOracle {
         let layer = tags.layer_global;
         for (r, tag) in tags.rows.iter().enumerate() {
             let ctx = context_lens[r] as u32;
+            let mut tainted_read = false;
             for j in 0..ctx.div_ceil(PAGE_TOKENS) {
                 let page = page_table[r * pt_stride as usize + j as usize];
-                if page < 0 || pages.tainted(k, page as u64) {
+                if page < 0 {
                     continue;
                 }
                 let (first, last) = (j * PAGE_TOKENS, ((j + 1) * PAGE_TOKENS).min(ctx));
@@ -193,17 +249,29 @@ impl ContentOracle {
                         tag.request
                     )];
                 };
+                let rows_used = if last - first == 64 {
+                    u64::MAX
+                } else {
+                    (1u64 << (last - first)) - 1
+                };
+                let bad_rows = pages.tainted_rows(k, page as u64) & rows_used;
+                tainted_read |= bad_rows != 0;
                 // A page compared before, unwritten since and expected to hold the same tokens
                 // holds the very bytes that were compared: nothing new to learn from them.
                 let gen = pages.generation(k, page as u64);
-                self.rows_checked += (last - first) as u64;
-                if self.verified.get(&(k, page as u64)) == Some(&(gen, want_hash)) {
+                if bad_rows == 0 && self.verified.get(&(k, page as u64)) == Some(&(gen, want_hash))
+                {
+                    self.rows_cached += (last - first) as u64;
                     continue;
                 }
                 for n in first..last {
+                    let t = n % PAGE_TOKENS;
+                    if bad_rows & (1u64 << t) != 0 {
+                        continue;
+                    }
+                    self.rows_checked += 1;
                     let token = self.tokens[&tag.request][n as usize];
                     let want = self.ik_row(token, n, layer);
-                    let t = n % PAGE_TOKENS;
                     let at = page as usize * pb + index_k_page::value_offset(dtype, t, 0);
                     let got = &buf[at..at + want.values.len()];
                     if got != want.values.as_slice() {
@@ -232,8 +300,12 @@ impl ContentOracle {
                         }
                     }
                 }
-                self.verified.insert((k, page as u64), (gen, want_hash));
+                if bad_rows == 0 {
+                    self.verified.insert((k, page as u64), (gen, want_hash));
+                }
             }
+            self.tainted_reads
+                .insert((tag.request, tag.position, layer), tainted_read);
         }
         Vec::new()
     }
@@ -259,6 +331,7 @@ impl ContentOracle {
             let ctx = context_lens[r] as u32;
             let pt = &page_table[r * pt_stride as usize..][..ctx.div_ceil(PAGE_TOKENS) as usize];
             let mut positions = Vec::new();
+            let mut tainted_read = false;
             for i in 0..k as usize {
                 let s = sel[r * k as usize + i];
                 if s < 0 {
@@ -280,7 +353,8 @@ impl ContentOracle {
                     )];
                 }
                 positions.push(n);
-                if pages.tainted(kv, page as u64) {
+                if pages.tainted_rows(kv, page as u64) & (1u64 << t) != 0 {
+                    tainted_read = true;
                     continue;
                 }
                 let Some(token) = self.token(tag.request, n) else {
@@ -308,6 +382,10 @@ impl ContentOracle {
             }
             self.selections
                 .insert((tag.request, tag.position, layer), positions);
+            *self
+                .tainted_reads
+                .entry((tag.request, tag.position, layer))
+                .or_default() |= tainted_read;
         }
         Vec::new()
     }
