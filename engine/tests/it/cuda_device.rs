@@ -166,6 +166,7 @@ fn the_engine_on_the_gpu_matches_the_engine_on_the_cpu() {
     cfg.model.layers = 2;
     cfg.model.index_n_heads = 4;
     cfg.model.index_topk = 48;
+    cfg.model.context_tokens_max = 1024;
     cfg.cache.device_pages = 20; // tiny: evictions, backups and load-backs happen
     let synth = tierkv_engine::synth::Synth::new(5);
     let prompts: Vec<Vec<u32>> = (0..12u64)
@@ -195,6 +196,10 @@ fn the_engine_on_the_gpu_matches_the_engine_on_the_cpu() {
     .unwrap();
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for (round, chunk) in prompts.chunks(4).enumerate() {
+        // Between rounds the device tier is emptied: the shared prefixes come back from the host
+        // tier through layer-wise loads (and the completion ring's host callbacks).
+        cpu.evict_device(usize::MAX).unwrap();
+        gpu.evict_device(usize::MAX).unwrap();
         for p in chunk {
             cpu.submit(RequestSpec {
                 prompt: p.clone(),
