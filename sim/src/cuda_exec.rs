@@ -28,7 +28,9 @@ fn backend(e: cudarc::driver::DriverError) -> DeviceError {
 
 impl CudaExec {
     pub fn new() -> Result<CudaExec, DeviceError> {
-        let ops = CudaOps::new(CopyStrategy::Gather)?;
+        let mut ops = CudaOps::new(CopyStrategy::Gather)?;
+        // The oracles compare every digest bit for bit with the CPU reference.
+        ops.logits = tierkv_engine::runtime::cuda::LogitsKernel::Exact;
         let stream = ops.ctx.new_stream().map_err(backend)?;
         Ok(CudaExec {
             ops,

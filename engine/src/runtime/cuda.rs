@@ -15,6 +15,7 @@ use super::ring::{CompletionRing, Ticket};
 use crate::device::*;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::Arc;
+pub use tierkv_kernels::cuda::launch::LogitsKernel;
 use tierkv_kernels::cuda::launch::{DevPtr, Kernels};
 
 fn backend(what: &str) -> impl Fn(cudarc::driver::DriverError) -> DeviceError + '_ {
@@ -124,6 +125,10 @@ pub struct CudaOps {
     pub ctx: Arc<CudaContext>,
     pub kernels: &'static Kernels,
     pub strategy: CopyStrategy,
+    /// Which `index_logits` kernel runs: the tensor cores by default (production); the
+    /// simulator's executor sets [`LogitsKernel::Exact`], because its oracles compare digests bit
+    /// for bit against the CPU reference.
+    pub logits: LogitsKernel,
 }
 
 fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
@@ -138,6 +143,7 @@ impl CudaOps {
             ctx: kernels.ctx.clone(),
             kernels,
             strategy,
+            logits: LogitsKernel::default(),
         })
     }
 
@@ -257,7 +263,8 @@ impl CudaOps {
                 let (_a, pt) = self.upload(s, bytes_of(page_table))?;
                 let (_b, lens) = self.upload(s, bytes_of(context_lens))?;
                 let (kp, kd) = mem(*kb);
-                k.index_logits(
+                k.index_logits_with(
+                    self.logits,
                     s,
                     *dtype,
                     *heads as usize,

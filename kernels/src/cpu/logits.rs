@@ -211,3 +211,127 @@ pub fn index_logits(
     }
     Ok(())
 }
+
+/// The exact value of every logit (in f64) and the scale of its rounding error: for position `n`
+/// of row `r`, `value = kscale · Σ_h w_h · relu(q_h · k_n)` and
+/// `magnitude = |kscale| · Σ_h |w_h| · Σ_d |q_hd · k_nd|`. DESIGN §4 allows a CUDA logits kernel
+/// an error of 1e-5 relative: relative to `magnitude`, the standard error scale of a sum of
+/// products, because the value itself can cancel to near zero (head weights have both signs).
+/// Masked positions have value `-inf` and magnitude 0. Both outputs are `[rows][out_stride]`.
+pub fn index_logits_f64(
+    a: &IndexLogitsArgs,
+    k_buf: &[u8],
+    k_fp: LayoutFingerprint,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    const OP: &str = "index_logits";
+    a.check()?;
+    let format = PageFormat::IndexK(a.dtype);
+    let slots = check_paged_dst(OP, format, k_buf.len(), k_fp)?;
+    let pages = slots / PAGE_TOKENS as u64;
+    let pb = format.page_bytes() as usize;
+    let h = a.heads;
+    let mut value = vec![f64::NEG_INFINITY; a.rows() * a.out_stride];
+    let mut magnitude = vec![0f64; a.rows() * a.out_stride];
+    let mut k = [0f32; 128];
+    for r in 0..a.rows() {
+        let q: Vec<f64> = decode_q(&a.q[r * h * 128..(r + 1) * h * 128])
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let w = &a.weights[r * h..(r + 1) * h];
+        let pt = &a.page_table[r * a.pt_stride..(r + 1) * a.pt_stride];
+        for n in 0..a.context_lens[r] as usize {
+            let p = pt[n / PAGE_TOKENS as usize];
+            if p < 0 || p as u64 >= pages {
+                return Err(KernelError::OutOfRange {
+                    op: OP,
+                    index: r,
+                    value: p as i64,
+                    limit: pages,
+                });
+            }
+            let page = &k_buf[p as usize * pb..(p as usize + 1) * pb];
+            let ks = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, &mut k);
+            let ks = match a.dtype {
+                IndexKDtype::Fp8 => f64::from(ks),
+                IndexKDtype::Bf16 => 1.0,
+            };
+            let (mut s, mut m) = (0f64, 0f64);
+            for (hi, &wh) in w.iter().enumerate() {
+                let qh = &q[hi * 128..(hi + 1) * 128];
+                let (mut dot, mut abs) = (0f64, 0f64);
+                for d in 0..128 {
+                    let t = qh[d] * f64::from(k[d]);
+                    dot += t;
+                    abs += t.abs();
+                }
+                s += f64::from(wh) * dot.max(0.0);
+                m += f64::from(wh).abs() * abs;
+            }
+            value[r * a.out_stride + n] = ks * s;
+            magnitude[r * a.out_stride + n] = ks.abs() * m;
+        }
+    }
+    Ok((value, magnitude))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exact f32 reference meets the bound the tensor-core kernel is held to.
+    #[test]
+    fn f32_reference_is_within_the_f64_bound() {
+        let dtype = IndexKDtype::Fp8;
+        let heads = 3;
+        let mut page = vec![0u8; PageFormat::IndexK(dtype).page_bytes() as usize];
+        let mut x = 0x1234_5678u32;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        for t in 0..64u32 {
+            for d in 0..128 {
+                page[index_k_page::value_offset(dtype, t, d as u32)] = (rnd() % 0x7e) as u8;
+            }
+            let off = index_k_page::scale_offset(dtype, t).unwrap();
+            page[off..off + 4].copy_from_slice(&0.01f32.to_le_bytes());
+        }
+        let q: Vec<u8> = (0..heads * 128)
+            .map(|_| (rnd() % 0xfe) as u8 & 0xf7)
+            .collect();
+        let w = [0.5f32, -0.25, 0.125];
+        let a = IndexLogitsArgs {
+            dtype,
+            heads,
+            q: &q,
+            weights: &w,
+            page_table: &[0],
+            pt_stride: 1,
+            context_lens: &[50],
+            out_stride: 64,
+        };
+        let fp = PageFormat::IndexK(dtype).fingerprint();
+        let mut out = vec![0f32; 64];
+        index_logits(&a, &page, fp, &mut out).unwrap();
+        let (v, m) = index_logits_f64(&a, &page, fp).unwrap();
+        for n in 0..64 {
+            if n >= 50 {
+                assert_eq!(out[n], f32::NEG_INFINITY);
+                assert_eq!(v[n], f64::NEG_INFINITY);
+                continue;
+            }
+            assert!(m[n] > 0.0);
+            let err = (f64::from(out[n]) - v[n]).abs();
+            assert!(
+                err <= 1e-5 * m[n],
+                "[{n}] {} vs {} (bound {})",
+                out[n],
+                v[n],
+                m[n]
+            );
+        }
+    }
+}

@@ -14,6 +14,7 @@ use crate::layout::{
 };
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// A device address and the bytes behind it.
@@ -87,6 +88,25 @@ fn slots_in(op: &'static str, slots: &[i32], limit: u64) -> Result<()> {
     }
     Ok(())
 }
+
+/// Which `index_logits` kernel runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogitsKernel {
+    /// The CPU reference's operation order on CUDA-core fp32 FMAs: bit-exact, compute-bound. The
+    /// simulator's oracles compare digests bit for bit, so `tierkv sim --device cuda` uses it.
+    Exact,
+    /// Tensor cores (`mma.sync` f16/bf16, f32 accumulate; `logits_mma.cu`): within DESIGN §4's
+    /// 1e-5 of the terms' magnitude, not bit-exact. The production default.
+    #[default]
+    TensorCore,
+}
+
+/// Launch shape of the tensor-core logits kernel: the CTAs it aims for in one launch (each CTA
+/// loops over a row's pages with a stride), and how many strides ahead it prefetches pages into
+/// L2. Process-wide tuning knobs (`tierkv bench` sweeps them); kernels/GPU.md has the measurements
+/// behind the defaults.
+pub static LOGITS_MMA_CTAS: AtomicUsize = AtomicUsize::new(1056);
+pub static LOGITS_MMA_AHEAD: AtomicUsize = AtomicUsize::new(2);
 
 /// The compiled kernels, loaded into one context.
 pub struct Kernels {
@@ -263,11 +283,51 @@ impl Kernels {
         Ok(())
     }
 
-    /// `index_logits` over `context_lens.len()` rows. `page_table`/`context_lens` are the host
-    /// copies (checked here); `pt_dev`/`lens_dev` their device copies.
+    /// `index_logits` over `context_lens.len()` rows with the exact kernel (see
+    /// [`Kernels::index_logits_with`]).
     #[allow(clippy::too_many_arguments)]
     pub fn index_logits(
         &self,
+        s: &CudaStream,
+        dtype: IndexKDtype,
+        heads: usize,
+        q: DevPtr,
+        w: DevPtr,
+        page_table: &[i32],
+        pt_stride: usize,
+        pt_dev: DevPtr,
+        context_lens: &[i32],
+        lens_dev: DevPtr,
+        k: DevPtr,
+        k_fp: LayoutFingerprint,
+        out: DevPtr,
+        out_stride: usize,
+    ) -> Result<()> {
+        self.index_logits_with(
+            LogitsKernel::Exact,
+            s,
+            dtype,
+            heads,
+            q,
+            w,
+            page_table,
+            pt_stride,
+            pt_dev,
+            context_lens,
+            lens_dev,
+            k,
+            k_fp,
+            out,
+            out_stride,
+        )
+    }
+
+    /// `index_logits` over `context_lens.len()` rows with the chosen kernel. `page_table` and
+    /// `context_lens` are the host copies (checked here); `pt_dev`/`lens_dev` their device copies.
+    #[allow(clippy::too_many_arguments)]
+    pub fn index_logits_with(
+        &self,
+        kind: LogitsKernel,
         s: &CudaStream,
         dtype: IndexKDtype,
         heads: usize,
@@ -321,6 +381,34 @@ impl Kernels {
             (dtype == IndexKDtype::Bf16) as i32,
             out_stride as i32,
         );
+        if kind == LogitsKernel::TensorCore {
+            let (name, threads) = match dtype {
+                IndexKDtype::Fp8 => ("index_logits_mma_fp8", 128),
+                IndexKDtype::Bf16 => ("index_logits_mma_bf16", 256),
+            };
+            let out_pages = out_stride.div_ceil(PAGE_TOKENS as usize);
+            let chunks = LOGITS_MMA_CTAS
+                .load(Ordering::Relaxed)
+                .div_ceil(rows)
+                .clamp(1, out_pages);
+            let ahead = LOGITS_MMA_AHEAD.load(Ordering::Relaxed).min(16) as i32;
+            let mut b = s.launch_builder(self.f(name));
+            b.arg(&q.ptr)
+                .arg(&w.ptr)
+                .arg(&pt_dev.ptr)
+                .arg(&pts)
+                .arg(&lens_dev.ptr)
+                .arg(&h32);
+            b.arg(&k.ptr).arg(&out.ptr).arg(&os).arg(&ahead);
+            let cfg = LaunchConfig {
+                grid_dim: (chunks as u32, rows as u32, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: sizes and every page the rows name were checked above.
+            unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+            return Ok(());
+        }
         let mut b = s.launch_builder(self.f("index_logits"));
         b.arg(&q.ptr)
             .arg(&w.ptr)

@@ -42,6 +42,11 @@ pub const SOURCES: &[Source] = &[
         kernels: &["index_logits"],
     },
     Source {
+        file: "logits_mma.cu",
+        text: include_str!("../../cuda/logits_mma.cu"),
+        kernels: &["index_logits_mma_fp8", "index_logits_mma_bf16"],
+    },
+    Source {
         file: "topk.cu",
         text: include_str!("../../cuda/topk.cu"),
         kernels: &["topk"],

@@ -55,6 +55,10 @@ pub struct ReplayArgs {
     /// Page transfers: `runs` (one cuMemcpy2DAsync per run) or `gather` (one kernel).
     #[arg(long, default_value = "gather", value_parser = ["runs", "gather"])]
     pub copy: String,
+    /// Indexer logits on the GPU: `tensor-core` (mma.sync, within 1e-5 of each logit's magnitude)
+    /// or `exact` (the CPU reference's operation order, bit-exact, compute-bound).
+    #[arg(long, default_value = "tensor-core", value_parser = ["tensor-core", "exact"])]
+    pub logits: String,
 }
 
 fn percentile(v: &mut [u64], p: f64) -> f64 {
@@ -133,7 +137,7 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
                 )
             })
         }
-        _ => match start_cuda(cfg.clone(), &a.copy) {
+        _ => match start_cuda(cfg.clone(), &a.copy, &a.logits) {
             Some(s) => s,
             None => return 2,
         },
@@ -279,21 +283,27 @@ async fn fetch_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
 }
 
 #[cfg(feature = "cuda")]
-fn start_cuda(cfg: Config, copy: &str) -> Option<Service> {
-    use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice};
+fn start_cuda(cfg: Config, copy: &str, logits: &str) -> Option<Service> {
+    use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
+    let logits = if logits == "exact" {
+        LogitsKernel::Exact
+    } else {
+        LogitsKernel::TensorCore
+    };
     let strategy = if copy == "runs" {
         CopyStrategy::MemcpyRuns
     } else {
         CopyStrategy::Gather
     };
     Some(Service::start(move || {
-        let dev = CudaDevice::new(strategy)?;
+        let mut dev = CudaDevice::new(strategy)?;
+        dev.ops.logits = logits;
         Engine::new(cfg, dev, MonotonicClock::new(), EngineOptions::default())
     }))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn start_cuda(_: Config, _: &str) -> Option<Service> {
+fn start_cuda(_: Config, _: &str, _: &str) -> Option<Service> {
     eprintln!("--device cuda needs a build with `--features cuda`");
     None
 }
