@@ -25,8 +25,27 @@
 // page); kscale multiplies last. The pages `ahead` strides ahead are prefetched into L2 with a
 // bulk prefetch (no registers), so the register loads of a page find it in L2.
 //
-// dtype 0: fp8 pages (8448 B, scales at 8192 + 4t), 128 threads (2 key groups x 4 n-tiles);
-// dtype 1: bf16 pages (16384 B), 256 threads (4 key groups x 2 n-tiles).
+// Variants (one kernel each, named index_logits_mma_<dtype>_k<KW>n<NT>[_pipe][_bits]; `tierkv
+// bench` measures them all, kernels/GPU.md has the numbers, the launcher picks the default):
+//   KW x NT   key groups x n-tiles per warp (KW x NT x 8 = 64 keys = one page; 2 x KW warps);
+//   _pipe     the next page's keys are loaded into registers while this page is multiplied;
+//   _bits     fp8 -> f16 by bit moves instead of cvt (see tkv_e4m3x4_bits).
+// fp8 pages are 8448 B (scales at 8192 + 4t), bf16 pages 16384 B.
+
+// Four e4m3 bytes to two f16x2 registers by moving bits, without the conversion unit: the e4m3
+// sign goes to the f16 sign and the 7 exponent-and-mantissa bits to f16 bits 7..13, which makes
+// the f16 exactly 2^-8 times the e4m3 value for every code but NaN (subnormals included: both are
+// 2^-8 apart at every exponent). A product of two such values is 2^-16 times the true product,
+// exact in the f32 accumulator; the kernel multiplies its head weights by 2^16 (exact) to undo it.
+// The NaN codes (0x7f, 0xff) become finite, which no stored key or query holds (the encoders
+// saturate).
+__device__ __forceinline__ void tkv_e4m3x4_bits(u32 x, u32& lo, u32& hi) {
+    u32 v0 = __byte_perm(x, 0, 0x1404);  // (b1 << 24) | (b0 << 8)
+    u32 v1 = __byte_perm(x, 0, 0x3424);  // (b3 << 24) | (b2 << 8)
+    lo = (v0 & 0x80008000u) | ((v0 >> 1) & 0x3f803f80u);
+    hi = (v1 & 0x80008000u) | ((v1 >> 1) & 0x3f803f80u);
+}
+
 
 __device__ __forceinline__ u32 tkv_e4m3x2_to_f16x2(u32 two) {
     __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
@@ -61,11 +80,13 @@ __device__ __forceinline__ void tkv_prefetch_l2(const void* p, u32 bytes) {
 }
 
 // KW key groups x NT n-tiles x 8 keys = 64 keys = one page.
-template <int DT, int KW, int NT>
+template <int DT, int KW, int NT, bool PIPE, bool BITS>
 __device__ __forceinline__ void tkv_index_logits_mma(
     const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ page_table,
     int pt_stride, const int* __restrict__ ctx_lens, int heads, const u8* __restrict__ kbuf,
     float* __restrict__ out, int out_stride, int ahead) {
+    static_assert(KW * NT * 8 == 64, "a CTA scores one page per iteration");
+    static_assert(!BITS || DT == 0, "bit conversion is for fp8 pages");
     constexpr int PAGE_BYTES = DT == 0 ? 8448 : 16384;
     constexpr int KEY_BYTES = DT == 0 ? 128 : 256;
     // u32 words a lane loads per n-tile: its 32 values of one key.
@@ -98,7 +119,9 @@ __device__ __forceinline__ void tkv_index_logits_mma(
                 uint4 r0 = src[0], r1 = src[1];
                 qw[0] = r0.x; qw[1] = r0.y; qw[2] = r0.z; qw[3] = r0.w;
                 qw[4] = r1.x; qw[5] = r1.y; qw[6] = r1.z; qw[7] = r1.w;
-                wt[mt][half] = w[(size_t)row * heads + h];
+                // BITS: both operands carry 2^-8, so the dot products carry 2^-16.
+                wt[mt][half] = BITS ? w[(size_t)row * heads + h] * 65536.0f
+                                    : w[(size_t)row * heads + h];
             } else {
 #pragma unroll
                 for (int s = 0; s < 8; s++) qw[s] = 0u;
@@ -106,9 +129,16 @@ __device__ __forceinline__ void tkv_index_logits_mma(
             }
 #pragma unroll
             for (int s = 0; s < 8; s++) {
-                u32 lo = DT == 0 ? tkv_e4m3x2_to_f16x2(qw[s]) : tkv_e4m3x2_to_bf16x2(qw[s]);
-                u32 hi = DT == 0 ? tkv_e4m3x2_to_f16x2(qw[s] >> 16)
-                                 : tkv_e4m3x2_to_bf16x2(qw[s] >> 16);
+                u32 lo, hi;
+                if (BITS) {
+                    tkv_e4m3x4_bits(qw[s], lo, hi);
+                } else if (DT == 0) {
+                    lo = tkv_e4m3x2_to_f16x2(qw[s]);
+                    hi = tkv_e4m3x2_to_f16x2(qw[s] >> 16);
+                } else {
+                    lo = tkv_e4m3x2_to_bf16x2(qw[s]);
+                    hi = tkv_e4m3x2_to_bf16x2(qw[s] >> 16);
+                }
                 a[mt][s][half] = lo;       // reg 0 (row g) / reg 1 (row g+8): d + 0, 1
                 a[mt][s][2 + half] = hi;   // reg 2 / reg 3: d + 2, 3
             }
@@ -123,27 +153,34 @@ __device__ __forceinline__ void tkv_index_logits_mma(
             if (pf < live_pages) tkv_prefetch_l2(kbuf + (size_t)pt[pf] * PAGE_BYTES, PAGE_BYTES);
         }
     }
+    // Lane (g, c)'s 32 values of key (kg * NT + nt) * 8 + g, for every n-tile of page p.
+    auto load = [&](u32 (&raw)[NT][WORDS], int p) {
+        const u8* page = kbuf + (size_t)pt[p] * PAGE_BYTES;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            int key = (kg * NT + nt) * 8 + g;
+            const uint4* src =
+                reinterpret_cast<const uint4*>(page + key * KEY_BYTES + c * (WORDS * 4));
+#pragma unroll
+            for (int j = 0; j < WORDS / 4; j++) {
+                uint4 r = src[j];
+                raw[nt][4 * j] = r.x; raw[nt][4 * j + 1] = r.y;
+                raw[nt][4 * j + 2] = r.z; raw[nt][4 * j + 3] = r.w;
+            }
+        }
+    };
+    u32 raw[NT][WORDS];
+    if (PIPE && blockIdx.x < live_pages) load(raw, blockIdx.x);
     int buf = 0;
     for (int p = blockIdx.x; p < out_pages; p += stride, buf ^= 1) {
         if (threadIdx.x == 0 && ahead > 0) {
             int pf = p + ahead * stride;
             if (pf < live_pages) tkv_prefetch_l2(kbuf + (size_t)pt[pf] * PAGE_BYTES, PAGE_BYTES);
         }
+        u32 nxt[NT][WORDS];
+        if (PIPE && p + stride < live_pages) load(nxt, p + stride);
         if (p < live_pages) {
-            const u8* page = kbuf + (size_t)pt[p] * PAGE_BYTES;
-            u32 raw[NT][WORDS];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                int key = (kg * NT + nt) * 8 + g;
-                const uint4* src = reinterpret_cast<const uint4*>(
-                    page + key * KEY_BYTES + c * (WORDS * 4));
-#pragma unroll
-                for (int j = 0; j < WORDS / 4; j++) {
-                    uint4 r = src[j];
-                    raw[nt][4 * j] = r.x; raw[nt][4 * j + 1] = r.y;
-                    raw[nt][4 * j + 2] = r.z; raw[nt][4 * j + 3] = r.w;
-                }
-            }
+            if (!PIPE) load(raw, p);
             float acc[2][NT][4];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
@@ -156,7 +193,9 @@ __device__ __forceinline__ void tkv_index_logits_mma(
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     u32 b0, b1;
-                    if (DT == 0) {
+                    if (BITS) {
+                        tkv_e4m3x4_bits(raw[nt][s], b0, b1);
+                    } else if (DT == 0) {
                         b0 = tkv_e4m3x2_to_f16x2(raw[nt][s]);
                         b1 = tkv_e4m3x2_to_f16x2(raw[nt][s] >> 16);
                     } else {
@@ -189,6 +228,12 @@ __device__ __forceinline__ void tkv_index_logits_mma(
                 }
             }
         }
+        if (PIPE) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int i = 0; i < WORDS; i++) raw[nt][i] = nxt[nt][i];
+        }
         __syncthreads();
         if (threadIdx.x < 64) {
             int t = threadIdx.x;
@@ -207,18 +252,25 @@ __device__ __forceinline__ void tkv_index_logits_mma(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) index_logits_mma_fp8(
-    const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ page_table,
-    int pt_stride, const int* __restrict__ ctx_lens, int heads, const u8* __restrict__ kbuf,
-    float* __restrict__ out, int out_stride, int ahead) {
-    tkv_index_logits_mma<0, 2, 4>(q, w, page_table, pt_stride, ctx_lens, heads, kbuf, out,
-                                  out_stride, ahead);
-}
+#define TKV_LOGITS_MMA(NAME, DT, KW, NT, PIPE, BITS)                                          \
+    extern "C" __global__ void __launch_bounds__(KW * 64) NAME(                              \
+        const u8* __restrict__ q, const float* __restrict__ w,                               \
+        const int* __restrict__ page_table, int pt_stride, const int* __restrict__ ctx_lens, \
+        int heads, const u8* __restrict__ kbuf, float* __restrict__ out, int out_stride,     \
+        int ahead) {                                                                         \
+        tkv_index_logits_mma<DT, KW, NT, PIPE, BITS>(q, w, page_table, pt_stride, ctx_lens,  \
+                                                     heads, kbuf, out, out_stride, ahead);   \
+    }
 
-extern "C" __global__ void __launch_bounds__(256) index_logits_mma_bf16(
-    const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ page_table,
-    int pt_stride, const int* __restrict__ ctx_lens, int heads, const u8* __restrict__ kbuf,
-    float* __restrict__ out, int out_stride, int ahead) {
-    tkv_index_logits_mma<1, 4, 2>(q, w, page_table, pt_stride, ctx_lens, heads, kbuf, out,
-                                  out_stride, ahead);
-}
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4, 0, 2, 4, false, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe, 0, 2, 4, true, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_bits, 0, 2, 4, false, true)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_bits, 0, 2, 4, true, true)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2, 0, 4, 2, false, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe, 0, 4, 2, true, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_bits, 0, 4, 2, false, true)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe_bits, 0, 4, 2, true, true)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2, 1, 4, 2, false, false)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe, 1, 4, 2, true, false)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1, 1, 8, 1, false, false)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1_pipe, 1, 8, 1, true, false)

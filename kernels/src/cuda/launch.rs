@@ -6,7 +6,7 @@
 //! Buffers are passed as raw device addresses with their sizes ([`DevPtr`]), so the production
 //! device can hand in any allocation it owns (device memory, or mapped pinned host memory).
 
-use super::{compile, SOURCES};
+use super::{compile, logits_mma_variants, MmaVariant, SOURCES};
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
     IndexKDtype, KvDtype, LayoutFingerprint, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM,
@@ -101,10 +101,11 @@ pub enum LogitsKernel {
     TensorCore,
 }
 
-/// Launch shape of the tensor-core logits kernel: the CTAs it aims for in one launch (each CTA
-/// loops over a row's pages with a stride), and how many strides ahead it prefetches pages into
-/// L2. Process-wide tuning knobs (`tierkv bench` sweeps them); kernels/GPU.md has the measurements
-/// behind the defaults.
+/// Launch choices of the tensor-core logits kernel, process-wide tuning knobs (`tierkv bench`
+/// sweeps them; kernels/GPU.md has the measurements behind the defaults): the variant index per
+/// dtype (fp8, bf16) into [`logits_mma_variants`], the CTAs one launch aims for (each CTA loops
+/// over a row's pages with a stride), and how many strides ahead pages are prefetched into L2.
+pub static LOGITS_MMA_VARIANT: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
 pub static LOGITS_MMA_CTAS: AtomicUsize = AtomicUsize::new(1056);
 pub static LOGITS_MMA_AHEAD: AtomicUsize = AtomicUsize::new(2);
 
@@ -382,10 +383,14 @@ impl Kernels {
             out_stride as i32,
         );
         if kind == LogitsKernel::TensorCore {
-            let (name, threads) = match dtype {
-                IndexKDtype::Fp8 => ("index_logits_mma_fp8", 128),
-                IndexKDtype::Bf16 => ("index_logits_mma_bf16", 256),
-            };
+            let variants = logits_mma_variants(dtype);
+            let pick = LOGITS_MMA_VARIANT[(dtype == IndexKDtype::Bf16) as usize]
+                .load(Ordering::Relaxed)
+                .min(variants.len() - 1);
+            let MmaVariant {
+                kernel: name,
+                threads,
+            } = variants[pick];
             let out_pages = out_stride.div_ceil(PAGE_TOKENS as usize);
             let chunks = LOGITS_MMA_CTAS
                 .load(Ordering::Relaxed)

@@ -44,7 +44,20 @@ pub const SOURCES: &[Source] = &[
     Source {
         file: "logits_mma.cu",
         text: include_str!("../../cuda/logits_mma.cu"),
-        kernels: &["index_logits_mma_fp8", "index_logits_mma_bf16"],
+        kernels: &[
+            "index_logits_mma_fp8_k2n4",
+            "index_logits_mma_fp8_k2n4_pipe",
+            "index_logits_mma_fp8_k2n4_bits",
+            "index_logits_mma_fp8_k2n4_pipe_bits",
+            "index_logits_mma_fp8_k4n2",
+            "index_logits_mma_fp8_k4n2_pipe",
+            "index_logits_mma_fp8_k4n2_bits",
+            "index_logits_mma_fp8_k4n2_pipe_bits",
+            "index_logits_mma_bf16_k4n2",
+            "index_logits_mma_bf16_k4n2_pipe",
+            "index_logits_mma_bf16_k8n1",
+            "index_logits_mma_bf16_k8n1_pipe",
+        ],
     },
     Source {
         file: "topk.cu",
@@ -62,6 +75,45 @@ pub const SOURCES: &[Source] = &[
         kernels: &["page_gather"],
     },
 ];
+
+/// One compiled variant of the tensor-core logits kernel (`logits_mma.cu` explains the names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmaVariant {
+    pub kernel: &'static str,
+    pub threads: u32,
+}
+
+const fn mv(kernel: &'static str, threads: u32) -> MmaVariant {
+    MmaVariant { kernel, threads }
+}
+
+/// The tensor-core logits variants for fp8 pages; the first is the default.
+pub const LOGITS_MMA_FP8: &[MmaVariant] = &[
+    mv("index_logits_mma_fp8_k2n4", 128),
+    mv("index_logits_mma_fp8_k2n4_pipe", 128),
+    mv("index_logits_mma_fp8_k2n4_bits", 128),
+    mv("index_logits_mma_fp8_k2n4_pipe_bits", 128),
+    mv("index_logits_mma_fp8_k4n2", 256),
+    mv("index_logits_mma_fp8_k4n2_pipe", 256),
+    mv("index_logits_mma_fp8_k4n2_bits", 256),
+    mv("index_logits_mma_fp8_k4n2_pipe_bits", 256),
+];
+
+/// The tensor-core logits variants for bf16 pages; the first is the default.
+pub const LOGITS_MMA_BF16: &[MmaVariant] = &[
+    mv("index_logits_mma_bf16_k4n2", 256),
+    mv("index_logits_mma_bf16_k4n2_pipe", 256),
+    mv("index_logits_mma_bf16_k8n1", 512),
+    mv("index_logits_mma_bf16_k8n1_pipe", 512),
+];
+
+/// The variants of the tensor-core logits kernel for one page dtype.
+pub fn logits_mma_variants(dtype: crate::layout::IndexKDtype) -> &'static [MmaVariant] {
+    match dtype {
+        crate::layout::IndexKDtype::Fp8 => LOGITS_MMA_FP8,
+        crate::layout::IndexKDtype::Bf16 => LOGITS_MMA_BF16,
+    }
+}
 
 /// The target architecture: the H200 (Hopper, compute capability 9.0).
 pub const ARCH: &str = "sm_90";
@@ -140,3 +192,33 @@ pub fn built_without_cuda(op: &'static str) -> KernelError {
 
 /// Whether this build can launch kernels on a GPU.
 pub const ENABLED: bool = cfg!(feature = "cuda");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every tensor-core logits variant the launcher can pick is compiled and defined.
+    #[test]
+    fn logits_mma_variants_are_compiled_kernels() {
+        let src = SOURCES.iter().find(|s| s.file == "logits_mma.cu").unwrap();
+        for dtype in crate::layout::IndexKDtype::ALL {
+            for v in logits_mma_variants(dtype) {
+                assert!(src.kernels.contains(&v.kernel), "{} not loaded", v.kernel);
+                assert!(
+                    src.text.contains(&format!("TKV_LOGITS_MMA({},", v.kernel)),
+                    "{} not defined",
+                    v.kernel
+                );
+                assert!(v.kernel.contains(dtype.name()));
+                // Two head-half warps per key group: 64 threads per key group.
+                let kw = v
+                    .kernel
+                    .split('_')
+                    .find_map(|p| p.strip_prefix('k'))
+                    .unwrap();
+                let kw: u32 = kw[..kw.find('n').unwrap()].parse().unwrap();
+                assert_eq!(v.threads, 64 * kw, "{}", v.kernel);
+            }
+        }
+    }
+}

@@ -820,9 +820,32 @@ mod cuda {
     fn logits_cuda() {
         logits_body(&Cuda::new());
     }
+    /// Every variant of the tensor-core kernel (the bench measures them all; any may become the
+    /// default).
     #[test]
     fn logits_tensor_core_cuda() {
-        logits_body(&Cuda::tensor_core());
+        use std::sync::atomic::Ordering::Relaxed;
+        use tierkv_kernels::cuda::launch::LOGITS_MMA_VARIANT;
+        use tierkv_kernels::cuda::{LOGITS_MMA_BF16, LOGITS_MMA_FP8};
+        let defaults = [
+            LOGITS_MMA_VARIANT[0].load(Relaxed),
+            LOGITS_MMA_VARIANT[1].load(Relaxed),
+        ];
+        for v in 0..LOGITS_MMA_FP8.len().max(LOGITS_MMA_BF16.len()) {
+            let (f, b) = (
+                v.min(LOGITS_MMA_FP8.len() - 1),
+                v.min(LOGITS_MMA_BF16.len() - 1),
+            );
+            LOGITS_MMA_VARIANT[0].store(f, Relaxed);
+            LOGITS_MMA_VARIANT[1].store(b, Relaxed);
+            eprintln!(
+                "variants {} and {}",
+                LOGITS_MMA_FP8[f].kernel, LOGITS_MMA_BF16[b].kernel
+            );
+            logits_body(&Cuda::tensor_core());
+        }
+        LOGITS_MMA_VARIANT[0].store(defaults[0], Relaxed);
+        LOGITS_MMA_VARIANT[1].store(defaults[1], Relaxed);
     }
     #[test]
     fn topk_cuda() {

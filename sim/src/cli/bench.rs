@@ -250,7 +250,7 @@ mod imp {
         let op = ptr(&s, &out);
         for dtype in IndexKDtype::ALL {
             let fmt = PageFormat::IndexK(dtype);
-            let host_pool: Vec<u8> = (0..pages * fmt.page_bytes() as usize)
+            let mut host_pool: Vec<u8> = (0..pages * fmt.page_bytes() as usize)
                 .map(|i| {
                     if dtype == IndexKDtype::Fp8 {
                         e4m3_encode(r() * 400.0)
@@ -259,6 +259,18 @@ mod imp {
                     }
                 })
                 .collect();
+            if dtype == IndexKDtype::Fp8 {
+                // Real key scales (the bytes above would read as arbitrary floats, inf and NaN).
+                let pb = fmt.page_bytes() as usize;
+                for (i, page) in host_pool.chunks_exact_mut(pb).enumerate() {
+                    for t in 0..64u32 {
+                        let at = index_k_page::scale_offset(dtype, t).expect("fp8 scales");
+                        let scale =
+                            0.01 * (1.0 + (mix64(i as u64 * 64 + t as u64) % 100) as f32 / 100.0);
+                        page[at..at + 4].copy_from_slice(&scale.to_le_bytes());
+                    }
+                }
+            }
             let pool = c.up(&host_pool)?;
             drop(host_pool);
             let kp = ptr(&s, &pool);
@@ -303,7 +315,15 @@ mod imp {
                         // largest logit (the conformance test checks the real bound).
                         let (x, t) = (&results[0], &results[1]);
                         let top = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-                        let worst = x.iter().zip(t).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                        let worst = x.iter().zip(t).fold(0f32, |m, (a, b)| {
+                            m.max(if a == b { 0.0 } else { (a - b).abs() })
+                        });
+                        if !top.is_finite() || !worst.is_finite() {
+                            return Err(format!(
+                                "index_logits {}: non-finite logits (largest {top}, worst difference {worst})",
+                                dtype.name()
+                            ));
+                        }
                         format!(
                             "{:.1} TFLOP/s mma.sync; max |Δ| vs exact {:.1e} of the largest logit",
                             tflops(ms),
@@ -327,26 +347,37 @@ mod imp {
             }
             // The tensor-core kernel's launch shape: CTAs per launch x L2 prefetch distance.
             use std::sync::atomic::Ordering::Relaxed;
-            use tierkv_kernels::cuda::launch::{LOGITS_MMA_AHEAD, LOGITS_MMA_CTAS};
+            use tierkv_kernels::cuda::launch::{
+                LOGITS_MMA_AHEAD, LOGITS_MMA_CTAS, LOGITS_MMA_VARIANT,
+            };
+            let slot = &LOGITS_MMA_VARIANT[(dtype == IndexKDtype::Bf16) as usize];
             let defaults = (
                 LOGITS_MMA_CTAS.load(Relaxed),
                 LOGITS_MMA_AHEAD.load(Relaxed),
+                slot.load(Relaxed),
             );
-            for ctas in [264usize, 528, 1056, 2112, 4224] {
-                for ahead in [0usize, 1, 2, 4] {
-                    LOGITS_MMA_CTAS.store(ctas, Relaxed);
-                    LOGITS_MMA_AHEAD.store(ahead, Relaxed);
-                    let ms = c.time(|| run(LogitsKernel::TensorCore))?;
-                    tuning.push(format!(
-                        "| {} | {ctas} | {ahead} | {ms:.4} | {:.0} | {:.0}% |",
-                        dtype.name(),
-                        bytes as f64 / (ms * 1e-3) / 1e9,
-                        100.0 * bytes as f64 / (ms * 1e-3) / copy_bw
-                    ));
+            for (vi, v) in tierkv_kernels::cuda::logits_mma_variants(dtype)
+                .iter()
+                .enumerate()
+            {
+                for ctas in [1056usize, 2112, 4224] {
+                    for ahead in [0usize, 2] {
+                        slot.store(vi, Relaxed);
+                        LOGITS_MMA_CTAS.store(ctas, Relaxed);
+                        LOGITS_MMA_AHEAD.store(ahead, Relaxed);
+                        let ms = c.time(|| run(LogitsKernel::TensorCore))?;
+                        tuning.push(format!(
+                            "| {} | {ctas} | {ahead} | {ms:.4} | {:.0} | {:.0}% |",
+                            v.kernel,
+                            bytes as f64 / (ms * 1e-3) / 1e9,
+                            100.0 * bytes as f64 / (ms * 1e-3) / copy_bw
+                        ));
+                    }
                 }
             }
             LOGITS_MMA_CTAS.store(defaults.0, Relaxed);
             LOGITS_MMA_AHEAD.store(defaults.1, Relaxed);
+            slot.store(defaults.2, Relaxed);
         }
         for topk in [512usize, 2048] {
             let sel = c.buf(bsz * topk * 4)?;
@@ -552,7 +583,7 @@ mod imp {
                 row.note
             ));
         }
-        md.push_str("\nTensor-core logits launch shape (64 x 64K, 64 heads):\n\n| dtype | CTAs | L2 prefetch ahead | ms | GB/s | vs device copy |\n|---|---:|---:|---:|---:|---:|\n");
+        md.push_str("\nTensor-core logits launch shape (64 x 64K, 64 heads):\n\n| variant | CTAs | L2 prefetch ahead | ms | GB/s | vs device copy |\n|---|---:|---:|---:|---:|---:|\n");
         for t in &tuning {
             md.push_str(t);
             md.push('\n');
