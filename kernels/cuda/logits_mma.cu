@@ -29,7 +29,9 @@
 // bench` measures them all, kernels/GPU.md has the numbers, the launcher picks the default):
 //   KW x NT   key groups x n-tiles per warp (KW x NT x 8 = 64 keys = one page; 2 x KW warps);
 //   _pipe     the next page's keys are loaded into registers while this page is multiplied;
-//   _bits     fp8 -> f16 by bit moves instead of cvt (see tkv_e4m3x4_bits).
+//   _bits     fp8 -> f16 by bit moves instead of cvt (see tkv_e4m3x4_bits);
+//   _e4m3     fp8 pages on the fp8 tensor cores (m16n8k32), no conversion; _m4: one warp holds
+//             all 64 heads (1 x KW warps) instead of two head halves (2 x KW warps).
 // fp8 pages are 8448 B (scales at 8192 + 4t), bf16 pages 16384 B.
 
 // Four e4m3 bytes to two f16x2 registers by moving bits, without the conversion unit: the e4m3
@@ -274,3 +276,162 @@ TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2, 1, 4, 2, false, false)
 TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe, 1, 4, 2, true, false)
 TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1, 1, 8, 1, false, false)
 TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1_pipe, 1, 8, 1, true, false)
+
+// fp8 pages on the fp8 tensor cores (mma.sync m16n8k32 e4m3 x e4m3, f32 accumulate): no
+// conversion at all, half the mma instructions. The k index map is the same idea with 32-wide
+// k-steps: lane (g, c) holds d in [32c, 32c + 32) of its key, and in k-step s the mma's k indices
+// 4c .. 4c+3 are d = 32c + 8s + 0..3 and 16 + 4c .. 16 + 4c + 3 are d = 32c + 8s + 4..7, so A and
+// B registers are the stored bytes themselves. MT m-tiles of 16 heads per warp: MT = 4 keeps all
+// 64 heads in one warp (a warp's A is 4 x 4 x 4 registers), so each key is loaded once per CTA.
+// Whether the fp8 tensor core's accumulation meets the 1e-5 bound is measured, not assumed: the
+// conformance test checks every variant against the f64 reference.
+__device__ __forceinline__ void tkv_mma_e4m3(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int KW, int NT, int MT>
+__device__ __forceinline__ void tkv_index_logits_mma_f8(
+    const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ page_table,
+    int pt_stride, const int* __restrict__ ctx_lens, int heads, const u8* __restrict__ kbuf,
+    float* __restrict__ out, int out_stride, int ahead) {
+    static_assert(KW * NT * 8 == 64, "a CTA scores one page per iteration");
+    constexpr int HG = 4 / MT;  // head groups (warps per key group)
+    constexpr int PAGE_BYTES = 8448;
+    __shared__ float part[2][HG][64];
+
+    const int row = blockIdx.y;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int hh = warp % HG;
+    const int kg = warp / HG;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+    const int len = ctx_lens[row];
+    const int out_pages = (out_stride + 63) / 64;
+    const int live_pages = (len + 63) / 64;
+
+    u32 a[MT][4][4];
+    float wt[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int h = 16 * MT * hh + 16 * mt + g + 8 * half;
+            u32 qw[8];
+            if (h < heads) {
+                const uint4* src =
+                    reinterpret_cast<const uint4*>(q + ((size_t)row * heads + h) * 128 + 32 * c);
+                uint4 r0 = src[0], r1 = src[1];
+                qw[0] = r0.x; qw[1] = r0.y; qw[2] = r0.z; qw[3] = r0.w;
+                qw[4] = r1.x; qw[5] = r1.y; qw[6] = r1.z; qw[7] = r1.w;
+                wt[mt][half] = w[(size_t)row * heads + h];
+            } else {
+#pragma unroll
+                for (int s = 0; s < 8; s++) qw[s] = 0u;
+                wt[mt][half] = 0.0f;
+            }
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                a[mt][s][half] = qw[2 * s];          // reg 0 (row g) / 1 (row g+8): d + 0..3
+                a[mt][s][2 + half] = qw[2 * s + 1];  // reg 2 / 3: d + 4..7
+            }
+        }
+    }
+
+    const int* pt = page_table + (size_t)row * pt_stride;
+    const int stride = gridDim.x;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ahead; i++) {
+            int pf = blockIdx.x + i * stride;
+            if (pf < live_pages) tkv_prefetch_l2(kbuf + (size_t)pt[pf] * PAGE_BYTES, PAGE_BYTES);
+        }
+    }
+    int buf = 0;
+    for (int p = blockIdx.x; p < out_pages; p += stride, buf ^= 1) {
+        if (threadIdx.x == 0 && ahead > 0) {
+            int pf = p + ahead * stride;
+            if (pf < live_pages) tkv_prefetch_l2(kbuf + (size_t)pt[pf] * PAGE_BYTES, PAGE_BYTES);
+        }
+        if (p < live_pages) {
+            const u8* page = kbuf + (size_t)pt[p] * PAGE_BYTES;
+            u32 raw[NT][8];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                int key = (kg * NT + nt) * 8 + g;
+                const uint4* src = reinterpret_cast<const uint4*>(page + key * 128 + c * 32);
+                uint4 r0 = src[0], r1 = src[1];
+                raw[nt][0] = r0.x; raw[nt][1] = r0.y; raw[nt][2] = r0.z; raw[nt][3] = r0.w;
+                raw[nt][4] = r1.x; raw[nt][5] = r1.y; raw[nt][6] = r1.z; raw[nt][7] = r1.w;
+            }
+            float acc[MT][NT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) acc[mt][nt][i] = 0.0f;
+#pragma unroll
+            for (int s = 0; s < 4; s++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++)
+                        tkv_mma_e4m3(acc[mt][nt], a[mt][s], raw[nt][2 * s], raw[nt][2 * s + 1]);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    s0 += wt[mt][0] * fmaxf(acc[mt][nt][0], 0.0f) +
+                          wt[mt][1] * fmaxf(acc[mt][nt][2], 0.0f);
+                    s1 += wt[mt][0] * fmaxf(acc[mt][nt][1], 0.0f) +
+                          wt[mt][1] * fmaxf(acc[mt][nt][3], 0.0f);
+                }
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1) {
+                    s0 += __shfl_xor_sync(TKV_FULL, s0, off);
+                    s1 += __shfl_xor_sync(TKV_FULL, s1, off);
+                }
+                if (g == 0) {
+                    int key = (kg * NT + nt) * 8 + 2 * c;
+                    part[buf][hh][key] = s0;
+                    part[buf][hh][key + 1] = s1;
+                }
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 64) {
+            int t = threadIdx.x;
+            int n = p * 64 + t;
+            if (n < out_stride) {
+                float v = __int_as_float(0xff800000);  // -inf
+                if (n < len) {
+                    v = part[buf][0][t];
+#pragma unroll
+                    for (int i = 1; i < HG; i++) v += part[buf][i][t];
+                    v = v * *reinterpret_cast<const float*>(
+                                kbuf + (size_t)pt[p] * PAGE_BYTES + 8192 + 4 * t);
+                }
+                out[(size_t)row * out_stride + n] = v;
+            }
+        }
+    }
+}
+
+#define TKV_LOGITS_MMA_F8(NAME, KW, NT, MT)                                                   \
+    extern "C" __global__ void __launch_bounds__(KW * 128 / MT) NAME(                        \
+        const u8* __restrict__ q, const float* __restrict__ w,                               \
+        const int* __restrict__ page_table, int pt_stride, const int* __restrict__ ctx_lens, \
+        int heads, const u8* __restrict__ kbuf, float* __restrict__ out, int out_stride,     \
+        int ahead) {                                                                         \
+        tkv_index_logits_mma_f8<KW, NT, MT>(q, w, page_table, pt_stride, ctx_lens, heads,    \
+                                            kbuf, out, out_stride, ahead);                   \
+    }
+
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k2n4_e4m3, 2, 4, 2)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3, 4, 2, 2)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3_m4, 4, 2, 4)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k8n1_e4m3_m4, 8, 1, 4)

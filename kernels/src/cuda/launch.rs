@@ -106,7 +106,7 @@ pub enum LogitsKernel {
 /// dtype (fp8, bf16) into [`logits_mma_variants`], the CTAs one launch aims for (each CTA loops
 /// over a row's pages with a stride), and how many strides ahead pages are prefetched into L2.
 pub static LOGITS_MMA_VARIANT: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
-pub static LOGITS_MMA_CTAS: AtomicUsize = AtomicUsize::new(1056);
+pub static LOGITS_MMA_CTAS: AtomicUsize = AtomicUsize::new(2112);
 pub static LOGITS_MMA_AHEAD: AtomicUsize = AtomicUsize::new(2);
 
 /// The compiled kernels, loaded into one context.

@@ -53,6 +53,10 @@ pub const SOURCES: &[Source] = &[
             "index_logits_mma_fp8_k4n2_pipe",
             "index_logits_mma_fp8_k4n2_bits",
             "index_logits_mma_fp8_k4n2_pipe_bits",
+            "index_logits_mma_fp8_k2n4_e4m3",
+            "index_logits_mma_fp8_k4n2_e4m3",
+            "index_logits_mma_fp8_k4n2_e4m3_m4",
+            "index_logits_mma_fp8_k8n1_e4m3_m4",
             "index_logits_mma_bf16_k4n2",
             "index_logits_mma_bf16_k4n2_pipe",
             "index_logits_mma_bf16_k8n1",
@@ -97,6 +101,10 @@ pub const LOGITS_MMA_FP8: &[MmaVariant] = &[
     mv("index_logits_mma_fp8_k4n2_pipe", 256),
     mv("index_logits_mma_fp8_k4n2_bits", 256),
     mv("index_logits_mma_fp8_k4n2_pipe_bits", 256),
+    mv("index_logits_mma_fp8_k2n4_e4m3", 128),
+    mv("index_logits_mma_fp8_k4n2_e4m3", 256),
+    mv("index_logits_mma_fp8_k4n2_e4m3_m4", 128),
+    mv("index_logits_mma_fp8_k8n1_e4m3_m4", 256),
 ];
 
 /// The tensor-core logits variants for bf16 pages; the first is the default.
@@ -205,19 +213,23 @@ mod tests {
             for v in logits_mma_variants(dtype) {
                 assert!(src.kernels.contains(&v.kernel), "{} not loaded", v.kernel);
                 assert!(
-                    src.text.contains(&format!("TKV_LOGITS_MMA({},", v.kernel)),
+                    src.text.contains(&format!("TKV_LOGITS_MMA({},", v.kernel))
+                        || src
+                            .text
+                            .contains(&format!("TKV_LOGITS_MMA_F8({},", v.kernel)),
                     "{} not defined",
                     v.kernel
                 );
                 assert!(v.kernel.contains(dtype.name()));
-                // Two head-half warps per key group: 64 threads per key group.
+                // Two head-half warps per key group (64 threads), or one with `_m4`.
                 let kw = v
                     .kernel
                     .split('_')
                     .find_map(|p| p.strip_prefix('k'))
                     .unwrap();
                 let kw: u32 = kw[..kw.find('n').unwrap()].parse().unwrap();
-                assert_eq!(v.threads, 64 * kw, "{}", v.kernel);
+                let per_group = if v.kernel.ends_with("_m4") { 32 } else { 64 };
+                assert_eq!(v.threads, per_group * kw, "{}", v.kernel);
             }
         }
     }
