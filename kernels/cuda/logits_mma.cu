@@ -31,7 +31,8 @@
 //   _pipe     the next page's keys are loaded into registers while this page is multiplied;
 //   _bits     fp8 -> f16 by bit moves instead of cvt (see tkv_e4m3x4_bits);
 //   _e4m3     fp8 pages on the fp8 tensor cores (m16n8k32), no conversion; _m4: one warp holds
-//             all 64 heads (1 x KW warps) instead of two head halves (2 x KW warps).
+//             all 64 heads (1 x KW warps) instead of two head halves (2 x KW warps);
+//   _sect     each load instruction reads whole 32-byte sectors (see tkv_lane_fp8_row).
 // fp8 pages are 8448 B (scales at 8192 + 4t), bf16 pages 16384 B.
 
 // Four e4m3 bytes to two f16x2 registers by moving bits, without the conversion unit: the e4m3
@@ -81,8 +82,45 @@ __device__ __forceinline__ void tkv_prefetch_l2(const void* p, u32 bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 }
 
+// The lane's 32 values of one row, as words in the lane's k order (A and B must agree).
+// SECT = false: the lane's values are d in [32c, 32c + 32), one contiguous piece. SECT = true: four
+// lanes' first loads together cover whole 32-byte sectors: fp8 rows are read as 16-byte chunks
+// c and 4 + c (d in [16c, 16c + 16) then [64 + 16c, 64 + 16c + 16)); bf16 rows as chunks c, 4 + c,
+// 8 + c, 12 + c (d in [32i + 8c, 32i + 8c + 8) for i = 0..3).
+template <bool SECT>
+__device__ __forceinline__ void tkv_lane_fp8_row(const u8* rowp, int c, u32 (&o)[8]) {
+    const uint4* p = reinterpret_cast<const uint4*>(rowp);
+    uint4 r0 = SECT ? p[c] : p[2 * c];
+    uint4 r1 = SECT ? p[4 + c] : p[2 * c + 1];
+    o[0] = r0.x; o[1] = r0.y; o[2] = r0.z; o[3] = r0.w;
+    o[4] = r1.x; o[5] = r1.y; o[6] = r1.z; o[7] = r1.w;
+}
+template <bool SECT>
+__device__ __forceinline__ void tkv_lane_bf16_row(const u8* rowp, int c, u32 (&o)[16]) {
+    const uint4* p = reinterpret_cast<const uint4*>(rowp);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint4 r = SECT ? p[4 * i + c] : p[4 * c + i];
+        o[4 * i] = r.x; o[4 * i + 1] = r.y; o[4 * i + 2] = r.z; o[4 * i + 3] = r.w;
+    }
+}
+// fp8 query bytes for the bf16 path, in the order of tkv_lane_bf16_row's values.
+template <bool SECT>
+__device__ __forceinline__ void tkv_lane_q_for_bf16(const u8* rowp, int c, u32 (&o)[8]) {
+    if (!SECT) {
+        tkv_lane_fp8_row<false>(rowp, c, o);
+        return;
+    }
+    const uint2* p = reinterpret_cast<const uint2*>(rowp);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint2 r = p[4 * i + c];  // bytes 32i + 8c .. + 8
+        o[2 * i] = r.x; o[2 * i + 1] = r.y;
+    }
+}
+
 // KW key groups x NT n-tiles x 8 keys = 64 keys = one page.
-template <int DT, int KW, int NT, bool PIPE, bool BITS>
+template <int DT, int KW, int NT, bool PIPE, bool BITS, bool SECT>
 __device__ __forceinline__ void tkv_index_logits_mma(
     const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ page_table,
     int pt_stride, const int* __restrict__ ctx_lens, int heads, const u8* __restrict__ kbuf,
@@ -116,11 +154,9 @@ __device__ __forceinline__ void tkv_index_logits_mma(
             int h = 32 * hh + 16 * mt + g + 8 * half;
             u32 qw[8];
             if (h < heads) {
-                const uint4* src =
-                    reinterpret_cast<const uint4*>(q + ((size_t)row * heads + h) * 128 + 32 * c);
-                uint4 r0 = src[0], r1 = src[1];
-                qw[0] = r0.x; qw[1] = r0.y; qw[2] = r0.z; qw[3] = r0.w;
-                qw[4] = r1.x; qw[5] = r1.y; qw[6] = r1.z; qw[7] = r1.w;
+                const u8* qrow = q + ((size_t)row * heads + h) * 128;
+                if (DT == 0) tkv_lane_fp8_row<SECT>(qrow, c, qw);
+                else tkv_lane_q_for_bf16<SECT>(qrow, c, qw);
                 // BITS: both operands carry 2^-8, so the dot products carry 2^-16.
                 wt[mt][half] = BITS ? w[(size_t)row * heads + h] * 65536.0f
                                     : w[(size_t)row * heads + h];
@@ -161,14 +197,8 @@ __device__ __forceinline__ void tkv_index_logits_mma(
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             int key = (kg * NT + nt) * 8 + g;
-            const uint4* src =
-                reinterpret_cast<const uint4*>(page + key * KEY_BYTES + c * (WORDS * 4));
-#pragma unroll
-            for (int j = 0; j < WORDS / 4; j++) {
-                uint4 r = src[j];
-                raw[nt][4 * j] = r.x; raw[nt][4 * j + 1] = r.y;
-                raw[nt][4 * j + 2] = r.z; raw[nt][4 * j + 3] = r.w;
-            }
+            if constexpr (DT == 0) tkv_lane_fp8_row<SECT>(page + key * KEY_BYTES, c, raw[nt]);
+            else tkv_lane_bf16_row<SECT>(page + key * KEY_BYTES, c, raw[nt]);
         }
     };
     u32 raw[NT][WORDS];
@@ -254,28 +284,32 @@ __device__ __forceinline__ void tkv_index_logits_mma(
     }
 }
 
-#define TKV_LOGITS_MMA(NAME, DT, KW, NT, PIPE, BITS)                                          \
+#define TKV_LOGITS_MMA(NAME, DT, KW, NT, PIPE, BITS, SECT)                                          \
     extern "C" __global__ void __launch_bounds__(KW * 64) NAME(                              \
         const u8* __restrict__ q, const float* __restrict__ w,                               \
         const int* __restrict__ page_table, int pt_stride, const int* __restrict__ ctx_lens, \
         int heads, const u8* __restrict__ kbuf, float* __restrict__ out, int out_stride,     \
         int ahead) {                                                                         \
-        tkv_index_logits_mma<DT, KW, NT, PIPE, BITS>(q, w, page_table, pt_stride, ctx_lens,  \
-                                                     heads, kbuf, out, out_stride, ahead);   \
+        tkv_index_logits_mma<DT, KW, NT, PIPE, BITS, SECT>(q, w, page_table, pt_stride,      \
+                                           ctx_lens, heads, kbuf, out, out_stride, ahead); \
     }
 
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4, 0, 2, 4, false, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe, 0, 2, 4, true, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_bits, 0, 2, 4, false, true)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_bits, 0, 2, 4, true, true)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2, 0, 4, 2, false, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe, 0, 4, 2, true, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_bits, 0, 4, 2, false, true)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe_bits, 0, 4, 2, true, true)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2, 1, 4, 2, false, false)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe, 1, 4, 2, true, false)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1, 1, 8, 1, false, false)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1_pipe, 1, 8, 1, true, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4, 0, 2, 4, false, false, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe, 0, 2, 4, true, false, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_bits, 0, 2, 4, false, true, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_bits, 0, 2, 4, true, true, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2, 0, 4, 2, false, false, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe, 0, 4, 2, true, false, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_bits, 0, 4, 2, false, true, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe_bits, 0, 4, 2, true, true, false)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2, 1, 4, 2, false, false, false)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe, 1, 4, 2, true, false, false)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1, 1, 8, 1, false, false, false)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1_pipe, 1, 8, 1, true, false, false)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_sect, 0, 2, 4, false, false, true)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_sect, 0, 2, 4, true, false, true)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_sect, 1, 4, 2, false, false, true)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe_sect, 1, 4, 2, true, false, true)
 
 // fp8 pages on the fp8 tensor cores (mma.sync m16n8k32 e4m3 x e4m3, f32 accumulate): no
 // conversion at all, half the mma instructions. The k index map is the same idea with 32-wide
@@ -292,7 +326,7 @@ __device__ __forceinline__ void tkv_mma_e4m3(float (&d)[4], const u32 (&a)[4], u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int KW, int NT, int MT>
+template <int KW, int NT, int MT, bool SECT>
 __device__ __forceinline__ void tkv_index_logits_mma_f8(
     const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ page_table,
     int pt_stride, const int* __restrict__ ctx_lens, int heads, const u8* __restrict__ kbuf,
@@ -322,11 +356,7 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
             int h = 16 * MT * hh + 16 * mt + g + 8 * half;
             u32 qw[8];
             if (h < heads) {
-                const uint4* src =
-                    reinterpret_cast<const uint4*>(q + ((size_t)row * heads + h) * 128 + 32 * c);
-                uint4 r0 = src[0], r1 = src[1];
-                qw[0] = r0.x; qw[1] = r0.y; qw[2] = r0.z; qw[3] = r0.w;
-                qw[4] = r1.x; qw[5] = r1.y; qw[6] = r1.z; qw[7] = r1.w;
+                tkv_lane_fp8_row<SECT>(q + ((size_t)row * heads + h) * 128, c, qw);
                 wt[mt][half] = w[(size_t)row * heads + h];
             } else {
 #pragma unroll
@@ -361,10 +391,7 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 int key = (kg * NT + nt) * 8 + g;
-                const uint4* src = reinterpret_cast<const uint4*>(page + key * 128 + c * 32);
-                uint4 r0 = src[0], r1 = src[1];
-                raw[nt][0] = r0.x; raw[nt][1] = r0.y; raw[nt][2] = r0.z; raw[nt][3] = r0.w;
-                raw[nt][4] = r1.x; raw[nt][5] = r1.y; raw[nt][6] = r1.z; raw[nt][7] = r1.w;
+                tkv_lane_fp8_row<SECT>(page + key * 128, c, raw[nt]);
             }
             float acc[MT][NT][4];
 #pragma unroll
@@ -421,17 +448,19 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
     }
 }
 
-#define TKV_LOGITS_MMA_F8(NAME, KW, NT, MT)                                                   \
+#define TKV_LOGITS_MMA_F8(NAME, KW, NT, MT, SECT)                                                   \
     extern "C" __global__ void __launch_bounds__(KW * 128 / MT) NAME(                        \
         const u8* __restrict__ q, const float* __restrict__ w,                               \
         const int* __restrict__ page_table, int pt_stride, const int* __restrict__ ctx_lens, \
         int heads, const u8* __restrict__ kbuf, float* __restrict__ out, int out_stride,     \
         int ahead) {                                                                         \
-        tkv_index_logits_mma_f8<KW, NT, MT>(q, w, page_table, pt_stride, ctx_lens, heads,    \
-                                            kbuf, out, out_stride, ahead);                   \
+        tkv_index_logits_mma_f8<KW, NT, MT, SECT>(q, w, page_table, pt_stride, ctx_lens,     \
+                                                  heads, kbuf, out, out_stride, ahead);      \
     }
 
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k2n4_e4m3, 2, 4, 2)
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3, 4, 2, 2)
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3_m4, 4, 2, 4)
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k8n1_e4m3_m4, 8, 1, 4)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k2n4_e4m3, 2, 4, 2, false)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3, 4, 2, 2, false)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3_m4, 4, 2, 4, false)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k8n1_e4m3_m4, 8, 1, 4, false)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k2n4_e4m3_sect, 2, 4, 2, true)
+TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3_m4_sect, 4, 2, 4, true)

@@ -57,10 +57,16 @@ pub const SOURCES: &[Source] = &[
             "index_logits_mma_fp8_k4n2_e4m3",
             "index_logits_mma_fp8_k4n2_e4m3_m4",
             "index_logits_mma_fp8_k8n1_e4m3_m4",
+            "index_logits_mma_fp8_k2n4_sect",
+            "index_logits_mma_fp8_k2n4_pipe_sect",
+            "index_logits_mma_fp8_k2n4_e4m3_sect",
+            "index_logits_mma_fp8_k4n2_e4m3_m4_sect",
             "index_logits_mma_bf16_k4n2",
             "index_logits_mma_bf16_k4n2_pipe",
             "index_logits_mma_bf16_k8n1",
             "index_logits_mma_bf16_k8n1_pipe",
+            "index_logits_mma_bf16_k4n2_sect",
+            "index_logits_mma_bf16_k4n2_pipe_sect",
         ],
     },
     Source {
@@ -105,6 +111,10 @@ pub const LOGITS_MMA_FP8: &[MmaVariant] = &[
     mv("index_logits_mma_fp8_k4n2_e4m3", 256),
     mv("index_logits_mma_fp8_k4n2_e4m3_m4", 128),
     mv("index_logits_mma_fp8_k8n1_e4m3_m4", 256),
+    mv("index_logits_mma_fp8_k2n4_sect", 128),
+    mv("index_logits_mma_fp8_k2n4_pipe_sect", 128),
+    mv("index_logits_mma_fp8_k2n4_e4m3_sect", 128),
+    mv("index_logits_mma_fp8_k4n2_e4m3_m4_sect", 128),
 ];
 
 /// The tensor-core logits variants for bf16 pages; the first is the default.
@@ -113,6 +123,8 @@ pub const LOGITS_MMA_BF16: &[MmaVariant] = &[
     mv("index_logits_mma_bf16_k4n2_pipe", 256),
     mv("index_logits_mma_bf16_k8n1", 512),
     mv("index_logits_mma_bf16_k8n1_pipe", 512),
+    mv("index_logits_mma_bf16_k4n2_sect", 256),
+    mv("index_logits_mma_bf16_k4n2_pipe_sect", 256),
 ];
 
 /// The variants of the tensor-core logits kernel for one page dtype.
@@ -228,7 +240,7 @@ mod tests {
                     .find_map(|p| p.strip_prefix('k'))
                     .unwrap();
                 let kw: u32 = kw[..kw.find('n').unwrap()].parse().unwrap();
-                let per_group = if v.kernel.ends_with("_m4") { 32 } else { 64 };
+                let per_group = if v.kernel.contains("_m4") { 32 } else { 64 };
                 assert_eq!(v.threads, per_group * kw, "{}", v.kernel);
             }
         }
