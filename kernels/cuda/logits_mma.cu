@@ -32,7 +32,8 @@
 //   _bits     fp8 -> f16 by bit moves instead of cvt (see tkv_e4m3x4_bits);
 //   _e4m3     fp8 pages on the fp8 tensor cores (m16n8k32), no conversion; _m4: one warp holds
 //             all 64 heads (1 x KW warps) instead of two head halves (2 x KW warps);
-//   _sect     each load instruction reads whole 32-byte sectors (see tkv_lane_fp8_row).
+//   _sect     each load instruction reads whole 32-byte sectors (see tkv_lane_fp8_row);
+//   _smemS    pages staged through shared memory with cp.async, S pages in flight per CTA.
 // fp8 pages are 8448 B (scales at 8192 + 4t), bf16 pages 16384 B.
 
 // Four e4m3 bytes to two f16x2 registers by moving bits, without the conversion unit: the e4m3
@@ -120,13 +121,34 @@ __device__ __forceinline__ void tkv_lane_q_for_bf16(const u8* rowp, int c, u32 (
 }
 
 // KW key groups x NT n-tiles x 8 keys = 64 keys = one page.
-template <int DT, int KW, int NT, bool PIPE, bool BITS, bool SECT>
+__device__ __forceinline__ void tkv_cp_async16(void* smem, const void* gmem) {
+    u32 d = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void tkv_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void tkv_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// STAGES > 0: the CTA's pages go global -> shared memory with cp.async (L2 only, 16 B per
+// thread per chunk), STAGES pages in flight, each key row padded so that the lanes' fragment
+// reads hit distinct banks (fp8 rows 144 B with the plain lane order; bf16 rows 320 B with the
+// sector lane order); the warps read their key fragments from shared memory, so a key is read
+// from L2 once per CTA instead of once per head-half warp.
+template <int DT, int KW, int NT, bool PIPE, bool BITS, bool SECT, int STAGES>
 __device__ __forceinline__ void tkv_index_logits_mma(
     const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ page_table,
     int pt_stride, const int* __restrict__ ctx_lens, int heads, const u8* __restrict__ kbuf,
     float* __restrict__ out, int out_stride, int ahead) {
     static_assert(KW * NT * 8 == 64, "a CTA scores one page per iteration");
     static_assert(!BITS || DT == 0, "bit conversion is for fp8 pages");
+    static_assert(STAGES == 0 || (!PIPE && SECT == (DT == 1)), "staged pages: see the row padding");
+    constexpr int ROW = STAGES == 0 ? (DT == 0 ? 128 : 256) : (DT == 0 ? 144 : 320);
+    constexpr int STAGE_BYTES = STAGES == 0 ? 16 : 64 * ROW;
+    __shared__ __align__(128) u8 stage[STAGES == 0 ? 1 : STAGES][STAGE_BYTES];
     constexpr int PAGE_BYTES = DT == 0 ? 8448 : 16384;
     constexpr int KEY_BYTES = DT == 0 ? 128 : 256;
     // u32 words a lane loads per n-tile: its 32 values of one key.
@@ -191,28 +213,64 @@ __device__ __forceinline__ void tkv_index_logits_mma(
             if (pf < live_pages) tkv_prefetch_l2(kbuf + (size_t)pt[pf] * PAGE_BYTES, PAGE_BYTES);
         }
     }
-    // Lane (g, c)'s 32 values of key (kg * NT + nt) * 8 + g, for every n-tile of page p.
-    auto load = [&](u32 (&raw)[NT][WORDS], int p) {
-        const u8* page = kbuf + (size_t)pt[p] * PAGE_BYTES;
+    // Lane (g, c)'s 32 values of key (kg * NT + nt) * 8 + g, for every n-tile of page p (the
+    // CTA's it-th page).
+    auto load = [&](u32 (&raw)[NT][WORDS], int p, int it) {
+        const u8* page;
+        int row_bytes;
+        if constexpr (STAGES > 0) {
+            page = stage[it % (STAGES == 0 ? 1 : STAGES)];
+            row_bytes = ROW;
+        } else {
+            page = kbuf + (size_t)pt[p] * PAGE_BYTES;
+            row_bytes = KEY_BYTES;
+        }
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             int key = (kg * NT + nt) * 8 + g;
-            if constexpr (DT == 0) tkv_lane_fp8_row<SECT>(page + key * KEY_BYTES, c, raw[nt]);
-            else tkv_lane_bf16_row<SECT>(page + key * KEY_BYTES, c, raw[nt]);
+            if constexpr (DT == 0) tkv_lane_fp8_row<SECT>(page + key * row_bytes, c, raw[nt]);
+            else tkv_lane_bf16_row<SECT>(page + key * row_bytes, c, raw[nt]);
         }
     };
+    // STAGES > 0: the CTA's it-th live page into stage it % STAGES (every thread its chunks).
+    const int n_live = live_pages > (int)blockIdx.x ? (live_pages - blockIdx.x + stride - 1) / stride : 0;
+    auto stage_in = [&](int it) {
+        if constexpr (STAGES > 0) {
+            const u8* src = kbuf + (size_t)pt[blockIdx.x + it * stride] * PAGE_BYTES;
+            u8* dst = stage[it % (STAGES == 0 ? 1 : STAGES)];
+            constexpr int PIECES = KEY_BYTES / 16;
+            for (int i = threadIdx.x; i < 64 * PIECES; i += blockDim.x) {
+                int key = i / PIECES, piece = i % PIECES;
+                tkv_cp_async16(dst + key * ROW + piece * 16, src + key * KEY_BYTES + piece * 16);
+            }
+        }
+    };
+    if constexpr (STAGES > 0) {
+        for (int i = 0; i < STAGES - 1; i++) {
+            if (i < n_live) stage_in(i);
+            tkv_cp_async_commit();
+        }
+    }
     u32 raw[NT][WORDS];
-    if (PIPE && blockIdx.x < live_pages) load(raw, blockIdx.x);
+    if (PIPE && blockIdx.x < live_pages) load(raw, blockIdx.x, 0);
     int buf = 0;
-    for (int p = blockIdx.x; p < out_pages; p += stride, buf ^= 1) {
+    int it = 0;
+    for (int p = blockIdx.x; p < out_pages; p += stride, buf ^= 1, it++) {
+        if constexpr (STAGES > 0) {
+            // Stage (it - 1) % STAGES was read last iteration, before its closing barrier.
+            if (it + STAGES - 1 < n_live) stage_in(it + STAGES - 1);
+            tkv_cp_async_commit();
+            tkv_cp_async_wait<STAGES - 1>();  // this thread's chunks of page it have landed
+            __syncthreads();                  // and everyone's
+        }
         if (threadIdx.x == 0 && ahead > 0) {
             int pf = p + ahead * stride;
             if (pf < live_pages) tkv_prefetch_l2(kbuf + (size_t)pt[pf] * PAGE_BYTES, PAGE_BYTES);
         }
         u32 nxt[NT][WORDS];
-        if (PIPE && p + stride < live_pages) load(nxt, p + stride);
+        if (PIPE && p + stride < live_pages) load(nxt, p + stride, it + 1);
         if (p < live_pages) {
-            if (!PIPE) load(raw, p);
+            if (!PIPE) load(raw, p, it);
             float acc[2][NT][4];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
@@ -284,32 +342,36 @@ __device__ __forceinline__ void tkv_index_logits_mma(
     }
 }
 
-#define TKV_LOGITS_MMA(NAME, DT, KW, NT, PIPE, BITS, SECT)                                          \
+#define TKV_LOGITS_MMA(NAME, DT, KW, NT, PIPE, BITS, SECT, STAGES)                                          \
     extern "C" __global__ void __launch_bounds__(KW * 64) NAME(                              \
         const u8* __restrict__ q, const float* __restrict__ w,                               \
         const int* __restrict__ page_table, int pt_stride, const int* __restrict__ ctx_lens, \
         int heads, const u8* __restrict__ kbuf, float* __restrict__ out, int out_stride,     \
         int ahead) {                                                                         \
-        tkv_index_logits_mma<DT, KW, NT, PIPE, BITS, SECT>(q, w, page_table, pt_stride,      \
+        tkv_index_logits_mma<DT, KW, NT, PIPE, BITS, SECT, STAGES>(q, w, page_table, pt_stride, \
                                            ctx_lens, heads, kbuf, out, out_stride, ahead); \
     }
 
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4, 0, 2, 4, false, false, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe, 0, 2, 4, true, false, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_bits, 0, 2, 4, false, true, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_bits, 0, 2, 4, true, true, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2, 0, 4, 2, false, false, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe, 0, 4, 2, true, false, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_bits, 0, 4, 2, false, true, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe_bits, 0, 4, 2, true, true, false)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2, 1, 4, 2, false, false, false)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe, 1, 4, 2, true, false, false)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1, 1, 8, 1, false, false, false)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1_pipe, 1, 8, 1, true, false, false)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_sect, 0, 2, 4, false, false, true)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_sect, 0, 2, 4, true, false, true)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_sect, 1, 4, 2, false, false, true)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe_sect, 1, 4, 2, true, false, true)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4, 0, 2, 4, false, false, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe, 0, 2, 4, true, false, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_bits, 0, 2, 4, false, true, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_bits, 0, 2, 4, true, true, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2, 0, 4, 2, false, false, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe, 0, 4, 2, true, false, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_bits, 0, 4, 2, false, true, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe_bits, 0, 4, 2, true, true, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2, 1, 4, 2, false, false, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe, 1, 4, 2, true, false, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1, 1, 8, 1, false, false, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1_pipe, 1, 8, 1, true, false, false, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_sect, 0, 2, 4, false, false, true, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_sect, 0, 2, 4, true, false, true, 0)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_sect, 1, 4, 2, false, false, true, 0)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe_sect, 1, 4, 2, true, false, true, 0)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_smem3, 0, 2, 4, false, false, false, 3)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_smem4, 0, 2, 4, false, false, false, 4)
+TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_smem4, 0, 4, 2, false, false, false, 4)
+TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_smem2, 1, 4, 2, false, false, true, 2)
 
 // fp8 pages on the fp8 tensor cores (mma.sync m16n8k32 e4m3 x e4m3, f32 accumulate): no
 // conversion at all, half the mma instructions. The k index map is the same idea with 32-wide

@@ -61,12 +61,16 @@ pub const SOURCES: &[Source] = &[
             "index_logits_mma_fp8_k2n4_pipe_sect",
             "index_logits_mma_fp8_k2n4_e4m3_sect",
             "index_logits_mma_fp8_k4n2_e4m3_m4_sect",
+            "index_logits_mma_fp8_k2n4_smem3",
+            "index_logits_mma_fp8_k2n4_smem4",
+            "index_logits_mma_fp8_k4n2_smem4",
             "index_logits_mma_bf16_k4n2",
             "index_logits_mma_bf16_k4n2_pipe",
             "index_logits_mma_bf16_k8n1",
             "index_logits_mma_bf16_k8n1_pipe",
             "index_logits_mma_bf16_k4n2_sect",
             "index_logits_mma_bf16_k4n2_pipe_sect",
+            "index_logits_mma_bf16_k4n2_smem2",
         ],
     },
     Source {
@@ -115,6 +119,9 @@ pub const LOGITS_MMA_FP8: &[MmaVariant] = &[
     mv("index_logits_mma_fp8_k2n4_pipe_sect", 128),
     mv("index_logits_mma_fp8_k2n4_e4m3_sect", 128),
     mv("index_logits_mma_fp8_k4n2_e4m3_m4_sect", 128),
+    mv("index_logits_mma_fp8_k2n4_smem3", 128),
+    mv("index_logits_mma_fp8_k2n4_smem4", 128),
+    mv("index_logits_mma_fp8_k4n2_smem4", 256),
 ];
 
 /// The tensor-core logits variants for bf16 pages; the first is the default.
@@ -125,6 +132,7 @@ pub const LOGITS_MMA_BF16: &[MmaVariant] = &[
     mv("index_logits_mma_bf16_k8n1_pipe", 512),
     mv("index_logits_mma_bf16_k4n2_sect", 256),
     mv("index_logits_mma_bf16_k4n2_pipe_sect", 256),
+    mv("index_logits_mma_bf16_k4n2_smem2", 256),
 ];
 
 /// The variants of the tensor-core logits kernel for one page dtype.
