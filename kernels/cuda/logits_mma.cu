@@ -25,15 +25,16 @@
 // page); kscale multiplies last. The pages `ahead` strides ahead are prefetched into L2 with a
 // bulk prefetch (no registers), so the register loads of a page find it in L2.
 //
-// Variants (one kernel each, named index_logits_mma_<dtype>_k<KW>n<NT>[_pipe][_bits]; `tierkv
-// bench` measures them all, kernels/GPU.md has the numbers, the launcher picks the default):
+// Variants (one kernel each, named index_logits_mma_<dtype>_k<KW>n<NT>[_option]; `tierkv bench`
+// measures them all, kernels/GPU.md has the numbers, the launcher picks the default):
 //   KW x NT   key groups x n-tiles per warp (KW x NT x 8 = 64 keys = one page; 2 x KW warps);
 //   _pipe     the next page's keys are loaded into registers while this page is multiplied;
 //   _bits     fp8 -> f16 by bit moves instead of cvt (see tkv_e4m3x4_bits);
-//   _e4m3     fp8 pages on the fp8 tensor cores (m16n8k32), no conversion; _m4: one warp holds
-//             all 64 heads (1 x KW warps) instead of two head halves (2 x KW warps);
-//   _sect     each load instruction reads whole 32-byte sectors (see tkv_lane_fp8_row);
+//   _e4m3     fp8 pages on the fp8 tensor cores (m16n8k32), no conversion;
 //   _smemS    pages staged through shared memory with cp.async, S pages in flight per CTA.
+// The templates take more options than are compiled (sector-ordered lane loads, other tilings,
+// all heads in one warp); GPU.md run 7 measured those at commit ce23485, none faster, and each
+// compiled variant costs NVRTC time at every process start.
 // fp8 pages are 8448 B (scales at 8192 + 4t), bf16 pages 16384 B.
 
 // Four e4m3 bytes to two f16x2 registers by moving bits, without the conversion unit: the e4m3
@@ -353,24 +354,11 @@ __device__ __forceinline__ void tkv_index_logits_mma(
     }
 
 TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4, 0, 2, 4, false, false, false, 0)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe, 0, 2, 4, true, false, false, 0)
 TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_bits, 0, 2, 4, false, true, false, 0)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_bits, 0, 2, 4, true, true, false, 0)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2, 0, 4, 2, false, false, false, 0)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe, 0, 4, 2, true, false, false, 0)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_bits, 0, 4, 2, false, true, false, 0)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_pipe_bits, 0, 4, 2, true, true, false, 0)
 TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2, 1, 4, 2, false, false, false, 0)
 TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe, 1, 4, 2, true, false, false, 0)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1, 1, 8, 1, false, false, false, 0)
 TKV_LOGITS_MMA(index_logits_mma_bf16_k8n1_pipe, 1, 8, 1, true, false, false, 0)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_sect, 0, 2, 4, false, false, true, 0)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_pipe_sect, 0, 2, 4, true, false, true, 0)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_sect, 1, 4, 2, false, false, true, 0)
-TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_pipe_sect, 1, 4, 2, true, false, true, 0)
 TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_smem3, 0, 2, 4, false, false, false, 3)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k2n4_smem4, 0, 2, 4, false, false, false, 4)
-TKV_LOGITS_MMA(index_logits_mma_fp8_k4n2_smem4, 0, 4, 2, false, false, false, 4)
 TKV_LOGITS_MMA(index_logits_mma_bf16_k4n2_smem2, 1, 4, 2, false, false, true, 2)
 
 // fp8 pages on the fp8 tensor cores (mma.sync m16n8k32 e4m3 x e4m3, f32 accumulate): no
@@ -521,8 +509,3 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
     }
 
 TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k2n4_e4m3, 2, 4, 2, false)
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3, 4, 2, 2, false)
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3_m4, 4, 2, 4, false)
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k8n1_e4m3_m4, 8, 1, 4, false)
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k2n4_e4m3_sect, 2, 4, 2, true)
-TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k4n2_e4m3_m4_sect, 4, 2, 4, true)
