@@ -136,6 +136,17 @@ impl Kernels {
     pub fn global() -> Result<&'static Kernels> {
         static K: OnceLock<std::result::Result<Kernels, KernelError>> = OnceLock::new();
         K.get_or_init(|| {
+            // cudarc loads the driver library lazily and panics when it is missing; a machine
+            // without a GPU driver gets this error instead.
+            // SAFETY: only tries to open the library (libloading), calls nothing in it.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err(KernelError::Cuda {
+                    op: "CudaContext::new",
+                    detail: "the CUDA driver library (libcuda.so) was not found: this machine has \
+                             no NVIDIA driver, or it is not on the library path"
+                        .into(),
+                });
+            }
             let ctx = CudaContext::new(0).map_err(cuda("CudaContext::new"))?;
             // tierkv orders its streams itself (events, waits): cudarc's own tracking would add
             // synchronisation the engine did not ask for and hide its ordering bugs.

@@ -285,6 +285,10 @@ async fn fetch_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
 #[cfg(feature = "cuda")]
 fn start_cuda(cfg: Config, copy: &str, logits: &str) -> Option<Service> {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
+    if let Err(e) = tierkv_kernels::cuda::launch::Kernels::global() {
+        eprintln!("--device cuda: no usable CUDA device: {e}");
+        return None;
+    }
     let logits = if logits == "exact" {
         LogitsKernel::Exact
     } else {

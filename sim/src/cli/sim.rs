@@ -257,6 +257,15 @@ pub fn run_sim(args: SimArgs) -> i32 {
         eprintln!("--device cuda needs a build with `--features cuda`");
         return 2;
     }
+    #[cfg(feature = "cuda")]
+    if args.device == "cuda" {
+        // Every seed builds its executor on the process's one CUDA context: find out now, with a
+        // clear message, whether there is one.
+        if let Err(e) = tierkv_kernels::cuda::launch::Kernels::global() {
+            eprintln!("--device cuda: no usable CUDA device: {e}");
+            return 2;
+        }
+    }
     if let Some(seed) = args.seed {
         return single(&copts.scenario(seed), &args);
     }
