@@ -1,8 +1,10 @@
 //! Trace replay through the prefix cache: the first 2,000 requests of the Mooncake conversation
-//! trace with a finite device tier and an unbounded host tier (write-through), against a separate,
-//! simple computation of the same hit rate written here.
+//! trace with a finite device tier and an unbounded host tier (write-through), against separate,
+//! simple computations written here: the total hit rate (a page hits when it and every page before
+//! it were seen), and the split between the tiers (an LRU model of the device tier over the trace's
+//! own block ids, independent of the radix tree and of the token contents).
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use tierkv_engine::cache::PrefixCache;
 use tierkv_engine::config::WritePolicy;
 use tierkv_engine::engine::page_keys;
@@ -49,6 +51,109 @@ fn simple_hits(recs: &[TraceRecord]) -> (u64, u64) {
     (hits, total)
 }
 
+/// The device tier's policy, modelled on the trace's block ids: a tree of pages keyed by
+/// (parent, block id, page in block); a request matches its device-resident prefix, then its
+/// host-resident pages (every page ever inserted is on the unbounded host tier), stamps its whole
+/// path as most recently used, evicts least-recently-used device leaves outside its path until its
+/// new pages fit, and makes its whole path device-resident. Returns (device, host) hits per request.
+fn lru_model_hits(recs: &[TraceRecord], device_pages: usize) -> Vec<(u64, u64)> {
+    struct N {
+        parent: usize,
+        device: bool,
+        device_children: u32,
+        last: u64,
+    }
+    let per_block = (BLOCK_TOKENS / 64) as usize;
+    // Node 0 is the root.
+    let mut nodes = vec![N {
+        parent: 0,
+        device: false,
+        device_children: 0,
+        last: 0,
+    }];
+    let mut child: HashMap<(usize, u64, usize), usize> = HashMap::new();
+    // Device leaves by (last use, node id): the eviction order.
+    let mut leaves: BTreeSet<(u64, usize)> = BTreeSet::new();
+    let mut used = 0usize;
+    let mut out = Vec::new();
+    for (tick, r) in (1u64..).zip(recs) {
+        let pages = r.input_length as usize / 64;
+        let ids: Vec<(u64, usize)> = (0..pages)
+            .map(|p| (r.hash_ids[p / per_block], p % per_block))
+            .collect();
+        let mut path = Vec::new();
+        let mut cur = 0;
+        for &(b, i) in &ids {
+            match child.get(&(cur, b, i)) {
+                Some(&n) => {
+                    path.push(n);
+                    cur = n;
+                }
+                None => break,
+            }
+        }
+        let dev = path.iter().take_while(|&&n| nodes[n].device).count();
+        out.push((dev as u64, (path.len() - dev) as u64));
+        for &n in &path {
+            if nodes[n].device && nodes[n].device_children == 0 {
+                leaves.remove(&(nodes[n].last, n));
+                leaves.insert((tick, n));
+            }
+            nodes[n].last = tick;
+        }
+        // Make room, sparing this request's path (its nodes are the newest, so they come last).
+        let need = pages - dev;
+        let on_path: HashSet<usize> = path.iter().copied().collect();
+        while used + need > device_pages {
+            let &(last, n) = leaves
+                .iter()
+                .find(|(_, n)| !on_path.contains(n))
+                .expect("the device tier cannot make room");
+            leaves.remove(&(last, n));
+            nodes[n].device = false;
+            used -= 1;
+            let p = nodes[n].parent;
+            if p != 0 {
+                nodes[p].device_children -= 1;
+                if nodes[p].device && nodes[p].device_children == 0 {
+                    leaves.insert((nodes[p].last, p));
+                }
+            }
+        }
+        // The host part is loaded and the rest inserted: the whole path is device-resident.
+        let mut parent = 0;
+        for (k, &(b, i)) in ids.iter().enumerate() {
+            let n = if k < path.len() {
+                path[k]
+            } else {
+                nodes.push(N {
+                    parent,
+                    device: false,
+                    device_children: 0,
+                    last: tick,
+                });
+                child.insert((parent, b, i), nodes.len() - 1);
+                nodes.len() - 1
+            };
+            if !nodes[n].device {
+                nodes[n].device = true;
+                used += 1;
+                if parent != 0 {
+                    if nodes[parent].device_children == 0 {
+                        leaves.remove(&(nodes[parent].last, parent));
+                    }
+                    nodes[parent].device_children += 1;
+                }
+                if nodes[n].device_children == 0 {
+                    leaves.insert((tick, n));
+                }
+            }
+            parent = n;
+        }
+    }
+    out
+}
+
 #[test]
 fn hit_rate_matches_a_simple_computation() {
     let recs = records();
@@ -57,6 +162,7 @@ fn hit_rate_matches_a_simple_computation() {
     let mut device = PageAllocator::new(16_384);
     let mut host = PageAllocator::new(1 << 22);
     let (mut dev_hits, mut host_hits, mut total) = (0u64, 0u64, 0u64);
+    let mut per_request = Vec::new();
     for r in &recs {
         let tokens = trace::prompt_tokens(r, &synth);
         let keys = page_keys(&tokens, tokens.len() / 64);
@@ -64,6 +170,7 @@ fn hit_rate_matches_a_simple_computation() {
         cache.touch(&m.nodes);
         dev_hits += m.device as u64;
         host_hits += m.host as u64;
+        per_request.push((m.device as u64, m.host as u64));
         total += keys.len() as u64;
         // The request holds its matched device pages and takes fresh ones for the rest (host hits
         // are loaded into fresh pages: here the load is immediate).
@@ -122,6 +229,18 @@ fn hit_rate_matches_a_simple_computation() {
     assert!(
         host_hits > 0,
         "the finite device tier sends some hits to the host tier"
+    );
+    // The split between the tiers, request by request, against the LRU model.
+    let model = lru_model_hits(&recs, 16_384);
+    if let Some(i) = (0..recs.len()).find(|&i| per_request[i] != model[i]) {
+        panic!(
+            "request {i}: the cache hit (device, host) = {:?}, the LRU model {:?}",
+            per_request[i], model[i]
+        );
+    }
+    eprintln!(
+        "per-tier hits equal the LRU model for all {} requests (device {dev_hits}, host {host_hits})",
+        recs.len()
     );
 }
 
