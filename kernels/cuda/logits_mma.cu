@@ -22,7 +22,7 @@
 //
 // Epilogue: relu, times w_h, summed over the lane's 4 heads, then over the 8 lanes of a column
 // (xor 4, 8, 16); the two head halves meet in shared memory (double-buffered, one barrier per
-// page); kscale multiplies last. The pages `ahead` strides ahead are prefetched into L2 with a
+// page, two with staged pages); kscale multiplies last. The pages `ahead` strides ahead are prefetched into L2 with a
 // bulk prefetch (no registers), so the register loads of a page find it in L2.
 //
 // Variants (one kernel each, named index_logits_mma_<dtype>_k<KW>n<NT>[_option]; `tierkv bench`
@@ -146,6 +146,7 @@ __device__ __forceinline__ void tkv_index_logits_mma(
     float* __restrict__ out, int out_stride, int ahead) {
     static_assert(KW * NT * 8 == 64, "a CTA scores one page per iteration");
     static_assert(!BITS || DT == 0, "bit conversion is for fp8 pages");
+    if (blockDim.x != KW * 64) __trap();  // the launcher's variant table disagrees with the kernel
     static_assert(STAGES == 0 || (!PIPE && SECT == (DT == 1)), "staged pages: see the row padding");
     constexpr int ROW = STAGES == 0 ? (DT == 0 ? 128 : 256) : (DT == 0 ? 144 : 320);
     constexpr int STAGE_BYTES = STAGES == 0 ? 16 : 64 * ROW;
@@ -383,6 +384,7 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
     float* __restrict__ out, int out_stride, int ahead) {
     static_assert(KW * NT * 8 == 64, "a CTA scores one page per iteration");
     constexpr int HG = 4 / MT;  // head groups (warps per key group)
+    if (blockDim.x != KW * HG * 32) __trap();  // the launcher's variant table disagrees
     constexpr int PAGE_BYTES = 8448;
     __shared__ float part[2][HG][64];
 
@@ -509,3 +511,4 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
     }
 
 TKV_LOGITS_MMA_F8(index_logits_mma_fp8_k2n4_e4m3, 2, 4, 2, false)
+

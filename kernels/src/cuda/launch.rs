@@ -394,6 +394,19 @@ impl Kernels {
             out_stride as i32,
         );
         if kind == LogitsKernel::TensorCore {
+            // The tensor-core kernels pad to two halves of 32 heads, load queries 16 bytes at a
+            // time and copy pages in 16-byte chunks: a misaligned buffer would be a sticky CUDA
+            // error (it poisons the context), so it is a typed error here.
+            const _: () = assert!(INDEX_HEADS_MAX <= 64);
+            for (name, p, align) in [("q", q, 16u64), ("k", k, 16), ("w", w, 4), ("out", out, 4)] {
+                if p.ptr % align != 0 {
+                    return Err(bad(
+                        OP,
+                        name,
+                        format!("address {:#x} is not {align}-byte aligned", p.ptr),
+                    ));
+                }
+            }
             let variants = logits_mma_variants(dtype);
             let pick = LOGITS_MMA_VARIANT[(dtype == IndexKDtype::Bf16) as usize]
                 .load(Ordering::Relaxed)

@@ -270,23 +270,33 @@ fn filled_pool(g: &mut Gen, dtype: IndexKDtype, pages: usize) -> Vec<u8> {
 pub fn logits_body(b: &dyn Backend) {
     let mut g = Gen::fresh("logits");
     for dtype in IndexKDtype::ALL {
-        for (lens, heads) in [
-            (vec![1usize], 1usize),
-            (vec![63, 65, 1, 200], 64),
-            (vec![1000, 999], 7),
-            (vec![130, 64, 129], 33),
-            (vec![65_536, 40_001], 64),
+        // (context lengths, heads, query scale): the last case's queries are all e4m3 subnormals
+        // (below 2^-6), so a kernel that flushed them would miss by its whole magnitude.
+        for (lens, heads, qscale) in [
+            (vec![1usize], 1usize, 440.0f32),
+            (vec![63, 65, 1, 200], 64, 440.0),
+            (vec![1000, 0, 999], 7, 440.0),
+            (vec![130, 64, 129], 33, 440.0),
+            (vec![65_536, 40_001], 64, 440.0),
+            (vec![700, 129], 64, 0.015),
         ] {
             let rows = lens.len();
             let max = *lens.iter().max().unwrap();
             let pt_stride = max.div_ceil(64);
             let pages = pt_stride + 3;
             let pool = filled_pool(&mut g, dtype, pages);
+            // Pages past a row's context are -1, as the engine leaves them: no kernel may read them.
             let page_table: Vec<i32> = (0..rows * pt_stride)
-                .map(|_| g.below(pages as u64) as i32)
+                .map(|i| {
+                    if i % pt_stride < lens[i / pt_stride].div_ceil(64) {
+                        g.below(pages as u64) as i32
+                    } else {
+                        -1
+                    }
+                })
                 .collect();
             let q: Vec<u8> = (0..rows * heads * 128)
-                .map(|_| cpu::numerics::e4m3_encode(g.unit() * 440.0))
+                .map(|_| cpu::numerics::e4m3_encode(g.unit() * qscale))
                 .collect();
             let w: Vec<f32> = (0..rows * heads).map(|_| g.unit() * 0.01).collect();
             let ctx: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
@@ -362,6 +372,10 @@ fn check_logits_bound(
             );
             continue;
         }
+        assert!(
+            x.is_finite(),
+            "{name} logits {dtype:?} [{i}]: {x} at a live position (exact {v})"
+        );
         exact += (x.to_bits() == r.to_bits()) as usize;
         live += 1;
         let err = (f64::from(x) - v).abs();
@@ -839,13 +853,17 @@ mod cuda {
     #[test]
     fn logits_tensor_core_cuda() {
         use std::sync::atomic::Ordering::Relaxed;
-        use tierkv_kernels::cuda::launch::LOGITS_MMA_VARIANT;
+        use tierkv_kernels::cuda::launch::{LOGITS_MMA_AHEAD, LOGITS_MMA_CTAS, LOGITS_MMA_VARIANT};
         use tierkv_kernels::cuda::{LOGITS_MMA_BF16, LOGITS_MMA_FP8};
         let defaults = [
             LOGITS_MMA_VARIANT[0].load(Relaxed),
             LOGITS_MMA_VARIANT[1].load(Relaxed),
         ];
         let mut failed = Vec::new();
+        let defaults_shape = (
+            LOGITS_MMA_CTAS.load(Relaxed),
+            LOGITS_MMA_AHEAD.load(Relaxed),
+        );
         for v in 0..LOGITS_MMA_FP8.len().max(LOGITS_MMA_BF16.len()) {
             let (f, b) = (
                 v.min(LOGITS_MMA_FP8.len() - 1),
@@ -857,14 +875,28 @@ mod cuda {
                 "variants {} and {}",
                 LOGITS_MMA_FP8[f].kernel, LOGITS_MMA_BF16[b].kernel
             );
-            // Every variant is checked even when one fails, so the log shows them all.
-            let run = std::panic::catch_unwind(|| logits_body(&Cuda::tensor_core()));
-            if run.is_err() {
-                failed.push((LOGITS_MMA_FP8[f].kernel, LOGITS_MMA_BF16[b].kernel));
+            // Every variant is checked even when one fails, so the log shows them all; each
+            // with one CTA per row (so a CTA loops over every page: the double buffers, the
+            // register pipeline and the cp.async ring all turn over), three (pages strided
+            // between CTAs, a far L2 prefetch), and the default shape.
+            for (ctas, ahead) in [
+                (1usize, 2usize),
+                (3, 16),
+                (defaults_shape.0, defaults_shape.1),
+            ] {
+                LOGITS_MMA_CTAS.store(ctas, Relaxed);
+                LOGITS_MMA_AHEAD.store(ahead, Relaxed);
+                eprintln!("launch shape: {ctas} CTAs, prefetch {ahead} ahead");
+                let run = std::panic::catch_unwind(|| logits_body(&Cuda::tensor_core()));
+                if run.is_err() {
+                    failed.push((LOGITS_MMA_FP8[f].kernel, LOGITS_MMA_BF16[b].kernel, ctas));
+                }
             }
         }
         LOGITS_MMA_VARIANT[0].store(defaults[0], Relaxed);
         LOGITS_MMA_VARIANT[1].store(defaults[1], Relaxed);
+        LOGITS_MMA_CTAS.store(defaults_shape.0, Relaxed);
+        LOGITS_MMA_AHEAD.store(defaults_shape.1, Relaxed);
         assert!(failed.is_empty(), "variants failing the bound: {failed:?}");
     }
     #[test]

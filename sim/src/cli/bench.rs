@@ -315,8 +315,14 @@ mod imp {
                         // largest logit (the conformance test checks the real bound).
                         let (x, t) = (&results[0], &results[1]);
                         let top = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        // NaN anywhere makes `worst` NaN (f32::max would skip it).
                         let worst = x.iter().zip(t).fold(0f32, |m, (a, b)| {
-                            m.max(if a == b { 0.0 } else { (a - b).abs() })
+                            let d = if a == b { 0.0 } else { (a - b).abs() };
+                            if d.is_nan() || m.is_nan() {
+                                f32::NAN
+                            } else {
+                                m.max(d)
+                            }
                         });
                         if !top.is_finite() || !worst.is_finite() {
                             return Err(format!(
