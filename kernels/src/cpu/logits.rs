@@ -163,6 +163,28 @@ pub fn decode_q(q: &[u8]) -> Vec<f32> {
     q.iter().map(|&b| E4M3_DECODE[b as usize]).collect()
 }
 
+/// The page holding position `n` of row `r` through the row's page table `pt` (`pages` pages of
+/// `pb` bytes in `k_buf`), or the out-of-range error naming the row.
+fn key_page<'k>(
+    k_buf: &'k [u8],
+    pb: usize,
+    pt: &[i32],
+    n: usize,
+    r: usize,
+    pages: u64,
+) -> Result<&'k [u8]> {
+    let p = pt[n / PAGE_TOKENS as usize];
+    if p < 0 || p as u64 >= pages {
+        return Err(KernelError::OutOfRange {
+            op: "index_logits",
+            index: r,
+            value: p as i64,
+            limit: pages,
+        });
+    }
+    Ok(&k_buf[p as usize * pb..(p as usize + 1) * pb])
+}
+
 /// The CPU reference of `index_logits`; `out` is `[rows][out_stride]`.
 pub fn index_logits(
     a: &IndexLogitsArgs,
@@ -188,16 +210,7 @@ pub fn index_logits(
         let mut keys = vec![[0f32; 128]; len];
         let mut kscales = vec![0f32; len];
         for n in 0..len {
-            let p = pt[n / PAGE_TOKENS as usize];
-            if p < 0 || p as u64 >= pages {
-                return Err(KernelError::OutOfRange {
-                    op: OP,
-                    index: r,
-                    value: p as i64,
-                    limit: pages,
-                });
-            }
-            let page = &k_buf[p as usize * pb..(p as usize + 1) * pb];
+            let page = key_page(k_buf, pb, pt, n, r, pages)?;
             kscales[n] = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, &mut k);
             keys[n] = k;
         }
@@ -241,16 +254,7 @@ pub fn index_logits_f64(
         let w = &a.weights[r * h..(r + 1) * h];
         let pt = &a.page_table[r * a.pt_stride..(r + 1) * a.pt_stride];
         for n in 0..a.context_lens[r] as usize {
-            let p = pt[n / PAGE_TOKENS as usize];
-            if p < 0 || p as u64 >= pages {
-                return Err(KernelError::OutOfRange {
-                    op: OP,
-                    index: r,
-                    value: p as i64,
-                    limit: pages,
-                });
-            }
-            let page = &k_buf[p as usize * pb..(p as usize + 1) * pb];
+            let page = key_page(k_buf, pb, pt, n, r, pages)?;
             let ks = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, &mut k);
             let ks = match a.dtype {
                 IndexKDtype::Fp8 => f64::from(ks),
