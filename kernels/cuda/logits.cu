@@ -27,8 +27,8 @@ extern "C" __global__ void __launch_bounds__(128) index_logits(
     float k[128];
     float kscale = 1.0f;
     if (dtype == 0) {
-        const u8* pg = kbuf + (size_t)page * 8448;
-        const uint4* src = reinterpret_cast<const uint4*>(pg + t * 128);
+        const u8* pg = kbuf + (size_t)page * TKV_IK_FP8_PAGE_BYTES;
+        const uint4* src = reinterpret_cast<const uint4*>(pg + t * TKV_IK_FP8_ROW_BYTES);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             uint4 r = src[j];
@@ -39,9 +39,9 @@ extern "C" __global__ void __launch_bounds__(128) index_logits(
                 for (int b = 0; b < 4; b++)
                     k[16 * j + 4 * c + b] = tkv_e4m3_to_f32((u8)(wds[c] >> (8 * b)));
         }
-        kscale = *reinterpret_cast<const float*>(pg + 8192 + 4 * t);
+        kscale = *reinterpret_cast<const float*>(pg + TKV_IK_FP8_SCALES + 4 * t);
     } else {
-        const uint4* src = reinterpret_cast<const uint4*>(kbuf + (size_t)page * 16384 + t * 256);
+        const uint4* src = reinterpret_cast<const uint4*>(kbuf + (size_t)page * TKV_IK_BF16_PAGE_BYTES + t * TKV_IK_BF16_ROW_BYTES);
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             uint4 r = src[j];

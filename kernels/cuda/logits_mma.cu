@@ -121,6 +121,56 @@ __device__ __forceinline__ void tkv_lane_q_for_bf16(const u8* rowp, int c, u32 (
     }
 }
 
+// The epilogue of a page, for NT n-tiles of 8 keys and MT m-tiles of 16 heads: relu, times w_h,
+// summed over the lane's heads and then over the 8 lanes of a column (xor 4, 8, 16); lanes g == 0
+// write keys 2c, 2c + 1 of each n-tile into the warp's head-group row of `part`.
+template <int MT, int NT>
+__device__ __forceinline__ void tkv_head_sums(const float (&acc)[MT][NT][4],
+                                              const float (&wt)[MT][2], float* part_row, int kg,
+                                              int g, int c) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        float s0 = 0.0f, s1 = 0.0f;  // keys 2c, 2c + 1 of the n-tile
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            s0 += wt[mt][0] * fmaxf(acc[mt][nt][0], 0.0f) + wt[mt][1] * fmaxf(acc[mt][nt][2], 0.0f);
+            s1 += wt[mt][0] * fmaxf(acc[mt][nt][1], 0.0f) + wt[mt][1] * fmaxf(acc[mt][nt][3], 0.0f);
+        }
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            s0 += __shfl_xor_sync(TKV_FULL, s0, off);
+            s1 += __shfl_xor_sync(TKV_FULL, s1, off);
+        }
+        if (g == 0) {
+            int key = (kg * NT + nt) * 8 + 2 * c;
+            part_row[key] = s0;
+            part_row[key + 1] = s1;
+        }
+    }
+}
+
+// Threads 0..63 write page p of the row: the HG head groups' sums (in group order), times the key
+// scale on fp8 pages; -inf at and past the context length; nothing past out_stride.
+template <int DT, int HG>
+__device__ __forceinline__ void tkv_write_page(const float (*part)[64], const u8* kbuf,
+                                               const int* pt, int p, int len, int out_stride,
+                                               float* out_row) {
+    if (threadIdx.x >= 64) return;
+    int t = threadIdx.x;
+    int n = p * 64 + t;
+    if (n >= out_stride) return;
+    float v = __int_as_float(0xff800000);  // -inf
+    if (n < len) {
+        v = part[0][t];
+#pragma unroll
+        for (int i = 1; i < HG; i++) v += part[i][t];
+        if (DT == 0)
+            v = v * *reinterpret_cast<const float*>(kbuf + (size_t)pt[p] * TKV_IK_FP8_PAGE_BYTES +
+                                                  TKV_IK_FP8_SCALES + 4 * t);
+    }
+    out_row[n] = v;
+}
+
 // KW key groups x NT n-tiles x 8 keys = 64 keys = one page.
 __device__ __forceinline__ void tkv_cp_async16(void* smem, const void* gmem) {
     u32 d = (u32)__cvta_generic_to_shared(smem);
@@ -148,11 +198,12 @@ __device__ __forceinline__ void tkv_index_logits_mma(
     static_assert(!BITS || DT == 0, "bit conversion is for fp8 pages");
     if (blockDim.x != KW * 64) __trap();  // the launcher's variant table disagrees with the kernel
     static_assert(STAGES == 0 || (!PIPE && SECT == (DT == 1)), "staged pages: see the row padding");
-    constexpr int ROW = STAGES == 0 ? (DT == 0 ? 128 : 256) : (DT == 0 ? 144 : 320);
+    constexpr int PAGE_BYTES = DT == 0 ? TKV_IK_FP8_PAGE_BYTES : TKV_IK_BF16_PAGE_BYTES;
+    constexpr int KEY_BYTES = DT == 0 ? TKV_IK_FP8_ROW_BYTES : TKV_IK_BF16_ROW_BYTES;
+    // A staged key row in shared memory, padded so the lanes' fragment reads hit distinct banks.
+    constexpr int ROW = KEY_BYTES + (DT == 0 ? 16 : 64);
     constexpr int STAGE_BYTES = STAGES == 0 ? 16 : 64 * ROW;
     __shared__ __align__(128) u8 stage[STAGES == 0 ? 1 : STAGES][STAGE_BYTES];
-    constexpr int PAGE_BYTES = DT == 0 ? 8448 : 16384;
-    constexpr int KEY_BYTES = DT == 0 ? 128 : 256;
     // u32 words a lane loads per n-tile: its 32 values of one key.
     constexpr int WORDS = DT == 0 ? 8 : 16;
     __shared__ float part[2][2][64];
@@ -298,27 +349,7 @@ __device__ __forceinline__ void tkv_index_logits_mma(
                     for (int mt = 0; mt < 2; mt++) tkv_mma<DT>(acc[mt][nt], a[mt][s], b0, b1);
                 }
             }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                float s0 = 0.0f, s1 = 0.0f;  // keys 2c, 2c + 1 of the n-tile
-#pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    s0 += wt[mt][0] * fmaxf(acc[mt][nt][0], 0.0f) +
-                          wt[mt][1] * fmaxf(acc[mt][nt][2], 0.0f);
-                    s1 += wt[mt][0] * fmaxf(acc[mt][nt][1], 0.0f) +
-                          wt[mt][1] * fmaxf(acc[mt][nt][3], 0.0f);
-                }
-#pragma unroll
-                for (int off = 4; off < 32; off <<= 1) {
-                    s0 += __shfl_xor_sync(TKV_FULL, s0, off);
-                    s1 += __shfl_xor_sync(TKV_FULL, s1, off);
-                }
-                if (g == 0) {
-                    int key = (kg * NT + nt) * 8 + 2 * c;
-                    part[buf][hh][key] = s0;
-                    part[buf][hh][key + 1] = s1;
-                }
-            }
+            tkv_head_sums<2, NT>(acc, wt, part[buf][hh], kg, g, c);
         }
         if (PIPE) {
 #pragma unroll
@@ -327,20 +358,7 @@ __device__ __forceinline__ void tkv_index_logits_mma(
                 for (int i = 0; i < WORDS; i++) raw[nt][i] = nxt[nt][i];
         }
         __syncthreads();
-        if (threadIdx.x < 64) {
-            int t = threadIdx.x;
-            int n = p * 64 + t;
-            if (n < out_stride) {
-                float v = __int_as_float(0xff800000);  // -inf
-                if (n < len) {
-                    v = part[buf][0][t] + part[buf][1][t];
-                    if (DT == 0)
-                        v = v * *reinterpret_cast<const float*>(
-                                    kbuf + (size_t)pt[p] * PAGE_BYTES + 8192 + 4 * t);
-                }
-                out[(size_t)row * out_stride + n] = v;
-            }
-        }
+        tkv_write_page<DT, 2>(part[buf], kbuf, pt, p, len, out_stride, out + (size_t)row * out_stride);
     }
 }
 
@@ -385,7 +403,7 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
     static_assert(KW * NT * 8 == 64, "a CTA scores one page per iteration");
     constexpr int HG = 4 / MT;  // head groups (warps per key group)
     if (blockDim.x != KW * HG * 32) __trap();  // the launcher's variant table disagrees
-    constexpr int PAGE_BYTES = 8448;
+    constexpr int PAGE_BYTES = TKV_IK_FP8_PAGE_BYTES;
     __shared__ float part[2][HG][64];
 
     const int row = blockIdx.y;
@@ -443,7 +461,7 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 int key = (kg * NT + nt) * 8 + g;
-                tkv_lane_fp8_row<SECT>(page + key * 128, c, raw[nt]);
+                tkv_lane_fp8_row<SECT>(page + key * TKV_IK_FP8_ROW_BYTES, c, raw[nt]);
             }
             float acc[MT][NT][4];
 #pragma unroll
@@ -459,44 +477,10 @@ __device__ __forceinline__ void tkv_index_logits_mma_f8(
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++)
                         tkv_mma_e4m3(acc[mt][nt], a[mt][s], raw[nt][2 * s], raw[nt][2 * s + 1]);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    s0 += wt[mt][0] * fmaxf(acc[mt][nt][0], 0.0f) +
-                          wt[mt][1] * fmaxf(acc[mt][nt][2], 0.0f);
-                    s1 += wt[mt][0] * fmaxf(acc[mt][nt][1], 0.0f) +
-                          wt[mt][1] * fmaxf(acc[mt][nt][3], 0.0f);
-                }
-#pragma unroll
-                for (int off = 4; off < 32; off <<= 1) {
-                    s0 += __shfl_xor_sync(TKV_FULL, s0, off);
-                    s1 += __shfl_xor_sync(TKV_FULL, s1, off);
-                }
-                if (g == 0) {
-                    int key = (kg * NT + nt) * 8 + 2 * c;
-                    part[buf][hh][key] = s0;
-                    part[buf][hh][key + 1] = s1;
-                }
-            }
+            tkv_head_sums<MT, NT>(acc, wt, part[buf][hh], kg, g, c);
         }
         __syncthreads();
-        if (threadIdx.x < 64) {
-            int t = threadIdx.x;
-            int n = p * 64 + t;
-            if (n < out_stride) {
-                float v = __int_as_float(0xff800000);  // -inf
-                if (n < len) {
-                    v = part[buf][0][t];
-#pragma unroll
-                    for (int i = 1; i < HG; i++) v += part[buf][i][t];
-                    v = v * *reinterpret_cast<const float*>(
-                                kbuf + (size_t)pt[p] * PAGE_BYTES + 8192 + 4 * t);
-                }
-                out[(size_t)row * out_stride + n] = v;
-            }
-        }
+        tkv_write_page<0, HG>(part[buf], kbuf, pt, p, len, out_stride, out + (size_t)row * out_stride);
     }
 }
 

@@ -8,7 +8,7 @@ extern "C" __global__ void sparse_read(const int* __restrict__ slots, int k, int
     __syncthreads();
     int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int nwarps = blockDim.x >> 5;
-    int tb = dtype == 0 ? 1152 : 656;
+    int tb = dtype == 0 ? TKV_KV_BF16_ROW_BYTES : TKV_KV_FP8_ROW_BYTES;
     int words = tb / 8;
     u64 local = 0;
     for (int i = warp; i < k; i += nwarps) {

@@ -33,17 +33,17 @@ extern "C" __global__ void index_k_store(const __nv_bfloat16* __restrict__ keys,
         for (int j = 1; j < 4; j++) amax = fmaxf(amax, fabsf(v[j]));
         amax = tkv_warp_max(amax);
         float scale = tkv_fp8_scale(amax, ue8m0 != 0);
-        u8* pg = dst + (size_t)page * 8448;
-        *reinterpret_cast<u32*>(pg + t * 128 + 4 * lane) = tkv_quant4(v, scale);
-        if (lane == 0) *reinterpret_cast<float*>(pg + 8192 + 4 * t) = scale;
+        u8* pg = dst + (size_t)page * TKV_IK_FP8_PAGE_BYTES;
+        *reinterpret_cast<u32*>(pg + t * TKV_IK_FP8_ROW_BYTES + 4 * lane) = tkv_quant4(v, scale);
+        if (lane == 0) *reinterpret_cast<float*>(pg + TKV_IK_FP8_SCALES + 4 * t) = scale;
     } else {
         __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]);
         __nv_bfloat162 b = __floats2bfloat162_rn(v[2], v[3]);
         uint2 raw;
         raw.x = *reinterpret_cast<u32*>(&a);
         raw.y = *reinterpret_cast<u32*>(&b);
-        u8* pg = dst + (size_t)page * 16384;
-        *reinterpret_cast<uint2*>(pg + (t * 128 + 4 * lane) * 2) = raw;
+        u8* pg = dst + (size_t)page * TKV_IK_BF16_PAGE_BYTES;
+        *reinterpret_cast<uint2*>(pg + t * TKV_IK_BF16_ROW_BYTES + 4 * lane * 2) = raw;
     }
 }
 
@@ -53,15 +53,15 @@ extern "C" __global__ void kv_store(const __nv_bfloat16* __restrict__ rows,
                                     u8* __restrict__ dst) {
     int tok = blockIdx.x;
     if (tok >= n) return;
-    const __nv_bfloat16* row = rows + (size_t)tok * 576;
+    const __nv_bfloat16* row = rows + (size_t)tok * TKV_KV_ROW_VALUES;
     size_t slot = (size_t)slots[tok];
     if (dtype == 0) {
         const u16* src = reinterpret_cast<const u16*>(row);
-        u16* out = reinterpret_cast<u16*>(dst + slot * 1152);
-        for (int i = threadIdx.x; i < 576; i += blockDim.x) out[i] = src[i];
+        u16* out = reinterpret_cast<u16*>(dst + slot * TKV_KV_BF16_ROW_BYTES);
+        for (int i = threadIdx.x; i < TKV_KV_ROW_VALUES; i += blockDim.x) out[i] = src[i];
         return;
     }
-    u8* out = dst + slot * 656;
+    u8* out = dst + slot * TKV_KV_FP8_ROW_BYTES;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;  // warp = latent tile 0..3
     float v[4];
     tkv_load_bf16x4(row + warp * 128 + 4 * lane, v);
@@ -71,8 +71,8 @@ extern "C" __global__ void kv_store(const __nv_bfloat16* __restrict__ rows,
     amax = tkv_warp_max(amax);
     float scale = tkv_fp8_scale(amax, false);
     *reinterpret_cast<u32*>(out + warp * 128 + 4 * lane) = tkv_quant4(v, scale);
-    if (lane == 0) *reinterpret_cast<float*>(out + 512 + 4 * warp) = scale;
+    if (lane == 0) *reinterpret_cast<float*>(out + TKV_KV_FP8_SCALES + 4 * warp) = scale;
     if (threadIdx.x < 64)
-        reinterpret_cast<u16*>(out + 528)[threadIdx.x] =
+        reinterpret_cast<u16*>(out + TKV_KV_FP8_ROPE)[threadIdx.x] =
             reinterpret_cast<const u16*>(row + 512)[threadIdx.x];
 }

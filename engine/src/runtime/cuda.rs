@@ -373,16 +373,9 @@ impl CudaOps {
                         Ok(())
                     }
                     CopyStrategy::Gather => {
-                        let pairs: Vec<(u32, u32)> = runs
-                            .iter()
-                            .flat_map(|r| (0..r.count).map(move |j| (r.src.0 + j, r.dst.0 + j)))
-                            .collect();
-                        let flat: Vec<i32> = pairs
-                            .iter()
-                            .flat_map(|&(a, b)| [a as i32, b as i32])
-                            .collect();
+                        let flat = tierkv_kernels::cuda::gather_pairs(runs);
                         let (_a, pd) = self.upload(s, bytes_of(&flat))?;
-                        k.page_gather(s, sp, src_view, dp, dst_view, &pairs, pd)
+                        k.page_gather(s, sp, src_view, dp, dst_view, runs, pd)
                             .map_err(kernel)
                     }
                 }

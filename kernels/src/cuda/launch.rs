@@ -559,8 +559,8 @@ impl Kernels {
         Ok(())
     }
 
-    /// `page_gather`: whole pages `pairs[i] = (src page, dst page)` between two strided views.
-    /// `pairs_dev` holds `pairs` flattened on the device.
+    /// `page_gather`: the whole pages of `runs` between two strided views, one CTA per page.
+    /// `pairs_dev` holds [`super::gather_pairs`]`(runs)` on the device.
     #[allow(clippy::too_many_arguments)]
     pub fn page_gather(
         &self,
@@ -569,29 +569,22 @@ impl Kernels {
         src_view: &crate::layout::PagedView,
         dst: DevPtr,
         dst_view: &crate::layout::PagedView,
-        pairs: &[(u32, u32)],
+        runs: &[crate::layout::PageRun],
         pairs_dev: DevPtr,
     ) -> Result<()> {
         const OP: &str = "page_gather";
-        let runs: Vec<crate::layout::PageRun> = pairs
-            .iter()
-            .map(|&(a, b)| crate::layout::PageRun {
-                src: crate::layout::PageId(a),
-                dst: crate::layout::PageId(b),
-                count: 1,
-            })
-            .collect();
-        crate::cpu::check_page_copy(src_view, src.bytes, dst_view, dst.bytes, &runs)?;
-        need(OP, "pairs", pairs_dev, pairs.len() as u64 * 8)?;
+        crate::cpu::check_page_copy(src_view, src.bytes, dst_view, dst.bytes, runs)?;
+        let pages: u64 = runs.iter().map(|r| r.count as u64).sum();
+        need(OP, "pairs", pairs_dev, pages * 8)?;
         for v in [src_view, dst_view] {
             if v.base % 16 != 0 || v.page_stride % 16 != 0 || v.page_bytes() % 16 != 0 {
                 return Err(bad(OP, "view", "pages must be 16-byte aligned"));
             }
         }
-        if pairs.is_empty() {
+        if pages == 0 {
             return Ok(());
         }
-        let n = pairs.len() as i32;
+        let n = pages as i32;
         let pb = src_view.page_bytes();
         let mut b = s.launch_builder(self.f("page_gather"));
         b.arg(&src.ptr)
@@ -602,7 +595,7 @@ impl Kernels {
             .arg(&dst_view.page_stride);
         b.arg(&pairs_dev.ptr).arg(&n).arg(&pb);
         let cfg = LaunchConfig {
-            grid_dim: (pairs.len() as u32, 1, 1),
+            grid_dim: (pages as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

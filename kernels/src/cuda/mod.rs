@@ -107,6 +107,14 @@ pub fn logits_mma_variants(dtype: crate::layout::IndexKDtype) -> &'static [MmaVa
     }
 }
 
+/// The page list the `page_gather` kernel reads (its `pairs_dev`): every page of `runs` as a
+/// (source page, destination page) pair, flattened.
+pub fn gather_pairs(runs: &[crate::layout::PageRun]) -> Vec<i32> {
+    runs.iter()
+        .flat_map(|r| (0..r.count).flat_map(move |j| [(r.src.0 + j) as i32, (r.dst.0 + j) as i32]))
+        .collect()
+}
+
 /// The target architecture: the H200 (Hopper, compute capability 9.0).
 pub const ARCH: &str = "sm_90";
 
@@ -150,9 +158,49 @@ pub fn compile_options() -> CompileOptions {
     }
 }
 
+/// The byte sizes and offsets the kernels address, as C macros generated from the layout module
+/// (the one place that computes them), so no `.cu` file writes a layout number of its own.
+pub fn layout_prelude() -> String {
+    use crate::layout::{index_k_page, kv_row, IndexKDtype, KvDtype, PageFormat};
+    let ik = |d| PageFormat::IndexK(d);
+    let defs: [(&str, u64); 10] = [
+        ("TKV_KV_ROW_VALUES", crate::layout::KV_ROW_VALUES as u64),
+        ("TKV_IK_FP8_PAGE_BYTES", ik(IndexKDtype::Fp8).page_bytes()),
+        ("TKV_IK_BF16_PAGE_BYTES", ik(IndexKDtype::Bf16).page_bytes()),
+        // One token's values: the stride of the value rows at the start of a page.
+        (
+            "TKV_IK_FP8_ROW_BYTES",
+            index_k_page::value_offset(IndexKDtype::Fp8, 1, 0) as u64,
+        ),
+        (
+            "TKV_IK_BF16_ROW_BYTES",
+            index_k_page::value_offset(IndexKDtype::Bf16, 1, 0) as u64,
+        ),
+        ("TKV_IK_FP8_SCALES", index_k_page::FP8_SCALES_OFFSET as u64),
+        (
+            "TKV_KV_BF16_ROW_BYTES",
+            PageFormat::Kv(KvDtype::Bf16).token_bytes(),
+        ),
+        (
+            "TKV_KV_FP8_ROW_BYTES",
+            PageFormat::Kv(KvDtype::Fp8Packed).token_bytes(),
+        ),
+        ("TKV_KV_FP8_SCALES", kv_row::FP8_SCALES_OFFSET as u64),
+        ("TKV_KV_FP8_ROPE", kv_row::FP8_ROPE_OFFSET as u64),
+    ];
+    defs.iter()
+        .map(|(name, v)| format!("#define {name} {v}\n"))
+        .collect()
+}
+
 /// The full text NVRTC compiles for `src`.
 pub fn full_source(src: &Source) -> String {
-    format!("{COMMON}\n#line 1 \"{}\"\n{}", src.file, src.text)
+    format!(
+        "{}{COMMON}\n#line 1 \"{}\"\n{}",
+        layout_prelude(),
+        src.file,
+        src.text
+    )
 }
 
 /// Compiles one source to PTX.
@@ -188,6 +236,56 @@ pub const ENABLED: bool = cfg!(feature = "cuda");
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `.cu` sources take every layout byte size from [`layout_prelude`]: none writes one
+    /// of its own (outside comments).
+    #[test]
+    fn kernels_write_no_layout_byte_size() {
+        let sizes = ["8448", "16384", "8192", "656", "1152", "528", "576", "132"];
+        let mut bad = Vec::new();
+        for (file, text) in SOURCES
+            .iter()
+            .map(|s| (s.file, s.text))
+            .chain([("common.cuh", COMMON)])
+        {
+            for (n, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                for tok in code.split(|c: char| !c.is_ascii_alphanumeric() && c != '_') {
+                    if sizes.contains(&tok) {
+                        bad.push(format!("{file}:{}: {tok}: {}", n + 1, line.trim()));
+                    }
+                }
+            }
+        }
+        assert!(
+            bad.is_empty(),
+            "layout sizes written in CUDA sources:\n{}",
+            bad.join("\n")
+        );
+        let prelude = layout_prelude();
+        assert!(
+            prelude.contains("#define TKV_IK_FP8_PAGE_BYTES 8448\n"),
+            "{prelude}"
+        );
+        assert!(
+            prelude.contains("#define TKV_KV_FP8_ROW_BYTES 656\n"),
+            "{prelude}"
+        );
+    }
+
+    #[test]
+    fn gather_pairs_lists_every_page_of_every_run() {
+        use crate::layout::{PageId, PageRun};
+        let run = |s, d, count| PageRun {
+            src: PageId(s),
+            dst: PageId(d),
+            count,
+        };
+        assert_eq!(
+            gather_pairs(&[run(3, 7, 2), run(0, 1, 1), run(9, 9, 0)]),
+            [3, 7, 4, 8, 0, 1]
+        );
+    }
 
     /// Every tensor-core logits variant the launcher can pick is compiled and defined.
     #[test]

@@ -769,18 +769,11 @@ mod cuda {
             dv: &PagedView,
             runs: &[PageRun],
         ) -> Result<()> {
-            let pairs: Vec<(u32, u32)> = runs
-                .iter()
-                .flat_map(|r| (0..r.count).map(move |j| (r.src.0 + j, r.dst.0 + j)))
-                .collect();
-            let flat: Vec<i32> = pairs
-                .iter()
-                .flat_map(|&(a, b)| [a as i32, b as i32])
-                .collect();
+            let flat = tierkv_kernels::cuda::gather_pairs(runs);
             let (_s, sp) = self.up(src);
             let (_p, pp) = self.up(bytes(&flat));
             let (d, dp) = self.up(dst);
-            self.k.page_gather(&self.s, sp, sv, dp, dv, &pairs, pp)?;
+            self.k.page_gather(&self.s, sp, sv, dp, dv, runs, pp)?;
             self.down(&d, dst);
             Ok(())
         }
