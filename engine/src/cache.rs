@@ -15,6 +15,7 @@
 
 use crate::config::WritePolicy;
 use crate::layout::{PageId, PAGE_TOKENS};
+use crate::mutants::Mutants;
 use std::collections::BTreeMap;
 
 /// The tokens of one page.
@@ -124,8 +125,8 @@ pub struct PrefixCache {
     protected: u64,
     /// Device pages of nodes marked for write-back eviction (freed on the backup's ack).
     evict_after_backup: BTreeMap<NodeId, ()>,
-    /// Under mutant 5 host eviction ignores load pins.
-    pub ignore_pins: bool,
+    /// The zoo's switches (empty in production builds): mutant 5 acts in host eviction.
+    mutants: Mutants,
 }
 
 impl Default for PrefixCache {
@@ -149,8 +150,21 @@ impl PrefixCache {
             evictable: 0,
             protected: 0,
             evict_after_backup: BTreeMap::new(),
-            ignore_pins: false,
+            mutants: Mutants::none(),
         }
+    }
+
+    /// A cache whose host eviction follows `mutants`' point (the bug zoo).
+    pub fn with_mutants(mutants: Mutants) -> Self {
+        PrefixCache {
+            mutants,
+            ..PrefixCache::new()
+        }
+    }
+
+    /// Whether the host tier may evict `n`'s host copy as far as load pins go.
+    fn host_copy_unpinned(&self, n: &Node) -> bool {
+        n.host_pins == 0 || self.mutants.host_eviction_ignores_pins()
     }
 
     pub fn is_live(&self, id: NodeId) -> bool {
@@ -486,7 +500,7 @@ impl PrefixCache {
             });
             let ok = n.host.is_some()
                 && n.backing_up.is_none()
-                && (n.host_pins == 0 || self.ignore_pins)
+                && self.host_copy_unpinned(n)
                 && !protected.contains(&id)
                 && children_ok;
             removable.insert(id, ok);
@@ -578,7 +592,7 @@ impl PrefixCache {
                     let n = self.node(id);
                     id != keep
                         && n.host.is_some()
-                        && (n.host_pins == 0 || self.ignore_pins)
+                        && self.host_copy_unpinned(n)
                         && !self.has_backed_child(id)
                 })
                 .map(|id| (self.node(id).host_access, id))

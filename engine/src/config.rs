@@ -303,7 +303,8 @@ impl Config {
         }
     }
 
-    /// Builds a configuration from a parsed document (TOML and JSON both land here).
+    /// Builds a configuration from a parsed document (TOML and JSON both land here): the base
+    /// preset if one is named, then each section, every key read once and leftovers refused.
     pub fn from_value(v: &Value) -> ConfigResult<Config> {
         let top = v.as_object().ok_or_else(|| ConfigError::Type {
             field: "(document)",
@@ -327,20 +328,9 @@ impl Config {
             }
         }
         let empty = Map::new();
-        let section = |name: &'static str| -> ConfigResult<Fields> {
-            match top.get(name) {
-                None => Ok(Fields::new(name, &empty)),
-                Some(Value::Object(m)) => Ok(Fields::new(name, m)),
-                Some(other) => Err(ConfigError::Type {
-                    field: name,
-                    expected: "a table",
-                    found: kind(other),
-                }),
-            }
-        };
-        let m = section("model")?;
-        let c = section("cache")?;
-        let s = section("scheduler")?;
+        let m = Fields::of(top, "model", &empty)?;
+        let c = Fields::of(top, "cache", &empty)?;
+        let s = Fields::of(top, "scheduler", &empty)?;
         let b = base.as_ref();
         let name = match top.get("name") {
             Some(Value::String(n)) => n.clone(),
@@ -353,157 +343,11 @@ impl Config {
             }
             None => b.map(|b| b.name.clone()).unwrap_or_else(|| "custom".into()),
         };
-
-        let model = ModelConfig {
-            layers: m.u32("layers", "model.layers", b.map(|b| b.model.layers))?,
-            layer_base: m.u32(
-                "layer_base",
-                "model.layer_base",
-                Some(b.map_or(0, |b| b.model.layer_base)),
-            )?,
-            kv_lora_rank: m.u32(
-                "kv_lora_rank",
-                "model.kv_lora_rank",
-                Some(b.map_or(KV_LORA_RANK, |b| b.model.kv_lora_rank)),
-            )?,
-            qk_rope_head_dim: m.u32(
-                "qk_rope_head_dim",
-                "model.qk_rope_head_dim",
-                Some(b.map_or(ROPE_DIM, |b| b.model.qk_rope_head_dim)),
-            )?,
-            index_n_heads: m.u32(
-                "index_n_heads",
-                "model.index_n_heads",
-                b.map(|b| b.model.index_n_heads),
-            )?,
-            index_head_dim: m.u32(
-                "index_head_dim",
-                "model.index_head_dim",
-                Some(b.map_or(INDEX_HEAD_DIM, |b| b.model.index_head_dim)),
-            )?,
-            index_topk: m.u32(
-                "index_topk",
-                "model.index_topk",
-                b.map(|b| b.model.index_topk),
-            )?,
-            page_size: m.u32(
-                "page_size",
-                "model.page_size",
-                Some(b.map_or(PAGE_TOKENS, |b| b.model.page_size)),
-            )?,
-            kv_dtype: m.name(
-                "kv_dtype",
-                "model.kv_dtype",
-                KvDtype::NAMES,
-                KvDtype::parse,
-                b.map(|b| b.model.kv_dtype),
-            )?,
-            index_k_dtype: m.name(
-                "index_k_dtype",
-                "model.index_k_dtype",
-                IndexKDtype::NAMES,
-                IndexKDtype::parse,
-                b.map(|b| b.model.index_k_dtype),
-            )?,
-            index_k_ue8m0: m.bool(
-                "index_k_ue8m0",
-                "model.index_k_ue8m0",
-                Some(b.is_some_and(|b| b.model.index_k_ue8m0)),
-            )?,
-            context_tokens_max: m.u32(
-                "context_tokens_max",
-                "model.context_tokens_max",
-                b.map(|b| b.model.context_tokens_max),
-            )?,
-            prefill_indexer: m.name(
-                "prefill_indexer",
-                "model.prefill_indexer",
-                PrefillIndexer::NAMES,
-                PrefillIndexer::parse,
-                Some(b.map_or(PrefillIndexer::EveryToken, |b| b.model.prefill_indexer)),
-            )?,
-        };
-        m.finish()?;
-
-        let host = match (c.get("host_ratio"), c.get("host_tokens")) {
-            (Some(_), Some(_)) => {
-                return Err(ConfigError::Invalid {
-                    field: "cache.host_tokens",
-                    value: "(with cache.host_ratio)".into(),
-                    rule: "give either cache.host_ratio or cache.host_tokens, not both".into(),
-                })
-            }
-            (Some(_), None) => HostCapacity::Ratio(c.f64("host_ratio", "cache.host_ratio")?),
-            (None, Some(_)) => {
-                HostCapacity::Tokens(c.u64("host_tokens", "cache.host_tokens", None)?)
-            }
-            (None, None) => b.map(|b| b.cache.host).ok_or(ConfigError::Missing {
-                field: "cache.host_ratio",
-            })?,
-        };
-        let cache = CacheConfig {
-            device_pages: c.u32(
-                "device_pages",
-                "cache.device_pages",
-                b.map(|b| b.cache.device_pages),
-            )?,
-            host,
-            host_layout: c.name(
-                "host_layout",
-                "cache.host_layout",
-                HostLayout::NAMES,
-                HostLayout::parse,
-                b.map(|b| b.cache.host_layout),
-            )?,
-            write_policy: c.name(
-                "write_policy",
-                "cache.write_policy",
-                WritePolicy::NAMES,
-                WritePolicy::parse,
-                b.map(|b| b.cache.write_policy),
-            )?,
-            load_slots: c.u32(
-                "load_slots",
-                "cache.load_slots",
-                Some(b.map_or(3, |b| b.cache.load_slots)),
-            )?,
-        };
-        c.finish()?;
-
-        let scheduler = SchedulerConfig {
-            queued_requests_max: s.u32(
-                "queued_requests_max",
-                "scheduler.queued_requests_max",
-                b.map(|b| b.scheduler.queued_requests_max),
-            )?,
-            pending_tokens_max: s.u64(
-                "pending_tokens_max",
-                "scheduler.pending_tokens_max",
-                b.map(|b| b.scheduler.pending_tokens_max),
-            )?,
-            prefill_tokens_per_step_max: s.u32(
-                "prefill_tokens_per_step_max",
-                "scheduler.prefill_tokens_per_step_max",
-                b.map(|b| b.scheduler.prefill_tokens_per_step_max),
-            )?,
-            running_requests_max: s.u32(
-                "running_requests_max",
-                "scheduler.running_requests_max",
-                b.map(|b| b.scheduler.running_requests_max),
-            )?,
-            output_tokens_max: s.u32(
-                "output_tokens_max",
-                "scheduler.output_tokens_max",
-                b.map(|b| b.scheduler.output_tokens_max),
-            )?,
-        };
-        s.finish()?;
-
         let cfg = Config {
             name,
-            model,
-            cache,
-            scheduler,
+            model: model_section(&m, b)?,
+            cache: cache_section(&c, b)?,
+            scheduler: scheduler_section(&s, b)?,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -771,6 +615,117 @@ fn kind(v: &Value) -> String {
     }
 }
 
+/// A key of the configuration, spelled once: its name in its section and its full path.
+#[derive(Clone, Copy, Debug)]
+struct Key {
+    name: &'static str,
+    path: &'static str,
+}
+
+macro_rules! key {
+    ($section:ident . $key:ident) => {
+        Key {
+            name: stringify!($key),
+            path: concat!(stringify!($section), ".", stringify!($key)),
+        }
+    };
+}
+
+/// Reads `section.key` from `fields` with the given reader, defaulting to the base preset's
+/// value (required without a base), or to `or $default` when the key is optional.
+macro_rules! field {
+    ($f:expr, $b:expr, $section:ident . $key:ident, $read:ident) => {
+        $f.$read(key!($section.$key), $b.map(|b| b.$section.$key))
+    };
+    ($f:expr, $b:expr, $section:ident . $key:ident, $read:ident, or $default:expr) => {
+        $f.$read(
+            key!($section.$key),
+            Some($b.map_or($default, |b| b.$section.$key)),
+        )
+    };
+    ($f:expr, $b:expr, $section:ident . $key:ident, named $t:ty) => {
+        $f.name(
+            key!($section.$key),
+            <$t>::NAMES,
+            <$t>::parse,
+            $b.map(|b| b.$section.$key),
+        )
+    };
+    ($f:expr, $b:expr, $section:ident . $key:ident, named $t:ty, or $default:expr) => {
+        $f.name(
+            key!($section.$key),
+            <$t>::NAMES,
+            <$t>::parse,
+            Some($b.map_or($default, |b| b.$section.$key)),
+        )
+    };
+}
+
+fn model_section(m: &Fields, b: Option<&Config>) -> ConfigResult<ModelConfig> {
+    let model = ModelConfig {
+        layers: field!(m, b, model.layers, u32)?,
+        layer_base: field!(m, b, model.layer_base, u32, or 0)?,
+        kv_lora_rank: field!(m, b, model.kv_lora_rank, u32, or KV_LORA_RANK)?,
+        qk_rope_head_dim: field!(m, b, model.qk_rope_head_dim, u32, or ROPE_DIM)?,
+        index_n_heads: field!(m, b, model.index_n_heads, u32)?,
+        index_head_dim: field!(m, b, model.index_head_dim, u32, or INDEX_HEAD_DIM)?,
+        index_topk: field!(m, b, model.index_topk, u32)?,
+        page_size: field!(m, b, model.page_size, u32, or PAGE_TOKENS)?,
+        kv_dtype: field!(m, b, model.kv_dtype, named KvDtype)?,
+        index_k_dtype: field!(m, b, model.index_k_dtype, named IndexKDtype)?,
+        index_k_ue8m0: field!(m, b, model.index_k_ue8m0, bool, or false)?,
+        context_tokens_max: field!(m, b, model.context_tokens_max, u32)?,
+        prefill_indexer: field!(
+            m,
+            b,
+            model.prefill_indexer,
+            named PrefillIndexer,
+            or PrefillIndexer::EveryToken
+        )?,
+    };
+    m.finish()?;
+    Ok(model)
+}
+
+fn cache_section(c: &Fields, b: Option<&Config>) -> ConfigResult<CacheConfig> {
+    let (ratio, tokens) = (key!(cache.host_ratio), key!(cache.host_tokens));
+    let host = match (c.get(ratio), c.get(tokens)) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::Invalid {
+                field: tokens.path,
+                value: format!("(with {})", ratio.path),
+                rule: format!("give either {} or {}, not both", ratio.path, tokens.path),
+            })
+        }
+        (Some(_), None) => HostCapacity::Ratio(c.f64(ratio)?),
+        (None, Some(_)) => HostCapacity::Tokens(c.u64(tokens, None)?),
+        (None, None) => b
+            .map(|b| b.cache.host)
+            .ok_or(ConfigError::Missing { field: ratio.path })?,
+    };
+    let cache = CacheConfig {
+        device_pages: field!(c, b, cache.device_pages, u32)?,
+        host,
+        host_layout: field!(c, b, cache.host_layout, named HostLayout)?,
+        write_policy: field!(c, b, cache.write_policy, named WritePolicy)?,
+        load_slots: field!(c, b, cache.load_slots, u32, or 3)?,
+    };
+    c.finish()?;
+    Ok(cache)
+}
+
+fn scheduler_section(s: &Fields, b: Option<&Config>) -> ConfigResult<SchedulerConfig> {
+    let sched = SchedulerConfig {
+        queued_requests_max: field!(s, b, scheduler.queued_requests_max, u32)?,
+        pending_tokens_max: field!(s, b, scheduler.pending_tokens_max, u64)?,
+        prefill_tokens_per_step_max: field!(s, b, scheduler.prefill_tokens_per_step_max, u32)?,
+        running_requests_max: field!(s, b, scheduler.running_requests_max, u32)?,
+        output_tokens_max: field!(s, b, scheduler.output_tokens_max, u32)?,
+    };
+    s.finish()?;
+    Ok(sched)
+}
+
 /// One section's fields, consumed as they are read so that leftovers are reported as unknown.
 struct Fields<'a> {
     section: &'static str,
@@ -779,23 +734,35 @@ struct Fields<'a> {
 }
 
 impl<'a> Fields<'a> {
-    fn new(section: &'static str, map: &'a Map<String, Value>) -> Self {
-        Fields {
+    /// Section `section` of the document (an absent section reads as empty).
+    fn of(
+        top: &'a Map<String, Value>,
+        section: &'static str,
+        empty: &'a Map<String, Value>,
+    ) -> ConfigResult<Fields<'a>> {
+        let map = match top.get(section) {
+            None => empty,
+            Some(Value::Object(m)) => m,
+            Some(other) => {
+                return Err(ConfigError::Type {
+                    field: section,
+                    expected: "a table",
+                    found: kind(other),
+                })
+            }
+        };
+        Ok(Fields {
             section,
             map,
             seen: std::cell::RefCell::new(Vec::new()),
-        }
+        })
     }
-    fn get(&self, key: &'static str) -> Option<&'a Value> {
-        self.seen.borrow_mut().push(key);
-        self.map.get(key)
+    fn get(&self, key: Key) -> Option<&'a Value> {
+        self.seen.borrow_mut().push(key.name);
+        self.map.get(key.name)
     }
-    fn u64(
-        &self,
-        key: &'static str,
-        field: &'static str,
-        default: Option<u64>,
-    ) -> ConfigResult<u64> {
+    fn u64(&self, key: Key, default: Option<u64>) -> ConfigResult<u64> {
+        let field = key.path;
         match self.get(key) {
             None => default.ok_or(ConfigError::Missing { field }),
             Some(v) => v.as_u64().ok_or_else(|| match v.as_i64() {
@@ -812,37 +779,29 @@ impl<'a> Fields<'a> {
             }),
         }
     }
-    fn u32(
-        &self,
-        key: &'static str,
-        field: &'static str,
-        default: Option<u32>,
-    ) -> ConfigResult<u32> {
-        let v = self.u64(key, field, default.map(u64::from))?;
+    fn u32(&self, key: Key, default: Option<u32>) -> ConfigResult<u32> {
+        let v = self.u64(key, default.map(u64::from))?;
         u32::try_from(v).map_err(|_| ConfigError::Invalid {
-            field,
+            field: key.path,
             value: v.to_string(),
             rule: "must fit in 32 bits".into(),
         })
     }
-    fn f64(&self, key: &'static str, field: &'static str) -> ConfigResult<f64> {
-        let v = self.get(key).ok_or(ConfigError::Missing { field })?;
+    fn f64(&self, key: Key) -> ConfigResult<f64> {
+        let v = self
+            .get(key)
+            .ok_or(ConfigError::Missing { field: key.path })?;
         v.as_f64().ok_or_else(|| ConfigError::Type {
-            field,
+            field: key.path,
             expected: "a number",
             found: kind(v),
         })
     }
-    fn bool(
-        &self,
-        key: &'static str,
-        field: &'static str,
-        default: Option<bool>,
-    ) -> ConfigResult<bool> {
+    fn bool(&self, key: Key, default: Option<bool>) -> ConfigResult<bool> {
         match self.get(key) {
-            None => default.ok_or(ConfigError::Missing { field }),
+            None => default.ok_or(ConfigError::Missing { field: key.path }),
             Some(v) => v.as_bool().ok_or_else(|| ConfigError::Type {
-                field,
+                field: key.path,
                 expected: "true or false",
                 found: kind(v),
             }),
@@ -850,21 +809,20 @@ impl<'a> Fields<'a> {
     }
     fn name<T>(
         &self,
-        key: &'static str,
-        field: &'static str,
+        key: Key,
         expected: &'static [&'static str],
         parse: impl Fn(&str) -> Option<T>,
         default: Option<T>,
     ) -> ConfigResult<T> {
         match self.get(key) {
-            None => default.ok_or(ConfigError::Missing { field }),
+            None => default.ok_or(ConfigError::Missing { field: key.path }),
             Some(Value::String(s)) => parse(s).ok_or_else(|| ConfigError::UnknownName {
-                field,
+                field: key.path,
                 value: s.clone(),
                 expected,
             }),
             Some(v) => Err(ConfigError::Type {
-                field,
+                field: key.path,
                 expected: "a string",
                 found: kind(v),
             }),

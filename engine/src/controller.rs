@@ -1,5 +1,9 @@
-//! The cache controller: backups (device → host on the write stream) and layer-wise loads
-//! (host → device on the load stream), and their acknowledgements.
+//! The cache controller: it owns the loads in flight (host → device on the load stream), the ring
+//! of load slots and their events, the backups in flight (device → host on the write stream), the
+//! backups deferred behind an ancestor's, and the pool of free events. It moves pages between the
+//! tiers and keeps the prefix cache's load and backup state in step with the copies; it never
+//! touches a request. What an acknowledgement means for a request comes back as an effect
+//! ([`LoadAck`]) that the engine hands to the scheduler.
 //!
 //! Backup: the write stream waits for the compute stream's last step event, copies every layer
 //! (KV and index-K) of the nodes' device pages to their new host pages, and records a finish event;
@@ -11,39 +15,87 @@
 //! last event; nothing is published before the host sees the copy finished. A failed copy leaves
 //! the cache consistent: nothing is published, pins and locks are released, and the request
 //! recomputes those tokens into the pages it already holds.
+//!
+//! Invariants (asserted where they change): every load in flight occupies exactly its ring slot,
+//! and every occupied slot names a load in flight; a load has one device page per node, a backup
+//! one host page per node; the host sees a load's events complete before it acknowledges it.
 
-use crate::cache::NodeId;
-use crate::device::{Device, EventId, EventState, StreamKind};
-use crate::engine::{Engine, EngineError};
-use crate::layout::{BufferKind, LayerId, PageId, PAGE_TOKENS};
-use crate::mutants::Mutant;
-use crate::scheduler::Output;
+use crate::cache::{NodeId, PrefixCache};
+use crate::config::WritePolicy;
+use crate::device::{Clock, Device, DeviceError, EventId, EventState, StreamKind};
+use crate::error::EngineError;
+use crate::layout::{BufferKind, LayerId, Layout, PageId};
+use crate::metrics::Metrics;
+use crate::mutants::Mutants;
+use crate::pools::Pools;
 use crate::transfer::{Transfer, TransferError};
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// A load's id: sequential, never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LoadId(pub u64);
+
+impl fmt::Display for LoadId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "load{}", self.0)
+    }
+}
+
+/// What acknowledging a load means for its request, for the engine to apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadAck {
+    pub load: LoadId,
+    pub request: u64,
+    /// The copy finished and the nodes are published; otherwise nothing was, the nodes' locks
+    /// are released, and the request must recompute their tokens.
+    pub ok: bool,
+    /// Nodes the load covered (the tail of the request's matched prefix).
+    pub nodes: usize,
+    /// Its request was aborted meanwhile: the controller already released what it held.
+    pub orphaned: bool,
+}
 
 /// A load in flight.
 #[derive(Clone, Debug)]
-pub struct Load {
-    pub request: u64,
-    pub slot: usize,
-    pub nodes: Vec<NodeId>,
-    pub dev_pages: Vec<PageId>,
-    pub issued_ns: u64,
+struct Load {
+    request: u64,
+    slot: usize,
+    nodes: Vec<NodeId>,
+    dev_pages: Vec<PageId>,
+    issued_ns: u64,
     /// A copy could not even be enqueued: the load counts as failed.
-    pub enqueue_failed: bool,
+    enqueue_failed: bool,
     /// Its request was aborted: the pages are freed (or published) at the ack, and nobody waits.
-    pub orphaned: bool,
-    /// Mutant 12 freed the pages already.
-    pub pages_freed_early: bool,
-    /// Mutant 6 published the pages already.
-    pub published_early: bool,
+    orphaned: bool,
 }
 
 /// A backup in flight.
 #[derive(Clone, Debug)]
-pub struct Backup {
-    pub nodes: Vec<NodeId>,
-    pub event: EventId,
-    pub issued_ns: u64,
+struct Backup {
+    nodes: Vec<NodeId>,
+    event: EventId,
+    issued_ns: u64,
+}
+
+/// The ring of load slots: each slot's per-layer events, and the load that holds it.
+#[derive(Clone, Debug)]
+struct LoadRing {
+    holder: Vec<Option<LoadId>>,
+    events: Vec<Vec<EventId>>,
+    next: usize,
+}
+
+/// What one controller call works on, borrowed from the engine for the call.
+pub(crate) struct Io<'a, D, C, T> {
+    pub dev: &'a mut D,
+    pub clock: &'a C,
+    pub transfer: &'a mut T,
+    pub layout: &'a Layout,
+    pub pools: &'a mut Pools,
+    pub cache: &'a mut PrefixCache,
+    pub metrics: &'a mut Metrics,
+    pub mutants: Mutants,
 }
 
 /// The worse of two event states (Failed > Pending > Done).
@@ -56,290 +108,493 @@ fn worse(a: EventState, b: EventState) -> EventState {
     }
 }
 
-impl<D: Device, C: crate::device::Clock, T: Transfer> Engine<D, C, T> {
-    pub(crate) fn load_finish_event(&self, id: u64) -> EventId {
+pub(crate) struct CacheController {
+    write_policy: WritePolicy,
+    loads: BTreeMap<LoadId, Load>,
+    next_load: u64,
+    ring: LoadRing,
+    backups: Vec<Backup>,
+    /// Backups waiting for an ancestor's backup to be acknowledged (node and its generation).
+    deferred: Vec<(NodeId, u64)>,
+    free_events: Vec<EventId>,
+}
+
+impl CacheController {
+    /// A controller with `load_slots` ring slots of one event per layer.
+    pub(crate) fn new<D: Device>(
+        dev: &mut D,
+        write_policy: WritePolicy,
+        load_slots: u32,
+        layers: u32,
+    ) -> Result<Self, DeviceError> {
+        let events = (0..load_slots)
+            .map(|_| (0..layers).map(|_| dev.new_event()).collect())
+            .collect::<Result<Vec<Vec<EventId>>, DeviceError>>()?;
+        Ok(CacheController {
+            write_policy,
+            loads: BTreeMap::new(),
+            next_load: 0,
+            ring: LoadRing {
+                holder: vec![None; load_slots as usize],
+                events,
+                next: 0,
+            },
+            backups: Vec::new(),
+            deferred: Vec::new(),
+            free_events: Vec::new(),
+        })
+    }
+
+    /// No load and no backup in flight.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.loads.is_empty() && self.backups.is_empty()
+    }
+    pub(crate) fn loads_in_flight(&self) -> usize {
+        self.loads.len()
+    }
+    pub(crate) fn backups_in_flight(&self) -> usize {
+        self.backups.len()
+    }
+
+    /// Device pages that loads in flight hold outside the tree (all of them, except under the
+    /// mutants that publish or free them early).
+    pub(crate) fn loading_pages(&self, mutants: Mutants) -> usize {
+        if mutants.load_publishes_at_issue() {
+            return 0;
+        }
+        self.loads
+            .values()
+            .filter(|l| !(l.orphaned && mutants.abort_frees_load_pages()))
+            .map(|l| l.dev_pages.len())
+            .sum()
+    }
+
+    fn finish_event(&self, id: LoadId) -> EventId {
         let slot = self.loads[&id].slot;
-        *self.ring_events[slot].last().expect("at least one layer")
+        *self.ring.events[slot].last().expect("at least one layer")
     }
 
-    /// The event the compute stream waits on before touching local layer `layer` of load `id`.
-    pub(crate) fn load_layer_event(&self, id: u64, layer: usize) -> EventId {
-        self.ring_events[self.loads[&id].slot][layer]
+    /// For each of `loads`, its event of every local layer: what the layer gates wait for.
+    pub(crate) fn layer_events(&self, loads: &[LoadId]) -> Vec<Vec<EventId>> {
+        loads
+            .iter()
+            .map(|id| self.ring.events[self.loads[id].slot].clone())
+            .collect()
     }
 
-    /// Copies every layer of `pairs` (source page, destination page) between the tiers.
-    fn copy_all_layers(
-        &mut self,
+    /// Checks the ring against the loads in flight; panics on the first broken invariant.
+    pub(crate) fn check_invariants(&self) {
+        for (slot, holder) in self.ring.holder.iter().enumerate() {
+            if let Some(id) = holder {
+                let load = self
+                    .loads
+                    .get(id)
+                    .unwrap_or_else(|| panic!("ring slot {slot} names {id}, not in flight"));
+                assert_eq!(
+                    load.slot, slot,
+                    "{id} holds slot {slot} but says {}",
+                    load.slot
+                );
+            }
+        }
+        for (id, load) in &self.loads {
+            assert_eq!(
+                self.ring.holder[load.slot],
+                Some(*id),
+                "{id} in flight without its ring slot {}",
+                load.slot
+            );
+            assert_eq!(
+                load.nodes.len(),
+                load.dev_pages.len(),
+                "{id}: nodes vs pages"
+            );
+        }
+    }
+
+    /// Copies every layer of `pairs` (source page, destination page) between the tiers, recording
+    /// `events[l]` after layer `l`. Returns whether some copy could not be enqueued.
+    fn copy_all_layers<D: Device, C: Clock, T: Transfer>(
+        io: &mut Io<'_, D, C, T>,
         stream: StreamKind,
         to_host: bool,
         pairs: &[(PageId, PageId)],
         events: Option<&[EventId]>,
-        skip_index_k: bool,
     ) -> Result<bool, EngineError> {
         let mut enqueue_failed = false;
-        for l in 0..self.layout.layers() {
+        for l in 0..io.layout.layers() {
             let layer = LayerId(l);
             for kind in BufferKind::ALL {
-                if kind == BufferKind::IndexK && skip_index_k {
+                if kind == BufferKind::IndexK && to_host && io.mutants.backup_skips_index_k() {
                     continue;
                 }
-                let dev = self.pools.device_side(kind, layer);
-                let host = self.pools.host_side(kind, layer);
-                let (src, dst) = if to_host { (dev, host) } else { (host, dev) };
-                match self
-                    .transfer
-                    .copy_pages(&mut self.dev, stream, src, dst, pairs)
-                {
+                let dev = io.pools.device_side(kind, layer);
+                let host = io.pools.host_side(kind, layer);
+                let (src, mut dst) = if to_host { (dev, host) } else { (host, dev) };
+                if io.mutants.copy_trusts_source_size() {
+                    dst.view.fingerprint = src.view.fingerprint;
+                }
+                match io.transfer.copy_pages(io.dev, stream, src, dst, pairs) {
                     Ok(()) => {}
                     // A copy the backend could not take is a failed transfer, handled like one
                     // that failed in flight; a layout refusal is a bug and stops the engine.
-                    Err(TransferError::Device(crate::device::DeviceError::Backend { .. })) => {
+                    Err(TransferError::Device(DeviceError::Backend { .. })) => {
                         enqueue_failed = true
                     }
                     Err(e) => return Err(e.into()),
                 }
             }
             if let Some(evs) = events {
-                self.dev.record(stream, evs[l as usize]);
+                io.dev.record(stream, evs[l as usize])?;
             }
         }
         Ok(enqueue_failed)
     }
 
-    /// Issues the load of host-only `nodes` into `dev_pages` for request `request`.
-    pub(crate) fn issue_load(
+    /// The next ring slot, free: a previous holder is waited for (its finish event) and
+    /// acknowledged first. Returns the slot and that acknowledgement.
+    fn claim_slot<D: Device, C: Clock, T: Transfer>(
         &mut self,
+        io: &mut Io<'_, D, C, T>,
+    ) -> (usize, Option<LoadAck>) {
+        let slot = self.ring.next;
+        self.ring.next = (slot + 1) % self.ring.holder.len();
+        let mut reclaimed = None;
+        if let Some(old) = self.ring.holder[slot] {
+            // The slot's events are about to be re-recorded: its previous load must be over.
+            if !io.mutants.slot_reused_without_wait() {
+                let fin = self.finish_event(old);
+                io.dev.synchronize(fin);
+            }
+            reclaimed = self.ack(io, old);
+        }
+        assert_eq!(
+            self.ring.holder[slot], None,
+            "ring slot {slot} claimed while held"
+        );
+        (slot, reclaimed)
+    }
+
+    /// Issues the load of host-only `nodes` into `dev_pages` for `request`. Returns the load and
+    /// the acknowledgement of the load that held its ring slot before, if any.
+    pub(crate) fn issue_load<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
         request: u64,
         nodes: Vec<NodeId>,
         dev_pages: Vec<PageId>,
-    ) -> Result<u64, EngineError> {
-        let slot = self.ring_next;
-        self.ring_next = (slot + 1) % self.ring.len();
-        if let Some(old) = self.ring[slot] {
-            // The slot's events are about to be re-recorded: its previous load must be over.
-            if !self.mutants.on(Mutant::LoadSlotReusedEarly) {
-                let fin = self.load_finish_event(old);
-                self.dev.synchronize(fin);
-            }
-            self.ack_load(old)?;
-        }
+    ) -> Result<(LoadId, Option<LoadAck>), EngineError> {
+        assert_eq!(
+            nodes.len(),
+            dev_pages.len(),
+            "a load has one device page per node"
+        );
+        let (slot, reclaimed) = self.claim_slot(io);
         let host_pages: Vec<PageId> = nodes
             .iter()
-            .map(|&n| self.cache.node(n).host.expect("loading a backed-up node"))
+            .map(|&n| io.cache.node(n).host.expect("loading a backed-up node"))
             .collect();
-        self.cache.begin_load(&nodes, &dev_pages);
-        let published_early = self.mutants.on(Mutant::PublishBeforeCopy);
-        if published_early {
-            self.cache.publish_early(&nodes);
+        io.cache.begin_load(&nodes, &dev_pages);
+        if io.mutants.load_publishes_at_issue() {
+            io.cache.publish_early(&nodes);
         }
-        let id = self.next_load;
+        let id = LoadId(self.next_load);
         self.next_load += 1;
         let pairs: Vec<(PageId, PageId)> = host_pages
-            .iter()
-            .copied()
+            .into_iter()
             .zip(dev_pages.iter().copied())
             .collect();
-        let events = self.ring_events[slot].clone();
+        let events = self.ring.events[slot].clone();
         let enqueue_failed =
-            self.copy_all_layers(StreamKind::Load, false, &pairs, Some(&events), false)?;
-        self.ring[slot] = Some(id);
-        self.metrics.loads += 1;
-        self.metrics.load_bytes += pairs.len() as u64
-            * self.layout.layers() as u64
-            * (self.layout.page_bytes(BufferKind::Kv).0
-                + self.layout.page_bytes(BufferKind::IndexK).0);
-        self.loads.insert(
-            id,
-            Load {
-                request,
-                slot,
-                nodes,
-                dev_pages,
-                issued_ns: self.clock.now_ns(),
-                enqueue_failed,
-                orphaned: false,
-                pages_freed_early: false,
-                published_early,
-            },
-        );
-        Ok(id)
+            Self::copy_all_layers(io, StreamKind::Load, false, &pairs, Some(&events))?;
+        self.ring.holder[slot] = Some(id);
+        io.metrics.loads += 1;
+        io.metrics.load_bytes += io.layout.transfer_bytes(pairs.len() as u64).0;
+        let load = Load {
+            request,
+            slot,
+            nodes,
+            dev_pages,
+            issued_ns: io.clock.now_ns(),
+            enqueue_failed,
+            orphaned: false,
+        };
+        self.loads.insert(id, load);
+        Ok((id, reclaimed))
     }
 
-    /// Acknowledges load `id` once its events answer: publishes or unwinds. Returns whether it
-    /// succeeded, or `None` when the load was unknown (already acknowledged).
-    pub(crate) fn ack_load(&mut self, id: u64) -> Result<Option<bool>, EngineError> {
-        let Some(load) = self.loads.remove(&id) else {
-            return Ok(None);
-        };
-        if self.ring[load.slot] == Some(id) {
-            self.ring[load.slot] = None;
-        }
-        let mut state = EventState::Done;
-        for l in 0..self.layout.layers() as usize {
-            let ev = self.ring_events[load.slot][l];
-            state = worse(state, self.dev.query(ev));
-        }
-        // Pending only under mutant 11 (ack without waiting): it then takes the copy as done.
+    /// Acknowledges load `id` once its events answer: publishes or unwinds the nodes, releases
+    /// what an orphaned load held. `None` when the load is unknown (already acknowledged).
+    pub(crate) fn ack<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        id: LoadId,
+    ) -> Option<LoadAck> {
+        let load = self.loads.remove(&id)?;
+        assert_eq!(
+            self.ring.holder[load.slot],
+            Some(id),
+            "{id} acknowledged without its ring slot"
+        );
+        self.ring.holder[load.slot] = None;
+        let state = self.ring.events[load.slot]
+            .iter()
+            .fold(EventState::Done, |s, &ev| worse(s, io.dev.query(ev)));
+        assert!(
+            state != EventState::Pending || io.mutants.acks_may_precede_copy(),
+            "{id} acknowledged while its copy is in flight"
+        );
+        // Pending only under the mutants that ack without waiting: the copy is then taken as done.
         let ok = state != EventState::Failed && !load.enqueue_failed;
-        let unpublished = if load.published_early {
-            self.cache.unpin(&load.nodes);
+        let unpublished = if io.mutants.load_publishes_at_issue() {
+            io.cache.unpin(&load.nodes);
             Vec::new()
         } else {
-            self.cache.finish_load(&load.nodes, ok)
+            io.cache.finish_load(&load.nodes, ok)
         };
-        self.metrics
+        io.metrics
             .load_latency
-            .observe(self.clock.now_ns().saturating_sub(load.issued_ns));
+            .observe(io.clock.now_ns().saturating_sub(load.issued_ns));
         if !ok {
-            self.metrics.load_failures += 1;
+            io.metrics.load_failures += 1;
         }
-        let live = !load.orphaned && self.requests.contains_key(&load.request);
-        if !live {
+        if load.orphaned {
             // The request is gone: drop its lock on the loaded nodes; free pages nobody holds.
-            self.cache.unlock(&load.nodes);
-            if !load.pages_freed_early {
-                self.pools.device.pages.free(&unpublished);
+            io.cache.unlock(&load.nodes);
+            if !io.mutants.abort_frees_load_pages() {
+                io.pools.device_pages.free(&unpublished);
             }
-            return Ok(Some(ok));
-        }
-        let r = self.requests.get_mut(&load.request).expect("live request");
-        r.load = None;
-        if !ok {
+        } else if !ok {
             // Nothing was published: the pages stay with the request, which recomputes them.
-            let device_hits = r.owned_from - load.nodes.len();
-            r.locked.truncate(device_hits);
-            r.owned_from = device_hits;
-            r.computed = device_hits * PAGE_TOKENS as usize;
-            let tokens = (load.nodes.len() * PAGE_TOKENS as usize) as u32;
-            self.cache.unlock(&load.nodes);
-            self.emit(Output::Recompute {
-                request: load.request,
-                tokens,
-            });
+            io.cache.unlock(&load.nodes);
         }
-        Ok(Some(ok))
+        Some(LoadAck {
+            load: id,
+            request: load.request,
+            ok,
+            nodes: load.nodes.len(),
+            orphaned: load.orphaned,
+        })
     }
 
-    /// Acknowledges loads whose request is not running a forward right now and whose copy ended.
-    pub(crate) fn poll_loads(&mut self) -> Result<(), EngineError> {
-        let ids: Vec<u64> = self.loads.keys().copied().collect();
+    /// Acknowledges the loads whose copy ended.
+    pub(crate) fn poll_loads<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+    ) -> Vec<LoadAck> {
+        let ids: Vec<LoadId> = self.loads.keys().copied().collect();
+        let mut acks = Vec::new();
         for id in ids {
-            let fin = self.load_finish_event(id);
-            if self.dev.query(fin) != EventState::Pending {
-                self.ack_load(id)?;
+            let fin = self.finish_event(id);
+            if io.dev.query(fin) != EventState::Pending {
+                acks.extend(self.ack(io, id));
             }
         }
-        Ok(())
+        acks
     }
 
-    /// Backs up the path ending at `last` (the part not yet backed up). Returns whether a backup
-    /// was issued (it is not when the host tier cannot make room).
-    pub(crate) fn issue_backup(&mut self, last: NodeId) -> Result<bool, EngineError> {
-        let nodes = self.cache.needs_backup(last);
+    /// Waits for the oldest load in flight and acknowledges it.
+    pub(crate) fn wait_oldest_load<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+    ) -> Option<LoadAck> {
+        let &id = self.loads.keys().next()?;
+        let fin = self.finish_event(id);
+        io.dev.synchronize(fin);
+        self.ack(io, id)
+    }
+
+    /// The load's request was aborted: nobody waits for it any more. Returns the nodes it loads
+    /// (the load keeps their lock until its acknowledgement).
+    pub(crate) fn orphan(
+        &mut self,
+        id: LoadId,
+        pools: &mut Pools,
+        mutants: Mutants,
+    ) -> Vec<NodeId> {
+        let Some(load) = self.loads.get_mut(&id) else {
+            return Vec::new();
+        };
+        load.orphaned = true;
+        if mutants.abort_frees_load_pages() {
+            // The bug of mutant 12: the load's pages go back before its finish event.
+            pools.device_pages.free(&load.dev_pages);
+        }
+        load.nodes.clone()
+    }
+
+    /// Backs up the path ending at `last` (the part not yet backed up), after the compute
+    /// stream's `after` event. Returns whether a backup was issued (it is not when the host tier
+    /// cannot make room).
+    pub(crate) fn issue_backup<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        last: NodeId,
+        after: EventId,
+    ) -> Result<bool, EngineError> {
+        let nodes = io.cache.needs_backup(last);
         if nodes.is_empty() {
-            let entry = (last, self.cache.generation(last));
-            if self.cache.backup_deferred(last) && !self.deferred_backups.contains(&entry) {
+            let entry = (last, io.cache.generation(last));
+            if io.cache.backup_deferred(last) && !self.deferred.contains(&entry) {
                 // An ancestor's backup is in flight: retry once it is acknowledged.
-                self.deferred_backups.push(entry);
+                self.deferred.push(entry);
             }
             return Ok(false);
         }
-        let n = nodes.len();
-        let host_pages = match self.pools.host.pages.alloc(n) {
-            Some(p) => p,
-            None => {
-                let want = n - self.pools.host.pages.free_count() as usize;
-                let keep = self.cache.node(nodes[0]).parent;
-                if self.cache.host_evictable(keep) < want {
-                    // Evicting would drop host copies and still not make room: keep them.
-                    return Ok(false);
-                }
-                let freed = self.cache.evict_host(want, keep);
-                self.pools.host.pages.free(&freed);
-                match self.pools.host.pages.alloc(n) {
-                    Some(p) => p,
-                    None => return Ok(false),
-                }
-            }
+        let Some(host_pages) = Self::host_pages_for(io, &nodes) else {
+            return Ok(false);
         };
-        self.cache.begin_backup(&nodes, &host_pages);
-        let dev_pages: Vec<PageId> = nodes
+        assert_eq!(
+            host_pages.len(),
+            nodes.len(),
+            "a backup has one host page per node"
+        );
+        io.cache.begin_backup(&nodes, &host_pages);
+        let pairs: Vec<(PageId, PageId)> = nodes
             .iter()
-            .map(|&id| self.cache.node(id).device.expect("resident"))
-            .collect();
-        let pairs: Vec<(PageId, PageId)> = dev_pages
-            .into_iter()
+            .map(|&id| io.cache.node(id).device.expect("resident"))
             .zip(host_pages.iter().copied())
             .collect();
-        let event = self.take_event();
+        let event = match self.free_events.pop() {
+            Some(ev) => ev,
+            None => io.dev.new_event()?,
+        };
         // The pages were written by the compute stream: the copy starts after its last step.
-        self.dev.wait(StreamKind::Write, self.step_done);
-        let skip_ik = self.mutants.on(Mutant::IndexKNotMirrored);
-        let enqueue_failed =
-            self.copy_all_layers(StreamKind::Write, true, &pairs, None, skip_ik)?;
-        self.dev.record(StreamKind::Write, event);
-        self.metrics.backups += 1;
-        self.metrics.backup_bytes += pairs.len() as u64
-            * self.layout.layers() as u64
-            * (self.layout.page_bytes(BufferKind::Kv).0
-                + self.layout.page_bytes(BufferKind::IndexK).0);
+        io.dev.wait(StreamKind::Write, after)?;
+        let enqueue_failed = Self::copy_all_layers(io, StreamKind::Write, true, &pairs, None)?;
+        io.dev.record(StreamKind::Write, event)?;
+        io.metrics.backups += 1;
+        io.metrics.backup_bytes += io.layout.transfer_bytes(pairs.len() as u64).0;
         let b = Backup {
             nodes,
             event,
-            issued_ns: self.clock.now_ns(),
+            issued_ns: io.clock.now_ns(),
         };
         if enqueue_failed {
             // Nothing usable was written: unwind at once (the event still orders the host).
-            self.dev.synchronize(event);
-            self.finish_backup(b, false);
+            io.dev.synchronize(event);
+            self.finish_backup(io, b, false);
         } else {
             self.backups.push(b);
         }
         Ok(true)
     }
 
-    fn finish_backup(&mut self, b: Backup, ok: bool) {
-        let (host_free, dev_free) = self.cache.finish_backup(&b.nodes, ok);
-        self.pools.host.pages.free(&host_free);
-        self.pools.device.pages.free(&dev_free);
-        self.metrics
+    /// Host pages for a backup of `nodes`, evicting from the host tier when that makes room
+    /// without dropping the path's own ancestors.
+    fn host_pages_for<D: Device, C: Clock, T: Transfer>(
+        io: &mut Io<'_, D, C, T>,
+        nodes: &[NodeId],
+    ) -> Option<Vec<PageId>> {
+        let n = nodes.len();
+        if let Some(p) = io.pools.host_pages.alloc(n) {
+            return Some(p);
+        }
+        let want = n - io.pools.host_pages.free_count() as usize;
+        let keep = io.cache.node(nodes[0]).parent;
+        if io.cache.host_evictable(keep) < want {
+            // Evicting would drop host copies and still not make room: keep them.
+            return None;
+        }
+        let freed = io.cache.evict_host(want, keep);
+        io.pools.host_pages.free(&freed);
+        io.pools.host_pages.alloc(n)
+    }
+
+    fn finish_backup<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        b: Backup,
+        ok: bool,
+    ) {
+        let (host_free, dev_free) = io.cache.finish_backup(&b.nodes, ok);
+        io.pools.host_pages.free(&host_free);
+        io.pools.device_pages.free(&dev_free);
+        io.metrics
             .backup_latency
-            .observe(self.clock.now_ns().saturating_sub(b.issued_ns));
+            .observe(io.clock.now_ns().saturating_sub(b.issued_ns));
         if !ok {
-            self.metrics.backup_failures += 1;
+            io.metrics.backup_failures += 1;
         }
         self.free_events.push(b.event);
     }
 
     /// Retries backups that waited for an ancestor's backup (nodes that have gone are dropped).
-    pub(crate) fn retry_deferred_backups(&mut self) -> Result<(), EngineError> {
-        let pending = std::mem::take(&mut self.deferred_backups);
+    pub(crate) fn retry_deferred_backups<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        after: EventId,
+    ) -> Result<(), EngineError> {
+        let pending = std::mem::take(&mut self.deferred);
         for (node, generation) in pending {
             // The node may have gone, and its slot been reused for another one.
-            if self.cache.is_live(node) && self.cache.generation(node) == generation {
-                self.issue_backup(node)?;
+            if io.cache.is_live(node) && io.cache.generation(node) == generation {
+                self.issue_backup(io, node, after)?;
             }
         }
         Ok(())
     }
 
     /// Acknowledges finished backups; with `block`, waits for the oldest first.
-    pub(crate) fn poll_backups(&mut self, block: bool) {
+    pub(crate) fn poll_backups<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        block: bool,
+    ) {
         if block {
             if let Some(b) = self.backups.first() {
                 let ev = b.event;
-                self.dev.synchronize(ev);
+                io.dev.synchronize(ev);
             }
         }
         let mut i = 0;
         while i < self.backups.len() {
-            let state = self.dev.query(self.backups[i].event);
+            let state = io.dev.query(self.backups[i].event);
             if state == EventState::Pending {
                 i += 1;
                 continue;
             }
             let b = self.backups.remove(i);
-            self.finish_backup(b, state == EventState::Done);
+            self.finish_backup(io, b, state == EventState::Done);
         }
+    }
+
+    /// Whether a backup is in flight (a step with nothing to compute waits for it).
+    pub(crate) fn has_backups(&self) -> bool {
+        !self.backups.is_empty()
+    }
+
+    /// Device pages for a request, evicting from the device tier as needed (write-back evictions
+    /// issue their backups after the compute stream's `after` event).
+    pub(crate) fn alloc_device<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        n: usize,
+        after: EventId,
+    ) -> Result<Option<Vec<PageId>>, EngineError> {
+        if let Some(p) = io.pools.device_pages.alloc(n) {
+            return Ok(Some(p));
+        }
+        let deficit = n - io.pools.device_pages.free_count() as usize;
+        self.evict_device(io, deficit, after)?;
+        Ok(io.pools.device_pages.alloc(n))
+    }
+
+    /// Evicts up to `pages` device pages (unlocked nodes only, the write policy respected).
+    /// Returns how many were freed at once.
+    pub(crate) fn evict_device<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        pages: usize,
+        after: EventId,
+    ) -> Result<usize, EngineError> {
+        let ev = io.cache.evict_device(pages, self.write_policy);
+        io.pools.device_pages.free(&ev.freed);
+        for node in ev.write_back {
+            if !self.issue_backup(io, node, after)? {
+                io.cache.cancel_write_back(node);
+            }
+        }
+        Ok(ev.freed.len())
     }
 }

@@ -4,7 +4,9 @@
 //! logic, not of its ordering (the simulator adds the interleavings).
 
 use crate::device::*;
-use crate::layout::{BufferKind, Bytes};
+use crate::layout::{
+    f32_bytes, fp8_bytes, i32_bytes, u64_bytes, BufferKind, Bytes, INDEX_HEAD_DIM,
+};
 use tierkv_kernels::cpu;
 
 /// Buffers as plain bytes, indexed by `BufferId`.
@@ -30,11 +32,23 @@ impl Memory {
     pub fn bytes(&self, b: BufferId) -> &[u8] {
         &self.bufs[b.0 as usize]
     }
-    pub fn region(&self, r: Region) -> &[u8] {
-        &self.bufs[r.buffer.0 as usize][r.offset as usize..(r.offset + r.bytes) as usize]
+    pub fn range(&self, r: ByteRange) -> &[u8] {
+        &self.bufs[r.buffer.0 as usize][r.span()]
     }
-    fn region_mut(&mut self, r: Region) -> &mut [u8] {
-        &mut self.bufs[r.buffer.0 as usize][r.offset as usize..(r.offset + r.bytes) as usize]
+    pub fn range_mut(&mut self, r: ByteRange) -> &mut [u8] {
+        &mut self.bufs[r.buffer.0 as usize][r.span()]
+    }
+    pub fn region(&self, r: Region) -> &[u8] {
+        self.range(r.range())
+    }
+    /// The first `bytes` of a region (a launch may use less of a scratch region than it spans).
+    fn head(&self, r: Region, bytes: Bytes) -> &[u8] {
+        assert!(bytes <= r.bytes, "{bytes} B of a {} B region", r.bytes);
+        self.range(ByteRange::new(r.buffer, r.offset, bytes))
+    }
+    fn head_mut(&mut self, r: Region, bytes: Bytes) -> &mut [u8] {
+        assert!(bytes <= r.bytes, "{bytes} B of a {} B region", r.bytes);
+        self.range_mut(ByteRange::new(r.buffer, r.offset, bytes))
     }
     /// Runs `f` with one buffer taken out mutably and the rest readable.
     fn with_mut<T>(&mut self, b: BufferId, f: impl FnOnce(&Memory, &mut [u8]) -> T) -> T {
@@ -76,188 +90,140 @@ fn kerr(op: &'static str) -> impl Fn(tierkv_kernels::KernelError) -> DeviceError
 
 /// Runs one op on `mem` with the CPU references. The caller has already checked it (`check_op`).
 pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
-    let name = op.name();
-    match op {
-        Op::IndexKStore {
-            dst,
-            dtype,
-            ue8m0,
-            keys,
-            gamma,
-            beta,
-            rope,
-            slots,
-            ..
-        } => {
-            let fp = mem.desc(*dst).fingerprint;
-            let args = cpu::IndexKStoreArgs {
-                dtype: *dtype,
-                ue8m0: *ue8m0,
-                keys,
-                gamma,
-                beta,
-                rope,
-                slots,
-            };
-            mem.with_mut(*dst, |_, d| cpu::index_k_store(&args, d, fp))
-                .map_err(kerr(name))
-        }
-        Op::KvStore {
-            dst,
-            dtype,
-            rows,
-            slots,
-            ..
-        } => {
-            let fp = mem.desc(*dst).fingerprint;
-            let args = cpu::KvStoreArgs {
-                dtype: *dtype,
-                rows,
-                slots,
-            };
-            mem.with_mut(*dst, |_, d| cpu::kv_store(&args, d, fp))
-                .map_err(kerr(name))
-        }
-        Op::QPrep {
-            heads,
-            q,
-            weights,
-            rope,
-            q_out,
-            w_out,
-        } => {
-            let n = rope.len() / 64;
-            let mut qo = vec![0u8; n * *heads as usize * 128];
-            let mut wo = vec![0f32; n * *heads as usize];
-            let args = cpu::QPrepArgs {
-                heads: *heads as usize,
-                q,
-                weights,
-                rope,
-            };
-            cpu::q_prep(&args, &mut qo, &mut wo).map_err(kerr(name))?;
-            mem.region_mut(*q_out)[..qo.len()].copy_from_slice(&qo);
-            put(
-                &mut mem.region_mut(*w_out)[..wo.len() * 4],
-                &wo,
-                f32::to_le_bytes,
-            );
+    let r = match op {
+        Op::IndexKStore(o) => index_k_store(o, mem),
+        Op::KvStore(o) => kv_store(o, mem),
+        Op::QPrep(o) => q_prep(o, mem),
+        Op::IndexLogits(o) => index_logits(o, mem),
+        Op::TopK(o) => topk(o, mem),
+        Op::SparseRead(o) => sparse_read(o, mem),
+        Op::PageCopy(o) => page_copy(o, mem),
+        Op::Copy(o) => {
+            let data = mem.region(o.src).to_vec();
+            mem.range_mut(o.dst.range()).copy_from_slice(&data);
             Ok(())
         }
-        Op::IndexLogits {
-            dtype,
-            heads,
-            q,
-            w,
-            k,
-            page_table,
-            pt_stride,
-            context_lens,
-            out,
-            out_stride,
-            ..
-        } => {
-            let rows = context_lens.len();
-            let h = *heads as usize;
-            let qb = mem.region(*q)[..rows * h * 128].to_vec();
-            let wv = f32s(&mem.region(*w)[..rows * h * 4]);
-            let args = cpu::IndexLogitsArgs {
-                dtype: *dtype,
-                heads: h,
-                q: &qb,
-                weights: &wv,
-                page_table,
-                pt_stride: *pt_stride as usize,
-                context_lens,
-                out_stride: *out_stride as usize,
-            };
-            let mut o = vec![0f32; rows * *out_stride as usize];
-            cpu::index_logits(&args, mem.bytes(*k), mem.desc(*k).fingerprint, &mut o)
-                .map_err(kerr(name))?;
-            put(
-                &mut mem.region_mut(*out)[..o.len() * 4],
-                &o,
-                f32::to_le_bytes,
-            );
-            Ok(())
-        }
-        Op::TopK {
-            k,
-            logits,
-            stride,
-            context_lens,
-            page_table,
-            pt_stride,
-            out,
-        } => {
-            let rows = context_lens.len();
-            let lv = f32s(&mem.region(*logits)[..rows * *stride as usize * 4]);
-            let args = cpu::TopKArgs {
-                k: *k as usize,
-                logits: &lv,
-                stride: *stride as usize,
-                context_lens,
-                page_table,
-                pt_stride: *pt_stride as usize,
-            };
-            let mut o = vec![0i32; rows * *k as usize];
-            cpu::topk(&args, &mut o).map_err(kerr(name))?;
-            put(
-                &mut mem.region_mut(*out)[..o.len() * 4],
-                &o,
-                i32::to_le_bytes,
-            );
-            Ok(())
-        }
-        Op::SparseRead {
-            dtype,
-            k,
-            slots,
-            kv,
-            context_lens,
-            out,
-            ..
-        } => {
-            let rows = context_lens.len();
-            let sv = i32s(&mem.region(*slots)[..rows * *k as usize * 4]);
-            let args = cpu::SparseReadArgs {
-                dtype: *dtype,
-                k: *k as usize,
-                slots: &sv,
-            };
-            let mut o = vec![0u64; rows];
-            cpu::sparse_read(&args, mem.bytes(*kv), mem.desc(*kv).fingerprint, &mut o)
-                .map_err(kerr(name))?;
-            put(
-                &mut mem.region_mut(*out)[..o.len() * 8],
-                &o,
-                u64::to_le_bytes,
-            );
-            Ok(())
-        }
-        Op::PageCopy {
-            src,
-            src_view,
-            dst,
-            dst_view,
-            runs,
-        } => {
-            assert_ne!(
-                src, dst,
-                "page_copy within one buffer is not an engine operation"
-            );
-            mem.with_mut(*dst, |m, d| {
-                cpu::page_copy(m.bytes(*src), src_view, d, dst_view, runs)
-            })
-            .map_err(kerr(name))
-        }
-        Op::Copy { src, dst } => {
-            assert_eq!(src.bytes, dst.bytes, "copy sizes");
-            let data = mem.region(*src).to_vec();
-            mem.region_mut(*dst).copy_from_slice(&data);
-            Ok(())
-        }
-    }
+    };
+    r.map_err(kerr(op.name()))
+}
+
+type KResult = Result<(), tierkv_kernels::KernelError>;
+
+fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
+    let fp = mem.desc(o.dst).fingerprint;
+    let args = cpu::IndexKStoreArgs {
+        dtype: o.dtype,
+        ue8m0: o.ue8m0,
+        keys: &o.keys,
+        gamma: &o.gamma,
+        beta: &o.beta,
+        rope: &o.rope,
+        slots: &o.slots,
+    };
+    mem.with_mut(o.dst, |_, d| cpu::index_k_store(&args, d, fp))
+}
+
+fn kv_store(o: &KvStore, mem: &mut Memory) -> KResult {
+    let fp = mem.desc(o.dst).fingerprint;
+    let args = cpu::KvStoreArgs {
+        dtype: o.dtype,
+        rows: &o.rows,
+        slots: &o.slots,
+    };
+    mem.with_mut(o.dst, |_, d| cpu::kv_store(&args, d, fp))
+}
+
+fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
+    let values = o.rows() as u64 * o.heads as u64;
+    let mut qo = vec![0u8; fp8_bytes(values * INDEX_HEAD_DIM as u64).usize()];
+    let mut wo = vec![0f32; values as usize];
+    let args = cpu::QPrepArgs {
+        heads: o.heads as usize,
+        q: &o.q,
+        weights: &o.weights,
+        rope: &o.rope,
+    };
+    cpu::q_prep(&args, &mut qo, &mut wo)?;
+    mem.head_mut(o.q_out, fp8_bytes(qo.len() as u64))
+        .copy_from_slice(&qo);
+    put(
+        mem.head_mut(o.w_out, f32_bytes(values)),
+        &wo,
+        f32::to_le_bytes,
+    );
+    Ok(())
+}
+
+fn index_logits(o: &IndexLogits, mem: &mut Memory) -> KResult {
+    let rows = o.context_lens.len() as u64;
+    let h = o.heads as u64;
+    let qb = mem
+        .head(o.q, fp8_bytes(rows * h * INDEX_HEAD_DIM as u64))
+        .to_vec();
+    let wv = f32s(mem.head(o.w, f32_bytes(rows * h)));
+    let args = cpu::IndexLogitsArgs {
+        dtype: o.dtype,
+        heads: h as usize,
+        q: &qb,
+        weights: &wv,
+        page_table: &o.page_table,
+        pt_stride: o.pt_stride as usize,
+        context_lens: &o.context_lens,
+        out_stride: o.out_stride as usize,
+    };
+    let mut out = vec![0f32; (rows * o.out_stride as u64) as usize];
+    cpu::index_logits(&args, mem.bytes(o.k), mem.desc(o.k).fingerprint, &mut out)?;
+    put(
+        mem.head_mut(o.out, f32_bytes(out.len() as u64)),
+        &out,
+        f32::to_le_bytes,
+    );
+    Ok(())
+}
+
+fn topk(o: &TopK, mem: &mut Memory) -> KResult {
+    let rows = o.context_lens.len() as u64;
+    let lv = f32s(mem.head(o.logits, f32_bytes(rows * o.stride as u64)));
+    let args = cpu::TopKArgs {
+        k: o.k as usize,
+        logits: &lv,
+        stride: o.stride as usize,
+        context_lens: &o.context_lens,
+        page_table: &o.page_table,
+        pt_stride: o.pt_stride as usize,
+    };
+    let mut out = vec![0i32; (rows * o.k as u64) as usize];
+    cpu::topk(&args, &mut out)?;
+    put(
+        mem.head_mut(o.out, i32_bytes(out.len() as u64)),
+        &out,
+        i32::to_le_bytes,
+    );
+    Ok(())
+}
+
+fn sparse_read(o: &SparseRead, mem: &mut Memory) -> KResult {
+    let rows = o.context_lens.len() as u64;
+    let sv = i32s(mem.head(o.slots, i32_bytes(rows * o.k as u64)));
+    let args = cpu::SparseReadArgs {
+        dtype: o.dtype,
+        k: o.k as usize,
+        slots: &sv,
+    };
+    let mut out = vec![0u64; rows as usize];
+    cpu::sparse_read(&args, mem.bytes(o.kv), mem.desc(o.kv).fingerprint, &mut out)?;
+    put(mem.head_mut(o.out, u64_bytes(rows)), &out, u64::to_le_bytes);
+    Ok(())
+}
+
+fn page_copy(o: &PageCopy, mem: &mut Memory) -> KResult {
+    assert_ne!(
+        o.src, o.dst,
+        "page_copy within one buffer is not an engine operation"
+    );
+    mem.with_mut(o.dst, |m, d| {
+        cpu::page_copy(m.bytes(o.src), &o.src_view, d, &o.dst_view, &o.runs)
+    })
 }
 
 /// A device that runs every op at once, in enqueue order, with the CPU references. Events are done
@@ -311,19 +277,22 @@ impl Device for InOrderDevice {
     fn desc(&self, buf: BufferId) -> BufferDesc {
         self.mem.desc(buf)
     }
-    fn new_event(&mut self) -> EventId {
+    fn new_event(&mut self) -> Result<EventId, DeviceError> {
         self.events.push(EventState::Done);
-        EventId(self.events.len() as u32 - 1)
+        Ok(EventId(self.events.len() as u32 - 1))
     }
-    fn record(&mut self, stream: StreamKind, ev: EventId) {
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         let failed = std::mem::take(&mut self.failed_since_record[stream.index()]);
         self.events[ev.0 as usize] = if failed {
             EventState::Failed
         } else {
             EventState::Done
         };
+        Ok(())
     }
-    fn wait(&mut self, _stream: StreamKind, _ev: EventId) {}
+    fn wait(&mut self, _stream: StreamKind, _ev: EventId) -> Result<(), DeviceError> {
+        Ok(())
+    }
     fn query(&mut self, ev: EventId) -> EventState {
         self.events[ev.0 as usize]
     }
@@ -333,22 +302,28 @@ impl Device for InOrderDevice {
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
         check_op(&op, |b| self.mem.desc(b))?;
         self.log.push(op.name());
-        if matches!(op, Op::PageCopy { .. }) && self.fail_next_copies > 0 {
+        if matches!(op, Op::PageCopy(_)) && self.fail_next_copies > 0 {
             self.fail_next_copies -= 1;
             self.failed_since_record[stream.index()] = true;
             return Ok(());
         }
         run_op(&op, &mut self.mem)
     }
-    fn host_read(&mut self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
         check_host_access("host_read", buf, self.mem.desc(buf), offset, out.len())?;
-        out.copy_from_slice(&self.mem.bytes(buf)[offset as usize..offset as usize + out.len()]);
+        let r = ByteRange::new(buf, offset, Bytes(out.len() as u64));
+        out.copy_from_slice(self.mem.range(r));
         Ok(())
     }
-    fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
         check_host_access("host_write", buf, self.mem.desc(buf), offset, data.len())?;
-        self.mem.bufs[buf.0 as usize][offset as usize..offset as usize + data.len()]
-            .copy_from_slice(data);
+        let r = ByteRange::new(buf, offset, Bytes(data.len() as u64));
+        self.mem.range_mut(r).copy_from_slice(data);
         Ok(())
     }
 }

@@ -1,71 +1,92 @@
-//! The layer gate: the one accessor through which the model step reaches a layer's KV and index-K
-//! buffers. Before the compute stream touches layer `l`, the gate makes it wait for layer `l`'s
-//! event of every load the batch depends on. There is no other read path: the model step gets
-//! pool buffers only from [`LayerGate::index_k`] and [`LayerGate::kv`] (a test in `tests/it`
-//! checks that the pools' buffer accessor is named nowhere else).
+//! The layer gate: the one way the model step reaches a layer's KV and index-K buffers. Before
+//! the compute stream touches layer `l`, the gate makes it wait for layer `l`'s event of every
+//! load the batch depends on, and only then hands out a [`Gated`] value: the proof that the pools
+//! ask for ([`crate::pools::Pools::gated`]). `Gated` has private fields and no constructor
+//! outside this module, so no other read path can exist — the type system keeps the invariant
+//! that every KV and index-K read waits for its layer's load.
 
-use crate::device::{BufferId, Clock, Device, StreamKind};
-use crate::engine::Engine;
+use crate::device::{Device, DeviceError, EventId, StreamKind};
 use crate::layout::{BufferKind, LayerId};
-use crate::mutants::Mutant;
-use crate::transfer::Transfer;
+use crate::mutants::Mutants;
 
-pub(crate) struct LayerGate {
+/// Proof that the compute stream waits for every load of layer `layer` before the work that
+/// follows; only [`LayerGate`] makes one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gated {
+    kind: BufferKind,
+    layer: LayerId,
+}
+
+impl Gated {
+    pub fn kind(&self) -> BufferKind {
+        self.kind
+    }
+    pub fn layer(&self) -> LayerId {
+        self.layer
+    }
+}
+
+/// The gate of one local layer for one batch.
+pub(crate) struct LayerGate<'a> {
     layer: usize,
-    loads: Vec<u64>,
+    /// Per load the batch depends on: its event for each local layer.
+    loads: &'a [Vec<EventId>],
+    layer_base: u32,
+    mutants: Mutants,
     waited: bool,
 }
 
-impl LayerGate {
+impl<'a> LayerGate<'a> {
     /// The gate of local layer `layer` for a batch that depends on `loads`.
-    pub(crate) fn new(layer: usize, loads: Vec<u64>) -> Self {
+    pub(crate) fn new(
+        layer: usize,
+        loads: &'a [Vec<EventId>],
+        layer_base: u32,
+        mutants: Mutants,
+    ) -> Self {
         LayerGate {
             layer,
             loads,
+            layer_base,
+            mutants,
             waited: false,
         }
     }
 
-    fn ensure<D: Device, C: Clock, T: Transfer>(&mut self, eng: &mut Engine<D, C, T>) {
+    /// The compute stream waits for the layer's event of every load (once per gate).
+    fn ensure<D: Device>(&mut self, dev: &mut D) -> Result<(), DeviceError> {
         if self.waited {
-            return;
+            return Ok(());
         }
         self.waited = true;
-        let layers = eng.layout.layers() as usize;
-        for &load in &self.loads {
-            let index = if eng.mutants.on(Mutant::GlobalLayerCounter) {
-                // The bug: the counter is indexed by the global layer id; past the local range it
-                // reads as "already loaded".
-                self.layer + eng.cfg.model.layer_base as usize
-            } else {
-                self.layer
-            };
-            if index < layers {
-                let ev = eng.load_layer_event(load, index);
-                eng.dev.wait(StreamKind::Compute, ev);
+        for events in self.loads {
+            // Past the local range the counter of mutant 7 reads as "already loaded".
+            let index = self.mutants.gate_layer_index(self.layer, self.layer_base);
+            if let Some(&ev) = events.get(index) {
+                dev.wait(StreamKind::Compute, ev)?;
             }
+        }
+        Ok(())
+    }
+
+    fn gated(&self, kind: BufferKind) -> Gated {
+        Gated {
+            kind,
+            layer: LayerId(self.layer as u32),
         }
     }
 
     /// The layer's index-K pool, after the wait.
-    pub(crate) fn index_k<D: Device, C: Clock, T: Transfer>(
-        &mut self,
-        eng: &mut Engine<D, C, T>,
-    ) -> BufferId {
-        if !eng.mutants.on(Mutant::UngatedIndexKRead) {
-            self.ensure(eng);
+    pub(crate) fn index_k<D: Device>(&mut self, dev: &mut D) -> Result<Gated, DeviceError> {
+        if !self.mutants.index_k_read_ungated() {
+            self.ensure(dev)?;
         }
-        eng.pools
-            .device_buffer(BufferKind::IndexK, LayerId(self.layer as u32))
+        Ok(self.gated(BufferKind::IndexK))
     }
 
     /// The layer's KV pool, after the wait.
-    pub(crate) fn kv<D: Device, C: Clock, T: Transfer>(
-        &mut self,
-        eng: &mut Engine<D, C, T>,
-    ) -> BufferId {
-        self.ensure(eng);
-        eng.pools
-            .device_buffer(BufferKind::Kv, LayerId(self.layer as u32))
+    pub(crate) fn kv<D: Device>(&mut self, dev: &mut D) -> Result<Gated, DeviceError> {
+        self.ensure(dev)?;
+        Ok(self.gated(BufferKind::Kv))
     }
 }

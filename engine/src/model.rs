@@ -3,29 +3,134 @@
 //! store; `sparse_read` of the selected rows into digests. The digests come back through pinned
 //! host memory after one synchronisation per step; a request's output is its sequence of digests.
 //!
-//! Every input vector comes from the synthetic model, so the oracles can recompute any byte.
+//! The step owns its scratch buffers (sized by the layout module's `ScratchLayout`), the
+//! indexer's LayerNorm parameters and the event that marks the end of a step. It reaches the
+//! pools only through the layer gate's proofs, and every input vector comes from the synthetic
+//! model, so the oracles can recompute any byte.
 
-use crate::device::{Clock, Device, Op, RowTag, RowTags, StreamKind};
-use crate::engine::{Engine, EngineError, QUERY_ROWS_PER_LAUNCH};
+use crate::config::Config;
+use crate::device::{
+    BufferDesc, BufferId, BufferRole, Device, DeviceError, EventId, IndexKStore, IndexLogits,
+    KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RowTag, RowTags, SparseRead, StreamKind,
+    TopK,
+};
+use crate::error::EngineError;
 use crate::gate::LayerGate;
-use crate::layout::{IndexKDtype, PAGE_TOKENS};
-use crate::mutants::Mutant;
-use crate::transfer::Transfer;
+use crate::layout::{
+    slot, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, ScratchBuffer, ScratchLayout,
+    ScratchParams, PAGE_TOKENS,
+};
+use crate::mutants::Mutants;
+use crate::pools::Pools;
+use crate::scheduler::{Row, Scheduler};
+use crate::synth::Synth;
+use std::sync::Arc;
 use tierkv_kernels::rope::rope_row;
 
-/// One request's part of a batch: store positions `from..to`, run the indexer at `queries`.
+/// Query rows per indexer launch.
+pub const QUERY_ROWS_PER_LAUNCH: u32 = 64;
+
+/// The step scratch: one buffer per [`ScratchBuffer`], sized once at start (the steady state does
+/// not allocate device memory).
 #[derive(Clone, Debug)]
-pub struct Row {
-    pub request: u64,
-    pub from: usize,
-    pub to: usize,
-    pub queries: Vec<u32>,
+struct Scratch {
+    layout: ScratchLayout,
+    buffers: Vec<BufferId>,
 }
 
+impl Scratch {
+    fn alloc<D: Device>(dev: &mut D, layout: ScratchLayout) -> Result<Scratch, DeviceError> {
+        let mut buffers = Vec::new();
+        for b in ScratchBuffer::ALL {
+            let bytes = layout.bytes(b);
+            buffers.push(dev.alloc(BufferDesc {
+                role: BufferRole::Scratch { name: b.name() },
+                tier: match b {
+                    ScratchBuffer::Readback => MemoryTier::PinnedHost,
+                    _ => MemoryTier::Device,
+                },
+                bytes,
+                fingerprint: LayoutFingerprint::unpaged(bytes.0),
+            })?);
+        }
+        Ok(Scratch { layout, buffers })
+    }
+    fn buffer(&self, b: ScratchBuffer) -> BufferId {
+        self.buffers[b as usize]
+    }
+    fn region(&self, b: ScratchBuffer, (offset, bytes): (Bytes, Bytes)) -> Region {
+        Region {
+            buffer: self.buffer(b),
+            offset,
+            bytes,
+        }
+    }
+}
+
+/// The model's shape and dtypes as the step uses them (the zoo's points already applied).
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    layers: u32,
+    layer_base: u32,
+    heads: u32,
+    topk: u32,
+    pool_ik_dtype: IndexKDtype,
+    store_ik_dtype: IndexKDtype,
+    ue8m0: bool,
+    kv_dtype: KvDtype,
+}
+
+pub(crate) struct ModelStep {
+    shape: Shape,
+    scratch: Scratch,
+    ln: Vec<(Arc<[f32]>, Arc<[f32]>)>,
+    step_done: EventId,
+    synth: Synth,
+    mutants: Mutants,
+}
+
+/// One query row of the batch.
 struct Query {
     request: u64,
     position: u32,
     token: u32,
+}
+
+/// A batch made concrete: what to store, where, and which rows to query.
+struct Batch {
+    /// (request, position, token) of each new token.
+    store: Vec<(u64, u32, u32)>,
+    slots: Vec<i32>,
+    store_rope: Vec<f32>,
+    queries: Vec<Query>,
+    /// Each query's page-table row.
+    tables: Vec<Vec<i32>>,
+}
+
+impl Batch {
+    fn store_tags(&self, layer_global: u32) -> RowTags {
+        RowTags {
+            layer_global,
+            rows: self
+                .store
+                .iter()
+                .map(|t| RowTag {
+                    request: t.0,
+                    position: t.1,
+                })
+                .collect(),
+        }
+    }
+    /// Query rows `base..base + n` as one launch's rows.
+    fn chunks(&self, launch: usize) -> impl Iterator<Item = (usize, &[Query])> {
+        self.queries
+            .chunks(launch)
+            .enumerate()
+            .map(move |(i, c)| (i * launch, c))
+    }
+    fn page_table(&self, base: usize, n: usize) -> Vec<i32> {
+        self.tables[base..base + n].concat()
+    }
 }
 
 /// The oracles' view of a launch over query rows: whose query, at which position, in which layer.
@@ -42,235 +147,325 @@ fn query_tags(layer_global: u32, chunk: &[Query]) -> RowTags {
     }
 }
 
-impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
-    /// A request's page table row for the indexer kernels: page ids padded with -1.
-    fn page_table_row(&self, request: u64) -> Vec<i32> {
-        let r = &self.requests[&request];
-        let mut row = vec![-1i32; self.scratch.pt_stride as usize];
-        for (i, p) in r.pages.iter().enumerate().take(row.len()) {
-            row[i] = if self.mutants.on(Mutant::IndexKAddressedBySlot) {
-                // The bug: the page-indexed buffer is addressed with the page's first token slot.
-                (p.0 * PAGE_TOKENS) as i32
-            } else {
-                p.0 as i32
-            };
+fn context_lens(chunk: &[Query]) -> Vec<i32> {
+    chunk.iter().map(|c| c.position as i32 + 1).collect()
+}
+
+impl ModelStep {
+    /// The scratch layout of `cfg` (the zoo's `index_topk` point applied).
+    pub(crate) fn scratch_layout(
+        cfg: &Config,
+        mutants: Mutants,
+    ) -> Result<ScratchLayout, EngineError> {
+        let m = &cfg.model;
+        let overflow = |_| {
+            EngineError::Config(crate::config::ConfigError::Overflow {
+                field: "scheduler.prefill_tokens_per_step_max",
+                what: "the step scratch",
+            })
+        };
+        let running = cfg.scheduler.running_requests_max;
+        let rows_max = match m.prefill_indexer {
+            // Every prefill token is a query row, and every decoding request one more.
+            crate::config::PrefillIndexer::EveryToken => cfg
+                .scheduler
+                .prefill_tokens_per_step_max
+                .checked_add(running)
+                .ok_or(crate::layout::LayoutError::Overflow { what: "query rows" })
+                .map_err(overflow)?,
+            crate::config::PrefillIndexer::LastToken => running,
+        };
+        ScratchLayout::new(ScratchParams {
+            heads: m.index_n_heads,
+            launch_rows: QUERY_ROWS_PER_LAUNCH,
+            rows_max,
+            context_tokens_max: m.context_tokens_max,
+            topk: mutants.index_topk(m.index_topk),
+            layers: m.layers,
+        })
+        .map_err(overflow)
+    }
+
+    /// Allocates the scratch buffers.
+    pub(crate) fn alloc_scratch<D: Device>(
+        dev: &mut D,
+        layout: ScratchLayout,
+    ) -> Result<ScratchHandle, DeviceError> {
+        Scratch::alloc(dev, layout).map(ScratchHandle)
+    }
+
+    pub(crate) fn new(
+        cfg: &Config,
+        scratch: ScratchHandle,
+        step_done: EventId,
+        synth: Synth,
+        mutants: Mutants,
+    ) -> ModelStep {
+        let m = &cfg.model;
+        let ln = (0..m.layers)
+            .map(|l| synth.ln_params(m.layer_base + l))
+            .collect();
+        ModelStep {
+            shape: Shape {
+                layers: m.layers,
+                layer_base: m.layer_base,
+                heads: m.index_n_heads,
+                topk: mutants.index_topk(m.index_topk),
+                pool_ik_dtype: m.index_k_dtype,
+                store_ik_dtype: mutants.store_dtype(m.index_k_dtype),
+                ue8m0: m.index_k_ue8m0,
+                kv_dtype: m.kv_dtype,
+            },
+            scratch: scratch.0,
+            ln,
+            step_done,
+            synth,
+            mutants,
         }
-        row
+    }
+
+    /// The event the compute stream records at the end of every step.
+    pub(crate) fn step_done(&self) -> EventId {
+        self.step_done
+    }
+    /// Query rows one step may hold.
+    pub(crate) fn rows_max(&self) -> usize {
+        self.scratch.layout.rows_max() as usize
     }
 
     /// Runs one batch forward and returns, per query row (in row order), the digest of each layer.
-    pub(crate) fn forward(&mut self, rows: &[Row]) -> Result<Vec<Vec<u64>>, EngineError> {
-        let layers = self.layout.layers() as usize;
-        let layer_base = self.cfg.model.layer_base;
-        let heads = self.cfg.model.index_n_heads;
-        let topk = if self.mutants.on(Mutant::TopkHardcoded512) {
-            512
-        } else {
-            self.cfg.model.index_topk
-        };
-        let pool_ik_dtype = self.cfg.model.index_k_dtype;
-        let store_ik_dtype = if self.mutants.on(Mutant::StoreIgnoresPoolDtype) {
-            IndexKDtype::Fp8
-        } else {
-            pool_ik_dtype
-        };
-        let kv_dtype = self.cfg.model.kv_dtype;
-        let (pt_stride, out_stride, rows_max) = (
-            self.scratch.pt_stride,
-            self.scratch.out_stride,
-            self.scratch.rows_max,
+    /// `load_events` are the events of the loads the batch waits for (one list per load).
+    pub(crate) fn forward<D: Device>(
+        &mut self,
+        dev: &mut D,
+        pools: &Pools,
+        load_events: &[Vec<EventId>],
+        sched: &Scheduler,
+        rows: &[Row],
+    ) -> Result<Vec<Vec<u64>>, EngineError> {
+        let batch = self.gather(sched, rows);
+        assert!(
+            batch.queries.len() <= self.rows_max(),
+            "batch over the scratch rows"
         );
+        for l in 0..self.shape.layers as usize {
+            let mut gate = LayerGate::new(l, load_events, self.shape.layer_base, self.mutants);
+            self.index_layer(dev, pools, &mut gate, &batch, l)?;
+            self.read_layer(dev, pools, &mut gate, &batch, l)?;
+        }
+        self.read_back(dev, batch.queries.len())
+    }
 
-        let mut loads: Vec<u64> = rows
-            .iter()
-            .filter_map(|r| self.requests[&r.request].load)
-            .collect();
-        loads.sort_unstable();
-        loads.dedup();
-
-        // New tokens to store, and query rows.
-        let mut store_tokens: Vec<(u64, u32, u32)> = Vec::new();
-        let mut slots: Vec<i32> = Vec::new();
-        let mut queries: Vec<Query> = Vec::new();
+    /// The batch's new tokens, their slots and RoPE rows, and its query rows with page tables.
+    fn gather(&self, sched: &Scheduler, rows: &[Row]) -> Batch {
+        let mut b = Batch {
+            store: Vec::new(),
+            slots: Vec::new(),
+            store_rope: Vec::new(),
+            queries: Vec::new(),
+            tables: Vec::new(),
+        };
+        let pt_stride = self.scratch.layout.pt_stride as usize;
         for row in rows {
-            let r = &self.requests[&row.request];
+            let r = sched
+                .request(row.request)
+                .expect("a batch row's request runs");
             for pos in row.from..row.to {
                 let page = r.pages[pos / PAGE_TOKENS as usize];
-                slots.push((page.0 * PAGE_TOKENS + pos as u32 % PAGE_TOKENS) as i32);
-                store_tokens.push((row.request, pos as u32, r.tokens[pos]));
+                b.slots.push(slot(page, pos as u32 % PAGE_TOKENS).kernel());
+                b.store.push((row.request, pos as u32, r.tokens[pos]));
+                b.store_rope.extend(rope_row(pos as u32));
+            }
+            let mut table = vec![-1i32; pt_stride];
+            for (e, &p) in table.iter_mut().zip(&r.pages) {
+                *e = self.mutants.page_table_entry(p);
             }
             for &q in &row.queries {
-                queries.push(Query {
+                b.queries.push(Query {
                     request: row.request,
                     position: q,
                     token: r.tokens[q as usize],
                 });
+                b.tables.push(table.clone());
             }
         }
-        assert!(queries.len() <= rows_max, "batch over the scratch rows");
-        let store_rope: Vec<f32> = store_tokens.iter().flat_map(|t| rope_row(t.1)).collect();
-        let query_rope: Vec<Vec<f32>> = queries
-            .iter()
-            .map(|q| rope_row(q.position).to_vec())
-            .collect();
-        let pts: Vec<Vec<i32>> = queries
-            .iter()
-            .map(|q| self.page_table_row(q.request))
-            .collect();
-        let store_tags = |layer_global| RowTags {
-            layer_global,
-            rows: store_tokens
-                .iter()
-                .map(|t| RowTag {
-                    request: t.0,
-                    position: t.1,
-                })
-                .collect(),
-        };
-        let scratch = self.scratch;
-        let q_rows = QUERY_ROWS_PER_LAUNCH;
+        b
+    }
 
-        for l in 0..layers {
-            let lg = layer_base + l as u32;
-            let mut gate = LayerGate::new(l, loads.clone());
-            let ik = gate.index_k(self);
-            let (gamma, beta) = self.ln[l].clone();
-            let keys = store_tokens
+    /// Layer `l`'s index-K store and, for every launch of query rows, `q_prep`, `index_logits`
+    /// and `topk` into the step's selections.
+    fn index_layer<D: Device>(
+        &self,
+        dev: &mut D,
+        pools: &Pools,
+        gate: &mut LayerGate<'_>,
+        batch: &Batch,
+        l: usize,
+    ) -> Result<(), EngineError> {
+        let lg = self.shape.layer_base + l as u32;
+        let ik = pools.gated(&gate.index_k(dev)?);
+        let (gamma, beta) = self.ln[l].clone();
+        let keys = batch
+            .store
+            .iter()
+            .flat_map(|t| self.synth.index_key(t.2, t.1, lg))
+            .collect();
+        let store = IndexKStore {
+            dst: ik,
+            dtype: self.shape.store_ik_dtype,
+            ue8m0: self.shape.ue8m0,
+            keys,
+            gamma,
+            beta,
+            rope: batch.store_rope.clone(),
+            slots: batch.slots.clone(),
+            tags: batch.store_tags(lg),
+        };
+        dev.enqueue(StreamKind::Compute, Op::IndexKStore(store))?;
+        for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
+            self.indexer_launch(dev, ik, batch, base, chunk, lg)?;
+        }
+        Ok(())
+    }
+
+    /// One launch of the indexer over `chunk` (query rows `base..`) of layer `lg`.
+    fn indexer_launch<D: Device>(
+        &self,
+        dev: &mut D,
+        ik: BufferId,
+        batch: &Batch,
+        base: usize,
+        chunk: &[Query],
+        lg: u32,
+    ) -> Result<(), DeviceError> {
+        let (s, sh) = (&self.scratch, &self.shape);
+        let n = chunk.len() as u32;
+        let q = s.region(ScratchBuffer::Queries, (Bytes::ZERO, s.layout.queries(n)));
+        let w = s.region(ScratchBuffer::Weights, (Bytes::ZERO, s.layout.weights(n)));
+        let prep = QPrep {
+            heads: sh.heads,
+            q: chunk
                 .iter()
-                .flat_map(|t| self.synth.index_key(t.2, t.1, lg))
-                .collect();
-            self.dev.enqueue(
-                StreamKind::Compute,
-                Op::IndexKStore {
-                    dst: ik,
-                    dtype: store_ik_dtype,
-                    ue8m0: self.cfg.model.index_k_ue8m0,
-                    keys,
-                    gamma,
-                    beta,
-                    rope: store_rope.clone(),
-                    slots: slots.clone(),
-                    tags: store_tags(lg),
-                },
-            )?;
-            for (ci, chunk) in queries.chunks(q_rows).enumerate() {
-                let n = chunk.len() as u64;
-                let base = ci * q_rows;
-                let q = chunk
-                    .iter()
-                    .flat_map(|c| self.synth.query(c.token, c.position, lg, heads))
-                    .collect();
-                let weights = chunk
-                    .iter()
-                    .flat_map(|c| self.synth.head_weights(c.token, c.position, lg, heads))
-                    .collect();
-                let rope = query_rope[base..base + chunk.len()].concat();
-                let q_region = self.region(scratch.q, 0, n * heads as u64 * 128);
-                let w_region = self.region(scratch.w, 0, n * heads as u64 * 4);
-                self.dev.enqueue(
-                    StreamKind::Compute,
-                    Op::QPrep {
-                        heads,
-                        q,
-                        weights,
-                        rope,
-                        q_out: q_region,
-                        w_out: w_region,
-                    },
-                )?;
-                let page_table = pts[base..base + chunk.len()].concat();
-                let context_lens: Vec<i32> = chunk.iter().map(|c| c.position as i32 + 1).collect();
-                let tags = query_tags(lg, chunk);
-                let logits = self.region(scratch.logits, 0, n * out_stride as u64 * 4);
-                self.dev.enqueue(
-                    StreamKind::Compute,
-                    Op::IndexLogits {
-                        dtype: pool_ik_dtype,
-                        heads,
-                        q: q_region,
-                        w: w_region,
-                        k: ik,
-                        page_table: page_table.clone(),
-                        pt_stride,
-                        context_lens: context_lens.clone(),
-                        out: logits,
-                        out_stride,
-                        tags,
-                    },
-                )?;
-                let sel = self.region(
-                    scratch.topk,
-                    base as u64 * topk as u64 * 4,
-                    n * topk as u64 * 4,
-                );
-                self.dev.enqueue(
-                    StreamKind::Compute,
-                    Op::TopK {
-                        k: topk,
-                        logits,
-                        stride: out_stride,
-                        context_lens,
-                        page_table,
-                        pt_stride,
-                        out: sel,
-                    },
-                )?;
-            }
-            let kv = gate.kv(self);
-            let kv_rows = store_tokens
+                .flat_map(|c| self.synth.query(c.token, c.position, lg, sh.heads))
+                .collect(),
+            weights: chunk
+                .iter()
+                .flat_map(|c| self.synth.head_weights(c.token, c.position, lg, sh.heads))
+                .collect(),
+            rope: chunk.iter().flat_map(|c| rope_row(c.position)).collect(),
+            q_out: q,
+            w_out: w,
+        };
+        dev.enqueue(StreamKind::Compute, Op::QPrep(prep))?;
+        let page_table = batch.page_table(base, chunk.len());
+        let logits = s.region(ScratchBuffer::Logits, (Bytes::ZERO, s.layout.logits(n)));
+        let scores = IndexLogits {
+            dtype: sh.pool_ik_dtype,
+            heads: sh.heads,
+            q,
+            w,
+            k: ik,
+            page_table: page_table.clone(),
+            pt_stride: s.layout.pt_stride,
+            context_lens: context_lens(chunk),
+            out: logits,
+            out_stride: s.layout.out_stride(),
+            tags: query_tags(lg, chunk),
+        };
+        dev.enqueue(StreamKind::Compute, Op::IndexLogits(scores))?;
+        let topk = TopK {
+            k: sh.topk,
+            logits,
+            stride: s.layout.out_stride(),
+            context_lens: context_lens(chunk),
+            page_table,
+            pt_stride: s.layout.pt_stride,
+            out: s.region(
+                ScratchBuffer::Selections,
+                s.layout.selections(base as u32, n),
+            ),
+        };
+        dev.enqueue(StreamKind::Compute, Op::TopK(topk))
+    }
+
+    /// Layer `l`'s KV store and, for every launch of query rows, the `sparse_read` of its
+    /// selections into the layer's digests.
+    fn read_layer<D: Device>(
+        &self,
+        dev: &mut D,
+        pools: &Pools,
+        gate: &mut LayerGate<'_>,
+        batch: &Batch,
+        l: usize,
+    ) -> Result<(), EngineError> {
+        let (s, sh) = (&self.scratch, &self.shape);
+        let lg = sh.layer_base + l as u32;
+        let kv = pools.gated(&gate.kv(dev)?);
+        let store = KvStore {
+            dst: kv,
+            dtype: sh.kv_dtype,
+            rows: batch
+                .store
                 .iter()
                 .flat_map(|t| self.synth.kv_row(t.2, t.1, lg))
-                .collect();
-            self.dev.enqueue(
-                StreamKind::Compute,
-                Op::KvStore {
-                    dst: kv,
-                    dtype: kv_dtype,
-                    rows: kv_rows,
-                    slots: slots.clone(),
-                    tags: store_tags(lg),
-                },
-            )?;
-            for (ci, chunk) in queries.chunks(q_rows).enumerate() {
-                let n = chunk.len() as u64;
-                let base = ci * q_rows;
-                let sel = self.region(
-                    scratch.topk,
-                    base as u64 * topk as u64 * 4,
-                    n * topk as u64 * 4,
-                );
-                let out = self.region(scratch.digests, (l * rows_max + base) as u64 * 8, n * 8);
-                self.dev.enqueue(
-                    StreamKind::Compute,
-                    Op::SparseRead {
-                        dtype: kv_dtype,
-                        k: topk,
-                        slots: sel,
-                        kv,
-                        page_table: pts[base..base + chunk.len()].concat(),
-                        pt_stride,
-                        context_lens: chunk.iter().map(|c| c.position as i32 + 1).collect(),
-                        out,
-                        tags: query_tags(lg, chunk),
-                    },
-                )?;
-            }
+                .collect(),
+            slots: batch.slots.clone(),
+            tags: batch.store_tags(lg),
+        };
+        dev.enqueue(StreamKind::Compute, Op::KvStore(store))?;
+        for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
+            let n = chunk.len() as u32;
+            let read = SparseRead {
+                dtype: sh.kv_dtype,
+                k: sh.topk,
+                slots: s.region(
+                    ScratchBuffer::Selections,
+                    s.layout.selections(base as u32, n),
+                ),
+                kv,
+                page_table: batch.page_table(base, chunk.len()),
+                pt_stride: s.layout.pt_stride,
+                context_lens: context_lens(chunk),
+                out: s.region(
+                    ScratchBuffer::Digests,
+                    s.layout.digests(l as u32, base as u32, n),
+                ),
+                tags: query_tags(lg, chunk),
+            };
+            dev.enqueue(StreamKind::Compute, Op::SparseRead(read))?;
         }
-        let bytes = (layers * rows_max) as u64 * 8;
-        let src = self.region(scratch.digests, 0, bytes);
-        let dst = self.region(scratch.readback, 0, bytes);
-        self.dev
-            .enqueue(StreamKind::Compute, Op::Copy { src, dst })?;
-        self.dev.record(StreamKind::Compute, self.step_done);
-        self.dev.synchronize(self.step_done);
-        let mut raw = vec![0u8; bytes as usize];
-        self.dev.host_read(scratch.readback, 0, &mut raw)?;
-        let all: Vec<u64> = raw
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
-        Ok((0..queries.len())
-            .map(|qi| (0..layers).map(|l| all[l * rows_max + qi]).collect())
+        Ok(())
+    }
+
+    /// Copies the step's digests to pinned memory, ends the step (its event), waits for it and
+    /// reads the digests of `queries` rows back: per row, one digest per layer.
+    fn read_back<D: Device>(
+        &self,
+        dev: &mut D,
+        queries: usize,
+    ) -> Result<Vec<Vec<u64>>, EngineError> {
+        let s = &self.scratch;
+        let bytes = s.layout.bytes(ScratchBuffer::Digests);
+        let copy = LinearCopy {
+            src: s.region(ScratchBuffer::Digests, (Bytes::ZERO, bytes)),
+            dst: s.region(ScratchBuffer::Readback, (Bytes::ZERO, bytes)),
+        };
+        dev.enqueue(StreamKind::Compute, Op::Copy(copy))?;
+        dev.record(StreamKind::Compute, self.step_done)?;
+        dev.synchronize(self.step_done);
+        let mut raw = vec![0u8; bytes.usize()];
+        dev.host_read(s.buffer(ScratchBuffer::Readback), Bytes::ZERO, &mut raw)?;
+        let all = crate::cpu_device::u64s(&raw);
+        Ok((0..queries as u32)
+            .map(|qi| {
+                (0..self.shape.layers)
+                    .map(|l| all[s.layout.digest_index(l, qi)])
+                    .collect()
+            })
             .collect())
     }
 }
+
+/// Scratch buffers allocated for a model step that is not built yet (the engine allocates them
+/// before the controller's events, and builds the step after).
+pub(crate) struct ScratchHandle(Scratch);

@@ -1,7 +1,10 @@
 //! The bug zoo's switches (DESIGN §7): each re-creates a real incident inside the engine, so the
 //! simulator can prove it catches it. They exist only with the `mutants` feature, which production
 //! builds never enable; without it [`Mutants::on`] is a constant `false` and every mutant branch
-//! compiles away.
+//! compiles away. Production code never names a mutant: it calls a named point of [`Mutants`]
+//! (`Mutants::index_topk`, `Mutants::host_layout`, ...), which is the identity on the clean engine.
+
+use crate::layout::{slot, IndexKDtype, KvDtype, Layout, PageId};
 
 /// A named re-creation of an incident. The doc comment of each variant cites it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -92,7 +95,8 @@ impl Mutant {
     }
 }
 
-/// Which mutant (if any) this engine runs with.
+/// Which mutant (if any) this engine runs with. Without the `mutants` feature this is an empty
+/// value: every point below is a constant, and each mutant branch compiles away.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Mutants {
     #[cfg(feature = "mutants")]
@@ -124,5 +128,95 @@ impl Mutants {
             let _ = m;
             false
         }
+    }
+}
+
+/// The named points where mutants act. Each is the identity (or `false`) on the clean engine;
+/// production code calls the point, never a mutant's name.
+impl Mutants {
+    /// Mutants 1 and 4: the layout the host mirror is built from. Clean: the device's layout.
+    pub fn host_layout(&self, device: Layout) -> Layout {
+        let mut p = device.params;
+        if self.on(Mutant::HostIndexKFromFp8Defaults) {
+            p.index_k_dtype = IndexKDtype::Fp8;
+        }
+        if self.on(Mutant::HostKvRow576) && p.kv_dtype == KvDtype::Fp8Packed {
+            p.kv_dtype = KvDtype::Fp8Unpacked;
+        }
+        if p == device.params {
+            return device;
+        }
+        Layout::new(p).expect("a mirror with smaller rows than a valid layout fits")
+    }
+    /// Mutants 1 and 4: the copy trusts the source's item size for the destination too.
+    pub fn copy_trusts_source_size(&self) -> bool {
+        self.on(Mutant::HostIndexKFromFp8Defaults) || self.on(Mutant::HostKvRow576)
+    }
+    /// Mutant 2: the index-K read path skips the layer's load wait.
+    pub fn index_k_read_ungated(&self) -> bool {
+        self.on(Mutant::UngatedIndexKRead)
+    }
+    /// Mutant 3: a backup copies the KV pages only.
+    pub fn backup_skips_index_k(&self) -> bool {
+        self.on(Mutant::IndexKNotMirrored)
+    }
+    /// Mutant 5: host eviction takes host copies that a load still reads.
+    pub fn host_eviction_ignores_pins(&self) -> bool {
+        self.on(Mutant::EvictionIgnoresLoadPins)
+    }
+    /// Mutant 6: a load publishes its pages when it is issued, not when its copy finished.
+    pub fn load_publishes_at_issue(&self) -> bool {
+        self.on(Mutant::PublishBeforeCopy)
+    }
+    /// Mutant 7: the layer whose load event the gate waits for (the global id instead of the
+    /// local one). Clean: `local`.
+    pub fn gate_layer_index(&self, local: usize, layer_base: u32) -> usize {
+        if self.on(Mutant::GlobalLayerCounter) {
+            local + layer_base as usize
+        } else {
+            local
+        }
+    }
+    /// Mutant 8: the page-table entry the indexer kernels get for `page` (its first token slot
+    /// instead of the page id). Clean: the page id.
+    pub fn page_table_entry(&self, page: PageId) -> i32 {
+        if self.on(Mutant::IndexKAddressedBySlot) {
+            slot(page, 0).kernel()
+        } else {
+            page.0 as i32
+        }
+    }
+    /// Mutant 9: the `index_topk` the model step uses. Clean: the configured one.
+    pub fn index_topk(&self, configured: u32) -> u32 {
+        if self.on(Mutant::TopkHardcoded512) {
+            512
+        } else {
+            configured
+        }
+    }
+    /// Mutant 10: the page format the store kernel writes. Clean: the pool's.
+    pub fn store_dtype(&self, pool: IndexKDtype) -> IndexKDtype {
+        if self.on(Mutant::StoreIgnoresPoolDtype) {
+            IndexKDtype::Fp8
+        } else {
+            pool
+        }
+    }
+    /// Mutant 11: a load slot is reused without waiting for its previous load's finish event.
+    pub fn slot_reused_without_wait(&self) -> bool {
+        self.on(Mutant::LoadSlotReusedEarly)
+    }
+    /// Mutants 7 and 11: a load may be acknowledged before its copy finished (its layer waits
+    /// were skipped, or its slot reclaimed without waiting). The clean engine never does.
+    pub fn acks_may_precede_copy(&self) -> bool {
+        self.on(Mutant::GlobalLayerCounter) || self.on(Mutant::LoadSlotReusedEarly)
+    }
+    /// Mutant 12: aborting a request frees its in-flight load's pages at once.
+    pub fn abort_frees_load_pages(&self) -> bool {
+        self.on(Mutant::WriteOnLoadingPage)
+    }
+    /// Mutant 13: intake queues whatever arrives.
+    pub fn no_admission_control(&self) -> bool {
+        self.on(Mutant::NoAdmissionControl)
     }
 }

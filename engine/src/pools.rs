@@ -1,8 +1,16 @@
 //! The device pool (per layer one MLA KV buffer and one index-K buffer, paged) and the host mirror
 //! (`layer_first` or `page_first`), both built from one `Layout`, each with a page allocator.
+//!
+//! The pool buffers are private. Two doors lead to them, and the types keep them apart:
+//! - the model step reads and writes a layer's buffers through [`Pools::gated`], which takes a
+//!   [`Gated`] proof that only the layer gate makes, after the compute stream waited for the
+//!   layer's loads (`gate.rs`);
+//! - the cache controller moves whole pages between tiers through [`PoolSide`]s, whose buffer no
+//!   one can take out: the only thing a side does is become one end of a `PageCopy`.
 
-use crate::device::{BufferDesc, BufferId, BufferRole, Device, DeviceError, MemoryTier};
-use crate::layout::{BufferKind, Bytes, LayerId, Layout, PageId, PagedView};
+use crate::device::{BufferDesc, BufferId, BufferRole, Device, DeviceError, MemoryTier, Op};
+use crate::gate::Gated;
+use crate::layout::{BufferKind, Bytes, LayerId, Layout, PageId, PageRun, PagedView};
 
 /// Hands out page ids; LIFO so reuse is immediate (which is what exposes use-after-free).
 #[derive(Clone, Debug)]
@@ -54,41 +62,52 @@ impl PageAllocator {
     }
 }
 
-/// The device pool.
-#[derive(Debug)]
-pub struct DevicePool {
-    pub kv: Vec<BufferId>,
-    pub index_k: Vec<BufferId>,
-    pub pages: PageAllocator,
+/// One side of a page transfer: a pool buffer and where its pages are. The buffer stays inside:
+/// [`PoolSide::copy_to`] is the only thing a side is good for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolSide {
+    buffer: BufferId,
+    pub view: PagedView,
 }
 
-/// The pinned-host mirror.
-#[derive(Debug)]
-pub struct HostPool {
-    pub kv: BufferId,
-    pub index_k: BufferId,
-    pub pages: PageAllocator,
-    /// The layout the mirror was built from (equal to the engine's, except under the mutants that
-    /// re-create incidents 1 and 4).
-    pub layout: Layout,
+impl PoolSide {
+    /// The op that copies `runs` of pages from this side to `dst`.
+    pub fn copy_to(self, dst: PoolSide, runs: Vec<PageRun>) -> Op {
+        Op::PageCopy(crate::device::PageCopy {
+            src: self.buffer,
+            src_view: self.view,
+            dst: dst.buffer,
+            dst_view: dst.view,
+            runs,
+        })
+    }
 }
 
+/// The device pool and the pinned-host mirror.
 #[derive(Debug)]
 pub struct Pools {
-    pub layout: Layout,
-    pub device: DevicePool,
-    pub host: HostPool,
+    layout: Layout,
+    /// The layout the mirror was built from (equal to `layout`, except under the mutants that
+    /// re-create incidents 1 and 4).
+    host_layout: Layout,
+    device_kv: Vec<BufferId>,
+    device_index_k: Vec<BufferId>,
+    host_kv: BufferId,
+    host_index_k: BufferId,
+    pub device_pages: PageAllocator,
+    pub host_pages: PageAllocator,
 }
 
 impl Pools {
-    /// Allocates every pool buffer from `layout` (`host_layout` differs from it only under mutants).
+    /// Allocates every pool buffer: the device layers from `layout`, the mirror from
+    /// `host_layout` (which differs from it only under mutants).
     pub fn new<D: Device>(
         dev: &mut D,
         layout: Layout,
         host_layout: Layout,
     ) -> Result<Pools, DeviceError> {
-        let mut kv = Vec::new();
-        let mut index_k = Vec::new();
+        let mut device_kv = Vec::new();
+        let mut device_index_k = Vec::new();
         for l in 0..layout.layers() {
             for kind in BufferKind::ALL {
                 let id = dev.alloc(BufferDesc {
@@ -101,8 +120,8 @@ impl Pools {
                     fingerprint: layout.fingerprint(kind),
                 })?;
                 match kind {
-                    BufferKind::Kv => kv.push(id),
-                    BufferKind::IndexK => index_k.push(id),
+                    BufferKind::Kv => device_kv.push(id),
+                    BufferKind::IndexK => device_index_k.push(id),
                 }
             }
         }
@@ -115,43 +134,58 @@ impl Pools {
             })
         };
         let host_kv = mirror(BufferKind::Kv)?;
-        let host_ik = mirror(BufferKind::IndexK)?;
+        let host_index_k = mirror(BufferKind::IndexK)?;
         Ok(Pools {
             layout,
-            device: DevicePool {
-                kv,
-                index_k,
-                pages: PageAllocator::new(layout.device_pages()),
-            },
-            host: HostPool {
-                kv: host_kv,
-                index_k: host_ik,
-                pages: PageAllocator::new(host_layout.host_pages()),
-                layout: host_layout,
-            },
+            host_layout,
+            device_kv,
+            device_index_k,
+            host_kv,
+            host_index_k,
+            device_pages: PageAllocator::new(layout.device_pages()),
+            host_pages: PageAllocator::new(host_layout.host_pages()),
         })
     }
 
-    pub fn device_buffer(&self, kind: BufferKind, layer: LayerId) -> BufferId {
-        match kind {
-            BufferKind::Kv => self.device.kv[layer.index()],
-            BufferKind::IndexK => self.device.index_k[layer.index()],
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    pub fn host_layout(&self) -> &Layout {
+        &self.host_layout
+    }
+
+    /// A layer's buffer for the model step, behind the gate's proof that the compute stream
+    /// waited for the layer's loads.
+    pub(crate) fn gated(&self, g: &Gated) -> BufferId {
+        let l = g.layer().index();
+        match g.kind() {
+            BufferKind::Kv => self.device_kv[l],
+            BufferKind::IndexK => self.device_index_k[l],
         }
     }
-    pub fn device_side(&self, kind: BufferKind, layer: LayerId) -> (BufferId, PagedView) {
-        (
-            self.device_buffer(kind, layer),
-            self.layout.device_layer_view(kind),
-        )
-    }
-    pub fn host_side(&self, kind: BufferKind, layer: LayerId) -> (BufferId, PagedView) {
-        let b = match kind {
-            BufferKind::Kv => self.host.kv,
-            BufferKind::IndexK => self.host.index_k,
+    /// The device side of a layer's page transfers.
+    pub fn device_side(&self, kind: BufferKind, layer: LayerId) -> PoolSide {
+        let buffer = match kind {
+            BufferKind::Kv => self.device_kv[layer.index()],
+            BufferKind::IndexK => self.device_index_k[layer.index()],
         };
-        (b, self.host.layout.host_layer_view(kind, layer))
+        PoolSide {
+            buffer,
+            view: self.layout.device_layer_view(kind),
+        }
+    }
+    /// The host side of a layer's page transfers.
+    pub fn host_side(&self, kind: BufferKind, layer: LayerId) -> PoolSide {
+        let buffer = match kind {
+            BufferKind::Kv => self.host_kv,
+            BufferKind::IndexK => self.host_index_k,
+        };
+        PoolSide {
+            buffer,
+            view: self.host_layout.host_layer_view(kind, layer),
+        }
     }
     pub fn host_bytes(&self) -> Bytes {
-        self.host.layout.host_total_bytes()
+        self.host_layout.host_total_bytes()
     }
 }

@@ -1,7 +1,19 @@
-//! Requests, intake with admission control, and what a step hands back.
+//! The scheduler: it owns the request queue, the requests and the running set, and decides what
+//! each step does with them — intake with admission control, admission into the running batch,
+//! the batch itself (prefill chunks within a token budget, one token per decoding request), what
+//! a forward's digests mean for each request, and what a step hands back ([`Output`]).
+//!
+//! It holds no pages and moves no bytes: admission asks the rest of the engine for a request's
+//! cached prefix and pages through [`Reserve`], and the cache controller's acknowledgements come
+//! back as [`LoadAck`] effects that only the scheduler applies to its requests.
 
 use crate::cache::NodeId;
-use crate::layout::PageId;
+use crate::config::{Config, PrefillIndexer, SchedulerConfig};
+use crate::controller::{LoadAck, LoadId};
+use crate::error::EngineError;
+use crate::layout::{PageId, PAGE_TOKENS};
+use crate::synth::{Synth, VOCAB};
+use std::collections::{BTreeMap, VecDeque};
 
 /// What a client submits.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,7 +90,7 @@ pub struct Request {
     /// `pages[owned_from..]` belong to the request (inserted or freed when it ends).
     pub owned_from: usize,
     /// The load this request's forward must wait for, until it is acknowledged.
-    pub load: Option<u64>,
+    pub load: Option<LoadId>,
     pub state: RequestState,
     pub submitted_ns: u64,
     pub first_token_ns: Option<u64>,
@@ -90,5 +102,448 @@ impl Request {
     }
     pub fn finished(&self) -> bool {
         self.generated >= self.max_new
+    }
+    /// Full prompt pages the prefix cache may serve: the last prompt token is always computed,
+    /// because its query yields the first token.
+    pub fn cacheable_pages(&self) -> usize {
+        (self.prompt_len - 1) / PAGE_TOKENS as usize
+    }
+}
+
+/// One request's part of a batch: store positions `from..to`, run the indexer at `queries`.
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub request: u64,
+    pub from: usize,
+    pub to: usize,
+    pub queries: Vec<u32>,
+}
+
+/// What admission got for a request from the rest of the engine.
+#[derive(Clone, Debug)]
+pub(crate) struct Grant {
+    /// The page table: the resident prefix's pages, then the request's own.
+    pub pages: Vec<PageId>,
+    /// The matched nodes, locked for the request.
+    pub locked: Vec<NodeId>,
+    /// Matched pages (resident or being loaded): the request owns `pages[cached..]`.
+    pub cached: usize,
+    /// The load of the host-only part of the prefix.
+    pub load: Option<LoadId>,
+    /// The acknowledgement of the load that held that load's ring slot before.
+    pub reclaimed: Option<LoadAck>,
+}
+
+/// Admission's question to the rest of the engine.
+pub(crate) trait Reserve {
+    /// The cached prefix and the device pages of `r`, or `None` when the device tier cannot
+    /// hold it now (nothing is then held for it).
+    fn reserve(&mut self, r: &Request) -> Result<Option<Grant>, EngineError>;
+}
+
+/// Counts of what a forward produced, for the metrics.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Recorded {
+    pub generated_tokens: u64,
+    pub prefill_tokens: u64,
+}
+
+/// The scheduler's limits, from the configuration.
+#[derive(Clone, Debug)]
+struct Limits {
+    sched: SchedulerConfig,
+    context_tokens_max: u32,
+    prefill_indexer: PrefillIndexer,
+    /// Intake queues whatever arrives (mutant 13).
+    unbounded: bool,
+}
+
+pub struct Scheduler {
+    limits: Limits,
+    queue: VecDeque<u64>,
+    requests: BTreeMap<u64, Request>,
+    running: Vec<u64>,
+    next_request: u64,
+    /// Prompt tokens of the queued requests (the admission-control bound).
+    queued_tokens: u64,
+    outputs: Vec<Output>,
+}
+
+impl Scheduler {
+    pub(crate) fn new(cfg: &Config, unbounded: bool) -> Scheduler {
+        Scheduler {
+            limits: Limits {
+                sched: cfg.scheduler.clone(),
+                context_tokens_max: cfg.model.context_tokens_max,
+                prefill_indexer: cfg.model.prefill_indexer,
+                unbounded,
+            },
+            queue: VecDeque::new(),
+            requests: BTreeMap::new(),
+            running: Vec::new(),
+            next_request: 0,
+            queued_tokens: 0,
+            outputs: Vec::new(),
+        }
+    }
+
+    pub fn queue_len(&self) -> usize {
+        self.queue.len()
+    }
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+    pub fn queued_tokens(&self) -> u64 {
+        self.queued_tokens
+    }
+    pub fn request(&self, id: u64) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+    /// Nothing queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.running.is_empty()
+    }
+    pub(crate) fn emit(&mut self, o: Output) {
+        self.outputs.push(o);
+    }
+    pub(crate) fn drain_outputs(&mut self) -> Vec<Output> {
+        std::mem::take(&mut self.outputs)
+    }
+
+    /// Why `spec` can never be served, if it cannot.
+    fn invalid(&self, spec: &RequestSpec) -> Option<String> {
+        let s = &self.limits.sched;
+        if spec.prompt.is_empty() {
+            return Some("empty prompt".into());
+        }
+        if spec.max_new_tokens == 0 || spec.max_new_tokens > s.output_tokens_max {
+            return Some(format!(
+                "max_new_tokens = {} outside 1..={} (scheduler.output_tokens_max)",
+                spec.max_new_tokens, s.output_tokens_max
+            ));
+        }
+        let total = spec.prompt.len() as u64 + spec.max_new_tokens as u64;
+        if total > self.limits.context_tokens_max as u64 {
+            return Some(format!(
+                "prompt {} + max_new_tokens {} exceeds model.context_tokens_max = {}",
+                spec.prompt.len(),
+                spec.max_new_tokens,
+                self.limits.context_tokens_max
+            ));
+        }
+        if spec.prompt.len() as u64 > s.pending_tokens_max {
+            return Some(format!(
+                "a prompt of {} tokens can never fit scheduler.pending_tokens_max = {}",
+                spec.prompt.len(),
+                s.pending_tokens_max
+            ));
+        }
+        let t = spec.prompt.iter().find(|&&t| t >= VOCAB)?;
+        Some(format!("token {t} outside the vocabulary (< {VOCAB})"))
+    }
+
+    /// Over a limit of admission control, the rejection.
+    fn over_limit(&self, prompt: u64) -> Option<Rejection> {
+        let s = &self.limits.sched;
+        if self.limits.unbounded {
+            return None;
+        }
+        if self.queue.len() as u64 >= s.queued_requests_max as u64 {
+            return Some(Rejection::QueueFull {
+                queued: self.queue.len() as u32,
+                limit: s.queued_requests_max,
+            });
+        }
+        if self.queued_tokens + prompt > s.pending_tokens_max {
+            return Some(Rejection::PendingTokens {
+                pending: self.queued_tokens,
+                prompt,
+                limit: s.pending_tokens_max,
+            });
+        }
+        None
+    }
+
+    /// Intake: queues `spec` as a new request, or rejects it with a typed reason.
+    pub(crate) fn submit(&mut self, spec: RequestSpec, now_ns: u64) -> Result<u64, Rejection> {
+        if let Some(reason) = self.invalid(&spec) {
+            return Err(Rejection::Invalid { reason });
+        }
+        if let Some(r) = self.over_limit(spec.prompt.len() as u64) {
+            return Err(r);
+        }
+        let id = self.next_request;
+        self.next_request += 1;
+        self.queued_tokens += spec.prompt.len() as u64;
+        let r = Request {
+            id,
+            prompt_len: spec.prompt.len(),
+            tokens: spec.prompt,
+            max_new: spec.max_new_tokens,
+            generated: 0,
+            computed: 0,
+            pages: Vec::new(),
+            locked: Vec::new(),
+            owned_from: 0,
+            load: None,
+            state: RequestState::Queued,
+            submitted_ns: now_ns,
+            first_token_ns: None,
+        };
+        self.requests.insert(id, r);
+        self.queue.push_back(id);
+        Ok(id)
+    }
+
+    /// Takes request `id` out, wherever it is (an abort).
+    pub(crate) fn remove(&mut self, id: u64) -> Option<Request> {
+        let req = self.requests.remove(&id)?;
+        match req.state {
+            RequestState::Queued => {
+                self.queue.retain(|&q| q != id);
+                self.queued_tokens -= req.prompt_len as u64;
+            }
+            RequestState::Running => self.running.retain(|&r| r != id),
+        }
+        Some(req)
+    }
+
+    /// Moves queued requests into the running batch while `res` grants them pages (FIFO, head of
+    /// line: a request that does not fit now blocks those behind it).
+    pub(crate) fn admit(&mut self, res: &mut impl Reserve) -> Result<usize, EngineError> {
+        let mut admitted = 0;
+        while let Some(&id) = self.queue.front() {
+            if self.running.len() >= self.limits.sched.running_requests_max as usize {
+                break;
+            }
+            let Some(grant) = res.reserve(&self.requests[&id])? else {
+                break;
+            };
+            self.queue.pop_front();
+            if let Some(ack) = grant.reclaimed {
+                self.load_acked(&ack);
+            }
+            let r = self.requests.get_mut(&id).expect("queued request exists");
+            self.queued_tokens -= r.prompt_len as u64;
+            r.state = RequestState::Running;
+            r.pages = grant.pages;
+            r.locked = grant.locked;
+            r.owned_from = grant.cached;
+            r.computed = grant.cached * PAGE_TOKENS as usize;
+            r.load = grant.load;
+            self.running.push(id);
+            admitted += 1;
+        }
+        Ok(admitted)
+    }
+
+    /// Applies a load's acknowledgement to its request: it no longer waits for the load; after a
+    /// failed copy it drops the unloaded nodes and recomputes their tokens.
+    pub(crate) fn load_acked(&mut self, ack: &LoadAck) {
+        if ack.orphaned {
+            return; // its request was aborted; the controller released what the load held
+        }
+        let r = self.requests.get_mut(&ack.request).unwrap_or_else(|| {
+            panic!(
+                "{} acknowledged for request {}, which is gone",
+                ack.load, ack.request
+            )
+        });
+        assert_eq!(
+            r.load,
+            Some(ack.load),
+            "request {} waited for another load",
+            ack.request
+        );
+        r.load = None;
+        if !ack.ok {
+            // Nothing was published: the pages stay with the request, which recomputes them.
+            let device_hits = r.owned_from - ack.nodes;
+            r.locked.truncate(device_hits);
+            r.owned_from = device_hits;
+            r.computed = device_hits * PAGE_TOKENS as usize;
+            let tokens = (ack.nodes * PAGE_TOKENS as usize) as u32;
+            self.emit(Output::Recompute {
+                request: ack.request,
+                tokens,
+            });
+        }
+    }
+
+    /// The next batch: every decoding request contributes one token; prefilling requests take
+    /// chunks of their prompt within the step's prefill budget, in admission order; at most
+    /// `rows_max` query rows.
+    pub(crate) fn build_batch(&self, rows_max: usize) -> Vec<Row> {
+        let mut rows = Vec::new();
+        let mut budget = self.limits.sched.prefill_tokens_per_step_max as usize;
+        let mut query_rows = 0usize;
+        for &id in &self.running {
+            let r = &self.requests[&id];
+            let row = if r.in_prefill() {
+                let n = (r.prompt_len - r.computed).min(budget);
+                if n == 0 {
+                    continue;
+                }
+                let (from, to) = (r.computed, r.computed + n);
+                let queries: Vec<u32> = match self.limits.prefill_indexer {
+                    PrefillIndexer::EveryToken => (from as u32..to as u32).collect(),
+                    PrefillIndexer::LastToken => vec![to as u32 - 1],
+                };
+                Row {
+                    request: id,
+                    from,
+                    to,
+                    queries,
+                }
+            } else if !r.finished() {
+                let p = r.computed;
+                Row {
+                    request: id,
+                    from: p,
+                    to: p + 1,
+                    queries: vec![p as u32],
+                }
+            } else {
+                continue;
+            };
+            if query_rows + row.queries.len() > rows_max {
+                continue;
+            }
+            if r.in_prefill() {
+                budget -= row.to - row.from;
+            }
+            query_rows += row.queries.len();
+            rows.push(row);
+        }
+        rows
+    }
+
+    /// The loads a batch's forward must wait for, ascending and distinct.
+    pub(crate) fn batch_loads(&self, rows: &[Row]) -> Vec<LoadId> {
+        let mut loads: Vec<LoadId> = rows
+            .iter()
+            .filter_map(|r| self.requests[&r.request].load)
+            .collect();
+        loads.sort_unstable();
+        loads.dedup();
+        loads
+    }
+
+    /// After a forward: emits each row's digests and generated token (skipping the rows of
+    /// `failed` requests, whose loads failed under them) and advances the requests.
+    pub(crate) fn record_forward(
+        &mut self,
+        rows: &[Row],
+        digests: &[Vec<u64>],
+        failed: &[u64],
+        synth: &Synth,
+        now_ns: u64,
+    ) -> Recorded {
+        let mut counts = Recorded::default();
+        let mut qi = 0usize;
+        for row in rows {
+            let row_digests = &digests[qi..qi + row.queries.len()];
+            qi += row.queries.len();
+            if failed.contains(&row.request) {
+                continue;
+            }
+            for (&pos, d) in row.queries.iter().zip(row_digests) {
+                self.outputs.push(Output::Digests {
+                    request: row.request,
+                    position: pos,
+                    digests: d.clone(),
+                });
+            }
+            let r = self.requests.get_mut(&row.request).expect("running");
+            r.computed = row.to;
+            let last = *row.queries.last().expect("a row has a query");
+            if last as usize + 1 == r.tokens.len()
+                && last as usize + 1 >= r.prompt_len
+                && !r.finished()
+            {
+                let token = synth.next_token(row_digests.last().expect("digests"));
+                r.tokens.push(token);
+                r.generated += 1;
+                r.first_token_ns.get_or_insert(now_ns);
+                counts.generated_tokens += 1;
+                let index = r.generated - 1;
+                self.outputs.push(Output::Token {
+                    request: row.request,
+                    index,
+                    token,
+                });
+            }
+            if row.to <= self.requests[&row.request].prompt_len {
+                counts.prefill_tokens += (row.to - row.from) as u64;
+            }
+        }
+        counts
+    }
+
+    /// Takes the finished requests out of the running set, in running order.
+    pub(crate) fn take_finished(&mut self) -> Vec<Request> {
+        let done: Vec<u64> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| self.requests[id].finished())
+            .collect();
+        done.into_iter()
+            .map(|id| {
+                self.running.retain(|&x| x != id);
+                let r = self.requests.remove(&id).expect("finished request exists");
+                assert!(
+                    r.load.is_none(),
+                    "request {id} finished with a load unacknowledged"
+                );
+                r
+            })
+            .collect()
+    }
+
+    /// Device pages the running requests own (outside the prefix cache).
+    pub(crate) fn owned_pages(&self) -> usize {
+        self.running
+            .iter()
+            .map(|id| {
+                let r = &self.requests[id];
+                r.pages.len() - r.owned_from
+            })
+            .sum()
+    }
+
+    /// Checks the scheduler's bounds and bookkeeping; panics on the first broken one.
+    pub(crate) fn check_invariants(&self) {
+        assert!(
+            self.queue.len() <= self.limits.sched.queued_requests_max as usize
+                || self.limits.unbounded,
+            "queue over its limit"
+        );
+        let queued: u64 = self
+            .queue
+            .iter()
+            .map(|id| self.requests[id].prompt_len as u64)
+            .sum();
+        assert_eq!(
+            queued, self.queued_tokens,
+            "queued tokens = the queued prompts"
+        );
+        assert_eq!(
+            self.queue.len() + self.running.len(),
+            self.requests.len(),
+            "every request is queued or running"
+        );
+        for id in &self.running {
+            let r = &self.requests[id];
+            assert_eq!(
+                r.state,
+                RequestState::Running,
+                "request {id} in the running set"
+            );
+            assert!(
+                r.owned_from <= r.pages.len(),
+                "request {id} owns past its table"
+            );
+        }
     }
 }

@@ -173,6 +173,7 @@ impl LayerId {
     }
 }
 impl Bytes {
+    pub const ZERO: Bytes = Bytes(0);
     pub fn get(self) -> u64 {
         self.0
     }
@@ -181,6 +182,52 @@ impl Bytes {
     pub fn usize(self) -> usize {
         usize::try_from(self.0).expect("byte offset exceeds the address space")
     }
+}
+
+impl std::ops::Add for Bytes {
+    type Output = Bytes;
+    fn add(self, o: Bytes) -> Bytes {
+        Bytes(self.0.checked_add(o.0).expect("byte count overflow"))
+    }
+}
+impl std::ops::Sub for Bytes {
+    type Output = Bytes;
+    fn sub(self, o: Bytes) -> Bytes {
+        Bytes(self.0.checked_sub(o.0).expect("byte count underflow"))
+    }
+}
+impl std::ops::AddAssign for Bytes {
+    fn add_assign(&mut self, o: Bytes) {
+        *self = *self + o;
+    }
+}
+
+impl SlotId {
+    /// The slot as the kernels take it (`int32`; -1 is their padding). Every slot of a valid
+    /// configuration fits: `config` bounds `device_pages * 64` by `i32::MAX`.
+    pub fn kernel(self) -> i32 {
+        i32::try_from(self.0).expect("slot beyond the kernels' i32 range")
+    }
+}
+
+/// Bytes of `n` elements of each type the kernels exchange: the one place where an element count
+/// becomes a byte count.
+pub const fn fp8_bytes(n: u64) -> Bytes {
+    Bytes(n * FP8_BYTES)
+}
+pub const fn bf16_bytes(n: u64) -> Bytes {
+    Bytes(n * BF16_BYTES)
+}
+pub const fn f32_bytes(n: u64) -> Bytes {
+    Bytes(n * FP32_BYTES)
+}
+/// `int32` elements: slots, page-table entries, context lengths.
+pub const fn i32_bytes(n: u64) -> Bytes {
+    Bytes(n * 4)
+}
+/// 64-bit digests.
+pub const fn u64_bytes(n: u64) -> Bytes {
+    Bytes(n * 8)
 }
 
 /// The two kinds of paged buffer: the MLA KV cache and the indexer's index-K cache.
@@ -547,6 +594,13 @@ impl Layout {
         }
     }
 
+    /// Bytes a transfer of `pages` whole pages moves over every layer, KV and index-K.
+    pub fn transfer_bytes(&self, pages: u64) -> Bytes {
+        let per_page =
+            self.format(BufferKind::Kv).page_bytes() + self.format(BufferKind::IndexK).page_bytes();
+        Bytes(pages * self.params.layers as u64 * per_page)
+    }
+
     /// Device tokens (all pages).
     pub fn device_tokens(&self) -> TokenCount {
         TokenCount(self.params.device_pages as u64 * PAGE_TOKENS as u64)
@@ -572,6 +626,182 @@ pub fn slot_offset(slot: SlotId) -> u32 {
 /// How many pages `tokens` tokens occupy.
 pub fn pages_for_tokens(tokens: u64) -> u64 {
     tokens.div_ceil(PAGE_TOKENS as u64)
+}
+
+/// The model step's scratch buffers, in the order the engine allocates them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ScratchBuffer {
+    /// fp8 queries of one indexer launch, `[launch_rows][heads][128]`.
+    Queries,
+    /// Folded head weights of one launch, `[launch_rows][heads]` f32.
+    Weights,
+    /// Logits of one launch, `[launch_rows][out_stride]` f32.
+    Logits,
+    /// Top-k selections of a whole step, `[rows_max][topk]` i32 slots.
+    Selections,
+    /// Per-layer digests of a whole step, `[layers][rows_max]` u64 (device).
+    Digests,
+    /// The pinned host copy of `Digests` that the host reads after the step.
+    Readback,
+}
+
+impl ScratchBuffer {
+    pub const ALL: [ScratchBuffer; 6] = [
+        ScratchBuffer::Queries,
+        ScratchBuffer::Weights,
+        ScratchBuffer::Logits,
+        ScratchBuffer::Selections,
+        ScratchBuffer::Digests,
+        ScratchBuffer::Readback,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            ScratchBuffer::Queries => "q",
+            ScratchBuffer::Weights => "w",
+            ScratchBuffer::Logits => "logits",
+            ScratchBuffer::Selections => "topk",
+            ScratchBuffer::Digests => "digests",
+            ScratchBuffer::Readback => "readback",
+        }
+    }
+}
+
+/// What a [`ScratchLayout`] is built from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchParams {
+    pub heads: u32,
+    /// Query rows of one indexer launch: the query, weight and logits buffers hold one launch.
+    pub launch_rows: u32,
+    /// Query rows one step may hold: the selections and digests hold a whole step.
+    pub rows_max: u32,
+    /// Longest context a row may have, in tokens.
+    pub context_tokens_max: u32,
+    /// Positions the top-k selects per row.
+    pub topk: u32,
+    pub layers: u32,
+}
+
+/// Every byte size and offset of the model step's scratch: the engine allocates its buffers from
+/// it, the model step addresses their regions through it, and the CPU device and the CUDA
+/// launchers size their arguments with the same element functions. Built once, every product
+/// checked for overflow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchLayout {
+    pub params: ScratchParams,
+    /// Page-table entries per row.
+    pub pt_stride: u32,
+}
+
+impl ScratchLayout {
+    pub fn new(params: ScratchParams) -> Result<ScratchLayout, LayoutError> {
+        for (field, v) in [
+            ("heads", params.heads),
+            ("launch_rows", params.launch_rows),
+            ("rows_max", params.rows_max),
+            ("context_tokens_max", params.context_tokens_max),
+            ("topk", params.topk),
+            ("layers", params.layers),
+        ] {
+            if v == 0 {
+                return Err(LayoutError::Zero { field });
+            }
+        }
+        let pt_stride = pages_for_tokens(params.context_tokens_max as u64);
+        let l = ScratchLayout {
+            params,
+            pt_stride: u32::try_from(pt_stride).map_err(|_| LayoutError::Overflow {
+                what: "page-table entries per row",
+            })?,
+        };
+        // Every buffer's size must fit; everything the accessors return is bounded by one.
+        let launch = params.launch_rows as u64;
+        mul(
+            mul(launch, params.heads as u64, "scratch queries")?,
+            INDEX_HEAD_DIM as u64,
+            "scratch queries",
+        )?;
+        mul(
+            mul(launch, l.out_stride() as u64, "scratch logits")?,
+            FP32_BYTES,
+            "scratch logits",
+        )?;
+        mul(
+            mul(
+                params.rows_max as u64,
+                params.topk as u64,
+                "scratch selections",
+            )?,
+            4,
+            "scratch selections",
+        )?;
+        mul(
+            mul(
+                params.layers as u64,
+                params.rows_max as u64,
+                "scratch digests",
+            )?,
+            8,
+            "scratch digests",
+        )?;
+        Ok(l)
+    }
+
+    /// Logits per row: one per position of the row's page table.
+    pub fn out_stride(&self) -> u32 {
+        self.pt_stride * PAGE_TOKENS
+    }
+    pub fn rows_max(&self) -> u32 {
+        self.params.rows_max
+    }
+    pub fn launch_rows(&self) -> u32 {
+        self.params.launch_rows
+    }
+
+    /// The allocation size of a scratch buffer.
+    pub fn bytes(&self, b: ScratchBuffer) -> Bytes {
+        let p = &self.params;
+        match b {
+            ScratchBuffer::Queries => self.queries(p.launch_rows),
+            ScratchBuffer::Weights => self.weights(p.launch_rows),
+            ScratchBuffer::Logits => self.logits(p.launch_rows),
+            ScratchBuffer::Selections => self.selections(0, p.rows_max).1,
+            ScratchBuffer::Digests | ScratchBuffer::Readback => {
+                u64_bytes(p.layers as u64 * p.rows_max as u64)
+            }
+        }
+    }
+    /// fp8 queries of `rows` rows (from the start of the buffer).
+    pub fn queries(&self, rows: u32) -> Bytes {
+        assert!(rows <= self.params.launch_rows, "{rows} rows in one launch");
+        fp8_bytes(rows as u64 * self.params.heads as u64 * INDEX_HEAD_DIM as u64)
+    }
+    /// Folded head weights of `rows` rows.
+    pub fn weights(&self, rows: u32) -> Bytes {
+        assert!(rows <= self.params.launch_rows, "{rows} rows in one launch");
+        f32_bytes(rows as u64 * self.params.heads as u64)
+    }
+    /// Logits of `rows` rows.
+    pub fn logits(&self, rows: u32) -> Bytes {
+        assert!(rows <= self.params.launch_rows, "{rows} rows in one launch");
+        f32_bytes(rows as u64 * self.out_stride() as u64)
+    }
+    /// (offset, bytes) of the selections of rows `first..first + rows` of the step.
+    pub fn selections(&self, first: u32, rows: u32) -> (Bytes, Bytes) {
+        assert!(first + rows <= self.params.rows_max, "selection rows");
+        let k = self.params.topk as u64;
+        (i32_bytes(first as u64 * k), i32_bytes(rows as u64 * k))
+    }
+    /// (offset, bytes) of layer `layer`'s digests of rows `first..first + rows`.
+    pub fn digests(&self, layer: u32, first: u32, rows: u32) -> (Bytes, Bytes) {
+        assert!(layer < self.params.layers, "digest layer");
+        assert!(first + rows <= self.params.rows_max, "digest rows");
+        let at = layer as u64 * self.params.rows_max as u64 + first as u64;
+        (u64_bytes(at), u64_bytes(rows as u64))
+    }
+    /// The index of layer `layer`'s digest of row `row` among all the step's digests.
+    pub fn digest_index(&self, layer: u32, row: u32) -> usize {
+        layer as usize * self.params.rows_max as usize + row as usize
+    }
 }
 
 /// Where whole pages live in a buffer: page `p` occupies `[base + p*page_stride, .. + page_bytes)`.

@@ -8,6 +8,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use tierkv_engine::cpu_device::InOrderDevice;
 use tierkv_engine::device::*;
+use tierkv_engine::layout::Bytes;
 
 pub struct CheckedInOrder {
     pub inner: InOrderDevice,
@@ -43,13 +44,13 @@ impl Device for CheckedInOrder {
     fn desc(&self, buf: BufferId) -> BufferDesc {
         self.inner.desc(buf)
     }
-    fn new_event(&mut self) -> EventId {
+    fn new_event(&mut self) -> Result<EventId, DeviceError> {
         self.inner.new_event()
     }
-    fn record(&mut self, stream: StreamKind, ev: EventId) {
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         self.inner.record(stream, ev)
     }
-    fn wait(&mut self, stream: StreamKind, ev: EventId) {
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         self.inner.wait(stream, ev)
     }
     fn query(&mut self, ev: EventId) -> EventState {
@@ -67,10 +68,15 @@ impl Device for CheckedInOrder {
         self.findings.extend(found);
         self.inner.enqueue(stream, op)
     }
-    fn host_read(&mut self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
         self.inner.host_read(buf, offset, out)
     }
-    fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
         self.inner.host_write(buf, offset, data)
     }
 }

@@ -8,7 +8,7 @@
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
 use tierkv_engine::cpu_device::Memory;
-use tierkv_engine::device::{BufferDesc, BufferId, DeviceError, MemoryTier, Op};
+use tierkv_engine::device::{BufferDesc, BufferId, ByteRange, DeviceError, MemoryTier, Op};
 use tierkv_engine::runtime::cuda::{CopyStrategy, CudaOps, GpuMem, PinnedHost};
 use tierkv_kernels::cuda::launch::DevPtr;
 
@@ -68,21 +68,7 @@ impl CudaExec {
         let accesses = op.accesses();
         // In: every range the op reads or writes (a write may cover bytes the kernel leaves alone).
         for a in &accesses {
-            let r = a.range;
-            let src = &mem.bufs[r.buffer.0 as usize][r.start as usize..r.end as usize];
-            match &mut self.mirrors[r.buffer.0 as usize] {
-                GpuMem::Pinned(h) => {
-                    h.slice_mut()[r.start as usize..r.end as usize].copy_from_slice(src)
-                }
-                GpuMem::Device(_) => {
-                    let dst = self.ptr(r.buffer).ptr + r.start;
-                    // SAFETY: `src` outlives the synchronous wait below; the range is inside.
-                    unsafe {
-                        cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())
-                    }
-                    .map_err(backend)?;
-                }
-            }
+            self.upload(a.range, mem.range(a.range))?;
         }
         let descs = self.descs.clone();
         let ptrs: Vec<DevPtr> = (0..self.mirrors.len() as u32)
@@ -94,24 +80,44 @@ impl CudaExec {
         self.stream.synchronize().map_err(backend)?;
         // Out: the ranges it writes.
         for a in accesses.iter().filter(|a| a.write) {
-            let r = a.range;
-            let dst = &mut mem.bufs[r.buffer.0 as usize][r.start as usize..r.end as usize];
-            match &self.mirrors[r.buffer.0 as usize] {
-                GpuMem::Pinned(h) => {
-                    dst.copy_from_slice(&h.slice()[r.start as usize..r.end as usize])
-                }
-                GpuMem::Device(_) => {
-                    let src = self.ptr(r.buffer).ptr + r.start;
-                    // SAFETY: synchronous below; range inside the mirror.
-                    unsafe {
-                        cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
-                    }
-                    .map_err(backend)?;
-                }
-            }
+            self.download(a.range, mem.range_mut(a.range))?;
         }
         self.stream.synchronize().map_err(backend)?;
         self.ops_run += 1;
+        Ok(())
+    }
+
+    /// Copies `src` into the mirror's range `r` (asynchronously for device memory: the caller
+    /// synchronises before `src` goes).
+    fn upload(&mut self, r: ByteRange, src: &[u8]) -> Result<(), DeviceError> {
+        match &mut self.mirrors[r.buffer.0 as usize] {
+            GpuMem::Pinned(h) => h.slice_mut()[r.span()].copy_from_slice(src),
+            GpuMem::Device(_) => {
+                let dst = self.ptr(r.buffer).ptr + r.start.0;
+                // SAFETY: `src` outlives the synchronous wait that follows the op; the range is
+                // inside the mirror.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+                }
+                .map_err(backend)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the mirror's range `r` into `dst` (the caller synchronises before reading it).
+    fn download(&self, r: ByteRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+        match &self.mirrors[r.buffer.0 as usize] {
+            GpuMem::Pinned(h) => dst.copy_from_slice(&h.slice()[r.span()]),
+            GpuMem::Device(_) => {
+                let src = self.ptr(r.buffer).ptr + r.start.0;
+                // SAFETY: synchronous below; range inside the mirror.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                }
+                .map_err(backend)?;
+            }
+        }
         Ok(())
     }
 }

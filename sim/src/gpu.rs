@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::rc::Rc;
 use tierkv_engine::cpu_device::{run_op, Memory};
 use tierkv_engine::device::*;
-use tierkv_engine::layout::{PageId, PAGE_TOKENS};
+use tierkv_engine::layout::{Bytes, PageId};
 
 /// How the scheduler chooses among ready streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -195,7 +195,9 @@ impl Clock for SimClock {
 }
 
 impl SimGpu {
-    pub fn new(seed: u64, opts: GpuOptions) -> SimGpu {
+    /// A simulated GPU; with `opts.cuda`, its ops run on the machine's real GPU (an error when
+    /// there is none, or the build has no CUDA).
+    pub fn new(seed: u64, opts: GpuOptions) -> Result<SimGpu, DeviceError> {
         let mut rng = Rng::new(seed ^ 0x6770_7500);
         let mut priorities = [0u64, 1, 2];
         for i in (1..3).rev() {
@@ -241,9 +243,9 @@ impl SimGpu {
             exec: Executor::Cpu,
         };
         if cuda {
-            g.exec = Executor::cuda();
+            g.exec = Executor::cuda()?;
         }
-        g
+        Ok(g)
     }
 
     pub fn clock(&self) -> SimClock {
@@ -325,22 +327,21 @@ impl SimGpu {
     }
 
     fn duration(&mut self, op: &Op) -> (u64, bool) {
-        let accesses = op.accesses();
-        let bytes: u64 = accesses.iter().map(|a| a.range.end - a.range.start).sum();
-        match op {
-            Op::PageCopy { .. } | Op::Copy { .. } => {
+        let bytes = op.bytes_touched().0;
+        match op.spec().class() {
+            OpClass::PageCopy | OpClass::LinearCopy => {
                 let base = self.opts.copy_latency_ns
                     + (bytes as f64 / 2.0 / self.opts.copy_bytes_per_ns) as u64;
                 let mut d = base + self.rng.below(base / 4 + 1);
                 if self.opts.slow_copy_rate > 0.0 && self.rng.chance(self.opts.slow_copy_rate) {
                     d *= self.opts.slow_copy_factor;
                 }
-                let fail = matches!(op, Op::PageCopy { .. })
+                let fail = op.spec().class() == OpClass::PageCopy
                     && self.opts.failed_copy_rate > 0.0
                     && self.rng.chance(self.opts.failed_copy_rate);
                 (d, fail)
             }
-            _ => {
+            OpClass::Kernel => {
                 let base =
                     self.opts.kernel_ns + (bytes as f64 / self.opts.kernel_bytes_per_ns) as u64;
                 (base + self.rng.below(base / 2 + 1), false)
@@ -387,6 +388,7 @@ impl SimGpu {
                     self.streams[s].queue.pop_front();
                     let failed = std::mem::take(&mut self.streams[s].failed_since_record);
                     let r = self.records.get_mut(&rec).expect("record exists");
+                    assert!(r.done_at.is_none(), "record {rec} completed twice");
                     r.done_at = Some(t);
                     r.failed = failed;
                     self.streams[s].ready_at = t;
@@ -418,6 +420,11 @@ impl SimGpu {
                     };
                     let start = t.max(rec.enq_ns) + self.start_delay(s);
                     let end = start + rec.duration;
+                    assert!(
+                        start >= self.streams[s].ready_at,
+                        "op {} starts before its stream is ready",
+                        rec.id
+                    );
                     self.seq += 1;
                     self.heap.push(Reverse((end, self.seq, s)));
                     self.log(&[2, s as u64, rec.id, start]);
@@ -455,6 +462,11 @@ impl SimGpu {
     /// The op running on stream `s` ends: its reads and writes happen now.
     fn complete(&mut self, s: usize) {
         let (rec, start, end) = self.streams[s].running.take().expect("a running op");
+        assert!(
+            end >= start && end >= self.streams[s].ready_at,
+            "op {} ends before it starts",
+            rec.id
+        );
         self.stats.ops += 1;
         self.log(&[3, s as u64, rec.id, end]);
         // The paired check: the op still fits its buffers when it runs.
@@ -485,16 +497,12 @@ impl SimGpu {
             // A failed copy leaves garbage where it was writing.
             for a in rec.op.accesses().into_iter().filter(|a| a.write) {
                 let garbage = self.rng.next_u64();
-                let buf = &mut self.mem.bufs[a.range.buffer.0 as usize];
-                for (i, b) in buf[a.range.start as usize..a.range.end as usize]
-                    .iter_mut()
-                    .enumerate()
-                {
+                for (i, b) in self.mem.range_mut(a.range).iter_mut().enumerate() {
                     *b = (garbage >> ((i % 8) * 8)) as u8 ^ i as u8;
                 }
                 self.bump_generations(a.range);
             }
-            for (buf, page, rows) in written_rows(&rec.op) {
+            for (buf, page, rows) in rec.op.spec().full_rows() {
                 *self.tainted.entry((buf, page)).or_default() |= rows;
             }
         } else {
@@ -508,7 +516,7 @@ impl SimGpu {
                 self.bump_generations(a.range);
             }
             // Rows written in full by a successful op hold good bytes again.
-            for (buf, page, rows) in written_rows(&rec.op) {
+            for (buf, page, rows) in rec.op.spec().full_rows() {
                 if let Some(m) = self.tainted.get_mut(&(buf, page)) {
                     *m &= !rows;
                     if *m == 0 {
@@ -516,13 +524,13 @@ impl SimGpu {
                     }
                 }
             }
-            if let Op::PageCopy { .. } = rec.op {
+            if let Op::PageCopy(_) = rec.op {
                 self.stats.copy_bytes += rec
                     .op
                     .accesses()
                     .iter()
                     .filter(|a| a.write)
-                    .map(|a| a.range.end - a.range.start)
+                    .map(|a| a.range.len().0)
                     .sum::<u64>();
             }
         }
@@ -549,12 +557,12 @@ impl SimGpu {
             return;
         }
         let pb = desc.fingerprint.page_bytes.max(1);
-        for p in r.start / pb..r.end.div_ceil(pb) {
+        for p in r.start.0 / pb..r.end.0.div_ceil(pb) {
             *self.page_gen.entry((r.buffer, p)).or_default() += 1;
         }
     }
 
-    fn host_access(&mut self, what: &str, buf: BufferId, offset: u64, len: usize, write: bool) {
+    fn host_access(&mut self, what: &str, buf: BufferId, offset: Bytes, len: usize, write: bool) {
         self.host_actions += 1;
         self.host_vc[HOST] += 1;
         let who = Accessor {
@@ -564,16 +572,8 @@ impl SimGpu {
             what: what.to_string(),
         };
         let vc = self.host_vc;
-        let races = self.race.access(
-            ByteRange {
-                buffer: buf,
-                start: offset,
-                end: offset + len as u64,
-            },
-            write,
-            &vc,
-            &who,
-        );
+        let range = ByteRange::new(buf, offset, Bytes(len as u64));
+        let races = self.race.access(range, write, &vc, &who);
         self.report_races(races);
     }
 
@@ -595,6 +595,21 @@ impl SimGpu {
         while let Some(Reverse((_, _, s))) = self.heap.pop() {
             self.complete(s);
         }
+        // Nothing runs and nothing can start: a stream with work left waits for a record that
+        // no stream will reach.
+        for (i, st) in self.streams.iter().enumerate() {
+            assert!(
+                st.running.is_none(),
+                "{} stream runs an op after the drain",
+                StreamKind::ALL[i].name()
+            );
+            assert!(
+                st.queue.is_empty(),
+                "deadlock: the {} stream waits forever ({} entries left)",
+                StreamKind::ALL[i].name(),
+                st.queue.len()
+            );
+        }
     }
 
     /// Whether any token row of this page holds bytes from a failed copy.
@@ -605,14 +620,14 @@ impl SimGpu {
 
 impl Executor {
     #[cfg(feature = "cuda")]
-    fn cuda() -> Executor {
-        Executor::Cuda(Box::new(
-            crate::cuda_exec::CudaExec::new().expect("a CUDA device for --device cuda"),
-        ))
+    fn cuda() -> Result<Executor, DeviceError> {
+        Ok(Executor::Cuda(Box::new(crate::cuda_exec::CudaExec::new()?)))
     }
     #[cfg(not(feature = "cuda"))]
-    fn cuda() -> Executor {
-        panic!("--device cuda needs a build with `--features cuda`")
+    fn cuda() -> Result<Executor, DeviceError> {
+        Err(DeviceError::Backend {
+            detail: "--device cuda needs a build with `--features cuda`".into(),
+        })
     }
     fn run(&mut self, op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
         match self {
@@ -620,37 +635,6 @@ impl Executor {
             #[cfg(feature = "cuda")]
             Executor::Cuda(c) => c.run(op, mem),
         }
-    }
-}
-
-/// The token rows an op writes in full, per paged-buffer page: whole pages for page copies, one
-/// row per slot for the stores. (Scratch buffers are not paged and carry no rows.)
-fn written_rows(op: &Op) -> Vec<(BufferId, u64, u64)> {
-    match op {
-        Op::PageCopy {
-            dst,
-            dst_view,
-            runs,
-            ..
-        } => runs
-            .iter()
-            .flat_map(|r| (0..r.count).map(move |j| r.dst.0 + j))
-            .map(|p| {
-                let start = dst_view.page_range(PageId(p)).start;
-                (*dst, start / dst_view.page_bytes(), u64::MAX)
-            })
-            .collect(),
-        Op::IndexKStore { dst, slots, .. } | Op::KvStore { dst, slots, .. } => slots
-            .iter()
-            .map(|&s| {
-                (
-                    *dst,
-                    (s.max(0) as u32 / PAGE_TOKENS) as u64,
-                    1u64 << (s.max(0) as u32 % PAGE_TOKENS),
-                )
-            })
-            .collect(),
-        _ => Vec::new(),
     }
 }
 
@@ -678,44 +662,7 @@ fn entity_name(e: usize) -> &'static str {
 
 /// A short human description of an op for traces and reports.
 pub fn op_detail(op: &Op, mem: &Memory) -> String {
-    let role = |b: BufferId| mem.desc(b).role.to_string();
-    match op {
-        Op::PageCopy { src, dst, runs, .. } => {
-            let pages: u32 = runs.iter().map(|r| r.count).sum();
-            let first = runs
-                .first()
-                .map(|r| format!(" (first run {}→{} x{})", r.src, r.dst, r.count))
-                .unwrap_or_default();
-            format!(
-                "{} → {}: {pages} pages in {} runs{first}",
-                role(*src),
-                role(*dst),
-                runs.len()
-            )
-        }
-        Op::IndexKStore { dst, slots, .. } | Op::KvStore { dst, slots, .. } => {
-            format!("{} tokens into {}", slots.len(), role(*dst))
-        }
-        Op::IndexLogits {
-            k, context_lens, ..
-        } => format!("{} rows over {}", context_lens.len(), role(*k)),
-        Op::SparseRead {
-            kv,
-            context_lens,
-            k,
-            ..
-        } => format!("{} rows x top-{k} of {}", context_lens.len(), role(*kv)),
-        Op::TopK {
-            k, context_lens, ..
-        } => format!("{} rows, k = {k}", context_lens.len()),
-        Op::QPrep { rope, heads, .. } => format!("{} rows x {heads} heads", rope.len() / 64),
-        Op::Copy { src, dst } => format!(
-            "{} → {} ({} B)",
-            role(src.buffer),
-            role(dst.buffer),
-            src.bytes
-        ),
-    }
+    op.spec().detail(&|b| mem.desc(b).role)
 }
 
 impl Device for SimGpu {
@@ -743,15 +690,19 @@ impl Device for SimGpu {
     fn desc(&self, buf: BufferId) -> BufferDesc {
         self.mem.desc(buf)
     }
-    fn new_event(&mut self) -> EventId {
+    fn new_event(&mut self) -> Result<EventId, DeviceError> {
         self.events.push(None);
-        EventId(self.events.len() as u32 - 1)
+        Ok(EventId(self.events.len() as u32 - 1))
     }
-    fn record(&mut self, stream: StreamKind, ev: EventId) {
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         let s = stream.index();
+        assert!(
+            (ev.0 as usize) < self.events.len(),
+            "record of unknown {ev}"
+        );
         let rec = self.next_record;
         self.next_record += 1;
-        self.records.insert(
+        let fresh = self.records.insert(
             rec,
             RecordState {
                 done_at: None,
@@ -759,14 +710,17 @@ impl Device for SimGpu {
                 vc: self.streams[s].vc,
             },
         );
+        assert!(fresh.is_none(), "record {rec} made twice");
         self.events[ev.0 as usize] = Some(rec);
         self.streams[s].queue.push_back(Entry::Record(rec));
         self.log(&[5, s as u64, ev.0 as u64, rec]);
         let now = self.host.get();
         self.advance_stream(s, now);
+        Ok(())
     }
-    fn wait(&mut self, stream: StreamKind, ev: EventId) {
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         let s = stream.index();
+        assert!((ev.0 as usize) < self.events.len(), "wait on unknown {ev}");
         let target = self.events[ev.0 as usize];
         if let Some(rec) = target {
             let vc = self.records[&rec].vc;
@@ -776,6 +730,7 @@ impl Device for SimGpu {
         self.log(&[6, s as u64, ev.0 as u64]);
         let now = self.host.get();
         self.advance_stream(s, now);
+        Ok(())
     }
     fn query(&mut self, ev: EventId) -> EventState {
         // A query costs the host a little time, so an engine that spins on one lets the device
@@ -873,23 +828,32 @@ impl Device for SimGpu {
         self.advance_stream(s, now);
         Ok(())
     }
-    fn host_read(&mut self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
         check_host_access("host_read", buf, self.mem.desc(buf), offset, out.len())?;
         let now = self.host.get();
         self.pump(now);
         self.host_access("host_read", buf, offset, out.len(), false);
-        out.copy_from_slice(&self.mem.bytes(buf)[offset as usize..offset as usize + out.len()]);
-        self.log(&[10, buf.0 as u64, offset]);
+        out.copy_from_slice(
+            self.mem
+                .range(ByteRange::new(buf, offset, Bytes(out.len() as u64))),
+        );
+        self.log(&[10, buf.0 as u64, offset.0]);
         Ok(())
     }
-    fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
         check_host_access("host_write", buf, self.mem.desc(buf), offset, data.len())?;
         let now = self.host.get();
         self.pump(now);
         self.host_access("host_write", buf, offset, data.len(), true);
-        self.mem.bufs[buf.0 as usize][offset as usize..offset as usize + data.len()]
+        self.mem
+            .range_mut(ByteRange::new(buf, offset, Bytes(data.len() as u64)))
             .copy_from_slice(data);
-        self.log(&[11, buf.0 as u64, offset]);
+        self.log(&[11, buf.0 as u64, offset.0]);
         Ok(())
     }
 }

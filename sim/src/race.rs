@@ -65,12 +65,12 @@ impl RaceDetector {
     /// Checks and records one access made with clock `vc` by `who`. Returns the races found.
     pub fn access(&mut self, range: ByteRange, write: bool, vc: &Vc, who: &Accessor) -> Vec<Race> {
         let mut races = Vec::new();
-        if range.end <= range.start {
+        if range.is_empty() {
             return races;
         }
         let cb = self.cell_bytes[&range.buffer];
-        let first = range.start / cb;
-        let last = (range.end - 1) / cb;
+        let first = range.start.0 / cb;
+        let last = (range.end.0 - 1) / cb;
         for c in first..=last {
             let cell = self.cells.entry((range.buffer, c)).or_default();
             let ordered = |a: &Accessor| a.entity == who.entity || a.epoch <= vc[a.entity];

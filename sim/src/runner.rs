@@ -14,7 +14,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
 use tierkv_engine::device::DeviceError;
 use tierkv_engine::mutants::Mutants;
-use tierkv_engine::{Engine, EngineError, EngineOptions, Output, Rejection, RequestSpec};
+use tierkv_engine::synth::Synth;
+use tierkv_engine::{Config, Engine, EngineError, EngineOptions, Output, Rejection, RequestSpec};
+use tierkv_kernels::cpu::numerics::mix64;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RunOptions {
@@ -160,445 +162,538 @@ fn engine_error_kind(e: &EngineError) -> OracleKind {
 
 type Eng = Engine<SimGpu, crate::gpu::SimClock>;
 
+/// Why a run ends early: its findings are in `Run::findings`.
+struct Stop;
+
+/// One run in progress: the engine, the oracles, the workload's state and what was found.
+struct Run<'a> {
+    sc: &'a Scenario,
+    cfg: Config,
+    synth: Synth,
+    engine: Eng,
+    content: Rc<RefCell<ContentOracle>>,
+    digest: DigestOracle,
+    rng: Rng,
+    stats: RunStats,
+    sessions: Vec<SessionState>,
+    /// One-shot arrivals by time: (time, index into the workload).
+    oneshots: Vec<(u64, usize)>,
+    next_oneshot: usize,
+    owners: BTreeMap<u64, Owner>,
+    /// Each request's prompt length and max_new_tokens.
+    specs: BTreeMap<u64, (usize, u32)>,
+    /// The digests of each request's latest query.
+    last_digests: BTreeMap<u64, Vec<u64>>,
+    out_hash: u64,
+    faults_on: bool,
+    findings: Vec<Finding>,
+}
+
 /// Runs one scenario.
 pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
     let wall = std::time::Instant::now();
-    let mut findings = Vec::new();
-    let cfg = sc.engine_config();
-    let fail = |findings: Vec<Finding>, stats: RunStats| RunOutcome {
-        seed: sc.seed,
-        findings,
-        stats,
-        log_hash: 0,
-        trace: Vec::new(),
-        racing_ops: Vec::new(),
-    };
-    let mutants = match mutants_of(sc.mutant.as_deref()) {
-        Ok(m) => m,
-        Err(e) => {
-            return fail(
-                vec![Finding {
-                    oracle: OracleKind::Engine,
-                    time_ns: 0,
-                    message: e,
-                }],
-                RunStats::default(),
-            )
+    let mut r = match Run::start(sc, opts) {
+        Ok(r) => r,
+        Err(f) => {
+            return RunOutcome {
+                seed: sc.seed,
+                findings: vec![f],
+                stats: RunStats::default(),
+                log_hash: 0,
+                trace: Vec::new(),
+                racing_ops: Vec::new(),
+            }
         }
     };
-    let synth = tierkv_engine::synth::Synth::new(sc.seed);
-    let content = Rc::new(RefCell::new(ContentOracle::new(&cfg, synth)));
-    let mut digest = DigestOracle::new(&cfg);
-    let make_gpu = |fault_alloc: bool| {
-        let mut knobs = sc.gpu.clone();
-        knobs.fail_first_host_alloc = fault_alloc;
-        let mut o = knobs.options(opts.trace);
-        o.cuda = opts.cuda;
-        let mut g = SimGpu::new(sc.seed, o);
-        g.content = Some(content.clone());
-        g
-    };
+    while r.iteration().is_ok() {}
+    r.finish(wall)
+}
+
+/// The engine on a fresh simulated GPU. An injected host allocation failure must come back as a
+/// typed error (never a panic), and the engine then starts on a device without the fault.
+fn start_engine(
+    sc: &Scenario,
+    opts: &RunOptions,
+    cfg: &Config,
+    content: &Rc<RefCell<ContentOracle>>,
+) -> Result<Eng, Finding> {
+    let mutants = mutants_of(sc.mutant.as_deref()).map_err(|e| Finding {
+        oracle: OracleKind::Engine,
+        time_ns: 0,
+        message: e,
+    })?;
     let eopts = EngineOptions {
         seed: sc.seed,
         mutants,
     };
-    // Start the engine; an injected host allocation failure must come back as a typed error
-    // (never a panic), and the engine then starts on a device without the fault.
-    enum Start {
-        Ok(Box<Eng>),
-        HostOutOfMemory,
-        Failed(Finding),
-    }
-    let start = |fault_alloc: bool| {
-        let gpu = make_gpu(fault_alloc);
-        let clock = gpu.clock();
-        match guarded(|| Engine::new(cfg.clone(), gpu, clock, eopts)) {
-            Ok(Ok(e)) => Start::Ok(Box::new(e)),
-            Ok(Err(EngineError::Device(DeviceError::OutOfMemory { .. }))) if fault_alloc => {
-                Start::HostOutOfMemory
-            }
-            Ok(Err(e)) => Start::Failed(Finding {
-                oracle: engine_error_kind(&e),
-                time_ns: 0,
-                message: format!("engine start: {e}"),
-            }),
-            Err(p) => Start::Failed(Finding {
-                oracle: OracleKind::Invariant,
-                time_ns: 0,
-                message: p,
-            }),
-        }
+    let failed = |oracle, message| Finding {
+        oracle,
+        time_ns: 0,
+        message,
     };
-    let first = match start(sc.gpu.fail_first_host_alloc) {
-        Start::HostOutOfMemory => start(false),
+    let start = |fault_alloc: bool| -> Result<Result<Eng, EngineError>, Finding> {
+        let mut knobs = sc.gpu.clone();
+        knobs.fail_first_host_alloc = fault_alloc;
+        let mut o = knobs.options(opts.trace);
+        o.cuda = opts.cuda;
+        let mut gpu = SimGpu::new(sc.seed, o)
+            .map_err(|e| failed(OracleKind::Engine, format!("simulated GPU: {e}")))?;
+        gpu.content = Some(content.clone());
+        let clock = gpu.clock();
+        guarded(|| Engine::new(cfg.clone(), gpu, clock, eopts))
+            .map_err(|p| failed(OracleKind::Invariant, p))
+    };
+    let first = match start(sc.gpu.fail_first_host_alloc)? {
+        Err(EngineError::Device(DeviceError::OutOfMemory { .. }))
+            if sc.gpu.fail_first_host_alloc =>
+        {
+            start(false)?
+        }
         other => other,
     };
-    let mut engine: Eng = match first {
-        Start::Ok(e) => *e,
-        Start::Failed(f) => return fail(vec![f], RunStats::default()),
-        Start::HostOutOfMemory => unreachable!("the retry runs without the fault"),
-    };
+    first.map_err(|e| failed(engine_error_kind(&e), format!("engine start: {e}")))
+}
 
-    let ctx_max = cfg.model.context_tokens_max as usize;
-    let queue_limit = cfg.scheduler.queued_requests_max as usize;
-    let mut rng = Rng::new(sc.seed ^ 0xAB0_47);
-    let mut stats = RunStats::default();
-    let mut sessions: Vec<SessionState> = sc
-        .workload
-        .sessions
-        .iter()
-        .map(|s| SessionState {
-            history: (0..s.system_tokens as u64)
-                .map(|i| synth.token(s.system_id, i))
-                .collect(),
-            next_turn: 0,
-            wait_until: s.start_ns,
-            inflight: None,
-            done: s.turns.is_empty(),
-            appended: 0,
+impl<'a> Run<'a> {
+    fn start(sc: &'a Scenario, opts: &RunOptions) -> Result<Run<'a>, Finding> {
+        let cfg = sc.engine_config();
+        let synth = tierkv_engine::synth::Synth::new(sc.seed);
+        let content = Rc::new(RefCell::new(ContentOracle::new(&cfg, synth)));
+        let digest = DigestOracle::new(&cfg);
+        let engine = start_engine(sc, opts, &cfg, &content)?;
+        let sessions = sc
+            .workload
+            .sessions
+            .iter()
+            .map(|s| SessionState {
+                history: (0..s.system_tokens as u64)
+                    .map(|i| synth.token(s.system_id, i))
+                    .collect(),
+                next_turn: 0,
+                wait_until: s.start_ns,
+                inflight: None,
+                done: s.turns.is_empty(),
+                appended: 0,
+            })
+            .collect();
+        let mut oneshots: Vec<(u64, usize)> = sc
+            .workload
+            .oneshots
+            .iter()
+            .enumerate()
+            .map(|(i, o)| (o.at_ns, i))
+            .collect();
+        oneshots.sort();
+        Ok(Run {
+            sc,
+            cfg,
+            synth,
+            engine,
+            content,
+            digest,
+            rng: Rng::new(sc.seed ^ 0xAB0_47),
+            stats: RunStats::default(),
+            sessions,
+            oneshots,
+            next_oneshot: 0,
+            owners: BTreeMap::new(),
+            specs: BTreeMap::new(),
+            last_digests: BTreeMap::new(),
+            out_hash: 0,
+            faults_on: true,
+            findings: Vec::new(),
         })
-        .collect();
-    let mut oneshots: Vec<(u64, usize)> = sc
-        .workload
-        .oneshots
-        .iter()
-        .enumerate()
-        .map(|(i, o)| (o.at_ns, i))
-        .collect();
-    oneshots.sort();
-    let mut next_oneshot = 0usize;
-    let mut owners: BTreeMap<u64, Owner> = BTreeMap::new();
-    // Each request's prompt length and max_new_tokens, and the digests of its latest query.
-    let mut specs: BTreeMap<u64, (usize, u32)> = BTreeMap::new();
-    let mut last_digests: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
-    let mut out_hash = 0u64;
-    let mut faults_on = true;
+    }
 
-    'run: loop {
-        let now = engine.dev.now();
-        // Arrivals that are due.
-        for (i, st) in sessions.iter_mut().enumerate() {
+    fn found(&mut self, oracle: OracleKind, message: String) {
+        let time_ns = self.engine.dev.now();
+        self.findings.push(Finding {
+            oracle,
+            time_ns,
+            message,
+        });
+    }
+
+    /// One iteration of the run loop: arrivals, faults, one engine step and its outputs, the
+    /// per-step oracles, and idle time.
+    fn iteration(&mut self) -> Result<(), Stop> {
+        let now = self.engine.dev.now();
+        self.session_arrivals(now)?;
+        self.oneshot_arrivals(now);
+        // Admission control keeps the queue bounded, bursts or not.
+        let limit = self.cfg.scheduler.queued_requests_max as usize;
+        if let Some(f) = liveness::queue_bounded(self.engine.queue_len(), limit, now) {
+            self.findings.push(f);
+            return Err(Stop);
+        }
+        self.faults()?;
+        let idle = self.step()?;
+        self.per_step_oracles()?;
+        if idle {
+            self.advance_idle()?;
+        }
+        Ok(())
+    }
+
+    /// Session turns that are due: each submits its history plus the turn's appended tokens.
+    fn session_arrivals(&mut self, now: u64) -> Result<(), Stop> {
+        let ctx_max = self.cfg.model.context_tokens_max as usize;
+        for i in 0..self.sessions.len() {
+            let st = &mut self.sessions[i];
             if st.done || st.inflight.is_some() || st.wait_until > now {
                 continue;
             }
-            let spec = &sc.workload.sessions[i];
-            let Some(turn) = spec.turns.get(st.next_turn) else {
+            let Some(turn) = self.sc.workload.sessions[i].turns.get(st.next_turn) else {
                 st.done = true;
                 continue;
             };
             let mut prompt = st.history.clone();
             let stream = 100_000 + i as u64;
+            let appended = st.appended;
             prompt.extend(
-                (0..turn.append_tokens as u64).map(|k| synth.token(stream, st.appended + k)),
+                (0..turn.append_tokens as u64).map(|k| self.synth.token(stream, appended + k)),
             );
             if prompt.len() + turn.generate as usize > ctx_max {
                 st.done = true;
                 continue;
             }
-            match engine.submit(RequestSpec {
-                prompt: prompt.clone(),
-                max_new_tokens: turn.generate,
-            }) {
+            match self.submit(prompt.clone(), turn.generate, Owner::Session(i)) {
                 Ok(id) => {
-                    stats.submitted += 1;
+                    let st = &mut self.sessions[i];
                     st.appended += turn.append_tokens as u64;
-                    st.history = prompt.clone();
+                    st.history = prompt;
                     st.inflight = Some(id);
-                    owners.insert(id, Owner::Session(i));
-                    specs.insert(id, (prompt.len(), turn.generate));
-                    content.borrow_mut().tokens.insert(id, prompt);
                 }
                 Err(Rejection::Invalid { reason }) => {
-                    findings.push(Finding {
+                    let message = format!("valid request rejected as invalid: {reason}");
+                    self.findings.push(Finding {
                         oracle: OracleKind::Engine,
                         time_ns: now,
-                        message: format!("valid request rejected as invalid: {reason}"),
+                        message,
                     });
-                    break 'run;
+                    return Err(Stop);
                 }
-                Err(_) => {
-                    stats.rejected += 1;
-                    st.wait_until = now + 500_000;
-                }
+                Err(_) => self.sessions[i].wait_until = now + 500_000,
             }
         }
-        while next_oneshot < oneshots.len() && oneshots[next_oneshot].0 <= now {
-            let o = &sc.workload.oneshots[oneshots[next_oneshot].1];
-            next_oneshot += 1;
+        Ok(())
+    }
+
+    /// One-shot requests that are due.
+    fn oneshot_arrivals(&mut self, now: u64) {
+        let ctx_max = self.cfg.model.context_tokens_max as usize;
+        while self.next_oneshot < self.oneshots.len() && self.oneshots[self.next_oneshot].0 <= now {
+            let o = &self.sc.workload.oneshots[self.oneshots[self.next_oneshot].1];
+            self.next_oneshot += 1;
+            let synth = self.synth;
             let prompt: Vec<u32> = o
                 .segments
                 .iter()
-                .flat_map(|&(stream, n)| (0..n as u64).map(move |k| (stream, k)))
-                .map(|(s, k)| synth.token(s, k))
+                .flat_map(|&(stream, n)| (0..n as u64).map(move |k| synth.token(stream, k)))
                 .collect();
             if prompt.is_empty() || prompt.len() + o.generate as usize > ctx_max {
                 continue;
             }
-            match engine.submit(RequestSpec {
-                prompt: prompt.clone(),
-                max_new_tokens: o.generate,
-            }) {
-                Ok(id) => {
-                    stats.submitted += 1;
-                    owners.insert(id, Owner::OneShot);
-                    specs.insert(id, (prompt.len(), o.generate));
-                    content.borrow_mut().tokens.insert(id, prompt);
-                }
-                Err(_) => stats.rejected += 1,
-            }
+            let _ = self.submit(prompt, o.generate, Owner::OneShot);
         }
-        // Admission control keeps the queue bounded, bursts or not.
-        if let Some(f) = liveness::queue_bounded(engine.queue_len(), queue_limit, now) {
-            findings.push(f);
-            break;
-        }
-        let arrivals_left = next_oneshot < oneshots.len() || sessions.iter().any(|s| !s.done);
-        if faults_on && !arrivals_left {
-            // The workload is in: faults stop, the liveness phase begins.
-            faults_on = false;
-            engine.dev.stop_faults();
-        }
-        if faults_on && sc.abort_mid_load_rate > 0.0 && rng.chance(sc.abort_mid_load_rate) {
-            // Abort mid-load: a request whose load-back is still in flight.
-            let loading: Vec<u64> = owners
-                .keys()
-                .copied()
-                .filter(|id| engine.request(*id).is_some_and(|r| r.load.is_some()))
-                .collect();
-            if !loading.is_empty() {
-                let victim = *rng.pick(&loading);
-                if guarded(|| engine.abort(victim)).is_err() {
-                    findings.push(Finding {
-                        oracle: OracleKind::Invariant,
-                        time_ns: now,
-                        message: "panic in abort".into(),
-                    });
-                    break;
-                }
-            }
-        }
-        if faults_on && sc.abort_rate > 0.0 && !owners.is_empty() && rng.chance(sc.abort_rate) {
-            let ids: Vec<u64> = owners.keys().copied().collect();
-            let victim = *rng.pick(&ids);
-            if guarded(|| engine.abort(victim)).is_err() {
-                findings.push(Finding {
-                    oracle: OracleKind::Invariant,
-                    time_ns: now,
-                    message: "panic in abort".into(),
-                });
-                break;
-            }
-        }
-        let stepped = guarded(|| engine.step());
-        // What the GPU saw during the step happened before the step's result.
-        findings.append(&mut engine.dev.findings);
-        let report = match stepped {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                findings.push(Finding {
-                    oracle: engine_error_kind(&e),
-                    time_ns: engine.dev.now(),
-                    message: format!("engine step: {e}"),
-                });
-                break;
-            }
-            Err(p) => {
-                findings.push(Finding {
-                    oracle: OracleKind::Invariant,
-                    time_ns: engine.dev.now(),
-                    message: p,
-                });
-                break;
-            }
+    }
+
+    /// Submits a request and, when the engine takes it, tells the oracles its prompt.
+    fn submit(&mut self, prompt: Vec<u32>, generate: u32, owner: Owner) -> Result<u64, Rejection> {
+        let spec = RequestSpec {
+            prompt: prompt.clone(),
+            max_new_tokens: generate,
         };
-        stats.steps += 1;
-        for o in engine.drain_outputs() {
-            out_hash = tierkv_kernels::cpu::numerics::mix64(
-                out_hash ^ format!("{o:?}").len() as u64 ^ output_key(&o),
-            );
-            match o {
-                Output::Digests {
-                    request,
-                    position,
-                    digests,
-                } => {
-                    let mut c = content.borrow_mut();
-                    let tainted = (0..digests.len() as u32).any(|l| {
-                        c.tainted_reads
-                            .get(&(request, position, cfg.model.layer_base + l))
-                            .copied()
-                            .unwrap_or(false)
-                    });
-                    if tainted {
-                        findings.push(Finding {
-                            oracle: OracleKind::Content,
-                            time_ns: engine.dev.now(),
-                            message: format!(
-                                "request {request} position {position}: the engine emitted digests computed from rows a failed copy left garbage in"
-                            ),
-                        });
-                    }
-                    last_digests.insert(request, digests.clone());
-                    if let Some(m) = digest.check(&mut c, request, position, &digests) {
-                        let (oracle, message) = match m {
-                            Mismatch::TopK(s) => (OracleKind::TopK, s),
-                            Mismatch::Digest(s) => (OracleKind::Digest, s),
-                        };
-                        findings.push(Finding {
-                            oracle,
-                            time_ns: engine.dev.now(),
-                            message,
-                        });
-                    }
-                }
-                Output::Token {
-                    request,
-                    token,
-                    index,
-                } => {
-                    // The token follows from the digests of its query, and comes in order.
-                    let (prompt_len, _) = specs.get(&request).copied().unwrap_or((0, 0));
-                    let mut c = content.borrow_mut();
-                    let Some(t) = c.tokens.get_mut(&request) else {
-                        continue;
-                    };
-                    let want = last_digests.get(&request).map(|d| synth.next_token(d));
-                    if index as usize != t.len() - prompt_len || want != Some(token) {
-                        findings.push(Finding {
-                            oracle: OracleKind::Digest,
-                            time_ns: engine.dev.now(),
-                            message: format!(
-                                "request {request}: token #{index} = {token} does not follow (expected #{} = {want:?} from its digests)",
-                                t.len() - prompt_len
-                            ),
-                        });
-                    }
-                    t.push(token);
-                }
-                Output::Finished { request, generated } => {
-                    stats.finished += 1;
-                    if let Some(Owner::Session(i)) = owners.remove(&request) {
-                        let st = &mut sessions[i];
-                        st.history.extend_from_slice(&generated);
-                        st.inflight = None;
-                        st.next_turn += 1;
-                        let now = engine.dev.now();
-                        st.wait_until = sc.workload.sessions[i]
-                            .turns
-                            .get(st.next_turn)
-                            .map(|t| now + t.think_ns)
-                            .unwrap_or(now);
-                    }
-                    let known = content
-                        .borrow()
-                        .tokens
-                        .get(&request)
-                        .cloned()
-                        .unwrap_or_default();
-                    let (prompt_len, max_new) = specs.get(&request).copied().unwrap_or((0, 0));
-                    if known.len() < prompt_len
-                        || known[prompt_len..] != generated[..]
-                        || generated.len() != max_new as usize
-                    {
-                        findings.push(Finding {
-                            oracle: OracleKind::Digest,
-                            time_ns: engine.dev.now(),
-                            message: format!(
-                                "request {request} finished with {} tokens that differ from the {} it emitted (max_new_tokens {max_new})",
-                                generated.len(),
-                                known.len().saturating_sub(prompt_len)
-                            ),
-                        });
-                    }
-                }
-                Output::Aborted { request } => {
-                    stats.aborted += 1;
-                    if let Some(Owner::Session(i)) = owners.remove(&request) {
-                        sessions[i].inflight = None;
-                        sessions[i].done = true; // the client gave up on the session
-                    }
-                }
-                Output::Recompute { .. } => stats.recomputed += 1,
+        match self.engine.submit(spec) {
+            Ok(id) => {
+                self.stats.submitted += 1;
+                self.owners.insert(id, owner);
+                self.specs.insert(id, (prompt.len(), generate));
+                self.content.borrow_mut().tokens.insert(id, prompt);
+                Ok(id)
             }
-        }
-        findings.append(&mut engine.dev.findings);
-        if !findings.is_empty() {
-            break;
-        }
-        if let Err(p) = guarded(|| engine.check_invariants()) {
-            findings.push(Finding {
-                oracle: OracleKind::Invariant,
-                time_ns: engine.dev.now(),
-                message: p,
-            });
-            break;
-        }
-        let unfinished = sessions.iter().filter(|s| !s.done).count();
-        if let Some(f) = liveness::within_steps(
-            stats.steps,
-            sc.steps_max,
-            engine.queue_len(),
-            engine.running_len(),
-            unfinished,
-            engine.dev.now(),
-        ) {
-            findings.push(f);
-            break;
-        }
-        if report.idle {
-            let next_session = sessions
-                .iter()
-                .filter(|s| !s.done && s.inflight.is_none())
-                .map(|s| s.wait_until)
-                .min();
-            let next_shot = oneshots.get(next_oneshot).map(|o| o.0);
-            match next_session.into_iter().chain(next_shot).min() {
-                Some(t) => engine.dev.advance_host_to(t.max(engine.dev.now() + 1)),
-                None => break,
+            Err(r) => {
+                self.stats.rejected += 1;
+                Err(r)
             }
         }
     }
 
-    // The end: the device drains; everything must be returned and every request must have ended.
-    if findings.is_empty() {
-        match guarded(|| engine.dev.drain()) {
-            Ok(()) => findings.append(&mut engine.dev.findings),
-            Err(p) => findings.push(Finding {
-                oracle: OracleKind::Invariant,
-                time_ns: engine.dev.now(),
-                message: p,
-            }),
+    /// Faults stop once the workload is in (the liveness phase); until then, aborts mid-load
+    /// and anywhere.
+    fn faults(&mut self) -> Result<(), Stop> {
+        let arrivals_left =
+            self.next_oneshot < self.oneshots.len() || self.sessions.iter().any(|s| !s.done);
+        if self.faults_on && !arrivals_left {
+            self.faults_on = false;
+            self.engine.dev.stop_faults();
         }
-    }
-    if findings.is_empty() {
-        let open: Vec<u64> = owners.keys().copied().collect();
-        let now = engine.dev.now();
-        if let Some(f) =
-            liveness::all_requests_ended(&open, now).or_else(|| conservation::check(&engine, now))
+        if !self.faults_on {
+            return Ok(());
+        }
+        if self.sc.abort_mid_load_rate > 0.0 && self.rng.chance(self.sc.abort_mid_load_rate) {
+            // Abort mid-load: a request whose load-back is still in flight.
+            let loading: Vec<u64> = self
+                .owners
+                .keys()
+                .copied()
+                .filter(|id| self.engine.request(*id).is_some_and(|r| r.load.is_some()))
+                .collect();
+            if !loading.is_empty() {
+                let victim = *self.rng.pick(&loading);
+                self.abort(victim)?;
+            }
+        }
+        if self.sc.abort_rate > 0.0
+            && !self.owners.is_empty()
+            && self.rng.chance(self.sc.abort_rate)
         {
-            findings.push(f);
+            let ids: Vec<u64> = self.owners.keys().copied().collect();
+            let victim = *self.rng.pick(&ids);
+            self.abort(victim)?;
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, victim: u64) -> Result<(), Stop> {
+        if guarded(|| self.engine.abort(victim)).is_err() {
+            let time_ns = self.engine.dev.now();
+            self.findings.push(Finding {
+                oracle: OracleKind::Invariant,
+                time_ns,
+                message: "panic in abort".into(),
+            });
+            return Err(Stop);
+        }
+        Ok(())
+    }
+
+    /// One engine step, then every output it handed back through the oracles. Returns whether
+    /// the engine reported itself idle.
+    fn step(&mut self) -> Result<bool, Stop> {
+        let stepped = guarded(|| self.engine.step());
+        // What the GPU saw during the step happened before the step's result.
+        self.findings.append(&mut self.engine.dev.findings);
+        let report = match stepped {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                self.found(engine_error_kind(&e), format!("engine step: {e}"));
+                return Err(Stop);
+            }
+            Err(p) => {
+                self.found(OracleKind::Invariant, p);
+                return Err(Stop);
+            }
+        };
+        self.stats.steps += 1;
+        for o in self.engine.drain_outputs() {
+            self.out_hash = mix64(self.out_hash ^ format!("{o:?}").len() as u64 ^ output_key(&o));
+            self.output(o);
+        }
+        self.findings.append(&mut self.engine.dev.findings);
+        if !self.findings.is_empty() {
+            return Err(Stop);
+        }
+        Ok(report.idle)
+    }
+
+    fn output(&mut self, o: Output) {
+        match o {
+            Output::Digests {
+                request,
+                position,
+                digests,
+            } => self.digests(request, position, digests),
+            Output::Token {
+                request,
+                token,
+                index,
+            } => self.token(request, index, token),
+            Output::Finished { request, generated } => self.finished(request, generated),
+            Output::Aborted { request } => {
+                self.stats.aborted += 1;
+                if let Some(Owner::Session(i)) = self.owners.remove(&request) {
+                    self.sessions[i].inflight = None;
+                    self.sessions[i].done = true; // the client gave up on the session
+                }
+            }
+            Output::Recompute { .. } => self.stats.recomputed += 1,
         }
     }
-    let m = &engine.metrics;
-    stats.loads = m.loads;
-    stats.backups = m.backups;
-    let g = engine.dev.stats;
-    stats.ops = g.ops;
-    stats.events = g.events;
-    stats.copy_bytes = g.copy_bytes;
-    stats.failed_copies = g.failed_copies;
-    stats.digests_checked = digest.digests_checked;
-    stats.rows_checked = content.borrow().rows_checked;
-    stats.rows_cached = content.borrow().rows_cached;
-    stats.sim_ns = engine.dev.now();
-    stats.wall_ns = wall.elapsed().as_nanos() as u64;
-    RunOutcome {
-        seed: sc.seed,
-        findings,
-        stats,
-        log_hash: tierkv_kernels::cpu::numerics::mix64(engine.dev.log_hash() ^ out_hash),
-        trace: std::mem::take(&mut engine.dev.trace),
-        racing_ops: engine.dev.racing_ops.clone(),
+
+    /// A query's digests: none may come from rows a failed copy left garbage in, and each must
+    /// equal the oracles' recomputation.
+    fn digests(&mut self, request: u64, position: u32, digests: Vec<u64>) {
+        let layer_base = self.cfg.model.layer_base;
+        let mut c = self.content.borrow_mut();
+        let tainted = (0..digests.len() as u32).any(|l| {
+            c.tainted_reads
+                .get(&(request, position, layer_base + l))
+                .copied()
+                .unwrap_or(false)
+        });
+        let mismatch = self.digest.check(&mut c, request, position, &digests);
+        drop(c);
+        if tainted {
+            self.found(
+                OracleKind::Content,
+                format!(
+                    "request {request} position {position}: the engine emitted digests computed from rows a failed copy left garbage in"
+                ),
+            );
+        }
+        self.last_digests.insert(request, digests);
+        if let Some(m) = mismatch {
+            let (oracle, message) = match m {
+                Mismatch::TopK(s) => (OracleKind::TopK, s),
+                Mismatch::Digest(s) => (OracleKind::Digest, s),
+            };
+            self.found(oracle, message);
+        }
+    }
+
+    /// A generated token follows from the digests of its query, and comes in order.
+    fn token(&mut self, request: u64, index: u32, token: u32) {
+        let (prompt_len, _) = self.specs.get(&request).copied().unwrap_or((0, 0));
+        let want = self
+            .last_digests
+            .get(&request)
+            .map(|d| self.synth.next_token(d));
+        let mut c = self.content.borrow_mut();
+        let Some(t) = c.tokens.get_mut(&request) else {
+            return;
+        };
+        let have = t.len() - prompt_len;
+        t.push(token);
+        drop(c);
+        if index as usize != have || want != Some(token) {
+            self.found(
+                OracleKind::Digest,
+                format!(
+                    "request {request}: token #{index} = {token} does not follow (expected #{have} = {want:?} from its digests)"
+                ),
+            );
+        }
+    }
+
+    /// A finished request generated exactly the tokens it emitted; its session moves on.
+    fn finished(&mut self, request: u64, generated: Vec<u32>) {
+        self.stats.finished += 1;
+        if let Some(Owner::Session(i)) = self.owners.remove(&request) {
+            let now = self.engine.dev.now();
+            let st = &mut self.sessions[i];
+            st.history.extend_from_slice(&generated);
+            st.inflight = None;
+            st.next_turn += 1;
+            st.wait_until = self.sc.workload.sessions[i]
+                .turns
+                .get(st.next_turn)
+                .map(|t| now + t.think_ns)
+                .unwrap_or(now);
+        }
+        let known = self
+            .content
+            .borrow()
+            .tokens
+            .get(&request)
+            .cloned()
+            .unwrap_or_default();
+        let (prompt_len, max_new) = self.specs.get(&request).copied().unwrap_or((0, 0));
+        if known.len() < prompt_len
+            || known[prompt_len..] != generated[..]
+            || generated.len() != max_new as usize
+        {
+            self.found(
+                OracleKind::Digest,
+                format!(
+                    "request {request} finished with {} tokens that differ from the {} it emitted (max_new_tokens {max_new})",
+                    generated.len(),
+                    known.len().saturating_sub(prompt_len)
+                ),
+            );
+        }
+    }
+
+    /// The engine's invariants after every step, and the step budget.
+    fn per_step_oracles(&mut self) -> Result<(), Stop> {
+        if let Err(p) = guarded(|| self.engine.check_invariants()) {
+            self.found(OracleKind::Invariant, p);
+            return Err(Stop);
+        }
+        let unfinished = self.sessions.iter().filter(|s| !s.done).count();
+        if let Some(f) = liveness::within_steps(
+            self.stats.steps,
+            self.sc.steps_max,
+            self.engine.queue_len(),
+            self.engine.running_len(),
+            unfinished,
+            self.engine.dev.now(),
+        ) {
+            self.findings.push(f);
+            return Err(Stop);
+        }
+        Ok(())
+    }
+
+    /// The engine is idle: time moves to the next arrival, or the run ends.
+    fn advance_idle(&mut self) -> Result<(), Stop> {
+        let next_session = self
+            .sessions
+            .iter()
+            .filter(|s| !s.done && s.inflight.is_none())
+            .map(|s| s.wait_until)
+            .min();
+        let next_shot = self.oneshots.get(self.next_oneshot).map(|o| o.0);
+        match next_session.into_iter().chain(next_shot).min() {
+            Some(t) => {
+                let dev = &mut self.engine.dev;
+                let at = t.max(dev.now() + 1);
+                dev.advance_host_to(at);
+                Ok(())
+            }
+            None => Err(Stop),
+        }
+    }
+
+    /// The end: the device drains; everything must be returned and every request must have
+    /// ended. Then the outcome, with the run's figures.
+    fn finish(mut self, wall: std::time::Instant) -> RunOutcome {
+        if self.findings.is_empty() {
+            match guarded(|| self.engine.dev.drain()) {
+                Ok(()) => self.findings.append(&mut self.engine.dev.findings),
+                Err(p) => self.found(OracleKind::Invariant, p),
+            }
+        }
+        if self.findings.is_empty() {
+            let open: Vec<u64> = self.owners.keys().copied().collect();
+            let now = self.engine.dev.now();
+            if let Some(f) = liveness::all_requests_ended(&open, now)
+                .or_else(|| conservation::check(&self.engine, now))
+            {
+                self.findings.push(f);
+            }
+        }
+        let (m, g) = (&self.engine.metrics, self.engine.dev.stats);
+        let mut stats = self.stats;
+        stats.loads = m.loads;
+        stats.backups = m.backups;
+        stats.ops = g.ops;
+        stats.events = g.events;
+        stats.copy_bytes = g.copy_bytes;
+        stats.failed_copies = g.failed_copies;
+        stats.digests_checked = self.digest.digests_checked;
+        stats.rows_checked = self.content.borrow().rows_checked;
+        stats.rows_cached = self.content.borrow().rows_cached;
+        stats.sim_ns = self.engine.dev.now();
+        stats.wall_ns = wall.elapsed().as_nanos() as u64;
+        RunOutcome {
+            seed: self.sc.seed,
+            findings: self.findings,
+            stats,
+            log_hash: mix64(self.engine.dev.log_hash() ^ self.out_hash),
+            trace: std::mem::take(&mut self.engine.dev.trace),
+            racing_ops: self.engine.dev.racing_ops.clone(),
+        }
     }
 }
 
@@ -610,9 +705,7 @@ fn output_key(o: &Output) -> u64 {
             digests,
         } => digests
             .iter()
-            .fold(request ^ ((*position as u64) << 32), |a, d| {
-                tierkv_kernels::cpu::numerics::mix64(a ^ d)
-            }),
+            .fold(request ^ ((*position as u64) << 32), |a, d| mix64(a ^ d)),
         Output::Token {
             request,
             token,

@@ -13,10 +13,11 @@
 
 use super::ring::{CompletionRing, Ticket};
 use crate::device::*;
+use crate::layout::{Bytes, PageRun, PagedView};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::Arc;
-pub use tierkv_kernels::cuda::launch::LogitsKernel;
 use tierkv_kernels::cuda::launch::{DevPtr, Kernels};
+pub use tierkv_kernels::cuda::launch::{LogitsKernel, LogitsTuning};
 
 fn backend(what: &str) -> impl Fn(cudarc::driver::DriverError) -> DeviceError + '_ {
     move |e| DeviceError::Backend {
@@ -53,11 +54,12 @@ pub enum CopyStrategy {
     Gather,
 }
 
-/// Pinned, portable, device-mapped host memory.
+/// Pinned, portable, device-mapped host memory. Its host address is private: only `new` makes
+/// one, so `slice` always describes a live allocation of `bytes` bytes.
 pub struct PinnedHost {
-    pub host: *mut u8,
-    pub dev: u64,
-    pub bytes: usize,
+    host: *mut u8,
+    dev: u64,
+    bytes: usize,
 }
 
 // SAFETY: the allocation is plain memory owned by this value; access is serialised by its owner.
@@ -77,6 +79,19 @@ impl PinnedHost {
             "cuMemHostGetDevicePointer",
         )?;
         Ok(PinnedHost { host, dev, bytes })
+    }
+    /// The allocation's address on the device (it is mapped).
+    pub fn dev_ptr(&self) -> DevPtr {
+        DevPtr {
+            ptr: self.dev,
+            bytes: Bytes(self.bytes as u64),
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
     }
     pub fn slice(&self) -> &[u8] {
         // SAFETY: `bytes` bytes live at `host` for as long as self.
@@ -109,13 +124,10 @@ impl GpuMem {
                 let (p, _sync) = s.device_ptr(stream);
                 DevPtr {
                     ptr: p,
-                    bytes: s.len() as u64,
+                    bytes: Bytes(s.len() as u64),
                 }
             }
-            GpuMem::Pinned(h) => DevPtr {
-                ptr: h.dev,
-                bytes: h.bytes as u64,
-            },
+            GpuMem::Pinned(h) => h.dev_ptr(),
         }
     }
 }
@@ -129,12 +141,20 @@ pub struct CudaOps {
     /// simulator's executor sets [`LogitsKernel::Exact`], because its oracles compare digests bit
     /// for bit against the CPU reference.
     pub logits: LogitsKernel,
+    /// The tensor-core kernel's launch shape.
+    pub tuning: LogitsTuning,
 }
 
 fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
     // SAFETY: plain-old-data slices (f32, i32, u16) viewed as bytes.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
+
+/// Where an op's buffers are: a buffer's device address and its description.
+pub type Resolve<'a> = &'a dyn Fn(BufferId) -> (DevPtr, BufferDesc);
+
+/// Uploaded metadata: the device copy lives until this is dropped (stream-ordered free).
+type Upload = (CudaSlice<u8>, DevPtr);
 
 impl CudaOps {
     pub fn new(strategy: CopyStrategy) -> Result<CudaOps, DeviceError> {
@@ -144,254 +164,236 @@ impl CudaOps {
             kernels,
             strategy,
             logits: LogitsKernel::default(),
+            tuning: LogitsTuning::default(),
         })
     }
 
     /// Uploads `data` with a stream-ordered allocation (freed stream-ordered when dropped).
-    fn upload(
-        &self,
-        s: &Arc<CudaStream>,
-        data: &[u8],
-    ) -> Result<(CudaSlice<u8>, DevPtr), DeviceError> {
+    fn upload(&self, s: &Arc<CudaStream>, data: &[u8]) -> Result<Upload, DeviceError> {
         let slice = s.clone_htod(data).map_err(backend("upload"))?;
         let ptr = {
             use cudarc::driver::DevicePtr;
             let (p, _sync) = slice.device_ptr(s);
             p
         };
-        Ok((
-            slice,
-            DevPtr {
-                ptr,
-                bytes: data.len().max(1) as u64,
-            },
-        ))
+        let bytes = Bytes(data.len().max(1) as u64);
+        Ok((slice, DevPtr { ptr, bytes }))
     }
 
-    /// Runs `op` on stream `s`; `mem(buf)` gives a buffer's address and description.
-    pub fn run(
-        &self,
-        s: &Arc<CudaStream>,
-        op: &Op,
-        mem: &dyn Fn(BufferId) -> (DevPtr, BufferDesc),
-    ) -> Result<(), DeviceError> {
-        let region = |r: &Region| mem(r.buffer).0.offset(r.offset, r.bytes);
-        let k = self.kernels;
+    /// Runs `op` on stream `s`; `mem(buf)` gives a buffer's address and description. The one
+    /// dispatch over the op set on CUDA.
+    pub fn run(&self, s: &Arc<CudaStream>, op: &Op, mem: Resolve<'_>) -> Result<(), DeviceError> {
         match op {
-            Op::IndexKStore {
-                dst,
-                dtype,
-                ue8m0,
-                keys,
-                gamma,
-                beta,
-                rope,
-                slots,
-                ..
-            } => {
-                let (_a, keys_d) = self.upload(s, bytes_of(keys))?;
-                let (_b, g) = self.upload(s, bytes_of(gamma))?;
-                let (_c, bt) = self.upload(s, bytes_of(beta))?;
-                let (_d, r) = self.upload(s, bytes_of(rope))?;
-                let (_e, sl) = self.upload(s, bytes_of(slots))?;
-                let (dp, dd) = mem(*dst);
-                k.index_k_store(
-                    s,
-                    *dtype,
-                    *ue8m0,
-                    keys_d,
-                    g,
-                    bt,
-                    r,
-                    slots,
-                    sl,
-                    dp,
-                    dd.fingerprint,
-                )
-                .map_err(kernel)
-            }
-            Op::KvStore {
-                dst,
-                dtype,
-                rows,
-                slots,
-                ..
-            } => {
-                let (_a, rows_d) = self.upload(s, bytes_of(rows))?;
-                let (_b, sl) = self.upload(s, bytes_of(slots))?;
-                let (dp, dd) = mem(*dst);
-                k.kv_store(s, *dtype, rows_d, slots, sl, dp, dd.fingerprint)
-                    .map_err(kernel)
-            }
-            Op::QPrep {
-                heads,
-                q,
-                weights,
-                rope,
-                q_out,
-                w_out,
-            } => {
-                let n = rope.len() / 64;
-                let (_a, qd) = self.upload(s, bytes_of(q))?;
-                let (_b, wd) = self.upload(s, bytes_of(weights))?;
-                let (_c, rd) = self.upload(s, bytes_of(rope))?;
-                k.q_prep(
-                    s,
-                    n,
-                    *heads as usize,
-                    qd,
-                    wd,
-                    rd,
-                    region(q_out),
-                    region(w_out),
-                )
-                .map_err(kernel)
-            }
-            Op::IndexLogits {
-                dtype,
-                heads,
-                q,
-                w,
-                k: kb,
-                page_table,
-                pt_stride,
-                context_lens,
-                out,
-                out_stride,
-                ..
-            } => {
-                let (_a, pt) = self.upload(s, bytes_of(page_table))?;
-                let (_b, lens) = self.upload(s, bytes_of(context_lens))?;
-                let (kp, kd) = mem(*kb);
-                k.index_logits_with(
-                    self.logits,
-                    s,
-                    *dtype,
-                    *heads as usize,
-                    region(q),
-                    region(w),
-                    page_table,
-                    *pt_stride as usize,
-                    pt,
-                    context_lens,
-                    lens,
-                    kp,
-                    kd.fingerprint,
-                    region(out),
-                    *out_stride as usize,
-                )
-                .map_err(kernel)
-            }
-            Op::TopK {
-                k: kk,
-                logits,
-                stride,
-                context_lens,
-                page_table,
-                pt_stride,
-                out,
-            } => {
-                let (_a, pt) = self.upload(s, bytes_of(page_table))?;
-                let (_b, lens) = self.upload(s, bytes_of(context_lens))?;
-                k.topk(
-                    s,
-                    *kk as usize,
-                    region(logits),
-                    *stride as usize,
-                    context_lens,
-                    lens,
-                    page_table,
-                    *pt_stride as usize,
-                    pt,
-                    region(out),
-                )
-                .map_err(kernel)
-            }
-            Op::SparseRead {
-                dtype,
-                k: kk,
-                slots,
-                kv,
-                context_lens,
-                out,
-                ..
-            } => {
-                let (kvp, kvd) = mem(*kv);
-                k.sparse_read(
-                    s,
-                    *dtype,
-                    context_lens.len(),
-                    *kk as usize,
-                    region(slots),
-                    kvp,
-                    kvd.fingerprint,
-                    region(out),
-                )
-                .map_err(kernel)
-            }
-            Op::PageCopy {
-                src,
-                src_view,
-                dst,
-                dst_view,
-                runs,
-            } => {
-                let (sp, _) = mem(*src);
-                let (dp, _) = mem(*dst);
-                tierkv_kernels::cpu::check_page_copy(src_view, sp.bytes, dst_view, dp.bytes, runs)
-                    .map_err(kernel)?;
-                match self.strategy {
-                    CopyStrategy::MemcpyRuns => {
-                        for run in runs {
-                            let so = src_view.page_range(run.src).start;
-                            let d0 = dst_view.page_range(run.dst).start;
-                            let copy = sys::CUDA_MEMCPY2D {
-                                srcXInBytes: 0,
-                                srcY: 0,
-                                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                                srcHost: std::ptr::null(),
-                                srcDevice: sp.ptr + so,
-                                srcArray: std::ptr::null_mut(),
-                                srcPitch: src_view.page_stride as usize,
-                                dstXInBytes: 0,
-                                dstY: 0,
-                                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                                dstHost: std::ptr::null_mut(),
-                                dstDevice: dp.ptr + d0,
-                                dstArray: std::ptr::null_mut(),
-                                dstPitch: dst_view.page_stride as usize,
-                                WidthInBytes: src_view.page_bytes() as usize,
-                                Height: run.count as usize,
-                            };
-                            // SAFETY: both views and every run were checked to lie inside their
-                            // buffers just above.
-                            check(
-                                unsafe { sys::cuMemcpy2DAsync_v2(&copy, s.cu_stream()) },
-                                "cuMemcpy2DAsync",
-                            )?;
-                        }
-                        Ok(())
-                    }
-                    CopyStrategy::Gather => {
-                        let flat = tierkv_kernels::cuda::gather_pairs(runs);
-                        let (_a, pd) = self.upload(s, bytes_of(&flat))?;
-                        k.page_gather(s, sp, src_view, dp, dst_view, runs, pd)
-                            .map_err(kernel)
-                    }
-                }
-            }
-            Op::Copy { src, dst } => {
-                let (sp, dp) = (region(src), region(dst));
+            Op::IndexKStore(o) => self.index_k_store(s, o, mem),
+            Op::KvStore(o) => self.kv_store(s, o, mem),
+            Op::QPrep(o) => self.q_prep(s, o, mem),
+            Op::IndexLogits(o) => self.index_logits(s, o, mem),
+            Op::TopK(o) => self.topk(s, o, mem),
+            Op::SparseRead(o) => self.sparse_read(s, o, mem),
+            Op::PageCopy(o) => self.page_copy(s, o, mem),
+            Op::Copy(o) => {
+                let (sp, dp) = (region(mem, &o.src), region(mem, &o.dst));
                 // SAFETY: both regions were checked against their buffers by `check_op`.
                 check(
                     unsafe {
-                        sys::cuMemcpyAsync(dp.ptr, sp.ptr, src.bytes as usize, s.cu_stream())
+                        sys::cuMemcpyAsync(dp.ptr, sp.ptr, o.src.bytes.usize(), s.cu_stream())
                     },
                     "cuMemcpyAsync",
                 )
             }
         }
     }
+
+    fn index_k_store(
+        &self,
+        s: &Arc<CudaStream>,
+        o: &IndexKStore,
+        mem: Resolve<'_>,
+    ) -> Result<(), DeviceError> {
+        let (_a, keys) = self.upload(s, bytes_of(&o.keys))?;
+        let (_b, g) = self.upload(s, bytes_of(&o.gamma))?;
+        let (_c, bt) = self.upload(s, bytes_of(&o.beta))?;
+        let (_d, r) = self.upload(s, bytes_of(&o.rope))?;
+        let (_e, sl) = self.upload(s, bytes_of(&o.slots))?;
+        let (dp, dd) = mem(o.dst);
+        self.kernels
+            .index_k_store(
+                s,
+                o.dtype,
+                o.ue8m0,
+                keys,
+                g,
+                bt,
+                r,
+                &o.slots,
+                sl,
+                dp,
+                dd.fingerprint,
+            )
+            .map_err(kernel)
+    }
+
+    fn kv_store(
+        &self,
+        s: &Arc<CudaStream>,
+        o: &KvStore,
+        mem: Resolve<'_>,
+    ) -> Result<(), DeviceError> {
+        let (_a, rows) = self.upload(s, bytes_of(&o.rows))?;
+        let (_b, sl) = self.upload(s, bytes_of(&o.slots))?;
+        let (dp, dd) = mem(o.dst);
+        self.kernels
+            .kv_store(s, o.dtype, rows, &o.slots, sl, dp, dd.fingerprint)
+            .map_err(kernel)
+    }
+
+    fn q_prep(&self, s: &Arc<CudaStream>, o: &QPrep, mem: Resolve<'_>) -> Result<(), DeviceError> {
+        let (_a, q) = self.upload(s, bytes_of(&o.q))?;
+        let (_b, w) = self.upload(s, bytes_of(&o.weights))?;
+        let (_c, r) = self.upload(s, bytes_of(&o.rope))?;
+        let (qo, wo) = (region(mem, &o.q_out), region(mem, &o.w_out));
+        self.kernels
+            .q_prep(s, o.rows(), o.heads as usize, q, w, r, qo, wo)
+            .map_err(kernel)
+    }
+
+    fn index_logits(
+        &self,
+        s: &Arc<CudaStream>,
+        o: &IndexLogits,
+        mem: Resolve<'_>,
+    ) -> Result<(), DeviceError> {
+        let (_a, pt) = self.upload(s, bytes_of(&o.page_table))?;
+        let (_b, lens) = self.upload(s, bytes_of(&o.context_lens))?;
+        let (kp, kd) = mem(o.k);
+        self.kernels
+            .index_logits_with(
+                self.logits,
+                self.tuning,
+                s,
+                o.dtype,
+                o.heads as usize,
+                region(mem, &o.q),
+                region(mem, &o.w),
+                &o.page_table,
+                o.pt_stride as usize,
+                pt,
+                &o.context_lens,
+                lens,
+                kp,
+                kd.fingerprint,
+                region(mem, &o.out),
+                o.out_stride as usize,
+            )
+            .map_err(kernel)
+    }
+
+    fn topk(&self, s: &Arc<CudaStream>, o: &TopK, mem: Resolve<'_>) -> Result<(), DeviceError> {
+        let (_a, pt) = self.upload(s, bytes_of(&o.page_table))?;
+        let (_b, lens) = self.upload(s, bytes_of(&o.context_lens))?;
+        self.kernels
+            .topk(
+                s,
+                o.k as usize,
+                region(mem, &o.logits),
+                o.stride as usize,
+                &o.context_lens,
+                lens,
+                &o.page_table,
+                o.pt_stride as usize,
+                pt,
+                region(mem, &o.out),
+            )
+            .map_err(kernel)
+    }
+
+    fn sparse_read(
+        &self,
+        s: &Arc<CudaStream>,
+        o: &SparseRead,
+        mem: Resolve<'_>,
+    ) -> Result<(), DeviceError> {
+        let (kvp, kvd) = mem(o.kv);
+        let rows = o.context_lens.len();
+        let (sel, out) = (region(mem, &o.slots), region(mem, &o.out));
+        self.kernels
+            .sparse_read(
+                s,
+                o.dtype,
+                rows,
+                o.k as usize,
+                sel,
+                kvp,
+                kvd.fingerprint,
+                out,
+            )
+            .map_err(kernel)
+    }
+
+    fn page_copy(
+        &self,
+        s: &Arc<CudaStream>,
+        o: &PageCopy,
+        mem: Resolve<'_>,
+    ) -> Result<(), DeviceError> {
+        let (sp, _) = mem(o.src);
+        let (dp, _) = mem(o.dst);
+        let (sv, dv) = (&o.src_view, &o.dst_view);
+        tierkv_kernels::cpu::check_page_copy(sv, sp.bytes.0, dv, dp.bytes.0, &o.runs)
+            .map_err(kernel)?;
+        match self.strategy {
+            CopyStrategy::MemcpyRuns => memcpy_runs(s, sp, sv, dp, dv, &o.runs),
+            CopyStrategy::Gather => {
+                let flat = tierkv_kernels::cuda::gather_pairs(&o.runs);
+                let (_a, pairs) = self.upload(s, bytes_of(&flat))?;
+                self.kernels
+                    .page_gather(s, sp, sv, dp, dv, &o.runs, pairs)
+                    .map_err(kernel)
+            }
+        }
+    }
+}
+
+/// A scratch region's device address.
+fn region(mem: Resolve<'_>, r: &Region) -> DevPtr {
+    mem(r.buffer).0.offset(r.offset, r.bytes)
+}
+
+/// One pitched `cuMemcpy2DAsync` per run of pages (the caller checked every run).
+fn memcpy_runs(
+    s: &CudaStream,
+    sp: DevPtr,
+    sv: &PagedView,
+    dp: DevPtr,
+    dv: &PagedView,
+    runs: &[PageRun],
+) -> Result<(), DeviceError> {
+    for run in runs {
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            srcHost: std::ptr::null(),
+            srcDevice: sp.ptr + sv.page_range(run.src).start,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: sv.page_stride as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dp.ptr + dv.page_range(run.dst).start,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dv.page_stride as usize,
+            WidthInBytes: sv.page_bytes() as usize,
+            Height: run.count as usize,
+        };
+        // SAFETY: both views and every run were checked to lie inside their buffers.
+        check(
+            unsafe { sys::cuMemcpy2DAsync_v2(&copy, s.cu_stream()) },
+            "cuMemcpy2DAsync",
+        )?;
+    }
+    Ok(())
 }
 
 /// Slots of the completion ring (events with larger ids are answered by `cuEventQuery` alone).
@@ -488,14 +490,20 @@ impl Device for CudaDevice {
     fn desc(&self, buf: BufferId) -> BufferDesc {
         self.descs[buf.0 as usize]
     }
-    fn new_event(&mut self) -> EventId {
-        let ev = self.ops.ctx.new_event(None).expect("cuEventCreate");
+    fn new_event(&mut self) -> Result<EventId, DeviceError> {
+        let ev = self
+            .ops
+            .ctx
+            .new_event(None)
+            .map_err(backend("cuEventCreate"))?;
         self.events.push(ev);
-        EventId(self.events.len() as u32 - 1)
+        Ok(EventId(self.events.len() as u32 - 1))
     }
-    fn record(&mut self, stream: StreamKind, ev: EventId) {
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         let s = &self.streams[stream.index()];
-        self.events[ev.0 as usize].record(s).expect("cuEventRecord");
+        self.events[ev.0 as usize]
+            .record(s)
+            .map_err(backend("cuEventRecord"))?;
         if stream == StreamKind::Load && (ev.0 as usize) < RING_SLOTS {
             let ticket = self.ring.issue_after_previous(ev.0 as usize);
             let cb = Box::into_raw(Box::new(Callback {
@@ -517,11 +525,12 @@ impl Device for CudaDevice {
         } else {
             self.tickets.remove(&ev);
         }
+        Ok(())
     }
-    fn wait(&mut self, stream: StreamKind, ev: EventId) {
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         self.streams[stream.index()]
             .wait(&self.events[ev.0 as usize])
-            .expect("cuStreamWaitEvent");
+            .map_err(backend("cuStreamWaitEvent"))
     }
     fn query(&mut self, ev: EventId) -> EventState {
         if let Some(&t) = self.tickets.get(&ev) {
@@ -547,7 +556,12 @@ impl Device for CudaDevice {
         let s = self.streams[stream.index()].clone();
         self.ops.run(&s, &op, &|b| self.resolve(b))
     }
-    fn host_read(&mut self, buf: BufferId, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
         check_host_access(
             "host_read",
             buf,
@@ -558,10 +572,11 @@ impl Device for CudaDevice {
         let GpuMem::Pinned(h) = &self.mem[buf.0 as usize] else {
             unreachable!("pinned host tier checked above");
         };
-        out.copy_from_slice(&h.slice()[offset as usize..offset as usize + out.len()]);
+        let at = offset.usize();
+        out.copy_from_slice(&h.slice()[at..at + out.len()]);
         Ok(())
     }
-    fn host_write(&mut self, buf: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
         check_host_access(
             "host_write",
             buf,
@@ -572,7 +587,8 @@ impl Device for CudaDevice {
         let GpuMem::Pinned(h) = &mut self.mem[buf.0 as usize] else {
             unreachable!("pinned host tier checked above");
         };
-        h.slice_mut()[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        let at = offset.usize();
+        h.slice_mut()[at..at + data.len()].copy_from_slice(data);
         Ok(())
     }
 }

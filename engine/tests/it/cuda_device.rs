@@ -58,7 +58,7 @@ fn both_transfer_strategies_move_the_right_bytes() {
                 let src: Vec<u8> = (0..l.host_bytes(kind).0)
                     .map(|i| mix64(seed ^ i) as u8)
                     .collect();
-                dev.host_write(host, 0, &src).unwrap();
+                dev.host_write(host, Bytes(0), &src).unwrap();
                 let hv = l.host_layer_view(kind, LayerId(2));
                 let dv = l.device_layer_view(kind);
                 let there: Vec<(PageId, PageId)> = (0..30)
@@ -68,34 +68,34 @@ fn both_transfer_strategies_move_the_right_bytes() {
                     (0..30).map(|i| (PageId(39 - i), PageId(i + 50))).collect();
                 dev.enqueue(
                     StreamKind::Load,
-                    Op::PageCopy {
+                    Op::PageCopy(PageCopy {
                         src: host,
                         src_view: hv,
                         dst: pool,
                         dst_view: dv,
                         runs: coalesce_runs(&there),
-                    },
+                    }),
                 )
                 .unwrap();
-                let ev = dev.new_event();
-                dev.record(StreamKind::Load, ev);
-                dev.wait(StreamKind::Write, ev);
+                let ev = dev.new_event().unwrap();
+                dev.record(StreamKind::Load, ev).unwrap();
+                dev.wait(StreamKind::Write, ev).unwrap();
                 dev.enqueue(
                     StreamKind::Write,
-                    Op::PageCopy {
+                    Op::PageCopy(PageCopy {
                         src: pool,
                         src_view: dv,
                         dst: host,
                         dst_view: hv,
                         runs: coalesce_runs(&back),
-                    },
+                    }),
                 )
                 .unwrap();
-                let done = dev.new_event();
-                dev.record(StreamKind::Write, done);
+                let done = dev.new_event().unwrap();
+                dev.record(StreamKind::Write, done).unwrap();
                 assert_eq!(dev.synchronize(done), EventState::Done);
                 let mut got = vec![0u8; src.len()];
-                dev.host_read(host, 0, &mut got).unwrap();
+                dev.host_read(host, Bytes(0), &mut got).unwrap();
                 // The same two copies on the CPU reference.
                 let mut want = src.clone();
                 let mut pool_cpu = vec![0u8; l.device_layer_bytes(kind).usize()];

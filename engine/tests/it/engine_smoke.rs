@@ -39,16 +39,38 @@ fn requests_finish_and_share_their_prefix() {
         })
         .unwrap();
     let out = run_to_idle(&mut e);
-    assert!(out.contains(&Output::Finished {
-        request: a,
-        generated: match out.iter().find_map(|o| match o {
-            Output::Finished { request, generated } if *request == a => Some(generated.clone()),
+    // It finished with exactly the 5 tokens it emitted, in order, each the one its digests name.
+    let tokens: Vec<u32> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::Token { request, token, .. } if *request == a => Some(*token),
             _ => None,
-        }) {
-            Some(g) => g,
-            None => panic!("no finish"),
-        }
-    }));
+        })
+        .collect();
+    assert_eq!(tokens.len(), 5, "{out:?}");
+    let finished: Vec<&Vec<u32>> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::Finished { request, generated } if *request == a => Some(generated),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        finished,
+        [&tokens],
+        "finished once, with the emitted tokens"
+    );
+    let last_digests = out
+        .iter()
+        .rev()
+        .find_map(|o| match o {
+            Output::Digests {
+                request, digests, ..
+            } if *request == a => Some(digests),
+            _ => None,
+        })
+        .expect("digests");
+    assert_eq!(e.synth.next_token(last_digests), tokens[4]);
     let hits_before = e.metrics.prefix_pages_device_hit;
     let b = e
         .submit(RequestSpec {

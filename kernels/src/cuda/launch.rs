@@ -6,33 +6,34 @@
 //! Buffers are passed as raw device addresses with their sizes ([`DevPtr`]), so the production
 //! device can hand in any allocation it owns (device memory, or mapped pinned host memory).
 
-use super::{compile, logits_mma_variants, MmaVariant, SOURCES};
+use super::{compile, logits_mma_kernel, SOURCES};
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
-    IndexKDtype, KvDtype, LayoutFingerprint, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM,
-    INDEX_TOPK_MAX, KV_ROW_VALUES, PAGE_TOKENS, ROPE_DIM,
+    bf16_bytes, f32_bytes, fp8_bytes, i32_bytes, u64_bytes, Bytes, IndexKDtype, KvDtype,
+    LayoutFingerprint, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_ROW_VALUES,
+    PAGE_TOKENS, ROPE_DIM,
 };
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// A device address and the bytes behind it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DevPtr {
     pub ptr: u64,
-    pub bytes: u64,
+    pub bytes: Bytes,
 }
 
 impl DevPtr {
-    pub fn offset(self, at: u64, bytes: u64) -> DevPtr {
+    /// The sub-range `[at, at + bytes)`; a range outside is a bug of the caller.
+    pub fn offset(self, at: Bytes, bytes: Bytes) -> DevPtr {
         assert!(
             at + bytes <= self.bytes,
             "sub-range {at}+{bytes} outside {} B",
             self.bytes
         );
         DevPtr {
-            ptr: self.ptr + at,
+            ptr: self.ptr + at.0,
             bytes,
         }
     }
@@ -45,13 +46,13 @@ fn cuda(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError
     }
 }
 
-fn need(op: &'static str, buffer: &'static str, p: DevPtr, bytes: u64) -> Result<()> {
+fn need(op: &'static str, buffer: &'static str, p: DevPtr, bytes: Bytes) -> Result<()> {
     if p.bytes < bytes {
         return Err(KernelError::BufferSize {
             op,
             buffer,
-            needed: bytes,
-            found: p.bytes,
+            needed: bytes.0,
+            found: p.bytes.0,
         });
     }
     Ok(())
@@ -65,14 +66,14 @@ fn paged(op: &'static str, format: PageFormat, p: DevPtr, fp: LayoutFingerprint)
             dst: fp,
         });
     }
-    if p.bytes % format.page_bytes() != 0 {
+    if p.bytes.0 % format.page_bytes() != 0 {
         return Err(bad(
             op,
             "pool",
             format!("{} B is not a whole number of pages", p.bytes),
         ));
     }
-    Ok(p.bytes / format.page_bytes())
+    Ok(p.bytes.0 / format.page_bytes())
 }
 
 fn slots_in(op: &'static str, slots: &[i32], limit: u64) -> Result<()> {
@@ -101,13 +102,24 @@ pub enum LogitsKernel {
     TensorCore,
 }
 
-/// Launch choices of the tensor-core logits kernel, process-wide tuning knobs (`tierkv bench`
-/// sweeps them; kernels/GPU.md has the measurements behind the defaults): the variant index per
-/// dtype (fp8, bf16) into [`logits_mma_variants`], the CTAs one launch aims for (each CTA loops
-/// over a row's pages with a stride), and how many strides ahead pages are prefetched into L2.
-pub static LOGITS_MMA_VARIANT: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
-pub static LOGITS_MMA_CTAS: AtomicUsize = AtomicUsize::new(2112);
-pub static LOGITS_MMA_AHEAD: AtomicUsize = AtomicUsize::new(2);
+/// Launch choices of the tensor-core logits kernel, held by whoever launches it (`tierkv bench`
+/// sweeps them; kernels/GPU.md has the measurements behind the defaults): the CTAs one launch
+/// aims for (each CTA loops over a row's pages with a stride), and how many strides ahead pages
+/// are prefetched into L2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LogitsTuning {
+    pub ctas: usize,
+    pub ahead: usize,
+}
+
+impl Default for LogitsTuning {
+    fn default() -> Self {
+        LogitsTuning {
+            ctas: 2112,
+            ahead: 2,
+        }
+    }
+}
 
 /// The compiled kernels, loaded into one context.
 pub struct Kernels {
@@ -180,11 +192,11 @@ impl Kernels {
     ) -> Result<()> {
         const OP: &str = "index_k_store";
         let n = slots.len() as u64;
-        need(OP, "keys", keys, n * INDEX_HEAD_DIM as u64 * 2)?;
-        need(OP, "gamma", gamma, 512)?;
-        need(OP, "beta", beta, 512)?;
-        need(OP, "rope", rope, n * ROPE_DIM as u64 * 4)?;
-        need(OP, "slots", slots_dev, n * 4)?;
+        need(OP, "keys", keys, bf16_bytes(n * INDEX_HEAD_DIM as u64))?;
+        need(OP, "gamma", gamma, f32_bytes(INDEX_HEAD_DIM as u64))?;
+        need(OP, "beta", beta, f32_bytes(INDEX_HEAD_DIM as u64))?;
+        need(OP, "rope", rope, f32_bytes(n * ROPE_DIM as u64))?;
+        need(OP, "slots", slots_dev, i32_bytes(n))?;
         let pages = paged(OP, PageFormat::IndexK(dtype), dst, dst_fp)?;
         slots_in(OP, slots, pages * PAGE_TOKENS as u64)?;
         if n == 0 {
@@ -221,8 +233,8 @@ impl Kernels {
     ) -> Result<()> {
         const OP: &str = "kv_store";
         let n = slots.len() as u64;
-        need(OP, "rows", rows, n * KV_ROW_VALUES as u64 * 2)?;
-        need(OP, "slots", slots_dev, n * 4)?;
+        need(OP, "rows", rows, bf16_bytes(n * KV_ROW_VALUES as u64))?;
+        need(OP, "slots", slots_dev, i32_bytes(n))?;
         let dt = match dtype {
             KvDtype::Bf16 => 0i32,
             KvDtype::Fp8Packed => 1,
@@ -268,11 +280,11 @@ impl Kernels {
             return Err(bad(OP, "heads", format!("{heads} outside 1..=64")));
         }
         let nh = (n * heads) as u64;
-        need(OP, "q", q, nh * 256)?;
-        need(OP, "w", w, nh * 4)?;
-        need(OP, "rope", rope, n as u64 * 256)?;
-        need(OP, "q_out", q_out, nh * 128)?;
-        need(OP, "w_out", w_out, nh * 4)?;
+        need(OP, "q", q, bf16_bytes(nh * INDEX_HEAD_DIM as u64))?;
+        need(OP, "w", w, f32_bytes(nh))?;
+        need(OP, "rope", rope, f32_bytes(n as u64 * ROPE_DIM as u64))?;
+        need(OP, "q_out", q_out, fp8_bytes(nh * INDEX_HEAD_DIM as u64))?;
+        need(OP, "w_out", w_out, f32_bytes(nh))?;
         if nh == 0 {
             return Ok(());
         }
@@ -317,6 +329,7 @@ impl Kernels {
     ) -> Result<()> {
         self.index_logits_with(
             LogitsKernel::Exact,
+            LogitsTuning::default(),
             s,
             dtype,
             heads,
@@ -340,6 +353,7 @@ impl Kernels {
     pub fn index_logits_with(
         &self,
         kind: LogitsKernel,
+        tuning: LogitsTuning,
         s: &CudaStream,
         dtype: IndexKDtype,
         heads: usize,
@@ -360,11 +374,17 @@ impl Kernels {
         if heads == 0 || heads > INDEX_HEADS_MAX as usize {
             return Err(bad(OP, "heads", format!("{heads} outside 1..=64")));
         }
-        need(OP, "q", q, (rows * heads * 128) as u64)?;
-        need(OP, "w", w, (rows * heads * 4) as u64)?;
-        need(OP, "page_table", pt_dev, (rows * pt_stride * 4) as u64)?;
-        need(OP, "context_lens", lens_dev, rows as u64 * 4)?;
-        need(OP, "out", out, (rows * out_stride * 4) as u64)?;
+        let rh = (rows * heads) as u64;
+        need(OP, "q", q, fp8_bytes(rh * INDEX_HEAD_DIM as u64))?;
+        need(OP, "w", w, f32_bytes(rh))?;
+        need(
+            OP,
+            "page_table",
+            pt_dev,
+            i32_bytes((rows * pt_stride) as u64),
+        )?;
+        need(OP, "context_lens", lens_dev, i32_bytes(rows as u64))?;
+        need(OP, "out", out, f32_bytes((rows * out_stride) as u64))?;
         if page_table.len() != rows * pt_stride {
             return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
         }
@@ -407,20 +427,10 @@ impl Kernels {
                     ));
                 }
             }
-            let variants = logits_mma_variants(dtype);
-            let pick = LOGITS_MMA_VARIANT[(dtype == IndexKDtype::Bf16) as usize]
-                .load(Ordering::Relaxed)
-                .min(variants.len() - 1);
-            let MmaVariant {
-                kernel: name,
-                threads,
-            } = variants[pick];
+            let (name, threads) = logits_mma_kernel(dtype);
             let out_pages = out_stride.div_ceil(PAGE_TOKENS as usize);
-            let chunks = LOGITS_MMA_CTAS
-                .load(Ordering::Relaxed)
-                .div_ceil(rows)
-                .clamp(1, out_pages);
-            let ahead = LOGITS_MMA_AHEAD.load(Ordering::Relaxed).min(16) as i32;
+            let chunks = tuning.ctas.div_ceil(rows).clamp(1, out_pages);
+            let ahead = tuning.ahead.min(16) as i32;
             let mut b = s.launch_builder(self.f(name));
             b.arg(&q.ptr)
                 .arg(&w.ptr)
@@ -450,7 +460,7 @@ impl Kernels {
         let cfg = LaunchConfig {
             grid_dim: ((out_stride as u32).div_ceil(128), rows as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (heads * 129 * 4) as u32,
+            shared_mem_bytes: f32_bytes(heads as u64 * (INDEX_HEAD_DIM as u64 + 1)).0 as u32,
         };
         // SAFETY: sizes and every page the rows name were checked above.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
@@ -477,10 +487,15 @@ impl Kernels {
             return Err(bad(OP, "k", format!("{k} is outside 1..=2048")));
         }
         let rows = context_lens.len();
-        need(OP, "logits", logits, (rows * stride * 4) as u64)?;
-        need(OP, "context_lens", lens_dev, rows as u64 * 4)?;
-        need(OP, "page_table", pt_dev, (rows * pt_stride * 4) as u64)?;
-        need(OP, "out", out, (rows * k * 4) as u64)?;
+        need(OP, "logits", logits, f32_bytes((rows * stride) as u64))?;
+        need(OP, "context_lens", lens_dev, i32_bytes(rows as u64))?;
+        need(
+            OP,
+            "page_table",
+            pt_dev,
+            i32_bytes((rows * pt_stride) as u64),
+        )?;
+        need(OP, "out", out, i32_bytes((rows * k) as u64))?;
         if page_table.len() != rows * pt_stride {
             return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
         }
@@ -531,8 +546,8 @@ impl Kernels {
         out: DevPtr,
     ) -> Result<()> {
         const OP: &str = "sparse_read";
-        need(OP, "slots", slots, (rows * k * 4) as u64)?;
-        need(OP, "out", out, rows as u64 * 8)?;
+        need(OP, "slots", slots, i32_bytes((rows * k) as u64))?;
+        need(OP, "out", out, u64_bytes(rows as u64))?;
         let dt = match dtype {
             KvDtype::Bf16 => 0i32,
             KvDtype::Fp8Packed => 1,
@@ -573,9 +588,9 @@ impl Kernels {
         pairs_dev: DevPtr,
     ) -> Result<()> {
         const OP: &str = "page_gather";
-        crate::cpu::check_page_copy(src_view, src.bytes, dst_view, dst.bytes, runs)?;
+        crate::cpu::check_page_copy(src_view, src.bytes.0, dst_view, dst.bytes.0, runs)?;
         let pages: u64 = runs.iter().map(|r| r.count as u64).sum();
-        need(OP, "pairs", pairs_dev, pages * 8)?;
+        need(OP, "pairs", pairs_dev, i32_bytes(pages * 2))?;
         for v in [src_view, dst_view] {
             if v.base % 16 != 0 || v.page_stride % 16 != 0 || v.page_bytes() % 16 != 0 {
                 return Err(bad(OP, "view", "pages must be 16-byte aligned"));

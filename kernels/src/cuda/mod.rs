@@ -44,16 +44,7 @@ pub const SOURCES: &[Source] = &[
     Source {
         file: "logits_mma.cu",
         text: include_str!("../../cuda/logits_mma.cu"),
-        kernels: &[
-            "index_logits_mma_fp8_k2n4",
-            "index_logits_mma_fp8_k2n4_bits",
-            "index_logits_mma_fp8_k2n4_e4m3",
-            "index_logits_mma_fp8_k2n4_smem3",
-            "index_logits_mma_bf16_k4n2",
-            "index_logits_mma_bf16_k4n2_pipe",
-            "index_logits_mma_bf16_k8n1_pipe",
-            "index_logits_mma_bf16_k4n2_smem2",
-        ],
+        kernels: &["index_logits_mma_fp8", "index_logits_mma_bf16"],
     },
     Source {
         file: "topk.cu",
@@ -72,38 +63,12 @@ pub const SOURCES: &[Source] = &[
     },
 ];
 
-/// One compiled variant of the tensor-core logits kernel (`logits_mma.cu` explains the names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MmaVariant {
-    pub kernel: &'static str,
-    pub threads: u32,
-}
-
-const fn mv(kernel: &'static str, threads: u32) -> MmaVariant {
-    MmaVariant { kernel, threads }
-}
-
-/// The tensor-core logits variants for fp8 pages; the first is the default.
-pub const LOGITS_MMA_FP8: &[MmaVariant] = &[
-    mv("index_logits_mma_fp8_k2n4", 128),
-    mv("index_logits_mma_fp8_k2n4_bits", 128),
-    mv("index_logits_mma_fp8_k2n4_e4m3", 128),
-    mv("index_logits_mma_fp8_k2n4_smem3", 128),
-];
-
-/// The tensor-core logits variants for bf16 pages; the first is the default.
-pub const LOGITS_MMA_BF16: &[MmaVariant] = &[
-    mv("index_logits_mma_bf16_k4n2", 256),
-    mv("index_logits_mma_bf16_k4n2_pipe", 256),
-    mv("index_logits_mma_bf16_k8n1_pipe", 512),
-    mv("index_logits_mma_bf16_k4n2_smem2", 256),
-];
-
-/// The variants of the tensor-core logits kernel for one page dtype.
-pub fn logits_mma_variants(dtype: crate::layout::IndexKDtype) -> &'static [MmaVariant] {
+/// The tensor-core logits kernel for one page dtype, and its threads per CTA (64 per key group:
+/// `logits_mma.cu` explains the shape).
+pub fn logits_mma_kernel(dtype: crate::layout::IndexKDtype) -> (&'static str, u32) {
     match dtype {
-        crate::layout::IndexKDtype::Fp8 => LOGITS_MMA_FP8,
-        crate::layout::IndexKDtype::Bf16 => LOGITS_MMA_BF16,
+        crate::layout::IndexKDtype::Fp8 => ("index_logits_mma_fp8", 2 * 64),
+        crate::layout::IndexKDtype::Bf16 => ("index_logits_mma_bf16", 4 * 64),
     }
 }
 
@@ -287,32 +252,27 @@ mod tests {
         );
     }
 
-    /// Every tensor-core logits variant the launcher can pick is compiled and defined.
+    /// The tensor-core logits kernel of each dtype is compiled, defined with its dtype, and
+    /// launched with the threads its key groups need (64 per group).
     #[test]
-    fn logits_mma_variants_are_compiled_kernels() {
+    fn logits_mma_kernels_are_compiled_with_their_shapes() {
         let src = SOURCES.iter().find(|s| s.file == "logits_mma.cu").unwrap();
-        for dtype in crate::layout::IndexKDtype::ALL {
-            for v in logits_mma_variants(dtype) {
-                assert!(src.kernels.contains(&v.kernel), "{} not loaded", v.kernel);
-                assert!(
-                    src.text.contains(&format!("TKV_LOGITS_MMA({},", v.kernel))
-                        || src
-                            .text
-                            .contains(&format!("TKV_LOGITS_MMA_F8({},", v.kernel)),
-                    "{} not defined",
-                    v.kernel
-                );
-                assert!(v.kernel.contains(dtype.name()));
-                // Two head-half warps per key group (64 threads), or one with `_m4`.
-                let kw = v
-                    .kernel
-                    .split('_')
-                    .find_map(|p| p.strip_prefix('k'))
-                    .unwrap();
-                let kw: u32 = kw[..kw.find('n').unwrap()].parse().unwrap();
-                let per_group = if v.kernel.contains("_m4") { 32 } else { 64 };
-                assert_eq!(v.threads, per_group * kw, "{}", v.kernel);
-            }
+        for (dt, dtype) in crate::layout::IndexKDtype::ALL.into_iter().enumerate() {
+            let (name, threads) = logits_mma_kernel(dtype);
+            assert!(src.kernels.contains(&name), "{name} not loaded");
+            let def = format!("TKV_LOGITS_MMA({name}, {dt}, ");
+            let at = src
+                .text
+                .find(&def)
+                .unwrap_or_else(|| panic!("{name} not defined"));
+            let kw: u32 = src.text[at + def.len()..]
+                .split(',')
+                .next()
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            assert_eq!(threads, 64 * kw, "{name}");
         }
     }
 }

@@ -5,6 +5,7 @@
 //! (the kernel uses the reference's operation order, so in practice they are bit-exact too and the
 //! test reports how many are).
 
+use crate::naive;
 use half::bf16;
 use tierkv_kernels::cpu::{self, numerics::mix64};
 use tierkv_kernels::layout::*;
@@ -14,6 +15,7 @@ use tierkv_kernels::Result;
 /// Where a kernel runs. Inputs and outputs are host byte buffers; a GPU backend moves them.
 pub trait Backend {
     fn name(&self) -> &'static str;
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA instances ask
     /// Whether `index_logits` follows the reference's operation order (so the test expects it bit
     /// for bit where it can); otherwise it is held to DESIGN §4's 1e-5 of each logit's magnitude.
     fn logits_exact(&self) -> bool {
@@ -106,13 +108,27 @@ impl Backend for Cpu {
 
 pub struct Gen(pub u64);
 impl Gen {
+    /// Fresh inputs: the seed is `TIERKV_TEST_SEED` when set (decimal or `0x` hex), otherwise
+    /// drawn from the clock; it is printed either way, so a failure replays with the variable.
     pub fn fresh(label: &str) -> Gen {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
-        let seed = mix64(t ^ label.len() as u64);
-        eprintln!("{label}: seed {seed:#x}");
+        let seed = match std::env::var("TIERKV_TEST_SEED") {
+            Ok(v) => {
+                let v = v.trim();
+                let parsed = match v.strip_prefix("0x") {
+                    Some(h) => u64::from_str_radix(h, 16),
+                    None => v.parse(),
+                };
+                parsed.unwrap_or_else(|_| panic!("TIERKV_TEST_SEED={v} is not a u64"))
+            }
+            Err(_) => {
+                let t = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64;
+                mix64(t ^ label.len() as u64)
+            }
+        };
+        eprintln!("{label}: seed {seed:#x} (replay with TIERKV_TEST_SEED={seed:#x})");
         Gen(seed)
     }
     pub fn next(&mut self) -> u64 {
@@ -146,7 +162,24 @@ impl Gen {
     }
 }
 
-pub fn store_body(b: &dyn Backend) {
+/// What a body holds a backend's outputs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// Bit for bit the CPU reference (a GPU backend).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Reference,
+    /// The independent versions of `naive.rs` (the CPU reference itself: comparing it with
+    /// itself would prove nothing).
+    Independent,
+}
+
+fn verdict(what: String, r: std::result::Result<(), String>) {
+    if let Err(e) = r {
+        panic!("{what}: {e}");
+    }
+}
+
+pub fn store_body(b: &dyn Backend, expect: Expect) {
     let mut g = Gen::fresh("store");
     for dtype in IndexKDtype::ALL {
         for (n, pages) in [(1usize, 1usize), (63, 2), (1000, 20), (4099, 70)] {
@@ -169,15 +202,16 @@ pub fn store_body(b: &dyn Backend) {
             };
             let fmt = PageFormat::IndexK(dtype);
             let mut want = g.poison(pages * fmt.page_bytes() as usize);
+            let before = want.clone();
             let mut got = want.clone();
-            cpu::index_k_store(&a, &mut want, fmt.fingerprint()).unwrap();
             b.index_k_store(&a, &mut got, fmt.fingerprint()).unwrap();
-            assert!(
-                got == want,
-                "{} index_k_store {dtype:?} n={n}: {} bytes differ",
-                b.name(),
-                diff(&got, &want)
-            );
+            let what = format!("{} index_k_store {dtype:?} n={n}", b.name());
+            if expect == Expect::Independent {
+                verdict(what, naive::check_index_k_store(&a, &before, &got));
+                continue;
+            }
+            cpu::index_k_store(&a, &mut want, fmt.fingerprint()).unwrap();
+            assert!(got == want, "{what}: {} bytes differ", diff(&got, &want));
         }
     }
     for dtype in KvDtype::ALL {
@@ -192,15 +226,16 @@ pub fn store_body(b: &dyn Backend) {
             };
             let fmt = PageFormat::Kv(dtype);
             let mut want = g.poison(pages * fmt.page_bytes() as usize);
+            let before = want.clone();
             let mut got = want.clone();
-            cpu::kv_store(&a, &mut want, fmt.fingerprint()).unwrap();
             b.kv_store(&a, &mut got, fmt.fingerprint()).unwrap();
-            assert!(
-                got == want,
-                "{} kv_store {dtype:?} n={n}: {} bytes differ",
-                b.name(),
-                diff(&got, &want)
-            );
+            let what = format!("{} kv_store {dtype:?} n={n}", b.name());
+            if expect == Expect::Independent {
+                verdict(what, naive::check_kv_store(&a, &before, &got));
+                continue;
+            }
+            cpu::kv_store(&a, &mut want, fmt.fingerprint()).unwrap();
+            assert!(got == want, "{what}: {} bytes differ", diff(&got, &want));
         }
     }
 }
@@ -209,7 +244,7 @@ fn diff(a: &[u8], b: &[u8]) -> usize {
     a.iter().zip(b).filter(|(x, y)| x != y).count()
 }
 
-pub fn q_prep_body(b: &dyn Backend) {
+pub fn q_prep_body(b: &dyn Backend, expect: Expect) {
     let mut g = Gen::fresh("q_prep");
     for (n, heads) in [(1usize, 1usize), (3, 64), (70, 17), (128, 64)] {
         let q = g.bf16s(n * heads * 128, 4.0);
@@ -225,8 +260,13 @@ pub fn q_prep_body(b: &dyn Backend) {
         };
         let (mut qw, mut ww) = (g.poison(n * heads * 128), vec![f32::NAN; n * heads]);
         let (mut qg, mut wg) = (qw.clone(), ww.clone());
-        cpu::q_prep(&a, &mut qw, &mut ww).unwrap();
         b.q_prep(&a, &mut qg, &mut wg).unwrap();
+        if expect == Expect::Independent {
+            let what = format!("{} q_prep n={n} heads={heads}", b.name());
+            verdict(what, naive::check_q_prep(&a, &qg, &wg));
+            continue;
+        }
+        cpu::q_prep(&a, &mut qw, &mut ww).unwrap();
         assert!(
             qg == qw,
             "{} q_prep n={n} heads={heads}: q differs",
@@ -267,6 +307,7 @@ fn filled_pool(g: &mut Gen, dtype: IndexKDtype, pages: usize) -> Vec<u8> {
     buf
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA instances run it
 pub fn logits_body(b: &dyn Backend) {
     logits_body_with(b, b.logits_exact());
 }
@@ -413,7 +454,7 @@ fn check_logits_bound(
     }
 }
 
-pub fn topk_body(b: &dyn Backend) {
+pub fn topk_body(b: &dyn Backend, expect: Expect) {
     let mut g = Gen::fresh("topk");
     for (rows, len, k, ties) in [
         (1usize, 1usize, 1usize, false),
@@ -453,7 +494,10 @@ pub fn topk_body(b: &dyn Backend) {
         };
         let mut want = vec![i32::MIN; rows * k];
         let mut got = want.clone();
-        cpu::topk(&a, &mut want).unwrap();
+        match expect {
+            Expect::Reference => cpu::topk(&a, &mut want).unwrap(),
+            Expect::Independent => want = naive::topk(&a),
+        }
         b.topk(&a, &mut got).unwrap();
         assert!(
             got == want,
@@ -464,7 +508,7 @@ pub fn topk_body(b: &dyn Backend) {
     }
 }
 
-pub fn sparse_read_body(b: &dyn Backend) {
+pub fn sparse_read_body(b: &dyn Backend, expect: Expect) {
     let mut g = Gen::fresh("sparse_read");
     for dtype in KvDtype::ALL {
         for (rows, k, pages) in [(1usize, 1usize, 1usize), (8, 2048, 40), (33, 100, 5)] {
@@ -488,7 +532,12 @@ pub fn sparse_read_body(b: &dyn Backend) {
             };
             let mut want = vec![0xDEAD_BEEFu64; rows];
             let mut got = want.clone();
-            cpu::sparse_read(&a, &kv, fmt.fingerprint(), &mut want).unwrap();
+            match expect {
+                Expect::Reference => {
+                    cpu::sparse_read(&a, &kv, fmt.fingerprint(), &mut want).unwrap()
+                }
+                Expect::Independent => want = naive::sparse_read(&a, &kv, rows),
+            }
             b.sparse_read(&a, &kv, fmt.fingerprint(), &mut got).unwrap();
             assert_eq!(
                 got,
@@ -500,7 +549,7 @@ pub fn sparse_read_body(b: &dyn Backend) {
     }
 }
 
-pub fn page_copy_body(b: &dyn Backend) {
+pub fn page_copy_body(b: &dyn Backend, expect: Expect) {
     let mut g = Gen::fresh("page_copy");
     for layout in HostLayout::ALL {
         for ik in IndexKDtype::ALL {
@@ -530,7 +579,14 @@ pub fn page_copy_body(b: &dyn Backend) {
                 let runs = coalesce_runs(&pairs);
                 let mut want = g.poison(l.host_bytes(kind).usize());
                 let mut got = want.clone();
-                cpu::page_copy(&dev, &dev_view, &mut want, &host_view, &runs).unwrap();
+                match expect {
+                    Expect::Reference => {
+                        cpu::page_copy(&dev, &dev_view, &mut want, &host_view, &runs).unwrap()
+                    }
+                    Expect::Independent => {
+                        naive::page_copy(&dev, &dev_view, &mut want, &host_view, &runs)
+                    }
+                }
                 b.page_copy(&dev, &dev_view, &mut got, &host_view, &runs)
                     .unwrap();
                 assert!(
@@ -544,36 +600,32 @@ pub fn page_copy_body(b: &dyn Backend) {
     }
 }
 
+// The CPU references, held to the independent versions of `naive.rs` on the same awkward
+// sizes the GPU instances use.
 #[test]
 fn store_cpu() {
-    store_body(&Cpu);
+    store_body(&Cpu, Expect::Independent);
 }
 #[test]
 fn q_prep_cpu() {
-    q_prep_body(&Cpu);
+    q_prep_body(&Cpu, Expect::Independent);
 }
-#[test]
-fn logits_cpu() {
-    logits_body(&Cpu);
-}
-
-/// The CPU reference held to the bound the tensor-core kernel must meet (this also exercises that
-/// check without a GPU).
+/// The CPU reference held to the f64 bound the tensor-core kernel must meet.
 #[test]
 fn logits_cpu_within_bound() {
     logits_body_with(&Cpu, false);
 }
 #[test]
 fn topk_cpu() {
-    topk_body(&Cpu);
+    topk_body(&Cpu, Expect::Independent);
 }
 #[test]
 fn sparse_read_cpu() {
-    sparse_read_body(&Cpu);
+    sparse_read_body(&Cpu, Expect::Independent);
 }
 #[test]
 fn page_copy_cpu() {
-    page_copy_body(&Cpu);
+    page_copy_body(&Cpu, Expect::Independent);
 }
 
 #[cfg(feature = "cuda")]
@@ -581,12 +633,13 @@ mod cuda {
     use super::*;
     use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
     use std::sync::Arc;
-    use tierkv_kernels::cuda::launch::{DevPtr, Kernels, LogitsKernel};
+    use tierkv_kernels::cuda::launch::{DevPtr, Kernels, LogitsKernel, LogitsTuning};
 
     pub struct Cuda {
         k: &'static Kernels,
         s: Arc<CudaStream>,
         logits: LogitsKernel,
+        tuning: LogitsTuning,
     }
 
     fn bytes<T: Copy>(v: &[T]) -> &[u8] {
@@ -607,12 +660,14 @@ mod cuda {
                 k,
                 s: k.ctx.new_stream().unwrap(),
                 logits: LogitsKernel::Exact,
+                tuning: LogitsTuning::default(),
             }
         }
-        /// Logits on the tensor cores.
-        pub fn tensor_core() -> Cuda {
+        /// Logits on the tensor cores, launched with `tuning`.
+        pub fn tensor_core(tuning: LogitsTuning) -> Cuda {
             Cuda {
                 logits: LogitsKernel::TensorCore,
+                tuning,
                 ..Cuda::new()
             }
         }
@@ -630,7 +685,7 @@ mod cuda {
                 d,
                 DevPtr {
                     ptr: p,
-                    bytes: data.len() as u64,
+                    bytes: Bytes(data.len() as u64),
                 },
             )
         }
@@ -708,6 +763,7 @@ mod cuda {
             let (o, op) = self.up(bytes(out));
             self.k.index_logits_with(
                 self.logits,
+                self.tuning,
                 &self.s,
                 a.dtype,
                 a.heads,
@@ -781,78 +837,49 @@ mod cuda {
 
     #[test]
     fn store_cuda() {
-        store_body(&Cuda::new());
+        store_body(&Cuda::new(), Expect::Reference);
     }
     #[test]
     fn q_prep_cuda() {
-        q_prep_body(&Cuda::new());
+        q_prep_body(&Cuda::new(), Expect::Reference);
     }
     #[test]
     fn logits_cuda() {
         logits_body(&Cuda::new());
     }
-    /// Every variant of the tensor-core kernel (the bench measures them all; any may become the
-    /// default).
+    /// The tensor-core kernel, at one CTA per row (so a CTA loops over every page and its
+    /// double buffers turn over), three (pages strided between CTAs, a far L2 prefetch), and the
+    /// default launch shape. Every shape is checked even when one fails, so the log shows them all.
     #[test]
     fn logits_tensor_core_cuda() {
-        use std::sync::atomic::Ordering::Relaxed;
-        use tierkv_kernels::cuda::launch::{LOGITS_MMA_AHEAD, LOGITS_MMA_CTAS, LOGITS_MMA_VARIANT};
-        use tierkv_kernels::cuda::{LOGITS_MMA_BF16, LOGITS_MMA_FP8};
-        let defaults = [
-            LOGITS_MMA_VARIANT[0].load(Relaxed),
-            LOGITS_MMA_VARIANT[1].load(Relaxed),
-        ];
         let mut failed = Vec::new();
-        let defaults_shape = (
-            LOGITS_MMA_CTAS.load(Relaxed),
-            LOGITS_MMA_AHEAD.load(Relaxed),
-        );
-        for v in 0..LOGITS_MMA_FP8.len().max(LOGITS_MMA_BF16.len()) {
-            let (f, b) = (
-                v.min(LOGITS_MMA_FP8.len() - 1),
-                v.min(LOGITS_MMA_BF16.len() - 1),
-            );
-            LOGITS_MMA_VARIANT[0].store(f, Relaxed);
-            LOGITS_MMA_VARIANT[1].store(b, Relaxed);
-            eprintln!(
-                "variants {} and {}",
-                LOGITS_MMA_FP8[f].kernel, LOGITS_MMA_BF16[b].kernel
-            );
-            // Every variant is checked even when one fails, so the log shows them all; each
-            // with one CTA per row (so a CTA loops over every page: the double buffers, the
-            // register pipeline and the cp.async ring all turn over), three (pages strided
-            // between CTAs, a far L2 prefetch), and the default shape.
-            for (ctas, ahead) in [
-                (1usize, 2usize),
-                (3, 16),
-                (defaults_shape.0, defaults_shape.1),
-            ] {
-                LOGITS_MMA_CTAS.store(ctas, Relaxed);
-                LOGITS_MMA_AHEAD.store(ahead, Relaxed);
-                eprintln!("launch shape: {ctas} CTAs, prefetch {ahead} ahead");
-                let run = std::panic::catch_unwind(|| logits_body(&Cuda::tensor_core()));
-                if run.is_err() {
-                    failed.push((LOGITS_MMA_FP8[f].kernel, LOGITS_MMA_BF16[b].kernel, ctas));
-                }
+        for tuning in [
+            LogitsTuning { ctas: 1, ahead: 2 },
+            LogitsTuning { ctas: 3, ahead: 16 },
+            LogitsTuning::default(),
+        ] {
+            eprintln!("launch shape: {tuning:?}");
+            let run = std::panic::catch_unwind(|| logits_body(&Cuda::tensor_core(tuning)));
+            if run.is_err() {
+                failed.push(tuning);
             }
         }
-        LOGITS_MMA_VARIANT[0].store(defaults[0], Relaxed);
-        LOGITS_MMA_VARIANT[1].store(defaults[1], Relaxed);
-        LOGITS_MMA_CTAS.store(defaults_shape.0, Relaxed);
-        LOGITS_MMA_AHEAD.store(defaults_shape.1, Relaxed);
-        assert!(failed.is_empty(), "variants failing the bound: {failed:?}");
+        assert!(
+            failed.is_empty(),
+            "launch shapes failing the bound: {failed:?}"
+        );
     }
     #[test]
     fn topk_cuda() {
-        topk_body(&Cuda::new());
+        topk_body(&Cuda::new(), Expect::Reference);
     }
     #[test]
     fn sparse_read_cuda() {
-        sparse_read_body(&Cuda::new());
+        sparse_read_body(&Cuda::new(), Expect::Reference);
     }
     #[test]
     fn page_copy_cuda() {
-        page_copy_body(&Cuda::new());
+        page_copy_body(&Cuda::new(), Expect::Reference);
     }
     /// The GPU's e4m3 conversion (`__NV_SATFINITE`) agrees with the `float8` crate over 16.7M
     /// inputs, every rounding midpoint of the format included: each KV latent tile holds 448 (so

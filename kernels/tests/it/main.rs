@@ -3,5 +3,6 @@
 
 mod conformance;
 mod fp8;
+mod naive;
 mod nvrtc;
 mod reference;

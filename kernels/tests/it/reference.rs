@@ -1,5 +1,6 @@
-//! Property tests of each CPU reference against a naive f64 recomputation written here.
+//! Property tests of each CPU reference against the independent versions of `naive.rs`.
 
+use crate::naive::{self, e4m3_step, pipeline_f64};
 use half::bf16;
 use proptest::prelude::*;
 use tierkv_kernels::cpu::numerics::{self, e4m3_decode, hadamard_128, read_f32};
@@ -30,51 +31,6 @@ impl Gen {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
-}
-
-/// One e4m3 step at magnitude |v| (the spacing of codes around it).
-fn e4m3_step(v: f64) -> f64 {
-    let a = v.abs();
-    if a < 2f64.powi(-6) {
-        2f64.powi(-9)
-    } else {
-        2f64.powi(a.log2().floor() as i32 - 3)
-    }
-}
-
-/// LayerNorm → RoPE → Hadamard in f64, the naive way.
-fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f32], ln: bool) -> Vec<f64> {
-    let x: Vec<f64> = key.iter().map(|v| v.to_f32() as f64).collect();
-    let mut y = x.clone();
-    if ln {
-        let mean = x.iter().sum::<f64>() / 128.0;
-        let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / 128.0;
-        let rstd = 1.0 / (var + 1e-6).sqrt();
-        for i in 0..128 {
-            y[i] = (x[i] - mean) * rstd * gamma[i] as f64 + beta[i] as f64;
-        }
-    }
-    let r = y.clone();
-    for i in 0..32 {
-        let (c, s) = (rope[i] as f64, rope[32 + i] as f64);
-        y[i] = r[i] * c - r[i + 32] * s;
-        y[i + 32] = r[i + 32] * c + r[i] * s;
-    }
-    // Hadamard by its matrix definition: H[i][j] = (-1)^popcount(i & j) / sqrt(128).
-    (0..128)
-        .map(|i| {
-            (0..128)
-                .map(|j| {
-                    if (i & j as usize).count_ones() % 2 == 0 {
-                        y[j]
-                    } else {
-                        -y[j]
-                    }
-                })
-                .sum::<f64>()
-                / 128f64.sqrt()
-        })
-        .collect()
 }
 
 proptest! {
@@ -231,15 +187,9 @@ proptest! {
         let page_table: Vec<i32> = (0..7).map(|_| g.below(1000) as i32).collect();
         let ctx = [len as i32];
         let mut out = vec![7777i32; k];
-        cpu::topk(&cpu::TopKArgs { k, logits: &logits, stride, context_lens: &ctx, page_table: &page_table, pt_stride: 7 }, &mut out).unwrap();
-        let mut order: Vec<usize> = (0..len).collect();
-        order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap()
-            .then((logits[b].is_sign_negative()).cmp(&logits[a].is_sign_negative()).reverse())
-            .then(a.cmp(&b)));
-        for i in 0..k {
-            let want = order.get(i).map(|&n| page_table[n / 64] * 64 + (n % 64) as i32).unwrap_or(-1);
-            prop_assert_eq!(out[i], want, "rank {}", i);
-        }
+        let args = cpu::TopKArgs { k, logits: &logits, stride, context_lens: &ctx, page_table: &page_table, pt_stride: 7 };
+        cpu::topk(&args, &mut out).unwrap();
+        prop_assert_eq!(out, naive::topk(&args));
     }
 
     #[test]

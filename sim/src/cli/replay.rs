@@ -11,10 +11,11 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
+use tierkv_engine::metrics::Metrics;
 use tierkv_engine::runtime::service::{serve_metrics, Service, ServiceError};
 use tierkv_engine::runtime::MonotonicClock;
 use tierkv_engine::synth::Synth;
-use tierkv_engine::trace::{prompt_tokens, read_trace};
+use tierkv_engine::trace::{prompt_tokens, read_trace, TraceRecord};
 use tierkv_engine::{Engine, EngineOptions, RequestSpec};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -69,6 +70,16 @@ fn percentile(v: &mut [u64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize] as f64 / 1e6
 }
 
+/// What the clients saw: the /metrics probe, each finished request's time to first token, and
+/// how many finished, were rejected, or failed.
+struct Seen {
+    probe: Result<String, String>,
+    ttft: Vec<u64>,
+    ok: usize,
+    rejected: usize,
+    failed: usize,
+}
+
 pub fn run_replay(a: ReplayArgs) -> i32 {
     let recs = match read_trace(&a.trace) {
         Ok(r) => r,
@@ -78,40 +89,14 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
         }
     };
     let recs: Vec<_> = recs.into_iter().take(a.requests).collect();
-    let mut cfg = Config::preset("deepseek-v3.2").expect("preset");
-    cfg.name = "replay".into();
-    cfg.model.layers = a.layers;
-    cfg.model.prefill_indexer = PrefillIndexer::LastToken;
-    cfg.cache.device_pages = a.device_pages;
-    cfg.cache.host = HostCapacity::Ratio(a.host_ratio);
-    cfg.cache.write_policy = match a.write_policy.as_str() {
-        "write_through" => WritePolicy::WriteThrough,
-        "write_back" => WritePolicy::WriteBack,
-        _ => WritePolicy::WriteThroughSelective,
+    let cfg = match replay_config(&a) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("replay configuration: {e}");
+            return 2;
+        }
     };
-    cfg.scheduler.output_tokens_max = a.output_max.max(1);
-    if let Err(e) = cfg.validate() {
-        eprintln!("replay configuration: {e}");
-        return 2;
-    }
-    let synth = Synth::new(0);
-    let t0 = recs.first().map_or(0, |r| r.timestamp_ms);
-    let work: Vec<(Duration, RequestSpec)> = recs
-        .iter()
-        .filter_map(|r| {
-            let mut prompt = prompt_tokens(r, &synth);
-            prompt.truncate(cfg.model.context_tokens_max as usize - a.output_max as usize - 1);
-            (!prompt.is_empty()).then(|| {
-                (
-                    Duration::from_secs_f64((r.timestamp_ms - t0) as f64 / 1e3 / a.time_scale),
-                    RequestSpec {
-                        prompt,
-                        max_new_tokens: r.output_length.clamp(1, a.output_max),
-                    },
-                )
-            })
-        })
-        .collect();
+    let work = workload(&recs, &cfg, &a);
     let tokens: usize = work.iter().map(|w| w.1.prompt.len()).sum();
     println!(
         "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}",
@@ -142,30 +127,96 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
             None => return 2,
         },
     };
+    let started = Instant::now();
+    let seen = match drive(&service, work, a.metrics_port, started) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("replay failed: {e}");
+            return 1;
+        }
+    };
+    let wall = started.elapsed();
+    let published = service.published.clone();
+    if let Err(e) = service.shutdown() {
+        eprintln!("engine: {e}");
+        return 1;
+    }
+    let p = published.lock().expect("published");
+    report(&p.metrics, p.step_ns.clone(), seen, wall)
+}
+
+/// DeepSeek-V3.2's shapes with the replay's layers, pools, host tier and write policy.
+fn replay_config(a: &ReplayArgs) -> Result<Config, tierkv_engine::ConfigError> {
+    let mut cfg = Config::preset("deepseek-v3.2")?;
+    cfg.name = "replay".into();
+    cfg.model.layers = a.layers;
+    cfg.model.prefill_indexer = PrefillIndexer::LastToken;
+    cfg.cache.device_pages = a.device_pages;
+    cfg.cache.host = HostCapacity::Ratio(a.host_ratio);
+    cfg.cache.write_policy = match a.write_policy.as_str() {
+        "write_through" => WritePolicy::WriteThrough,
+        "write_back" => WritePolicy::WriteBack,
+        _ => WritePolicy::WriteThroughSelective,
+    };
+    cfg.scheduler.output_tokens_max = a.output_max.max(1);
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Each record as a request at its scaled arrival time (prompts that fit the context).
+fn workload(recs: &[TraceRecord], cfg: &Config, a: &ReplayArgs) -> Vec<(Duration, RequestSpec)> {
+    let synth = Synth::new(0);
+    let t0 = recs.first().map_or(0, |r| r.timestamp_ms);
+    recs.iter()
+        .filter_map(|r| {
+            let mut prompt = prompt_tokens(r, &synth);
+            prompt.truncate(cfg.model.context_tokens_max as usize - a.output_max as usize - 1);
+            (!prompt.is_empty()).then(|| {
+                (
+                    Duration::from_secs_f64((r.timestamp_ms - t0) as f64 / 1e3 / a.time_scale),
+                    RequestSpec {
+                        prompt,
+                        max_new_tokens: r.output_length.clamp(1, a.output_max),
+                    },
+                )
+            })
+        })
+        .collect()
+}
+
+/// Serves /metrics, submits every request at its arrival time through the service's client,
+/// probes /metrics while they run, and waits for every answer.
+fn drive(
+    service: &Service,
+    work: Vec<(Duration, RequestSpec)>,
+    metrics_port: u16,
+    started: Instant,
+) -> Result<Seen, String> {
     let client = service.client();
     let published = service.published.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .expect("tokio");
-    let started = Instant::now();
-    let result = rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", a.metrics_port))
+        .map_err(|e| format!("tokio: {e}"))?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", metrics_port))
             .await
             .map_err(|e| e.to_string())?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         println!("/metrics on http://{addr}/metrics");
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let server = tokio::spawn(serve_metrics(listener, published, stop_rx));
-        let mut handles = Vec::new();
-        for (at, spec) in work {
-            let c = client.clone();
-            handles.push(tokio::spawn(async move {
-                tokio::time::sleep_until(tokio::time::Instant::from_std(started + at)).await;
-                c.generate(spec).await
-            }));
-        }
+        let handles: Vec<_> = work
+            .into_iter()
+            .map(|(at, spec)| {
+                let c = client.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep_until(tokio::time::Instant::from_std(started + at)).await;
+                    c.generate(spec).await
+                })
+            })
+            .collect();
         // Probe /metrics while the replay runs (once the engine has published a snapshot).
         let mut probe = Err("no snapshot yet".to_string());
         for _ in 0..100 {
@@ -175,42 +226,36 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
                 break;
             }
         }
-        let mut ttft = Vec::new();
-        let (mut ok, mut rejected, mut failed) = (0, 0, 0);
+        let mut seen = Seen {
+            probe,
+            ttft: Vec::new(),
+            ok: 0,
+            rejected: 0,
+            failed: 0,
+        };
         for h in handles {
             match h.await.map_err(|e| e.to_string())? {
                 Ok(c) => {
-                    ok += 1;
-                    ttft.push(c.ttft_ns);
+                    seen.ok += 1;
+                    seen.ttft.push(c.ttft_ns);
                 }
-                Err(ServiceError::Rejected(_)) => rejected += 1,
+                Err(ServiceError::Rejected(_)) => seen.rejected += 1,
                 Err(e) => {
-                    failed += 1;
+                    seen.failed += 1;
                     eprintln!("request failed: {e}");
                 }
             }
         }
         let _ = stop_tx.send(true);
         let _ = server.await;
-        Ok::<_, String>((probe, ttft, ok, rejected, failed))
-    });
-    let wall = started.elapsed();
-    let (probe, mut ttft, ok, rejected, failed) = match result {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("replay failed: {e}");
-            return 1;
-        }
-    };
-    let published = service.published.clone();
-    if let Err(e) = service.shutdown() {
-        eprintln!("engine: {e}");
-        return 1;
-    }
-    let p = published.lock().expect("published");
-    let m = &p.metrics;
-    let mut steps = p.step_ns.clone();
-    match &probe {
+        Ok(seen)
+    })
+}
+
+/// Prints what the replay measured; the exit code says whether every request was answered and
+/// /metrics was.
+fn report(m: &Metrics, mut steps: Vec<u64>, mut seen: Seen, wall: Duration) -> i32 {
+    match &seen.probe {
         Ok(text) => println!(
             "/metrics answered during the replay ({} lines), e.g. {}",
             text.lines().count(),
@@ -221,7 +266,10 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
         Err(e) => println!("/metrics probe failed: {e}"),
     }
     println!(
-        "finished {ok}, rejected {rejected}, failed {failed} in {:.2} s",
+        "finished {}, rejected {}, failed {} in {:.2} s",
+        seen.ok,
+        seen.rejected,
+        seen.failed,
         wall.as_secs_f64()
     );
     println!(
@@ -247,17 +295,18 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
         gbps(m.backup_bytes, m.backup_latency.sum_ns),
         m.load_failures
     );
+    let ttft = &mut seen.ttft;
     println!(
         "step latency ms: p50 {:.3} p90 {:.3} p99 {:.3} ({} steps); TTFT ms: p50 {:.1} p90 {:.1} p99 {:.1}",
         percentile(&mut steps, 0.5),
         percentile(&mut steps, 0.9),
         percentile(&mut steps, 0.99),
         steps.len(),
-        percentile(&mut ttft, 0.5),
-        percentile(&mut ttft, 0.9),
-        percentile(&mut ttft, 0.99)
+        percentile(ttft, 0.5),
+        percentile(ttft, 0.9),
+        percentile(ttft, 0.99)
     );
-    if failed > 0 || probe.is_err() {
+    if seen.failed > 0 || seen.probe.is_err() {
         1
     } else {
         0

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tierkv_engine::config::Config;
 use tierkv_engine::cpu_device::{i32s, Memory};
-use tierkv_engine::device::{BufferId, BufferRole, Op};
+use tierkv_engine::device::{BufferId, BufferRole, Op, RowTags, SparseRead};
 use tierkv_engine::layout::{
     index_k_page, kv_row, BufferKind, IndexKDtype, KvDtype, LayerId, PageFormat, PAGE_TOKENS,
 };
@@ -142,81 +142,67 @@ impl ContentOracle {
 
     /// Checks the rows `op` reads from `mem`; returns one message per violated op (first row).
     pub fn check_reads(&mut self, op: &Op, mem: &Memory, pages: &dyn PageState) -> Vec<String> {
-        // The oracle relies on the engine's row tags: they must cover every row, and the pool
-        // read must be the pool of the tagged layer.
-        if let Op::IndexLogits {
-            k: buf,
-            context_lens,
-            tags,
-            ..
-        }
-        | Op::SparseRead {
-            kv: buf,
-            context_lens,
-            tags,
-            ..
-        } = op
-        {
-            if tags.rows.len() != context_lens.len() {
-                return vec![format!(
-                    "{} carries {} row tags for {} rows",
-                    op.name(),
-                    tags.rows.len(),
-                    context_lens.len()
-                )];
-            }
-            let kind = if matches!(op, Op::IndexLogits { .. }) {
-                BufferKind::IndexK
-            } else {
-                BufferKind::Kv
-            };
-            let want = BufferRole::Pool {
-                kind,
-                layer: LayerId(tags.layer_global.wrapping_sub(self.layer_base)),
-            };
-            let role = mem.desc(*buf).role;
-            if role != want {
-                return vec![format!(
-                    "{} for global layer {} reads {role}, not the {want}",
-                    op.name(),
-                    tags.layer_global
-                )];
-            }
-        }
         match op {
-            Op::IndexLogits {
-                k,
-                page_table,
-                pt_stride,
-                context_lens,
-                tags,
-                ..
-            } => self.check_index_k(*k, page_table, *pt_stride, context_lens, tags, mem, pages),
-            Op::SparseRead {
-                k,
-                slots,
-                kv,
-                page_table,
-                pt_stride,
-                context_lens,
-                tags,
-                ..
-            } => {
-                let sel = i32s(mem.region(*slots));
-                self.check_kv(
-                    *kv,
-                    *k,
-                    &sel,
-                    page_table,
-                    *pt_stride,
-                    context_lens,
-                    tags,
+            Op::IndexLogits(o) => {
+                if let Some(e) =
+                    self.check_tags(op, o.k, BufferKind::IndexK, &o.context_lens, &o.tags, mem)
+                {
+                    return vec![e];
+                }
+                self.check_index_k(
+                    o.k,
+                    &o.page_table,
+                    o.pt_stride,
+                    &o.context_lens,
+                    &o.tags,
                     mem,
                     pages,
                 )
             }
+            Op::SparseRead(o) => {
+                if let Some(e) =
+                    self.check_tags(op, o.kv, BufferKind::Kv, &o.context_lens, &o.tags, mem)
+                {
+                    return vec![e];
+                }
+                let sel = i32s(mem.region(o.slots));
+                self.check_kv(o, &sel, mem, pages)
+            }
             _ => Vec::new(),
         }
+    }
+
+    /// The oracle relies on the engine's row tags: they must cover every row, and the pool read
+    /// must be the pool of the tagged layer.
+    fn check_tags(
+        &self,
+        op: &Op,
+        buf: BufferId,
+        kind: BufferKind,
+        context_lens: &[i32],
+        tags: &RowTags,
+        mem: &Memory,
+    ) -> Option<String> {
+        if tags.rows.len() != context_lens.len() {
+            return Some(format!(
+                "{} carries {} row tags for {} rows",
+                op.name(),
+                tags.rows.len(),
+                context_lens.len()
+            ));
+        }
+        let want = BufferRole::Pool {
+            kind,
+            layer: LayerId(tags.layer_global.wrapping_sub(self.layer_base)),
+        };
+        let role = mem.desc(buf).role;
+        (role != want).then(|| {
+            format!(
+                "{} for global layer {} reads {role}, not the {want}",
+                op.name(),
+                tags.layer_global
+            )
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -226,7 +212,7 @@ impl ContentOracle {
         page_table: &[i32],
         pt_stride: u32,
         context_lens: &[i32],
-        tags: &tierkv_engine::device::RowTags,
+        tags: &RowTags,
         mem: &Memory,
         pages: &dyn PageState,
     ) -> Vec<String> {
@@ -310,19 +296,22 @@ impl ContentOracle {
         Vec::new()
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn check_kv(
         &mut self,
-        kv: BufferId,
-        k: u32,
+        op: &SparseRead,
         sel: &[i32],
-        page_table: &[i32],
-        pt_stride: u32,
-        context_lens: &[i32],
-        tags: &tierkv_engine::device::RowTags,
         mem: &Memory,
         pages: &dyn PageState,
     ) -> Vec<String> {
+        let SparseRead {
+            kv,
+            k,
+            ref page_table,
+            pt_stride,
+            ref context_lens,
+            ref tags,
+            ..
+        } = *op;
         let dtype = self.kv_dtype;
         let tb = PageFormat::Kv(dtype).token_bytes() as usize;
         let buf = mem.bytes(kv);

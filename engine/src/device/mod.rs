@@ -1,0 +1,252 @@
+//! The runtime traits: [`Clock`] and [`Device`], and the closed set of [`Op`]s a device runs
+//! (each op's definition, footprint and checks live in [`op`]).
+//!
+//! A `Device` owns buffers (device memory and pinned host memory, each tagged with its layout
+//! fingerprint), three streams, and events. The engine enqueues ops on streams; ops on one stream
+//! run in order, and across streams only events order them — exactly CUDA's contract, which the
+//! simulator implements adversarially and the production device implements with CUDA itself.
+//!
+//! Every call that reaches a driver answers a `Result`: creating, recording and waiting on an
+//! event can fail on a real GPU, and the engine must see that as an error, never as a panic.
+//!
+//! Every op declares the byte ranges it reads and writes ([`OpSpec::accesses`]), computed from its
+//! arguments alone. That declaration is what lets the simulator's race detector check every access
+//! in every schedule; an op that reads device memory through indices produced by another kernel
+//! (`SparseRead` reads rows named by `TopK`'s output) declares the whole set it may read.
+
+pub mod op;
+
+pub use op::*;
+
+use crate::layout::{BufferKind, Bytes, LayerId, LayoutFingerprint};
+use std::fmt;
+
+/// Nanoseconds since an arbitrary origin: virtual in the simulator, monotonic in production.
+pub trait Clock {
+    fn now_ns(&self) -> u64;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BufferId(pub u32);
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EventId(pub u32);
+
+impl fmt::Display for BufferId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "buf{}", self.0)
+    }
+}
+impl fmt::Display for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ev{}", self.0)
+    }
+}
+
+/// The engine's three streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum StreamKind {
+    /// The model step: stores, indexer, sparse reads.
+    Compute,
+    /// Host → device load-back.
+    Load,
+    /// Device → host backup.
+    Write,
+}
+
+impl StreamKind {
+    pub const ALL: [StreamKind; 3] = [StreamKind::Compute, StreamKind::Load, StreamKind::Write];
+    pub fn index(self) -> usize {
+        self as usize
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamKind::Compute => "compute",
+            StreamKind::Load => "load",
+            StreamKind::Write => "write",
+        }
+    }
+}
+
+/// Where a buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryTier {
+    Device,
+    /// Page-locked host memory the host reads and writes directly and copies move to and from.
+    PinnedHost,
+}
+
+/// What a buffer is for (reports name buffers by role).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufferRole {
+    /// One layer's device pool of `kind`.
+    Pool { kind: BufferKind, layer: LayerId },
+    /// The host mirror of `kind` (all layers).
+    Mirror { kind: BufferKind },
+    /// Step scratch (queries, logits, selections, digests, readback).
+    Scratch { name: &'static str },
+}
+
+impl fmt::Display for BufferRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BufferRole::Pool { kind, layer } => write!(f, "device {} layer {}", kind.name(), layer),
+            BufferRole::Mirror { kind } => write!(f, "host {} mirror", kind.name()),
+            BufferRole::Scratch { name } => write!(f, "scratch {name}"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferDesc {
+    pub role: BufferRole,
+    pub tier: MemoryTier,
+    pub bytes: Bytes,
+    pub fingerprint: LayoutFingerprint,
+}
+
+/// The state of an event as the host sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventState {
+    /// Work captured by the event has not finished.
+    Pending,
+    /// Everything captured by the event finished.
+    Done,
+    /// Everything captured finished, and at least one op between the previous record on that stream
+    /// and this record failed (a failed copy; its destination holds unspecified bytes).
+    Failed,
+}
+
+/// Conditions a caller handles. Invariant violations inside a device panic instead.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum DeviceError {
+    #[error("out of {tier:?} memory allocating {bytes} B for {role}")]
+    OutOfMemory {
+        role: BufferRole,
+        tier: MemoryTier,
+        bytes: u64,
+    },
+    #[error(
+        "{op}: layout mismatch on {buffer} ({role}): op declares {declared}, buffer is {actual}"
+    )]
+    LayoutMismatch {
+        op: &'static str,
+        buffer: BufferId,
+        role: BufferRole,
+        declared: LayoutFingerprint,
+        actual: LayoutFingerprint,
+    },
+    #[error("{op}: {buffer} ({role}) is {size} B, the op touches {start}..{end}")]
+    OutOfBounds {
+        op: &'static str,
+        buffer: BufferId,
+        role: BufferRole,
+        start: u64,
+        end: u64,
+        size: u64,
+    },
+    #[error("{op}: {detail}")]
+    Kernel { op: &'static str, detail: String },
+    #[error("{op}: host access to {buffer} ({role}), which is not pinned host memory")]
+    NotHostMemory {
+        op: &'static str,
+        buffer: BufferId,
+        role: BufferRole,
+    },
+    #[error("device: {detail}")]
+    Backend { detail: String },
+}
+
+/// A device: buffers, three streams, events, ops. See the module comment for the contract.
+pub trait Device {
+    /// Allocates a buffer. Device buffers start with unspecified contents (the simulator fills them
+    /// with poison); pinned host buffers too.
+    fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError>;
+    fn desc(&self, buf: BufferId) -> BufferDesc;
+    /// A fresh event, never recorded (querying it answers `Done`, as CUDA does).
+    fn new_event(&mut self) -> Result<EventId, DeviceError>;
+    /// Captures all work enqueued on `stream` so far.
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError>;
+    /// Later work on `stream` waits for the event's most recent capture.
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError>;
+    /// Host query, non-blocking. Answering `Done` or `Failed` orders the host after the capture.
+    fn query(&mut self, ev: EventId) -> EventState;
+    /// Host blocks until the capture finished; orders the host after it. A driver error while
+    /// waiting answers `Failed`: the captured work cannot be trusted.
+    fn synchronize(&mut self, ev: EventId) -> EventState;
+    /// Enqueues `op` on `stream`. Refuses (typed error) an op whose declared formats or ranges do
+    /// not fit its buffers; nothing is enqueued then.
+    fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError>;
+    /// Host reads pinned host memory.
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError>;
+    /// Host writes pinned host memory.
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError>;
+}
+
+/// The check every device makes before the host reads or writes `len` bytes at `offset` of a
+/// buffer: it must be pinned host memory and the range must lie inside it.
+pub fn check_host_access(
+    op: &'static str,
+    buf: BufferId,
+    desc: BufferDesc,
+    offset: Bytes,
+    len: usize,
+) -> Result<(), DeviceError> {
+    if desc.tier != MemoryTier::PinnedHost {
+        return Err(DeviceError::NotHostMemory {
+            op,
+            buffer: buf,
+            role: desc.role,
+        });
+    }
+    let end = offset.0.checked_add(len as u64).unwrap_or(u64::MAX);
+    if end > desc.bytes.0 {
+        return Err(DeviceError::OutOfBounds {
+            op,
+            buffer: buf,
+            role: desc.role,
+            start: offset.0,
+            end,
+            size: desc.bytes.0,
+        });
+    }
+    Ok(())
+}
+
+/// The checks every device makes before an op may run: its shapes agree, its declared formats
+/// equal the buffers' registered fingerprints, and every declared range lies inside its buffer.
+pub fn check_op(op: &Op, desc: impl Fn(BufferId) -> BufferDesc) -> Result<(), DeviceError> {
+    let spec = op.spec();
+    spec.check_shapes()?;
+    spec.check_buffers(&|b| desc(b).bytes)?;
+    for (buf, declared) in spec.formats() {
+        let d = desc(buf);
+        if d.fingerprint != declared {
+            return Err(DeviceError::LayoutMismatch {
+                op: spec.name(),
+                buffer: buf,
+                role: d.role,
+                declared,
+                actual: d.fingerprint,
+            });
+        }
+    }
+    for a in op.accesses() {
+        let d = desc(a.range.buffer);
+        if a.range.end > d.bytes || a.range.start > a.range.end {
+            return Err(DeviceError::OutOfBounds {
+                op: spec.name(),
+                buffer: a.range.buffer,
+                role: d.role,
+                start: a.range.start.0,
+                end: a.range.end.0,
+                size: d.bytes.0,
+            });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,659 @@
+//! The ops a device runs, one type each, and everything an op states about itself: its name, the
+//! paged formats it believes its buffers have, the byte ranges it reads and writes, the shape
+//! checks that need no buffer, the oracles' row tags and the token rows it writes in full. All of
+//! it is computed from the op's arguments alone, here, beside the op ([`OpSpec`]); [`Op`] is the
+//! closed set, and [`Op::spec`] is its one dispatch. A backend that runs ops has one dispatch of
+//! its own (the CPU references, the CUDA launchers).
+//!
+//! Small metadata (slots, page tables, context lengths) travels by value; bulk data lives in
+//! buffers. Inputs that the model would produce on the device (raw keys, queries, KV rows — here
+//! from the synthetic model) travel by value too.
+
+use super::{BufferId, BufferRole, DeviceError};
+use crate::layout::{
+    kv_row, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat, PageId, PageRun, PagedView,
+    INDEX_HEAD_DIM, KV_ROW_VALUES, PAGE_TOKENS, ROPE_DIM,
+};
+use half::bf16;
+use std::sync::Arc;
+
+/// A byte range of one buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ByteRange {
+    pub buffer: BufferId,
+    pub start: Bytes,
+    pub end: Bytes,
+}
+
+impl ByteRange {
+    pub fn new(buffer: BufferId, start: Bytes, len: Bytes) -> ByteRange {
+        ByteRange {
+            buffer,
+            start,
+            end: start + len,
+        }
+    }
+    pub fn len(&self) -> Bytes {
+        self.end - self.start
+    }
+    pub fn is_empty(&self) -> bool {
+        self.end <= self.start
+    }
+    /// As an index range into the buffer's bytes in memory.
+    pub fn span(&self) -> std::ops::Range<usize> {
+        self.start.usize()..self.end.usize()
+    }
+}
+
+/// One declared access of an op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Access {
+    pub range: ByteRange,
+    pub write: bool,
+}
+
+/// What a read or write of a row means for the oracles: which request's context it belongs to.
+/// The engine attaches these to ops; devices that do not check content ignore them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RowTags {
+    /// Global id of the layer the op works on.
+    pub layer_global: u32,
+    /// One tag per row (query row, or stored token).
+    pub rows: Vec<RowTag>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowTag {
+    pub request: u64,
+    /// The query position (reads) or the stored token's position (stores).
+    pub position: u32,
+}
+
+/// A region of a scratch buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub buffer: BufferId,
+    pub offset: Bytes,
+    pub bytes: Bytes,
+}
+
+impl Region {
+    pub fn range(&self) -> ByteRange {
+        ByteRange::new(self.buffer, self.offset, self.bytes)
+    }
+}
+
+/// How a device times an op and which faults it may suffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpClass {
+    /// A kernel on the compute units.
+    Kernel,
+    /// Whole pages between a pool and the host mirror: a transfer that can fail in flight.
+    PageCopy,
+    /// A linear copy (digests to their pinned readback buffer).
+    LinearCopy,
+}
+
+/// What every op states about itself, computed from its arguments alone.
+pub trait OpSpec {
+    /// The kernel or copy name reports use.
+    fn name(&self) -> &'static str;
+    fn class(&self) -> OpClass {
+        OpClass::Kernel
+    }
+    /// The paged buffers this op touches and the format it believes each has; a device checks
+    /// each against the buffer's registered fingerprint before running the op (paired with the
+    /// checks the engine made when it built the op).
+    fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
+        Vec::new()
+    }
+    /// Appends the byte ranges this op reads and writes.
+    fn accesses(&self, out: &mut Vec<Access>);
+    /// Shape checks that need no buffer: metadata lengths agree with each other.
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    /// Checks that need the buffers' sizes (`size(buf)`), beyond the declared ranges.
+    fn check_buffers(&self, _size: &dyn Fn(BufferId) -> Bytes) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    /// The oracles' view of the rows this op reads or writes.
+    fn tags(&self) -> Option<&RowTags> {
+        None
+    }
+    /// The token rows this op writes in full, per paged-buffer page: `(buffer, page, row mask)`
+    /// with bit `t` for token row `t`. Whole pages for page copies, one row per slot for stores.
+    fn full_rows(&self) -> Vec<(BufferId, u64, u64)> {
+        Vec::new()
+    }
+    /// A short human description for traces and reports; `role` names buffers.
+    fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String;
+}
+
+/// `index_k_store` into one layer's index-K pool.
+#[derive(Clone, Debug)]
+pub struct IndexKStore {
+    pub dst: BufferId,
+    pub dtype: IndexKDtype,
+    pub ue8m0: bool,
+    pub keys: Vec<bf16>,
+    pub gamma: Arc<[f32]>,
+    pub beta: Arc<[f32]>,
+    pub rope: Vec<f32>,
+    pub slots: Vec<i32>,
+    pub tags: RowTags,
+}
+
+/// `kv_store` into one layer's KV pool.
+#[derive(Clone, Debug)]
+pub struct KvStore {
+    pub dst: BufferId,
+    pub dtype: KvDtype,
+    pub rows: Vec<bf16>,
+    pub slots: Vec<i32>,
+    pub tags: RowTags,
+}
+
+/// `q_prep` for `rope.len() / 64` query rows.
+#[derive(Clone, Debug)]
+pub struct QPrep {
+    pub heads: u32,
+    pub q: Vec<bf16>,
+    pub weights: Vec<f32>,
+    pub rope: Vec<f32>,
+    pub q_out: Region,
+    pub w_out: Region,
+}
+
+/// `index_logits` over one layer's index-K pool.
+#[derive(Clone, Debug)]
+pub struct IndexLogits {
+    pub dtype: IndexKDtype,
+    pub heads: u32,
+    pub q: Region,
+    pub w: Region,
+    pub k: BufferId,
+    pub page_table: Vec<i32>,
+    pub pt_stride: u32,
+    pub context_lens: Vec<i32>,
+    pub out: Region,
+    pub out_stride: u32,
+    pub tags: RowTags,
+}
+
+/// `topk` with the configured `index_topk`.
+#[derive(Clone, Debug)]
+pub struct TopK {
+    pub k: u32,
+    pub logits: Region,
+    pub stride: u32,
+    pub context_lens: Vec<i32>,
+    pub page_table: Vec<i32>,
+    pub pt_stride: u32,
+    pub out: Region,
+}
+
+/// `sparse_read` of one layer's KV pool through `TopK`'s selection.
+#[derive(Clone, Debug)]
+pub struct SparseRead {
+    pub dtype: KvDtype,
+    pub k: u32,
+    pub slots: Region,
+    pub kv: BufferId,
+    /// Each row's page table and context length: the rows the selection may name, declared as
+    /// this op's read set (the selection itself is device data).
+    pub page_table: Vec<i32>,
+    pub pt_stride: u32,
+    pub context_lens: Vec<i32>,
+    pub out: Region,
+    pub tags: RowTags,
+}
+
+/// Whole pages between two paged views (device pool ↔ host mirror).
+#[derive(Clone, Debug)]
+pub struct PageCopy {
+    pub src: BufferId,
+    pub src_view: PagedView,
+    pub dst: BufferId,
+    pub dst_view: PagedView,
+    pub runs: Vec<PageRun>,
+}
+
+/// A linear copy (digests to the pinned readback buffer).
+#[derive(Clone, Debug)]
+pub struct LinearCopy {
+    pub src: Region,
+    pub dst: Region,
+}
+
+/// Every operation a device runs.
+#[derive(Clone, Debug)]
+pub enum Op {
+    IndexKStore(IndexKStore),
+    KvStore(KvStore),
+    QPrep(QPrep),
+    IndexLogits(IndexLogits),
+    TopK(TopK),
+    SparseRead(SparseRead),
+    PageCopy(PageCopy),
+    Copy(LinearCopy),
+}
+
+impl Op {
+    /// The op's statement about itself: the one dispatch over the op set.
+    pub fn spec(&self) -> &dyn OpSpec {
+        match self {
+            Op::IndexKStore(o) => o,
+            Op::KvStore(o) => o,
+            Op::QPrep(o) => o,
+            Op::IndexLogits(o) => o,
+            Op::TopK(o) => o,
+            Op::SparseRead(o) => o,
+            Op::PageCopy(o) => o,
+            Op::Copy(o) => o,
+        }
+    }
+    pub fn name(&self) -> &'static str {
+        self.spec().name()
+    }
+    /// The byte ranges this op reads and writes, computed from its arguments.
+    pub fn accesses(&self) -> Vec<Access> {
+        let mut out = Vec::new();
+        self.spec().accesses(&mut out);
+        out
+    }
+    pub fn tags(&self) -> Option<&RowTags> {
+        self.spec().tags()
+    }
+    /// Bytes the op moves or touches (reads plus writes), the devices' time model.
+    pub fn bytes_touched(&self) -> Bytes {
+        self.accesses()
+            .iter()
+            .fold(Bytes::ZERO, |sum, a| sum + a.range.len())
+    }
+}
+
+fn read(out: &mut Vec<Access>, range: ByteRange) {
+    out.push(Access {
+        range,
+        write: false,
+    });
+}
+
+fn write(out: &mut Vec<Access>, range: ByteRange) {
+    out.push(Access { range, write: true });
+}
+
+fn bad(op: &'static str, detail: String) -> DeviceError {
+    DeviceError::Kernel { op, detail }
+}
+
+/// Declares page `page` of a paged buffer. Pages of one op are often repeated (many tokens per
+/// page): a repeat of the previous access is merged into it.
+fn push_page(out: &mut Vec<Access>, buf: BufferId, fmt: PageFormat, page: u32, write: bool) {
+    let pb = Bytes(fmt.page_bytes());
+    let start = Bytes(page as u64 * pb.0);
+    if let Some(last) = out.last() {
+        if last.range.buffer == buf && last.write == write && last.range.start == start {
+            return;
+        }
+    }
+    out.push(Access {
+        range: ByteRange::new(buf, start, pb),
+        write,
+    });
+}
+
+/// The distinct pages the rows' contexts cover, ascending. Negative entries (never valid) are
+/// skipped here and refused by the kernel's bounds check when the op runs.
+pub fn used_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> Vec<u32> {
+    let mut pages: Vec<u32> = Vec::new();
+    for (r, &len) in context_lens.iter().enumerate() {
+        let n = (len.max(0) as u32).div_ceil(PAGE_TOKENS) as usize;
+        let row = &page_table[r * pt_stride as usize..][..n.min(pt_stride as usize)];
+        for &p in row {
+            if p >= 0 {
+                pages.push(p as u32);
+            }
+        }
+    }
+    pages.sort_unstable();
+    pages.dedup();
+    pages
+}
+
+/// Each row's page table and context length agree: `rows x pt_stride` entries, every context
+/// within its table.
+fn check_rows(
+    op: &'static str,
+    page_table: &[i32],
+    pt_stride: u32,
+    context_lens: &[i32],
+    stride: u32,
+) -> Result<(), DeviceError> {
+    if page_table.len() != context_lens.len() * pt_stride as usize {
+        return Err(bad(
+            op,
+            format!(
+                "page table has {} entries, expected {} rows x {pt_stride}",
+                page_table.len(),
+                context_lens.len()
+            ),
+        ));
+    }
+    for (r, &len) in context_lens.iter().enumerate() {
+        if len < 0 || len as u64 > pt_stride as u64 * PAGE_TOKENS as u64 {
+            return Err(bad(
+                op,
+                format!(
+                    "row {r}: context length {len} outside its page table of {pt_stride} pages"
+                ),
+            ));
+        }
+        if len as u32 > stride {
+            return Err(bad(
+                op,
+                format!("row {r}: context length {len} is longer than the row stride {stride}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One row per slot: `(buffer, page, bit of the token row)`.
+fn slot_rows(dst: BufferId, slots: &[i32]) -> Vec<(BufferId, u64, u64)> {
+    slots
+        .iter()
+        .map(|&s| {
+            let s = s.max(0) as u32;
+            (dst, (s / PAGE_TOKENS) as u64, 1u64 << (s % PAGE_TOKENS))
+        })
+        .collect()
+}
+
+impl OpSpec for IndexKStore {
+    fn name(&self) -> &'static str {
+        "index_k_store"
+    }
+    fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
+        vec![(self.dst, PageFormat::IndexK(self.dtype).fingerprint())]
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        let fmt = PageFormat::IndexK(self.dtype);
+        for &s in &self.slots {
+            // The token's values and (fp8) scale both live in its page: declare the page.
+            push_page(out, self.dst, fmt, s.max(0) as u32 / PAGE_TOKENS, true);
+        }
+    }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        let n = self.slots.len();
+        if self.keys.len() != n * INDEX_HEAD_DIM as usize
+            || self.rope.len() != n * ROPE_DIM as usize
+        {
+            return Err(bad(self.name(), "keys/rope/slots lengths disagree".into()));
+        }
+        Ok(())
+    }
+    fn tags(&self) -> Option<&RowTags> {
+        Some(&self.tags)
+    }
+    fn full_rows(&self) -> Vec<(BufferId, u64, u64)> {
+        slot_rows(self.dst, &self.slots)
+    }
+    fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        format!("{} tokens into {}", self.slots.len(), role(self.dst))
+    }
+}
+
+impl OpSpec for KvStore {
+    fn name(&self) -> &'static str {
+        "kv_store"
+    }
+    fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
+        vec![(self.dst, PageFormat::Kv(self.dtype).fingerprint())]
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        let tb = Bytes(PageFormat::Kv(self.dtype).token_bytes());
+        for &s in &self.slots {
+            let at = Bytes(kv_row::slot_offset(self.dtype, s.max(0) as u32) as u64);
+            write(out, ByteRange::new(self.dst, at, tb));
+        }
+    }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        if self.rows.len() != self.slots.len() * KV_ROW_VALUES as usize {
+            return Err(bad(self.name(), "rows/slots lengths disagree".into()));
+        }
+        Ok(())
+    }
+    fn tags(&self) -> Option<&RowTags> {
+        Some(&self.tags)
+    }
+    fn full_rows(&self) -> Vec<(BufferId, u64, u64)> {
+        slot_rows(self.dst, &self.slots)
+    }
+    fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        format!("{} tokens into {}", self.slots.len(), role(self.dst))
+    }
+}
+
+impl QPrep {
+    /// Query rows of the launch.
+    pub fn rows(&self) -> usize {
+        self.rope.len() / ROPE_DIM as usize
+    }
+}
+
+impl OpSpec for QPrep {
+    fn name(&self) -> &'static str {
+        "q_prep"
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        write(out, self.q_out.range());
+        write(out, self.w_out.range());
+    }
+    fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        format!("{} rows x {} heads", self.rows(), self.heads)
+    }
+}
+
+impl OpSpec for IndexLogits {
+    fn name(&self) -> &'static str {
+        "index_logits"
+    }
+    fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
+        vec![(self.k, PageFormat::IndexK(self.dtype).fingerprint())]
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        read(out, self.q.range());
+        read(out, self.w.range());
+        let fmt = PageFormat::IndexK(self.dtype);
+        for page in used_pages(&self.page_table, self.pt_stride, &self.context_lens) {
+            push_page(out, self.k, fmt, page, false);
+        }
+        write(out, self.out.range());
+    }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        check_rows(
+            self.name(),
+            &self.page_table,
+            self.pt_stride,
+            &self.context_lens,
+            self.out_stride,
+        )
+    }
+    fn tags(&self) -> Option<&RowTags> {
+        Some(&self.tags)
+    }
+    fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        format!("{} rows over {}", self.context_lens.len(), role(self.k))
+    }
+}
+
+impl OpSpec for TopK {
+    fn name(&self) -> &'static str {
+        "topk"
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        read(out, self.logits.range());
+        write(out, self.out.range());
+    }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        check_rows(
+            self.name(),
+            &self.page_table,
+            self.pt_stride,
+            &self.context_lens,
+            self.stride,
+        )
+    }
+    fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        format!("{} rows, k = {}", self.context_lens.len(), self.k)
+    }
+}
+
+impl OpSpec for SparseRead {
+    fn name(&self) -> &'static str {
+        "sparse_read"
+    }
+    fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
+        vec![(self.kv, PageFormat::Kv(self.dtype).fingerprint())]
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        read(out, self.slots.range());
+        let fmt = PageFormat::Kv(self.dtype);
+        for page in used_pages(&self.page_table, self.pt_stride, &self.context_lens) {
+            push_page(out, self.kv, fmt, page, false);
+        }
+        write(out, self.out.range());
+    }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        check_rows(
+            self.name(),
+            &self.page_table,
+            self.pt_stride,
+            &self.context_lens,
+            self.pt_stride * PAGE_TOKENS,
+        )
+    }
+    fn tags(&self) -> Option<&RowTags> {
+        Some(&self.tags)
+    }
+    fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        format!(
+            "{} rows x top-{} of {}",
+            self.context_lens.len(),
+            self.k,
+            role(self.kv)
+        )
+    }
+}
+
+impl PageCopy {
+    /// Pages moved.
+    pub fn pages(&self) -> u64 {
+        self.runs.iter().map(|r| r.count as u64).sum()
+    }
+    /// Every page of every run: (source page, destination page).
+    fn pairs(&self) -> impl Iterator<Item = (PageId, PageId)> + '_ {
+        self.runs
+            .iter()
+            .flat_map(|r| (0..r.count).map(move |j| (PageId(r.src.0 + j), PageId(r.dst.0 + j))))
+    }
+}
+
+impl OpSpec for PageCopy {
+    fn name(&self) -> &'static str {
+        "page_copy"
+    }
+    fn class(&self) -> OpClass {
+        OpClass::PageCopy
+    }
+    fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
+        vec![
+            (self.src, self.src_view.fingerprint),
+            (self.dst, self.dst_view.fingerprint),
+        ]
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        for (s, d) in self.pairs() {
+            let s = self.src_view.page_range(s);
+            let d = self.dst_view.page_range(d);
+            read(
+                out,
+                ByteRange {
+                    buffer: self.src,
+                    start: Bytes(s.start),
+                    end: Bytes(s.end),
+                },
+            );
+            write(
+                out,
+                ByteRange {
+                    buffer: self.dst,
+                    start: Bytes(d.start),
+                    end: Bytes(d.end),
+                },
+            );
+        }
+    }
+    fn check_buffers(&self, size: &dyn Fn(BufferId) -> Bytes) -> Result<(), DeviceError> {
+        tierkv_kernels::cpu::check_page_copy(
+            &self.src_view,
+            size(self.src).0,
+            &self.dst_view,
+            size(self.dst).0,
+            &self.runs,
+        )
+        .map_err(|e| bad(self.name(), e.to_string()))
+    }
+    fn full_rows(&self) -> Vec<(BufferId, u64, u64)> {
+        let pb = self.dst_view.page_bytes();
+        self.pairs()
+            .map(|(_, d)| (self.dst, self.dst_view.page_range(d).start / pb, u64::MAX))
+            .collect()
+    }
+    fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        let first = self
+            .runs
+            .first()
+            .map(|r| format!(" (first run {}→{} x{})", r.src, r.dst, r.count))
+            .unwrap_or_default();
+        format!(
+            "{} → {}: {} pages in {} runs{first}",
+            role(self.src),
+            role(self.dst),
+            self.pages(),
+            self.runs.len()
+        )
+    }
+}
+
+impl OpSpec for LinearCopy {
+    fn name(&self) -> &'static str {
+        "copy"
+    }
+    fn class(&self) -> OpClass {
+        OpClass::LinearCopy
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        read(out, self.src.range());
+        write(out, self.dst.range());
+    }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        if self.src.bytes != self.dst.bytes {
+            return Err(bad(
+                self.name(),
+                format!("{} B from a {} B region", self.dst.bytes, self.src.bytes),
+            ));
+        }
+        Ok(())
+    }
+    fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        format!(
+            "{} → {} ({} B)",
+            role(self.src.buffer),
+            role(self.dst.buffer),
+            self.src.bytes
+        )
+    }
+}
