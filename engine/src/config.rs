@@ -355,12 +355,15 @@ impl Config {
 
     /// Checks every rule; the first broken one is the error.
     pub fn validate(&self) -> ConfigResult<()> {
+        self.validate_model()?;
+        self.validate_cache()?;
+        self.validate_scheduler()?;
+        self.layout().map(|_| ())
+    }
+
+    /// The model's shapes: the ones the byte layouts fix, and the ones the kernels bound.
+    fn validate_model(&self) -> ConfigResult<()> {
         let m = &self.model;
-        let inv = |field: &'static str, value: String, rule: &str| ConfigError::Invalid {
-            field,
-            value,
-            rule: rule.to_string(),
-        };
         if m.layers == 0 {
             return Err(inv("model.layers", "0".into(), "must be at least 1"));
         }
@@ -427,6 +430,12 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        Ok(())
+    }
+
+    /// The pools, the host tier and the load ring.
+    fn validate_cache(&self) -> ConfigResult<()> {
+        let m = &self.model;
         let c = &self.cache;
         if c.device_pages == 0 {
             return Err(inv("cache.device_pages", "0".into(), "must be at least 1"));
@@ -487,6 +496,12 @@ impl Config {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The scheduler's limits.
+    fn validate_scheduler(&self) -> ConfigResult<()> {
+        let m = &self.model;
         let s = &self.scheduler;
         for (field, v) in [
             (
@@ -515,7 +530,7 @@ impl Config {
                 "must be below model.context_tokens_max",
             ));
         }
-        self.layout().map(|_| ())
+        Ok(())
     }
 
     /// Host tier pages (whole pages; a ratio rounds down).
@@ -612,6 +627,14 @@ fn kind(v: &Value) -> String {
         Value::String(s) => format!("the string \"{s}\""),
         Value::Array(_) => "an array".into(),
         Value::Object(_) => "a table".into(),
+    }
+}
+
+fn inv(field: &'static str, value: String, rule: &str) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        value,
+        rule: rule.to_string(),
     }
 }
 

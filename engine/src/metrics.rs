@@ -62,159 +62,170 @@ impl Metrics {
         }
     }
 
+    /// The plain series: (name, type, help, value).
+    fn series(&self) -> [(&'static str, &'static str, &'static str, u64); 20] {
+        [
+            (
+                "queue_depth",
+                "gauge",
+                "Requests waiting for admission.",
+                self.queue_depth,
+            ),
+            (
+                "queued_tokens",
+                "gauge",
+                "Prompt tokens waiting for admission.",
+                self.queued_tokens,
+            ),
+            (
+                "running_requests",
+                "gauge",
+                "Requests in the running batch.",
+                self.running_requests,
+            ),
+            (
+                "device_kv_pages_used",
+                "gauge",
+                "Device pool pages in use.",
+                self.device_pages_used,
+            ),
+            (
+                "device_kv_pages_total",
+                "gauge",
+                "Device pool pages.",
+                self.device_pages_total,
+            ),
+            (
+                "host_tokens_used",
+                "gauge",
+                "Host tier tokens in use.",
+                self.host_tokens_used,
+            ),
+            (
+                "host_tokens_capacity",
+                "gauge",
+                "Host tier capacity in tokens.",
+                self.host_tokens_capacity,
+            ),
+            (
+                "requests_submitted_total",
+                "counter",
+                "Requests accepted by intake.",
+                self.requests_submitted,
+            ),
+            (
+                "requests_finished_total",
+                "counter",
+                "Requests completed.",
+                self.requests_finished,
+            ),
+            (
+                "requests_aborted_total",
+                "counter",
+                "Requests aborted.",
+                self.requests_aborted,
+            ),
+            (
+                "prefix_pages_queried_total",
+                "counter",
+                "Prompt pages looked up.",
+                self.prefix_pages_queried,
+            ),
+            (
+                "loads_total",
+                "counter",
+                "Host to device loads.",
+                self.loads,
+            ),
+            (
+                "load_failures_total",
+                "counter",
+                "Loads whose copy failed.",
+                self.load_failures,
+            ),
+            (
+                "load_bytes_total",
+                "counter",
+                "Bytes loaded host to device.",
+                self.load_bytes,
+            ),
+            (
+                "backups_total",
+                "counter",
+                "Device to host backups.",
+                self.backups,
+            ),
+            (
+                "backup_failures_total",
+                "counter",
+                "Backups whose copy failed.",
+                self.backup_failures,
+            ),
+            (
+                "backup_bytes_total",
+                "counter",
+                "Bytes backed up device to host.",
+                self.backup_bytes,
+            ),
+            ("steps_total", "counter", "Model steps.", self.steps),
+            (
+                "prefill_tokens_total",
+                "counter",
+                "Prompt tokens computed.",
+                self.prefill_tokens,
+            ),
+            (
+                "generated_tokens_total",
+                "counter",
+                "Tokens generated.",
+                self.generated_tokens,
+            ),
+        ]
+    }
+
     /// Prometheus text exposition format.
     pub fn render_prometheus(&self) -> String {
         let mut s = String::new();
-        let mut g = |name: &str, kind: &str, help: &str, v: String| {
+        for (name, kind, help, v) in self.series() {
             let _ = writeln!(
                 s,
                 "# HELP tierkv_{name} {help}\n# TYPE tierkv_{name} {kind}\ntierkv_{name} {v}"
             );
-        };
-        g(
-            "queue_depth",
-            "gauge",
-            "Requests waiting for admission.",
-            self.queue_depth.to_string(),
-        );
-        g(
-            "queued_tokens",
-            "gauge",
-            "Prompt tokens waiting for admission.",
-            self.queued_tokens.to_string(),
-        );
-        g(
-            "running_requests",
-            "gauge",
-            "Requests in the running batch.",
-            self.running_requests.to_string(),
-        );
-        g(
-            "device_kv_pages_used",
-            "gauge",
-            "Device pool pages in use.",
-            self.device_pages_used.to_string(),
-        );
-        g(
-            "device_kv_pages_total",
-            "gauge",
-            "Device pool pages.",
-            self.device_pages_total.to_string(),
-        );
-        g(
-            "host_tokens_used",
-            "gauge",
-            "Host tier tokens in use.",
-            self.host_tokens_used.to_string(),
-        );
-        g(
-            "host_tokens_capacity",
-            "gauge",
-            "Host tier capacity in tokens.",
-            self.host_tokens_capacity.to_string(),
-        );
-        g(
-            "requests_submitted_total",
-            "counter",
-            "Requests accepted by intake.",
-            self.requests_submitted.to_string(),
-        );
-        g(
-            "requests_finished_total",
-            "counter",
-            "Requests completed.",
-            self.requests_finished.to_string(),
-        );
-        g(
-            "requests_aborted_total",
-            "counter",
-            "Requests aborted.",
-            self.requests_aborted.to_string(),
-        );
-        let _ = writeln!(
-            s,
-            "# HELP tierkv_requests_rejected_total Requests rejected by admission control.\n\
-             # TYPE tierkv_requests_rejected_total counter\n\
-             tierkv_requests_rejected_total{{reason=\"queue_full\"}} {}\n\
-             tierkv_requests_rejected_total{{reason=\"pending_tokens\"}} {}\n\
-             tierkv_requests_rejected_total{{reason=\"invalid\"}} {}",
-            self.rejected_queue_full, self.rejected_pending_tokens, self.rejected_invalid
-        );
-        let _ = writeln!(
-            s,
-            "# HELP tierkv_prefix_hit_rate Prompt pages found in the prefix cache, per tier.\n\
-             # TYPE tierkv_prefix_hit_rate gauge\n\
-             tierkv_prefix_hit_rate{{tier=\"device\"}} {}\n\
-             tierkv_prefix_hit_rate{{tier=\"host\"}} {}",
-            self.hit_rate(self.prefix_pages_device_hit),
-            self.hit_rate(self.prefix_pages_host_hit)
-        );
-        let mut g = |name: &str, kind: &str, help: &str, v: String| {
+        }
+        let labelled = [
+            (
+                "requests_rejected_total",
+                "counter",
+                "Requests rejected by admission control.",
+                "reason",
+                [
+                    ("queue_full", self.rejected_queue_full as f64),
+                    ("pending_tokens", self.rejected_pending_tokens as f64),
+                    ("invalid", self.rejected_invalid as f64),
+                ]
+                .to_vec(),
+            ),
+            (
+                "prefix_hit_rate",
+                "gauge",
+                "Prompt pages found in the prefix cache, per tier.",
+                "tier",
+                [
+                    ("device", self.hit_rate(self.prefix_pages_device_hit)),
+                    ("host", self.hit_rate(self.prefix_pages_host_hit)),
+                ]
+                .to_vec(),
+            ),
+        ];
+        for (name, kind, help, label, values) in labelled {
             let _ = writeln!(
                 s,
-                "# HELP tierkv_{name} {help}\n# TYPE tierkv_{name} {kind}\ntierkv_{name} {v}"
+                "# HELP tierkv_{name} {help}\n# TYPE tierkv_{name} {kind}"
             );
-        };
-        g(
-            "prefix_pages_queried_total",
-            "counter",
-            "Prompt pages looked up.",
-            self.prefix_pages_queried.to_string(),
-        );
-        g(
-            "loads_total",
-            "counter",
-            "Host to device loads.",
-            self.loads.to_string(),
-        );
-        g(
-            "load_failures_total",
-            "counter",
-            "Loads whose copy failed.",
-            self.load_failures.to_string(),
-        );
-        g(
-            "load_bytes_total",
-            "counter",
-            "Bytes loaded host to device.",
-            self.load_bytes.to_string(),
-        );
-        g(
-            "backups_total",
-            "counter",
-            "Device to host backups.",
-            self.backups.to_string(),
-        );
-        g(
-            "backup_failures_total",
-            "counter",
-            "Backups whose copy failed.",
-            self.backup_failures.to_string(),
-        );
-        g(
-            "backup_bytes_total",
-            "counter",
-            "Bytes backed up device to host.",
-            self.backup_bytes.to_string(),
-        );
-        g(
-            "steps_total",
-            "counter",
-            "Model steps.",
-            self.steps.to_string(),
-        );
-        g(
-            "prefill_tokens_total",
-            "counter",
-            "Prompt tokens computed.",
-            self.prefill_tokens.to_string(),
-        );
-        g(
-            "generated_tokens_total",
-            "counter",
-            "Tokens generated.",
-            self.generated_tokens.to_string(),
-        );
+            for (l, v) in values {
+                let _ = writeln!(s, "tierkv_{name}{{{label}=\"{l}\"}} {v}");
+            }
+        }
         for (name, l) in [
             ("load", self.load_latency),
             ("backup", self.backup_latency),

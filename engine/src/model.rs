@@ -23,8 +23,7 @@ use crate::layout::{
 use crate::mutants::Mutants;
 use crate::pools::Pools;
 use crate::scheduler::{Row, Scheduler};
-use crate::synth::Synth;
-use std::sync::Arc;
+use crate::synth::{LnParams, Synth};
 use tierkv_kernels::rope::rope_row;
 
 /// Query rows per indexer launch.
@@ -83,7 +82,7 @@ struct Shape {
 pub(crate) struct ModelStep {
     shape: Shape,
     scratch: Scratch,
-    ln: Vec<(Arc<[f32]>, Arc<[f32]>)>,
+    ln: Vec<LnParams>,
     step_done: EventId,
     synth: Synth,
     mutants: Mutants,

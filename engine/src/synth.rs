@@ -10,6 +10,9 @@ use std::sync::Arc;
 use tierkv_kernels::cpu::numerics::mix64;
 use tierkv_kernels::layout::{INDEX_HEAD_DIM, KV_ROW_VALUES};
 
+/// A layer's indexer LayerNorm weight and bias (128 values each).
+pub type LnParams = (Arc<[f32]>, Arc<[f32]>);
+
 /// Token ids are below this.
 pub const VOCAB: u32 = 50_000;
 
@@ -88,7 +91,7 @@ impl Synth {
     }
 
     /// The indexer's LayerNorm weight and bias for a layer.
-    pub fn ln_params(&self, layer: u32) -> (Arc<[f32]>, Arc<[f32]>) {
+    pub fn ln_params(&self, layer: u32) -> LnParams {
         let s = self.stream(LN, layer as u64, 0, 0);
         let gamma: Vec<f32> = (0..128).map(|i| 1.0 + 0.25 * Self::unit(s, i)).collect();
         let beta: Vec<f32> = (0..128).map(|i| 0.1 * Self::unit(s, 128 + i)).collect();

@@ -1,12 +1,40 @@
-//! Prints `seed hash findings` for a seed range of a profile (refactor baseline).
+//! Prints `profile seed event-log-hash findings` for every seed of a range, in seed order: the
+//! evidence a refactor that must preserve behaviour compares before and after (the hash covers
+//! every device call, op timing and engine output of the run).
+//!
+//! `cargo run --release -p tierkv-sim --example hashes -- [PROFILE [FIRST [END [JOBS]]]]`
+//! (defaults: swarm 0 300 2).
+
+use std::process::ExitCode;
 use tierkv_sim::campaign::CampaignOptions;
 use tierkv_sim::runner::{run, RunOptions};
-fn main() {
-    let a: Vec<String> = std::env::args().collect();
-    let profile = a.get(1).cloned().unwrap_or("swarm".into());
-    let first: u64 = a.get(2).map_or(0, |s| s.parse().unwrap());
-    let end: u64 = a.get(3).map_or(300, |s| s.parse().unwrap());
-    let jobs = 2u64;
+
+fn arg<T: std::str::FromStr>(args: &[String], i: usize, default: T) -> Result<T, String> {
+    match args.get(i) {
+        None => Ok(default),
+        Some(s) => s
+            .parse()
+            .map_err(|_| format!("argument {i}: `{s}` is not a number")),
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let profile = args.get(1).cloned().unwrap_or_else(|| "swarm".into());
+    let parsed = (|| {
+        Ok::<_, String>((
+            arg(&args, 2, 0u64)?,
+            arg(&args, 3, 300u64)?,
+            arg(&args, 4, 2u64)?,
+        ))
+    })();
+    let (first, end, jobs) = match parsed {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{e}\nusage: hashes [PROFILE [FIRST [END [JOBS]]]]");
+            return ExitCode::from(2);
+        }
+    };
     let copts = CampaignOptions {
         first,
         end,
@@ -21,26 +49,23 @@ fn main() {
     };
     let results = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {
-        for j in 0..jobs {
-            let copts = &copts;
-            let results = &results;
+        for j in 0..jobs.max(1) {
+            let (copts, results) = (&copts, &results);
             s.spawn(move || {
                 let mut seed = first + j;
                 while seed < end {
-                    let sc = copts.scenario(seed);
-                    let out = run(&sc, &RunOptions::default());
-                    results
-                        .lock()
-                        .unwrap()
-                        .push((seed, out.log_hash, out.findings.len()));
-                    seed += jobs;
+                    let out = run(&copts.scenario(seed), &RunOptions::default());
+                    let row = (seed, out.log_hash, out.findings.len());
+                    results.lock().expect("results").push(row);
+                    seed += jobs.max(1);
                 }
             });
         }
     });
-    let mut r = results.into_inner().unwrap();
-    r.sort();
-    for (s, h, f) in r {
-        println!("{profile} {s} {h:#018x} {f}");
+    let mut rows = results.into_inner().expect("results");
+    rows.sort();
+    for (seed, hash, findings) in rows {
+        println!("{profile} {seed} {hash:#018x} {findings}");
     }
+    ExitCode::SUCCESS
 }

@@ -7,10 +7,13 @@ use crate::runner::{run, RunOptions};
 use crate::scenario::{draw, OneShot, Session, Turn};
 use arbitrary::{Arbitrary, Unstructured};
 
+/// A session's (start, system prompt) and its turns' (appended, generated, think) sizes.
+type FuzzSession = (u8, u8, Vec<(u8, u8, u8)>);
+
 #[derive(Debug, Arbitrary)]
 struct FuzzCase {
     seed: u16,
-    sessions: Vec<(u8, u8, Vec<(u8, u8, u8)>)>,
+    sessions: Vec<FuzzSession>,
     oneshots: Vec<(u16, u8, u8, u8)>,
     abort_rate: u8,
     mid_load_rate: u8,

@@ -476,63 +476,11 @@ impl SimGpu {
                 rec.id
             );
         }
-        if let Some(c) = self.content.clone() {
-            let view = PageView {
-                tainted: &self.tainted,
-                gen: &self.page_gen,
-            };
-            let found = c.borrow_mut().check_reads(&rec.op, &self.mem, &view);
-            for msg in found {
-                self.finding(
-                    OracleKind::Content,
-                    format!("op {} ({}) at {} ns: {msg}", rec.id, rec.op.name(), end),
-                );
-            }
-        }
-        let mut failed = false;
+        self.check_content(&rec, end);
         if rec.fail {
-            failed = true;
-            self.stats.failed_copies += 1;
-            self.streams[s].failed_since_record = true;
-            // A failed copy leaves garbage where it was writing.
-            for a in rec.op.accesses().into_iter().filter(|a| a.write) {
-                let garbage = self.rng.next_u64();
-                for (i, b) in self.mem.range_mut(a.range).iter_mut().enumerate() {
-                    *b = (garbage >> ((i % 8) * 8)) as u8 ^ i as u8;
-                }
-                self.bump_generations(a.range);
-            }
-            for (buf, page, rows) in rec.op.spec().full_rows() {
-                *self.tainted.entry((buf, page)).or_default() |= rows;
-            }
+            self.fail_copy(s, &rec);
         } else {
-            if let Err(e) = self.exec.run(&rec.op, &mut self.mem) {
-                self.finding(
-                    OracleKind::Layout,
-                    format!("op {} ({}) failed to run: {e}", rec.id, rec.op.name()),
-                );
-            }
-            for a in rec.op.accesses().into_iter().filter(|a| a.write) {
-                self.bump_generations(a.range);
-            }
-            // Rows written in full by a successful op hold good bytes again.
-            for (buf, page, rows) in rec.op.spec().full_rows() {
-                if let Some(m) = self.tainted.get_mut(&(buf, page)) {
-                    *m &= !rows;
-                    if *m == 0 {
-                        self.tainted.remove(&(buf, page));
-                    }
-                }
-            }
-            if let Op::PageCopy(_) = rec.op {
-                self.stats.copy_bytes += rec
-                    .op
-                    .accesses()
-                    .iter()
-                    .filter(|a| a.write)
-                    .map(|a| a.range.len().0)
-                    .sum::<u64>();
-            }
+            self.perform(&rec);
         }
         if self.opts.trace {
             self.trace.push(Slice {
@@ -542,11 +490,77 @@ impl SimGpu {
                 start_ns: start,
                 end_ns: end,
                 detail: op_detail(&rec.op, &self.mem),
-                failed,
+                failed: rec.fail,
             });
         }
         self.streams[s].ready_at = end;
         self.advance_stream(s, end);
+    }
+
+    /// The content oracle on every row the op reads, in the memory it reads them from.
+    fn check_content(&mut self, rec: &OpRec, end: u64) {
+        let Some(c) = self.content.clone() else {
+            return;
+        };
+        let view = PageView {
+            tainted: &self.tainted,
+            gen: &self.page_gen,
+        };
+        let found = c.borrow_mut().check_reads(&rec.op, &self.mem, &view);
+        for msg in found {
+            self.finding(
+                OracleKind::Content,
+                format!("op {} ({}) at {} ns: {msg}", rec.id, rec.op.name(), end),
+            );
+        }
+    }
+
+    /// A failed copy leaves garbage where it was writing, taints the rows it would have
+    /// written, and marks its stream so the next record reports the failure.
+    fn fail_copy(&mut self, s: usize, rec: &OpRec) {
+        self.stats.failed_copies += 1;
+        self.streams[s].failed_since_record = true;
+        for a in rec.op.accesses().into_iter().filter(|a| a.write) {
+            let garbage = self.rng.next_u64();
+            for (i, b) in self.mem.range_mut(a.range).iter_mut().enumerate() {
+                *b = (garbage >> ((i % 8) * 8)) as u8 ^ i as u8;
+            }
+            self.bump_generations(a.range);
+        }
+        for (buf, page, rows) in rec.op.spec().full_rows() {
+            *self.tainted.entry((buf, page)).or_default() |= rows;
+        }
+    }
+
+    /// The op's data effect, by the executor; rows it writes in full hold good bytes again.
+    fn perform(&mut self, rec: &OpRec) {
+        if let Err(e) = self.exec.run(&rec.op, &mut self.mem) {
+            self.finding(
+                OracleKind::Layout,
+                format!("op {} ({}) failed to run: {e}", rec.id, rec.op.name()),
+            );
+        }
+        let writes: Vec<ByteRange> = rec
+            .op
+            .accesses()
+            .into_iter()
+            .filter(|a| a.write)
+            .map(|a| a.range)
+            .collect();
+        for &r in &writes {
+            self.bump_generations(r);
+        }
+        for (buf, page, rows) in rec.op.spec().full_rows() {
+            if let Some(m) = self.tainted.get_mut(&(buf, page)) {
+                *m &= !rows;
+                if *m == 0 {
+                    self.tainted.remove(&(buf, page));
+                }
+            }
+        }
+        if let Op::PageCopy(_) = rec.op {
+            self.stats.copy_bytes += writes.iter().map(|r| r.len().0).sum::<u64>();
+        }
     }
 
     /// Every paged-buffer page an op writes gets a new write generation (the content oracle's

@@ -291,7 +291,7 @@ impl<'a> Run<'a> {
             engine,
             content,
             digest,
-            rng: Rng::new(sc.seed ^ 0xAB0_47),
+            rng: Rng::new(sc.seed ^ 0x000A_B047),
             stats: RunStats::default(),
             sessions,
             oneshots,

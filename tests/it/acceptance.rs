@@ -7,6 +7,7 @@ use tierkv_sim::campaign::CampaignOptions;
 use tierkv_sim::cli::sim::replay_command;
 use tierkv_sim::report::OracleKind;
 use tierkv_sim::runner::{run, RunOptions};
+use tierkv_sim::scenario::Scenario;
 use tierkv_sim::shrink::shrink;
 use tierkv_sim::trace_out::chrome_trace;
 
@@ -82,6 +83,15 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         again.findings.first().map(|f| f.oracle),
         Some(OracleKind::Race)
     );
+
+    // The shrunk case written as `tierkv sim` writes it and read back as `--replay` reads it
+    // replays the very same finding: same oracle, same message, same time.
+    let file = serde_json::to_string_pretty(&s.scenario).expect("a scenario serialises");
+    let back: Scenario = serde_json::from_str(&file).expect("a written scenario reads back");
+    assert_eq!(back, s.scenario);
+    let replayed = run(&back, &RunOptions::default());
+    assert_eq!(replayed.findings.first(), again.findings.first());
+    assert_eq!(replayed.log_hash, again.log_hash);
 }
 
 #[test]

@@ -203,7 +203,7 @@ pub fn check_host_access(
             role: desc.role,
         });
     }
-    let end = offset.0.checked_add(len as u64).unwrap_or(u64::MAX);
+    let end = offset.0.saturating_add(len as u64);
     if end > desc.bytes.0 {
         return Err(DeviceError::OutOfBounds {
             op,

@@ -16,7 +16,7 @@ use crate::device::*;
 use crate::layout::{Bytes, PageRun, PagedView};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::Arc;
-use tierkv_kernels::cuda::launch::{DevPtr, Kernels};
+use tierkv_kernels::cuda::launch::{DevPtr, IndexLogitsLaunch, Kernels};
 pub use tierkv_kernels::cuda::launch::{LogitsKernel, LogitsTuning};
 
 fn backend(what: &str) -> impl Fn(cudarc::driver::DriverError) -> DeviceError + '_ {
@@ -266,25 +266,23 @@ impl CudaOps {
         let (_a, pt) = self.upload(s, bytes_of(&o.page_table))?;
         let (_b, lens) = self.upload(s, bytes_of(&o.context_lens))?;
         let (kp, kd) = mem(o.k);
+        let a = IndexLogitsLaunch {
+            dtype: o.dtype,
+            heads: o.heads as usize,
+            q: region(mem, &o.q),
+            w: region(mem, &o.w),
+            page_table: &o.page_table,
+            pt_stride: o.pt_stride as usize,
+            pt_dev: pt,
+            context_lens: &o.context_lens,
+            lens_dev: lens,
+            k: kp,
+            k_fp: kd.fingerprint,
+            out: region(mem, &o.out),
+            out_stride: o.out_stride as usize,
+        };
         self.kernels
-            .index_logits_with(
-                self.logits,
-                self.tuning,
-                s,
-                o.dtype,
-                o.heads as usize,
-                region(mem, &o.q),
-                region(mem, &o.w),
-                &o.page_table,
-                o.pt_stride as usize,
-                pt,
-                &o.context_lens,
-                lens,
-                kp,
-                kd.fingerprint,
-                region(mem, &o.out),
-                o.out_stride as usize,
-            )
+            .index_logits_with(self.logits, self.tuning, s, &a)
             .map_err(kernel)
     }
 

@@ -176,6 +176,13 @@ impl Service {
     }
 }
 
+/// A request the engine accepted, waiting for its answer.
+struct Pending {
+    reply: tokio::sync::oneshot::Sender<Result<Completion, ServiceError>>,
+    submitted: Instant,
+    first_token: Option<Instant>,
+}
+
 fn engine_loop<D: Device, C: Clock, T: Transfer>(
     make: impl FnOnce() -> Result<Engine<D, C, T>, EngineError>,
     intake: &Intake,
@@ -191,32 +198,11 @@ fn engine_loop<D: Device, C: Clock, T: Transfer>(
             return Err(e.to_string());
         }
     };
-    struct Pending {
-        reply: tokio::sync::oneshot::Sender<Result<Completion, ServiceError>>,
-        submitted: Instant,
-        first_token: Option<Instant>,
-    }
     let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
     publish(&engine, published, None);
     let mut last_publish = Instant::now();
     loop {
-        for s in intake.drain() {
-            match engine.submit(s.spec) {
-                Ok(id) => {
-                    pending.insert(
-                        id,
-                        Pending {
-                            reply: s.reply,
-                            submitted: s.submitted,
-                            first_token: None,
-                        },
-                    );
-                }
-                Err(r) => {
-                    let _ = s.reply.send(Err(ServiceError::Rejected(r)));
-                }
-            }
-        }
+        admit_submissions(&mut engine, intake, &mut pending);
         let closed = intake.closed.load(Ordering::Acquire);
         if engine.is_idle() {
             publish(&engine, published, None);
@@ -236,36 +222,7 @@ fn engine_loop<D: Device, C: Clock, T: Transfer>(
             return Err(msg);
         }
         let step_ns = t0.elapsed().as_nanos() as u64;
-        for o in engine.drain_outputs() {
-            match o {
-                Output::Token { request, .. } => {
-                    if let Some(p) = pending.get_mut(&request) {
-                        p.first_token.get_or_insert_with(Instant::now);
-                    }
-                }
-                Output::Finished { request, generated } => {
-                    if let Some(p) = pending.remove(&request) {
-                        let now = Instant::now();
-                        let _ = p.reply.send(Ok(Completion {
-                            request,
-                            generated,
-                            ttft_ns: p
-                                .first_token
-                                .unwrap_or(now)
-                                .duration_since(p.submitted)
-                                .as_nanos() as u64,
-                            latency_ns: now.duration_since(p.submitted).as_nanos() as u64,
-                        }));
-                    }
-                }
-                Output::Aborted { request } => {
-                    if let Some(p) = pending.remove(&request) {
-                        let _ = p.reply.send(Err(ServiceError::Aborted(request)));
-                    }
-                }
-                Output::Digests { .. } | Output::Recompute { .. } => {}
-            }
-        }
+        answer(engine.drain_outputs(), &mut pending);
         if last_publish.elapsed() > Duration::from_millis(50) {
             last_publish = Instant::now();
             publish(&engine, published, Some(step_ns));
@@ -274,6 +231,65 @@ fn engine_loop<D: Device, C: Clock, T: Transfer>(
             if p.step_ns.len() < STEP_SAMPLES {
                 p.step_ns.push(step_ns);
             }
+        }
+    }
+}
+
+/// Hands every queued submission to the engine; a rejection is answered at once.
+fn admit_submissions<D: Device, C: Clock, T: Transfer>(
+    engine: &mut Engine<D, C, T>,
+    intake: &Intake,
+    pending: &mut BTreeMap<u64, Pending>,
+) {
+    for s in intake.drain() {
+        match engine.submit(s.spec) {
+            Ok(id) => {
+                pending.insert(
+                    id,
+                    Pending {
+                        reply: s.reply,
+                        submitted: s.submitted,
+                        first_token: None,
+                    },
+                );
+            }
+            Err(r) => {
+                let _ = s.reply.send(Err(ServiceError::Rejected(r)));
+            }
+        }
+    }
+}
+
+/// Answers the requests a step finished or aborted, and notes first tokens.
+fn answer(outputs: Vec<Output>, pending: &mut BTreeMap<u64, Pending>) {
+    for o in outputs {
+        match o {
+            Output::Token { request, .. } => {
+                if let Some(p) = pending.get_mut(&request) {
+                    p.first_token.get_or_insert_with(Instant::now);
+                }
+            }
+            Output::Finished { request, generated } => {
+                if let Some(p) = pending.remove(&request) {
+                    let now = Instant::now();
+                    let _ = p.reply.send(Ok(Completion {
+                        request,
+                        generated,
+                        ttft_ns: p
+                            .first_token
+                            .unwrap_or(now)
+                            .duration_since(p.submitted)
+                            .as_nanos() as u64,
+                        latency_ns: now.duration_since(p.submitted).as_nanos() as u64,
+                    }));
+                }
+            }
+            Output::Aborted { request } => {
+                if let Some(p) = pending.remove(&request) {
+                    let _ = p.reply.send(Err(ServiceError::Aborted(request)));
+                }
+            }
+            Output::Digests { .. } | Output::Recompute { .. } => {}
         }
     }
 }

@@ -132,24 +132,120 @@ fn layout_byte_sizes_live_only_in_the_layout_module() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// The `use crate::module` edges between the engine's top-level modules (a module's own
+/// submodules count as the module).
+fn module_edges(
+    root: &Path,
+    files: &[PathBuf],
+) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    for f in files {
+        let rel = f
+            .strip_prefix(root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        let module = rel
+            .split('/')
+            .next()
+            .unwrap()
+            .trim_end_matches(".rs")
+            .to_string();
+        if module == "lib" || rel.contains("tests") {
+            continue;
+        }
+        for (_, line) in code_lines(&std::fs::read_to_string(f).unwrap()) {
+            for part in line.split("crate::").skip(1) {
+                let target: String = part
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                if !target.is_empty() && target != module {
+                    edges.entry(module.clone()).or_default().insert(target);
+                }
+            }
+        }
+    }
+    edges
+}
+
 #[test]
-fn the_gate_is_the_only_way_to_a_pool_buffer() {
-    // `Pools::device_buffer` hands out a layer's KV or index-K buffer; only the gate may call it
-    // (the cache controller moves pages through `device_side`, never reads them).
+fn engine_modules_have_no_import_cycle() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     sources(&root, &mut files);
-    for f in &files {
-        let rel = f.strip_prefix(&root).unwrap().to_string_lossy().to_string();
-        if rel == "gate.rs" || rel == "pools.rs" {
-            continue;
+    files.sort();
+    let edges = module_edges(&root, &files);
+    assert!(
+        edges.contains_key("engine"),
+        "found the module edges: {edges:?}"
+    );
+    // Depth-first search for a back edge; report the cycle it closes.
+    fn visit(
+        m: &str,
+        edges: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(i) = path.iter().position(|p| p == m) {
+            let mut cycle = path[i..].to_vec();
+            cycle.push(m.to_string());
+            return Some(cycle);
         }
-        for (n, line) in code_lines(&std::fs::read_to_string(f).unwrap()) {
-            assert!(
-                !line.contains("device_buffer("),
-                "{rel}:{n}: pool buffer taken outside the gate: {}",
-                line.trim()
+        if done.contains(m) {
+            return None;
+        }
+        path.push(m.to_string());
+        for next in edges.get(m).into_iter().flatten() {
+            if let Some(c) = visit(next, edges, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(m.to_string());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    for m in edges.keys() {
+        if let Some(cycle) = visit(m, &edges, &mut Vec::new(), &mut done) {
+            panic!(
+                "import cycle between engine modules: {}",
+                cycle.join(" -> ")
             );
         }
     }
+}
+
+#[test]
+fn only_the_engine_module_and_the_runtime_name_the_engine() {
+    // The owners (scheduler, controller, model step, gate, pools, cache) know nothing of the
+    // object that composes them: they take what they work on as arguments.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&root, &mut files);
+    let mut bad = Vec::new();
+    for f in &files {
+        let rel = f
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        if rel == "engine.rs" || rel == "lib.rs" || rel.starts_with("runtime/") {
+            continue;
+        }
+        for (n, line) in code_lines(&std::fs::read_to_string(f).unwrap()) {
+            let names_engine = line
+                .split(|c: char| !c.is_alphanumeric() && c != '_')
+                .any(|tok| tok == "Engine");
+            if names_engine {
+                bad.push(format!("{rel}:{n}: {}", line.trim()));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "modules naming `Engine`:\n{}",
+        bad.join("\n")
+    );
 }

@@ -121,6 +121,77 @@ impl Default for LogitsTuning {
     }
 }
 
+/// The arguments of one `index_logits` launch over `context_lens.len()` rows: `page_table` and
+/// `context_lens` are the host copies (checked before the launch), `pt_dev` and `lens_dev` their
+/// device copies.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexLogitsLaunch<'a> {
+    pub dtype: IndexKDtype,
+    pub heads: usize,
+    pub q: DevPtr,
+    pub w: DevPtr,
+    pub page_table: &'a [i32],
+    pub pt_stride: usize,
+    pub pt_dev: DevPtr,
+    pub context_lens: &'a [i32],
+    pub lens_dev: DevPtr,
+    pub k: DevPtr,
+    pub k_fp: LayoutFingerprint,
+    pub out: DevPtr,
+    pub out_stride: usize,
+}
+
+impl IndexLogitsLaunch<'_> {
+    pub fn rows(&self) -> usize {
+        self.context_lens.len()
+    }
+
+    /// Every buffer is large enough, every context fits its table and the output row, and every
+    /// page a row's context names lies in the pool.
+    fn check(&self) -> Result<()> {
+        const OP: &str = "index_logits";
+        let (rows, pt_stride, out_stride) = (self.rows(), self.pt_stride, self.out_stride);
+        if self.heads == 0 || self.heads > INDEX_HEADS_MAX as usize {
+            return Err(bad(OP, "heads", format!("{} outside 1..=64", self.heads)));
+        }
+        let rh = (rows * self.heads) as u64;
+        need(OP, "q", self.q, fp8_bytes(rh * INDEX_HEAD_DIM as u64))?;
+        need(OP, "w", self.w, f32_bytes(rh))?;
+        need(
+            OP,
+            "page_table",
+            self.pt_dev,
+            i32_bytes((rows * pt_stride) as u64),
+        )?;
+        need(OP, "context_lens", self.lens_dev, i32_bytes(rows as u64))?;
+        need(OP, "out", self.out, f32_bytes((rows * out_stride) as u64))?;
+        if self.page_table.len() != rows * pt_stride {
+            return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
+        }
+        let pages = paged(OP, PageFormat::IndexK(self.dtype), self.k, self.k_fp)?;
+        for (r, &len) in self.context_lens.iter().enumerate() {
+            if len < 0
+                || len as usize > out_stride
+                || len as usize > pt_stride * PAGE_TOKENS as usize
+            {
+                return Err(KernelError::OutOfRange {
+                    op: OP,
+                    index: r,
+                    value: len as i64,
+                    limit: out_stride as u64,
+                });
+            }
+            let used = (len as usize).div_ceil(PAGE_TOKENS as usize);
+            slots_in(
+                OP,
+                &self.page_table[r * pt_stride..r * pt_stride + used],
+                pages,
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// The compiled kernels, loaded into one context.
 pub struct Kernels {
     pub ctx: Arc<CudaContext>,
@@ -221,6 +292,7 @@ impl Kernels {
     }
 
     /// `kv_store` of `slots.len()` rows.
+    #[allow(clippy::too_many_arguments)]
     pub fn kv_store(
         &self,
         s: &CudaStream,
@@ -307,162 +379,83 @@ impl Kernels {
         Ok(())
     }
 
-    /// `index_logits` over `context_lens.len()` rows with the exact kernel (see
-    /// [`Kernels::index_logits_with`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn index_logits(
-        &self,
-        s: &CudaStream,
-        dtype: IndexKDtype,
-        heads: usize,
-        q: DevPtr,
-        w: DevPtr,
-        page_table: &[i32],
-        pt_stride: usize,
-        pt_dev: DevPtr,
-        context_lens: &[i32],
-        lens_dev: DevPtr,
-        k: DevPtr,
-        k_fp: LayoutFingerprint,
-        out: DevPtr,
-        out_stride: usize,
-    ) -> Result<()> {
-        self.index_logits_with(
-            LogitsKernel::Exact,
-            LogitsTuning::default(),
-            s,
-            dtype,
-            heads,
-            q,
-            w,
-            page_table,
-            pt_stride,
-            pt_dev,
-            context_lens,
-            lens_dev,
-            k,
-            k_fp,
-            out,
-            out_stride,
-        )
-    }
-
-    /// `index_logits` over `context_lens.len()` rows with the chosen kernel. `page_table` and
-    /// `context_lens` are the host copies (checked here); `pt_dev`/`lens_dev` their device copies.
-    #[allow(clippy::too_many_arguments)]
+    /// `index_logits` with the chosen kernel and launch shape. The page table and context
+    /// lengths are checked on the host (every page a row names must lie in the pool) before
+    /// anything is launched.
     pub fn index_logits_with(
         &self,
         kind: LogitsKernel,
         tuning: LogitsTuning,
         s: &CudaStream,
-        dtype: IndexKDtype,
-        heads: usize,
-        q: DevPtr,
-        w: DevPtr,
-        page_table: &[i32],
-        pt_stride: usize,
-        pt_dev: DevPtr,
-        context_lens: &[i32],
-        lens_dev: DevPtr,
-        k: DevPtr,
-        k_fp: LayoutFingerprint,
-        out: DevPtr,
-        out_stride: usize,
+        a: &IndexLogitsLaunch,
+    ) -> Result<()> {
+        a.check()?;
+        if a.rows() == 0 || a.out_stride == 0 {
+            return Ok(());
+        }
+        match kind {
+            LogitsKernel::TensorCore => self.logits_mma(tuning, s, a),
+            LogitsKernel::Exact => self.logits_exact(s, a),
+        }
+    }
+
+    fn logits_exact(&self, s: &CudaStream, a: &IndexLogitsLaunch) -> Result<()> {
+        let (pts, h32, os) = (a.pt_stride as i32, a.heads as i32, a.out_stride as i32);
+        let dt = (a.dtype == IndexKDtype::Bf16) as i32;
+        let mut b = s.launch_builder(self.f("index_logits"));
+        b.arg(&a.q.ptr).arg(&a.w.ptr).arg(&a.pt_dev.ptr).arg(&pts);
+        b.arg(&a.lens_dev.ptr).arg(&h32).arg(&dt);
+        b.arg(&a.k.ptr).arg(&a.out.ptr).arg(&os);
+        let cfg = LaunchConfig {
+            grid_dim: ((a.out_stride as u32).div_ceil(128), a.rows() as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: f32_bytes(a.heads as u64 * (INDEX_HEAD_DIM as u64 + 1)).0 as u32,
+        };
+        // SAFETY: sizes and every page the rows name were checked by `a.check()`.
+        unsafe { b.launch(cfg) }.map_err(cuda("index_logits"))?;
+        Ok(())
+    }
+
+    fn logits_mma(
+        &self,
+        tuning: LogitsTuning,
+        s: &CudaStream,
+        a: &IndexLogitsLaunch,
     ) -> Result<()> {
         const OP: &str = "index_logits";
-        let rows = context_lens.len();
-        if heads == 0 || heads > INDEX_HEADS_MAX as usize {
-            return Err(bad(OP, "heads", format!("{heads} outside 1..=64")));
-        }
-        let rh = (rows * heads) as u64;
-        need(OP, "q", q, fp8_bytes(rh * INDEX_HEAD_DIM as u64))?;
-        need(OP, "w", w, f32_bytes(rh))?;
-        need(
-            OP,
-            "page_table",
-            pt_dev,
-            i32_bytes((rows * pt_stride) as u64),
-        )?;
-        need(OP, "context_lens", lens_dev, i32_bytes(rows as u64))?;
-        need(OP, "out", out, f32_bytes((rows * out_stride) as u64))?;
-        if page_table.len() != rows * pt_stride {
-            return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
-        }
-        let pages = paged(OP, PageFormat::IndexK(dtype), k, k_fp)?;
-        for (r, &len) in context_lens.iter().enumerate() {
-            if len < 0
-                || len as usize > out_stride
-                || len as usize > pt_stride * PAGE_TOKENS as usize
-            {
-                return Err(KernelError::OutOfRange {
-                    op: OP,
-                    index: r,
-                    value: len as i64,
-                    limit: out_stride as u64,
-                });
+        // The tensor-core kernels pad to two halves of 32 heads, load queries 16 bytes at a time
+        // and copy pages in 16-byte chunks: a misaligned buffer would be a sticky CUDA error (it
+        // poisons the context), so it is a typed error here.
+        const _: () = assert!(INDEX_HEADS_MAX <= 64);
+        for (name, p, align) in [
+            ("q", a.q, 16u64),
+            ("k", a.k, 16),
+            ("w", a.w, 4),
+            ("out", a.out, 4),
+        ] {
+            if p.ptr % align != 0 {
+                return Err(bad(
+                    OP,
+                    name,
+                    format!("address {:#x} is not {align}-byte aligned", p.ptr),
+                ));
             }
-            let used = (len as usize).div_ceil(PAGE_TOKENS as usize);
-            slots_in(OP, &page_table[r * pt_stride..r * pt_stride + used], pages)?;
         }
-        if rows == 0 || out_stride == 0 {
-            return Ok(());
-        }
-        let (pts, h32, dt, os) = (
-            pt_stride as i32,
-            heads as i32,
-            (dtype == IndexKDtype::Bf16) as i32,
-            out_stride as i32,
-        );
-        if kind == LogitsKernel::TensorCore {
-            // The tensor-core kernels pad to two halves of 32 heads, load queries 16 bytes at a
-            // time and copy pages in 16-byte chunks: a misaligned buffer would be a sticky CUDA
-            // error (it poisons the context), so it is a typed error here.
-            const _: () = assert!(INDEX_HEADS_MAX <= 64);
-            for (name, p, align) in [("q", q, 16u64), ("k", k, 16), ("w", w, 4), ("out", out, 4)] {
-                if p.ptr % align != 0 {
-                    return Err(bad(
-                        OP,
-                        name,
-                        format!("address {:#x} is not {align}-byte aligned", p.ptr),
-                    ));
-                }
-            }
-            let (name, threads) = logits_mma_kernel(dtype);
-            let out_pages = out_stride.div_ceil(PAGE_TOKENS as usize);
-            let chunks = tuning.ctas.div_ceil(rows).clamp(1, out_pages);
-            let ahead = tuning.ahead.min(16) as i32;
-            let mut b = s.launch_builder(self.f(name));
-            b.arg(&q.ptr)
-                .arg(&w.ptr)
-                .arg(&pt_dev.ptr)
-                .arg(&pts)
-                .arg(&lens_dev.ptr)
-                .arg(&h32);
-            b.arg(&k.ptr).arg(&out.ptr).arg(&os).arg(&ahead);
-            let cfg = LaunchConfig {
-                grid_dim: (chunks as u32, rows as u32, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: sizes and every page the rows name were checked above.
-            unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
-            return Ok(());
-        }
-        let mut b = s.launch_builder(self.f("index_logits"));
-        b.arg(&q.ptr)
-            .arg(&w.ptr)
-            .arg(&pt_dev.ptr)
-            .arg(&pts)
-            .arg(&lens_dev.ptr)
-            .arg(&h32)
-            .arg(&dt);
-        b.arg(&k.ptr).arg(&out.ptr).arg(&os);
+        let (name, threads) = logits_mma_kernel(a.dtype);
+        let out_pages = a.out_stride.div_ceil(PAGE_TOKENS as usize);
+        let chunks = tuning.ctas.div_ceil(a.rows()).clamp(1, out_pages);
+        let ahead = tuning.ahead.min(16) as i32;
+        let (pts, h32, os) = (a.pt_stride as i32, a.heads as i32, a.out_stride as i32);
+        let mut b = s.launch_builder(self.f(name));
+        b.arg(&a.q.ptr).arg(&a.w.ptr).arg(&a.pt_dev.ptr).arg(&pts);
+        b.arg(&a.lens_dev.ptr).arg(&h32);
+        b.arg(&a.k.ptr).arg(&a.out.ptr).arg(&os).arg(&ahead);
         let cfg = LaunchConfig {
-            grid_dim: ((out_stride as u32).div_ceil(128), rows as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: f32_bytes(heads as u64 * (INDEX_HEAD_DIM as u64 + 1)).0 as u32,
+            grid_dim: (chunks as u32, a.rows() as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
         };
-        // SAFETY: sizes and every page the rows name were checked above.
+        // SAFETY: sizes and every page the rows name were checked by `a.check()`.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
     }

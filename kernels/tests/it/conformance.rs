@@ -633,7 +633,9 @@ mod cuda {
     use super::*;
     use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
     use std::sync::Arc;
-    use tierkv_kernels::cuda::launch::{DevPtr, Kernels, LogitsKernel, LogitsTuning};
+    use tierkv_kernels::cuda::launch::{
+        DevPtr, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
+    };
 
     pub struct Cuda {
         k: &'static Kernels,
@@ -761,24 +763,23 @@ mod cuda {
             let (_l, lp) = self.up(bytes(a.context_lens));
             let (_k, kp) = self.up(k);
             let (o, op) = self.up(bytes(out));
-            self.k.index_logits_with(
-                self.logits,
-                self.tuning,
-                &self.s,
-                a.dtype,
-                a.heads,
-                qp,
-                wp,
-                a.page_table,
-                a.pt_stride,
-                pp,
-                a.context_lens,
-                lp,
-                kp,
-                fp,
-                op,
-                a.out_stride,
-            )?;
+            let launch = IndexLogitsLaunch {
+                dtype: a.dtype,
+                heads: a.heads,
+                q: qp,
+                w: wp,
+                page_table: a.page_table,
+                pt_stride: a.pt_stride,
+                pt_dev: pp,
+                context_lens: a.context_lens,
+                lens_dev: lp,
+                k: kp,
+                k_fp: fp,
+                out: op,
+                out_stride: a.out_stride,
+            };
+            self.k
+                .index_logits_with(self.logits, self.tuning, &self.s, &launch)?;
             self.down(&o, bytes_mut(out));
             Ok(())
         }
@@ -949,5 +950,6 @@ fn without_cuda_the_entry_points_answer_a_typed_error() {
         e,
         tierkv_kernels::KernelError::BuiltWithoutCuda { op: "index_logits" }
     ));
-    assert!(!tierkv_kernels::cuda::ENABLED);
+    assert!(e.to_string().contains("--features cuda"), "{e}");
+    const { assert!(!tierkv_kernels::cuda::ENABLED) };
 }

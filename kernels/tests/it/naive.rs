@@ -44,11 +44,11 @@ pub fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f32], ln:
         y[i + 32] = r[i + 32] * c + r[i] * s;
     }
     // Hadamard by its matrix definition: H[i][j] = (-1)^popcount(i & j) / sqrt(128).
-    (0..128)
+    (0..128usize)
         .map(|i| {
-            (0..128)
+            (0..128usize)
                 .map(|j| {
-                    if (i & j as usize).count_ones() % 2 == 0 {
+                    if (i & j).count_ones() % 2 == 0 {
                         y[j]
                     } else {
                         -y[j]

@@ -45,7 +45,9 @@ mod imp {
     use tierkv_engine::device::{BufferDesc, BufferId, BufferRole, MemoryTier, Op, PageCopy};
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaOps, PinnedHost};
     use tierkv_kernels::cpu::numerics::{e4m3_encode, mix64};
-    use tierkv_kernels::cuda::launch::{DevPtr, Kernels, LogitsKernel, LogitsTuning};
+    use tierkv_kernels::cuda::launch::{
+        DevPtr, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
+    };
     use tierkv_kernels::layout::*;
     use tierkv_kernels::rope::rope_row;
 
@@ -335,26 +337,23 @@ mod imp {
             let pool = self.key_pool(dtype, ix.page_table.len())?;
             let (kp, op) = (ptr(&s, &pool), ptr(&s, &ix.out));
             let [qd, wd, ptd, ld] = [0, 1, 2, 3].map(|i| ptr(&s, &ix.dev[i]));
+            let launch = IndexLogitsLaunch {
+                dtype,
+                heads: ix.heads,
+                q: qd,
+                w: wd,
+                page_table: &ix.page_table,
+                pt_stride: ix.pt_stride,
+                pt_dev: ptd,
+                context_lens: &ix.lens,
+                lens_dev: ld,
+                k: kp,
+                k_fp: fmt.fingerprint(),
+                out: op,
+                out_stride: ix.ctx,
+            };
             let run = |kind: LogitsKernel, tuning: LogitsTuning| {
-                k.index_logits_with(
-                    kind,
-                    tuning,
-                    &s,
-                    dtype,
-                    ix.heads,
-                    qd,
-                    wd,
-                    &ix.page_table,
-                    ix.pt_stride,
-                    ptd,
-                    &ix.lens,
-                    ld,
-                    kp,
-                    fmt.fingerprint(),
-                    op,
-                    ix.ctx,
-                )
-                .map_err(e)
+                k.index_logits_with(kind, tuning, &s, &launch).map_err(e)
             };
             let bytes = kp.bytes.0 + ix.q_bytes + ix.w_bytes + ptd.bytes.0 + op.bytes.0;
             let flops = 2.0 * (ix.bsz * ix.ctx * ix.heads * 128) as f64;

@@ -93,8 +93,8 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
         v
     };
     println!(
-        "{:<4} {:<28} {:<8} {:>6} {:>8}  {:<12} {}",
-        "#", "mutant", "caught", "seeds", "wall s", "oracle", "first finding"
+        "{:<4} {:<28} {:<8} {:>6} {:>8}  {:<12} first finding",
+        "#", "mutant", "caught", "seeds", "wall s", "oracle"
     );
     let mut missed = 0;
     for m in &mutants {

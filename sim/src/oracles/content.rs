@@ -15,7 +15,7 @@ use tierkv_engine::device::{BufferId, BufferRole, Op, RowTags, SparseRead};
 use tierkv_engine::layout::{
     index_k_page, kv_row, BufferKind, IndexKDtype, KvDtype, LayerId, PageFormat, PAGE_TOKENS,
 };
-use tierkv_engine::synth::Synth;
+use tierkv_engine::synth::{LnParams, Synth};
 use tierkv_kernels::cpu::store::{index_k_token, kv_token};
 use tierkv_kernels::rope::rope_row;
 
@@ -31,7 +31,7 @@ pub struct ContentOracle {
     pub ik_dtype: IndexKDtype,
     pub kv_dtype: KvDtype,
     pub ue8m0: bool,
-    ln: BTreeMap<u32, (Arc<[f32]>, Arc<[f32]>)>,
+    ln: BTreeMap<u32, LnParams>,
     /// Known tokens of each request: prompt, then every generated token.
     pub tokens: BTreeMap<u64, Vec<u32>>,
     ik_memo: HashMap<(u32, u32, u32), Arc<IkRow>>,

@@ -15,6 +15,12 @@ use tierkv_kernels::cpu::sparse_read::{rank_term, row_hash};
 use tierkv_kernels::cpu::topk::topk_positions;
 use tierkv_kernels::rope::rope_row;
 
+/// A decoded index key and its fp8 scale (1 for bf16).
+type Key = ([f32; 128], f32);
+
+/// A query's expected digest and the positions its top-k selects.
+pub type Expected = (u64, Arc<Vec<u32>>);
+
 /// Which oracle a digest mismatch belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mismatch {
@@ -27,8 +33,10 @@ pub struct DigestOracle {
     pub heads: u32,
     pub layers: u32,
     pub layer_base: u32,
-    memo: HashMap<(u64, u32), (u64, Arc<Vec<u32>>)>,
-    keys: HashMap<(u32, u32, u32), Arc<([f32; 128], f32)>>,
+    /// (hash of the context up to the query, global layer) → what it expects there.
+    memo: HashMap<(u64, u32), Expected>,
+    /// (token, position, layer) → the decoded key and its scale.
+    keys: HashMap<(u32, u32, u32), Arc<Key>>,
     prefix: BTreeMap<u64, Vec<u64>>,
     pub digests_checked: u64,
 }
@@ -59,13 +67,7 @@ impl DigestOracle {
         h[position as usize]
     }
 
-    fn key(
-        &mut self,
-        c: &mut ContentOracle,
-        token: u32,
-        pos: u32,
-        layer: u32,
-    ) -> Arc<([f32; 128], f32)> {
+    fn key(&mut self, c: &mut ContentOracle, token: u32, pos: u32, layer: u32) -> Arc<Key> {
         if let Some(k) = self.keys.get(&(token, pos, layer)) {
             return k.clone();
         }
@@ -98,7 +100,7 @@ impl DigestOracle {
         request: u64,
         position: u32,
         layer: u32,
-    ) -> (u64, Arc<Vec<u32>>) {
+    ) -> Expected {
         let ph = self.prefix_hash(c, request, position);
         if let Some(v) = self.memo.get(&(ph, layer)) {
             return v.clone();

@@ -122,3 +122,21 @@ fn one_seed_runs_from_the_command_line() {
         "{out}"
     );
 }
+
+/// A build without CUDA refuses `--device cuda` with a typed error that says how to get it,
+/// both in the library and on the command line (exit code 2), instead of panicking.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn device_cuda_without_a_cuda_build_is_a_clear_error() {
+    let opts = tierkv_sim::gpu::GpuOptions {
+        cuda: true,
+        ..Default::default()
+    };
+    let err = tierkv_sim::gpu::SimGpu::new(1, opts)
+        .err()
+        .expect("no CUDA executor");
+    assert!(err.to_string().contains("--features cuda"), "{err}");
+    let (code, _, err) = tierkv(&["sim", "--seed", "1", "--device", "cuda"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--features cuda"), "{err}");
+}
