@@ -11,7 +11,8 @@
 
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
-    kv_row, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat, PageId, PageRun, PagedView,
+    kv_row, slot_offset, slot_page, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat,
+    PageId, SlotId, PageRun, PagedView,
     INDEX_HEAD_DIM, KV_ROW_VALUES, PAGE_TOKENS, ROPE_DIM,
 };
 use half::bf16;
@@ -365,8 +366,8 @@ fn slot_rows(dst: BufferId, slots: &[i32]) -> Vec<(BufferId, u64, u64)> {
     slots
         .iter()
         .map(|&s| {
-            let s = s.max(0) as u32;
-            (dst, (s / PAGE_TOKENS) as u64, 1u64 << (s % PAGE_TOKENS))
+            let s = SlotId(s.max(0) as u32);
+            (dst, slot_page(s).0 as u64, 1u64 << slot_offset(s))
         })
         .collect()
 }
@@ -382,7 +383,7 @@ impl OpSpec for IndexKStore {
         let fmt = PageFormat::IndexK(self.dtype);
         for &s in &self.slots {
             // The token's values and (fp8) scale both live in its page: declare the page.
-            push_page(out, self.dst, fmt, s.max(0) as u32 / PAGE_TOKENS, true);
+            push_page(out, self.dst, fmt, slot_page(SlotId(s.max(0) as u32)).0, true);
         }
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {
