@@ -15,6 +15,52 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use std::fmt;
 
+/// A key of the configuration, spelled once: its name in its section and its full path.
+#[derive(Clone, Copy, Debug)]
+struct Key {
+    name: &'static str,
+    path: &'static str,
+}
+
+macro_rules! key {
+    ($section:ident . $key:ident) => {
+        Key {
+            name: stringify!($key),
+            path: concat!(stringify!($section), ".", stringify!($key)),
+        }
+    };
+}
+
+/// Reads `section.key` from `fields` with the given reader, defaulting to the base preset's
+/// value (required without a base), or to `or $default` when the key is optional.
+macro_rules! field {
+    ($f:expr, $b:expr, $section:ident . $key:ident, $read:ident) => {
+        $f.$read(key!($section.$key), $b.map(|b| b.$section.$key))
+    };
+    ($f:expr, $b:expr, $section:ident . $key:ident, $read:ident, or $default:expr) => {
+        $f.$read(
+            key!($section.$key),
+            Some($b.map_or($default, |b| b.$section.$key)),
+        )
+    };
+    ($f:expr, $b:expr, $section:ident . $key:ident, named $t:ty) => {
+        $f.name(
+            key!($section.$key),
+            <$t>::NAMES,
+            <$t>::parse,
+            $b.map(|b| b.$section.$key),
+        )
+    };
+    ($f:expr, $b:expr, $section:ident . $key:ident, named $t:ty, or $default:expr) => {
+        $f.name(
+            key!($section.$key),
+            <$t>::NAMES,
+            <$t>::parse,
+            Some($b.map_or($default, |b| b.$section.$key)),
+        )
+    };
+}
+
 /// Which query tokens of a prefill chunk run the indexer (decode tokens always do).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -365,67 +411,71 @@ impl Config {
     fn validate_model(&self) -> ConfigResult<()> {
         let m = &self.model;
         if m.layers == 0 {
-            return Err(inv("model.layers", "0".into(), "must be at least 1"));
+            return Err(inv(
+                key!(model.layers).path,
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         if m.layer_base.checked_add(m.layers).is_none() {
             return Err(inv(
-                "model.layer_base",
+                key!(model.layer_base).path,
                 m.layer_base.to_string(),
                 "layer_base + layers must fit in u32",
             ));
         }
         if m.page_size != PAGE_TOKENS {
             return Err(inv(
-                "model.page_size",
+                key!(model.page_size).path,
                 m.page_size.to_string(),
                 "must be 64: the paged index-K and KV layouts (DeepGEMM, SGLang, vLLM) fix 64 tokens per page",
             ));
         }
         if m.index_head_dim == 0 || m.index_head_dim % QUANT_BLOCK != 0 {
             return Err(inv(
-                "model.index_head_dim",
+                key!(model.index_head_dim).path,
                 m.index_head_dim.to_string(),
                 "must be a non-zero multiple of the 128-value quantization block",
             ));
         }
         if m.index_head_dim != INDEX_HEAD_DIM {
             return Err(inv(
-                "model.index_head_dim",
+                key!(model.index_head_dim).path,
                 m.index_head_dim.to_string(),
                 "must be 128: the Hadamard transform and the index-K page layout are defined for 128-value keys",
             ));
         }
         if m.kv_lora_rank != KV_LORA_RANK {
             return Err(inv(
-                "model.kv_lora_rank",
+                key!(model.kv_lora_rank).path,
                 m.kv_lora_rank.to_string(),
                 "must be 512: the MLA KV row layout (576 values, 656 B packed) fixes it",
             ));
         }
         if m.qk_rope_head_dim != ROPE_DIM {
             return Err(inv(
-                "model.qk_rope_head_dim",
+                key!(model.qk_rope_head_dim).path,
                 m.qk_rope_head_dim.to_string(),
                 "must be 64: the MLA KV row layout fixes it",
             ));
         }
         if m.index_n_heads == 0 || m.index_n_heads > INDEX_HEADS_MAX {
             return Err(inv(
-                "model.index_n_heads",
+                key!(model.index_n_heads).path,
                 m.index_n_heads.to_string(),
                 "must be in 1..=64 (the indexer kernels hold at most 64 heads)",
             ));
         }
         if m.index_topk == 0 || m.index_topk > INDEX_TOPK_MAX {
             return Err(inv(
-                "model.index_topk",
+                key!(model.index_topk).path,
                 m.index_topk.to_string(),
                 "must be in 1..=2048 (the top-k kernel selects at most 2048 positions)",
             ));
         }
         if m.context_tokens_max == 0 {
             return Err(inv(
-                "model.context_tokens_max",
+                key!(model.context_tokens_max).path,
                 "0".into(),
                 "must be at least 1",
             ));
@@ -438,22 +488,30 @@ impl Config {
         let m = &self.model;
         let c = &self.cache;
         if c.device_pages == 0 {
-            return Err(inv("cache.device_pages", "0".into(), "must be at least 1"));
+            return Err(inv(
+                key!(cache.device_pages).path,
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         if c.device_pages as u64 * PAGE_TOKENS as u64 > i32::MAX as u64 {
             return Err(inv(
-                "cache.device_pages",
+                key!(cache.device_pages).path,
                 c.device_pages.to_string(),
                 "must keep every slot (page * 64 + offset) within i32, the kernels' slot type",
             ));
         }
         if c.load_slots == 0 {
-            return Err(inv("cache.load_slots", "0".into(), "must be at least 1"));
+            return Err(inv(
+                key!(cache.load_slots).path,
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         let pages_per_request = (m.context_tokens_max as u64).div_ceil(PAGE_TOKENS as u64);
         if pages_per_request > c.device_pages as u64 {
             return Err(inv(
-                "model.context_tokens_max",
+                key!(model.context_tokens_max).path,
                 m.context_tokens_max.to_string(),
                 &format!(
                     "a request of that many tokens needs {pages_per_request} pages, more than cache.device_pages = {}",
@@ -466,14 +524,14 @@ impl Config {
             HostCapacity::Ratio(r) => {
                 if !r.is_finite() || r <= 1.0 {
                     return Err(inv(
-                        "cache.host_ratio",
+                        key!(cache.host_ratio).path,
                         r.to_string(),
                         "must be a finite number above 1: the host tier must be larger than the device tier",
                     ));
                 }
                 if r * device_tokens as f64 >= (u32::MAX as f64) * PAGE_TOKENS as f64 {
                     return Err(inv(
-                        "cache.host_ratio",
+                        key!(cache.host_ratio).path,
                         r.to_string(),
                         "gives more than 2^32 host pages",
                     ));
@@ -482,14 +540,14 @@ impl Config {
             HostCapacity::Tokens(t) => {
                 if t <= device_tokens {
                     return Err(inv(
-                        "cache.host_tokens",
+                        key!(cache.host_tokens).path,
                         t.to_string(),
                         &format!("must be larger than the device tier ({device_tokens} tokens)"),
                     ));
                 }
                 if t / PAGE_TOKENS as u64 > u32::MAX as u64 {
                     return Err(inv(
-                        "cache.host_tokens",
+                        key!(cache.host_tokens).path,
                         t.to_string(),
                         "gives more than 2^32 host pages",
                     ));
@@ -505,19 +563,25 @@ impl Config {
         let s = &self.scheduler;
         for (field, v) in [
             (
-                "scheduler.queued_requests_max",
+                key!(scheduler.queued_requests_max).path,
                 s.queued_requests_max as u64,
             ),
-            ("scheduler.pending_tokens_max", s.pending_tokens_max),
             (
-                "scheduler.prefill_tokens_per_step_max",
+                key!(scheduler.pending_tokens_max).path,
+                s.pending_tokens_max,
+            ),
+            (
+                key!(scheduler.prefill_tokens_per_step_max).path,
                 s.prefill_tokens_per_step_max as u64,
             ),
             (
-                "scheduler.running_requests_max",
+                key!(scheduler.running_requests_max).path,
                 s.running_requests_max as u64,
             ),
-            ("scheduler.output_tokens_max", s.output_tokens_max as u64),
+            (
+                key!(scheduler.output_tokens_max).path,
+                s.output_tokens_max as u64,
+            ),
         ] {
             if v == 0 {
                 return Err(inv(field, "0".into(), "must be at least 1"));
@@ -525,7 +589,7 @@ impl Config {
         }
         if s.output_tokens_max >= m.context_tokens_max {
             return Err(inv(
-                "scheduler.output_tokens_max",
+                key!(scheduler.output_tokens_max).path,
                 s.output_tokens_max.to_string(),
                 "must be below model.context_tokens_max",
             ));
@@ -558,7 +622,7 @@ impl Config {
     pub fn layout(&self) -> ConfigResult<Layout> {
         Layout::new(self.layout_params()).map_err(|e| match e {
             LayoutError::Overflow { what } => ConfigError::Overflow {
-                field: "cache.device_pages",
+                field: key!(cache.device_pages).path,
                 what,
             },
             LayoutError::Zero { field } => ConfigError::Invalid {
@@ -636,52 +700,6 @@ fn inv(field: &'static str, value: String, rule: &str) -> ConfigError {
         value,
         rule: rule.to_string(),
     }
-}
-
-/// A key of the configuration, spelled once: its name in its section and its full path.
-#[derive(Clone, Copy, Debug)]
-struct Key {
-    name: &'static str,
-    path: &'static str,
-}
-
-macro_rules! key {
-    ($section:ident . $key:ident) => {
-        Key {
-            name: stringify!($key),
-            path: concat!(stringify!($section), ".", stringify!($key)),
-        }
-    };
-}
-
-/// Reads `section.key` from `fields` with the given reader, defaulting to the base preset's
-/// value (required without a base), or to `or $default` when the key is optional.
-macro_rules! field {
-    ($f:expr, $b:expr, $section:ident . $key:ident, $read:ident) => {
-        $f.$read(key!($section.$key), $b.map(|b| b.$section.$key))
-    };
-    ($f:expr, $b:expr, $section:ident . $key:ident, $read:ident, or $default:expr) => {
-        $f.$read(
-            key!($section.$key),
-            Some($b.map_or($default, |b| b.$section.$key)),
-        )
-    };
-    ($f:expr, $b:expr, $section:ident . $key:ident, named $t:ty) => {
-        $f.name(
-            key!($section.$key),
-            <$t>::NAMES,
-            <$t>::parse,
-            $b.map(|b| b.$section.$key),
-        )
-    };
-    ($f:expr, $b:expr, $section:ident . $key:ident, named $t:ty, or $default:expr) => {
-        $f.name(
-            key!($section.$key),
-            <$t>::NAMES,
-            <$t>::parse,
-            Some($b.map_or($default, |b| b.$section.$key)),
-        )
-    };
 }
 
 fn model_section(m: &Fields, b: Option<&Config>) -> ConfigResult<ModelConfig> {

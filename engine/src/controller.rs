@@ -20,7 +20,7 @@
 //! and every occupied slot names a load in flight; a load has one device page per node, a backup
 //! one host page per node; the host sees a load's events complete before it acknowledges it.
 
-use crate::cache::{NodeId, PrefixCache};
+use crate::cache::{NodeId, PageKey, PrefixCache};
 use crate::config::WritePolicy;
 use crate::device::{Clock, Device, DeviceError, EventId, EventState, StreamKind};
 use crate::error::EngineError;
@@ -54,6 +54,20 @@ pub struct LoadAck {
     pub nodes: usize,
     /// Its request was aborted meanwhile: the controller already released what it held.
     pub orphaned: bool,
+}
+
+/// What admission holds for a request: its cached prefix (locked, the host-only part being
+/// loaded) and its own device pages.
+#[derive(Clone, Debug)]
+pub struct Grant {
+    /// The page table: the resident prefix's pages, then the request's own.
+    pub pages: Vec<PageId>,
+    /// The matched nodes, locked for the request.
+    pub locked: Vec<NodeId>,
+    /// Matched pages (resident or being loaded): the request owns `pages[cached..]`.
+    pub cached: usize,
+    /// The load of the host-only part of the prefix.
+    pub load: Option<LoadId>,
 }
 
 /// A load in flight.
@@ -230,10 +244,8 @@ impl CacheController {
                 }
                 let dev = io.pools.device_side(kind, layer);
                 let host = io.pools.host_side(kind, layer);
-                let (src, mut dst) = if to_host { (dev, host) } else { (host, dev) };
-                if io.mutants.copy_trusts_source_size() {
-                    dst.view.fingerprint = src.view.fingerprint;
-                }
+                let (src, dst) = if to_host { (dev, host) } else { (host, dev) };
+                let dst = dst.as_copied_from(&src, io.mutants);
                 match io.transfer.copy_pages(io.dev, stream, src, dst, pairs) {
                     Ok(()) => {}
                     // A copy the backend could not take is a failed transfer, handled like one
@@ -562,6 +574,60 @@ impl CacheController {
     /// Whether a backup is in flight (a step with nothing to compute waits for it).
     pub(crate) fn has_backups(&self) -> bool {
         !self.backups.is_empty()
+    }
+
+    /// Admission's reservation for request `request`, whose cacheable prompt pages are `keys`
+    /// and which needs `total` pages in all: the cached prefix is matched, locked and (its
+    /// host-only part) loaded, the rest allocated, evicting as needed; under the selective
+    /// write-through policy a prefix hit for the second time is backed up. `None` (nothing
+    /// held) when the device tier cannot make room now. Loads acknowledged on the way (a ring
+    /// slot reclaimed) go to `acks`, error or not.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn reserve<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        request: u64,
+        keys: &[PageKey],
+        total: usize,
+        after: EventId,
+        acks: &mut Vec<LoadAck>,
+    ) -> Result<Option<Grant>, EngineError> {
+        let m = io.cache.match_prefix(keys);
+        io.cache.lock(&m.nodes);
+        io.cache.pin_host(&m.nodes[m.device..]);
+        let Some(pages) = self.alloc_device(io, total - m.device, after)? else {
+            io.cache.unpin(&m.nodes[m.device..]);
+            io.cache.unlock(&m.nodes);
+            return Ok(None);
+        };
+        io.cache.touch(&m.nodes);
+        io.metrics.prefix_pages_queried += keys.len() as u64;
+        io.metrics.prefix_pages_device_hit += m.device as u64;
+        io.metrics.prefix_pages_host_hit += m.host as u64;
+        let mut table: Vec<PageId> = m.nodes[..m.device]
+            .iter()
+            .map(|&n| io.cache.node(n).device.expect("resident"))
+            .collect();
+        table.extend_from_slice(&pages);
+        let mut load = None;
+        if m.host > 0 {
+            let nodes = m.nodes[m.device..].to_vec();
+            let (id, reclaimed) = self.issue_load(io, request, nodes, pages[..m.host].to_vec())?;
+            acks.extend(reclaimed);
+            load = Some(id);
+        }
+        if self.write_policy == WritePolicy::WriteThroughSelective && m.device > 0 {
+            let last = io.cache.node(m.nodes[m.device - 1]);
+            if last.hits >= 2 && last.host.is_none() {
+                self.issue_backup(io, m.nodes[m.device - 1], after)?;
+            }
+        }
+        Ok(Some(Grant {
+            pages: table,
+            locked: m.nodes,
+            cached: m.device + m.host,
+            load,
+        }))
     }
 
     /// Device pages for a request, evicting from the device tier as needed (write-back evictions

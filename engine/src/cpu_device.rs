@@ -8,6 +8,7 @@ use crate::layout::{
     f32_bytes, fp8_bytes, i32_bytes, u64_bytes, BufferKind, Bytes, INDEX_HEAD_DIM,
 };
 use tierkv_kernels::cpu;
+use tierkv_kernels::cpu::numerics::{le_f32s, le_i32s};
 
 /// Buffers as plain bytes, indexed by `BufferId`.
 #[derive(Default, Debug)]
@@ -59,21 +60,6 @@ impl Memory {
     }
 }
 
-pub fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
-        .collect()
-}
-pub fn i32s(b: &[u8]) -> Vec<i32> {
-    b.chunks_exact(4)
-        .map(|c| i32::from_le_bytes(c.try_into().expect("4")))
-        .collect()
-}
-pub fn u64s(b: &[u8]) -> Vec<u64> {
-    b.chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
-        .collect()
-}
 fn put<const N: usize, T: Copy>(dst: &mut [u8], vals: &[T], to: impl Fn(T) -> [u8; N]) {
     assert_eq!(dst.len(), vals.len() * N, "region size");
     for (c, v) in dst.chunks_exact_mut(N).zip(vals) {
@@ -160,7 +146,7 @@ fn index_logits(o: &IndexLogits, mem: &mut Memory) -> KResult {
     let qb = mem
         .head(o.q, fp8_bytes(rows * h * INDEX_HEAD_DIM as u64))
         .to_vec();
-    let wv = f32s(mem.head(o.w, f32_bytes(rows * h)));
+    let wv = le_f32s(mem.head(o.w, f32_bytes(rows * h)));
     let args = cpu::IndexLogitsArgs {
         dtype: o.dtype,
         heads: h as usize,
@@ -183,7 +169,7 @@ fn index_logits(o: &IndexLogits, mem: &mut Memory) -> KResult {
 
 fn topk(o: &TopK, mem: &mut Memory) -> KResult {
     let rows = o.context_lens.len() as u64;
-    let lv = f32s(mem.head(o.logits, f32_bytes(rows * o.stride as u64)));
+    let lv = le_f32s(mem.head(o.logits, f32_bytes(rows * o.stride as u64)));
     let args = cpu::TopKArgs {
         k: o.k as usize,
         logits: &lv,
@@ -204,7 +190,7 @@ fn topk(o: &TopK, mem: &mut Memory) -> KResult {
 
 fn sparse_read(o: &SparseRead, mem: &mut Memory) -> KResult {
     let rows = o.context_lens.len() as u64;
-    let sv = i32s(mem.head(o.slots, i32_bytes(rows * o.k as u64)));
+    let sv = le_i32s(mem.head(o.slots, i32_bytes(rows * o.k as u64)));
     let args = cpu::SparseReadArgs {
         dtype: o.dtype,
         k: o.k as usize,

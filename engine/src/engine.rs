@@ -11,16 +11,14 @@
 
 use crate::cache::{NodeId, PageKey, PrefixCache};
 use crate::config::{Config, WritePolicy};
-use crate::controller::{CacheController, Io, LoadAck};
+use crate::controller::{CacheController, Grant, Io, LoadAck};
 use crate::device::{Clock, Device, EventId};
-use crate::layout::{pages_for_tokens, Layout, PageId, PAGE_TOKENS};
+use crate::layout::{pages_for_tokens, Layout, PAGE_TOKENS};
 use crate::metrics::Metrics;
 use crate::model::ModelStep;
 use crate::mutants::Mutants;
 use crate::pools::Pools;
-use crate::scheduler::{
-    Grant, Output, Request, RequestSpec, RequestState, Reserve, Row, Scheduler,
-};
+use crate::scheduler::{Output, Request, RequestSpec, RequestState, Reserve, Row, Scheduler};
 use crate::synth::Synth;
 use crate::transfer::{PageRuns, Transfer};
 
@@ -108,7 +106,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         cfg.validate()?;
         let layout = cfg.layout()?;
         let mutants = opts.mutants;
-        let pools = Pools::new(&mut dev, layout, mutants.host_layout(layout))?;
+        let pools = Pools::new(&mut dev, layout, mutants)?;
         let scratch = ModelStep::scratch_layout(&cfg, mutants)?;
         let scratch = ModelStep::alloc_scratch(&mut dev, scratch)?;
         let c = &cfg.cache;
@@ -123,7 +121,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         Ok(Engine {
             layout,
             model: ModelStep::new(&cfg, scratch, step_done, synth, mutants),
-            sched: Scheduler::new(&cfg, mutants.no_admission_control()),
+            sched: Scheduler::new(&cfg, mutants),
             cache: PrefixCache::with_mutants(mutants),
             dev,
             clock,
@@ -253,7 +251,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let events = self.ctl.layer_events(&self.sched.batch_loads(&rows));
         let digests =
             self.model
-                .forward(&mut self.dev, &self.pools, &events, &self.sched, &rows)?;
+                .forward(&mut self.dev, &self.pools, &events, &self.synth, &rows)?;
         self.finish_step(&rows, &digests)?;
         self.metrics.steps += 1;
         self.metrics
@@ -270,19 +268,17 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         if ctl.has_backups() {
             ctl.poll_backups(&mut io, true);
         } else if let Some(ack) = ctl.wait_oldest_load(&mut io) {
-            self.sched.load_acked(&ack);
+            self.apply(&[ack]);
         }
     }
 
     /// Moves queued requests into the running batch while the device tier can hold them.
     fn admit(&mut self) -> Result<usize, EngineError> {
         let step_done = self.model.step_done();
-        let write_policy = self.cfg.cache.write_policy;
         let mut res = Admission {
             ctl: &mut self.ctl,
             io: io!(self),
             step_done,
-            write_policy,
         };
         self.sched.admit(&mut res)
     }
@@ -307,7 +303,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             };
             let (ctl, mut io) = self.split();
             if let Some(ack) = ctl.ack(&mut io, load) {
-                self.sched.load_acked(&ack);
+                self.apply(&[ack]);
                 if !ack.ok {
                     failed.push(row.request);
                 }
@@ -319,7 +315,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             .record_forward(rows, digests, &failed, &self.synth, now);
         self.metrics.generated_tokens += done.generated_tokens;
         self.metrics.prefill_tokens += done.prefill_tokens;
-        for r in self.sched.take_finished() {
+        while let Some(r) = self.sched.next_finished() {
             self.complete(r)?;
         }
         Ok(())
@@ -415,62 +411,22 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     }
 }
 
-/// Admission's access to the memory: the prefix cache's match, device pages (evicting as
-/// needed), the load of a host-only prefix, and the selective write-through backup.
+/// Admission's access to the memory, for the scheduler: the cache controller's reservation.
 struct Admission<'a, D, C, T> {
     ctl: &'a mut CacheController,
     io: Io<'a, D, C, T>,
     step_done: EventId,
-    write_policy: WritePolicy,
 }
 
 impl<D: Device, C: Clock, T: Transfer> Reserve for Admission<'_, D, C, T> {
-    fn reserve(&mut self, r: &Request) -> Result<Option<Grant>, EngineError> {
-        let io = &mut self.io;
+    fn reserve(
+        &mut self,
+        r: &Request,
+        acks: &mut Vec<LoadAck>,
+    ) -> Result<Option<Grant>, EngineError> {
         let keys = page_keys(&r.tokens, r.cacheable_pages());
         let total = pages_for_tokens((r.prompt_len + r.max_new as usize) as u64) as usize;
-        let m = io.cache.match_prefix(&keys);
-        io.cache.lock(&m.nodes);
-        io.cache.pin_host(&m.nodes[m.device..]);
-        let Some(pages) = self
-            .ctl
-            .alloc_device(io, total - m.device, self.step_done)?
-        else {
-            io.cache.unpin(&m.nodes[m.device..]);
-            io.cache.unlock(&m.nodes);
-            return Ok(None);
-        };
-        io.cache.touch(&m.nodes);
-        io.metrics.prefix_pages_queried += keys.len() as u64;
-        io.metrics.prefix_pages_device_hit += m.device as u64;
-        io.metrics.prefix_pages_host_hit += m.host as u64;
-        let mut table: Vec<PageId> = m.nodes[..m.device]
-            .iter()
-            .map(|&n| io.cache.node(n).device.expect("resident"))
-            .collect();
-        table.extend_from_slice(&pages);
-        let (load, reclaimed) = if m.host > 0 {
-            let nodes = m.nodes[m.device..].to_vec();
-            let (id, reclaimed) = self
-                .ctl
-                .issue_load(io, r.id, nodes, pages[..m.host].to_vec())?;
-            (Some(id), reclaimed)
-        } else {
-            (None, None)
-        };
-        if self.write_policy == WritePolicy::WriteThroughSelective && m.device > 0 {
-            let last = io.cache.node(m.nodes[m.device - 1]);
-            if last.hits >= 2 && last.host.is_none() {
-                self.ctl
-                    .issue_backup(io, m.nodes[m.device - 1], self.step_done)?;
-            }
-        }
-        Ok(Some(Grant {
-            pages: table,
-            locked: m.nodes,
-            cached: m.device + m.host,
-            load,
-            reclaimed,
-        }))
+        self.ctl
+            .reserve(&mut self.io, r.id, &keys, total, self.step_done, acks)
     }
 }

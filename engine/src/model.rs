@@ -10,20 +10,21 @@
 
 use crate::config::Config;
 use crate::device::{
-    BufferDesc, BufferId, BufferRole, Device, DeviceError, EventId, IndexKStore, IndexLogits,
-    KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RowTag, RowTags, SparseRead, StreamKind,
-    TopK,
+    BufferDesc, BufferId, BufferRole, Device, DeviceError, EventId, EventState, IndexKStore,
+    IndexLogits, KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RowTag, RowTags, SparseRead,
+    StreamKind, TopK,
 };
 use crate::error::EngineError;
 use crate::gate::LayerGate;
 use crate::layout::{
-    slot, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, ScratchBuffer, ScratchLayout,
+    slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer, ScratchLayout,
     ScratchParams, PAGE_TOKENS,
 };
 use crate::mutants::Mutants;
 use crate::pools::Pools;
-use crate::scheduler::{Row, Scheduler};
+use crate::scheduler::Row;
 use crate::synth::{LnParams, Synth};
+use tierkv_kernels::cpu::numerics::le_u64s;
 use tierkv_kernels::rope::rope_row;
 
 /// Query rows per indexer launch.
@@ -84,7 +85,6 @@ pub(crate) struct ModelStep {
     scratch: Scratch,
     ln: Vec<LnParams>,
     step_done: EventId,
-    synth: Synth,
     mutants: Mutants,
 }
 
@@ -157,10 +157,16 @@ impl ModelStep {
         mutants: Mutants,
     ) -> Result<ScratchLayout, EngineError> {
         let m = &cfg.model;
-        let overflow = |_| {
+        // A validated configuration bounds every parameter (all at least 1, each product within
+        // u64); what can still overflow is the row count, in u32.
+        let overflow = |e: crate::layout::LayoutError| {
+            let field = match e {
+                crate::layout::LayoutError::Zero { field } => field,
+                crate::layout::LayoutError::Overflow { what } => what,
+            };
             EngineError::Config(crate::config::ConfigError::Overflow {
                 field: "scheduler.prefill_tokens_per_step_max",
-                what: "the step scratch",
+                what: field,
             })
         };
         let running = cfg.scheduler.running_requests_max;
@@ -218,7 +224,6 @@ impl ModelStep {
             scratch: scratch.0,
             ln,
             step_done,
-            synth,
             mutants,
         }
     }
@@ -232,31 +237,39 @@ impl ModelStep {
         self.scratch.layout.rows_max() as usize
     }
 
-    /// Runs one batch forward and returns, per query row (in row order), the digest of each layer.
-    /// `load_events` are the events of the loads the batch waits for (one list per load).
+    /// Runs one batch forward over the synthetic model `synth` and returns, per query row (in row
+    /// order), the digest of each layer. `load_events` are the events of the loads the batch
+    /// waits for (per load, one per local layer).
     pub(crate) fn forward<D: Device>(
         &mut self,
         dev: &mut D,
         pools: &Pools,
         load_events: &[Vec<EventId>],
-        sched: &Scheduler,
+        synth: &Synth,
         rows: &[Row],
     ) -> Result<Vec<Vec<u64>>, EngineError> {
-        let batch = self.gather(sched, rows);
+        let batch = self.gather(rows);
         assert!(
             batch.queries.len() <= self.rows_max(),
             "batch over the scratch rows"
         );
         for l in 0..self.shape.layers as usize {
-            let mut gate = LayerGate::new(l, load_events, self.shape.layer_base, self.mutants);
-            self.index_layer(dev, pools, &mut gate, &batch, l)?;
-            self.read_layer(dev, pools, &mut gate, &batch, l)?;
+            // The loads' events this layer waits for (mutant 7 picks them by the global id).
+            let index = self.mutants.gate_layer_index(l, self.shape.layer_base);
+            let events: Vec<EventId> = load_events
+                .iter()
+                .filter_map(|e| e.get(index))
+                .copied()
+                .collect();
+            let mut gate = LayerGate::new(LayerId(l as u32), &events, self.mutants);
+            self.index_layer(dev, pools, synth, &mut gate, &batch, l)?;
+            self.read_layer(dev, pools, synth, &mut gate, &batch, l)?;
         }
         self.read_back(dev, batch.queries.len())
     }
 
     /// The batch's new tokens, their slots and RoPE rows, and its query rows with page tables.
-    fn gather(&self, sched: &Scheduler, rows: &[Row]) -> Batch {
+    fn gather(&self, rows: &[Row]) -> Batch {
         let mut b = Batch {
             store: Vec::new(),
             slots: Vec::new(),
@@ -266,24 +279,21 @@ impl ModelStep {
         };
         let pt_stride = self.scratch.layout.pt_stride as usize;
         for row in rows {
-            let r = sched
-                .request(row.request)
-                .expect("a batch row's request runs");
             for pos in row.from..row.to {
-                let page = r.pages[pos / PAGE_TOKENS as usize];
+                let page = row.pages[pos / PAGE_TOKENS as usize];
                 b.slots.push(slot(page, pos as u32 % PAGE_TOKENS).kernel());
-                b.store.push((row.request, pos as u32, r.tokens[pos]));
+                b.store.push((row.request, pos as u32, row.token(pos)));
                 b.store_rope.extend(rope_row(pos as u32));
             }
             let mut table = vec![-1i32; pt_stride];
-            for (e, &p) in table.iter_mut().zip(&r.pages) {
+            for (e, &p) in table.iter_mut().zip(&row.pages) {
                 *e = self.mutants.page_table_entry(p);
             }
             for &q in &row.queries {
                 b.queries.push(Query {
                     request: row.request,
                     position: q,
-                    token: r.tokens[q as usize],
+                    token: row.token(q as usize),
                 });
                 b.tables.push(table.clone());
             }
@@ -297,6 +307,7 @@ impl ModelStep {
         &self,
         dev: &mut D,
         pools: &Pools,
+        synth: &Synth,
         gate: &mut LayerGate<'_>,
         batch: &Batch,
         l: usize,
@@ -307,7 +318,7 @@ impl ModelStep {
         let keys = batch
             .store
             .iter()
-            .flat_map(|t| self.synth.index_key(t.2, t.1, lg))
+            .flat_map(|t| synth.index_key(t.2, t.1, lg))
             .collect();
         let store = IndexKStore {
             dst: ik,
@@ -322,15 +333,17 @@ impl ModelStep {
         };
         dev.enqueue(StreamKind::Compute, Op::IndexKStore(store))?;
         for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
-            self.indexer_launch(dev, ik, batch, base, chunk, lg)?;
+            self.indexer_launch(dev, synth, ik, batch, base, chunk, lg)?;
         }
         Ok(())
     }
 
     /// One launch of the indexer over `chunk` (query rows `base..`) of layer `lg`.
+    #[allow(clippy::too_many_arguments)]
     fn indexer_launch<D: Device>(
         &self,
         dev: &mut D,
+        synth: &Synth,
         ik: BufferId,
         batch: &Batch,
         base: usize,
@@ -345,11 +358,11 @@ impl ModelStep {
             heads: sh.heads,
             q: chunk
                 .iter()
-                .flat_map(|c| self.synth.query(c.token, c.position, lg, sh.heads))
+                .flat_map(|c| synth.query(c.token, c.position, lg, sh.heads))
                 .collect(),
             weights: chunk
                 .iter()
-                .flat_map(|c| self.synth.head_weights(c.token, c.position, lg, sh.heads))
+                .flat_map(|c| synth.head_weights(c.token, c.position, lg, sh.heads))
                 .collect(),
             rope: chunk.iter().flat_map(|c| rope_row(c.position)).collect(),
             q_out: q,
@@ -393,6 +406,7 @@ impl ModelStep {
         &self,
         dev: &mut D,
         pools: &Pools,
+        synth: &Synth,
         gate: &mut LayerGate<'_>,
         batch: &Batch,
         l: usize,
@@ -406,7 +420,7 @@ impl ModelStep {
             rows: batch
                 .store
                 .iter()
-                .flat_map(|t| self.synth.kv_row(t.2, t.1, lg))
+                .flat_map(|t| synth.kv_row(t.2, t.1, lg))
                 .collect(),
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
@@ -451,10 +465,15 @@ impl ModelStep {
         };
         dev.enqueue(StreamKind::Compute, Op::Copy(copy))?;
         dev.record(StreamKind::Compute, self.step_done)?;
-        dev.synchronize(self.step_done);
+        if dev.synchronize(self.step_done) == EventState::Failed {
+            // The device could not run the step (a driver error): its digests are not data.
+            return Err(EngineError::Device(DeviceError::Backend {
+                detail: "the step's work failed on the device".into(),
+            }));
+        }
         let mut raw = vec![0u8; bytes.usize()];
         dev.host_read(s.buffer(ScratchBuffer::Readback), Bytes::ZERO, &mut raw)?;
-        let all = crate::cpu_device::u64s(&raw);
+        let all = le_u64s(&raw);
         Ok((0..queries as u32)
             .map(|qi| {
                 (0..self.shape.layers)

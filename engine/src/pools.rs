@@ -11,6 +11,7 @@
 use crate::device::{BufferDesc, BufferId, BufferRole, Device, DeviceError, MemoryTier, Op};
 use crate::gate::Gated;
 use crate::layout::{BufferKind, Bytes, LayerId, Layout, PageId, PageRun, PagedView};
+use crate::mutants::Mutants;
 
 /// Hands out page ids; LIFO so reuse is immediate (which is what exposes use-after-free).
 #[derive(Clone, Debug)]
@@ -67,10 +68,24 @@ impl PageAllocator {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolSide {
     buffer: BufferId,
-    pub view: PagedView,
+    view: PagedView,
 }
 
 impl PoolSide {
+    /// Where the side's pages are, and their format.
+    pub fn view(&self) -> PagedView {
+        self.view
+    }
+    /// Mutants 1 and 4's point: the copy takes `src`'s item size for this side too. The clean
+    /// engine's copy sees the side as it is.
+    pub(crate) fn as_copied_from(self, src: &PoolSide, mutants: Mutants) -> PoolSide {
+        if !mutants.copy_trusts_source_size() {
+            return self;
+        }
+        let mut view = self.view;
+        view.fingerprint = src.view.fingerprint;
+        PoolSide { view, ..self }
+    }
     /// The op that copies `runs` of pages from this side to `dst`.
     pub fn copy_to(self, dst: PoolSide, runs: Vec<PageRun>) -> Op {
         Op::PageCopy(crate::device::PageCopy {
@@ -87,9 +102,8 @@ impl PoolSide {
 #[derive(Debug)]
 pub struct Pools {
     layout: Layout,
-    /// The layout the mirror was built from (equal to `layout`, except under the mutants that
-    /// re-create incidents 1 and 4).
-    host_layout: Layout,
+    /// The zoo's switches (empty in production builds): mutants 1 and 4 size the mirror wrongly.
+    mutants: Mutants,
     device_kv: Vec<BufferId>,
     device_index_k: Vec<BufferId>,
     host_kv: BufferId,
@@ -99,13 +113,14 @@ pub struct Pools {
 }
 
 impl Pools {
-    /// Allocates every pool buffer: the device layers from `layout`, the mirror from
-    /// `host_layout` (which differs from it only under mutants).
+    /// Allocates every pool buffer from `layout` (the mirror from `mutants.host_layout(layout)`,
+    /// which is `layout` itself on the clean engine).
     pub fn new<D: Device>(
         dev: &mut D,
         layout: Layout,
-        host_layout: Layout,
+        mutants: Mutants,
     ) -> Result<Pools, DeviceError> {
+        let host_layout = mutants.host_layout(layout);
         let mut device_kv = Vec::new();
         let mut device_index_k = Vec::new();
         for l in 0..layout.layers() {
@@ -137,7 +152,7 @@ impl Pools {
         let host_index_k = mirror(BufferKind::IndexK)?;
         Ok(Pools {
             layout,
-            host_layout,
+            mutants,
             device_kv,
             device_index_k,
             host_kv,
@@ -150,13 +165,14 @@ impl Pools {
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
-    pub fn host_layout(&self) -> &Layout {
-        &self.host_layout
+    /// The layout the mirror is built from: the pools' own, except under mutants 1 and 4.
+    pub fn host_layout(&self) -> Layout {
+        self.mutants.host_layout(self.layout)
     }
 
     /// A layer's buffer for the model step, behind the gate's proof that the compute stream
     /// waited for the layer's loads.
-    pub(crate) fn gated(&self, g: &Gated) -> BufferId {
+    pub(crate) fn gated(&self, g: &Gated<'_>) -> BufferId {
         let l = g.layer().index();
         match g.kind() {
             BufferKind::Kv => self.device_kv[l],
@@ -182,10 +198,10 @@ impl Pools {
         };
         PoolSide {
             buffer,
-            view: self.host_layout.host_layer_view(kind, layer),
+            view: self.host_layout().host_layer_view(kind, layer),
         }
     }
     pub fn host_bytes(&self) -> Bytes {
-        self.host_layout.host_total_bytes()
+        self.host_layout().host_total_bytes()
     }
 }

@@ -9,9 +9,10 @@
 
 use crate::cache::NodeId;
 use crate::config::{Config, PrefillIndexer, SchedulerConfig};
-use crate::controller::{LoadAck, LoadId};
+use crate::controller::{Grant, LoadAck, LoadId};
 use crate::error::EngineError;
 use crate::layout::{PageId, PAGE_TOKENS};
+use crate::mutants::Mutants;
 use crate::synth::{Synth, VOCAB};
 use std::collections::{BTreeMap, VecDeque};
 
@@ -103,6 +104,17 @@ impl Request {
     pub fn finished(&self) -> bool {
         self.generated >= self.max_new
     }
+    /// The batch row that stores positions `from..to` and queries `queries`.
+    fn row(&self, from: usize, to: usize, queries: Vec<u32>) -> Row {
+        Row {
+            request: self.id,
+            from,
+            to,
+            queries,
+            tokens: self.tokens[from..to].to_vec(),
+            pages: self.pages.clone(),
+        }
+    }
     /// Full prompt pages the prefix cache may serve: the last prompt token is always computed,
     /// because its query yields the first token.
     pub fn cacheable_pages(&self) -> usize {
@@ -110,35 +122,36 @@ impl Request {
     }
 }
 
-/// One request's part of a batch: store positions `from..to`, run the indexer at `queries`.
+/// One request's part of a batch: store positions `from..to`, run the indexer at `queries`
+/// (positions within `from..to`). It carries what the forward needs of its request: the tokens
+/// at `from..to` and the page table.
 #[derive(Clone, Debug)]
 pub struct Row {
     pub request: u64,
     pub from: usize,
     pub to: usize,
     pub queries: Vec<u32>,
+    pub tokens: Vec<u32>,
+    pub pages: Vec<PageId>,
 }
 
-/// What admission got for a request from the rest of the engine.
-#[derive(Clone, Debug)]
-pub(crate) struct Grant {
-    /// The page table: the resident prefix's pages, then the request's own.
-    pub pages: Vec<PageId>,
-    /// The matched nodes, locked for the request.
-    pub locked: Vec<NodeId>,
-    /// Matched pages (resident or being loaded): the request owns `pages[cached..]`.
-    pub cached: usize,
-    /// The load of the host-only part of the prefix.
-    pub load: Option<LoadId>,
-    /// The acknowledgement of the load that held that load's ring slot before.
-    pub reclaimed: Option<LoadAck>,
+impl Row {
+    /// The token at position `pos` of the request (within the row).
+    pub fn token(&self, pos: usize) -> u32 {
+        self.tokens[pos - self.from]
+    }
 }
 
 /// Admission's question to the rest of the engine.
 pub(crate) trait Reserve {
     /// The cached prefix and the device pages of `r`, or `None` when the device tier cannot
-    /// hold it now (nothing is then held for it).
-    fn reserve(&mut self, r: &Request) -> Result<Option<Grant>, EngineError>;
+    /// hold it now (nothing is then held for it). Loads of other requests acknowledged on the
+    /// way are pushed to `acks`, whether or not the reservation succeeds.
+    fn reserve(
+        &mut self,
+        r: &Request,
+        acks: &mut Vec<LoadAck>,
+    ) -> Result<Option<Grant>, EngineError>;
 }
 
 /// Counts of what a forward produced, for the metrics.
@@ -154,12 +167,12 @@ struct Limits {
     sched: SchedulerConfig,
     context_tokens_max: u32,
     prefill_indexer: PrefillIndexer,
-    /// Intake queues whatever arrives (mutant 13).
-    unbounded: bool,
 }
 
 pub struct Scheduler {
     limits: Limits,
+    /// The zoo's switches (empty in production builds): mutant 13 drops admission control.
+    mutants: Mutants,
     queue: VecDeque<u64>,
     requests: BTreeMap<u64, Request>,
     running: Vec<u64>,
@@ -170,14 +183,14 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub(crate) fn new(cfg: &Config, unbounded: bool) -> Scheduler {
+    pub(crate) fn new(cfg: &Config, mutants: Mutants) -> Scheduler {
         Scheduler {
             limits: Limits {
                 sched: cfg.scheduler.clone(),
                 context_tokens_max: cfg.model.context_tokens_max,
                 prefill_indexer: cfg.model.prefill_indexer,
-                unbounded,
             },
+            mutants,
             queue: VecDeque::new(),
             requests: BTreeMap::new(),
             running: Vec::new(),
@@ -245,7 +258,7 @@ impl Scheduler {
     /// Over a limit of admission control, the rejection.
     fn over_limit(&self, prompt: u64) -> Option<Rejection> {
         let s = &self.limits.sched;
-        if self.limits.unbounded {
+        if self.mutants.no_admission_control() {
             return None;
         }
         if self.queue.len() as u64 >= s.queued_requests_max as u64 {
@@ -312,17 +325,19 @@ impl Scheduler {
     /// line: a request that does not fit now blocks those behind it).
     pub(crate) fn admit(&mut self, res: &mut impl Reserve) -> Result<usize, EngineError> {
         let mut admitted = 0;
+        let mut acks = Vec::new();
         while let Some(&id) = self.queue.front() {
             if self.running.len() >= self.limits.sched.running_requests_max as usize {
                 break;
             }
-            let Some(grant) = res.reserve(&self.requests[&id])? else {
+            let reserved = res.reserve(&self.requests[&id], &mut acks);
+            for ack in acks.drain(..) {
+                self.load_acked(&ack);
+            }
+            let Some(grant) = reserved? else {
                 break;
             };
             self.queue.pop_front();
-            if let Some(ack) = grant.reclaimed {
-                self.load_acked(&ack);
-            }
             let r = self.requests.get_mut(&id).expect("queued request exists");
             self.queued_tokens -= r.prompt_len as u64;
             r.state = RequestState::Running;
@@ -389,20 +404,10 @@ impl Scheduler {
                     PrefillIndexer::EveryToken => (from as u32..to as u32).collect(),
                     PrefillIndexer::LastToken => vec![to as u32 - 1],
                 };
-                Row {
-                    request: id,
-                    from,
-                    to,
-                    queries,
-                }
+                r.row(from, to, queries)
             } else if !r.finished() {
                 let p = r.computed;
-                Row {
-                    request: id,
-                    from: p,
-                    to: p + 1,
-                    queries: vec![p as u32],
-                }
+                r.row(p, p + 1, vec![p as u32])
             } else {
                 continue;
             };
@@ -480,25 +485,19 @@ impl Scheduler {
         counts
     }
 
-    /// Takes the finished requests out of the running set, in running order.
-    pub(crate) fn take_finished(&mut self) -> Vec<Request> {
-        let done: Vec<u64> = self
+    /// Takes the first finished request (in running order) out of the running set.
+    pub(crate) fn next_finished(&mut self) -> Option<Request> {
+        let at = self
             .running
             .iter()
-            .copied()
-            .filter(|id| self.requests[id].finished())
-            .collect();
-        done.into_iter()
-            .map(|id| {
-                self.running.retain(|&x| x != id);
-                let r = self.requests.remove(&id).expect("finished request exists");
-                assert!(
-                    r.load.is_none(),
-                    "request {id} finished with a load unacknowledged"
-                );
-                r
-            })
-            .collect()
+            .position(|id| self.requests[id].finished())?;
+        let id = self.running.remove(at);
+        let r = self.requests.remove(&id).expect("finished request exists");
+        assert!(
+            r.load.is_none(),
+            "request {id} finished with a load unacknowledged"
+        );
+        Some(r)
     }
 
     /// Device pages the running requests own (outside the prefix cache).
@@ -514,15 +513,24 @@ impl Scheduler {
 
     /// Checks the scheduler's bounds and bookkeeping; panics on the first broken one.
     pub(crate) fn check_invariants(&self) {
+        let bounded = !self.mutants.no_admission_control();
+        let s = &self.limits.sched;
         assert!(
-            self.queue.len() <= self.limits.sched.queued_requests_max as usize
-                || self.limits.unbounded,
+            self.queue.len() <= s.queued_requests_max as usize || !bounded,
             "queue over its limit"
+        );
+        assert!(
+            self.queued_tokens <= s.pending_tokens_max || !bounded,
+            "queued tokens over their limit"
         );
         let queued: u64 = self
             .queue
             .iter()
-            .map(|id| self.requests[id].prompt_len as u64)
+            .map(|id| {
+                let r = &self.requests[id];
+                assert_eq!(r.state, RequestState::Queued, "request {id} in the queue");
+                r.prompt_len as u64
+            })
             .sum();
         assert_eq!(
             queued, self.queued_tokens,

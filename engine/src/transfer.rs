@@ -46,11 +46,9 @@ impl Transfer for PageRuns {
         if pairs.is_empty() {
             return Ok(());
         }
-        if src.view.fingerprint != dst.view.fingerprint {
-            return Err(TransferError::LayoutMismatch {
-                src: src.view.fingerprint,
-                dst: dst.view.fingerprint,
-            });
+        let (sf, df) = (src.view().fingerprint, dst.view().fingerprint);
+        if sf != df {
+            return Err(TransferError::LayoutMismatch { src: sf, dst: df });
         }
         dev.enqueue(stream, src.copy_to(dst, coalesce_runs(pairs)))?;
         Ok(())

@@ -615,6 +615,14 @@ pub fn slot(page: PageId, offset: u32) -> SlotId {
     assert!(offset < PAGE_TOKENS, "offset {offset} outside a page");
     SlotId(page.0 * PAGE_TOKENS + offset)
 }
+/// The slot of token `offset` of page-table entry `page` as the kernels compute it: `int32`
+/// arithmetic, as CUDA's `page * 64 + offset` (a valid page table gives a valid slot; the CPU
+/// references use this so that they agree with the kernels on any input).
+pub fn kernel_slot(page: i32, offset: u32) -> i32 {
+    assert!(offset < PAGE_TOKENS, "offset {offset} outside a page");
+    page.wrapping_mul(PAGE_TOKENS as i32)
+        .wrapping_add(offset as i32)
+}
 /// The page holding `slot`.
 pub fn slot_page(slot: SlotId) -> PageId {
     PageId(slot.0 / PAGE_TOKENS)
@@ -752,9 +760,6 @@ impl ScratchLayout {
     }
     pub fn rows_max(&self) -> u32 {
         self.params.rows_max
-    }
-    pub fn launch_rows(&self) -> u32 {
-        self.params.launch_rows
     }
 
     /// The allocation size of a scratch buffer.

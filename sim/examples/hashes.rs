@@ -2,8 +2,8 @@
 //! evidence a refactor that must preserve behaviour compares before and after (the hash covers
 //! every device call, op timing and engine output of the run).
 //!
-//! `cargo run --release -p tierkv-sim --example hashes -- [PROFILE [FIRST [END [JOBS]]]]`
-//! (defaults: swarm 0 300 2).
+//! `cargo run --release -p tierkv-sim --example hashes -- [PROFILE [FIRST [END [JOBS [MUTANT]]]]]`
+//! (defaults: swarm 0 300 2, the clean engine; a mutant needs `--features mutants`).
 
 use std::process::ExitCode;
 use tierkv_sim::campaign::CampaignOptions;
@@ -31,7 +31,7 @@ fn main() -> ExitCode {
     let (first, end, jobs) = match parsed {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("{e}\nusage: hashes [PROFILE [FIRST [END [JOBS]]]]");
+            eprintln!("{e}\nusage: hashes [PROFILE [FIRST [END [JOBS [MUTANT]]]]]");
             return ExitCode::from(2);
         }
     };
@@ -41,7 +41,7 @@ fn main() -> ExitCode {
         jobs: 1,
         shard: None,
         profile: profile.clone(),
-        mutant: None,
+        mutant: args.get(5).cloned(),
         progress: false,
         stop_at_first: false,
         trace_records: None,
@@ -65,7 +65,8 @@ fn main() -> ExitCode {
     let mut rows = results.into_inner().expect("results");
     rows.sort();
     for (seed, hash, findings) in rows {
-        println!("{profile} {seed} {hash:#018x} {findings}");
+        let label = args.get(5).map_or(profile.clone(), |m| format!("{profile}/{m}"));
+        println!("{label} {seed} {hash:#018x} {findings}");
     }
     ExitCode::SUCCESS
 }

@@ -87,15 +87,16 @@ impl CudaExec {
         Ok(())
     }
 
-    /// Copies `src` into the mirror's range `r` (asynchronously for device memory: the caller
-    /// synchronises before `src` goes).
+    /// Copies `src` into the mirror's range `r`. For device memory the copy is asynchronous and
+    /// still reads `src` when this returns: the caller must synchronise the stream before `src`
+    /// is dropped or written (`run` does, before it touches the simulator's memory again).
     fn upload(&mut self, r: ByteRange, src: &[u8]) -> Result<(), DeviceError> {
         match &mut self.mirrors[r.buffer.0 as usize] {
             GpuMem::Pinned(h) => h.slice_mut()[r.span()].copy_from_slice(src),
             GpuMem::Device(_) => {
                 let dst = self.ptr(r.buffer).ptr + r.start.0;
-                // SAFETY: `src` outlives the synchronous wait that follows the op; the range is
-                // inside the mirror.
+                // SAFETY: the range is inside the mirror; `src` stays alive and unwritten until
+                // the caller's synchronisation (see the function comment).
                 unsafe {
                     cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())
                 }

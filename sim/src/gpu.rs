@@ -123,10 +123,15 @@ struct StreamState {
     failed_since_record: bool,
     /// Race-detector clock of the stream's enqueue point.
     vc: Vc,
+    /// The last op and the last record this stream finished: both finish in enqueue order.
+    last_op: Option<u64>,
+    last_record: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct RecordState {
+    /// The stream it was recorded on.
+    stream: usize,
     done_at: Option<u64>,
     failed: bool,
     vc: Vc,
@@ -388,8 +393,11 @@ impl SimGpu {
                     self.streams[s].queue.pop_front();
                     let failed = std::mem::take(&mut self.streams[s].failed_since_record);
                     let r = self.records.get_mut(&rec).expect("record exists");
+                    assert_eq!(r.stream, s, "record {rec} completes on another stream");
                     assert!(r.done_at.is_none(), "record {rec} completed twice");
                     r.done_at = Some(t);
+                    let last = self.streams[s].last_record.replace(rec);
+                    assert!(last < Some(rec), "records of one stream complete in order");
                     r.failed = failed;
                     self.streams[s].ready_at = t;
                     self.log(&[1, s as u64, rec, t]);
@@ -420,11 +428,6 @@ impl SimGpu {
                     };
                     let start = t.max(rec.enq_ns) + self.start_delay(s);
                     let end = start + rec.duration;
-                    assert!(
-                        start >= self.streams[s].ready_at,
-                        "op {} starts before its stream is ready",
-                        rec.id
-                    );
                     self.seq += 1;
                     self.heap.push(Reverse((end, self.seq, s)));
                     self.log(&[2, s as u64, rec.id, start]);
@@ -442,7 +445,7 @@ impl SimGpu {
                 break;
             }
             self.heap.pop();
-            self.complete(s);
+            self.complete(s, t);
         }
     }
 
@@ -452,20 +455,29 @@ impl SimGpu {
             if let Some(at) = self.records[&rec].done_at {
                 return at;
             }
-            let Some(Reverse((_, _, s))) = self.heap.pop() else {
+            let Some(Reverse((t, _, s))) = self.heap.pop() else {
                 panic!("deadlock: the host waits for record {rec}, which no stream will reach");
             };
-            self.complete(s);
+            self.complete(s, t);
         }
     }
 
-    /// The op running on stream `s` ends: its reads and writes happen now.
-    fn complete(&mut self, s: usize) {
+    /// The op running on stream `s` ends at `t` (the executor's queue entry for it): its reads
+    /// and writes happen now.
+    fn complete(&mut self, s: usize, t: u64) {
         let (rec, start, end) = self.streams[s].running.take().expect("a running op");
-        assert!(
-            end >= start && end >= self.streams[s].ready_at,
-            "op {} ends before it starts",
+        // Paired with the start in `advance_stream`: the queue holds the op's own end time, and
+        // the stream finishes its ops in the order they were enqueued.
+        assert_eq!(
+            end, t,
+            "op {} ends at {end}, its queue entry says {t}",
             rec.id
+        );
+        assert!(start <= end, "op {} ends before it starts", rec.id);
+        let last = self.streams[s].last_op.replace(rec.id);
+        assert!(
+            last < Some(rec.id),
+            "ops of one stream finish in enqueue order"
         );
         self.stats.ops += 1;
         self.log(&[3, s as u64, rec.id, end]);
@@ -606,8 +618,8 @@ impl SimGpu {
 
     /// Runs the device until every stream is idle (end of a run).
     pub fn drain(&mut self) {
-        while let Some(Reverse((_, _, s))) = self.heap.pop() {
-            self.complete(s);
+        while let Some(Reverse((t, _, s))) = self.heap.pop() {
+            self.complete(s, t);
         }
         // Nothing runs and nothing can start: a stream with work left waits for a record that
         // no stream will reach.
@@ -716,15 +728,15 @@ impl Device for SimGpu {
         );
         let rec = self.next_record;
         self.next_record += 1;
-        let fresh = self.records.insert(
+        self.records.insert(
             rec,
             RecordState {
+                stream: s,
                 done_at: None,
                 failed: false,
                 vc: self.streams[s].vc,
             },
         );
-        assert!(fresh.is_none(), "record {rec} made twice");
         self.events[ev.0 as usize] = Some(rec);
         self.streams[s].queue.push_back(Entry::Record(rec));
         self.log(&[5, s as u64, ev.0 as u64, rec]);

@@ -12,8 +12,7 @@
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
     kv_row, slot_offset, slot_page, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat,
-    PageId, SlotId, PageRun, PagedView,
-    INDEX_HEAD_DIM, KV_ROW_VALUES, PAGE_TOKENS, ROPE_DIM,
+    PageId, PageRun, PagedView, SlotId, INDEX_HEAD_DIM, KV_ROW_VALUES, PAGE_TOKENS, ROPE_DIM,
 };
 use half::bf16;
 use std::sync::Arc;
@@ -383,7 +382,13 @@ impl OpSpec for IndexKStore {
         let fmt = PageFormat::IndexK(self.dtype);
         for &s in &self.slots {
             // The token's values and (fp8) scale both live in its page: declare the page.
-            push_page(out, self.dst, fmt, slot_page(SlotId(s.max(0) as u32)).0, true);
+            push_page(
+                out,
+                self.dst,
+                fmt,
+                slot_page(SlotId(s.max(0) as u32)).0,
+                true,
+            );
         }
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {

@@ -72,13 +72,18 @@ impl PinnedHost {
         // SAFETY: a fresh allocation of `bytes` (at least 1).
         let host = unsafe { cudarc::driver::result::malloc_host(bytes.max(1), flags) }
             .map_err(backend("cuMemHostAlloc"))? as *mut u8;
-        let mut dev: sys::CUdeviceptr = 0;
+        // The value owns the allocation from here on: an error below frees it on drop.
+        let mut pinned = PinnedHost {
+            host,
+            dev: 0,
+            bytes,
+        };
         // SAFETY: `host` is a live DEVICEMAP allocation.
         check(
-            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut _, 0) },
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut pinned.dev, host as *mut _, 0) },
             "cuMemHostGetDevicePointer",
         )?;
-        Ok(PinnedHost { host, dev, bytes })
+        Ok(pinned)
     }
     /// The allocation's address on the device (it is mapped).
     pub fn dev_ptr(&self) -> DevPtr {
@@ -514,6 +519,9 @@ impl Device for CudaDevice {
             if r == sys::CUresult::CUDA_SUCCESS {
                 self.tickets.insert(ev, ticket);
             } else {
+                // The event itself is recorded; only the host callback that would signal the
+                // ring is missing. `query` then falls back to `cuEventQuery` for this event,
+                // which answers the same question more slowly, so the record still succeeds.
                 // SAFETY: the callback was not enqueued, so we still own `cb`; the ticket is
                 // completed here so the slot can be re-issued.
                 let cb = unsafe { Box::from_raw(cb) };

@@ -249,3 +249,30 @@ fn only_the_engine_module_and_the_runtime_name_the_engine() {
         bad.join("\n")
     );
 }
+
+#[test]
+fn only_devices_make_buffer_ids() {
+    // A pool buffer reaches the model step only through the gate's proof (`Pools::gated`) and
+    // the cache controller only as a `PoolSide`; a `BufferId` written by hand would go around
+    // both, so outside the devices (and their module) the engine never constructs one.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&root, &mut files);
+    let mut bad = Vec::new();
+    for f in &files {
+        let rel = f
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        if rel.starts_with("device/") || rel == "cpu_device.rs" || rel.starts_with("runtime/") {
+            continue;
+        }
+        for (n, line) in code_lines(&std::fs::read_to_string(f).unwrap()) {
+            if line.contains("BufferId(") {
+                bad.push(format!("{rel}:{n}: {}", line.trim()));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "buffer ids made outside the devices:\n{}", bad.join("\n"));
+}

@@ -171,3 +171,22 @@ pub fn read_u16(b: &[u8], at: usize) -> u16 {
 pub fn write_u16(b: &mut [u8], at: usize, v: u16) {
     b[at..at + 2].copy_from_slice(&v.to_le_bytes());
 }
+
+/// Little-endian `f32`s of a byte buffer (kernel outputs as the host reads them back).
+pub fn le_f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+/// Little-endian `i32`s of a byte buffer.
+pub fn le_i32s(b: &[u8]) -> Vec<i32> {
+    b.chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+/// Little-endian `u64`s of a byte buffer.
+pub fn le_u64s(b: &[u8]) -> Vec<u64> {
+    b.chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
+}

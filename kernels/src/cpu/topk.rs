@@ -7,7 +7,7 @@
 //! equal scores the lower position first.
 
 use crate::error::{bad, expect_len, KernelError, Result};
-use crate::layout::{INDEX_TOPK_MAX, PAGE_TOKENS};
+use crate::layout::{kernel_slot, INDEX_TOPK_MAX, PAGE_TOKENS};
 
 /// The order-preserving integer image of an fp32: `a < b` as floats iff `key(a) < key(b)` (for
 /// non-NaN values; `-0.0` sorts below `+0.0`).
@@ -89,10 +89,7 @@ pub fn topk(a: &TopKArgs, out: &mut [i32]) -> Result<()> {
         let best = topk_positions(row, a.k);
         for (i, slot) in o.iter_mut().enumerate() {
             *slot = match best.get(i) {
-                Some(&n) => {
-                    let page = pt[n as usize / PAGE_TOKENS as usize];
-                    page * PAGE_TOKENS as i32 + (n % PAGE_TOKENS) as i32
-                }
+                Some(&n) => kernel_slot(pt[n as usize / PAGE_TOKENS as usize], n % PAGE_TOKENS),
                 None => -1,
             };
         }

@@ -297,3 +297,79 @@ pub fn page_copy(src: &[u8], sv: &PagedView, dst: &mut [u8], dv: &PagedView, run
         }
     }
 }
+
+/// An e4m3fn code's value from the format's definition: sign, 4 exponent bits (bias 7), 3
+/// mantissa bits, subnormals at exponent 0, NaN at `s.1111.111`, no infinities.
+pub fn e4m3(code: u8) -> f64 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((code >> 3) & 0xF, code & 0x7);
+    if e == 0xF && m == 0x7 {
+        return f64::NAN;
+    }
+    let mag = if e == 0 {
+        m as f64 / 8.0 * 2f64.powi(-6)
+    } else {
+        (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7)
+    };
+    sign * mag
+}
+
+thread_local! {
+    /// `e4m3` of every code, computed once.
+    static E4M3: [f64; 256] = std::array::from_fn(|c| e4m3(c as u8));
+}
+
+/// Index key `t` of an index-K page as f64 values, and its scale (1 for bf16), from the page
+/// format: fp8 values at `t·128 + d` and the f32 scale at `8192 + 4t`; bf16 values at
+/// `(t·128 + d)·2`, little-endian.
+fn key_f64(dtype: IndexKDtype, page: &[u8], t: usize) -> ([f64; 128], f64) {
+    let mut k = [0f64; 128];
+    match dtype {
+        IndexKDtype::Fp8 => {
+            for (d, kd) in k.iter_mut().enumerate() {
+                *kd = E4M3.with(|table| table[page[t * 128 + d] as usize]);
+            }
+            (k, f32_at(page, 8192 + 4 * t) as f64)
+        }
+        IndexKDtype::Bf16 => {
+            for (d, kd) in k.iter_mut().enumerate() {
+                let at = (t * 128 + d) * 2;
+                let bits = u16::from_le_bytes([page[at], page[at + 1]]) as u32;
+                *kd = f32::from_bits(bits << 16) as f64;
+            }
+            (k, 1.0)
+        }
+    }
+}
+
+/// `index_logits` in f64 from the definition, `kscale[n] · Σ_h w_h · relu(q_h · k_n)`, with each
+/// logit's error scale `|kscale| · Σ_h |w_h| · Σ_d |q_hd k_nd|`; `-inf` (and scale 0) at and past
+/// each row's context length. Both `[rows][out_stride]`.
+pub fn index_logits_f64(a: &cpu::IndexLogitsArgs, pool: &[u8]) -> (Vec<f64>, Vec<f64>) {
+    let pb = PageFormat::IndexK(a.dtype).page_bytes() as usize;
+    let rows = a.context_lens.len();
+    let mut value = vec![f64::NEG_INFINITY; rows * a.out_stride];
+    let mut magnitude = vec![0f64; rows * a.out_stride];
+    for r in 0..rows {
+        let q: Vec<f64> = a.q[r * a.heads * 128..][..a.heads * 128]
+            .iter()
+            .map(|&c| e4m3(c))
+            .collect();
+        for n in 0..a.context_lens[r] as usize {
+            let page = a.page_table[r * a.pt_stride + n / 64] as usize;
+            let (k, ks) = key_f64(a.dtype, &pool[page * pb..][..pb], n % 64);
+            let (mut s, mut m) = (0f64, 0f64);
+            for h in 0..a.heads {
+                let q = &q[h * 128..][..128];
+                let w = a.weights[r * a.heads + h] as f64;
+                let terms = (0..128).map(|d| q[d] * k[d]);
+                let (dot, abs) = terms.fold((0f64, 0f64), |(x, y), t| (x + t, y + t.abs()));
+                s += w * dot.max(0.0);
+                m += w.abs() * abs;
+            }
+            value[r * a.out_stride + n] = ks * s;
+            magnitude[r * a.out_stride + n] = ks.abs() * m;
+        }
+    }
+    (value, magnitude)
+}

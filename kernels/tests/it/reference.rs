@@ -4,7 +4,7 @@ use crate::naive::{self, e4m3_step, pipeline_f64};
 use half::bf16;
 use proptest::prelude::*;
 use tierkv_kernels::cpu::numerics::{self, e4m3_decode, hadamard_128, read_f32};
-use tierkv_kernels::cpu::{self, logits, sparse_read, store, topk};
+use tierkv_kernels::cpu::{self, sparse_read, store, topk};
 use tierkv_kernels::layout::*;
 use tierkv_kernels::rope::rope_row;
 use tierkv_kernels::KernelError;
@@ -153,27 +153,13 @@ proptest! {
         let mut out = vec![f32::NAN; rows * out_stride];
         let args = cpu::IndexLogitsArgs { dtype, heads, q: &q, weights: &w, page_table: &page_table, pt_stride, context_lens: &ctx, out_stride };
         cpu::index_logits(&args, &kbuf, fmt.fingerprint(), &mut out).unwrap();
-        let pb = fmt.page_bytes() as usize;
-        for r in 0..rows {
-            for n in 0..out_stride {
-                let got = out[r * out_stride + n];
-                if n >= lens[r] { prop_assert_eq!(got, f32::NEG_INFINITY); continue; }
-                let page = page_table[r * pt_stride + n / 64] as usize;
-                let mut k = [0f32; 128];
-                let ks = logits::decode_key(dtype, &kbuf[page * pb..(page + 1) * pb], (n % 64) as u32, &mut k) as f64;
-                let mut want = 0f64;
-                let mut mag = 0f64;
-                for h in 0..heads {
-                    let qh = &q[(r * heads + h) * 128..(r * heads + h + 1) * 128];
-                    let dot: f64 = (0..128).map(|d| e4m3_decode(qh[d]) as f64 * k[d] as f64).sum();
-                    let absdot: f64 = (0..128).map(|d| (e4m3_decode(qh[d]) as f64 * k[d] as f64).abs()).sum();
-                    want += w[r * heads + h] as f64 * dot.max(0.0);
-                    mag += (w[r * heads + h] as f64).abs() * absdot;
-                }
-                want *= ks;
-                mag *= ks;
-                prop_assert!((got as f64 - want).abs() <= 1e-5 * mag + 1e-30, "row {} pos {}: {} vs {}", r, n, got, want);
+        let (want, mag) = naive::index_logits_f64(&args, &kbuf);
+        for (i, (&got, (&w, &m))) in out.iter().zip(want.iter().zip(&mag)).enumerate() {
+            if w == f64::NEG_INFINITY {
+                prop_assert_eq!(got, f32::NEG_INFINITY, "[{}]", i);
+                continue;
             }
+            prop_assert!((got as f64 - w).abs() <= 1e-5 * m + 1e-30, "[{}]: {} vs {}", i, got, w);
         }
     }
 

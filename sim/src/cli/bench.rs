@@ -411,7 +411,7 @@ mod imp {
             let mut host = vec![0u8; d.len()];
             self.c.s.memcpy_dtoh(d, &mut host).map_err(e)?;
             self.c.s.synchronize().map_err(e)?;
-            Ok(tierkv_engine::cpu_device::f32s(&host))
+            Ok(tierkv_kernels::cpu::numerics::le_f32s(&host))
         }
 
         /// top-k over the logits of the last `logits` run.

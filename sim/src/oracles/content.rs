@@ -10,12 +10,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tierkv_engine::config::Config;
-use tierkv_engine::cpu_device::{i32s, Memory};
+use tierkv_engine::cpu_device::Memory;
 use tierkv_engine::device::{BufferId, BufferRole, Op, RowTags, SparseRead};
 use tierkv_engine::layout::{
-    index_k_page, kv_row, BufferKind, IndexKDtype, KvDtype, LayerId, PageFormat, PAGE_TOKENS,
+    index_k_page, kv_row, slot_offset, slot_page, BufferKind, IndexKDtype, KvDtype, LayerId,
+    PageFormat, SlotId, PAGE_TOKENS,
 };
 use tierkv_engine::synth::{LnParams, Synth};
+use tierkv_kernels::cpu::numerics::le_i32s;
 use tierkv_kernels::cpu::store::{index_k_token, kv_token};
 use tierkv_kernels::rope::rope_row;
 
@@ -165,7 +167,7 @@ impl ContentOracle {
                 {
                     return vec![e];
                 }
-                let sel = i32s(mem.region(o.slots));
+                let sel = le_i32s(mem.region(o.slots));
                 self.check_kv(o, &sel, mem, pages)
             }
             _ => Vec::new(),
@@ -326,7 +328,8 @@ impl ContentOracle {
                 if s < 0 {
                     continue;
                 }
-                let (page, t) = (s / PAGE_TOKENS as i32, s as u32 % PAGE_TOKENS);
+                let slot = SlotId(s as u32);
+                let (page, t) = (slot_page(slot).0 as i32, slot_offset(slot));
                 let Some(j) = pt.iter().position(|&p| p == page) else {
                     return vec![format!(
                         "request {} (query position {}) layer {layer}: selected slot {s} is in page {page}, \
