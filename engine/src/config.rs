@@ -8,9 +8,13 @@
 //! is required.
 
 use crate::layout::{
-    HostLayout, IndexKDtype, KvDtype, Layout, LayoutError, LayoutParams, INDEX_HEADS_MAX,
-    INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_LORA_RANK, PAGE_TOKENS, QUANT_BLOCK, ROPE_DIM,
+    HostLayout, IndexKDtype, KvDtype, Layout, LayoutError, LayoutParams, ScratchBuffer,
+    ScratchLayout, ScratchParams, INDEX_HEADS_MAX, INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_LORA_RANK,
+    PAGE_TOKENS, QUANT_BLOCK, ROPE_DIM,
 };
+
+/// Query rows per indexer launch (the step scratch holds one launch of queries and logits).
+pub const QUERY_ROWS_PER_LAUNCH: u32 = 64;
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::fmt;
@@ -60,6 +64,39 @@ macro_rules! field {
         )
     };
 }
+
+/// What every key of a configuration means: its path, then its meaning, unit, range and default
+/// (the default is the preset's value when the file names a preset). `docs/CONFIG.md` and
+/// `tierkv check-config --emit-toml` are written from this table, and a test checks that it
+/// covers every key a configuration has.
+pub const KEY_DOCS: &[(&str, &str)] = &[
+    ("preset", "Start from this built-in preset (deepseek-v3.2, deepseek-v4-flash-bf16, sim-small); every other key then overrides it. Without a preset every key without a fixed default is required."),
+    ("name", "A name for reports. Default: the preset's name, or \"custom\"."),
+    ("model.layers", "Layers this engine serves. Range 1..=512."),
+    ("model.layer_base", "Global id of the first served layer: 0, unless this engine is a later pipeline stage. Range 0..=4096; default 0."),
+    ("model.kv_lora_rank", "MLA latent values per KV row. Must be 512 (the KV row layout fixes it)."),
+    ("model.qk_rope_head_dim", "MLA RoPE values per KV row. Must be 64."),
+    ("model.index_n_heads", "Indexer query heads. Range 1..=64 (DeepSeek-V3.2: 64)."),
+    ("model.index_head_dim", "Values per index key and query head. Must be 128 (the Hadamard transform and the page layout fix it)."),
+    ("model.index_topk", "Positions the indexer selects per query, honoured everywhere. Range 1..=2048 (DeepSeek-V3.2: 2048)."),
+    ("model.page_size", "Tokens per page. Must be 64 (the DeepGEMM, SGLang and vLLM paged layouts fix it)."),
+    ("model.kv_dtype", "MLA KV element type: \"bf16\" (1152 B/token) or \"fp8_packed\" (656 B/token: 512 e4m3 values, 4 fp32 tile scales, 64 bf16 RoPE values)."),
+    ("model.index_k_dtype", "Index-K element type: \"fp8\" (132 B/token: 128 e4m3 values and one fp32 scale) or \"bf16\" (256 B/token)."),
+    ("model.index_k_ue8m0", "Round fp8 index-K scales up to powers of two. Default false."),
+    ("model.context_tokens_max", "Longest context a request may reach, prompt plus generated tokens. Range 1..=1048576, and at most cache.device_pages pages."),
+    ("model.prefill_indexer", "Which prefill tokens run the indexer: \"every_token\" (as the model does) or \"last_token\" (each chunk's last; the simulator's default, cheaper on the CPU). Default every_token."),
+    ("cache.device_pages", "Pages (64 tokens each) of the device tier, per layer. At least 1; every slot must fit in i32; pools and step scratch at most 1 TiB."),
+    ("cache.host_ratio", "Host tier size as a multiple of the device tier: a finite number above 1. Give this or cache.host_tokens."),
+    ("cache.host_tokens", "Host tier size in tokens: more than the device tier's, fewer than 2^32 pages, at most 16 TiB of pinned memory. Give this or cache.host_ratio."),
+    ("cache.host_layout", "Order of the host mirror: \"layer_first\" ([layer][page]) or \"page_first\" ([page][layer])."),
+    ("cache.write_policy", "How KV reaches the host tier: \"write_through\" (every cached page at once), \"write_through_selective\" (on its second hit) or \"write_back\" (when the device tier evicts it)."),
+    ("cache.load_slots", "Slots of the load ring (loads in flight at once; SGLang uses 3). Range 1..=64; default 3."),
+    ("scheduler.queued_requests_max", "Requests waiting for admission; intake rejects more. Range 1..=1048576."),
+    ("scheduler.pending_tokens_max", "Prompt tokens waiting for admission; intake rejects more. Range 1..=2^36."),
+    ("scheduler.prefill_tokens_per_step_max", "Prompt tokens one step may compute. Range 1..=1048576."),
+    ("scheduler.running_requests_max", "Requests in the running batch. Range 1..=4096."),
+    ("scheduler.output_tokens_max", "Tokens a request may ask to generate. At least 1, below model.context_tokens_max."),
+];
 
 /// Which query tokens of a prefill chunk run the indexer (decode tokens always do).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -222,6 +259,38 @@ pub enum ConfigError {
         field: &'static str,
         what: &'static str,
     },
+    #[error("`{field}` = {value}: over the limit of {limit} ({why})")]
+    TooLarge {
+        field: &'static str,
+        value: String,
+        limit: String,
+        why: &'static str,
+    },
+    #[error("`{field}` = {value}: must be a finite number")]
+    NotFinite { field: String, value: String },
+}
+
+/// The most each field may be: what the engine can serve (the kernels', the load ring's and the
+/// scheduler's bounds) and what one GPU server holds. `check-config` refuses more, naming the
+/// field and the limit.
+pub mod limits {
+    /// Layers one engine serves (DeepSeek-V3.2 has 61): each costs two pool buffers and one event
+    /// per load slot.
+    pub const LAYERS_MAX: u32 = 512;
+    /// The largest global id of a first layer (a pipeline stage's offset).
+    pub const LAYER_BASE_MAX: u32 = 4096;
+    /// The longest context, in tokens (DeepSeek-V3.2 serves 128K; 8x that).
+    pub const CONTEXT_TOKENS_MAX: u32 = 1 << 20;
+    /// Slots of the load ring (three in SGLang), each one event per layer.
+    pub const LOAD_SLOTS_MAX: u32 = 64;
+    pub const QUEUED_REQUESTS_MAX: u32 = 1 << 20;
+    pub const PENDING_TOKENS_MAX: u64 = 1 << 36;
+    pub const PREFILL_TOKENS_PER_STEP_MAX: u32 = 1 << 20;
+    pub const RUNNING_REQUESTS_MAX: u32 = 4096;
+    /// Device memory of the pools and the step scratch (one H200 holds 141 GB).
+    pub const DEVICE_BYTES_MAX: u64 = 1 << 40;
+    /// Pinned host memory of the mirror.
+    pub const HOST_BYTES_MAX: u64 = 16 << 40;
 }
 
 pub type ConfigResult<T> = Result<T, ConfigError>;
@@ -321,7 +390,16 @@ impl Config {
     }
 
     pub fn from_toml(text: &str) -> ConfigResult<Config> {
-        let v: Value = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+        let t: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            format: "TOML",
+            message: clip_lines(&e.to_string()),
+        })?;
+        // TOML has `nan` and `inf`, which the generic value below cannot hold: refuse them here,
+        // by name, rather than let them read as missing values.
+        for (section, v) in &t {
+            non_finite(section, v)?;
+        }
+        let v = serde_json::to_value(&t).map_err(|e| ConfigError::Syntax {
             format: "TOML",
             message: e.to_string(),
         })?;
@@ -331,7 +409,7 @@ impl Config {
     pub fn from_json(text: &str) -> ConfigResult<Config> {
         let v: Value = serde_json::from_str(text).map_err(|e| ConfigError::Syntax {
             format: "JSON",
-            message: e.to_string(),
+            message: clip_lines(&e.to_string()),
         })?;
         Config::from_value(&v)
     }
@@ -404,7 +482,156 @@ impl Config {
         self.validate_model()?;
         self.validate_cache()?;
         self.validate_scheduler()?;
-        self.layout().map(|_| ())
+        self.validate_limits()?;
+        self.validate_footprint()
+    }
+
+    /// Every numeric field within what the engine can serve.
+    fn validate_limits(&self) -> ConfigResult<()> {
+        use limits::*;
+        let (m, c, s) = (&self.model, &self.cache, &self.scheduler);
+        let checks: [(Key, u64, u64, &'static str); 9] = [
+            (
+                key!(model.layers),
+                m.layers as u64,
+                LAYERS_MAX as u64,
+                "layers one engine serves",
+            ),
+            (
+                key!(model.layer_base),
+                m.layer_base as u64,
+                LAYER_BASE_MAX as u64,
+                "global layer ids",
+            ),
+            (
+                key!(model.context_tokens_max),
+                m.context_tokens_max as u64,
+                CONTEXT_TOKENS_MAX as u64,
+                "the longest context the kernels are tested for",
+            ),
+            (
+                key!(cache.load_slots),
+                c.load_slots as u64,
+                LOAD_SLOTS_MAX as u64,
+                "slots of the load ring",
+            ),
+            (
+                key!(scheduler.queued_requests_max),
+                s.queued_requests_max as u64,
+                QUEUED_REQUESTS_MAX as u64,
+                "requests one queue holds",
+            ),
+            (
+                key!(scheduler.pending_tokens_max),
+                s.pending_tokens_max,
+                PENDING_TOKENS_MAX,
+                "prompt tokens one queue holds",
+            ),
+            (
+                key!(scheduler.prefill_tokens_per_step_max),
+                s.prefill_tokens_per_step_max as u64,
+                PREFILL_TOKENS_PER_STEP_MAX as u64,
+                "prefill tokens of one step",
+            ),
+            (
+                key!(scheduler.running_requests_max),
+                s.running_requests_max as u64,
+                RUNNING_REQUESTS_MAX as u64,
+                "requests of one batch",
+            ),
+            (
+                key!(scheduler.output_tokens_max),
+                s.output_tokens_max as u64,
+                CONTEXT_TOKENS_MAX as u64,
+                "the longest context",
+            ),
+        ];
+        for (key, value, limit, why) in checks {
+            if value > limit {
+                return Err(ConfigError::TooLarge {
+                    field: key.path,
+                    value: value.to_string(),
+                    limit: limit.to_string(),
+                    why,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The device tier (pools and the step's scratch) and the host mirror within what one GPU
+    /// server holds.
+    fn validate_footprint(&self) -> ConfigResult<()> {
+        let layout = self.layout()?;
+        let scratch = self.scratch_layout(self.model.index_topk)?;
+        let scratch_bytes: u64 = ScratchBuffer::ALL
+            .iter()
+            .filter(|&&b| b != ScratchBuffer::Readback)
+            .map(|&b| scratch.bytes(b).0)
+            .sum();
+        let device = layout.device_total_bytes().0.saturating_add(scratch_bytes);
+        let too_large = |field, bytes: u64, limit: u64, why| ConfigError::TooLarge {
+            field,
+            value: format!("{} ({bytes} B)", self.cache.device_pages),
+            limit: format!("{limit} B"),
+            why,
+        };
+        if device > limits::DEVICE_BYTES_MAX {
+            return Err(too_large(
+                key!(cache.device_pages).path,
+                device,
+                limits::DEVICE_BYTES_MAX,
+                "device memory of the pools and the step scratch",
+            ));
+        }
+        let host = layout.host_total_bytes().0;
+        if host > limits::HOST_BYTES_MAX {
+            let field = match self.cache.host {
+                HostCapacity::Ratio(_) => key!(cache.host_ratio).path,
+                HostCapacity::Tokens(_) => key!(cache.host_tokens).path,
+            };
+            return Err(ConfigError::TooLarge {
+                field,
+                value: format!("{} host pages ({host} B)", self.host_pages()),
+                limit: format!("{} B", limits::HOST_BYTES_MAX),
+                why: "pinned host memory of the mirror",
+            });
+        }
+        Ok(())
+    }
+
+    /// The model step's scratch for this configuration, selecting `topk` per query row.
+    pub fn scratch_layout(&self, topk: u32) -> ConfigResult<ScratchLayout> {
+        let (m, s) = (&self.model, &self.scheduler);
+        let overflow = |what| ConfigError::Overflow {
+            field: key!(scheduler.prefill_tokens_per_step_max).path,
+            what,
+        };
+        // Every prefill token is a query row under `every_token`, and every decoding request
+        // one more.
+        let rows_max = match m.prefill_indexer {
+            PrefillIndexer::EveryToken => s
+                .prefill_tokens_per_step_max
+                .checked_add(s.running_requests_max)
+                .ok_or(overflow("query rows per step"))?,
+            PrefillIndexer::LastToken => s.running_requests_max,
+        };
+        ScratchLayout::new(ScratchParams {
+            heads: m.index_n_heads,
+            launch_rows: QUERY_ROWS_PER_LAUNCH,
+            rows_max,
+            context_tokens_max: m.context_tokens_max,
+            topk,
+            layers: m.layers,
+        })
+        .map_err(|e| match e {
+            LayoutError::Overflow { what } => overflow(what),
+            LayoutError::Zero { field } => ConfigError::Invalid {
+                field,
+                value: "0".into(),
+                rule: "must be at least 1".into(),
+            },
+        })
     }
 
     /// The model's shapes: the ones the byte layouts fix, and the ones the kernels bound.
@@ -677,9 +904,88 @@ impl Config {
     }
 }
 
+impl Config {
+    /// The configuration as TOML with every key's meaning, unit, range and default as a comment
+    /// above it (`tierkv check-config --emit-toml`): a file to start from.
+    pub fn to_documented_toml(&self) -> String {
+        let mut out = String::from(
+            "# tierkv configuration. Check it with: tierkv check-config FILE\n\
+             # Every key is below with its meaning, unit, range and default.\n\n",
+        );
+        let mut section = String::new();
+        for line in self.to_toml().lines() {
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                section = format!("{name}.");
+            }
+            if let Some((key, _)) = line.split_once(" = ") {
+                let path = format!("{section}{key}");
+                let doc = KEY_DOCS
+                    .iter()
+                    .find(|(k, _)| *k == path)
+                    .unwrap_or_else(|| panic!("the key `{path}` has no entry in KEY_DOCS"));
+                for l in wrap(doc.1, 98) {
+                    out.push_str(&format!("# {l}\n"));
+                }
+            }
+            out.push_str(line);
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// `text` in lines of at most `width` characters, split at spaces.
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines = vec![String::new()];
+    for word in text.split(' ') {
+        let last = lines.last_mut().expect("a line");
+        if !last.is_empty() && last.len() + 1 + word.len() > width {
+            lines.push(word.to_string());
+        } else {
+            if !last.is_empty() {
+                last.push(' ');
+            }
+            last.push_str(word);
+        }
+    }
+    lines
+}
+
 impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.to_toml())
+    }
+}
+
+/// A parser's message with every line cut to 160 characters (a syntax error on a line of 200 KB
+/// must not echo it whole).
+fn clip_lines(message: &str) -> String {
+    const WIDTH: usize = 160;
+    message
+        .lines()
+        .map(|l| match l.char_indices().nth(WIDTH) {
+            Some((at, _)) => format!("{}…", &l[..at]),
+            None => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The first `nan` or `inf` under `path` in a TOML document, as an error naming its field.
+fn non_finite(path: &str, v: &toml::Value) -> ConfigResult<()> {
+    match v {
+        toml::Value::Float(f) if !f.is_finite() => Err(ConfigError::NotFinite {
+            field: path.to_string(),
+            value: f.to_string(),
+        }),
+        toml::Value::Table(t) => t
+            .iter()
+            .try_for_each(|(k, v)| non_finite(&format!("{path}.{k}"), v)),
+        toml::Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, v)| non_finite(&format!("{path}[{i}]"), v)),
+        _ => Ok(()),
     }
 }
 

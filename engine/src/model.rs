@@ -18,7 +18,7 @@ use crate::error::EngineError;
 use crate::gate::LayerGate;
 use crate::layout::{
     slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer, ScratchLayout,
-    ScratchParams, PAGE_TOKENS,
+    PAGE_TOKENS,
 };
 use crate::mutants::Mutants;
 use crate::pools::Pools;
@@ -27,8 +27,7 @@ use crate::synth::{LnParams, Synth};
 use tierkv_kernels::cpu::numerics::le_u64s;
 use tierkv_kernels::rope::rope_row;
 
-/// Query rows per indexer launch.
-pub const QUERY_ROWS_PER_LAUNCH: u32 = 64;
+pub use crate::config::QUERY_ROWS_PER_LAUNCH;
 
 /// The step scratch: one buffer per [`ScratchBuffer`], sized once at start (the steady state does
 /// not allocate device memory).
@@ -156,39 +155,7 @@ impl ModelStep {
         cfg: &Config,
         mutants: Mutants,
     ) -> Result<ScratchLayout, EngineError> {
-        let m = &cfg.model;
-        // A validated configuration bounds every parameter (all at least 1, each product within
-        // u64); what can still overflow is the row count, in u32.
-        let overflow = |e: crate::layout::LayoutError| {
-            let field = match e {
-                crate::layout::LayoutError::Zero { field } => field,
-                crate::layout::LayoutError::Overflow { what } => what,
-            };
-            EngineError::Config(crate::config::ConfigError::Overflow {
-                field: "scheduler.prefill_tokens_per_step_max",
-                what: field,
-            })
-        };
-        let running = cfg.scheduler.running_requests_max;
-        let rows_max = match m.prefill_indexer {
-            // Every prefill token is a query row, and every decoding request one more.
-            crate::config::PrefillIndexer::EveryToken => cfg
-                .scheduler
-                .prefill_tokens_per_step_max
-                .checked_add(running)
-                .ok_or(crate::layout::LayoutError::Overflow { what: "query rows" })
-                .map_err(overflow)?,
-            crate::config::PrefillIndexer::LastToken => running,
-        };
-        ScratchLayout::new(ScratchParams {
-            heads: m.index_n_heads,
-            launch_rows: QUERY_ROWS_PER_LAUNCH,
-            rows_max,
-            context_tokens_max: m.context_tokens_max,
-            topk: mutants.index_topk(m.index_topk),
-            layers: m.layers,
-        })
-        .map_err(overflow)
+        Ok(cfg.scratch_layout(mutants.index_topk(cfg.model.index_topk))?)
     }
 
     /// Allocates the scratch buffers.

@@ -34,6 +34,18 @@ pub enum TraceError {
         field: &'static str,
         reason: String,
     },
+    #[error(
+        "line {line}: timestamp {timestamp_ms} ms is earlier than line {previous_line}'s \
+         {previous_ms} ms (a trace lists its requests in arrival order)"
+    )]
+    OutOfOrder {
+        line: usize,
+        timestamp_ms: u64,
+        previous_line: usize,
+        previous_ms: u64,
+    },
+    #[error("{path}: the trace holds no request")]
+    Empty { path: String },
 }
 
 fn uint(
@@ -121,30 +133,56 @@ pub fn parse_line(text: &str, line: usize) -> Result<TraceRecord, TraceError> {
     })
 }
 
-/// Parses JSON lines (blank lines are skipped).
+/// Parses JSON lines (blank lines are skipped). Requests must come in arrival order: a
+/// timestamp earlier than the line before is refused with both line numbers, because every
+/// consumer replays arrivals by their differences (a trace out of order is a broken trace, and
+/// sorting it silently would replay a different workload).
 pub fn parse_jsonl(text: &str) -> Result<Vec<TraceRecord>, TraceError> {
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| parse_line(l, i + 1))
-        .collect()
+    let mut out: Vec<TraceRecord> = Vec::new();
+    for (i, l) in text.lines().enumerate() {
+        if l.trim().is_empty() {
+            continue;
+        }
+        let r = parse_line(l, i + 1)?;
+        if let Some(prev) = out.last() {
+            if r.timestamp_ms < prev.timestamp_ms {
+                return Err(TraceError::OutOfOrder {
+                    line: r.line,
+                    timestamp_ms: r.timestamp_ms,
+                    previous_line: prev.line,
+                    previous_ms: prev.timestamp_ms,
+                });
+            }
+        }
+        out.push(r);
+    }
+    Ok(out)
 }
 
+/// Reads a trace file; one without any request is an error.
 pub fn read_trace(path: &std::path::Path) -> Result<Vec<TraceRecord>, TraceError> {
     let text = std::fs::read_to_string(path).map_err(|e| TraceError::Io {
         path: path.display().to_string(),
         reason: e.to_string(),
     })?;
-    parse_jsonl(&text)
+    let recs = parse_jsonl(&text)?;
+    if recs.is_empty() {
+        return Err(TraceError::Empty {
+            path: path.display().to_string(),
+        });
+    }
+    Ok(recs)
 }
 
-/// The prompt of a record: its blocks' tokens, the last block cut at `input_length`.
-pub fn prompt_tokens(rec: &TraceRecord, synth: &Synth) -> Vec<u32> {
-    let mut out = Vec::with_capacity(rec.input_length as usize);
-    for &h in &rec.hash_ids {
+/// The prompt of a record, at most `tokens_max` tokens of it: its blocks' tokens, cut at
+/// `input_length` (so a record of four billion tokens costs no more than the cut).
+pub fn prompt_tokens(rec: &TraceRecord, synth: &Synth, tokens_max: usize) -> Vec<u32> {
+    let len = (rec.input_length as usize).min(tokens_max);
+    let mut out = Vec::with_capacity(len);
+    'blocks: for &h in &rec.hash_ids {
         for i in 0..BLOCK_TOKENS as u64 {
-            if out.len() == rec.input_length as usize {
-                break;
+            if out.len() == len {
+                break 'blocks;
             }
             out.push(synth.token(h, i));
         }
@@ -202,7 +240,10 @@ pub fn fuzz_trace(data: &[u8]) {
                 r.hash_ids.len(),
                 r.input_length.div_ceil(BLOCK_TOKENS) as usize
             );
-            assert_eq!(prompt_tokens(r, &synth).len(), r.input_length as usize);
+            assert_eq!(
+                prompt_tokens(r, &synth, usize::MAX).len(),
+                r.input_length as usize
+            );
         }
     }
 }

@@ -65,7 +65,9 @@ fn main() -> ExitCode {
     let mut rows = results.into_inner().expect("results");
     rows.sort();
     for (seed, hash, findings) in rows {
-        let label = args.get(5).map_or(profile.clone(), |m| format!("{profile}/{m}"));
+        let label = args
+            .get(5)
+            .map_or(profile.clone(), |m| format!("{profile}/{m}"));
         println!("{label} {seed} {hash:#018x} {findings}");
     }
     ExitCode::SUCCESS

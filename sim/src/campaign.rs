@@ -29,14 +29,58 @@ pub struct CampaignOptions {
     pub cuda: bool,
 }
 
+/// The seeds of a campaign: `first..end`, and of those only `seed % n == i` under a shard
+/// `(i, n)`. Computed, never listed: a range of 2^64 seeds costs nothing until it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeedSet {
+    /// The first seed of the set (`end` when it is empty).
+    start: u64,
+    end: u64,
+    step: u64,
+}
+
+impl SeedSet {
+    pub fn new(first: u64, end: u64, shard: Option<(u64, u64)>) -> SeedSet {
+        let (i, n) = shard.unwrap_or((0, 1));
+        assert!(n > 0 && i < n, "shard {i}/{n}");
+        // The first seed >= `first` with seed % n == i.
+        let off = ((i as u128 + n as u128 - (first % n) as u128) % n as u128) as u64;
+        let start = match first.checked_add(off) {
+            Some(s) if s < end => s,
+            _ => end,
+        };
+        SeedSet {
+            start,
+            end,
+            step: n,
+        }
+    }
+    pub fn len(&self) -> u64 {
+        if self.start >= self.end {
+            0
+        } else {
+            (self.end - 1 - self.start) / self.step + 1
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The `k`-th seed of the set.
+    pub fn nth(&self, k: u64) -> Option<u64> {
+        (k < self.len()).then(|| self.start + k * self.step)
+    }
+    /// The first seed, if any.
+    pub fn first(&self) -> Option<u64> {
+        self.nth(0)
+    }
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..self.len()).map(|k| self.start + k * self.step)
+    }
+}
+
 impl CampaignOptions {
-    pub fn seeds(&self) -> Vec<u64> {
-        (self.first..self.end)
-            .filter(|s| match self.shard {
-                Some((i, n)) => s % n == i,
-                None => true,
-            })
-            .collect()
+    pub fn seeds(&self) -> SeedSet {
+        SeedSet::new(self.first, self.end, self.shard)
     }
     pub fn scenario(&self, seed: u64) -> Scenario {
         let mut sc = draw(seed, &self.profile, self.trace_records.as_deref());
@@ -128,14 +172,14 @@ pub fn run_campaign(
     mut on_done: impl FnMut(&RunOutcome),
 ) -> CampaignSummary {
     let seeds = opts.seeds();
-    let total = seeds.len() as u64;
+    let total = seeds.len();
     let next = AtomicU64::new(0);
     let stop = std::sync::atomic::AtomicBool::new(false);
     let start = Instant::now();
     let mut summary = CampaignSummary::default();
     let (tx, rx) = mpsc::channel::<RunOutcome>();
     std::thread::scope(|scope| {
-        for _ in 0..opts.jobs.max(1) {
+        for _ in 0..(opts.jobs.max(1) as u64).min(total.max(1)) {
             let tx = tx.clone();
             let (next, stop, seeds) = (&next, &stop, &seeds);
             scope.spawn(move || loop {
@@ -143,7 +187,7 @@ pub fn run_campaign(
                     return;
                 }
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&seed) = seeds.get(i as usize) else {
+                let Some(seed) = seeds.nth(i) else {
                     return;
                 };
                 let out = run(

@@ -46,9 +46,10 @@ impl CudaExec {
             let d = mem.descs[self.mirrors.len()];
             let bytes = d.bytes.usize().max(1);
             let m = match d.tier {
-                // SAFETY: every byte is uploaded before an op reads it.
+                // Zeroed, so that a written range the kernel leaves partly alone never copies
+                // uninitialised bytes back (compute-sanitizer's initcheck).
                 MemoryTier::Device => {
-                    GpuMem::Device(unsafe { self.stream.alloc::<u8>(bytes) }.map_err(backend)?)
+                    GpuMem::Device(self.stream.alloc_zeros::<u8>(bytes).map_err(backend)?)
                 }
                 MemoryTier::PinnedHost => GpuMem::Pinned(PinnedHost::new(&self.ops.ctx, bytes)?),
             };

@@ -115,21 +115,34 @@ fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
+/// The engine's mutants for a mutant's name (`None`: the clean engine); an error names an unknown
+/// mutant, or a build without the zoo.
 #[cfg(feature = "mutants")]
-fn mutants_of(name: Option<&str>) -> Result<Mutants, String> {
+pub fn mutants_of(name: Option<&str>) -> Result<Mutants, String> {
     match name {
         None => Ok(Mutants::none()),
         Some(n) => tierkv_engine::mutants::Mutant::parse(n)
             .map(Mutants::only)
-            .ok_or_else(|| format!("unknown mutant `{n}`")),
+            .ok_or_else(|| {
+                let names: Vec<&str> = tierkv_engine::mutants::Mutant::ALL
+                    .iter()
+                    .map(|m| m.name())
+                    .collect();
+                format!(
+                    "unknown mutant `{n}`; the mutants are: {}",
+                    names.join(", ")
+                )
+            }),
     }
 }
+/// The engine's mutants for a mutant's name (`None`: the clean engine); an error names an unknown
+/// mutant, or a build without the zoo.
 #[cfg(not(feature = "mutants"))]
-fn mutants_of(name: Option<&str>) -> Result<Mutants, String> {
+pub fn mutants_of(name: Option<&str>) -> Result<Mutants, String> {
     match name {
         None => Ok(Mutants::none()),
         Some(n) => Err(format!(
-            "mutant `{n}` needs a build with `--features mutants`"
+            "mutant `{n}` needs the zoo's binary: cargo run --release -p tierkv-sim --features mutants --bin tierkv-zoo -- ..."
         )),
     }
 }

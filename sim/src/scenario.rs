@@ -105,9 +105,184 @@ pub struct Scenario {
     pub mutant: Option<String>,
 }
 
+/// Why a scenario (a saved file, or any scenario handed to the runner) was refused: the field,
+/// its value and the rule it broke.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("`{field}` = {value}: {rule}")]
+pub struct ScenarioError {
+    pub field: String,
+    pub value: String,
+    pub rule: String,
+}
+
+/// Bounds of a scenario beyond its configuration's: what one simulated run can hold in memory
+/// and time (the simulator runs every op on real bytes).
+pub mod limits {
+    /// Device pools, step scratch and host mirror together, in bytes.
+    pub const SIM_MEMORY_MAX: u64 = 1 << 30;
+    pub const PCT_DEPTH_MAX: u32 = 64;
+    pub const JITTER_NS_MAX: u64 = 1_000_000_000;
+    pub const COPY_BYTES_PER_NS_MAX: f64 = 1e6;
+    /// Arrival times, think times and the like, in virtual ns (about 17 minutes).
+    pub const TIME_NS_MAX: u64 = 1 << 40;
+    pub const SESSIONS_MAX: usize = 10_000;
+    pub const TURNS_MAX: usize = 1_000;
+    pub const ONESHOTS_MAX: usize = 100_000;
+    pub const SEGMENTS_MAX: usize = 1_000;
+    pub const STEPS_MAX: u64 = 10_000_000;
+}
+
+fn bad(
+    field: impl Into<String>,
+    value: impl std::fmt::Display,
+    rule: impl Into<String>,
+) -> ScenarioError {
+    ScenarioError {
+        field: field.into(),
+        value: value.to_string(),
+        rule: rule.into(),
+    }
+}
+
+fn rate(field: &str, v: f64) -> Result<(), ScenarioError> {
+    if v.is_finite() && (0.0..=1.0).contains(&v) {
+        Ok(())
+    } else {
+        Err(bad(field, v, "must be a probability in 0..=1"))
+    }
+}
+
+fn at_most<T: PartialOrd + std::fmt::Display>(
+    field: &str,
+    v: T,
+    max: T,
+) -> Result<(), ScenarioError> {
+    if v <= max {
+        Ok(())
+    } else {
+        Err(bad(field, &v, format!("must be at most {max}")))
+    }
+}
+
 impl Scenario {
     pub fn engine_config(&self) -> Config {
         Config::from_toml(&self.config).expect("a scenario carries a valid configuration")
+    }
+
+    /// Checks every field: the configuration (and that the run fits the simulator's memory),
+    /// the GPU model, the fault rates, the workload against the configuration's limits, the
+    /// profile and the mutant's name. The first broken rule is the error.
+    pub fn validate(&self) -> Result<(), ScenarioError> {
+        if !PROFILES.contains(&self.profile.as_str()) {
+            return Err(bad(
+                "profile",
+                &self.profile,
+                format!("is not one of {}", PROFILES.join(", ")),
+            ));
+        }
+        let cfg =
+            Config::from_toml(&self.config).map_err(|e| bad("config", "(TOML)", e.to_string()))?;
+        let layout = cfg
+            .layout()
+            .map_err(|e| bad("config", "(TOML)", e.to_string()))?;
+        let scratch = cfg
+            .scratch_layout(cfg.model.index_topk.max(512))
+            .map_err(|e| bad("config", "(TOML)", e.to_string()))?;
+        let bytes = layout.device_total_bytes().0
+            + layout.host_total_bytes().0
+            + tierkv_engine::layout::ScratchBuffer::ALL
+                .iter()
+                .map(|&b| scratch.bytes(b).0)
+                .sum::<u64>();
+        if bytes > limits::SIM_MEMORY_MAX {
+            return Err(bad(
+                "config",
+                format!("{bytes} B of pools and scratch"),
+                format!(
+                    "must fit the simulator's {} B of memory",
+                    limits::SIM_MEMORY_MAX
+                ),
+            ));
+        }
+        self.validate_gpu()?;
+        rate("abort_rate", self.abort_rate)?;
+        rate("abort_mid_load_rate", self.abort_mid_load_rate)?;
+        if self.steps_max == 0 {
+            return Err(bad("steps_max", 0, "must be at least 1"));
+        }
+        at_most("steps_max", self.steps_max, limits::STEPS_MAX)?;
+        self.validate_workload(&cfg)?;
+        if let Some(m) = &self.mutant {
+            if tierkv_engine::mutants::Mutant::parse(m).is_none() {
+                return Err(bad("mutant", m, "is not a mutant of the bug zoo"));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_gpu(&self) -> Result<(), ScenarioError> {
+        let g = &self.gpu;
+        if !["random_walk", "pct"].contains(&g.policy.as_str()) {
+            return Err(bad(
+                "gpu.policy",
+                &g.policy,
+                "is not one of random_walk, pct",
+            ));
+        }
+        at_most("gpu.pct_depth", g.pct_depth, limits::PCT_DEPTH_MAX)?;
+        at_most("gpu.jitter_ns", g.jitter_ns, limits::JITTER_NS_MAX)?;
+        let bw = g.copy_bytes_per_ns;
+        if !(bw.is_finite() && bw > 0.0 && bw <= limits::COPY_BYTES_PER_NS_MAX) {
+            return Err(bad(
+                "gpu.copy_bytes_per_ns",
+                bw,
+                format!("must be a number in (0, {}]", limits::COPY_BYTES_PER_NS_MAX),
+            ));
+        }
+        rate("gpu.slow_copy_rate", g.slow_copy_rate)?;
+        rate("gpu.failed_copy_rate", g.failed_copy_rate)
+    }
+
+    /// Sessions and one-shots: counts, times, and token counts a request of this configuration
+    /// can have.
+    fn validate_workload(&self, cfg: &Config) -> Result<(), ScenarioError> {
+        let w = &self.workload;
+        let ctx = cfg.model.context_tokens_max;
+        let out_max = cfg.scheduler.output_tokens_max;
+        let generate = |field: String, g: u32| {
+            if (1..=out_max).contains(&g) {
+                Ok(())
+            } else {
+                Err(bad(
+                    field,
+                    g,
+                    format!("must be in 1..={out_max} (scheduler.output_tokens_max)"),
+                ))
+            }
+        };
+        at_most("workload.sessions", w.sessions.len(), limits::SESSIONS_MAX)?;
+        at_most("workload.oneshots", w.oneshots.len(), limits::ONESHOTS_MAX)?;
+        for (i, s) in w.sessions.iter().enumerate() {
+            let f = |name: &str| format!("workload.sessions[{i}].{name}");
+            at_most(&f("start_ns"), s.start_ns, limits::TIME_NS_MAX)?;
+            at_most(&f("system_tokens"), s.system_tokens, ctx)?;
+            at_most(&f("turns"), s.turns.len(), limits::TURNS_MAX)?;
+            for (j, t) in s.turns.iter().enumerate() {
+                let f = |name: &str| format!("workload.sessions[{i}].turns[{j}].{name}");
+                at_most(&f("append_tokens"), t.append_tokens, ctx)?;
+                at_most(&f("think_ns"), t.think_ns, limits::TIME_NS_MAX)?;
+                generate(f("generate"), t.generate)?;
+            }
+        }
+        for (i, o) in w.oneshots.iter().enumerate() {
+            let f = |name: &str| format!("workload.oneshots[{i}].{name}");
+            at_most(&f("at_ns"), o.at_ns, limits::TIME_NS_MAX)?;
+            at_most(&f("segments"), o.segments.len(), limits::SEGMENTS_MAX)?;
+            let tokens: u64 = o.segments.iter().map(|s| s.1 as u64).sum();
+            at_most(&f("segments (tokens)"), tokens, ctx as u64)?;
+            generate(f("generate"), o.generate)?;
+        }
+        Ok(())
     }
 
     /// One line describing the drawn configuration.

@@ -72,6 +72,9 @@ impl PinnedHost {
         // SAFETY: a fresh allocation of `bytes` (at least 1).
         let host = unsafe { cudarc::driver::result::malloc_host(bytes.max(1), flags) }
             .map_err(backend("cuMemHostAlloc"))? as *mut u8;
+        // SAFETY: `host` holds `bytes.max(1)` bytes; zeroed so that no page tail the device
+        // never wrote reaches a reader uninitialised.
+        unsafe { std::ptr::write_bytes(host, 0, bytes.max(1)) };
         // The value owns the allocation from here on: an error below frees it on drop.
         let mut pinned = PinnedHost {
             host,
@@ -476,10 +479,11 @@ impl Device for CudaDevice {
             bytes: desc.bytes.0,
         };
         let m = match desc.tier {
+            // Zeroed at allocation: a whole page moves to the host mirror even where its tail
+            // was never written, and no uninitialised byte may leave the device (the GPU
+            // session runs compute-sanitizer's initcheck).
             MemoryTier::Device => {
-                // SAFETY: the buffer is written before it is read (pools by stores and loads,
-                // scratch by the op producing it).
-                GpuMem::Device(unsafe { self.streams[0].alloc::<u8>(bytes) }.map_err(oom)?)
+                GpuMem::Device(self.streams[0].alloc_zeros::<u8>(bytes).map_err(oom)?)
             }
             MemoryTier::PinnedHost => GpuMem::Pinned(PinnedHost::new(&self.ops.ctx, bytes)?),
         };

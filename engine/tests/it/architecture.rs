@@ -274,5 +274,9 @@ fn only_devices_make_buffer_ids() {
             }
         }
     }
-    assert!(bad.is_empty(), "buffer ids made outside the devices:\n{}", bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "buffer ids made outside the devices:\n{}",
+        bad.join("\n")
+    );
 }

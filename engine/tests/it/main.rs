@@ -2,6 +2,7 @@
 
 mod architecture;
 mod cache_model;
+mod config_docs;
 mod cuda_device;
 mod engine_smoke;
 mod service;

@@ -164,7 +164,7 @@ fn hit_rate_matches_a_simple_computation() {
     let (mut dev_hits, mut host_hits, mut total) = (0u64, 0u64, 0u64);
     let mut per_request = Vec::new();
     for r in &recs {
-        let tokens = trace::prompt_tokens(r, &synth);
+        let tokens = trace::prompt_tokens(r, &synth, usize::MAX);
         let keys = page_keys(&tokens, tokens.len() / 64);
         let m = cache.match_prefix(&keys);
         cache.touch(&m.nodes);
@@ -253,6 +253,10 @@ fn malformed_traces_name_the_line() {
         ("{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1, 2, 3]}", "hash_ids"),
         ("{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [-1]}", "hash_ids"),
         ("[1, 2]", "line 1"),
+        (
+            "{\"timestamp\": 5, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\n{\"timestamp\": 4, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}",
+            "line 3: timestamp 4 ms is earlier than line 1's 5 ms",
+        ),
     ];
     for (text, needle) in cases {
         let e = trace::parse_jsonl(text).unwrap_err().to_string();

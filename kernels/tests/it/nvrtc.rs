@@ -1,9 +1,14 @@
-//! Every CUDA source compiles to PTX for sm_90 with NVRTC. Under CI (`TIERKV_REQUIRE_NVRTC=1`, set
-//! by `.ci/run`) a missing NVRTC is a failure; elsewhere the test says it skipped and why.
+//! Every CUDA source compiles to PTX for sm_90 with NVRTC. Where the build found no NVRTC
+//! (`kernels/build.rs`) the test is ignored, and `cargo test` says so with the reason; under CI
+//! (`TIERKV_REQUIRE_NVRTC=1`, set by `.ci/run`) it always runs and a missing NVRTC is a failure.
 
 use tierkv_kernels::cuda::{compile, nvrtc_available, SOURCES};
 
 #[test]
+#[cfg_attr(
+    not(tierkv_nvrtc),
+    ignore = "NVRTC (libnvrtc.so) was not on LD_LIBRARY_PATH when the tests were built; .ci/run installs it from pip"
+)]
 fn every_kernel_compiles_to_ptx() {
     let required = std::env::var("TIERKV_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
     if !nvrtc_available() {

@@ -18,7 +18,7 @@ fn human(bytes: u64) -> String {
     }
 }
 
-pub fn run(file: Option<&PathBuf>, preset: Option<&str>) -> i32 {
+pub fn run(file: Option<&PathBuf>, preset: Option<&str>, emit_toml: bool) -> i32 {
     let cfg = match super::load_config(file, preset) {
         Ok(c) => c,
         Err(e) => {
@@ -26,6 +26,10 @@ pub fn run(file: Option<&PathBuf>, preset: Option<&str>) -> i32 {
             return 2;
         }
     };
+    if emit_toml {
+        print!("{}", cfg.to_documented_toml());
+        return 0;
+    }
     let l = match cfg.layout() {
         Ok(l) => l,
         Err(e) => {

@@ -8,6 +8,7 @@ use tierkv_engine::config::Config;
 
 pub mod bench;
 mod check_config;
+pub mod data;
 pub mod replay;
 pub mod sim;
 pub mod zoo;
@@ -32,10 +33,14 @@ pub enum Command {
         /// A built-in preset instead of a file.
         #[arg(long, conflicts_with = "file")]
         preset: Option<String>,
+        /// Print the configuration as a TOML file to start from, every key documented.
+        #[arg(long)]
+        emit_toml: bool,
     },
     /// Run the deterministic simulator: one seed, a campaign, or a saved scenario.
     Sim(sim::SimArgs),
-    /// Run every bug-zoo mutant through seeded campaigns (needs `--features mutants`).
+    /// Run every bug-zoo mutant through seeded campaigns (the `tierkv-zoo` binary, built with
+    /// `--features mutants`).
     Zoo(zoo::ZooArgs),
     /// Time the kernels and page transfers on the GPU (needs `--features cuda`).
     Bench(bench::BenchArgs),
@@ -52,7 +57,19 @@ pub fn load_config(file: Option<&PathBuf>, preset: Option<&str>) -> Result<Confi
     }
 }
 
+/// Restores the default action of SIGPIPE, which the Rust runtime ignores: output into a closed
+/// pipe (`tierkv check-config --emit-toml | head`) then ends the process quietly, as it does any
+/// Unix tool, instead of making `println!` panic.
+fn default_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: sets a signal's disposition to its default; no handler runs Rust code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 pub fn main() -> i32 {
+    default_sigpipe();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -62,9 +79,11 @@ pub fn main() -> i32 {
         }
     };
     match cli.command {
-        Command::CheckConfig { file, preset } => {
-            check_config::run(file.as_ref(), preset.as_deref())
-        }
+        Command::CheckConfig {
+            file,
+            preset,
+            emit_toml,
+        } => check_config::run(file.as_ref(), preset.as_deref(), emit_toml),
         Command::Sim(args) => sim::run_sim(args),
         Command::Zoo(args) => zoo::run_zoo(args),
         Command::Bench(args) => bench::run_bench(args),

@@ -23,13 +23,11 @@ pub struct ReplayArgs {
     /// `cpu` (the in-order CPU device) or `cuda`.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
-    /// A Mooncake-format JSONL trace.
-    #[arg(
-        long,
-        default_value = "../shared/data/mooncake/conversation_trace.jsonl"
-    )]
-    pub trace: PathBuf,
-    /// Replay the first N requests.
+    /// A Mooncake-format JSONL trace (default: the built-in excerpt of the Mooncake
+    /// conversation trace, `data/mooncake/`).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Replay the first N requests (at least 1).
     #[arg(long, default_value_t = 200)]
     pub requests: usize,
     /// Divide the trace's inter-arrival times by this.
@@ -80,29 +78,52 @@ struct Seen {
     failed: usize,
 }
 
+/// The longest a replay may take, by the trace's arrivals over `--time-scale`.
+const REPLAY_SPAN_MAX: Duration = Duration::from_secs(24 * 3600);
+
+/// The trace's first `--requests` records, the configuration and the timed requests; a usage
+/// error names what was wrong.
+fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>), String> {
+    if a.requests == 0 {
+        return Err("--requests 0: nothing to replay".into());
+    }
+    if a.output_max == 0 {
+        return Err("--output-max 0: every request generates at least one token".into());
+    }
+    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
+        return Err(format!(
+            "--time-scale {}: must be a finite number above 0 (arrivals are divided by it)",
+            a.time_scale
+        ));
+    }
+    let recs = match &a.trace {
+        Some(p) => read_trace(p),
+        None => super::data::mooncake_excerpt(),
+    }
+    .map_err(|e| e.to_string())?;
+    let recs: Vec<_> = recs.into_iter().take(a.requests).collect();
+    let cfg = replay_config(a).map_err(|e| format!("replay configuration: {e}"))?;
+    let work = workload(&recs, &cfg, a)?;
+    if work.is_empty() {
+        return Err("the trace's requests all have empty prompts: nothing to replay".into());
+    }
+    Ok((cfg, work))
+}
+
 pub fn run_replay(a: ReplayArgs) -> i32 {
-    let recs = match read_trace(&a.trace) {
-        Ok(r) => r,
+    let (cfg, work) = match prepare(&a) {
+        Ok(p) => p,
         Err(e) => {
             eprintln!("{e}");
             return 2;
         }
     };
-    let recs: Vec<_> = recs.into_iter().take(a.requests).collect();
-    let cfg = match replay_config(&a) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("replay configuration: {e}");
-            return 2;
-        }
-    };
-    let work = workload(&recs, &cfg, &a);
     let tokens: usize = work.iter().map(|w| w.1.prompt.len()).sum();
     println!(
         "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}",
         work.len(),
         tokens,
-        a.trace.display(),
+        a.trace.as_ref().map_or(super::data::MOONCAKE_EXCERPT_NAME.to_string(), |p| p.display().to_string()),
         a.device,
         a.time_scale,
         a.layers,
@@ -163,25 +184,42 @@ fn replay_config(a: &ReplayArgs) -> Result<Config, tierkv_engine::ConfigError> {
     Ok(cfg)
 }
 
-/// Each record as a request at its scaled arrival time (prompts that fit the context).
-fn workload(recs: &[TraceRecord], cfg: &Config, a: &ReplayArgs) -> Vec<(Duration, RequestSpec)> {
+/// Each record as a request at its scaled arrival time, its prompt cut to fit the context. The
+/// whole replay must end within a day.
+fn workload(
+    recs: &[TraceRecord],
+    cfg: &Config,
+    a: &ReplayArgs,
+) -> Result<Vec<(Duration, RequestSpec)>, String> {
     let synth = Synth::new(0);
     let t0 = recs.first().map_or(0, |r| r.timestamp_ms);
-    recs.iter()
-        .filter_map(|r| {
-            let mut prompt = prompt_tokens(r, &synth);
-            prompt.truncate(cfg.model.context_tokens_max as usize - a.output_max as usize - 1);
-            (!prompt.is_empty()).then(|| {
-                (
-                    Duration::from_secs_f64((r.timestamp_ms - t0) as f64 / 1e3 / a.time_scale),
-                    RequestSpec {
-                        prompt,
-                        max_new_tokens: r.output_length.clamp(1, a.output_max),
-                    },
+    let fits = cfg.model.context_tokens_max as usize - a.output_max as usize - 1;
+    let mut out = Vec::with_capacity(recs.len());
+    for r in recs {
+        // Arrival times are ordered (the reader checks), so `timestamp_ms >= t0`.
+        let secs = (r.timestamp_ms - t0) as f64 / 1e3 / a.time_scale;
+        let at = Duration::try_from_secs_f64(secs)
+            .ok()
+            .filter(|d| *d <= REPLAY_SPAN_MAX)
+            .ok_or_else(|| {
+                format!(
+                    "--time-scale {}: line {}'s arrival would come {secs:.3e} s after the first, over a replay of at most {} s",
+                    a.time_scale,
+                    r.line,
+                    REPLAY_SPAN_MAX.as_secs()
                 )
-            })
-        })
-        .collect()
+            })?;
+        let prompt = prompt_tokens(r, &synth, fits);
+        if prompt.is_empty() {
+            continue;
+        }
+        let spec = RequestSpec {
+            prompt,
+            max_new_tokens: r.output_length.clamp(1, a.output_max),
+        };
+        out.push((at, spec));
+    }
+    Ok(out)
 }
 
 /// Serves /metrics, submits every request at its arrival time through the service's client,

@@ -1,23 +1,33 @@
 //! `tierkv sim`: one seed, a campaign of seeds, or a saved scenario.
+//!
+//! Every argument is checked before anything runs: a bad one is a usage error (exit code 2) that
+//! names it. A run with findings exits 1; a clean one 0.
 
-use crate::campaign::{run_campaign, CampaignOptions};
+use crate::campaign::{run_campaign, CampaignOptions, SeedSet};
 use crate::report::Finding;
-use crate::runner::{run, RunOptions, RunOutcome};
+use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
 use crate::scenario::{Scenario, PROFILES};
 use crate::shrink::shrink;
 use crate::trace_out::chrome_trace;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tierkv_engine::trace::TraceRecord;
+
+/// The most worker threads a campaign takes.
+pub const JOBS_MAX: usize = 1024;
+
+/// Seeds a campaign runs when `--seeds` is not given: about a minute on two cores.
+pub const DEFAULT_SEEDS: u64 = 150;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct SimArgs {
     /// Run one seed and describe it.
     #[arg(long, conflicts_with_all = ["seeds", "replay"])]
     pub seed: Option<u64>,
-    /// A range of seeds, `A..B` (B excluded). Default: 0..200.
+    /// A range of seeds, `A..B` (B excluded). Default: 0..150.
     #[arg(long, value_parser = parse_range)]
     pub seeds: Option<(u64, u64)>,
-    /// Worker threads (default: the machine's cores).
+    /// Worker threads, 1..=1024 (default: the machine's cores).
     #[arg(long)]
     pub jobs: Option<usize>,
     /// Run only shard I of N (`I/N`): seeds with seed % N == I.
@@ -36,19 +46,20 @@ pub struct SimArgs {
     /// Replay a saved scenario (e.g. a shrunk reproduction).
     #[arg(long)]
     pub replay: Option<PathBuf>,
-    /// The Mooncake trace for `--profile trace`.
-    #[arg(
-        long,
-        default_value = "../shared/data/mooncake/conversation_trace.jsonl"
-    )]
-    pub mooncake: PathBuf,
+    /// With `--seed`: also write the drawn scenario here (JSON), to edit and `--replay`.
+    #[arg(long, requires = "seed")]
+    pub save_scenario: Option<PathBuf>,
+    /// The Mooncake trace for `--profile trace` (default: the built-in excerpt of the Mooncake
+    /// conversation trace, `data/mooncake/`).
+    #[arg(long)]
+    pub mooncake: Option<PathBuf>,
     /// Do not shrink failures.
     #[arg(long)]
     pub no_shrink: bool,
     /// Wall-time budget for shrinking one failure, seconds.
     #[arg(long, default_value_t = 60)]
     pub shrink_secs: u64,
-    /// Run the first seed twice and compare event-log hashes.
+    /// Run the seed (or a campaign's first seed) twice and compare event-log hashes.
     #[arg(long)]
     pub check_determinism: bool,
     /// Keep going after the first failure.
@@ -62,7 +73,7 @@ pub struct SimArgs {
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
     /// Where failure artifacts (traces, shrunk scenarios) go.
-    #[arg(long, default_value = ".")]
+    #[arg(long, default_value = "target/tierkv")]
     pub out_dir: PathBuf,
 }
 
@@ -94,15 +105,27 @@ fn parse_shard(s: &str) -> Result<(u64, u64), String> {
     Ok((i, n))
 }
 
+/// Where a run's scenario came from: it decides the replay command and whether to shrink.
+#[derive(Clone, Debug)]
+enum Origin {
+    Seed,
+    File(PathBuf),
+}
+
+/// A bad argument: its message, printed with exit code 2.
+struct Usage(String);
+
+impl From<String> for Usage {
+    fn from(s: String) -> Usage {
+        Usage(s)
+    }
+}
+
 /// The one-line command that replays `sc`'s seed.
 pub fn replay_command(sc: &Scenario) -> String {
-    let features = if sc.mutant.is_some() {
-        " --features mutants"
-    } else {
-        ""
-    };
     format!(
-        "cargo run --release -p tierkv-sim{features} -- sim --seed {} --profile {}{}",
+        "cargo run --release -p tierkv-sim{} -- sim --seed {} --profile {}{}",
+        features(sc),
         sc.seed,
         sc.profile,
         sc.mutant
@@ -112,83 +135,109 @@ pub fn replay_command(sc: &Scenario) -> String {
     )
 }
 
-fn write_trace(path: &Path, out: &RunOutcome, title: &str) {
-    match std::fs::write(path, chrome_trace(&out.trace, &out.racing_ops, title)) {
-        Ok(()) => println!(
-            "  trace: {} ({} ops; open it in https://ui.perfetto.dev)",
-            path.display(),
-            out.trace.len()
-        ),
-        Err(e) => eprintln!("  could not write the trace {}: {e}", path.display()),
+/// The one-line command that replays a scenario file.
+pub fn replay_file_command(sc: &Scenario, file: &Path) -> String {
+    format!(
+        "cargo run --release -p tierkv-sim{} -- sim --replay {}",
+        features(sc),
+        file.display()
+    )
+}
+
+/// The cargo arguments that build the binary a scenario needs: the zoo's for a mutant.
+fn features(sc: &Scenario) -> &'static str {
+    if sc.mutant.is_some() {
+        " --features mutants --bin tierkv-zoo"
+    } else {
+        ""
     }
+}
+
+fn write_trace(path: &Path, out: &RunOutcome, title: &str) -> Result<(), String> {
+    std::fs::write(path, chrome_trace(&out.trace, &out.racing_ops, title))
+        .map_err(|e| format!("could not write the trace {}: {e}", path.display()))?;
+    println!(
+        "  trace: {} ({} ops; open it in https://ui.perfetto.dev)",
+        path.display(),
+        out.trace.len()
+    );
+    Ok(())
 }
 
 fn print_finding(f: &Finding) {
     println!("  finding: {f}");
 }
 
-/// Reports one failure: replay command, trace, shrunk reproduction.
-pub fn report_failure(sc: &Scenario, out: &RunOutcome, args: &SimArgs) {
+fn run_options(args: &SimArgs, trace: bool) -> RunOptions {
+    RunOptions {
+        trace,
+        cuda: args.device == "cuda",
+    }
+}
+
+/// Reports one failure: replay command, trace, and (for a seed) a shrunk reproduction. An
+/// artifact that cannot be written is reported instead of its replay line.
+fn report_failure(sc: &Scenario, out: &RunOutcome, args: &SimArgs, origin: &Origin) {
     println!("FAIL seed {}", sc.seed);
     for f in out.findings.iter().take(3) {
         print_finding(f);
     }
     println!("  scenario: {}", sc.summary());
-    println!("  replay: {}", replay_command(sc));
-    let traced = run(
-        sc,
-        &RunOptions {
-            trace: true,
-            cuda: args.device == "cuda",
-        },
-    );
+    match origin {
+        Origin::Seed => println!("  replay: {}", replay_command(sc)),
+        Origin::File(f) => println!("  replay: {}", replay_file_command(sc, f)),
+    }
+    let traced = run(sc, &run_options(args, true));
     let path = args.trace_out.clone().unwrap_or_else(|| {
         args.out_dir
             .join(format!("tierkv-seed-{}.trace.json", sc.seed))
     });
-    write_trace(&path, &traced, &format!("tierkv seed {}", sc.seed));
-    if !args.no_shrink {
-        let oracle = out.findings[0].oracle;
-        let s = shrink(sc, oracle, Duration::from_secs(args.shrink_secs));
-        let file = args
-            .out_dir
-            .join(format!("tierkv-seed-{}.shrunk.json", sc.seed));
-        let _ = std::fs::write(
-            &file,
-            serde_json::to_string_pretty(&s.scenario).expect("json"),
-        );
-        let min = run(
-            &s.scenario,
-            &RunOptions {
-                trace: false,
-                cuda: args.device == "cuda",
-            },
-        );
-        println!(
-            "  shrunk in {} runs to {} requests ({} sessions, {} one-shots), still failing with [{}]: {}",
-            s.runs,
-            s.scenario.workload.requests(),
-            s.scenario.workload.sessions.len(),
-            s.scenario.workload.oneshots.len(),
-            s.oracle,
-            min.findings.first().map(|f| f.message.as_str()).unwrap_or("(no longer fails)")
-        );
-        println!("  minimal scenario: {}", s.scenario.summary());
-        println!(
-            "  minimal workload: {}",
-            serde_json::to_string(&s.scenario.workload).expect("json")
-        );
-        println!("  minimal configuration:\n{}", indent(&s.scenario.config));
-        println!(
-            "  replay the minimal case: cargo run --release -p tierkv-sim{} -- sim --replay {}",
-            if sc.mutant.is_some() {
-                " --features mutants"
-            } else {
-                ""
-            },
-            file.display()
-        );
+    if let Err(e) = write_trace(&path, &traced, &format!("tierkv seed {}", sc.seed)) {
+        eprintln!("  {e}");
     }
+    // A replayed file is the reproduction already: it is neither shrunk again nor overwritten.
+    if matches!(origin, Origin::Seed) && !args.no_shrink {
+        if let Err(e) = shrink_and_report(sc, out, args) {
+            eprintln!("  {e}");
+        }
+    }
+}
+
+/// Shrinks a failing seed's scenario, writes it beside the trace and prints how to replay it.
+fn shrink_and_report(sc: &Scenario, out: &RunOutcome, args: &SimArgs) -> Result<(), String> {
+    let oracle = out.findings[0].oracle;
+    let s = shrink(sc, oracle, Duration::from_secs(args.shrink_secs));
+    let min = run(&s.scenario, &run_options(args, false));
+    println!(
+        "  shrunk in {} runs to {} requests ({} sessions, {} one-shots), still failing with [{}]: {}",
+        s.runs,
+        s.scenario.workload.requests(),
+        s.scenario.workload.sessions.len(),
+        s.scenario.workload.oneshots.len(),
+        s.oracle,
+        min.findings.first().map(|f| f.message.as_str()).unwrap_or("(no longer fails)")
+    );
+    println!("  minimal scenario: {}", s.scenario.summary());
+    println!(
+        "  minimal workload: {}",
+        serde_json::to_string(&s.scenario.workload).expect("json")
+    );
+    println!("  minimal configuration:\n{}", indent(&s.scenario.config));
+    let file = args
+        .out_dir
+        .join(format!("tierkv-seed-{}.shrunk.json", sc.seed));
+    let text = serde_json::to_string_pretty(&s.scenario).expect("a scenario serialises");
+    std::fs::write(&file, text).map_err(|e| {
+        format!(
+            "could not write the shrunk scenario {}: {e}",
+            file.display()
+        )
+    })?;
+    println!(
+        "  replay the minimal case: {}",
+        replay_file_command(&s.scenario, &file)
+    );
+    Ok(())
 }
 
 fn indent(s: &str) -> String {
@@ -198,93 +247,149 @@ fn indent(s: &str) -> String {
         .join("\n")
 }
 
-pub fn run_sim(args: SimArgs) -> i32 {
+/// The worker threads: `--jobs` (1..=1024) or the machine's cores.
+fn jobs(args: &SimArgs) -> Result<usize, Usage> {
+    match args.jobs {
+        Some(0) => Err(Usage(
+            "--jobs 0: a campaign needs at least one worker".into(),
+        )),
+        Some(j) if j > JOBS_MAX => Err(Usage(format!("--jobs {j}: at most {JOBS_MAX} workers"))),
+        Some(j) => Ok(j),
+        None => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+    }
+}
+
+/// `dir` exists and takes files (a probe file is written and removed).
+pub fn writable_dir(dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| format!("cannot create the directory {}: {e}", dir.display()))?;
+    let probe = dir.join(".tierkv-write-probe");
+    std::fs::write(&probe, b"").map_err(|e| format!("cannot write in {}: {e}", dir.display()))?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
+}
+
+/// The trace of `--profile trace`: `--mooncake FILE` or the built-in excerpt.
+fn trace_records(args: &SimArgs) -> Result<Option<Vec<TraceRecord>>, Usage> {
+    if args.profile != "trace" {
+        return Ok(None);
+    }
+    let recs = match &args.mooncake {
+        Some(p) => tierkv_engine::trace::read_trace(p),
+        None => super::data::mooncake_excerpt(),
+    };
+    recs.map(Some)
+        .map_err(|e| Usage(format!("--profile trace: {e}")))
+}
+
+/// Everything the arguments ask for, checked.
+fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
     if !PROFILES.contains(&args.profile.as_str()) {
-        eprintln!(
+        return Err(Usage(format!(
             "unknown profile `{}`; profiles are: {}",
             args.profile,
             PROFILES.join(", ")
-        );
-        return 2;
+        )));
     }
-    let trace_records = if args.profile == "trace" {
-        match tierkv_engine::trace::read_trace(&args.mooncake) {
-            Ok(t) => Some(t),
-            Err(e) => {
-                eprintln!("--profile trace: {e}");
-                return 2;
-            }
-        }
-    } else {
-        None
-    };
-    if let Some(file) = &args.replay {
-        let text = match std::fs::read_to_string(file) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("{}: {e}", file.display());
-                return 2;
-            }
-        };
-        let sc: Scenario = match serde_json::from_str(&text) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("{}: not a scenario: {e}", file.display());
-                return 2;
-            }
-        };
-        if let Err(e) = tierkv_engine::Config::from_toml(&sc.config) {
-            eprintln!("{}: its configuration is invalid: {e}", file.display());
-            return 2;
-        }
-        return single(&sc, &args);
+    if args.device == "cuda" && !cfg!(feature = "cuda") {
+        return Err(Usage(
+            "--device cuda needs a build with `--features cuda`".into(),
+        ));
     }
-    let copts = CampaignOptions {
-        first: args.seeds.map_or(0, |r| r.0),
-        end: args.seeds.map_or(200, |r| r.1),
-        jobs: args
-            .jobs
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+    #[cfg(feature = "cuda")]
+    if args.device == "cuda" {
+        // Every seed builds its executor on the process's one CUDA context: find out now, with
+        // a clear message, whether there is one.
+        tierkv_kernels::cuda::launch::Kernels::global()
+            .map_err(|e| Usage(format!("--device cuda: no usable CUDA device: {e}")))?;
+    }
+    mutants_of(args.mutant.as_deref()).map_err(Usage)?;
+    if args.seed.is_some() && args.shard.is_some() {
+        return Err(Usage(
+            "--shard selects seeds of a campaign, not of --seed".into(),
+        ));
+    }
+    writable_dir(&args.out_dir).map_err(|e| Usage(format!("--out-dir: {e}")))?;
+    if let Some(p) = &args.trace_out {
+        std::fs::File::create(p).map_err(|e| Usage(format!("--trace-out {}: {e}", p.display())))?;
+    }
+    let (first, end) = args.seeds.unwrap_or((0, DEFAULT_SEEDS));
+    let seeds = SeedSet::new(first, end, args.shard);
+    if seeds.is_empty() && args.seed.is_none() && args.replay.is_none() {
+        let (i, n) = args.shard.unwrap_or((0, 1));
+        return Err(Usage(format!(
+            "no seed to run: seeds {first}..{end} hold none with seed % {n} == {i}"
+        )));
+    }
+    Ok(CampaignOptions {
+        first,
+        end,
+        jobs: jobs(args)?,
         shard: args.shard,
         profile: args.profile.clone(),
         mutant: args.mutant.clone(),
         progress: true,
         stop_at_first: !args.keep_going,
-        trace_records,
+        trace_records: trace_records(args)?,
         cuda: args.device == "cuda",
-    };
-    if args.device == "cuda" && !cfg!(feature = "cuda") {
-        eprintln!("--device cuda needs a build with `--features cuda`");
-        return 2;
-    }
-    #[cfg(feature = "cuda")]
-    if args.device == "cuda" {
-        // Every seed builds its executor on the process's one CUDA context: find out now, with a
-        // clear message, whether there is one.
-        if let Err(e) = tierkv_kernels::cuda::launch::Kernels::global() {
-            eprintln!("--device cuda: no usable CUDA device: {e}");
+    })
+}
+
+pub fn run_sim(args: SimArgs) -> i32 {
+    let copts = match setup(&args) {
+        Ok(c) => c,
+        Err(Usage(m)) => {
+            eprintln!("{m}");
             return 2;
         }
+    };
+    if let Some(file) = &args.replay {
+        return match read_scenario(file) {
+            Ok(sc) => single(&sc, &args, &Origin::File(file.clone())),
+            Err(Usage(m)) => {
+                eprintln!("{m}");
+                2
+            }
+        };
     }
     if let Some(seed) = args.seed {
-        return single(&copts.scenario(seed), &args);
-    }
-    if args.check_determinism {
-        let sc = copts.scenario(copts.first);
-        let opts = RunOptions {
-            trace: false,
-            cuda: args.device == "cuda",
-        };
-        if let Some(f) = crate::oracles::determinism::check(&sc, &opts) {
-            println!("FAIL {f}");
-            return 1;
+        let sc = copts.scenario(seed);
+        if let Some(p) = &args.save_scenario {
+            let text = serde_json::to_string_pretty(&sc).expect("a scenario serialises");
+            if let Err(e) = std::fs::write(p, text) {
+                eprintln!("--save-scenario {}: {e}", p.display());
+                return 2;
+            }
+            println!("scenario written to {}", p.display());
         }
-        println!(
-            "determinism: seed {} ran twice with the same event-log hash",
-            sc.seed
-        );
+        return single(&sc, &args, &Origin::Seed);
     }
-    let summary = run_campaign(&copts, |out| {
+    campaign(&copts, &args)
+}
+
+/// A saved scenario, checked field by field.
+fn read_scenario(file: &Path) -> Result<Scenario, Usage> {
+    let name = file.display();
+    let text = std::fs::read_to_string(file).map_err(|e| Usage(format!("{name}: {e}")))?;
+    let sc: Scenario =
+        serde_json::from_str(&text).map_err(|e| Usage(format!("{name}: not a scenario: {e}")))?;
+    sc.validate()
+        .map_err(|e| Usage(format!("{name}: invalid scenario: {e}")))?;
+    mutants_of(sc.mutant.as_deref()).map_err(|e| Usage(format!("{name}: {e}")))?;
+    Ok(sc)
+}
+
+fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
+    if args.check_determinism {
+        let first = copts
+            .seeds()
+            .first()
+            .expect("checked: the campaign has seeds");
+        if let Some(code) = determinism(&copts.scenario(first), args) {
+            return code;
+        }
+    }
+    let summary = run_campaign(copts, |out| {
         if args.verbose {
             let sc = copts.scenario(out.seed);
             let verdict = out
@@ -297,50 +402,62 @@ pub fn run_sim(args: SimArgs) -> i32 {
     summary.print(&args.profile);
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);
-        let out = run(
-            &sc,
-            &RunOptions {
-                trace: false,
-                cuda: args.device == "cuda",
-            },
-        );
-        report_failure(&sc, &out, &args);
+        let out = run(&sc, &run_options(args, false));
+        report_failure(&sc, &out, args, &Origin::Seed);
         return 1;
     }
     0
 }
 
-fn single(sc: &Scenario, args: &SimArgs) -> i32 {
+/// Runs `sc` twice; `Some(1)` when the event-log hashes differ.
+fn determinism(sc: &Scenario, args: &SimArgs) -> Option<i32> {
+    match crate::oracles::determinism::check(sc, &run_options(args, false)) {
+        Some(f) => {
+            println!("FAIL {f}");
+            Some(1)
+        }
+        None => {
+            println!(
+                "determinism: seed {} ran twice with the same event-log hash",
+                sc.seed
+            );
+            None
+        }
+    }
+}
+
+fn single(sc: &Scenario, args: &SimArgs, origin: &Origin) -> i32 {
     println!("seed {}: {}", sc.seed, sc.summary());
-    let out = run(
-        sc,
-        &RunOptions {
-            trace: args.trace_out.is_some(),
-            cuda: args.device == "cuda",
-        },
-    );
+    if args.check_determinism {
+        if let Some(code) = determinism(sc, args) {
+            return code;
+        }
+    }
+    let out = run(sc, &run_options(args, args.trace_out.is_some()));
     let s = &out.stats;
     println!(
         "{} steps, {} requests submitted, {} finished, {} rejected, {} aborted, {} recomputed; {} loads, {} backups, {} failed copies",
         s.steps, s.submitted, s.finished, s.rejected, s.aborted, s.recomputed, s.loads, s.backups, s.failed_copies
     );
     println!(
-        "{} digests recomputed, {} rows compared, {} ops, {} events; simulated {:.3} ms in {:.1} ms (sim/wall {:.2}x); event-log hash {:#018x}",
+        "{} digests recomputed, {} rows compared, {} ops, {} events; simulated {:.3} ms in {:.1} ms; event-log hash {:#018x}",
         s.digests_checked,
         s.rows_checked,
         s.ops,
         s.events,
         s.sim_ns as f64 / 1e6,
         s.wall_ns as f64 / 1e6,
-        s.sim_ns as f64 / s.wall_ns.max(1) as f64,
         out.log_hash
     );
-    if let Some(p) = &args.trace_out {
-        write_trace(p, &out, &format!("tierkv seed {}", sc.seed));
-    }
     if out.failed() {
-        report_failure(sc, &out, args);
+        report_failure(sc, &out, args, origin);
         return 1;
+    }
+    if let Some(p) = &args.trace_out {
+        if let Err(e) = write_trace(p, &out, &format!("tierkv seed {}", sc.seed)) {
+            eprintln!("{e}");
+            return 2;
+        }
     }
     println!("ok: no findings");
     0

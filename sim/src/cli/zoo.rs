@@ -67,13 +67,30 @@ pub fn zoo_row(mutant: Option<Mutant>, seeds: u64, jobs: usize, profile: &str) -
 }
 
 pub fn run_zoo(args: ZooArgs) -> i32 {
-    if !cfg!(feature = "mutants") {
-        eprintln!("tierkv zoo needs the mutants: build with `--features mutants` (e.g. cargo run --release -p tierkv-sim --features mutants -- zoo)");
+    if !crate::scenario::PROFILES.contains(&args.profile.as_str()) || args.profile == "trace" {
+        eprintln!(
+            "zoo --profile {}: the zoo runs one of {}",
+            args.profile,
+            ["swarm", "sessions", "needle", "quick"].join(", ")
+        );
         return 2;
     }
-    let jobs = args
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if args.seeds == 0 {
+        eprintln!("zoo --seeds 0: each mutant needs at least one seed");
+        return 2;
+    }
+    let jobs = match args.jobs {
+        Some(j) if j == 0 || j > super::sim::JOBS_MAX => {
+            eprintln!("--jobs {j}: must be in 1..={}", super::sim::JOBS_MAX);
+            return 2;
+        }
+        Some(j) => j,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    if !cfg!(feature = "mutants") {
+        eprintln!("tierkv zoo needs the mutants: run the zoo's binary, cargo run --release -p tierkv-sim --features mutants --bin tierkv-zoo -- zoo");
+        return 2;
+    }
     let mutants: Vec<Mutant> = if args.only.is_empty() {
         Mutant::ALL.to_vec()
     } else {

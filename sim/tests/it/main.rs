@@ -1,6 +1,8 @@
 //! The simulator's own tests: a fixed set of seeds (a longer campaign with
 //! `TIERKV_SIM_SEEDS=N`), the CLI's behaviour on good and bad input.
 
+mod bad_inputs;
+
 use std::process::Command;
 use tierkv_sim::campaign::{run_campaign, CampaignOptions};
 
@@ -57,10 +59,22 @@ fn shards_partition_the_seeds() {
     for i in 0..3 {
         let mut o = campaign("quick", 0, 20);
         o.shard = Some((i, 3));
-        all.extend(o.seeds());
+        all.extend(o.seeds().iter());
     }
     all.sort();
     assert_eq!(all, (0..20).collect::<Vec<_>>());
+    // Counted, not listed: the largest ranges and shards cost nothing to describe.
+    let big = tierkv_sim::campaign::SeedSet::new(0, u64::MAX, Some((7, 1_000_000_000_000)));
+    assert_eq!(big.len(), 18_446_745);
+    assert_eq!(big.nth(1), Some(1_000_000_000_007));
+    assert_eq!(
+        tierkv_sim::campaign::SeedSet::new(0, 1, Some((1, 2))).len(),
+        0
+    );
+    assert_eq!(
+        tierkv_sim::campaign::SeedSet::new(5, 6, Some((1, 2))).first(),
+        Some(5)
+    );
 }
 
 fn tierkv(args: &[&str]) -> (i32, String, String) {
