@@ -2,8 +2,8 @@
 //! (`layer_first` or `page_first`), both built from one `Layout`, each with a page allocator.
 //!
 //! The pool buffers are private. Two doors lead to them, and the types keep them apart:
-//! - the model step reads and writes a layer's buffers through [`Pools::gated`], which takes a
-//!   [`Gated`] proof that only the layer gate makes, after the compute stream waited for the
+//! - the model step reads and writes a layer's buffers through `Pools::gated`, which takes a
+//!   `Gated` proof that only the layer gate makes, after the compute stream waited for the
 //!   layer's loads (`gate.rs`);
 //! - the cache controller moves whole pages between tiers through [`PoolSide`]s, whose buffer no
 //!   one can take out: the only thing a side does is become one end of a `PageCopy`.

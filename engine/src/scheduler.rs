@@ -4,8 +4,8 @@
 //! a forward's digests mean for each request, and what a step hands back ([`Output`]).
 //!
 //! It holds no pages and moves no bytes: admission asks the rest of the engine for a request's
-//! cached prefix and pages through [`Reserve`], and the cache controller's acknowledgements come
-//! back as [`LoadAck`] effects that only the scheduler applies to its requests.
+//! cached prefix and pages through `Reserve`, and the cache controller's acknowledgements come
+//! back as `LoadAck` effects that only the scheduler applies to its requests.
 
 use crate::cache::NodeId;
 use crate::config::{Config, PrefillIndexer, SchedulerConfig};

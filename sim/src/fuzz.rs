@@ -1,11 +1,25 @@
-//! Fuzz body of the operation-sequence target (`fuzz/fuzz_targets/sim_ops.rs`): arbitrary bytes
-//! become a scenario — configuration knobs, GPU timing and faults, and a workload of sessions and
-//! one-shot requests — which the simulator runs on the clean engine. Any finding (race, layout,
-//! content, digest, conservation, liveness) or panic is a crash.
+//! The simulator crate's fuzz bodies; each `fuzz/fuzz_targets/*.rs` is a one-line wrapper.
+//!
+//! - `sim_ops`: arbitrary bytes become a scenario — configuration knobs, GPU timing and faults,
+//!   and a workload of sessions and one-shot requests — which the simulator runs on the clean
+//!   engine. Any finding (race, layout, content, digest, conservation, liveness) or panic is a
+//!   crash.
+//! - `scenario`: bytes as a saved scenario file (`tierkv sim --replay FILE`). A malformed or
+//!   invalid file must be refused with an error; a valid one small enough for a fuzz iteration
+//!   runs on the clean engine, where any finding but liveness is a crash.
+//! - `cli_numbers`: arbitrary numbers and strings in the numeric arguments of `tierkv sim` and
+//!   `tierkv replay`, through the same parser and checks the binary runs before it starts work.
+//!   A panic is a crash, and so is an accepted command whose campaign or replay breaks the rules
+//!   the checks promise.
 
+use crate::cli::replay::{prepare, ReplayArgs};
+use crate::cli::sim::{check_args, parse_scenario, JOBS_MAX};
+use crate::cli::{Cli, Command};
+use crate::report::OracleKind;
 use crate::runner::{run, RunOptions};
-use crate::scenario::{draw, OneShot, Session, Turn};
+use crate::scenario::{draw, OneShot, Session, Turn, PROFILES};
 use arbitrary::{Arbitrary, Unstructured};
+use clap::Parser;
 
 /// A session's (start, system prompt) and its turns' (appended, generated, think) sizes.
 type FuzzSession = (u8, u8, Vec<(u8, u8, u8)>);
@@ -68,6 +82,234 @@ pub fn fuzz_sim_ops(data: &[u8]) {
         panic!(
             "finding on the clean engine: {f}\nscenario: {}",
             serde_json::to_string(&sc).unwrap_or_default()
+        );
+    }
+}
+
+/// The largest scenario the `scenario` target runs (a bigger valid one is only parsed and
+/// checked): pools and mirror bytes, requests, steps.
+const SCENARIO_RUN_BYTES_MAX: u64 = 64 << 20;
+const SCENARIO_RUN_REQUESTS_MAX: usize = 48;
+const SCENARIO_RUN_STEPS_MAX: u64 = 20_000;
+
+pub fn fuzz_scenario(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(sc) = parse_scenario(text) else {
+        return;
+    };
+    let cfg = sc.engine_config();
+    let layout = cfg.layout().expect("a validated scenario has a layout");
+    let bytes = layout.device_total_bytes().0 + layout.host_total_bytes().0;
+    if sc.mutant.is_some()
+        || bytes > SCENARIO_RUN_BYTES_MAX
+        || sc.workload.requests() > SCENARIO_RUN_REQUESTS_MAX
+        || sc.steps_max > SCENARIO_RUN_STEPS_MAX
+    {
+        return;
+    }
+    let out = run(&sc, &RunOptions::default());
+    // A file may give too few steps for its workload: running out of them is the file's doing.
+    if let Some(f) = out
+        .findings
+        .iter()
+        .find(|f| f.oracle != OracleKind::Liveness)
+    {
+        panic!("finding on the clean engine: {f}\nscenario: {text}");
+    }
+}
+
+/// A value for a numeric argument: a number of some type, or any string.
+#[derive(Debug, Arbitrary)]
+enum Num {
+    Unsigned(u64),
+    Small(u8),
+    Signed(i64),
+    Float(f64),
+    Text(String),
+}
+
+impl Num {
+    fn render(&self) -> String {
+        match self {
+            Num::Unsigned(v) => v.to_string(),
+            Num::Small(v) => v.to_string(),
+            Num::Signed(v) => v.to_string(),
+            Num::Float(v) => v.to_string(),
+            Num::Text(s) => s.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Arbitrary)]
+enum CliCase {
+    Sim {
+        seed: Option<Num>,
+        seeds: Option<(Num, Num)>,
+        jobs: Option<Num>,
+        shard: Option<(Num, Num)>,
+        shrink_secs: Option<Num>,
+        profile: u8,
+        mutant: Option<u8>,
+        check_determinism: bool,
+    },
+    Replay {
+        requests: Option<Num>,
+        time_scale: Option<Num>,
+        layers: Option<Num>,
+        output_max: Option<Num>,
+        device_pages: Option<Num>,
+        host_ratio: Option<Num>,
+        write_policy: u8,
+    },
+}
+
+/// `--name=value` for each given value (the `=` keeps a value like `-1` from reading as a flag).
+fn flags(argv: &mut Vec<String>, pairs: &[(&str, Option<String>)]) {
+    for (name, value) in pairs {
+        if let Some(v) = value {
+            argv.push(format!("--{name}={v}"));
+        }
+    }
+}
+
+fn sim_argv(case: &CliCase, argv: &mut Vec<String>) {
+    let CliCase::Sim {
+        seed,
+        seeds,
+        jobs,
+        shard,
+        shrink_secs,
+        profile,
+        mutant,
+        check_determinism,
+    } = case
+    else {
+        return;
+    };
+    argv.push("sim".into());
+    // An unknown profile and an unknown mutant are inputs too.
+    let profile = PROFILES.get(*profile as usize).copied().unwrap_or("nope");
+    let mutant = mutant.map(|m| {
+        tierkv_engine::mutants::Mutant::ALL
+            .get(m as usize)
+            .map_or("nope", |m| m.name())
+            .to_string()
+    });
+    // Artifacts go to the temporary directory, never where the fuzzer runs.
+    let out_dir = std::env::temp_dir().join("tierkv-fuzz-cli");
+    flags(
+        argv,
+        &[
+            ("seed", seed.as_ref().map(Num::render)),
+            (
+                "seeds",
+                seeds
+                    .as_ref()
+                    .map(|(a, b)| format!("{}..{}", a.render(), b.render())),
+            ),
+            ("jobs", jobs.as_ref().map(Num::render)),
+            (
+                "shard",
+                shard
+                    .as_ref()
+                    .map(|(i, n)| format!("{}/{}", i.render(), n.render())),
+            ),
+            ("shrink-secs", shrink_secs.as_ref().map(Num::render)),
+            ("profile", Some(profile.to_string())),
+            ("mutant", mutant),
+            ("out-dir", Some(out_dir.display().to_string())),
+        ],
+    );
+    if *check_determinism {
+        argv.push("--check-determinism".into());
+    }
+}
+
+fn replay_argv(case: &CliCase, argv: &mut Vec<String>) {
+    let CliCase::Replay {
+        requests,
+        time_scale,
+        layers,
+        output_max,
+        device_pages,
+        host_ratio,
+        write_policy,
+    } = case
+    else {
+        return;
+    };
+    argv.push("replay".into());
+    let policy = ["write_through", "write_through_selective", "write_back"]
+        [*write_policy as usize % 3]
+        .to_string();
+    flags(
+        argv,
+        &[
+            ("requests", requests.as_ref().map(Num::render)),
+            ("time-scale", time_scale.as_ref().map(Num::render)),
+            ("layers", layers.as_ref().map(Num::render)),
+            ("output-max", output_max.as_ref().map(Num::render)),
+            ("device-pages", device_pages.as_ref().map(Num::render)),
+            ("host-ratio", host_ratio.as_ref().map(Num::render)),
+            ("write-policy", Some(policy)),
+        ],
+    );
+}
+
+pub fn fuzz_cli_numbers(data: &[u8]) {
+    let mut u = Unstructured::new(data);
+    let Ok(case) = CliCase::arbitrary(&mut u) else {
+        return;
+    };
+    let mut argv = vec!["tierkv".to_string()];
+    sim_argv(&case, &mut argv);
+    replay_argv(&case, &mut argv);
+    let Ok(cli) = Cli::try_parse_from(&argv) else {
+        return;
+    };
+    match cli.command {
+        Command::Sim(args) => {
+            let Ok(c) = check_args(&args) else {
+                return;
+            };
+            assert!(
+                (1..=JOBS_MAX).contains(&c.jobs),
+                "{argv:?}: accepted with {} jobs",
+                c.jobs
+            );
+            assert!(
+                args.seed.is_some() || !c.seeds().is_empty(),
+                "{argv:?}: accepted a campaign without seeds"
+            );
+        }
+        Command::Replay(args) => check_replay(&args, &argv),
+        _ => unreachable!("the fuzz target builds only sim and replay commands"),
+    }
+}
+
+/// An accepted replay has a valid configuration and requests that fit it, in arrival order.
+fn check_replay(args: &ReplayArgs, argv: &[String]) {
+    let Ok((cfg, work)) = prepare(args) else {
+        return;
+    };
+    assert!(cfg.validate().is_ok(), "{argv:?}: accepted an invalid configuration");
+    assert!(
+        !work.is_empty() && work.len() <= args.requests,
+        "{argv:?}: {} requests for --requests {}",
+        work.len(),
+        args.requests
+    );
+    let ctx = cfg.model.context_tokens_max as usize;
+    for (i, (at, spec)) in work.iter().enumerate() {
+        assert!(
+            spec.prompt.len() + spec.max_new_tokens as usize <= ctx,
+            "{argv:?}: request {i} does not fit the context"
+        );
+        assert!(
+            i == 0 || work[i - 1].0 <= *at,
+            "{argv:?}: request {i} arrives before the one before it"
         );
     }
 }

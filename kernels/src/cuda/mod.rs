@@ -1,6 +1,6 @@
 //! The CUDA versions of the kernels: their sources (embedded, because the GPU machine runs staged
 //! binaries without the source tree), NVRTC compilation for `sm_90`, and — with the `cuda`
-//! feature — typed launchers ([`launch`]) that check sizes and fingerprints before any launch.
+//! feature — typed launchers (the `launch` module) that check sizes and fingerprints before any launch.
 //!
 //! NVRTC is loaded dynamically, so this module builds everywhere and CI (no GPU) can still compile
 //! every kernel to PTX; without the `cuda` feature the launch entry points answer

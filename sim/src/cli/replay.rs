@@ -82,8 +82,8 @@ struct Seen {
 const REPLAY_SPAN_MAX: Duration = Duration::from_secs(24 * 3600);
 
 /// The trace's first `--requests` records, the configuration and the timed requests; a usage
-/// error names what was wrong.
-fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>), String> {
+/// error names what was wrong. Everything `tierkv replay` checks before it starts the service.
+pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>), String> {
     if a.requests == 0 {
         return Err("--requests 0: nothing to replay".into());
     }

@@ -282,6 +282,12 @@ fn trace_records(args: &SimArgs) -> Result<Option<Vec<TraceRecord>>, Usage> {
         .map_err(|e| Usage(format!("--profile trace: {e}")))
 }
 
+/// The checks `tierkv sim` makes before it runs anything (the `cli_numbers` fuzz target's
+/// entry): the campaign the arguments describe, or the usage error.
+pub fn check_args(args: &SimArgs) -> Result<CampaignOptions, String> {
+    setup(args).map_err(|Usage(m)| m)
+}
+
 /// Everything the arguments ask for, checked.
 fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
     if !PROFILES.contains(&args.profile.as_str()) {
@@ -371,11 +377,16 @@ pub fn run_sim(args: SimArgs) -> i32 {
 fn read_scenario(file: &Path) -> Result<Scenario, Usage> {
     let name = file.display();
     let text = std::fs::read_to_string(file).map_err(|e| Usage(format!("{name}: {e}")))?;
-    let sc: Scenario =
-        serde_json::from_str(&text).map_err(|e| Usage(format!("{name}: not a scenario: {e}")))?;
+    parse_scenario(&text).map_err(|e| Usage(format!("{name}: {e}")))
+}
+
+/// A scenario file's text as `--replay` reads it: JSON, every field checked, a mutant only in a
+/// build that has the bug zoo.
+pub fn parse_scenario(text: &str) -> Result<Scenario, String> {
+    let sc: Scenario = serde_json::from_str(text).map_err(|e| format!("not a scenario: {e}"))?;
     sc.validate()
-        .map_err(|e| Usage(format!("{name}: invalid scenario: {e}")))?;
-    mutants_of(sc.mutant.as_deref()).map_err(|e| Usage(format!("{name}: {e}")))?;
+        .map_err(|e| format!("invalid scenario: {e}"))?;
+    mutants_of(sc.mutant.as_deref())?;
     Ok(sc)
 }
 
