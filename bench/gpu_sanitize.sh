@@ -35,12 +35,15 @@ sanitize() {
 
 conformance=("$G/bin/kernels_it" cuda --test-threads 1)
 engine=("$G/bin/engine_it" cuda_device --test-threads 1)
-sim=("$G/bin/tierkv" sim --device cuda --profile quick --seeds 0..3 --jobs 1 --no-shrink --out-dir "$OUT")
+# Swarm seeds 0..4 load pages back from the host (23 loads, 66 backups, 6 failed copies on the CPU).
+sim=("$G/bin/tierkv" sim --device cuda --seeds 0..4 --jobs 1 --no-shrink --out-dir "$OUT")
 
 sanitize memcheck conformance 150 "${conformance[@]}"
 sanitize memcheck engine 120 "${engine[@]}"
-sanitize memcheck sim 90 "${sim[@]}"
+sanitize memcheck sim 120 "${sim[@]}"
 sanitize racecheck conformance 150 "${conformance[@]}"
 sanitize initcheck conformance 90 "${conformance[@]}"
 sanitize initcheck engine 120 "${engine[@]}"
+sanitize racecheck engine 120 "${engine[@]}"
+sanitize initcheck sim 120 "${sim[@]}"
 exit $status
