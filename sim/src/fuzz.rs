@@ -294,7 +294,10 @@ fn check_replay(args: &ReplayArgs, argv: &[String]) {
     let Ok((cfg, work)) = prepare(args) else {
         return;
     };
-    assert!(cfg.validate().is_ok(), "{argv:?}: accepted an invalid configuration");
+    assert!(
+        cfg.validate().is_ok(),
+        "{argv:?}: accepted an invalid configuration"
+    );
     assert!(
         !work.is_empty() && work.len() <= args.requests,
         "{argv:?}: {} requests for --requests {}",

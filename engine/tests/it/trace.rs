@@ -12,16 +12,19 @@ use tierkv_engine::pools::PageAllocator;
 use tierkv_engine::synth::Synth;
 use tierkv_engine::trace::{self, TraceRecord, BLOCK_TOKENS};
 
-const TRACE: &str = concat!(
+/// The full Mooncake conversation trace: `TIERKV_MOONCAKE_TRACE`, else the copy kept beside the
+/// checkout in tierkv's development setup. The test prints which trace it replayed.
+const TRACE_BESIDE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../shared/data/mooncake/conversation_trace.jsonl"
 );
 
 fn records() -> Vec<TraceRecord> {
-    match trace::read_trace(std::path::Path::new(TRACE)) {
+    let path = std::env::var("TIERKV_MOONCAKE_TRACE").unwrap_or_else(|_| TRACE_BESIDE.to_string());
+    match trace::read_trace(std::path::Path::new(&path)) {
         Ok(mut r) => {
             r.truncate(2000);
-            eprintln!("replaying the first {} requests of {TRACE}", r.len());
+            eprintln!("replaying the first {} requests of {path}", r.len());
             r
         }
         Err(e) => {
