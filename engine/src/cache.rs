@@ -13,6 +13,7 @@
 //!   equal a recount); a node is protected while locked or while a backup reads it;
 //! - lock counts and pins never go below zero (a violation panics where it happens).
 
+use crate::probe::{self, Probe};
 use crate::config::WritePolicy;
 use crate::layout::{PageId, PAGE_TOKENS};
 use crate::mutants::Mutants;
@@ -590,10 +591,9 @@ impl PrefixCache {
                 .live_nodes()
                 .filter(|&id| {
                     let n = self.node(id);
-                    id != keep
-                        && n.host.is_some()
-                        && self.host_copy_unpinned(n)
-                        && !self.has_backed_child(id)
+                    let pinned = n.host.is_some() && !self.host_copy_unpinned(n);
+                    probe::hit_if(Probe::HostEvictSkippedPinned, pinned && id != keep);
+                    id != keep && n.host.is_some() && !pinned && !self.has_backed_child(id)
                 })
                 .map(|id| (self.node(id).host_access, id))
                 .collect();

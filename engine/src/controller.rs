@@ -24,10 +24,11 @@ use crate::cache::{NodeId, PageKey, PrefixCache};
 use crate::config::WritePolicy;
 use crate::device::{Clock, Device, DeviceError, EventId, EventState, StreamKind};
 use crate::error::EngineError;
-use crate::layout::{BufferKind, LayerId, Layout, PageId};
+use crate::layout::{BufferKind, HostLayout, IndexKDtype, LayerId, Layout, PageId};
 use crate::metrics::Metrics;
 use crate::mutants::Mutants;
 use crate::pools::Pools;
+use crate::probe::{self, Probe};
 use crate::transfer::{Transfer, TransferError};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -236,6 +237,13 @@ impl CacheController {
         events: Option<&[EventId]>,
     ) -> Result<bool, EngineError> {
         let mut enqueue_failed = false;
+        let p = io.layout.params;
+        match p.host_layout {
+            HostLayout::LayerFirst => probe::hit(Probe::CopyLayerFirst),
+            HostLayout::PageFirst => {
+                probe::hit_if(Probe::CopyPageFirstBf16, p.index_k_dtype == IndexKDtype::Bf16);
+            }
+        }
         for l in 0..io.layout.layers() {
             let layer = LayerId(l);
             for kind in BufferKind::ALL {
@@ -273,6 +281,7 @@ impl CacheController {
         self.ring.next = (slot + 1) % self.ring.holder.len();
         let mut reclaimed = None;
         if let Some(old) = self.ring.holder[slot] {
+            probe::hit(Probe::LoadRingFull);
             // The slot's events are about to be re-recorded: its previous load must be over.
             if !io.mutants.slot_reused_without_wait() {
                 let fin = self.finish_event(old);
@@ -320,6 +329,8 @@ impl CacheController {
         let enqueue_failed =
             Self::copy_all_layers(io, StreamKind::Load, false, &pairs, Some(&events))?;
         self.ring.holder[slot] = Some(id);
+        probe::hit(Probe::LoadIssued);
+        probe::hit_if(Probe::LoadEnqueueFailed, enqueue_failed);
         io.metrics.loads += 1;
         io.metrics.load_bytes += io.layout.transfer_bytes(pairs.len() as u64).0;
         let load = Load {
@@ -369,8 +380,10 @@ impl CacheController {
             .observe(io.clock.now_ns().saturating_sub(load.issued_ns));
         if !ok {
             io.metrics.load_failures += 1;
+            probe::hit(Probe::LoadFailed);
         }
         if load.orphaned {
+            probe::hit(Probe::LoadOrphanAcked);
             // The request is gone: drop its lock on the loaded nodes; free pages nobody holds.
             io.cache.unlock(&load.nodes);
             if !io.mutants.abort_frees_load_pages() {
@@ -448,12 +461,14 @@ impl CacheController {
         if nodes.is_empty() {
             let entry = (last, io.cache.generation(last));
             if io.cache.backup_deferred(last) && !self.deferred.contains(&entry) {
+                probe::hit(Probe::BackupDeferred);
                 // An ancestor's backup is in flight: retry once it is acknowledged.
                 self.deferred.push(entry);
             }
             return Ok(false);
         }
         let Some(host_pages) = Self::host_pages_for(io, &nodes) else {
+            probe::hit(Probe::BackupHostFull);
             return Ok(false);
         };
         assert_eq!(
@@ -476,6 +491,8 @@ impl CacheController {
         let enqueue_failed = Self::copy_all_layers(io, StreamKind::Write, true, &pairs, None)?;
         io.dev.record(StreamKind::Write, event)?;
         io.metrics.backups += 1;
+        probe::hit(Probe::BackupIssued);
+        probe::hit_if(Probe::BackupEnqueueFailed, enqueue_failed);
         io.metrics.backup_bytes += io.layout.transfer_bytes(pairs.len() as u64).0;
         let b = Backup {
             nodes,
@@ -509,6 +526,7 @@ impl CacheController {
             return None;
         }
         let freed = io.cache.evict_host(want, keep);
+        probe::hit_if(Probe::HostEvicted, !freed.is_empty());
         io.pools.host_pages.free(&freed);
         io.pools.host_pages.alloc(n)
     }
@@ -527,6 +545,7 @@ impl CacheController {
             .observe(io.clock.now_ns().saturating_sub(b.issued_ns));
         if !ok {
             io.metrics.backup_failures += 1;
+            probe::hit(Probe::BackupFailed);
         }
         self.free_events.push(b.event);
     }
@@ -541,6 +560,7 @@ impl CacheController {
         for (node, generation) in pending {
             // The node may have gone, and its slot been reused for another one.
             if io.cache.is_live(node) && io.cache.generation(node) == generation {
+                probe::hit(Probe::BackupRetried);
                 self.issue_backup(io, node, after)?;
             }
         }
@@ -601,6 +621,8 @@ impl CacheController {
             return Ok(None);
         };
         io.cache.touch(&m.nodes);
+        probe::hit_if(Probe::AdmitDevicePrefix, m.device > 0);
+        probe::hit_if(Probe::AdmitHostPrefix, m.host > 0);
         io.metrics.prefix_pages_queried += keys.len() as u64;
         io.metrics.prefix_pages_device_hit += m.device as u64;
         io.metrics.prefix_pages_host_hit += m.host as u64;
@@ -619,6 +641,7 @@ impl CacheController {
         if self.write_policy == WritePolicy::WriteThroughSelective && m.device > 0 {
             let last = io.cache.node(m.nodes[m.device - 1]);
             if last.hits >= 2 && last.host.is_none() {
+                probe::hit(Probe::BackupSelective);
                 self.issue_backup(io, m.nodes[m.device - 1], after)?;
             }
         }
@@ -655,9 +678,12 @@ impl CacheController {
         after: EventId,
     ) -> Result<usize, EngineError> {
         let ev = io.cache.evict_device(pages, self.write_policy);
+        probe::hit_if(Probe::DeviceEvicted, !ev.freed.is_empty());
+        probe::hit_if(Probe::DeviceWriteBackPending, !ev.write_back.is_empty());
         io.pools.device_pages.free(&ev.freed);
         for node in ev.write_back {
             if !self.issue_backup(io, node, after)? {
+                probe::hit(Probe::DeviceWriteBackCancelled);
                 io.cache.cancel_write_back(node);
             }
         }

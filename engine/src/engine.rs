@@ -9,6 +9,7 @@
 //! pages of completed requests (issuing backups). Everything is deterministic given the device's
 //! answers: iteration uses `BTreeMap`/`Vec`, ids are sequential.
 
+use crate::probe::{self, Probe};
 use crate::cache::{NodeId, PageKey, PrefixCache};
 use crate::config::{Config, WritePolicy};
 use crate::controller::{CacheController, Grant, Io, LoadAck};
@@ -185,9 +186,18 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let r = self.sched.submit(spec, now);
         match &r {
             Ok(_) => self.metrics.requests_submitted += 1,
-            Err(Rejection::Invalid { .. }) => self.metrics.rejected_invalid += 1,
-            Err(Rejection::QueueFull { .. }) => self.metrics.rejected_queue_full += 1,
-            Err(Rejection::PendingTokens { .. }) => self.metrics.rejected_pending_tokens += 1,
+            Err(Rejection::Invalid { .. }) => {
+                self.metrics.rejected_invalid += 1;
+                probe::hit(Probe::RejectInvalid);
+            }
+            Err(Rejection::QueueFull { .. }) => {
+                self.metrics.rejected_queue_full += 1;
+                probe::hit(Probe::RejectQueueFull);
+            }
+            Err(Rejection::PendingTokens { .. }) => {
+                self.metrics.rejected_pending_tokens += 1;
+                probe::hit(Probe::RejectPendingTokens);
+            }
         }
         if r.is_ok() {
             self.refresh_gauges();
@@ -202,7 +212,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let Some(req) = self.sched.remove(id) else {
             return false;
         };
+        probe::hit_if(Probe::AbortMidBackup, self.ctl.backups_in_flight() > 0);
+        probe::hit_if(Probe::AbortQueued, req.state == RequestState::Queued);
         if req.state == RequestState::Running {
+            probe::hit(Probe::AbortRunning);
+            probe::hit_if(Probe::AbortMidLoad, req.load.is_some());
             let loading: Vec<NodeId> = match req.load {
                 Some(l) => self.ctl.orphan(l, &mut self.pools, self.mutants),
                 None => Vec::new(),
@@ -266,8 +280,10 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     fn wait_for_copies(&mut self) {
         let (ctl, mut io) = self.split();
         if ctl.has_backups() {
+            probe::hit(Probe::StepWaitedForBackup);
             ctl.poll_backups(&mut io, true);
         } else if let Some(ack) = ctl.wait_oldest_load(&mut io) {
+            probe::hit(Probe::StepWaitedForLoad);
             self.apply(&[ack]);
         }
     }
@@ -327,6 +343,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let full = r.computed / PAGE_TOKENS as usize;
         let keys = page_keys(&r.tokens, full);
         let ins = self.cache.insert(&keys, &r.pages[..full]);
+        probe::hit_if(Probe::FinishDuplicatePages, !ins.duplicates.is_empty());
         self.pools.device_pages.free(&ins.duplicates);
         self.pools
             .device_pages

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod model;
 pub mod mutants;
 pub mod pools;
+pub mod probe;
 pub mod runtime;
 pub mod scheduler;
 pub mod sync;

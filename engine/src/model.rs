@@ -8,6 +8,7 @@
 //! pools only through the layer gate's proofs, and every input vector comes from the synthetic
 //! model, so the oracles can recompute any byte.
 
+use crate::probe::{self, Probe};
 use crate::config::Config;
 use crate::device::{
     BufferDesc, BufferId, BufferRole, Device, DeviceError, EventId, EventState, IndexKStore,
@@ -352,6 +353,11 @@ impl ModelStep {
             tags: query_tags(lg, chunk),
         };
         dev.enqueue(StreamKind::Compute, Op::IndexLogits(scores))?;
+        for c in chunk {
+            let covered = c.position < sh.topk;
+            probe::hit_if(Probe::TopkCoversContext, covered);
+            probe::hit_if(Probe::TopkSelects, !covered);
+        }
         let topk = TopK {
             k: sh.topk,
             logits,
@@ -432,7 +438,10 @@ impl ModelStep {
         };
         dev.enqueue(StreamKind::Compute, Op::Copy(copy))?;
         dev.record(StreamKind::Compute, self.step_done)?;
-        if dev.synchronize(self.step_done) == EventState::Failed {
+        if probe::hit_if(
+            Probe::StepDeviceFailed,
+            dev.synchronize(self.step_done) == EventState::Failed,
+        ) {
             // The device could not run the step (a driver error): its digests are not data.
             return Err(EngineError::Device(DeviceError::Backend {
                 detail: "the step's work failed on the device".into(),

@@ -7,6 +7,7 @@
 //! cached prefix and pages through `Reserve`, and the cache controller's acknowledgements come
 //! back as `LoadAck` effects that only the scheduler applies to its requests.
 
+use crate::probe::{self, Probe};
 use crate::cache::NodeId;
 use crate::config::{Config, PrefillIndexer, SchedulerConfig};
 use crate::controller::{Grant, LoadAck, LoadId};
@@ -287,6 +288,11 @@ impl Scheduler {
         }
         let id = self.next_request;
         self.next_request += 1;
+        probe::hit_if(
+            Probe::RequestFillsContext,
+            spec.prompt.len() as u64 + spec.max_new_tokens as u64
+                == self.limits.context_tokens_max as u64,
+        );
         self.queued_tokens += spec.prompt.len() as u64;
         let r = Request {
             id,
@@ -328,6 +334,7 @@ impl Scheduler {
         let mut acks = Vec::new();
         while let Some(&id) = self.queue.front() {
             if self.running.len() >= self.limits.sched.running_requests_max as usize {
+                probe::hit(Probe::AdmitRunningFull);
                 break;
             }
             let reserved = res.reserve(&self.requests[&id], &mut acks);
@@ -335,10 +342,22 @@ impl Scheduler {
                 self.load_acked(&ack);
             }
             let Some(grant) = reserved? else {
+                probe::hit(Probe::AdmitNoPages);
                 break;
             };
             self.queue.pop_front();
             let r = self.requests.get_mut(&id).expect("queued request exists");
+            let whole = grant.cached == r.cacheable_pages();
+            probe::hit_if(Probe::AdmitWholePromptCached, whole && grant.cached > 0);
+            probe::hit_if(
+                Probe::AdmitCachedToPageBoundary,
+                whole && grant.cached > 0 && r.prompt_len % PAGE_TOKENS as usize == 0,
+            );
+            probe::hit_if(
+                Probe::PageTableFull,
+                grant.pages.len()
+                    == self.limits.context_tokens_max.div_ceil(PAGE_TOKENS) as usize,
+            );
             self.queued_tokens -= r.prompt_len as u64;
             r.state = RequestState::Running;
             r.pages = grant.pages;
@@ -396,6 +415,7 @@ impl Scheduler {
             let r = &self.requests[&id];
             let row = if r.in_prefill() {
                 let n = (r.prompt_len - r.computed).min(budget);
+                probe::hit_if(Probe::BatchPrefillChunked, n < r.prompt_len - r.computed);
                 if n == 0 {
                     continue;
                 }
@@ -412,6 +432,7 @@ impl Scheduler {
                 continue;
             };
             if query_rows + row.queries.len() > rows_max {
+                probe::hit(Probe::BatchRowsFull);
                 continue;
             }
             if r.in_prefill() {
@@ -420,6 +441,9 @@ impl Scheduler {
             query_rows += row.queries.len();
             rows.push(row);
         }
+        let prefill = rows.iter().filter(|r| r.to <= self.requests[&r.request].prompt_len);
+        let prefill = prefill.count();
+        probe::hit_if(Probe::BatchMixed, prefill > 0 && prefill < rows.len());
         rows
     }
 
@@ -450,6 +474,7 @@ impl Scheduler {
             let row_digests = &digests[qi..qi + row.queries.len()];
             qi += row.queries.len();
             if failed.contains(&row.request) {
+                probe::hit(Probe::LoadRecomputed);
                 continue;
             }
             for (&pos, d) in row.queries.iter().zip(row_digests) {
@@ -472,6 +497,10 @@ impl Scheduler {
                 r.first_token_ns.get_or_insert(now_ns);
                 counts.generated_tokens += 1;
                 let index = r.generated - 1;
+                probe::hit_if(
+                    Probe::FinishAtOutputMax,
+                    r.generated == self.limits.sched.output_tokens_max,
+                );
                 self.outputs.push(Output::Token {
                     request: row.request,
                     index,

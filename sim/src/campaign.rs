@@ -2,6 +2,7 @@
 //! a progress bar, and a summary with the throughput figures. Each seed's run is deterministic and
 //! independent, so the workers share nothing but a counter and a results channel.
 
+use crate::probes::Coverage;
 use crate::report::{Finding, OracleKind};
 use crate::runner::{run, RunOptions, RunOutcome, RunStats};
 use crate::scenario::{draw, Scenario};
@@ -98,11 +99,13 @@ pub struct CampaignSummary {
     pub totals: RunStats,
     /// The first failing seed in seed order, if any.
     pub first_failure: Option<u64>,
+    pub coverage: Coverage,
 }
 
 impl CampaignSummary {
     fn add(&mut self, o: &RunOutcome) {
         self.seeds_run += 1;
+        self.coverage.add(&o.probes);
         let t = &mut self.totals;
         let s = &o.stats;
         t.steps += s.steps;
@@ -162,6 +165,20 @@ impl CampaignSummary {
             t.sim_ns as f64 * 1e-9,
             t.wall_ns as f64 * 1e-9,
             t.sim_ns as f64 / t.wall_ns.max(1) as f64
+        );
+        let names = crate::probes::all_names();
+        let never = self.coverage.below(f64::MIN_POSITIVE);
+        let rare = self.coverage.below(0.05);
+        println!(
+            "coverage: {} of {} probes hit; {} in fewer than 5% of seeds{}",
+            names.len() - never.len(),
+            names.len(),
+            rare.len(),
+            if never.is_empty() {
+                String::new()
+            } else {
+                format!("; never: {}", never.join(", "))
+            }
         );
     }
 }

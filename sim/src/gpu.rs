@@ -15,6 +15,7 @@
 //! on every KV and index-K row an op reads, at the moment it reads it.
 
 use crate::oracles::content::ContentOracle;
+use crate::probes::{self, SimProbe};
 use crate::race::{join, Accessor, Race, RaceDetector, Vc, HOST};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
@@ -339,11 +340,13 @@ impl SimGpu {
                     + (bytes as f64 / 2.0 / self.opts.copy_bytes_per_ns) as u64;
                 let mut d = base + self.rng.below(base / 4 + 1);
                 if self.opts.slow_copy_rate > 0.0 && self.rng.chance(self.opts.slow_copy_rate) {
+                    probes::hit(SimProbe::FaultCopySlow);
                     d *= self.opts.slow_copy_factor;
                 }
                 let fail = op.spec().class() == OpClass::PageCopy
                     && self.opts.failed_copy_rate > 0.0
                     && self.rng.chance(self.opts.failed_copy_rate);
+                probes::hit_if(SimProbe::FaultCopyFailed, fail);
                 (d, fail)
             }
             OpClass::Kernel => {
@@ -360,6 +363,7 @@ impl SimGpu {
             SchedPolicy::Pct { .. } => {
                 if let Some(&cp) = self.change_points.first() {
                     if self.next_op >= cp {
+                        probes::hit(SimProbe::PctChangePoint);
                         self.change_points.remove(0);
                         // Demote the highest-priority stream to the lowest.
                         let top = (0..3)
@@ -399,6 +403,7 @@ impl SimGpu {
                     let last = self.streams[s].last_record.replace(rec);
                     assert!(last < Some(rec), "records of one stream complete in order");
                     r.failed = failed;
+                    probes::hit_if(SimProbe::RecordFailed, failed);
                     self.streams[s].ready_at = t;
                     self.log(&[1, s as u64, rec, t]);
                     // A completed record may release waits on other streams.
@@ -419,7 +424,10 @@ impl SimGpu {
                             self.streams[s].queue.pop_front();
                             self.streams[s].ready_at = t.max(at);
                         }
-                        None => return,
+                        None => {
+                            probes::hit(SimProbe::WaitBlocked);
+                            return;
+                        }
                     }
                 }
                 Entry::Op(_) => {
@@ -428,6 +436,12 @@ impl SimGpu {
                     };
                     let start = t.max(rec.enq_ns) + self.start_delay(s);
                     let end = start + rec.duration;
+                    probes::hit_if(
+                        SimProbe::StreamsOverlap,
+                        self.streams
+                            .iter()
+                            .any(|o| o.running.as_ref().is_some_and(|r| r.2 > start)),
+                    );
                     self.seq += 1;
                     self.heap.push(Reverse((end, self.seq, s)));
                     self.log(&[2, s as u64, rec.id, start]);
@@ -696,6 +710,7 @@ impl Device for SimGpu {
         if desc.tier == MemoryTier::PinnedHost {
             self.host_allocs += 1;
             if self.opts.fail_first_host_alloc && self.host_allocs == 1 {
+                probes::hit(SimProbe::FaultHostAllocFailed);
                 return Err(DeviceError::OutOfMemory {
                     role: desc.role,
                     tier: desc.tier,
@@ -726,6 +741,14 @@ impl Device for SimGpu {
             (ev.0 as usize) < self.events.len(),
             "record of unknown {ev}"
         );
+        if let Some(old) = self.events[ev.0 as usize] {
+            let awaited = self.streams.iter().any(|st| {
+                st.queue
+                    .iter()
+                    .any(|e| matches!(e, Entry::Wait(Some(r)) if *r == old))
+            });
+            probes::hit_if(SimProbe::RecordWhileAwaited, awaited);
+        }
         let rec = self.next_record;
         self.next_record += 1;
         self.records.insert(
@@ -748,6 +771,7 @@ impl Device for SimGpu {
         let s = stream.index();
         assert!((ev.0 as usize) < self.events.len(), "wait on unknown {ev}");
         let target = self.events[ev.0 as usize];
+        probes::hit_if(SimProbe::WaitUnrecorded, target.is_none());
         if let Some(rec) = target {
             let vc = self.records[&rec].vc;
             join(&mut self.streams[s].vc, &vc);
@@ -781,6 +805,7 @@ impl Device for SimGpu {
                 }
             }
         };
+        probes::hit_if(SimProbe::QueryPending, state == EventState::Pending);
         self.log(&[7, ev.0 as u64, state as u64]);
         state
     }

@@ -13,6 +13,7 @@ pub mod cuda_exec;
 pub mod fuzz;
 pub mod gpu;
 pub mod oracles;
+pub mod probes;
 pub mod race;
 pub mod report;
 pub mod rng;

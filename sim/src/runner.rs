@@ -5,6 +5,7 @@ use crate::gpu::{SimGpu, Slice};
 use crate::oracles::content::ContentOracle;
 use crate::oracles::digest::{DigestOracle, Mismatch};
 use crate::oracles::{conservation, liveness};
+use crate::probes::{self, SimProbe};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
 use crate::scenario::Scenario;
@@ -56,6 +57,8 @@ pub struct RunOutcome {
     pub log_hash: u64,
     pub trace: Vec<Slice>,
     pub racing_ops: Vec<u64>,
+    /// How often the run hit each coverage probe (`probes`; absent: never).
+    pub probes: BTreeMap<&'static str, u64>,
 }
 
 impl RunOutcome {
@@ -205,6 +208,8 @@ struct Run<'a> {
 /// Runs one scenario.
 pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
     let wall = std::time::Instant::now();
+    // The probes count on this thread: start from zero.
+    tierkv_engine::probe::take();
     let mut r = match Run::start(sc, opts) {
         Ok(r) => r,
         Err(f) => {
@@ -215,6 +220,7 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 log_hash: 0,
                 trace: Vec::new(),
                 racing_ops: Vec::new(),
+                probes: tierkv_engine::probe::take(),
             }
         }
     };
@@ -367,6 +373,7 @@ impl<'a> Run<'a> {
                 (0..turn.append_tokens as u64).map(|k| self.synth.token(stream, appended + k)),
             );
             if prompt.len() + turn.generate as usize > ctx_max {
+                probes::hit(SimProbe::SessionReachedContext);
                 st.done = true;
                 continue;
             }
@@ -386,7 +393,10 @@ impl<'a> Run<'a> {
                     });
                     return Err(Stop);
                 }
-                Err(_) => self.sessions[i].wait_until = now + 500_000,
+                Err(_) => {
+                    probes::hit(SimProbe::ClientRetried);
+                    self.sessions[i].wait_until = now + 500_000;
+                }
             }
         }
         Ok(())
@@ -438,6 +448,10 @@ impl<'a> Run<'a> {
         let arrivals_left =
             self.next_oneshot < self.oneshots.len() || self.sessions.iter().any(|s| !s.done);
         if self.faults_on && !arrivals_left {
+            probes::hit_if(
+                SimProbe::FaultsStoppedWithWork,
+                self.engine.queue_len() + self.engine.running_len() > 0,
+            );
             self.faults_on = false;
             self.engine.dev.stop_faults();
         }
@@ -706,6 +720,7 @@ impl<'a> Run<'a> {
             log_hash: mix64(self.engine.dev.log_hash() ^ self.out_hash),
             trace: std::mem::take(&mut self.engine.dev.trace),
             racing_ops: self.engine.dev.racing_ops.clone(),
+            probes: tierkv_engine::probe::take(),
         }
     }
 }

@@ -68,6 +68,9 @@ pub struct SimArgs {
     /// Print every seed's drawn configuration and outcome as the campaign goes.
     #[arg(long)]
     pub verbose: bool,
+    /// Print the coverage table: each probe's hits and the share of seeds that hit it.
+    #[arg(long)]
+    pub coverage: bool,
     /// Where the ops run: `cpu` (the kernels' CPU references) or `cuda` (a real GPU; needs
     /// `--features cuda`). The schedules are the same.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
@@ -411,6 +414,9 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
         }
     });
     summary.print(&args.profile);
+    if args.coverage {
+        print!("{}", summary.coverage.table());
+    }
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);
         let out = run(&sc, &run_options(args, false));

@@ -1,0 +1,181 @@
+//! Coverage probes: named states that a simulation campaign must reach, counted where the code
+//! reaches them (FoundationDB's `CODE_PROBE`, TigerBeetle's coverage marks).
+//!
+//! A probe answers "did any seed ever get here?": a load that failed, a host eviction that had to
+//! step around a pinned node, a request whose prompt was cached to the last page. The simulator
+//! reads the counts after each run (`take`) and a campaign reports, per probe, its hits and the
+//! fraction of seeds that hit it (`tierkv sim --coverage`); a test fails when the default test
+//! campaign leaves a probe cold. Probes never change what the code does.
+//!
+//! Counts live in a thread-local table keyed by the probe's name, so the engine's probes
+//! ([`Probe`]) and the simulator's own (`tierkv-sim`'s `SimProbe`) share one table and one
+//! report. A run of the simulator is one thread; in production the engine thread counts too, at
+//! the cost of one table update per probe hit.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+thread_local! {
+    static HITS: RefCell<BTreeMap<&'static str, u64>> = const { RefCell::new(BTreeMap::new()) };
+}
+
+/// Counts one hit of the probe named `name` on this thread.
+pub fn hit_named(name: &'static str) {
+    HITS.with(|h| *h.borrow_mut().entry(name).or_default() += 1);
+}
+
+/// Counts one hit of `p` on this thread.
+pub fn hit(p: Probe) {
+    hit_named(p.name());
+}
+
+/// Counts one hit of `p` when `cond` holds; returns `cond`.
+pub fn hit_if(p: Probe, cond: bool) -> bool {
+    if cond {
+        hit(p);
+    }
+    cond
+}
+
+/// This thread's counts since the last `take`, by probe name; the table starts empty again.
+pub fn take() -> BTreeMap<&'static str, u64> {
+    HITS.with(|h| std::mem::take(&mut *h.borrow_mut()))
+}
+
+macro_rules! probes {
+    ($( $(#[doc = $doc:literal])* $name:ident = $text:literal, )*) => {
+        /// The engine's coverage probes. Each name is `area.what`, as reports print it.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub enum Probe {
+            $( $(#[doc = $doc])* $name, )*
+        }
+
+        impl Probe {
+            pub const ALL: &'static [Probe] = &[$(Probe::$name),*];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Probe::$name => $text,)*
+                }
+            }
+        }
+    };
+}
+
+probes! {
+    /// Intake refused a request that can never be served (empty, too long, bad token).
+    RejectInvalid = "intake.reject_invalid",
+    /// Intake refused a request: the queue holds `queued_requests_max` requests.
+    RejectQueueFull = "intake.reject_queue_full",
+    /// Intake refused a request: its prompt would take the queued tokens over
+    /// `pending_tokens_max` (a burst of long prompts).
+    RejectPendingTokens = "intake.reject_pending_tokens",
+    /// A request asks for exactly the context limit (prompt + generation = `context_tokens_max`).
+    RequestFillsContext = "intake.request_fills_context",
+    /// Admission stopped at `running_requests_max`.
+    AdmitRunningFull = "admit.running_full",
+    /// Admission stopped: the device tier could not make room for the queue's head.
+    AdmitNoPages = "admit.no_device_pages",
+    /// A request's cached prefix covers every page it can reuse (only its last partial page, or
+    /// its last token, is computed).
+    AdmitWholePromptCached = "admit.whole_prompt_cached",
+    /// A fully cached prompt that ends exactly on a page boundary: its whole last page is
+    /// recomputed.
+    AdmitCachedToPageBoundary = "admit.cached_prompt_on_page_boundary",
+    /// Part of a request's prefix is cached on the device only.
+    AdmitDevicePrefix = "admit.device_prefix",
+    /// Part of a request's prefix is on the host only: a load-back.
+    AdmitHostPrefix = "admit.host_prefix",
+    /// A request's page table is as wide as the context allows.
+    PageTableFull = "admit.page_table_full",
+    /// A prefill was cut to the step's prefill budget (chunked prefill).
+    BatchPrefillChunked = "batch.prefill_chunked",
+    /// A batch mixes prefill and decode rows.
+    BatchMixed = "batch.mixed",
+    /// A row waited for a later step: the batch had no query rows left.
+    BatchRowsFull = "batch.rows_full",
+    /// A query's context is no longer than `index_topk`: the selection takes every token.
+    TopkCoversContext = "indexer.topk_covers_context",
+    /// A query's context is longer than `index_topk`: the selection really selects.
+    TopkSelects = "indexer.topk_selects",
+    /// A request generated `output_tokens_max` tokens.
+    FinishAtOutputMax = "finish.at_output_max",
+    /// A finished request's pages were already in the tree (another request inserted them).
+    FinishDuplicatePages = "finish.duplicate_pages",
+    /// A load-back (host → device) was issued.
+    LoadIssued = "load.issued",
+    /// A load's copy failed: nothing was published.
+    LoadFailed = "load.failed",
+    /// A load's copy could not even be enqueued.
+    LoadEnqueueFailed = "load.enqueue_failed",
+    /// A request recomputes the tokens of a failed load.
+    LoadRecomputed = "load.recomputed",
+    /// The load ring was full: a new load waited for the slot's previous load.
+    LoadRingFull = "load.ring_full",
+    /// A load whose request was aborted was acknowledged.
+    LoadOrphanAcked = "load.orphan_acked",
+    /// A step with nothing to compute waited for the oldest load.
+    StepWaitedForLoad = "step.waited_for_load",
+    /// A step with nothing to compute waited for the oldest backup.
+    StepWaitedForBackup = "step.waited_for_backup",
+    /// The device reported that a step's work failed.
+    StepDeviceFailed = "step.device_failed",
+    /// A backup (device → host) was issued.
+    BackupIssued = "backup.issued",
+    /// A backup's copy failed: the nodes stay device-only.
+    BackupFailed = "backup.failed",
+    /// A backup's copy could not be enqueued.
+    BackupEnqueueFailed = "backup.enqueue_failed",
+    /// A backup waited for an ancestor's backup in flight.
+    BackupDeferred = "backup.deferred",
+    /// A deferred backup was retried.
+    BackupRetried = "backup.retried",
+    /// The host tier could not make room for a backup: skipped.
+    BackupHostFull = "backup.host_full",
+    /// Selective write-through backed up a prefix on its second hit.
+    BackupSelective = "backup.selective",
+    /// Host pages were evicted to make room for a backup.
+    HostEvicted = "host.evicted",
+    /// Host eviction stepped around a node whose host copy is pinned by a load in flight.
+    HostEvictSkippedPinned = "host.evict_skipped_pinned",
+    /// Device pages were evicted.
+    DeviceEvicted = "device.evicted",
+    /// A write-back eviction waits for its backup before the page is freed.
+    DeviceWriteBackPending = "device.write_back_pending",
+    /// A write-back eviction was cancelled (its backup could not be issued).
+    DeviceWriteBackCancelled = "device.write_back_cancelled",
+    /// A page copy of a host tier in page-first layout with a bf16 index-K.
+    CopyPageFirstBf16 = "copy.page_first_bf16_index_k",
+    /// A page copy of a host tier in layer-first layout.
+    CopyLayerFirst = "copy.layer_first",
+    /// A queued request was aborted.
+    AbortQueued = "abort.queued",
+    /// A running request was aborted.
+    AbortRunning = "abort.running",
+    /// A request was aborted while its load was in flight.
+    AbortMidLoad = "abort.mid_load",
+    /// A request was aborted while a backup was in flight.
+    AbortMidBackup = "abort.mid_backup",
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_distinct_and_take_resets() {
+        let mut names: Vec<&str> = Probe::ALL.iter().map(|p| p.name()).collect();
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "two probes share a name");
+        take();
+        hit(Probe::LoadIssued);
+        hit(Probe::LoadIssued);
+        assert!(!hit_if(Probe::LoadFailed, false));
+        let counts = take();
+        assert_eq!(counts.get("load.issued"), Some(&2));
+        assert_eq!(counts.get("load.failed"), None);
+        assert!(take().is_empty());
+    }
+}

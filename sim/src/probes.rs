@@ -1,0 +1,152 @@
+//! The simulator's own coverage probes (the engine's are `tierkv_engine::probe::Probe`), and the
+//! coverage report of a campaign: per probe, its hits and the seeds that hit it.
+//!
+//! Both sets count in the engine's thread-local table, so one `take` after a run returns them
+//! together; `all_names` lists every probe, so a probe never hit still shows in the report.
+
+use std::collections::BTreeMap;
+use tierkv_engine::probe::{hit_named, Probe};
+
+/// A state of the simulated GPU or of the run's driver that a campaign must reach.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimProbe {
+    /// A stream reached a wait whose record had not completed: it blocked.
+    WaitBlocked,
+    /// A wait on an event never recorded (CUDA: a no-op).
+    WaitUnrecorded,
+    /// An event was recorded again while a stream still waited for its previous record.
+    RecordWhileAwaited,
+    /// An op started while another stream's op was running.
+    StreamsOverlap,
+    /// A host query found an event still pending.
+    QueryPending,
+    /// A record completed carrying a failed copy.
+    RecordFailed,
+    /// A PCT change point demoted the highest-priority stream.
+    PctChangePoint,
+    /// Fault: a copy failed (garbage written, its event reports failure).
+    FaultCopyFailed,
+    /// Fault: a copy ran slow.
+    FaultCopySlow,
+    /// Fault: the first pinned-host allocation failed.
+    FaultHostAllocFailed,
+    /// Faults stopped while the engine still had requests (the liveness phase has work).
+    FaultsStoppedWithWork,
+    /// A session ended because its next turn would not fit the context.
+    SessionReachedContext,
+    /// A client retried after its request was refused by admission control.
+    ClientRetried,
+}
+
+impl SimProbe {
+    pub const ALL: &'static [SimProbe] = &[
+        SimProbe::WaitBlocked,
+        SimProbe::WaitUnrecorded,
+        SimProbe::RecordWhileAwaited,
+        SimProbe::StreamsOverlap,
+        SimProbe::QueryPending,
+        SimProbe::RecordFailed,
+        SimProbe::PctChangePoint,
+        SimProbe::FaultCopyFailed,
+        SimProbe::FaultCopySlow,
+        SimProbe::FaultHostAllocFailed,
+        SimProbe::FaultsStoppedWithWork,
+        SimProbe::SessionReachedContext,
+        SimProbe::ClientRetried,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SimProbe::WaitBlocked => "gpu.wait_blocked",
+            SimProbe::WaitUnrecorded => "gpu.wait_on_unrecorded_event",
+            SimProbe::RecordWhileAwaited => "gpu.record_while_awaited",
+            SimProbe::StreamsOverlap => "gpu.streams_overlap",
+            SimProbe::QueryPending => "gpu.query_pending",
+            SimProbe::RecordFailed => "gpu.record_reports_failure",
+            SimProbe::PctChangePoint => "gpu.pct_change_point",
+            SimProbe::FaultCopyFailed => "fault.copy_failed",
+            SimProbe::FaultCopySlow => "fault.copy_slow",
+            SimProbe::FaultHostAllocFailed => "fault.host_alloc_failed",
+            SimProbe::FaultsStoppedWithWork => "run.faults_stopped_with_work",
+            SimProbe::SessionReachedContext => "run.session_reached_context",
+            SimProbe::ClientRetried => "run.client_retried",
+        }
+    }
+}
+
+/// Counts one hit of `p` on this thread.
+pub fn hit(p: SimProbe) {
+    hit_named(p.name());
+}
+
+/// Counts one hit of `p` when `cond` holds; returns `cond`.
+pub fn hit_if(p: SimProbe, cond: bool) -> bool {
+    if cond {
+        hit(p);
+    }
+    cond
+}
+
+/// Every probe's name: the engine's, then the simulator's.
+pub fn all_names() -> Vec<&'static str> {
+    Probe::ALL
+        .iter()
+        .map(|p| p.name())
+        .chain(SimProbe::ALL.iter().map(|p| p.name()))
+        .collect()
+}
+
+/// A campaign's coverage: for each probe, its hits and the seeds that hit it.
+#[derive(Clone, Debug, Default)]
+pub struct Coverage {
+    pub seeds: u64,
+    /// Probe name → (hits, seeds that hit it at least once).
+    pub probes: BTreeMap<&'static str, (u64, u64)>,
+}
+
+impl Coverage {
+    /// Adds one run's counts.
+    pub fn add(&mut self, counts: &BTreeMap<&'static str, u64>) {
+        self.seeds += 1;
+        for (&name, &n) in counts {
+            let e = self.probes.entry(name).or_default();
+            e.0 += n;
+            e.1 += (n > 0) as u64;
+        }
+    }
+
+    /// The fraction of seeds that hit `name`.
+    pub fn fraction(&self, name: &str) -> f64 {
+        let seeds = self.probes.get(name).map_or(0, |e| e.1);
+        seeds as f64 / self.seeds.max(1) as f64
+    }
+
+    /// Probes below `fraction` of the seeds (never hit included), in report order.
+    pub fn below(&self, fraction: f64) -> Vec<&'static str> {
+        all_names()
+            .into_iter()
+            .filter(|n| self.fraction(n) < fraction)
+            .collect()
+    }
+
+    /// The report: one line per probe, hits and the share of seeds, the cold ones marked.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "{:<40} {:>10} {:>8}\n",
+            "probe", "hits", "seeds"
+        );
+        for name in all_names() {
+            let (hits, seeds) = self.probes.get(name).copied().unwrap_or((0, 0));
+            let pct = 100.0 * seeds as f64 / self.seeds.max(1) as f64;
+            let mark = if seeds == 0 {
+                "  never"
+            } else if pct < 5.0 {
+                "  < 5%"
+            } else {
+                ""
+            };
+            out += &format!("{name:<40} {hits:>10} {pct:>7.1}%{mark}\n");
+        }
+        out
+    }
+}
