@@ -670,7 +670,10 @@ impl CacheController {
     }
 
     /// Evicts up to `pages` device pages (unlocked nodes only, the write policy respected).
-    /// Returns how many were freed at once.
+    /// Returns how many were freed at once. A write-back eviction whose backup cannot be issued
+    /// (the host tier cannot make room) falls back to dropping: a prefix cache may forget what
+    /// it cannot keep, and a device tier held by nodes that can neither be backed up nor dropped
+    /// would stop admission for good.
     pub(crate) fn evict_device<D: Device, C: Clock, T: Transfer>(
         &mut self,
         io: &mut Io<'_, D, C, T>,
@@ -681,12 +684,23 @@ impl CacheController {
         probe::hit_if(Probe::DeviceEvicted, !ev.freed.is_empty());
         probe::hit_if(Probe::DeviceWriteBackPending, !ev.write_back.is_empty());
         io.pools.device_pages.free(&ev.freed);
+        let mut freed = ev.freed.len();
+        let mut cancelled = false;
         for node in ev.write_back {
             if !self.issue_backup(io, node, after)? {
                 probe::hit(Probe::DeviceWriteBackCancelled);
                 io.cache.cancel_write_back(node);
+                cancelled = true;
             }
         }
-        Ok(ev.freed.len())
+        if cancelled && freed < pages {
+            // The write-through policy's eviction never writes back: it frees pages with a host
+            // copy and drops leaves without one.
+            let dropped = io.cache.evict_device(pages - freed, WritePolicy::WriteThrough);
+            probe::hit_if(Probe::DeviceWriteBackDropped, !dropped.freed.is_empty());
+            io.pools.device_pages.free(&dropped.freed);
+            freed += dropped.freed.len();
+        }
+        Ok(freed)
     }
 }

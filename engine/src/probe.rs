@@ -92,8 +92,6 @@ probes! {
     BatchPrefillChunked = "batch.prefill_chunked",
     /// A batch mixes prefill and decode rows.
     BatchMixed = "batch.mixed",
-    /// A row waited for a later step: the batch had no query rows left.
-    BatchRowsFull = "batch.rows_full",
     /// A query's context is no longer than `index_topk`: the selection takes every token.
     TopkCoversContext = "indexer.topk_covers_context",
     /// A query's context is longer than `index_topk`: the selection really selects.
@@ -144,6 +142,8 @@ probes! {
     DeviceWriteBackPending = "device.write_back_pending",
     /// A write-back eviction was cancelled (its backup could not be issued).
     DeviceWriteBackCancelled = "device.write_back_cancelled",
+    /// After a cancelled write-back, device pages were dropped instead.
+    DeviceWriteBackDropped = "device.write_back_dropped",
     /// A page copy of a host tier in page-first layout with a bf16 index-K.
     CopyPageFirstBf16 = "copy.page_first_bf16_index_k",
     /// A page copy of a host tier in layer-first layout.

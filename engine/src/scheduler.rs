@@ -431,10 +431,13 @@ impl Scheduler {
             } else {
                 continue;
             };
-            if query_rows + row.queries.len() > rows_max {
-                probe::hit(Probe::BatchRowsFull);
-                continue;
-            }
+            // The scratch holds a row per prefill token of the budget (every-token indexing) or
+            // per running request, plus one per decode: a batch never runs out of rows.
+            assert!(
+                query_rows + row.queries.len() <= rows_max,
+                "batch of {} query rows over the scratch's {rows_max}",
+                query_rows + row.queries.len()
+            );
             if r.in_prefill() {
                 budget -= row.to - row.from;
             }

@@ -169,6 +169,10 @@ impl CampaignSummary {
         let names = crate::probes::all_names();
         let never = self.coverage.below(f64::MIN_POSITIVE);
         let rare = self.coverage.below(0.05);
+        if self.failures.len() > 1 {
+            let seeds: Vec<String> = self.failures.iter().map(|f| f.0.to_string()).collect();
+            println!("failing seeds: {}", seeds.join(", "));
+        }
         println!(
             "coverage: {} of {} probes hit; {} in fewer than 5% of seeds{}",
             names.len() - never.len(),

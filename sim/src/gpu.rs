@@ -771,7 +771,6 @@ impl Device for SimGpu {
         let s = stream.index();
         assert!((ev.0 as usize) < self.events.len(), "wait on unknown {ev}");
         let target = self.events[ev.0 as usize];
-        probes::hit_if(SimProbe::WaitUnrecorded, target.is_none());
         if let Some(rec) = target {
             let vc = self.records[&rec].vc;
             join(&mut self.streams[s].vc, &vc);

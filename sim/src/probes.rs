@@ -12,8 +12,6 @@ use tierkv_engine::probe::{hit_named, Probe};
 pub enum SimProbe {
     /// A stream reached a wait whose record had not completed: it blocked.
     WaitBlocked,
-    /// A wait on an event never recorded (CUDA: a no-op).
-    WaitUnrecorded,
     /// An event was recorded again while a stream still waited for its previous record.
     RecordWhileAwaited,
     /// An op started while another stream's op was running.
@@ -41,7 +39,6 @@ pub enum SimProbe {
 impl SimProbe {
     pub const ALL: &'static [SimProbe] = &[
         SimProbe::WaitBlocked,
-        SimProbe::WaitUnrecorded,
         SimProbe::RecordWhileAwaited,
         SimProbe::StreamsOverlap,
         SimProbe::QueryPending,
@@ -58,7 +55,6 @@ impl SimProbe {
     pub fn name(self) -> &'static str {
         match self {
             SimProbe::WaitBlocked => "gpu.wait_blocked",
-            SimProbe::WaitUnrecorded => "gpu.wait_on_unrecorded_event",
             SimProbe::RecordWhileAwaited => "gpu.record_while_awaited",
             SimProbe::StreamsOverlap => "gpu.streams_overlap",
             SimProbe::QueryPending => "gpu.query_pending",

@@ -338,7 +338,7 @@ impl<'a> Run<'a> {
     fn iteration(&mut self) -> Result<(), Stop> {
         let now = self.engine.dev.now();
         self.session_arrivals(now)?;
-        self.oneshot_arrivals(now);
+        self.oneshot_arrivals(now)?;
         // Admission control keeps the queue bounded, bursts or not.
         let limit = self.cfg.scheduler.queued_requests_max as usize;
         if let Some(f) = liveness::queue_bounded(self.engine.queue_len(), limit, now) {
@@ -354,9 +354,9 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    /// Session turns that are due: each submits its history plus the turn's appended tokens.
+    /// Session turns that are due: each submits its history plus the turn's appended tokens. A
+    /// turn past the context is still sent (the engine must refuse it) and ends the session.
     fn session_arrivals(&mut self, now: u64) -> Result<(), Stop> {
-        let ctx_max = self.cfg.model.context_tokens_max as usize;
         for i in 0..self.sessions.len() {
             let st = &mut self.sessions[i];
             if st.done || st.inflight.is_some() || st.wait_until > now {
@@ -372,26 +372,18 @@ impl<'a> Run<'a> {
             prompt.extend(
                 (0..turn.append_tokens as u64).map(|k| self.synth.token(stream, appended + k)),
             );
-            if prompt.len() + turn.generate as usize > ctx_max {
-                probes::hit(SimProbe::SessionReachedContext);
-                st.done = true;
-                continue;
-            }
-            match self.submit(prompt.clone(), turn.generate, Owner::Session(i)) {
+            let (generate, append) = (turn.generate, turn.append_tokens as u64);
+            match self.submit(prompt.clone(), generate, Owner::Session(i))? {
                 Ok(id) => {
                     let st = &mut self.sessions[i];
-                    st.appended += turn.append_tokens as u64;
+                    st.appended += append;
                     st.history = prompt;
                     st.inflight = Some(id);
                 }
-                Err(Rejection::Invalid { reason }) => {
-                    let message = format!("valid request rejected as invalid: {reason}");
-                    self.findings.push(Finding {
-                        oracle: OracleKind::Engine,
-                        time_ns: now,
-                        message,
-                    });
-                    return Err(Stop);
+                Err(Rejection::Invalid { .. }) => {
+                    // Refused as the runner expected (else `submit` stopped the run).
+                    probes::hit(SimProbe::SessionReachedContext);
+                    self.sessions[i].done = true;
                 }
                 Err(_) => {
                     probes::hit(SimProbe::ClientRetried);
@@ -402,9 +394,8 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    /// One-shot requests that are due.
-    fn oneshot_arrivals(&mut self, now: u64) {
-        let ctx_max = self.cfg.model.context_tokens_max as usize;
+    /// One-shot requests that are due (those over the limits too: the engine must refuse them).
+    fn oneshot_arrivals(&mut self, now: u64) -> Result<(), Stop> {
         while self.next_oneshot < self.oneshots.len() && self.oneshots[self.next_oneshot].0 <= now {
             let o = &self.sc.workload.oneshots[self.oneshots[self.next_oneshot].1];
             self.next_oneshot += 1;
@@ -414,32 +405,71 @@ impl<'a> Run<'a> {
                 .iter()
                 .flat_map(|&(stream, n)| (0..n as u64).map(move |k| synth.token(stream, k)))
                 .collect();
-            if prompt.is_empty() || prompt.len() + o.generate as usize > ctx_max {
-                continue;
-            }
-            let _ = self.submit(prompt, o.generate, Owner::OneShot);
+            self.submit(prompt, o.generate, Owner::OneShot)?.ok();
+        }
+        Ok(())
+    }
+
+    /// Why the engine must refuse a request of `prompt_len` tokens generating `generate`, by its
+    /// configuration's limits, written here apart from the engine's own check.
+    fn must_refuse(&self, prompt_len: usize, generate: u32) -> Option<&'static str> {
+        let (m, s) = (&self.cfg.model, &self.cfg.scheduler);
+        if prompt_len == 0 {
+            Some("its prompt is empty")
+        } else if generate == 0 || generate > s.output_tokens_max {
+            Some("it asks for more tokens than scheduler.output_tokens_max")
+        } else if prompt_len as u64 + generate as u64 > m.context_tokens_max as u64 {
+            Some("it is longer than model.context_tokens_max")
+        } else if prompt_len as u64 > s.pending_tokens_max {
+            Some("its prompt alone exceeds scheduler.pending_tokens_max")
+        } else {
+            None
         }
     }
 
-    /// Submits a request and, when the engine takes it, tells the oracles its prompt.
-    fn submit(&mut self, prompt: Vec<u32>, generate: u32, owner: Owner) -> Result<u64, Rejection> {
+    /// Submits a request; when the engine takes it, tells the oracles its prompt. The engine's
+    /// answer must match the limits: a request over them refused as invalid, one within them
+    /// never (it may still be refused by admission control). A wrong answer stops the run.
+    fn submit(
+        &mut self,
+        prompt: Vec<u32>,
+        generate: u32,
+        owner: Owner,
+    ) -> Result<Result<u64, Rejection>, Stop> {
+        let refuse = self.must_refuse(prompt.len(), generate);
         let spec = RequestSpec {
             prompt: prompt.clone(),
             max_new_tokens: generate,
         };
-        match self.engine.submit(spec) {
+        let answer = self.engine.submit(spec);
+        let wrong = match (&answer, refuse) {
+            (Ok(id), Some(why)) => Some(format!(
+                "request {id} accepted although {why} ({} + {generate} tokens)",
+                prompt.len()
+            )),
+            (Err(Rejection::Invalid { reason }), None) => Some(format!(
+                "a request within the limits ({} + {generate} tokens) refused as invalid: {reason}",
+                prompt.len()
+            )),
+            (Err(r), Some(why)) if !matches!(r, Rejection::Invalid { .. }) => Some(format!(
+                "a request that can never be served ({why}) refused as temporary: {r}"
+            )),
+            _ => None,
+        };
+        if let Some(message) = wrong {
+            self.found(OracleKind::Engine, message);
+            return Err(Stop);
+        }
+        match &answer {
             Ok(id) => {
                 self.stats.submitted += 1;
-                self.owners.insert(id, owner);
-                self.specs.insert(id, (prompt.len(), generate));
-                self.content.borrow_mut().tokens.insert(id, prompt);
-                Ok(id)
+                self.owners.insert(*id, owner);
+                self.specs.insert(*id, (prompt.len(), generate));
+                self.content.borrow_mut().tokens.insert(*id, prompt);
             }
-            Err(r) => {
-                self.stats.rejected += 1;
-                Err(r)
-            }
+            Err(_) => self.stats.rejected += 1,
         }
+        Ok(answer)
     }
 
     /// Faults stop once the workload is in (the liveness phase); until then, aborts mid-load

@@ -248,15 +248,16 @@ impl Scenario {
     fn validate_workload(&self, cfg: &Config) -> Result<(), ScenarioError> {
         let w = &self.workload;
         let ctx = cfg.model.context_tokens_max;
-        let out_max = cfg.scheduler.output_tokens_max;
+        // A request may ask for more than the engine serves (the engine must refuse it), but
+        // never for more than the context holds.
         let generate = |field: String, g: u32| {
-            if (1..=out_max).contains(&g) {
+            if (1..=ctx).contains(&g) {
                 Ok(())
             } else {
                 Err(bad(
                     field,
                     g,
-                    format!("must be in 1..={out_max} (scheduler.output_tokens_max)"),
+                    format!("must be in 1..={ctx} (model.context_tokens_max)"),
                 ))
             }
         };
@@ -333,8 +334,52 @@ pub fn draw(
     let mut cr = rng.fork(1);
     let mut gr = rng.fork(2);
     let mut wr = rng.fork(3);
-    let quick = profile == "quick";
+    let cfg = draw_config(&mut cr, seed, profile);
+    let gpu = draw_gpu(&mut gr);
+    let abort_rate = if gr.chance(0.6) {
+        0.0
+    } else {
+        0.01 + gr.unit() * 0.05
+    };
+    let abort_mid_load_rate = if gr.chance(0.5) {
+        0.0
+    } else {
+        0.2 + gr.unit() * 0.6
+    };
+    let workload = draw_workload(&mut wr, profile, &cfg, trace);
+    let requests = workload.requests() as u64;
+    Scenario {
+        seed,
+        profile: profile.to_string(),
+        config: cfg.to_toml(),
+        gpu,
+        abort_rate,
+        abort_mid_load_rate,
+        workload,
+        steps_max: 2_000 + 200 * requests,
+        mutant: None,
+    }
+}
 
+/// A context limit: 1024 (the sim-small preset's), or a size at a page boundary (a multiple of
+/// 64, one below or one above), up to 2K or, for one seed in four, up to 8K.
+fn draw_context(cr: &mut Rng) -> u32 {
+    let u = cr.unit();
+    if u < 0.4 {
+        return 1024;
+    }
+    let pages = if u < 0.75 {
+        cr.range(3, 32)
+    } else {
+        cr.range(33, 128)
+    };
+    (pages * 64) as u32 + *cr.pick(&[0u32, 0, 1]) - *cr.pick(&[0u32, 0, 1])
+}
+
+/// The engine configuration: dtypes, layouts, the layer range, pools sized to the context,
+/// policies and the scheduler's bounds.
+fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
+    let quick = profile == "quick";
     let mut cfg = Config::preset("sim-small").expect("preset");
     cfg.name = format!("swarm-{seed}");
     let m = &mut cfg.model;
@@ -357,14 +402,21 @@ pub fn draw(
     };
     m.index_k_ue8m0 = cr.chance(0.2);
     m.index_topk = *cr.pick(&[4, 16, 32, 48, 64, 100, 200]);
-    m.context_tokens_max = 1024;
+    m.context_tokens_max = if profile == "swarm" {
+        draw_context(cr)
+    } else {
+        1024
+    };
     m.prefill_indexer = if cr.chance(0.15) {
         PrefillIndexer::EveryToken
     } else {
         PrefillIndexer::LastToken
     };
+    let ctx = m.context_tokens_max;
     let c = &mut cfg.cache;
-    c.device_pages = cr.range(17, 40) as u32;
+    // The device tier holds at least one request of the longest context.
+    let pages_per_request = ctx.div_ceil(64) as u64;
+    c.device_pages = (cr.range(17, 40) as u32).max((pages_per_request + cr.range(1, 12)) as u32);
     c.host = HostCapacity::Ratio(if cr.chance(0.4) {
         1.05 + cr.unit() * 0.25 // a host tier barely larger than the device: always full
     } else {
@@ -379,17 +431,26 @@ pub fn draw(
     c.load_slots = cr.range(1, 3) as u32;
     let s = &mut cfg.scheduler;
     s.queued_requests_max = cr.range(8, 64) as u32;
-    s.pending_tokens_max = 64 * 1024;
+    // Half the seeds have a pending-token bound a few contexts deep, which bursts go over.
+    s.pending_tokens_max = if cr.chance(0.5) {
+        64 * 1024
+    } else {
+        cr.range(ctx as u64, 4 * ctx as u64)
+    };
     s.running_requests_max = cr.range(2, 8) as u32;
     s.prefill_tokens_per_step_max = if cfg.model.prefill_indexer == PrefillIndexer::EveryToken {
         cr.range(32, 96) as u32
     } else {
         *cr.pick(&[64, 128, 256, 512])
     };
-    s.output_tokens_max = 32;
+    s.output_tokens_max = *cr.pick(&[8, 16, 32, 32, 64]);
+    cfg
+}
 
+/// The simulated GPU: scheduling policy, timing, and copy faults.
+fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
     let pct = gr.chance(0.4);
-    let gpu = GpuKnobs {
+    GpuKnobs {
         policy: if pct {
             "pct".into()
         } else {
@@ -409,62 +470,146 @@ pub fn draw(
             0.005 + gr.unit() * 0.045
         },
         fail_first_host_alloc: gr.chance(0.05),
-    };
-    let abort_rate = if gr.chance(0.6) {
-        0.0
-    } else {
-        0.01 + gr.unit() * 0.05
-    };
-    let abort_mid_load_rate = if gr.chance(0.5) {
-        0.0
-    } else {
-        0.2 + gr.unit() * 0.6
-    };
+    }
+}
 
-    let workload = match profile {
-        "needle" => needle_workload(&mut wr),
+/// The workload of `profile` for the configuration `cfg`.
+fn draw_workload(
+    wr: &mut Rng,
+    profile: &str,
+    cfg: &Config,
+    trace: Option<&[tierkv_engine::trace::TraceRecord]>,
+) -> Workload {
+    let shape = Shape::of(cfg);
+    match profile {
+        "needle" => needle_workload(wr, &shape),
         "trace" => match trace {
-            Some(t) => trace_workload(&mut wr, t),
-            None => sessions_workload(&mut wr, 60, 80, false),
+            Some(t) => trace_workload(wr, t),
+            None => sessions_workload(wr, 60, 80, false, &shape),
         },
-        "sessions" => sessions_workload(&mut wr, 60, 80, false),
-        "quick" => sessions_workload(&mut wr, 2, 6, false),
+        "sessions" => sessions_workload(wr, 60, 80, false, &shape),
+        "quick" => sessions_workload(wr, 2, 6, false, &shape),
         _ => {
-            if wr.chance(0.15) {
-                needle_workload(&mut wr)
+            let mut w = if wr.chance(0.15) {
+                needle_workload(wr, &shape)
             } else {
                 let burst = wr.chance(0.3);
                 let hi = if wr.chance(0.1) { 64 } else { 24 };
-                sessions_workload(&mut wr, 6, hi, burst)
-            }
+                sessions_workload(wr, 6, hi, burst, &shape)
+            };
+            add_production_shapes(wr, &mut w, &shape);
+            w
         }
+    }
+}
+
+/// The limits a workload is drawn against.
+struct Shape {
+    ctx: u32,
+    output_max: u32,
+    pending_max: u64,
+}
+
+impl Shape {
+    fn of(cfg: &Config) -> Shape {
+        Shape {
+            ctx: cfg.model.context_tokens_max,
+            output_max: cfg.scheduler.output_tokens_max,
+            pending_max: cfg.scheduler.pending_tokens_max,
+        }
+    }
+    /// Tokens to generate: mostly a few, sometimes exactly the limit.
+    fn generate(&self, r: &mut Rng) -> u32 {
+        if r.chance(0.1) {
+            self.output_max
+        } else {
+            r.range(2, 10).min(self.output_max as u64) as u32
+        }
+    }
+}
+
+/// What production sends and a plain swarm rarely makes: requests that fill the context to the
+/// token, identical prompts repeated (retries, "regenerate", batch duplicates) ending on a page
+/// boundary or one token past it, bursts of long prompts against the pending-token bound, and
+/// requests over the limits, which the engine must refuse.
+fn add_production_shapes(r: &mut Rng, w: &mut Workload, s: &Shape) {
+    let ctx = s.ctx;
+    let mut stream = 7_000_000 + r.below(1_000) * 100;
+    let mut next_stream = || {
+        stream += 1;
+        stream
     };
-    let requests = workload.requests() as u64;
-    Scenario {
-        seed,
-        profile: profile.to_string(),
-        config: cfg.to_toml(),
-        gpu,
-        abort_rate,
-        abort_mid_load_rate,
-        workload,
-        steps_max: 2_000 + 200 * requests,
-        mutant: None,
+    if r.chance(0.3) {
+        // Exactly the context: prompt + generation = context_tokens_max.
+        for _ in 0..r.range(1, 2) {
+            let generate = s.generate(r).min(ctx - 1);
+            w.oneshots.push(OneShot {
+                at_ns: r.below(4_000_000),
+                segments: vec![(next_stream(), ctx - generate)],
+                generate,
+            });
+        }
+    }
+    if r.chance(0.5) {
+        // The same prompt again and again: 64k tokens, or 64k + 1; at once and spread out.
+        let pages = r.range(1, ((ctx - s.output_max) / 64).clamp(1, 12) as u64) as u32;
+        let len = pages * 64 + *r.pick(&[0u32, 1]);
+        let len = len.min(ctx - s.output_max);
+        let segments = vec![(next_stream(), len)];
+        let at = r.below(2_000_000);
+        for k in 0..r.range(2, 5) {
+            let spread = if r.chance(0.5) { 0 } else { k * 1_500_000 };
+            w.oneshots.push(OneShot {
+                at_ns: at + spread,
+                segments: segments.clone(),
+                generate: s.generate(r),
+            });
+        }
+    }
+    if r.chance(0.3) {
+        // A burst of long prompts at once, against the pending-token bound.
+        let at = r.range(200_000, 3_000_000);
+        let each = (ctx / 2).max(1);
+        let n = (s.pending_max / each as u64 + 2).min(24);
+        for _ in 0..n {
+            w.oneshots.push(OneShot {
+                at_ns: at,
+                segments: vec![(next_stream(), each.min(ctx - s.output_max))],
+                generate: s.generate(r),
+            });
+        }
+    }
+    if r.chance(0.2) {
+        // Over the limits: one token past the context, or more tokens than may be generated.
+        w.oneshots.push(OneShot {
+            at_ns: r.below(3_000_000),
+            segments: vec![(next_stream(), ctx - s.output_max + 1)],
+            generate: s.output_max,
+        });
+        w.oneshots.push(OneShot {
+            at_ns: r.below(3_000_000),
+            segments: vec![(next_stream(), 16)],
+            generate: s.output_max + 1,
+        });
     }
 }
 
 /// Multi-turn tool-call sessions sharing a system prompt; optionally a burst of one-shots.
-fn sessions_workload(r: &mut Rng, lo: u64, hi: u64, burst: bool) -> Workload {
+fn sessions_workload(r: &mut Rng, lo: u64, hi: u64, burst: bool, s: &Shape) -> Workload {
     let n = r.range(lo, hi);
     let systems = r.range(1, 2);
-    let system_tokens: Vec<u32> = (0..systems).map(|_| r.range(64, 320) as u32).collect();
+    let system_tokens: Vec<u32> = (0..systems)
+        .map(|_| (r.range(64, 320) as u32).min(s.ctx / 2))
+        .collect();
     let sessions = (0..n)
         .map(|_| {
             let sid = r.below(systems);
-            let turns = (0..r.range(1, 4))
+            // One session in eight keeps going until its context is full.
+            let turns = if r.chance(0.125) { 12 } else { r.range(1, 4) };
+            let turns = (0..turns)
                 .map(|_| Turn {
                     append_tokens: r.range(8, 120) as u32,
-                    generate: r.range(2, 10) as u32,
+                    generate: s.generate(r),
                     think_ns: r.range(200_000, 5_000_000),
                 })
                 .collect();
@@ -482,7 +627,7 @@ fn sessions_workload(r: &mut Rng, lo: u64, hi: u64, burst: bool) -> Workload {
             .map(|i| OneShot {
                 at_ns: at,
                 segments: vec![(5000 + i, r.range(16, 64) as u32)],
-                generate: 2,
+                generate: 2.min(s.output_max),
             })
             .collect()
     } else {
@@ -492,10 +637,11 @@ fn sessions_workload(r: &mut Rng, lo: u64, hi: u64, burst: bool) -> Workload {
 }
 
 /// Needle requests: a planted token early in the context, distractors, the same token queried last.
-fn needle_workload(r: &mut Rng) -> Workload {
+fn needle_workload(r: &mut Rng, s: &Shape) -> Workload {
+    let longest = 900.min(s.ctx - s.output_max) as u64;
     let oneshots = (0..r.range(4, 16))
         .map(|i| {
-            let ctx = r.range(100, 900) as u32;
+            let ctx = r.range(longest.min(100), longest) as u32;
             let at = r.below(ctx as u64 / 4) as u32;
             OneShot {
                 at_ns: r.below(3_000_000),
@@ -506,7 +652,7 @@ fn needle_workload(r: &mut Rng) -> Workload {
                     (8000 + i, ctx - at - 2),
                     (9_000_000 + i, 1),
                 ],
-                generate: r.range(1, 4) as u32,
+                generate: (r.range(1, 4) as u32).min(s.output_max),
             }
         })
         .collect();
