@@ -13,29 +13,39 @@ cd "$(git rev-parse --show-toplevel)"
 trace=${1:-data/mooncake/conversation_trace_excerpt.jsonl}
 [ -f "$trace" ] || { echo "stage.sh: no trace at $trace" >&2; exit 2; }
 
+command -v python3 >/dev/null || { echo "stage.sh: needs python3 (to read cargo's JSON messages)" >&2; exit 2; }
+command -v strip >/dev/null || { echo "stage.sh: needs strip (binutils)" >&2; exit 2; }
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/data
-cargo build --release -p tierkv-sim --features cuda
-cp target/release/tierkv .gpu/bin/tierkv
 
-# The `it` test executable of a crate (cargo names its path; the JSON messages say which).
-stage_tests() {
-  local crate=$1 name=$2
-  cargo test --release -p "$crate" --features cuda --test it --no-run --message-format=json \
-    | python3 -c '
+# The executable cargo built for the target named $1, read from cargo's JSON messages on stdin
+# (wherever CARGO_TARGET_DIR puts it).
+executable() {
+  python3 -c '
 import json, sys
+want = sys.argv[1]
 for line in sys.stdin:
     try:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == want:
         print(m["executable"])
-' | tail -n 1 | xargs -I{} cp {} ".gpu/bin/$name"
-  [ -x ".gpu/bin/$name" ] || { echo "stage.sh: no test executable for $crate" >&2; exit 1; }
+' "$1" | tail -n 1
 }
-stage_tests tierkv-kernels kernels_it
-stage_tests tierkv-engine engine_it
-strip --strip-debug .gpu/bin/* 2>/dev/null || true
+
+# stage TARGET AS CARGO-ARGS...: builds with `--features cuda` and copies the executable of
+# target TARGET to .gpu/bin/AS, stripped of debug info.
+stage() {
+  local target=$1 as=$2; shift 2
+  local exe
+  exe=$(cargo "$@" --release --features cuda --message-format=json-render-diagnostics | executable "$target")
+  [ -n "$exe" ] && [ -x "$exe" ] || { echo "stage.sh: cargo built no $target" >&2; exit 1; }
+  cp "$exe" ".gpu/bin/$as"
+  strip --strip-debug ".gpu/bin/$as"
+}
+stage tierkv tierkv build -p tierkv-sim --bin tierkv
+stage it kernels_it test -p tierkv-kernels --test it --no-run
+stage it engine_it test -p tierkv-engine --test it --no-run
 
 cp "$trace" .gpu/data/trace.jsonl
 cp bench/gpu_session.sh bench/gpu_sanitize.sh bench/torch_bench.py .gpu/

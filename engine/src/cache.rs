@@ -13,10 +13,10 @@
 //!   equal a recount); a node is protected while locked or while a backup reads it;
 //! - lock counts and pins never go below zero (a violation panics where it happens).
 
-use crate::probe::{self, Probe};
 use crate::config::WritePolicy;
 use crate::layout::{PageId, PAGE_TOKENS};
 use crate::mutants::Mutants;
+use crate::probe::{self, Probe};
 use std::collections::BTreeMap;
 
 /// The tokens of one page.

@@ -8,7 +8,7 @@
 //! is required.
 
 use crate::layout::{
-    HostLayout, IndexKDtype, KvDtype, Layout, LayoutError, LayoutParams, ScratchBuffer,
+    Bytes, HostLayout, IndexKDtype, KvDtype, Layout, LayoutError, LayoutParams, ScratchBuffer,
     ScratchLayout, ScratchParams, INDEX_HEADS_MAX, INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_LORA_RANK,
     PAGE_TOKENS, QUANT_BLOCK, ROPE_DIM,
 };
@@ -273,6 +273,22 @@ pub enum ConfigError {
 /// The most each field may be: what the engine can serve (the kernels', the load ring's and the
 /// scheduler's bounds) and what one GPU server holds. `check-config` refuses more, naming the
 /// field and the limit.
+/// Bytes an engine allocates: on the device (pools and step scratch) and in pinned host memory
+/// (the mirror and the readback buffer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Footprint {
+    pub device: Bytes,
+    pub host: Bytes,
+}
+
+impl Footprint {
+    pub fn total(&self) -> Bytes {
+        Bytes(self.device.0.saturating_add(self.host.0))
+    }
+}
+
+/// Bounds of what one configuration may ask for: beyond them validation answers
+/// `ConfigError::TooLarge`, before anything is allocated.
 pub mod limits {
     /// Layers one engine serves (DeepSeek-V3.2 has 61): each costs two pool buffers and one event
     /// per load slot.
@@ -283,9 +299,13 @@ pub mod limits {
     pub const CONTEXT_TOKENS_MAX: u32 = 1 << 20;
     /// Slots of the load ring (three in SGLang), each one event per layer.
     pub const LOAD_SLOTS_MAX: u32 = 64;
+    /// Requests waiting for admission.
     pub const QUEUED_REQUESTS_MAX: u32 = 1 << 20;
+    /// Prompt tokens waiting for admission (a power of two: the documentation says 2^36).
     pub const PENDING_TOKENS_MAX: u64 = 1 << 36;
+    /// Prompt tokens one step computes.
     pub const PREFILL_TOKENS_PER_STEP_MAX: u32 = 1 << 20;
+    /// Requests in the running batch.
     pub const RUNNING_REQUESTS_MAX: u32 = 4096;
     /// Device memory of the pools and the step scratch (one H200 holds 141 GB).
     pub const DEVICE_BYTES_MAX: u64 = 1 << 40;
@@ -559,17 +579,29 @@ impl Config {
         Ok(())
     }
 
+    /// What an engine of this configuration allocates when its selections hold `topk` tokens
+    /// (the configured `index_topk`, unless a zoo mutant overrides it): device pools and step
+    /// scratch on the device; the host mirror and the readback buffer in pinned host memory.
+    pub fn footprint(&self, topk: u32) -> ConfigResult<Footprint> {
+        let layout = self.layout()?;
+        let scratch = self.scratch_layout(topk)?;
+        let (mut device, mut host) = (layout.device_total_bytes(), layout.host_total_bytes());
+        for b in ScratchBuffer::ALL {
+            let bytes = scratch.bytes(b);
+            if b == ScratchBuffer::Readback {
+                host = Bytes(host.0.saturating_add(bytes.0));
+            } else {
+                device = Bytes(device.0.saturating_add(bytes.0));
+            }
+        }
+        Ok(Footprint { device, host })
+    }
+
     /// The device tier (pools and the step's scratch) and the host mirror within what one GPU
     /// server holds.
     fn validate_footprint(&self) -> ConfigResult<()> {
-        let layout = self.layout()?;
-        let scratch = self.scratch_layout(self.model.index_topk)?;
-        let scratch_bytes: u64 = ScratchBuffer::ALL
-            .iter()
-            .filter(|&&b| b != ScratchBuffer::Readback)
-            .map(|&b| scratch.bytes(b).0)
-            .sum();
-        let device = layout.device_total_bytes().0.saturating_add(scratch_bytes);
+        let fp = self.footprint(self.model.index_topk)?;
+        let device = fp.device.0;
         let too_large = |field, bytes: u64, limit: u64, why| ConfigError::TooLarge {
             field,
             value: format!("{} ({bytes} B)", self.cache.device_pages),
@@ -584,7 +616,7 @@ impl Config {
                 "device memory of the pools and the step scratch",
             ));
         }
-        let host = layout.host_total_bytes().0;
+        let host = fp.host.0;
         if host > limits::HOST_BYTES_MAX {
             let field = match self.cache.host {
                 HostCapacity::Ratio(_) => key!(cache.host_ratio).path,
@@ -818,7 +850,10 @@ impl Config {
             return Err(inv(
                 key!(scheduler.output_tokens_max).path,
                 s.output_tokens_max.to_string(),
-                "must be below model.context_tokens_max",
+                &format!(
+                    "must be below model.context_tokens_max = {}",
+                    m.context_tokens_max
+                ),
             ));
         }
         Ok(())

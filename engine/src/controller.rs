@@ -241,7 +241,10 @@ impl CacheController {
         match p.host_layout {
             HostLayout::LayerFirst => probe::hit(Probe::CopyLayerFirst),
             HostLayout::PageFirst => {
-                probe::hit_if(Probe::CopyPageFirstBf16, p.index_k_dtype == IndexKDtype::Bf16);
+                probe::hit_if(
+                    Probe::CopyPageFirstBf16,
+                    p.index_k_dtype == IndexKDtype::Bf16,
+                );
             }
         }
         for l in 0..io.layout.layers() {
@@ -696,7 +699,9 @@ impl CacheController {
         if cancelled && freed < pages {
             // The write-through policy's eviction never writes back: it frees pages with a host
             // copy and drops leaves without one.
-            let dropped = io.cache.evict_device(pages - freed, WritePolicy::WriteThrough);
+            let dropped = io
+                .cache
+                .evict_device(pages - freed, WritePolicy::WriteThrough);
             probe::hit_if(Probe::DeviceWriteBackDropped, !dropped.freed.is_empty());
             io.pools.device_pages.free(&dropped.freed);
             freed += dropped.freed.len();

@@ -9,7 +9,6 @@
 //! pages of completed requests (issuing backups). Everything is deterministic given the device's
 //! answers: iteration uses `BTreeMap`/`Vec`, ids are sequential.
 
-use crate::probe::{self, Probe};
 use crate::cache::{NodeId, PageKey, PrefixCache};
 use crate::config::{Config, WritePolicy};
 use crate::controller::{CacheController, Grant, Io, LoadAck};
@@ -19,6 +18,7 @@ use crate::metrics::Metrics;
 use crate::model::ModelStep;
 use crate::mutants::Mutants;
 use crate::pools::Pools;
+use crate::probe::{self, Probe};
 use crate::scheduler::{Output, Request, RequestSpec, RequestState, Reserve, Row, Scheduler};
 use crate::synth::Synth;
 use crate::transfer::{PageRuns, Transfer};

@@ -8,7 +8,6 @@
 //! pools only through the layer gate's proofs, and every input vector comes from the synthetic
 //! model, so the oracles can recompute any byte.
 
-use crate::probe::{self, Probe};
 use crate::config::Config;
 use crate::device::{
     BufferDesc, BufferId, BufferRole, Device, DeviceError, EventId, EventState, IndexKStore,
@@ -23,6 +22,7 @@ use crate::layout::{
 };
 use crate::mutants::Mutants;
 use crate::pools::Pools;
+use crate::probe::{self, Probe};
 use crate::scheduler::Row;
 use crate::synth::{LnParams, Synth};
 use tierkv_kernels::cpu::numerics::le_u64s;

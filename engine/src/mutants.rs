@@ -6,6 +6,9 @@
 
 use crate::layout::{slot, IndexKDtype, KvDtype, Layout, PageId};
 
+/// The `index_topk` of mutant 9, which ignores the configured one.
+pub const HARDCODED_TOPK: u32 = 512;
+
 /// A named re-creation of an incident. The doc comment of each variant cites it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Mutant {
@@ -189,7 +192,7 @@ impl Mutants {
     /// Mutant 9: the `index_topk` the model step uses. Clean: the configured one.
     pub fn index_topk(&self, configured: u32) -> u32 {
         if self.on(Mutant::TopkHardcoded512) {
-            512
+            HARDCODED_TOPK
         } else {
             configured
         }

@@ -7,13 +7,13 @@
 //! cached prefix and pages through `Reserve`, and the cache controller's acknowledgements come
 //! back as `LoadAck` effects that only the scheduler applies to its requests.
 
-use crate::probe::{self, Probe};
 use crate::cache::NodeId;
 use crate::config::{Config, PrefillIndexer, SchedulerConfig};
 use crate::controller::{Grant, LoadAck, LoadId};
 use crate::error::EngineError;
 use crate::layout::{PageId, PAGE_TOKENS};
 use crate::mutants::Mutants;
+use crate::probe::{self, Probe};
 use crate::synth::{Synth, VOCAB};
 use std::collections::{BTreeMap, VecDeque};
 
@@ -355,8 +355,7 @@ impl Scheduler {
             );
             probe::hit_if(
                 Probe::PageTableFull,
-                grant.pages.len()
-                    == self.limits.context_tokens_max.div_ceil(PAGE_TOKENS) as usize,
+                grant.pages.len() == self.limits.context_tokens_max.div_ceil(PAGE_TOKENS) as usize,
             );
             self.queued_tokens -= r.prompt_len as u64;
             r.state = RequestState::Running;
@@ -444,7 +443,9 @@ impl Scheduler {
             query_rows += row.queries.len();
             rows.push(row);
         }
-        let prefill = rows.iter().filter(|r| r.to <= self.requests[&r.request].prompt_len);
+        let prefill = rows
+            .iter()
+            .filter(|r| r.to <= self.requests[&r.request].prompt_len);
         let prefill = prefill.count();
         probe::hit_if(Probe::BatchMixed, prefill > 0 && prefill < rows.len());
         rows

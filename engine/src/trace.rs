@@ -46,6 +46,12 @@ pub enum TraceError {
     },
     #[error("{path}: the trace holds no request")]
     Empty { path: String },
+    /// An error of a file's contents, with the file's name.
+    #[error("{path}: {error}")]
+    InFile {
+        path: String,
+        error: Box<TraceError>,
+    },
 }
 
 fn uint(
@@ -165,7 +171,10 @@ pub fn read_trace(path: &std::path::Path) -> Result<Vec<TraceRecord>, TraceError
         path: path.display().to_string(),
         reason: e.to_string(),
     })?;
-    let recs = parse_jsonl(&text)?;
+    let recs = parse_jsonl(&text).map_err(|e| TraceError::InFile {
+        path: path.display().to_string(),
+        error: Box::new(e),
+    })?;
     if recs.is_empty() {
         return Err(TraceError::Empty {
             path: path.display().to_string(),

@@ -7,7 +7,7 @@ use crate::report::{Finding, OracleKind};
 use crate::runner::{run, RunOptions, RunOutcome, RunStats};
 use crate::scenario::{draw, Scenario};
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -198,6 +198,8 @@ pub fn run_campaign(
     let stop = std::sync::atomic::AtomicBool::new(false);
     let start = Instant::now();
     let mut summary = CampaignSummary::default();
+    // The progress line redraws itself: only on a terminal, never into a log.
+    let progress = opts.progress && std::io::stderr().is_terminal();
     let (tx, rx) = mpsc::channel::<RunOutcome>();
     std::thread::scope(|scope| {
         for _ in 0..(opts.jobs.max(1) as u64).min(total.max(1)) {
@@ -231,7 +233,7 @@ pub fn run_campaign(
                 stop.store(true, Ordering::Relaxed);
             }
             on_done(&out);
-            if opts.progress
+            if progress
                 && (last_draw.elapsed() > Duration::from_millis(200) || summary.seeds_run == total)
             {
                 last_draw = Instant::now();
@@ -250,7 +252,7 @@ pub fn run_campaign(
             }
         }
     });
-    if opts.progress {
+    if progress {
         eprintln!();
     }
     summary.wall = start.elapsed();

@@ -100,8 +100,8 @@ pub fn fuzz_scenario(data: &[u8]) {
         return;
     };
     let cfg = sc.engine_config();
-    let layout = cfg.layout().expect("a validated scenario has a layout");
-    let bytes = layout.device_total_bytes().0 + layout.host_total_bytes().0;
+    let fp = cfg.footprint(cfg.model.index_topk);
+    let bytes = fp.expect("a validated scenario has a footprint").total().0;
     if sc.mutant.is_some()
         || bytes > SCENARIO_RUN_BYTES_MAX
         || sc.workload.requests() > SCENARIO_RUN_REQUESTS_MAX

@@ -56,6 +56,9 @@ pub struct GpuOptions {
     pub slow_copy_factor: u64,
     /// Probability that a copy fails (writes garbage, its next event reports `Failed`).
     pub failed_copy_rate: f64,
+    /// Probability that a page copy is refused at enqueue (the backend's error, as a launch
+    /// that fails before it is queued); the engine must treat it as a failed transfer.
+    pub failed_enqueue_rate: f64,
     /// Fail the first pinned-host allocation (the runner retries the engine's construction).
     pub fail_first_host_alloc: bool,
     /// Record every op as a trace slice.
@@ -77,6 +80,7 @@ impl Default for GpuOptions {
             slow_copy_rate: 0.0,
             slow_copy_factor: 20,
             failed_copy_rate: 0.0,
+            failed_enqueue_rate: 0.0,
             fail_first_host_alloc: false,
             trace: false,
             cuda: false,
@@ -621,6 +625,7 @@ impl SimGpu {
     pub fn stop_faults(&mut self) {
         self.opts.slow_copy_rate = 0.0;
         self.opts.failed_copy_rate = 0.0;
+        self.opts.failed_enqueue_rate = 0.0;
     }
 
     /// Whether any stream still has work.
@@ -844,6 +849,21 @@ impl Device for SimGpu {
         }
         let s = stream.index();
         self.host.set(self.host.get() + self.opts.launch_ns);
+        if op.spec().class() == OpClass::PageCopy
+            && self.opts.failed_enqueue_rate > 0.0
+            && self.rng.chance(self.opts.failed_enqueue_rate)
+        {
+            probes::hit(SimProbe::FaultEnqueueFailed);
+            self.log(&[12, s as u64]);
+            // The rows it should have written hold whatever was there before: not the bytes
+            // the engine asked for, so a read of them must never reach an output.
+            for (buf, page, rows) in op.spec().full_rows() {
+                *self.tainted.entry((buf, page)).or_default() |= rows;
+            }
+            return Err(DeviceError::Backend {
+                detail: format!("injected: {} refused at enqueue", op.name()),
+            });
+        }
         let id = self.next_op;
         self.next_op += 1;
         // Happens-before: the op follows everything its stream and the host know of.

@@ -26,6 +26,8 @@ pub enum SimProbe {
     FaultCopyFailed,
     /// Fault: a copy ran slow.
     FaultCopySlow,
+    /// Fault: a page copy was refused at enqueue.
+    FaultEnqueueFailed,
     /// Fault: the first pinned-host allocation failed.
     FaultHostAllocFailed,
     /// Faults stopped while the engine still had requests (the liveness phase has work).
@@ -46,6 +48,7 @@ impl SimProbe {
         SimProbe::PctChangePoint,
         SimProbe::FaultCopyFailed,
         SimProbe::FaultCopySlow,
+        SimProbe::FaultEnqueueFailed,
         SimProbe::FaultHostAllocFailed,
         SimProbe::FaultsStoppedWithWork,
         SimProbe::SessionReachedContext,
@@ -62,6 +65,7 @@ impl SimProbe {
             SimProbe::PctChangePoint => "gpu.pct_change_point",
             SimProbe::FaultCopyFailed => "fault.copy_failed",
             SimProbe::FaultCopySlow => "fault.copy_slow",
+            SimProbe::FaultEnqueueFailed => "fault.enqueue_failed",
             SimProbe::FaultHostAllocFailed => "fault.host_alloc_failed",
             SimProbe::FaultsStoppedWithWork => "run.faults_stopped_with_work",
             SimProbe::SessionReachedContext => "run.session_reached_context",
@@ -127,10 +131,7 @@ impl Coverage {
 
     /// The report: one line per probe, hits and the share of seeds, the cold ones marked.
     pub fn table(&self) -> String {
-        let mut out = format!(
-            "{:<40} {:>10} {:>8}\n",
-            "probe", "hits", "seeds"
-        );
+        let mut out = format!("{:<40} {:>10} {:>8}\n", "probe", "hits", "seeds");
         for name in all_names() {
             let (hits, seeds) = self.probes.get(name).copied().unwrap_or((0, 0));
             let pct = 100.0 * seeds as f64 / self.seeds.max(1) as f64;

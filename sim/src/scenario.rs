@@ -8,9 +8,11 @@ use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
 use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
 use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
+use tierkv_engine::mutants::HARDCODED_TOPK;
 
 /// One multi-turn session: a shared system prompt, then turns of user/tool tokens and generation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Session {
     pub start_ns: u64,
     /// Which shared system prompt (sessions with the same id share it).
@@ -20,6 +22,7 @@ pub struct Session {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Turn {
     /// Tool output / user tokens appended before this turn's generation.
     pub append_tokens: u32,
@@ -30,6 +33,7 @@ pub struct Turn {
 
 /// A one-shot request with its prompt given as token-stream segments.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct OneShot {
     pub at_ns: u64,
     /// (stream id, tokens) segments; equal stream ids give equal tokens (shared prefixes).
@@ -38,6 +42,7 @@ pub struct OneShot {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Workload {
     pub sessions: Vec<Session>,
     pub oneshots: Vec<OneShot>,
@@ -50,6 +55,7 @@ impl Workload {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GpuKnobs {
     /// "random_walk" or "pct".
     pub policy: String,
@@ -58,6 +64,9 @@ pub struct GpuKnobs {
     pub copy_bytes_per_ns: f64,
     pub slow_copy_rate: f64,
     pub failed_copy_rate: f64,
+    /// Probability that a page copy is refused at enqueue.
+    #[serde(default)]
+    pub failed_enqueue_rate: f64,
     pub fail_first_host_alloc: bool,
 }
 
@@ -75,6 +84,7 @@ impl GpuKnobs {
             copy_bytes_per_ns: self.copy_bytes_per_ns,
             slow_copy_rate: self.slow_copy_rate,
             failed_copy_rate: self.failed_copy_rate,
+            failed_enqueue_rate: self.failed_enqueue_rate,
             fail_first_host_alloc: self.fail_first_host_alloc,
             trace,
             ..GpuOptions::default()
@@ -82,11 +92,15 @@ impl GpuKnobs {
     }
     /// No faults: what the liveness phase runs with.
     pub fn is_faulty(&self) -> bool {
-        self.slow_copy_rate > 0.0 || self.failed_copy_rate > 0.0 || self.fail_first_host_alloc
+        self.slow_copy_rate > 0.0
+            || self.failed_copy_rate > 0.0
+            || self.failed_enqueue_rate > 0.0
+            || self.fail_first_host_alloc
     }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Scenario {
     pub seed: u64,
     pub profile: String,
@@ -119,7 +133,7 @@ pub struct ScenarioError {
 /// and time (the simulator runs every op on real bytes).
 pub mod limits {
     /// Device pools, step scratch and host mirror together, in bytes.
-    pub const SIM_MEMORY_MAX: u64 = 1 << 30;
+    pub const SIM_MEMORY_BYTES_MAX: u64 = 1 << 30;
     pub const PCT_DEPTH_MAX: u32 = 64;
     pub const JITTER_NS_MAX: u64 = 1_000_000_000;
     pub const COPY_BYTES_PER_NS_MAX: f64 = 1e6;
@@ -182,25 +196,21 @@ impl Scenario {
         }
         let cfg =
             Config::from_toml(&self.config).map_err(|e| bad("config", "(TOML)", e.to_string()))?;
-        let layout = cfg
-            .layout()
-            .map_err(|e| bad("config", "(TOML)", e.to_string()))?;
-        let scratch = cfg
-            .scratch_layout(cfg.model.index_topk.max(512))
-            .map_err(|e| bad("config", "(TOML)", e.to_string()))?;
-        let bytes = layout.device_total_bytes().0
-            + layout.host_total_bytes().0
-            + tierkv_engine::layout::ScratchBuffer::ALL
-                .iter()
-                .map(|&b| scratch.bytes(b).0)
-                .sum::<u64>();
-        if bytes > limits::SIM_MEMORY_MAX {
+        // The scratch as the zoo's top-k mutant sizes it, if that is larger: a saved scenario
+        // may switch it on.
+        let topk = cfg.model.index_topk.max(HARDCODED_TOPK);
+        let bytes = cfg
+            .footprint(topk)
+            .map_err(|e| bad("config", "(TOML)", e.to_string()))?
+            .total()
+            .0;
+        if bytes > limits::SIM_MEMORY_BYTES_MAX {
             return Err(bad(
                 "config",
                 format!("{bytes} B of pools and scratch"),
                 format!(
                     "must fit the simulator's {} B of memory",
-                    limits::SIM_MEMORY_MAX
+                    limits::SIM_MEMORY_BYTES_MAX
                 ),
             ));
         }
@@ -240,6 +250,7 @@ impl Scenario {
             ));
         }
         rate("gpu.slow_copy_rate", g.slow_copy_rate)?;
+        rate("gpu.failed_enqueue_rate", g.failed_enqueue_rate)?;
         rate("gpu.failed_copy_rate", g.failed_copy_rate)
     }
 
@@ -291,7 +302,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -312,6 +323,7 @@ impl Scenario {
             if self.gpu.policy == "pct" { format!(" d={}", self.gpu.pct_depth) } else { String::new() },
             self.gpu.slow_copy_rate,
             self.gpu.failed_copy_rate,
+            self.gpu.failed_enqueue_rate,
             self.abort_rate,
             self.abort_mid_load_rate,
             self.workload.sessions.len(),
@@ -348,7 +360,7 @@ pub fn draw(
     };
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
-    Scenario {
+    let sc = Scenario {
         seed,
         profile: profile.to_string(),
         config: cfg.to_toml(),
@@ -358,7 +370,14 @@ pub fn draw(
         workload,
         steps_max: 2_000 + 200 * requests,
         mutant: None,
-    }
+    };
+    // Every draw is a scenario a file could hold.
+    debug_assert_eq!(
+        sc.validate(),
+        Ok(()),
+        "seed {seed} drew an invalid scenario"
+    );
+    sc
 }
 
 /// A context limit: 1024 (the sim-small preset's), or a size at a page boundary (a multiple of
@@ -469,7 +488,12 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         } else {
             0.005 + gr.unit() * 0.045
         },
-        fail_first_host_alloc: gr.chance(0.05),
+        failed_enqueue_rate: if gr.chance(0.8) {
+            0.0
+        } else {
+            0.005 + gr.unit() * 0.03
+        },
+        fail_first_host_alloc: gr.chance(0.1),
     }
 }
 

@@ -89,7 +89,8 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
         (sc.abort_rate == 0.0, 0usize),
         (sc.gpu.slow_copy_rate == 0.0, 1),
         (sc.gpu.failed_copy_rate == 0.0, 2),
-        (!sc.gpu.fail_first_host_alloc, 3),
+        (sc.gpu.failed_enqueue_rate == 0.0, 3),
+        (!sc.gpu.fail_first_host_alloc, 4),
     ] {
         if !rate_zero {
             let mut c = sc.clone();
@@ -97,6 +98,7 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
                 0 => c.abort_rate = 0.0,
                 1 => c.gpu.slow_copy_rate = 0.0,
                 2 => c.gpu.failed_copy_rate = 0.0,
+                3 => c.gpu.failed_enqueue_rate = 0.0,
                 _ => c.gpu.fail_first_host_alloc = false,
             }
             out.push(c);

@@ -66,3 +66,54 @@ fn the_config_guide_lists_exactly_the_known_keys() {
         );
     }
 }
+
+/// The ranges the documentation states are the limits the validation enforces.
+#[test]
+fn documented_ranges_are_the_enforced_limits() {
+    use tierkv_engine::config::limits::*;
+    let doc = |key: &str| {
+        KEY_DOCS
+            .iter()
+            .find(|(k, _)| *k == key)
+            .unwrap_or_else(|| panic!("{key} is documented"))
+            .1
+    };
+    let stated = [
+        ("model.layers", format!("1..={LAYERS_MAX}")),
+        ("model.layer_base", format!("0..={LAYER_BASE_MAX}")),
+        (
+            "model.context_tokens_max",
+            format!("1..={CONTEXT_TOKENS_MAX}"),
+        ),
+        ("cache.load_slots", format!("1..={LOAD_SLOTS_MAX}")),
+        (
+            "scheduler.queued_requests_max",
+            format!("1..={QUEUED_REQUESTS_MAX}"),
+        ),
+        (
+            "scheduler.pending_tokens_max",
+            format!("1..=2^{}", PENDING_TOKENS_MAX.trailing_zeros()),
+        ),
+        (
+            "scheduler.prefill_tokens_per_step_max",
+            format!("1..={PREFILL_TOKENS_PER_STEP_MAX}"),
+        ),
+        (
+            "scheduler.running_requests_max",
+            format!("1..={RUNNING_REQUESTS_MAX}"),
+        ),
+        (
+            "cache.device_pages",
+            format!("{} TiB", DEVICE_BYTES_MAX >> 40),
+        ),
+        ("cache.host_tokens", format!("{} TiB", HOST_BYTES_MAX >> 40)),
+    ];
+    for (key, range) in stated {
+        assert!(
+            doc(key).contains(&range),
+            "the documentation of {key} does not state {range}: {}",
+            doc(key)
+        );
+    }
+    assert!(PENDING_TOKENS_MAX.is_power_of_two());
+}

@@ -19,6 +19,12 @@ const TRACE_BESIDE: &str = concat!(
     "/../../shared/data/mooncake/conversation_trace.jsonl"
 );
 
+/// The first 1,000 requests of the conversation trace, shipped with the repository.
+const EXCERPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../data/mooncake/conversation_trace_excerpt.jsonl"
+);
+
 fn records() -> Vec<TraceRecord> {
     let path = std::env::var("TIERKV_MOONCAKE_TRACE").unwrap_or_else(|_| TRACE_BESIDE.to_string());
     match trace::read_trace(std::path::Path::new(&path)) {
@@ -28,10 +34,8 @@ fn records() -> Vec<TraceRecord> {
             r
         }
         Err(e) => {
-            eprintln!(
-                "{e}: the Mooncake trace is absent; using a generated trace of the same format"
-            );
-            trace::generate(2000, 5)
+            eprintln!("{e}: replaying the repository's excerpt of the Mooncake trace, {EXCERPT}");
+            trace::read_trace(std::path::Path::new(EXCERPT)).expect("the excerpt reads")
         }
     }
 }

@@ -22,7 +22,7 @@ pub fn run(file: Option<&PathBuf>, preset: Option<&str>, emit_toml: bool) -> i32
     let cfg = match super::load_config(file, preset) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("invalid configuration: {e}");
+            eprintln!("{e}");
             return 2;
         }
     };

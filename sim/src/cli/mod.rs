@@ -1,6 +1,7 @@
 //! The `tierkv` CLI: `check-config`, and the simulator's campaigns.
 //!
-//! Exit codes: 0 success; 1 a campaign found failures; 2 bad input (configuration, arguments).
+//! Exit codes: 0 success; 1 a campaign found failures; 2 bad input (configuration, arguments);
+//! 3 the output could not be written (a full disk, a closed file).
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -28,7 +29,7 @@ pub struct Cli {
 pub enum Command {
     /// Validate a configuration and print its derived layout (exit code 2 when invalid).
     CheckConfig {
-        /// A TOML or JSON configuration file.
+        /// A TOML or JSON configuration file (default: the built-in `sim-small` preset).
         file: Option<PathBuf>,
         /// A built-in preset instead of a file.
         #[arg(long, conflicts_with = "file")]
@@ -51,7 +52,10 @@ pub enum Command {
 /// Loads a configuration from a file or a preset (the default preset when neither is given).
 pub fn load_config(file: Option<&PathBuf>, preset: Option<&str>) -> Result<Config, String> {
     match (file, preset) {
-        (Some(f), _) => Config::from_file(f).map_err(|e| format!("{}: {e}", f.display())),
+        (Some(f), _) => Config::from_file(f).map_err(|e| match e {
+            tierkv_engine::ConfigError::Io { .. } => e.to_string(),
+            _ => format!("invalid configuration {}: {e}", f.display()),
+        }),
         (None, Some(p)) => Config::preset(p).map_err(|e| e.to_string()),
         (None, None) => Config::preset(Config::DEFAULT_PRESET).map_err(|e| e.to_string()),
     }
@@ -68,8 +72,28 @@ fn default_sigpipe() {
     }
 }
 
+/// A full disk or a closed output makes `println!` panic: that becomes a one-line error and
+/// exit code 3, not a panic report. Every other panic reports as usual.
+fn output_errors_exit() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if let Some(why) = msg.strip_prefix("failed printing to stdout: ") {
+            eprintln!("tierkv: could not write the output: {why}");
+            std::process::exit(3);
+        }
+        default(info);
+    }));
+}
+
 pub fn main() -> i32 {
     default_sigpipe();
+    output_errors_exit();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

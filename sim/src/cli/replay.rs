@@ -90,6 +90,9 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
     if a.output_max == 0 {
         return Err("--output-max 0: every request generates at least one token".into());
     }
+    if a.device == "cuda" && !cfg!(feature = "cuda") {
+        return Err("--device cuda needs a build with `--features cuda`".into());
+    }
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
         return Err(format!(
             "--time-scale {}: must be a finite number above 0 (arrivals are divided by it)",

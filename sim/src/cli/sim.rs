@@ -40,11 +40,11 @@ pub struct SimArgs {
     /// Write the Chrome/Perfetto trace of the run (one seed) or of the first failure here.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
-    /// Switch on a bug-zoo mutant (needs `--features mutants`).
+    /// Switch on a bug-zoo mutant (in the `tierkv-zoo` binary, built with `--features mutants`).
     #[arg(long)]
     pub mutant: Option<String>,
-    /// Replay a saved scenario (e.g. a shrunk reproduction).
-    #[arg(long)]
+    /// Replay a saved scenario (e.g. a shrunk reproduction). `--mutant` replaces the file's.
+    #[arg(long, conflicts_with_all = ["seeds", "shard", "profile", "jobs", "mooncake"])]
     pub replay: Option<PathBuf>,
     /// With `--seed`: also write the drawn scenario here (JSON), to edit and `--replay`.
     #[arg(long, requires = "seed")]
@@ -118,12 +118,6 @@ enum Origin {
 /// A bad argument: its message, printed with exit code 2.
 struct Usage(String);
 
-impl From<String> for Usage {
-    fn from(s: String) -> Usage {
-        Usage(s)
-    }
-}
-
 /// The one-line command that replays `sc`'s seed.
 pub fn replay_command(sc: &Scenario) -> String {
     format!(
@@ -139,11 +133,17 @@ pub fn replay_command(sc: &Scenario) -> String {
 }
 
 /// The one-line command that replays a scenario file.
+/// The one-line command that replays `sc` from `file` (with its mutant, which may not be the
+/// file's own when `--mutant` replaced it).
 pub fn replay_file_command(sc: &Scenario, file: &Path) -> String {
     format!(
-        "cargo run --release -p tierkv-sim{} -- sim --replay {}",
+        "cargo run --release -p tierkv-sim{} -- sim --replay {}{}",
         features(sc),
-        file.display()
+        file.display(),
+        sc.mutant
+            .as_ref()
+            .map(|m| format!(" --mutant {m}"))
+            .unwrap_or_default()
     )
 }
 
@@ -157,7 +157,7 @@ fn features(sc: &Scenario) -> &'static str {
 }
 
 fn write_trace(path: &Path, out: &RunOutcome, title: &str) -> Result<(), String> {
-    std::fs::write(path, chrome_trace(&out.trace, &out.racing_ops, title))
+    write_artifact(path, &chrome_trace(&out.trace, &out.racing_ops, title))
         .map_err(|e| format!("could not write the trace {}: {e}", path.display()))?;
     println!(
         "  trace: {} ({} ops; open it in https://ui.perfetto.dev)",
@@ -230,7 +230,7 @@ fn shrink_and_report(sc: &Scenario, out: &RunOutcome, args: &SimArgs) -> Result<
         .out_dir
         .join(format!("tierkv-seed-{}.shrunk.json", sc.seed));
     let text = serde_json::to_string_pretty(&s.scenario).expect("a scenario serialises");
-    std::fs::write(&file, text).map_err(|e| {
+    write_artifact(&file, &text).map_err(|e| {
         format!(
             "could not write the shrunk scenario {}: {e}",
             file.display()
@@ -251,25 +251,62 @@ fn indent(s: &str) -> String {
 }
 
 /// The worker threads: `--jobs` (1..=1024) or the machine's cores.
-fn jobs(args: &SimArgs) -> Result<usize, Usage> {
-    match args.jobs {
-        Some(0) => Err(Usage(
-            "--jobs 0: a campaign needs at least one worker".into(),
-        )),
-        Some(j) if j > JOBS_MAX => Err(Usage(format!("--jobs {j}: at most {JOBS_MAX} workers"))),
+pub fn worker_count(jobs: Option<usize>) -> Result<usize, String> {
+    match jobs {
+        Some(0) => Err("--jobs 0: a campaign needs at least one worker".into()),
+        Some(j) if j > JOBS_MAX => Err(format!("--jobs {j}: at most {JOBS_MAX} workers")),
         Some(j) => Ok(j),
         None => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
     }
 }
 
 /// `dir` exists and takes files (a probe file is written and removed).
-pub fn writable_dir(dir: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(dir)
-        .map_err(|e| format!("cannot create the directory {}: {e}", dir.display()))?;
-    let probe = dir.join(".tierkv-write-probe");
-    std::fs::write(&probe, b"").map_err(|e| format!("cannot write in {}: {e}", dir.display()))?;
-    let _ = std::fs::remove_file(probe);
-    Ok(())
+/// Whether `dir` can take artifacts, checked without creating anything: it is a writable
+/// directory, or the nearest folder above it that exists is one (the directory is made when
+/// the first artifact is written).
+pub fn check_output_dir(dir: &Path) -> Result<(), String> {
+    let mut at = dir;
+    loop {
+        match std::fs::metadata(at) {
+            Ok(m) if !m.is_dir() => {
+                return Err(format!("{} is not a directory", at.display()));
+            }
+            Ok(m) if m.permissions().readonly() => {
+                return Err(format!("{} is not writable", at.display()));
+            }
+            Ok(_) => return Ok(()),
+            Err(_) => match at.parent() {
+                Some(p) if !p.as_os_str().is_empty() => at = p,
+                _ => return Ok(()), // a relative path under the working directory
+            },
+        }
+    }
+}
+
+/// Whether `file` can be written, checked without touching it: its folder exists and is
+/// writable, and it is not a directory.
+fn check_output_file(file: &Path) -> Result<(), String> {
+    if file.is_dir() {
+        return Err(format!("{} is a directory", file.display()));
+    }
+    let parent = match file.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() && !m.permissions().readonly() => Ok(()),
+        Ok(m) if m.is_dir() => Err(format!("{} is not writable", parent.display())),
+        Ok(_) => Err(format!("{} is not a directory", parent.display())),
+        Err(e) => Err(format!("{}: {e}", parent.display())),
+    }
+}
+
+/// Writes an artifact, making its folder first.
+fn write_artifact(path: &Path, contents: &str) -> std::io::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, contents)
 }
 
 /// The trace of `--profile trace`: `--mooncake FILE` or the built-in excerpt.
@@ -318,9 +355,17 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
             "--shard selects seeds of a campaign, not of --seed".into(),
         ));
     }
-    writable_dir(&args.out_dir).map_err(|e| Usage(format!("--out-dir: {e}")))?;
+    check_output_dir(&args.out_dir).map_err(|e| Usage(format!("--out-dir: {e}")))?;
     if let Some(p) = &args.trace_out {
-        std::fs::File::create(p).map_err(|e| Usage(format!("--trace-out {}: {e}", p.display())))?;
+        check_output_file(p).map_err(|e| Usage(format!("--trace-out {}: {e}", p.display())))?;
+    }
+    if let Some(p) = &args.save_scenario {
+        check_output_file(p).map_err(|e| Usage(format!("--save-scenario {}: {e}", p.display())))?;
+    }
+    if args.mooncake.is_some() && args.profile != "trace" {
+        return Err(Usage(
+            "--mooncake gives the trace of `--profile trace`; add it, or drop --mooncake".into(),
+        ));
     }
     let (first, end) = args.seeds.unwrap_or((0, DEFAULT_SEEDS));
     let seeds = SeedSet::new(first, end, args.shard);
@@ -333,7 +378,7 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
     Ok(CampaignOptions {
         first,
         end,
-        jobs: jobs(args)?,
+        jobs: worker_count(args.jobs).map_err(Usage)?,
         shard: args.shard,
         profile: args.profile.clone(),
         mutant: args.mutant.clone(),
@@ -354,7 +399,12 @@ pub fn run_sim(args: SimArgs) -> i32 {
     };
     if let Some(file) = &args.replay {
         return match read_scenario(file) {
-            Ok(sc) => single(&sc, &args, &Origin::File(file.clone())),
+            Ok(mut sc) => {
+                if args.mutant.is_some() {
+                    sc.mutant = args.mutant.clone();
+                }
+                single(&sc, &args, &Origin::File(file.clone()))
+            }
             Err(Usage(m)) => {
                 eprintln!("{m}");
                 2

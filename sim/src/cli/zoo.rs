@@ -4,6 +4,7 @@
 
 use crate::campaign::{run_campaign, CampaignOptions};
 use crate::report::OracleKind;
+use crate::scenario::PROFILES;
 use std::time::Instant;
 use tierkv_engine::mutants::Mutant;
 
@@ -66,48 +67,49 @@ pub fn zoo_row(mutant: Option<Mutant>, seeds: u64, jobs: usize, profile: &str) -
     }
 }
 
-pub fn run_zoo(args: ZooArgs) -> i32 {
-    if !crate::scenario::PROFILES.contains(&args.profile.as_str()) || args.profile == "trace" {
-        eprintln!(
+/// The zoo's workers and mutants, every argument checked (the message names a bad one).
+fn setup(args: &ZooArgs) -> Result<(usize, Vec<Mutant>), String> {
+    // A trace profile needs a trace the zoo does not take.
+    let profiles: Vec<&str> = PROFILES.iter().copied().filter(|&p| p != "trace").collect();
+    if !profiles.contains(&args.profile.as_str()) {
+        return Err(format!(
             "zoo --profile {}: the zoo runs one of {}",
             args.profile,
-            ["swarm", "sessions", "needle", "quick"].join(", ")
-        );
-        return 2;
+            profiles.join(", ")
+        ));
     }
     if args.seeds == 0 {
-        eprintln!("zoo --seeds 0: each mutant needs at least one seed");
-        return 2;
+        return Err("zoo --seeds 0: each mutant needs at least one seed".into());
     }
-    let jobs = match args.jobs {
-        Some(j) if j == 0 || j > super::sim::JOBS_MAX => {
-            eprintln!("--jobs {j}: must be in 1..={}", super::sim::JOBS_MAX);
+    let jobs = super::sim::worker_count(args.jobs)?;
+    if !cfg!(feature = "mutants") {
+        return Err("tierkv zoo needs the mutants: run the zoo's binary, cargo run --release -p tierkv-sim --features mutants --bin tierkv-zoo -- zoo".into());
+    }
+    if args.only.is_empty() {
+        return Ok((jobs, Mutant::ALL.to_vec()));
+    }
+    let mutants = args
+        .only
+        .iter()
+        .map(|n| {
+            Mutant::parse(n).ok_or_else(|| {
+                format!(
+                    "unknown mutant `{n}`; mutants are: {}",
+                    Mutant::ALL.map(|m| m.name()).join(", ")
+                )
+            })
+        })
+        .collect::<Result<Vec<Mutant>, String>>()?;
+    Ok((jobs, mutants))
+}
+
+pub fn run_zoo(args: ZooArgs) -> i32 {
+    let (jobs, mutants) = match setup(&args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
             return 2;
         }
-        Some(j) => j,
-        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
-    };
-    if !cfg!(feature = "mutants") {
-        eprintln!("tierkv zoo needs the mutants: run the zoo's binary, cargo run --release -p tierkv-sim --features mutants --bin tierkv-zoo -- zoo");
-        return 2;
-    }
-    let mutants: Vec<Mutant> = if args.only.is_empty() {
-        Mutant::ALL.to_vec()
-    } else {
-        let mut v = Vec::new();
-        for n in &args.only {
-            match Mutant::parse(n) {
-                Some(m) => v.push(m),
-                None => {
-                    eprintln!(
-                        "unknown mutant `{n}`; mutants are: {}",
-                        Mutant::ALL.map(|m| m.name()).join(", ")
-                    );
-                    return 2;
-                }
-            }
-        }
-        v
     };
     println!(
         "{:<4} {:<28} {:<8} {:>6} {:>8}  {:<12} first finding",

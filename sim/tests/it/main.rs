@@ -154,3 +154,32 @@ fn device_cuda_without_a_cuda_build_is_a_clear_error() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--features cuda"), "{err}");
 }
+
+/// Checking the arguments changes nothing on disk: a refused command leaves the `--trace-out`
+/// file as it was and creates no `--out-dir`.
+#[test]
+fn refused_commands_leave_files_alone() {
+    let dir = std::env::temp_dir().join(format!("tierkv-refused-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keep = dir.join("keep.json");
+    std::fs::write(&keep, "keep").unwrap();
+    let out = dir.join("new/a/b");
+    let (code, _, err) = tierkv(&[
+        "sim",
+        "--seeds",
+        "0..1",
+        "--jobs",
+        "0",
+        "--trace-out",
+        keep.to_str().unwrap(),
+        "--out-dir",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(std::fs::read_to_string(&keep).unwrap(), "keep");
+    assert!(
+        !dir.join("new").exists(),
+        "the refused command made --out-dir"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
