@@ -488,10 +488,10 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         } else {
             0.005 + gr.unit() * 0.045
         },
-        failed_enqueue_rate: if gr.chance(0.8) {
+        failed_enqueue_rate: if gr.chance(0.6) {
             0.0
         } else {
-            0.005 + gr.unit() * 0.03
+            0.02 + gr.unit() * 0.08
         },
         fail_first_host_alloc: gr.chance(0.1),
     }
