@@ -148,6 +148,14 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     pub fn queue_len(&self) -> usize {
         self.sched.queue_len()
     }
+    /// Prompt tokens of the queued requests (what `scheduler.pending_tokens_max` bounds).
+    pub fn queued_tokens(&self) -> u64 {
+        self.sched.queued_tokens()
+    }
+    /// Loads in flight: each holds one slot of the load ring.
+    pub fn loads_in_flight(&self) -> usize {
+        self.ctl.loads_in_flight()
+    }
     pub fn running_len(&self) -> usize {
         self.sched.running_len()
     }

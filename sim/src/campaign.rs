@@ -2,6 +2,7 @@
 //! a progress bar, and a summary with the throughput figures. Each seed's run is deterministic and
 //! independent, so the workers share nothing but a counter and a results channel.
 
+use crate::oracles::determinism;
 use crate::probes::Coverage;
 use crate::report::{Finding, OracleKind};
 use crate::runner::{run, RunOptions, RunOutcome, RunStats};
@@ -100,11 +101,14 @@ pub struct CampaignSummary {
     /// The first failing seed in seed order, if any.
     pub first_failure: Option<u64>,
     pub coverage: Coverage,
+    /// Seeds run twice for the determinism oracle.
+    pub reruns: u64,
 }
 
 impl CampaignSummary {
     fn add(&mut self, o: &RunOutcome) {
         self.seeds_run += 1;
+        self.reruns += o.rerun as u64;
         self.coverage.add(&o.probes);
         let t = &mut self.totals;
         let s = &o.stats;
@@ -169,6 +173,11 @@ impl CampaignSummary {
         let names = crate::probes::all_names();
         let never = self.coverage.below(f64::MIN_POSITIVE);
         let rare = self.coverage.below(0.05);
+        println!(
+            "determinism: {} seeds run twice (1 in {} and every failing seed), hashes compared",
+            self.reruns,
+            determinism::SAMPLE_EVERY
+        );
         if self.failures.len() > 1 {
             let seeds: Vec<String> = self.failures.iter().map(|f| f.0.to_string()).collect();
             println!("failing seeds: {}", seeds.join(", "));
@@ -213,13 +222,16 @@ pub fn run_campaign(
                 let Some(seed) = seeds.nth(i) else {
                     return;
                 };
-                let out = run(
-                    &opts.scenario(seed),
-                    &RunOptions {
-                        trace: false,
-                        cuda: opts.cuda,
-                    },
-                );
+                let sc = opts.scenario(seed);
+                let ropts = RunOptions {
+                    trace: false,
+                    cuda: opts.cuda,
+                };
+                let mut out = run(&sc, &ropts);
+                if determinism::sampled(seed, out.failed()) {
+                    out.rerun = true;
+                    out.findings.extend(determinism::rerun(&sc, &ropts, out.log_hash));
+                }
                 if tx.send(out).is_err() {
                     return;
                 }

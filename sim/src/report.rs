@@ -18,8 +18,11 @@ pub enum OracleKind {
     TopK,
     /// Pages, pins or locks not returned at the end of a run.
     Conservation,
-    /// Requests that never finish, or a queue past its bound.
+    /// Requests that never finish.
     Liveness,
+    /// A bound the engine promises (queue, queued tokens, running batch, ring, pins, tiers)
+    /// broken.
+    Bound,
     /// The same seed gave a different event log.
     Determinism,
     /// An engine invariant assertion fired (a panic inside the engine).
@@ -38,6 +41,7 @@ impl OracleKind {
             OracleKind::TopK => "topk",
             OracleKind::Conservation => "conservation",
             OracleKind::Liveness => "liveness",
+            OracleKind::Bound => "bound",
             OracleKind::Determinism => "determinism",
             OracleKind::Invariant => "invariant",
             OracleKind::Engine => "engine",

@@ -4,7 +4,7 @@
 use crate::gpu::{SimGpu, Slice};
 use crate::oracles::content::ContentOracle;
 use crate::oracles::digest::{DigestOracle, Mismatch};
-use crate::oracles::{conservation, liveness};
+use crate::oracles::{bounds, conservation, liveness};
 use crate::probes::{self, SimProbe};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
@@ -59,6 +59,8 @@ pub struct RunOutcome {
     pub racing_ops: Vec<u64>,
     /// How often the run hit each coverage probe (`probes`; absent: never).
     pub probes: BTreeMap<&'static str, u64>,
+    /// A campaign ran it twice for the determinism oracle.
+    pub rerun: bool,
 }
 
 impl RunOutcome {
@@ -221,6 +223,7 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 trace: Vec::new(),
                 racing_ops: Vec::new(),
                 probes: tierkv_engine::probe::take(),
+                rerun: false,
             }
         }
     };
@@ -340,11 +343,7 @@ impl<'a> Run<'a> {
         self.session_arrivals(now)?;
         self.oneshot_arrivals(now)?;
         // Admission control keeps the queue bounded, bursts or not.
-        let limit = self.cfg.scheduler.queued_requests_max as usize;
-        if let Some(f) = liveness::queue_bounded(self.engine.queue_len(), limit, now) {
-            self.findings.push(f);
-            return Err(Stop);
-        }
+        self.bounds()?;
         self.faults()?;
         let idle = self.step()?;
         self.per_step_oracles()?;
@@ -671,8 +670,28 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// The engine's invariants after every step, and the step budget.
+    /// Every bound the engine promises, from what it reports.
+    fn bounds(&mut self) -> Result<(), Stop> {
+        let e = &self.engine;
+        let held = bounds::Held {
+            queued: e.queue_len(),
+            queued_tokens: e.queued_tokens(),
+            running: e.running_len(),
+            loads: e.loads_in_flight(),
+            pinned_host_pages: e.cache().pinned_nodes(),
+            device_pages: e.pools().device_pages.used_count() as usize,
+            host_pages: e.pools().host_pages.used_count() as usize,
+        };
+        if let Some(f) = bounds::check(&self.cfg, &held, e.dev.now()) {
+            self.findings.push(f);
+            return Err(Stop);
+        }
+        Ok(())
+    }
+
+    /// The engine's invariants and bounds after every step, and the step budget.
     fn per_step_oracles(&mut self) -> Result<(), Stop> {
+        self.bounds()?;
         if let Err(p) = guarded(|| self.engine.check_invariants()) {
             self.found(OracleKind::Invariant, p);
             return Err(Stop);
@@ -751,6 +770,7 @@ impl<'a> Run<'a> {
             trace: std::mem::take(&mut self.engine.dev.trace),
             racing_ops: self.engine.dev.racing_ops.clone(),
             probes: tierkv_engine::probe::take(),
+            rerun: false,
         }
     }
 }

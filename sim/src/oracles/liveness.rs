@@ -1,19 +1,8 @@
-//! The liveness oracle: admission control keeps the request queue bounded (bursts or not), the run
-//! reaches quiescence within its step budget, and after the faults stop every request the client
-//! submitted finishes or is aborted by the client.
+//! The liveness oracle: the run reaches quiescence within its step budget, and after the faults
+//! stop every request the client submitted finishes or is aborted by the client. (The queue's
+//! bound is the bounds oracle's.)
 
 use crate::report::{Finding, OracleKind};
-
-/// The queue is within `scheduler.queued_requests_max`.
-pub fn queue_bounded(queue_len: usize, limit: usize, time_ns: u64) -> Option<Finding> {
-    (queue_len > limit).then(|| Finding {
-        oracle: OracleKind::Liveness,
-        time_ns,
-        message: format!(
-            "the request queue holds {queue_len} requests, over scheduler.queued_requests_max = {limit} (admission control must reject)"
-        ),
-    })
-}
 
 /// The run went quiescent within its step budget.
 pub fn within_steps(
