@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod layout;
+pub mod mutants;
 pub mod rope;
 
 pub use error::{KernelError, Result};

@@ -230,7 +230,8 @@ pub fn run_campaign(
                 let mut out = run(&sc, &ropts);
                 if determinism::sampled(seed, out.failed()) {
                     out.rerun = true;
-                    out.findings.extend(determinism::rerun(&sc, &ropts, out.log_hash));
+                    out.findings
+                        .extend(determinism::rerun(&sc, &ropts, out.log_hash));
                 }
                 if tx.send(out).is_err() {
                     return;

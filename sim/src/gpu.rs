@@ -19,6 +19,7 @@ use crate::probes::{self, SimProbe};
 use crate::race::{join, Accessor, Race, RaceDetector, Vc, HOST};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
+use crate::undeclared;
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
@@ -563,12 +564,26 @@ impl SimGpu {
     }
 
     /// The op's data effect, by the executor; rows it writes in full hold good bytes again.
+    /// Bytes it changed outside its declared writes are a finding.
     fn perform(&mut self, rec: &OpRec) {
+        let shadows = undeclared::before(&rec.op, rec.id, &self.mem);
         if let Err(e) = self.exec.run(&rec.op, &mut self.mem) {
             self.finding(
                 OracleKind::Layout,
                 format!("op {} ({}) failed to run: {e}", rec.id, rec.op.name()),
             );
+        }
+        if let Some(stray) = undeclared::after(&shadows, &self.mem) {
+            let msg = format!(
+                "op {} ({} {}) changed bytes {}..{} of {}, which it did not declare it writes",
+                rec.id,
+                rec.op.name(),
+                op_detail(&rec.op, &self.mem),
+                stray.bytes.start,
+                stray.bytes.end,
+                self.describe(stray.buffer)
+            );
+            self.finding(OracleKind::Undeclared, msg);
         }
         let writes: Vec<ByteRange> = rec
             .op

@@ -21,3 +21,4 @@ pub mod runner;
 pub mod scenario;
 pub mod shrink;
 pub mod trace_out;
+pub mod undeclared;

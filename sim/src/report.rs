@@ -16,6 +16,8 @@ pub enum OracleKind {
     Digest,
     /// A top-k selection that differs from the independent recomputation.
     TopK,
+    /// Bytes an op changed outside the writes it declared.
+    Undeclared,
     /// Pages, pins or locks not returned at the end of a run.
     Conservation,
     /// Requests that never finish.
@@ -39,6 +41,7 @@ impl OracleKind {
             OracleKind::Content => "content",
             OracleKind::Digest => "digest",
             OracleKind::TopK => "topk",
+            OracleKind::Undeclared => "undeclared",
             OracleKind::Conservation => "conservation",
             OracleKind::Liveness => "liveness",
             OracleKind::Bound => "bound",

@@ -18,6 +18,7 @@ use tierkv_engine::mutants::Mutants;
 use tierkv_engine::synth::Synth;
 use tierkv_engine::{Config, Engine, EngineError, EngineOptions, Output, Rejection, RequestSpec};
 use tierkv_kernels::cpu::numerics::mix64;
+use tierkv_kernels::mutants::KernelMutant;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RunOptions {
@@ -120,35 +121,71 @@ fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
-/// The engine's mutants for a mutant's name (`None`: the clean engine); an error names an unknown
-/// mutant, or a build without the zoo.
-#[cfg(feature = "mutants")]
-pub fn mutants_of(name: Option<&str>) -> Result<Mutants, String> {
-    match name {
-        None => Ok(Mutants::none()),
-        Some(n) => tierkv_engine::mutants::Mutant::parse(n)
-            .map(Mutants::only)
-            .ok_or_else(|| {
-                let names: Vec<&str> = tierkv_engine::mutants::Mutant::ALL
-                    .iter()
-                    .map(|m| m.name())
-                    .collect();
-                format!(
-                    "unknown mutant `{n}`; the mutants are: {}",
-                    names.join(", ")
-                )
-            }),
-    }
+/// What a mutant's name switches on: an engine mutant (the zoo's incidents) or a bug planted in
+/// a kernel reference (the simulator's self-test).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Planted {
+    pub engine: Mutants,
+    pub kernel: Option<KernelMutant>,
 }
-/// The engine's mutants for a mutant's name (`None`: the clean engine); an error names an unknown
-/// mutant, or a build without the zoo.
+
+/// What the mutant named `name` plants (`None`: nothing, the clean engine); an error names an
+/// unknown mutant, or a build without the zoo.
+#[cfg(feature = "mutants")]
+pub fn mutants_of(name: Option<&str>) -> Result<Planted, String> {
+    use tierkv_engine::mutants::Mutant;
+    let Some(n) = name else {
+        return Ok(Planted::default());
+    };
+    if let Some(m) = Mutant::parse(n) {
+        return Ok(Planted {
+            engine: Mutants::only(m),
+            kernel: None,
+        });
+    }
+    if let Some(k) = KernelMutant::parse(n) {
+        return Ok(Planted {
+            engine: Mutants::none(),
+            kernel: Some(k),
+        });
+    }
+    let names: Vec<&str> = Mutant::ALL
+        .iter()
+        .map(|m| m.name())
+        .chain(KernelMutant::ALL.iter().map(|m| m.name()))
+        .collect();
+    Err(format!(
+        "unknown mutant `{n}`; the mutants are: {}",
+        names.join(", ")
+    ))
+}
+/// What the mutant named `name` plants (`None`: nothing, the clean engine); an error names an
+/// unknown mutant, or a build without the zoo.
 #[cfg(not(feature = "mutants"))]
-pub fn mutants_of(name: Option<&str>) -> Result<Mutants, String> {
+pub fn mutants_of(name: Option<&str>) -> Result<Planted, String> {
     match name {
-        None => Ok(Mutants::none()),
+        None => Ok(Planted::default()),
         Some(n) => Err(format!(
             "mutant `{n}` needs the zoo's binary: cargo run --release -p tierkv-sim --features mutants --bin tierkv-zoo -- ..."
         )),
+    }
+}
+
+/// Switches a planted reference bug on for this thread while a run lasts.
+struct KernelMutantGuard;
+
+impl KernelMutantGuard {
+    fn set(_m: Option<KernelMutant>) -> KernelMutantGuard {
+        #[cfg(feature = "mutants")]
+        tierkv_kernels::mutants::set(_m);
+        KernelMutantGuard
+    }
+}
+
+impl Drop for KernelMutantGuard {
+    fn drop(&mut self) {
+        #[cfg(feature = "mutants")]
+        tierkv_kernels::mutants::set(None);
     }
 }
 
@@ -212,6 +249,8 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
     let wall = std::time::Instant::now();
     // The probes count on this thread: start from zero.
     tierkv_engine::probe::take();
+    let kernel = mutants_of(sc.mutant.as_deref()).map_or(None, |p| p.kernel);
+    let _planted = KernelMutantGuard::set(kernel);
     let mut r = match Run::start(sc, opts) {
         Ok(r) => r,
         Err(f) => {
@@ -239,14 +278,14 @@ fn start_engine(
     cfg: &Config,
     content: &Rc<RefCell<ContentOracle>>,
 ) -> Result<Eng, Finding> {
-    let mutants = mutants_of(sc.mutant.as_deref()).map_err(|e| Finding {
+    let planted = mutants_of(sc.mutant.as_deref()).map_err(|e| Finding {
         oracle: OracleKind::Engine,
         time_ns: 0,
         message: e,
     })?;
     let eopts = EngineOptions {
         seed: sc.seed,
-        mutants,
+        mutants: planted.engine,
     };
     let failed = |oracle, message| Finding {
         oracle,

@@ -223,7 +223,9 @@ impl Scenario {
         at_most("steps_max", self.steps_max, limits::STEPS_MAX)?;
         self.validate_workload(&cfg)?;
         if let Some(m) = &self.mutant {
-            if tierkv_engine::mutants::Mutant::parse(m).is_none() {
+            let known = tierkv_engine::mutants::Mutant::parse(m).is_some()
+                || tierkv_kernels::mutants::KernelMutant::parse(m).is_some();
+            if !known {
                 return Err(bad("mutant", m, "is not a mutant of the bug zoo"));
             }
         }

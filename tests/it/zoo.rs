@@ -25,3 +25,23 @@ fn every_mutant_is_caught_within_100_seeds() {
     let clean = zoo_row(None, worst, 2, "swarm");
     assert!(!clean.caught, "the clean engine failed: {}", clean.message);
 }
+
+/// Bugs planted in the kernels' CPU references (the simulator's self-test): each is caught on the
+/// CPU within a few seeds, by the oracle that exists for it.
+#[test]
+fn planted_reference_bugs_are_caught_on_the_cpu() {
+    use tierkv_kernels::mutants::KernelMutant;
+    use tierkv_sim::report::OracleKind;
+    const PLANTED: &[(KernelMutant, OracleKind)] =
+        &[(KernelMutant::KvStoreWritesNextRow, OracleKind::Undeclared)];
+    for &(m, oracle) in PLANTED {
+        let mut sc = tierkv_sim::scenario::draw(0, "quick", None);
+        sc.mutant = Some(m.name().to_string());
+        let out = tierkv_sim::runner::run(&sc, &tierkv_sim::runner::RunOptions::default());
+        let f = out
+            .findings
+            .first()
+            .unwrap_or_else(|| panic!("{} was not caught", m.name()));
+        assert_eq!(f.oracle, oracle, "{}: {f}", m.name());
+    }
+}

@@ -221,6 +221,11 @@ pub fn kv_store(a: &KvStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerprint) -> R
             &a.rows[i * nv..(i + 1) * nv],
             &mut dst[at..at + tb],
         );
+        if crate::mutants::on(crate::mutants::KernelMutant::KvStoreWritesNextRow)
+            && at + 2 * tb <= dst.len()
+        {
+            dst.copy_within(at..at + tb, at + tb);
+        }
     }
     Ok(())
 }

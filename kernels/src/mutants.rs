@@ -1,0 +1,53 @@
+//! Bugs planted in the CPU references, for the simulator's self-test (the bug zoo's reference
+//! mutants, feature `mutants`). A bug in a reference is the hardest kind for a simulator whose
+//! oracles call the same reference: these prove that the oracles do not, and that an op which
+//! writes outside what it declares is caught.
+//!
+//! A thread switches one on for a run (`set`); the references ask `on`. Without the feature
+//! `on` is a constant `false` and the planted code compiles away.
+
+/// A planted reference bug.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelMutant {
+    /// `kv_store` also writes the row after each stored slot: bytes the op never declared.
+    KvStoreWritesNextRow,
+}
+
+impl KernelMutant {
+    pub const ALL: [KernelMutant; 1] = [KernelMutant::KvStoreWritesNextRow];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelMutant::KvStoreWritesNextRow => "reference-kv-store-writes-next-row",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<KernelMutant> {
+        KernelMutant::ALL.into_iter().find(|m| m.name() == s)
+    }
+}
+
+#[cfg(feature = "mutants")]
+thread_local! {
+    static ACTIVE: std::cell::Cell<Option<KernelMutant>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether `m` is switched on for this thread.
+#[inline]
+pub fn on(m: KernelMutant) -> bool {
+    #[cfg(feature = "mutants")]
+    {
+        ACTIVE.with(|a| a.get() == Some(m))
+    }
+    #[cfg(not(feature = "mutants"))]
+    {
+        let _ = m;
+        false
+    }
+}
+
+/// Switches `m` on for this thread (`None`: the clean references).
+#[cfg(feature = "mutants")]
+pub fn set(m: Option<KernelMutant>) {
+    ACTIVE.with(|a| a.set(m));
+}

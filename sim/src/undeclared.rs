@@ -1,0 +1,183 @@
+//! Undeclared writes: bytes an op changed outside the ranges it declared (`Op::accesses`). The race
+//! detector and the content oracle see an op only through its declarations, so an op that writes
+//! elsewhere escapes both; this check compares, around each op, a shadow copy of the bytes near
+//! its declared writes with what the op left there.
+//!
+//! What it compares: for every buffer the op declares a write to, the pages its writes touch and
+//! one page on each side (for scratch buffers, 4 KiB on each side of the written span); and for
+//! one op in [`FULL_EVERY`] (by op id, so a seed always checks the same ops), the whole buffer. A
+//! stray write next to the declared rows is caught at once; one far away is caught when a whole-
+//! buffer check lands on it. The cost is a copy and a comparison of the checked bytes.
+
+use std::ops::Range;
+use tierkv_engine::cpu_device::Memory;
+use tierkv_engine::device::{BufferId, Op};
+
+/// One op in this many (by op id) has every byte of its written buffers compared.
+pub const FULL_EVERY: u64 = 8;
+
+/// Bytes on each side of a non-paged write that are compared.
+const MARGIN_BYTES: usize = 4096;
+
+/// The bytes of one buffer an op may not change, as they were before it ran.
+pub struct Shadow {
+    buffer: BufferId,
+    /// Checked spans of the buffer, each with its bytes before the op.
+    spans: Vec<(Range<usize>, Vec<u8>)>,
+    /// What the op declared it writes there (sorted, merged).
+    allowed: Vec<Range<usize>>,
+}
+
+/// Bytes an op changed outside its declared writes: the buffer and the first such span.
+pub struct Stray {
+    pub buffer: BufferId,
+    pub bytes: Range<usize>,
+}
+
+/// Sorted, merged ranges.
+fn merged(mut v: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    v.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(v.len());
+    for r in v {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// Copies what `op` (number `op_id`) must leave alone, before it runs.
+pub fn before(op: &Op, op_id: u64, mem: &Memory) -> Vec<Shadow> {
+    let full = op_id % FULL_EVERY == 0;
+    let mut by_buffer: Vec<(BufferId, Vec<Range<usize>>)> = Vec::new();
+    for a in op.accesses().into_iter().filter(|a| a.write) {
+        let r = a.range.span();
+        match by_buffer.iter_mut().find(|(b, _)| *b == a.range.buffer) {
+            Some((_, v)) => v.push(r),
+            None => by_buffer.push((a.range.buffer, vec![r])),
+        }
+    }
+    by_buffer
+        .into_iter()
+        .map(|(buffer, writes)| {
+            let allowed = merged(writes);
+            let len = mem.bytes(buffer).len();
+            let fp = mem.desc(buffer).fingerprint;
+            let checked = if full {
+                std::iter::once(0..len).collect()
+            } else if fp.is_paged() {
+                let pb = fp.page_bytes.max(1) as usize;
+                merged(
+                    allowed
+                        .iter()
+                        .map(|r| {
+                            let first = (r.start / pb).saturating_sub(1);
+                            let last = r.end.div_ceil(pb) + 1;
+                            first * pb..(last * pb).min(len)
+                        })
+                        .collect(),
+                )
+            } else {
+                merged(
+                    allowed
+                        .iter()
+                        .map(|r| {
+                            r.start.saturating_sub(MARGIN_BYTES)..(r.end + MARGIN_BYTES).min(len)
+                        })
+                        .collect(),
+                )
+            };
+            let spans = checked
+                .into_iter()
+                .map(|r| {
+                    let bytes = mem.bytes(buffer)[r.clone()].to_vec();
+                    (r, bytes)
+                })
+                .collect();
+            Shadow {
+                buffer,
+                spans,
+                allowed,
+            }
+        })
+        .collect()
+}
+
+/// The first bytes the op changed outside its declared writes, if any.
+pub fn after(shadows: &[Shadow], mem: &Memory) -> Option<Stray> {
+    for s in shadows {
+        let now = mem.bytes(s.buffer);
+        for (span, was) in &s.spans {
+            // The gaps between the declared writes inside this span (both lists are sorted).
+            let first = s.allowed.partition_point(|w| w.end <= span.start);
+            let mut at = span.start;
+            let mut gaps = Vec::new();
+            for w in s.allowed[first..].iter().take_while(|w| w.start < span.end) {
+                if w.start > at {
+                    gaps.push(at..w.start);
+                }
+                at = at.max(w.end);
+            }
+            if at < span.end {
+                gaps.push(at..span.end);
+            }
+            for g in gaps {
+                let old = &was[g.start - span.start..g.end - span.start];
+                if now[g.clone()] == *old {
+                    continue;
+                }
+                let from = (g.start..g.end)
+                    .find(|&i| now[i] != was[i - span.start])
+                    .expect("a differing byte");
+                let to = (from..g.end)
+                    .take_while(|&i| now[i] != was[i - span.start])
+                    .last()
+                    .unwrap_or(from);
+                return Some(Stray {
+                    buffer: s.buffer,
+                    bytes: from..to + 1,
+                });
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merging_joins_overlaps_and_neighbours() {
+        assert_eq!(merged(vec![5..7, 0..2, 1..3, 7..9]), vec![0..3, 5..9]);
+        assert_eq!(merged(vec![]), Vec::<Range<usize>>::new());
+    }
+
+    /// A shadow over 0..32 allowing 8..16: a change inside is declared, one beside it is not.
+    #[test]
+    fn changes_outside_the_declared_writes_are_found() {
+        use tierkv_engine::device::{BufferDesc, BufferRole, MemoryTier};
+        use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+        let mut mem = Memory::default();
+        let b = mem.alloc(BufferDesc {
+            role: BufferRole::Scratch { name: "test" },
+            tier: MemoryTier::Device,
+            bytes: Bytes(32),
+            fingerprint: LayoutFingerprint::unpaged(32),
+        });
+        let shadow = |mem: &Memory| Shadow {
+            buffer: b,
+            spans: vec![(0..32, mem.bytes(b).to_vec())],
+            allowed: std::iter::once(8..16).collect(),
+        };
+        let s = shadow(&mem);
+        mem.bufs[b.0 as usize][10] ^= 1;
+        assert!(after(&[s], &mem).is_none(), "a declared write");
+        let s = shadow(&mem);
+        mem.bufs[b.0 as usize][16] ^= 1;
+        mem.bufs[b.0 as usize][17] ^= 1;
+        let stray = after(&[s], &mem).expect("an undeclared write");
+        assert_eq!(stray.bytes, 16..18);
+    }
+}
