@@ -11,5 +11,6 @@ pub mod error;
 pub mod layout;
 pub mod mutants;
 pub mod rope;
+pub mod spec;
 
 pub use error::{KernelError, Result};

@@ -9,15 +9,21 @@
 /// A planted reference bug.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelMutant {
+    /// RoPE applied to dims 64..128 instead of 0..64 (in both the index-K store and `q_prep`).
+    RopeWrongHalf,
     /// `kv_store` also writes the row after each stored slot: bytes the op never declared.
     KvStoreWritesNextRow,
 }
 
 impl KernelMutant {
-    pub const ALL: [KernelMutant; 1] = [KernelMutant::KvStoreWritesNextRow];
+    pub const ALL: [KernelMutant; 2] = [
+        KernelMutant::RopeWrongHalf,
+        KernelMutant::KvStoreWritesNextRow,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
+            KernelMutant::RopeWrongHalf => "reference-rope-wrong-half",
             KernelMutant::KvStoreWritesNextRow => "reference-kv-store-writes-next-row",
         }
     }

@@ -18,6 +18,9 @@ pub enum OracleKind {
     TopK,
     /// Bytes an op changed outside the writes it declared.
     Undeclared,
+    /// A kernel reference computed a value its specification's independent version disagrees
+    /// with (a bug the executor and the oracles would otherwise share).
+    Reference,
     /// Pages, pins or locks not returned at the end of a run.
     Conservation,
     /// Requests that never finish.
@@ -42,6 +45,7 @@ impl OracleKind {
             OracleKind::Digest => "digest",
             OracleKind::TopK => "topk",
             OracleKind::Undeclared => "undeclared",
+            OracleKind::Reference => "reference",
             OracleKind::Conservation => "conservation",
             OracleKind::Liveness => "liveness",
             OracleKind::Bound => "bound",

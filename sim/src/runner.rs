@@ -10,7 +10,7 @@ use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
 use crate::scenario::Scenario;
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
 use tierkv_engine::device::DeviceError;
@@ -234,6 +234,9 @@ struct Run<'a> {
     /// One-shot arrivals by time: (time, index into the workload).
     oneshots: Vec<(u64, usize)>,
     next_oneshot: usize,
+    /// One-shots refused by admission control, to be sent again: (due time, index into the
+    /// workload, tries so far).
+    retries: BTreeSet<(u64, usize, u32)>,
     owners: BTreeMap<u64, Owner>,
     /// Each request's prompt length and max_new_tokens.
     specs: BTreeMap<u64, (usize, u32)>,
@@ -357,6 +360,7 @@ impl<'a> Run<'a> {
             sessions,
             oneshots,
             next_oneshot: 0,
+            retries: BTreeSet::new(),
             owners: BTreeMap::new(),
             specs: BTreeMap::new(),
             last_digests: BTreeMap::new(),
@@ -432,18 +436,43 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    /// One-shot requests that are due (those over the limits too: the engine must refuse them).
+    /// One-shot requests that are due (those over the limits too: the engine must refuse them),
+    /// and refused ones whose retry is due. A client refused by admission control tries again
+    /// after a backoff that doubles up to a cap, `ONESHOT_TRIES` times in all.
     fn oneshot_arrivals(&mut self, now: u64) -> Result<(), Stop> {
         while self.next_oneshot < self.oneshots.len() && self.oneshots[self.next_oneshot].0 <= now {
-            let o = &self.sc.workload.oneshots[self.oneshots[self.next_oneshot].1];
+            let index = self.oneshots[self.next_oneshot].1;
             self.next_oneshot += 1;
-            let synth = self.synth;
-            let prompt: Vec<u32> = o
-                .segments
-                .iter()
-                .flat_map(|&(stream, n)| (0..n as u64).map(move |k| synth.token(stream, k)))
-                .collect();
-            self.submit(prompt, o.generate, Owner::OneShot)?.ok();
+            self.send_oneshot(now, index, 1)?;
+        }
+        while let Some(&(due, index, tries)) = self.retries.first() {
+            if due > now {
+                break;
+            }
+            self.retries.pop_first();
+            probes::hit(SimProbe::ClientRetried);
+            self.send_oneshot(now, index, tries + 1)?;
+        }
+        Ok(())
+    }
+
+    fn send_oneshot(&mut self, now: u64, index: usize, tries: u32) -> Result<(), Stop> {
+        const ONESHOT_TRIES: u32 = 8;
+        const BACKOFF_NS: u64 = 4_000_000;
+        const BACKOFF_MAX_NS: u64 = 64_000_000;
+        let o = &self.sc.workload.oneshots[index];
+        let synth = self.synth;
+        let prompt: Vec<u32> = o
+            .segments
+            .iter()
+            .flat_map(|&(stream, n)| (0..n as u64).map(move |k| synth.token(stream, k)))
+            .collect();
+        let answer = self.submit(prompt, o.generate, Owner::OneShot)?;
+        if let Err(r) = answer {
+            if !matches!(r, Rejection::Invalid { .. }) && tries < ONESHOT_TRIES {
+                let due = now + (BACKOFF_NS << (tries - 1)).min(BACKOFF_MAX_NS);
+                self.retries.insert((due, index, tries));
+            }
         }
         Ok(())
     }
@@ -514,7 +543,9 @@ impl<'a> Run<'a> {
     /// and anywhere.
     fn faults(&mut self) -> Result<(), Stop> {
         let arrivals_left =
-            self.next_oneshot < self.oneshots.len() || self.sessions.iter().any(|s| !s.done);
+            self.next_oneshot < self.oneshots.len()
+                || !self.retries.is_empty()
+                || self.sessions.iter().any(|s| !s.done);
         if self.faults_on && !arrivals_left {
             probes::hit_if(
                 SimProbe::FaultsStoppedWithWork,
@@ -628,7 +659,11 @@ impl<'a> Run<'a> {
                 .unwrap_or(false)
         });
         let mismatch = self.digest.check(&mut c, request, position, &digests);
+        let reference = std::mem::take(&mut c.reference_errors);
         drop(c);
+        for msg in reference {
+            self.found(OracleKind::Reference, msg);
+        }
         if tainted {
             self.found(
                 OracleKind::Content,
@@ -759,7 +794,8 @@ impl<'a> Run<'a> {
             .map(|s| s.wait_until)
             .min();
         let next_shot = self.oneshots.get(self.next_oneshot).map(|o| o.0);
-        match next_session.into_iter().chain(next_shot).min() {
+        let next_retry = self.retries.first().map(|r| r.0);
+        match next_session.into_iter().chain(next_shot).chain(next_retry).min() {
             Some(t) => {
                 let dev = &mut self.engine.dev;
                 let at = t.max(dev.now() + 1);

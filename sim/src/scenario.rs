@@ -524,6 +524,7 @@ fn draw_workload(
                 sessions_workload(wr, 6, hi, burst, &shape)
             };
             add_production_shapes(wr, &mut w, &shape);
+            add_revisits(wr, &mut w, &shape);
             w
         }
     }
@@ -534,6 +535,8 @@ struct Shape {
     ctx: u32,
     output_max: u32,
     pending_max: u64,
+    device_pages: u32,
+    every_token: bool,
 }
 
 impl Shape {
@@ -542,6 +545,8 @@ impl Shape {
             ctx: cfg.model.context_tokens_max,
             output_max: cfg.scheduler.output_tokens_max,
             pending_max: cfg.scheduler.pending_tokens_max,
+            device_pages: cfg.cache.device_pages,
+            every_token: cfg.model.prefill_indexer == PrefillIndexer::EveryToken,
         }
     }
     /// Tokens to generate: mostly a few, sometimes exactly the limit.
@@ -618,6 +623,43 @@ fn add_production_shapes(r: &mut Rng, w: &mut Workload, s: &Shape) {
             generate: s.output_max + 1,
         });
     }
+}
+
+/// Prompts revisited after the device tier has forgotten them, so that they are loaded back: a
+/// small set of prefixes sent three times while it fits on the device (write-through backs each up at
+/// once, the selective policy on the second hit, and a round may be refused), then a flood of other prefixes that fills the
+/// device tier (write-back backs the set up as it is evicted), then the set once more, found on
+/// the host only. Every phase far apart from the next: a phase that meets a queue full of long
+/// prompts is refused until it drains (the runner's clients retry). Prompts are shorter under
+/// every-token indexing, which costs a query per prefill token.
+fn add_revisits(r: &mut Rng, w: &mut Workload, s: &Shape) {
+    if !r.chance(0.8) {
+        return;
+    }
+    // Each prompt is a prefix of whole pages and 8 tokens of its own, so it is never all cached.
+    let fit = ((s.ctx - s.output_max).saturating_sub(8) / 64).max(1);
+    let cap = if s.every_token { 3 } else { 12 };
+    let pages = (s.device_pages / 8).clamp(1, fit.min(cap));
+    let set = (s.device_pages / 2 / pages).clamp(1, 4);
+    let flood = (s.device_pages / pages + 2).min(if s.every_token { 8 } else { 16 });
+    let base = 6_000_000 + r.below(1_000) * 100;
+    let gap = r.range(100_000, 400_000);
+    let mut at = r.below(2_000_000);
+    let mut phase = |w: &mut Workload, r: &mut Rng, first: u32, n: u32, own: u64| {
+        for i in 0..n as u64 {
+            w.oneshots.push(OneShot {
+                at_ns: at + i * gap,
+                segments: vec![(base + first as u64 + i, pages * 64), (own + i, 8)],
+                generate: 2.min(s.output_max),
+            });
+        }
+        at += gap * n as u64 + r.range(20_000_000, 100_000_000);
+    };
+    phase(w, r, 0, set, base + 50);
+    phase(w, r, 0, set, base + 60);
+    phase(w, r, 0, set, base + 65);
+    phase(w, r, 10, flood, base + 70);
+    phase(w, r, 0, set, base + 90);
 }
 
 /// Multi-turn tool-call sessions sharing a system prompt; optionally a burst of one-shots.

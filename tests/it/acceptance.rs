@@ -1,6 +1,8 @@
 //! The simulator's acceptance: an engine with one layer wait removed (the test-only mutant
 //! `ungated-index-k-read`) is caught on the first seed by the race detector, with a readable
-//! report, a replay command, a shrunk reproduction and a trace file that loads.
+//! report, a replay command, a shrunk reproduction and a trace file that loads. The seed is drawn
+//! by the `sessions` profile: the workload of the incident this mutant re-creates (60 and more
+//! concurrent tool-call sessions, whose turns load their history back layer by layer).
 
 use std::time::Duration;
 use tierkv_sim::campaign::CampaignOptions;
@@ -18,7 +20,7 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         end: 1,
         jobs: 1,
         shard: None,
-        profile: "swarm".into(),
+        profile: "sessions".into(),
         mutant: Some("ungated-index-k-read".into()),
         progress: false,
         stop_at_first: true,
@@ -53,7 +55,9 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
     }
     let replay = replay_command(&sc);
     assert!(
-        replay.contains("--seed 0") && replay.contains("--mutant ungated-index-k-read"),
+        replay.contains("--seed 0")
+            && replay.contains("--profile sessions")
+            && replay.contains("--mutant ungated-index-k-read"),
         "{replay}"
     );
     assert!(replay.contains("--features mutants"), "{replay}");
@@ -76,7 +80,7 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
     assert_eq!(racing.len(), 2, "both ops of the race are marked");
 
     // Shrinking keeps the race and makes the case smaller.
-    let s = shrink(&sc, OracleKind::Race, Duration::from_secs(120));
+    let s = shrink(&sc, OracleKind::Race, Duration::from_secs(30));
     assert!(s.scenario.workload.requests() < sc.workload.requests() || sc.workload.requests() == 1);
     let again = run(&s.scenario, &RunOptions::default());
     assert_eq!(

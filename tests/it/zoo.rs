@@ -32,8 +32,15 @@ fn every_mutant_is_caught_within_100_seeds() {
 fn planted_reference_bugs_are_caught_on_the_cpu() {
     use tierkv_kernels::mutants::KernelMutant;
     use tierkv_sim::report::OracleKind;
-    const PLANTED: &[(KernelMutant, OracleKind)] =
-        &[(KernelMutant::KvStoreWritesNextRow, OracleKind::Undeclared)];
+    const PLANTED: &[(KernelMutant, OracleKind)] = &[
+        (KernelMutant::RopeWrongHalf, OracleKind::Reference),
+        (KernelMutant::KvStoreWritesNextRow, OracleKind::Undeclared),
+    ];
+    assert_eq!(
+        PLANTED.len(),
+        KernelMutant::ALL.len(),
+        "every planted bug is tested"
+    );
     for &(m, oracle) in PLANTED {
         let mut sc = tierkv_sim::scenario::draw(0, "quick", None);
         sc.mutant = Some(m.name().to_string());

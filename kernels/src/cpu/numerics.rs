@@ -64,11 +64,17 @@ pub fn layer_norm(x: &mut [f32; 128], gamma: &[f32], beta: &[f32]) {
 /// position's angle `i`. `cos_sin` is that position's table row: 32 cosines, then 32 sines.
 pub fn rope_neox(x: &mut [f32; 128], cos_sin: &[f32]) {
     debug_assert_eq!(cos_sin.len(), 64);
+    // The zoo's planted reference bug rotates the other half (dims 64..128).
+    let base = if crate::mutants::on(crate::mutants::KernelMutant::RopeWrongHalf) {
+        64
+    } else {
+        0
+    };
     for i in 0..32 {
         let (c, s) = (cos_sin[i], cos_sin[32 + i]);
-        let (a, b) = (x[i], x[i + 32]);
-        x[i] = a * c - b * s;
-        x[i + 32] = b * c + a * s;
+        let (a, b) = (x[base + i], x[base + i + 32]);
+        x[base + i] = a * c - b * s;
+        x[base + i + 32] = b * c + a * s;
     }
 }
 

@@ -2,7 +2,9 @@
 //! `sparse_read` op reads is compared, byte for byte, with what the synthetic model says belongs
 //! there — at the moment the simulated GPU runs the op. It knows each request's tokens (the runner
 //! tells it the prompt and every generated token) and computes expected rows with the kernels' CPU
-//! references on fresh inputs; it never looks at the engine's state.
+//! references on fresh inputs; it never looks at the engine's state. Every expected row is held,
+//! once, to the specification's independent version (`tierkv_kernels::spec`) before it is used:
+//! a bug in a reference, which the executor shares, shows up there (`reference_errors`).
 //!
 //! Rows of pages that a failed copy left garbage in are not compared (the engine must discard what
 //! it computed from them; the digest oracle checks that it did).
@@ -20,6 +22,7 @@ use tierkv_engine::synth::{LnParams, Synth};
 use tierkv_kernels::cpu::numerics::le_i32s;
 use tierkv_kernels::cpu::store::{index_k_token, kv_token};
 use tierkv_kernels::rope::rope_row;
+use tierkv_kernels::spec;
 
 /// What the synthetic model says an index-K row is: its value bytes and (fp8) scale.
 #[derive(Clone, Debug, PartialEq)]
@@ -54,6 +57,9 @@ pub struct ContentOracle {
     /// A page read again, unwritten since and expected to hold the same tokens, holds the bytes
     /// that were compared — so comparing them again would prove nothing new.
     verified: HashMap<(BufferId, u64), (u64, u64)>,
+    /// Expected values a reference computed that the specification's independent version
+    /// disagrees with (this oracle's and the digest oracle's), for the runner to report.
+    pub reference_errors: Vec<String>,
 }
 
 /// What the GPU knows about a page: which token rows a failed copy left garbage in (bit `t`),
@@ -80,6 +86,7 @@ impl ContentOracle {
             tainted_reads: BTreeMap::new(),
             layer_base: cfg.model.layer_base,
             verified: HashMap::new(),
+            reference_errors: Vec::new(),
         }
     }
 
@@ -100,15 +107,24 @@ impl ContentOracle {
             .clone();
         let key = synth.index_key(token, position, layer);
         let mut values = vec![0u8; index_k_page::values_bytes(self.ik_dtype)];
-        let scale = index_k_token(
+        let rope = rope_row(position);
+        let scale = index_k_token(self.ik_dtype, self.ue8m0, &key, &g, &b, &rope, &mut values);
+        let spec = spec::check_index_k_row(
             self.ik_dtype,
             self.ue8m0,
             &key,
             &g,
             &b,
-            &rope_row(position),
-            &mut values,
+            &rope,
+            &values,
+            scale,
         );
+        if let Err(e) = spec {
+            self.reference_errors.push(format!(
+                "the index_k_store reference's row for token {token} at position {position}, layer {layer}, \
+                 disagrees with the specification: {e}"
+            ));
+        }
         let r = Arc::new(IkRow { values, scale });
         self.ik_memo.insert((token, position, layer), r.clone());
         r
@@ -122,6 +138,12 @@ impl ContentOracle {
         let row = self.synth.kv_row(token, position, layer);
         let mut out = vec![0u8; PageFormat::Kv(self.kv_dtype).token_bytes() as usize];
         kv_token(self.kv_dtype, &row, &mut out);
+        if let Err(e) = spec::check_kv_row(self.kv_dtype, &row, &out) {
+            self.reference_errors.push(format!(
+                "the kv_store reference's row for token {token} at position {position}, layer {layer}, \
+                 disagrees with the specification: {e}"
+            ));
+        }
         let r = Arc::new(out);
         self.kv_memo.insert((token, position, layer), r.clone());
         r

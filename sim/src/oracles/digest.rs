@@ -3,6 +3,13 @@
 //! context, the top-k with the *configured* `index_topk`, and the digest of the expected KV rows of
 //! that selection. When a digest differs, the selection the GPU actually read (recorded by the
 //! content oracle) says whether the top-k itself went wrong.
+//!
+//! The recomputation uses the kernels' CPU references, which the executor shares; so each value
+//! it derives is held to the specification's independent version (`tierkv_kernels::spec`): every
+//! query head's `q_prep`, and for one query in [`SPEC_SAMPLE`] (by its context's hash, so a seed
+//! always checks the same ones) the logits in f64, the top-k by sorting and the digest from its
+//! definition. A disagreement is a reference bug, reported through the content oracle's
+//! `reference_errors`.
 
 use super::content::ContentOracle;
 use std::collections::{BTreeMap, HashMap};
@@ -14,6 +21,23 @@ use tierkv_kernels::cpu::q_prep::q_prep_head;
 use tierkv_kernels::cpu::sparse_read::{rank_term, row_hash};
 use tierkv_kernels::cpu::topk::topk_positions;
 use tierkv_kernels::rope::rope_row;
+use tierkv_kernels::spec;
+
+/// What the reference computed for one query, for `check_with_spec`.
+struct SpecQuery<'a> {
+    token: u32,
+    position: u32,
+    layer: u32,
+    codes: &'a [u8],
+    weights: &'a [f32],
+    scores: &'a [f32],
+    selection: &'a [u32],
+    digest: u64,
+}
+
+/// One query (context) in this many has its logits, top-k and digest recomputed by the
+/// specification's independent versions.
+pub const SPEC_SAMPLE: u64 = 32;
 
 /// A decoded index key and its fp8 scale (1 for bf16).
 type Key = ([f32; 128], f32);
@@ -113,15 +137,20 @@ impl DigestOracle {
         let rope = rope_row(position);
         let mut qf = Vec::with_capacity(self.heads as usize * 128);
         let mut wf = Vec::with_capacity(self.heads as usize);
+        let mut qcodes = Vec::with_capacity(self.heads as usize * 128);
         for h in 0..self.heads as usize {
             let mut codes = [0u8; 128];
-            wf.push(q_prep_head(
-                &q[h * 128..(h + 1) * 128],
-                w[h],
-                &rope,
-                &mut codes,
-            ));
+            let qh = &q[h * 128..(h + 1) * 128];
+            let folded = q_prep_head(qh, w[h], &rope, &mut codes);
+            if let Err(e) = spec::check_q_head(qh, w[h], &rope, &codes, folded) {
+                c.reference_errors.push(format!(
+                    "the q_prep reference's head {h} of token {token} at position {position}, layer {layer}, \
+                     disagrees with the specification: {e}"
+                ));
+            }
+            wf.push(folded);
             qf.extend(decode_q(&codes));
+            qcodes.extend_from_slice(&codes);
         }
         let dtype = c.ik_dtype;
         let mut keys = Vec::with_capacity(position as usize + 1);
@@ -141,9 +170,60 @@ impl DigestOracle {
             let row = c.kv_row(toks[n as usize], n, layer);
             acc.wrapping_add(rank_term(i, row_hash(&row)))
         });
+        if ph % SPEC_SAMPLE == 0 {
+            let query = SpecQuery {
+                token,
+                position,
+                layer,
+                codes: &qcodes,
+                weights: &wf,
+                scores: &scores,
+                selection: &sel,
+                digest,
+            };
+            self.check_with_spec(c, &toks, &query);
+        }
         let v = (digest, Arc::new(sel));
         self.memo.insert((ph, layer), v.clone());
         v
+    }
+
+    /// Holds one query's reference logits, top-k and digest to the specification's versions.
+    fn check_with_spec(&mut self, c: &mut ContentOracle, toks: &[u32], q: &SpecQuery) {
+        let keys: Vec<([f64; 128], f64)> = (0..=q.position)
+            .map(|n| {
+                let row = c.ik_row(toks[n as usize], n, q.layer);
+                spec::key_row_f64(c.ik_dtype, &row.values, row.scale)
+            })
+            .collect();
+        let want = spec::logits_f64(q.codes, q.weights, &keys);
+        let (token, position, layer) = (q.token, q.position, q.layer);
+        let what = format!("token {token} at position {position}, layer {layer}");
+        for (n, (&got, &(value, magnitude))) in q.scores.iter().zip(&want).enumerate() {
+            if (got as f64 - value).abs() > 1e-5 * magnitude + 1e-30 {
+                c.reference_errors.push(format!(
+                    "the index_logits reference's logit {n} of the query of {what} is {got:e}, \
+                     the specification's {value:e} (magnitude {magnitude:e})"
+                ));
+                return;
+            }
+        }
+        if spec::topk_order(q.scores, self.topk as usize) != q.selection {
+            c.reference_errors.push(format!(
+                "the topk reference's selection for the query of {what} is not the specification's"
+            ));
+            return;
+        }
+        let rows: Vec<_> = q
+            .selection
+            .iter()
+            .map(|&n| c.kv_row(toks[n as usize], n, layer))
+            .collect();
+        if spec::digest(rows.iter().map(|r| Some(r.as_slice()))) != q.digest {
+            c.reference_errors.push(format!(
+                "the sparse_read reference's digest for the query of {what} is not the specification's"
+            ));
+        }
     }
 
     /// Checks one emitted `Digests` output.

@@ -57,10 +57,6 @@ const COLD: &[(&str, &str)] = &[
         "a step has nothing to compute while a load is in flight only after the load's request \
          was aborted with nothing else running and no backup in flight: rare in the swarm",
     ),
-    (
-        "load.enqueue_failed",
-        "refused copies hit backups in these seeds, not loads (4% of 200 swarm seeds)",
-    ),
 ];
 
 /// The default test campaign reaches every coverage probe but the ones `COLD` lists.
