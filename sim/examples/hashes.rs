@@ -46,6 +46,7 @@ fn main() -> ExitCode {
         stop_at_first: false,
         trace_records: None,
         cuda: false,
+        schedules: 1,
     };
     let results = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {

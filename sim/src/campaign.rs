@@ -7,6 +7,7 @@ use crate::probes::Coverage;
 use crate::report::{Finding, OracleKind};
 use crate::runner::{run, RunOptions, RunOutcome, RunStats};
 use crate::scenario::{draw, Scenario};
+use crate::schedule::{explore_policy, Source};
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +30,8 @@ pub struct CampaignOptions {
     pub trace_records: Option<Vec<TraceRecord>>,
     /// Run the ops on the GPU (`--device cuda`).
     pub cuda: bool,
+    /// Schedules per seed (`--schedules`): the scenario's own, then `schedule::explore_policy`'s.
+    pub schedules: u64,
 }
 
 /// The seeds of a campaign: `first..end`, and of those only `seed % n == i` under a shard
@@ -103,11 +106,16 @@ pub struct CampaignSummary {
     pub coverage: Coverage,
     /// Seeds run twice for the determinism oracle.
     pub reruns: u64,
+    /// Runs in all: seeds times the schedules each ran (a failing seed stops at its failure).
+    pub runs: u64,
+    /// The first failure's schedule index and decisions (the schedule to replay it under).
+    pub first_failure_schedule: Option<(u64, Vec<u8>)>,
 }
 
 impl CampaignSummary {
     fn add(&mut self, o: &RunOutcome) {
-        self.seeds_run += 1;
+        self.runs += 1;
+        self.seeds_run += (o.schedule == 0) as u64;
         self.reruns += o.rerun as u64;
         self.coverage.add(&o.probes);
         let t = &mut self.totals;
@@ -132,7 +140,10 @@ impl CampaignSummary {
         if let Some(f) = o.findings.first() {
             *self.by_oracle.entry(f.oracle).or_default() += 1;
             self.failures.push((o.seed, f.clone()));
-            self.first_failure = Some(self.first_failure.map_or(o.seed, |x| x.min(o.seed)));
+            if self.first_failure.is_none_or(|x| o.seed < x) {
+                self.first_failure = Some(o.seed);
+                self.first_failure_schedule = Some((o.schedule, o.decisions.clone()));
+            }
         }
     }
 
@@ -141,8 +152,13 @@ impl CampaignSummary {
         let t = &self.totals;
         println!("== tierkv sim summary (profile {profile})");
         println!(
-            "seeds run: {}   failures: {}{}",
+            "seeds run: {}{}   failures: {}{}",
             self.seeds_run,
+            if self.runs > self.seeds_run {
+                format!(" ({} runs: schedules explored)", self.runs)
+            } else {
+                String::new()
+            },
             self.failures.len(),
             if self.by_oracle.is_empty() {
                 String::new()
@@ -226,6 +242,7 @@ pub fn run_campaign(
                 let ropts = RunOptions {
                     trace: false,
                     cuda: opts.cuda,
+                    schedule: None,
                 };
                 let mut out = run(&sc, &ropts);
                 if determinism::sampled(seed, out.failed()) {
@@ -233,8 +250,27 @@ pub fn run_campaign(
                     out.findings
                         .extend(determinism::rerun(&sc, &ropts, out.log_hash));
                 }
+                // More schedules of the same scenario, PCT over schedule 0's op starts.
+                let ops = out.decisions.len() as u64;
+                let mut failed = out.failed();
                 if tx.send(out).is_err() {
                     return;
+                }
+                for index in 1..opts.schedules {
+                    if failed {
+                        break;
+                    }
+                    let policy = explore_policy(index, sc.gpu.schedule_policy(), ops);
+                    let sopts = RunOptions {
+                        schedule: Some(Source::Draw { index, policy }),
+                        ..ropts.clone()
+                    };
+                    let mut out = run(&sc, &sopts);
+                    out.schedule = index;
+                    failed = out.failed();
+                    if tx.send(out).is_err() {
+                        return;
+                    }
                 }
             });
         }

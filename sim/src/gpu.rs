@@ -4,9 +4,8 @@
 //! What it guarantees is exactly what CUDA guarantees: ops of one stream run in order; across
 //! streams only events order them (a wait waits for the event's most recent record at the time of
 //! the wait call; an event never recorded is complete). Everything else is the seeded scheduler's
-//! choice: when an op starts after it becomes ready (random walk jitter, or PCT-like stream
-//! priorities with change points), how long it runs (latency and bandwidth models, slow-copy
-//! faults), and whether a copy fails. An op's data effect — its reads and its writes — happens at
+//! choice: how long an op that could start is held (the schedule's decision, see `schedule`),
+//! how long it runs (latency and bandwidth models, slow-copy faults), and whether a copy fails. An op's data effect — its reads and its writes — happens at
 //! its completion, so an op that a missing wait leaves unordered really reads stale bytes in the
 //! schedules where it completes first.
 //!
@@ -19,6 +18,7 @@ use crate::probes::{self, SimProbe};
 use crate::race::{join, Accessor, Race, RaceDetector, Vc, HOST};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
+use crate::schedule::{Scheduler, Source};
 use crate::undeclared;
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
@@ -28,20 +28,13 @@ use tierkv_engine::cpu_device::{run_op, Memory};
 use tierkv_engine::device::*;
 use tierkv_engine::layout::{Bytes, PageId};
 
-/// How the scheduler chooses among ready streams.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SchedPolicy {
-    /// Every op starts after a random delay once ready.
-    RandomWalk,
-    /// Streams get priorities (lower ones start later); `depth` times in a run, at random op
-    /// counts, the highest-priority stream drops to the lowest (a PCT-style preemption bound).
-    Pct { depth: u32 },
-}
-
 /// Timing and fault model of the simulated GPU.
 #[derive(Clone, Debug)]
 pub struct GpuOptions {
-    pub policy: SchedPolicy,
+    /// Where the scheduling decisions come from (`schedule`).
+    pub schedule: Source,
+    /// The op-start count PCT spreads its change points over when its policy does not know it.
+    pub ops_guess: u64,
     /// Host cost of one API call (launch overhead), ns.
     pub launch_ns: u64,
     /// Kernel time model: fixed cost plus bytes touched / rate.
@@ -50,7 +43,7 @@ pub struct GpuOptions {
     /// Copy time model (PCIe): latency plus bytes / bandwidth.
     pub copy_latency_ns: u64,
     pub copy_bytes_per_ns: f64,
-    /// Largest random start delay of a ready op, ns (random walk).
+    /// The scheduler's unit of hold: a decision `d` holds a ready op `d / 4` of it, ns.
     pub jitter_ns: u64,
     /// Probability that a copy is slow, and how much slower.
     pub slow_copy_rate: f64,
@@ -71,7 +64,8 @@ pub struct GpuOptions {
 impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {
-            policy: SchedPolicy::RandomWalk,
+            schedule: Source::default(),
+            ops_guess: 10_000,
             launch_ns: 3_000,
             kernel_ns: 4_000,
             kernel_bytes_per_ns: 2_000.0,
@@ -172,8 +166,7 @@ pub struct SimGpu {
     tainted: std::collections::HashMap<(BufferId, u64), u64>,
     /// Writes per paged-buffer page (the content oracle's cache key).
     page_gen: std::collections::HashMap<(BufferId, u64), u64>,
-    priorities: [u64; 3],
-    change_points: Vec<u64>,
+    sched: Scheduler,
     pub findings: Vec<Finding>,
     pub races: Vec<Race>,
     pub content: Option<Rc<RefCell<ContentOracle>>>,
@@ -209,20 +202,8 @@ impl SimGpu {
     /// A simulated GPU; with `opts.cuda`, its ops run on the machine's real GPU (an error when
     /// there is none, or the build has no CUDA).
     pub fn new(seed: u64, opts: GpuOptions) -> Result<SimGpu, DeviceError> {
-        let mut rng = Rng::new(seed ^ 0x6770_7500);
-        let mut priorities = [0u64, 1, 2];
-        for i in (1..3).rev() {
-            let j = rng.below(i as u64 + 1) as usize;
-            priorities.swap(i, j);
-        }
-        let change_points = match opts.policy {
-            SchedPolicy::Pct { depth } => {
-                let mut v: Vec<u64> = (0..depth).map(|_| rng.below(2_000)).collect();
-                v.sort_unstable();
-                v
-            }
-            SchedPolicy::RandomWalk => Vec::new(),
-        };
+        let rng = Rng::new(seed ^ 0x6770_7500);
+        let sched = Scheduler::new(seed, opts.schedule.clone(), opts.ops_guess);
         let cuda = opts.cuda;
         let mut g = SimGpu {
             mem: Memory::default(),
@@ -241,8 +222,7 @@ impl SimGpu {
             race: RaceDetector::default(),
             tainted: std::collections::HashMap::new(),
             page_gen: std::collections::HashMap::new(),
-            priorities,
-            change_points,
+            sched,
             findings: Vec::new(),
             races: Vec::new(),
             content: None,
@@ -362,28 +342,14 @@ impl SimGpu {
         }
     }
 
+    /// How long the op that could start on `stream` now is held: the schedule's decision.
     fn start_delay(&mut self, stream: usize) -> u64 {
-        match self.opts.policy {
-            SchedPolicy::RandomWalk => self.rng.below(self.opts.jitter_ns + 1),
-            SchedPolicy::Pct { .. } => {
-                if let Some(&cp) = self.change_points.first() {
-                    if self.next_op >= cp {
-                        probes::hit(SimProbe::PctChangePoint);
-                        self.change_points.remove(0);
-                        // Demote the highest-priority stream to the lowest.
-                        let top = (0..3)
-                            .min_by_key(|&s| self.priorities[s])
-                            .expect("3 streams");
-                        for p in self.priorities.iter_mut() {
-                            *p = p.saturating_sub(1);
-                        }
-                        self.priorities[top] = 2;
-                    }
-                }
-                self.priorities[stream] * self.opts.jitter_ns
-                    + self.rng.below(self.opts.jitter_ns / 4 + 1)
-            }
-        }
+        self.sched.decide(stream) as u64 * self.opts.jitter_ns / 4
+    }
+
+    /// The decisions made so far: the run's schedule.
+    pub fn take_schedule(&mut self) -> Vec<u8> {
+        self.sched.take_recorded()
     }
 
     /// Runs the stream's queue from time `t` as far as it can go without waiting for time.

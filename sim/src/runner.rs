@@ -9,6 +9,7 @@ use crate::probes::{self, SimProbe};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
 use crate::scenario::Scenario;
+use crate::schedule::Source;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -20,12 +21,14 @@ use tierkv_engine::{Config, Engine, EngineError, EngineOptions, Output, Rejectio
 use tierkv_kernels::cpu::numerics::mix64;
 use tierkv_kernels::mutants::KernelMutant;
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct RunOptions {
     /// Record every op for a Chrome trace.
     pub trace: bool,
     /// Perform the ops on a real GPU (`--device cuda`).
     pub cuda: bool,
+    /// The schedule to run under; `None`: the scenario's own (schedule 0, its policy).
+    pub schedule: Option<Source>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -62,6 +65,10 @@ pub struct RunOutcome {
     pub probes: BTreeMap<&'static str, u64>,
     /// A campaign ran it twice for the determinism oracle.
     pub rerun: bool,
+    /// The schedule it ran under: one decision per op start (`schedule`).
+    pub decisions: Vec<u8>,
+    /// Which schedule of the seed a campaign ran (0: the scenario's own; `--schedules`).
+    pub schedule: u64,
 }
 
 impl RunOutcome {
@@ -266,6 +273,8 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 racing_ops: Vec::new(),
                 probes: tierkv_engine::probe::take(),
                 rerun: false,
+                decisions: Vec::new(),
+                schedule: 0,
             }
         }
     };
@@ -300,6 +309,11 @@ fn start_engine(
         knobs.fail_first_host_alloc = fault_alloc;
         let mut o = knobs.options(opts.trace);
         o.cuda = opts.cuda;
+        if let Some(s) = &opts.schedule {
+            o.schedule = s.clone();
+        }
+        // PCT over an unknown op count: about 40 op starts per request and layer.
+        o.ops_guess = (sc.workload.requests() as u64 * cfg.model.layers as u64 * 40).max(1);
         let mut gpu = SimGpu::new(sc.seed, o)
             .map_err(|e| failed(OracleKind::Engine, format!("simulated GPU: {e}")))?;
         gpu.content = Some(content.clone());
@@ -542,10 +556,9 @@ impl<'a> Run<'a> {
     /// Faults stop once the workload is in (the liveness phase); until then, aborts mid-load
     /// and anywhere.
     fn faults(&mut self) -> Result<(), Stop> {
-        let arrivals_left =
-            self.next_oneshot < self.oneshots.len()
-                || !self.retries.is_empty()
-                || self.sessions.iter().any(|s| !s.done);
+        let arrivals_left = self.next_oneshot < self.oneshots.len()
+            || !self.retries.is_empty()
+            || self.sessions.iter().any(|s| !s.done);
         if self.faults_on && !arrivals_left {
             probes::hit_if(
                 SimProbe::FaultsStoppedWithWork,
@@ -795,7 +808,12 @@ impl<'a> Run<'a> {
             .min();
         let next_shot = self.oneshots.get(self.next_oneshot).map(|o| o.0);
         let next_retry = self.retries.first().map(|r| r.0);
-        match next_session.into_iter().chain(next_shot).chain(next_retry).min() {
+        match next_session
+            .into_iter()
+            .chain(next_shot)
+            .chain(next_retry)
+            .min()
+        {
             Some(t) => {
                 let dev = &mut self.engine.dev;
                 let at = t.max(dev.now() + 1);
@@ -846,6 +864,8 @@ impl<'a> Run<'a> {
             racing_ops: self.engine.dev.racing_ops.clone(),
             probes: tierkv_engine::probe::take(),
             rerun: false,
+            decisions: self.engine.dev.take_schedule(),
+            schedule: 0,
         }
     }
 }

@@ -3,8 +3,9 @@
 //! scenario (swarm testing: each seed picks its own dtypes, layouts, pool sizes, policies, rates
 //! and workload); the shrinker edits scenarios; a scenario file replays exactly.
 
-use crate::gpu::{GpuOptions, SchedPolicy};
+use crate::gpu::GpuOptions;
 use crate::rng::Rng;
+use crate::schedule::{Policy, Source};
 use serde::{Deserialize, Serialize};
 use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
 use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
@@ -71,14 +72,23 @@ pub struct GpuKnobs {
 }
 
 impl GpuKnobs {
+    /// The policy that draws the scenario's own schedule (PCT's op count unknown: estimated).
+    pub fn schedule_policy(&self) -> Policy {
+        if self.policy == "pct" {
+            Policy::Pct {
+                depth: self.pct_depth,
+                ops: 0,
+            }
+        } else {
+            Policy::RandomWalk
+        }
+    }
+
     pub fn options(&self, trace: bool) -> GpuOptions {
         GpuOptions {
-            policy: if self.policy == "pct" {
-                SchedPolicy::Pct {
-                    depth: self.pct_depth,
-                }
-            } else {
-                SchedPolicy::RandomWalk
+            schedule: Source::Draw {
+                index: 0,
+                policy: self.schedule_policy(),
             },
             jitter_ns: self.jitter_ns,
             copy_bytes_per_ns: self.copy_bytes_per_ns,
@@ -477,7 +487,7 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         } else {
             "random_walk".into()
         },
-        pct_depth: gr.range(1, 3) as u32,
+        pct_depth: gr.range(1, 4) as u32,
         jitter_ns: gr.range(2_000, 60_000),
         copy_bytes_per_ns: *gr.pick(&[5.0, 12.0, 25.0, 50.0]),
         slow_copy_rate: if gr.chance(0.5) {

@@ -2,10 +2,15 @@
 //! and heads, shorter prompts and generations, faults that are not needed switched off — keeping
 //! each step only if the run still fails with the same oracle. The result is a minimal
 //! reproduction, printed as its configuration and workload and saved for `tierkv sim --replay`.
+//!
+//! A failure found under a schedule other than the scenario's own shrinks its schedule first
+//! (`shrink_schedule`: fewer decisions, then held ops released), then the scenario under the
+//! shrunk schedule.
 
 use crate::report::OracleKind;
 use crate::runner::{run, RunOptions};
 use crate::scenario::Scenario;
+use crate::schedule::Source;
 use std::time::{Duration, Instant};
 
 pub struct Shrunk {
@@ -14,13 +19,9 @@ pub struct Shrunk {
     pub oracle: OracleKind,
 }
 
-fn fails_with(sc: &Scenario, oracle: OracleKind, runs: &mut u32) -> bool {
+fn fails_with(sc: &Scenario, opts: &RunOptions, oracle: OracleKind, runs: &mut u32) -> bool {
     *runs += 1;
-    run(sc, &RunOptions::default())
-        .findings
-        .first()
-        .map(|f| f.oracle)
-        == Some(oracle)
+    run(sc, opts).findings.first().map(|f| f.oracle) == Some(oracle)
 }
 
 /// Candidate reductions of a scenario, most aggressive first.
@@ -133,6 +134,16 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
 
 /// Shrinks `sc`, which fails with `oracle`, within `budget` of wall time.
 pub fn shrink(sc: &Scenario, oracle: OracleKind, budget: Duration) -> Shrunk {
+    shrink_under(sc, &RunOptions::default(), oracle, budget)
+}
+
+/// Shrinks `sc`, which fails with `oracle` when run with `opts` (its schedule fixed there).
+pub fn shrink_under(
+    sc: &Scenario,
+    opts: &RunOptions,
+    oracle: OracleKind,
+    budget: Duration,
+) -> Shrunk {
     let start = Instant::now();
     let mut best = sc.clone();
     let mut runs = 0;
@@ -141,7 +152,7 @@ pub fn shrink(sc: &Scenario, oracle: OracleKind, budget: Duration) -> Shrunk {
             if start.elapsed() > budget {
                 break 'outer;
             }
-            if fails_with(&c, oracle, &mut runs) {
+            if fails_with(&c, opts, oracle, &mut runs) {
                 best = c;
                 continue 'outer;
             }
@@ -153,4 +164,57 @@ pub fn shrink(sc: &Scenario, oracle: OracleKind, budget: Duration) -> Shrunk {
         runs,
         oracle,
     }
+}
+
+/// Shrinks the schedule `decisions` under which `sc` fails with `oracle`, within `budget`:
+/// shorter lists first (decisions past the end are 0: ops start as soon as they can), then runs
+/// of decisions set to 0, halving the run length down to single decisions. Returns the smallest
+/// failing list and the runs it took.
+pub fn shrink_schedule(
+    sc: &Scenario,
+    decisions: &[u8],
+    oracle: OracleKind,
+    budget: Duration,
+) -> (Vec<u8>, u32) {
+    let start = Instant::now();
+    let mut best = decisions.to_vec();
+    let mut runs = 0;
+    let fails = |d: &[u8], runs: &mut u32| {
+        let opts = RunOptions {
+            schedule: Some(Source::Replay(d.to_vec())),
+            ..RunOptions::default()
+        };
+        fails_with(sc, &opts, oracle, runs)
+    };
+    // Shorter: keep the first half, quarter, ... while it still fails.
+    let mut keep = best.len() / 2;
+    while keep > 0 && start.elapsed() < budget {
+        if fails(&best[..keep], &mut runs) {
+            best.truncate(keep);
+            keep = best.len() / 2;
+        } else {
+            break;
+        }
+    }
+    // Runs of held ops released, coarse to fine (ddmin's complement step, on a list).
+    let mut chunk = best.len().max(1).next_power_of_two() / 2;
+    while chunk >= 1 && start.elapsed() < budget {
+        let mut at = 0;
+        while at < best.len() && start.elapsed() < budget {
+            let end = (at + chunk).min(best.len());
+            if best[at..end].iter().any(|&d| d != 0) {
+                let mut c = best.clone();
+                c[at..end].iter_mut().for_each(|d| *d = 0);
+                if fails(&c, &mut runs) {
+                    best = c;
+                }
+            }
+            at = end;
+        }
+        chunk /= 2;
+    }
+    while best.last() == Some(&0) {
+        best.pop();
+    }
+    (best, runs)
 }

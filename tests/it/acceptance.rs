@@ -9,8 +9,9 @@ use tierkv_sim::campaign::CampaignOptions;
 use tierkv_sim::cli::sim::replay_command;
 use tierkv_sim::report::OracleKind;
 use tierkv_sim::runner::{run, RunOptions};
-use tierkv_sim::scenario::Scenario;
-use tierkv_sim::shrink::shrink;
+use tierkv_sim::scenario::{draw, Scenario};
+use tierkv_sim::schedule::{explore_policy, Source};
+use tierkv_sim::shrink::{shrink, shrink_schedule};
 use tierkv_sim::trace_out::chrome_trace;
 
 #[test]
@@ -26,13 +27,14 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         stop_at_first: true,
         trace_records: None,
         cuda: false,
+        schedules: 1,
     };
     let sc = opts.scenario(0);
     let out = run(
         &sc,
         &RunOptions {
             trace: true,
-            cuda: false,
+            ..RunOptions::default()
         },
     );
     let f = out.findings.first().expect("the first seed catches it");
@@ -111,6 +113,7 @@ fn the_same_seed_gives_the_same_event_log() {
         stop_at_first: false,
         trace_records: None,
         cuda: false,
+        schedules: 1,
     };
     for seed in [3u64, 4, 13] {
         let sc = opts.scenario(seed);
@@ -127,4 +130,54 @@ fn the_same_seed_gives_the_same_event_log() {
         run(&opts.scenario(4), &RunOptions::default()),
     );
     assert_ne!(x.log_hash, y.log_hash, "different seeds, different runs");
+}
+
+/// A schedule is an input of its own. Seed 1 of the sessions profile with the layer wait removed
+/// passes under the scenario's own schedule and fails under schedule 1 (PCT over schedule 0's op
+/// starts); the failing run's recorded decisions replay it exactly, a shrunk list of them still
+/// fails, and a different schedule of the same scenario runs differently.
+#[test]
+fn a_schedule_is_explored_replayed_and_shrunk() {
+    let mut sc = draw(1, "sessions", None);
+    sc.mutant = Some("ungated-index-k-read".into());
+    let own = run(&sc, &RunOptions::default());
+    assert!(!own.failed(), "{:?}", own.findings.first());
+    let policy = explore_policy(1, sc.gpu.schedule_policy(), own.decisions.len() as u64);
+    let drawn = RunOptions {
+        schedule: Some(Source::Draw { index: 1, policy }),
+        ..RunOptions::default()
+    };
+    let found = run(&sc, &drawn);
+    let f = found.findings.first().expect("schedule 1 finds the race");
+    assert_eq!(f.oracle, OracleKind::Race, "{f}");
+    assert_ne!(own.log_hash, found.log_hash);
+
+    let replay = |d: &[u8]| {
+        run(
+            &sc,
+            &RunOptions {
+                schedule: Some(Source::Replay(d.to_vec())),
+                ..RunOptions::default()
+            },
+        )
+    };
+    let again = replay(&found.decisions);
+    assert_eq!(
+        again.log_hash, found.log_hash,
+        "a recorded schedule replays exactly"
+    );
+    assert_eq!(again.findings.first(), Some(f));
+
+    let (small, _) = shrink_schedule(
+        &sc,
+        &found.decisions,
+        OracleKind::Race,
+        Duration::from_secs(15),
+    );
+    assert!(small.len() < found.decisions.len());
+    let shrunk = replay(&small);
+    assert_eq!(
+        shrunk.findings.first().map(|f| f.oracle),
+        Some(OracleKind::Race)
+    );
 }

@@ -7,7 +7,8 @@ use crate::campaign::{run_campaign, CampaignOptions, SeedSet};
 use crate::report::Finding;
 use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
 use crate::scenario::{Scenario, PROFILES};
-use crate::shrink::shrink;
+use crate::schedule::{explore_policy, Policy, Schedule, Source};
+use crate::shrink::{shrink, shrink_schedule, shrink_under};
 use crate::trace_out::chrome_trace;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -18,6 +19,9 @@ pub const JOBS_MAX: usize = 1024;
 
 /// Seeds a campaign runs when `--seeds` is not given: about a minute on two cores.
 pub const DEFAULT_SEEDS: u64 = 150;
+
+/// The most schedules `--schedules` explores per seed.
+pub const SCHEDULES_MAX: u64 = 4096;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct SimArgs {
@@ -59,6 +63,13 @@ pub struct SimArgs {
     /// Wall-time budget for shrinking one failure, seconds.
     #[arg(long, default_value_t = 60)]
     pub shrink_secs: u64,
+    /// Schedules to run per seed, 1..=4096: the scenario's own, then PCT of depth 1, 2 and 3 and
+    /// a random walk in turn (PCT's change points spread over the first schedule's op starts).
+    #[arg(long, default_value_t = 1)]
+    pub schedules: u64,
+    /// Replay a recorded schedule (the JSON a failure writes) on `--seed` or `--replay`.
+    #[arg(long, conflicts_with_all = ["seeds", "shard", "schedules"])]
+    pub schedule: Option<PathBuf>,
     /// Run the seed (or a campaign's first seed) twice and compare event-log hashes.
     #[arg(long)]
     pub check_determinism: bool,
@@ -175,22 +186,80 @@ fn run_options(args: &SimArgs, trace: bool) -> RunOptions {
     RunOptions {
         trace,
         cuda: args.device == "cuda",
+        schedule: None,
     }
+}
+
+/// A run under a schedule other than its scenario's own: which one, by which policy drawn, and
+/// its decisions (a failure writes them for `--schedule`).
+#[derive(Clone, Debug)]
+struct Sched {
+    index: u64,
+    policy: Policy,
+}
+
+fn under(opts: RunOptions, decisions: &[u8]) -> RunOptions {
+    RunOptions {
+        schedule: Some(Source::Replay(decisions.to_vec())),
+        ..opts
+    }
+}
+
+/// Writes a schedule artifact.
+fn write_schedule(file: &Path, sc: &Scenario, s: &Sched, decisions: &[u8]) -> Result<(), String> {
+    let schedule = Schedule {
+        seed: sc.seed,
+        index: s.index,
+        policy: s.policy,
+        decisions: decisions.to_vec(),
+    };
+    let text = serde_json::to_string(&schedule).expect("a schedule serialises");
+    write_artifact(file, &text)
+        .map_err(|e| format!("could not write the schedule {}: {e}", file.display()))
 }
 
 /// Reports one failure: replay command, trace, and (for a seed) a shrunk reproduction. An
 /// artifact that cannot be written is reported instead of its replay line.
-fn report_failure(sc: &Scenario, out: &RunOutcome, args: &SimArgs, origin: &Origin) {
+fn report_failure(
+    sc: &Scenario,
+    out: &RunOutcome,
+    args: &SimArgs,
+    origin: &Origin,
+    sched: Option<&Sched>,
+) {
     println!("FAIL seed {}", sc.seed);
     for f in out.findings.iter().take(3) {
         print_finding(f);
     }
     println!("  scenario: {}", sc.summary());
-    match origin {
-        Origin::Seed => println!("  replay: {}", replay_command(sc)),
-        Origin::File(f) => println!("  replay: {}", replay_file_command(sc, f)),
+    let mut with_schedule = String::new();
+    if let Some(s) = sched {
+        let file = args
+            .out_dir
+            .join(format!("tierkv-seed-{}.schedule-{}.json", sc.seed, s.index));
+        match write_schedule(&file, sc, s, &out.decisions) {
+            Ok(()) => {
+                println!(
+                    "  schedule: {} of the seed ({:?}), {} decisions, written to {}",
+                    s.index,
+                    s.policy,
+                    out.decisions.len(),
+                    file.display()
+                );
+                with_schedule = format!(" --schedule {}", file.display());
+            }
+            Err(e) => eprintln!("  {e}"),
+        }
     }
-    let traced = run(sc, &run_options(args, true));
+    match origin {
+        Origin::Seed => println!("  replay: {}{with_schedule}", replay_command(sc)),
+        Origin::File(f) => println!("  replay: {}{with_schedule}", replay_file_command(sc, f)),
+    }
+    let topts = match sched {
+        Some(_) => under(run_options(args, true), &out.decisions),
+        None => run_options(args, true),
+    };
+    let traced = run(sc, &topts);
     let path = args.trace_out.clone().unwrap_or_else(|| {
         args.out_dir
             .join(format!("tierkv-seed-{}.trace.json", sc.seed))
@@ -200,17 +269,43 @@ fn report_failure(sc: &Scenario, out: &RunOutcome, args: &SimArgs, origin: &Orig
     }
     // A replayed file is the reproduction already: it is neither shrunk again nor overwritten.
     if matches!(origin, Origin::Seed) && !args.no_shrink {
-        if let Err(e) = shrink_and_report(sc, out, args) {
+        if let Err(e) = shrink_and_report(sc, out, args, sched) {
             eprintln!("  {e}");
         }
     }
 }
 
 /// Shrinks a failing seed's scenario, writes it beside the trace and prints how to replay it.
-fn shrink_and_report(sc: &Scenario, out: &RunOutcome, args: &SimArgs) -> Result<(), String> {
+/// Under a schedule of its own, the schedule shrinks first (half the budget), then the scenario
+/// under the shrunk schedule.
+fn shrink_and_report(
+    sc: &Scenario,
+    out: &RunOutcome,
+    args: &SimArgs,
+    sched: Option<&Sched>,
+) -> Result<(), String> {
     let oracle = out.findings[0].oracle;
-    let s = shrink(sc, oracle, Duration::from_secs(args.shrink_secs));
-    let min = run(&s.scenario, &run_options(args, false));
+    let budget = Duration::from_secs(args.shrink_secs);
+    let (s, min, decisions) = match sched {
+        None => {
+            let s = shrink(sc, oracle, budget);
+            let min = run(&s.scenario, &run_options(args, false));
+            (s, min, None)
+        }
+        Some(_) => {
+            let (d, runs) = shrink_schedule(sc, &out.decisions, oracle, budget / 2);
+            println!(
+                "  schedule shrunk in {runs} runs from {} to {} decisions ({} ops held)",
+                out.decisions.len(),
+                d.len(),
+                d.iter().filter(|&&x| x != 0).count()
+            );
+            let opts = under(run_options(args, false), &d);
+            let s = shrink_under(sc, &opts, oracle, budget / 2);
+            let min = run(&s.scenario, &opts);
+            (s, min, Some(d))
+        }
+    };
     println!(
         "  shrunk in {} runs to {} requests ({} sessions, {} one-shots), still failing with [{}]: {}",
         s.runs,
@@ -236,8 +331,16 @@ fn shrink_and_report(sc: &Scenario, out: &RunOutcome, args: &SimArgs) -> Result<
             file.display()
         )
     })?;
+    let mut with_schedule = String::new();
+    if let (Some(d), Some(sd)) = (&decisions, sched) {
+        let sfile = args
+            .out_dir
+            .join(format!("tierkv-seed-{}.shrunk-schedule.json", sc.seed));
+        write_schedule(&sfile, &s.scenario, sd, d)?;
+        with_schedule = format!(" --schedule {}", sfile.display());
+    }
     println!(
-        "  replay the minimal case: {}",
+        "  replay the minimal case: {}{with_schedule}",
         replay_file_command(&s.scenario, &file)
     );
     Ok(())
@@ -367,6 +470,17 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
             "--mooncake gives the trace of `--profile trace`; add it, or drop --mooncake".into(),
         ));
     }
+    if args.schedules == 0 || args.schedules > SCHEDULES_MAX {
+        return Err(Usage(format!(
+            "--schedules {}: give 1..={SCHEDULES_MAX} schedules per seed",
+            args.schedules
+        )));
+    }
+    if args.schedule.is_some() && args.seed.is_none() && args.replay.is_none() {
+        return Err(Usage(
+            "--schedule replays a schedule of one scenario: add --seed or --replay".into(),
+        ));
+    }
     let (first, end) = args.seeds.unwrap_or((0, DEFAULT_SEEDS));
     let seeds = SeedSet::new(first, end, args.shard);
     if seeds.is_empty() && args.seed.is_none() && args.replay.is_none() {
@@ -386,6 +500,7 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
         stop_at_first: !args.keep_going,
         trace_records: trace_records(args)?,
         cuda: args.device == "cuda",
+        schedules: args.schedules,
     })
 }
 
@@ -469,8 +584,18 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
     }
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);
-        let out = run(&sc, &run_options(args, false));
-        report_failure(&sc, &out, args, &Origin::Seed);
+        let (index, decisions) = summary
+            .first_failure_schedule
+            .clone()
+            .expect("a failure has its schedule");
+        let (out, sched) = if index == 0 {
+            (run(&sc, &run_options(args, false)), None)
+        } else {
+            let opts = under(run_options(args, false), &decisions);
+            let policy = explore_policy(index, sc.gpu.schedule_policy(), 0);
+            (run(&sc, &opts), Some(Sched { index, policy }))
+        };
+        report_failure(&sc, &out, args, &Origin::Seed, sched.as_ref());
         return 1;
     }
     0
@@ -500,7 +625,84 @@ fn single(sc: &Scenario, args: &SimArgs, origin: &Origin) -> i32 {
             return code;
         }
     }
-    let out = run(sc, &run_options(args, args.trace_out.is_some()));
+    let traced = args.trace_out.is_some();
+    // A recorded schedule, or the scenario's own.
+    let (out, mut sched) = match &args.schedule {
+        Some(file) => match read_schedule(file, sc) {
+            Ok(s) => {
+                let opts = under(run_options(args, traced), &s.decisions);
+                let sched = Sched {
+                    index: s.index,
+                    policy: s.policy,
+                };
+                (run(sc, &opts), Some(sched))
+            }
+            Err(Usage(m)) => {
+                eprintln!("{m}");
+                return 2;
+            }
+        },
+        None => (run(sc, &run_options(args, traced)), None),
+    };
+    print_run(&out);
+    // `--schedules N`: the others, until one fails.
+    let mut out = out;
+    let ops = out.decisions.len() as u64;
+    for index in 1..args.schedules {
+        if out.failed() {
+            break;
+        }
+        let policy = explore_policy(index, sc.gpu.schedule_policy(), ops);
+        let opts = RunOptions {
+            schedule: Some(Source::Draw { index, policy }),
+            ..run_options(args, traced)
+        };
+        out = run(sc, &opts);
+        println!("schedule {index} ({policy:?}):");
+        print_run(&out);
+        sched = Some(Sched { index, policy });
+    }
+    if out.failed() {
+        report_failure(sc, &out, args, origin, sched.as_ref());
+        return 1;
+    }
+    if let Some(p) = &args.trace_out {
+        if let Err(e) = write_trace(p, &out, &format!("tierkv seed {}", sc.seed)) {
+            eprintln!("{e}");
+            return 2;
+        }
+    }
+    if args.schedules > 1 {
+        println!("ok: no findings in {} schedules", args.schedules);
+    } else {
+        println!("ok: no findings");
+    }
+    0
+}
+
+/// A recorded schedule for `sc`, checked.
+fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, Usage> {
+    let name = file.display();
+    let text =
+        std::fs::read_to_string(file).map_err(|e| Usage(format!("--schedule {name}: {e}")))?;
+    let s: Schedule = serde_json::from_str(&text)
+        .map_err(|e| Usage(format!("--schedule {name}: not a schedule: {e}")))?;
+    s.validate()
+        .map_err(|e| Usage(format!("--schedule {name}: {e}")))?;
+    if s.seed != sc.seed {
+        return Err(Usage(format!(
+            "--schedule {name}: {}",
+            crate::schedule::ScheduleError::OtherSeed {
+                schedule: s.seed,
+                scenario: sc.seed
+            }
+        )));
+    }
+    Ok(s)
+}
+
+/// One run's figures.
+fn print_run(out: &RunOutcome) {
     let s = &out.stats;
     println!(
         "{} steps, {} requests submitted, {} finished, {} rejected, {} aborted, {} recomputed; {} loads, {} backups, {} failed copies",
@@ -516,16 +718,4 @@ fn single(sc: &Scenario, args: &SimArgs, origin: &Origin) -> i32 {
         s.wall_ns as f64 / 1e6,
         out.log_hash
     );
-    if out.failed() {
-        report_failure(sc, &out, args, origin);
-        return 1;
-    }
-    if let Some(p) = &args.trace_out {
-        if let Err(e) = write_trace(p, &out, &format!("tierkv seed {}", sc.seed)) {
-            eprintln!("{e}");
-            return 2;
-        }
-    }
-    println!("ok: no findings");
-    0
 }

@@ -53,6 +53,7 @@ pub fn zoo_row(mutant: Option<Mutant>, seeds: u64, jobs: usize, profile: &str) -
         stop_at_first: mutant.is_some(),
         trace_records: None,
         cuda: false,
+        schedules: 1,
     };
     let s = run_campaign(&opts, |_| {});
     let first = s.failures.first().cloned();

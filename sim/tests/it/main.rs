@@ -18,6 +18,7 @@ fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
         stop_at_first: false,
         trace_records: None,
         cuda: false,
+        schedules: 1,
     }
 }
 
