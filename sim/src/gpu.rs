@@ -95,6 +95,23 @@ pub struct Slice {
     pub failed: bool,
 }
 
+/// What the trace shows besides ops: event records and the waits they release (joined by flow
+/// arrows), and the host's device calls.
+#[derive(Clone, Debug)]
+pub enum Mark {
+    /// Record `rec` completed on `stream` at `at`.
+    Record { stream: usize, rec: u64, at: u64 },
+    /// A wait on `stream` for record `rec` was released at `at`.
+    Wait { stream: usize, rec: u64, at: u64 },
+    /// The host's call `what`, blocking from `start` to `end`; `rec`: the record it waited for.
+    Host {
+        what: &'static str,
+        start: u64,
+        end: u64,
+        rec: Option<u64>,
+    },
+}
+
 #[derive(Clone, Debug)]
 struct OpRec {
     id: u64,
@@ -171,6 +188,8 @@ pub struct SimGpu {
     pub races: Vec<Race>,
     pub content: Option<Rc<RefCell<ContentOracle>>>,
     pub trace: Vec<Slice>,
+    /// Records, waits and host calls, for the trace (`GpuOptions::trace`).
+    pub marks: Vec<Mark>,
     /// Op ids involved in the first race (marked in the trace).
     pub racing_ops: Vec<u64>,
     pub stats: GpuStats,
@@ -227,6 +246,7 @@ impl SimGpu {
             races: Vec::new(),
             content: None,
             trace: Vec::new(),
+            marks: Vec::new(),
             racing_ops: Vec::new(),
             stats: GpuStats::default(),
             log_hash: 0xC0FF_EE00,
@@ -262,6 +282,12 @@ impl SimGpu {
             self.host.set(t);
         }
         self.pump(self.host.get());
+    }
+
+    fn mark(&mut self, m: Mark) {
+        if self.opts.trace {
+            self.marks.push(m);
+        }
     }
 
     fn finding(&mut self, oracle: OracleKind, message: String) {
@@ -375,6 +401,11 @@ impl SimGpu {
                     assert!(last < Some(rec), "records of one stream complete in order");
                     r.failed = failed;
                     probes::hit_if(SimProbe::RecordFailed, failed);
+                    self.mark(Mark::Record {
+                        stream: s,
+                        rec,
+                        at: t,
+                    });
                     self.streams[s].ready_at = t;
                     self.log(&[1, s as u64, rec, t]);
                     // A completed record may release waits on other streams.
@@ -394,6 +425,13 @@ impl SimGpu {
                         Some(at) => {
                             self.streams[s].queue.pop_front();
                             self.streams[s].ready_at = t.max(at);
+                            if let Some(rec) = target {
+                                self.mark(Mark::Wait {
+                                    stream: s,
+                                    rec,
+                                    at: t.max(at),
+                                });
+                            }
                         }
                         None => {
                             probes::hit(SimProbe::WaitBlocked);
@@ -798,11 +836,22 @@ impl Device for SimGpu {
             }
         };
         probes::hit_if(SimProbe::QueryPending, state == EventState::Pending);
+        if state != EventState::Pending {
+            let rec = self.events[ev.0 as usize];
+            self.mark(Mark::Host {
+                what: "query: complete",
+                start: now,
+                end: now,
+                rec,
+            });
+        }
         self.log(&[7, ev.0 as u64, state as u64]);
         state
     }
     fn synchronize(&mut self, ev: EventId) -> EventState {
-        let state = match self.events[ev.0 as usize] {
+        let start = self.host.get();
+        let target = self.events[ev.0 as usize];
+        let state = match target {
             None => EventState::Done,
             Some(rec) => {
                 let at = self.run_until_record(rec);
@@ -821,6 +870,12 @@ impl Device for SimGpu {
         let now = self.host.get();
         self.pump(now);
         self.log(&[8, ev.0 as u64, state as u64, now]);
+        self.mark(Mark::Host {
+            what: "synchronize",
+            start,
+            end: now,
+            rec: target,
+        });
         state
     }
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
@@ -901,6 +956,12 @@ impl Device for SimGpu {
                 .range(ByteRange::new(buf, offset, Bytes(out.len() as u64))),
         );
         self.log(&[10, buf.0 as u64, offset.0]);
+        self.mark(Mark::Host {
+            what: "host_read",
+            start: now,
+            end: now,
+            rec: None,
+        });
         Ok(())
     }
     fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
@@ -912,6 +973,12 @@ impl Device for SimGpu {
             .range_mut(ByteRange::new(buf, offset, Bytes(data.len() as u64)))
             .copy_from_slice(data);
         self.log(&[11, buf.0 as u64, offset.0]);
+        self.mark(Mark::Host {
+            what: "host_write",
+            start: now,
+            end: now,
+            rec: None,
+        });
         Ok(())
     }
 }

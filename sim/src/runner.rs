@@ -1,7 +1,7 @@
 //! One simulated run: a scenario's engine on the simulated GPU, driven by its workload in virtual
 //! time, with every oracle watching. The run stops at the first finding.
 
-use crate::gpu::{SimGpu, Slice};
+use crate::gpu::{Mark, SimGpu, Slice};
 use crate::oracles::content::ContentOracle;
 use crate::oracles::digest::{DigestOracle, Mismatch};
 use crate::oracles::{bounds, conservation, liveness};
@@ -60,6 +60,8 @@ pub struct RunOutcome {
     pub stats: RunStats,
     pub log_hash: u64,
     pub trace: Vec<Slice>,
+    /// Records, waits and host calls of a traced run.
+    pub marks: Vec<Mark>,
     pub racing_ops: Vec<u64>,
     /// How often the run hit each coverage probe (`probes`; absent: never).
     pub probes: BTreeMap<&'static str, u64>,
@@ -270,6 +272,7 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 stats: RunStats::default(),
                 log_hash: 0,
                 trace: Vec::new(),
+                marks: Vec::new(),
                 racing_ops: Vec::new(),
                 probes: tierkv_engine::probe::take(),
                 rerun: false,
@@ -861,6 +864,7 @@ impl<'a> Run<'a> {
             stats,
             log_hash: mix64(self.engine.dev.log_hash() ^ self.out_hash),
             trace: std::mem::take(&mut self.engine.dev.trace),
+            marks: std::mem::take(&mut self.engine.dev.marks),
             racing_ops: self.engine.dev.racing_ops.clone(),
             probes: tierkv_engine::probe::take(),
             rerun: false,

@@ -64,8 +64,9 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
     );
     assert!(replay.contains("--features mutants"), "{replay}");
 
-    // The trace loads as Chrome trace JSON, with a track per stream and the racing pair marked.
-    let json = chrome_trace(&out.trace, &out.racing_ops, "seed 0");
+    // The trace loads as Chrome trace JSON, with a track per stream and the host's, the racing
+    // pair marked.
+    let json = chrome_trace(&out.trace, &out.marks, &out.racing_ops, "seed 0");
     let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
     let events = v["traceEvents"].as_array().expect("traceEvents");
     let tracks: Vec<&str> = events
@@ -73,7 +74,20 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         .filter(|e| e["name"] == "thread_name")
         .map(|e| e["args"]["name"].as_str().unwrap())
         .collect();
-    assert_eq!(tracks, ["compute stream", "load stream", "write stream"]);
+    assert_eq!(
+        tracks,
+        ["compute stream", "load stream", "write stream", "host"]
+    );
+    // Flow arrows from records to the waits and host synchronisations they release, in pairs.
+    let starts = events.iter().filter(|e| e["ph"] == "s").count();
+    let ends = events.iter().filter(|e| e["ph"] == "f").count();
+    assert!(
+        starts > 0 && starts == ends,
+        "{starts} arrows start, {ends} end"
+    );
+    assert!(events
+        .iter()
+        .any(|e| e["tid"] == 3 && e["name"] == "synchronize"));
     assert!(events.iter().filter(|e| e["ph"] == "X").count() > 10);
     let racing: Vec<_> = events
         .iter()

@@ -168,8 +168,11 @@ fn features(sc: &Scenario) -> &'static str {
 }
 
 fn write_trace(path: &Path, out: &RunOutcome, title: &str) -> Result<(), String> {
-    write_artifact(path, &chrome_trace(&out.trace, &out.racing_ops, title))
-        .map_err(|e| format!("could not write the trace {}: {e}", path.display()))?;
+    write_artifact(
+        path,
+        &chrome_trace(&out.trace, &out.marks, &out.racing_ops, title),
+    )
+    .map_err(|e| format!("could not write the trace {}: {e}", path.display()))?;
     println!(
         "  trace: {} ({} ops; open it in https://ui.perfetto.dev)",
         path.display(),
