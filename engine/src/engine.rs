@@ -271,9 +271,18 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             return Ok(report);
         }
         let events = self.ctl.layer_events(&self.sched.batch_loads(&rows));
-        let digests =
+        let Some(digests) =
             self.model
-                .forward(&mut self.dev, &self.pools, &events, &self.synth, &rows)?;
+                .forward(&mut self.dev, &self.pools, &events, &self.synth, &rows)?
+        else {
+            // The device failed the step's work: nothing of it is kept. The requests' state
+            // is as before the step (the batch is built again from it), loads stay unacked,
+            // and the next step rewrites the same rows.
+            self.metrics.steps_failed += 1;
+            self.refresh_gauges();
+            report.idle = self.is_idle();
+            return Ok(report);
+        };
         self.finish_step(&rows, &digests)?;
         self.metrics.steps += 1;
         self.metrics

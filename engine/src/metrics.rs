@@ -47,6 +47,8 @@ pub struct Metrics {
     pub backup_bytes: u64,
     pub backup_latency: Latency,
     pub steps: u64,
+    /// Steps whose work the device failed (dropped and run again).
+    pub steps_failed: u64,
     pub prefill_tokens: u64,
     pub generated_tokens: u64,
     pub step_latency: Latency,
@@ -63,7 +65,7 @@ impl Metrics {
     }
 
     /// The plain series: (name, type, help, value).
-    fn series(&self) -> [(&'static str, &'static str, &'static str, u64); 20] {
+    fn series(&self) -> [(&'static str, &'static str, &'static str, u64); 21] {
         [
             (
                 "queue_depth",
@@ -168,6 +170,12 @@ impl Metrics {
                 self.backup_bytes,
             ),
             ("steps_total", "counter", "Model steps.", self.steps),
+            (
+                "steps_failed_total",
+                "counter",
+                "Steps whose work the device failed, dropped and run again.",
+                self.steps_failed,
+            ),
             (
                 "prefill_tokens_total",
                 "counter",

@@ -206,8 +206,9 @@ impl ModelStep {
     }
 
     /// Runs one batch forward over the synthetic model `synth` and returns, per query row (in row
-    /// order), the digest of each layer. `load_events` are the events of the loads the batch
-    /// waits for (per load, one per local layer).
+    /// order), the digest of each layer; `None` when the device reports that the step's work
+    /// failed (its results are not data: the caller runs the step again). `load_events` are the
+    /// events of the loads the batch waits for (per load, one per local layer).
     pub(crate) fn forward<D: Device>(
         &mut self,
         dev: &mut D,
@@ -215,7 +216,7 @@ impl ModelStep {
         load_events: &[Vec<EventId>],
         synth: &Synth,
         rows: &[Row],
-    ) -> Result<Vec<Vec<u64>>, EngineError> {
+    ) -> Result<Option<Vec<Vec<u64>>>, EngineError> {
         let batch = self.gather(rows);
         assert!(
             batch.queries.len() <= self.rows_max(),
@@ -424,12 +425,13 @@ impl ModelStep {
     }
 
     /// Copies the step's digests to pinned memory, ends the step (its event), waits for it and
-    /// reads the digests of `queries` rows back: per row, one digest per layer.
+    /// reads the digests of `queries` rows back: per row, one digest per layer. `None` when the
+    /// step's event reports a failure.
     fn read_back<D: Device>(
         &self,
         dev: &mut D,
         queries: usize,
-    ) -> Result<Vec<Vec<u64>>, EngineError> {
+    ) -> Result<Option<Vec<Vec<u64>>>, EngineError> {
         let s = &self.scratch;
         let bytes = s.layout.bytes(ScratchBuffer::Digests);
         let copy = LinearCopy {
@@ -442,21 +444,21 @@ impl ModelStep {
             Probe::StepDeviceFailed,
             dev.synchronize(self.step_done) == EventState::Failed,
         ) {
-            // The device could not run the step (a driver error): its digests are not data.
-            return Err(EngineError::Device(DeviceError::Backend {
-                detail: "the step's work failed on the device".into(),
-            }));
+            // The device could not run the step (a launch failed): its digests are not data.
+            return Ok(None);
         }
         let mut raw = vec![0u8; bytes.usize()];
         dev.host_read(s.buffer(ScratchBuffer::Readback), Bytes::ZERO, &mut raw)?;
         let all = le_u64s(&raw);
-        Ok((0..queries as u32)
-            .map(|qi| {
-                (0..self.shape.layers)
-                    .map(|l| all[s.layout.digest_index(l, qi)])
-                    .collect()
-            })
-            .collect())
+        Ok(Some(
+            (0..queries as u32)
+                .map(|qi| {
+                    (0..self.shape.layers)
+                        .map(|l| all[s.layout.digest_index(l, qi)])
+                        .collect()
+                })
+                .collect(),
+        ))
     }
 }
 

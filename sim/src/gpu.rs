@@ -53,6 +53,13 @@ pub struct GpuOptions {
     /// Probability that a page copy is refused at enqueue (the backend's error, as a launch
     /// that fails before it is queued); the engine must treat it as a failed transfer.
     pub failed_enqueue_rate: f64,
+    /// Probability that a kernel launch fails at run time: the kernel and the compute stream's
+    /// work after it up to the stream's next record do not run (their outputs keep stale
+    /// bytes), and that record reports the failure, which then clears — a launch error as the
+    /// host sees it at its next synchronisation, with the rest of the step's work skipped as a
+    /// sticky error would skip it. (An error that stays until the engine resets the device is
+    /// not modelled.)
+    pub failed_kernel_rate: f64,
     /// Fail the first pinned-host allocation (the runner retries the engine's construction).
     pub fail_first_host_alloc: bool,
     /// Record every op as a trace slice.
@@ -76,6 +83,7 @@ impl Default for GpuOptions {
             slow_copy_factor: 20,
             failed_copy_rate: 0.0,
             failed_enqueue_rate: 0.0,
+            failed_kernel_rate: 0.0,
             fail_first_host_alloc: false,
             trace: false,
             cuda: false,
@@ -138,6 +146,8 @@ struct StreamState {
     ready_at: u64,
     /// A failed op since the last record on this stream.
     failed_since_record: bool,
+    /// A kernel launch failed since the last record: the stream's ops do not run until it.
+    skipping: bool,
     /// Race-detector clock of the stream's enqueue point.
     vc: Vc,
     /// The last op and the last record this stream finished: both finish in enqueue order.
@@ -161,6 +171,7 @@ pub struct GpuStats {
     pub events: u64,
     pub copy_bytes: u64,
     pub failed_copies: u64,
+    pub failed_kernels: u64,
 }
 
 pub struct SimGpu {
@@ -363,7 +374,10 @@ impl SimGpu {
             OpClass::Kernel => {
                 let base =
                     self.opts.kernel_ns + (bytes as f64 / self.opts.kernel_bytes_per_ns) as u64;
-                (base + self.rng.below(base / 2 + 1), false)
+                let d = base + self.rng.below(base / 2 + 1);
+                let fail = self.opts.failed_kernel_rate > 0.0
+                    && self.rng.chance(self.opts.failed_kernel_rate);
+                (d, fail)
             }
         }
     }
@@ -393,6 +407,7 @@ impl SimGpu {
                     let rec = *rec;
                     self.streams[s].queue.pop_front();
                     let failed = std::mem::take(&mut self.streams[s].failed_since_record);
+                    self.streams[s].skipping = false;
                     let r = self.records.get_mut(&rec).expect("record exists");
                     assert_eq!(r.stream, s, "record {rec} completes on another stream");
                     assert!(r.done_at.is_none(), "record {rec} completed twice");
@@ -511,11 +526,22 @@ impl SimGpu {
                 rec.id
             );
         }
-        self.check_content(&rec, end);
-        if rec.fail {
-            self.fail_copy(s, &rec);
+        if rec.fail && rec.op.spec().class() == OpClass::Kernel {
+            probes::hit(SimProbe::FaultKernelFailed);
+            self.stats.failed_kernels += 1;
+            self.streams[s].failed_since_record = true;
+            self.streams[s].skipping = true;
+        }
+        if self.streams[s].skipping {
+            // A failed launch, or work after it that its stream skips until the next record.
+            self.log(&[13, s as u64, rec.id]);
         } else {
-            self.perform(&rec);
+            self.check_content(&rec, end);
+            if rec.fail {
+                self.fail_copy(s, &rec);
+            } else {
+                self.perform(&rec);
+            }
         }
         if self.opts.trace {
             self.trace.push(Slice {
@@ -652,6 +678,7 @@ impl SimGpu {
         self.opts.slow_copy_rate = 0.0;
         self.opts.failed_copy_rate = 0.0;
         self.opts.failed_enqueue_rate = 0.0;
+        self.opts.failed_kernel_rate = 0.0;
     }
 
     /// Whether any stream still has work.

@@ -18,7 +18,7 @@ pub enum SimProbe {
     StreamsOverlap,
     /// A host query found an event still pending.
     QueryPending,
-    /// A record completed carrying a failed copy.
+    /// A record completed carrying a failed copy or launch.
     RecordFailed,
     /// A PCT change point demoted the highest-priority stream.
     PctChangePoint,
@@ -30,6 +30,8 @@ pub enum SimProbe {
     FaultEnqueueFailed,
     /// Fault: the first pinned-host allocation failed.
     FaultHostAllocFailed,
+    /// Fault: a kernel launch failed (the step's work is lost).
+    FaultKernelFailed,
     /// Faults stopped while the engine still had requests (the liveness phase has work).
     FaultsStoppedWithWork,
     /// A session ended because its next turn would not fit the context.
@@ -50,6 +52,7 @@ impl SimProbe {
         SimProbe::FaultCopySlow,
         SimProbe::FaultEnqueueFailed,
         SimProbe::FaultHostAllocFailed,
+        SimProbe::FaultKernelFailed,
         SimProbe::FaultsStoppedWithWork,
         SimProbe::SessionReachedContext,
         SimProbe::ClientRetried,
@@ -67,6 +70,7 @@ impl SimProbe {
             SimProbe::FaultCopySlow => "fault.copy_slow",
             SimProbe::FaultEnqueueFailed => "fault.enqueue_failed",
             SimProbe::FaultHostAllocFailed => "fault.host_alloc_failed",
+            SimProbe::FaultKernelFailed => "fault.kernel_failed",
             SimProbe::FaultsStoppedWithWork => "run.faults_stopped_with_work",
             SimProbe::SessionReachedContext => "run.session_reached_context",
             SimProbe::ClientRetried => "run.client_retried",

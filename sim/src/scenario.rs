@@ -68,6 +68,9 @@ pub struct GpuKnobs {
     /// Probability that a page copy is refused at enqueue.
     #[serde(default)]
     pub failed_enqueue_rate: f64,
+    /// Probability that a kernel launch fails (the step's work is lost; see `GpuOptions`).
+    #[serde(default)]
+    pub failed_kernel_rate: f64,
     pub fail_first_host_alloc: bool,
 }
 
@@ -95,6 +98,7 @@ impl GpuKnobs {
             slow_copy_rate: self.slow_copy_rate,
             failed_copy_rate: self.failed_copy_rate,
             failed_enqueue_rate: self.failed_enqueue_rate,
+            failed_kernel_rate: self.failed_kernel_rate,
             fail_first_host_alloc: self.fail_first_host_alloc,
             trace,
             ..GpuOptions::default()
@@ -105,6 +109,7 @@ impl GpuKnobs {
         self.slow_copy_rate > 0.0
             || self.failed_copy_rate > 0.0
             || self.failed_enqueue_rate > 0.0
+            || self.failed_kernel_rate > 0.0
             || self.fail_first_host_alloc
     }
 }
@@ -263,6 +268,7 @@ impl Scenario {
         }
         rate("gpu.slow_copy_rate", g.slow_copy_rate)?;
         rate("gpu.failed_enqueue_rate", g.failed_enqueue_rate)?;
+        rate("gpu.failed_kernel_rate", g.failed_kernel_rate)?;
         rate("gpu.failed_copy_rate", g.failed_copy_rate)
     }
 
@@ -314,7 +320,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -336,6 +342,7 @@ impl Scenario {
             self.gpu.slow_copy_rate,
             self.gpu.failed_copy_rate,
             self.gpu.failed_enqueue_rate,
+            self.gpu.failed_kernel_rate,
             self.abort_rate,
             self.abort_mid_load_rate,
             self.workload.sessions.len(),
@@ -506,6 +513,11 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
             0.02 + gr.unit() * 0.08
         },
         fail_first_host_alloc: gr.chance(0.1),
+        failed_kernel_rate: if gr.chance(0.7) {
+            0.0
+        } else {
+            0.002 + gr.unit() * 0.018
+        },
     }
 }
 

@@ -91,6 +91,7 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
         (sc.gpu.slow_copy_rate == 0.0, 1),
         (sc.gpu.failed_copy_rate == 0.0, 2),
         (sc.gpu.failed_enqueue_rate == 0.0, 3),
+        (sc.gpu.failed_kernel_rate == 0.0, 5),
         (!sc.gpu.fail_first_host_alloc, 4),
     ] {
         if !rate_zero {
@@ -100,6 +101,7 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
                 1 => c.gpu.slow_copy_rate = 0.0,
                 2 => c.gpu.failed_copy_rate = 0.0,
                 3 => c.gpu.failed_enqueue_rate = 0.0,
+                5 => c.gpu.failed_kernel_rate = 0.0,
                 _ => c.gpu.fail_first_host_alloc = false,
             }
             out.push(c);
