@@ -17,7 +17,7 @@ use tierkv_engine::trace::TraceRecord;
 /// The most worker threads a campaign takes.
 pub const JOBS_MAX: usize = 1024;
 
-/// Seeds a campaign runs when `--seeds` is not given: about a minute on two cores.
+/// Seeds a campaign runs when `--seeds` is not given: about three minutes on two cores.
 pub const DEFAULT_SEEDS: u64 = 150;
 
 /// The most schedules `--schedules` explores per seed.
