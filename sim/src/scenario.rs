@@ -353,7 +353,14 @@ impl Scenario {
 }
 
 /// The profiles `tierkv sim --profile` accepts.
-pub const PROFILES: &[&str] = &["swarm", "sessions", "needle", "trace", "quick"];
+pub const PROFILES: &[&str] = &[
+    "swarm",
+    "sessions",
+    "needle",
+    "trace",
+    "quick",
+    "production",
+];
 
 /// Draws the scenario of `seed` under `profile`. `trace` is a Mooncake trace for the trace profile.
 pub fn draw(
@@ -417,6 +424,9 @@ fn draw_context(cr: &mut Rng) -> u32 {
 /// The engine configuration: dtypes, layouts, the layer range, pools sized to the context,
 /// policies and the scheduler's bounds.
 fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
+    if profile == "production" {
+        return draw_production_config(cr, seed);
+    }
     let quick = profile == "quick";
     let mut cfg = Config::preset("sim-small").expect("preset");
     cfg.name = format!("swarm-{seed}");
@@ -485,6 +495,79 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     cfg
 }
 
+/// The production model's shapes (DeepSeek-V3.2: 64 indexer heads of 128, `index_topk` 2048, 61
+/// layers, contexts up to 128K tokens) at a rate the CPU can afford: one or two layers of the 61
+/// (a layer range anywhere in the model), long contexts drawn mostly short of the maximum,
+/// production's dtypes most of the time, a device tier that holds a request or two.
+fn draw_production_config(cr: &mut Rng, seed: u64) -> Config {
+    let mut cfg = Config::preset("deepseek-v3.2").expect("preset");
+    cfg.name = format!("production-{seed}");
+    let m = &mut cfg.model;
+    m.layers = cr.range(1, 2) as u32;
+    m.layer_base = cr.range(0, 61 - m.layers as u64) as u32;
+    m.context_tokens_max = *cr.pick(&[16_384, 16_384, 32_768, 32_768, 65_536, 131_072]);
+    m.index_k_dtype = if cr.chance(0.7) {
+        IndexKDtype::Fp8
+    } else {
+        IndexKDtype::Bf16
+    };
+    m.kv_dtype = if cr.chance(0.7) {
+        KvDtype::Fp8Packed
+    } else {
+        KvDtype::Bf16
+    };
+    m.index_k_ue8m0 = cr.chance(0.3);
+    // A query per prefill chunk: every-token indexing would cost a query per prompt token.
+    m.prefill_indexer = PrefillIndexer::LastToken;
+    let pages_per_request = m.context_tokens_max.div_ceil(64);
+    let c = &mut cfg.cache;
+    // One request of the longest context and a part of another: the third prompt evicts.
+    c.device_pages = pages_per_request + cr.range(8, pages_per_request as u64 / 2) as u32;
+    c.host = HostCapacity::Ratio(1.5 + cr.unit() * 1.5);
+    c.host_layout = if cr.chance(0.5) {
+        HostLayout::LayerFirst
+    } else {
+        HostLayout::PageFirst
+    };
+    c.write_policy = *cr.pick(&WritePolicy::ALL);
+    c.load_slots = cr.range(1, 3) as u32;
+    let s = &mut cfg.scheduler;
+    s.queued_requests_max = 8;
+    s.pending_tokens_max = 4 * m.context_tokens_max as u64;
+    s.running_requests_max = 2;
+    s.prefill_tokens_per_step_max = *cr.pick(&[8_192, 16_384]);
+    s.output_tokens_max = 4;
+    cfg
+}
+
+/// Production shapes' workload: two long prompts sharing a long prefix (a system prompt and
+/// documents), then one with a prefix of its own that makes the device tier evict the first,
+/// then the first again: its prefix is on the host only by then, and is loaded back.
+fn production_workload(r: &mut Rng, s: &Shape) -> Workload {
+    let room = s.ctx - s.output_max;
+    let prefix = (r.range(room as u64 / 3, room as u64 * 2 / 3) as u32 / 64) * 64;
+    let own = |r: &mut Rng| r.range(64, (room - prefix) as u64) as u32;
+    let gap = r.range(1_000_000, 20_000_000);
+    let generate = |r: &mut Rng| r.range(1, s.output_max as u64) as u32;
+    let mut oneshots = Vec::new();
+    for (i, stream) in [(0u64, 7_700_000u64), (1, 7_700_000), (2, 7_700_001)] {
+        oneshots.push(OneShot {
+            at_ns: i * gap,
+            segments: vec![(stream, prefix), (7_700_100 + i, own(r))],
+            generate: generate(r),
+        });
+    }
+    oneshots.push(OneShot {
+        at_ns: 200_000_000 + r.below(100_000_000),
+        segments: oneshots[0].segments.clone(),
+        generate: 1,
+    });
+    Workload {
+        sessions: Vec::new(),
+        oneshots,
+    }
+}
+
 /// The simulated GPU: scheduling policy, timing, and copy faults.
 fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
     let pct = gr.chance(0.4);
@@ -537,6 +620,7 @@ fn draw_workload(
         },
         "sessions" => sessions_workload(wr, 60, 80, false, &shape),
         "quick" => sessions_workload(wr, 2, 6, false, &shape),
+        "production" => production_workload(wr, &shape),
         _ => {
             let mut w = if wr.chance(0.15) {
                 needle_workload(wr, &shape)

@@ -72,6 +72,15 @@ fn every_probe_is_hit(c: &tierkv_sim::probes::Coverage) {
     }
 }
 
+/// The production model's shapes (64 indexer heads, top-2048, contexts of 16K to 128K tokens,
+/// a layer range of the 61 layers), with a load-back in some seeds.
+#[test]
+fn production_shapes_have_no_findings() {
+    let s = run_campaign(&campaign("production", 0, 3), |_| {});
+    assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
+    assert_eq!(s.totals.finished, 12);
+}
+
 /// 60+ concurrent tool-call sessions sharing a system prompt.
 #[test]
 fn sixty_concurrent_sessions_have_no_findings() {
