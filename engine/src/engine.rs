@@ -59,7 +59,12 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     ctl: CacheController,
     model: ModelStep,
     pub metrics: Metrics,
+    /// Steps in a row whose work the device failed (`STEP_FAILURES_MAX`).
+    steps_failed_in_a_row: u32,
 }
+
+/// Failed steps in a row after which the engine stops retrying and reports the device broken.
+pub const STEP_FAILURES_MAX: u32 = 64;
 
 /// The page keys of `tokens`' first `pages` full pages.
 pub fn page_keys(tokens: &[u32], pages: usize) -> Vec<PageKey> {
@@ -133,6 +138,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             ctl,
             metrics,
             cfg,
+            steps_failed_in_a_row: 0,
         })
     }
 
@@ -277,12 +283,23 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         else {
             // The device failed the step's work: nothing of it is kept. The requests' state
             // is as before the step (the batch is built again from it), loads stay unacked,
-            // and the next step rewrites the same rows.
+            // and the next step rewrites the same rows. A device that fails step after step is
+            // broken: the caller hears of it.
             self.metrics.steps_failed += 1;
+            self.steps_failed_in_a_row += 1;
+            if self.steps_failed_in_a_row >= STEP_FAILURES_MAX {
+                return Err(EngineError::Device(crate::device::DeviceError::Backend {
+                    detail: format!(
+                        "the device failed {} steps in a row",
+                        self.steps_failed_in_a_row
+                    ),
+                }));
+            }
             self.refresh_gauges();
             report.idle = self.is_idle();
             return Ok(report);
         };
+        self.steps_failed_in_a_row = 0;
         self.finish_step(&rows, &digests)?;
         self.metrics.steps += 1;
         self.metrics

@@ -439,6 +439,9 @@ impl ModelStep {
             dst: s.region(ScratchBuffer::Readback, (Bytes::ZERO, bytes)),
         };
         dev.enqueue(StreamKind::Compute, Op::Copy(copy))?;
+        // The step's only record on the compute stream: a failure anywhere in the step's work
+        // is reported by it (a device reports a failed op at its stream's next record), so no
+        // other record may be placed on the compute stream inside a step.
         dev.record(StreamKind::Compute, self.step_done)?;
         if probe::hit_if(
             Probe::StepDeviceFailed,

@@ -7,7 +7,7 @@ use crate::probes::Coverage;
 use crate::report::{Finding, OracleKind};
 use crate::runner::{run, RunOptions, RunOutcome, RunStats};
 use crate::scenario::{draw, Scenario};
-use crate::schedule::{explore_policy, Source};
+use crate::schedule::{explore_policy, Policy, Source};
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -108,8 +108,9 @@ pub struct CampaignSummary {
     pub reruns: u64,
     /// Runs in all: seeds times the schedules each ran (a failing seed stops at its failure).
     pub runs: u64,
-    /// The first failure's schedule index and decisions (the schedule to replay it under).
-    pub first_failure_schedule: Option<(u64, Vec<u8>)>,
+    /// The first failure's schedule: index, the policy that drew it (`None`: the scenario's
+    /// own) and decisions (the schedule to replay it under).
+    pub first_failure_schedule: Option<(u64, Option<Policy>, Vec<u8>)>,
 }
 
 impl CampaignSummary {
@@ -133,6 +134,8 @@ impl CampaignSummary {
         t.events += s.events;
         t.copy_bytes += s.copy_bytes;
         t.failed_copies += s.failed_copies;
+        t.failed_kernels += s.failed_kernels;
+        t.steps_failed += s.steps_failed;
         t.loads += s.loads;
         t.backups += s.backups;
         t.sim_ns += s.sim_ns;
@@ -142,7 +145,7 @@ impl CampaignSummary {
             self.failures.push((o.seed, f.clone()));
             if self.first_failure.is_none_or(|x| o.seed < x) {
                 self.first_failure = Some(o.seed);
-                self.first_failure_schedule = Some((o.schedule, o.decisions.clone()));
+                self.first_failure_schedule = Some((o.schedule, o.policy, o.decisions.clone()));
             }
         }
     }
@@ -174,8 +177,8 @@ impl CampaignSummary {
             }
         );
         println!(
-            "checked: {} requests finished, {} digests recomputed, {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} aborts",
-            t.finished, t.digests_checked, t.rows_checked, t.rows_cached, t.ops, t.loads, t.backups, t.failed_copies, t.aborted
+            "checked: {} requests finished, {} digests recomputed, {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again), {} aborts",
+            t.finished, t.digests_checked, t.rows_checked, t.rows_cached, t.ops, t.loads, t.backups, t.failed_copies, t.failed_kernels, t.steps_failed, t.aborted
         );
         println!(
             "throughput: {:.2} seeds/s, {:.0} events/s, {:.1} MB copied/s; simulated {:.3} s in {:.2} s of run time: sim/wall ratio {:.2}x",
@@ -267,7 +270,18 @@ pub fn run_campaign(
                     };
                     let mut out = run(&sc, &sopts);
                     out.schedule = index;
+                    out.policy = Some(policy);
                     failed = out.failed();
+                    if failed {
+                        // Every failing run is run again: the same schedule, the same log.
+                        out.rerun = true;
+                        let again = RunOptions {
+                            schedule: Some(Source::Replay(out.decisions.clone())),
+                            ..ropts.clone()
+                        };
+                        out.findings
+                            .extend(determinism::rerun(&sc, &again, out.log_hash));
+                    }
                     if tx.send(out).is_err() {
                         return;
                     }

@@ -3,11 +3,12 @@
 //!
 //! What it guarantees is exactly what CUDA guarantees: ops of one stream run in order; across
 //! streams only events order them (a wait waits for the event's most recent record at the time of
-//! the wait call; an event never recorded is complete). Everything else is the seeded scheduler's
-//! choice: how long an op that could start is held (the schedule's decision, see `schedule`),
-//! how long it runs (latency and bandwidth models, slow-copy faults), and whether a copy fails. An op's data effect — its reads and its writes — happens at
-//! its completion, so an op that a missing wait leaves unordered really reads stale bytes in the
-//! schedules where it completes first.
+//! the wait call; an event never recorded is complete). Everything else is chosen: how long an op
+//! that could start is held is the schedule's decision (see `schedule`); how long it runs
+//! (latency and bandwidth models, slow copies) and whether a copy or a kernel launch fails are
+//! the scenario's, from its seeded generator. An op's data effect — its reads and its writes —
+//! happens at its completion, so an op that a missing wait leaves unordered really reads stale
+//! bytes in the schedules where it completes first.
 //!
 //! Checks made here: the race detector at every enqueue and host access (independent of the
 //! schedule); the layout check of every op at enqueue and again when it runs; the content oracle
@@ -18,7 +19,7 @@ use crate::probes::{self, SimProbe};
 use crate::race::{join, Accessor, Race, RaceDetector, Vc, HOST};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
-use crate::schedule::{Scheduler, Source};
+use crate::schedule::{Decider, Source};
 use crate::undeclared;
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
@@ -101,6 +102,8 @@ pub struct Slice {
     pub end_ns: u64,
     pub detail: String,
     pub failed: bool,
+    /// It did not run: a failed launch's stream skipped it.
+    pub skipped: bool,
 }
 
 /// What the trace shows besides ops: event records and the waits they release (joined by flow
@@ -194,7 +197,7 @@ pub struct SimGpu {
     tainted: std::collections::HashMap<(BufferId, u64), u64>,
     /// Writes per paged-buffer page (the content oracle's cache key).
     page_gen: std::collections::HashMap<(BufferId, u64), u64>,
-    sched: Scheduler,
+    sched: Decider,
     pub findings: Vec<Finding>,
     pub races: Vec<Race>,
     pub content: Option<Rc<RefCell<ContentOracle>>>,
@@ -233,7 +236,7 @@ impl SimGpu {
     /// there is none, or the build has no CUDA).
     pub fn new(seed: u64, opts: GpuOptions) -> Result<SimGpu, DeviceError> {
         let rng = Rng::new(seed ^ 0x6770_7500);
-        let sched = Scheduler::new(seed, opts.schedule.clone(), opts.ops_guess);
+        let sched = Decider::new(seed, opts.schedule.clone(), opts.ops_guess);
         let cuda = opts.cuda;
         let mut g = SimGpu {
             mem: Memory::default(),
@@ -532,8 +535,9 @@ impl SimGpu {
             self.streams[s].failed_since_record = true;
             self.streams[s].skipping = true;
         }
-        if self.streams[s].skipping {
-            // A failed launch, or work after it that its stream skips until the next record.
+        // A failed launch, and the work after it that its stream skips until the next record.
+        let skipped = self.streams[s].skipping;
+        if skipped {
             self.log(&[13, s as u64, rec.id]);
         } else {
             self.check_content(&rec, end);
@@ -552,6 +556,7 @@ impl SimGpu {
                 end_ns: end,
                 detail: op_detail(&rec.op, &self.mem),
                 failed: rec.fail,
+                skipped,
             });
         }
         self.streams[s].ready_at = end;

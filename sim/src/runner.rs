@@ -9,7 +9,7 @@ use crate::probes::{self, SimProbe};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
 use crate::scenario::Scenario;
-use crate::schedule::Source;
+use crate::schedule::{Policy, Source};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -47,6 +47,9 @@ pub struct RunStats {
     pub events: u64,
     pub copy_bytes: u64,
     pub failed_copies: u64,
+    /// Kernel launches that failed, and steps the engine dropped and ran again for them.
+    pub failed_kernels: u64,
+    pub steps_failed: u64,
     pub loads: u64,
     pub backups: u64,
     pub sim_ns: u64,
@@ -69,8 +72,10 @@ pub struct RunOutcome {
     pub rerun: bool,
     /// The schedule it ran under: one decision per op start (`schedule`).
     pub decisions: Vec<u8>,
-    /// Which schedule of the seed a campaign ran (0: the scenario's own; `--schedules`).
+    /// Which schedule of the seed a campaign ran (0: the scenario's own; `--schedules`), and
+    /// the policy that drew it (`None`: the scenario's own).
     pub schedule: u64,
+    pub policy: Option<Policy>,
 }
 
 impl RunOutcome {
@@ -278,6 +283,7 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 rerun: false,
                 decisions: Vec::new(),
                 schedule: 0,
+                policy: None,
             }
         }
     };
@@ -477,6 +483,8 @@ impl<'a> Run<'a> {
         const ONESHOT_TRIES: u32 = 8;
         const BACKOFF_NS: u64 = 4_000_000;
         const BACKOFF_MAX_NS: u64 = 64_000_000;
+        // The doubling is a shift by at most `ONESHOT_TRIES - 2`: it must not wrap.
+        const _: () = assert!(BACKOFF_NS.leading_zeros() > ONESHOT_TRIES);
         let o = &self.sc.workload.oneshots[index];
         let synth = self.synth;
         let prompt: Vec<u32> = o
@@ -853,6 +861,8 @@ impl<'a> Run<'a> {
         stats.events = g.events;
         stats.copy_bytes = g.copy_bytes;
         stats.failed_copies = g.failed_copies;
+        stats.failed_kernels = g.failed_kernels;
+        stats.steps_failed = m.steps_failed;
         stats.digests_checked = self.digest.digests_checked;
         stats.rows_checked = self.content.borrow().rows_checked;
         stats.rows_cached = self.content.borrow().rows_cached;
@@ -870,6 +880,7 @@ impl<'a> Run<'a> {
             rerun: false,
             decisions: self.engine.dev.take_schedule(),
             schedule: 0,
+            policy: None,
         }
     }
 }

@@ -7,16 +7,20 @@
 //! back (0 = start now). Ops' data effects happen at their completion, so these decisions are
 //! what orders one stream's effects against another's and against the host.
 //!
-//! A schedule is drawn by a policy — a random walk, or PCT (Burckhardt et al.: `depth - 1`
-//! priority change points spread uniformly over the run's op starts, stream priorities fixing
-//! the order in between) — and recorded as the list of decisions, one per op start, in the
-//! order the ops started. Replaying the list reproduces the run exactly; a shortened or edited
+//! A schedule is drawn by a policy — a random walk, or PCT after Burckhardt et al. (`depth - 1`
+//! priority change points spread uniformly over the run's op starts; at one, the stream whose
+//! op starts drops below every other; between them, stream priorities order the holds) — and
+//! recorded as the list of decisions, one per op start, in the order the ops started. Priorities
+//! here are holds (a lower stream's op waits 4 or 8 quarter-jitters longer), not a strict order,
+//! so PCT's probability bound is a guide rather than a guarantee. Replaying the list reproduces the run exactly; a shortened or edited
 //! list is still a valid schedule (decisions past its end are 0), which is how a failing
 //! schedule shrinks on its own.
 
 use crate::probes::{self, SimProbe};
 use crate::rng::Rng;
+use crate::scenario::Scenario;
 use serde::{Deserialize, Serialize};
+use tierkv_kernels::cpu::numerics::mix64;
 
 /// The largest decision: a hold of `DECISION_MAX / 4` jitters.
 pub const DECISION_MAX: u8 = 11;
@@ -30,10 +34,22 @@ pub enum Policy {
     /// Each decision uniform in 0..=4: a hold of up to one jitter.
     RandomWalk,
     /// PCT of `depth`: streams in a random priority order hold their ops by priority (0, 4 or 8
-    /// quarter-jitters, plus 0..=3); at `depth - 1` op starts drawn uniformly in `0..ops`, the
-    /// highest-priority stream drops to the lowest. `ops` is the run's op-start count, measured
-    /// by an earlier run of the same scenario; 0 when unknown (then estimated as `ops_guess`).
+    /// quarter-jitters, plus 0..=3); at `depth - 1` op starts drawn uniformly in `1..ops`, the
+    /// stream whose op starts drops to the lowest priority. `ops` is the run's op-start count,
+    /// measured by an earlier run of the same scenario (`--schedules`); 0 when unknown, then
+    /// estimated from the workload (`GpuOptions::ops_guess`), so some change points may fall
+    /// past the run's end.
     Pct { depth: u32, ops: u64 },
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Policy::RandomWalk => write!(f, "random walk"),
+            Policy::Pct { depth, ops: 0 } => write!(f, "pct d={depth} over estimated op starts"),
+            Policy::Pct { depth, ops } => write!(f, "pct d={depth} over {ops} op starts"),
+        }
+    }
 }
 
 /// A recorded schedule: what `--schedule` replays and a failing run writes next to its scenario.
@@ -43,6 +59,9 @@ pub struct Schedule {
     /// The scenario seed it was drawn for, and which schedule of that seed (0: the scenario's
     /// own; `--schedules N` explores 0..N).
     pub seed: u64,
+    /// The fingerprint of the scenario it was recorded on (`fingerprint`): its decisions belong
+    /// to that scenario's op starts.
+    pub scenario: u64,
     pub index: u64,
     /// The policy that drew it (informative: a replay follows `decisions` only).
     pub policy: Policy,
@@ -59,9 +78,48 @@ pub enum ScheduleError {
     TooLong { len: usize },
     #[error("schedule is for seed {schedule}, the scenario is seed {scenario}")]
     OtherSeed { schedule: u64, scenario: u64 },
+    #[error(
+        "schedule was recorded on another scenario of seed {seed} (fingerprint {schedule:#018x}, \
+         this one is {scenario:#018x}): another profile, or an edited scenario file"
+    )]
+    OtherScenario {
+        seed: u64,
+        schedule: u64,
+        scenario: u64,
+    },
+}
+
+/// A scenario's fingerprint: a hash of its JSON with the mutant left out (the mutant changes the
+/// engine under test, not the scenario, and `--mutant` may replace it on a replay).
+pub fn fingerprint(sc: &Scenario) -> u64 {
+    let mut plain = sc.clone();
+    plain.mutant = None;
+    let json = serde_json::to_string(&plain).expect("a scenario serialises");
+    json.bytes()
+        .fold(0x7363_6865_6475_6C65, |h, b| mix64(h ^ b as u64))
 }
 
 impl Schedule {
+    /// Whether the schedule is well-formed and belongs to `sc`.
+    pub fn check_for(&self, sc: &Scenario) -> Result<(), ScheduleError> {
+        self.validate()?;
+        if self.seed != sc.seed {
+            return Err(ScheduleError::OtherSeed {
+                schedule: self.seed,
+                scenario: sc.seed,
+            });
+        }
+        let own = fingerprint(sc);
+        if self.scenario != own {
+            return Err(ScheduleError::OtherScenario {
+                seed: sc.seed,
+                schedule: self.scenario,
+                scenario: own,
+            });
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), ScheduleError> {
         if self.decisions.len() > DECISIONS_MAX {
             return Err(ScheduleError::TooLong {
@@ -98,7 +156,7 @@ impl Default for Source {
 
 /// The scheduler inside the simulated GPU: makes (or replays) each decision and records it.
 #[derive(Clone, Debug)]
-pub struct Scheduler {
+pub struct Decider {
     source: Source,
     rng: Rng,
     /// PCT: stream priorities (0 = highest) and the remaining change points, ascending.
@@ -107,9 +165,9 @@ pub struct Scheduler {
     recorded: Vec<u8>,
 }
 
-impl Scheduler {
+impl Decider {
     /// `ops_guess` stands in for an unknown op count under PCT.
-    pub fn new(seed: u64, source: Source, ops_guess: u64) -> Scheduler {
+    pub fn new(seed: u64, source: Source, ops_guess: u64) -> Decider {
         let index = match source {
             Source::Draw { index, .. } => index,
             Source::Replay(_) => 0,
@@ -125,14 +183,14 @@ impl Scheduler {
                 policy: Policy::Pct { depth, ops },
                 ..
             } => {
-                let over = if ops > 0 { ops } else { ops_guess.max(1) };
-                let mut v: Vec<u64> = (1..depth.max(1)).map(|_| rng.below(over)).collect();
+                let over = if ops > 0 { ops } else { ops_guess }.max(2);
+                let mut v: Vec<u64> = (1..depth.max(1)).map(|_| rng.range(1, over - 1)).collect();
                 v.sort_unstable();
                 v
             }
             _ => Vec::new(),
         };
-        Scheduler {
+        Decider {
             source,
             rng,
             priorities,
@@ -206,87 +264,4 @@ pub fn explore_policy(index: u64, own: Policy, ops: u64) -> Policy {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn draw(policy: Policy, index: u64, n: usize) -> Vec<u8> {
-        let mut s = Scheduler::new(7, Source::Draw { index, policy }, 1000);
-        (0..n).map(|i| s.decide(i % 3)).collect()
-    }
-
-    /// A replayed list gives back exactly its decisions, then zeros.
-    #[test]
-    fn replay_follows_the_list_then_zero() {
-        let list = draw(Policy::RandomWalk, 3, 50);
-        let mut r = Scheduler::new(7, Source::Replay(list.clone()), 0);
-        let got: Vec<u8> = (0..60).map(|i| r.decide(i % 3)).collect();
-        assert_eq!(&got[..50], &list[..]);
-        assert!(got[50..].iter().all(|&d| d == 0));
-        assert_eq!(r.recorded(), &got[..]);
-    }
-
-    /// Different schedule indices of one seed draw different schedules; one index, the same.
-    #[test]
-    fn indices_draw_independent_schedules() {
-        assert_eq!(
-            draw(Policy::RandomWalk, 1, 100),
-            draw(Policy::RandomWalk, 1, 100)
-        );
-        assert_ne!(
-            draw(Policy::RandomWalk, 1, 100),
-            draw(Policy::RandomWalk, 2, 100)
-        );
-    }
-
-    /// PCT of depth 1 never changes priorities: each stream keeps one priority band all run.
-    /// Depth 3 changes them twice, within the op count it is given.
-    #[test]
-    fn pct_holds_streams_by_priority_with_depth_minus_one_changes() {
-        let d = draw(Policy::Pct { depth: 1, ops: 90 }, 5, 90);
-        for s in 0..3 {
-            let bands: std::collections::BTreeSet<u8> =
-                d.iter().skip(s).step_by(3).map(|x| x / 4).collect();
-            assert_eq!(bands.len(), 1, "stream {s}: {d:?}");
-        }
-        let mut changes = 0;
-        let mut s = Scheduler::new(
-            9,
-            Source::Draw {
-                index: 2,
-                policy: Policy::Pct { depth: 3, ops: 90 },
-            },
-            0,
-        );
-        let mut last = s.priorities;
-        for i in 0..90 {
-            s.decide(i % 3);
-            if s.priorities != last {
-                changes += 1;
-                last = s.priorities;
-            }
-        }
-        assert!(
-            (1..=2).contains(&changes),
-            "{changes} (two change points may coincide)"
-        );
-    }
-
-    #[test]
-    fn bad_schedules_are_typed_errors() {
-        let mut s = Schedule {
-            seed: 1,
-            index: 0,
-            policy: Policy::RandomWalk,
-            decisions: vec![0, 3, DECISION_MAX + 1],
-        };
-        assert_eq!(
-            s.validate(),
-            Err(ScheduleError::DecisionTooLarge {
-                at: 2,
-                value: DECISION_MAX + 1
-            })
-        );
-        s.decisions.pop();
-        assert_eq!(s.validate(), Ok(()));
-    }
-}
+mod tests;

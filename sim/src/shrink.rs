@@ -139,7 +139,8 @@ pub fn shrink(sc: &Scenario, oracle: OracleKind, budget: Duration) -> Shrunk {
     shrink_under(sc, &RunOptions::default(), oracle, budget)
 }
 
-/// Shrinks `sc`, which fails with `oracle` when run with `opts` (its schedule fixed there).
+/// Shrinks `sc`, which fails with `oracle` when run with `opts` (its schedule fixed there: as
+/// the scenario shrinks, each recorded decision applies to whichever op starts at its place).
 pub fn shrink_under(
     sc: &Scenario,
     opts: &RunOptions,
@@ -174,6 +175,7 @@ pub fn shrink_under(
 /// failing list and the runs it took.
 pub fn shrink_schedule(
     sc: &Scenario,
+    base: &RunOptions,
     decisions: &[u8],
     oracle: OracleKind,
     budget: Duration,
@@ -184,7 +186,7 @@ pub fn shrink_schedule(
     let fails = |d: &[u8], runs: &mut u32| {
         let opts = RunOptions {
             schedule: Some(Source::Replay(d.to_vec())),
-            ..RunOptions::default()
+            ..base.clone()
         };
         fails_with(sc, &opts, oracle, runs)
     };

@@ -1,5 +1,5 @@
 //! Chrome trace JSON (opens in Perfetto and chrome://tracing): one track per stream and one for
-//! the host, one slice per op, failed copies and the racing pair marked; event records, the
+//! the host, one slice per op, failed ops, skipped ops and the racing pair marked; event records, the
 //! stream waits and host synchronisations they release, joined by flow arrows.
 
 use crate::gpu::{Mark, Slice};
@@ -41,12 +41,14 @@ pub fn chrome_trace(slices: &[Slice], marks: &[Mark], racing_ops: &[u64], title:
             "dur": (s.end_ns - s.start_ns).max(1) as f64 / 1000.0,
             "pid": 1,
             "tid": s.stream.index(),
-            "args": {"op": s.op_id, "detail": s.detail, "failed": s.failed, "racing": racing},
+            "args": {"op": s.op_id, "detail": s.detail, "failed": s.failed, "skipped": s.skipped, "racing": racing},
         });
         if racing {
             e["cname"] = json!("terrible");
         } else if s.failed {
             e["cname"] = json!("bad");
+        } else if s.skipped {
+            e["cname"] = json!("grey");
         }
         events.push(e);
         if racing {

@@ -147,22 +147,28 @@ fn the_same_seed_gives_the_same_event_log() {
 }
 
 /// A schedule is an input of its own. Seed 1 of the sessions profile with the layer wait removed
-/// passes under the scenario's own schedule and fails under schedule 1 (PCT over schedule 0's op
-/// starts); the failing run's recorded decisions replay it exactly, a shrunk list of them still
-/// fails, and a different schedule of the same scenario runs differently.
+/// passes under the scenario's own schedule and fails under one of the next few schedules (PCT
+/// and random walks, PCT over schedule 0's op starts); the failing run's recorded decisions
+/// replay it exactly, and a shrunk list of them still fails.
 #[test]
 fn a_schedule_is_explored_replayed_and_shrunk() {
     let mut sc = draw(1, "sessions", None);
     sc.mutant = Some("ungated-index-k-read".into());
     let own = run(&sc, &RunOptions::default());
     assert!(!own.failed(), "{:?}", own.findings.first());
-    let policy = explore_policy(1, sc.gpu.schedule_policy(), own.decisions.len() as u64);
-    let drawn = RunOptions {
-        schedule: Some(Source::Draw { index: 1, policy }),
-        ..RunOptions::default()
-    };
-    let found = run(&sc, &drawn);
-    let f = found.findings.first().expect("schedule 1 finds the race");
+    let ops = own.decisions.len() as u64;
+    let found = (1..=8)
+        .map(|index| {
+            let policy = explore_policy(index, sc.gpu.schedule_policy(), ops);
+            let drawn = RunOptions {
+                schedule: Some(Source::Draw { index, policy }),
+                ..RunOptions::default()
+            };
+            run(&sc, &drawn)
+        })
+        .find(|o| o.failed())
+        .expect("one of schedules 1..=8 finds the race");
+    let f = found.findings.first().expect("a finding");
     assert_eq!(f.oracle, OracleKind::Race, "{f}");
     assert_ne!(own.log_hash, found.log_hash);
 
@@ -184,9 +190,10 @@ fn a_schedule_is_explored_replayed_and_shrunk() {
 
     let (small, _) = shrink_schedule(
         &sc,
+        &RunOptions::default(),
         &found.decisions,
         OracleKind::Race,
-        Duration::from_secs(15),
+        Duration::from_secs(8),
     );
     assert!(small.len() < found.decisions.len());
     let shrunk = replay(&small);

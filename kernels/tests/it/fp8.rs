@@ -119,6 +119,21 @@ fn encode_equals_the_float8_crate() {
         return;
     }
     (0..=u32::MAX).step_by(251).for_each(check);
+    // Saturation: every f32 from 448 to 480 (464 is the tie), the infinities, NaNs, both signs.
+    for bits in 448f32.to_bits()..=480f32.to_bits() {
+        check(bits);
+        check(bits | 0x8000_0000);
+    }
+    for x in [
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::MAX,
+        f32::MIN,
+    ] {
+        check(x.to_bits());
+    }
     // Around every code's value and every midpoint between neighbours, both signs.
     for code in 0..0x7Fu32 {
         for v in [

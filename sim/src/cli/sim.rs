@@ -7,7 +7,7 @@ use crate::campaign::{run_campaign, CampaignOptions, SeedSet};
 use crate::report::Finding;
 use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
 use crate::scenario::{Scenario, PROFILES};
-use crate::schedule::{explore_policy, Policy, Schedule, Source};
+use crate::schedule::{explore_policy, fingerprint, Policy, Schedule, Source};
 use crate::shrink::{shrink, shrink_schedule, shrink_under};
 use crate::trace_out::chrome_trace;
 use std::path::{Path, PathBuf};
@@ -42,7 +42,8 @@ pub struct SimArgs {
     /// 64 indexer heads, top-2048, 16K-128K contexts, one or two of its 61 layers).
     #[arg(long, default_value = "swarm")]
     pub profile: String,
-    /// Write the Chrome/Perfetto trace of the run (one seed) or of the first failure here.
+    /// Write the Chrome/Perfetto trace of the run (one seed; with `--schedules`, of the last
+    /// schedule run) or of the first failure here.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
     /// Switch on a bug-zoo mutant (in the `tierkv-zoo` binary, built with `--features mutants`).
@@ -87,7 +88,7 @@ pub struct SimArgs {
     /// `--features cuda`). The schedules are the same.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
-    /// Where failure artifacts (traces, shrunk scenarios) go.
+    /// Where failure artifacts (traces, shrunk scenarios, schedules) go.
     #[arg(long, default_value = "target/tierkv")]
     pub out_dir: PathBuf,
 }
@@ -194,13 +195,18 @@ fn run_options(args: &SimArgs, trace: bool) -> RunOptions {
     }
 }
 
-/// A run under a schedule other than its scenario's own: which one, by which policy drawn, and
-/// its decisions (a failure writes them for `--schedule`).
+/// A run under a schedule other than its scenario's own: which schedule of the seed, the policy
+/// that drew it, and the file it was replayed from (`--schedule`; `None`: drawn by this run, so
+/// a failure writes it).
 #[derive(Clone, Debug)]
 struct Sched {
     index: u64,
     policy: Policy,
+    file: Option<PathBuf>,
 }
+
+/// The most bytes a schedule file may hold (its decisions, written as JSON numbers).
+const SCHEDULE_FILE_BYTES_MAX: u64 = 4 * crate::schedule::DECISIONS_MAX as u64 + 4096;
 
 fn under(opts: RunOptions, decisions: &[u8]) -> RunOptions {
     RunOptions {
@@ -213,6 +219,7 @@ fn under(opts: RunOptions, decisions: &[u8]) -> RunOptions {
 fn write_schedule(file: &Path, sc: &Scenario, s: &Sched, decisions: &[u8]) -> Result<(), String> {
     let schedule = Schedule {
         seed: sc.seed,
+        scenario: fingerprint(sc),
         index: s.index,
         policy: s.policy,
         decisions: decisions.to_vec(),
@@ -237,14 +244,20 @@ fn report_failure(
     }
     println!("  scenario: {}", sc.summary());
     let mut with_schedule = String::new();
-    if let Some(s) = sched {
+    if let Some(Sched {
+        file: Some(file), ..
+    }) = sched
+    {
+        // Replayed from a file: that file is the schedule; it is not written over.
+        with_schedule = format!(" --schedule {}", file.display());
+    } else if let Some(s) = sched {
         let file = args
             .out_dir
             .join(format!("tierkv-seed-{}.schedule-{}.json", sc.seed, s.index));
         match write_schedule(&file, sc, s, &out.decisions) {
             Ok(()) => {
                 println!(
-                    "  schedule: {} of the seed ({:?}), {} decisions, written to {}",
+                    "  schedule: {} of the seed ({}), {} decisions, written to {}",
                     s.index,
                     s.policy,
                     out.decisions.len(),
@@ -271,8 +284,10 @@ fn report_failure(
     if let Err(e) = write_trace(&path, &traced, &format!("tierkv seed {}", sc.seed)) {
         eprintln!("  {e}");
     }
-    // A replayed file is the reproduction already: it is neither shrunk again nor overwritten.
-    if matches!(origin, Origin::Seed) && !args.no_shrink {
+    // A replayed file (scenario or schedule) is the reproduction already: it is neither shrunk
+    // again nor overwritten.
+    let replayed = sched.is_some_and(|s| s.file.is_some());
+    if matches!(origin, Origin::Seed) && !replayed && !args.no_shrink {
         if let Err(e) = shrink_and_report(sc, out, args, sched) {
             eprintln!("  {e}");
         }
@@ -288,7 +303,9 @@ fn shrink_and_report(
     args: &SimArgs,
     sched: Option<&Sched>,
 ) -> Result<(), String> {
-    let oracle = out.findings[0].oracle;
+    let Some(oracle) = out.findings.first().map(|f| f.oracle) else {
+        return Err("the failure did not happen again: nothing to shrink".into());
+    };
     let budget = Duration::from_secs(args.shrink_secs);
     let (s, min, decisions) = match sched {
         None => {
@@ -297,7 +314,8 @@ fn shrink_and_report(
             (s, min, None)
         }
         Some(_) => {
-            let (d, runs) = shrink_schedule(sc, &out.decisions, oracle, budget / 2);
+            let base = run_options(args, false);
+            let (d, runs) = shrink_schedule(sc, &base, &out.decisions, oracle, budget / 2);
             println!(
                 "  schedule shrunk in {runs} runs from {} to {} decisions ({} ops held)",
                 out.decisions.len(),
@@ -517,13 +535,15 @@ pub fn run_sim(args: SimArgs) -> i32 {
         }
     };
     if let Some(file) = &args.replay {
-        return match read_scenario(file) {
-            Ok(mut sc) => {
-                if args.mutant.is_some() {
-                    sc.mutant = args.mutant.clone();
-                }
-                single(&sc, &args, &Origin::File(file.clone()))
+        let ready = read_scenario(file).and_then(|mut sc| {
+            if args.mutant.is_some() {
+                sc.mutant = args.mutant.clone();
             }
+            let schedule = recorded_schedule(&args, &sc)?;
+            Ok((sc, schedule))
+        });
+        return match ready {
+            Ok((sc, schedule)) => single(&sc, &args, &Origin::File(file.clone()), schedule),
             Err(Usage(m)) => {
                 eprintln!("{m}");
                 2
@@ -532,6 +552,14 @@ pub fn run_sim(args: SimArgs) -> i32 {
     }
     if let Some(seed) = args.seed {
         let sc = copts.scenario(seed);
+        // Every argument is checked before anything is written or run.
+        let schedule = match recorded_schedule(&args, &sc) {
+            Ok(s) => s,
+            Err(Usage(m)) => {
+                eprintln!("{m}");
+                return 2;
+            }
+        };
         if let Some(p) = &args.save_scenario {
             let text = serde_json::to_string_pretty(&sc).expect("a scenario serialises");
             if let Err(e) = std::fs::write(p, text) {
@@ -540,7 +568,7 @@ pub fn run_sim(args: SimArgs) -> i32 {
             }
             println!("scenario written to {}", p.display());
         }
-        return single(&sc, &args, &Origin::Seed);
+        return single(&sc, &args, &Origin::Seed, schedule);
     }
     campaign(&copts, &args)
 }
@@ -579,7 +607,15 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
                 .findings
                 .first()
                 .map_or("ok".to_string(), |f| format!("FAIL [{}]", f.oracle));
-            eprintln!("\rseed {}: {} -> {verdict}", out.seed, sc.summary());
+            let schedule = match out.policy {
+                Some(p) => format!(" (schedule {}: {p})", out.schedule),
+                None => String::new(),
+            };
+            eprintln!(
+                "\rseed {}{schedule}: {} -> {verdict}",
+                out.seed,
+                sc.summary()
+            );
         }
     });
     summary.print(&args.profile);
@@ -588,16 +624,21 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
     }
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);
-        let (index, decisions) = summary
+        let (index, policy, decisions) = summary
             .first_failure_schedule
             .clone()
             .expect("a failure has its schedule");
-        let (out, sched) = if index == 0 {
-            (run(&sc, &run_options(args, false)), None)
-        } else {
-            let opts = under(run_options(args, false), &decisions);
-            let policy = explore_policy(index, sc.gpu.schedule_policy(), 0);
-            (run(&sc, &opts), Some(Sched { index, policy }))
+        let (out, sched) = match policy {
+            None => (run(&sc, &run_options(args, false)), None),
+            Some(policy) => {
+                let opts = under(run_options(args, false), &decisions);
+                let sched = Sched {
+                    index,
+                    policy,
+                    file: None,
+                };
+                (run(&sc, &opts), Some(sched))
+            }
         };
         report_failure(&sc, &out, args, &Origin::Seed, sched.as_ref());
         return 1;
@@ -622,7 +663,12 @@ fn determinism(sc: &Scenario, args: &SimArgs) -> Option<i32> {
     }
 }
 
-fn single(sc: &Scenario, args: &SimArgs, origin: &Origin) -> i32 {
+fn single(
+    sc: &Scenario,
+    args: &SimArgs,
+    origin: &Origin,
+    recorded: Option<(PathBuf, Schedule)>,
+) -> i32 {
     println!("seed {}: {}", sc.seed, sc.summary());
     if args.check_determinism {
         if let Some(code) = determinism(sc, args) {
@@ -631,22 +677,29 @@ fn single(sc: &Scenario, args: &SimArgs, origin: &Origin) -> i32 {
     }
     let traced = args.trace_out.is_some();
     // A recorded schedule, or the scenario's own.
-    let (out, mut sched) = match &args.schedule {
-        Some(file) => match read_schedule(file, sc) {
-            Ok(s) => {
-                let opts = under(run_options(args, traced), &s.decisions);
-                let sched = Sched {
-                    index: s.index,
-                    policy: s.policy,
-                };
-                (run(sc, &opts), Some(sched))
+    let (out, mut sched) = match recorded {
+        Some((file, s)) => {
+            let opts = under(run_options(args, traced), &s.decisions);
+            println!(
+                "schedule {} ({}) from {}, {} decisions:",
+                s.index,
+                s.policy,
+                file.display(),
+                s.decisions.len()
+            );
+            let sched = Sched {
+                index: s.index,
+                policy: s.policy,
+                file: Some(file),
+            };
+            (run(sc, &opts), Some(sched))
+        }
+        None => {
+            if args.schedules > 1 {
+                println!("schedule 0 (the scenario's own):");
             }
-            Err(Usage(m)) => {
-                eprintln!("{m}");
-                return 2;
-            }
-        },
-        None => (run(sc, &run_options(args, traced)), None),
+            (run(sc, &run_options(args, traced)), None)
+        }
     };
     print_run(&out);
     // `--schedules N`: the others, until one fails.
@@ -662,9 +715,13 @@ fn single(sc: &Scenario, args: &SimArgs, origin: &Origin) -> i32 {
             ..run_options(args, traced)
         };
         out = run(sc, &opts);
-        println!("schedule {index} ({policy:?}):");
+        println!("schedule {index} ({policy}):");
         print_run(&out);
-        sched = Some(Sched { index, policy });
+        sched = Some(Sched {
+            index,
+            policy,
+            file: None,
+        });
     }
     if out.failed() {
         report_failure(sc, &out, args, origin, sched.as_ref());
@@ -684,24 +741,34 @@ fn single(sc: &Scenario, args: &SimArgs, origin: &Origin) -> i32 {
     0
 }
 
-/// A recorded schedule for `sc`, checked.
+/// `--schedule`'s file, read and checked against `sc` (`None` without the flag).
+fn recorded_schedule(args: &SimArgs, sc: &Scenario) -> Result<Option<(PathBuf, Schedule)>, Usage> {
+    match &args.schedule {
+        Some(file) => Ok(Some((file.clone(), read_schedule(file, sc)?))),
+        None => Ok(None),
+    }
+}
+
+/// A recorded schedule for `sc`, checked: size, form, and that it was recorded on `sc`.
 fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, Usage> {
+    use std::io::Read;
     let name = file.display();
-    let text =
-        std::fs::read_to_string(file).map_err(|e| Usage(format!("--schedule {name}: {e}")))?;
-    let s: Schedule = serde_json::from_str(&text)
-        .map_err(|e| Usage(format!("--schedule {name}: not a schedule: {e}")))?;
-    s.validate()
-        .map_err(|e| Usage(format!("--schedule {name}: {e}")))?;
-    if s.seed != sc.seed {
-        return Err(Usage(format!(
-            "--schedule {name}: {}",
-            crate::schedule::ScheduleError::OtherSeed {
-                schedule: s.seed,
-                scenario: sc.seed
-            }
+    let fail = |e: String| Usage(format!("--schedule {name}: {e}"));
+    let mut text = String::new();
+    std::fs::File::open(file)
+        .and_then(|f| {
+            f.take(SCHEDULE_FILE_BYTES_MAX + 1)
+                .read_to_string(&mut text)
+        })
+        .map_err(|e| fail(e.to_string()))?;
+    if text.len() as u64 > SCHEDULE_FILE_BYTES_MAX {
+        return Err(fail(format!(
+            "larger than {SCHEDULE_FILE_BYTES_MAX} bytes: not a schedule"
         )));
     }
+    let s: Schedule =
+        serde_json::from_str(&text).map_err(|e| fail(format!("not a schedule: {e}")))?;
+    s.check_for(sc).map_err(|e| fail(e.to_string()))?;
     Ok(s)
 }
 
@@ -709,8 +776,8 @@ fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, Usage> {
 fn print_run(out: &RunOutcome) {
     let s = &out.stats;
     println!(
-        "{} steps, {} requests submitted, {} finished, {} rejected, {} aborted, {} recomputed; {} loads, {} backups, {} failed copies",
-        s.steps, s.submitted, s.finished, s.rejected, s.aborted, s.recomputed, s.loads, s.backups, s.failed_copies
+        "{} steps, {} requests submitted, {} finished, {} rejected, {} aborted, {} recomputed; {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again)",
+        s.steps, s.submitted, s.finished, s.rejected, s.aborted, s.recomputed, s.loads, s.backups, s.failed_copies, s.failed_kernels, s.steps_failed
     );
     println!(
         "{} digests recomputed, {} rows compared, {} ops, {} events; simulated {:.3} ms in {:.1} ms; event-log hash {:#018x}",
