@@ -10,7 +10,7 @@
 
 use crate::device::{BufferDesc, BufferId, BufferRole, Device, DeviceError, MemoryTier, Op};
 use crate::gate::Gated;
-use crate::layout::{BufferKind, Bytes, LayerId, Layout, PageId, PageRun, PagedView};
+use crate::layout::{BufferKind, LayerId, Layout, PageId, PageRun, PagedView};
 use crate::mutants::Mutants;
 
 /// Hands out page ids; LIFO so reuse is immediate (which is what exposes use-after-free).
@@ -57,9 +57,6 @@ impl PageAllocator {
             self.in_use[p.index()] = false;
             self.free.push(p.0);
         }
-    }
-    pub fn is_used(&self, p: PageId) -> bool {
-        self.in_use[p.index()]
     }
 }
 
@@ -200,8 +197,5 @@ impl Pools {
             buffer,
             view: self.host_layout().host_layer_view(kind, layer),
         }
-    }
-    pub fn host_bytes(&self) -> Bytes {
-        self.host_layout().host_total_bytes()
     }
 }
