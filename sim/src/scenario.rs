@@ -438,16 +438,7 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
         0
     };
     m.index_n_heads = cr.range(1, if quick { 2 } else { 4 }) as u32;
-    m.index_k_dtype = if cr.chance(0.5) {
-        IndexKDtype::Fp8
-    } else {
-        IndexKDtype::Bf16
-    };
-    m.kv_dtype = if cr.chance(0.5) {
-        KvDtype::Fp8Packed
-    } else {
-        KvDtype::Bf16
-    };
+    (m.index_k_dtype, m.kv_dtype) = draw_dtypes(cr, 0.5);
     m.index_k_ue8m0 = cr.chance(0.2);
     m.index_topk = *cr.pick(&[4, 16, 32, 48, 64, 100, 200]);
     m.context_tokens_max = if profile == "swarm" {
@@ -495,6 +486,21 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     cfg
 }
 
+/// The index-K and KV dtypes, each fp8 with probability `fp8`.
+fn draw_dtypes(cr: &mut Rng, fp8: f64) -> (IndexKDtype, KvDtype) {
+    let index_k = if cr.chance(fp8) {
+        IndexKDtype::Fp8
+    } else {
+        IndexKDtype::Bf16
+    };
+    let kv = if cr.chance(fp8) {
+        KvDtype::Fp8Packed
+    } else {
+        KvDtype::Bf16
+    };
+    (index_k, kv)
+}
+
 /// The production model's shapes (DeepSeek-V3.2: 64 indexer heads of 128, `index_topk` 2048, 61
 /// layers, contexts up to 128K tokens) at a rate the CPU can afford: one or two layers of the 61
 /// (a layer range anywhere in the model), long contexts drawn mostly short of the maximum,
@@ -506,16 +512,7 @@ fn draw_production_config(cr: &mut Rng, seed: u64) -> Config {
     m.layers = cr.range(1, 2) as u32;
     m.layer_base = cr.range(0, 61 - m.layers as u64) as u32;
     m.context_tokens_max = *cr.pick(&[16_384, 16_384, 32_768, 32_768, 65_536, 131_072]);
-    m.index_k_dtype = if cr.chance(0.7) {
-        IndexKDtype::Fp8
-    } else {
-        IndexKDtype::Bf16
-    };
-    m.kv_dtype = if cr.chance(0.7) {
-        KvDtype::Fp8Packed
-    } else {
-        KvDtype::Bf16
-    };
+    (m.index_k_dtype, m.kv_dtype) = draw_dtypes(cr, 0.7);
     m.index_k_ue8m0 = cr.chance(0.3);
     // A query per prefill chunk: every-token indexing would cost a query per prompt token.
     m.prefill_indexer = PrefillIndexer::LastToken;
