@@ -7,7 +7,7 @@ use crate::gpu::GpuOptions;
 use crate::rng::Rng;
 use crate::schedule::{Policy, Source};
 use serde::{Deserialize, Serialize};
-use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
+use tierkv_engine::config::{CacheConfig, Config, HostCapacity, PrefillIndexer, WritePolicy};
 use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
 use tierkv_engine::mutants::HARDCODED_TOPK;
 
@@ -461,13 +461,7 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     } else {
         1.3 + cr.unit() * 2.7
     });
-    c.host_layout = if cr.chance(0.5) {
-        HostLayout::LayerFirst
-    } else {
-        HostLayout::PageFirst
-    };
-    c.write_policy = *cr.pick(&WritePolicy::ALL);
-    c.load_slots = cr.range(1, 3) as u32;
+    draw_cache_policies(cr, c);
     let s = &mut cfg.scheduler;
     s.queued_requests_max = cr.range(8, 64) as u32;
     // Half the seeds have a pending-token bound a few contexts deep, which bursts go over.
@@ -484,6 +478,17 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     };
     s.output_tokens_max = *cr.pick(&[8, 16, 32, 32, 64]);
     cfg
+}
+
+/// The host mirror's order, the write policy and the load ring's slots.
+fn draw_cache_policies(cr: &mut Rng, c: &mut CacheConfig) {
+    c.host_layout = if cr.chance(0.5) {
+        HostLayout::LayerFirst
+    } else {
+        HostLayout::PageFirst
+    };
+    c.write_policy = *cr.pick(&WritePolicy::ALL);
+    c.load_slots = cr.range(1, 3) as u32;
 }
 
 /// The index-K and KV dtypes, each fp8 with probability `fp8`.
@@ -521,13 +526,7 @@ fn draw_production_config(cr: &mut Rng, seed: u64) -> Config {
     // One request of the longest context and a part of another: the third prompt evicts.
     c.device_pages = pages_per_request + cr.range(8, pages_per_request as u64 / 2) as u32;
     c.host = HostCapacity::Ratio(1.5 + cr.unit() * 1.5);
-    c.host_layout = if cr.chance(0.5) {
-        HostLayout::LayerFirst
-    } else {
-        HostLayout::PageFirst
-    };
-    c.write_policy = *cr.pick(&WritePolicy::ALL);
-    c.load_slots = cr.range(1, 3) as u32;
+    draw_cache_policies(cr, c);
     let s = &mut cfg.scheduler;
     s.queued_requests_max = 8;
     s.pending_tokens_max = 4 * m.context_tokens_max as u64;
