@@ -132,6 +132,8 @@ pub(crate) struct CacheController {
     /// Backups waiting for an ancestor's backup to be acknowledged (node and its generation).
     deferred: Vec<(NodeId, u64)>,
     free_events: Vec<EventId>,
+    /// The device could not recover from a fault it reported: the engine stops with this.
+    lost: Option<DeviceError>,
 }
 
 impl CacheController {
@@ -157,7 +159,23 @@ impl CacheController {
             backups: Vec::new(),
             deferred: Vec::new(),
             free_events: Vec::new(),
+            lost: None,
         })
+    }
+
+    /// A copy's event reported a failure: the device's error is cleared at once (a fault is
+    /// sticky until then, and would fail every copy after it). A device that cannot recover is
+    /// kept for the engine to report ([`CacheController::take_lost`]).
+    fn recover<D: Device, C: Clock, T: Transfer>(&mut self, io: &mut Io<'_, D, C, T>) {
+        probe::hit(Probe::DeviceRecovered);
+        if let Err(e) = io.dev.recover() {
+            self.lost.get_or_insert(e);
+        }
+    }
+
+    /// The error of a device that could not recover from a fault, once.
+    pub(crate) fn take_lost(&mut self) -> Option<DeviceError> {
+        self.lost.take()
     }
 
     /// No load and no backup in flight.
@@ -370,6 +388,9 @@ impl CacheController {
             state != EventState::Pending || io.mutants.acks_may_precede_copy(),
             "{id} acknowledged while its copy is in flight"
         );
+        if state == EventState::Failed {
+            self.recover(io);
+        }
         // Pending only under the mutants that ack without waiting: the copy is then taken as done.
         let ok = state != EventState::Failed && !load.enqueue_failed;
         let unpublished = if io.mutants.load_publishes_at_issue() {
@@ -522,7 +543,8 @@ impl CacheController {
         if let Some(p) = io.pools.host_pages.alloc(n) {
             return Some(p);
         }
-        let want = n - io.pools.host_pages.free_count() as usize;
+        // (An injected refusal can come with enough pages free: nothing to evict then.)
+        let want = n.saturating_sub(io.pools.host_pages.free_count() as usize);
         let keep = io.cache.node(nodes[0]).parent;
         if io.cache.host_evictable(keep) < want {
             // Evicting would drop host copies and still not make room: keep them.
@@ -588,6 +610,9 @@ impl CacheController {
             if state == EventState::Pending {
                 i += 1;
                 continue;
+            }
+            if state == EventState::Failed {
+                self.recover(io);
             }
             let b = self.backups.remove(i);
             self.finish_backup(io, b, state == EventState::Done);
@@ -667,7 +692,7 @@ impl CacheController {
         if let Some(p) = io.pools.device_pages.alloc(n) {
             return Ok(Some(p));
         }
-        let deficit = n - io.pools.device_pages.free_count() as usize;
+        let deficit = n.saturating_sub(io.pools.device_pages.free_count() as usize);
         self.evict_device(io, deficit, after)?;
         Ok(io.pools.device_pages.alloc(n))
     }

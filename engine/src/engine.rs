@@ -17,6 +17,7 @@ use crate::layout::{pages_for_tokens, Layout, PAGE_TOKENS};
 use crate::metrics::Metrics;
 use crate::model::ModelStep;
 use crate::mutants::Mutants;
+pub use crate::pools::EngineFaults;
 use crate::pools::Pools;
 use crate::probe::{self, Probe};
 use crate::scheduler::{Output, Request, RequestSpec, RequestState, Reserve, Row, Scheduler};
@@ -27,11 +28,14 @@ pub use crate::error::EngineError;
 pub use crate::model::QUERY_ROWS_PER_LAUNCH;
 pub use crate::scheduler::Rejection;
 
-/// Options that are not configuration: the synthetic model's seed and the mutant (tests only).
+/// Options that are not configuration: the synthetic model's seed, the mutant (tests only) and
+/// injected faults (the simulator only).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct EngineOptions {
     pub seed: u64,
     pub mutants: Mutants,
+    /// Injected allocation faults (the simulator's; none by default).
+    pub faults: EngineFaults,
 }
 
 /// What one step did.
@@ -112,7 +116,8 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         cfg.validate()?;
         let layout = cfg.layout()?;
         let mutants = opts.mutants;
-        let pools = Pools::new(&mut dev, layout, mutants)?;
+        let mut pools = Pools::new(&mut dev, layout, mutants)?;
+        pools.inject(opts.faults);
         let scratch = ModelStep::scratch_layout(&cfg, mutants)?;
         let scratch = ModelStep::alloc_scratch(&mut dev, scratch)?;
         let c = &cfg.cache;
@@ -140,6 +145,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             cfg,
             steps_failed_in_a_row: 0,
         })
+    }
+
+    /// Changes the injected allocation faults (the simulator stops them for its liveness phase).
+    pub fn inject(&mut self, faults: EngineFaults) {
+        self.pools.inject(faults);
     }
 
     pub fn config(&self) -> &Config {
@@ -263,7 +273,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             ctl.poll_loads(&mut io)
         };
         self.apply(&acks);
+        self.device_lost()?;
         let admitted = self.admit()?;
+        self.device_lost()?;
         let rows = self.sched.build_batch(self.model.rows_max());
         let mut report = StepReport {
             rows: rows.iter().map(|r| r.queries.len()).sum(),
@@ -272,6 +284,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         };
         if rows.is_empty() {
             self.wait_for_copies();
+            self.device_lost()?;
             report.idle = self.is_idle();
             self.refresh_gauges();
             return Ok(report);
@@ -287,6 +300,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             // broken: the caller hears of it.
             self.metrics.steps_failed += 1;
             self.steps_failed_in_a_row += 1;
+            // The fault is sticky until the device clears it: the rerun would fail too.
+            probe::hit(Probe::DeviceRecovered);
+            self.dev.recover()?;
             if self.steps_failed_in_a_row >= STEP_FAILURES_MAX {
                 return Err(EngineError::Device(crate::device::DeviceError::Backend {
                     detail: format!(
@@ -308,6 +324,14 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         self.refresh_gauges();
         report.idle = self.is_idle();
         Ok(report)
+    }
+
+    /// A device that could not recover from a fault a copy reported stops the engine.
+    fn device_lost(&mut self) -> Result<(), EngineError> {
+        match self.ctl.take_lost() {
+            Some(e) => Err(EngineError::Device(e)),
+            None => Ok(()),
+        }
     }
 
     /// Nothing to compute: waits for the oldest copy in flight, so the next step can progress.

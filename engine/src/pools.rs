@@ -12,12 +12,46 @@ use crate::device::{BufferDesc, BufferId, BufferRole, Device, DeviceError, Memor
 use crate::gate::Gated;
 use crate::layout::{BufferKind, LayerId, Layout, PageId, PageRun, PagedView};
 use crate::mutants::Mutants;
+use crate::probe::{self, Probe};
+
+/// Injected allocation faults (FoundationDB's BUGGIFY): the simulator has a share of page
+/// allocations refused as if the tier were full, which drives the engine through its "no room"
+/// paths at any moment of a run, not only when a pool really fills. Off by default (production).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineFaults {
+    /// Seeds the draws (one generator per tier).
+    pub seed: u64,
+    /// Probability that a device-page allocation is refused.
+    pub device_pages_refused: f64,
+    /// Probability that a host-page allocation is refused.
+    pub host_pages_refused: f64,
+}
+
+/// An allocator's injected refusals: a splitmix64 generator and a rate.
+#[derive(Clone, Copy, Debug)]
+struct Refusals {
+    state: u64,
+    rate: f64,
+    probe: Probe,
+}
+
+impl Refusals {
+    fn fire(&mut self) -> bool {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 11) as f64 / (1u64 << 53) as f64) < self.rate
+    }
+}
 
 /// Hands out page ids; LIFO so reuse is immediate (which is what exposes use-after-free).
 #[derive(Clone, Debug)]
 pub struct PageAllocator {
     free: Vec<u32>,
     in_use: Vec<bool>,
+    refusals: Option<Refusals>,
 }
 
 impl PageAllocator {
@@ -25,7 +59,17 @@ impl PageAllocator {
         PageAllocator {
             free: (0..pages).rev().collect(),
             in_use: vec![false; pages as usize],
+            refusals: None,
         }
+    }
+    /// Refuses a share `rate` of the allocations from now on (none when `rate` is 0), drawn
+    /// from `seed`; each refusal hits `probe`.
+    fn refuse(&mut self, seed: u64, rate: f64, probe: Probe) {
+        self.refusals = (rate > 0.0).then_some(Refusals {
+            state: seed,
+            rate,
+            probe,
+        });
     }
     pub fn capacity(&self) -> u32 {
         self.in_use.len() as u32
@@ -40,6 +84,12 @@ impl PageAllocator {
     pub fn alloc(&mut self, n: usize) -> Option<Vec<PageId>> {
         if n > self.free.len() {
             return None;
+        }
+        if let Some(r) = &mut self.refusals {
+            if n > 0 && r.fire() {
+                probe::hit(r.probe);
+                return None;
+            }
         }
         let pages: Vec<PageId> = (0..n)
             .map(|_| {
@@ -110,6 +160,20 @@ pub struct Pools {
 }
 
 impl Pools {
+    /// Injects allocation refusals at `faults`' rates from now on (zero rates: none).
+    pub fn inject(&mut self, faults: EngineFaults) {
+        self.device_pages.refuse(
+            faults.seed ^ 0xD0,
+            faults.device_pages_refused,
+            Probe::FaultDevicePagesRefused,
+        );
+        self.host_pages.refuse(
+            faults.seed ^ 0x05,
+            faults.host_pages_refused,
+            Probe::FaultHostPagesRefused,
+        );
+    }
+
     /// Allocates every pool buffer from `layout` (the mirror from `mutants.host_layout(layout)`,
     /// which is `layout` itself on the clean engine).
     pub fn new<D: Device>(

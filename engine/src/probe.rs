@@ -118,6 +118,12 @@ probes! {
     StepWaitedForBackup = "step.waited_for_backup",
     /// The device reported that a step's work failed.
     StepDeviceFailed = "step.device_failed",
+    /// The engine cleared a device fault it had seen (a failed step, load or backup).
+    DeviceRecovered = "device.recovered",
+    /// A page allocation was refused by an injected fault (`EngineFaults`), device tier.
+    FaultDevicePagesRefused = "fault.device_pages_refused",
+    /// A page allocation was refused by an injected fault, host tier.
+    FaultHostPagesRefused = "fault.host_pages_refused",
     /// A backup (device → host) was issued.
     BackupIssued = "backup.issued",
     /// A backup's copy failed: the nodes stay device-only.

@@ -79,4 +79,7 @@ impl Device for CheckedInOrder {
     fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
         self.inner.host_write(buf, offset, data)
     }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        self.inner.recover()
+    }
 }

@@ -27,7 +27,7 @@ use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::rc::Rc;
 use tierkv_engine::cpu_device::{run_op, Memory};
 use tierkv_engine::device::*;
-use tierkv_engine::layout::{Bytes, PageId};
+use tierkv_engine::layout::{Bytes, PageId, PageRun};
 
 /// Timing and fault model of the simulated GPU.
 #[derive(Clone, Debug)]
@@ -56,13 +56,31 @@ pub struct GpuOptions {
     pub failed_enqueue_rate: f64,
     /// Probability that a kernel launch fails at run time: the kernel and the compute stream's
     /// work after it up to the stream's next record do not run (their outputs keep stale
-    /// bytes), and that record reports the failure, which then clears — a launch error as the
-    /// host sees it at its next synchronisation, with the rest of the step's work skipped as a
-    /// sticky error would skip it. (An error that stays until the engine resets the device is
-    /// not modelled.)
+    /// bytes), and that record reports the failure — a launch error as the host sees it at its
+    /// next synchronisation. Without `sticky_faults` the error then clears by itself.
     pub failed_kernel_rate: f64,
+    /// A failed launch or copy leaves its stream in error until the engine calls
+    /// `Device::recover`: the stream skips every op (a skipped copy leaves its destination rows
+    /// stale, so they count as garbage) and every record on it reports `Failed` — CUDA's sticky
+    /// errors, as far as an engine can live through them.
+    pub sticky_faults: bool,
+    /// Probability that a page copy of two or more pages becomes visible in two chunks (two ops
+    /// on its stream, the first half of its pages first), so a read racing it can see part.
+    pub torn_copy_rate: f64,
+    /// The longest delay between a load-stream record's completion and its host callback, ns
+    /// (0: at once). The production device enqueues a host callback after every record on the
+    /// load stream, which signals the completion ring; before it records the same event again
+    /// it waits for the previous callback (`CompletionRing::issue_after_previous`), so a late
+    /// callback stalls the host there. Callbacks run in order (CUDA runs a stream's callbacks
+    /// in order) but late against the other streams' completions, which the host can observe
+    /// first. `query` and `synchronize` stay exact, as `cuEventQuery` is (the production
+    /// `query` falls back to it when the callback has not run).
+    pub completion_delay_ns: u64,
     /// Fail the first pinned-host allocation (the runner retries the engine's construction).
     pub fail_first_host_alloc: bool,
+    /// The buffer allocation, counted from 1, that fails with out-of-memory (pool, mirror or
+    /// scratch; the runner retries the engine's construction); 0: none.
+    pub fail_alloc: u32,
     /// Record every op as a trace slice.
     pub trace: bool,
     /// Run the ops' data effects on a real GPU instead of the CPU references.
@@ -85,7 +103,11 @@ impl Default for GpuOptions {
             failed_copy_rate: 0.0,
             failed_enqueue_rate: 0.0,
             failed_kernel_rate: 0.0,
+            sticky_faults: false,
+            torn_copy_rate: 0.0,
+            completion_delay_ns: 0,
             fail_first_host_alloc: false,
+            fail_alloc: 0,
             trace: false,
             cuda: false,
         }
@@ -151,6 +173,11 @@ struct StreamState {
     failed_since_record: bool,
     /// A kernel launch failed since the last record: the stream's ops do not run until it.
     skipping: bool,
+    /// A fault left the stream in error (`GpuOptions::sticky_faults`): it skips every op and
+    /// fails every record until the engine recovers the device.
+    sticky: bool,
+    /// When the host callback of the stream's latest completed record runs (in order).
+    last_seen: u64,
     /// Race-detector clock of the stream's enqueue point.
     vc: Vc,
     /// The last op and the last record this stream finished: both finish in enqueue order.
@@ -163,6 +190,8 @@ struct RecordState {
     /// The stream it was recorded on.
     stream: usize,
     done_at: Option<u64>,
+    /// When its host callback runs (load-stream records, `completion_delay_ns`).
+    seen_at: Option<u64>,
     failed: bool,
     vc: Vc,
 }
@@ -209,6 +238,7 @@ pub struct SimGpu {
     pub stats: GpuStats,
     log_hash: u64,
     host_allocs: u32,
+    allocs: u32,
     exec: Executor,
 }
 
@@ -265,6 +295,7 @@ impl SimGpu {
             stats: GpuStats::default(),
             log_hash: 0xC0FF_EE00,
             host_allocs: 0,
+            allocs: 0,
             exec: Executor::Cpu,
         };
         if cuda {
@@ -409,12 +440,15 @@ impl SimGpu {
                 Entry::Record(rec) => {
                     let rec = *rec;
                     self.streams[s].queue.pop_front();
-                    let failed = std::mem::take(&mut self.streams[s].failed_since_record);
+                    let failed = std::mem::take(&mut self.streams[s].failed_since_record)
+                        || self.streams[s].sticky;
                     self.streams[s].skipping = false;
+                    let seen = self.seen_at(s, t);
                     let r = self.records.get_mut(&rec).expect("record exists");
                     assert_eq!(r.stream, s, "record {rec} completes on another stream");
                     assert!(r.done_at.is_none(), "record {rec} completed twice");
                     r.done_at = Some(t);
+                    r.seen_at = Some(seen);
                     let last = self.streams[s].last_record.replace(rec);
                     assert!(last < Some(rec), "records of one stream complete in order");
                     r.failed = failed;
@@ -490,6 +524,54 @@ impl SimGpu {
         }
     }
 
+    /// When the host callback of a record of stream `s` completed at `t` runs: at once, or after
+    /// a drawn delay for load-stream records, never before the stream's previous callback.
+    fn seen_at(&mut self, s: usize, t: u64) -> u64 {
+        let max = self.opts.completion_delay_ns;
+        if max == 0 || s != StreamKind::Load.index() {
+            return t;
+        }
+        let at = (t + self.rng.below(max + 1)).max(self.streams[s].last_seen);
+        self.streams[s].last_seen = at;
+        at
+    }
+
+    /// The host observed record `rec` complete at `now`: a load-stream record that completed no
+    /// later but whose callback has not run yet means completions reach the host out of order.
+    fn observed(&mut self, rec: u64, now: u64) {
+        let Some(done) = self.records[&rec].done_at else {
+            return;
+        };
+        let load = StreamKind::Load.index();
+        let late = self.streams[load].last_seen > now
+            && self.records.values().rev().take(64).any(|r| {
+                r.stream == load
+                    && r.done_at.is_some_and(|d| d <= done)
+                    && r.seen_at.is_some_and(|c| c > now)
+            });
+        probes::hit_if(SimProbe::FaultCompletionReordered, late);
+    }
+
+    /// Before the host records a load-stream event again, it waits for the host callback of the
+    /// event's previous record (as `CompletionRing::issue_after_previous` does).
+    fn wait_callback(&mut self, rec: u64) {
+        let start = self.host.get();
+        self.run_until_record(rec);
+        let at = self.records[&rec].seen_at.expect("a completed record has its callback time");
+        if at > start {
+            probes::hit(SimProbe::FaultCompletionLate);
+            self.host.set(at);
+            self.pump(at);
+            self.mark(Mark::Host {
+                what: "wait for a late callback",
+                start,
+                end: at,
+                rec: Some(rec),
+            });
+        }
+        self.log(&[16, rec, at]);
+    }
+
     /// Runs the device until record `rec` is complete (the host blocks meanwhile).
     fn run_until_record(&mut self, rec: u64) -> u64 {
         loop {
@@ -535,10 +617,18 @@ impl SimGpu {
             self.streams[s].failed_since_record = true;
             self.streams[s].skipping = true;
         }
-        // A failed launch, and the work after it that its stream skips until the next record.
-        let skipped = self.streams[s].skipping;
+        // A failed launch, and the work after it that its stream skips until the next record;
+        // or a stream in error, which skips everything until the engine recovers the device.
+        let skipped = self.streams[s].skipping || self.streams[s].sticky;
         if skipped {
             self.log(&[13, s as u64, rec.id]);
+            self.streams[s].failed_since_record = true;
+            // What a skipped copy should have written holds whatever was there: garbage.
+            if rec.op.spec().class() == OpClass::PageCopy {
+                for (buf, page, rows) in rec.op.spec().full_rows() {
+                    *self.tainted.entry((buf, page)).or_default() |= rows;
+                }
+            }
         } else {
             self.check_content(&rec, end);
             if rec.fail {
@@ -546,6 +636,11 @@ impl SimGpu {
             } else {
                 self.perform(&rec);
             }
+        }
+        if rec.fail && self.opts.sticky_faults && !self.streams[s].sticky {
+            probes::hit(SimProbe::FaultSticky);
+            self.streams[s].sticky = true;
+            self.log(&[14, s as u64, rec.id]);
         }
         if self.opts.trace {
             self.trace.push(Slice {
@@ -678,12 +773,90 @@ impl SimGpu {
         self.report_races(races);
     }
 
-    /// Faults stop (the liveness phase of a run): no more slow or failed copies.
+    /// Faults stop (the liveness phase of a run): no more slow, torn or failed copies, failed
+    /// launches or late completions. A stream already in error stays so until the engine
+    /// recovers the device.
     pub fn stop_faults(&mut self) {
         self.opts.slow_copy_rate = 0.0;
         self.opts.failed_copy_rate = 0.0;
         self.opts.failed_enqueue_rate = 0.0;
         self.opts.failed_kernel_rate = 0.0;
+        self.opts.torn_copy_rate = 0.0;
+        self.opts.completion_delay_ns = 0;
+    }
+
+    /// Queues op `op` on stream `s`: its id, its happens-before clock and the race check of its
+    /// accesses, its duration and fate.
+    fn push_op(&mut self, s: usize, op: Op) {
+        let id = self.next_op;
+        self.next_op += 1;
+        // Happens-before: the op follows everything its stream and the host know of.
+        let mut vc = self.streams[s].vc;
+        join(&mut vc, &self.host_vc);
+        vc[s] += 1;
+        self.streams[s].vc = vc;
+        let who_what = format!("{} {}", op.name(), op_detail(&op, &self.mem));
+        for a in op.accesses() {
+            let who = Accessor {
+                entity: s,
+                epoch: vc[s],
+                id,
+                what: who_what.clone(),
+            };
+            let races = self.race.access(a.range, a.write, &vc, &who);
+            if !races.is_empty() {
+                self.report_races(races);
+            }
+        }
+        let (duration, fail) = self.duration(&op);
+        self.log(&[9, s as u64, id, duration, fail as u64]);
+        let now = self.host.get();
+        self.streams[s].queue.push_back(Entry::Op(Box::new(OpRec {
+            id,
+            op,
+            fail,
+            duration,
+            enq_ns: now,
+        })));
+        self.pump(now);
+        self.advance_stream(s, now);
+    }
+
+    /// A torn copy (`torn_copy_rate`): the op as two page copies, the first half of its pages
+    /// first. `None`: the op stays whole.
+    fn tear(&mut self, op: &Op) -> Option<(Op, Op)> {
+        let Op::PageCopy(c) = op else {
+            return None;
+        };
+        let pages: u32 = c.runs.iter().map(|r| r.count).sum();
+        if pages < 2 || self.opts.torn_copy_rate <= 0.0 || !self.rng.chance(self.opts.torn_copy_rate)
+        {
+            return None;
+        }
+        probes::hit(SimProbe::FaultCopyTorn);
+        let (mut first, mut second) = (Vec::new(), Vec::new());
+        let mut left = pages / 2;
+        for r in &c.runs {
+            let take = r.count.min(left);
+            left -= take;
+            if take > 0 {
+                first.push(PageRun { count: take, ..*r });
+            }
+            if take < r.count {
+                second.push(PageRun {
+                    src: PageId(r.src.0 + take),
+                    dst: PageId(r.dst.0 + take),
+                    count: r.count - take,
+                });
+            }
+        }
+        let half = |runs| {
+            Op::PageCopy(PageCopy {
+                runs,
+                ..c.clone()
+            })
+        };
+        Some((half(first), half(second)))
     }
 
     /// Whether any stream still has work.
@@ -770,6 +943,15 @@ pub fn op_detail(op: &Op, mem: &Memory) -> String {
 
 impl Device for SimGpu {
     fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
+        self.allocs += 1;
+        if self.opts.fail_alloc == self.allocs {
+            probes::hit(SimProbe::FaultAllocFailed);
+            return Err(DeviceError::OutOfMemory {
+                role: desc.role,
+                tier: desc.tier,
+                bytes: desc.bytes.0,
+            });
+        }
         if desc.tier == MemoryTier::PinnedHost {
             self.host_allocs += 1;
             if self.opts.fail_first_host_alloc && self.host_allocs == 1 {
@@ -805,6 +987,9 @@ impl Device for SimGpu {
             "record of unknown {ev}"
         );
         if let Some(old) = self.events[ev.0 as usize] {
+            if stream == StreamKind::Load && self.opts.completion_delay_ns > 0 {
+                self.wait_callback(old);
+            }
             let awaited = self.streams.iter().any(|st| {
                 st.queue
                     .iter()
@@ -819,6 +1004,7 @@ impl Device for SimGpu {
             RecordState {
                 stream: s,
                 done_at: None,
+                seen_at: None,
                 failed: false,
                 vc: self.streams[s].vc,
             },
@@ -857,6 +1043,7 @@ impl Device for SimGpu {
                 match r.done_at {
                     Some(at) if at <= now => {
                         join(&mut self.host_vc, &r.vc);
+                        self.observed(rec, now);
                         if r.failed {
                             EventState::Failed
                         } else {
@@ -892,6 +1079,8 @@ impl Device for SimGpu {
                 }
                 let r = self.records[&rec];
                 join(&mut self.host_vc, &r.vc);
+                let now = self.host.get();
+                self.observed(rec, now);
                 if r.failed {
                     EventState::Failed
                 } else {
@@ -939,38 +1128,13 @@ impl Device for SimGpu {
                 detail: format!("injected: {} refused at enqueue", op.name()),
             });
         }
-        let id = self.next_op;
-        self.next_op += 1;
-        // Happens-before: the op follows everything its stream and the host know of.
-        let mut vc = self.streams[s].vc;
-        join(&mut vc, &self.host_vc);
-        vc[s] += 1;
-        self.streams[s].vc = vc;
-        let who_what = format!("{} {}", op.name(), op_detail(&op, &self.mem));
-        for a in op.accesses() {
-            let who = Accessor {
-                entity: s,
-                epoch: vc[s],
-                id,
-                what: who_what.clone(),
-            };
-            let races = self.race.access(a.range, a.write, &vc, &who);
-            if !races.is_empty() {
-                self.report_races(races);
+        match self.tear(&op) {
+            Some((first, second)) => {
+                self.push_op(s, first);
+                self.push_op(s, second);
             }
+            None => self.push_op(s, op),
         }
-        let (duration, fail) = self.duration(&op);
-        self.log(&[9, s as u64, id, duration, fail as u64]);
-        let now = self.host.get();
-        self.streams[s].queue.push_back(Entry::Op(Box::new(OpRec {
-            id,
-            op,
-            fail,
-            duration,
-            enq_ns: now,
-        })));
-        self.pump(now);
-        self.advance_stream(s, now);
         Ok(())
     }
     fn host_read(
@@ -1011,6 +1175,18 @@ impl Device for SimGpu {
             end: now,
             rec: None,
         });
+        Ok(())
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        // Completions up to now happened with the error; what completes later runs again.
+        let now = self.host.get();
+        self.pump(now);
+        let mut was = false;
+        for st in &mut self.streams {
+            was |= std::mem::take(&mut st.sticky);
+        }
+        probes::hit_if(SimProbe::FaultStickyRecovered, was);
+        self.log(&[15, was as u64]);
         Ok(())
     }
 }

@@ -32,6 +32,20 @@ pub enum SimProbe {
     FaultHostAllocFailed,
     /// Fault: a kernel launch failed (the step's work is lost).
     FaultKernelFailed,
+    /// Fault: a failed launch or copy left its stream in error (sticky) until the engine
+    /// recovered the device.
+    FaultSticky,
+    /// The engine recovered a device whose stream was in error.
+    FaultStickyRecovered,
+    /// Fault: a page copy became visible in two chunks.
+    FaultCopyTorn,
+    /// Fault: the host learned of a completed record later than it completed.
+    FaultCompletionLate,
+    /// Fault: the host learned of a record's completion before that of an earlier record of
+    /// another stream (completions observed out of order).
+    FaultCompletionReordered,
+    /// Fault: a buffer allocation at the engine's construction failed (any tier, not the first).
+    FaultAllocFailed,
     /// Faults stopped while the engine still had requests (the liveness phase has work).
     FaultsStoppedWithWork,
     /// A session ended because its next turn would not fit the context.
@@ -53,6 +67,12 @@ impl SimProbe {
         SimProbe::FaultEnqueueFailed,
         SimProbe::FaultHostAllocFailed,
         SimProbe::FaultKernelFailed,
+        SimProbe::FaultSticky,
+        SimProbe::FaultStickyRecovered,
+        SimProbe::FaultCopyTorn,
+        SimProbe::FaultCompletionLate,
+        SimProbe::FaultCompletionReordered,
+        SimProbe::FaultAllocFailed,
         SimProbe::FaultsStoppedWithWork,
         SimProbe::SessionReachedContext,
         SimProbe::ClientRetried,
@@ -71,6 +91,12 @@ impl SimProbe {
             SimProbe::FaultEnqueueFailed => "fault.enqueue_failed",
             SimProbe::FaultHostAllocFailed => "fault.host_alloc_failed",
             SimProbe::FaultKernelFailed => "fault.kernel_failed",
+            SimProbe::FaultSticky => "fault.sticky",
+            SimProbe::FaultStickyRecovered => "fault.sticky_recovered",
+            SimProbe::FaultCopyTorn => "fault.copy_torn",
+            SimProbe::FaultCompletionLate => "fault.completion_late",
+            SimProbe::FaultCompletionReordered => "fault.completion_reordered",
+            SimProbe::FaultAllocFailed => "fault.alloc_failed",
             SimProbe::FaultsStoppedWithWork => "run.faults_stopped_with_work",
             SimProbe::SessionReachedContext => "run.session_reached_context",
             SimProbe::ClientRetried => "run.client_retried",

@@ -17,6 +17,7 @@ use std::rc::Rc;
 use tierkv_engine::device::DeviceError;
 use tierkv_engine::mutants::Mutants;
 use tierkv_engine::synth::Synth;
+use tierkv_engine::engine::EngineFaults;
 use tierkv_engine::{Config, Engine, EngineError, EngineOptions, Output, Rejection, RequestSpec};
 use tierkv_kernels::cpu::numerics::mix64;
 use tierkv_kernels::mutants::KernelMutant;
@@ -307,6 +308,11 @@ fn start_engine(
     let eopts = EngineOptions {
         seed: sc.seed,
         mutants: planted.engine,
+        faults: EngineFaults {
+            seed: sc.seed,
+            device_pages_refused: sc.device_pages_refused,
+            host_pages_refused: sc.host_pages_refused,
+        },
     };
     let failed = |oracle, message| Finding {
         oracle,
@@ -315,7 +321,10 @@ fn start_engine(
     };
     let start = |fault_alloc: bool| -> Result<Result<Eng, EngineError>, Finding> {
         let mut knobs = sc.gpu.clone();
-        knobs.fail_first_host_alloc = fault_alloc;
+        if !fault_alloc {
+            knobs.fail_first_host_alloc = false;
+            knobs.fail_alloc = 0;
+        }
         let mut o = knobs.options(opts.trace);
         o.cuda = opts.cuda;
         if let Some(s) = &opts.schedule {
@@ -330,10 +339,9 @@ fn start_engine(
         guarded(|| Engine::new(cfg.clone(), gpu, clock, eopts))
             .map_err(|p| failed(OracleKind::Invariant, p))
     };
-    let first = match start(sc.gpu.fail_first_host_alloc)? {
-        Err(EngineError::Device(DeviceError::OutOfMemory { .. }))
-            if sc.gpu.fail_first_host_alloc =>
-        {
+    let alloc_fault = sc.gpu.fail_first_host_alloc || sc.gpu.fail_alloc > 0;
+    let first = match start(alloc_fault)? {
+        Err(EngineError::Device(DeviceError::OutOfMemory { .. })) if alloc_fault => {
             start(false)?
         }
         other => other,
@@ -577,6 +585,7 @@ impl<'a> Run<'a> {
             );
             self.faults_on = false;
             self.engine.dev.stop_faults();
+            self.engine.inject(EngineFaults::default());
         }
         if !self.faults_on {
             return Ok(());
@@ -849,6 +858,10 @@ impl<'a> Run<'a> {
             let now = self.engine.dev.now();
             if let Some(f) = liveness::all_requests_ended(&open, now)
                 .or_else(|| conservation::check(&self.engine, now))
+                .or_else(|| {
+                    let mut c = self.content.borrow_mut();
+                    conservation::audit(&self.engine, &self.engine.dev.mem, &mut c, now)
+                })
             {
                 self.findings.push(f);
             }

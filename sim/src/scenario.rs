@@ -72,6 +72,19 @@ pub struct GpuKnobs {
     #[serde(default)]
     pub failed_kernel_rate: f64,
     pub fail_first_host_alloc: bool,
+    /// Failed launches and copies leave their stream in error until the engine recovers the
+    /// device (`GpuOptions::sticky_faults`).
+    #[serde(default)]
+    pub sticky_faults: bool,
+    /// Probability that a page copy becomes visible in two chunks.
+    #[serde(default)]
+    pub torn_copy_rate: f64,
+    /// Longest delay before the host learns of a completion, ns (0: none).
+    #[serde(default)]
+    pub completion_delay_ns: u64,
+    /// The buffer allocation at the engine's construction that fails, from 1 (0: none).
+    #[serde(default)]
+    pub fail_alloc: u32,
 }
 
 impl GpuKnobs {
@@ -100,6 +113,10 @@ impl GpuKnobs {
             failed_enqueue_rate: self.failed_enqueue_rate,
             failed_kernel_rate: self.failed_kernel_rate,
             fail_first_host_alloc: self.fail_first_host_alloc,
+            sticky_faults: self.sticky_faults,
+            torn_copy_rate: self.torn_copy_rate,
+            completion_delay_ns: self.completion_delay_ns,
+            fail_alloc: self.fail_alloc,
             trace,
             ..GpuOptions::default()
         }
@@ -111,6 +128,9 @@ impl GpuKnobs {
             || self.failed_enqueue_rate > 0.0
             || self.failed_kernel_rate > 0.0
             || self.fail_first_host_alloc
+            || self.torn_copy_rate > 0.0
+            || self.completion_delay_ns > 0
+            || self.fail_alloc > 0
     }
 }
 
@@ -127,6 +147,13 @@ pub struct Scenario {
     /// Probability per engine step of aborting a request whose load is still in flight.
     #[serde(default)]
     pub abort_mid_load_rate: f64,
+    /// Probability that the engine's allocation of device pages is refused as if the tier were
+    /// full (`EngineFaults`).
+    #[serde(default)]
+    pub device_pages_refused: f64,
+    /// The same for host pages.
+    #[serde(default)]
+    pub host_pages_refused: f64,
     pub workload: Workload,
     /// Engine steps before the run is declared stuck.
     pub steps_max: u64,
@@ -151,6 +178,7 @@ pub mod limits {
     pub const SIM_MEMORY_BYTES_MAX: u64 = 1 << 30;
     pub const PCT_DEPTH_MAX: u32 = 64;
     pub const JITTER_NS_MAX: u64 = 1_000_000_000;
+    pub const COMPLETION_DELAY_NS_MAX: u64 = 1_000_000_000;
     pub const COPY_BYTES_PER_NS_MAX: f64 = 1e6;
     /// Arrival times, think times and the like, in virtual ns (about 17 minutes).
     pub const TIME_NS_MAX: u64 = 1 << 40;
@@ -232,6 +260,8 @@ impl Scenario {
         self.validate_gpu()?;
         rate("abort_rate", self.abort_rate)?;
         rate("abort_mid_load_rate", self.abort_mid_load_rate)?;
+        rate("device_pages_refused", self.device_pages_refused)?;
+        rate("host_pages_refused", self.host_pages_refused)?;
         if self.steps_max == 0 {
             return Err(bad("steps_max", 0, "must be at least 1"));
         }
@@ -269,6 +299,12 @@ impl Scenario {
         rate("gpu.slow_copy_rate", g.slow_copy_rate)?;
         rate("gpu.failed_enqueue_rate", g.failed_enqueue_rate)?;
         rate("gpu.failed_kernel_rate", g.failed_kernel_rate)?;
+        rate("gpu.torn_copy_rate", g.torn_copy_rate)?;
+        at_most(
+            "gpu.completion_delay_ns",
+            g.completion_delay_ns,
+            limits::COMPLETION_DELAY_NS_MAX,
+        )?;
         rate("gpu.failed_copy_rate", g.failed_copy_rate)
     }
 
@@ -320,7 +356,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3}{} torn {:.2} late {} ns alloc-fail {} | refuse device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -343,6 +379,12 @@ impl Scenario {
             self.gpu.failed_copy_rate,
             self.gpu.failed_enqueue_rate,
             self.gpu.failed_kernel_rate,
+            if self.gpu.sticky_faults { " sticky" } else { "" },
+            self.gpu.torn_copy_rate,
+            self.gpu.completion_delay_ns,
+            self.gpu.fail_alloc,
+            self.device_pages_refused,
+            self.host_pages_refused,
             self.abort_rate,
             self.abort_mid_load_rate,
             self.workload.sessions.len(),
@@ -379,10 +421,20 @@ pub fn draw(
     } else {
         0.01 + gr.unit() * 0.05
     };
-    let abort_mid_load_rate = if gr.chance(0.5) {
+    let abort_mid_load_rate = if gr.chance(0.35) {
         0.0
     } else {
-        0.2 + gr.unit() * 0.6
+        0.3 + gr.unit() * 0.6
+    };
+    let device_pages_refused = if gr.chance(0.75) {
+        0.0
+    } else {
+        0.01 + gr.unit() * 0.09
+    };
+    let host_pages_refused = if gr.chance(0.75) {
+        0.0
+    } else {
+        0.02 + gr.unit() * 0.3
     };
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
@@ -393,6 +445,8 @@ pub fn draw(
         gpu,
         abort_rate,
         abort_mid_load_rate,
+        device_pages_refused,
+        host_pages_refused,
         workload,
         steps_max: 2_000 + 200 * requests,
         mutant: None,
@@ -597,6 +651,23 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         } else {
             0.002 + gr.unit() * 0.018
         },
+        sticky_faults: gr.chance(0.5),
+        torn_copy_rate: if gr.chance(0.7) {
+            0.0
+        } else {
+            0.05 + gr.unit() * 0.25
+        },
+        completion_delay_ns: if gr.chance(0.5) {
+            0
+        } else {
+            gr.range(1_000, 200_000)
+        },
+        // The engine allocates its pool buffers, the host mirror, then the step scratch.
+        fail_alloc: if gr.chance(0.9) {
+            0
+        } else {
+            gr.range(1, 8) as u32
+        },
     }
 }
 
@@ -639,6 +710,7 @@ struct Shape {
     pending_max: u64,
     device_pages: u32,
     every_token: bool,
+    prefill_budget: u32,
 }
 
 impl Shape {
@@ -649,6 +721,7 @@ impl Shape {
             pending_max: cfg.scheduler.pending_tokens_max,
             device_pages: cfg.cache.device_pages,
             every_token: cfg.model.prefill_indexer == PrefillIndexer::EveryToken,
+            prefill_budget: cfg.scheduler.prefill_tokens_per_step_max,
         }
     }
     /// Tokens to generate: mostly a few, sometimes exactly the limit.
@@ -730,8 +803,8 @@ fn add_production_shapes(r: &mut Rng, w: &mut Workload, s: &Shape) {
 /// Prompts revisited after the device tier has forgotten them, so that they are loaded back: a
 /// small set of prefixes sent three times while it fits on the device (write-through backs each up at
 /// once, the selective policy on the second hit, and a round may be refused), then a flood of other prefixes that fills the
-/// device tier (write-back backs the set up as it is evicted), then the set once more, found on
-/// the host only. Every phase far apart from the next: a phase that meets a queue full of long
+/// device tier (write-back backs the set up as it is evicted), then each of the set alone and the
+/// set once more, found on the host only. Every phase far apart from the next: a phase that meets a queue full of long
 /// prompts is refused until it drains (the runner's clients retry). Prompts are shorter under
 /// every-token indexing, which costs a query per prefill token.
 fn add_revisits(r: &mut Rng, w: &mut Workload, s: &Shape) {
@@ -747,21 +820,34 @@ fn add_revisits(r: &mut Rng, w: &mut Workload, s: &Shape) {
     let base = 6_000_000 + r.below(1_000) * 100;
     let gap = r.range(100_000, 400_000);
     let mut at = r.below(2_000_000);
-    let mut phase = |w: &mut Workload, r: &mut Rng, first: u32, n: u32, own: u64| {
+    let phase = |w: &mut Workload, r: &mut Rng, at: &mut u64, first: u32, n: u32, own: u64| {
         for i in 0..n as u64 {
             w.oneshots.push(OneShot {
-                at_ns: at + i * gap,
+                at_ns: *at + i * gap,
                 segments: vec![(base + first as u64 + i, pages * 64), (own + i, 8)],
                 generate: 2.min(s.output_max),
             });
         }
-        at += gap * n as u64 + r.range(20_000_000, 100_000_000);
+        *at += gap * n as u64 + r.range(20_000_000, 100_000_000);
     };
-    phase(w, r, 0, set, base + 50);
-    phase(w, r, 0, set, base + 60);
-    phase(w, r, 0, set, base + 65);
-    phase(w, r, 10, flood, base + 70);
-    phase(w, r, 0, set, base + 90);
+    phase(w, r, &mut at, 0, set, base + 50);
+    phase(w, r, &mut at, 0, set, base + 60);
+    phase(w, r, &mut at, 0, set, base + 65);
+    phase(w, r, &mut at, 10, flood, base + 70);
+    // Each of the set alone, found on the host only, behind a fresh prompt of exactly the
+    // step's prefill budget: admitted with the prompt, the revisit waits a step for budget
+    // while its load is in flight (the window of an abort mid-load), and the prompt is done in
+    // that step — an aborted load that outlives it is all the next step has to wait for.
+    let straggler = s.prefill_budget.min(s.ctx - s.output_max);
+    for k in 0..set {
+        w.oneshots.push(OneShot {
+            at_ns: at,
+            segments: vec![(base + 40 + k as u64, straggler)],
+            generate: 1,
+        });
+        phase(w, r, &mut at, k, 1, base + 30 + k as u64);
+    }
+    phase(w, r, &mut at, 0, set, base + 90);
 }
 
 /// Multi-turn tool-call sessions sharing a system prompt; optionally a burst of one-shots.

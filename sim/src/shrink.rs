@@ -86,24 +86,25 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
         c.abort_mid_load_rate = 0.0;
         out.push(c);
     }
-    for (rate_zero, f) in [
-        (sc.abort_rate == 0.0, 0usize),
-        (sc.gpu.slow_copy_rate == 0.0, 1),
-        (sc.gpu.failed_copy_rate == 0.0, 2),
-        (sc.gpu.failed_enqueue_rate == 0.0, 3),
-        (sc.gpu.failed_kernel_rate == 0.0, 5),
-        (!sc.gpu.fail_first_host_alloc, 4),
-    ] {
-        if !rate_zero {
+    // Each fault that is on, switched off.
+    let faults: [(bool, fn(&mut Scenario)); 12] = [
+        (sc.abort_rate > 0.0, |c| c.abort_rate = 0.0),
+        (sc.gpu.slow_copy_rate > 0.0, |c| c.gpu.slow_copy_rate = 0.0),
+        (sc.gpu.failed_copy_rate > 0.0, |c| c.gpu.failed_copy_rate = 0.0),
+        (sc.gpu.failed_enqueue_rate > 0.0, |c| c.gpu.failed_enqueue_rate = 0.0),
+        (sc.gpu.fail_first_host_alloc, |c| c.gpu.fail_first_host_alloc = false),
+        (sc.gpu.failed_kernel_rate > 0.0, |c| c.gpu.failed_kernel_rate = 0.0),
+        (sc.gpu.sticky_faults, |c| c.gpu.sticky_faults = false),
+        (sc.gpu.torn_copy_rate > 0.0, |c| c.gpu.torn_copy_rate = 0.0),
+        (sc.gpu.completion_delay_ns > 0, |c| c.gpu.completion_delay_ns = 0),
+        (sc.gpu.fail_alloc > 0, |c| c.gpu.fail_alloc = 0),
+        (sc.device_pages_refused > 0.0, |c| c.device_pages_refused = 0.0),
+        (sc.host_pages_refused > 0.0, |c| c.host_pages_refused = 0.0),
+    ];
+    for (on, off) in faults {
+        if on {
             let mut c = sc.clone();
-            match f {
-                0 => c.abort_rate = 0.0,
-                1 => c.gpu.slow_copy_rate = 0.0,
-                2 => c.gpu.failed_copy_rate = 0.0,
-                3 => c.gpu.failed_enqueue_rate = 0.0,
-                5 => c.gpu.failed_kernel_rate = 0.0,
-                _ => c.gpu.fail_first_host_alloc = false,
-            }
+            off(&mut c);
             out.push(c);
         }
     }

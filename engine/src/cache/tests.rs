@@ -143,3 +143,98 @@ proptest! {
         }
     }
 }
+
+/// The cache's policies, each pinned by a test (the invariants above hold for any policy).
+mod policy {
+    use super::*;
+
+    /// A cache holding one-page documents `keys`, inserted in order, on device pages 0, 1, ...
+    fn with_pages(keys: &[u8]) -> (PrefixCache, Vec<NodeId>) {
+        let mut c = PrefixCache::new();
+        let nodes = keys
+            .iter()
+            .enumerate()
+            .map(|(i, &k)| c.insert(&[key(k)], &[PageId(i as u32)]).nodes[0])
+            .collect();
+        (c, nodes)
+    }
+
+    /// Backs up `nodes` one after the other onto host pages 100, 101, ...
+    fn backed_up(c: &mut PrefixCache, nodes: &[NodeId]) {
+        for (i, &n) in nodes.iter().enumerate() {
+            c.begin_backup(&[n], &[PageId(100 + i as u32)]);
+            c.finish_backup(&[n], true);
+        }
+    }
+
+    #[test]
+    fn device_eviction_takes_the_least_recently_used_leaf() {
+        let (mut c, nodes) = with_pages(&[1, 2, 3]);
+        // The oldest document is used again: the second is now the least recent.
+        let m = c.match_prefix(&[key(1)]);
+        c.touch(&m.nodes);
+        let ev = c.evict_device(1, WritePolicy::WriteThrough);
+        assert_eq!(ev.freed, vec![PageId(1)]);
+        assert!(!c.is_live(nodes[1]));
+        c.check_invariants();
+    }
+
+    #[test]
+    fn host_eviction_takes_the_oldest_copy_and_spares_a_pinned_one() {
+        let (mut c, nodes) = with_pages(&[1, 2, 3]);
+        backed_up(&mut c, &nodes);
+        // The copies were written in order: the first is the oldest.
+        assert_eq!(c.clone().evict_host(1, ROOT), vec![PageId(100)]);
+        // A load reads the first one: it stays, the next oldest goes.
+        c.pin_host(&nodes[..1]);
+        assert_eq!(c.evict_host(1, ROOT), vec![PageId(101)]);
+        c.check_invariants();
+    }
+
+    #[test]
+    fn host_evictable_counts_what_host_eviction_frees() {
+        // Two documents sharing a first page, all backed up; one copy pinned.
+        let mut c = PrefixCache::new();
+        let a = c.insert(&[key(1), key(2), key(3)], &[PageId(0), PageId(1), PageId(2)]);
+        let b = c.insert(&[key(1), key(4)], &[PageId(0), PageId(3)]);
+        backed_up(&mut c, &a.nodes);
+        backed_up(&mut c, &b.nodes[1..]);
+        for pinned in [None, Some(a.nodes[2]), Some(b.nodes[1])] {
+            for keep in [ROOT, a.nodes[0], a.nodes[1], b.nodes[1]] {
+                let mut c = c.clone();
+                if let Some(p) = pinned {
+                    c.pin_host(&[p]);
+                }
+                let n = c.host_evictable(keep);
+                assert_eq!(
+                    c.evict_host(usize::MAX, keep).len(),
+                    n,
+                    "pinned {pinned:?}, keep {keep}"
+                );
+            }
+        }
+        assert_eq!(c.host_evictable(ROOT), 4, "every copy, leaves first");
+    }
+
+    #[test]
+    fn a_backup_is_deferred_only_behind_one_in_flight() {
+        let mut c = PrefixCache::new();
+        let a = c.insert(&[key(1), key(2)], &[PageId(0), PageId(1)]);
+        assert!(!c.backup_deferred(a.nodes[1]), "nothing in flight");
+        c.begin_backup(&a.nodes[..1], &[PageId(100)]);
+        assert!(c.backup_deferred(a.nodes[1]), "its parent's backup is in flight");
+        c.finish_backup(&a.nodes[..1], true);
+        assert!(!c.backup_deferred(a.nodes[1]), "its parent is backed up");
+    }
+
+    #[test]
+    #[should_panic(expected = "is resident but its parent")]
+    fn the_invariants_catch_a_resident_node_under_a_dropped_parent() {
+        let (mut c, _) = with_pages(&[]);
+        let a = c.insert(&[key(1), key(2)], &[PageId(0), PageId(1)]);
+        backed_up(&mut c, &a.nodes[..1]);
+        // Drop the parent's device page behind the policies' back (its host copy stays).
+        c.update(a.nodes[0], |n| n.device = None);
+        c.check_invariants();
+    }
+}

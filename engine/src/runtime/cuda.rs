@@ -542,6 +542,15 @@ impl Device for CudaDevice {
             .wait(&self.events[ev.0 as usize])
             .map_err(backend("cuStreamWaitEvent"))
     }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        // An error from asynchronous work is sticky in CUDA: the context is lost and every later
+        // call fails with it, so nothing can be recovered in place. A context that still
+        // synchronises had no such error (an event's failure was its own): go on.
+        self.ops
+            .ctx
+            .synchronize()
+            .map_err(backend("the CUDA context did not survive a device fault"))
+    }
     fn query(&mut self, ev: EventId) -> EventState {
         if let Some(&t) = self.tickets.get(&ev) {
             // The host callback ran: the load stream passed this event.

@@ -1,10 +1,22 @@
 //! The conservation oracle: at the end of a run every device page, host page, pin and lock is
 //! accounted for — the pools hold exactly what the prefix cache holds, nothing is locked or pinned,
-//! no load or backup is in flight. It asks the engine's own accounting (`Engine::check_quiescent`)
-//! after the device has drained; during the run the engine's invariant assertions
-//! (`Engine::check_invariants`, run after every step) check the same equations continuously.
+//! no load or backup is in flight. Two checks, made after the device has drained:
+//! - the engine's own accounting (`Engine::check_quiescent`; during the run its invariant
+//!   assertions, `Engine::check_invariants`, check the same equations after every step);
+//! - the simulator's shadow of it ([`audit`]), which trusts no bookkeeping of the engine: every
+//!   page the prefix cache says it holds, on either tier, must hold — in the simulator's memory,
+//!   in every layer, KV and index-K — the rows the synthetic model gives the tokens the cache
+//!   files it under, and no page may be held twice. A page freed while the cache still points at
+//!   it and then reused, a backup or load published over a failed or torn copy, a node filed
+//!   under the wrong prefix: each leaves bytes that differ.
 
+use crate::oracles::content::ContentOracle;
 use crate::report::{Finding, OracleKind};
+use std::collections::BTreeMap;
+use tierkv_engine::cache::{NodeId, ROOT};
+use tierkv_engine::cpu_device::Memory;
+use tierkv_engine::device::{BufferId, BufferRole};
+use tierkv_engine::layout::{BufferKind, LayerId, PageId, PAGE_TOKENS};
 
 pub fn check<D, C, T>(engine: &tierkv_engine::Engine<D, C, T>, time_ns: u64) -> Option<Finding>
 where
@@ -17,4 +29,101 @@ where
         time_ns,
         message,
     })
+}
+
+/// The buffer of `role` in `mem`.
+fn buffer(mem: &Memory, role: BufferRole) -> BufferId {
+    (0..mem.descs.len() as u32)
+        .map(BufferId)
+        .find(|&b| mem.desc(b).role == role)
+        .unwrap_or_else(|| panic!("no {role} buffer"))
+}
+
+/// The simulator's shadow check of what the prefix cache holds (see the module comment).
+pub fn audit<D, C, T>(
+    engine: &tierkv_engine::Engine<D, C, T>,
+    mem: &Memory,
+    content: &mut ContentOracle,
+    time_ns: u64,
+) -> Option<Finding>
+where
+    D: tierkv_engine::device::Device,
+    C: tierkv_engine::device::Clock,
+    T: tierkv_engine::transfer::Transfer,
+{
+    let found = |message: String| {
+        Some(Finding {
+            oracle: OracleKind::Conservation,
+            time_ns,
+            message,
+        })
+    };
+    let cache = engine.cache();
+    let pools = engine.pools();
+    let layer_base = engine.config().model.layer_base;
+    let layers = engine.layout().layers();
+    // The first position of each node: its depth in the tree, in pages.
+    let mut depth: BTreeMap<NodeId, u32> = BTreeMap::new();
+    let mut depth_of = |id: NodeId| -> u32 {
+        let (mut path, mut at) = (Vec::new(), id);
+        let mut d = loop {
+            if at == ROOT {
+                break 0;
+            }
+            if let Some(&d) = depth.get(&at) {
+                break d;
+            }
+            path.push(at);
+            at = cache.node(at).parent;
+        };
+        for &n in path.iter().rev() {
+            d += 1;
+            depth.insert(n, d);
+        }
+        depth[&id]
+    };
+    let mut holders: [BTreeMap<PageId, NodeId>; 2] = [BTreeMap::new(), BTreeMap::new()];
+    let nodes: Vec<NodeId> = cache.live_nodes().collect();
+    for id in nodes {
+        let n = cache.node(id);
+        let first = (depth_of(id) - 1) * PAGE_TOKENS;
+        for (tier, page) in [(0usize, n.device), (1, n.host)] {
+            let Some(page) = page else {
+                continue;
+            };
+            if let Some(other) = holders[tier].insert(page, id) {
+                return found(format!(
+                    "{} page {page} is held by two nodes of the prefix cache ({other} and {id})",
+                    ["device", "host"][tier]
+                ));
+            }
+            for l in 0..layers {
+                for kind in BufferKind::ALL {
+                    let (role, view) = if tier == 0 {
+                        let role = BufferRole::Pool {
+                            kind,
+                            layer: LayerId(l),
+                        };
+                        (role, pools.device_side(kind, LayerId(l)).view())
+                    } else {
+                        (
+                            BufferRole::Mirror { kind },
+                            pools.host_side(kind, LayerId(l)).view(),
+                        )
+                    };
+                    let buf = buffer(mem, role);
+                    if let Some(e) =
+                        content.audit_page(mem, kind, buf, view, page, &n.key, first, layer_base + l)
+                    {
+                        return found(format!(
+                            "{} page {page}, which the prefix cache holds for positions {first}..{} (node {id}): {e}",
+                            ["device", "host"][tier],
+                            first + PAGE_TOKENS
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    None
 }

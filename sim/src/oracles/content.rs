@@ -404,3 +404,56 @@ impl ContentOracle {
         Vec::new()
     }
 }
+
+impl ContentOracle {
+    /// Compares one whole page of `kind` — tokens `tokens` at positions `first..first + 64` of
+    /// global layer `layer` — with the bytes of `page` in `view` of buffer `buf`. The message
+    /// names the first row that differs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn audit_page(
+        &mut self,
+        mem: &Memory,
+        kind: BufferKind,
+        buf: BufferId,
+        view: tierkv_engine::layout::PagedView,
+        page: tierkv_engine::layout::PageId,
+        tokens: &[u32],
+        first: u32,
+        layer: u32,
+    ) -> Option<String> {
+        let at = view.page_range(page);
+        let bytes = &mem.bytes(buf)[at.start as usize..at.end as usize];
+        for (t, &token) in tokens.iter().enumerate() {
+            let (t, n) = (t as u32, first + t as u32);
+            self.rows_checked += 1;
+            let differs = match kind {
+                BufferKind::Kv => {
+                    let want = self.kv_row(token, n, layer);
+                    let off = kv_row::slot_offset(self.kv_dtype, t);
+                    bytes[off..off + want.len()] != want[..]
+                }
+                BufferKind::IndexK => {
+                    let dtype = self.ik_dtype;
+                    let want = self.ik_row(token, n, layer);
+                    let off = index_k_page::value_offset(dtype, t, 0);
+                    let values = bytes[off..off + want.values.len()] != want.values[..];
+                    let scale = match (index_k_page::scale_offset(dtype, t), want.scale) {
+                        (Some(off), Some(s)) => bytes[off..off + 4] != s.to_le_bytes(),
+                        _ => false,
+                    };
+                    values || scale
+                }
+            };
+            if differs {
+                return Some(format!(
+                    "{} row of position {n} (token {t} of the page) in layer {layer} differs from the synthetic model",
+                    match kind {
+                        BufferKind::Kv => "KV",
+                        BufferKind::IndexK => "index-K",
+                    }
+                ));
+            }
+        }
+        None
+    }
+}
