@@ -1,7 +1,7 @@
 //! Bugs planted in the CPU references, for the simulator's self-test (the bug zoo's reference
 //! mutants, feature `mutants`). A bug in a reference is the hardest kind for a simulator whose
 //! oracles call the same reference: these prove that the oracles do not, and that an op which
-//! writes outside what it declares is caught.
+//! writes or reads outside what it declares is caught.
 //!
 //! A thread switches one on for a run (`set`); the references ask `on`. Without the feature
 //! `on` is a constant `false` and the planted code compiles away.
@@ -13,18 +13,23 @@ pub enum KernelMutant {
     RopeWrongHalf,
     /// `kv_store` also writes the row after each stored slot: bytes the op never declared.
     KvStoreWritesNextRow,
+    /// `index_logits` takes the key of each row's last position from the page after the one
+    /// its page table names: bytes the op never declared it reads.
+    LogitsReadsNextPage,
 }
 
 impl KernelMutant {
-    pub const ALL: [KernelMutant; 2] = [
+    pub const ALL: [KernelMutant; 3] = [
         KernelMutant::RopeWrongHalf,
         KernelMutant::KvStoreWritesNextRow,
+        KernelMutant::LogitsReadsNextPage,
     ];
 
     pub fn name(self) -> &'static str {
         match self {
             KernelMutant::RopeWrongHalf => "reference-rope-wrong-half",
             KernelMutant::KvStoreWritesNextRow => "reference-kv-store-writes-next-row",
+            KernelMutant::LogitsReadsNextPage => "reference-logits-reads-next-page",
         }
     }
 

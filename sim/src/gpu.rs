@@ -196,6 +196,20 @@ struct RecordState {
     vc: Vc,
 }
 
+/// What each stream's records reported, in order, and where page copies were refused: the
+/// simulator's own count of the engine's transfers and steps (`oracles::metrics`).
+#[derive(Clone, Debug, Default)]
+pub struct RecordLog {
+    /// Per stream, whether each completed record reported a failure.
+    pub failed: [Vec<bool>; 3],
+    /// Per stream, how many records the host had made when each refusal happened.
+    pub refused_after: [Vec<u64>; 3],
+    /// Per stream, records made by the host.
+    pub made: [u64; 3],
+    /// Per stream, bytes the page copies the host asked for write (refused ones too).
+    pub copy_bytes: [u64; 3],
+}
+
 /// Counters of a run.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GpuStats {
@@ -236,9 +250,12 @@ pub struct SimGpu {
     /// Op ids involved in the first race (marked in the trace).
     pub racing_ops: Vec<u64>,
     pub stats: GpuStats,
+    pub record_log: RecordLog,
     log_hash: u64,
     host_allocs: u32,
     allocs: u32,
+    /// Ops of each kind whose reads were probed (`undeclared::ReadProbe`).
+    read_probes: BTreeMap<&'static str, u32>,
     exec: Executor,
 }
 
@@ -293,9 +310,11 @@ impl SimGpu {
             marks: Vec::new(),
             racing_ops: Vec::new(),
             stats: GpuStats::default(),
+            record_log: RecordLog::default(),
             log_hash: 0xC0FF_EE00,
             host_allocs: 0,
             allocs: 0,
+            read_probes: BTreeMap::new(),
             exec: Executor::Cpu,
         };
         if cuda {
@@ -452,6 +471,7 @@ impl SimGpu {
                     let last = self.streams[s].last_record.replace(rec);
                     assert!(last < Some(rec), "records of one stream complete in order");
                     r.failed = failed;
+                    self.record_log.failed[s].push(failed);
                     probes::hit_if(SimProbe::RecordFailed, failed);
                     self.mark(Mark::Record {
                         stream: s,
@@ -557,7 +577,9 @@ impl SimGpu {
     fn wait_callback(&mut self, rec: u64) {
         let start = self.host.get();
         self.run_until_record(rec);
-        let at = self.records[&rec].seen_at.expect("a completed record has its callback time");
+        let at = self.records[&rec]
+            .seen_at
+            .expect("a completed record has its callback time");
         if at > start {
             probes::hit(SimProbe::FaultCompletionLate);
             self.host.set(at);
@@ -704,11 +726,40 @@ impl SimGpu {
     /// Bytes it changed outside its declared writes are a finding.
     fn perform(&mut self, rec: &OpRec) {
         let shadows = undeclared::before(&rec.op, rec.id, &self.mem);
+        // Undeclared reads are probed by running the CPU reference twice.
+        let probed = self.read_probes.entry(rec.op.name()).or_default();
+        let sampled = undeclared::ReadProbe::sampled(rec.id, *probed);
+        let reads = match self.exec {
+            Executor::Cpu if sampled => {
+                *probed += 1;
+                undeclared::ReadProbe::before(&rec.op, &self.mem)
+            }
+            _ => None,
+        };
         if let Err(e) = self.exec.run(&rec.op, &mut self.mem) {
             self.finding(
                 OracleKind::Layout,
                 format!("op {} ({}) failed to run: {e}", rec.id, rec.op.name()),
             );
+        }
+        let stray = reads.and_then(|p| {
+            p.after(&rec.op, &mut self.mem, |op, mem| {
+                // The first run's error, if any, was reported above.
+                let _ = run_op(op, mem);
+            })
+        });
+        if let Some(stray) = stray {
+            let changed: Vec<String> = stray.changed.iter().map(|&b| self.describe(b)).collect();
+            let msg = format!(
+                "op {} ({} {}) reads bytes it did not declare: run again with the bytes beside its declared reads changed (in {}), it wrote byte {} of {} differently",
+                rec.id,
+                rec.op.name(),
+                op_detail(&rec.op, &self.mem),
+                changed.join(", "),
+                stray.output.1,
+                self.describe(stray.output.0)
+            );
+            self.finding(OracleKind::Undeclared, msg);
         }
         if let Some(stray) = undeclared::after(&shadows, &self.mem) {
             let msg = format!(
@@ -829,7 +880,9 @@ impl SimGpu {
             return None;
         };
         let pages: u32 = c.runs.iter().map(|r| r.count).sum();
-        if pages < 2 || self.opts.torn_copy_rate <= 0.0 || !self.rng.chance(self.opts.torn_copy_rate)
+        if pages < 2
+            || self.opts.torn_copy_rate <= 0.0
+            || !self.rng.chance(self.opts.torn_copy_rate)
         {
             return None;
         }
@@ -850,12 +903,7 @@ impl SimGpu {
                 });
             }
         }
-        let half = |runs| {
-            Op::PageCopy(PageCopy {
-                runs,
-                ..c.clone()
-            })
-        };
+        let half = |runs| Op::PageCopy(PageCopy { runs, ..c.clone() });
         Some((half(first), half(second)))
     }
 
@@ -1010,6 +1058,7 @@ impl Device for SimGpu {
             },
         );
         self.events[ev.0 as usize] = Some(rec);
+        self.record_log.made[s] += 1;
         self.streams[s].queue.push_back(Entry::Record(rec));
         self.log(&[5, s as u64, ev.0 as u64, rec]);
         let now = self.host.get();
@@ -1113,12 +1162,22 @@ impl Device for SimGpu {
         }
         let s = stream.index();
         self.host.set(self.host.get() + self.opts.launch_ns);
+        if op.spec().class() == OpClass::PageCopy {
+            let written: u64 = op
+                .accesses()
+                .iter()
+                .filter(|a| a.write)
+                .map(|a| a.range.len().0)
+                .sum();
+            self.record_log.copy_bytes[s] += written;
+        }
         if op.spec().class() == OpClass::PageCopy
             && self.opts.failed_enqueue_rate > 0.0
             && self.rng.chance(self.opts.failed_enqueue_rate)
         {
             probes::hit(SimProbe::FaultEnqueueFailed);
             self.log(&[12, s as u64]);
+            self.record_log.refused_after[s].push(self.record_log.made[s]);
             // The rows it should have written hold whatever was there before: not the bytes
             // the engine asked for, so a read of them must never reach an output.
             for (buf, page, rows) in op.spec().full_rows() {

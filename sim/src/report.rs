@@ -16,13 +16,16 @@ pub enum OracleKind {
     Digest,
     /// A top-k selection that differs from the independent recomputation.
     TopK,
-    /// Bytes an op changed outside the writes it declared.
+    /// Bytes an op changed outside the writes it declared, or read outside its declared reads.
     Undeclared,
     /// A kernel reference computed a value its specification's independent version disagrees
     /// with (a bug the executor and the oracles would otherwise share).
     Reference,
-    /// Pages, pins or locks not returned at the end of a run.
+    /// Pages, pins or locks not returned at the end of a run, or a page of the prefix cache that
+    /// does not hold what the cache files it under.
     Conservation,
+    /// A counter the engine exports that disagrees with what the device and the clients saw.
+    Metrics,
     /// Requests that never finish.
     Liveness,
     /// A bound the engine promises (queue, queued tokens, running batch, ring, pins, tiers)
@@ -47,6 +50,7 @@ impl OracleKind {
             OracleKind::Undeclared => "undeclared",
             OracleKind::Reference => "reference",
             OracleKind::Conservation => "conservation",
+            OracleKind::Metrics => "metrics",
             OracleKind::Liveness => "liveness",
             OracleKind::Bound => "bound",
             OracleKind::Determinism => "determinism",

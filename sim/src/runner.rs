@@ -4,7 +4,7 @@
 use crate::gpu::{Mark, SimGpu, Slice};
 use crate::oracles::content::ContentOracle;
 use crate::oracles::digest::{DigestOracle, Mismatch};
-use crate::oracles::{bounds, conservation, liveness};
+use crate::oracles::{bounds, conservation, liveness, metrics};
 use crate::probes::{self, SimProbe};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
@@ -15,9 +15,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
 use tierkv_engine::device::DeviceError;
+use tierkv_engine::engine::EngineFaults;
 use tierkv_engine::mutants::Mutants;
 use tierkv_engine::synth::Synth;
-use tierkv_engine::engine::EngineFaults;
 use tierkv_engine::{Config, Engine, EngineError, EngineOptions, Output, Rejection, RequestSpec};
 use tierkv_kernels::cpu::numerics::mix64;
 use tierkv_kernels::mutants::KernelMutant;
@@ -260,6 +260,8 @@ struct Run<'a> {
     out_hash: u64,
     faults_on: bool,
     findings: Vec<Finding>,
+    /// What the clients saw, for the metrics oracle.
+    counted: metrics::Counted,
 }
 
 /// Runs one scenario.
@@ -341,9 +343,7 @@ fn start_engine(
     };
     let alloc_fault = sc.gpu.fail_first_host_alloc || sc.gpu.fail_alloc > 0;
     let first = match start(alloc_fault)? {
-        Err(EngineError::Device(DeviceError::OutOfMemory { .. })) if alloc_fault => {
-            start(false)?
-        }
+        Err(EngineError::Device(DeviceError::OutOfMemory { .. })) if alloc_fault => start(false)?,
         other => other,
     };
     first.map_err(|e| failed(engine_error_kind(&e), format!("engine start: {e}")))
@@ -398,6 +398,7 @@ impl<'a> Run<'a> {
             out_hash: 0,
             faults_on: true,
             findings: Vec::new(),
+            counted: metrics::Counted::default(),
         })
     }
 
@@ -560,6 +561,13 @@ impl<'a> Run<'a> {
             self.found(OracleKind::Engine, message);
             return Err(Stop);
         }
+        let c = &mut self.counted;
+        match &answer {
+            Ok(_) => c.submitted += 1,
+            Err(Rejection::QueueFull { .. }) => c.rejected_queue_full += 1,
+            Err(Rejection::PendingTokens { .. }) => c.rejected_pending_tokens += 1,
+            Err(Rejection::Invalid { .. }) => c.rejected_invalid += 1,
+        }
         match &answer {
             Ok(id) => {
                 self.stats.submitted += 1;
@@ -667,9 +675,16 @@ impl<'a> Run<'a> {
                 request,
                 token,
                 index,
-            } => self.token(request, index, token),
-            Output::Finished { request, generated } => self.finished(request, generated),
+            } => {
+                self.counted.tokens += 1;
+                self.token(request, index, token)
+            }
+            Output::Finished { request, generated } => {
+                self.counted.finished += 1;
+                self.finished(request, generated)
+            }
             Output::Aborted { request } => {
+                self.counted.aborted += 1;
                 self.stats.aborted += 1;
                 if let Some(Owner::Session(i)) = self.owners.remove(&request) {
                     self.sessions[i].inflight = None;
@@ -861,6 +876,12 @@ impl<'a> Run<'a> {
                 .or_else(|| {
                     let mut c = self.content.borrow_mut();
                     conservation::audit(&self.engine, &self.engine.dev.mem, &mut c, now)
+                })
+                .or_else(|| {
+                    let layers = self.cfg.model.layers;
+                    let page_bytes = self.engine.layout().transfer_bytes(1).0;
+                    let (m, log) = (&self.engine.metrics, &self.engine.dev.record_log);
+                    metrics::check(m, log, &self.counted, layers, page_bytes, now)
                 })
             {
                 self.findings.push(f);

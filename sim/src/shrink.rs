@@ -87,18 +87,31 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
         out.push(c);
     }
     // Each fault that is on, switched off.
-    let faults: [(bool, fn(&mut Scenario)); 12] = [
+    type Off = fn(&mut Scenario);
+    let faults: [(bool, Off); 12] = [
         (sc.abort_rate > 0.0, |c| c.abort_rate = 0.0),
         (sc.gpu.slow_copy_rate > 0.0, |c| c.gpu.slow_copy_rate = 0.0),
-        (sc.gpu.failed_copy_rate > 0.0, |c| c.gpu.failed_copy_rate = 0.0),
-        (sc.gpu.failed_enqueue_rate > 0.0, |c| c.gpu.failed_enqueue_rate = 0.0),
-        (sc.gpu.fail_first_host_alloc, |c| c.gpu.fail_first_host_alloc = false),
-        (sc.gpu.failed_kernel_rate > 0.0, |c| c.gpu.failed_kernel_rate = 0.0),
+        (sc.gpu.failed_copy_rate > 0.0, |c| {
+            c.gpu.failed_copy_rate = 0.0
+        }),
+        (sc.gpu.failed_enqueue_rate > 0.0, |c| {
+            c.gpu.failed_enqueue_rate = 0.0
+        }),
+        (sc.gpu.fail_first_host_alloc, |c| {
+            c.gpu.fail_first_host_alloc = false
+        }),
+        (sc.gpu.failed_kernel_rate > 0.0, |c| {
+            c.gpu.failed_kernel_rate = 0.0
+        }),
         (sc.gpu.sticky_faults, |c| c.gpu.sticky_faults = false),
         (sc.gpu.torn_copy_rate > 0.0, |c| c.gpu.torn_copy_rate = 0.0),
-        (sc.gpu.completion_delay_ns > 0, |c| c.gpu.completion_delay_ns = 0),
+        (sc.gpu.completion_delay_ns > 0, |c| {
+            c.gpu.completion_delay_ns = 0
+        }),
         (sc.gpu.fail_alloc > 0, |c| c.gpu.fail_alloc = 0),
-        (sc.device_pages_refused > 0.0, |c| c.device_pages_refused = 0.0),
+        (sc.device_pages_refused > 0.0, |c| {
+            c.device_pages_refused = 0.0
+        }),
         (sc.host_pages_refused > 0.0, |c| c.host_pages_refused = 0.0),
     ];
     for (on, off) in faults {

@@ -1,7 +1,17 @@
-//! Undeclared writes: bytes an op changed outside the ranges it declared (`Op::accesses`). The race
-//! detector and the content oracle see an op only through its declarations, so an op that writes
-//! elsewhere escapes both; this check compares, around each op, a shadow copy of the bytes near
-//! its declared writes with what the op left there.
+//! Undeclared accesses: bytes an op touched outside the ranges it declared (`Op::accesses`). The
+//! race detector and the content oracle see an op only through its declarations, so an op that
+//! reads or writes elsewhere escapes both.
+//!
+//! Writes: this check compares, around each op, a shadow copy of the bytes near its declared
+//! writes with what the op left there.
+//!
+//! Reads ([`ReadProbe`]): for one op in [`FULL_EVERY`] and the first [`FIRST_OF_KIND`] ops of each
+//! kind, the op runs a second time from the same
+//! state with the bytes next to its declared reads changed (the page on each side of a paged
+//! read, [`MARGIN_BYTES`] on each side of another, minus everything it declares); if its output
+//! differs, it read some of them. The op's CPU reference reads through no checked view of its
+//! own — this reruns it — so a read is found when it changes the output, which is when it
+//! matters. The memory is left as the first run left it.
 //!
 //! What it compares: for every buffer the op declares a write to, the pages its writes touch and
 //! one page on each side (for scratch buffers, 4 KiB on each side of the written span); and for
@@ -11,10 +21,13 @@
 
 use std::ops::Range;
 use tierkv_engine::cpu_device::Memory;
-use tierkv_engine::device::{BufferId, Op};
+use tierkv_engine::device::{BufferId, ByteRange, Op};
 
 /// One op in this many (by op id) has every byte of its written buffers compared.
 pub const FULL_EVERY: u64 = 8;
+
+/// The first ops of each kind in a run whose reads are all probed.
+pub const FIRST_OF_KIND: u32 = 4;
 
 /// Bytes on each side of a non-paged write that are compared.
 const MARGIN_BYTES: usize = 4096;
@@ -142,6 +155,159 @@ pub fn after(shadows: &[Shadow], mem: &Memory) -> Option<Stray> {
         }
     }
     None
+}
+
+/// `span` without the parts `declared` (sorted, merged) covers.
+fn subtract(span: Range<usize>, declared: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let mut at = span.start;
+    for d in declared {
+        if d.end <= at || d.start >= span.end {
+            continue;
+        }
+        if d.start > at {
+            out.push(at..d.start);
+        }
+        at = at.max(d.end);
+    }
+    if at < span.end {
+        out.push(at..span.end);
+    }
+    out
+}
+
+/// Undeclared reads of one op (see the module comment): what the op's writes held before it
+/// ran, and the undeclared bytes beside its reads that the second run changes.
+pub struct ReadProbe {
+    writes: Vec<(ByteRange, Vec<u8>)>,
+    beside: Vec<(BufferId, Range<usize>)>,
+}
+
+/// What an op read that it did not declare: the buffers whose undeclared bytes were changed for
+/// the second run, and the first output byte that then differed.
+pub struct StrayRead {
+    pub changed: Vec<BufferId>,
+    pub output: (BufferId, usize),
+}
+
+impl ReadProbe {
+    /// Whether op number `op_id` is probed, when ops of its kind were probed `kind_probed`
+    /// times before in the run: one op in [`FULL_EVERY`], and the first [`FIRST_OF_KIND`] of
+    /// each kind (so that every kind is probed in the first steps of a run, before its outputs
+    /// reach the other oracles).
+    pub fn sampled(op_id: u64, kind_probed: u32) -> bool {
+        op_id % FULL_EVERY == FULL_EVERY / 2 || kind_probed < FIRST_OF_KIND
+    }
+
+    /// Before `op` runs: `None` for ops that write nothing (there is no output to compare) or
+    /// read nothing that has undeclared bytes beside it.
+    pub fn before(op: &Op, mem: &Memory) -> Option<ReadProbe> {
+        let accesses = op.accesses();
+        let writes: Vec<(ByteRange, Vec<u8>)> = accesses
+            .iter()
+            .filter(|a| a.write)
+            .map(|a| (a.range, mem.range(a.range).to_vec()))
+            .collect();
+        if writes.is_empty() {
+            return None;
+        }
+        let mut declared: Vec<(BufferId, Vec<Range<usize>>)> = Vec::new();
+        for a in &accesses {
+            let r = a.range.span();
+            match declared.iter_mut().find(|(b, _)| *b == a.range.buffer) {
+                Some((_, v)) => v.push(r),
+                None => declared.push((a.range.buffer, vec![r])),
+            }
+        }
+        let mut beside = Vec::new();
+        for (buffer, ranges) in declared {
+            let reads: Vec<Range<usize>> = accesses
+                .iter()
+                .filter(|a| !a.write && a.range.buffer == buffer)
+                .map(|a| a.range.span())
+                .collect();
+            let all = merged(ranges);
+            let len = mem.bytes(buffer).len();
+            let fp = mem.desc(buffer).fingerprint;
+            let near: Vec<Range<usize>> = reads
+                .iter()
+                .flat_map(|r| {
+                    let (lo, hi) = if fp.is_paged() {
+                        let pb = fp.page_bytes.max(1) as usize;
+                        let first = r.start / pb * pb;
+                        let last = r.end.div_ceil(pb) * pb;
+                        (
+                            first.saturating_sub(pb)..first,
+                            last.min(len)..(last + pb).min(len),
+                        )
+                    } else {
+                        (
+                            r.start.saturating_sub(MARGIN_BYTES)..r.start,
+                            r.end..(r.end + MARGIN_BYTES).min(len),
+                        )
+                    };
+                    [lo, hi]
+                })
+                .collect();
+            for span in merged(near) {
+                beside.extend(subtract(span, &all).into_iter().map(|r| (buffer, r)));
+            }
+        }
+        (!beside.is_empty()).then_some(ReadProbe { writes, beside })
+    }
+
+    /// After the op's first run: runs it again (`run`) from the state it started in, with the
+    /// bytes beside its reads changed, and compares the outputs; then puts the memory back as
+    /// the first run left it.
+    pub fn after(
+        self,
+        op: &Op,
+        mem: &mut Memory,
+        run: impl FnOnce(&Op, &mut Memory),
+    ) -> Option<StrayRead> {
+        let first: Vec<Vec<u8>> = self
+            .writes
+            .iter()
+            .map(|(r, _)| mem.range(*r).to_vec())
+            .collect();
+        for (r, was) in &self.writes {
+            mem.range_mut(*r).copy_from_slice(was);
+        }
+        let kept: Vec<Vec<u8>> = self
+            .beside
+            .iter()
+            .map(|(b, r)| {
+                let bytes = &mut mem.bufs[b.0 as usize][r.clone()];
+                let old = bytes.to_vec();
+                for (i, x) in bytes.iter_mut().enumerate() {
+                    *x = !*x ^ (i as u8).wrapping_mul(37);
+                }
+                old
+            })
+            .collect();
+        run(op, mem);
+        let mut stray = None;
+        for ((r, _), out) in self.writes.iter().zip(&first) {
+            let again = mem.range(*r);
+            if stray.is_none() && again != out.as_slice() {
+                let i = again.iter().zip(out).position(|(a, b)| a != b).unwrap_or(0);
+                let at = r.start.0 as usize + i;
+                let mut changed: Vec<BufferId> = self.beside.iter().map(|(b, _)| *b).collect();
+                changed.dedup();
+                stray = Some(StrayRead {
+                    changed,
+                    output: (r.buffer, at),
+                });
+            }
+        }
+        for ((b, r), old) in self.beside.iter().zip(kept) {
+            mem.bufs[b.0 as usize][r.clone()].copy_from_slice(&old);
+        }
+        for ((r, _), out) in self.writes.iter().zip(first) {
+            mem.range_mut(*r).copy_from_slice(&out);
+        }
+        stray
+    }
 }
 
 #[cfg(test)]

@@ -35,6 +35,7 @@ fn planted_reference_bugs_are_caught_on_the_cpu() {
     const PLANTED: &[(KernelMutant, OracleKind)] = &[
         (KernelMutant::RopeWrongHalf, OracleKind::Reference),
         (KernelMutant::KvStoreWritesNextRow, OracleKind::Undeclared),
+        (KernelMutant::LogitsReadsNextPage, OracleKind::Undeclared),
     ];
     assert_eq!(
         PLANTED.len(),

@@ -195,7 +195,10 @@ mod policy {
     fn host_evictable_counts_what_host_eviction_frees() {
         // Two documents sharing a first page, all backed up; one copy pinned.
         let mut c = PrefixCache::new();
-        let a = c.insert(&[key(1), key(2), key(3)], &[PageId(0), PageId(1), PageId(2)]);
+        let a = c.insert(
+            &[key(1), key(2), key(3)],
+            &[PageId(0), PageId(1), PageId(2)],
+        );
         let b = c.insert(&[key(1), key(4)], &[PageId(0), PageId(3)]);
         backed_up(&mut c, &a.nodes);
         backed_up(&mut c, &b.nodes[1..]);
@@ -222,7 +225,10 @@ mod policy {
         let a = c.insert(&[key(1), key(2)], &[PageId(0), PageId(1)]);
         assert!(!c.backup_deferred(a.nodes[1]), "nothing in flight");
         c.begin_backup(&a.nodes[..1], &[PageId(100)]);
-        assert!(c.backup_deferred(a.nodes[1]), "its parent's backup is in flight");
+        assert!(
+            c.backup_deferred(a.nodes[1]),
+            "its parent's backup is in flight"
+        );
         c.finish_backup(&a.nodes[..1], true);
         assert!(!c.backup_deferred(a.nodes[1]), "its parent is backed up");
     }

@@ -210,7 +210,14 @@ pub fn index_logits(
         let mut keys = vec![[0f32; 128]; len];
         let mut kscales = vec![0f32; len];
         for n in 0..len {
-            let page = key_page(k_buf, pb, pt, n, r, pages)?;
+            let mut page = key_page(k_buf, pb, pt, n, r, pages)?;
+            if crate::mutants::on(crate::mutants::KernelMutant::LogitsReadsNextPage) && n + 1 == len
+            {
+                let p = pt[n / PAGE_TOKENS as usize] as usize + 1;
+                if p < pages as usize {
+                    page = &k_buf[p * pb..(p + 1) * pb];
+                }
+            }
             kscales[n] = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, &mut k);
             keys[n] = k;
         }

@@ -112,9 +112,16 @@ where
                         )
                     };
                     let buf = buffer(mem, role);
-                    if let Some(e) =
-                        content.audit_page(mem, kind, buf, view, page, &n.key, first, layer_base + l)
-                    {
+                    if let Some(e) = content.audit_page(
+                        mem,
+                        kind,
+                        buf,
+                        view,
+                        page,
+                        &n.key,
+                        first,
+                        layer_base + l,
+                    ) {
                         return found(format!(
                             "{} page {page}, which the prefix cache holds for positions {first}..{} (node {id}): {e}",
                             ["device", "host"][tier],

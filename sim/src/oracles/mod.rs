@@ -11,3 +11,4 @@ pub mod determinism;
 pub mod digest;
 pub mod layout;
 pub mod liveness;
+pub mod metrics;
