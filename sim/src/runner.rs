@@ -808,6 +808,29 @@ impl<'a> Run<'a> {
             self.findings.push(f);
             return Err(Stop);
         }
+        // The queue's counts recounted from the requests the engine says are queued, with the
+        // prompt lengths the clients sent.
+        let queued: Vec<u64> = self
+            .owners
+            .keys()
+            .copied()
+            .filter(|&id| {
+                e.request(id)
+                    .is_some_and(|r| r.state == tierkv_engine::scheduler::RequestState::Queued)
+            })
+            .collect();
+        let tokens: u64 = queued.iter().map(|id| self.specs[id].0 as u64).sum();
+        if (queued.len(), tokens) != (held.queued, held.queued_tokens) {
+            let message = format!(
+                "the engine reports {} queued requests and {} queued prompt tokens; the requests it has queued are {} with {} prompt tokens",
+                held.queued,
+                held.queued_tokens,
+                queued.len(),
+                tokens
+            );
+            self.found(OracleKind::Bound, message);
+            return Err(Stop);
+        }
         Ok(())
     }
 

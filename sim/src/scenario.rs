@@ -518,11 +518,17 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     draw_cache_policies(cr, c);
     let s = &mut cfg.scheduler;
     s.queued_requests_max = cr.range(8, 64) as u32;
-    // Half the seeds have a pending-token bound a few contexts deep, which bursts go over.
-    s.pending_tokens_max = if cr.chance(0.5) {
+    // Half the seeds have a pending-token bound a few contexts deep, which bursts go over; one in
+    // six one below the context, so that a prompt can be refused for it alone (and one of
+    // exactly the bound must not be).
+    let out_max = *cr.pick(&[8, 16, 32, 32, 64]);
+    let u = cr.unit();
+    s.pending_tokens_max = if u < 0.5 {
         64 * 1024
-    } else {
+    } else if u < 5.0 / 6.0 || ctx <= out_max + 2 {
         cr.range(ctx as u64, 4 * ctx as u64)
+    } else {
+        cr.range((ctx / 2) as u64, (ctx - out_max - 1) as u64)
     };
     s.running_requests_max = cr.range(2, 8) as u32;
     s.prefill_tokens_per_step_max = if cfg.model.prefill_indexer == PrefillIndexer::EveryToken {
@@ -530,7 +536,7 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     } else {
         *cr.pick(&[64, 128, 256, 512])
     };
-    s.output_tokens_max = *cr.pick(&[8, 16, 32, 32, 64]);
+    s.output_tokens_max = out_max;
     cfg
 }
 
@@ -782,6 +788,16 @@ fn add_production_shapes(r: &mut Rng, w: &mut Workload, s: &Shape) {
                 at_ns: at,
                 segments: vec![(next_stream(), each.min(ctx - s.output_max))],
                 generate: s.generate(r),
+            });
+        }
+    }
+    if s.pending_max + (s.output_max as u64) < ctx as u64 && r.chance(0.8) {
+        // Prompts at the pending-token bound: exactly on it (valid), one over (never valid).
+        for extra in [0, 1] {
+            w.oneshots.push(OneShot {
+                at_ns: r.below(4_000_000),
+                segments: vec![(next_stream(), s.pending_max as u32 + extra)],
+                generate: 1,
             });
         }
     }
