@@ -588,3 +588,6 @@ impl Scheduler {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

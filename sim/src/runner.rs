@@ -538,6 +538,7 @@ impl<'a> Run<'a> {
         owner: Owner,
     ) -> Result<Result<u64, Rejection>, Stop> {
         let refuse = self.must_refuse(prompt.len(), generate);
+        let (queued, queued_tokens) = self.queued_recount();
         let spec = RequestSpec {
             prompt: prompt.clone(),
             max_new_tokens: generate,
@@ -555,6 +556,21 @@ impl<'a> Run<'a> {
             (Err(r), Some(why)) if !matches!(r, Rejection::Invalid { .. }) => Some(format!(
                 "a request that can never be served ({why}) refused as temporary: {r}"
             )),
+            // Admission control refuses only over its bounds, counted here from the requests
+            // the engine holds queued.
+            (Err(r @ Rejection::QueueFull { .. }), None)
+                if (queued as u64) < self.cfg.scheduler.queued_requests_max as u64 =>
+            {
+                Some(format!("refused with {queued} requests queued: {r}"))
+            }
+            (Err(r @ Rejection::PendingTokens { .. }), None)
+                if queued_tokens + prompt.len() as u64 <= self.cfg.scheduler.pending_tokens_max =>
+            {
+                Some(format!(
+                    "refused with {queued_tokens} prompt tokens queued, {} new: {r}",
+                    prompt.len()
+                ))
+            }
             _ => None,
         };
         if let Some(message) = wrong {
@@ -792,7 +808,18 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Every bound the engine promises, from what it reports.
+    /// The queue recounted: the requests the engine holds queued, and their prompt tokens by
+    /// the lengths the clients sent.
+    fn queued_recount(&self) -> (usize, u64) {
+        let queued = tierkv_engine::scheduler::RequestState::Queued;
+        self.owners
+            .keys()
+            .filter(|&&id| self.engine.request(id).is_some_and(|r| r.state == queued))
+            .fold((0, 0), |(n, t), id| (n + 1, t + self.specs[id].0 as u64))
+    }
+
+    /// Every bound the engine promises, from what it reports, and the queue's counts against a
+    /// recount.
     fn bounds(&mut self) -> Result<(), Stop> {
         let e = &self.engine;
         let held = bounds::Held {
@@ -808,25 +835,11 @@ impl<'a> Run<'a> {
             self.findings.push(f);
             return Err(Stop);
         }
-        // The queue's counts recounted from the requests the engine says are queued, with the
-        // prompt lengths the clients sent.
-        let queued: Vec<u64> = self
-            .owners
-            .keys()
-            .copied()
-            .filter(|&id| {
-                e.request(id)
-                    .is_some_and(|r| r.state == tierkv_engine::scheduler::RequestState::Queued)
-            })
-            .collect();
-        let tokens: u64 = queued.iter().map(|id| self.specs[id].0 as u64).sum();
-        if (queued.len(), tokens) != (held.queued, held.queued_tokens) {
+        let (queued, tokens) = self.queued_recount();
+        if (queued, tokens) != (held.queued, held.queued_tokens) {
             let message = format!(
-                "the engine reports {} queued requests and {} queued prompt tokens; the requests it has queued are {} with {} prompt tokens",
-                held.queued,
-                held.queued_tokens,
-                queued.len(),
-                tokens
+                "the engine reports {} queued requests and {} queued prompt tokens; the requests it has queued are {queued} with {tokens} prompt tokens",
+                held.queued, held.queued_tokens,
             );
             self.found(OracleKind::Bound, message);
             return Err(Stop);
