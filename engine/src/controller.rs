@@ -167,9 +167,13 @@ impl CacheController {
     /// sticky until then, and would fail every copy after it). A device that cannot recover is
     /// kept for the engine to report ([`CacheController::take_lost`]).
     fn recover<D: Device, C: Clock, T: Transfer>(&mut self, io: &mut Io<'_, D, C, T>) {
-        probe::hit(Probe::DeviceRecovered);
-        if let Err(e) = io.dev.recover() {
-            self.lost.get_or_insert(e);
+        match io.dev.recover() {
+            Ok(()) => {
+                probe::hit(Probe::DeviceRecovered);
+            }
+            Err(e) => {
+                self.lost.get_or_insert(e);
+            }
         }
     }
 
@@ -524,8 +528,11 @@ impl CacheController {
             issued_ns: io.clock.now_ns(),
         };
         if enqueue_failed {
-            // Nothing usable was written: unwind at once (the event still orders the host).
-            io.dev.synchronize(event);
+            // Nothing usable was written: unwind at once (the event still orders the host; a
+            // copy of it that failed in flight leaves the device to recover).
+            if io.dev.synchronize(event) == EventState::Failed {
+                self.recover(io);
+            }
             self.finish_backup(io, b, false);
         } else {
             self.backups.push(b);

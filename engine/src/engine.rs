@@ -301,8 +301,8 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             self.metrics.steps_failed += 1;
             self.steps_failed_in_a_row += 1;
             // The fault is sticky until the device clears it: the rerun would fail too.
-            probe::hit(Probe::DeviceRecovered);
             self.dev.recover()?;
+            probe::hit(Probe::DeviceRecovered);
             if self.steps_failed_in_a_row >= STEP_FAILURES_MAX {
                 return Err(EngineError::Device(crate::device::DeviceError::Backend {
                     detail: format!(
@@ -317,6 +317,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         };
         self.steps_failed_in_a_row = 0;
         self.finish_step(&rows, &digests)?;
+        self.device_lost()?;
         self.metrics.steps += 1;
         self.metrics
             .step_latency

@@ -16,7 +16,10 @@ use crate::probe::{self, Probe};
 
 /// Injected allocation faults (FoundationDB's BUGGIFY): the simulator has a share of page
 /// allocations refused as if the tier were full, which drives the engine through its "no room"
-/// paths at any moment of a run, not only when a pool really fills. Off by default (production).
+/// paths at any moment of a run, not only when a pool really fills. Off by default (production):
+/// then an allocation pays one branch on an empty `Option`. The draws come from their own
+/// seeded generator (not a source of randomness the engine could observe otherwise), so a run
+/// stays a function of its seed. Not yet behind a feature as the mutants are.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EngineFaults {
     /// Seeds the draws (one generator per tier).
@@ -38,10 +41,7 @@ struct Refusals {
 impl Refusals {
     fn fire(&mut self) -> bool {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        let z = tierkv_kernels::cpu::numerics::mix64(self.state);
         ((z >> 11) as f64 / (1u64 << 53) as f64) < self.rate
     }
 }

@@ -61,11 +61,16 @@ pub struct GpuOptions {
     pub failed_kernel_rate: f64,
     /// A failed launch or copy leaves its stream in error until the engine calls
     /// `Device::recover`: the stream skips every op (a skipped copy leaves its destination rows
-    /// stale, so they count as garbage) and every record on it reports `Failed` — CUDA's sticky
-    /// errors, as far as an engine can live through them.
+    /// stale, so they count as garbage) and every record on it reports `Failed`. A per-stream,
+    /// recoverable model of CUDA's sticky errors (in CUDA one poisons the whole context for
+    /// good, which the production device reports as a failed `recover`: `recover_fails`).
     pub sticky_faults: bool,
-    /// Probability that a page copy of two or more pages becomes visible in two chunks (two ops
-    /// on its stream, the first half of its pages first), so a read racing it can see part.
+    /// `Device::recover` fails (the device is lost): the engine must stop with a typed error.
+    pub recover_fails: bool,
+    /// Probability that a page copy of two or more pages runs as two ops on its stream, the
+    /// first half of its pages first: each half can fail or be skipped on its own, leaving the
+    /// destination half written. (A read that could see the midpoint is unordered with the copy,
+    /// which the race detector reports anyway.)
     pub torn_copy_rate: f64,
     /// The longest delay between a load-stream record's completion and its host callback, ns
     /// (0: at once). The production device enqueues a host callback after every record on the
@@ -104,6 +109,7 @@ impl Default for GpuOptions {
             failed_enqueue_rate: 0.0,
             failed_kernel_rate: 0.0,
             sticky_faults: false,
+            recover_fails: false,
             torn_copy_rate: 0.0,
             completion_delay_ns: 0,
             fail_first_host_alloc: false,
@@ -556,30 +562,35 @@ impl SimGpu {
         at
     }
 
-    /// The host observed record `rec` complete at `now`: a load-stream record that completed no
-    /// later but whose callback has not run yet means completions reach the host out of order.
+    /// The host observed record `rec` of another stream complete at `now`: a load-stream record
+    /// that completed no later but whose callback has not run yet means completions reach the
+    /// host out of order. (Only the latest records are looked at: a probe, not an oracle.)
     fn observed(&mut self, rec: u64, now: u64) {
-        let Some(done) = self.records[&rec].done_at else {
+        const RECENT_RECORDS: usize = 64;
+        let r = self.records[&rec];
+        let load = StreamKind::Load.index();
+        let Some(done) = r.done_at.filter(|_| r.stream != load) else {
             return;
         };
-        let load = StreamKind::Load.index();
         let late = self.streams[load].last_seen > now
-            && self.records.values().rev().take(64).any(|r| {
-                r.stream == load
-                    && r.done_at.is_some_and(|d| d <= done)
-                    && r.seen_at.is_some_and(|c| c > now)
+            && self.records.values().rev().take(RECENT_RECORDS).any(|o| {
+                o.stream == load
+                    && o.done_at.is_some_and(|d| d <= done)
+                    && o.seen_at.is_some_and(|c| c > now)
             });
         probes::hit_if(SimProbe::FaultCompletionReordered, late);
     }
 
     /// Before the host records a load-stream event again, it waits for the host callback of the
-    /// event's previous record (as `CompletionRing::issue_after_previous` does).
+    /// event's previous record (as `CompletionRing::issue_after_previous` does), and is ordered
+    /// after that record (the ring's acquire). Only in runs that draw a delay: with none, the
+    /// engine's own wait (or its absence, which the zoo's ring mutant is) is what orders it.
     fn wait_callback(&mut self, rec: u64) {
         let start = self.host.get();
         self.run_until_record(rec);
-        let at = self.records[&rec]
-            .seen_at
-            .expect("a completed record has its callback time");
+        let r = self.records[&rec];
+        join(&mut self.host_vc, &r.vc);
+        let at = r.seen_at.expect("a completed record has its callback time");
         if at > start {
             probes::hit(SimProbe::FaultCompletionLate);
             self.host.set(at);
@@ -633,7 +644,7 @@ impl SimGpu {
                 rec.id
             );
         }
-        if rec.fail && rec.op.spec().class() == OpClass::Kernel {
+        if rec.fail && rec.op.spec().class() == OpClass::Kernel && !self.streams[s].sticky {
             probes::hit(SimProbe::FaultKernelFailed);
             self.stats.failed_kernels += 1;
             self.streams[s].failed_since_record = true;
@@ -728,11 +739,11 @@ impl SimGpu {
         let shadows = undeclared::before(&rec.op, rec.id, &self.mem);
         // Undeclared reads are probed by running the CPU reference twice.
         let probed = self.read_probes.entry(rec.op.name()).or_default();
-        let sampled = undeclared::ReadProbe::sampled(rec.id, *probed);
         let reads = match self.exec {
-            Executor::Cpu if sampled => {
-                *probed += 1;
-                undeclared::ReadProbe::before(&rec.op, &self.mem)
+            Executor::Cpu if undeclared::ReadProbe::sampled(rec.id, *probed) => {
+                let p = undeclared::ReadProbe::before(&rec.op, &self.mem);
+                *probed += p.is_some() as u32;
+                p
             }
             _ => None,
         };
@@ -1237,6 +1248,12 @@ impl Device for SimGpu {
         Ok(())
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
+        if self.opts.recover_fails {
+            self.log(&[15, 2]);
+            return Err(DeviceError::Backend {
+                detail: "injected: the device did not survive a fault".into(),
+            });
+        }
         // Completions up to now happened with the error; what completes later runs again.
         let now = self.host.get();
         self.pump(now);

@@ -121,17 +121,6 @@ impl GpuKnobs {
             ..GpuOptions::default()
         }
     }
-    /// No faults: what the liveness phase runs with.
-    pub fn is_faulty(&self) -> bool {
-        self.slow_copy_rate > 0.0
-            || self.failed_copy_rate > 0.0
-            || self.failed_enqueue_rate > 0.0
-            || self.failed_kernel_rate > 0.0
-            || self.fail_first_host_alloc
-            || self.torn_copy_rate > 0.0
-            || self.completion_delay_ns > 0
-            || self.fail_alloc > 0
-    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -356,7 +345,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3}{} torn {:.2} late {} ns alloc-fail {} | refuse device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -379,7 +368,7 @@ impl Scenario {
             self.gpu.failed_copy_rate,
             self.gpu.failed_enqueue_rate,
             self.gpu.failed_kernel_rate,
-            if self.gpu.sticky_faults { " sticky" } else { "" },
+            if self.gpu.sticky_faults { "on" } else { "off" },
             self.gpu.torn_copy_rate,
             self.gpu.completion_delay_ns,
             self.gpu.fail_alloc,
@@ -525,7 +514,7 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     let u = cr.unit();
     s.pending_tokens_max = if u < 0.5 {
         64 * 1024
-    } else if u < 5.0 / 6.0 || ctx <= out_max + 2 {
+    } else if u < 5.0 / 6.0 || ctx < 2 * (out_max + 1) {
         cr.range(ctx as u64, 4 * ctx as u64)
     } else {
         cr.range((ctx / 2) as u64, (ctx - out_max - 1) as u64)

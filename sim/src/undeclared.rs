@@ -11,7 +11,11 @@
 //! read, [`MARGIN_BYTES`] on each side of another, minus everything it declares); if its output
 //! differs, it read some of them. The op's CPU reference reads through no checked view of its
 //! own — this reruns it — so a read is found when it changes the output, which is when it
-//! matters. The memory is left as the first run left it.
+//! matters. Its declared writes and the changed bytes are left as the first run left them (an
+//! op that also writes outside its declarations keeps the second run's stray bytes there; the
+//! write check reports it either way). The pages "beside" a paged read are the neighbouring
+//! `page_bytes` of the buffer, which is the neighbouring page in the device pools; in a host
+//! mirror of another order they may be another layer's bytes.
 //!
 //! What it compares: for every buffer the op declares a write to, the pages its writes touch and
 //! one page on each side (for scratch buffers, 4 KiB on each side of the written span); and for
@@ -290,7 +294,11 @@ impl ReadProbe {
         for ((r, _), out) in self.writes.iter().zip(&first) {
             let again = mem.range(*r);
             if stray.is_none() && again != out.as_slice() {
-                let i = again.iter().zip(out).position(|(a, b)| a != b).unwrap_or(0);
+                let i = again
+                    .iter()
+                    .zip(out)
+                    .position(|(a, b)| a != b)
+                    .expect("outputs that differ have a differing byte");
                 let at = r.start.0 as usize + i;
                 let mut changed: Vec<BufferId> = self.beside.iter().map(|(b, _)| *b).collect();
                 changed.dedup();

@@ -159,10 +159,10 @@ mod policy {
         (c, nodes)
     }
 
-    /// Backs up `nodes` one after the other onto host pages 100, 101, ...
-    fn backed_up(c: &mut PrefixCache, nodes: &[NodeId]) {
+    /// Backs up `nodes` one after the other onto host pages `first`, `first + 1`, ...
+    fn backed_up(c: &mut PrefixCache, nodes: &[NodeId], first: u32) {
         for (i, &n) in nodes.iter().enumerate() {
-            c.begin_backup(&[n], &[PageId(100 + i as u32)]);
+            c.begin_backup(&[n], &[PageId(first + i as u32)]);
             c.finish_backup(&[n], true);
         }
     }
@@ -182,7 +182,7 @@ mod policy {
     #[test]
     fn host_eviction_takes_the_oldest_copy_and_spares_a_pinned_one() {
         let (mut c, nodes) = with_pages(&[1, 2, 3]);
-        backed_up(&mut c, &nodes);
+        backed_up(&mut c, &nodes, 100);
         // The copies were written in order: the first is the oldest.
         assert_eq!(c.clone().evict_host(1, ROOT), vec![PageId(100)]);
         // A load reads the first one: it stays, the next oldest goes.
@@ -200,8 +200,8 @@ mod policy {
             &[PageId(0), PageId(1), PageId(2)],
         );
         let b = c.insert(&[key(1), key(4)], &[PageId(0), PageId(3)]);
-        backed_up(&mut c, &a.nodes);
-        backed_up(&mut c, &b.nodes[1..]);
+        backed_up(&mut c, &a.nodes, 100);
+        backed_up(&mut c, &b.nodes[1..], 200);
         for pinned in [None, Some(a.nodes[2]), Some(b.nodes[1])] {
             for keep in [ROOT, a.nodes[0], a.nodes[1], b.nodes[1]] {
                 let mut c = c.clone();
@@ -236,9 +236,9 @@ mod policy {
     #[test]
     #[should_panic(expected = "is resident but its parent")]
     fn the_invariants_catch_a_resident_node_under_a_dropped_parent() {
-        let (mut c, _) = with_pages(&[]);
+        let mut c = PrefixCache::new();
         let a = c.insert(&[key(1), key(2)], &[PageId(0), PageId(1)]);
-        backed_up(&mut c, &a.nodes[..1]);
+        backed_up(&mut c, &a.nodes[..1], 100);
         // Drop the parent's device page behind the policies' back (its host copy stays).
         c.update(a.nodes[0], |n| n.device = None);
         c.check_invariants();

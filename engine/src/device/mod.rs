@@ -186,9 +186,10 @@ pub trait Device {
     /// Host writes pinned host memory.
     fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError>;
     /// The host saw a failed event: clears the device's error so that later work runs. A fault
-    /// is sticky, as CUDA's are: after it the faulted stream skips its work, and its records
-    /// report `Failed`, until this is called. An error here means the device cannot go on (a
-    /// CUDA context that faulted is lost), and the engine stops with it.
+    /// may be sticky: after it the faulted stream skips its work, and its records report
+    /// `Failed`, until this is called (the simulator's per-stream, recoverable model). An error
+    /// here means the device cannot go on — a CUDA context with an asynchronous error is lost
+    /// for good — and the engine stops with it.
     fn recover(&mut self) -> Result<(), DeviceError>;
 }
 

@@ -406,7 +406,7 @@ impl ContentOracle {
 }
 
 impl ContentOracle {
-    /// Compares one whole page of `kind` — tokens `tokens` at positions `first..first + 64` of
+    /// Compares one whole page of `kind` — tokens `tokens` at positions `first..first + PAGE_TOKENS` of
     /// global layer `layer` — with the bytes of `page` in `view` of buffer `buf`. The message
     /// names the first row that differs.
     #[allow(clippy::too_many_arguments)]
@@ -439,14 +439,17 @@ impl ContentOracle {
                     let values = bytes[off..off + want.values.len()] != want.values[..];
                     let scale = match (index_k_page::scale_offset(dtype, t), want.scale) {
                         (Some(off), Some(s)) => bytes[off..off + 4] != s.to_le_bytes(),
-                        _ => false,
+                        (None, None) => false,
+                        (off, s) => panic!(
+                            "index-K page format and expected row disagree on the scale ({off:?}, {s:?})"
+                        ),
                     };
                     values || scale
                 }
             };
             if differs {
                 return Some(format!(
-                    "{} row of position {n} (token {t} of the page) in layer {layer} differs from the synthetic model",
+                    "{} row of position {n} (row {t} of the page) in layer {layer} differs from the synthetic model",
                     match kind {
                         BufferKind::Kv => "KV",
                         BufferKind::IndexK => "index-K",

@@ -175,6 +175,35 @@ fn one_seed_runs_from_the_command_line() {
     );
 }
 
+/// A device that cannot recover from a fault (a CUDA context with an asynchronous error is lost)
+/// stops the engine with a typed error naming it: no panic, no endless retry.
+#[test]
+fn a_device_that_cannot_recover_stops_the_engine_with_a_typed_error() {
+    use tierkv_engine::{Config, Engine, EngineError, EngineOptions, RequestSpec};
+    let opts = tierkv_sim::gpu::GpuOptions {
+        failed_kernel_rate: 1.0,
+        sticky_faults: true,
+        recover_fails: true,
+        ..Default::default()
+    };
+    let gpu = tierkv_sim::gpu::SimGpu::new(3, opts).expect("a simulated GPU");
+    let clock = gpu.clock();
+    let cfg = Config::preset("sim-small").expect("preset");
+    let mut e = Engine::new(cfg, gpu, clock, EngineOptions::default()).expect("an engine");
+    let spec = RequestSpec {
+        prompt: (0..100).collect(),
+        max_new_tokens: 4,
+    };
+    e.submit(spec).expect("a valid request");
+    let err = (0..10)
+        .find_map(|_| e.step().err())
+        .expect("the engine stops within a few steps");
+    match err {
+        EngineError::Device(d) => assert!(d.to_string().contains("did not survive"), "{d}"),
+        other => panic!("not the device's error: {other}"),
+    }
+}
+
 /// A build without CUDA refuses `--device cuda` with a typed error that says how to get it,
 /// both in the library and on the command line (exit code 2), instead of panicking.
 #[cfg(not(feature = "cuda"))]
