@@ -8,7 +8,7 @@
 //! Reads ([`ReadProbe`]): for one op in [`FULL_EVERY`] and the first [`FIRST_OF_KIND`] ops of each
 //! kind, the op runs a second time from the same
 //! state with the bytes next to its declared reads changed (the page on each side of a paged
-//! read, [`MARGIN_BYTES`] on each side of another, minus everything it declares); if its output
+//! read, `MARGIN_BYTES` on each side of another, minus everything it declares); if its output
 //! differs, it read some of them. The op's CPU reference reads through no checked view of its
 //! own — this reruns it — so a read is found when it changes the output, which is when it
 //! matters. Its declared writes and the changed bytes are left as the first run left them (an
