@@ -51,6 +51,21 @@ pub struct Stray {
     pub bytes: Range<usize>,
 }
 
+/// The accesses' byte ranges, grouped by buffer (in order of first appearance).
+fn by_buffer<'a>(
+    accesses: impl Iterator<Item = &'a tierkv_engine::device::Access>,
+) -> Vec<(BufferId, Vec<Range<usize>>)> {
+    let mut out: Vec<(BufferId, Vec<Range<usize>>)> = Vec::new();
+    for a in accesses {
+        let r = a.range.span();
+        match out.iter_mut().find(|(b, _)| *b == a.range.buffer) {
+            Some((_, v)) => v.push(r),
+            None => out.push((a.range.buffer, vec![r])),
+        }
+    }
+    out
+}
+
 /// Sorted, merged ranges.
 fn merged(mut v: Vec<Range<usize>>) -> Vec<Range<usize>> {
     v.sort_by_key(|r| r.start);
@@ -67,15 +82,7 @@ fn merged(mut v: Vec<Range<usize>>) -> Vec<Range<usize>> {
 /// Copies what `op` (number `op_id`) must leave alone, before it runs.
 pub fn before(op: &Op, op_id: u64, mem: &Memory) -> Vec<Shadow> {
     let full = op_id % FULL_EVERY == 0;
-    let mut by_buffer: Vec<(BufferId, Vec<Range<usize>>)> = Vec::new();
-    for a in op.accesses().into_iter().filter(|a| a.write) {
-        let r = a.range.span();
-        match by_buffer.iter_mut().find(|(b, _)| *b == a.range.buffer) {
-            Some((_, v)) => v.push(r),
-            None => by_buffer.push((a.range.buffer, vec![r])),
-        }
-    }
-    by_buffer
+    by_buffer(op.accesses().iter().filter(|a| a.write))
         .into_iter()
         .map(|(buffer, writes)| {
             let allowed = merged(writes);
@@ -215,14 +222,7 @@ impl ReadProbe {
         if writes.is_empty() {
             return None;
         }
-        let mut declared: Vec<(BufferId, Vec<Range<usize>>)> = Vec::new();
-        for a in &accesses {
-            let r = a.range.span();
-            match declared.iter_mut().find(|(b, _)| *b == a.range.buffer) {
-                Some((_, v)) => v.push(r),
-                None => declared.push((a.range.buffer, vec![r])),
-            }
-        }
+        let declared = by_buffer(accesses.iter());
         let mut beside = Vec::new();
         for (buffer, ranges) in declared {
             let reads: Vec<Range<usize>> = accesses

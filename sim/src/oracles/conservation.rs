@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use tierkv_engine::cache::{NodeId, ROOT};
 use tierkv_engine::cpu_device::Memory;
 use tierkv_engine::device::{BufferId, BufferRole};
-use tierkv_engine::layout::{BufferKind, LayerId, PageId, PAGE_TOKENS};
+use tierkv_engine::layout::{BufferKind, LayerId, PageId, PagedView, PAGE_TOKENS};
 
 pub fn check<D, C, T>(engine: &tierkv_engine::Engine<D, C, T>, time_ns: u64) -> Option<Finding>
 where
@@ -82,6 +82,27 @@ where
         }
         depth[&id]
     };
+    // Per tier, layer and kind: the buffer and where its pages are.
+    let sides: Vec<[(BufferKind, BufferId, PagedView); 2]> = (0..2)
+        .flat_map(|tier| {
+            (0..layers).map(move |l| {
+                BufferKind::ALL.map(|kind| {
+                    let layer = LayerId(l);
+                    if tier == 0 {
+                        let role = BufferRole::Pool { kind, layer };
+                        (
+                            kind,
+                            buffer(mem, role),
+                            pools.device_side(kind, layer).view(),
+                        )
+                    } else {
+                        let role = BufferRole::Mirror { kind };
+                        (kind, buffer(mem, role), pools.host_side(kind, layer).view())
+                    }
+                })
+            })
+        })
+        .collect();
     let mut holders: [BTreeMap<PageId, NodeId>; 2] = [BTreeMap::new(), BTreeMap::new()];
     let nodes: Vec<NodeId> = cache.live_nodes().collect();
     for id in nodes {
@@ -98,20 +119,7 @@ where
                 ));
             }
             for l in 0..layers {
-                for kind in BufferKind::ALL {
-                    let (role, view) = if tier == 0 {
-                        let role = BufferRole::Pool {
-                            kind,
-                            layer: LayerId(l),
-                        };
-                        (role, pools.device_side(kind, LayerId(l)).view())
-                    } else {
-                        (
-                            BufferRole::Mirror { kind },
-                            pools.host_side(kind, LayerId(l)).view(),
-                        )
-                    };
-                    let buf = buffer(mem, role);
+                for (kind, buf, view) in sides[tier * layers as usize + l as usize] {
                     if let Some(e) = content.audit_page(
                         mem,
                         kind,
