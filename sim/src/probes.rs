@@ -52,6 +52,8 @@ pub enum SimProbe {
     SessionReachedContext,
     /// A client retried after its request was refused by admission control.
     ClientRetried,
+    /// The operator's request to hand back device memory freed pages.
+    EvictedOnDemand,
 }
 
 impl SimProbe {
@@ -76,6 +78,7 @@ impl SimProbe {
         SimProbe::FaultsStoppedWithWork,
         SimProbe::SessionReachedContext,
         SimProbe::ClientRetried,
+        SimProbe::EvictedOnDemand,
     ];
 
     pub fn name(self) -> &'static str {
@@ -100,6 +103,7 @@ impl SimProbe {
             SimProbe::FaultsStoppedWithWork => "run.faults_stopped_with_work",
             SimProbe::SessionReachedContext => "run.session_reached_context",
             SimProbe::ClientRetried => "run.client_retried",
+            SimProbe::EvictedOnDemand => "run.evicted_on_demand",
         }
     }
 }

@@ -597,7 +597,7 @@ impl<'a> Run<'a> {
     }
 
     /// Faults stop once the workload is in (the liveness phase); until then, aborts mid-load
-    /// and anywhere.
+    /// and anywhere, and the operator's requests to hand back device memory.
     fn faults(&mut self) -> Result<(), Stop> {
         let arrivals_left = self.next_oneshot < self.oneshots.len()
             || !self.retries.is_empty()
@@ -635,6 +635,43 @@ impl<'a> Run<'a> {
             let victim = *self.rng.pick(&ids);
             self.abort(victim)?;
         }
+        if self.sc.evict_rate > 0.0 && self.rng.chance(self.sc.evict_rate) {
+            let device_pages = self.engine.pools().device_pages.capacity() as u64;
+            let pages = self.rng.range(1, device_pages + 1) as usize;
+            self.evict(pages)?;
+        }
+        Ok(())
+    }
+
+    /// The operator's request to hand back `pages` device pages: what the engine says it freed
+    /// at once must be what left the device tier.
+    fn evict(&mut self, pages: usize) -> Result<(), Stop> {
+        let used = |r: &Self| r.engine.pools().device_pages.used_count() as usize;
+        let before = used(self);
+        let freed = match guarded(|| self.engine.evict_device(pages)) {
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) => {
+                self.found(engine_error_kind(&e), format!("evict_device({pages}): {e}"));
+                return Err(Stop);
+            }
+            Err(p) => {
+                self.found(OracleKind::Invariant, p);
+                return Err(Stop);
+            }
+        };
+        let after = used(self);
+        probes::hit_if(SimProbe::EvictedOnDemand, freed > 0);
+        if freed > pages || before - after != freed {
+            let message = format!(
+                "evict_device({pages}) reports {freed} pages freed; the device tier went from {before} to {after} pages used"
+            );
+            self.found(OracleKind::Metrics, message);
+            return Err(Stop);
+        }
+        self.findings.append(&mut self.engine.dev.findings);
+        if !self.findings.is_empty() {
+            return Err(Stop);
+        }
         Ok(())
     }
 
@@ -654,6 +691,13 @@ impl<'a> Run<'a> {
     /// One engine step, then every output it handed back through the oracles. Returns whether
     /// the engine reported itself idle.
     fn step(&mut self) -> Result<bool, Stop> {
+        let queued = tierkv_engine::scheduler::RequestState::Queued;
+        let queued_before: Vec<u64> = self
+            .owners
+            .keys()
+            .copied()
+            .filter(|&id| self.engine.request(id).is_some_and(|r| r.state == queued))
+            .collect();
         let stepped = guarded(|| self.engine.step());
         // What the GPU saw during the step happened before the step's result.
         self.findings.append(&mut self.engine.dev.findings);
@@ -669,6 +713,19 @@ impl<'a> Run<'a> {
             }
         };
         self.stats.steps += 1;
+        // Admission is the only way out of the queue within a step.
+        let admitted = queued_before
+            .iter()
+            .filter(|&&id| self.engine.request(id).is_none_or(|r| r.state != queued))
+            .count();
+        if report.admitted != admitted {
+            let message = format!(
+                "the step reports {} requests admitted; {admitted} of the queued ones left the queue",
+                report.admitted
+            );
+            self.found(OracleKind::Metrics, message);
+            return Err(Stop);
+        }
         for o in self.engine.drain_outputs() {
             self.out_hash = mix64(self.out_hash ^ format!("{o:?}").len() as u64 ^ output_key(&o));
             self.output(o);
@@ -818,6 +875,17 @@ impl<'a> Run<'a> {
             .fold((0, 0), |(n, t), id| (n + 1, t + self.specs[id].0 as u64))
     }
 
+    /// The distinct loads that the requests the engine holds wait for: each is in flight (an
+    /// aborted request's load may be in flight too, so this is a lower bound).
+    fn waiting_for_loads(&self) -> usize {
+        let loads: BTreeSet<_> = self
+            .owners
+            .keys()
+            .filter_map(|&id| self.engine.request(id).and_then(|r| r.load))
+            .collect();
+        loads.len()
+    }
+
     /// Every bound the engine promises, from what it reports, and the queue's counts against a
     /// recount.
     fn bounds(&mut self) -> Result<(), Stop> {
@@ -833,6 +901,15 @@ impl<'a> Run<'a> {
         };
         if let Some(f) = bounds::check(&self.cfg, &held, e.dev.now()) {
             self.findings.push(f);
+            return Err(Stop);
+        }
+        let waiting = self.waiting_for_loads();
+        if held.loads < waiting {
+            let message = format!(
+                "the engine reports {} loads in flight, but {waiting} of its requests wait for a load",
+                held.loads
+            );
+            self.found(OracleKind::Bound, message);
             return Err(Stop);
         }
         let (queued, tokens) = self.queued_recount();

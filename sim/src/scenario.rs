@@ -143,6 +143,10 @@ pub struct Scenario {
     /// The same for host pages.
     #[serde(default)]
     pub host_pages_refused: f64,
+    /// Probability per engine step that the operator asks the engine to hand back device memory
+    /// (`Engine::evict_device` of a random number of pages).
+    #[serde(default)]
+    pub evict_rate: f64,
     pub workload: Workload,
     /// Engine steps before the run is declared stuck.
     pub steps_max: u64,
@@ -251,6 +255,7 @@ impl Scenario {
         rate("abort_mid_load_rate", self.abort_mid_load_rate)?;
         rate("device_pages_refused", self.device_pages_refused)?;
         rate("host_pages_refused", self.host_pages_refused)?;
+        rate("evict_rate", self.evict_rate)?;
         if self.steps_max == 0 {
             return Err(bad("steps_max", 0, "must be at least 1"));
         }
@@ -345,7 +350,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -376,6 +381,7 @@ impl Scenario {
             self.host_pages_refused,
             self.abort_rate,
             self.abort_mid_load_rate,
+            self.evict_rate,
             self.workload.sessions.len(),
             self.workload.oneshots.len(),
             self.workload.requests(),
@@ -425,6 +431,13 @@ pub fn draw(
     } else {
         0.02 + gr.unit() * 0.3
     };
+    // Drawn from a stream of its own, so that adding it left every other draw as it was.
+    let mut er = rng.fork(4);
+    let evict_rate = if er.chance(0.8) {
+        0.0
+    } else {
+        0.02 + er.unit() * 0.1
+    };
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
     let sc = Scenario {
@@ -436,6 +449,7 @@ pub fn draw(
         abort_mid_load_rate,
         device_pages_refused,
         host_pages_refused,
+        evict_rate,
         workload,
         steps_max: 2_000 + 200 * requests,
         mutant: None,

@@ -88,8 +88,9 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
     }
     // Each fault that is on, switched off.
     type Off = fn(&mut Scenario);
-    let faults: [(bool, Off); 12] = [
+    let faults: [(bool, Off); 13] = [
         (sc.abort_rate > 0.0, |c| c.abort_rate = 0.0),
+        (sc.evict_rate > 0.0, |c| c.evict_rate = 0.0),
         (sc.gpu.slow_copy_rate > 0.0, |c| c.gpu.slow_copy_rate = 0.0),
         (sc.gpu.failed_copy_rate > 0.0, |c| {
             c.gpu.failed_copy_rate = 0.0

@@ -32,3 +32,172 @@ fn a_request_in_neither_set_is_caught() {
     s.queued_tokens = 0;
     s.check_invariants();
 }
+
+/// Grants every request its pages at once: `cached` pages of its prefix cached, the last `loading`
+/// of them still being loaded (one load per request).
+struct Grants {
+    cached: usize,
+    loading: usize,
+    next_page: u32,
+    next_load: u64,
+}
+
+impl Reserve for Grants {
+    fn reserve(
+        &mut self,
+        r: &Request,
+        _acks: &mut Vec<LoadAck>,
+    ) -> Result<Option<Grant>, EngineError> {
+        let n = r.prompt_len.div_ceil(PAGE_TOKENS as usize) + 1;
+        let pages = (0..n as u32).map(|i| PageId(self.next_page + i)).collect();
+        self.next_page += n as u32;
+        let load = (self.loading > 0).then(|| {
+            self.next_load += 1;
+            LoadId(self.next_load)
+        });
+        Ok(Some(Grant {
+            pages,
+            locked: (0..self.cached as NodeId).map(|i| i + 1).collect(),
+            cached: self.cached,
+            load,
+        }))
+    }
+}
+
+fn scheduler(prefill_budget: u32, prefill_indexer: PrefillIndexer) -> Scheduler {
+    let mut cfg = Config::preset("sim-small").expect("preset");
+    cfg.scheduler.prefill_tokens_per_step_max = prefill_budget;
+    cfg.model.prefill_indexer = prefill_indexer;
+    Scheduler::new(&cfg, Mutants::none())
+}
+
+fn submit(s: &mut Scheduler, prompt_len: usize, max_new_tokens: u32) -> u64 {
+    let spec = RequestSpec {
+        prompt: vec![7; prompt_len],
+        max_new_tokens,
+    };
+    s.submit(spec, 0).expect("a valid request")
+}
+
+fn admit_all(s: &mut Scheduler, cached: usize, loading: usize) -> usize {
+    let mut grants = Grants {
+        cached,
+        loading,
+        next_page: 0,
+        next_load: 0,
+    };
+    s.admit(&mut grants).expect("admission")
+}
+
+/// Runs the batch as the engine would after a forward that succeeded, with zero digests.
+fn forward(s: &mut Scheduler, rows: &[Row]) -> Recorded {
+    let queries: usize = rows.iter().map(|r| r.queries.len()).sum();
+    let digests = vec![vec![0u64; 2]; queries];
+    s.record_forward(rows, &digests, &[], &Synth::new(1), 0)
+}
+
+fn probe_hits(p: Probe) -> u64 {
+    probe::take().get(p.name()).copied().unwrap_or(0)
+}
+
+#[test]
+fn admission_reports_how_many_requests_it_admitted() {
+    let mut s = scheduler(512, PrefillIndexer::LastToken);
+    for _ in 0..3 {
+        submit(&mut s, 100, 2);
+    }
+    assert_eq!(admit_all(&mut s, 0, 0), 3);
+    assert_eq!((s.queue_len(), s.running_len()), (0, 3));
+    assert_eq!(admit_all(&mut s, 0, 0), 0, "nothing left to admit");
+    s.check_invariants();
+}
+
+#[test]
+fn a_failed_load_recomputes_the_tokens_of_the_pages_it_covered() {
+    let mut s = scheduler(512, PrefillIndexer::LastToken);
+    let id = submit(&mut s, 5 * PAGE_TOKENS as usize + 10, 2);
+    // 4 pages cached, the last 3 of them only on the host: their load is in flight.
+    admit_all(&mut s, 4, 3);
+    let load = s.requests[&id].load.expect("a load in flight");
+    s.load_acked(&LoadAck {
+        load,
+        request: id,
+        ok: false,
+        nodes: 3,
+        orphaned: false,
+    });
+    let r = &s.requests[&id];
+    assert_eq!((r.load, r.owned_from, r.locked.len()), (None, 1, 1));
+    assert_eq!(r.computed, PAGE_TOKENS as usize, "it resumes after the resident page");
+    let recompute: Vec<Output> = s.drain_outputs();
+    assert_eq!(
+        recompute,
+        [Output::Recompute {
+            request: id,
+            tokens: 3 * PAGE_TOKENS,
+        }]
+    );
+    s.check_invariants();
+}
+
+#[test]
+fn prefill_tokens_count_the_prompt_tokens_computed() {
+    // Budget 130: a 30-token prompt is computed whole in the first step, beside the first 100
+    // tokens of a 250-token prompt; the rest of that one takes 130 and 20.
+    let mut s = scheduler(130, PrefillIndexer::EveryToken);
+    submit(&mut s, 30, 1);
+    submit(&mut s, 250, 1);
+    admit_all(&mut s, 0, 0);
+    let mut prefill = Vec::new();
+    for _ in 0..4 {
+        let rows = s.build_batch(1024);
+        prefill.push(forward(&mut s, &rows).prefill_tokens);
+    }
+    assert_eq!(prefill, [130, 130, 20, 0]);
+}
+
+#[test]
+fn the_chunked_prefill_probe_is_hit_only_by_a_chunk() {
+    let mut s = scheduler(128, PrefillIndexer::LastToken);
+    submit(&mut s, 100, 1);
+    admit_all(&mut s, 0, 0);
+    probe::take();
+    let rows = s.build_batch(64);
+    assert_eq!((rows[0].from, rows[0].to), (0, 100));
+    assert_eq!(probe_hits(Probe::BatchPrefillChunked), 0, "a whole prompt");
+    // Resuming after a cached prefix (as admission leaves a request whose prefix hit) is not a
+    // chunk either.
+    let mut s = scheduler(128, PrefillIndexer::LastToken);
+    let id = submit(&mut s, 100, 1);
+    admit_all(&mut s, 1, 0);
+    assert_eq!(s.requests[&id].computed, PAGE_TOKENS as usize);
+    probe::take();
+    s.build_batch(64);
+    assert_eq!(probe_hits(Probe::BatchPrefillChunked), 0, "the rest of a prompt");
+    let mut s = scheduler(64, PrefillIndexer::LastToken);
+    submit(&mut s, 100, 1);
+    admit_all(&mut s, 0, 0);
+    probe::take();
+    s.build_batch(64);
+    assert_eq!(probe_hits(Probe::BatchPrefillChunked), 1, "a chunk of 64 of 100");
+}
+
+#[test]
+fn the_mixed_batch_probe_is_hit_only_by_prefill_beside_decode() {
+    let mut s = scheduler(512, PrefillIndexer::LastToken);
+    submit(&mut s, 40, 4);
+    admit_all(&mut s, 0, 0);
+    probe::take();
+    let rows = s.build_batch(64);
+    assert_eq!(probe_hits(Probe::BatchMixed), 0, "prefill only");
+    forward(&mut s, &rows);
+    probe::take();
+    let rows = s.build_batch(64);
+    assert_eq!(probe_hits(Probe::BatchMixed), 0, "decode only");
+    forward(&mut s, &rows);
+    submit(&mut s, 40, 4);
+    admit_all(&mut s, 0, 0);
+    probe::take();
+    s.build_batch(64);
+    assert_eq!(probe_hits(Probe::BatchMixed), 1, "a decode beside a prefill");
+}
