@@ -85,7 +85,7 @@ pub struct GpuOptions {
     pub fail_first_host_alloc: bool,
     /// The buffer allocation, counted from 1, that fails with out-of-memory (pool, mirror or
     /// scratch; the runner retries the engine's construction); 0: none.
-    pub fail_alloc: u32,
+    pub fail_alloc_nth: u32,
     /// Record every op as a trace slice.
     pub trace: bool,
     /// Run the ops' data effects on a real GPU instead of the CPU references.
@@ -113,7 +113,7 @@ impl Default for GpuOptions {
             torn_copy_rate: 0.0,
             completion_delay_ns: 0,
             fail_first_host_alloc: false,
-            fail_alloc: 0,
+            fail_alloc_nth: 0,
             trace: false,
             cuda: false,
         }
@@ -1003,7 +1003,7 @@ pub fn op_detail(op: &Op, mem: &Memory) -> String {
 impl Device for SimGpu {
     fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
         self.allocs += 1;
-        if self.opts.fail_alloc == self.allocs {
+        if self.opts.fail_alloc_nth == self.allocs {
             probes::hit(SimProbe::FaultAllocFailed);
             return Err(DeviceError::OutOfMemory {
                 role: desc.role,

@@ -312,8 +312,8 @@ fn start_engine(
         mutants: planted.engine,
         faults: EngineFaults {
             seed: sc.seed,
-            device_pages_refused: sc.device_pages_refused,
-            host_pages_refused: sc.host_pages_refused,
+            device_pages_refused: sc.device_pages_refused_rate,
+            host_pages_refused: sc.host_pages_refused_rate,
         },
     };
     let failed = |oracle, message| Finding {
@@ -325,7 +325,7 @@ fn start_engine(
         let mut knobs = sc.gpu.clone();
         if !fault_alloc {
             knobs.fail_first_host_alloc = false;
-            knobs.fail_alloc = 0;
+            knobs.fail_alloc_nth = 0;
         }
         let mut o = knobs.options(opts.trace);
         o.cuda = opts.cuda;
@@ -341,7 +341,7 @@ fn start_engine(
         guarded(|| Engine::new(cfg.clone(), gpu, clock, eopts))
             .map_err(|p| failed(OracleKind::Invariant, p))
     };
-    let alloc_fault = sc.gpu.fail_first_host_alloc || sc.gpu.fail_alloc > 0;
+    let alloc_fault = sc.gpu.fail_first_host_alloc || sc.gpu.fail_alloc_nth > 0;
     let first = match start(alloc_fault)? {
         Err(EngineError::Device(DeviceError::OutOfMemory { .. })) if alloc_fault => start(false)?,
         other => other,

@@ -84,7 +84,7 @@ pub struct GpuKnobs {
     pub completion_delay_ns: u64,
     /// The buffer allocation at the engine's construction that fails, from 1 (0: none).
     #[serde(default)]
-    pub fail_alloc: u32,
+    pub fail_alloc_nth: u32,
 }
 
 impl GpuKnobs {
@@ -116,7 +116,7 @@ impl GpuKnobs {
             sticky_faults: self.sticky_faults,
             torn_copy_rate: self.torn_copy_rate,
             completion_delay_ns: self.completion_delay_ns,
-            fail_alloc: self.fail_alloc,
+            fail_alloc_nth: self.fail_alloc_nth,
             trace,
             ..GpuOptions::default()
         }
@@ -139,10 +139,10 @@ pub struct Scenario {
     /// Probability that the engine's allocation of device pages is refused as if the tier were
     /// full (`EngineFaults`).
     #[serde(default)]
-    pub device_pages_refused: f64,
+    pub device_pages_refused_rate: f64,
     /// The same for host pages.
     #[serde(default)]
-    pub host_pages_refused: f64,
+    pub host_pages_refused_rate: f64,
     /// Probability per engine step that the operator asks the engine to hand back device memory
     /// (`Engine::evict_device` of a random number of pages).
     #[serde(default)]
@@ -253,8 +253,8 @@ impl Scenario {
         self.validate_gpu()?;
         rate("abort_rate", self.abort_rate)?;
         rate("abort_mid_load_rate", self.abort_mid_load_rate)?;
-        rate("device_pages_refused", self.device_pages_refused)?;
-        rate("host_pages_refused", self.host_pages_refused)?;
+        rate("device_pages_refused_rate", self.device_pages_refused_rate)?;
+        rate("host_pages_refused_rate", self.host_pages_refused_rate)?;
         rate("evict_rate", self.evict_rate)?;
         if self.steps_max == 0 {
             return Err(bad("steps_max", 0, "must be at least 1"));
@@ -376,9 +376,9 @@ impl Scenario {
             if self.gpu.sticky_faults { "on" } else { "off" },
             self.gpu.torn_copy_rate,
             self.gpu.completion_delay_ns,
-            self.gpu.fail_alloc,
-            self.device_pages_refused,
-            self.host_pages_refused,
+            self.gpu.fail_alloc_nth,
+            self.device_pages_refused_rate,
+            self.host_pages_refused_rate,
             self.abort_rate,
             self.abort_mid_load_rate,
             self.evict_rate,
@@ -421,12 +421,12 @@ pub fn draw(
     } else {
         0.3 + gr.unit() * 0.6
     };
-    let device_pages_refused = if gr.chance(0.75) {
+    let device_pages_refused_rate = if gr.chance(0.75) {
         0.0
     } else {
         0.01 + gr.unit() * 0.09
     };
-    let host_pages_refused = if gr.chance(0.75) {
+    let host_pages_refused_rate = if gr.chance(0.75) {
         0.0
     } else {
         0.02 + gr.unit() * 0.3
@@ -447,8 +447,8 @@ pub fn draw(
         gpu,
         abort_rate,
         abort_mid_load_rate,
-        device_pages_refused,
-        host_pages_refused,
+        device_pages_refused_rate,
+        host_pages_refused_rate,
         evict_rate,
         workload,
         steps_max: 2_000 + 200 * requests,
@@ -672,7 +672,7 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
             gr.range(1_000, 200_000)
         },
         // The engine allocates its pool buffers, the host mirror, then the step scratch.
-        fail_alloc: if gr.chance(0.9) {
+        fail_alloc_nth: if gr.chance(0.9) {
             0
         } else {
             gr.range(1, 8) as u32

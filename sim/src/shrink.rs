@@ -109,11 +109,11 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
         (sc.gpu.completion_delay_ns > 0, |c| {
             c.gpu.completion_delay_ns = 0
         }),
-        (sc.gpu.fail_alloc > 0, |c| c.gpu.fail_alloc = 0),
-        (sc.device_pages_refused > 0.0, |c| {
-            c.device_pages_refused = 0.0
+        (sc.gpu.fail_alloc_nth > 0, |c| c.gpu.fail_alloc_nth = 0),
+        (sc.device_pages_refused_rate > 0.0, |c| {
+            c.device_pages_refused_rate = 0.0
         }),
-        (sc.host_pages_refused > 0.0, |c| c.host_pages_refused = 0.0),
+        (sc.host_pages_refused_rate > 0.0, |c| c.host_pages_refused_rate = 0.0),
     ];
     for (on, off) in faults {
         if on {

@@ -4,6 +4,7 @@
 //! names it. A run with findings exits 1; a clean one 0.
 
 use crate::campaign::{run_campaign, CampaignOptions, SeedSet};
+use crate::probes::SimProbe;
 use crate::report::Finding;
 use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
 use crate::scenario::{Scenario, PROFILES};
@@ -12,6 +13,7 @@ use crate::shrink::{shrink, shrink_schedule, shrink_under};
 use crate::trace_out::chrome_trace;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tierkv_engine::probe::Probe;
 use tierkv_engine::trace::TraceRecord;
 
 /// The most worker threads a campaign takes.
@@ -778,6 +780,17 @@ fn print_run(out: &RunOutcome) {
     println!(
         "{} steps, {} requests submitted, {} finished, {} rejected, {} aborted, {} recomputed; {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again)",
         s.steps, s.submitted, s.finished, s.rejected, s.aborted, s.recomputed, s.loads, s.backups, s.failed_copies, s.failed_kernels, s.steps_failed
+    );
+    let hits = |name: &str| out.probes.get(name).copied().unwrap_or(0);
+    println!(
+        "faults: {} streams left in error ({} device recoveries), {} torn copies, {} late completions, page allocations refused {} device / {} host; {} on-demand evictions",
+        hits(SimProbe::FaultSticky.name()),
+        hits(Probe::DeviceRecovered.name()),
+        hits(SimProbe::FaultCopyTorn.name()),
+        hits(SimProbe::FaultCompletionLate.name()),
+        hits(Probe::FaultDevicePagesRefused.name()),
+        hits(Probe::FaultHostPagesRefused.name()),
+        hits(SimProbe::EvictedOnDemand.name()),
     );
     println!(
         "{} digests recomputed, {} rows compared, {} ops, {} events; simulated {:.3} ms in {:.1} ms; event-log hash {:#018x}",
