@@ -25,9 +25,9 @@ pub struct EngineFaults {
     /// Seeds the draws (one generator per tier).
     pub seed: u64,
     /// Probability that a device-page allocation is refused.
-    pub device_pages_refused: f64,
+    pub device_pages_refused_rate: f64,
     /// Probability that a host-page allocation is refused.
-    pub host_pages_refused: f64,
+    pub host_pages_refused_rate: f64,
 }
 
 /// An allocator's injected refusals: a splitmix64 generator and a rate.
@@ -164,12 +164,12 @@ impl Pools {
     pub fn inject(&mut self, faults: EngineFaults) {
         self.device_pages.refuse(
             faults.seed ^ 0xD0,
-            faults.device_pages_refused,
+            faults.device_pages_refused_rate,
             Probe::FaultDevicePagesRefused,
         );
         self.host_pages.refuse(
             faults.seed ^ 0x05,
-            faults.host_pages_refused,
+            faults.host_pages_refused_rate,
             Probe::FaultHostPagesRefused,
         );
     }

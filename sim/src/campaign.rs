@@ -8,8 +8,9 @@ use crate::report::{Finding, OracleKind};
 use crate::runner::{run, RunOptions, RunOutcome, RunStats};
 use crate::scenario::{draw, Scenario};
 use crate::schedule::{explore_policy, Policy, Source};
+use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -94,12 +95,29 @@ impl CampaignOptions {
     }
 }
 
+/// One failing run of a campaign: its seed, the schedule it ran under and its first finding.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CampaignFailure {
+    pub seed: u64,
+    /// Which schedule of the seed (0: the scenario's own; `--schedules`).
+    pub schedule: u64,
+    /// The policy that drew that schedule (`None`: the scenario's own).
+    pub policy: Option<Policy>,
+    pub finding: Finding,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct CampaignSummary {
     pub seeds_run: u64,
-    pub failures: Vec<(u64, Finding)>,
+    /// Every failing run, in seed order once the campaign ends.
+    pub failures: Vec<CampaignFailure>,
     pub by_oracle: BTreeMap<OracleKind, u64>,
+    /// The campaign's wall time, start to end.
     pub wall: Duration,
+    /// Worker threads.
+    pub jobs: usize,
+    /// The workers' busy time: every run, determinism reruns included.
+    pub worker: Duration,
     pub totals: RunStats,
     /// The first failing seed in seed order, if any.
     pub first_failure: Option<u64>,
@@ -119,30 +137,15 @@ impl CampaignSummary {
         self.seeds_run += (o.schedule == 0) as u64;
         self.reruns += o.rerun as u64;
         self.coverage.add(&o.probes);
-        let t = &mut self.totals;
-        let s = &o.stats;
-        t.steps += s.steps;
-        t.submitted += s.submitted;
-        t.finished += s.finished;
-        t.rejected += s.rejected;
-        t.aborted += s.aborted;
-        t.recomputed += s.recomputed;
-        t.digests_checked += s.digests_checked;
-        t.rows_checked += s.rows_checked;
-        t.rows_cached += s.rows_cached;
-        t.ops += s.ops;
-        t.events += s.events;
-        t.copy_bytes += s.copy_bytes;
-        t.failed_copies += s.failed_copies;
-        t.failed_kernels += s.failed_kernels;
-        t.steps_failed += s.steps_failed;
-        t.loads += s.loads;
-        t.backups += s.backups;
-        t.sim_ns += s.sim_ns;
-        t.wall_ns += s.wall_ns;
+        self.totals.add(&o.stats);
         if let Some(f) = o.findings.first() {
             *self.by_oracle.entry(f.oracle).or_default() += 1;
-            self.failures.push((o.seed, f.clone()));
+            self.failures.push(CampaignFailure {
+                seed: o.seed,
+                schedule: o.schedule,
+                policy: o.policy,
+                finding: f.clone(),
+            });
             if self.first_failure.is_none_or(|x| o.seed < x) {
                 self.first_failure = Some(o.seed);
                 self.first_failure_schedule = Some((o.schedule, o.policy, o.decisions.clone()));
@@ -150,10 +153,22 @@ impl CampaignSummary {
         }
     }
 
+    /// KV and index-K rows that ops read and the content oracle verified: compared, or known
+    /// unchanged since they were compared.
+    pub fn checked_reads(&self) -> u64 {
+        self.totals.rows_checked + self.totals.rows_cached
+    }
+
     pub fn print(&self, profile: &str) {
-        let wall = self.wall.as_secs_f64().max(1e-9);
-        let t = &self.totals;
         println!("== tierkv sim summary (profile {profile})");
+        self.print_counts();
+        self.print_throughput(self.wall.as_secs_f64(), None);
+        self.print_checks();
+    }
+
+    /// Seeds, failures by oracle, and what was checked.
+    pub fn print_counts(&self) {
+        let t = &self.totals;
         println!(
             "seeds run: {}{}   failures: {}{}",
             self.seeds_run,
@@ -180,25 +195,50 @@ impl CampaignSummary {
             "checked: {} requests finished, {} digests recomputed, {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again), {} aborts",
             t.finished, t.digests_checked, t.rows_checked, t.rows_cached, t.ops, t.loads, t.backups, t.failed_copies, t.failed_kernels, t.steps_failed, t.aborted
         );
+    }
+
+    /// Work per wall second, and the workers' time beside it. `wall_s`: the campaign's wall
+    /// time (for merged shards, the longest shard's, named by `shards`).
+    pub fn print_throughput(&self, wall_s: f64, shards: Option<usize>) {
+        let t = &self.totals;
+        let wall = wall_s.max(1e-9);
+        let worker_s = self.worker.as_secs_f64();
+        let over = match shards {
+            Some(n) => format!("the longest of {n} shards, {} workers in all", self.jobs),
+            None => format!("{} workers", self.jobs),
+        };
         println!(
-            "throughput: {:.2} seeds/s, {:.0} events/s, {:.1} MB copied/s; simulated {:.3} s in {:.2} s of run time: sim/wall ratio {:.2}x",
-            self.seeds_run as f64 / wall,
-            t.events as f64 / wall,
-            t.copy_bytes as f64 / wall / 1e6,
-            t.sim_ns as f64 * 1e-9,
-            t.wall_ns as f64 * 1e-9,
-            t.sim_ns as f64 / t.wall_ns.max(1) as f64
+            "wall time: {wall_s:.1} s ({over}; {worker_s:.1} s of worker time, {:.0}% of the workers busy)",
+            100.0 * worker_s / (wall * self.jobs.max(1) as f64)
         );
+        println!(
+            "throughput: {:.2} seeds/s, {:.0} ops/s, {:.0} checked reads/s, {:.1} MB copied/s; per worker-second: {:.0} checked reads",
+            self.seeds_run as f64 / wall,
+            t.ops as f64 / wall,
+            self.checked_reads() as f64 / wall,
+            t.copy_bytes as f64 / wall / 1e6,
+            self.checked_reads() as f64 / worker_s.max(1e-9),
+        );
+        println!(
+            "virtual GPU time: {:.3} s simulated ({:.3} s per wall second)",
+            t.sim_ns as f64 * 1e-9,
+            t.sim_ns as f64 * 1e-9 / wall
+        );
+    }
+
+    /// Determinism reruns, failing seeds and the coverage line.
+    pub fn print_checks(&self) {
         let names = crate::probes::all_names();
         let never = self.coverage.below(f64::MIN_POSITIVE);
         let rare = self.coverage.below(0.05);
         println!(
-            "determinism: {} seeds run twice (1 in {} and every failing seed), hashes compared",
+            "determinism: {} seed{} run twice (1 in {} and every failing seed), hashes compared",
             self.reruns,
+            if self.reruns == 1 { "" } else { "s" },
             determinism::SAMPLE_EVERY
         );
         if self.failures.len() > 1 {
-            let seeds: Vec<String> = self.failures.iter().map(|f| f.0.to_string()).collect();
+            let seeds: Vec<String> = self.failures.iter().map(|f| f.seed.to_string()).collect();
             println!("failing seeds: {}", seeds.join(", "));
         }
         println!(
@@ -225,10 +265,13 @@ pub fn run_campaign(
     let next = AtomicU64::new(0);
     let stop = std::sync::atomic::AtomicBool::new(false);
     let start = Instant::now();
-    let mut summary = CampaignSummary::default();
-    // The progress line redraws itself: only on a terminal, never into a log.
-    let progress = opts.progress && std::io::stderr().is_terminal();
-    let (tx, rx) = mpsc::channel::<RunOutcome>();
+    let mut summary = CampaignSummary {
+        jobs: opts.jobs.max(1),
+        ..CampaignSummary::default()
+    };
+    let mut progress = Progress::new(opts.progress, total);
+    // Each outcome comes with the worker time it took, reruns included.
+    let (tx, rx) = mpsc::channel::<(RunOutcome, Duration)>();
     std::thread::scope(|scope| {
         for _ in 0..(opts.jobs.max(1) as u64).min(total.max(1)) {
             let tx = tx.clone();
@@ -241,6 +284,7 @@ pub fn run_campaign(
                 let Some(seed) = seeds.nth(i) else {
                     return;
                 };
+                let began = Instant::now();
                 let sc = opts.scenario(seed);
                 let ropts = RunOptions {
                     trace: false,
@@ -256,7 +300,7 @@ pub fn run_campaign(
                 // More schedules of the same scenario, PCT over schedule 0's op starts.
                 let ops = out.decisions.len() as u64;
                 let mut failed = out.failed();
-                if tx.send(out).is_err() {
+                if tx.send((out, began.elapsed())).is_err() {
                     return;
                 }
                 for index in 1..opts.schedules {
@@ -268,6 +312,7 @@ pub fn run_campaign(
                         schedule: Some(Source::Draw { index, policy }),
                         ..ropts.clone()
                     };
+                    let began = Instant::now();
                     let mut out = run(&sc, &sopts);
                     out.schedule = index;
                     out.policy = Some(policy);
@@ -282,43 +327,127 @@ pub fn run_campaign(
                         out.findings
                             .extend(determinism::rerun(&sc, &again, out.log_hash));
                     }
-                    if tx.send(out).is_err() {
+                    if tx.send((out, began.elapsed())).is_err() {
                         return;
                     }
                 }
             });
         }
         drop(tx);
-        let mut last_draw = Instant::now() - Duration::from_secs(1);
-        for out in rx {
+        for (out, took) in rx {
             summary.add(&out);
+            summary.worker += took;
             if out.failed() && opts.stop_at_first {
                 stop.store(true, Ordering::Relaxed);
             }
-            on_done(&out);
-            if progress
-                && (last_draw.elapsed() > Duration::from_millis(200) || summary.seeds_run == total)
-            {
-                last_draw = Instant::now();
-                let width = 30;
-                let done = (summary.seeds_run * width / total.max(1)) as usize;
-                eprint!(
-                    "\r[{}{}] {}/{} seeds, {} failures, {:.1} seeds/s ",
-                    "=".repeat(done),
-                    " ".repeat(width as usize - done),
-                    summary.seeds_run,
-                    total,
-                    summary.failures.len(),
-                    summary.seeds_run as f64 / start.elapsed().as_secs_f64().max(1e-9)
-                );
-                let _ = std::io::stderr().flush();
-            }
+            progress.suspend(|| on_done(&out));
+            progress.update(&summary, start);
         }
     });
-    if progress {
-        eprintln!();
-    }
+    progress.finish(&summary, start);
     summary.wall = start.elapsed();
-    summary.failures.sort_by_key(|f| f.0);
+    summary.failures.sort_by_key(|f| (f.seed, f.schedule));
     summary
+}
+
+/// A campaign's progress on stderr: a bar with an ETA on a terminal; elsewhere (a CI log, a
+/// file) a plain line every `LINE_EVERY` and one at the end, never a redrawn line.
+enum Progress {
+    Off,
+    Bar(ProgressBar),
+    Lines { total: u64, last: Instant },
+}
+
+/// How often the plain progress line is printed.
+const LINE_EVERY: Duration = Duration::from_secs(30);
+
+impl Progress {
+    fn new(on: bool, total: u64) -> Progress {
+        if !on {
+            return Progress::Off;
+        }
+        if !std::io::stderr().is_terminal() {
+            return Progress::Lines {
+                total,
+                last: Instant::now(),
+            };
+        }
+        let bar = ProgressBar::new(total);
+        let style = ProgressStyle::with_template(
+            "[{elapsed_precise}] {bar:30} {pos}/{len} seeds, {msg}, ETA {eta}",
+        )
+        .expect("a valid progress template");
+        bar.set_style(style);
+        bar.set_message("0 failures");
+        Progress::Bar(bar)
+    }
+
+    /// Runs `f` (which may print) with the bar out of the way.
+    fn suspend(&self, f: impl FnOnce()) {
+        match self {
+            Progress::Bar(bar) => bar.suspend(f),
+            _ => f(),
+        }
+    }
+
+    fn update(&mut self, s: &CampaignSummary, start: Instant) {
+        match self {
+            Progress::Off => {}
+            Progress::Bar(bar) => {
+                bar.set_position(s.seeds_run);
+                bar.set_message(format!(
+                    "{} failures, {:.1} seeds/s",
+                    s.failures.len(),
+                    s.seeds_run as f64 / start.elapsed().as_secs_f64().max(1e-9)
+                ));
+            }
+            Progress::Lines { total, last } => {
+                if last.elapsed() >= LINE_EVERY {
+                    *last = Instant::now();
+                    eprintln!("{}", progress_line(s, *total, start));
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self, s: &CampaignSummary, start: Instant) {
+        match self {
+            Progress::Off => {}
+            Progress::Bar(bar) => bar.finish_and_clear(),
+            Progress::Lines { total, .. } => eprintln!("{}", progress_line(s, *total, start)),
+        }
+    }
+}
+
+/// `progress: 120/150 seeds (80%), 0 failures, 1.0 seeds/s, 2 min 3 s elapsed, about 31 s left`.
+fn progress_line(s: &CampaignSummary, total: u64, start: Instant) -> String {
+    let elapsed = start.elapsed().as_secs_f64();
+    let rate = s.seeds_run as f64 / elapsed.max(1e-9);
+    let left = if s.seeds_run >= total {
+        "done".to_string()
+    } else if s.seeds_run == 0 {
+        "time left unknown".to_string()
+    } else {
+        format!(
+            "about {} left",
+            duration(total.saturating_sub(s.seeds_run) as f64 / rate)
+        )
+    };
+    format!(
+        "progress: {}/{total} seeds ({:.0}%), {} failures, {rate:.1} seeds/s, {} elapsed, {left}",
+        s.seeds_run,
+        100.0 * s.seeds_run as f64 / total.max(1) as f64,
+        s.failures.len(),
+        duration(elapsed),
+    )
+}
+
+/// `45 s`, `2 min 3 s`, `1 h 4 min`.
+fn duration(secs: f64) -> String {
+    let s = secs.round() as u64;
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min {} s", s / 60, s % 60),
+        _ => format!("{} h {} min", s / 3600, s % 3600 / 60),
+    }
 }

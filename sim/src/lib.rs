@@ -20,6 +20,7 @@ pub mod rng;
 pub mod runner;
 pub mod scenario;
 pub mod schedule;
+pub mod shard;
 pub mod shrink;
 pub mod trace_out;
 pub mod undeclared;

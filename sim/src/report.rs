@@ -1,9 +1,9 @@
 //! Findings: what an oracle saw, and which oracle it was.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OracleKind {
     /// An access not ordered after a conflicting one (race detector).
@@ -66,7 +66,8 @@ impl fmt::Display for OracleKind {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Finding {
     pub oracle: OracleKind,
     /// Virtual time of the host when it was found.

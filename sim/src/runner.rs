@@ -4,7 +4,7 @@
 use crate::gpu::{Mark, SimGpu, Slice};
 use crate::oracles::content::ContentOracle;
 use crate::oracles::digest::{DigestOracle, Mismatch};
-use crate::oracles::{bounds, conservation, liveness, metrics};
+use crate::oracles::{bounds, conservation, liveness, metrics, reported};
 use crate::probes::{self, SimProbe};
 use crate::report::{Finding, OracleKind};
 use crate::rng::Rng;
@@ -32,7 +32,8 @@ pub struct RunOptions {
     pub schedule: Option<Source>,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RunStats {
     pub steps: u64,
     pub submitted: u64,
@@ -55,6 +56,52 @@ pub struct RunStats {
     pub backups: u64,
     pub sim_ns: u64,
     pub wall_ns: u64,
+}
+
+impl RunStats {
+    /// Adds another run's figures (a campaign's totals).
+    pub fn add(&mut self, s: &RunStats) {
+        let RunStats {
+            steps,
+            submitted,
+            finished,
+            rejected,
+            aborted,
+            recomputed,
+            digests_checked,
+            rows_checked,
+            rows_cached,
+            ops,
+            events,
+            copy_bytes,
+            failed_copies,
+            failed_kernels,
+            steps_failed,
+            loads,
+            backups,
+            sim_ns,
+            wall_ns,
+        } = *s;
+        self.steps += steps;
+        self.submitted += submitted;
+        self.finished += finished;
+        self.rejected += rejected;
+        self.aborted += aborted;
+        self.recomputed += recomputed;
+        self.digests_checked += digests_checked;
+        self.rows_checked += rows_checked;
+        self.rows_cached += rows_cached;
+        self.ops += ops;
+        self.events += events;
+        self.copy_bytes += copy_bytes;
+        self.failed_copies += failed_copies;
+        self.failed_kernels += failed_kernels;
+        self.steps_failed += steps_failed;
+        self.loads += loads;
+        self.backups += backups;
+        self.sim_ns += sim_ns;
+        self.wall_ns += wall_ns;
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -312,8 +359,8 @@ fn start_engine(
         mutants: planted.engine,
         faults: EngineFaults {
             seed: sc.seed,
-            device_pages_refused: sc.device_pages_refused_rate,
-            host_pages_refused: sc.host_pages_refused_rate,
+            device_pages_refused_rate: sc.device_pages_refused_rate,
+            host_pages_refused_rate: sc.host_pages_refused_rate,
         },
     };
     let failed = |oracle, message| Finding {
@@ -637,6 +684,7 @@ impl<'a> Run<'a> {
         }
         if self.sc.evict_rate > 0.0 && self.rng.chance(self.sc.evict_rate) {
             let device_pages = self.engine.pools().device_pages.capacity() as u64;
+            // 1..=capacity + 1: one more than the tier holds is a request the engine must take.
             let pages = self.rng.range(1, device_pages + 1) as usize;
             self.evict(pages)?;
         }
@@ -648,7 +696,10 @@ impl<'a> Run<'a> {
     fn evict(&mut self, pages: usize) -> Result<(), Stop> {
         let used = |r: &Self| r.engine.pools().device_pages.used_count() as usize;
         let before = used(self);
-        let freed = match guarded(|| self.engine.evict_device(pages)) {
+        let evicted = guarded(|| self.engine.evict_device(pages));
+        // What the GPU saw during the call (a backup it issued) happened before its result.
+        self.findings.append(&mut self.engine.dev.findings);
+        let freed = match evicted {
             Ok(Ok(n)) => n,
             Ok(Err(e)) => {
                 self.found(engine_error_kind(&e), format!("evict_device({pages}): {e}"));
@@ -659,16 +710,11 @@ impl<'a> Run<'a> {
                 return Err(Stop);
             }
         };
-        let after = used(self);
         probes::hit_if(SimProbe::EvictedOnDemand, freed > 0);
-        if freed > pages || before - after != freed {
-            let message = format!(
-                "evict_device({pages}) reports {freed} pages freed; the device tier went from {before} to {after} pages used"
-            );
-            self.found(OracleKind::Metrics, message);
-            return Err(Stop);
+        let now = self.engine.dev.now();
+        if let Some(f) = reported::evicted(pages, freed, before, used(self), now) {
+            self.findings.push(f);
         }
-        self.findings.append(&mut self.engine.dev.findings);
         if !self.findings.is_empty() {
             return Err(Stop);
         }
@@ -713,17 +759,13 @@ impl<'a> Run<'a> {
             }
         };
         self.stats.steps += 1;
-        // Admission is the only way out of the queue within a step.
-        let admitted = queued_before
+        // Admission is the only way out of the queue within a step (`reported`).
+        let left_queue = queued_before
             .iter()
             .filter(|&&id| self.engine.request(id).is_none_or(|r| r.state != queued))
             .count();
-        if report.admitted != admitted {
-            let message = format!(
-                "the step reports {} requests admitted; {admitted} of the queued ones left the queue",
-                report.admitted
-            );
-            self.found(OracleKind::Metrics, message);
+        if let Some(f) = reported::admitted(report.admitted, left_queue, self.engine.dev.now()) {
+            self.findings.push(f);
             return Err(Stop);
         }
         for o in self.engine.drain_outputs() {
@@ -903,22 +945,12 @@ impl<'a> Run<'a> {
             self.findings.push(f);
             return Err(Stop);
         }
-        let waiting = self.waiting_for_loads();
-        if held.loads < waiting {
-            let message = format!(
-                "the engine reports {} loads in flight, but {waiting} of its requests wait for a load",
-                held.loads
-            );
-            self.found(OracleKind::Bound, message);
-            return Err(Stop);
-        }
-        let (queued, tokens) = self.queued_recount();
-        if (queued, tokens) != (held.queued, held.queued_tokens) {
-            let message = format!(
-                "the engine reports {} queued requests and {} queued prompt tokens; the requests it has queued are {queued} with {tokens} prompt tokens",
-                held.queued, held.queued_tokens,
-            );
-            self.found(OracleKind::Bound, message);
+        let now = e.dev.now();
+        let recount = self.queued_recount();
+        let reported = reported::loads_in_flight(held.loads, self.waiting_for_loads(), now)
+            .or_else(|| reported::queue((held.queued, held.queued_tokens), recount, now));
+        if let Some(f) = reported {
+            self.findings.push(f);
             return Err(Stop);
         }
         Ok(())

@@ -83,7 +83,7 @@ pub struct GpuKnobs {
     #[serde(default)]
     pub completion_delay_ns: u64,
     /// The buffer allocation at the engine's construction that fails, from 1 (0: none).
-    #[serde(default)]
+    #[serde(default, alias = "fail_alloc")]
     pub fail_alloc_nth: u32,
 }
 
@@ -138,20 +138,26 @@ pub struct Scenario {
     pub abort_mid_load_rate: f64,
     /// Probability that the engine's allocation of device pages is refused as if the tier were
     /// full (`EngineFaults`).
-    #[serde(default)]
+    #[serde(default, alias = "device_pages_refused")]
     pub device_pages_refused_rate: f64,
     /// The same for host pages.
-    #[serde(default)]
+    #[serde(default, alias = "host_pages_refused")]
     pub host_pages_refused_rate: f64,
     /// Probability per engine step that the operator asks the engine to hand back device memory
     /// (`Engine::evict_device` of a random number of pages).
-    #[serde(default)]
+    /// (Left out of the JSON when 0, so that scenarios and schedule files from before it keep
+    /// their fingerprints.)
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub evict_rate: f64,
     pub workload: Workload,
     /// Engine steps before the run is declared stuck.
     pub steps_max: u64,
     /// The mutant to switch on (bug zoo), by name.
     pub mutant: Option<String>,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// Why a scenario (a saved file, or any scenario handed to the runner) was refused: the field,

@@ -113,7 +113,9 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
         (sc.device_pages_refused_rate > 0.0, |c| {
             c.device_pages_refused_rate = 0.0
         }),
-        (sc.host_pages_refused_rate > 0.0, |c| c.host_pages_refused_rate = 0.0),
+        (sc.host_pages_refused_rate > 0.0, |c| {
+            c.host_pages_refused_rate = 0.0
+        }),
     ];
     for (on, off) in faults {
         if on {

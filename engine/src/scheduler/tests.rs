@@ -33,11 +33,11 @@ fn a_request_in_neither_set_is_caught() {
     s.check_invariants();
 }
 
-/// Grants every request its pages at once: `cached` pages of its prefix cached, the last `loading`
-/// of them still being loaded (one load per request).
+/// Grants every request its pages at once: `cached` pages of its prefix cached, with a load in
+/// flight for the host-only ones when `loading` (how many it covers is the test's `LoadAck`).
 struct Grants {
     cached: usize,
-    loading: usize,
+    loading: bool,
     next_page: u32,
     next_load: u64,
 }
@@ -51,7 +51,7 @@ impl Reserve for Grants {
         let n = r.prompt_len.div_ceil(PAGE_TOKENS as usize) + 1;
         let pages = (0..n as u32).map(|i| PageId(self.next_page + i)).collect();
         self.next_page += n as u32;
-        let load = (self.loading > 0).then(|| {
+        let load = self.loading.then(|| {
             self.next_load += 1;
             LoadId(self.next_load)
         });
@@ -79,7 +79,7 @@ fn submit(s: &mut Scheduler, prompt_len: usize, max_new_tokens: u32) -> u64 {
     s.submit(spec, 0).expect("a valid request")
 }
 
-fn admit_all(s: &mut Scheduler, cached: usize, loading: usize) -> usize {
+fn admit_all(s: &mut Scheduler, cached: usize, loading: bool) -> usize {
     let mut grants = Grants {
         cached,
         loading,
@@ -106,9 +106,9 @@ fn admission_reports_how_many_requests_it_admitted() {
     for _ in 0..3 {
         submit(&mut s, 100, 2);
     }
-    assert_eq!(admit_all(&mut s, 0, 0), 3);
+    assert_eq!(admit_all(&mut s, 0, false), 3);
     assert_eq!((s.queue_len(), s.running_len()), (0, 3));
-    assert_eq!(admit_all(&mut s, 0, 0), 0, "nothing left to admit");
+    assert_eq!(admit_all(&mut s, 0, false), 0, "nothing left to admit");
     s.check_invariants();
 }
 
@@ -117,7 +117,7 @@ fn a_failed_load_recomputes_the_tokens_of_the_pages_it_covered() {
     let mut s = scheduler(512, PrefillIndexer::LastToken);
     let id = submit(&mut s, 5 * PAGE_TOKENS as usize + 10, 2);
     // 4 pages cached, the last 3 of them only on the host: their load is in flight.
-    admit_all(&mut s, 4, 3);
+    admit_all(&mut s, 4, true);
     let load = s.requests[&id].load.expect("a load in flight");
     s.load_acked(&LoadAck {
         load,
@@ -128,7 +128,10 @@ fn a_failed_load_recomputes_the_tokens_of_the_pages_it_covered() {
     });
     let r = &s.requests[&id];
     assert_eq!((r.load, r.owned_from, r.locked.len()), (None, 1, 1));
-    assert_eq!(r.computed, PAGE_TOKENS as usize, "it resumes after the resident page");
+    assert_eq!(
+        r.computed, PAGE_TOKENS as usize,
+        "it resumes after the resident page"
+    );
     let recompute: Vec<Output> = s.drain_outputs();
     assert_eq!(
         recompute,
@@ -143,24 +146,27 @@ fn a_failed_load_recomputes_the_tokens_of_the_pages_it_covered() {
 #[test]
 fn prefill_tokens_count_the_prompt_tokens_computed() {
     // Budget 130: a 30-token prompt is computed whole in the first step, beside the first 100
-    // tokens of a 250-token prompt; the rest of that one takes 130 and 20.
-    let mut s = scheduler(130, PrefillIndexer::EveryToken);
-    submit(&mut s, 30, 1);
-    submit(&mut s, 250, 1);
-    admit_all(&mut s, 0, 0);
-    let mut prefill = Vec::new();
-    for _ in 0..4 {
-        let rows = s.build_batch(1024);
-        prefill.push(forward(&mut s, &rows).prefill_tokens);
+    // tokens of a 250-token prompt; the rest of that one takes 130 and 20. Whichever prefill
+    // tokens run the indexer (one query row per chunk, or one per token), the count is of tokens.
+    for indexer in [PrefillIndexer::LastToken, PrefillIndexer::EveryToken] {
+        let mut s = scheduler(130, indexer);
+        submit(&mut s, 30, 1);
+        submit(&mut s, 250, 1);
+        admit_all(&mut s, 0, false);
+        let mut prefill = Vec::new();
+        for _ in 0..4 {
+            let rows = s.build_batch(1024);
+            prefill.push(forward(&mut s, &rows).prefill_tokens);
+        }
+        assert_eq!(prefill, [130, 130, 20, 0], "{indexer:?}");
     }
-    assert_eq!(prefill, [130, 130, 20, 0]);
 }
 
 #[test]
 fn the_chunked_prefill_probe_is_hit_only_by_a_chunk() {
     let mut s = scheduler(128, PrefillIndexer::LastToken);
     submit(&mut s, 100, 1);
-    admit_all(&mut s, 0, 0);
+    admit_all(&mut s, 0, false);
     probe::take();
     let rows = s.build_batch(64);
     assert_eq!((rows[0].from, rows[0].to), (0, 100));
@@ -169,24 +175,32 @@ fn the_chunked_prefill_probe_is_hit_only_by_a_chunk() {
     // chunk either.
     let mut s = scheduler(128, PrefillIndexer::LastToken);
     let id = submit(&mut s, 100, 1);
-    admit_all(&mut s, 1, 0);
+    admit_all(&mut s, 1, false);
     assert_eq!(s.requests[&id].computed, PAGE_TOKENS as usize);
     probe::take();
     s.build_batch(64);
-    assert_eq!(probe_hits(Probe::BatchPrefillChunked), 0, "the rest of a prompt");
+    assert_eq!(
+        probe_hits(Probe::BatchPrefillChunked),
+        0,
+        "the rest of a prompt"
+    );
     let mut s = scheduler(64, PrefillIndexer::LastToken);
     submit(&mut s, 100, 1);
-    admit_all(&mut s, 0, 0);
+    admit_all(&mut s, 0, false);
     probe::take();
     s.build_batch(64);
-    assert_eq!(probe_hits(Probe::BatchPrefillChunked), 1, "a chunk of 64 of 100");
+    assert_eq!(
+        probe_hits(Probe::BatchPrefillChunked),
+        1,
+        "a chunk of 64 of 100"
+    );
 }
 
 #[test]
 fn the_mixed_batch_probe_is_hit_only_by_prefill_beside_decode() {
     let mut s = scheduler(512, PrefillIndexer::LastToken);
     submit(&mut s, 40, 4);
-    admit_all(&mut s, 0, 0);
+    admit_all(&mut s, 0, false);
     probe::take();
     let rows = s.build_batch(64);
     assert_eq!(probe_hits(Probe::BatchMixed), 0, "prefill only");
@@ -196,8 +210,12 @@ fn the_mixed_batch_probe_is_hit_only_by_prefill_beside_decode() {
     assert_eq!(probe_hits(Probe::BatchMixed), 0, "decode only");
     forward(&mut s, &rows);
     submit(&mut s, 40, 4);
-    admit_all(&mut s, 0, 0);
+    admit_all(&mut s, 0, false);
     probe::take();
     s.build_batch(64);
-    assert_eq!(probe_hits(Probe::BatchMixed), 1, "a decode beside a prefill");
+    assert_eq!(
+        probe_hits(Probe::BatchMixed),
+        1,
+        "a decode beside a prefill"
+    );
 }

@@ -1,4 +1,5 @@
-//! The `tierkv` CLI: `check-config`, and the simulator's campaigns.
+//! The `tierkv` CLI: `check-config`, the simulator's campaigns and their merge, the zoo, the
+//! GPU bench and the trace replay.
 //!
 //! Exit codes: 0 success; 1 a campaign found failures; 2 bad input (configuration, arguments);
 //! 3 the output could not be written (a full disk, a closed file).
@@ -8,6 +9,7 @@ use std::path::PathBuf;
 use tierkv_engine::config::Config;
 
 pub mod bench;
+pub mod campaign;
 mod check_config;
 pub mod data;
 pub mod replay;
@@ -40,6 +42,10 @@ pub enum Command {
     },
     /// Run the deterministic simulator: one seed, a campaign, or a saved scenario.
     Sim(sim::SimArgs),
+    /// Work with the results of campaigns spread over machines (`tierkv sim --shard I/N --json
+    /// FILE` on each).
+    #[command(subcommand)]
+    Campaign(campaign::CampaignCommand),
     /// Run every bug-zoo mutant through seeded campaigns (the `tierkv-zoo` binary, built with
     /// `--features mutants`).
     Zoo(zoo::ZooArgs),
@@ -109,6 +115,7 @@ pub fn main() -> i32 {
             emit_toml,
         } => check_config::run(file.as_ref(), preset.as_deref(), emit_toml),
         Command::Sim(args) => sim::run_sim(args),
+        Command::Campaign(cmd) => campaign::run_campaign_command(cmd),
         Command::Zoo(args) => zoo::run_zoo(args),
         Command::Bench(args) => bench::run_bench(args),
         Command::Replay(args) => replay::run_replay(args),

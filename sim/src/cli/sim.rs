@@ -9,6 +9,7 @@ use crate::report::Finding;
 use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
 use crate::scenario::{Scenario, PROFILES};
 use crate::schedule::{explore_policy, fingerprint, Policy, Schedule, Source};
+use crate::shard::ShardResult;
 use crate::shrink::{shrink, shrink_schedule, shrink_under};
 use crate::trace_out::chrome_trace;
 use std::path::{Path, PathBuf};
@@ -93,6 +94,10 @@ pub struct SimArgs {
     /// Where failure artifacts (traces, shrunk scenarios, schedules) go.
     #[arg(long, default_value = "target/tierkv")]
     pub out_dir: PathBuf,
+    /// Also write the campaign's result here as JSON (seeds, failures with replay commands,
+    /// coverage, throughput, build id): one shard's result, for `tierkv campaign merge`.
+    #[arg(long, conflicts_with_all = ["seed", "replay"])]
+    pub json: Option<PathBuf>,
 }
 
 fn parse_range(s: &str) -> Result<(u64, u64), String> {
@@ -147,7 +152,16 @@ pub fn replay_command(sc: &Scenario) -> String {
     )
 }
 
-/// The one-line command that replays a scenario file.
+/// The command that replays a campaign's failing run: its seed, and the schedules up to the one
+/// that failed (schedule `k` of a seed is drawn the same way each time).
+pub fn failure_replay(sc: &Scenario, schedule: u64) -> String {
+    let mut cmd = replay_command(sc);
+    if schedule > 0 {
+        cmd += &format!(" --schedules {}", schedule + 1);
+    }
+    cmd
+}
+
 /// The one-line command that replays `sc` from `file` (with its mutant, which may not be the
 /// file's own when `--mutant` replaced it).
 pub fn replay_file_command(sc: &Scenario, file: &Path) -> String {
@@ -477,6 +491,11 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
             .map_err(|e| Usage(format!("--device cuda: no usable CUDA device: {e}")))?;
     }
     mutants_of(args.mutant.as_deref()).map_err(Usage)?;
+    if args.save_scenario.is_some() && args.seed.is_none() {
+        return Err(Usage(
+            "--save-scenario writes the scenario of one seed: add --seed".into(),
+        ));
+    }
     if args.seed.is_some() && args.shard.is_some() {
         return Err(Usage(
             "--shard selects seeds of a campaign, not of --seed".into(),
@@ -488,6 +507,9 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
     }
     if let Some(p) = &args.save_scenario {
         check_output_file(p).map_err(|e| Usage(format!("--save-scenario {}: {e}", p.display())))?;
+    }
+    if let Some(p) = &args.json {
+        check_output_file(p).map_err(|e| Usage(format!("--json {}: {e}", p.display())))?;
     }
     if args.mooncake.is_some() && args.profile != "trace" {
         return Err(Usage(
@@ -613,16 +635,25 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
                 Some(p) => format!(" (schedule {}: {p})", out.schedule),
                 None => String::new(),
             };
-            eprintln!(
-                "\rseed {}{schedule}: {} -> {verdict}",
-                out.seed,
-                sc.summary()
-            );
+            eprintln!("seed {}{schedule}: {} -> {verdict}", out.seed, sc.summary());
         }
     });
     summary.print(&args.profile);
     if args.coverage {
         print!("{}", summary.coverage.table());
+    }
+    if let Some(file) = &args.json {
+        let result = ShardResult::of(copts, &summary, |f| {
+            failure_replay(&copts.scenario(f.seed), f.schedule)
+        });
+        let text = serde_json::to_string_pretty(&result).expect("a shard result serialises");
+        match write_artifact(file, &text) {
+            Ok(()) => println!("result: {}", file.display()),
+            Err(e) => {
+                eprintln!("--json {}: could not write the result: {e}", file.display());
+                return 3;
+            }
+        }
     }
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);
@@ -783,7 +814,7 @@ fn print_run(out: &RunOutcome) {
     );
     let hits = |name: &str| out.probes.get(name).copied().unwrap_or(0);
     println!(
-        "faults: {} streams left in error ({} device recoveries), {} torn copies, {} late completions, page allocations refused {} device / {} host; {} on-demand evictions",
+        "faults: {} left a stream in error, {} device recoveries (after every failure seen), {} torn copy ops (each a layer's run of pages), {} completions seen late, page allocations refused {} device / {} host; {} evictions asked for that freed pages",
         hits(SimProbe::FaultSticky.name()),
         hits(Probe::DeviceRecovered.name()),
         hits(SimProbe::FaultCopyTorn.name()),

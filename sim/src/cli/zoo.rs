@@ -60,11 +60,11 @@ pub fn zoo_row(mutant: Option<Mutant>, seeds: u64, jobs: usize, profile: &str) -
     ZooRow {
         mutant,
         caught: first.is_some(),
-        seeds: first.as_ref().map_or(s.seeds_run, |f| f.0 + 1),
-        first_seed: first.as_ref().map(|f| f.0),
+        seeds: first.as_ref().map_or(s.seeds_run, |f| f.seed + 1),
+        first_seed: first.as_ref().map(|f| f.seed),
         wall_s: t.elapsed().as_secs_f64(),
-        oracle: first.as_ref().map(|f| f.1.oracle),
-        message: first.map(|f| f.1.message).unwrap_or_default(),
+        oracle: first.as_ref().map(|f| f.finding.oracle),
+        message: first.map(|f| f.finding.message).unwrap_or_default(),
     }
 }
 

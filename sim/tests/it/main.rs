@@ -2,6 +2,7 @@
 //! `TIERKV_SIM_SEEDS=N`), the CLI's behaviour on good and bad input.
 
 mod bad_inputs;
+mod shards;
 
 use std::process::Command;
 use tierkv_sim::campaign::{run_campaign, CampaignOptions};

@@ -1,0 +1,117 @@
+//! `tierkv campaign merge`: the results of a campaign's shards, combined into one summary and
+//! one coverage table (see `shard`). Exit codes: 0 no failure; 1 failures; 2 the results could
+//! not be read or do not belong together; 3 the merged result could not be written.
+
+use crate::shard::{merge, ShardResult};
+use std::path::PathBuf;
+
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum CampaignCommand {
+    /// Combine shard results (`tierkv sim --shard I/N --json FILE`) into one summary and one
+    /// coverage table. Refuses results of different builds or campaigns, a shard given twice,
+    /// and (unless --partial) a shard missing.
+    Merge(MergeArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct MergeArgs {
+    /// The shard results, one file per shard.
+    #[arg(required = true)]
+    pub files: Vec<PathBuf>,
+    /// Merge even when shards are missing (the summary says which).
+    #[arg(long)]
+    pub partial: bool,
+    /// Print the coverage table.
+    #[arg(long)]
+    pub coverage: bool,
+    /// Write the merged result here (JSON, as one shard of one). Not with --partial.
+    #[arg(long, conflicts_with = "partial")]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run_campaign_command(cmd: CampaignCommand) -> i32 {
+    match cmd {
+        CampaignCommand::Merge(args) => run_merge(&args),
+    }
+}
+
+fn run_merge(args: &MergeArgs) -> i32 {
+    let mut results = Vec::with_capacity(args.files.len());
+    for file in &args.files {
+        match ShardResult::read(file) {
+            Ok(r) => results.push((file.clone(), r)),
+            Err(e) => {
+                eprintln!("tierkv campaign merge: {e}");
+                return 2;
+            }
+        }
+    }
+    let merged = match merge(&results, args.partial) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("tierkv campaign merge: {e}");
+            return 2;
+        }
+    };
+    let r = &merged.result;
+    let count = results[0].1.shard_count;
+    println!(
+        "== tierkv campaign merge: {} of {count} shards of seeds {}..{} (profile {}{}{})",
+        merged.shards,
+        r.first,
+        r.end,
+        r.profile,
+        r.mutant
+            .as_ref()
+            .map(|m| format!(", mutant {m}"))
+            .unwrap_or_default(),
+        if r.schedules > 1 {
+            format!(", {} schedules per seed", r.schedules)
+        } else {
+            String::new()
+        }
+    );
+    println!("build: {}", r.build);
+    if !merged.missing.is_empty() {
+        println!(
+            "PARTIAL: {} shards missing: {}",
+            merged.missing.len(),
+            merged
+                .missing
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let summary = r.summary();
+    summary.print_counts();
+    summary.print_throughput(r.wall_s, Some(merged.shards as usize));
+    summary.print_checks();
+    if args.coverage {
+        print!("{}", summary.coverage.table());
+    }
+    for f in r.failures.iter().take(20) {
+        println!("FAIL seed {} {}", f.seed, f.finding);
+        println!("  replay: {}", f.replay);
+    }
+    if r.failures.len() > 20 {
+        println!("... and {} more failures", r.failures.len() - 20);
+    }
+    if let Some(file) = &args.json {
+        let text = serde_json::to_string_pretty(r).expect("a shard result serialises");
+        if let Err(e) = std::fs::write(file, text) {
+            eprintln!(
+                "--json {}: could not write the merged result: {e}",
+                file.display()
+            );
+            return 3;
+        }
+        println!("merged result: {}", file.display());
+    }
+    if r.failures.is_empty() {
+        0
+    } else {
+        1
+    }
+}

@@ -1,0 +1,681 @@
+//! Campaign results as files, so that a campaign can spread over many machines on a scheduler
+//! that already exists (a Kubernetes Indexed Job, a GitHub Actions matrix, a Slurm job array):
+//! each machine runs `tierkv sim --shard I/N --json FILE`, and `tierkv campaign merge FILE...`
+//! combines the files into one summary and one coverage table.
+//!
+//! A shard result holds what its campaign saw: the seeds run, every failure with its replay
+//! command, the coverage counts, the totals and the timing, and the build that produced it.
+//! Merging refuses files of different builds (a different source, features or profile would
+//! make different seeds' outcomes incomparable), of different campaigns (profile, mutant,
+//! schedules, seed range, shard count) and the same shard twice; a shard missing is refused
+//! unless the merge is asked to be partial.
+
+use crate::campaign::{CampaignFailure, CampaignOptions, CampaignSummary};
+use crate::probes::all_names;
+use crate::report::Finding;
+use crate::runner::RunStats;
+use crate::schedule::Policy;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The `format` field of a shard result.
+pub const FORMAT: &str = "tierkv-shard-result";
+/// The version of the format this build writes and reads.
+pub const VERSION: u32 = 1;
+/// The largest shard result file `merge` reads.
+pub const FILE_BYTES_MAX: u64 = 256 << 20;
+/// The most shards one campaign may be split into.
+pub const SHARDS_MAX: u64 = 1 << 20;
+
+/// What produced a result: the same sources (a hash of every file that decides a seed's
+/// outcome, made by the build script), features and profile give the same outcome per seed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Build {
+    pub version: String,
+    pub source: String,
+    pub features: Vec<String>,
+    pub profile: String,
+}
+
+impl Build {
+    /// This binary's build.
+    pub fn current() -> Build {
+        let mut features = Vec::new();
+        if cfg!(feature = "cuda") {
+            features.push("cuda".to_string());
+        }
+        if cfg!(feature = "mutants") {
+            features.push("mutants".to_string());
+        }
+        Build {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            source: env!("TIERKV_SOURCE_ID").to_string(),
+            features,
+            profile: if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            }
+            .to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for Build {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "tierkv {} source {} ({}, features: {})",
+            self.version,
+            self.source,
+            self.profile,
+            if self.features.is_empty() {
+                "none".to_string()
+            } else {
+                self.features.join(", ")
+            }
+        )
+    }
+}
+
+/// One failing run, with the command that replays it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailureRecord {
+    pub seed: u64,
+    pub schedule: u64,
+    pub policy: Option<Policy>,
+    pub finding: Finding,
+    pub replay: String,
+}
+
+/// A probe's counts: hits, and the seeds that hit it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeCount {
+    pub hits: u64,
+    pub seeds: u64,
+}
+
+/// One campaign's (or one shard's) result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardResult {
+    pub format: String,
+    pub version: u32,
+    pub build: Build,
+    pub profile: String,
+    pub mutant: Option<String>,
+    pub schedules: u64,
+    /// The campaign's seed range, `first..end`.
+    pub first: u64,
+    pub end: u64,
+    /// This shard, `index` of `count` (0 of 1: the whole range).
+    pub shard_index: u64,
+    pub shard_count: u64,
+    pub seeds_run: u64,
+    pub runs: u64,
+    pub reruns: u64,
+    pub failures: Vec<FailureRecord>,
+    /// Every probe of the build, hit or not.
+    pub coverage: BTreeMap<String, ProbeCount>,
+    pub totals: RunStats,
+    pub wall_s: f64,
+    pub worker_s: f64,
+    pub jobs: usize,
+}
+
+/// Why shard results could not be read or merged. Each names the file and the value at fault.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum MergeError {
+    #[error("no shard result to merge")]
+    Empty,
+    #[error("{file}: {why}")]
+    Unreadable { file: PathBuf, why: String },
+    #[error("{file}: larger than {FILE_BYTES_MAX} bytes: not a shard result")]
+    TooLarge { file: PathBuf },
+    #[error("{file}: not a shard result: {why}")]
+    NotAResult { file: PathBuf, why: String },
+    #[error("{file}: format version {found}; this build reads version {VERSION}")]
+    Version { file: PathBuf, found: u32 },
+    #[error("{file}: shard {index}/{count} is not a shard (need 0 <= I < N <= {SHARDS_MAX})")]
+    BadShard {
+        file: PathBuf,
+        index: u64,
+        count: u64,
+    },
+    #[error("{file}: unknown probe `{probe}` (a result of another build?)")]
+    UnknownProbe { file: PathBuf, probe: String },
+    #[error("{file}: {what} do not add up: {why}")]
+    Inconsistent {
+        file: PathBuf,
+        what: &'static str,
+        why: String,
+    },
+    #[error(
+        "{file} comes from another build than {first}:\n  {build_file}\n  {build_first}\nrun every shard with the same sources, features and profile"
+    )]
+    OtherBuild {
+        file: PathBuf,
+        first: PathBuf,
+        build_file: String,
+        build_first: String,
+    },
+    #[error("{file} is of another campaign than {first}: {field} {value_file} vs {value_first}")]
+    OtherCampaign {
+        file: PathBuf,
+        first: PathBuf,
+        field: &'static str,
+        value_file: String,
+        value_first: String,
+    },
+    #[error("shard {index}/{count} given twice: {a} and {b}")]
+    Duplicate {
+        index: u64,
+        count: u64,
+        a: PathBuf,
+        b: PathBuf,
+    },
+    #[error(
+        "{missing} of {count} shards missing ({list}); merge with --partial to see the others"
+    )]
+    Missing {
+        missing: u64,
+        count: u64,
+        list: String,
+    },
+}
+
+impl ShardResult {
+    /// The result of a campaign that ran with `opts`. `replay` gives the command that replays a
+    /// failing seed (the CLI's).
+    pub fn of(
+        opts: &CampaignOptions,
+        s: &CampaignSummary,
+        replay: impl Fn(&CampaignFailure) -> String,
+    ) -> ShardResult {
+        let (shard_index, shard_count) = opts.shard.unwrap_or((0, 1));
+        let coverage = all_names()
+            .into_iter()
+            .map(|name| {
+                let (hits, seeds) = s.coverage.probes.get(name).copied().unwrap_or((0, 0));
+                (name.to_string(), ProbeCount { hits, seeds })
+            })
+            .collect();
+        ShardResult {
+            format: FORMAT.to_string(),
+            version: VERSION,
+            build: Build::current(),
+            profile: opts.profile.clone(),
+            mutant: opts.mutant.clone(),
+            schedules: opts.schedules,
+            first: opts.first,
+            end: opts.end,
+            shard_index,
+            shard_count,
+            seeds_run: s.seeds_run,
+            runs: s.runs,
+            reruns: s.reruns,
+            failures: s
+                .failures
+                .iter()
+                .map(|f| FailureRecord {
+                    seed: f.seed,
+                    schedule: f.schedule,
+                    policy: f.policy,
+                    finding: f.finding.clone(),
+                    replay: replay(f),
+                })
+                .collect(),
+            coverage,
+            totals: s.totals,
+            wall_s: s.wall.as_secs_f64(),
+            worker_s: s.worker.as_secs_f64(),
+            jobs: s.jobs,
+        }
+    }
+
+    /// Reads and checks one result file (bounded in size; every field checked).
+    pub fn read(file: &Path) -> Result<ShardResult, MergeError> {
+        use std::io::Read;
+        let unreadable = |e: std::io::Error| MergeError::Unreadable {
+            file: file.to_path_buf(),
+            why: e.to_string(),
+        };
+        let mut text = String::new();
+        std::fs::File::open(file)
+            .and_then(|f| f.take(FILE_BYTES_MAX + 1).read_to_string(&mut text))
+            .map_err(unreadable)?;
+        if text.len() as u64 > FILE_BYTES_MAX {
+            return Err(MergeError::TooLarge {
+                file: file.to_path_buf(),
+            });
+        }
+        let r = Self::parse(&text).map_err(|e| e.at(file))?;
+        Ok(r)
+    }
+
+    /// A result from its JSON text, checked (errors name no file yet: `MergeError::at`).
+    pub fn parse(text: &str) -> Result<ShardResult, MergeError> {
+        let here = PathBuf::new;
+        // The format and version first, so that another version gets its own message.
+        #[derive(Deserialize)]
+        struct Head {
+            format: String,
+            version: u32,
+        }
+        let head: Head = serde_json::from_str(text).map_err(|e| MergeError::NotAResult {
+            file: here(),
+            why: e.to_string(),
+        })?;
+        if head.format != FORMAT {
+            return Err(MergeError::NotAResult {
+                file: here(),
+                why: format!("format `{}`, not `{FORMAT}`", head.format),
+            });
+        }
+        if head.version != VERSION {
+            return Err(MergeError::Version {
+                file: here(),
+                found: head.version,
+            });
+        }
+        let r: ShardResult = serde_json::from_str(text).map_err(|e| MergeError::NotAResult {
+            file: here(),
+            why: e.to_string(),
+        })?;
+        r.check()?;
+        Ok(r)
+    }
+
+    fn check(&self) -> Result<(), MergeError> {
+        let here = PathBuf::new;
+        if self.shard_count == 0
+            || self.shard_count > SHARDS_MAX
+            || self.shard_index >= self.shard_count
+        {
+            return Err(MergeError::BadShard {
+                file: here(),
+                index: self.shard_index,
+                count: self.shard_count,
+            });
+        }
+        let inconsistent = |what, why: String| MergeError::Inconsistent {
+            file: here(),
+            what,
+            why,
+        };
+        let names = all_names();
+        if let Some(p) = self.coverage.keys().find(|p| !names.contains(&p.as_str())) {
+            return Err(MergeError::UnknownProbe {
+                file: here(),
+                probe: p.clone(),
+            });
+        }
+        if let Some((p, c)) = self.coverage.iter().find(|(_, c)| c.seeds > self.seeds_run) {
+            return Err(inconsistent(
+                "coverage",
+                format!("probe {p} hit in {} seeds of {}", c.seeds, self.seeds_run),
+            ));
+        }
+        let set = crate::campaign::SeedSet::new(
+            self.first,
+            self.end.max(self.first),
+            Some((self.shard_index, self.shard_count)),
+        );
+        if self.end < self.first || self.seeds_run > set.len() {
+            return Err(inconsistent(
+                "seeds",
+                format!(
+                    "{} seeds run, the shard {}/{} of {}..{} holds {}",
+                    self.seeds_run,
+                    self.shard_index,
+                    self.shard_count,
+                    self.first,
+                    self.end,
+                    set.len()
+                ),
+            ));
+        }
+        let outside = self.failures.iter().find(|f| {
+            f.seed < self.first
+                || f.seed >= self.end
+                || f.seed % self.shard_count != self.shard_index
+                || f.schedule >= self.schedules
+        });
+        if let Some(f) = outside {
+            return Err(inconsistent(
+                "failures",
+                format!(
+                    "seed {} (schedule {}) is not a run of this shard",
+                    f.seed, f.schedule
+                ),
+            ));
+        }
+        let time = |t: f64| t.is_finite() && t >= 0.0;
+        if !(time(self.wall_s) && time(self.worker_s)) {
+            return Err(inconsistent(
+                "times",
+                format!("wall {} s, worker {} s", self.wall_s, self.worker_s),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The same run as a summary, to print.
+    pub fn summary(&self) -> CampaignSummary {
+        let mut s = CampaignSummary {
+            seeds_run: self.seeds_run,
+            runs: self.runs,
+            reruns: self.reruns,
+            totals: self.totals,
+            wall: Duration::from_secs_f64(self.wall_s),
+            worker: Duration::from_secs_f64(self.worker_s),
+            jobs: self.jobs,
+            ..CampaignSummary::default()
+        };
+        s.coverage.seeds = self.seeds_run;
+        for name in all_names() {
+            if let Some(c) = self.coverage.get(name) {
+                s.coverage.probes.insert(name, (c.hits, c.seeds));
+            }
+        }
+        for f in &self.failures {
+            *s.by_oracle.entry(f.finding.oracle).or_default() += 1;
+            s.failures.push(CampaignFailure {
+                seed: f.seed,
+                schedule: f.schedule,
+                policy: f.policy,
+                finding: f.finding.clone(),
+            });
+        }
+        s.failures.sort_by_key(|f| (f.seed, f.schedule));
+        s.first_failure = s.failures.first().map(|f| f.seed);
+        s
+    }
+}
+
+impl MergeError {
+    /// The error with the file it concerns.
+    fn at(self, file: &Path) -> MergeError {
+        let f = file.to_path_buf();
+        match self {
+            MergeError::NotAResult { why, .. } => MergeError::NotAResult { file: f, why },
+            MergeError::Version { found, .. } => MergeError::Version { file: f, found },
+            MergeError::BadShard { index, count, .. } => MergeError::BadShard {
+                file: f,
+                index,
+                count,
+            },
+            MergeError::UnknownProbe { probe, .. } => MergeError::UnknownProbe { file: f, probe },
+            MergeError::Inconsistent { what, why, .. } => {
+                MergeError::Inconsistent { file: f, what, why }
+            }
+            other => other,
+        }
+    }
+}
+
+/// Shard results combined.
+#[derive(Clone, Debug)]
+pub struct Merged {
+    /// The combined result, as shard 0 of 1. With shards missing it is not the whole campaign's
+    /// result: print it, never write it as one.
+    pub result: ShardResult,
+    /// Shards merged, and those missing (a partial merge).
+    pub shards: u64,
+    pub missing: Vec<u64>,
+}
+
+/// Combines the results of one campaign's shards. `partial`: merge even when shards are missing.
+pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged, MergeError> {
+    let Some((first_file, first)) = results.first() else {
+        return Err(MergeError::Empty);
+    };
+    let mut seen: BTreeMap<u64, &PathBuf> = BTreeMap::new();
+    for (file, r) in results {
+        if r.build != first.build {
+            return Err(MergeError::OtherBuild {
+                file: file.clone(),
+                first: first_file.clone(),
+                build_file: r.build.to_string(),
+                build_first: first.build.to_string(),
+            });
+        }
+        let fields: [(&'static str, String, String); 6] = [
+            ("profile", r.profile.clone(), first.profile.clone()),
+            (
+                "mutant",
+                format!("{:?}", r.mutant),
+                format!("{:?}", first.mutant),
+            ),
+            (
+                "schedules",
+                r.schedules.to_string(),
+                first.schedules.to_string(),
+            ),
+            (
+                "seeds",
+                format!("{}..{}", r.first, r.end),
+                format!("{}..{}", first.first, first.end),
+            ),
+            (
+                "shard count",
+                r.shard_count.to_string(),
+                first.shard_count.to_string(),
+            ),
+            (
+                "format version",
+                r.version.to_string(),
+                first.version.to_string(),
+            ),
+        ];
+        if let Some((field, value_file, value_first)) = fields.into_iter().find(|(_, a, b)| a != b)
+        {
+            return Err(MergeError::OtherCampaign {
+                file: file.clone(),
+                first: first_file.clone(),
+                field,
+                value_file,
+                value_first,
+            });
+        }
+        if let Some(a) = seen.insert(r.shard_index, file) {
+            return Err(MergeError::Duplicate {
+                index: r.shard_index,
+                count: r.shard_count,
+                a: a.clone(),
+                b: file.clone(),
+            });
+        }
+    }
+    let count = first.shard_count;
+    let missing: Vec<u64> = if (seen.len() as u64) < count {
+        (0..count).filter(|i| !seen.contains_key(i)).collect()
+    } else {
+        Vec::new()
+    };
+    if !missing.is_empty() && !partial {
+        let mut list: Vec<String> = missing.iter().take(20).map(u64::to_string).collect();
+        if missing.len() > 20 {
+            list.push(format!("and {} more", missing.len() - 20));
+        }
+        return Err(MergeError::Missing {
+            missing: missing.len() as u64,
+            count,
+            list: list.join(", "),
+        });
+    }
+    let mut m = ShardResult {
+        shard_index: 0,
+        shard_count: 1,
+        seeds_run: 0,
+        runs: 0,
+        reruns: 0,
+        failures: Vec::new(),
+        coverage: BTreeMap::new(),
+        totals: RunStats::default(),
+        wall_s: 0.0,
+        worker_s: 0.0,
+        jobs: 0,
+        ..first.clone()
+    };
+    for (_, r) in results {
+        m.seeds_run += r.seeds_run;
+        m.runs += r.runs;
+        m.reruns += r.reruns;
+        m.failures.extend(r.failures.iter().cloned());
+        for (name, c) in &r.coverage {
+            let e = m.coverage.entry(name.clone()).or_default();
+            e.hits += c.hits;
+            e.seeds += c.seeds;
+        }
+        m.totals.add(&r.totals);
+        m.wall_s = m.wall_s.max(r.wall_s);
+        m.worker_s += r.worker_s;
+        m.jobs += r.jobs;
+    }
+    m.failures.sort_by_key(|f| (f.seed, f.schedule));
+    Ok(Merged {
+        result: m,
+        shards: seen.len() as u64,
+        missing,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::OracleKind;
+
+    /// Shard `i` of 2 over seeds 0..10: 5 seeds, `fails` failing at `seed` under schedule 0.
+    fn result(i: u64, fails: &[u64]) -> ShardResult {
+        let mut coverage: BTreeMap<String, ProbeCount> = all_names()
+            .into_iter()
+            .map(|n| (n.to_string(), ProbeCount::default()))
+            .collect();
+        coverage.insert(
+            "load.issued".into(),
+            ProbeCount {
+                hits: 10 + i,
+                seeds: 2,
+            },
+        );
+        ShardResult {
+            format: FORMAT.into(),
+            version: VERSION,
+            build: Build::current(),
+            profile: "swarm".into(),
+            mutant: None,
+            schedules: 1,
+            first: 0,
+            end: 10,
+            shard_index: i,
+            shard_count: 2,
+            seeds_run: 5,
+            runs: 5,
+            reruns: 1,
+            failures: fails
+                .iter()
+                .map(|&seed| FailureRecord {
+                    seed,
+                    schedule: 0,
+                    policy: None,
+                    finding: Finding {
+                        oracle: OracleKind::Race,
+                        time_ns: 1,
+                        message: "a race".into(),
+                    },
+                    replay: format!("tierkv sim --seed {seed}"),
+                })
+                .collect(),
+            coverage,
+            totals: RunStats {
+                ops: 100,
+                ..RunStats::default()
+            },
+            wall_s: 2.0 + i as f64,
+            worker_s: 4.0,
+            jobs: 2,
+        }
+    }
+
+    #[test]
+    fn merging_adds_counts_and_keeps_every_failure_in_seed_order() {
+        let files = [
+            (PathBuf::from("b"), result(1, &[7, 3])),
+            (PathBuf::from("a"), result(0, &[4])),
+        ];
+        let m = merge(&files, false).expect("merge");
+        let r = &m.result;
+        assert_eq!((m.shards, m.missing.len()), (2, 0));
+        assert_eq!((r.shard_index, r.shard_count), (0, 1));
+        assert_eq!((r.seeds_run, r.runs, r.reruns), (10, 10, 2));
+        assert_eq!(r.coverage["load.issued"], ProbeCount { hits: 21, seeds: 4 });
+        assert_eq!(r.totals.ops, 200);
+        assert_eq!((r.wall_s, r.worker_s, r.jobs), (3.0, 8.0, 4));
+        let seeds: Vec<u64> = r.failures.iter().map(|f| f.seed).collect();
+        assert_eq!(seeds, [3, 4, 7]);
+        let s = r.summary();
+        assert_eq!(s.first_failure, Some(3));
+        assert_eq!(s.by_oracle[&OracleKind::Race], 3);
+        assert!((s.coverage.fraction("load.issued") - 0.4).abs() < 1e-12);
+        // The merged result reads back as a result of its own.
+        let text = serde_json::to_string(r).unwrap();
+        assert_eq!(&ShardResult::parse(&text).unwrap(), r);
+    }
+
+    #[test]
+    fn a_result_that_does_not_add_up_is_refused() {
+        let bad = |edit: fn(&mut ShardResult)| {
+            let mut r = result(1, &[3]);
+            edit(&mut r);
+            ShardResult::parse(&serde_json::to_string(&r).unwrap()).unwrap_err()
+        };
+        assert!(matches!(
+            bad(|r| r.shard_index = 2),
+            MergeError::BadShard { .. }
+        ));
+        assert!(matches!(
+            bad(|r| r.failures[0].seed = 4),
+            MergeError::Inconsistent {
+                what: "failures",
+                ..
+            }
+        ));
+        assert!(matches!(
+            bad(|r| r.seeds_run = 6),
+            MergeError::Inconsistent { what: "seeds", .. }
+        ));
+        assert!(matches!(
+            bad(|r| r.coverage.get_mut("load.issued").unwrap().seeds = 9),
+            MergeError::Inconsistent {
+                what: "coverage",
+                ..
+            }
+        ));
+        assert!(matches!(
+            bad(|r| {
+                r.coverage
+                    .insert("no.such_probe".into(), ProbeCount::default());
+            }),
+            MergeError::UnknownProbe { .. }
+        ));
+        assert!(matches!(
+            bad(|r| r.wall_s = -1.0),
+            MergeError::Inconsistent { what: "times", .. }
+        ));
+        assert!(matches!(
+            bad(|r| r.format = "other".into()),
+            MergeError::NotAResult { .. }
+        ));
+        assert!(matches!(
+            ShardResult::parse("[1, 2]").unwrap_err(),
+            MergeError::NotAResult { .. }
+        ));
+        assert_eq!(merge(&[], false).unwrap_err(), MergeError::Empty);
+    }
+}
