@@ -1,6 +1,7 @@
 //! `tierkv bench` (feature `cuda`): times the kernels and page transfers on the GPU against the
 //! device-copy bandwidth measured in the same run and, given `--torch-json`, against the PyTorch
 //! implementations of `bench/torch_bench.py` run on the same machine just before.
+//! `tierkv bench --campaign` (any build) measures the simulator instead (`bench_campaign`).
 //!
 //! Every time is the median of repeated runs between CUDA events, after warm-up. Bytes moved count
 //! each input read once and each output written once.
@@ -16,16 +17,86 @@ pub struct BenchArgs {
     /// Timed repetitions per measurement.
     #[arg(long, default_value_t = 10)]
     pub reps: usize,
+    /// Measure the simulator's campaign speed instead (no GPU needed): seeds/s, ops/s, checked
+    /// reads per wall and CPU second, and each probe's reach, for this build and `--baseline`.
+    #[arg(long, conflicts_with = "torch_json")]
+    pub campaign: bool,
+    /// With --campaign: another `tierkv` binary (an earlier build) measured the same way in the
+    /// same run.
+    #[arg(long, requires = "campaign")]
+    pub baseline: Option<std::path::PathBuf>,
+    /// With --campaign: the seeds, `A..B`.
+    #[arg(long, requires = "campaign", default_value = "0..60", value_parser = super::sim::parse_range)]
+    pub seeds: (u64, u64),
+    /// With --campaign: worker threads (default: the machine's cores).
+    #[arg(long, requires = "campaign")]
+    pub jobs: Option<usize>,
+    /// With --campaign: the scenario profile.
+    #[arg(long, requires = "campaign", default_value = "swarm")]
+    pub profile: String,
+}
+
+/// `--campaign`: the simulator's speed, this build against `--baseline`.
+fn run_campaign_bench(args: &BenchArgs) -> i32 {
+    let jobs = match super::sim::worker_count(args.jobs) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    if !crate::scenario::PROFILES.contains(&args.profile.as_str()) || args.profile == "trace" {
+        eprintln!(
+            "--profile {}: the campaign bench takes one of {} but trace",
+            args.profile,
+            crate::scenario::PROFILES.join(", ")
+        );
+        return 2;
+    }
+    if let Some(b) = &args.baseline {
+        if !b.is_file() {
+            eprintln!("--baseline {}: not a file", b.display());
+            return 2;
+        }
+    }
+    let plan = super::bench_campaign::Plan {
+        first: args.seeds.0,
+        end: args.seeds.1,
+        jobs,
+        profile: args.profile.clone(),
+    };
+    match super::bench_campaign::run(&plan, args.baseline.as_ref()) {
+        Ok(report) => {
+            print!("{report}");
+            if let Some(out) = &args.out {
+                if let Err(e) = std::fs::write(out, &report) {
+                    eprintln!("--out {}: {e}", out.display());
+                    return 3;
+                }
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("campaign bench: {e}");
+            1
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn run_bench(_: BenchArgs) -> i32 {
+pub fn run_bench(args: BenchArgs) -> i32 {
+    if args.campaign {
+        return run_campaign_bench(&args);
+    }
     eprintln!("tierkv bench needs a GPU build: cargo run --release -p tierkv-sim --features cuda -- bench");
     2
 }
 
 #[cfg(feature = "cuda")]
 pub fn run_bench(args: BenchArgs) -> i32 {
+    if args.campaign {
+        return run_campaign_bench(&args);
+    }
     match imp::run(&args) {
         Ok(()) => 0,
         Err(e) => {

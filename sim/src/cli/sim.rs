@@ -100,7 +100,7 @@ pub struct SimArgs {
     pub json: Option<PathBuf>,
 }
 
-fn parse_range(s: &str) -> Result<(u64, u64), String> {
+pub(crate) fn parse_range(s: &str) -> Result<(u64, u64), String> {
     let (a, b) = s
         .split_once("..")
         .ok_or_else(|| format!("`{s}` is not a range A..B"))?;

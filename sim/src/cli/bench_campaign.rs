@@ -1,0 +1,239 @@
+//! `tierkv bench --campaign`: the simulator's speed on the default profile, measured the same way
+//! for this build and, with `--baseline BIN`, for another `tierkv` binary in the same run (an
+//! earlier build: the figures of a change are measured against what it replaced, on the same
+//! machine at the same time).
+//!
+//! Each build runs `sim --seeds A..B --jobs J --coverage --keep-going --no-shrink` as a child
+//! process. Its wall time is timed here and its CPU time taken from the kernel's accounting of
+//! the child (`getrusage`), so neither depends on what the build reports about itself; the
+//! counts (seeds, ops, checked reads) and the coverage table are read from its summary, whose
+//! lines every build since the coverage table has printed. Checked reads are the KV and index-K
+//! rows that ops read and the content oracle verified (compared, or known unchanged since
+//! compared). A probe's reach is the share of seeds that hit it: a faster build that reaches
+//! fewer probes, or reaches them in fewer seeds, is a blinder one, and the report says so.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+/// What one build's campaign did, measured from outside.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    pub seeds: u64,
+    pub failures: u64,
+    pub ops: u64,
+    pub checked_reads: u64,
+    pub wall_s: f64,
+    pub cpu_s: f64,
+    /// Probe → share of seeds that hit it.
+    pub reach: BTreeMap<String, f64>,
+}
+
+/// The campaign's arguments for `sim`.
+pub struct Plan {
+    pub first: u64,
+    pub end: u64,
+    pub jobs: usize,
+    pub profile: String,
+}
+
+/// CPU time (user + system) of the waited-for children of this process, seconds.
+fn children_cpu_s() -> f64 {
+    // SAFETY: getrusage writes one `rusage` we own; RUSAGE_CHILDREN is a valid target.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
+    assert_eq!(rc, 0, "getrusage(RUSAGE_CHILDREN) failed");
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// Runs `bin`'s campaign and measures it.
+pub fn measure(bin: &Path, plan: &Plan) -> Result<Measured, String> {
+    let cpu0 = children_cpu_s();
+    let t0 = Instant::now();
+    let out = Command::new(bin)
+        .args(["sim", "--profile", &plan.profile, "--seeds"])
+        .arg(format!("{}..{}", plan.first, plan.end))
+        .args(["--jobs", &plan.jobs.to_string()])
+        .args(["--coverage", "--keep-going", "--no-shrink"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .map_err(|e| format!("{}: could not run it: {e}", bin.display()))?;
+    let wall_s = t0.elapsed().as_secs_f64();
+    let cpu_s = children_cpu_s() - cpu0;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut m = parse_summary(&text).map_err(|e| format!("{}: {e}", bin.display()))?;
+    if !matches!(out.status.code(), Some(0) | Some(1)) {
+        return Err(format!(
+            "{}: the campaign ended with {}",
+            bin.display(),
+            out.status
+        ));
+    }
+    m.wall_s = wall_s;
+    m.cpu_s = cpu_s;
+    Ok(m)
+}
+
+/// The number just before `unit` in `line` (`6734` in `..., 6734 ops, ...`).
+fn number_before(line: &str, unit: &str) -> Option<u64> {
+    let at = line.find(unit)?;
+    line[..at]
+        .split(|c: char| !c.is_ascii_digit())
+        .rfind(|w| !w.is_empty())?
+        .parse()
+        .ok()
+}
+
+/// Reads a campaign summary's counts and coverage table.
+pub fn parse_summary(text: &str) -> Result<Measured, String> {
+    let mut m = Measured::default();
+    let line = |prefix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .ok_or_else(|| format!("no `{prefix}` line in its summary"))
+    };
+    let seeds = line("seeds run:")?;
+    m.seeds = seeds
+        .trim_start_matches("seeds run:")
+        .split_whitespace()
+        .next()
+        .and_then(|w| w.parse().ok())
+        .ok_or("no seed count")?;
+    m.failures = seeds
+        .split("failures:")
+        .nth(1)
+        .and_then(|w| w.split_whitespace().next()?.parse().ok())
+        .ok_or("no failure count")?;
+    let checked = line("checked:")?;
+    m.ops = number_before(checked, " ops").ok_or("no op count")?;
+    let compared = number_before(checked, " KV/index-K rows compared").ok_or("no rows compared")?;
+    let unchanged = number_before(checked, " unchanged since compared").unwrap_or(0);
+    m.checked_reads = compared + unchanged;
+    let mut table = false;
+    for l in text.lines() {
+        if l.starts_with("probe ") {
+            table = true;
+            continue;
+        }
+        if !table {
+            continue;
+        }
+        let w: Vec<&str> = l.split_whitespace().collect();
+        match w.as_slice() {
+            [name, _hits, pct, ..] if pct.ends_with('%') => {
+                let share: f64 = pct
+                    .trim_end_matches('%')
+                    .parse()
+                    .map_err(|_| format!("coverage line `{l}`"))?;
+                m.reach.insert(name.to_string(), share / 100.0);
+            }
+            _ => break,
+        }
+    }
+    if m.reach.is_empty() {
+        return Err("no coverage table in its summary".into());
+    }
+    Ok(m)
+}
+
+fn row(name: &str, m: &Measured) -> String {
+    let per = |x: f64, t: f64| x / t.max(1e-9);
+    format!(
+        "| {name} | {} | {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.0} | {} of {} |",
+        m.seeds,
+        m.failures,
+        m.wall_s,
+        m.cpu_s,
+        per(m.seeds as f64, m.wall_s),
+        per(m.ops as f64, m.wall_s),
+        per(m.checked_reads as f64, m.wall_s),
+        per(m.checked_reads as f64, m.cpu_s),
+        m.reach.values().filter(|&&r| r >= 0.05).count(),
+        m.reach.len(),
+    )
+}
+
+/// The report: one row per build, the ratios, and every probe this build reaches in a smaller
+/// share of seeds than the baseline (or not at all).
+pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) -> String {
+    let mut s = format!(
+        "campaign bench: profile {}, seeds {}..{}, {} workers\n\n",
+        plan.profile, plan.first, plan.end, plan.jobs
+    );
+    s += "| build | seeds | failures | wall s | CPU s | seeds/s | ops/s | checked reads/s | checked reads per CPU-s | probes in >= 5% of seeds |\n";
+    s += "|---|---|---|---|---|---|---|---|---|---|\n";
+    s += &row("this build", this);
+    s.push('\n');
+    if let Some((bin, b)) = base {
+        s += &row(&format!("baseline `{}`", bin.display()), b);
+        s.push('\n');
+        let ratio = |x: f64, y: f64| x / y.max(1e-12);
+        s += &format!(
+            "\nthis build / baseline: seeds/s {:.2}x, checked reads per CPU-second {:.2}x\n",
+            ratio(
+                this.seeds as f64 / this.wall_s.max(1e-9),
+                b.seeds as f64 / b.wall_s.max(1e-9)
+            ),
+            ratio(
+                this.checked_reads as f64 / this.cpu_s.max(1e-9),
+                b.checked_reads as f64 / b.cpu_s.max(1e-9)
+            ),
+        );
+        let lower: Vec<String> = b
+            .reach
+            .iter()
+            .filter_map(|(p, &was)| {
+                let now = this.reach.get(p).copied().unwrap_or(0.0);
+                (now < was).then(|| format!("{p} {:.1}% (was {:.1}%)", now * 100.0, was * 100.0))
+            })
+            .collect();
+        if lower.is_empty() {
+            s += "probe reach: no probe is hit in a smaller share of seeds than in the baseline\n";
+        } else {
+            s += &format!(
+                "probe reach: {} probes hit in a smaller share of seeds than in the baseline: {}\n",
+                lower.len(),
+                lower.join(", ")
+            );
+        }
+        let new: Vec<&String> = this.reach.keys().filter(|p| !b.reach.contains_key(*p)).collect();
+        if !new.is_empty() {
+            s += &format!(
+                "probes the baseline does not have: {}\n",
+                new.iter().map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    s
+}
+
+/// The whole bench: this build (the running executable), then the baseline.
+pub fn run(plan: &Plan, baseline: Option<&PathBuf>) -> Result<String, String> {
+    let me = std::env::current_exe().map_err(|e| format!("this executable: {e}"))?;
+    let this = measure(&me, plan)?;
+    let base = match baseline {
+        Some(b) => Some((b.as_path(), measure(b, plan)?)),
+        None => None,
+    };
+    Ok(report(plan, &this, base.as_ref().map(|(p, m)| (*p, m))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_summary_of_either_format_is_read() {
+        let old = "== tierkv sim summary (profile swarm)\nseeds run: 6   failures: 1   by oracle: race 1\nchecked: 72 requests finished, 1808 digests recomputed, 219961 KV/index-K rows compared (+552384 unchanged since compared), 6734 ops, 2 loads, 35 backups\nthroughput: 6.51 seeds/s\ncoverage: 2 of 2 probes hit\nprobe                                          hits    seeds\nload.issued                                   35494    78.9%\nabort.queued                                      0     0.0%  never\n";
+        let m = parse_summary(old).unwrap();
+        assert_eq!((m.seeds, m.failures, m.ops), (6, 1, 6734));
+        assert_eq!(m.checked_reads, 219_961 + 552_384);
+        assert_eq!(m.reach.len(), 2);
+        assert!((m.reach["load.issued"] - 0.789).abs() < 1e-9);
+        assert_eq!(m.reach["abort.queued"], 0.0);
+        assert!(parse_summary("seeds run: 6   failures: 0\n").is_err());
+    }
+}
