@@ -199,11 +199,18 @@ pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) ->
                 lower.join(", ")
             );
         }
-        let new: Vec<&String> = this.reach.keys().filter(|p| !b.reach.contains_key(*p)).collect();
+        let new: Vec<&String> = this
+            .reach
+            .keys()
+            .filter(|p| !b.reach.contains_key(*p))
+            .collect();
         if !new.is_empty() {
             s += &format!(
                 "probes the baseline does not have: {}\n",
-                new.iter().map(|p| p.as_str()).collect::<Vec<_>>().join(", ")
+                new.iter()
+                    .map(|p| p.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
         }
     }
