@@ -25,7 +25,7 @@ pub const FORMAT: &str = "tierkv-shard-result";
 /// The version of the format this build writes and reads.
 pub const VERSION: u32 = 1;
 /// The largest shard result file `merge` reads.
-pub const FILE_BYTES_MAX: u64 = 256 << 20;
+pub const FILE_BYTES_MAX: u64 = 64 << 20;
 /// The most shards one campaign may be split into.
 pub const SHARDS_MAX: u64 = 1 << 20;
 
