@@ -18,7 +18,7 @@ use crate::error::EngineError;
 use crate::gate::LayerGate;
 use crate::layout::{
     slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer, ScratchLayout,
-    PAGE_TOKENS,
+    INDEX_HEAD_DIM, KV_ROW_VALUES, PAGE_TOKENS,
 };
 use crate::mutants::Mutants;
 use crate::pools::Pools;
@@ -284,11 +284,10 @@ impl ModelStep {
         let lg = self.shape.layer_base + l as u32;
         let ik = pools.gated(&gate.index_k(dev)?);
         let (gamma, beta) = self.ln[l].clone();
-        let keys = batch
-            .store
-            .iter()
-            .flat_map(|t| synth.index_key(t.2, t.1, lg))
-            .collect();
+        let mut keys = Vec::with_capacity(batch.store.len() * INDEX_HEAD_DIM as usize);
+        for t in &batch.store {
+            synth.index_key_into(t.2, t.1, lg, &mut keys);
+        }
         let store = IndexKStore {
             dst: ik,
             dtype: self.shape.store_ik_dtype,
@@ -391,11 +390,13 @@ impl ModelStep {
         let store = KvStore {
             dst: kv,
             dtype: sh.kv_dtype,
-            rows: batch
-                .store
-                .iter()
-                .flat_map(|t| synth.kv_row(t.2, t.1, lg))
-                .collect(),
+            rows: {
+                let mut rows = Vec::with_capacity(batch.store.len() * KV_ROW_VALUES as usize);
+                for t in &batch.store {
+                    synth.kv_row_into(t.2, t.1, lg, &mut rows);
+                }
+                rows
+            },
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };

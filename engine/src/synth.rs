@@ -46,11 +46,19 @@ impl Synth {
 
     /// The raw index key of `token` at `position` in global layer `layer` (128 values).
     pub fn index_key(&self, token: u32, position: u32, layer: u32) -> Vec<bf16> {
+        let mut out = Vec::with_capacity(INDEX_HEAD_DIM as usize);
+        self.index_key_into(token, position, layer, &mut out);
+        out
+    }
+
+    /// `index_key`, appended to `out` (a batch's keys in one buffer, no allocation per row).
+    pub fn index_key_into(&self, token: u32, position: u32, layer: u32, out: &mut Vec<bf16>) {
         let shared = self.stream(KEY_SHARED, token as u64, 0, layer as u64);
         let own = self.stream(KEY, token as u64, position as u64, layer as u64);
-        (0..INDEX_HEAD_DIM as u64)
-            .map(|d| bf16::from_f32(2.0 * Self::unit(shared, d) + 0.7 * Self::unit(own, d)))
-            .collect()
+        out.extend(
+            (0..INDEX_HEAD_DIM as u64)
+                .map(|d| bf16::from_f32(2.0 * Self::unit(shared, d) + 0.7 * Self::unit(own, d))),
+        );
     }
 
     /// The raw indexer query of `token` at `position`, `heads × 128` values. Each head leans on
@@ -84,10 +92,15 @@ impl Synth {
 
     /// The MLA KV row of `token` at `position` (576 values: 512 latent, 64 RoPE).
     pub fn kv_row(&self, token: u32, position: u32, layer: u32) -> Vec<bf16> {
+        let mut out = Vec::with_capacity(KV_ROW_VALUES as usize);
+        self.kv_row_into(token, position, layer, &mut out);
+        out
+    }
+
+    /// `kv_row`, appended to `out` (a batch's rows in one buffer, no allocation per row).
+    pub fn kv_row_into(&self, token: u32, position: u32, layer: u32, out: &mut Vec<bf16>) {
         let s = self.stream(KV, token as u64, position as u64, layer as u64);
-        (0..KV_ROW_VALUES as u64)
-            .map(|i| bf16::from_f32(3.0 * Self::unit(s, i)))
-            .collect()
+        out.extend((0..KV_ROW_VALUES as u64).map(|i| bf16::from_f32(3.0 * Self::unit(s, i))));
     }
 
     /// The indexer's LayerNorm weight and bias for a layer.
