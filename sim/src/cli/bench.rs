@@ -34,6 +34,10 @@ pub struct BenchArgs {
     /// With --campaign: the scenario profile.
     #[arg(long, requires = "campaign", default_value = "swarm")]
     pub profile: String,
+    /// With --campaign: runs of each build, alternating (1..=20); the report keeps each build's
+    /// run of median CPU time and lists every run's.
+    #[arg(long, requires = "campaign", default_value_t = 1)]
+    pub repeat: usize,
 }
 
 /// `--campaign`: the simulator's speed, this build against `--baseline`.
@@ -53,6 +57,10 @@ fn run_campaign_bench(args: &BenchArgs) -> i32 {
         );
         return 2;
     }
+    if !(1..=20).contains(&args.repeat) {
+        eprintln!("--repeat {}: give 1..=20 runs", args.repeat);
+        return 2;
+    }
     if let Some(b) = &args.baseline {
         if !b.is_file() {
             eprintln!("--baseline {}: not a file", b.display());
@@ -65,7 +73,7 @@ fn run_campaign_bench(args: &BenchArgs) -> i32 {
         jobs,
         profile: args.profile.clone(),
     };
-    match super::bench_campaign::run(&plan, args.baseline.as_ref()) {
+    match super::bench_campaign::run(&plan, args.baseline.as_ref(), args.repeat) {
         Ok(report) => {
             print!("{report}");
             if let Some(out) = &args.out {

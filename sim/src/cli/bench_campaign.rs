@@ -217,15 +217,41 @@ pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) ->
     s
 }
 
-/// The whole bench: this build (the running executable), then the baseline.
-pub fn run(plan: &Plan, baseline: Option<&PathBuf>) -> Result<String, String> {
+/// The run of `runs` whose CPU time is the median (the lower middle of an even count): a
+/// machine's noise moves whole runs, so the report keeps one real run rather than mixing them.
+fn median(mut runs: Vec<Measured>) -> Measured {
+    runs.sort_by(|a, b| a.cpu_s.total_cmp(&b.cpu_s));
+    runs.swap_remove((runs.len() - 1) / 2)
+}
+
+/// The whole bench: this build (the running executable) and the baseline, alternately,
+/// `repeat` times each; the report holds each build's median run.
+pub fn run(plan: &Plan, baseline: Option<&PathBuf>, repeat: usize) -> Result<String, String> {
     let me = std::env::current_exe().map_err(|e| format!("this executable: {e}"))?;
-    let this = measure(&me, plan)?;
-    let base = match baseline {
-        Some(b) => Some((b.as_path(), measure(b, plan)?)),
-        None => None,
+    let (mut this, mut base) = (Vec::new(), Vec::new());
+    for _ in 0..repeat.max(1) {
+        this.push(measure(&me, plan)?);
+        if let Some(b) = baseline {
+            base.push(measure(b, plan)?);
+        }
+    }
+    let spread = |runs: &[Measured]| {
+        let cpu: Vec<String> = runs.iter().map(|m| format!("{:.1}", m.cpu_s)).collect();
+        cpu.join(", ")
     };
-    Ok(report(plan, &this, base.as_ref().map(|(p, m)| (*p, m))))
+    let mut notes = format!("CPU seconds of each run: this build {}", spread(&this));
+    if !base.is_empty() {
+        notes += &format!("; baseline {}", spread(&base));
+    }
+    let this = median(this);
+    let base = (!base.is_empty()).then(|| median(base));
+    let mut out = report(
+        plan,
+        &this,
+        baseline.map(|b| b.as_path()).zip(base.as_ref()),
+    );
+    out += &format!("{notes} (each row is the run of median CPU time)\n");
+    Ok(out)
 }
 
 #[cfg(test)]
