@@ -691,25 +691,37 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
+    /// Calls the engine: its error is a finding of the kind the error names, a panic inside it an
+    /// invariant finding. What the GPU saw during the call happened before its result, so its
+    /// findings are taken first.
+    fn engine_call<T>(
+        &mut self,
+        what: &str,
+        call: impl FnOnce(&mut Eng) -> Result<T, EngineError>,
+    ) -> Result<T, Stop> {
+        let result = guarded(|| call(&mut self.engine));
+        self.findings.append(&mut self.engine.dev.findings);
+        match result {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                self.found(engine_error_kind(&e), format!("{what}: {e}"));
+                Err(Stop)
+            }
+            Err(p) => {
+                self.found(OracleKind::Invariant, p);
+                Err(Stop)
+            }
+        }
+    }
+
     /// The operator's request to hand back `pages` device pages: what the engine says it freed
     /// at once must be what left the device tier.
     fn evict(&mut self, pages: usize) -> Result<(), Stop> {
         let used = |r: &Self| r.engine.pools().device_pages.used_count() as usize;
         let before = used(self);
-        let evicted = guarded(|| self.engine.evict_device(pages));
-        // What the GPU saw during the call (a backup it issued) happened before its result.
-        self.findings.append(&mut self.engine.dev.findings);
-        let freed = match evicted {
-            Ok(Ok(n)) => n,
-            Ok(Err(e)) => {
-                self.found(engine_error_kind(&e), format!("evict_device({pages}): {e}"));
-                return Err(Stop);
-            }
-            Err(p) => {
-                self.found(OracleKind::Invariant, p);
-                return Err(Stop);
-            }
-        };
+        let freed = self.engine_call(&format!("evict_device({pages})"), |e| {
+            e.evict_device(pages)
+        })?;
         probes::hit_if(SimProbe::EvictedOnDemand, freed > 0);
         let now = self.engine.dev.now();
         if let Some(f) = reported::evicted(pages, freed, before, used(self), now) {
@@ -744,20 +756,7 @@ impl<'a> Run<'a> {
             .copied()
             .filter(|&id| self.engine.request(id).is_some_and(|r| r.state == queued))
             .collect();
-        let stepped = guarded(|| self.engine.step());
-        // What the GPU saw during the step happened before the step's result.
-        self.findings.append(&mut self.engine.dev.findings);
-        let report = match stepped {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                self.found(engine_error_kind(&e), format!("engine step: {e}"));
-                return Err(Stop);
-            }
-            Err(p) => {
-                self.found(OracleKind::Invariant, p);
-                return Err(Stop);
-            }
-        };
+        let report = self.engine_call("engine step", |e| e.step())?;
         self.stats.steps += 1;
         // Admission is the only way out of the queue within a step (`reported`).
         let left_queue = queued_before
