@@ -719,9 +719,8 @@ impl<'a> Run<'a> {
     fn evict(&mut self, pages: usize) -> Result<(), Stop> {
         let used = |r: &Self| r.engine.pools().device_pages.used_count() as usize;
         let before = used(self);
-        let freed = self.engine_call(&format!("evict_device({pages})"), |e| {
-            e.evict_device(pages)
-        })?;
+        let freed =
+            self.engine_call(&format!("evict_device({pages})"), |e| e.evict_device(pages))?;
         probes::hit_if(SimProbe::EvictedOnDemand, freed > 0);
         let now = self.engine.dev.now();
         if let Some(f) = reported::evicted(pages, freed, before, used(self), now) {
