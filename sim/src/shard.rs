@@ -254,13 +254,12 @@ impl ShardResult {
                 file: file.to_path_buf(),
             });
         }
-        let r = Self::parse(&text).map_err(|e| e.at(file))?;
-        Ok(r)
+        Self::parse(&text, file)
     }
 
-    /// A result from its JSON text, checked (errors name no file yet: `MergeError::at`).
-    pub fn parse(text: &str) -> Result<ShardResult, MergeError> {
-        let here = PathBuf::new;
+    /// A result from the JSON text of `file`, checked.
+    pub fn parse(text: &str, file: &Path) -> Result<ShardResult, MergeError> {
+        let here = || file.to_path_buf();
         // The format and version first, so that another version gets its own message.
         #[derive(Deserialize)]
         struct Head {
@@ -287,12 +286,12 @@ impl ShardResult {
             file: here(),
             why: e.to_string(),
         })?;
-        r.check()?;
+        r.check(file)?;
         Ok(r)
     }
 
-    fn check(&self) -> Result<(), MergeError> {
-        let here = PathBuf::new;
+    fn check(&self, file: &Path) -> Result<(), MergeError> {
+        let here = || file.to_path_buf();
         if self.shard_count == 0
             || self.shard_count > SHARDS_MAX
             || self.shard_index >= self.shard_count
@@ -395,27 +394,6 @@ impl ShardResult {
         s.failures.sort_by_key(|f| (f.seed, f.schedule));
         s.first_failure = s.failures.first().map(|f| f.seed);
         s
-    }
-}
-
-impl MergeError {
-    /// The error with the file it concerns.
-    fn at(self, file: &Path) -> MergeError {
-        let f = file.to_path_buf();
-        match self {
-            MergeError::NotAResult { why, .. } => MergeError::NotAResult { file: f, why },
-            MergeError::Version { found, .. } => MergeError::Version { file: f, found },
-            MergeError::BadShard { index, count, .. } => MergeError::BadShard {
-                file: f,
-                index,
-                count,
-            },
-            MergeError::UnknownProbe { probe, .. } => MergeError::UnknownProbe { file: f, probe },
-            MergeError::Inconsistent { what, why, .. } => {
-                MergeError::Inconsistent { file: f, what, why }
-            }
-            other => other,
-        }
     }
 }
 
@@ -625,7 +603,7 @@ mod tests {
         assert!((s.coverage.fraction("load.issued") - 0.4).abs() < 1e-12);
         // The merged result reads back as a result of its own.
         let text = serde_json::to_string(r).unwrap();
-        assert_eq!(&ShardResult::parse(&text).unwrap(), r);
+        assert_eq!(&ShardResult::parse(&text, Path::new("merged")).unwrap(), r);
     }
 
     #[test]
@@ -633,7 +611,7 @@ mod tests {
         let bad = |edit: fn(&mut ShardResult)| {
             let mut r = result(1, &[3]);
             edit(&mut r);
-            ShardResult::parse(&serde_json::to_string(&r).unwrap()).unwrap_err()
+            ShardResult::parse(&serde_json::to_string(&r).unwrap(), Path::new("bad")).unwrap_err()
         };
         assert!(matches!(
             bad(|r| r.shard_index = 2),
@@ -673,7 +651,7 @@ mod tests {
             MergeError::NotAResult { .. }
         ));
         assert!(matches!(
-            ShardResult::parse("[1, 2]").unwrap_err(),
+            ShardResult::parse("[1, 2]", Path::new("list")).unwrap_err(),
             MergeError::NotAResult { .. }
         ));
         assert_eq!(merge(&[], false).unwrap_err(), MergeError::Empty);
