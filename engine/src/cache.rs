@@ -17,18 +17,30 @@ use crate::config::WritePolicy;
 use crate::layout::{PageId, PAGE_TOKENS};
 use crate::mutants::Mutants;
 use crate::probe::{self, Probe};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The tokens of one page.
 pub type PageKey = [u32; PAGE_TOKENS as usize];
 pub type NodeId = u32;
 pub const ROOT: NodeId = 0;
 
+/// The page keys of `tokens`' first `pages` full pages.
+pub fn page_keys(tokens: &[u32], pages: usize) -> Vec<PageKey> {
+    tokens
+        .chunks_exact(PAGE_TOKENS as usize)
+        .take(pages)
+        .map(|c| c.try_into().expect("a full page"))
+        .collect()
+}
+
 #[derive(Clone, Debug)]
 pub struct Node {
     pub parent: NodeId,
     pub key: PageKey,
-    pub children: BTreeMap<PageKey, NodeId>,
+    /// Children, in the order of their keys (a sorted list of ids: most nodes have one child or
+    /// none, and a map per node would cost a 2.9 KB leaf of 256-byte keys each). Look one up
+    /// with [`PrefixCache::child`].
+    pub children: Vec<NodeId>,
     /// The published device page.
     pub device: Option<PageId>,
     /// The device page a load is filling (published when the load is acknowledged).
@@ -50,6 +62,9 @@ pub struct Node {
     pub hits: u32,
     /// Children holding or loading a device page (kept by `update`).
     pub resident_children: u32,
+    /// The `last_access` under which the node is listed in the device tier's eviction order,
+    /// while it is an eviction candidate (kept by `PrefixCache::relist`).
+    listed: Option<u64>,
 }
 
 impl Node {
@@ -58,7 +73,7 @@ impl Node {
         Node {
             parent,
             key,
-            children: BTreeMap::new(),
+            children: Vec::new(),
             device: None,
             loading: None,
             host: None,
@@ -69,6 +84,7 @@ impl Node {
             host_access: 0,
             hits: 0,
             resident_children: 0,
+            listed: None,
         }
     }
 
@@ -126,6 +142,11 @@ pub struct PrefixCache {
     protected: u64,
     /// Device pages of nodes marked for write-back eviction (freed on the backup's ack).
     evict_after_backup: BTreeMap<NodeId, ()>,
+    /// The device tier's eviction candidates in LRU order, `(last_access, id)`: unlocked resident
+    /// nodes without resident children, no backup reading them, not marked for write-back.
+    /// Maintained by every change that can move a node in or out ([`PrefixCache::relist`]), so
+    /// that eviction costs O(log n) per page instead of a scan of the tree.
+    device_leaves: BTreeSet<(u64, NodeId)>,
     /// The zoo's switches (empty in production builds): mutant 5 acts in host eviction.
     mutants: Mutants,
 }
@@ -151,6 +172,7 @@ impl PrefixCache {
             evictable: 0,
             protected: 0,
             evict_after_backup: BTreeMap::new(),
+            device_leaves: BTreeSet::new(),
             mutants: Mutants::none(),
         }
     }
@@ -185,6 +207,18 @@ impl PrefixCache {
             .map(|(i, _)| i as NodeId)
     }
 
+    /// Where `key`'s child of `id` is in its children (`Ok`), or where it would go (`Err`).
+    fn child_slot(&self, id: NodeId, key: &PageKey) -> Result<usize, usize> {
+        self.node(id)
+            .children
+            .binary_search_by(|&c| self.node(c).key.cmp(key))
+    }
+    /// The child of `id` holding `key`.
+    pub fn child(&self, id: NodeId, key: &PageKey) -> Option<NodeId> {
+        let n = self.node(id);
+        self.child_slot(id, key).ok().map(|i| n.children[i])
+    }
+
     fn class(&self, id: NodeId) -> Class {
         if id == ROOT {
             return Class::None;
@@ -216,6 +250,45 @@ impl PrefixCache {
                     .checked_sub(1)
                     .expect("resident children underflow");
             }
+            self.relist(parent);
+        }
+        self.relist(id);
+    }
+
+    /// Whether `id` is a device eviction candidate: an evictable resident node (unlocked, no
+    /// backup reading it) without resident children, not already marked for write-back.
+    fn is_device_candidate(&self, id: NodeId) -> bool {
+        id != ROOT
+            && self.class(id) == Class::Evictable
+            && !self.evict_after_backup.contains_key(&id)
+            && !self.has_resident_child(id)
+    }
+
+    /// Brings `id`'s entry in the device eviction order up to date with its state and its
+    /// `last_access`. Every change to what [`PrefixCache::is_device_candidate`] reads, or to
+    /// `last_access`, calls it.
+    fn relist(&mut self, id: NodeId) {
+        if id == ROOT {
+            return;
+        }
+        let want = self
+            .is_device_candidate(id)
+            .then(|| self.node(id).last_access);
+        let n = self.node_mut(id);
+        let had = n.listed;
+        if had == want {
+            return;
+        }
+        n.listed = want;
+        if let Some(at) = had {
+            let removed = self.device_leaves.remove(&(at, id));
+            assert!(
+                removed,
+                "node {id} was listed for eviction at {at} but not found"
+            );
+        }
+        if let Some(at) = want {
+            self.device_leaves.insert((at, id));
         }
     }
     fn count(&mut self, c: Class, d: i64) {
@@ -245,7 +318,7 @@ impl PrefixCache {
         let mut m = Match::default();
         let mut cur = ROOT;
         for key in keys {
-            let Some(&child) = self.node(cur).children.get(key) else {
+            let Some(child) = self.child(cur, key) else {
                 break;
             };
             let n = self.node(child);
@@ -276,6 +349,7 @@ impl PrefixCache {
             let n = self.node_mut(id);
             n.last_access = tick;
             n.hits += 1;
+            self.relist(id);
         }
     }
 
@@ -485,7 +559,7 @@ impl PrefixCache {
         let mut stack = vec![ROOT];
         while let Some(id) = stack.pop() {
             order.push(id);
-            stack.extend(self.node(id).children.values().copied());
+            stack.extend(self.node(id).children.iter().copied());
         }
         let mut removable: BTreeMap<NodeId, bool> = BTreeMap::new();
         let mut count = 0;
@@ -494,7 +568,7 @@ impl PrefixCache {
                 continue;
             }
             let n = self.node(id);
-            let children_ok = n.children.values().all(|c| {
+            let children_ok = n.children.iter().all(|c| {
                 let cn = self.node(*c);
                 (cn.host.is_none() && cn.backing_up.is_none())
                     || removable.get(c).copied().unwrap_or(false)
@@ -513,6 +587,7 @@ impl PrefixCache {
     /// Withdraws a write-back eviction whose backup could not be issued.
     pub fn cancel_write_back(&mut self, id: NodeId) {
         self.evict_after_backup.remove(&id);
+        self.relist(id);
     }
 
     fn has_resident_child(&self, id: NodeId) -> bool {
@@ -521,7 +596,7 @@ impl PrefixCache {
     fn has_backed_child(&self, id: NodeId) -> bool {
         self.node(id)
             .children
-            .values()
+            .iter()
             .any(|&c| self.node(c).host.is_some() || self.node(c).backing_up.is_some())
     }
 
@@ -533,28 +608,25 @@ impl PrefixCache {
         if want == 0 {
             return out;
         }
-        let candidate = |c: &PrefixCache, id: NodeId| {
-            id != ROOT
-                && c.class(id) == Class::Evictable
-                && !c.evict_after_backup.contains_key(&id)
-                && !c.has_resident_child(id)
-        };
-        // One scan for the candidates, oldest first; a parent joins when its last resident
-        // child goes.
-        let mut heap: std::collections::BinaryHeap<std::cmp::Reverse<(u64, NodeId)>> = self
-            .live_nodes()
-            .filter(|&id| candidate(self, id))
-            .map(|id| std::cmp::Reverse((self.node(id).last_access, id)))
-            .collect();
+        // Candidates come oldest first from the maintained order; a node leaves it when it is
+        // evicted or marked for write-back, and a parent joins it when its last resident child
+        // goes. `skipped` holds a candidate this call passed over (kept for exactness: the prefix
+        // closure of backed-up nodes means it cannot happen), so it is not taken twice.
+        let mut skipped: BTreeSet<(u64, NodeId)> = BTreeSet::new();
         let mut pending = 0usize;
         while out.freed.len() + pending < want {
-            let Some(std::cmp::Reverse((_, id))) = heap.pop() else {
+            let next = if skipped.is_empty() {
+                self.device_leaves.first().copied()
+            } else {
+                self.device_leaves
+                    .iter()
+                    .find(|e| !skipped.contains(e))
+                    .copied()
+            };
+            let Some((at, id)) = next else {
                 break;
             };
-            if !self.is_live(id) || !candidate(self, id) {
-                continue;
-            }
-            let parent = self.node(id).parent;
+            debug_assert!(self.is_device_candidate(id));
             let n = self.node(id);
             if n.host.is_some() {
                 let mut p = None;
@@ -562,19 +634,16 @@ impl PrefixCache {
                 out.freed.extend(p);
             } else if policy == WritePolicy::WriteBack {
                 self.evict_after_backup.insert(id, ());
+                self.relist(id);
                 out.write_back.push(id);
                 pending += 1;
-                continue;
             } else if n.children.is_empty() {
                 let mut p = None;
                 self.update(id, |n| p = n.device.take());
                 out.freed.extend(p);
                 self.delete(id);
             } else {
-                continue;
-            }
-            if candidate(self, parent) {
-                heap.push(std::cmp::Reverse((self.node(parent).last_access, parent)));
+                skipped.insert((at, id));
             }
         }
         out
@@ -627,8 +696,8 @@ impl PrefixCache {
         let mut out = Inserted::default();
         let mut cur = ROOT;
         for (i, (key, &page)) in keys.iter().zip(pages).enumerate() {
-            let child = match self.node(cur).children.get(key) {
-                Some(&c) => {
+            let child = match self.child(cur, key) {
+                Some(c) => {
                     let n = self.node(c);
                     if n.device == Some(page) {
                         // The request's own prefix node (it matched it).
@@ -646,12 +715,16 @@ impl PrefixCache {
                 }
                 None => {
                     let id = self.alloc_node(Node::new(cur, *key, tick));
-                    self.node_mut(cur).children.insert(*key, id);
+                    let at = self
+                        .child_slot(cur, key)
+                        .expect_err("the child was not found above");
+                    self.node_mut(cur).children.insert(at, id);
                     self.update(id, |n| n.device = Some(page));
                     id
                 }
             };
             self.node_mut(child).last_access = tick;
+            self.relist(child);
             out.nodes.push(child);
             cur = child;
         }
@@ -690,8 +763,12 @@ impl PrefixCache {
             "deleting a node holding host pages"
         );
         assert_eq!(n.lock, 0, "deleting a locked node");
+        assert!(n.listed.is_none(), "deleting a node listed for eviction");
         let (parent, key) = (n.parent, n.key);
-        self.node_mut(parent).children.remove(&key);
+        let at = self
+            .child_slot(parent, &key)
+            .expect("a node is listed under its parent");
+        self.node_mut(parent).children.remove(at);
         self.nodes[id as usize] = None;
         self.free_ids.push(id);
     }
@@ -729,8 +806,8 @@ impl PrefixCache {
             let n = self.node(id);
             let p = self.node(n.parent);
             assert_eq!(
-                p.children.get(&n.key),
-                Some(&id),
+                self.child(n.parent, &n.key),
+                Some(id),
                 "node {id} not under its parent"
             );
             if n.parent != ROOT {
@@ -759,7 +836,7 @@ impl PrefixCache {
 
             let rc = n
                 .children
-                .values()
+                .iter()
                 .filter(|&&c| self.node(c).is_resident())
                 .count() as u32;
             assert_eq!(
@@ -773,6 +850,15 @@ impl PrefixCache {
             }
         }
         assert_eq!(ev, self.evictable, "evictable accounting");
+        let candidates: BTreeSet<(u64, NodeId)> = self
+            .live_nodes()
+            .filter(|&id| self.is_device_candidate(id))
+            .map(|id| (self.node(id).last_access, id))
+            .collect();
+        assert_eq!(
+            candidates, self.device_leaves,
+            "the device eviction order lists exactly the candidates, at their last access"
+        );
         assert_eq!(pr, self.protected, "protected accounting");
         let resident = self.device_pages().len() as u64;
         assert_eq!(

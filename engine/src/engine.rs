@@ -9,7 +9,8 @@
 //! pages of completed requests (issuing backups). Everything is deterministic given the device's
 //! answers: iteration uses `BTreeMap`/`Vec`, ids are sequential.
 
-use crate::cache::{NodeId, PageKey, PrefixCache};
+pub use crate::cache::page_keys;
+use crate::cache::{NodeId, PrefixCache};
 use crate::config::{Config, WritePolicy};
 use crate::controller::{CacheController, Grant, Io, LoadAck};
 use crate::device::{Clock, Device, EventId};
@@ -69,15 +70,6 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
 
 /// Failed steps in a row after which the engine stops retrying and reports the device broken.
 pub const STEP_FAILURES_MAX: u32 = 64;
-
-/// The page keys of `tokens`' first `pages` full pages.
-pub fn page_keys(tokens: &[u32], pages: usize) -> Vec<PageKey> {
-    tokens
-        .chunks_exact(PAGE_TOKENS as usize)
-        .take(pages)
-        .map(|c| c.try_into().expect("a full page"))
-        .collect()
-}
 
 /// What the controller works on, borrowed field by field from the engine (so that other fields,
 /// the scheduler's, stay free).

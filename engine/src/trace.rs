@@ -7,6 +7,8 @@
 use crate::synth::Synth;
 use serde_json::Value;
 
+pub mod cache_replay;
+
 /// Tokens per trace block.
 pub const BLOCK_TOKENS: u32 = 512;
 

@@ -1,15 +1,13 @@
-//! Trace replay through the prefix cache: the first 2,000 requests of the Mooncake conversation
-//! trace with a finite device tier and an unbounded host tier (write-through), against separate,
+//! Trace replay through the prefix cache: the whole Mooncake conversation trace (12,031 requests)
+//! with a finite device tier and an unbounded host tier (write-through), against separate,
 //! simple computations written here: the total hit rate (a page hits when it and every page before
 //! it were seen), and the split between the tiers (an LRU model of the device tier over the trace's
 //! own block ids, independent of the radix tree and of the token contents).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use tierkv_engine::cache::PrefixCache;
-use tierkv_engine::config::WritePolicy;
 use tierkv_engine::engine::page_keys;
-use tierkv_engine::pools::PageAllocator;
 use tierkv_engine::synth::Synth;
+use tierkv_engine::trace::cache_replay::{prompt_page_keys, CacheReplay, CacheReplayError};
 use tierkv_engine::trace::{self, TraceRecord, BLOCK_TOKENS};
 
 /// The full Mooncake conversation trace: `TIERKV_MOONCAKE_TRACE`, else the copy kept beside the
@@ -28,9 +26,8 @@ const EXCERPT: &str = concat!(
 fn records() -> Vec<TraceRecord> {
     let path = std::env::var("TIERKV_MOONCAKE_TRACE").unwrap_or_else(|_| TRACE_BESIDE.to_string());
     match trace::read_trace(std::path::Path::new(&path)) {
-        Ok(mut r) => {
-            r.truncate(2000);
-            eprintln!("replaying the first {} requests of {path}", r.len());
+        Ok(r) => {
+            eprintln!("replaying the {} requests of {path}", r.len());
             r
         }
         Err(e) => {
@@ -161,62 +158,28 @@ fn lru_model_hits(recs: &[TraceRecord], device_pages: usize) -> Vec<(u64, u64)> 
     out
 }
 
+/// The device tier of the replay: small enough that the conversation trace evicts.
+const DEVICE_PAGES: u32 = 16_384;
+
 #[test]
 fn hit_rate_matches_a_simple_computation() {
     let recs = records();
     let synth = Synth::new(0);
-    let mut cache = PrefixCache::new();
-    let mut device = PageAllocator::new(16_384);
-    let mut host = PageAllocator::new(1 << 22);
+    let mut replay = CacheReplay::new(DEVICE_PAGES, 1 << 22);
     let (mut dev_hits, mut host_hits, mut total) = (0u64, 0u64, 0u64);
     let mut per_request = Vec::new();
-    for r in &recs {
-        let tokens = trace::prompt_tokens(r, &synth, usize::MAX);
-        let keys = page_keys(&tokens, tokens.len() / 64);
-        let m = cache.match_prefix(&keys);
-        cache.touch(&m.nodes);
-        dev_hits += m.device as u64;
-        host_hits += m.host as u64;
-        per_request.push((m.device as u64, m.host as u64));
+    for (i, r) in recs.iter().enumerate() {
+        let keys = prompt_page_keys(r, &synth);
+        let h = replay.request(&keys).expect("the trace fits the tiers");
+        dev_hits += h.device;
+        host_hits += h.host;
+        per_request.push((h.device, h.host));
         total += keys.len() as u64;
-        // The request holds its matched device pages and takes fresh ones for the rest (host hits
-        // are loaded into fresh pages: here the load is immediate).
-        cache.lock(&m.nodes);
-        let need = keys.len() - m.device;
-        let pages = loop {
-            if let Some(p) = device.alloc(need) {
-                break p;
-            }
-            let ev = cache.evict_device(
-                need - device.free_count() as usize,
-                WritePolicy::WriteThrough,
-            );
-            assert!(!ev.freed.is_empty(), "device tier cannot make room");
-            device.free(&ev.freed);
-        };
-        let host_part = &m.nodes[m.device..];
-        cache.pin_host(host_part);
-        cache.begin_load(host_part, &pages[..m.host]);
-        cache.finish_load(host_part, true);
-        let mut table: Vec<_> = m.nodes[..m.device]
-            .iter()
-            .map(|&n| cache.node(n).device.unwrap())
-            .collect();
-        table.extend_from_slice(&pages);
-        let ins = cache.insert(&keys, &table);
-        device.free(&ins.duplicates);
-        cache.unlock(&m.nodes);
-        // Write-through to an unbounded host tier.
-        if let Some(&last) = ins.nodes.last() {
-            let path = cache.needs_backup(last);
-            let hp = host.alloc(path.len()).unwrap();
-            cache.begin_backup(&path, &hp);
-            cache.finish_backup(&path, true);
-        }
-        if dev_hits % 97 == 0 {
-            cache.check_invariants();
+        if i % 997 == 0 {
+            replay.cache().check_invariants();
         }
     }
+    let cache = replay.cache();
     cache.check_invariants();
     let (simple, simple_total) = simple_hits(&recs);
     assert_eq!(total, simple_total);
@@ -238,7 +201,7 @@ fn hit_rate_matches_a_simple_computation() {
         "the finite device tier sends some hits to the host tier"
     );
     // The split between the tiers, request by request, against the LRU model.
-    let model = lru_model_hits(&recs, 16_384);
+    let model = lru_model_hits(&recs, DEVICE_PAGES as usize);
     if let Some(i) = (0..recs.len()).find(|&i| per_request[i] != model[i]) {
         panic!(
             "request {i}: the cache hit (device, host) = {:?}, the LRU model {:?}",
@@ -249,6 +212,49 @@ fn hit_rate_matches_a_simple_computation() {
         "per-tier hits equal the LRU model for all {} requests (device {dev_hits}, host {host_hits})",
         recs.len()
     );
+}
+
+#[test]
+fn prompt_page_keys_are_the_prompts_full_pages() {
+    let synth = Synth::new(7);
+    for r in trace::generate(50, 3) {
+        let tokens = trace::prompt_tokens(&r, &synth, usize::MAX);
+        assert_eq!(
+            prompt_page_keys(&r, &synth),
+            page_keys(&tokens, tokens.len() / 64)
+        );
+    }
+}
+
+#[test]
+fn a_replay_refuses_what_its_tiers_cannot_hold_and_stays_whole() {
+    let synth = Synth::new(0);
+    let recs = trace::generate(20, 5);
+    let mut replay = CacheReplay::new(4, 1 << 10);
+    let big = recs
+        .iter()
+        .find(|r| r.input_length / 64 > 4)
+        .expect("a long prompt");
+    let e = replay.request(&prompt_page_keys(big, &synth)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CacheReplayError::RequestTooLarge {
+                device_pages: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("device tier of 4 pages"), "{e}");
+    replay.cache().check_invariants();
+    assert_eq!(replay.cache().device_pages().len(), 0);
+    let mut small_host = CacheReplay::new(1 << 10, 2);
+    let e = small_host
+        .request(&prompt_page_keys(big, &synth))
+        .unwrap_err();
+    assert!(e.to_string().contains("host tier of 2 pages"), "{e}");
+    small_host.cache().check_invariants();
 }
 
 #[test]

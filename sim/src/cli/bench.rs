@@ -1,7 +1,8 @@
 //! `tierkv bench` (feature `cuda`): times the kernels and page transfers on the GPU against the
 //! device-copy bandwidth measured in the same run and, given `--torch-json`, against the PyTorch
 //! implementations of `bench/torch_bench.py` run on the same machine just before.
-//! `tierkv bench --campaign` (any build) measures the simulator instead (`bench_campaign`).
+//! `tierkv bench --campaign` (any build) measures the simulator instead (`bench_campaign`), and
+//! `tierkv bench --cache` the prefix cache's logic over a trace (`bench_cache`).
 //!
 //! Every time is the median of repeated runs between CUDA events, after warm-up. Bytes moved count
 //! each input read once and each output written once.
@@ -38,6 +39,40 @@ pub struct BenchArgs {
     /// run of median CPU time and lists every run's.
     #[arg(long, requires = "campaign", default_value_t = 1)]
     pub repeat: usize,
+    /// Measure the prefix cache's logic over a whole trace instead, on one core (no GPU needed):
+    /// match, lock, evict, insert and write-through backup per request, with a finite device tier.
+    #[arg(long, conflicts_with_all = ["torch_json", "campaign"])]
+    pub cache: bool,
+    /// With --cache: a Mooncake-format trace (JSON lines); default: the built-in excerpt.
+    #[arg(long, requires = "cache")]
+    pub trace: Option<std::path::PathBuf>,
+    /// With --cache: the device tier, in 64-token pages.
+    #[arg(long, requires = "cache", default_value_t = super::bench_cache::DEVICE_PAGES_DEFAULT)]
+    pub device_pages: u32,
+}
+
+/// `--cache`: the prefix cache's logic over a trace.
+fn run_cache_bench(args: &BenchArgs) -> i32 {
+    let plan = super::bench_cache::Plan {
+        trace: args.trace.clone(),
+        device_pages: args.device_pages,
+    };
+    match super::bench_cache::run(&plan) {
+        Ok(report) => {
+            print!("{report}");
+            if let Some(out) = &args.out {
+                if let Err(e) = std::fs::write(out, &report) {
+                    eprintln!("--out {}: {e}", out.display());
+                    return 3;
+                }
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("cache bench: {e}");
+            2
+        }
+    }
 }
 
 /// `--campaign`: the simulator's speed, this build against `--baseline`.
@@ -96,6 +131,9 @@ pub fn run_bench(args: BenchArgs) -> i32 {
     if args.campaign {
         return run_campaign_bench(&args);
     }
+    if args.cache {
+        return run_cache_bench(&args);
+    }
     eprintln!("tierkv bench needs a GPU build: cargo run --release -p tierkv-sim --features cuda -- bench");
     2
 }
@@ -104,6 +142,9 @@ pub fn run_bench(args: BenchArgs) -> i32 {
 pub fn run_bench(args: BenchArgs) -> i32 {
     if args.campaign {
         return run_campaign_bench(&args);
+    }
+    if args.cache {
+        return run_cache_bench(&args);
     }
     match imp::run(&args) {
         Ok(()) => 0,

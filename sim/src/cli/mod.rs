@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use tierkv_engine::config::Config;
 
 pub mod bench;
+pub mod bench_cache;
 pub mod bench_campaign;
 pub mod campaign;
 mod check_config;
@@ -50,8 +51,9 @@ pub enum Command {
     /// Run every bug-zoo mutant through seeded campaigns (the `tierkv-zoo` binary, built with
     /// `--features mutants`).
     Zoo(zoo::ZooArgs),
-    /// Time the kernels and page transfers on the GPU (needs `--features cuda`), or with
-    /// `--campaign` the simulator's campaign speed (any build).
+    /// Time the kernels and page transfers on the GPU (needs `--features cuda`); with
+    /// `--campaign` the simulator's campaign speed, with `--cache` the prefix cache's logic over
+    /// a trace (any build).
     Bench(bench::BenchArgs),
     /// Replay a Mooncake trace through the production service (tokio intake, /metrics).
     Replay(replay::ReplayArgs),

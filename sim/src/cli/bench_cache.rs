@@ -1,0 +1,146 @@
+//! `tierkv bench --cache`: the prefix cache's logic over a whole trace, on one core (no GPU, no
+//! bytes): each request's match, locks, device eviction, load, insertion and write-through backup
+//! (`tierkv_engine::trace::cache_replay`). The timed part is the cache's; the page keys (the
+//! trace's tokens) are made per request outside it and reported apart.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tierkv_engine::layout::PAGE_TOKENS;
+use tierkv_engine::synth::Synth;
+use tierkv_engine::trace::cache_replay::{prompt_page_keys, CacheReplay};
+use tierkv_engine::trace::{read_trace, TraceRecord};
+
+/// The device tier of the bench unless `--device-pages` says otherwise (1 GiB of 64 KiB pages).
+pub const DEVICE_PAGES_DEFAULT: u32 = 16_384;
+/// The most device pages the bench takes: the tree and the allocators stay within memory.
+pub const DEVICE_PAGES_MAX: u32 = 1 << 24;
+/// The most host pages the bench gives the write-through tier (it takes one per distinct page of
+/// the trace, at most the trace's full pages).
+pub const HOST_PAGES_MAX: u64 = 1 << 26;
+
+/// What the bench is asked to do.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// The trace; `None` is the built-in excerpt.
+    pub trace: Option<PathBuf>,
+    pub device_pages: u32,
+}
+
+/// What the bench measured.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    pub requests: usize,
+    pub pages: u64,
+    pub device_hits: u64,
+    pub host_hits: u64,
+    pub evictions: u64,
+    pub evicted: u64,
+    pub host_pages: u64,
+    /// Time in the cache's logic (the timed part).
+    pub cache: Duration,
+    /// Time making the requests' page keys.
+    pub keys: Duration,
+    /// The process's CPU time over both (user + system).
+    pub cpu_s: f64,
+}
+
+fn self_cpu_s() -> f64 {
+    // SAFETY: getrusage writes one `rusage` we own; RUSAGE_SELF is a valid target.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    assert_eq!(rc, 0, "getrusage(RUSAGE_SELF) failed");
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// Replays `recs` through the cache with a device tier of `device_pages`.
+pub fn measure(recs: &[TraceRecord], device_pages: u32) -> Result<Measured, String> {
+    if !(1..=DEVICE_PAGES_MAX).contains(&device_pages) {
+        return Err(format!(
+            "--device-pages {device_pages}: give 1..={DEVICE_PAGES_MAX}"
+        ));
+    }
+    let full_pages = |r: &TraceRecord| (r.input_length / PAGE_TOKENS) as u64;
+    // A request longer than the device tier is refused before its keys are made (a record may
+    // claim four billion tokens).
+    if let Some(r) = recs.iter().find(|r| full_pages(r) > device_pages as u64) {
+        return Err(format!(
+            "line {}: a request of {} full pages does not fit a device tier of {device_pages} \
+             pages (give a larger --device-pages)",
+            r.line,
+            full_pages(r)
+        ));
+    }
+    let pages: u64 = recs.iter().map(full_pages).sum();
+    let host_pages = pages.clamp(1, HOST_PAGES_MAX);
+    let synth = Synth::new(0);
+    let mut replay = CacheReplay::new(device_pages, host_pages as u32);
+    let mut m = Measured {
+        requests: recs.len(),
+        pages,
+        host_pages,
+        ..Measured::default()
+    };
+    let cpu0 = self_cpu_s();
+    for r in recs {
+        let t0 = Instant::now();
+        let keys = prompt_page_keys(r, &synth);
+        let t1 = Instant::now();
+        let h = replay
+            .request(&keys)
+            .map_err(|e| format!("line {}: {e}", r.line))?;
+        m.cache += t1.elapsed();
+        m.keys += t1 - t0;
+        m.device_hits += h.device;
+        m.host_hits += h.host;
+    }
+    m.cpu_s = self_cpu_s() - cpu0;
+    m.evictions = replay.evictions;
+    m.evicted = replay.evicted;
+    replay.cache().check_invariants();
+    Ok(m)
+}
+
+/// The report of one measurement.
+pub fn report(trace: &str, device_pages: u32, m: &Measured) -> String {
+    let rate = |h: u64| h as f64 / m.pages.max(1) as f64;
+    let s = |d: Duration| d.as_secs_f64();
+    format!(
+        "tierkv bench --cache: {trace}\n\
+         \x20 {} requests, {} full pages; device tier {device_pages} pages, write-through host \
+         tier {} pages\n\
+         \x20 page hits {:.4} (device {:.4}, host {:.4}); {} device pages evicted in {} calls\n\
+         \x20 cache logic {:.3} s ({:.1} us per request, {:.2} M pages/s) <- the timed part\n\
+         \x20 page keys   {:.3} s (the prompts' tokens, made outside the timed part)\n\
+         \x20 process CPU {:.3} s over both, on one thread\n",
+        m.requests,
+        m.pages,
+        m.host_pages,
+        rate(m.device_hits + m.host_hits),
+        rate(m.device_hits),
+        rate(m.host_hits),
+        m.evicted,
+        m.evictions,
+        s(m.cache),
+        s(m.cache) * 1e6 / m.requests.max(1) as f64,
+        m.pages as f64 / s(m.cache).max(1e-9) / 1e6,
+        s(m.keys),
+        m.cpu_s,
+    )
+}
+
+/// `tierkv bench --cache`.
+pub fn run(plan: &Plan) -> Result<String, String> {
+    let (recs, name) = match &plan.trace {
+        Some(p) => (
+            read_trace(p).map_err(|e| e.to_string())?,
+            p.display().to_string(),
+        ),
+        None => (
+            super::data::mooncake_excerpt().map_err(|e| e.to_string())?,
+            super::data::MOONCAKE_EXCERPT_NAME.to_string(),
+        ),
+    };
+    let m = measure(&recs, plan.device_pages)?;
+    Ok(report(&name, plan.device_pages, &m))
+}
