@@ -96,7 +96,7 @@ pub fn check_scale(scale: f64, amax: f64, ue8m0: bool) -> Result<(), String> {
         (scale - exact).abs() <= 1e-5 * exact
     };
     ok.then_some(())
-        .ok_or(format!("scale {scale:e} for amax {amax:e} (ue8m0 {ue8m0})"))
+        .ok_or_else(|| format!("scale {scale:e} for amax {amax:e} (ue8m0 {ue8m0})"))
 }
 
 /// One index-K row as specified: the f64 pipeline of `key` (LayerNorm with `gamma`/`beta`, NeoX

@@ -243,9 +243,9 @@ pub struct SimGpu {
     host_actions: u64,
     race: RaceDetector,
     /// Token rows (bit `t` of a page's mask) that a failed copy left garbage in.
-    tainted: std::collections::HashMap<(BufferId, u64), u64>,
+    tainted: crate::fasthash::FastMap<(BufferId, u64), u64>,
     /// Writes per paged-buffer page (the content oracle's cache key).
-    page_gen: std::collections::HashMap<(BufferId, u64), u64>,
+    page_gen: crate::fasthash::FastMap<(BufferId, u64), u64>,
     sched: Decider,
     pub findings: Vec<Finding>,
     pub races: Vec<Race>,
@@ -262,6 +262,9 @@ pub struct SimGpu {
     allocs: u32,
     /// Ops of each kind whose reads were probed (`undeclared::ReadProbe`).
     read_probes: BTreeMap<&'static str, u32>,
+    /// The undeclared-write check's copies of the bytes an op must leave alone, reused from op to
+    /// op (as large as the largest buffer a whole-buffer check copied).
+    shadow_arena: Vec<u8>,
     exec: Executor,
 }
 
@@ -306,8 +309,8 @@ impl SimGpu {
             host_vc: [0; 4],
             host_actions: 0,
             race: RaceDetector::default(),
-            tainted: std::collections::HashMap::new(),
-            page_gen: std::collections::HashMap::new(),
+            tainted: Default::default(),
+            page_gen: Default::default(),
             sched,
             findings: Vec::new(),
             races: Vec::new(),
@@ -321,6 +324,7 @@ impl SimGpu {
             host_allocs: 0,
             allocs: 0,
             read_probes: BTreeMap::new(),
+            shadow_arena: Vec::new(),
             exec: Executor::Cpu,
         };
         if cuda {
@@ -736,7 +740,7 @@ impl SimGpu {
     /// The op's data effect, by the executor; rows it writes in full hold good bytes again.
     /// Bytes it changed outside its declared writes are a finding.
     fn perform(&mut self, rec: &OpRec) {
-        let shadows = undeclared::before(&rec.op, rec.id, &self.mem);
+        let shadows = undeclared::before(&rec.op, rec.id, &self.mem, &mut self.shadow_arena);
         // Undeclared reads are probed by running the CPU reference twice.
         let probed = self.read_probes.entry(rec.op.name()).or_default();
         let reads = match self.exec {
@@ -772,7 +776,7 @@ impl SimGpu {
             );
             self.finding(OracleKind::Undeclared, msg);
         }
-        if let Some(stray) = undeclared::after(&shadows, &self.mem) {
+        if let Some(stray) = undeclared::after(&shadows, &self.mem, &self.shadow_arena) {
             let msg = format!(
                 "op {} ({} {}) changed bytes {}..{} of {}, which it did not declare it writes",
                 rec.id,
@@ -974,8 +978,8 @@ impl Executor {
 }
 
 struct PageView<'a> {
-    tainted: &'a std::collections::HashMap<(BufferId, u64), u64>,
-    gen: &'a std::collections::HashMap<(BufferId, u64), u64>,
+    tainted: &'a crate::fasthash::FastMap<(BufferId, u64), u64>,
+    gen: &'a crate::fasthash::FastMap<(BufferId, u64), u64>,
 }
 
 impl crate::oracles::content::PageState for PageView<'_> {

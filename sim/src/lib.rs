@@ -10,6 +10,7 @@ pub mod checked;
 pub mod cli;
 #[cfg(feature = "cuda")]
 pub mod cuda_exec;
+pub mod fasthash;
 pub mod fuzz;
 pub mod gpu;
 pub mod oracles;

@@ -39,8 +39,8 @@ const MARGIN_BYTES: usize = 4096;
 /// The bytes of one buffer an op may not change, as they were before it ran.
 pub struct Shadow {
     buffer: BufferId,
-    /// Checked spans of the buffer, each with its bytes before the op.
-    spans: Vec<(Range<usize>, Vec<u8>)>,
+    /// Checked spans of the buffer, each with where its bytes before the op are in the arena.
+    spans: Vec<(Range<usize>, Range<usize>)>,
     /// What the op declared it writes there (sorted, merged).
     allowed: Vec<Range<usize>>,
 }
@@ -79,8 +79,11 @@ fn merged(mut v: Vec<Range<usize>>) -> Vec<Range<usize>> {
     out
 }
 
-/// Copies what `op` (number `op_id`) must leave alone, before it runs.
-pub fn before(op: &Op, op_id: u64, mem: &Memory) -> Vec<Shadow> {
+/// Copies what `op` (number `op_id`) must leave alone, before it runs, into `arena` (cleared
+/// first; the caller keeps it from op to op, so the copies of whole buffers cost no fresh
+/// allocation and no page faults).
+pub fn before(op: &Op, op_id: u64, mem: &Memory, arena: &mut Vec<u8>) -> Vec<Shadow> {
+    arena.clear();
     let full = op_id % FULL_EVERY == 0;
     by_buffer(op.accesses().iter().filter(|a| a.write))
         .into_iter()
@@ -115,8 +118,9 @@ pub fn before(op: &Op, op_id: u64, mem: &Memory) -> Vec<Shadow> {
             let spans = checked
                 .into_iter()
                 .map(|r| {
-                    let bytes = mem.bytes(buffer)[r.clone()].to_vec();
-                    (r, bytes)
+                    let at = arena.len();
+                    arena.extend_from_slice(&mem.bytes(buffer)[r.clone()]);
+                    (r, at..arena.len())
                 })
                 .collect();
             Shadow {
@@ -128,11 +132,13 @@ pub fn before(op: &Op, op_id: u64, mem: &Memory) -> Vec<Shadow> {
         .collect()
 }
 
-/// The first bytes the op changed outside its declared writes, if any.
-pub fn after(shadows: &[Shadow], mem: &Memory) -> Option<Stray> {
+/// The first bytes the op changed outside its declared writes, if any (`arena` as `before` left
+/// it).
+pub fn after(shadows: &[Shadow], mem: &Memory, arena: &[u8]) -> Option<Stray> {
     for s in shadows {
         let now = mem.bytes(s.buffer);
-        for (span, was) in &s.spans {
+        for (span, kept) in &s.spans {
+            let was = &arena[kept.clone()];
             // The gaps between the declared writes inside this span (both lists are sorted).
             let first = s.allowed.partition_point(|w| w.end <= span.start);
             let mut at = span.start;

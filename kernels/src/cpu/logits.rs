@@ -126,9 +126,22 @@ fn block(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES] {
 /// used, so the result does not depend on the CPU.
 pub fn scores(q: &[f32], w: &[f32], keys: &[[f32; 128]], out: &mut [f32]) {
     assert_eq!(keys.len(), out.len());
+    scores_with(q, w, out, |n, k| *k = keys[n]);
+}
+
+/// [`scores`] of `out.len()` keys that `key(n, k)` writes into `k` one at a time, so a caller
+/// holding its keys elsewhere (pages, a memo) does not gather them into one array first.
+pub fn scores_with(
+    q: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    mut key: impl FnMut(usize, &mut [f32; 128]),
+) {
     let mut kt = [[0f32; LANES]; 128];
-    for (kc, oc) in keys.chunks(LANES).zip(out.chunks_mut(LANES)) {
-        for (j, k) in kc.iter().enumerate() {
+    let mut k = [0f32; 128];
+    for (c, oc) in out.chunks_mut(LANES).enumerate() {
+        for j in 0..oc.len() {
+            key(c * LANES + j, &mut k);
             for d in 0..128 {
                 kt[d][j] = k[d];
             }
@@ -200,28 +213,30 @@ pub fn index_logits(
     expect_len(OP, "out", out.len(), a.rows() * a.out_stride)?;
     let pb = format.page_bytes() as usize;
     let h = a.heads;
-    let mut k = [0f32; 128];
     for r in 0..a.rows() {
         let q = decode_q(&a.q[r * h * 128..(r + 1) * h * 128]);
         let w = &a.weights[r * h..(r + 1) * h];
         let pt = &a.page_table[r * a.pt_stride..(r + 1) * a.pt_stride];
         let len = a.context_lens[r] as usize;
         let row = &mut out[r * a.out_stride..(r + 1) * a.out_stride];
-        let mut keys = vec![[0f32; 128]; len];
-        let mut kscales = vec![0f32; len];
-        for n in 0..len {
-            let mut page = key_page(k_buf, pb, pt, n, r, pages)?;
+        // Where each key's page starts (checked first, so decoding cannot fail).
+        let mut page_at = vec![0usize; len];
+        for (n, at) in page_at.iter_mut().enumerate() {
+            let page = key_page(k_buf, pb, pt, n, r, pages)?;
+            *at = page.as_ptr() as usize - k_buf.as_ptr() as usize;
             if crate::mutants::on(crate::mutants::KernelMutant::LogitsReadsNextPage) && n + 1 == len
             {
                 let p = pt[n / PAGE_TOKENS as usize] as usize + 1;
                 if p < pages as usize {
-                    page = &k_buf[p * pb..(p + 1) * pb];
+                    *at = p * pb;
                 }
             }
-            kscales[n] = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, &mut k);
-            keys[n] = k;
         }
-        scores(&q, w, &keys, &mut row[..len]);
+        let mut kscales = vec![0f32; len];
+        scores_with(&q, w, &mut row[..len], |n, k| {
+            let page = &k_buf[page_at[n]..page_at[n] + pb];
+            kscales[n] = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, k);
+        });
         for (o, ks) in row[..len].iter_mut().zip(&kscales) {
             *o = apply_scale(*o, *ks, a.dtype);
         }

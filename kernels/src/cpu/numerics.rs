@@ -127,25 +127,33 @@ pub fn fp8_scale(amax: f32, ue8m0: bool) -> f32 {
 /// NaN code of its sign. Bit arithmetic on the f32 (the hot loop of every simulated store); equal
 /// to the `float8` crate's conversion for every f32 (a kernels test: a stride of all bit patterns
 /// by default, all 2^32 with `TIERKV_EXHAUSTIVE=1`).
+///
+/// Written without branches (all three cases are computed and one is selected), so that a loop
+/// over a row, [`quantize_e4m3`], compiles to SIMD.
+#[inline(always)]
 pub fn e4m3_encode(x: f32) -> u8 {
     let bits = x.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
+    let sign = (bits >> 24) & 0x80;
     let a = bits & 0x7FFF_FFFF;
-    if a > 0x7F80_0000 {
-        return sign | 0x7F;
-    }
     // Below the smallest normal (2^-6) codes are multiples of 2^-9: scale (exactly, by a power
     // of two) and round to an integer, to nearest even, by adding and removing 2^23. Code 8 is
-    // the smallest normal, so rounding up into it needs no special case.
-    if a < 0x3C80_0000 {
-        let q = f32::from_bits(a) * 512.0;
-        return sign | ((q + 8_388_608.0) - 8_388_608.0) as u8;
-    }
+    // the smallest normal, so rounding up into it needs no special case. (For larger `a` this
+    // value is not used; the clamp keeps its conversion in range.)
+    let q = (f32::from_bits(a) * 512.0).min(16.0);
+    let small = ((q + 8_388_608.0) - 8_388_608.0) as i32 as u32;
     // Normal: keep 3 of the 23 mantissa bits, to nearest even (a carry moves into the exponent),
-    // rebias the exponent from 127 to 7, saturate at 448 (0x7E).
+    // rebias the exponent from 127 to 7, saturate at 448 (0x7E). (Not used below 2^-6, where
+    // the subtraction wraps.)
     let rounded = (a + 0x7_FFFF + ((a >> 20) & 1)) >> 20;
-    let code = rounded - ((127 - 7) << 3);
-    sign | code.min(0x7E) as u8
+    let normal = rounded.wrapping_sub((127 - 7) << 3).min(0x7E);
+    let code = if a > 0x7F80_0000 {
+        0x7F // NaN
+    } else if a < 0x3C80_0000 {
+        small
+    } else {
+        normal
+    };
+    (sign | code) as u8
 }
 
 /// e4m3fn decode of all 256 codes, computed at compile time by the `float8` crate.
@@ -169,7 +177,8 @@ pub fn e4m3_decode(b: u8) -> f32 {
     E4M3_DECODE[b as usize]
 }
 
-/// Quantizes `x` to e4m3 with `scale`: `code = e4m3(x / scale)`.
+/// Quantizes `x` to e4m3 with `scale`: `code = e4m3(x / scale)` (a division per value, as the
+/// kernels do, not a multiplication by the reciprocal).
 pub fn quantize_e4m3(x: &[f32], scale: f32, out: &mut [u8]) {
     for (o, v) in out.iter_mut().zip(x) {
         *o = e4m3_encode(v / scale);

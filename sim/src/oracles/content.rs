@@ -9,7 +9,8 @@
 //! Rows of pages that a failed copy left garbage in are not compared (the engine must discard what
 //! it computed from them; the digest oracle checks that it did).
 
-use std::collections::{BTreeMap, HashMap};
+use crate::fasthash::FastMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use tierkv_engine::config::Config;
 use tierkv_engine::cpu_device::Memory;
@@ -39,8 +40,8 @@ pub struct ContentOracle {
     ln: BTreeMap<u32, LnParams>,
     /// Known tokens of each request: prompt, then every generated token.
     pub tokens: BTreeMap<u64, Vec<u32>>,
-    ik_memo: HashMap<(u32, u32, u32), Arc<IkRow>>,
-    kv_memo: HashMap<(u32, u32, u32), Arc<Vec<u8>>>,
+    ik_memo: FastMap<(u32, u32, u32), Arc<IkRow>>,
+    kv_memo: FastMap<(u32, u32, u32), Arc<Vec<u8>>>,
     /// Selections seen by `sparse_read`: (request, query position, global layer) → positions.
     pub selections: BTreeMap<(u64, u32, u32), Vec<u32>>,
     pub rows_checked: u64,
@@ -56,7 +57,7 @@ pub struct ContentOracle {
     /// Pages already compared: (buffer, page) → (write generation, hash of what was expected).
     /// A page read again, unwritten since and expected to hold the same tokens, holds the bytes
     /// that were compared — so comparing them again would prove nothing new.
-    verified: HashMap<(BufferId, u64), (u64, u64)>,
+    verified: FastMap<(BufferId, u64), (u64, u64)>,
     /// Expected values a reference computed that the specification's independent version
     /// disagrees with (this oracle's and the digest oracle's), for the runner to report.
     pub reference_errors: Vec<String>,
@@ -78,14 +79,14 @@ impl ContentOracle {
             ue8m0: cfg.model.index_k_ue8m0,
             ln: BTreeMap::new(),
             tokens: BTreeMap::new(),
-            ik_memo: HashMap::new(),
-            kv_memo: HashMap::new(),
+            ik_memo: FastMap::default(),
+            kv_memo: FastMap::default(),
             selections: BTreeMap::new(),
             rows_checked: 0,
             rows_cached: 0,
             tainted_reads: BTreeMap::new(),
             layer_base: cfg.model.layer_base,
-            verified: HashMap::new(),
+            verified: FastMap::default(),
             reference_errors: Vec::new(),
         }
     }

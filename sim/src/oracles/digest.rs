@@ -12,10 +12,11 @@
 //! `reference_errors`.
 
 use super::content::ContentOracle;
-use std::collections::{BTreeMap, HashMap};
+use crate::fasthash::FastMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use tierkv_engine::layout::IndexKDtype;
-use tierkv_kernels::cpu::logits::{apply_scale, decode_q, scores as logit_scores};
+use tierkv_kernels::cpu::logits::{apply_scale, decode_q, scores_with};
 use tierkv_kernels::cpu::numerics::{bf16_value, e4m3_decode, mix64};
 use tierkv_kernels::cpu::q_prep::q_prep_head;
 use tierkv_kernels::cpu::sparse_read::{rank_term, row_hash};
@@ -58,9 +59,13 @@ pub struct DigestOracle {
     pub layers: u32,
     pub layer_base: u32,
     /// (hash of the context up to the query, global layer) → what it expects there.
-    memo: HashMap<(u64, u32), Expected>,
+    memo: FastMap<(u64, u32), Expected>,
     /// (token, position, layer) → the decoded key and its scale.
-    keys: HashMap<(u32, u32, u32), Arc<Key>>,
+    keys: FastMap<(u32, u32, u32), Arc<Key>>,
+    /// (request, global layer) → the keys of its positions so far, each with the token it was
+    /// made for: a query reads its whole context, so its keys are a slice here, not one map
+    /// lookup per position.
+    contexts: FastMap<(u64, u32), Vec<(u32, Arc<Key>)>>,
     prefix: BTreeMap<u64, Vec<u64>>,
     pub digests_checked: u64,
 }
@@ -72,8 +77,9 @@ impl DigestOracle {
             heads: cfg.model.index_n_heads,
             layers: cfg.model.layers,
             layer_base: cfg.model.layer_base,
-            memo: HashMap::new(),
-            keys: HashMap::new(),
+            memo: FastMap::default(),
+            keys: FastMap::default(),
+            contexts: FastMap::default(),
             prefix: BTreeMap::new(),
             digests_checked: 0,
         }
@@ -129,7 +135,7 @@ impl DigestOracle {
         if let Some(v) = self.memo.get(&(ph, layer)) {
             return v.clone();
         }
-        let toks = c.tokens[&request].clone();
+        let toks = std::mem::take(c.tokens.get_mut(&request).expect("a known request"));
         let token = toks[position as usize];
         let synth = c.synth;
         let q = synth.query(token, position, layer, self.heads);
@@ -153,18 +159,22 @@ impl DigestOracle {
             qcodes.extend_from_slice(&codes);
         }
         let dtype = c.ik_dtype;
-        let mut keys = Vec::with_capacity(position as usize + 1);
-        let mut kscales = Vec::with_capacity(position as usize + 1);
+        let mut keys = self.contexts.remove(&(request, layer)).unwrap_or_default();
         for n in 0..=position {
-            let k = self.key(c, toks[n as usize], n, layer);
-            keys.push(k.0);
-            kscales.push(k.1);
+            let token = toks[n as usize];
+            match keys.get(n as usize) {
+                Some((t, _)) if *t == token => {}
+                Some(_) => keys[n as usize] = (token, self.key(c, token, n, layer)),
+                None => keys.push((token, self.key(c, token, n, layer))),
+            }
         }
-        let mut scores = vec![0f32; keys.len()];
-        logit_scores(&qf, &wf, &keys, &mut scores);
-        for (s, ks) in scores.iter_mut().zip(&kscales) {
-            *s = apply_scale(*s, *ks, dtype);
+        let context = &keys[..=position as usize];
+        let mut scores = vec![0f32; context.len()];
+        scores_with(&qf, &wf, &mut scores, |n, k| *k = context[n].1 .0);
+        for (s, (_, key)) in scores.iter_mut().zip(context) {
+            *s = apply_scale(*s, key.1, dtype);
         }
+        self.contexts.insert((request, layer), keys);
         let sel = topk_positions(&scores, self.topk as usize);
         let digest = sel.iter().enumerate().fold(0u64, |acc, (i, &n)| {
             let row = c.kv_row(toks[n as usize], n, layer);
@@ -183,6 +193,7 @@ impl DigestOracle {
             };
             self.check_with_spec(c, &toks, &query);
         }
+        c.tokens.insert(request, toks);
         let v = (digest, Arc::new(sel));
         self.memo.insert((ph, layer), v.clone());
         v
