@@ -142,8 +142,8 @@ pub fn scores_with(
     for (c, oc) in out.chunks_mut(LANES).enumerate() {
         for j in 0..oc.len() {
             key(c * LANES + j, &mut k);
-            for d in 0..128 {
-                kt[d][j] = k[d];
+            for (lanes, &v) in kt.iter_mut().zip(&k) {
+                lanes[j] = v;
             }
         }
         let s = block(q, w, &kt);
