@@ -346,18 +346,23 @@ mod tests {
             bytes: Bytes(32),
             fingerprint: LayoutFingerprint::unpaged(32),
         });
-        let shadow = |mem: &Memory| Shadow {
-            buffer: b,
-            spans: vec![(0..32, mem.bytes(b).to_vec())],
-            allowed: std::iter::once(8..16).collect(),
+        let shadow = |mem: &Memory, arena: &mut Vec<u8>| {
+            arena.clear();
+            arena.extend_from_slice(mem.bytes(b));
+            Shadow {
+                buffer: b,
+                spans: vec![(0..32, 0..32)],
+                allowed: std::iter::once(8..16).collect(),
+            }
         };
-        let s = shadow(&mem);
+        let mut arena = Vec::new();
+        let s = shadow(&mem, &mut arena);
         mem.bufs[b.0 as usize][10] ^= 1;
-        assert!(after(&[s], &mem).is_none(), "a declared write");
-        let s = shadow(&mem);
+        assert!(after(&[s], &mem, &arena).is_none(), "a declared write");
+        let s = shadow(&mem, &mut arena);
         mem.bufs[b.0 as usize][16] ^= 1;
         mem.bufs[b.0 as usize][17] ^= 1;
-        let stray = after(&[s], &mem).expect("an undeclared write");
+        let stray = after(&[s], &mem, &arena).expect("an undeclared write");
         assert_eq!(stray.bytes, 16..18);
     }
 }

@@ -43,6 +43,9 @@ pub const SPEC_SAMPLE: u64 = 32;
 /// A decoded index key and its fp8 scale (1 for bf16).
 type Key = ([f32; 128], f32);
 
+/// A request's keys in one layer, position by position, each with the token it was made for.
+type Context = Vec<(u32, Arc<Key>)>;
+
 /// A query's expected digest and the positions its top-k selects.
 pub type Expected = (u64, Arc<Vec<u32>>);
 
@@ -65,7 +68,7 @@ pub struct DigestOracle {
     /// (request, global layer) → the keys of its positions so far, each with the token it was
     /// made for: a query reads its whole context, so its keys are a slice here, not one map
     /// lookup per position.
-    contexts: FastMap<(u64, u32), Vec<(u32, Arc<Key>)>>,
+    contexts: FastMap<(u64, u32), Context>,
     prefix: BTreeMap<u64, Vec<u64>>,
     pub digests_checked: u64,
 }
