@@ -1282,6 +1282,16 @@ fn inv(field: &'static str, value: String, rule: &str) -> ConfigError {
 }
 
 fn model_section(m: &Fields, b: Option<&Config>) -> ConfigResult<ModelConfig> {
+    // The key `scale_fmt` replaced: say so, rather than only that the old key is unknown.
+    if let Some(v) = m.map.get("index_k_ue8m0") {
+        return Err(ConfigError::Invalid {
+            field: "model.index_k_ue8m0",
+            value: v.to_string(),
+            rule: "was renamed: write model.scale_fmt = \"ue8m0\" or \"fp32\" (it now sets the \
+                   queries' scales too, as DeepSeek's scale_fmt does)"
+                .into(),
+        });
+    }
     let model = ModelConfig {
         layers: field!(m, b, model.layers, u32)?,
         layer_base: field!(m, b, model.layer_base, u32, or 0)?,

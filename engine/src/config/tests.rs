@@ -191,6 +191,10 @@ fn invalid_inputs_name_their_field() {
             "model.index_k_ue8m0",
         ),
         (
+            "preset = \"sim-small\"\n[model]\nindex_k_ue8m0 = true",
+            "renamed: write model.scale_fmt",
+        ),
+        (
             "preset = \"sim-small\"\n[model]\nrope_theta = 1.0",
             "model.rope_theta",
         ),
