@@ -18,6 +18,7 @@ pub const QUERY_ROWS_PER_LAUNCH: u32 = 64;
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::fmt;
+use tierkv_kernels::rope::RopeParams;
 
 /// A key of the configuration, spelled once: its name in its section and its full path.
 #[derive(Clone, Copy, Debug)]
@@ -76,13 +77,18 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("model.layer_base", "Global id of the first served layer: 0, unless this engine is a later pipeline stage. Range 0..=4096; default 0."),
     ("model.kv_lora_rank", "MLA latent values per KV row. Must be 512 (the KV row layout fixes it)."),
     ("model.qk_rope_head_dim", "MLA RoPE values per KV row. Must be 64."),
+    ("model.rope_theta", "RoPE base: frequency i of the 32 is rope_theta^(-2i/64) before YaRN. A finite number above 1; default 10000.0 (DeepSeek-V3.2)."),
+    ("model.rope_factor", "YaRN's scaling factor: the low frequencies are divided by it. YaRN applies, as in DeepSeek's precompute_freqs_cis, only when model.context_tokens_max exceeds model.rope_original_seq_len (the indexer takes no YaRN attention scale: DeepSeek applies mscale to MLA only). A finite number, at least 1; default 40.0 (DeepSeek-V3.2)."),
+    ("model.rope_original_seq_len", "The context the model was pre-trained at (YaRN's original_seq_len), in tokens. Range 1..=1048576; default 4096 (DeepSeek-V3.2)."),
+    ("model.rope_beta_fast", "YaRN's beta_fast: frequencies turning more often than this over rope_original_seq_len keep their value. A finite number above rope_beta_slow; default 32.0 (DeepSeek-V3.2)."),
+    ("model.rope_beta_slow", "YaRN's beta_slow: frequencies turning less often than this over rope_original_seq_len are divided by rope_factor. A finite number above 0; default 1.0 (DeepSeek-V3.2)."),
     ("model.index_n_heads", "Indexer query heads. Range 1..=64 (DeepSeek-V3.2: 64)."),
     ("model.index_head_dim", "Values per index key and query head. Must be 128 (the Hadamard transform and the page layout fix it)."),
     ("model.index_topk", "Positions the indexer selects per query, honoured everywhere. Range 1..=2048 (DeepSeek-V3.2: 2048)."),
     ("model.page_size", "Tokens per page. Must be 64 (the DeepGEMM, SGLang and vLLM paged layouts fix it)."),
     ("model.kv_dtype", "MLA KV element type: \"bf16\" (1152 B/token) or \"fp8_packed\" (656 B/token: 512 e4m3 values, 4 fp32 tile scales, 64 bf16 RoPE values)."),
     ("model.index_k_dtype", "Index-K element type: \"fp8\" (132 B/token: 128 e4m3 values and one fp32 scale) or \"bf16\" (256 B/token)."),
-    ("model.index_k_ue8m0", "Round fp8 index-K scales up to powers of two. Default false."),
+    ("model.scale_fmt", "Format of the indexer's fp8 scales, for the queries (q_prep) and the fp8 index keys alike, as DeepSeek's scale_fmt: \"fp32\" (max(amax, 1e-4) / 448) or \"ue8m0\" (that rounded up to a power of two). Default fp32 (DeepSeek-V3.2: ue8m0)."),
     ("model.context_tokens_max", "Longest context a request may reach, prompt plus generated tokens. Range 1..=1048576, and at most cache.device_pages pages."),
     ("model.prefill_indexer", "Which prefill tokens run the indexer: \"every_token\" (as the model does) or \"last_token\" (each chunk's last; the simulator's default, cheaper on the CPU). Default every_token."),
     ("cache.device_pages", "Pages (64 tokens each) of the device tier, per layer. At least 1; every slot must fit in i32; pools and step scratch at most 1 TiB."),
@@ -119,6 +125,37 @@ impl PrefillIndexer {
     }
     fn parse(s: &str) -> Option<Self> {
         [PrefillIndexer::EveryToken, PrefillIndexer::LastToken]
+            .into_iter()
+            .find(|v| v.name() == s)
+    }
+}
+
+/// The format of the indexer's fp8 scales (DeepSeek's `scale_fmt`). One setting for the queries
+/// and the index keys, because the reference quantizes both with the same
+/// `act_quant(.., self.scale_fmt)` (DeepSeek-V3.2-Exp `Indexer.forward`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScaleFmt {
+    /// `max(amax, 1e-4) / 448` as an fp32 (the reference's `scale_fmt = None`).
+    Fp32,
+    /// That scale rounded up to a power of two (`scale_fmt = "ue8m0"`).
+    Ue8m0,
+}
+
+impl ScaleFmt {
+    pub const NAMES: &'static [&'static str] = &["fp32", "ue8m0"];
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleFmt::Fp32 => "fp32",
+            ScaleFmt::Ue8m0 => "ue8m0",
+        }
+    }
+    /// Whether the kernels round their scales up to powers of two.
+    pub fn ue8m0(self) -> bool {
+        self == ScaleFmt::Ue8m0
+    }
+    fn parse(s: &str) -> Option<Self> {
+        [ScaleFmt::Fp32, ScaleFmt::Ue8m0]
             .into_iter()
             .find(|v| v.name() == s)
     }
@@ -172,6 +209,16 @@ pub struct ModelConfig {
     pub layer_base: u32,
     pub kv_lora_rank: u32,
     pub qk_rope_head_dim: u32,
+    /// RoPE's base (before YaRN).
+    pub rope_theta: f64,
+    /// YaRN's factor; YaRN applies when `context_tokens_max > rope_original_seq_len`.
+    pub rope_factor: f64,
+    /// The context the model was pre-trained at.
+    pub rope_original_seq_len: u32,
+    /// YaRN's `beta_fast` (rotations over the original length above which a frequency is kept).
+    pub rope_beta_fast: f64,
+    /// YaRN's `beta_slow` (rotations below which a frequency is divided by the factor).
+    pub rope_beta_slow: f64,
     pub index_n_heads: u32,
     pub index_head_dim: u32,
     /// Positions the indexer selects per query; honoured everywhere (DESIGN §1 incident 3).
@@ -179,8 +226,8 @@ pub struct ModelConfig {
     pub page_size: u32,
     pub kv_dtype: KvDtype,
     pub index_k_dtype: IndexKDtype,
-    /// Round index-K fp8 scales up to powers of two.
-    pub index_k_ue8m0: bool,
+    /// The format of the indexer's fp8 scales, for queries and index keys.
+    pub scale_fmt: ScaleFmt,
     /// Longest context (prompt + generated) a request may reach.
     pub context_tokens_max: u32,
     pub prefill_indexer: PrefillIndexer,
@@ -315,16 +362,34 @@ pub mod limits {
 
 pub type ConfigResult<T> = Result<T, ConfigError>;
 
+/// DeepSeek-V3.2's RoPE settings (the longest sequence aside, which the configuration's context
+/// gives).
+const V32_ROPE: RopeParams = RopeParams::deepseek_v32(0);
+
+/// Where a preset's model values come from.
+#[derive(Clone, Copy, Debug)]
+pub struct PresetSource {
+    /// The public material the values are taken from.
+    pub source: &'static str,
+    /// `(key, why)` of each value that material does not confirm (a stand-in, or a third-party
+    /// report).
+    pub unconfirmed: &'static [(&'static str, &'static str)],
+}
+
 impl Config {
     pub const PRESETS: &'static [&'static str] =
         &["deepseek-v3.2", "deepseek-v4-flash-bf16", "sim-small"];
     /// The simulator's and the README's default.
     pub const DEFAULT_PRESET: &'static str = "sim-small";
 
-    /// A built-in preset, validated.
+    /// A built-in preset, validated. Its model values are the published model's; where public
+    /// material does not confirm one, [`Config::preset_source`] says so, and `check-config`
+    /// prints it.
     pub fn preset(name: &str) -> ConfigResult<Config> {
         let c = match name {
-            // DeepSeek-V3.2-Exp: 61 layers, 64 indexer heads, top-2048, fp8 index-K, packed fp8 KV.
+            // DeepSeek-V3.2-Exp: `inference/config_671B_v3.2.json` (61 layers, 64 indexer heads of
+            // 128, top-2048, scale_fmt ue8m0) and `inference/model.py`'s RoPE defaults; fp8
+            // index-K as the reference caches it, packed fp8 KV as FlashMLA stores it.
             "deepseek-v3.2" => Config {
                 name: name.into(),
                 model: ModelConfig {
@@ -332,13 +397,18 @@ impl Config {
                     layer_base: 0,
                     kv_lora_rank: KV_LORA_RANK,
                     qk_rope_head_dim: ROPE_DIM,
+                    rope_theta: V32_ROPE.theta,
+                    rope_factor: V32_ROPE.factor,
+                    rope_original_seq_len: V32_ROPE.original_seq_len,
+                    rope_beta_fast: V32_ROPE.beta_fast,
+                    rope_beta_slow: V32_ROPE.beta_slow,
                     index_n_heads: 64,
                     index_head_dim: INDEX_HEAD_DIM,
                     index_topk: 2048,
                     page_size: PAGE_TOKENS,
                     kv_dtype: KvDtype::Fp8Packed,
                     index_k_dtype: IndexKDtype::Fp8,
-                    index_k_ue8m0: false,
+                    scale_fmt: ScaleFmt::Ue8m0,
                     context_tokens_max: 131_072,
                     prefill_indexer: PrefillIndexer::EveryToken,
                 },
@@ -357,16 +427,29 @@ impl Config {
                     output_tokens_max: 8192,
                 },
             },
-            // The incident deployment: bf16 index-K for recall, index_topk 512. The layer count and
-            // pool sizes are stand-ins (same as v3.2); the byte layouts are what matter here.
+            // The incident deployment: bf16 index-K for recall, index_topk 512, on DeepSeek-V3.2's
+            // byte layouts. The model values are DeepSeek-V4-Flash's as third-party copies of its
+            // published configuration give them; `preset_source` lists them as unconfirmed.
             "deepseek-v4-flash-bf16" => {
                 let mut c = Config::preset("deepseek-v3.2")?;
                 c.name = name.into();
-                c.model.index_topk = 512;
-                c.model.index_k_dtype = IndexKDtype::Bf16;
+                let m = &mut c.model;
+                m.layers = 43;
+                m.index_n_heads = 64;
+                m.index_topk = 512;
+                m.index_k_dtype = IndexKDtype::Bf16;
+                m.rope_theta = 10000.0;
+                m.rope_factor = 16.0;
+                m.rope_original_seq_len = 65_536;
+                m.rope_beta_fast = 32.0;
+                m.rope_beta_slow = 1.0;
+                m.scale_fmt = ScaleFmt::Ue8m0;
                 c
             }
             // The simulator's default: few layers and heads, tiny pools that force eviction.
+            // DeepSeek-V3.2's RoPE settings: at its 2048-token context the reference's formula
+            // gives plain RoPE (YaRN starts above 4096 tokens), which swarm seeds with longer
+            // contexts then exercise.
             "sim-small" => Config {
                 name: name.into(),
                 model: ModelConfig {
@@ -374,13 +457,18 @@ impl Config {
                     layer_base: 0,
                     kv_lora_rank: KV_LORA_RANK,
                     qk_rope_head_dim: ROPE_DIM,
+                    rope_theta: V32_ROPE.theta,
+                    rope_factor: V32_ROPE.factor,
+                    rope_original_seq_len: V32_ROPE.original_seq_len,
+                    rope_beta_fast: V32_ROPE.beta_fast,
+                    rope_beta_slow: V32_ROPE.beta_slow,
                     index_n_heads: 2,
                     index_head_dim: INDEX_HEAD_DIM,
                     index_topk: 64,
                     page_size: PAGE_TOKENS,
                     kv_dtype: KvDtype::Fp8Packed,
                     index_k_dtype: IndexKDtype::Bf16,
-                    index_k_ue8m0: false,
+                    scale_fmt: ScaleFmt::Fp32,
                     context_tokens_max: 2048,
                     prefill_indexer: PrefillIndexer::LastToken,
                 },
@@ -407,6 +495,101 @@ impl Config {
         };
         c.validate()?;
         Ok(c)
+    }
+
+    /// Where preset `name`'s model values come from, and each value public material does not
+    /// confirm (`None` for an unknown preset).
+    pub fn preset_source(name: &str) -> Option<PresetSource> {
+        Some(match name {
+            "deepseek-v3.2" => PresetSource {
+                source: "DeepSeek-V3.2-Exp inference/config_671B_v3.2.json (n_layers 61, index_n_heads 64, \
+                         index_head_dim 128, index_topk 2048, kv_lora_rank 512, qk_rope_head_dim 64, \
+                         scale_fmt ue8m0) and inference/model.py's ModelArgs defaults, which that file \
+                         keeps (rope_theta 10000, rope_factor 40, original_seq_len 4096, beta_fast 32, \
+                         beta_slow 1); context, dtypes and pools are this deployment's",
+                unconfirmed: &[],
+            },
+            "deepseek-v4-flash-bf16" => PresetSource {
+                source: "the deployment of incident 1 (bf16 index-K, index_topk 512) on DeepSeek-V3.2's \
+                         byte layouts; DeepSeek-V4-Flash's values as third-party copies of its published \
+                         config.json and GGUF metadata report them (no DeepSeek reference code for V4 was \
+                         read)",
+                unconfirmed: &[
+                    ("model.layers", "43 as third-party copies of the V4-Flash config report (num_hidden_layers)"),
+                    ("model.index_n_heads", "64 as third-party copies of the V4-Flash config report"),
+                    ("model.index_topk", "512 as third-party copies of the V4-Flash config report"),
+                    ("model.rope_theta", "V4-Flash compresses the KV its indexer scores and names a second base (compress_rope_theta 160000); which base the indexer's keys rotate by is not confirmed"),
+                    ("model.rope_factor", "16 as third-party GGUF metadata report"),
+                    ("model.rope_original_seq_len", "65536 as third-party GGUF metadata report"),
+                    ("model.rope_beta_fast", "32 as third-party GGUF metadata report"),
+                    ("model.rope_beta_slow", "1 as third-party GGUF metadata report"),
+                    ("model.scale_fmt", "ue8m0 as the quantization_config of third-party copies reports"),
+                    ("model.kv_lora_rank", "DeepSeek-V3.2's MLA row (512 + 64 values); V4-Flash's attention keeps another KV layout, which tierkv does not model"),
+                ],
+            },
+            "sim-small" => PresetSource {
+                source: "the simulator's preset, not a published model; DeepSeek-V3.2's RoPE settings",
+                unconfirmed: &[],
+            },
+            _ => return None,
+        })
+    }
+
+    /// The unconfirmed values of preset `preset` that this configuration still holds (a file may
+    /// start from the preset and override them): key, value and why.
+    pub fn unconfirmed(&self, preset: &str) -> Vec<(&'static str, String, &'static str)> {
+        let (Some(src), Ok(base)) = (Config::preset_source(preset), Config::preset(preset)) else {
+            return Vec::new();
+        };
+        let (mine, theirs) = (self.values(), base.values());
+        src.unconfirmed
+            .iter()
+            .filter_map(|&(key, why)| {
+                let value = mine.iter().find(|(k, _)| k == key)?.1.clone();
+                let same = theirs.iter().any(|(k, v)| k == key && *v == value);
+                same.then_some((key, value, why))
+            })
+            .collect()
+    }
+
+    /// Every key's path and its value as `to_toml` writes it.
+    fn values(&self) -> Vec<(String, String)> {
+        let mut section = String::new();
+        let mut out = Vec::new();
+        for line in self.to_toml().lines() {
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                section = format!("{name}.");
+            } else if let Some((key, value)) = line.split_once(" = ") {
+                out.push((format!("{section}{key}"), value.to_string()));
+            }
+        }
+        out
+    }
+
+    /// The RoPE settings of the kernels' rows: the model's, with the longest context as the
+    /// reference's `max_seq_len` (YaRN applies above `rope_original_seq_len`).
+    pub fn rope(&self) -> RopeParams {
+        let m = &self.model;
+        RopeParams {
+            theta: m.rope_theta,
+            factor: m.rope_factor,
+            original_seq_len: m.rope_original_seq_len,
+            beta_fast: m.rope_beta_fast,
+            beta_slow: m.rope_beta_slow,
+            max_seq_len: m.context_tokens_max,
+        }
+    }
+
+    /// The preset a configuration file starts from (its top-level `preset`), if it names one
+    /// and can be read.
+    pub fn base_preset_of(path: &std::path::Path) -> Option<String> {
+        let text = std::fs::read_to_string(path).ok()?;
+        let v: Value = if path.extension().is_some_and(|e| e == "json") {
+            serde_json::from_str(&text).ok()?
+        } else {
+            serde_json::to_value(toml::from_str::<toml::Table>(&text).ok()?).ok()?
+        };
+        v.get("preset")?.as_str().map(str::to_string)
     }
 
     pub fn from_toml(text: &str) -> ConfigResult<Config> {
@@ -739,6 +922,54 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        self.validate_rope()
+    }
+
+    /// The RoPE settings: what YaRN's formula needs to be finite and ordered.
+    fn validate_rope(&self) -> ConfigResult<()> {
+        let m = &self.model;
+        let number = |key: Key, v: f64, ok: bool, rule: &str| {
+            if v.is_finite() && ok {
+                Ok(())
+            } else {
+                Err(inv(key.path, v.to_string(), rule))
+            }
+        };
+        number(
+            key!(model.rope_theta),
+            m.rope_theta,
+            m.rope_theta > 1.0,
+            "must be a finite number above 1 (the frequencies divide by its logarithm)",
+        )?;
+        number(
+            key!(model.rope_factor),
+            m.rope_factor,
+            m.rope_factor >= 1.0,
+            "must be a finite number, at least 1",
+        )?;
+        number(
+            key!(model.rope_beta_slow),
+            m.rope_beta_slow,
+            m.rope_beta_slow > 0.0,
+            "must be a finite number above 0",
+        )?;
+        number(
+            key!(model.rope_beta_fast),
+            m.rope_beta_fast,
+            m.rope_beta_fast > m.rope_beta_slow,
+            &format!(
+                "must be a finite number above model.rope_beta_slow = {}",
+                m.rope_beta_slow
+            ),
+        )?;
+        let orig = m.rope_original_seq_len;
+        if orig == 0 || orig > limits::CONTEXT_TOKENS_MAX {
+            return Err(inv(
+                key!(model.rope_original_seq_len).path,
+                orig.to_string(),
+                &format!("must be in 1..={}", limits::CONTEXT_TOKENS_MAX),
+            ));
+        }
         Ok(())
     }
 
@@ -906,8 +1137,10 @@ impl Config {
         };
         format!(
             "name = \"{}\"\n\n[model]\nlayers = {}\nlayer_base = {}\nkv_lora_rank = {}\nqk_rope_head_dim = {}\n\
+             rope_theta = {:?}\nrope_factor = {:?}\nrope_original_seq_len = {}\nrope_beta_fast = {:?}\n\
+             rope_beta_slow = {:?}\n\
              index_n_heads = {}\nindex_head_dim = {}\nindex_topk = {}\npage_size = {}\nkv_dtype = \"{}\"\n\
-             index_k_dtype = \"{}\"\nindex_k_ue8m0 = {}\ncontext_tokens_max = {}\nprefill_indexer = \"{}\"\n\n\
+             index_k_dtype = \"{}\"\nscale_fmt = \"{}\"\ncontext_tokens_max = {}\nprefill_indexer = \"{}\"\n\n\
              [cache]\ndevice_pages = {}\n{}\nhost_layout = \"{}\"\nwrite_policy = \"{}\"\nload_slots = {}\n\n\
              [scheduler]\nqueued_requests_max = {}\npending_tokens_max = {}\nprefill_tokens_per_step_max = {}\n\
              running_requests_max = {}\noutput_tokens_max = {}\n",
@@ -916,13 +1149,18 @@ impl Config {
             m.layer_base,
             m.kv_lora_rank,
             m.qk_rope_head_dim,
+            m.rope_theta,
+            m.rope_factor,
+            m.rope_original_seq_len,
+            m.rope_beta_fast,
+            m.rope_beta_slow,
             m.index_n_heads,
             m.index_head_dim,
             m.index_topk,
             m.page_size,
             m.kv_dtype.name(),
             m.index_k_dtype.name(),
-            m.index_k_ue8m0,
+            m.scale_fmt.name(),
             m.context_tokens_max,
             m.prefill_indexer.name(),
             c.device_pages,
@@ -1044,18 +1282,39 @@ fn inv(field: &'static str, value: String, rule: &str) -> ConfigError {
 }
 
 fn model_section(m: &Fields, b: Option<&Config>) -> ConfigResult<ModelConfig> {
+    // The key `scale_fmt` replaced: say so, rather than only that the old key is unknown.
+    if let Some(v) = m.map.get("index_k_ue8m0") {
+        return Err(ConfigError::Invalid {
+            field: "model.index_k_ue8m0",
+            value: v.to_string(),
+            rule: "was renamed: write model.scale_fmt = \"ue8m0\" or \"fp32\" (it now sets the \
+                   queries' scales too, as DeepSeek's scale_fmt does)"
+                .into(),
+        });
+    }
     let model = ModelConfig {
         layers: field!(m, b, model.layers, u32)?,
         layer_base: field!(m, b, model.layer_base, u32, or 0)?,
         kv_lora_rank: field!(m, b, model.kv_lora_rank, u32, or KV_LORA_RANK)?,
         qk_rope_head_dim: field!(m, b, model.qk_rope_head_dim, u32, or ROPE_DIM)?,
+        rope_theta: field!(m, b, model.rope_theta, f64, or V32_ROPE.theta)?,
+        rope_factor: field!(m, b, model.rope_factor, f64, or V32_ROPE.factor)?,
+        rope_original_seq_len: field!(
+            m,
+            b,
+            model.rope_original_seq_len,
+            u32,
+            or V32_ROPE.original_seq_len
+        )?,
+        rope_beta_fast: field!(m, b, model.rope_beta_fast, f64, or V32_ROPE.beta_fast)?,
+        rope_beta_slow: field!(m, b, model.rope_beta_slow, f64, or V32_ROPE.beta_slow)?,
         index_n_heads: field!(m, b, model.index_n_heads, u32)?,
         index_head_dim: field!(m, b, model.index_head_dim, u32, or INDEX_HEAD_DIM)?,
         index_topk: field!(m, b, model.index_topk, u32)?,
         page_size: field!(m, b, model.page_size, u32, or PAGE_TOKENS)?,
         kv_dtype: field!(m, b, model.kv_dtype, named KvDtype)?,
         index_k_dtype: field!(m, b, model.index_k_dtype, named IndexKDtype)?,
-        index_k_ue8m0: field!(m, b, model.index_k_ue8m0, bool, or false)?,
+        scale_fmt: field!(m, b, model.scale_fmt, named ScaleFmt, or ScaleFmt::Fp32)?,
         context_tokens_max: field!(m, b, model.context_tokens_max, u32)?,
         prefill_indexer: field!(
             m,
@@ -1079,7 +1338,7 @@ fn cache_section(c: &Fields, b: Option<&Config>) -> ConfigResult<CacheConfig> {
                 rule: format!("give either {} or {}, not both", ratio.path, tokens.path),
             })
         }
-        (Some(_), None) => HostCapacity::Ratio(c.f64(ratio)?),
+        (Some(_), None) => HostCapacity::Ratio(c.f64(ratio, None)?),
         (None, Some(_)) => HostCapacity::Tokens(c.u64(tokens, None)?),
         (None, None) => b
             .map(|b| b.cache.host)
@@ -1169,22 +1428,12 @@ impl<'a> Fields<'a> {
             rule: "must fit in 32 bits".into(),
         })
     }
-    fn f64(&self, key: Key) -> ConfigResult<f64> {
-        let v = self
-            .get(key)
-            .ok_or(ConfigError::Missing { field: key.path })?;
-        v.as_f64().ok_or_else(|| ConfigError::Type {
-            field: key.path,
-            expected: "a number",
-            found: kind(v),
-        })
-    }
-    fn bool(&self, key: Key, default: Option<bool>) -> ConfigResult<bool> {
+    fn f64(&self, key: Key, default: Option<f64>) -> ConfigResult<f64> {
         match self.get(key) {
             None => default.ok_or(ConfigError::Missing { field: key.path }),
-            Some(v) => v.as_bool().ok_or_else(|| ConfigError::Type {
+            Some(v) => v.as_f64().ok_or_else(|| ConfigError::Type {
                 field: key.path,
-                expected: "true or false",
+                expected: "a number",
                 found: kind(v),
             }),
         }

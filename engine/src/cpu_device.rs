@@ -125,6 +125,7 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
     let mut wo = vec![0f32; values as usize];
     let args = cpu::QPrepArgs {
         heads: o.heads as usize,
+        ue8m0: o.ue8m0,
         q: &o.q,
         weights: &o.weights,
         rope: &o.rope,

@@ -26,7 +26,7 @@ use crate::probe::{self, Probe};
 use crate::scheduler::Row;
 use crate::synth::{LnParams, Synth};
 use tierkv_kernels::cpu::numerics::le_u64s;
-use tierkv_kernels::rope::rope_row;
+use tierkv_kernels::rope::Rope;
 
 pub use crate::config::QUERY_ROWS_PER_LAUNCH;
 
@@ -76,8 +76,11 @@ struct Shape {
     topk: u32,
     pool_ik_dtype: IndexKDtype,
     store_ik_dtype: IndexKDtype,
+    /// The scale format's rounding, for the index keys and the queries alike.
     ue8m0: bool,
     kv_dtype: KvDtype,
+    /// The model's RoPE frequencies (YaRN-scaled when the context asks for it).
+    rope: Rope,
 }
 
 pub(crate) struct ModelStep {
@@ -186,8 +189,9 @@ impl ModelStep {
                 topk: mutants.index_topk(m.index_topk),
                 pool_ik_dtype: m.index_k_dtype,
                 store_ik_dtype: mutants.store_dtype(m.index_k_dtype),
-                ue8m0: m.index_k_ue8m0,
+                ue8m0: m.scale_fmt.ue8m0(),
                 kv_dtype: m.kv_dtype,
+                rope: Rope::new(&cfg.rope()),
             },
             scratch: scratch.0,
             ln,
@@ -252,7 +256,7 @@ impl ModelStep {
                 let page = row.pages[pos / PAGE_TOKENS as usize];
                 b.slots.push(slot(page, pos as u32 % PAGE_TOKENS).kernel());
                 b.store.push((row.request, pos as u32, row.token(pos)));
-                b.store_rope.extend(rope_row(pos as u32));
+                b.store_rope.extend(self.shape.rope.row(pos as u32));
             }
             let mut table = vec![-1i32; pt_stride];
             for (e, &p) in table.iter_mut().zip(&row.pages) {
@@ -324,6 +328,7 @@ impl ModelStep {
         let w = s.region(ScratchBuffer::Weights, (Bytes::ZERO, s.layout.weights(n)));
         let prep = QPrep {
             heads: sh.heads,
+            ue8m0: sh.ue8m0,
             q: chunk
                 .iter()
                 .flat_map(|c| synth.query(c.token, c.position, lg, sh.heads))
@@ -332,7 +337,7 @@ impl ModelStep {
                 .iter()
                 .flat_map(|c| synth.head_weights(c.token, c.position, lg, sh.heads))
                 .collect(),
-            rope: chunk.iter().flat_map(|c| rope_row(c.position)).collect(),
+            rope: sh.rope.rows(chunk.iter().map(|c| c.position)),
             q_out: q,
             w_out: w,
         };

@@ -4,10 +4,13 @@
 //!     cargo run --release -p tierkv-kernels --example recall
 //!
 //! The workload isolates the precision of the stored keys. Keys are built directly in the
-//! indexer's post-Hadamard space (what `index_k_store` quantizes), then stored exactly as the
-//! store kernel stores them: fp8 e4m3 with one fp32 scale per token, or bf16, or kept in f32 for
-//! the reference. The query goes through the real `q_prep` quantization (fp8, per head) in every
-//! case, and scores through the logits reference `Σ_h w_h · relu(q_h · k)`.
+//! indexer's post-Hadamard space (what `index_k_store` quantizes; so RoPE, YaRN or not, plays no
+//! part), then stored exactly as the store kernel stores them: fp8 e4m3 with one scale per token
+//! (DeepSeek-V3.2's `ue8m0` power of two, or the exact fp32 `amax / 448`), or bf16, or kept in f32
+//! for the reference. The query goes through `q_prep`'s quantization (fp8 per head, with the same
+//! scale format as the keys; `ue8m0` beside bf16 keys, as the presets pair them) and its folded
+//! weight `((w · heads^-½) · q_scale) · 128^-½`, and scores through the logits reference
+//! `Σ_h w_h · relu(q_h · k)`.
 //!
 //! Every query head points along a direction u; the needle at position 7 is the key closest to u
 //! (cosine 0.98). Among the
@@ -22,6 +25,7 @@ use tierkv_kernels::cpu::logits::{apply_scale, scores};
 use tierkv_kernels::cpu::numerics::{
     amax, bf16_bits, bf16_value, e4m3_decode, e4m3_encode, fp8_scale, mix64,
 };
+use tierkv_kernels::cpu::q_prep::{folded_weight, head_weight_scale};
 use tierkv_kernels::layout::IndexKDtype;
 
 struct Rng(u64);
@@ -68,7 +72,10 @@ fn with_cosine(u: &[f64; 128], r: &[f64; 128], c: f64, mag: f64) -> [f32; 128] {
 enum Store {
     F32,
     Bf16,
-    Fp8,
+    /// fp8 e4m3 with one scale per token, a power of two under `ue8m0`.
+    Fp8 {
+        ue8m0: bool,
+    },
 }
 
 /// Stores a key as the store kernel would and returns what the logits kernel reads back.
@@ -76,12 +83,20 @@ fn store(y: &[f32; 128], how: Store) -> ([f32; 128], f32) {
     match how {
         Store::F32 => (*y, 1.0),
         Store::Bf16 => (y.map(|v| bf16_value(bf16_bits(v))), 1.0),
-        Store::Fp8 => {
-            let scale = fp8_scale(amax(y), false);
+        Store::Fp8 { ue8m0 } => {
+            let scale = fp8_scale(amax(y), ue8m0);
             (y.map(|v| e4m3_decode(e4m3_encode(v / scale))), scale)
         }
     }
 }
+
+/// The measured variants: how keys are stored, and whether the query's scale is `ue8m0`.
+const VARIANTS: [(Store, bool); 4] = [
+    (Store::F32, false),
+    (Store::Bf16, true),
+    (Store::Fp8 { ue8m0: true }, true),
+    (Store::Fp8 { ue8m0: false }, false),
+];
 
 fn main() {
     let contexts = [1024usize, 4096, 16384, 65536];
@@ -93,12 +108,12 @@ fn main() {
     let heads = 4;
     let eps = 0.01;
     let needle_pos = 7;
-    println!("| context | k | hard distractors | recall f32 (q and k exact) | recall bf16 index-K | recall fp8 index-K | needle rank, fp8 (median) |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| context | k | hard distractors | recall f32 (q and k exact) | recall bf16 index-K (q ue8m0) | recall fp8 index-K (q, k ue8m0) | recall fp8 index-K (q, k fp32 scales) | needle rank, fp8 ue8m0 / fp32 (median) |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &ctx in &contexts {
         for &k in &ks {
-            let mut hits = [0usize; 3];
-            let mut fp8_ranks = Vec::new();
+            let mut hits = [0usize; VARIANTS.len()];
+            let mut fp8_ranks = [Vec::new(), Vec::new()];
             let mut hard_count = 0;
             for t in 0..trials {
                 let mut r = Rng(mix64((ctx as u64) << 20 ^ (k as u64) << 8 ^ t as u64));
@@ -119,31 +134,37 @@ fn main() {
                     keys.push(with_cosine(&u, &rnd, c, 8.0));
                 }
                 // The query: every head close to u. The stored-key variants get it through
-                // q_prep's fp8 quantization (the scale folded into the head weight), as the
-                // engine does; the f32 reference keeps it exact.
-                let mut q8 = Vec::with_capacity(heads * 128);
-                let mut w8 = Vec::with_capacity(heads);
-                let mut q32 = Vec::with_capacity(heads * 128);
-                for _ in 0..heads {
-                    let rnd = r.unit_vector();
-                    let qh = with_cosine(&u, &rnd, 1.0, 6.0);
-                    let s = fp8_scale(amax(&qh), false);
-                    q8.extend(qh.map(|v| e4m3_decode(e4m3_encode(v / s))));
-                    w8.push(s);
-                    q32.extend(qh);
-                }
+                // q_prep's fp8 quantization (the scale folded into the head weight with DeepSeek's
+                // constant), as the engine does; the f32 reference keeps it exact.
+                let heads_q: Vec<[f32; 128]> = (0..heads)
+                    .map(|_| {
+                        let rnd = r.unit_vector();
+                        with_cosine(&u, &rnd, 1.0, 6.0)
+                    })
+                    .collect();
+                let q32: Vec<f32> = heads_q.iter().flatten().copied().collect();
                 let w32 = vec![1f32; heads];
-                for (si, how) in [Store::F32, Store::Bf16, Store::Fp8]
-                    .into_iter()
-                    .enumerate()
-                {
-                    let (q, w) = if si == 0 { (&q32, &w32) } else { (&q8, &w8) };
+                let quantized = |ue8m0: bool| {
+                    let mut q8 = Vec::with_capacity(heads * 128);
+                    let mut w8 = Vec::with_capacity(heads);
+                    for qh in &heads_q {
+                        let s = fp8_scale(amax(qh), ue8m0);
+                        q8.extend(qh.map(|v| e4m3_decode(e4m3_encode(v / s))));
+                        w8.push(folded_weight(1.0, head_weight_scale(heads), s));
+                    }
+                    (q8, w8)
+                };
+                for (vi, &(how, q_ue8m0)) in VARIANTS.iter().enumerate() {
+                    let (q, w) = match how {
+                        Store::F32 => (q32.clone(), w32.clone()),
+                        _ => quantized(q_ue8m0),
+                    };
                     let stored: Vec<([f32; 128], f32)> =
                         keys.iter().map(|y| store(y, how)).collect();
                     let ks_: Vec<[f32; 128]> = stored.iter().map(|s| s.0).collect();
                     let mut sc = vec![0f32; ctx];
-                    scores(q, w, &ks_, &mut sc);
-                    let dtype = if matches!(how, Store::Fp8) {
+                    scores(&q, &w, &ks_, &mut sc);
+                    let dtype = if matches!(how, Store::Fp8 { .. }) {
                         IndexKDtype::Fp8
                     } else {
                         IndexKDtype::Bf16
@@ -159,21 +180,25 @@ fn main() {
                         .filter(|&(n, &s)| s > needle || (s == needle && n < needle_pos))
                         .count();
                     if rank < k {
-                        hits[si] += 1;
+                        hits[vi] += 1;
                     }
-                    if si == 2 {
-                        fp8_ranks.push(rank);
+                    if let Store::Fp8 { ue8m0 } = how {
+                        fp8_ranks[usize::from(!ue8m0)].push(rank);
                     }
                 }
             }
-            fp8_ranks.sort_unstable();
+            let median = |v: &mut Vec<usize>| {
+                v.sort_unstable();
+                v[v.len() / 2]
+            };
+            let (m_ue, m_fp32) = (median(&mut fp8_ranks[0]), median(&mut fp8_ranks[1]));
             let pct = |h: usize| format!("{:.2}", h as f64 / trials as f64);
             println!(
-                "| {ctx} | {k} | {hard_count} | {} | {} | {} | {} |",
+                "| {ctx} | {k} | {hard_count} | {} | {} | {} | {} | {m_ue} / {m_fp32} |",
                 pct(hits[0]),
                 pct(hits[1]),
                 pct(hits[2]),
-                fp8_ranks[fp8_ranks.len() / 2]
+                pct(hits[3]),
             );
         }
     }

@@ -176,28 +176,59 @@ pub fn check_kv_row(dtype: KvDtype, row: &[bf16], out: &[u8]) -> Result<(), Stri
     Ok(())
 }
 
-/// One query head as specified: through RoPE and Hadamard in f64, fp8 `codes` within one step at
-/// scale `amax / 448`, and that scale folded into the head weight `w_out`.
+/// The fp8 scales a query head of largest magnitude `amax` (computed in f64) may carry: its
+/// `max(amax, 1e-4) / 448`, or under `ue8m0` that rounded up to a power of two. Where the exact
+/// scale is within a hair (1e-6) of a power of two, the f32 pipeline's `amax` may round to either
+/// side of it, so both powers are allowed.
+fn q_scales(amax: f64, ue8m0: bool) -> Vec<f64> {
+    let exact = amax.max(1e-4) / 448.0;
+    if !ue8m0 {
+        return vec![exact];
+    }
+    let up = 2f64.powf(exact.log2().ceil());
+    let mut out = vec![up];
+    if up / exact < 1.0 + 1e-6 {
+        out.push(2.0 * up);
+    }
+    if exact / (up / 2.0) < 1.0 + 1e-6 {
+        out.push(up / 2.0);
+    }
+    out
+}
+
+/// One query head as specified: through RoPE and Hadamard in f64; fp8 `codes` within one step at
+/// the head's scale (`amax / 448`, rounded up to a power of two under `ue8m0`); and the folded
+/// weight DeepSeek-V3.2-Exp's `Indexer.forward` computes, `w · heads^-½ · q_scale ·
+/// index_head_dim^-½` with `index_head_dim` 128, in `w_out`. `heads` is the model's indexer head
+/// count.
+#[allow(clippy::too_many_arguments)]
 pub fn check_q_head(
     q: &[bf16],
     w: f32,
     rope: &[f32],
+    heads: usize,
+    ue8m0: bool,
     codes: &[u8],
     w_out: f32,
 ) -> Result<(), String> {
     let want = pipeline_f64(q, &[], &[], rope, false);
     let amax = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let scale = amax.max(1e-4) / 448.0;
-    let fw = w as f64 * scale;
-    if (w_out as f64 - fw).abs() > 1e-5 * fw.abs() + 1e-12 {
-        return Err(format!("weight {w_out} vs {fw}"));
-    }
-    for d in 0..128 {
-        if !close_fp8(codes[d], scale, want[d], amax) {
-            return Err(format!("dim {d}: code {:#04x} for {}", codes[d], want[d]));
+    let constant = 1.0 / (heads as f64).sqrt() / 128f64.sqrt();
+    let mut why = String::new();
+    for scale in q_scales(amax, ue8m0) {
+        let fw = w as f64 * constant * scale;
+        if (w_out as f64 - fw).abs() > 1e-5 * fw.abs() + 1e-12 {
+            why = format!("weight {w_out} vs {fw} (scale {scale:e}, ue8m0 {ue8m0})");
+            continue;
+        }
+        match (0..128).find(|&d| !close_fp8(codes[d], scale, want[d], amax)) {
+            None => return Ok(()),
+            Some(d) => {
+                why = format!("dim {d}: code {:#04x} for {}", codes[d], want[d]);
+            }
         }
     }
-    Ok(())
+    Err(why)
 }
 
 /// Bytes outside the rows of `slots` are what they were.
@@ -275,7 +306,8 @@ pub fn check_kv_store(a: &cpu::KvStoreArgs, before: &[u8], after: &[u8]) -> Resu
 }
 
 /// `q_prep` as specified: each (token, head) query through RoPE and Hadamard in f64, fp8 with
-/// scale `amax / 448`, and that scale folded into the head weight.
+/// scale `amax / 448` (a power of two under `ue8m0`), and the folded head weight
+/// `w · heads^-½ · q_scale · 128^-½`.
 pub fn check_q_prep(a: &cpu::QPrepArgs, q_out: &[u8], w_out: &[f32]) -> Result<(), String> {
     for t in 0..a.rope.len() / 64 {
         for h in 0..a.heads {
@@ -284,6 +316,8 @@ pub fn check_q_prep(a: &cpu::QPrepArgs, q_out: &[u8], w_out: &[f32]) -> Result<(
                 &a.q[i * 128..(i + 1) * 128],
                 a.weights[i],
                 &a.rope[t * 64..(t + 1) * 64],
+                a.heads,
+                a.ue8m0,
                 &q_out[i * 128..(i + 1) * 128],
                 w_out[i],
             )

@@ -7,7 +7,9 @@ use crate::gpu::GpuOptions;
 use crate::rng::Rng;
 use crate::schedule::{Policy, Source};
 use serde::{Deserialize, Serialize};
-use tierkv_engine::config::{CacheConfig, Config, HostCapacity, PrefillIndexer, WritePolicy};
+use tierkv_engine::config::{
+    CacheConfig, Config, HostCapacity, PrefillIndexer, ScaleFmt, WritePolicy,
+};
 use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
 use tierkv_engine::mutants::HARDCODED_TOPK;
 
@@ -364,7 +366,7 @@ impl Scenario {
             m.index_topk,
             m.index_k_dtype.name(),
             m.kv_dtype.name(),
-            if m.index_k_ue8m0 { " ue8m0" } else { "" },
+            if m.scale_fmt.ue8m0() { " ue8m0" } else { "" },
             c.cache.device_pages,
             c.host_pages(),
             c.cache.host_layout.name(),
@@ -502,7 +504,11 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     };
     m.index_n_heads = cr.range(1, if quick { 2 } else { 4 }) as u32;
     (m.index_k_dtype, m.kv_dtype) = draw_dtypes(cr, 0.5);
-    m.index_k_ue8m0 = cr.chance(0.2);
+    m.scale_fmt = if cr.chance(0.2) {
+        ScaleFmt::Ue8m0
+    } else {
+        ScaleFmt::Fp32
+    };
     m.index_topk = *cr.pick(&[4, 16, 32, 48, 64, 100, 200]);
     m.context_tokens_max = if profile == "swarm" {
         draw_context(cr)
@@ -587,7 +593,11 @@ fn draw_production_config(cr: &mut Rng, seed: u64) -> Config {
     m.layer_base = cr.range(0, 61 - m.layers as u64) as u32;
     m.context_tokens_max = *cr.pick(&[16_384, 16_384, 32_768, 32_768, 65_536, 131_072]);
     (m.index_k_dtype, m.kv_dtype) = draw_dtypes(cr, 0.7);
-    m.index_k_ue8m0 = cr.chance(0.3);
+    m.scale_fmt = if cr.chance(0.3) {
+        ScaleFmt::Ue8m0
+    } else {
+        ScaleFmt::Fp32
+    };
     // A query per prefill chunk: every-token indexing would cost a query per prompt token.
     m.prefill_indexer = PrefillIndexer::LastToken;
     let pages_per_request = m.context_tokens_max.div_ceil(64);

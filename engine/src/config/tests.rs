@@ -23,6 +23,82 @@ fn preset_layouts_match_the_design() {
     assert_eq!(l.page_bytes(crate::layout::BufferKind::IndexK).0, 16384);
 }
 
+/// The presets carry the published model values: DeepSeek-V3.2-Exp's
+/// `inference/config_671B_v3.2.json` (61 layers, 64 indexer heads of 128, top-2048, scale_fmt
+/// ue8m0) and `inference/model.py`'s RoPE defaults (theta 10000, YaRN factor 40 over 4096 tokens,
+/// beta_fast 32, beta_slow 1), YaRN on at its 128K context.
+#[test]
+fn presets_carry_the_published_model_values() {
+    let c = Config::preset("deepseek-v3.2").unwrap();
+    let m = &c.model;
+    assert_eq!((m.layers, m.index_n_heads, m.index_head_dim), (61, 64, 128));
+    assert_eq!(
+        (m.index_topk, m.qk_rope_head_dim, m.kv_lora_rank),
+        (2048, 64, 512)
+    );
+    assert_eq!(m.scale_fmt, ScaleFmt::Ue8m0);
+    assert_eq!(
+        c.rope(),
+        tierkv_kernels::rope::RopeParams::deepseek_v32(131_072)
+    );
+    assert!(c.rope().yarn());
+    assert!(c.unconfirmed("deepseek-v3.2").is_empty());
+    // sim-small keeps plain RoPE: its context is within the original 4096 tokens.
+    assert!(!Config::preset("sim-small").unwrap().rope().yarn());
+    // Every preset says where its values come from.
+    for name in Config::PRESETS {
+        assert!(Config::preset_source(name).is_some(), "{name}");
+    }
+}
+
+/// What public material does not confirm, the preset says (and `check-config` prints); a file
+/// that overrides a value no longer carries its note.
+#[test]
+fn unconfirmed_preset_values_are_listed_until_overridden() {
+    let v4 = Config::preset("deepseek-v4-flash-bf16").unwrap();
+    let keys: Vec<&str> = v4
+        .unconfirmed("deepseek-v4-flash-bf16")
+        .iter()
+        .map(|u| u.0)
+        .collect();
+    for key in [
+        "model.layers",
+        "model.index_topk",
+        "model.rope_factor",
+        "model.scale_fmt",
+    ] {
+        assert!(keys.contains(&key), "{key} in {keys:?}");
+    }
+    let text = "preset = \"deepseek-v4-flash-bf16\"\n[model]\nlayers = 8\n";
+    let c = Config::from_toml(text).unwrap();
+    let notes = c.unconfirmed("deepseek-v4-flash-bf16");
+    assert!(notes.iter().all(|u| u.0 != "model.layers"), "{notes:?}");
+    assert_eq!(notes.len(), keys.len() - 1);
+}
+
+/// A configuration written before the RoPE and scale-format keys existed reads with
+/// DeepSeek-V3.2's RoPE and fp32 scales.
+#[test]
+fn rope_and_scale_keys_default_to_deepseek_v32() {
+    let mut text = Config::preset("sim-small").unwrap().to_toml();
+    text = text
+        .lines()
+        .filter(|l| !l.starts_with("rope_") && !l.starts_with("scale_fmt"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let c = Config::from_toml(&text).unwrap();
+    let m = &c.model;
+    assert_eq!(m.scale_fmt, ScaleFmt::Fp32);
+    let v32 = tierkv_kernels::rope::RopeParams::deepseek_v32(m.context_tokens_max);
+    assert_eq!(c.rope(), v32);
+    let json = r#"{"preset": "sim-small", "model": {"rope_beta_fast": 16, "rope_theta": 50000}}"#;
+    let c = Config::from_json(json).unwrap();
+    assert_eq!(
+        (c.model.rope_beta_fast, c.model.rope_theta),
+        (16.0, 50000.0)
+    );
+}
+
 fn err_field(text: &str) -> String {
     match Config::from_toml(text) {
         Ok(_) => panic!("accepted: {text}"),
@@ -102,6 +178,50 @@ fn invalid_inputs_name_their_field() {
             "scheduler.queued_requests_max",
         ),
         ("[model]\nlayers = 3", "model.index_n_heads"),
+        (
+            "preset = \"sim-small\"\n[model]\nscale_fmt = true",
+            "model.scale_fmt",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nscale_fmt = \"e8m0\"",
+            "model.scale_fmt",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_k_ue8m0 = true",
+            "model.index_k_ue8m0",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_k_ue8m0 = true",
+            "renamed: write model.scale_fmt",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nrope_theta = 1.0",
+            "model.rope_theta",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nrope_theta = \"big\"",
+            "model.rope_theta",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nrope_factor = 0.5",
+            "model.rope_factor",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nrope_beta_slow = 0.0",
+            "model.rope_beta_slow",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nrope_beta_fast = 1.0",
+            "model.rope_beta_fast",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nrope_original_seq_len = 0",
+            "model.rope_original_seq_len",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nrope_original_seq_len = 2000000",
+            "model.rope_original_seq_len",
+        ),
         ("preset = \"gpt-2\"", "gpt-2"),
         ("preset = \"sim-small\"\n[model\n", "TOML"),
         (
@@ -144,6 +264,8 @@ fn arb_value() -> impl Strategy<Value = serde_json::Value> {
             "write_through",
             "sim-small",
             "deepseek-v3.2",
+            "fp32",
+            "ue8m0",
             "x"
         ])
         .prop_map(|s| serde_json::json!(s)),
@@ -167,6 +289,12 @@ fn arb_value() -> impl Strategy<Value = serde_json::Value> {
                 "context_tokens_max",
                 "layer_base",
                 "load_slots",
+                "scale_fmt",
+                "rope_theta",
+                "rope_factor",
+                "rope_original_seq_len",
+                "rope_beta_fast",
+                "rope_beta_slow",
             ])
             .prop_map(String::from),
             inner,

@@ -158,6 +158,8 @@ pub struct KvStore {
 #[derive(Clone, Debug)]
 pub struct QPrep {
     pub heads: u32,
+    /// Round each head's fp8 scale up to a power of two (the model's `scale_fmt = "ue8m0"`).
+    pub ue8m0: bool,
     pub q: Vec<bf16>,
     pub weights: Vec<f32>,
     pub rope: Vec<f32>,

@@ -261,7 +261,7 @@ impl CudaOps {
         let (_c, r) = self.upload(s, bytes_of(&o.rope))?;
         let (qo, wo) = (region(mem, &o.q_out), region(mem, &o.w_out));
         self.kernels
-            .q_prep(s, o.rows(), o.heads as usize, q, w, r, qo, wo)
+            .q_prep(s, o.rows(), o.heads as usize, o.ue8m0, q, w, r, qo, wo)
             .map_err(kernel)
     }
 

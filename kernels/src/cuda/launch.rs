@@ -334,13 +334,16 @@ impl Kernels {
         Ok(())
     }
 
-    /// `q_prep` of `n` tokens × `heads`.
+    /// `q_prep` of `n` tokens × `heads` (the model's indexer heads: the folded weight's
+    /// `heads^-½` is computed from it), each head's scale rounded up to a power of two under
+    /// `ue8m0`.
     #[allow(clippy::too_many_arguments)]
     pub fn q_prep(
         &self,
         s: &CudaStream,
         n: usize,
         heads: usize,
+        ue8m0: bool,
         q: DevPtr,
         w: DevPtr,
         rope: DevPtr,
@@ -360,13 +363,16 @@ impl Kernels {
         if nh == 0 {
             return Ok(());
         }
-        let (n32, h32) = (n as i32, heads as i32);
+        let (n32, h32, ue) = (n as i32, heads as i32, ue8m0 as i32);
+        let head_scale = crate::cpu::q_prep::head_weight_scale(heads);
         let mut b = s.launch_builder(self.f("q_prep"));
         b.arg(&q.ptr)
             .arg(&w.ptr)
             .arg(&rope.ptr)
             .arg(&n32)
             .arg(&h32)
+            .arg(&ue)
+            .arg(&head_scale)
             .arg(&q_out.ptr)
             .arg(&w_out.ptr);
         let cfg = LaunchConfig {

@@ -9,8 +9,13 @@ use crate::naive;
 use half::bf16;
 use tierkv_kernels::cpu::{self, numerics::mix64};
 use tierkv_kernels::layout::*;
-use tierkv_kernels::rope::rope_row;
+use tierkv_kernels::rope::{Rope, RopeParams};
 use tierkv_kernels::Result;
+
+/// DeepSeek-V3.2's RoPE row of `position` (YaRN on, as at its 128K context).
+fn rope_row(position: u32) -> [f32; 64] {
+    Rope::new(&RopeParams::deepseek_v32(131_072)).row(position)
+}
 
 /// Where a kernel runs. Inputs and outputs are host byte buffers; a GPU backend moves them.
 pub trait Backend {
@@ -247,6 +252,7 @@ fn diff(a: &[u8], b: &[u8]) -> usize {
 pub fn q_prep_body(b: &dyn Backend, expect: Expect) {
     let mut g = Gen::fresh("q_prep");
     for (n, heads) in [(1usize, 1usize), (3, 64), (70, 17), (128, 64)] {
+        let ue8m0 = g.next() & 1 == 1;
         let q = g.bf16s(n * heads * 128, 4.0);
         let w: Vec<f32> = (0..n * heads).map(|_| g.unit()).collect();
         let rope: Vec<f32> = (0..n)
@@ -254,6 +260,7 @@ pub fn q_prep_body(b: &dyn Backend, expect: Expect) {
             .collect();
         let a = cpu::QPrepArgs {
             heads,
+            ue8m0,
             q: &q,
             weights: &w,
             rope: &rope,
@@ -262,14 +269,14 @@ pub fn q_prep_body(b: &dyn Backend, expect: Expect) {
         let (mut qg, mut wg) = (qw.clone(), ww.clone());
         b.q_prep(&a, &mut qg, &mut wg).unwrap();
         if expect == Expect::Independent {
-            let what = format!("{} q_prep n={n} heads={heads}", b.name());
+            let what = format!("{} q_prep n={n} heads={heads} ue8m0={ue8m0}", b.name());
             verdict(what, naive::check_q_prep(&a, &qg, &wg));
             continue;
         }
         cpu::q_prep(&a, &mut qw, &mut ww).unwrap();
         assert!(
             qg == qw,
-            "{} q_prep n={n} heads={heads}: q differs",
+            "{} q_prep n={n} heads={heads} ue8m0={ue8m0}: q differs",
             b.name()
         );
         assert!(
@@ -744,7 +751,7 @@ mod cuda {
             let (qo, qop) = self.up(q_out);
             let (wo, wop) = self.up(bytes(w_out));
             self.k
-                .q_prep(&self.s, a.tokens(), a.heads, qp, wp, rp, qop, wop)?;
+                .q_prep(&self.s, a.tokens(), a.heads, a.ue8m0, qp, wp, rp, qop, wop)?;
             self.down(&qo, q_out);
             self.down(&wo, bytes_mut(w_out));
             Ok(())

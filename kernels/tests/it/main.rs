@@ -2,6 +2,7 @@
 //! fp8 rules, and NVRTC compilation of every CUDA source.
 
 mod conformance;
+mod deepseek;
 mod fp8;
 /// The independent versions of the kernels (the crate's `spec` module).
 use tierkv_kernels::spec as naive;

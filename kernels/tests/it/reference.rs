@@ -6,8 +6,13 @@ use proptest::prelude::*;
 use tierkv_kernels::cpu::numerics::{self, e4m3_decode, hadamard_128, read_f32};
 use tierkv_kernels::cpu::{self, sparse_read, store, topk};
 use tierkv_kernels::layout::*;
-use tierkv_kernels::rope::rope_row;
+use tierkv_kernels::rope::{Rope, RopeParams};
 use tierkv_kernels::KernelError;
+
+/// DeepSeek-V3.2's RoPE row of `position` (YaRN on, as at its 128K context).
+fn rope_row(position: u32) -> [f32; 64] {
+    Rope::new(&RopeParams::deepseek_v32(131_072)).row(position)
+}
 
 /// A small deterministic generator for bulk test data (proptest draws the seeds).
 struct Gen(u64);
@@ -106,26 +111,37 @@ proptest! {
     }
 
     #[test]
-    fn q_prep_folds_the_scale_into_the_weight(seed in any::<u64>(), n in 1usize..6, heads in 1usize..9) {
+    fn q_prep_folds_the_scale_into_the_weight(seed in any::<u64>(), n in 1usize..6, heads in 1usize..9,
+                                              ue8m0 in any::<bool>()) {
         let mut g = Gen(seed);
         let q = g.vec_bf16(n * heads * 128, 3.0);
         let w = g.vec_f32(n * heads, 1.0);
         let rope: Vec<f32> = (0..n).flat_map(|_| rope_row(g.below(5000) as u32)).collect();
         let (mut qo, mut wo) = (vec![0u8; n * heads * 128], vec![0f32; n * heads]);
-        cpu::q_prep(&cpu::QPrepArgs { heads, q: &q, weights: &w, rope: &rope }, &mut qo, &mut wo).unwrap();
+        let args = cpu::QPrepArgs { heads, ue8m0, q: &q, weights: &w, rope: &rope };
+        cpu::q_prep(&args, &mut qo, &mut wo).unwrap();
+        let constant = 1.0 / ((heads * 128) as f64).sqrt();
         for t in 0..n {
             for h in 0..heads {
                 let i = t * heads + h;
                 let want = pipeline_f64(&q[i*128..(i+1)*128], &[], &[], &rope[t*64..(t+1)*64], false);
                 let amax = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-                let scale = amax.max(1e-4) / 448.0;
-                prop_assert!(((wo[i] as f64) - w[i] as f64 * scale).abs() <= 1e-5 * (w[i] as f64 * scale).abs() + 1e-12);
+                // The scale the weight carries; under ue8m0 a power of two at most 2x the exact one.
+                let scale = wo[i] as f64 / (w[i] as f64 * constant);
+                let exact = amax.max(1e-4) / 448.0;
+                if ue8m0 {
+                    prop_assert!(scale >= exact * (1.0 - 1e-5) && scale < 2.0 * exact * (1.0 + 1e-5), "{} for {}", scale, exact);
+                    prop_assert!((scale.log2() - scale.log2().round()).abs() < 1e-5, "{} is no power of two", scale);
+                } else {
+                    prop_assert!((scale - exact).abs() <= 1e-5 * exact, "{} vs {}", scale, exact);
+                }
                 for d in 0..128 {
                     let v = e4m3_decode(qo[i * 128 + d]) as f64 * scale;
                     prop_assert!((v - want[d]).abs() <= e4m3_step(want[d] / scale) * scale + 1e-5 * amax);
                 }
             }
         }
+        prop_assert_eq!(naive::check_q_prep(&args, &qo, &wo), Ok(()));
     }
 
     #[test]

@@ -169,7 +169,7 @@ mod imp {
         DevPtr, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
     };
     use tierkv_kernels::layout::*;
-    use tierkv_kernels::rope::rope_row;
+    use tierkv_kernels::rope::{Rope, RopeParams};
 
     type R<T> = Result<T, String>;
 
@@ -353,9 +353,8 @@ mod imp {
             let n = 1usize << 20;
             let mut r = rng(1);
             let keys: Vec<bf16> = (0..n * 128).map(|_| bf16::from_f32(r() * 4.0)).collect();
-            let rope: Vec<f32> = (0..n)
-                .flat_map(|i| rope_row((i % 131_072) as u32))
-                .collect();
+            let rope = Rope::new(&RopeParams::deepseek_v32(131_072))
+                .rows((0..n).map(|i| (i % 131_072) as u32));
             let gamma = vec![1.0f32; 128];
             let beta = vec![0.0f32; 128];
             let slots: Vec<i32> = (0..n as i32).collect();

@@ -1,6 +1,7 @@
 //! `tierkv check-config`: the derived layout of a configuration, or its validation error.
 
 use std::path::PathBuf;
+use tierkv_engine::config::Config;
 use tierkv_engine::layout::BufferKind;
 
 fn human(bytes: u64) -> String {
@@ -43,6 +44,28 @@ pub fn run(file: Option<&PathBuf>, preset: Option<&str>, emit_toml: bool) -> i32
         "model: {} layers (global {}..{}), index_n_heads {}, index_head_dim {}, index_topk {}, page_size {}",
         m.layers, m.layer_base, m.layer_base + m.layers, m.index_n_heads, m.index_head_dim, m.index_topk, m.page_size
     );
+    let rope = cfg.rope();
+    println!(
+        "rope: theta {}, {}; scale_fmt {}",
+        m.rope_theta,
+        if rope.yarn() {
+            format!(
+                "YaRN factor {} (original_seq_len {} < context {}, beta_fast {}, beta_slow {})",
+                m.rope_factor,
+                m.rope_original_seq_len,
+                m.context_tokens_max,
+                m.rope_beta_fast,
+                m.rope_beta_slow
+            )
+        } else {
+            format!(
+                "no YaRN (context {} <= original_seq_len {})",
+                m.context_tokens_max, m.rope_original_seq_len
+            )
+        },
+        m.scale_fmt.name()
+    );
+    print_provenance(&cfg, file, preset);
     for kind in BufferKind::ALL {
         let fmt = l.format(kind);
         println!(
@@ -83,4 +106,24 @@ pub fn run(file: Option<&PathBuf>, preset: Option<&str>, emit_toml: bool) -> i32
         cfg.scheduler.queued_requests_max, cfg.scheduler.pending_tokens_max
     );
     0
+}
+
+/// Where the base preset's model values come from, and every unconfirmed one the configuration
+/// still holds.
+fn print_provenance(cfg: &Config, file: Option<&PathBuf>, preset: Option<&str>) {
+    let base = match (file, preset) {
+        (Some(f), _) => Config::base_preset_of(f),
+        (None, Some(p)) => Some(p.to_string()),
+        (None, None) => Some(Config::DEFAULT_PRESET.to_string()),
+    };
+    let Some(base) = base else {
+        return;
+    };
+    let Some(src) = Config::preset_source(&base) else {
+        return;
+    };
+    println!("preset {base}: {}", src.source);
+    for (key, value, why) in cfg.unconfirmed(&base) {
+        println!("  unconfirmed: {key} = {value}: {why}");
+    }
 }

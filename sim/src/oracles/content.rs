@@ -22,7 +22,7 @@ use tierkv_engine::layout::{
 use tierkv_engine::synth::{LnParams, Synth};
 use tierkv_kernels::cpu::numerics::le_i32s;
 use tierkv_kernels::cpu::store::{index_k_token, kv_token};
-use tierkv_kernels::rope::rope_row;
+use tierkv_kernels::rope::Rope;
 use tierkv_kernels::spec;
 
 /// What the synthetic model says an index-K row is: its value bytes and (fp8) scale.
@@ -37,6 +37,8 @@ pub struct ContentOracle {
     pub ik_dtype: IndexKDtype,
     pub kv_dtype: KvDtype,
     pub ue8m0: bool,
+    /// The model's RoPE frequencies, as the engine's rows use them.
+    pub rope: Rope,
     ln: BTreeMap<u32, LnParams>,
     /// Known tokens of each request: prompt, then every generated token.
     pub tokens: BTreeMap<u64, Vec<u32>>,
@@ -76,7 +78,8 @@ impl ContentOracle {
             synth,
             ik_dtype: cfg.model.index_k_dtype,
             kv_dtype: cfg.model.kv_dtype,
-            ue8m0: cfg.model.index_k_ue8m0,
+            ue8m0: cfg.model.scale_fmt.ue8m0(),
+            rope: Rope::new(&cfg.rope()),
             ln: BTreeMap::new(),
             tokens: BTreeMap::new(),
             ik_memo: FastMap::default(),
@@ -108,7 +111,7 @@ impl ContentOracle {
             .clone();
         let key = synth.index_key(token, position, layer);
         let mut values = vec![0u8; index_k_page::values_bytes(self.ik_dtype)];
-        let rope = rope_row(position);
+        let rope = self.rope.row(position);
         let scale = index_k_token(self.ik_dtype, self.ue8m0, &key, &g, &b, &rope, &mut values);
         let spec = spec::check_index_k_row(
             self.ik_dtype,

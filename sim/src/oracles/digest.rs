@@ -18,10 +18,9 @@ use std::sync::Arc;
 use tierkv_engine::layout::IndexKDtype;
 use tierkv_kernels::cpu::logits::{apply_scale, decode_q, scores_with};
 use tierkv_kernels::cpu::numerics::{bf16_value, e4m3_decode, mix64};
-use tierkv_kernels::cpu::q_prep::q_prep_head;
+use tierkv_kernels::cpu::q_prep::{head_weight_scale, q_prep_head};
 use tierkv_kernels::cpu::sparse_read::{rank_term, row_hash};
 use tierkv_kernels::cpu::topk::topk_positions;
-use tierkv_kernels::rope::rope_row;
 use tierkv_kernels::spec;
 
 /// What the reference computed for one query, for `check_with_spec`.
@@ -143,15 +142,17 @@ impl DigestOracle {
         let synth = c.synth;
         let q = synth.query(token, position, layer, self.heads);
         let w = synth.head_weights(token, position, layer, self.heads);
-        let rope = rope_row(position);
+        let rope = c.rope.row(position);
+        let (ue8m0, heads) = (c.ue8m0, self.heads as usize);
+        let head_scale = head_weight_scale(heads);
         let mut qf = Vec::with_capacity(self.heads as usize * 128);
         let mut wf = Vec::with_capacity(self.heads as usize);
         let mut qcodes = Vec::with_capacity(self.heads as usize * 128);
         for h in 0..self.heads as usize {
             let mut codes = [0u8; 128];
             let qh = &q[h * 128..(h + 1) * 128];
-            let folded = q_prep_head(qh, w[h], &rope, &mut codes);
-            if let Err(e) = spec::check_q_head(qh, w[h], &rope, &codes, folded) {
+            let folded = q_prep_head(qh, w[h], &rope, ue8m0, head_scale, &mut codes);
+            if let Err(e) = spec::check_q_head(qh, w[h], &rope, heads, ue8m0, &codes, folded) {
                 c.reference_errors.push(format!(
                     "the q_prep reference's head {h} of token {token} at position {position}, layer {layer}, \
                      disagrees with the specification: {e}"

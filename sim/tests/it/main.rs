@@ -146,6 +146,29 @@ fn check_config_shows_the_layouts() {
             && out.contains("656 B/token/layer"),
         "{out}"
     );
+    assert!(
+        out.contains("YaRN factor 40") && out.contains("scale_fmt ue8m0"),
+        "{out}"
+    );
+    assert!(!out.contains("unconfirmed"), "{out}");
+}
+
+/// A preset's values that public material does not confirm are printed as such.
+#[test]
+fn check_config_names_unconfirmed_preset_values() {
+    let (code, out, _) = tierkv(&["check-config", "--preset", "deepseek-v4-flash-bf16"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("unconfirmed: model.layers = 43")
+            && out.contains("unconfirmed: model.rope_theta"),
+        "{out}"
+    );
+    let (code, out, _) = tierkv(&["check-config"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("no YaRN (context 2048 <= original_seq_len 4096)"),
+        "{out}"
+    );
 }
 
 #[test]
