@@ -17,6 +17,7 @@ mod gate;
 pub mod metrics;
 pub mod model;
 pub mod mutants;
+pub mod pd;
 pub mod pools;
 pub mod probe;
 pub mod runtime;

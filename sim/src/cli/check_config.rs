@@ -19,6 +19,49 @@ fn human(bytes: u64) -> String {
     }
 }
 
+/// `check-config --pd-decode FILE`: the layout handshake of a prefill engine configured by
+/// `file`/`preset` and a decode engine configured by `decode`.
+pub fn run_pd(file: Option<&PathBuf>, preset: Option<&str>, decode: &PathBuf) -> i32 {
+    use tierkv_engine::pd::{handshake, PdLayout, Role};
+    let (p, d) = match (
+        super::load_config(file, preset),
+        super::load_config(Some(decode), None),
+    ) {
+        (Ok(p), Ok(d)) => (p, d),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    let (pl, dl) = (
+        PdLayout::of(&p, Role::Prefill),
+        PdLayout::of(&d, Role::Decode),
+    );
+    match handshake(&pl, &dl) {
+        Ok(()) => {
+            println!(
+                "pd handshake: prefill {} and decode {} agree: {} layers (global {}..{}), {}, {}, \
+                 host {}, scale_fmt {}, RoPE {}",
+                p.name,
+                d.name,
+                pl.layers,
+                pl.layer_base,
+                pl.layer_base + pl.layers,
+                pl.kv,
+                pl.index_k,
+                pl.host_layout.name(),
+                pl.scale_fmt.name(),
+                pl.rope
+            );
+            0
+        }
+        Err(e) => {
+            eprintln!("pd handshake refused: {e}");
+            2
+        }
+    }
+}
+
 pub fn run(file: Option<&PathBuf>, preset: Option<&str>, emit_toml: bool) -> i32 {
     let cfg = match super::load_config(file, preset) {
         Ok(c) => c,

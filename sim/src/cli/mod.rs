@@ -41,6 +41,11 @@ pub enum Command {
         /// Print the configuration as a TOML file to start from, every key documented.
         #[arg(long)]
         emit_toml: bool,
+        /// Check a prefill/decode pair: this configuration is the prefill engine's, FILE the
+        /// decode engine's; their layout handshake must agree (exit 2, naming every differing
+        /// field, if not).
+        #[arg(long, value_name = "FILE", conflicts_with = "emit_toml")]
+        pd_decode: Option<PathBuf>,
     },
     /// Run the deterministic simulator: one seed, a campaign, or a saved scenario.
     Sim(sim::SimArgs),
@@ -117,7 +122,11 @@ pub fn main() -> i32 {
             file,
             preset,
             emit_toml,
-        } => check_config::run(file.as_ref(), preset.as_deref(), emit_toml),
+            pd_decode,
+        } => match pd_decode {
+            Some(decode) => check_config::run_pd(file.as_ref(), preset.as_deref(), &decode),
+            None => check_config::run(file.as_ref(), preset.as_deref(), emit_toml),
+        },
         Command::Sim(args) => sim::run_sim(args),
         Command::Campaign(cmd) => campaign::run_campaign_command(cmd),
         Command::Zoo(args) => zoo::run_zoo(args),

@@ -1,0 +1,287 @@
+//! Prefill/decode disaggregation: the layout handshake.
+//!
+//! A prefill engine and a decode engine that exchange a request's KV must agree, before the first
+//! transfer, on everything that decides what the bytes of a page mean: the layers (their number
+//! and global ids), each pool's page format (dtype, bytes per token, bytes per page, tokens per
+//! page), the host mirror's order, the fp8 scale format, and the RoPE frequencies the stored
+//! index keys were rotated with (decode's queries are rotated with its own; a key rotated with
+//! other frequencies scores against them as garbage). Each side announces a [`PdLayout`]; the
+//! [`handshake`] compares them and refuses any difference with a [`HandshakeError`] that names
+//! every differing field with both sides' values. tierkv converts no layout in transfer (a bf16
+//! index-K on one side and an fp8 one on the other is refused, never requantised on the fly).
+//!
+//! Not built yet (issue 16): the transfer itself (a `KvLink` trait with the NCCL, simulated and
+//! in-order CPU links), the engines' prefill and decode roles, and the simulator's `pd` profile.
+//! This module is the handshake those will call first.
+
+use crate::config::{Config, ScaleFmt};
+use crate::layout::{HostLayout, LayoutFingerprint, PageFormat};
+use std::fmt;
+use tierkv_kernels::rope::Rope;
+
+/// Which side of the pair an engine is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        })
+    }
+}
+
+/// What one engine announces about the KV it sends or receives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PdLayout {
+    pub role: Role,
+    /// The configuration's name, for messages.
+    pub name: String,
+    pub layers: u32,
+    pub layer_base: u32,
+    pub kv: LayoutFingerprint,
+    pub index_k: LayoutFingerprint,
+    pub host_layout: HostLayout,
+    pub scale_fmt: ScaleFmt,
+    /// The 32 RoPE inverse frequencies of the index keys, as bits (equal only when identical).
+    pub rope_inv_freq: [u64; 32],
+    /// How the frequencies were made, for messages.
+    pub rope: String,
+}
+
+impl PdLayout {
+    /// The layout `cfg` gives an engine of `role`.
+    pub fn of(cfg: &Config, role: Role) -> PdLayout {
+        let params = cfg.rope();
+        let rope = Rope::new(&params);
+        let m = &cfg.model;
+        PdLayout {
+            role,
+            name: cfg.name.clone(),
+            layers: m.layers,
+            layer_base: m.layer_base,
+            kv: PageFormat::Kv(m.kv_dtype).fingerprint(),
+            index_k: PageFormat::IndexK(m.index_k_dtype).fingerprint(),
+            host_layout: cfg.cache.host_layout,
+            scale_fmt: m.scale_fmt,
+            rope_inv_freq: rope.inv_freq().map(f64::to_bits),
+            rope: if params.yarn() {
+                format!(
+                    "theta {}, YaRN factor {} over {} tokens (beta {}/{}) for a {}-token context",
+                    params.theta,
+                    params.factor,
+                    params.original_seq_len,
+                    params.beta_fast,
+                    params.beta_slow,
+                    params.max_seq_len
+                )
+            } else {
+                format!(
+                    "theta {}, no YaRN (a {}-token context within {})",
+                    params.theta, params.max_seq_len, params.original_seq_len
+                )
+            },
+        }
+    }
+}
+
+/// One field the two sides disagree on, with each side's value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mismatch {
+    pub field: &'static str,
+    pub prefill: String,
+    pub decode: String,
+}
+
+/// Why a prefill/decode pair was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeError {
+    #[error(
+        "a prefill/decode pair needs one prefill and one decode engine: got {first} and {second}"
+    )]
+    Roles { first: Role, second: Role },
+    #[error(
+        "the prefill engine ({prefill}) and the decode engine ({decode}) disagree on the KV they \
+         would exchange, and tierkv converts no layout in transfer: {}",
+        list(mismatches)
+    )]
+    Layout {
+        prefill: String,
+        decode: String,
+        mismatches: Vec<Mismatch>,
+    },
+}
+
+fn list(m: &[Mismatch]) -> String {
+    m.iter()
+        .map(|m| format!("{} (prefill: {}; decode: {})", m.field, m.prefill, m.decode))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The handshake: `Ok` when the two sides' KV is byte-for-byte interchangeable, else every
+/// difference. Either side may be given first.
+pub fn handshake(a: &PdLayout, b: &PdLayout) -> Result<(), HandshakeError> {
+    let (p, d) = match (a.role, b.role) {
+        (Role::Prefill, Role::Decode) => (a, b),
+        (Role::Decode, Role::Prefill) => (b, a),
+        (first, second) => return Err(HandshakeError::Roles { first, second }),
+    };
+    let mut mismatches = Vec::new();
+    let mut differ = |field: &'static str, pv: String, dv: String| {
+        if pv != dv {
+            mismatches.push(Mismatch {
+                field,
+                prefill: pv,
+                decode: dv,
+            });
+        }
+    };
+    differ("model.layers", p.layers.to_string(), d.layers.to_string());
+    differ(
+        "model.layer_base",
+        p.layer_base.to_string(),
+        d.layer_base.to_string(),
+    );
+    differ("KV pages", p.kv.to_string(), d.kv.to_string());
+    differ(
+        "index-K pages",
+        p.index_k.to_string(),
+        d.index_k.to_string(),
+    );
+    differ(
+        "cache.host_layout",
+        p.host_layout.name().to_string(),
+        d.host_layout.name().to_string(),
+    );
+    differ(
+        "model.scale_fmt",
+        p.scale_fmt.name().to_string(),
+        d.scale_fmt.name().to_string(),
+    );
+    if p.rope_inv_freq != d.rope_inv_freq {
+        mismatches.push(Mismatch {
+            field: "RoPE frequencies of the index keys",
+            prefill: p.rope.clone(),
+            decode: d.rope.clone(),
+        });
+    }
+    if mismatches.is_empty() {
+        Ok(())
+    } else {
+        Err(HandshakeError::Layout {
+            prefill: p.name.clone(),
+            decode: d.name.clone(),
+            mismatches,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::IndexKDtype;
+
+    fn pair(edit: impl FnOnce(&mut Config)) -> (PdLayout, PdLayout) {
+        let p = Config::preset("sim-small").unwrap();
+        let mut d = p.clone();
+        edit(&mut d);
+        (
+            PdLayout::of(&p, Role::Prefill),
+            PdLayout::of(&d, Role::Decode),
+        )
+    }
+
+    #[test]
+    fn equal_layouts_agree_in_either_order() {
+        let (p, d) = pair(|_| {});
+        assert_eq!(handshake(&p, &d), Ok(()));
+        assert_eq!(handshake(&d, &p), Ok(()));
+    }
+
+    #[test]
+    fn a_bf16_prefill_index_k_and_an_fp8_decode_are_refused_naming_both() {
+        let mut p = Config::preset("sim-small").unwrap();
+        p.model.index_k_dtype = IndexKDtype::Bf16;
+        let mut d = p.clone();
+        d.model.index_k_dtype = IndexKDtype::Fp8;
+        let e = handshake(
+            &PdLayout::of(&p, Role::Prefill),
+            &PdLayout::of(&d, Role::Decode),
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("index-K pages (prefill: index_k/bf16 (256 B/token, 16384 B/page); decode: index_k/fp8 (132 B/token, 8448 B/page))"),
+            "{text}"
+        );
+        let HandshakeError::Layout { mismatches, .. } = e else {
+            panic!("a layout error");
+        };
+        assert_eq!(mismatches.len(), 1, "{mismatches:?}");
+    }
+
+    #[test]
+    fn every_differing_field_is_named() {
+        let (p, d) = pair(|d| {
+            d.model.layers += 1;
+            d.cache.host_layout = match d.cache.host_layout {
+                HostLayout::LayerFirst => HostLayout::PageFirst,
+                HostLayout::PageFirst => HostLayout::LayerFirst,
+            };
+            d.model.scale_fmt = match d.model.scale_fmt {
+                ScaleFmt::Fp32 => ScaleFmt::Ue8m0,
+                ScaleFmt::Ue8m0 => ScaleFmt::Fp32,
+            };
+            d.model.rope_theta *= 2.0;
+        });
+        let Err(HandshakeError::Layout { mismatches, .. }) = handshake(&p, &d) else {
+            panic!("refused");
+        };
+        let fields: Vec<_> = mismatches.iter().map(|m| m.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "model.layers",
+                "cache.host_layout",
+                "model.scale_fmt",
+                "RoPE frequencies of the index keys"
+            ]
+        );
+    }
+
+    #[test]
+    fn two_engines_of_one_role_are_refused() {
+        let c = Config::preset("sim-small").unwrap();
+        let p = PdLayout::of(&c, Role::Prefill);
+        assert_eq!(
+            handshake(&p, &p),
+            Err(HandshakeError::Roles {
+                first: Role::Prefill,
+                second: Role::Prefill
+            })
+        );
+    }
+
+    #[test]
+    fn yarn_on_one_side_only_is_refused() {
+        let (p, d) = pair(|d| d.model.context_tokens_max = 2 * d.model.rope_original_seq_len);
+        let e = handshake(&p, &d).unwrap_err().to_string();
+        assert!(
+            e.contains("RoPE frequencies of the index keys (prefill: theta"),
+            "{e}"
+        );
+        assert!(e.contains("decode: theta 10000, YaRN factor"), "{e}");
+    }
+
+    #[test]
+    fn a_longer_context_within_the_original_length_keeps_the_frequencies() {
+        // No YaRN on either side: the frequencies are equal, so the pair agrees.
+        let (p, d) = pair(|d| d.model.context_tokens_max = d.model.rope_original_seq_len);
+        assert_eq!(handshake(&p, &d), Ok(()));
+    }
+}
