@@ -65,6 +65,11 @@ pub struct Node {
     /// The `last_access` under which the node is listed in the device tier's eviction order,
     /// while it is an eviction candidate (kept by `PrefixCache::relist`).
     listed: Option<u64>,
+    /// Children holding or filling a host copy (kept by `update`).
+    backed_children: u32,
+    /// The `host_access` under which the node is listed in the host tier's eviction order
+    /// (kept by `PrefixCache::relist`).
+    host_listed: Option<u64>,
 }
 
 impl Node {
@@ -85,12 +90,19 @@ impl Node {
             hits: 0,
             resident_children: 0,
             listed: None,
+            backed_children: 0,
+            host_listed: None,
         }
     }
 
     /// Holds a device page, or a load is filling one.
     pub fn is_resident(&self) -> bool {
         self.device.is_some() || self.loading.is_some()
+    }
+
+    /// Holds a host copy, or a backup is filling one.
+    fn is_backed(&self) -> bool {
+        self.host.is_some() || self.backing_up.is_some()
     }
 }
 
@@ -147,6 +159,16 @@ pub struct PrefixCache {
     /// Maintained by every change that can move a node in or out ([`PrefixCache::relist`]), so
     /// that eviction costs O(log n) per page instead of a scan of the tree.
     device_leaves: BTreeSet<(u64, NodeId)>,
+    /// The host tier's eviction candidates in LRU order, `(host_access, id)`: nodes with a host
+    /// copy no load pins and no backed-up children. Maintained like `device_leaves`.
+    host_leaves: BTreeSet<(u64, NodeId)>,
+    /// Nodes whose host copy a load pins (as host eviction sees pins), for its probe.
+    host_pinned: u64,
+    /// Nodes holding a host copy.
+    host_nodes: u64,
+    /// What keeps host copies from eviction, with every copy above it: nodes whose host copy a
+    /// load pins, and nodes a backup is filling.
+    host_blockers: BTreeSet<NodeId>,
     /// The zoo's switches (empty in production builds): mutant 5 acts in host eviction.
     mutants: Mutants,
 }
@@ -173,6 +195,10 @@ impl PrefixCache {
             protected: 0,
             evict_after_backup: BTreeMap::new(),
             device_leaves: BTreeSet::new(),
+            host_leaves: BTreeSet::new(),
+            host_pinned: 0,
+            host_nodes: 0,
+            host_blockers: BTreeSet::new(),
             mutants: Mutants::none(),
         }
     }
@@ -234,7 +260,45 @@ impl PrefixCache {
     fn update(&mut self, id: NodeId, f: impl FnOnce(&mut Node)) {
         let before = self.class(id);
         let was_resident = self.node(id).is_resident();
+        let was_backed = self.node(id).is_backed();
+        let was_pinned = self.host_pinned_copy(self.node(id));
+        let had_host = self.node(id).host.is_some();
         f(self.node_mut(id));
+        let is_pinned = self.host_pinned_copy(self.node(id));
+        let has_host = self.node(id).host.is_some();
+        if had_host != has_host {
+            if has_host {
+                self.host_nodes += 1;
+            } else {
+                self.host_nodes -= 1;
+            }
+        }
+        if is_pinned || self.node(id).backing_up.is_some() {
+            self.host_blockers.insert(id);
+        } else {
+            self.host_blockers.remove(&id);
+        }
+        if was_pinned != is_pinned {
+            if is_pinned {
+                self.host_pinned += 1;
+            } else {
+                self.host_pinned -= 1;
+            }
+        }
+        let is_backed = self.node(id).is_backed();
+        if was_backed != is_backed && id != ROOT {
+            let parent = self.node(id).parent;
+            let p = self.node_mut(parent);
+            if is_backed {
+                p.backed_children += 1;
+            } else {
+                p.backed_children = p
+                    .backed_children
+                    .checked_sub(1)
+                    .expect("backed children underflow");
+            }
+            self.relist(parent);
+        }
         let after = self.class(id);
         self.count(before, -1);
         self.count(after, 1);
@@ -264,12 +328,43 @@ impl PrefixCache {
             && !self.has_resident_child(id)
     }
 
-    /// Brings `id`'s entry in the device eviction order up to date with its state and its
-    /// `last_access`. Every change to what [`PrefixCache::is_device_candidate`] reads, or to
-    /// `last_access`, calls it.
+    /// A host copy that a load pins, as host eviction sees pins (the zoo's mutant 5 ignores them).
+    fn host_pinned_copy(&self, n: &Node) -> bool {
+        n.host.is_some() && !self.host_copy_unpinned(n)
+    }
+
+    /// Whether `id` is a host eviction candidate (besides the caller's `keep`): a host copy no
+    /// load pins, without backed-up children.
+    fn is_host_candidate(&self, id: NodeId) -> bool {
+        let n = self.node(id);
+        id != ROOT && n.host.is_some() && self.host_copy_unpinned(n) && n.backed_children == 0
+    }
+
+    /// Brings `id`'s entries in the device and host eviction orders up to date with its state
+    /// and its `last_access` / `host_access`. Every change to what
+    /// [`PrefixCache::is_device_candidate`] or [`PrefixCache::is_host_candidate`] reads, or to
+    /// those times, calls it.
     fn relist(&mut self, id: NodeId) {
         if id == ROOT {
             return;
+        }
+        let want = self
+            .is_host_candidate(id)
+            .then(|| self.node(id).host_access);
+        let n = self.node_mut(id);
+        let had = n.host_listed;
+        if had != want {
+            n.host_listed = want;
+            if let Some(at) = had {
+                let removed = self.host_leaves.remove(&(at, id));
+                assert!(
+                    removed,
+                    "node {id} was listed for host eviction at {at} but not found"
+                );
+            }
+            if let Some(at) = want {
+                self.host_leaves.insert((at, id));
+            }
         }
         let want = self
             .is_device_candidate(id)
@@ -548,6 +643,31 @@ impl PrefixCache {
     /// copy no load pins, not `keep` or its ancestors, and whose backed-up descendants are all
     /// evictable too (host eviction goes leaf first).
     pub fn host_evictable(&self, keep: NodeId) -> usize {
+        // A host copy cannot go while a load pins it, a backup fills one of its descendants, a
+        // pinned copy sits below it, or it is `keep` or above: every host copy on the way from
+        // such a blocker (or `keep`) to the root stays. The rest can all go, leaf first. The
+        // paths are walked once each, stopping where another walk passed.
+        let mut seen = std::collections::BTreeSet::new();
+        let mut blocked = 0usize;
+        let starts = self
+            .host_blockers
+            .iter()
+            .copied()
+            .chain((keep != ROOT).then_some(keep));
+        for start in starts {
+            let mut cur = start;
+            while cur != ROOT && seen.insert(cur) {
+                let n = self.node(cur);
+                blocked += n.host.is_some() as usize;
+                cur = n.parent;
+            }
+        }
+        self.host_nodes as usize - blocked
+    }
+
+    /// [`PrefixCache::host_evictable`] by a post-order walk of the whole tree, from its
+    /// definition (`check_invariants` compares the two).
+    fn host_evictable_by_scan(&self, keep: NodeId) -> usize {
         let mut protected = std::collections::BTreeSet::new();
         let mut cur = keep;
         while cur != ROOT {
@@ -592,12 +712,6 @@ impl PrefixCache {
 
     fn has_resident_child(&self, id: NodeId) -> bool {
         self.node(id).resident_children > 0
-    }
-    fn has_backed_child(&self, id: NodeId) -> bool {
-        self.node(id)
-            .children
-            .iter()
-            .any(|&c| self.node(c).host.is_some() || self.node(c).backing_up.is_some())
     }
 
     /// Frees up to `want` device pages by LRU over unlocked resident nodes without resident
@@ -655,25 +769,25 @@ impl PrefixCache {
     /// backed up, whose host copy must stay for the backed-up set to remain prefix-closed.
     pub fn evict_host(&mut self, want: usize, keep: NodeId) -> Vec<PageId> {
         let mut freed = Vec::new();
+        // In rounds: the candidates at a round's start, oldest first (a parent whose last
+        // backed-up child goes joins in the next round).
         while freed.len() < want {
-            let mut cands: Vec<(u64, NodeId)> = self
-                .live_nodes()
-                .filter(|&id| {
-                    let n = self.node(id);
-                    let pinned = n.host.is_some() && !self.host_copy_unpinned(n);
-                    probe::hit_if(Probe::HostEvictSkippedPinned, pinned && id != keep);
-                    id != keep && n.host.is_some() && !pinned && !self.has_backed_child(id)
-                })
-                .map(|id| (self.node(id).host_access, id))
+            // The pinned host copies this round passes over (`keep`'s aside).
+            let keep_pinned = keep != ROOT && self.host_pinned_copy(self.node(keep));
+            for _ in 0..self.host_pinned - keep_pinned as u64 {
+                probe::hit(Probe::HostEvictSkippedPinned);
+            }
+            let round: Vec<NodeId> = self
+                .host_leaves
+                .iter()
+                .map(|&(_, id)| id)
+                .filter(|&id| id != keep)
+                .take(want - freed.len())
                 .collect();
-            if cands.is_empty() {
+            if round.is_empty() {
                 break;
             }
-            cands.sort_unstable();
-            for (_, id) in cands {
-                if freed.len() >= want {
-                    break;
-                }
+            for id in round {
                 let mut p = None;
                 self.update(id, |n| p = n.host.take());
                 freed.extend(p);
@@ -763,7 +877,10 @@ impl PrefixCache {
             "deleting a node holding host pages"
         );
         assert_eq!(n.lock, 0, "deleting a locked node");
-        assert!(n.listed.is_none(), "deleting a node listed for eviction");
+        assert!(
+            n.listed.is_none() && n.host_listed.is_none(),
+            "deleting a node listed for eviction"
+        );
         let (parent, key) = (n.parent, n.key);
         let at = self
             .child_slot(parent, &key)
@@ -843,6 +960,12 @@ impl PrefixCache {
                 rc, n.resident_children,
                 "node {id}: resident children count"
             );
+            let bc = n
+                .children
+                .iter()
+                .filter(|&&c| self.node(c).is_backed())
+                .count() as u32;
+            assert_eq!(bc, n.backed_children, "node {id}: backed children count");
             match self.class(id) {
                 Class::Evictable => ev += 1,
                 Class::Protected => pr += 1,
@@ -859,6 +982,46 @@ impl PrefixCache {
             candidates, self.device_leaves,
             "the device eviction order lists exactly the candidates, at their last access"
         );
+        let host_candidates: BTreeSet<(u64, NodeId)> = self
+            .live_nodes()
+            .filter(|&id| self.is_host_candidate(id))
+            .map(|id| (self.node(id).host_access, id))
+            .collect();
+        assert_eq!(
+            host_candidates, self.host_leaves,
+            "the host eviction order lists exactly the candidates, at their host access"
+        );
+        let pinned = self
+            .live_nodes()
+            .filter(|&id| self.host_pinned_copy(self.node(id)))
+            .count() as u64;
+        assert_eq!(pinned, self.host_pinned, "pinned host copies");
+        let host_nodes = self
+            .live_nodes()
+            .filter(|&id| self.node(id).host.is_some())
+            .count() as u64;
+        assert_eq!(host_nodes, self.host_nodes, "nodes with a host copy");
+        let blockers: BTreeSet<NodeId> = self
+            .live_nodes()
+            .filter(|&id| {
+                let n = self.node(id);
+                self.host_pinned_copy(n) || n.backing_up.is_some()
+            })
+            .collect();
+        assert_eq!(blockers, self.host_blockers, "host eviction's blockers");
+        // The count of evictable host copies, from the blockers, equals its definition's walk:
+        // with nothing kept, and keeping the node with the newest host copy.
+        let newest = self
+            .live_nodes()
+            .filter(|&id| self.node(id).host.is_some())
+            .max_by_key(|&id| (self.node(id).host_access, id));
+        for keep in std::iter::once(ROOT).chain(newest) {
+            assert_eq!(
+                self.host_evictable(keep),
+                self.host_evictable_by_scan(keep),
+                "evictable host copies, keeping {keep}"
+            );
+        }
         assert_eq!(pr, self.protected, "protected accounting");
         let resident = self.device_pages().len() as u64;
         assert_eq!(

@@ -1,8 +1,9 @@
 //! A trace replayed through the prefix cache's logic alone, with no device and no bytes: each
 //! request matches its prefix, locks it, takes device pages for the rest (evicting least recently
 //! used leaves when the device tier is full), loads its host-only prefix, inserts its pages and
-//! backs them up (write-through, to a host tier large enough for the trace). The same sequence of
-//! calls the engine makes at admission, with the copies completing at once.
+//! backs them up (write-through; when the host tier is full, its least recently used copies are
+//! evicted as the engine's controller does, or the backup is skipped when that cannot make room).
+//! The same sequence of calls the engine makes at admission, with the copies completing at once.
 //!
 //! The trace test compares its hits with computations written apart from the cache, and
 //! `tierkv bench --cache` times it over a whole trace.
@@ -40,15 +41,6 @@ pub enum CacheReplayError {
          (give a larger device tier)"
     )]
     RequestTooLarge { pages: usize, device_pages: u32 },
-    #[error(
-        "the host tier of {host_pages} pages has {free} free, and a request of {pages} full \
-         pages may back up as many (give a larger host tier)"
-    )]
-    HostFull {
-        pages: usize,
-        free: u32,
-        host_pages: u32,
-    },
 }
 
 /// Pages a request found in each tier.
@@ -68,6 +60,10 @@ pub struct CacheReplay {
     pub evicted: u64,
     /// Calls of `evict_device` so far.
     pub evictions: u64,
+    /// Host pages given back by host eviction so far.
+    pub host_evicted: u64,
+    /// Backups skipped because the host tier could not make room.
+    pub backups_skipped: u64,
 }
 
 impl CacheReplay {
@@ -78,6 +74,8 @@ impl CacheReplay {
             host: PageAllocator::new(host_pages),
             evicted: 0,
             evictions: 0,
+            host_evicted: 0,
+            backups_skipped: 0,
         }
     }
 
@@ -92,14 +90,6 @@ impl CacheReplay {
             return Err(CacheReplayError::RequestTooLarge {
                 pages: keys.len(),
                 device_pages: self.device.capacity(),
-            });
-        }
-        // The backup takes at most one host page per key: refuse up front rather than halfway.
-        if keys.len() > self.host.free_count() as usize {
-            return Err(CacheReplayError::HostFull {
-                pages: keys.len(),
-                free: self.host.free_count(),
-                host_pages: self.host.capacity(),
             });
         }
         let cache = &mut self.cache;
@@ -141,13 +131,29 @@ impl CacheReplay {
         cache.unlock(&m.nodes);
         if let Some(&last) = ins.nodes.last() {
             let path = cache.needs_backup(last);
-            let hp = self
-                .host
-                .alloc(path.len())
-                .expect("checked: the host tier holds one page per key");
-            cache.begin_backup(&path, &hp);
-            let (host_free, device_free) = cache.finish_backup(&path, true);
-            assert!(host_free.is_empty() && device_free.is_empty());
+            if !path.is_empty() {
+                let hp = self.host.alloc(path.len()).or_else(|| {
+                    // As the controller does: evict host copies when that makes room without
+                    // dropping the path's own ancestors.
+                    let want = path.len() - self.host.free_count() as usize;
+                    let keep = cache.node(path[0]).parent;
+                    if cache.host_evictable(keep) < want {
+                        return None;
+                    }
+                    let freed = cache.evict_host(want, keep);
+                    self.host_evicted += freed.len() as u64;
+                    self.host.free(&freed);
+                    self.host.alloc(path.len())
+                });
+                match hp {
+                    Some(hp) => {
+                        cache.begin_backup(&path, &hp);
+                        let (host_free, device_free) = cache.finish_backup(&path, true);
+                        assert!(host_free.is_empty() && device_free.is_empty());
+                    }
+                    None => self.backups_skipped += 1,
+                }
+            }
         }
         Ok(Hits {
             device: m.device as u64,

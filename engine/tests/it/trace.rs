@@ -227,7 +227,7 @@ fn prompt_page_keys_are_the_prompts_full_pages() {
 }
 
 #[test]
-fn a_replay_refuses_what_its_tiers_cannot_hold_and_stays_whole() {
+fn a_replay_refuses_a_request_over_the_device_tier_and_evicts_a_small_host_tier() {
     let synth = Synth::new(0);
     let recs = trace::generate(20, 5);
     let mut replay = CacheReplay::new(4, 1 << 10);
@@ -249,12 +249,22 @@ fn a_replay_refuses_what_its_tiers_cannot_hold_and_stays_whole() {
     assert!(e.to_string().contains("device tier of 4 pages"), "{e}");
     replay.cache().check_invariants();
     assert_eq!(replay.cache().device_pages().len(), 0);
-    let mut small_host = CacheReplay::new(1 << 10, 2);
-    let e = small_host
-        .request(&prompt_page_keys(big, &synth))
-        .unwrap_err();
-    assert!(e.to_string().contains("host tier of 2 pages"), "{e}");
+    // A host tier of a few pages: the replay evicts host copies (or skips a backup) instead.
+    let mut small_host = CacheReplay::new(1 << 10, 16);
+    for r in &recs {
+        let keys = prompt_page_keys(r, &synth);
+        if keys.len() <= 1 << 10 {
+            small_host
+                .request(&keys)
+                .expect("a request that fits the device tier");
+        }
+    }
     small_host.cache().check_invariants();
+    assert!(small_host.cache().host_pages().len() <= 16);
+    assert!(
+        small_host.host_evicted + small_host.backups_skipped > 0,
+        "a 16-page host tier evicted or skipped"
+    );
 }
 
 #[test]

@@ -49,6 +49,10 @@ pub struct BenchArgs {
     /// With --cache: the device tier, in 64-token pages.
     #[arg(long, requires = "cache", default_value_t = super::bench_cache::DEVICE_PAGES_DEFAULT)]
     pub device_pages: u32,
+    /// With --cache: the host tier, in pages (default: as large as the trace, so nothing is
+    /// evicted from it).
+    #[arg(long, requires = "cache")]
+    pub host_pages: Option<u64>,
 }
 
 /// `--cache`: the prefix cache's logic over a trace.
@@ -56,6 +60,7 @@ fn run_cache_bench(args: &BenchArgs) -> i32 {
     let plan = super::bench_cache::Plan {
         trace: args.trace.clone(),
         device_pages: args.device_pages,
+        host_pages: args.host_pages,
     };
     match super::bench_cache::run(&plan) {
         Ok(report) => {

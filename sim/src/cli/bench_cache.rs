@@ -14,8 +14,8 @@ use tierkv_engine::trace::{read_trace, TraceRecord};
 pub const DEVICE_PAGES_DEFAULT: u32 = 16_384;
 /// The most device pages the bench takes: the tree and the allocators stay within memory.
 pub const DEVICE_PAGES_MAX: u32 = 1 << 24;
-/// The most host pages the bench gives the write-through tier (it takes one per distinct page of
-/// the trace, at most the trace's full pages).
+/// The most host pages the bench takes, and gives the write-through tier by default (it needs
+/// one per distinct page of the trace, at most the trace's full pages, to evict nothing).
 pub const HOST_PAGES_MAX: u64 = 1 << 26;
 
 /// What the bench is asked to do.
@@ -24,6 +24,8 @@ pub struct Plan {
     /// The trace; `None` is the built-in excerpt.
     pub trace: Option<PathBuf>,
     pub device_pages: u32,
+    /// The host tier; `None` is as large as the trace's full pages (nothing evicted).
+    pub host_pages: Option<u64>,
 }
 
 /// What the bench measured.
@@ -36,6 +38,8 @@ pub struct Measured {
     pub evictions: u64,
     pub evicted: u64,
     pub host_pages: u64,
+    pub host_evicted: u64,
+    pub backups_skipped: u64,
     /// Time in the cache's logic (the timed part).
     pub cache: Duration,
     /// Time making the requests' page keys.
@@ -53,12 +57,22 @@ fn self_cpu_s() -> f64 {
     t(u.ru_utime) + t(u.ru_stime)
 }
 
-/// Replays `recs` through the cache with a device tier of `device_pages`.
-pub fn measure(recs: &[TraceRecord], device_pages: u32) -> Result<Measured, String> {
+/// Replays `recs` through the cache with a device tier of `device_pages` and a host tier of
+/// `host_pages` (default: as large as the trace).
+pub fn measure(
+    recs: &[TraceRecord],
+    device_pages: u32,
+    host_pages: Option<u64>,
+) -> Result<Measured, String> {
     if !(1..=DEVICE_PAGES_MAX).contains(&device_pages) {
         return Err(format!(
             "--device-pages {device_pages}: give 1..={DEVICE_PAGES_MAX}"
         ));
+    }
+    if let Some(h) = host_pages {
+        if !(1..=HOST_PAGES_MAX).contains(&h) {
+            return Err(format!("--host-pages {h}: give 1..={HOST_PAGES_MAX}"));
+        }
     }
     let full_pages = |r: &TraceRecord| (r.input_length / PAGE_TOKENS) as u64;
     // A request longer than the device tier is refused before its keys are made (a record may
@@ -72,7 +86,7 @@ pub fn measure(recs: &[TraceRecord], device_pages: u32) -> Result<Measured, Stri
         ));
     }
     let pages: u64 = recs.iter().map(full_pages).sum();
-    let host_pages = pages.clamp(1, HOST_PAGES_MAX);
+    let host_pages = host_pages.unwrap_or(pages.clamp(1, HOST_PAGES_MAX));
     let synth = Synth::new(0);
     let mut replay = CacheReplay::new(device_pages, host_pages as u32);
     let mut m = Measured {
@@ -97,6 +111,8 @@ pub fn measure(recs: &[TraceRecord], device_pages: u32) -> Result<Measured, Stri
     m.cpu_s = self_cpu_s() - cpu0;
     m.evictions = replay.evictions;
     m.evicted = replay.evicted;
+    m.host_evicted = replay.host_evicted;
+    m.backups_skipped = replay.backups_skipped;
     replay.cache().check_invariants();
     Ok(m)
 }
@@ -109,7 +125,8 @@ pub fn report(trace: &str, device_pages: u32, m: &Measured) -> String {
         "tierkv bench --cache: {trace}\n\
          \x20 {} requests, {} full pages; device tier {device_pages} pages, write-through host \
          tier {} pages\n\
-         \x20 page hits {:.4} (device {:.4}, host {:.4}); {} device pages evicted in {} calls\n\
+         \x20 page hits {:.4} (device {:.4}, host {:.4}); {} device pages evicted in {} calls; \
+         {} host pages evicted, {} backups skipped for want of host room\n\
          \x20 cache logic {:.3} s ({:.1} us per request, {:.2} M pages/s) <- the timed part\n\
          \x20 page keys   {:.3} s (the prompts' tokens, made outside the timed part)\n\
          \x20 process CPU {:.3} s over both, on one thread\n",
@@ -121,6 +138,8 @@ pub fn report(trace: &str, device_pages: u32, m: &Measured) -> String {
         rate(m.host_hits),
         m.evicted,
         m.evictions,
+        m.host_evicted,
+        m.backups_skipped,
         s(m.cache),
         s(m.cache) * 1e6 / m.requests.max(1) as f64,
         m.pages as f64 / s(m.cache).max(1e-9) / 1e6,
@@ -141,6 +160,6 @@ pub fn run(plan: &Plan) -> Result<String, String> {
             super::data::MOONCAKE_EXCERPT_NAME.to_string(),
         ),
     };
-    let m = measure(&recs, plan.device_pages)?;
+    let m = measure(&recs, plan.device_pages, plan.host_pages)?;
     Ok(report(&name, plan.device_pages, &m))
 }
