@@ -11,6 +11,8 @@
 //! - a node with neither a device page, a host page nor an operation in flight does not exist;
 //! - `evictable + protected` = device pages held by the tree (incrementally maintained counters
 //!   equal a recount); a node is protected while locked or while a backup reads it;
+//! - the device and host eviction orders list exactly their candidates, each at its access time,
+//!   and `host_evictable`, counted from the blockers, equals the walk of its definition;
 //! - lock counts and pins never go below zero (a violation panics where it happens).
 
 use crate::config::WritePolicy;
@@ -263,6 +265,7 @@ impl PrefixCache {
         let was_backed = self.node(id).is_backed();
         let was_pinned = self.host_pinned_copy(self.node(id));
         let had_host = self.node(id).host.is_some();
+        let backing_up_before = self.node(id).backing_up.is_some();
         f(self.node_mut(id));
         let is_pinned = self.host_pinned_copy(self.node(id));
         let has_host = self.node(id).host.is_some();
@@ -273,10 +276,13 @@ impl PrefixCache {
                 self.host_nodes -= 1;
             }
         }
-        if is_pinned || self.node(id).backing_up.is_some() {
-            self.host_blockers.insert(id);
-        } else {
-            self.host_blockers.remove(&id);
+        let blocks = is_pinned || self.node(id).backing_up.is_some();
+        if blocks != (was_pinned || backing_up_before) {
+            if blocks {
+                self.host_blockers.insert(id);
+            } else {
+                self.host_blockers.remove(&id);
+            }
         }
         if was_pinned != is_pinned {
             if is_pinned {
@@ -363,7 +369,8 @@ impl PrefixCache {
                 );
             }
             if let Some(at) = want {
-                self.host_leaves.insert((at, id));
+                let added = self.host_leaves.insert((at, id));
+                assert!(added, "node {id} listed for host eviction twice");
             }
         }
         let want = self
@@ -383,7 +390,8 @@ impl PrefixCache {
             );
         }
         if let Some(at) = want {
-            self.device_leaves.insert((at, id));
+            let added = self.device_leaves.insert((at, id));
+            assert!(added, "node {id} listed for eviction twice");
         }
     }
     fn count(&mut self, c: Class, d: i64) {
@@ -647,7 +655,7 @@ impl PrefixCache {
         // pinned copy sits below it, or it is `keep` or above: every host copy on the way from
         // such a blocker (or `keep`) to the root stays. The rest can all go, leaf first. The
         // paths are walked once each, stopping where another walk passed.
-        let mut seen = std::collections::BTreeSet::new();
+        let mut seen = BTreeSet::new();
         let mut blocked = 0usize;
         let starts = self
             .host_blockers
@@ -668,7 +676,7 @@ impl PrefixCache {
     /// [`PrefixCache::host_evictable`] by a post-order walk of the whole tree, from its
     /// definition (`check_invariants` compares the two).
     fn host_evictable_by_scan(&self, keep: NodeId) -> usize {
-        let mut protected = std::collections::BTreeSet::new();
+        let mut protected = BTreeSet::new();
         let mut cur = keep;
         while cur != ROOT {
             protected.insert(cur);
@@ -1029,7 +1037,7 @@ impl PrefixCache {
             resident,
             "evictable + protected = device pages in the tree"
         );
-        let mut seen = std::collections::BTreeSet::new();
+        let mut seen = BTreeSet::new();
         for p in self.device_pages() {
             assert!(seen.insert(p), "device page {p} held by two nodes");
         }

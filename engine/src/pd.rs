@@ -1,11 +1,15 @@
 //! Prefill/decode disaggregation: the layout handshake.
 //!
 //! A prefill engine and a decode engine that exchange a request's KV must agree, before the first
-//! transfer, on everything that decides what the bytes of a page mean: the layers (their number
-//! and global ids), each pool's page format (dtype, bytes per token, bytes per page, tokens per
-//! page), the host mirror's order, the fp8 scale format, and the RoPE frequencies the stored
-//! index keys were rotated with (decode's queries are rotated with its own; a key rotated with
-//! other frequencies scores against them as garbage). Each side announces a [`PdLayout`]; the
+//! transfer, on everything that decides what the bytes of a page mean and where they go: the
+//! layers (their number and global ids), each pool's page format (dtype, bytes per token, bytes
+//! per page, tokens per page), the host mirror's order (a transfer may read pages the prefill
+//! side holds only in its mirror), the fp8 scale format of the index keys (when either side
+//! stores them in fp8; KV tiles always carry fp32 scales), and the RoPE frequencies the stored
+//! index keys were rotated with: decode's queries are rotated with its own, and a key rotated with
+//! other frequencies scores against them as garbage. The frequencies follow DeepSeek's reference,
+//! where YaRN applies only when `model.context_tokens_max` exceeds `model.rope_original_seq_len`,
+//! so two engines of one model whose contexts fall on either side of that length disagree. Each side announces a [`PdLayout`]; the
 //! [`handshake`] compares them and refuses any difference with a [`HandshakeError`] that names
 //! every differing field with both sides' values. tierkv converts no layout in transfer (a bf16
 //! index-K on one side and an fp8 one on the other is refused, never requantised on the fly).
@@ -15,7 +19,7 @@
 //! This module is the handshake those will call first.
 
 use crate::config::{Config, ScaleFmt};
-use crate::layout::{HostLayout, LayoutFingerprint, PageFormat};
+use crate::layout::{HostLayout, IndexKDtype, LayoutFingerprint, PageFormat};
 use std::fmt;
 use tierkv_kernels::rope::Rope;
 
@@ -120,7 +124,7 @@ fn list(m: &[Mismatch]) -> String {
     m.iter()
         .map(|m| format!("{} (prefill: {}; decode: {})", m.field, m.prefill, m.decode))
         .collect::<Vec<_>>()
-        .join(", ")
+        .join("; ")
 }
 
 /// The handshake: `Ok` when the two sides' KV is byte-for-byte interchangeable, else every
@@ -147,9 +151,9 @@ pub fn handshake(a: &PdLayout, b: &PdLayout) -> Result<(), HandshakeError> {
         p.layer_base.to_string(),
         d.layer_base.to_string(),
     );
-    differ("KV pages", p.kv.to_string(), d.kv.to_string());
+    differ("model.kv_dtype", p.kv.to_string(), d.kv.to_string());
     differ(
-        "index-K pages",
+        "model.index_k_dtype",
         p.index_k.to_string(),
         d.index_k.to_string(),
     );
@@ -158,11 +162,15 @@ pub fn handshake(a: &PdLayout, b: &PdLayout) -> Result<(), HandshakeError> {
         p.host_layout.name().to_string(),
         d.host_layout.name().to_string(),
     );
-    differ(
-        "model.scale_fmt",
-        p.scale_fmt.name().to_string(),
-        d.scale_fmt.name().to_string(),
-    );
+    // The scale format decides index-K bytes only where they are fp8.
+    let fp8 = |l: &PdLayout| l.index_k.format == PageFormat::IndexK(IndexKDtype::Fp8);
+    if fp8(p) || fp8(d) {
+        differ(
+            "model.scale_fmt",
+            p.scale_fmt.name().to_string(),
+            d.scale_fmt.name().to_string(),
+        );
+    }
     if p.rope_inv_freq != d.rope_inv_freq {
         mismatches.push(Mismatch {
             field: "RoPE frequencies of the index keys",
@@ -184,10 +192,11 @@ pub fn handshake(a: &PdLayout, b: &PdLayout) -> Result<(), HandshakeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::IndexKDtype;
 
+    /// sim-small with fp8 index keys (whose scale format counts), and a copy edited by `edit`.
     fn pair(edit: impl FnOnce(&mut Config)) -> (PdLayout, PdLayout) {
-        let p = Config::preset("sim-small").unwrap();
+        let mut p = Config::preset("sim-small").unwrap();
+        p.model.index_k_dtype = IndexKDtype::Fp8;
         let mut d = p.clone();
         edit(&mut d);
         (
@@ -216,7 +225,7 @@ mod tests {
         .unwrap_err();
         let text = e.to_string();
         assert!(
-            text.contains("index-K pages (prefill: index_k/bf16 (256 B/token, 16384 B/page); decode: index_k/fp8 (132 B/token, 8448 B/page))"),
+            text.contains("model.index_k_dtype (prefill: index_k/bf16 (256 B/token, 16384 B/page); decode: index_k/fp8 (132 B/token, 8448 B/page))"),
             "{text}"
         );
         let HandshakeError::Layout { mismatches, .. } = e else {
@@ -251,6 +260,36 @@ mod tests {
                 "model.scale_fmt",
                 "RoPE frequencies of the index keys"
             ]
+        );
+    }
+
+    #[test]
+    fn the_scale_format_counts_only_where_index_keys_are_fp8() {
+        let mut p = Config::preset("sim-small").unwrap();
+        p.model.index_k_dtype = IndexKDtype::Bf16;
+        let mut d = p.clone();
+        d.model.scale_fmt = match p.model.scale_fmt {
+            ScaleFmt::Fp32 => ScaleFmt::Ue8m0,
+            ScaleFmt::Ue8m0 => ScaleFmt::Fp32,
+        };
+        let (pl, dl) = (
+            PdLayout::of(&p, Role::Prefill),
+            PdLayout::of(&d, Role::Decode),
+        );
+        assert_eq!(
+            handshake(&pl, &dl),
+            Ok(()),
+            "bf16 index keys carry no scale"
+        );
+        p.model.index_k_dtype = IndexKDtype::Fp8;
+        d.model.index_k_dtype = IndexKDtype::Fp8;
+        let (pl, dl) = (
+            PdLayout::of(&p, Role::Prefill),
+            PdLayout::of(&d, Role::Decode),
+        );
+        assert!(
+            handshake(&pl, &dl).is_err(),
+            "fp8 index keys differ in their scales"
         );
     }
 

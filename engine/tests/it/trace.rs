@@ -179,6 +179,11 @@ fn hit_rate_matches_a_simple_computation() {
             replay.cache().check_invariants();
         }
     }
+    assert_eq!(
+        (replay.host_evicted, replay.backups_skipped),
+        (0, 0),
+        "the host tier must hold the whole trace for the models below (give a shorter trace)"
+    );
     let cache = replay.cache();
     cache.check_invariants();
     let (simple, simple_total) = simple_hits(&recs);

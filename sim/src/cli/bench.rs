@@ -24,35 +24,45 @@ pub struct BenchArgs {
     pub campaign: bool,
     /// With --campaign: another `tierkv` binary (an earlier build) measured the same way in the
     /// same run.
-    #[arg(long, requires = "campaign")]
+    #[arg(long, requires = "campaign", conflicts_with = "cache")]
     pub baseline: Option<std::path::PathBuf>,
     /// With --campaign: the seeds, `A..B`.
-    #[arg(long, requires = "campaign", default_value = "0..60", value_parser = super::sim::parse_range)]
+    #[arg(long, requires = "campaign", conflicts_with = "cache", default_value = "0..60", value_parser = super::sim::parse_range)]
     pub seeds: (u64, u64),
     /// With --campaign: worker threads (default: the machine's cores).
-    #[arg(long, requires = "campaign")]
+    #[arg(long, requires = "campaign", conflicts_with = "cache")]
     pub jobs: Option<usize>,
     /// With --campaign: the scenario profile.
-    #[arg(long, requires = "campaign", default_value = "swarm")]
+    #[arg(
+        long,
+        requires = "campaign",
+        conflicts_with = "cache",
+        default_value = "swarm"
+    )]
     pub profile: String,
     /// With --campaign: runs of each build, alternating (1..=20); the report keeps each build's
     /// run of median CPU time and lists every run's.
-    #[arg(long, requires = "campaign", default_value_t = 1)]
+    #[arg(
+        long,
+        requires = "campaign",
+        conflicts_with = "cache",
+        default_value_t = 1
+    )]
     pub repeat: usize,
     /// Measure the prefix cache's logic over a whole trace instead, on one core (no GPU needed):
-    /// match, lock, evict, insert and write-through backup per request, with a finite device tier.
+    /// match, lock, device and host eviction, insert and write-through backup per request.
     #[arg(long, conflicts_with_all = ["torch_json", "campaign"])]
     pub cache: bool,
     /// With --cache: a Mooncake-format trace (JSON lines); default: the built-in excerpt.
-    #[arg(long, requires = "cache")]
+    #[arg(long, requires = "cache", conflicts_with = "campaign")]
     pub trace: Option<std::path::PathBuf>,
     /// With --cache: the device tier, in 64-token pages.
-    #[arg(long, requires = "cache", default_value_t = super::bench_cache::DEVICE_PAGES_DEFAULT)]
+    #[arg(long, requires = "cache", conflicts_with = "campaign", default_value_t = super::bench_cache::DEVICE_PAGES_DEFAULT)]
     pub device_pages: u32,
     /// With --cache: the host tier, in pages (default: as large as the trace, so nothing is
     /// evicted from it).
-    #[arg(long, requires = "cache")]
-    pub host_pages: Option<u64>,
+    #[arg(long, requires = "cache", conflicts_with = "campaign")]
+    pub host_pages: Option<u32>,
 }
 
 /// `--cache`: the prefix cache's logic over a trace.

@@ -7,16 +7,19 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tierkv_engine::layout::PAGE_TOKENS;
 use tierkv_engine::synth::Synth;
-use tierkv_engine::trace::cache_replay::{prompt_page_keys, CacheReplay};
+use tierkv_engine::trace::cache_replay::{prompt_page_keys, CacheReplay, CacheReplayError};
 use tierkv_engine::trace::{read_trace, TraceRecord};
 
 /// The device tier of the bench unless `--device-pages` says otherwise (1 GiB of 64 KiB pages).
 pub const DEVICE_PAGES_DEFAULT: u32 = 16_384;
-/// The most device pages the bench takes: the tree and the allocators stay within memory.
-pub const DEVICE_PAGES_MAX: u32 = 1 << 24;
+/// The most device pages the bench takes (a request's page keys take 256 bytes a page).
+pub const DEVICE_PAGES_MAX: u32 = 1 << 20;
 /// The most host pages the bench takes, and gives the write-through tier by default (it needs
 /// one per distinct page of the trace, at most the trace's full pages, to evict nothing).
-pub const HOST_PAGES_MAX: u64 = 1 << 26;
+pub const HOST_PAGES_MAX: u32 = 1 << 22;
+/// The most full pages a trace may hold: the tree keeps up to one node of about 400 bytes per
+/// page, so the bench stays under about 2 GiB. (The Mooncake conversation trace has 2.26 M.)
+pub const TRACE_PAGES_MAX: u64 = 1 << 22;
 
 /// What the bench is asked to do.
 #[derive(Clone, Debug)]
@@ -25,7 +28,7 @@ pub struct Plan {
     pub trace: Option<PathBuf>,
     pub device_pages: u32,
     /// The host tier; `None` is as large as the trace's full pages (nothing evicted).
-    pub host_pages: Option<u64>,
+    pub host_pages: Option<u32>,
 }
 
 /// What the bench measured.
@@ -37,7 +40,7 @@ pub struct Measured {
     pub host_hits: u64,
     pub evictions: u64,
     pub evicted: u64,
-    pub host_pages: u64,
+    pub host_pages: u32,
     pub host_evicted: u64,
     pub backups_skipped: u64,
     /// Time in the cache's logic (the timed part).
@@ -49,8 +52,9 @@ pub struct Measured {
 }
 
 fn self_cpu_s() -> f64 {
-    // SAFETY: getrusage writes one `rusage` we own; RUSAGE_SELF is a valid target.
+    // SAFETY: `rusage` is plain integers, for which all-zero bytes are a valid value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes one `rusage` we own; RUSAGE_SELF is a valid target.
     let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
     assert_eq!(rc, 0, "getrusage(RUSAGE_SELF) failed");
     let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
@@ -62,7 +66,7 @@ fn self_cpu_s() -> f64 {
 pub fn measure(
     recs: &[TraceRecord],
     device_pages: u32,
-    host_pages: Option<u64>,
+    host_pages: Option<u32>,
 ) -> Result<Measured, String> {
     if !(1..=DEVICE_PAGES_MAX).contains(&device_pages) {
         return Err(format!(
@@ -78,17 +82,22 @@ pub fn measure(
     // A request longer than the device tier is refused before its keys are made (a record may
     // claim four billion tokens).
     if let Some(r) = recs.iter().find(|r| full_pages(r) > device_pages as u64) {
-        return Err(format!(
-            "line {}: a request of {} full pages does not fit a device tier of {device_pages} \
-             pages (give a larger --device-pages)",
-            r.line,
-            full_pages(r)
-        ));
+        let e = CacheReplayError::RequestTooLarge {
+            pages: full_pages(r) as usize,
+            device_pages,
+        };
+        return Err(format!("line {}: {e}", r.line));
     }
     let pages: u64 = recs.iter().map(full_pages).sum();
-    let host_pages = host_pages.unwrap_or(pages.clamp(1, HOST_PAGES_MAX));
+    if pages > TRACE_PAGES_MAX {
+        return Err(format!(
+            "the trace holds {pages} full pages; the bench replays at most {TRACE_PAGES_MAX} \
+             (its tree keeps a node of about 400 bytes per page): give a shorter trace"
+        ));
+    }
+    let host_pages = host_pages.unwrap_or(pages.clamp(1, HOST_PAGES_MAX as u64) as u32);
     let synth = Synth::new(0);
-    let mut replay = CacheReplay::new(device_pages, host_pages as u32);
+    let mut replay = CacheReplay::new(device_pages, host_pages);
     let mut m = Measured {
         requests: recs.len(),
         pages,

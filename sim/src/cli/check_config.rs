@@ -23,15 +23,30 @@ fn human(bytes: u64) -> String {
 /// `file`/`preset` and a decode engine configured by `decode`.
 pub fn run_pd(file: Option<&PathBuf>, preset: Option<&str>, decode: &PathBuf) -> i32 {
     use tierkv_engine::pd::{handshake, PdLayout, Role};
-    let (p, d) = match (
-        super::load_config(file, preset),
-        super::load_config(Some(decode), None),
-    ) {
-        (Ok(p), Ok(d)) => (p, d),
-        (Err(e), _) | (_, Err(e)) => {
-            eprintln!("{e}");
+    let prefill_name = match (file, preset) {
+        (Some(f), _) => f.display().to_string(),
+        (None, Some(p)) => format!("preset {p}"),
+        (None, None) => {
+            eprintln!(
+                "--pd-decode {}: give the prefill engine's configuration too (a FILE or --preset)",
+                decode.display()
+            );
             return 2;
         }
+    };
+    let decode_name = decode.display().to_string();
+    let p = super::load_config(file, preset);
+    let d = super::load_config(Some(decode), None);
+    let mut bad = false;
+    for (side, r) in [("prefill", &p), ("decode", &d)] {
+        if let Err(e) = r {
+            eprintln!("the {side} engine's configuration: {e}");
+            bad = true;
+        }
+    }
+    let (Ok(p), Ok(d)) = (p, d) else {
+        debug_assert!(bad);
+        return 2;
     };
     let (pl, dl) = (
         PdLayout::of(&p, Role::Prefill),
@@ -39,21 +54,33 @@ pub fn run_pd(file: Option<&PathBuf>, preset: Option<&str>, decode: &PathBuf) ->
     );
     match handshake(&pl, &dl) {
         Ok(()) => {
+            println!("pd handshake: prefill {prefill_name} and decode {decode_name} agree:");
             println!(
-                "pd handshake: prefill {} and decode {} agree: {} layers (global {}..{}), {}, {}, \
-                 host {}, scale_fmt {}, RoPE {}",
-                p.name,
-                d.name,
+                "  {} layers (global {}..{})",
                 pl.layers,
                 pl.layer_base,
-                pl.layer_base + pl.layers,
-                pl.kv,
-                pl.index_k,
-                pl.host_layout.name(),
-                pl.scale_fmt.name(),
-                pl.rope
+                pl.layer_base + pl.layers
             );
+            println!("  KV pages {}", pl.kv);
+            println!("  index-K pages {}", pl.index_k);
+            println!(
+                "  host mirror {}, scale_fmt {}",
+                pl.host_layout.name(),
+                pl.scale_fmt.name()
+            );
+            println!("  RoPE of the index keys: {}", pl.rope);
             0
+        }
+        Err(tierkv_engine::pd::HandshakeError::Layout { mismatches, .. }) => {
+            eprintln!(
+                "pd handshake refused: the prefill engine ({prefill_name}) and the decode engine \
+                 ({decode_name}) disagree on the KV they would exchange, and tierkv converts no \
+                 layout in transfer:"
+            );
+            for m in mismatches {
+                eprintln!("  {}: prefill {}; decode {}", m.field, m.prefill, m.decode);
+            }
+            2
         }
         Err(e) => {
             eprintln!("pd handshake refused: {e}");

@@ -137,6 +137,8 @@ impl DigestOracle {
         if let Some(v) = self.memo.get(&(ph, layer)) {
             return v.clone();
         }
+        // Borrowed out of the content oracle (which `key` and `kv_row` below need mutably) and
+        // put back at the end: nothing between returns early.
         let toks = std::mem::take(c.tokens.get_mut(&request).expect("a known request"));
         let token = toks[position as usize];
         let synth = c.synth;
