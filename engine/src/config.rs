@@ -1284,12 +1284,18 @@ fn inv(field: &'static str, value: String, rule: &str) -> ConfigError {
 fn model_section(m: &Fields, b: Option<&Config>) -> ConfigResult<ModelConfig> {
     // The key `scale_fmt` replaced: say so, rather than only that the old key is unknown.
     if let Some(v) = m.map.get("index_k_ue8m0") {
+        let write = match v.as_bool() {
+            Some(true) => "model.scale_fmt = \"ue8m0\"",
+            Some(false) => "model.scale_fmt = \"fp32\" (the default)",
+            None => "model.scale_fmt = \"ue8m0\" or \"fp32\"",
+        };
         return Err(ConfigError::Invalid {
             field: "model.index_k_ue8m0",
             value: v.to_string(),
-            rule: "was renamed: write model.scale_fmt = \"ue8m0\" or \"fp32\" (it now sets the \
-                   queries' scales too, as DeepSeek's scale_fmt does)"
-                .into(),
+            rule: format!(
+                "was renamed: write {write} (it now sets the queries' scales too, as DeepSeek's \
+                 scale_fmt does)"
+            ),
         });
     }
     let model = ModelConfig {

@@ -192,7 +192,11 @@ fn invalid_inputs_name_their_field() {
         ),
         (
             "preset = \"sim-small\"\n[model]\nindex_k_ue8m0 = true",
-            "renamed: write model.scale_fmt",
+            "renamed: write model.scale_fmt = \"ue8m0\" (it now",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_k_ue8m0 = false",
+            "renamed: write model.scale_fmt = \"fp32\" (the default)",
         ),
         (
             "preset = \"sim-small\"\n[model]\nrope_theta = 1.0",
