@@ -65,6 +65,19 @@ pub struct BenchArgs {
     pub host_pages: Option<u32>,
 }
 
+/// Prints a bench's report and writes it to `--out` too; the exit code (3 when `--out` could not
+/// be written).
+fn emit(report: &str, out: Option<&std::path::Path>) -> i32 {
+    print!("{report}");
+    if let Some(out) = out {
+        if let Err(e) = std::fs::write(out, report) {
+            eprintln!("--out {}: {e}", out.display());
+            return 3;
+        }
+    }
+    0
+}
+
 /// `--cache`: the prefix cache's logic over a trace.
 fn run_cache_bench(args: &BenchArgs) -> i32 {
     let plan = super::bench_cache::Plan {
@@ -73,16 +86,7 @@ fn run_cache_bench(args: &BenchArgs) -> i32 {
         host_pages: args.host_pages,
     };
     match super::bench_cache::run(&plan) {
-        Ok(report) => {
-            print!("{report}");
-            if let Some(out) = &args.out {
-                if let Err(e) = std::fs::write(out, &report) {
-                    eprintln!("--out {}: {e}", out.display());
-                    return 3;
-                }
-            }
-            0
-        }
+        Ok(report) => emit(&report, args.out.as_deref()),
         Err(e) => {
             eprintln!("cache bench: {e}");
             2
@@ -124,16 +128,7 @@ fn run_campaign_bench(args: &BenchArgs) -> i32 {
         profile: args.profile.clone(),
     };
     match super::bench_campaign::run(&plan, args.baseline.as_ref(), args.repeat) {
-        Ok(report) => {
-            print!("{report}");
-            if let Some(out) = &args.out {
-                if let Err(e) = std::fs::write(out, &report) {
-                    eprintln!("--out {}: {e}", out.display());
-                    return 3;
-                }
-            }
-            0
-        }
+        Ok(report) => emit(&report, args.out.as_deref()),
         Err(e) => {
             eprintln!("campaign bench: {e}");
             1

@@ -52,13 +52,7 @@ pub struct Measured {
 }
 
 fn self_cpu_s() -> f64 {
-    // SAFETY: `rusage` is plain integers, for which all-zero bytes are a valid value.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage writes one `rusage` we own; RUSAGE_SELF is a valid target.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
-    assert_eq!(rc, 0, "getrusage(RUSAGE_SELF) failed");
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
-    t(u.ru_utime) + t(u.ru_stime)
+    super::bench_campaign::cpu_s(libc::RUSAGE_SELF)
 }
 
 /// Replays `recs` through the cache with a device tier of `device_pages` and a host tier of

@@ -38,14 +38,21 @@ pub struct Plan {
     pub profile: String,
 }
 
-/// CPU time (user + system) of the waited-for children of this process, seconds.
-fn children_cpu_s() -> f64 {
-    // SAFETY: getrusage writes one `rusage` we own; RUSAGE_CHILDREN is a valid target.
+/// CPU time (user + system), seconds, of `who`: `libc::RUSAGE_SELF` (this process) or
+/// `libc::RUSAGE_CHILDREN` (its waited-for children).
+pub fn cpu_s(who: libc::c_int) -> f64 {
+    // SAFETY: `rusage` is plain integers, for which all-zero bytes are a valid value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
-    assert_eq!(rc, 0, "getrusage(RUSAGE_CHILDREN) failed");
+    // SAFETY: getrusage writes one `rusage` we own; the callers pass a valid target.
+    let rc = unsafe { libc::getrusage(who, &mut u) };
+    assert_eq!(rc, 0, "getrusage({who}) failed");
     let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
     t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// CPU time of the waited-for children of this process, seconds.
+fn children_cpu_s() -> f64 {
+    cpu_s(libc::RUSAGE_CHILDREN)
 }
 
 /// Runs `bin`'s campaign and measures it.
