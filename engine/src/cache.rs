@@ -21,6 +21,20 @@ use crate::mutants::Mutants;
 use crate::probe::{self, Probe};
 use std::collections::{BTreeMap, BTreeSet};
 
+/// Counts one more (`up`) or one fewer in a counter of the accounting; leaving its range is a
+/// broken invariant (checked in every build, unlike `+= 1`).
+macro_rules! step {
+    ($counter:expr, $up:expr, $what:literal) => {{
+        let c = &mut $counter;
+        *c = if $up {
+            c.checked_add(1)
+        } else {
+            c.checked_sub(1)
+        }
+        .expect(concat!($what, ": count out of range"));
+    }};
+}
+
 /// The tokens of one page.
 pub type PageKey = [u32; PAGE_TOKENS as usize];
 pub type NodeId = u32;
@@ -265,44 +279,32 @@ impl PrefixCache {
         let was_backed = self.node(id).is_backed();
         let was_pinned = self.host_pinned_copy(self.node(id));
         let had_host = self.node(id).host.is_some();
-        let backing_up_before = self.node(id).backing_up.is_some();
+        let was_blocking = was_pinned || self.node(id).backing_up.is_some();
         f(self.node_mut(id));
         let is_pinned = self.host_pinned_copy(self.node(id));
         let has_host = self.node(id).host.is_some();
         if had_host != has_host {
-            if has_host {
-                self.host_nodes += 1;
-            } else {
-                self.host_nodes -= 1;
-            }
+            step!(self.host_nodes, has_host, "nodes with a host copy");
+        }
+        if was_pinned != is_pinned {
+            step!(self.host_pinned, is_pinned, "pinned host copies");
         }
         let blocks = is_pinned || self.node(id).backing_up.is_some();
-        if blocks != (was_pinned || backing_up_before) {
+        if blocks != was_blocking {
             if blocks {
                 self.host_blockers.insert(id);
             } else {
                 self.host_blockers.remove(&id);
             }
         }
-        if was_pinned != is_pinned {
-            if is_pinned {
-                self.host_pinned += 1;
-            } else {
-                self.host_pinned -= 1;
-            }
-        }
         let is_backed = self.node(id).is_backed();
         if was_backed != is_backed && id != ROOT {
             let parent = self.node(id).parent;
-            let p = self.node_mut(parent);
-            if is_backed {
-                p.backed_children += 1;
-            } else {
-                p.backed_children = p
-                    .backed_children
-                    .checked_sub(1)
-                    .expect("backed children underflow");
-            }
+            step!(
+                self.node_mut(parent).backed_children,
+                is_backed,
+                "backed children"
+            );
             self.relist(parent);
         }
         let after = self.class(id);
@@ -311,15 +313,11 @@ impl PrefixCache {
         let is_resident = self.node(id).is_resident();
         if was_resident != is_resident && id != ROOT {
             let parent = self.node(id).parent;
-            let p = self.node_mut(parent);
-            if is_resident {
-                p.resident_children += 1;
-            } else {
-                p.resident_children = p
-                    .resident_children
-                    .checked_sub(1)
-                    .expect("resident children underflow");
-            }
+            step!(
+                self.node_mut(parent).resident_children,
+                is_resident,
+                "resident children"
+            );
             self.relist(parent);
         }
         self.relist(id);

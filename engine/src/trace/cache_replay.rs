@@ -15,10 +15,15 @@ use crate::layout::PAGE_TOKENS;
 use crate::pools::PageAllocator;
 use crate::synth::Synth;
 
-/// The full pages of a record's prompt as page keys (its partial last page is not cached):
-/// `page_keys(prompt_tokens(..))`, made without the intermediate token vector.
+/// The full pages of a record's prompt (its partial last page is not cached).
+pub fn full_pages(rec: &TraceRecord) -> usize {
+    (rec.input_length / PAGE_TOKENS) as usize
+}
+
+/// The full pages of a record's prompt as page keys: `page_keys(prompt_tokens(..))`, made without
+/// the intermediate token vector.
 pub fn prompt_page_keys(rec: &TraceRecord, synth: &Synth) -> Vec<PageKey> {
-    let pages = (rec.input_length / PAGE_TOKENS) as usize;
+    let pages = full_pages(rec);
     let per_block = (BLOCK_TOKENS / PAGE_TOKENS) as usize;
     (0..pages)
         .map(|p| {

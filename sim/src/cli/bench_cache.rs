@@ -5,9 +5,10 @@
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use tierkv_engine::layout::PAGE_TOKENS;
 use tierkv_engine::synth::Synth;
-use tierkv_engine::trace::cache_replay::{prompt_page_keys, CacheReplay, CacheReplayError};
+use tierkv_engine::trace::cache_replay::{
+    full_pages, prompt_page_keys, CacheReplay, CacheReplayError,
+};
 use tierkv_engine::trace::{read_trace, TraceRecord};
 
 /// The device tier of the bench unless `--device-pages` says otherwise (1 GiB of 64 KiB pages).
@@ -72,17 +73,16 @@ pub fn measure(
             return Err(format!("--host-pages {h}: give 1..={HOST_PAGES_MAX}"));
         }
     }
-    let full_pages = |r: &TraceRecord| (r.input_length / PAGE_TOKENS) as u64;
     // A request longer than the device tier is refused before its keys are made (a record may
     // claim four billion tokens).
-    if let Some(r) = recs.iter().find(|r| full_pages(r) > device_pages as u64) {
+    if let Some(r) = recs.iter().find(|r| full_pages(r) > device_pages as usize) {
         let e = CacheReplayError::RequestTooLarge {
-            pages: full_pages(r) as usize,
+            pages: full_pages(r),
             device_pages,
         };
         return Err(format!("line {}: {e}", r.line));
     }
-    let pages: u64 = recs.iter().map(full_pages).sum();
+    let pages: u64 = recs.iter().map(|r| full_pages(r) as u64).sum();
     if pages > TRACE_PAGES_MAX {
         return Err(format!(
             "the trace holds {pages} full pages; the bench replays at most {TRACE_PAGES_MAX} \
