@@ -14,10 +14,12 @@ use crate::cache::{NodeId, PrefixCache};
 use crate::config::{Config, WritePolicy};
 use crate::controller::{CacheController, Grant, Io, LoadAck};
 use crate::device::{Clock, Device, EventId};
+use crate::layout::PageId;
 use crate::layout::{pages_for_tokens, Layout, PAGE_TOKENS};
 use crate::metrics::Metrics;
 use crate::model::ModelStep;
 use crate::mutants::Mutants;
+use crate::pd::Role;
 pub use crate::pools::EngineFaults;
 use crate::pools::Pools;
 use crate::probe::{self, Probe};
@@ -26,6 +28,8 @@ use crate::synth::Synth;
 use crate::transfer::{PageRuns, Transfer};
 
 pub use crate::error::EngineError;
+
+pub mod pair;
 pub use crate::model::QUERY_ROWS_PER_LAUNCH;
 pub use crate::scheduler::Rejection;
 
@@ -66,6 +70,28 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     pub metrics: Metrics,
     /// Steps in a row whose work the device failed (`STEP_FAILURES_MAX`).
     steps_failed_in_a_row: u32,
+    /// The engine's side of a prefill/decode pair (`pair::PdPair`); `None` alone.
+    role: Option<Role>,
+    /// Prefill side: requests whose prompt is computed, holding their pages and locks until
+    /// their transfer to the decode side completed (`release_export`).
+    exports: std::collections::BTreeMap<u64, Request>,
+    /// Decode side: device pages allocated for transfers in flight (`reserve_import`), not yet
+    /// handed to a request.
+    import_held: usize,
+}
+
+/// A request whose prompt the prefill engine computed, as the decode engine admits it once its
+/// KV arrived: its tokens (the prompt and what prefill generated), how far its KV is stored, and
+/// the device pages the transfer filled (then the rest of its page table).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transferred {
+    pub id: u64,
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub computed: usize,
+    pub generated: u32,
+    pub max_new: u32,
+    pub pages: Vec<PageId>,
 }
 
 /// Failed steps in a row after which the engine stops retrying and reports the device broken.
@@ -136,6 +162,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             metrics,
             cfg,
             steps_failed_in_a_row: 0,
+            role: None,
+            exports: std::collections::BTreeMap::new(),
+            import_held: 0,
         })
     }
 
@@ -176,9 +205,106 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     pub fn pools(&self) -> &Pools {
         &self.pools
     }
-    /// Nothing queued, running, loading or backing up.
+    /// Nothing queued, running, loading or backing up (nor, in a pair, held for a transfer).
     pub fn is_idle(&self) -> bool {
-        self.sched.is_idle() && self.ctl.is_idle()
+        self.sched.is_idle()
+            && self.ctl.is_idle()
+            && self.exports.is_empty()
+            && self.import_held == 0
+    }
+
+    /// Makes this engine one side of a prefill/decode pair. A prefill engine holds each request
+    /// whose prompt it computed (it runs them with one output token: the first) as an export
+    /// instead of completing it; a decode engine takes requests only through `admit_transferred`.
+    pub(crate) fn set_role(&mut self, role: Role) {
+        self.role = Some(role);
+    }
+    /// The compute stream's step event: everything a finished step wrote is before it.
+    pub fn step_event(&self) -> EventId {
+        self.model.step_done()
+    }
+    /// Prefill side: the request held for its transfer, if `id` is one.
+    pub fn export(&self, id: u64) -> Option<&Request> {
+        self.exports.get(&id)
+    }
+    /// Prefill side: the requests held for their transfers, by id.
+    pub fn exports(&self) -> impl Iterator<Item = &Request> {
+        self.exports.values()
+    }
+    /// Prefill side: the transfer of export `id` is over (its send completed, or it was given
+    /// up): the request completes as any other — its full pages go into the prefix cache, the
+    /// rest are freed. `false` when `id` is not held.
+    pub fn release_export(&mut self, id: u64) -> Result<bool, EngineError> {
+        let Some(r) = self.exports.remove(&id) else {
+            return Ok(false);
+        };
+        self.complete(r)?;
+        self.refresh_gauges();
+        Ok(true)
+    }
+    /// Prefill side, zoo mutant 14 only: takes running request `id` out as an export however
+    /// much of its prompt is computed. `false` when it is not running or waits for a load.
+    pub(crate) fn export_unfinished(&mut self, id: u64) -> bool {
+        if self.sched.request(id).is_none_or(|r| r.load.is_some()) {
+            return false;
+        }
+        match self.sched.take_running(id) {
+            Some(r) => {
+                self.exports.insert(id, r);
+                true
+            }
+            None => false,
+        }
+    }
+    /// Decode side: `pages` device pages for a transfer's KV, evicting from the prefix cache as
+    /// needed; `None` (nothing held) when the device tier cannot make room now.
+    pub fn reserve_import(&mut self, pages: usize) -> Result<Option<Vec<PageId>>, EngineError> {
+        let after = self.model.step_done();
+        let (ctl, mut io) = self.split();
+        let got = ctl.alloc_device(&mut io, pages, after)?;
+        if let Some(p) = &got {
+            self.import_held += p.len();
+        }
+        self.refresh_gauges();
+        Ok(got)
+    }
+    /// Decode side: gives back the pages of a transfer that failed or was abandoned. The caller
+    /// has seen every copy into them complete.
+    pub fn cancel_import(&mut self, pages: &[PageId]) {
+        assert!(
+            pages.len() <= self.import_held,
+            "cancelling pages never reserved"
+        );
+        self.import_held -= pages.len();
+        self.pools.device_pages.free(pages);
+        self.refresh_gauges();
+    }
+    /// Decode side: a transferred request joins the running set. The caller has seen every
+    /// layer's receive complete; `t.pages` (the transfer's, then its own) are the request's
+    /// page table, the first `t.pages.len()` of them reserved by `reserve_import`.
+    pub fn admit_transferred(&mut self, t: Transferred) {
+        assert!(
+            t.pages.len() <= self.import_held,
+            "admitting pages never reserved"
+        );
+        self.import_held -= t.pages.len();
+        let now = self.clock.now_ns();
+        self.sched.admit_transferred(Request {
+            id: t.id,
+            prompt_len: t.prompt_len,
+            tokens: t.tokens,
+            max_new: t.max_new,
+            generated: t.generated,
+            computed: t.computed,
+            pages: t.pages,
+            locked: Vec::new(),
+            owned_from: 0,
+            load: None,
+            state: RequestState::Running,
+            submitted_ns: now,
+            first_token_ns: Some(now),
+        });
+        self.refresh_gauges();
     }
     pub fn drain_outputs(&mut self) -> Vec<Output> {
         self.sched.drain_outputs()
@@ -383,7 +509,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         self.metrics.generated_tokens += done.generated_tokens;
         self.metrics.prefill_tokens += done.prefill_tokens;
         while let Some(r) = self.sched.next_finished() {
-            self.complete(r)?;
+            if self.role == Some(Role::Prefill) {
+                self.exports.insert(r.id, r);
+            } else {
+                self.complete(r)?;
+            }
         }
         Ok(())
     }
@@ -433,10 +563,17 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let owned = self.sched.owned_pages();
         let loading = self.ctl.loading_pages(self.mutants);
         let tree = self.cache.device_pages().len();
+        let exported: usize = self
+            .exports
+            .values()
+            .map(|r| r.pages.len() - r.owned_from)
+            .sum();
+        let held = self.import_held;
         assert_eq!(
             self.pools.device_pages.used_count() as usize,
-            tree + owned + loading,
-            "device pages in use = tree {tree} + requests {owned} + loading {loading}"
+            tree + owned + loading + exported + held,
+            "device pages in use = tree {tree} + requests {owned} + loading {loading} + \
+             exported {exported} + held for transfers {held}"
         );
         assert_eq!(
             self.pools.host_pages.used_count() as usize,
@@ -450,11 +587,13 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     pub fn check_quiescent(&self) -> Result<(), String> {
         if !self.is_idle() {
             return Err(format!(
-                "not idle: {} queued, {} running, {} loads, {} backups",
+                "not idle: {} queued, {} running, {} loads, {} backups, {} exports, {} pages held for transfers",
                 self.sched.queue_len(),
                 self.sched.running_len(),
                 self.ctl.loads_in_flight(),
-                self.ctl.backups_in_flight()
+                self.ctl.backups_in_flight(),
+                self.exports.len(),
+                self.import_held
             ));
         }
         let locked = self.cache.locked_nodes();

@@ -33,5 +33,6 @@ pub mod layout {
 }
 
 pub use config::{Config, ConfigError};
-pub use engine::{Engine, EngineError, EngineOptions, StepReport};
+pub use engine::pair::{PdError, PdPair};
+pub use engine::{Engine, EngineError, EngineOptions, StepReport, Transferred};
 pub use scheduler::{Output, Rejection, RequestSpec};

@@ -41,10 +41,23 @@ pub enum Mutant {
     WriteOnLoadingPage,
     /// 13. No admission control: an unbounded request queue (fixed upstream by admission control).
     NoAdmissionControl,
+    /// 14. Prefill/decode: a prefill aborted before its prompt was computed is still published to
+    ///     decode, which generates from an incomplete KV cache (sglang #30233).
+    PdPublishesAbortedPrefill,
+    /// 15. Prefill/decode: the prefill side releases a request's pages when the send is issued,
+    ///     not when it completed, so later requests overwrite KV still in flight and output
+    ///     degrades request by request (sglang #23020).
+    PdFreesBeforeSend,
+    /// 16. Prefill/decode: the transfer assumes the other side's layer layout and lands each
+    ///     layer's pages one layer off on the decode side (TensorRT-LLM #6507).
+    PdLayerLayoutMismatch,
+    /// 17. Prefill/decode: decode admits a request when its first layer's receive completed, and
+    ///     reads the other layers before theirs did.
+    PdAdmitsBeforeEveryLayer,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 13] = [
+    pub const ALL: [Mutant; 17] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -58,7 +71,22 @@ impl Mutant {
         Mutant::LoadSlotReusedEarly,
         Mutant::WriteOnLoadingPage,
         Mutant::NoAdmissionControl,
+        Mutant::PdPublishesAbortedPrefill,
+        Mutant::PdFreesBeforeSend,
+        Mutant::PdLayerLayoutMismatch,
+        Mutant::PdAdmitsBeforeEveryLayer,
     ];
+    /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
+    /// the zoo runs them under the `pd` profile.
+    pub fn is_pd(self) -> bool {
+        matches!(
+            self,
+            Mutant::PdPublishesAbortedPrefill
+                | Mutant::PdFreesBeforeSend
+                | Mutant::PdLayerLayoutMismatch
+                | Mutant::PdAdmitsBeforeEveryLayer
+        )
+    }
     pub fn name(self) -> &'static str {
         match self {
             Mutant::HostIndexKFromFp8Defaults => "host-index-k-fp8-defaults",
@@ -74,6 +102,10 @@ impl Mutant {
             Mutant::LoadSlotReusedEarly => "load-slot-reused-early",
             Mutant::WriteOnLoadingPage => "write-on-loading-page",
             Mutant::NoAdmissionControl => "no-admission-control",
+            Mutant::PdPublishesAbortedPrefill => "pd-publishes-aborted-prefill",
+            Mutant::PdFreesBeforeSend => "pd-frees-before-send",
+            Mutant::PdLayerLayoutMismatch => "pd-layer-layout-mismatch",
+            Mutant::PdAdmitsBeforeEveryLayer => "pd-admits-before-every-layer",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -91,6 +123,10 @@ impl Mutant {
             Mutant::LoadSlotReusedEarly => "load ring reuse",
             Mutant::WriteOnLoadingPage => "write on a page being loaded",
             Mutant::NoAdmissionControl => "unbounded request queue",
+            Mutant::PdPublishesAbortedPrefill => "sglang #30233",
+            Mutant::PdFreesBeforeSend => "sglang #23020",
+            Mutant::PdLayerLayoutMismatch => "TensorRT-LLM #6507",
+            Mutant::PdAdmitsBeforeEveryLayer => "decode reads a layer before its receive",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -221,5 +257,31 @@ impl Mutants {
     /// Mutant 13: intake queues whatever arrives.
     pub fn no_admission_control(&self) -> bool {
         self.on(Mutant::NoAdmissionControl)
+    }
+    /// Mutant 14: an aborted prefill is published to decode as if its prompt were computed.
+    pub fn pd_publishes_aborted(&self) -> bool {
+        self.on(Mutant::PdPublishesAbortedPrefill)
+    }
+    /// Mutant 15: the prefill side releases a request's pages when its send is issued.
+    pub fn pd_frees_before_send(&self) -> bool {
+        self.on(Mutant::PdFreesBeforeSend)
+    }
+    /// Mutant 16: the decode-side layer a transfer writes prefill's layer `local` to, of
+    /// `layers`. Clean: `local`.
+    pub fn pd_decode_layer(&self, local: usize, layers: usize) -> usize {
+        if self.on(Mutant::PdLayerLayoutMismatch) {
+            (local + 1) % layers
+        } else {
+            local
+        }
+    }
+    /// Mutant 17: how many of a transfer's per-layer receive events decode waits for before it
+    /// admits the request, of `layers`. Clean: all.
+    pub fn pd_layers_awaited(&self, layers: usize) -> usize {
+        if self.on(Mutant::PdAdmitsBeforeEveryLayer) {
+            1
+        } else {
+            layers
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! Prefill/decode disaggregation: the layout handshake.
+//! Prefill/decode disaggregation: the layout handshake and the KV link.
 //!
 //! A prefill engine and a decode engine that exchange a request's KV must agree, before the first
 //! transfer, on everything that decides what the bytes of a page mean and where they go: the
@@ -9,18 +9,35 @@
 //! index keys were rotated with: decode's queries are rotated with its own, and a key rotated with
 //! other frequencies scores against them as garbage. The frequencies follow DeepSeek's reference,
 //! where YaRN applies only when `model.context_tokens_max` exceeds `model.rope_original_seq_len`,
-//! so two engines of one model whose contexts fall on either side of that length disagree. Each side announces a [`PdLayout`]; the
-//! [`handshake`] compares them and refuses any difference with a [`HandshakeError`] that names
-//! every differing field with both sides' values. tierkv converts no layout in transfer (a bf16
-//! index-K on one side and an fp8 one on the other is refused, never requantised on the fly).
+//! so two engines of one model whose contexts fall on either side of that length disagree. Each
+//! side announces a [`PdLayout`]; the [`handshake`] compares them and refuses any difference with
+//! a [`HandshakeError`] that names every differing field and both sides' values. tierkv converts
+//! no layout in transfer (a bf16 index-K on one side and an fp8 one on the other is refused,
+//! never requantised on the fly).
 //!
-//! Not built yet (issue 16): the transfer itself (a `KvLink` trait with the NCCL, simulated and
-//! in-order CPU links), the engines' prefill and decode roles, and the simulator's `pd` profile.
-//! This module is the handshake those will call first.
+//! The transfer itself goes through a [`KvLink`]: it moves one request's pages of every layer
+//! from the prefill device's pools to the decode device's, and records an event on the decode
+//! side per layer (`LayerSend::received`) and one after the whole send (`sent`). The pair
+//! (`engine::pair::PdPair`) admits the request on the decode side only after every layer's
+//! receive event, and releases the prefill side's pages only after `sent`.
+//!
+//! Links: [`PeerLink`] for two devices in one address space — the in-order CPU device shared by
+//! both engines ([`SharedDevice`], unit tests), the simulator's two GPUs of one executor (whose
+//! `SimLink` sends the layers in a seeded order) — as page copies on the decode side's load
+//! stream. Not built yet: the production NCCL link (send/recv on dedicated streams of two CUDA
+//! devices) and `replay --pd` on two GPUs.
 
 use crate::config::{Config, ScaleFmt};
-use crate::layout::{HostLayout, IndexKDtype, LayoutFingerprint, PageFormat};
+use crate::device::{
+    BufferDesc, BufferId, Device, DeviceError, EventId, EventState, Op, StreamKind,
+};
+use crate::layout::{
+    coalesce_runs, Bytes, HostLayout, IndexKDtype, LayerId, LayoutFingerprint, PageFormat, PageId,
+};
+use crate::pools::PoolSide;
+use std::cell::RefCell;
 use std::fmt;
+use std::rc::Rc;
 use tierkv_kernels::rope::Rope;
 
 /// Which side of the pair an engine is.
@@ -186,6 +203,160 @@ pub fn handshake(a: &PdLayout, b: &PdLayout) -> Result<(), HandshakeError> {
             decode: d.name.clone(),
             mismatches,
         })
+    }
+}
+
+/// One layer of a transfer: the prefill side's pools of the layer and the decode side's (KV and
+/// index-K), and the event the decode side records once this layer's pages arrived.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerSend {
+    /// The prefill side's local layer (for reports).
+    pub layer: LayerId,
+    pub kv: (PoolSide, PoolSide),
+    pub index_k: (PoolSide, PoolSide),
+    pub received: EventId,
+}
+
+/// Why a link could not take a transfer.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum LinkError {
+    #[error(
+        "KV link refused layer {layer}: prefill pages are {prefill}, decode pages are {decode}"
+    )]
+    Layout {
+        layer: LayerId,
+        prefill: LayoutFingerprint,
+        decode: LayoutFingerprint,
+    },
+    /// A copy of the transfer was refused at enqueue: the transfer failed, and every one of its
+    /// events was recorded all the same (wait for `sent` before reusing its pages).
+    #[error("KV link: a copy was refused: {0}")]
+    Refused(DeviceError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+/// The transport of a prefill/decode pair: moves one request's pages, every layer, from the
+/// prefill device to the decode device.
+pub trait KvLink<D: Device> {
+    /// Enqueues the transfer of `pairs` (prefill page, decode page) of every layer in `layers`,
+    /// ordered after the prefill side's `after` event: each layer's `received` is recorded on
+    /// the decode side after that layer's copies, and `sent` after all of them, where the prefill
+    /// side can query it. Layers are independent: a link may send them in any order.
+    /// `LinkError::Refused`: the transfer failed, its events recorded (the caller waits for
+    /// `sent`, then sends again); `Layout`: nothing was enqueued; `Device`: an event could not
+    /// be recorded, and the device is not to be trusted.
+    fn send(
+        &mut self,
+        prefill: &mut D,
+        decode: &mut D,
+        after: EventId,
+        pairs: &[(PageId, PageId)],
+        layers: &[LayerSend],
+        sent: EventId,
+    ) -> Result<(), LinkError>;
+}
+
+/// The link between two devices of one address space: page copies on the decode side's load
+/// stream (after it waited for the prefill side's event), each layer's event recorded there.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PeerLink;
+
+impl<D: Device> KvLink<D> for PeerLink {
+    fn send(
+        &mut self,
+        _prefill: &mut D,
+        decode: &mut D,
+        after: EventId,
+        pairs: &[(PageId, PageId)],
+        layers: &[LayerSend],
+        sent: EventId,
+    ) -> Result<(), LinkError> {
+        for l in layers {
+            for (src, dst) in [l.kv, l.index_k] {
+                let (p, d) = (src.view().fingerprint, dst.view().fingerprint);
+                if p != d {
+                    return Err(LinkError::Layout {
+                        layer: l.layer,
+                        prefill: p,
+                        decode: d,
+                    });
+                }
+            }
+        }
+        let s = StreamKind::Load;
+        decode.wait(s, after)?;
+        let runs = coalesce_runs(pairs);
+        // A copy the device refuses fails the transfer, but every event is still recorded, so
+        // the caller can wait for the copies already enqueued before it reuses their pages.
+        let mut refused = None;
+        for l in layers {
+            if !pairs.is_empty() && refused.is_none() {
+                for (src, dst) in [l.kv, l.index_k] {
+                    if let Err(e) = decode.enqueue(s, src.copy_to(dst, runs.clone())) {
+                        refused = Some(e);
+                        break;
+                    }
+                }
+            }
+            decode.record(s, l.received)?;
+        }
+        decode.record(s, sent)?;
+        match refused {
+            Some(e) => Err(LinkError::Refused(e)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// One device shared by the two engines of a pair (both handles reach the same buffers, streams
+/// and events): for unit tests on the in-order CPU device, where stream order does not matter.
+pub struct SharedDevice<D>(pub Rc<RefCell<D>>);
+
+impl<D> Clone for SharedDevice<D> {
+    fn clone(&self) -> Self {
+        SharedDevice(self.0.clone())
+    }
+}
+
+impl<D: Device> Device for SharedDevice<D> {
+    fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
+        self.0.borrow_mut().alloc(desc)
+    }
+    fn desc(&self, buf: BufferId) -> BufferDesc {
+        self.0.borrow().desc(buf)
+    }
+    fn new_event(&mut self) -> Result<EventId, DeviceError> {
+        self.0.borrow_mut().new_event()
+    }
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.0.borrow_mut().record(stream, ev)
+    }
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.0.borrow_mut().wait(stream, ev)
+    }
+    fn query(&mut self, ev: EventId) -> EventState {
+        self.0.borrow_mut().query(ev)
+    }
+    fn synchronize(&mut self, ev: EventId) -> EventState {
+        self.0.borrow_mut().synchronize(ev)
+    }
+    fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
+        self.0.borrow_mut().enqueue(stream, op)
+    }
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        self.0.borrow_mut().host_read(buf, offset, out)
+    }
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
+        self.0.borrow_mut().host_write(buf, offset, data)
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        self.0.borrow_mut().recover()
     }
 }
 

@@ -162,6 +162,23 @@ probes! {
     AbortMidLoad = "abort.mid_load",
     /// A request was aborted while a backup was in flight.
     AbortMidBackup = "abort.mid_backup",
+    /// Prefill/decode: a transferred request joined the decode engine.
+    PdAdmitted = "pd.admitted",
+    /// Prefill/decode: a transfer waited, the decode side full (running set or device pages).
+    PdDecodeFull = "pd.decode_full",
+    /// Prefill/decode: a transfer's events reported a failed copy; it is sent again.
+    PdTransferFailed = "pd.transfer_failed",
+    /// Prefill/decode: the link refused to enqueue a copy of a transfer.
+    PdTransferRefused = "pd.transfer_refused",
+    /// Prefill/decode: a request was aborted after its prefill, before decode admitted it.
+    PdAbortInTransfer = "pd.abort_in_transfer",
+}
+
+impl Probe {
+    /// Whether the probe belongs to prefill/decode pairs (reached only by the `pd` profile).
+    pub fn is_pd(self) -> bool {
+        self.name().starts_with("pd.")
+    }
 }
 
 #[cfg(test)]

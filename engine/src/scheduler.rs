@@ -66,6 +66,12 @@ pub enum Output {
         request: u64,
         tokens: u32,
     },
+    /// Prefill/decode: the request's KV could not be moved to the decode engine (each of `tries`
+    /// sends reported a failed copy); it ends here, and no page of it is left on either side.
+    TransferFailed {
+        request: u64,
+        tries: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -368,6 +374,32 @@ impl Scheduler {
             admitted += 1;
         }
         Ok(admitted)
+    }
+
+    /// A request whose prompt another engine computed and whose KV was transferred in (the
+    /// decode side of a prefill/decode pair): it joins the running set as it is. Its id is the
+    /// prefill side's, which intake never hands out here (a decode engine takes no submissions).
+    pub(crate) fn admit_transferred(&mut self, r: Request) {
+        assert_eq!(
+            r.state,
+            RequestState::Running,
+            "request {} joins the running set",
+            r.id
+        );
+        let id = r.id;
+        let prev = self.requests.insert(id, r);
+        assert!(prev.is_none(), "request {id} transferred in twice");
+        self.running.push(id);
+    }
+
+    /// Takes running request `id` out as it stands (the prefill side of a pair, for zoo mutant
+    /// 14 only: an aborted prefill published anyway).
+    pub(crate) fn take_running(&mut self, id: u64) -> Option<Request> {
+        if self.requests.get(&id)?.state != RequestState::Running {
+            return None;
+        }
+        self.running.retain(|&r| r != id);
+        self.requests.remove(&id)
     }
 
     /// Applies a load's acknowledgement to its request: it no longer waits for the load; after a

@@ -228,7 +228,7 @@ impl CampaignSummary {
 
     /// Determinism reruns, failing seeds and the coverage line.
     pub fn print_checks(&self) {
-        let names = crate::probes::all_names();
+        let names = self.coverage.names();
         let never = self.coverage.below(f64::MIN_POSITIVE);
         let rare = self.coverage.below(0.05);
         println!(
@@ -269,6 +269,7 @@ pub fn run_campaign(
         jobs: opts.jobs.max(1),
         ..CampaignSummary::default()
     };
+    summary.coverage.pd = opts.profile == "pd";
     let mut progress = Progress::new(opts.progress, total);
     // Each outcome comes with the worker time it took, reruns included.
     let (tx, rx) = mpsc::channel::<(RunOutcome, Duration)>();

@@ -120,11 +120,22 @@ impl Default for GpuOptions {
     }
 }
 
+/// Streams of the simulated GPU: three per side. Side 0 is the engine's (a pair's prefill
+/// engine), side 1 a prefill/decode pair's decode engine ([`SimSide`]): two GPUs of one executor,
+/// one host, one race detector and one content oracle.
+pub const STREAMS: usize = 6;
+
+/// A stream's index: its side's three, then its kind.
+pub fn stream_index(side: usize, kind: StreamKind) -> usize {
+    side * 3 + kind.index()
+}
+
 /// One op as the trace shows it.
 #[derive(Clone, Debug)]
 pub struct Slice {
     pub op_id: u64,
-    pub stream: StreamKind,
+    /// The stream's index (`stream_index`).
+    pub stream: usize,
     pub name: &'static str,
     pub start_ns: u64,
     pub end_ns: u64,
@@ -207,13 +218,13 @@ struct RecordState {
 #[derive(Clone, Debug, Default)]
 pub struct RecordLog {
     /// Per stream, whether each completed record reported a failure.
-    pub failed: [Vec<bool>; 3],
+    pub failed: [Vec<bool>; STREAMS],
     /// Per stream, how many records the host had made when each refusal happened.
-    pub refused_after: [Vec<u64>; 3],
+    pub refused_after: [Vec<u64>; STREAMS],
     /// Per stream, records made by the host.
-    pub made: [u64; 3],
+    pub made: [u64; STREAMS],
     /// Per stream, bytes the page copies the host asked for write (refused ones too).
-    pub copy_bytes: [u64; 3],
+    pub copy_bytes: [u64; STREAMS],
 }
 
 /// Counters of a run.
@@ -230,7 +241,9 @@ pub struct SimGpu {
     pub mem: Memory,
     opts: GpuOptions,
     rng: Rng,
-    streams: [StreamState; 3],
+    streams: [StreamState; STREAMS],
+    /// The side whose streams the device calls address now (`SimSide` sets it per call).
+    side: usize,
     /// Latest record of each event.
     events: Vec<Option<u64>>,
     records: BTreeMap<u64, RecordState>,
@@ -299,6 +312,7 @@ impl SimGpu {
             opts,
             rng,
             streams: Default::default(),
+            side: 0,
             events: Vec::new(),
             records: BTreeMap::new(),
             next_record: 0,
@@ -306,7 +320,7 @@ impl SimGpu {
             seq: 0,
             next_op: 0,
             host: Rc::new(Cell::new(0)),
-            host_vc: [0; 4],
+            host_vc: [0; crate::race::ENTITIES],
             host_actions: 0,
             race: RaceDetector::default(),
             tainted: Default::default(),
@@ -491,7 +505,7 @@ impl SimGpu {
                     self.streams[s].ready_at = t;
                     self.log(&[1, s as u64, rec, t]);
                     // A completed record may release waits on other streams.
-                    for o in 0..3 {
+                    for o in 0..STREAMS {
                         if o != s {
                             self.advance_stream(o, t);
                         }
@@ -558,7 +572,7 @@ impl SimGpu {
     /// a drawn delay for load-stream records, never before the stream's previous callback.
     fn seen_at(&mut self, s: usize, t: u64) -> u64 {
         let max = self.opts.completion_delay_ns;
-        if max == 0 || s != StreamKind::Load.index() {
+        if max == 0 || s % 3 != StreamKind::Load.index() {
             return t;
         }
         let at = (t + self.rng.below(max + 1)).max(self.streams[s].last_seen);
@@ -572,7 +586,7 @@ impl SimGpu {
     fn observed(&mut self, rec: u64, now: u64) {
         const RECENT_RECORDS: usize = 64;
         let r = self.records[&rec];
-        let load = StreamKind::Load.index();
+        let load = r.stream - r.stream % 3 + StreamKind::Load.index();
         let Some(done) = r.done_at.filter(|_| r.stream != load) else {
             return;
         };
@@ -682,7 +696,7 @@ impl SimGpu {
         if self.opts.trace {
             self.trace.push(Slice {
                 op_id: rec.id,
-                stream: StreamKind::ALL[s],
+                stream: s,
                 name: rec.op.name(),
                 start_ns: start,
                 end_ns: end,
@@ -940,12 +954,12 @@ impl SimGpu {
             assert!(
                 st.running.is_none(),
                 "{} stream runs an op after the drain",
-                StreamKind::ALL[i].name()
+                entity_name(i)
             );
             assert!(
                 st.queue.is_empty(),
                 "deadlock: the {} stream waits forever ({} entries left)",
-                StreamKind::ALL[i].name(),
+                entity_name(i),
                 st.queue.len()
             );
         }
@@ -991,11 +1005,20 @@ impl crate::oracles::content::PageState for PageView<'_> {
     }
 }
 
-fn entity_name(e: usize) -> &'static str {
+/// A stream's or the host's name in reports (side 1's streams are a pair's decode engine's).
+pub fn entity_name(e: usize) -> &'static str {
+    const NAMES: [&str; STREAMS] = [
+        "compute",
+        "load",
+        "write",
+        "decode compute",
+        "decode load",
+        "decode write",
+    ];
     if e == HOST {
         "host"
     } else {
-        StreamKind::ALL[e].name()
+        NAMES[e]
     }
 }
 
@@ -1044,7 +1067,7 @@ impl Device for SimGpu {
         Ok(EventId(self.events.len() as u32 - 1))
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
-        let s = stream.index();
+        let s = stream_index(self.side, stream);
         assert!(
             (ev.0 as usize) < self.events.len(),
             "record of unknown {ev}"
@@ -1081,7 +1104,7 @@ impl Device for SimGpu {
         Ok(())
     }
     fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
-        let s = stream.index();
+        let s = stream_index(self.side, stream);
         assert!((ev.0 as usize) < self.events.len(), "wait on unknown {ev}");
         let target = self.events[ev.0 as usize];
         if let Some(rec) = target {
@@ -1164,18 +1187,18 @@ impl Device for SimGpu {
         state
     }
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
+        let s = stream_index(self.side, stream);
         if let Err(e) = check_op(&op, |b| self.mem.desc(b)) {
             self.finding(
                 OracleKind::Layout,
                 format!(
                     "{} refused at enqueue on the {} stream: {e}",
                     op.name(),
-                    stream.name()
+                    entity_name(s)
                 ),
             );
             return Err(e);
         }
-        let s = stream.index();
         self.host.set(self.host.get() + self.opts.launch_ns);
         if op.spec().class() == OpClass::PageCopy {
             let written: u64 = op
@@ -1261,12 +1284,72 @@ impl Device for SimGpu {
         // Completions up to now happened with the error; what completes later runs again.
         let now = self.host.get();
         self.pump(now);
+        // Each side is its own device: recovering one clears its streams alone.
         let mut was = false;
-        for st in &mut self.streams {
+        for st in &mut self.streams[self.side * 3..self.side * 3 + 3] {
             was |= std::mem::take(&mut st.sticky);
         }
         probes::hit_if(SimProbe::FaultStickyRecovered, was);
         self.log(&[15, was as u64]);
         Ok(())
+    }
+}
+
+/// One side of a shared simulated GPU, as one engine's `Device`: side 0 (the single engine, or a
+/// prefill/decode pair's prefill engine) or side 1 (a pair's decode engine). Both sides' buffers,
+/// events and host are one executor's, so a transfer between them is a page copy on the decode
+/// side's load stream that the race detector and the content oracle see like any other.
+#[derive(Clone)]
+pub struct SimSide {
+    pub gpu: Rc<RefCell<SimGpu>>,
+    pub side: usize,
+}
+
+impl SimSide {
+    fn at(&self) -> std::cell::RefMut<'_, SimGpu> {
+        let mut g = self.gpu.borrow_mut();
+        g.side = self.side;
+        g
+    }
+}
+
+impl Device for SimSide {
+    fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
+        self.at().alloc(desc)
+    }
+    fn desc(&self, buf: BufferId) -> BufferDesc {
+        self.gpu.borrow().mem.desc(buf)
+    }
+    fn new_event(&mut self) -> Result<EventId, DeviceError> {
+        self.at().new_event()
+    }
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.at().record(stream, ev)
+    }
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.at().wait(stream, ev)
+    }
+    fn query(&mut self, ev: EventId) -> EventState {
+        self.at().query(ev)
+    }
+    fn synchronize(&mut self, ev: EventId) -> EventState {
+        self.at().synchronize(ev)
+    }
+    fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
+        self.at().enqueue(stream, op)
+    }
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        self.at().host_read(buf, offset, out)
+    }
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
+        self.at().host_write(buf, offset, data)
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        self.at().recover()
     }
 }

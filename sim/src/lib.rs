@@ -13,6 +13,7 @@ pub mod cuda_exec;
 pub mod fasthash;
 pub mod fuzz;
 pub mod gpu;
+pub mod link;
 pub mod oracles;
 pub mod probes;
 pub mod race;

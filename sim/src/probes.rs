@@ -54,6 +54,8 @@ pub enum SimProbe {
     ClientRetried,
     /// The operator's request to hand back device memory freed pages.
     EvictedOnDemand,
+    /// A prefill/decode transfer's layers went over the simulated link out of layer order.
+    PdLayersReordered,
 }
 
 impl SimProbe {
@@ -79,6 +81,7 @@ impl SimProbe {
         SimProbe::SessionReachedContext,
         SimProbe::ClientRetried,
         SimProbe::EvictedOnDemand,
+        SimProbe::PdLayersReordered,
     ];
 
     pub fn name(self) -> &'static str {
@@ -104,6 +107,7 @@ impl SimProbe {
             SimProbe::SessionReachedContext => "run.session_reached_context",
             SimProbe::ClientRetried => "run.client_retried",
             SimProbe::EvictedOnDemand => "run.evicted_on_demand",
+            SimProbe::PdLayersReordered => "pd.layers_reordered",
         }
     }
 }
@@ -136,6 +140,8 @@ pub struct Coverage {
     pub seeds: u64,
     /// Probe name → (hits, seeds that hit it at least once).
     pub probes: BTreeMap<&'static str, (u64, u64)>,
+    /// A campaign of prefill/decode pairs: the `pd.` probes count (`names`).
+    pub pd: bool,
 }
 
 impl Coverage {
@@ -155,9 +161,18 @@ impl Coverage {
         seeds as f64 / self.seeds.max(1) as f64
     }
 
+    /// The probes this campaign can reach: the prefill/decode probes (`pd.`) only in a campaign
+    /// of pairs (`pd`), every other probe in every campaign.
+    pub fn names(&self) -> Vec<&'static str> {
+        all_names()
+            .into_iter()
+            .filter(|n| self.pd || !n.starts_with("pd."))
+            .collect()
+    }
+
     /// Probes below `fraction` of the seeds (never hit included), in report order.
     pub fn below(&self, fraction: f64) -> Vec<&'static str> {
-        all_names()
+        self.names()
             .into_iter()
             .filter(|n| self.fraction(n) < fraction)
             .collect()
@@ -166,7 +181,7 @@ impl Coverage {
     /// The report: one line per probe, hits and the share of seeds, the cold ones marked.
     pub fn table(&self) -> String {
         let mut out = format!("{:<40} {:>10} {:>8}\n", "probe", "hits", "seeds");
-        for name in all_names() {
+        for name in self.names() {
             let (hits, seeds) = self.probes.get(name).copied().unwrap_or((0, 0));
             let pct = 100.0 * seeds as f64 / self.seeds.max(1) as f64;
             let mark = if seeds == 0 {

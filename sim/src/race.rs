@@ -7,9 +7,10 @@
 use std::collections::BTreeMap;
 use tierkv_engine::device::{BufferId, ByteRange};
 
-/// Streams 0..3, then the host.
-pub const ENTITIES: usize = 4;
-pub const HOST: usize = 3;
+/// The streams of both sides of the simulated GPU (`gpu::STREAMS`: the first engine's three,
+/// then a prefill/decode pair's decode engine's three), then the host.
+pub const ENTITIES: usize = 7;
+pub const HOST: usize = 6;
 
 pub type Vc = [u64; ENTITIES];
 

@@ -1,7 +1,8 @@
 //! One simulated run: a scenario's engine on the simulated GPU, driven by its workload in virtual
 //! time, with every oracle watching. The run stops at the first finding.
 
-use crate::gpu::{Mark, SimGpu, Slice};
+use crate::gpu::{Mark, SimClock, SimGpu, SimSide, Slice};
+use crate::link::SimLink;
 use crate::oracles::content::ContentOracle;
 use crate::oracles::digest::{DigestOracle, Mismatch};
 use crate::oracles::{bounds, conservation, liveness, metrics, reported};
@@ -17,8 +18,11 @@ use std::rc::Rc;
 use tierkv_engine::device::DeviceError;
 use tierkv_engine::engine::EngineFaults;
 use tierkv_engine::mutants::Mutants;
+use tierkv_engine::pd::LinkError;
 use tierkv_engine::synth::Synth;
-use tierkv_engine::{Config, Engine, EngineError, EngineOptions, Output, Rejection, RequestSpec};
+use tierkv_engine::{
+    Config, Engine, EngineError, EngineOptions, Output, PdError, PdPair, Rejection, RequestSpec,
+};
 use tierkv_kernels::cpu::numerics::mix64;
 use tierkv_kernels::mutants::KernelMutant;
 
@@ -277,7 +281,110 @@ fn engine_error_kind(e: &EngineError) -> OracleKind {
     }
 }
 
-type Eng = Engine<SimGpu, crate::gpu::SimClock>;
+type Eng = Engine<SimSide, SimClock>;
+type PairEng = PdPair<SimSide, SimClock, SimLink>;
+
+/// What a run drives: one engine on side 0 of the simulated GPU, or (the `pd` profile) a
+/// prefill/decode pair, prefill on side 0 and decode on side 1, joined by the simulated link.
+enum Target {
+    One(Eng),
+    Pair(Box<PairEng>),
+}
+
+/// A pair's error as the engine error it carries (a link's layout refusal as a device one).
+fn pd_error(e: PdError) -> EngineError {
+    match e {
+        PdError::Engine { source, .. } => source,
+        PdError::Link(LinkError::Device(d)) => EngineError::Device(d),
+        other => EngineError::Device(DeviceError::Backend {
+            detail: other.to_string(),
+        }),
+    }
+}
+
+impl Target {
+    /// The engine that takes submissions (the pair's prefill engine).
+    fn intake(&self) -> &Eng {
+        match self {
+            Target::One(e) => e,
+            Target::Pair(p) => &p.prefill,
+        }
+    }
+    fn intake_mut(&mut self) -> &mut Eng {
+        match self {
+            Target::One(e) => e,
+            Target::Pair(p) => &mut p.prefill,
+        }
+    }
+    /// Every engine, intake first.
+    fn engines(&self) -> Vec<&Eng> {
+        match self {
+            Target::One(e) => vec![e],
+            Target::Pair(p) => vec![&p.prefill, &p.decode],
+        }
+    }
+    fn submit(&mut self, spec: RequestSpec) -> Result<u64, Rejection> {
+        match self {
+            Target::One(e) => e.submit(spec),
+            Target::Pair(p) => p.submit(spec),
+        }
+    }
+    fn step(&mut self) -> Result<tierkv_engine::StepReport, EngineError> {
+        match self {
+            Target::One(e) => e.step(),
+            Target::Pair(p) => p.step().map_err(pd_error),
+        }
+    }
+    fn abort(&mut self, id: u64) -> Result<bool, EngineError> {
+        match self {
+            Target::One(e) => Ok(e.abort(id)),
+            Target::Pair(p) => p.abort(id).map_err(pd_error),
+        }
+    }
+    fn drain_outputs(&mut self) -> Vec<Output> {
+        match self {
+            Target::One(e) => e.drain_outputs(),
+            Target::Pair(p) => p.drain_outputs(),
+        }
+    }
+    fn request(&self, id: u64) -> Option<&tierkv_engine::scheduler::Request> {
+        self.engines().into_iter().find_map(|e| e.request(id))
+    }
+    fn queue_len(&self) -> usize {
+        self.intake().queue_len()
+    }
+    fn running_len(&self) -> usize {
+        match self {
+            Target::One(e) => e.running_len(),
+            Target::Pair(p) => p.prefill.running_len() + p.in_transfer() + p.decode.running_len(),
+        }
+    }
+    fn inject(&mut self, f: EngineFaults) {
+        match self {
+            Target::One(e) => e.inject(f),
+            Target::Pair(p) => {
+                p.prefill.inject(f);
+                p.decode.inject(f);
+            }
+        }
+    }
+    fn check_invariants(&self) {
+        match self {
+            Target::One(e) => e.check_invariants(),
+            Target::Pair(p) => p.check_invariants(),
+        }
+    }
+    fn check_quiescent(&self, now: u64) -> Option<Finding> {
+        match self {
+            Target::One(e) => conservation::check(e, now),
+            Target::Pair(p) => p.check_quiescent().err().map(|message| Finding {
+                oracle: OracleKind::Conservation,
+                time_ns: now,
+                message,
+            }),
+        }
+    }
+}
 
 /// Why a run ends early: its findings are in `Run::findings`.
 struct Stop;
@@ -287,7 +394,9 @@ struct Run<'a> {
     sc: &'a Scenario,
     cfg: Config,
     synth: Synth,
-    engine: Eng,
+    engine: Target,
+    /// The simulated GPU the engine (or both engines of a pair) runs on.
+    gpu: Rc<RefCell<SimGpu>>,
     content: Rc<RefCell<ContentOracle>>,
     digest: DigestOracle,
     rng: Rng,
@@ -348,7 +457,7 @@ fn start_engine(
     opts: &RunOptions,
     cfg: &Config,
     content: &Rc<RefCell<ContentOracle>>,
-) -> Result<Eng, Finding> {
+) -> Result<(Target, Rc<RefCell<SimGpu>>), Finding> {
     let planted = mutants_of(sc.mutant.as_deref()).map_err(|e| Finding {
         oracle: OracleKind::Engine,
         time_ns: 0,
@@ -368,7 +477,8 @@ fn start_engine(
         time_ns: 0,
         message,
     };
-    let start = |fault_alloc: bool| -> Result<Result<Eng, EngineError>, Finding> {
+    type Started = Result<(Target, Rc<RefCell<SimGpu>>), EngineError>;
+    let start = |fault_alloc: bool| -> Result<Started, Finding> {
         let mut knobs = sc.gpu.clone();
         if !fault_alloc {
             knobs.fail_first_host_alloc = false;
@@ -385,7 +495,29 @@ fn start_engine(
             .map_err(|e| failed(OracleKind::Engine, format!("simulated GPU: {e}")))?;
         gpu.content = Some(content.clone());
         let clock = gpu.clock();
-        guarded(|| Engine::new(cfg.clone(), gpu, clock, eopts))
+        let gpu = Rc::new(RefCell::new(gpu));
+        let side = |side| SimSide {
+            gpu: gpu.clone(),
+            side,
+        };
+        let target = if sc.profile == "pd" {
+            let link = SimLink::new(sc.seed);
+            let pair = PdPair::new(
+                cfg.clone(),
+                cfg.clone(),
+                side(0),
+                side(1),
+                clock.clone(),
+                clock,
+                link,
+                eopts,
+            );
+            guarded(|| pair.map(|p| Target::Pair(Box::new(p))).map_err(pd_error))
+        } else {
+            guarded(|| Engine::new(cfg.clone(), side(0), clock, eopts).map(Target::One))
+        };
+        target
+            .map(|t| t.map(|t| (t, gpu)))
             .map_err(|p| failed(OracleKind::Invariant, p))
     };
     let alloc_fault = sc.gpu.fail_first_host_alloc || sc.gpu.fail_alloc_nth > 0;
@@ -402,7 +534,7 @@ impl<'a> Run<'a> {
         let synth = tierkv_engine::synth::Synth::new(sc.seed);
         let content = Rc::new(RefCell::new(ContentOracle::new(&cfg, synth)));
         let digest = DigestOracle::new(&cfg);
-        let engine = start_engine(sc, opts, &cfg, &content)?;
+        let (engine, gpu) = start_engine(sc, opts, &cfg, &content)?;
         let sessions = sc
             .workload
             .sessions
@@ -431,6 +563,7 @@ impl<'a> Run<'a> {
             cfg,
             synth,
             engine,
+            gpu,
             content,
             digest,
             rng: Rng::new(sc.seed ^ 0x000A_B047),
@@ -450,7 +583,7 @@ impl<'a> Run<'a> {
     }
 
     fn found(&mut self, oracle: OracleKind, message: String) {
-        let time_ns = self.engine.dev.now();
+        let time_ns = self.gpu.borrow().now();
         self.findings.push(Finding {
             oracle,
             time_ns,
@@ -461,7 +594,7 @@ impl<'a> Run<'a> {
     /// One iteration of the run loop: arrivals, faults, one engine step and its outputs, the
     /// per-step oracles, and idle time.
     fn iteration(&mut self) -> Result<(), Stop> {
-        let now = self.engine.dev.now();
+        let now = self.gpu.borrow().now();
         self.session_arrivals(now)?;
         self.oneshot_arrivals(now)?;
         // Admission control keeps the queue bounded, bursts or not.
@@ -655,7 +788,7 @@ impl<'a> Run<'a> {
                 self.engine.queue_len() + self.engine.running_len() > 0,
             );
             self.faults_on = false;
-            self.engine.dev.stop_faults();
+            self.gpu.borrow_mut().stop_faults();
             self.engine.inject(EngineFaults::default());
         }
         if !self.faults_on {
@@ -683,7 +816,7 @@ impl<'a> Run<'a> {
             self.abort(victim)?;
         }
         if self.sc.evict_rate > 0.0 && self.rng.chance(self.sc.evict_rate) {
-            let device_pages = self.engine.pools().device_pages.capacity() as u64;
+            let device_pages = self.engine.intake().pools().device_pages.capacity() as u64;
             // 1..=capacity + 1: one more than the tier holds is a request the engine must take.
             let pages = self.rng.range(1, device_pages + 1) as usize;
             self.evict(pages)?;
@@ -697,10 +830,10 @@ impl<'a> Run<'a> {
     fn engine_call<T>(
         &mut self,
         what: &str,
-        call: impl FnOnce(&mut Eng) -> Result<T, EngineError>,
+        call: impl FnOnce(&mut Target) -> Result<T, EngineError>,
     ) -> Result<T, Stop> {
         let result = guarded(|| call(&mut self.engine));
-        self.findings.append(&mut self.engine.dev.findings);
+        self.findings.append(&mut self.gpu.borrow_mut().findings);
         match result {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
@@ -717,12 +850,13 @@ impl<'a> Run<'a> {
     /// The operator's request to hand back `pages` device pages: what the engine says it freed
     /// at once must be what left the device tier.
     fn evict(&mut self, pages: usize) -> Result<(), Stop> {
-        let used = |r: &Self| r.engine.pools().device_pages.used_count() as usize;
+        let used = |r: &Self| r.engine.intake().pools().device_pages.used_count() as usize;
         let before = used(self);
-        let freed =
-            self.engine_call(&format!("evict_device({pages})"), |e| e.evict_device(pages))?;
+        let freed = self.engine_call(&format!("evict_device({pages})"), |e| {
+            e.intake_mut().evict_device(pages)
+        })?;
         probes::hit_if(SimProbe::EvictedOnDemand, freed > 0);
-        let now = self.engine.dev.now();
+        let now = self.gpu.borrow().now();
         if let Some(f) = reported::evicted(pages, freed, before, used(self), now) {
             self.findings.push(f);
         }
@@ -733,16 +867,22 @@ impl<'a> Run<'a> {
     }
 
     fn abort(&mut self, victim: u64) -> Result<(), Stop> {
-        if guarded(|| self.engine.abort(victim)).is_err() {
-            let time_ns = self.engine.dev.now();
-            self.findings.push(Finding {
-                oracle: OracleKind::Invariant,
-                time_ns,
-                message: "panic in abort".into(),
-            });
-            return Err(Stop);
+        match guarded(|| self.engine.abort(victim)) {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => {
+                self.found(engine_error_kind(&e), format!("abort({victim}): {e}"));
+                Err(Stop)
+            }
+            Err(_) => {
+                let time_ns = self.gpu.borrow().now();
+                self.findings.push(Finding {
+                    oracle: OracleKind::Invariant,
+                    time_ns,
+                    message: "panic in abort".into(),
+                });
+                Err(Stop)
+            }
         }
-        Ok(())
     }
 
     /// One engine step, then every output it handed back through the oracles. Returns whether
@@ -762,7 +902,7 @@ impl<'a> Run<'a> {
             .iter()
             .filter(|&&id| self.engine.request(id).is_none_or(|r| r.state != queued))
             .count();
-        if let Some(f) = reported::admitted(report.admitted, left_queue, self.engine.dev.now()) {
+        if let Some(f) = reported::admitted(report.admitted, left_queue, self.gpu.borrow().now()) {
             self.findings.push(f);
             return Err(Stop);
         }
@@ -770,7 +910,7 @@ impl<'a> Run<'a> {
             self.out_hash = mix64(self.out_hash ^ format!("{o:?}").len() as u64 ^ output_key(&o));
             self.output(o);
         }
-        self.findings.append(&mut self.engine.dev.findings);
+        self.findings.append(&mut self.gpu.borrow_mut().findings);
         if !self.findings.is_empty() {
             return Err(Stop);
         }
@@ -805,6 +945,15 @@ impl<'a> Run<'a> {
                 }
             }
             Output::Recompute { .. } => self.stats.recomputed += 1,
+            Output::TransferFailed { request, .. } => {
+                // The pair gave up on moving its KV: the request ended, as an aborted one.
+                self.counted.aborted += 1;
+                self.stats.aborted += 1;
+                if let Some(Owner::Session(i)) = self.owners.remove(&request) {
+                    self.sessions[i].inflight = None;
+                    self.sessions[i].done = true;
+                }
+            }
         }
     }
 
@@ -871,7 +1020,7 @@ impl<'a> Run<'a> {
     fn finished(&mut self, request: u64, generated: Vec<u32>) {
         self.stats.finished += 1;
         if let Some(Owner::Session(i)) = self.owners.remove(&request) {
-            let now = self.engine.dev.now();
+            let now = self.gpu.borrow().now();
             let st = &mut self.sessions[i];
             st.history.extend_from_slice(&generated);
             st.inflight = None;
@@ -917,11 +1066,11 @@ impl<'a> Run<'a> {
 
     /// The distinct loads that the requests the engine holds wait for: each is in flight (an
     /// aborted request's load may be in flight too, so this is a lower bound).
-    fn waiting_for_loads(&self) -> usize {
+    fn waiting_for_loads(&self, e: &Eng) -> usize {
         let loads: BTreeSet<_> = self
             .owners
             .keys()
-            .filter_map(|&id| self.engine.request(id).and_then(|r| r.load))
+            .filter_map(|&id| e.request(id).and_then(|r| r.load))
             .collect();
         loads.len()
     }
@@ -929,27 +1078,32 @@ impl<'a> Run<'a> {
     /// Every bound the engine promises, from what it reports, and the queue's counts against a
     /// recount.
     fn bounds(&mut self) -> Result<(), Stop> {
-        let e = &self.engine;
-        let held = bounds::Held {
-            queued: e.queue_len(),
-            queued_tokens: e.queued_tokens(),
-            running: e.running_len(),
-            loads: e.loads_in_flight(),
-            pinned_host_pages: e.cache().pinned_nodes(),
-            device_pages: e.pools().device_pages.used_count() as usize,
-            host_pages: e.pools().host_pages.used_count() as usize,
-        };
-        if let Some(f) = bounds::check(&self.cfg, &held, e.dev.now()) {
-            self.findings.push(f);
-            return Err(Stop);
-        }
-        let now = e.dev.now();
-        let recount = self.queued_recount();
-        let reported = reported::loads_in_flight(held.loads, self.waiting_for_loads(), now)
-            .or_else(|| reported::queue((held.queued, held.queued_tokens), recount, now));
-        if let Some(f) = reported {
-            self.findings.push(f);
-            return Err(Stop);
+        let now = self.gpu.borrow().now();
+        for (i, e) in self.engine.engines().into_iter().enumerate() {
+            let held = bounds::Held {
+                queued: e.queue_len(),
+                queued_tokens: e.queued_tokens(),
+                running: e.running_len(),
+                loads: e.loads_in_flight(),
+                pinned_host_pages: e.cache().pinned_nodes(),
+                device_pages: e.pools().device_pages.used_count() as usize,
+                host_pages: e.pools().host_pages.used_count() as usize,
+            };
+            if let Some(f) = bounds::check(&self.cfg, &held, now) {
+                self.findings.push(f);
+                return Err(Stop);
+            }
+            let mut reported =
+                reported::loads_in_flight(held.loads, self.waiting_for_loads(e), now);
+            if i == 0 {
+                let recount = self.queued_recount();
+                reported = reported
+                    .or_else(|| reported::queue((held.queued, held.queued_tokens), recount, now));
+            }
+            if let Some(f) = reported {
+                self.findings.push(f);
+                return Err(Stop);
+            }
         }
         Ok(())
     }
@@ -968,8 +1122,17 @@ impl<'a> Run<'a> {
             self.engine.queue_len(),
             self.engine.running_len(),
             unfinished,
-            self.engine.dev.now(),
+            self.gpu.borrow().now(),
         ) {
+            let mut f = f;
+            if let Target::Pair(p) = &self.engine {
+                f.message += &format!(
+                    "; the pair holds {}; decode: {} running, {} device pages free",
+                    p.stages(),
+                    p.decode.running_len(),
+                    p.decode.pools().device_pages.free_count()
+                );
+            }
             self.findings.push(f);
             return Err(Stop);
         }
@@ -993,7 +1156,7 @@ impl<'a> Run<'a> {
             .min()
         {
             Some(t) => {
-                let dev = &mut self.engine.dev;
+                let mut dev = self.gpu.borrow_mut();
                 let at = t.max(dev.now() + 1);
                 dev.advance_host_to(at);
                 Ok(())
@@ -1006,56 +1169,77 @@ impl<'a> Run<'a> {
     /// ended. Then the outcome, with the run's figures.
     fn finish(mut self, wall: std::time::Instant) -> RunOutcome {
         if self.findings.is_empty() {
-            match guarded(|| self.engine.dev.drain()) {
-                Ok(()) => self.findings.append(&mut self.engine.dev.findings),
+            let drained = guarded(|| self.gpu.borrow_mut().drain());
+            match drained {
+                Ok(()) => self.findings.append(&mut self.gpu.borrow_mut().findings),
                 Err(p) => self.found(OracleKind::Invariant, p),
             }
         }
         if self.findings.is_empty() {
             let open: Vec<u64> = self.owners.keys().copied().collect();
-            let now = self.engine.dev.now();
-            if let Some(f) = liveness::all_requests_ended(&open, now)
-                .or_else(|| conservation::check(&self.engine, now))
+            let now = self.gpu.borrow().now();
+            let found = liveness::all_requests_ended(&open, now)
+                .or_else(|| self.engine.check_quiescent(now))
                 .or_else(|| {
                     let mut c = self.content.borrow_mut();
-                    conservation::audit(&self.engine, &self.engine.dev.mem, &mut c, now)
+                    let g = self.gpu.borrow();
+                    self.engine
+                        .engines()
+                        .into_iter()
+                        .enumerate()
+                        .find_map(|(i, e)| conservation::audit(e, i, &g.mem, &mut c, now))
                 })
-                .or_else(|| {
-                    let layers = self.cfg.model.layers;
-                    let page_bytes = self.engine.layout().transfer_bytes(1).0;
-                    let (m, log) = (&self.engine.metrics, &self.engine.dev.record_log);
-                    metrics::check(m, log, &self.counted, layers, page_bytes, now)
-                })
-            {
+                .or_else(|| match &self.engine {
+                    Target::One(e) => {
+                        let layers = self.cfg.model.layers;
+                        let page_bytes = e.layout().transfer_bytes(1).0;
+                        let g = self.gpu.borrow();
+                        metrics::check(
+                            &e.metrics,
+                            &g.record_log,
+                            &self.counted,
+                            layers,
+                            page_bytes,
+                            now,
+                        )
+                    }
+                    // Not for pairs: the metrics oracle counts one engine's copies and steps.
+                    Target::Pair(_) => None,
+                });
+            if let Some(f) = found {
                 self.findings.push(f);
             }
         }
-        let (m, g) = (&self.engine.metrics, self.engine.dev.stats);
+        let g = self.gpu.borrow().stats;
         let mut stats = self.stats;
-        stats.loads = m.loads;
-        stats.backups = m.backups;
+        for e in self.engine.engines() {
+            let m = &e.metrics;
+            stats.loads += m.loads;
+            stats.backups += m.backups;
+            stats.steps_failed += m.steps_failed;
+        }
         stats.ops = g.ops;
         stats.events = g.events;
         stats.copy_bytes = g.copy_bytes;
         stats.failed_copies = g.failed_copies;
         stats.failed_kernels = g.failed_kernels;
-        stats.steps_failed = m.steps_failed;
         stats.digests_checked = self.digest.digests_checked;
         stats.rows_checked = self.content.borrow().rows_checked;
         stats.rows_cached = self.content.borrow().rows_cached;
-        stats.sim_ns = self.engine.dev.now();
+        let mut gpu = self.gpu.borrow_mut();
+        stats.sim_ns = gpu.now();
         stats.wall_ns = wall.elapsed().as_nanos() as u64;
         RunOutcome {
             seed: self.sc.seed,
             findings: self.findings,
             stats,
-            log_hash: mix64(self.engine.dev.log_hash() ^ self.out_hash),
-            trace: std::mem::take(&mut self.engine.dev.trace),
-            marks: std::mem::take(&mut self.engine.dev.marks),
-            racing_ops: self.engine.dev.racing_ops.clone(),
+            log_hash: mix64(gpu.log_hash() ^ self.out_hash),
+            trace: std::mem::take(&mut gpu.trace),
+            marks: std::mem::take(&mut gpu.marks),
+            racing_ops: gpu.racing_ops.clone(),
             probes: tierkv_engine::probe::take(),
             rerun: false,
-            decisions: self.engine.dev.take_schedule(),
+            decisions: gpu.take_schedule(),
             schedule: 0,
             policy: None,
         }
@@ -1081,5 +1265,6 @@ fn output_key(o: &Output) -> u64 {
             .fold(*request, |a, t| a.wrapping_mul(31) ^ *t as u64),
         Output::Aborted { request } => request.wrapping_mul(7),
         Output::Recompute { request, tokens } => request ^ ((*tokens as u64) << 40),
+        Output::TransferFailed { request, tries } => request ^ ((*tries as u64) << 44) ^ 0x7D,
     }
 }

@@ -405,6 +405,7 @@ pub const PROFILES: &[&str] = &[
     "trace",
     "quick",
     "production",
+    "pd",
 ];
 
 /// Draws the scenario of `seed` under `profile`. `trace` is a Mooncake trace for the trace profile.
@@ -497,6 +498,10 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     cfg.name = format!("swarm-{seed}");
     let m = &mut cfg.model;
     m.layers = *cr.pick(&[1, 2, 2, 3, 4]);
+    if profile == "pd" {
+        // A transfer that lands a layer on the wrong one needs two to show.
+        m.layers = m.layers.max(2);
+    }
     m.layer_base = if cr.chance(0.3) {
         cr.range(1, 60) as u32
     } else {

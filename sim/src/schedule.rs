@@ -230,7 +230,8 @@ impl Decider {
                     }
                     self.priorities[top] = 2;
                 }
-                self.priorities[stream] * 4 + self.rng.below(4) as u8
+                // A pair's decode streams share the priorities of their kinds.
+                self.priorities[stream % 3] * 4 + self.rng.below(4) as u8
             }
         };
         assert!(d <= DECISION_MAX, "decision {d} over {DECISION_MAX}");

@@ -377,6 +377,7 @@ impl ShardResult {
             ..CampaignSummary::default()
         };
         s.coverage.seeds = self.seeds_run;
+        s.coverage.pd = self.profile == "pd";
         for name in all_names() {
             if let Some(c) = self.coverage.get(name) {
                 s.coverage.probes.insert(name, (c.hits, c.seeds));

@@ -6,8 +6,17 @@ use crate::gpu::{Mark, Slice};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
-/// The host's track (after the three streams').
+/// The host's track (after the first side's three streams; a pair's decode streams follow it).
 const HOST_TID: usize = 3;
+
+/// A stream's track: the first side's at 0..3, the decode side's after the host's.
+fn tid(stream: usize) -> usize {
+    if stream < HOST_TID {
+        stream
+    } else {
+        stream + 1
+    }
+}
 /// How long a record, wait or instant host call is drawn, µs (long enough to click).
 const MARK_US: f64 = 0.05;
 
@@ -20,12 +29,21 @@ pub fn chrome_trace(slices: &[Slice], marks: &[Mark], racing_ops: &[u64], title:
     events.push(
         json!({"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": title}}),
     );
+    let pair = slices.iter().any(|s| s.stream >= HOST_TID);
+    let decode = [
+        (4, "decode compute stream"),
+        (5, "decode load stream"),
+        (6, "decode write stream"),
+    ];
     for (tid, name) in [
         (0, "compute stream"),
         (1, "load stream"),
         (2, "write stream"),
         (HOST_TID, "host"),
-    ] {
+    ]
+    .into_iter()
+    .chain(decode.into_iter().filter(|_| pair))
+    {
         events.push(
             json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}),
         );
@@ -40,7 +58,7 @@ pub fn chrome_trace(slices: &[Slice], marks: &[Mark], racing_ops: &[u64], title:
             "ts": us(s.start_ns),
             "dur": (s.end_ns - s.start_ns).max(1) as f64 / 1000.0,
             "pid": 1,
-            "tid": s.stream.index(),
+            "tid": tid(s.stream),
             "args": {"op": s.op_id, "detail": s.detail, "failed": s.failed, "skipped": s.skipped, "racing": racing},
         });
         if racing {
@@ -54,7 +72,7 @@ pub fn chrome_trace(slices: &[Slice], marks: &[Mark], racing_ops: &[u64], title:
         if racing {
             events.push(json!({
                 "name": format!("race: op {}", s.op_id), "ph": "i", "s": "g",
-                "ts": us(s.start_ns), "pid": 1, "tid": s.stream.index(),
+                "ts": us(s.start_ns), "pid": 1, "tid": tid(s.stream),
             }));
         }
     }
@@ -62,7 +80,7 @@ pub fn chrome_trace(slices: &[Slice], marks: &[Mark], racing_ops: &[u64], title:
     let records: BTreeMap<u64, (usize, u64)> = marks
         .iter()
         .filter_map(|m| match *m {
-            Mark::Record { stream, rec, at } => Some((rec, (stream, at))),
+            Mark::Record { stream, rec, at } => Some((rec, (tid(stream), at))),
             _ => None,
         })
         .collect();
@@ -84,14 +102,14 @@ pub fn chrome_trace(slices: &[Slice], marks: &[Mark], racing_ops: &[u64], title:
         match *m {
             Mark::Record { stream, rec, at } => events.push(json!({
                 "name": format!("record {rec}"), "cat": "event", "ph": "X", "ts": us(at),
-                "dur": MARK_US, "pid": 1, "tid": stream, "args": {"record": rec},
+                "dur": MARK_US, "pid": 1, "tid": tid(stream), "args": {"record": rec},
             })),
             Mark::Wait { stream, rec, at } => {
                 events.push(json!({
                     "name": format!("wait {rec}"), "cat": "event", "ph": "X", "ts": us(at),
-                    "dur": MARK_US, "pid": 1, "tid": stream, "args": {"record": rec},
+                    "dur": MARK_US, "pid": 1, "tid": tid(stream), "args": {"record": rec},
                 }));
-                arrow(&mut events, rec, stream, at);
+                arrow(&mut events, rec, tid(stream), at);
             }
             Mark::Host {
                 what,

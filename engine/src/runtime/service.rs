@@ -30,6 +30,10 @@ pub enum ServiceError {
     Rejected(#[from] Rejection),
     #[error("request {0} was aborted")]
     Aborted(u64),
+    #[error(
+        "request {request}: its KV could not be moved to the decode engine ({tries} sends failed)"
+    )]
+    TransferFailed { request: u64, tries: u32 },
     #[error("the service is shutting down")]
     ShuttingDown,
     #[error("the engine stopped: {0}")]
@@ -287,6 +291,13 @@ fn answer(outputs: Vec<Output>, pending: &mut BTreeMap<u64, Pending>) {
             Output::Aborted { request } => {
                 if let Some(p) = pending.remove(&request) {
                     let _ = p.reply.send(Err(ServiceError::Aborted(request)));
+                }
+            }
+            Output::TransferFailed { request, tries } => {
+                if let Some(p) = pending.remove(&request) {
+                    let _ = p
+                        .reply
+                        .send(Err(ServiceError::TransferFailed { request, tries }));
                 }
             }
             Output::Digests { .. } | Output::Recompute { .. } => {}

@@ -5,5 +5,6 @@ mod cache_model;
 mod config_docs;
 mod cuda_device;
 mod engine_smoke;
+mod pd;
 mod service;
 mod trace;

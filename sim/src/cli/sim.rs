@@ -42,7 +42,8 @@ pub struct SimArgs {
     pub shard: Option<(u64, u64)>,
     /// Scenario profile: swarm (default), sessions (60+ concurrent tool-call sessions), needle,
     /// trace (a Mooncake trace replayed by timestamp), quick, production (DeepSeek-V3.2's shapes:
-    /// 64 indexer heads, top-2048, 16K-128K contexts, one or two of its 61 layers).
+    /// 64 indexer heads, top-2048, 16K-128K contexts, one or two of its 61 layers), pd (a
+    /// prefill/decode pair on two simulated GPUs joined by a KV link).
     #[arg(long, default_value = "swarm")]
     pub profile: String,
     /// Write the Chrome/Perfetto trace of the run (one seed; with `--schedules`, of the last

@@ -31,17 +31,20 @@ where
     })
 }
 
-/// The buffer of `role` in `mem`.
-fn buffer(mem: &Memory, role: BufferRole) -> BufferId {
+/// The buffer of `role` of the `nth` engine on `mem` (a prefill/decode pair's two engines
+/// allocate the same roles, prefill's first).
+fn buffer(mem: &Memory, role: BufferRole, nth: usize) -> BufferId {
     (0..mem.descs.len() as u32)
         .map(BufferId)
-        .find(|&b| mem.desc(b).role == role)
-        .unwrap_or_else(|| panic!("no {role} buffer"))
+        .filter(|&b| mem.desc(b).role == role)
+        .nth(nth)
+        .unwrap_or_else(|| panic!("no {role} buffer of engine {nth}"))
 }
 
 /// The simulator's shadow check of what the prefix cache holds (see the module comment).
 pub fn audit<D, C, T>(
     engine: &tierkv_engine::Engine<D, C, T>,
+    nth: usize,
     mem: &Memory,
     content: &mut ContentOracle,
     time_ns: u64,
@@ -92,12 +95,16 @@ where
                         let role = BufferRole::Pool { kind, layer };
                         (
                             kind,
-                            buffer(mem, role),
+                            buffer(mem, role, nth),
                             pools.device_side(kind, layer).view(),
                         )
                     } else {
                         let role = BufferRole::Mirror { kind };
-                        (kind, buffer(mem, role), pools.host_side(kind, layer).view())
+                        (
+                            kind,
+                            buffer(mem, role, nth),
+                            pools.host_side(kind, layer).view(),
+                        )
                     }
                 })
             })

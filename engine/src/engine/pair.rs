@@ -1,0 +1,603 @@
+//! A prefill/decode pair: two engines, each with its own device, joined by a [`KvLink`].
+//!
+//! A request enters the prefill engine, which computes its prompt and its first token (it runs
+//! every request with one output token) and then holds it as an *export*: its pages and prefix
+//! locks stay with it. The pair reserves the request's page table on the decode engine and hands
+//! the link one transfer of every layer's KV and index-K pages. The request joins the decode
+//! engine's running set only after the receive event of every layer completed; the prefill side
+//! releases its pages (into its prefix cache, as a finished request's) only after the send
+//! completed. A transfer whose events report a failure gives its decode pages back and is sent
+//! again, up to [`TRANSFER_TRIES`] times; then the request ends with `Output::TransferFailed`.
+//! An aborted request is never published to decode: in prefill it is aborted there; in transfer
+//! it waits for its copies to complete, then both sides' pages are released.
+//!
+//! The pair speaks in the prefill engine's request ids: the decode engine admits each request
+//! under the same id, and the outputs of both engines come out as one stream (the prefill
+//! engine's internal `Finished` of an export is not passed on).
+
+use super::{Engine, EngineError, EngineOptions, StepReport, Transferred};
+use crate::config::Config;
+use crate::device::{Clock, Device, EventId, EventState};
+use crate::layout::{pages_for_tokens, BufferKind, LayerId, PageId};
+use crate::mutants::Mutants;
+use crate::pd::{handshake, HandshakeError, KvLink, LayerSend, LinkError, PdLayout, Role};
+use crate::probe::{self, Probe};
+use crate::scheduler::{Output, Rejection, RequestSpec};
+use std::collections::BTreeMap;
+
+/// Sends of one request before it ends with `Output::TransferFailed`.
+pub const TRANSFER_TRIES: u32 = 3;
+
+/// Why a pair could not be built or could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum PdError {
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    #[error("{role} engine: {source}")]
+    Engine { role: Role, source: EngineError },
+    #[error("KV link: {0}")]
+    Link(#[from] LinkError),
+}
+
+impl PdError {
+    fn prefill(source: EngineError) -> PdError {
+        PdError::Engine {
+            role: Role::Prefill,
+            source,
+        }
+    }
+    fn decode(source: EngineError) -> PdError {
+        PdError::Engine {
+            role: Role::Decode,
+            source,
+        }
+    }
+}
+
+/// A transfer in flight.
+#[derive(Debug)]
+struct Sending {
+    /// What the decode engine admits, its page table reserved there (the first pages receive
+    /// the KV).
+    request: Transferred,
+    /// Per layer, in layer order, the decode side's receive event.
+    received: Vec<EventId>,
+    sent: EventId,
+    /// The decode engine admitted the request.
+    admitted: bool,
+    /// The link refused a copy: the transfer failed.
+    refused: bool,
+    /// The prefill engine released its pages.
+    released: bool,
+}
+
+#[derive(Debug)]
+enum Stage {
+    /// In the prefill engine (queued or running).
+    Prefill,
+    /// Prefilled, held by the prefill engine, waiting for the decode side to have room.
+    Exported,
+    Sending(Sending),
+    /// In the decode engine.
+    Decoding,
+}
+
+#[derive(Debug)]
+struct PdRequest {
+    max_new: u32,
+    stage: Stage,
+    aborted: bool,
+    tries: u32,
+}
+
+/// Counters of the pair's transfers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PdStats {
+    pub transfers_started: u64,
+    pub transfers_done: u64,
+    pub transfers_failed: u64,
+    pub requests_failed: u64,
+    pub pages_sent: u64,
+}
+
+pub struct PdPair<D: Device, C: Clock, L: KvLink<D>> {
+    pub prefill: Engine<D, C>,
+    pub decode: Engine<D, C>,
+    link: L,
+    mutants: Mutants,
+    requests: BTreeMap<u64, PdRequest>,
+    outputs: Vec<Output>,
+    /// Events of finished transfers, for reuse: the decode side's and the prefill side's.
+    free_received: Vec<EventId>,
+    free_sent: Vec<EventId>,
+    pub stats: PdStats,
+}
+
+impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
+    /// Two engines and their link, after the layout handshake (refused: nothing is built).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        prefill_cfg: Config,
+        decode_cfg: Config,
+        prefill_dev: D,
+        decode_dev: D,
+        prefill_clock: C,
+        decode_clock: C,
+        link: L,
+        opts: EngineOptions,
+    ) -> Result<Self, PdError> {
+        handshake(
+            &PdLayout::of(&prefill_cfg, Role::Prefill),
+            &PdLayout::of(&decode_cfg, Role::Decode),
+        )?;
+        let mut prefill =
+            Engine::new(prefill_cfg, prefill_dev, prefill_clock, opts).map_err(PdError::prefill)?;
+        let mut decode =
+            Engine::new(decode_cfg, decode_dev, decode_clock, opts).map_err(PdError::decode)?;
+        prefill.set_role(Role::Prefill);
+        decode.set_role(Role::Decode);
+        Ok(PdPair {
+            prefill,
+            decode,
+            link,
+            mutants: opts.mutants,
+            requests: BTreeMap::new(),
+            outputs: Vec::new(),
+            free_received: Vec::new(),
+            free_sent: Vec::new(),
+            stats: PdStats::default(),
+        })
+    }
+
+    /// Intake: the prefill engine's admission control, and the decode engine's limits on what
+    /// the request will grow to.
+    pub fn submit(&mut self, spec: RequestSpec) -> Result<u64, Rejection> {
+        let d = self.decode.config();
+        let total = spec.prompt.len() as u64 + spec.max_new_tokens as u64;
+        let reason = if spec.max_new_tokens == 0
+            || spec.max_new_tokens > d.scheduler.output_tokens_max
+        {
+            Some(format!(
+                "max_new_tokens = {} outside 1..={} (the decode engine's scheduler.output_tokens_max)",
+                spec.max_new_tokens, d.scheduler.output_tokens_max
+            ))
+        } else if total > d.model.context_tokens_max as u64 {
+            Some(format!(
+                "prompt {} + max_new_tokens {} exceeds the decode engine's model.context_tokens_max = {}",
+                spec.prompt.len(),
+                spec.max_new_tokens,
+                d.model.context_tokens_max
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(Rejection::Invalid { reason });
+        }
+        let max_new = spec.max_new_tokens;
+        let id = self.prefill.submit(RequestSpec {
+            prompt: spec.prompt,
+            max_new_tokens: 1,
+        })?;
+        let prev = self.requests.insert(
+            id,
+            PdRequest {
+                max_new,
+                stage: Stage::Prefill,
+                aborted: false,
+                tries: 0,
+            },
+        );
+        assert!(prev.is_none(), "request id {id} handed out twice");
+        Ok(id)
+    }
+
+    /// One iteration: transfers started and polled, a prefill step, a decode step. A request
+    /// prefilled in this step is sent in the next, after its first token went out with this
+    /// step's outputs (the decode engine computes from that token).
+    pub fn step(&mut self) -> Result<StepReport, PdError> {
+        self.start_transfers()?;
+        let polled = self.poll_transfers(false)?;
+        let p = self.prefill.step().map_err(PdError::prefill)?;
+        self.take_prefill_outputs()?;
+        let d = self.decode.step().map_err(PdError::decode)?;
+        self.take_decode_outputs();
+        if p.rows == 0 && d.rows == 0 && !polled {
+            // Nothing computed and no transfer finished: wait for the oldest transfer, so that
+            // the next step progresses.
+            self.poll_transfers(true)?;
+        }
+        Ok(StepReport {
+            rows: p.rows + d.rows,
+            admitted: p.admitted,
+            idle: self.is_idle(),
+        })
+    }
+
+    /// Nothing in either engine or in transfer.
+    pub fn is_idle(&self) -> bool {
+        self.requests.is_empty() && self.prefill.is_idle() && self.decode.is_idle()
+    }
+
+    pub fn drain_outputs(&mut self) -> Vec<Output> {
+        std::mem::take(&mut self.outputs)
+    }
+
+    /// Requests the pair holds, in transfer or waiting for one.
+    pub fn in_transfer(&self) -> usize {
+        self.requests
+            .values()
+            .filter(|r| matches!(r.stage, Stage::Exported | Stage::Sending(_)))
+            .count()
+    }
+
+    /// Where each request is, for reports: `id: stage`, in id order.
+    pub fn stages(&self) -> String {
+        let mut out = Vec::new();
+        for (id, r) in &self.requests {
+            let stage = match &r.stage {
+                Stage::Prefill => "prefill".to_string(),
+                Stage::Exported => format!("exported (tries {})", r.tries),
+                Stage::Sending(s) => format!(
+                    "sending {} pages (admitted {}, aborted {})",
+                    s.request.pages.len(),
+                    s.admitted,
+                    r.aborted
+                ),
+                Stage::Decoding => "decoding".to_string(),
+            };
+            out.push(format!("{id}: {stage}"));
+        }
+        out.join(", ")
+    }
+
+    /// Aborts a request wherever it is. One in transfer ends once its copies completed.
+    pub fn abort(&mut self, id: u64) -> Result<bool, PdError> {
+        let Some(r) = self.requests.get_mut(&id) else {
+            return Ok(false);
+        };
+        if r.aborted {
+            return Ok(true);
+        }
+        match r.stage {
+            Stage::Prefill => {
+                if self.mutants.pd_publishes_aborted() && self.prefill.export_unfinished(id) {
+                    // Mutant 14: published to decode as if its prompt were computed.
+                    r.stage = Stage::Exported;
+                    return Ok(true);
+                }
+                let found = self.prefill.abort(id);
+                self.requests.remove(&id);
+                self.take_prefill_outputs()?;
+                Ok(found)
+            }
+            Stage::Exported => {
+                self.requests.remove(&id);
+                self.prefill.release_export(id).map_err(PdError::prefill)?;
+                self.take_prefill_outputs()?;
+                probe::hit(Probe::PdAbortInTransfer);
+                self.outputs.push(Output::Aborted { request: id });
+                Ok(true)
+            }
+            Stage::Sending(_) => {
+                r.aborted = true;
+                probe::hit(Probe::PdAbortInTransfer);
+                Ok(true)
+            }
+            Stage::Decoding => {
+                self.requests.remove(&id);
+                let found = self.decode.abort(id);
+                self.take_decode_outputs();
+                Ok(found)
+            }
+        }
+    }
+
+    fn take_prefill_outputs(&mut self) -> Result<(), PdError> {
+        self.pass_prefill_outputs();
+        // Requests of one output token end on the prefill side: nothing to send. Their
+        // completion there is the request's.
+        let done: Vec<u64> = self
+            .prefill
+            .exports()
+            .filter(|r| {
+                self.requests
+                    .get(&r.id)
+                    .is_some_and(|p| matches!(p.stage, Stage::Prefill) && p.max_new <= r.generated)
+            })
+            .map(|r| r.id)
+            .collect();
+        for id in done {
+            self.requests.remove(&id);
+            self.prefill.release_export(id).map_err(PdError::prefill)?;
+            self.outputs.extend(self.prefill.drain_outputs());
+        }
+        // Prefilled requests become exports.
+        for r in self.prefill.exports() {
+            if let Some(p) = self.requests.get_mut(&r.id) {
+                if matches!(p.stage, Stage::Prefill) {
+                    p.stage = Stage::Exported;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The prefill engine's outputs, less the internal completions of exports.
+    fn pass_prefill_outputs(&mut self) {
+        for o in self.prefill.drain_outputs() {
+            match o {
+                // An export's completion on the prefill side: internal.
+                Output::Finished { .. } => {}
+                Output::Aborted { request } => {
+                    self.requests.remove(&request);
+                    self.outputs.push(o);
+                }
+                o => self.outputs.push(o),
+            }
+        }
+    }
+
+    fn take_decode_outputs(&mut self) {
+        for o in self.decode.drain_outputs() {
+            if let Output::Finished { request, .. } | Output::Aborted { request } = o {
+                self.requests.remove(&request);
+            }
+            self.outputs.push(o);
+        }
+    }
+
+    fn event(pool: &mut Vec<EventId>, dev: &mut D) -> Result<EventId, EngineError> {
+        match pool.pop() {
+            Some(e) => Ok(e),
+            None => Ok(dev.new_event()?),
+        }
+    }
+
+    /// Starts the transfer of every export the decode side has room for, oldest first.
+    fn start_transfers(&mut self) -> Result<(), PdError> {
+        let ids: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| matches!(r.stage, Stage::Exported))
+            .map(|(&id, _)| id)
+            .collect();
+        let running_max = self.decode.config().scheduler.running_requests_max as usize;
+        for id in ids {
+            let sending = self
+                .requests
+                .values()
+                .filter(|r| matches!(r.stage, Stage::Sending(_)))
+                .count();
+            if self.decode.running_len() + sending >= running_max {
+                probe::hit(Probe::PdDecodeFull);
+                break;
+            }
+            let max_new = self.requests[&id].max_new;
+            let ex = self
+                .prefill
+                .export(id)
+                .expect("an exported request is held");
+            let total = pages_for_tokens((ex.prompt_len + max_new as usize) as u64) as usize;
+            let sent_pages = pages_for_tokens(ex.computed as u64) as usize;
+            let src: Vec<PageId> = ex.pages[..sent_pages].to_vec();
+            let (tokens, prompt_len, computed, generated) =
+                (ex.tokens.clone(), ex.prompt_len, ex.computed, ex.generated);
+            let Some(pages) = self.decode.reserve_import(total).map_err(PdError::decode)? else {
+                probe::hit(Probe::PdDecodeFull);
+                break;
+            };
+            let pairs: Vec<(PageId, PageId)> =
+                src.iter().copied().zip(pages.iter().copied()).collect();
+            let layers = self.prefill.layout().layers();
+            let mut received = Vec::with_capacity(layers as usize);
+            let mut sends = Vec::with_capacity(layers as usize);
+            for l in 0..layers {
+                let ev = Self::event(&mut self.free_received, &mut self.decode.dev)
+                    .map_err(PdError::decode)?;
+                received.push(ev);
+                let dl = LayerId(self.mutants.pd_decode_layer(l as usize, layers as usize) as u32);
+                let side = |k| {
+                    (
+                        self.prefill.pools().device_side(k, LayerId(l)),
+                        self.decode.pools().device_side(k, dl),
+                    )
+                };
+                sends.push(LayerSend {
+                    layer: LayerId(l),
+                    kv: side(BufferKind::Kv),
+                    index_k: side(BufferKind::IndexK),
+                    received: ev,
+                });
+            }
+            let sent = Self::event(&mut self.free_sent, &mut self.prefill.dev)
+                .map_err(PdError::prefill)?;
+            let after = self.prefill.step_event();
+            let (prefill_dev, decode_dev) = (&mut self.prefill.dev, &mut self.decode.dev);
+            let mut refused = false;
+            match self
+                .link
+                .send(prefill_dev, decode_dev, after, &pairs, &sends, sent)
+            {
+                Ok(()) => {}
+                Err(LinkError::Refused(_)) => {
+                    probe::hit(Probe::PdTransferRefused);
+                    refused = true;
+                }
+                // A pair whose sides' pages differ, or a device that cannot record an event,
+                // cannot go on.
+                Err(e) => return Err(e.into()),
+            }
+            self.stats.transfers_started += 1;
+            self.stats.pages_sent += (pairs.len() * layers as usize) as u64;
+            let mut released = false;
+            if self.mutants.pd_frees_before_send() {
+                self.prefill.release_export(id).map_err(PdError::prefill)?;
+                self.take_prefill_outputs()?;
+                released = true;
+            }
+            self.requests.get_mut(&id).expect("exported").stage = Stage::Sending(Sending {
+                request: Transferred {
+                    id,
+                    tokens,
+                    prompt_len,
+                    computed,
+                    generated,
+                    max_new,
+                    pages,
+                },
+                received,
+                sent,
+                admitted: false,
+                refused,
+                released,
+            });
+        }
+        Ok(())
+    }
+
+    /// Completes transfers whose events are done (with `wait`: waits for the oldest one).
+    /// Whether any completed.
+    fn poll_transfers(&mut self, wait: bool) -> Result<bool, PdError> {
+        let ids: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| matches!(r.stage, Stage::Sending(_)))
+            .map(|(&id, _)| id)
+            .collect();
+        let mut any = false;
+        for (i, id) in ids.into_iter().enumerate() {
+            let r = self.requests.get_mut(&id).expect("in transfer");
+            let Stage::Sending(s) = &mut r.stage else {
+                unreachable!("filtered");
+            };
+            // Decode admits once the receive of every layer completed (mutant 17: the first).
+            let awaited = self.mutants.pd_layers_awaited(s.received.len());
+            if !s.admitted && !r.aborted && !s.refused {
+                let mut state = EventState::Done;
+                for &ev in &s.received[..awaited] {
+                    state = self.decode.dev.query(ev);
+                    if state != EventState::Done {
+                        break;
+                    }
+                }
+                if state == EventState::Done {
+                    s.admitted = true;
+                    probe::hit(Probe::PdAdmitted);
+                    self.decode.admit_transferred(s.request.clone());
+                    self.stats.transfers_done += 1;
+                }
+            }
+            // The send is over when `sent`, recorded after every layer, completed.
+            let sent = if wait && i == 0 {
+                self.decode.dev.synchronize(s.sent)
+            } else {
+                self.decode.dev.query(s.sent)
+            };
+            if sent == EventState::Pending {
+                continue;
+            }
+            any = true;
+            let mut ok = sent == EventState::Done && !s.refused;
+            for &ev in &s.received {
+                ok &= self.decode.dev.query(ev) == EventState::Done;
+            }
+            self.finish_transfer(id, ok)?;
+        }
+        Ok(any)
+    }
+
+    /// The send of `id` is over (`ok`: every copy succeeded).
+    fn finish_transfer(&mut self, id: u64, ok: bool) -> Result<(), PdError> {
+        let r = self.requests.get_mut(&id).expect("in transfer");
+        let Stage::Sending(s) = std::mem::replace(&mut r.stage, Stage::Exported) else {
+            unreachable!("in transfer");
+        };
+        self.free_received.extend_from_slice(&s.received);
+        self.free_sent.push(s.sent);
+        if !ok {
+            // A copy failed: its destination holds unspecified bytes. Clear the device's error.
+            self.stats.transfers_failed += 1;
+            probe::hit(Probe::PdTransferFailed);
+            self.decode
+                .dev
+                .recover()
+                .map_err(|e| PdError::decode(e.into()))?;
+        }
+        let release = !s.released;
+        if ok && !s.admitted && !r.aborted {
+            // Every layer arrived after the poll looked at them.
+            probe::hit(Probe::PdAdmitted);
+            self.decode.admit_transferred(s.request.clone());
+            self.stats.transfers_done += 1;
+        }
+        if s.admitted || (ok && !r.aborted) {
+            // Decoding (only mutant 17 admits before a failure could be seen).
+            r.stage = Stage::Decoding;
+        } else {
+            self.decode.cancel_import(&s.request.pages);
+            r.tries += u32::from(!ok);
+            let tries = r.tries;
+            if r.aborted {
+                self.requests.remove(&id);
+                self.outputs.push(Output::Aborted { request: id });
+            } else if tries >= TRANSFER_TRIES || s.released {
+                self.stats.requests_failed += 1;
+                self.requests.remove(&id);
+                self.outputs
+                    .push(Output::TransferFailed { request: id, tries });
+            } else {
+                // Sent again from the prefill side's pages, which it still holds.
+                return Ok(());
+            }
+        }
+        if release {
+            self.prefill.release_export(id).map_err(PdError::prefill)?;
+            self.take_prefill_outputs()?;
+        }
+        Ok(())
+    }
+
+    /// Both engines' invariants, and the pair's: every request is where its stage says, and the
+    /// decode side holds exactly the pages of the transfers in flight.
+    pub fn check_invariants(&self) {
+        self.prefill.check_invariants();
+        self.decode.check_invariants();
+        for (&id, r) in &self.requests {
+            match &r.stage {
+                Stage::Prefill => assert!(
+                    self.prefill.request(id).is_some(),
+                    "request {id} in prefill, which does not hold it"
+                ),
+                Stage::Exported => assert!(
+                    self.prefill.export(id).is_some(),
+                    "request {id} exported, which the prefill engine does not hold"
+                ),
+                Stage::Sending(s) => assert!(
+                    s.released || self.prefill.export(id).is_some(),
+                    "request {id} in transfer, released by the prefill engine"
+                ),
+                Stage::Decoding => assert!(
+                    self.decode.request(id).is_some(),
+                    "request {id} decoding, which the decode engine does not hold"
+                ),
+            }
+        }
+    }
+
+    /// At quiescence: both engines quiescent, nothing in transfer.
+    pub fn check_quiescent(&self) -> Result<(), String> {
+        if !self.requests.is_empty() {
+            return Err(format!(
+                "{} requests still in the pair",
+                self.requests.len()
+            ));
+        }
+        self.prefill
+            .check_quiescent()
+            .map_err(|e| format!("prefill engine: {e}"))?;
+        self.decode
+            .check_quiescent()
+            .map_err(|e| format!("decode engine: {e}"))
+    }
+}

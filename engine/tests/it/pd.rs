@@ -1,0 +1,224 @@
+//! Prefill/decode pairs on the in-order CPU device (both engines share one, joined by the peer
+//! link): the pair's outputs equal one engine's for the same requests, digest for digest; a pair
+//! whose layouts differ is refused before anything is built; aborts anywhere leak nothing.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use tierkv_engine::cpu_device::{InOrderDevice, ManualClock};
+use tierkv_engine::layout::IndexKDtype;
+use tierkv_engine::pd::{PeerLink, SharedDevice};
+use tierkv_engine::synth::Synth;
+use tierkv_engine::{Config, Engine, EngineOptions, Output, PdError, PdPair, RequestSpec};
+
+type Pair = PdPair<SharedDevice<InOrderDevice>, ManualClock, PeerLink>;
+
+fn pair(prefill: Config, decode: Config, seed: u64) -> Result<Pair, PdError> {
+    let dev = SharedDevice(Rc::new(RefCell::new(InOrderDevice::new())));
+    PdPair::new(
+        prefill,
+        decode,
+        dev.clone(),
+        dev,
+        ManualClock::default(),
+        ManualClock::default(),
+        PeerLink,
+        EngineOptions {
+            seed,
+            ..Default::default()
+        },
+    )
+}
+
+/// Eight requests sharing prefixes of 0, 1 and 3 pages, some ending on a page boundary.
+fn specs(synth: &Synth) -> Vec<RequestSpec> {
+    (0..8u64)
+        .map(|i| {
+            let shared = [0usize, 64, 192][i as usize % 3];
+            let own = [1usize, 63, 64, 100][i as usize % 4];
+            let mut prompt: Vec<u32> = (0..shared as u64).map(|t| synth.token(7, t)).collect();
+            prompt.extend((0..own as u64).map(|t| synth.token(100 + i, t)));
+            RequestSpec {
+                prompt,
+                max_new_tokens: 1 + (i as u32 % 5) * 3,
+            }
+        })
+        .collect()
+}
+
+/// Per request: every emitted query position's digests, the tokens, and the finished list.
+#[derive(Debug, Default, PartialEq)]
+struct Seen {
+    digests: BTreeMap<u32, Vec<u64>>,
+    tokens: Vec<(u32, u32)>,
+    finished: Option<Vec<u32>>,
+    aborted: bool,
+    transfer_failed: bool,
+}
+
+fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Seen>) {
+    for o in out {
+        match o {
+            Output::Digests {
+                request,
+                position,
+                digests,
+            } => {
+                let prev = seen
+                    .entry(request)
+                    .or_default()
+                    .digests
+                    .insert(position, digests);
+                assert!(
+                    prev.is_none(),
+                    "request {request} position {position} twice"
+                );
+            }
+            Output::Token {
+                request,
+                index,
+                token,
+            } => seen.entry(request).or_default().tokens.push((index, token)),
+            Output::Finished { request, generated } => {
+                let s = seen.entry(request).or_default();
+                assert!(s.finished.is_none(), "request {request} finished twice");
+                s.finished = Some(generated);
+            }
+            Output::Aborted { request } => seen.entry(request).or_default().aborted = true,
+            Output::TransferFailed { request, .. } => {
+                seen.entry(request).or_default().transfer_failed = true
+            }
+            Output::Recompute { .. } => {}
+        }
+    }
+}
+
+fn run_pair(p: &mut Pair, seen: &mut BTreeMap<u64, Seen>) {
+    for _ in 0..10_000 {
+        let r = p.step().expect("pair step");
+        p.check_invariants();
+        collect(p.drain_outputs(), seen);
+        if r.idle {
+            p.check_quiescent().expect("quiescent");
+            return;
+        }
+    }
+    panic!("the pair did not go idle");
+}
+
+#[test]
+fn a_pair_emits_what_one_engine_emits() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut one = Engine::new(
+        cfg.clone(),
+        InOrderDevice::new(),
+        ManualClock::default(),
+        EngineOptions {
+            seed: 11,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let specs = specs(&one.synth);
+    let mut single = BTreeMap::new();
+    for s in &specs {
+        one.submit(s.clone()).unwrap();
+    }
+    for _ in 0..10_000 {
+        let r = one.step().unwrap();
+        collect(one.drain_outputs(), &mut single);
+        if r.idle {
+            break;
+        }
+    }
+    let mut p = pair(cfg.clone(), cfg, 11).unwrap();
+    for s in &specs {
+        p.submit(s.clone()).unwrap();
+    }
+    let mut paired = BTreeMap::new();
+    run_pair(&mut p, &mut paired);
+    assert_eq!(p.stats.transfers_done, specs.len() as u64);
+    assert_eq!(single.len(), specs.len());
+    for (id, s) in &single {
+        let q = &paired[id];
+        assert_eq!(q.tokens, s.tokens, "request {id}: tokens");
+        assert_eq!(q.finished, s.finished, "request {id}: finished");
+        assert!(s.finished.is_some(), "request {id} finished");
+        // Every position both computed (the prefix cache decides which prompt positions each
+        // recomputes) has equal digests, and every generated position is in both.
+        let prompt_len = specs[*id as usize].prompt.len() as u32;
+        for (pos, d) in &s.digests {
+            if let Some(e) = q.digests.get(pos) {
+                assert_eq!(e, d, "request {id} position {pos}");
+            } else {
+                assert!(pos + 1 < prompt_len, "request {id}: position {pos} missing");
+            }
+        }
+        for pos in prompt_len - 1..prompt_len + s.tokens.len() as u32 - 1 {
+            assert!(q.digests.contains_key(&pos), "request {id} position {pos}");
+        }
+    }
+}
+
+#[test]
+fn a_bf16_prefill_index_k_and_an_fp8_decode_are_refused() {
+    let mut p = Config::preset("sim-small").unwrap();
+    p.model.index_k_dtype = IndexKDtype::Bf16;
+    let mut d = p.clone();
+    d.model.index_k_dtype = IndexKDtype::Fp8;
+    let e = pair(p, d, 0).err().expect("refused");
+    let text = e.to_string();
+    assert!(matches!(e, PdError::Handshake(_)), "{e:?}");
+    assert!(
+        text.contains("model.index_k_dtype (prefill: index_k/bf16")
+            && text.contains("decode: index_k/fp8"),
+        "{text}"
+    );
+}
+
+#[test]
+fn aborts_in_every_stage_leak_nothing() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut p = pair(cfg.clone(), cfg, 5).unwrap();
+    let specs = specs(&Synth::new(5));
+    let mut seen = BTreeMap::new();
+    // Abort one request after each number of steps: queued, prefilling, decoding.
+    let ids: Vec<u64> = specs.iter().map(|s| p.submit(s.clone()).unwrap()).collect();
+    for (step, &id) in ids.iter().enumerate().step_by(2) {
+        for _ in 0..step {
+            p.step().unwrap();
+            p.check_invariants();
+            collect(p.drain_outputs(), &mut seen);
+        }
+        p.abort(id).unwrap();
+        p.check_invariants();
+        collect(p.drain_outputs(), &mut seen);
+    }
+    run_pair(&mut p, &mut seen);
+    for id in ids {
+        let s = &seen[&id];
+        assert!(
+            s.finished.is_some() != s.aborted,
+            "request {id} ends once: {s:?}"
+        );
+    }
+}
+
+#[test]
+fn intake_checks_the_decode_side_limits() {
+    let p_cfg = Config::preset("sim-small").unwrap();
+    let mut d_cfg = p_cfg.clone();
+    d_cfg.scheduler.output_tokens_max = 4;
+    let mut p = pair(p_cfg, d_cfg, 0).unwrap();
+    let e = p
+        .submit(RequestSpec {
+            prompt: vec![1, 2, 3],
+            max_new_tokens: 5,
+        })
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("the decode engine's scheduler.output_tokens_max"),
+        "{e}"
+    );
+}

@@ -1,0 +1,45 @@
+//! The simulated KV link of a prefill/decode pair: the peer link of one address space (page
+//! copies on the decode side's load stream of the shared simulated GPU, so latency, bandwidth,
+//! slow, failed, refused and torn copies are the GPU's fault model) with the layers of each
+//! transfer sent in a seeded order, as independent sends may complete in any order.
+
+use crate::gpu::SimSide;
+use crate::rng::Rng;
+use tierkv_engine::device::EventId;
+use tierkv_engine::layout::PageId;
+use tierkv_engine::pd::{KvLink, LayerSend, LinkError, PeerLink};
+
+pub struct SimLink {
+    rng: Rng,
+}
+
+impl SimLink {
+    pub fn new(seed: u64) -> SimLink {
+        SimLink {
+            rng: Rng::new(seed ^ 0x004C_1A4B),
+        }
+    }
+}
+
+impl KvLink<SimSide> for SimLink {
+    fn send(
+        &mut self,
+        prefill: &mut SimSide,
+        decode: &mut SimSide,
+        after: EventId,
+        pairs: &[(PageId, PageId)],
+        layers: &[LayerSend],
+        sent: EventId,
+    ) -> Result<(), LinkError> {
+        let mut order = layers.to_vec();
+        for i in (1..order.len()).rev() {
+            let j = self.rng.below(i as u64 + 1) as usize;
+            order.swap(i, j);
+        }
+        crate::probes::hit_if(
+            crate::probes::SimProbe::PdLayersReordered,
+            order.iter().zip(layers).any(|(a, b)| a.layer != b.layer),
+        );
+        PeerLink.send(prefill, decode, after, pairs, &order, sent)
+    }
+}
