@@ -249,7 +249,10 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             return false;
         }
         match self.sched.take_running(id) {
-            Some(r) => {
+            Some(mut r) => {
+                // Published as if its prompt were computed up to the last token (which decode
+                // then computes from KV that was never written).
+                r.computed = r.computed.max(r.prompt_len - 1);
                 self.exports.insert(id, r);
                 true
             }

@@ -8,7 +8,9 @@ use tierkv_sim::cli::zoo::zoo_row;
 fn every_mutant_is_caught_within_100_seeds() {
     let mut worst = 0;
     for m in Mutant::ALL {
-        let r = zoo_row(Some(m), 100, 2, "swarm");
+        // The prefill/decode mutants under the `pd` profile, the others under the default.
+        let profile = if m.is_pd() { "pd" } else { "swarm" };
+        let r = zoo_row(Some(m), 100, 2, profile);
         assert!(
             r.caught,
             "mutant {} was not caught within 100 seeds",
@@ -24,6 +26,8 @@ fn every_mutant_is_caught_within_100_seeds() {
     }
     let clean = zoo_row(None, worst, 2, "swarm");
     assert!(!clean.caught, "the clean engine failed: {}", clean.message);
+    let clean = zoo_row(None, worst.min(12), 2, "pd");
+    assert!(!clean.caught, "the clean pair failed: {}", clean.message);
 }
 
 /// Bugs planted in the kernels' CPU references (the simulator's self-test): each is caught on the
