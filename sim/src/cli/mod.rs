@@ -15,6 +15,7 @@ pub mod campaign;
 mod check_config;
 pub mod data;
 pub mod replay;
+pub mod replay_pd;
 pub mod sim;
 pub mod zoo;
 

@@ -58,6 +58,11 @@ pub struct ReplayArgs {
     /// or `exact` (the CPU reference's operation order, bit-exact, compute-bound).
     #[arg(long, default_value = "tensor-core", value_parser = ["tensor-core", "exact"])]
     pub logits: String,
+    /// Prefill/decode disaggregation: run the requests through a prefill engine and a decode
+    /// engine joined by the peer link (both on the one device), and through one engine, and
+    /// compare their outputs digest for digest (no arrival times; `--metrics-port` unused).
+    #[arg(long)]
+    pub pd: bool,
 }
 
 fn percentile(v: &mut [u64], p: f64) -> f64 {
@@ -114,6 +119,9 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
 }
 
 pub fn run_replay(a: ReplayArgs) -> i32 {
+    if a.pd {
+        return super::replay_pd::run_replay_pd(&a);
+    }
     let (cfg, work) = match prepare(&a) {
         Ok(p) => p,
         Err(e) => {

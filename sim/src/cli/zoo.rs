@@ -119,7 +119,11 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
     let mut missed = 0;
     for m in &mutants {
         // The prefill/decode mutants act only in a pair: they run under the `pd` profile.
-        let profile = if m.is_pd() { "pd" } else { args.profile.as_str() };
+        let profile = if m.is_pd() {
+            "pd"
+        } else {
+            args.profile.as_str()
+        };
         let r = zoo_row(Some(*m), args.seeds, jobs, profile);
         if !r.caught {
             missed += 1;

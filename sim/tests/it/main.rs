@@ -69,6 +69,26 @@ fn every_probe_is_hit(c: &tierkv_sim::probes::Coverage) {
     }
 }
 
+/// Prefill/decode pairs (the `pd` profile): no findings, and the pair's transfers happen —
+/// every request crosses the link, some transfers fail and are sent again, layers go out of
+/// order.
+#[test]
+fn pd_pairs_have_no_findings() {
+    let s = run_campaign(&campaign("pd", 0, 6), |_| {});
+    assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
+    assert!(s.totals.finished > 0 && s.totals.digests_checked > 0);
+    for probe in ["pd.admitted", "pd.layers_reordered", "pd.transfer_failed"] {
+        assert!(
+            s.coverage
+                .probes
+                .get(probe)
+                .is_some_and(|&(hits, _)| hits > 0),
+            "probe {probe} never hit:\n{}",
+            s.coverage.table()
+        );
+    }
+}
+
 /// The production model's shapes (64 indexer heads, top-2048, contexts of 16K to 128K tokens,
 /// a layer range of the 61 layers), with a load-back in some seeds.
 #[test]

@@ -1,0 +1,291 @@
+//! `tierkv replay --pd`: the trace's requests through a prefill/decode pair and through one
+//! engine, on the same device kind, and the two compared request by request, digest for digest.
+//!
+//! Both engines of the pair share one device (the in-order CPU device, or one CUDA GPU) and are
+//! joined by the peer link: each transfer is page copies on the device's load stream, from the
+//! prefill engine's pools to the decode engine's. The requests are submitted in trace order and
+//! the engines stepped to idle on this thread (no arrival times: the comparison is of outputs,
+//! not of latency). Prints each role's `/metrics` text, the transfers, and the comparison; exits
+//! 1 when any request differs. Not here: the NCCL link between two GPUs.
+
+use super::replay::{prepare, ReplayArgs};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::Instant;
+use tierkv_engine::cpu_device::ManualClock;
+use tierkv_engine::device::Device;
+use tierkv_engine::pd::{PeerLink, SharedDevice};
+use tierkv_engine::{Config, Engine, EngineOptions, Output, PdPair, Rejection, RequestSpec};
+
+/// What one request emitted.
+#[derive(Debug, Default, PartialEq)]
+struct Emitted {
+    /// Query position → digests.
+    digests: BTreeMap<u32, Vec<u64>>,
+    tokens: Vec<u32>,
+    finished: Option<Vec<u32>>,
+    ended_otherwise: Option<String>,
+}
+
+fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Emitted>) {
+    for o in out {
+        match o {
+            Output::Digests {
+                request,
+                position,
+                digests,
+            } => {
+                seen.entry(request)
+                    .or_default()
+                    .digests
+                    .insert(position, digests);
+            }
+            Output::Token { request, token, .. } => {
+                seen.entry(request).or_default().tokens.push(token)
+            }
+            Output::Finished { request, generated } => {
+                seen.entry(request).or_default().finished = Some(generated)
+            }
+            Output::Aborted { request } => {
+                seen.entry(request).or_default().ended_otherwise = Some("aborted".into())
+            }
+            Output::TransferFailed { request, tries } => {
+                seen.entry(request).or_default().ended_otherwise =
+                    Some(format!("transfer failed {tries} times"))
+            }
+            Output::Recompute { .. } => {}
+        }
+    }
+}
+
+/// A step budget: far more than any replay of this size needs.
+const STEPS_MAX: u64 = 10_000_000;
+
+/// Submits `work` in order (stepping while admission control refuses) and steps to idle.
+fn drive<S, E>(
+    work: &[RequestSpec],
+    mut submit: S,
+    mut step: E,
+    seen: &mut BTreeMap<u64, Emitted>,
+) -> Result<u64, String>
+where
+    S: FnMut(RequestSpec) -> Result<u64, Rejection>,
+    E: FnMut(&mut BTreeMap<u64, Emitted>) -> Result<bool, String>,
+{
+    let mut steps = 0u64;
+    for (i, spec) in work.iter().enumerate() {
+        loop {
+            match submit(spec.clone()) {
+                Ok(id) if id == i as u64 => break,
+                Ok(id) => return Err(format!("request {i} got id {id}")),
+                Err(Rejection::Invalid { reason }) => {
+                    return Err(format!("request {i} refused: {reason}"))
+                }
+                Err(_) => {
+                    step(seen)?;
+                    steps += 1;
+                }
+            }
+        }
+    }
+    while !step(seen)? {
+        steps += 1;
+        if steps > STEPS_MAX {
+            return Err(format!("not idle after {STEPS_MAX} steps"));
+        }
+    }
+    Ok(steps)
+}
+
+/// Runs the single engine and the pair on devices made by `device`, and compares them.
+fn compare<D: Device>(
+    cfg: &Config,
+    work: &[RequestSpec],
+    device: impl Fn() -> Result<D, String>,
+) -> Result<bool, String> {
+    let opts = EngineOptions::default();
+    let started = Instant::now();
+    let mut one = Engine::new(cfg.clone(), device()?, ManualClock::default(), opts)
+        .map_err(|e| format!("single engine: {e}"))?;
+    let mut single = BTreeMap::new();
+    let one_steps = {
+        let one = RefCell::new(&mut one);
+        drive(
+            work,
+            |s| one.borrow_mut().submit(s),
+            |seen| {
+                let mut e = one.borrow_mut();
+                let r = e.step().map_err(|e| format!("single engine: {e}"))?;
+                collect(e.drain_outputs(), seen);
+                Ok(r.idle)
+            },
+            &mut single,
+        )?
+    };
+    let one_wall = started.elapsed();
+    let shared = SharedDevice(Rc::new(RefCell::new(device()?)));
+    let started = Instant::now();
+    let mut pair = PdPair::new(
+        cfg.clone(),
+        cfg.clone(),
+        shared.clone(),
+        shared,
+        ManualClock::default(),
+        ManualClock::default(),
+        PeerLink,
+        opts,
+    )
+    .map_err(|e| format!("prefill/decode pair: {e}"))?;
+    let mut paired = BTreeMap::new();
+    let pair_steps = {
+        let pair = RefCell::new(&mut pair);
+        drive(
+            work,
+            |s| pair.borrow_mut().submit(s),
+            |seen| {
+                let mut p = pair.borrow_mut();
+                let r = p.step().map_err(|e| format!("pair: {e}"))?;
+                collect(p.drain_outputs(), seen);
+                Ok(r.idle)
+            },
+            &mut paired,
+        )?
+    };
+    let pair_wall = started.elapsed();
+    pair.check_quiescent()
+        .map_err(|e| format!("the pair leaked: {e}"))?;
+    println!("# prefill engine /metrics");
+    print!("{}", pair.prefill.metrics.render_prometheus());
+    println!("# decode engine /metrics");
+    print!("{}", pair.decode.metrics.render_prometheus());
+    let st = pair.stats;
+    let page_bytes = pair.prefill.layout().transfer_bytes(1).0;
+    println!(
+        "single engine: {} requests in {one_steps} steps, {:.2} s; pair: {pair_steps} steps, {:.2} s",
+        single.len(),
+        one_wall.as_secs_f64(),
+        pair_wall.as_secs_f64()
+    );
+    println!(
+        "transfers: {} started, {} done, {} failed, {} requests failed; {} layer-pages sent ({:.1} MB)",
+        st.transfers_started,
+        st.transfers_done,
+        st.transfers_failed,
+        st.requests_failed,
+        st.pages_sent,
+        (st.pages_sent * page_bytes / cfg.model.layers as u64) as f64 / 1e6
+    );
+    let (mut equal, mut digests) = (0usize, 0usize);
+    let mut differ = Vec::new();
+    for (id, s) in &single {
+        let Some(p) = paired.get(id) else {
+            differ.push(format!("request {id}: no output from the pair"));
+            continue;
+        };
+        let mut why = Vec::new();
+        if s.tokens != p.tokens {
+            why.push("tokens".to_string());
+        }
+        if s.finished != p.finished || s.ended_otherwise != p.ended_otherwise {
+            why.push(format!(
+                "end (single {:?} {:?}, pair {:?} {:?})",
+                s.finished.as_ref().map(Vec::len),
+                s.ended_otherwise,
+                p.finished.as_ref().map(Vec::len),
+                p.ended_otherwise
+            ));
+        }
+        // Positions both computed (each side's prefix cache decides which prompt positions it
+        // recomputes) are equal, and both computed every generated position.
+        for (pos, d) in &s.digests {
+            match p.digests.get(pos) {
+                Some(e) if e == d => digests += 1,
+                Some(_) => why.push(format!("digests of position {pos}")),
+                None => {}
+            }
+        }
+        let generated: Vec<&u32> = s
+            .digests
+            .keys()
+            .rev()
+            .take(s.tokens.len())
+            .filter(|pos| !p.digests.contains_key(pos))
+            .collect();
+        if !generated.is_empty() {
+            why.push(format!("the pair never computed positions {generated:?}"));
+        }
+        if why.is_empty() {
+            equal += 1;
+        } else {
+            differ.push(format!("request {id}: {}", why.join(", ")));
+        }
+    }
+    println!(
+        "pair = single engine: {equal} of {} requests equal ({digests} query digests compared)",
+        single.len()
+    );
+    for d in differ.iter().take(20) {
+        println!("  differs: {d}");
+    }
+    Ok(differ.is_empty() && equal == work.len())
+}
+
+pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
+    let (cfg, work) = match prepare(a) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    let work: Vec<RequestSpec> = work.into_iter().map(|(_, s)| s).collect();
+    println!(
+        "replaying {} requests through a prefill/decode pair and through one engine, on {}; {} layers, device {} pages each",
+        work.len(),
+        a.device,
+        a.layers,
+        a.device_pages
+    );
+    let result = match a.device.as_str() {
+        "cpu" => compare(&cfg, &work, || {
+            Ok(tierkv_engine::cpu_device::InOrderDevice::new())
+        }),
+        _ => cuda(&cfg, &work, a),
+    };
+    match result {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            eprintln!("replay --pd: {e}");
+            1
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(cfg: &Config, work: &[RequestSpec], a: &ReplayArgs) -> Result<bool, String> {
+    use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
+    tierkv_kernels::cuda::launch::Kernels::global()
+        .map_err(|e| format!("--device cuda: no usable CUDA device: {e}"))?;
+    let logits = if a.logits == "exact" {
+        LogitsKernel::Exact
+    } else {
+        LogitsKernel::TensorCore
+    };
+    let strategy = if a.copy == "runs" {
+        CopyStrategy::MemcpyRuns
+    } else {
+        CopyStrategy::Gather
+    };
+    compare(cfg, work, || {
+        let mut dev = CudaDevice::new(strategy).map_err(|e| format!("CUDA device: {e}"))?;
+        dev.ops.logits = logits;
+        Ok(dev)
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &Config, _: &[RequestSpec], _: &ReplayArgs) -> Result<bool, String> {
+    Err("--device cuda needs a build with `--features cuda`".into())
+}
