@@ -287,7 +287,7 @@ type PairEng = PdPair<SimSide, SimClock, SimLink>;
 /// What a run drives: one engine on side 0 of the simulated GPU, or (the `pd` profile) a
 /// prefill/decode pair, prefill on side 0 and decode on side 1, joined by the simulated link.
 enum Target {
-    One(Eng),
+    One(Box<Eng>),
     Pair(Box<PairEng>),
 }
 
@@ -319,7 +319,7 @@ impl Target {
     /// Every engine, intake first.
     fn engines(&self) -> Vec<&Eng> {
         match self {
-            Target::One(e) => vec![e],
+            Target::One(e) => vec![&**e],
             Target::Pair(p) => vec![&p.prefill, &p.decode],
         }
     }
@@ -514,7 +514,9 @@ fn start_engine(
             );
             guarded(|| pair.map(|p| Target::Pair(Box::new(p))).map_err(pd_error))
         } else {
-            guarded(|| Engine::new(cfg.clone(), side(0), clock, eopts).map(Target::One))
+            guarded(|| {
+                Engine::new(cfg.clone(), side(0), clock, eopts).map(|e| Target::One(Box::new(e)))
+            })
         };
         target
             .map(|t| t.map(|t| (t, gpu)))

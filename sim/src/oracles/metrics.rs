@@ -130,10 +130,13 @@ mod tests {
                 vec![false, true, false],
                 vec![false, false, false, true],
                 vec![false],
+                vec![],
+                vec![],
+                vec![],
             ],
-            refused_after: [vec![], vec![0], vec![]],
-            made: [3, 4, 1],
-            copy_bytes: [0, 400, 100],
+            refused_after: [vec![], vec![0], vec![], vec![], vec![], vec![]],
+            made: [3, 4, 1, 0, 0, 0],
+            copy_bytes: [0, 400, 100, 0, 0, 0],
         };
         let mut m = Metrics {
             loads: 2,
