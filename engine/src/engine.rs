@@ -271,6 +271,10 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         self.refresh_gauges();
         Ok(got)
     }
+    /// Decode side: device pages reserved for transfers in flight, not yet handed to a request.
+    pub fn pages_held_for_transfers(&self) -> usize {
+        self.import_held
+    }
     /// Decode side: gives back the pages of a transfer that failed or was abandoned. The caller
     /// has seen every copy into them complete.
     pub fn cancel_import(&mut self, pages: &[PageId]) {
@@ -327,6 +331,12 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
 
     /// Intake with admission control: a typed rejection over the limits, never an unbounded queue.
     pub fn submit(&mut self, spec: RequestSpec) -> Result<u64, Rejection> {
+        if self.role == Some(Role::Decode) {
+            // Its requests come from its prefill engine, under that engine's ids.
+            return Err(Rejection::Invalid {
+                reason: "a decode engine takes requests only from its prefill engine".into(),
+            });
+        }
         let now = self.clock.now_ns();
         let r = self.sched.submit(spec, now);
         match &r {

@@ -258,7 +258,11 @@ pub trait KvLink<D: Device> {
 }
 
 /// The link between two devices of one address space: page copies on the decode side's load
-/// stream (after it waited for the prefill side's event), each layer's event recorded there.
+/// stream (after it waited for the prefill side's event), each layer's event recorded there, and
+/// `sent` too. It needs the two devices to share one table of buffers and events: the decode
+/// side waits on the prefill side's `after` and the prefill side queries `sent` — true of the
+/// simulator's two sides and of `SharedDevice`, not of two separate CUDA devices (that link is
+/// NCCL's, not built yet).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PeerLink;
 
@@ -310,7 +314,9 @@ impl<D: Device> KvLink<D> for PeerLink {
 }
 
 /// One device shared by the two engines of a pair (both handles reach the same buffers, streams
-/// and events): for unit tests on the in-order CPU device, where stream order does not matter.
+/// and events): for unit tests on the in-order CPU device, and `tierkv replay --pd`, where both
+/// engines share one CUDA GPU and its three streams (correct, as every order between the two
+/// engines' work is an event's; but not the timing of two GPUs).
 pub struct SharedDevice<D>(pub Rc<RefCell<D>>);
 
 impl<D> Clone for SharedDevice<D> {

@@ -170,15 +170,11 @@ probes! {
     PdTransferFailed = "pd.transfer_failed",
     /// Prefill/decode: the link refused to enqueue a copy of a transfer.
     PdTransferRefused = "pd.transfer_refused",
+    /// Prefill/decode: decode admitted a request whose send had not reported completion yet
+    /// (the prefill side keeps its pages until it does).
+    PdSendDraining = "pd.send_draining",
     /// Prefill/decode: a request was aborted after its prefill, before decode admitted it.
     PdAbortInTransfer = "pd.abort_in_transfer",
-}
-
-impl Probe {
-    /// Whether the probe belongs to prefill/decode pairs (reached only by the `pd` profile).
-    pub fn is_pd(self) -> bool {
-        self.name().starts_with("pd.")
-    }
 }
 
 #[cfg(test)]

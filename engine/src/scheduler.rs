@@ -315,7 +315,8 @@ impl Scheduler {
             submitted_ns: now_ns,
             first_token_ns: None,
         };
-        self.requests.insert(id, r);
+        let prev = self.requests.insert(id, r);
+        assert!(prev.is_none(), "request id {id} handed out twice");
         self.queue.push_back(id);
         Ok(id)
     }

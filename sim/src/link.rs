@@ -1,22 +1,28 @@
 //! The simulated KV link of a prefill/decode pair: the peer link of one address space (page
 //! copies on the decode side's load stream of the shared simulated GPU, so latency, bandwidth,
 //! slow, failed, refused and torn copies are the GPU's fault model) with the layers of each
-//! transfer sent in a seeded order, as independent sends may complete in any order.
+//! transfer sent in a seeded order, as independent sends may complete in any order, and the
+//! send's completion reported on the prefill side's write stream, behind its backups — as an
+//! NCCL send completes on the sender's stream — so it may come well after every layer arrived.
 
 use crate::gpu::SimSide;
 use crate::rng::Rng;
-use tierkv_engine::device::EventId;
+use tierkv_engine::device::{Device, EventId, StreamKind};
 use tierkv_engine::layout::PageId;
 use tierkv_engine::pd::{KvLink, LayerSend, LinkError, PeerLink};
 
 pub struct SimLink {
     rng: Rng,
+    /// Recorded on the decode side after a send's last layer, awaited by the prefill side's
+    /// write stream before it records the send's `sent` (one event, re-recorded per send).
+    arrived: Option<EventId>,
 }
 
 impl SimLink {
     pub fn new(seed: u64) -> SimLink {
         SimLink {
             rng: Rng::new(seed ^ 0x004C_1A4B),
+            arrived: None,
         }
     }
 }
@@ -40,6 +46,15 @@ impl KvLink<SimSide> for SimLink {
             crate::probes::SimProbe::PdLayersReordered,
             order.iter().zip(layers).any(|(a, b)| a.layer != b.layer),
         );
-        PeerLink.send(prefill, decode, after, pairs, &order, sent)
+        let arrived = match self.arrived {
+            Some(e) => e,
+            None => *self.arrived.insert(decode.new_event()?),
+        };
+        let r = PeerLink.send(prefill, decode, after, pairs, &order, arrived);
+        if matches!(r, Ok(()) | Err(LinkError::Refused(_))) {
+            prefill.wait(StreamKind::Write, arrived)?;
+            prefill.record(StreamKind::Write, sent)?;
+        }
+        r
     }
 }

@@ -307,20 +307,21 @@ impl Target {
     fn intake(&self) -> &Eng {
         match self {
             Target::One(e) => e,
-            Target::Pair(p) => &p.prefill,
+            Target::Pair(p) => p.prefill(),
         }
     }
-    fn intake_mut(&mut self) -> &mut Eng {
+    /// The operator's eviction, on the intake engine (whose pages `evict` counts).
+    fn evict_device(&mut self, pages: usize) -> Result<usize, EngineError> {
         match self {
-            Target::One(e) => e,
-            Target::Pair(p) => &mut p.prefill,
+            Target::One(e) => e.evict_device(pages),
+            Target::Pair(p) => p.evict_prefill(pages).map_err(pd_error),
         }
     }
     /// Every engine, intake first.
     fn engines(&self) -> Vec<&Eng> {
         match self {
             Target::One(e) => vec![&**e],
-            Target::Pair(p) => vec![&p.prefill, &p.decode],
+            Target::Pair(p) => vec![p.prefill(), p.decode()],
         }
     }
     fn submit(&mut self, spec: RequestSpec) -> Result<u64, Rejection> {
@@ -356,16 +357,15 @@ impl Target {
     fn running_len(&self) -> usize {
         match self {
             Target::One(e) => e.running_len(),
-            Target::Pair(p) => p.prefill.running_len() + p.in_transfer() + p.decode.running_len(),
+            Target::Pair(p) => {
+                p.prefill().running_len() + p.in_transfer() + p.decode().running_len()
+            }
         }
     }
     fn inject(&mut self, f: EngineFaults) {
         match self {
             Target::One(e) => e.inject(f),
-            Target::Pair(p) => {
-                p.prefill.inject(f);
-                p.decode.inject(f);
-            }
+            Target::Pair(p) => p.inject(f),
         }
     }
     fn check_invariants(&self) {
@@ -854,9 +854,8 @@ impl<'a> Run<'a> {
     fn evict(&mut self, pages: usize) -> Result<(), Stop> {
         let used = |r: &Self| r.engine.intake().pools().device_pages.used_count() as usize;
         let before = used(self);
-        let freed = self.engine_call(&format!("evict_device({pages})"), |e| {
-            e.intake_mut().evict_device(pages)
-        })?;
+        let freed =
+            self.engine_call(&format!("evict_device({pages})"), |e| e.evict_device(pages))?;
         probes::hit_if(SimProbe::EvictedOnDemand, freed > 0);
         let now = self.gpu.borrow().now();
         if let Some(f) = reported::evicted(pages, freed, before, used(self), now) {
@@ -1131,8 +1130,8 @@ impl<'a> Run<'a> {
                 f.message += &format!(
                     "; the pair holds {}; decode: {} running, {} device pages free",
                     p.stages(),
-                    p.decode.running_len(),
-                    p.decode.pools().device_pages.free_count()
+                    p.decode().running_len(),
+                    p.decode().pools().device_pages.free_count()
                 );
             }
             self.findings.push(f);

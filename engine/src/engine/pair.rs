@@ -7,7 +7,7 @@
 //! engine's running set only after the receive event of every layer completed; the prefill side
 //! releases its pages (into its prefix cache, as a finished request's) only after the send
 //! completed. A transfer whose events report a failure gives its decode pages back and is sent
-//! again, up to [`TRANSFER_TRIES`] times; then the request ends with `Output::TransferFailed`.
+//! again, up to [`TRANSFER_TRIES_MAX`] times; then the request ends with `Output::TransferFailed`.
 //! An aborted request is never published to decode: in prefill it is aborted there; in transfer
 //! it waits for its copies to complete, then both sides' pages are released.
 //!
@@ -26,7 +26,7 @@ use crate::scheduler::{Output, Rejection, RequestSpec};
 use std::collections::BTreeMap;
 
 /// Sends of one request before it ends with `Output::TransferFailed`.
-pub const TRANSFER_TRIES: u32 = 3;
+pub const TRANSFER_TRIES_MAX: u32 = 3;
 
 /// Why a pair could not be built or could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -63,11 +63,19 @@ struct Sending {
     /// Per layer, in layer order, the decode side's receive event.
     received: Vec<EventId>,
     sent: EventId,
-    /// The decode engine admitted the request.
-    admitted: bool,
     /// The link refused a copy: the transfer failed.
     refused: bool,
     /// The prefill engine released its pages.
+    released: bool,
+}
+
+/// A send whose request the decode engine admitted, until its `sent` event completed.
+#[derive(Debug)]
+struct Draining {
+    id: u64,
+    received: Vec<EventId>,
+    sent: EventId,
+    /// Mutant 15 released the prefill side's pages at issue.
     released: bool,
 }
 
@@ -97,15 +105,20 @@ pub struct PdStats {
     pub transfers_done: u64,
     pub transfers_failed: u64,
     pub requests_failed: u64,
-    pub pages_sent: u64,
+    /// Pages sent, counted per layer (a page of every layer counts `layers` times).
+    pub layer_pages_sent: u64,
 }
 
 pub struct PdPair<D: Device, C: Clock, L: KvLink<D>> {
-    pub prefill: Engine<D, C>,
-    pub decode: Engine<D, C>,
+    /// Private: a request submitted to either engine directly would bypass the pair (the
+    /// decode engine refuses submissions; the prefill engine's exports are the pair's).
+    prefill: Engine<D, C>,
+    decode: Engine<D, C>,
     link: L,
     mutants: Mutants,
     requests: BTreeMap<u64, PdRequest>,
+    /// Sends of admitted requests, oldest first, until their `sent` completed.
+    draining: Vec<Draining>,
     outputs: Vec<Output>,
     /// Events of finished transfers, for reuse: the decode side's and the prefill side's.
     free_received: Vec<EventId>,
@@ -142,11 +155,31 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             link,
             mutants: opts.mutants,
             requests: BTreeMap::new(),
+            draining: Vec::new(),
             outputs: Vec::new(),
             free_received: Vec::new(),
             free_sent: Vec::new(),
             stats: PdStats::default(),
         })
+    }
+
+    /// The prefill engine (the pair's intake, and each request until its KV is sent).
+    pub fn prefill(&self) -> &Engine<D, C> {
+        &self.prefill
+    }
+    /// The decode engine (each request after its KV arrived).
+    pub fn decode(&self) -> &Engine<D, C> {
+        &self.decode
+    }
+    /// Evicts up to `pages` device pages of the prefill engine's prefix cache now (the
+    /// operator's request to hand memory back); how many were freed at once.
+    pub fn evict_prefill(&mut self, pages: usize) -> Result<usize, PdError> {
+        self.prefill.evict_device(pages).map_err(PdError::prefill)
+    }
+    /// Changes both engines' injected allocation faults (the simulator's).
+    pub fn inject(&mut self, faults: super::EngineFaults) {
+        self.prefill.inject(faults);
+        self.decode.inject(faults);
     }
 
     /// Intake: the prefill engine's admission control, and the decode engine's limits on what
@@ -216,7 +249,10 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
 
     /// Nothing in either engine or in transfer.
     pub fn is_idle(&self) -> bool {
-        self.requests.is_empty() && self.prefill.is_idle() && self.decode.is_idle()
+        self.requests.is_empty()
+            && self.draining.is_empty()
+            && self.prefill.is_idle()
+            && self.decode.is_idle()
     }
 
     pub fn drain_outputs(&mut self) -> Vec<Output> {
@@ -239,9 +275,8 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 Stage::Prefill => "prefill".to_string(),
                 Stage::Exported => format!("exported (tries {})", r.tries),
                 Stage::Sending(s) => format!(
-                    "sending {} pages (admitted {}, aborted {})",
+                    "sending {} pages (aborted {})",
                     s.request.pages.len(),
-                    s.admitted,
                     r.aborted
                 ),
                 Stage::Decoding => "decoding".to_string(),
@@ -429,7 +464,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 Err(e) => return Err(e.into()),
             }
             self.stats.transfers_started += 1;
-            self.stats.pages_sent += (pairs.len() * layers as usize) as u64;
+            self.stats.layer_pages_sent += (pairs.len() * layers as usize) as u64;
             let mut released = false;
             if self.mutants.pd_frees_before_send() {
                 self.prefill.release_export(id).map_err(PdError::prefill)?;
@@ -448,7 +483,6 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 },
                 received,
                 sent,
-                admitted: false,
                 refused,
                 released,
             });
@@ -456,132 +490,211 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         Ok(())
     }
 
-    /// Completes transfers whose events are done (with `wait`: waits for the oldest one).
-    /// Whether any completed.
+    /// Moves transfers on (with `wait`: waits for the oldest send first). A request joins the
+    /// decode engine once every layer's receive event completed; its send is over, and the
+    /// prefill side's pages released, once `sent` completed — which a link may report later
+    /// (`draining`). Whether anything moved.
     fn poll_transfers(&mut self, wait: bool) -> Result<bool, PdError> {
+        let mut any = false;
         let ids: Vec<u64> = self
             .requests
             .iter()
             .filter(|(_, r)| matches!(r.stage, Stage::Sending(_)))
             .map(|(&id, _)| id)
             .collect();
-        let mut any = false;
-        for (i, id) in ids.into_iter().enumerate() {
-            let r = self.requests.get_mut(&id).expect("in transfer");
-            let Stage::Sending(s) = &mut r.stage else {
+        if wait {
+            let oldest = ids
+                .first()
+                .and_then(|id| match &self.requests[id].stage {
+                    Stage::Sending(s) => Some(s.sent),
+                    _ => None,
+                })
+                .or_else(|| self.draining.first().map(|d| d.sent));
+            if let Some(ev) = oldest {
+                self.decode.dev.synchronize(ev);
+            }
+        }
+        for id in ids {
+            let r = &self.requests[&id];
+            let Stage::Sending(s) = &r.stage else {
                 unreachable!("filtered");
             };
             // Decode admits once the receive of every layer completed (mutant 17: the first).
             let awaited = self.mutants.pd_layers_awaited(s.received.len());
-            if !s.admitted && !r.aborted && !s.refused {
-                let mut state = EventState::Done;
-                for &ev in &s.received[..awaited] {
-                    state = self.decode.dev.query(ev);
-                    if state != EventState::Done {
-                        break;
-                    }
-                }
-                if state == EventState::Done {
-                    s.admitted = true;
-                    probe::hit(Probe::PdAdmitted);
-                    self.decode.admit_transferred(s.request.clone());
-                    self.stats.transfers_done += 1;
-                }
+            let admissible = !r.aborted && !s.refused;
+            let (received, sent) = (s.received[..awaited].to_vec(), s.sent);
+            if admissible && self.all_done(&received) {
+                self.admit(id);
+                any = true;
+                continue;
             }
-            // The send is over when `sent`, recorded after every layer, completed.
-            let sent = if wait && i == 0 {
-                self.decode.dev.synchronize(s.sent)
-            } else {
-                self.decode.dev.query(s.sent)
-            };
-            if sent == EventState::Pending {
+            if self.decode.dev.query(sent) == EventState::Pending {
                 continue;
             }
             any = true;
-            let mut ok = sent == EventState::Done && !s.refused;
-            for &ev in &s.received {
-                ok &= self.decode.dev.query(ev) == EventState::Done;
+            // Every layer may have arrived since the look above.
+            if admissible && self.all_done(&received) {
+                self.admit(id);
+                continue;
             }
-            self.finish_transfer(id, ok)?;
+            // The send is over and the request was not admitted: it failed, or was aborted.
+            self.fail_transfer(id)?;
+        }
+        let mut i = 0;
+        while i < self.draining.len() {
+            let sent = self.decode.dev.query(self.draining[i].sent);
+            if sent == EventState::Pending {
+                probe::hit(Probe::PdSendDraining);
+                i += 1;
+                continue;
+            }
+            any = true;
+            let d = self.draining.remove(i);
+            self.free_received.extend_from_slice(&d.received);
+            self.free_sent.push(d.sent);
+            if sent == EventState::Failed {
+                // Only a mutant admits before every copy succeeded; the device's error still
+                // has to be cleared.
+                self.decode
+                    .dev
+                    .recover()
+                    .map_err(|e| PdError::decode(e.into()))?;
+            }
+            if !d.released {
+                let held = self
+                    .prefill
+                    .release_export(d.id)
+                    .map_err(PdError::prefill)?;
+                assert!(held, "request {}: its export was released twice", d.id);
+                self.take_prefill_outputs()?;
+            }
         }
         Ok(any)
     }
 
-    /// The send of `id` is over (`ok`: every copy succeeded).
-    fn finish_transfer(&mut self, id: u64, ok: bool) -> Result<(), PdError> {
+    /// Whether every one of `events` completed without a failure.
+    fn all_done(&mut self, events: &[EventId]) -> bool {
+        events
+            .iter()
+            .all(|&ev| self.decode.dev.query(ev) == EventState::Done)
+    }
+
+    /// Every awaited layer of `id` arrived: the decode engine takes the request, and the send
+    /// drains (its `sent` releases the prefill side's pages).
+    fn admit(&mut self, id: u64) {
+        let r = self.requests.get_mut(&id).expect("in transfer");
+        let Stage::Sending(s) = std::mem::replace(&mut r.stage, Stage::Decoding) else {
+            unreachable!("in transfer");
+        };
+        probe::hit(Probe::PdAdmitted);
+        self.stats.transfers_done += 1;
+        self.decode.admit_transferred(s.request);
+        self.draining.push(Draining {
+            id,
+            received: s.received,
+            sent: s.sent,
+            released: s.released,
+        });
+    }
+
+    /// The send of `id` is over without the request admitted: a copy failed or was refused, or
+    /// the request was aborted. Its decode pages go back; it is sent again, or ends.
+    fn fail_transfer(&mut self, id: u64) -> Result<(), PdError> {
         let r = self.requests.get_mut(&id).expect("in transfer");
         let Stage::Sending(s) = std::mem::replace(&mut r.stage, Stage::Exported) else {
             unreachable!("in transfer");
         };
+        let every = s
+            .received
+            .iter()
+            .copied()
+            .chain([s.sent])
+            .collect::<Vec<_>>();
+        let failed = s.refused || !self.all_done(&every);
+        let r = self.requests.get_mut(&id).expect("in transfer");
+        assert!(
+            failed || r.aborted,
+            "request {id}: a complete send neither admitted, failed nor aborted"
+        );
         self.free_received.extend_from_slice(&s.received);
         self.free_sent.push(s.sent);
-        if !ok {
-            // A copy failed: its destination holds unspecified bytes. Clear the device's error.
+        self.decode.cancel_import(&s.request.pages);
+        if failed {
+            // A copy failed (its destination holds unspecified bytes) or was refused. Clear the
+            // device's error.
             self.stats.transfers_failed += 1;
             probe::hit(Probe::PdTransferFailed);
+            r.tries += 1;
+        }
+        let tries = r.tries;
+        let end = if r.aborted {
+            Some(Output::Aborted { request: id })
+        } else if tries >= TRANSFER_TRIES_MAX || s.released {
+            self.stats.requests_failed += 1;
+            Some(Output::TransferFailed { request: id, tries })
+        } else {
+            None // sent again from the prefill side's pages, which it still holds
+        };
+        if failed {
             self.decode
                 .dev
                 .recover()
                 .map_err(|e| PdError::decode(e.into()))?;
         }
-        let release = !s.released;
-        if ok && !s.admitted && !r.aborted {
-            // Every layer arrived after the poll looked at them.
-            probe::hit(Probe::PdAdmitted);
-            self.decode.admit_transferred(s.request.clone());
-            self.stats.transfers_done += 1;
-        }
-        if s.admitted || (ok && !r.aborted) {
-            // Decoding (only mutant 17 admits before a failure could be seen).
-            r.stage = Stage::Decoding;
-        } else {
-            self.decode.cancel_import(&s.request.pages);
-            r.tries += u32::from(!ok);
-            let tries = r.tries;
-            if r.aborted {
-                self.requests.remove(&id);
-                self.outputs.push(Output::Aborted { request: id });
-            } else if tries >= TRANSFER_TRIES || s.released {
-                self.stats.requests_failed += 1;
-                self.requests.remove(&id);
-                self.outputs
-                    .push(Output::TransferFailed { request: id, tries });
-            } else {
-                // Sent again from the prefill side's pages, which it still holds.
-                return Ok(());
+        if let Some(o) = end {
+            self.requests.remove(&id);
+            self.outputs.push(o);
+            if !s.released {
+                let held = self.prefill.release_export(id).map_err(PdError::prefill)?;
+                assert!(held, "request {id}: its export was released twice");
+                self.take_prefill_outputs()?;
             }
-        }
-        if release {
-            self.prefill.release_export(id).map_err(PdError::prefill)?;
-            self.take_prefill_outputs()?;
         }
         Ok(())
     }
 
-    /// Both engines' invariants, and the pair's: every request is where its stage says, and the
-    /// decode side holds exactly the pages of the transfers in flight.
+    /// Both engines' invariants, and the pair's: every request is where its stage says, the
+    /// decode side holds exactly the pages of the sends not yet admitted, and every draining
+    /// send's export is still held (unless mutant 15 released it).
     pub fn check_invariants(&self) {
         self.prefill.check_invariants();
         self.decode.check_invariants();
+        let mut sending_pages = 0;
         for (&id, r) in &self.requests {
+            let in_decode = self.decode.request(id).is_some();
             match &r.stage {
                 Stage::Prefill => assert!(
-                    self.prefill.request(id).is_some(),
+                    self.prefill.request(id).is_some() && !in_decode,
                     "request {id} in prefill, which does not hold it"
                 ),
                 Stage::Exported => assert!(
-                    self.prefill.export(id).is_some(),
+                    self.prefill.export(id).is_some() && !in_decode,
                     "request {id} exported, which the prefill engine does not hold"
                 ),
-                Stage::Sending(s) => assert!(
-                    s.released || self.prefill.export(id).is_some(),
-                    "request {id} in transfer, released by the prefill engine"
-                ),
+                Stage::Sending(s) => {
+                    assert!(
+                        (s.released || self.prefill.export(id).is_some()) && !in_decode,
+                        "request {id} in transfer, released by the prefill engine or decoding"
+                    );
+                    sending_pages += s.request.pages.len();
+                }
                 Stage::Decoding => assert!(
-                    self.decode.request(id).is_some(),
+                    in_decode,
                     "request {id} decoding, which the decode engine does not hold"
                 ),
             }
+        }
+        assert_eq!(
+            self.decode.pages_held_for_transfers(),
+            sending_pages,
+            "decode pages held for transfers = the pages of the sends in flight"
+        );
+        for d in &self.draining {
+            assert!(
+                d.released || self.prefill.export(d.id).is_some(),
+                "request {}: its send drains, but the prefill engine released its pages",
+                d.id
+            );
         }
     }
 

@@ -1,7 +1,8 @@
 //! `tierkv replay`: replays a Mooncake trace through the production service — tokio intake, the
 //! engine thread, `/metrics` on loopback — on the GPU (`--device cuda`) or the in-order CPU
 //! device, with arrivals at their (scaled) timestamps. Prints hit rates per tier, load and backup
-//! bandwidth, and step and time-to-first-token percentiles.
+//! bandwidth, and step and time-to-first-token percentiles. With `--pd`, a prefill/decode pair
+//! against one engine instead (`replay_pd`), without the service.
 //!
 //! What it does not replay faithfully, by choice: prompts are the trace's block ids turned into
 //! tokens (DESIGN §6), generations are capped (`--output-max`), the indexer runs on each prefill

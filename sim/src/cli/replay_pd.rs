@@ -156,13 +156,13 @@ fn compare<D: Device>(
     pair.check_quiescent()
         .map_err(|e| format!("the pair leaked: {e}"))?;
     println!("# prefill engine /metrics");
-    print!("{}", pair.prefill.metrics.render_prometheus());
+    print!("{}", pair.prefill().metrics.render_prometheus());
     println!("# decode engine /metrics");
-    print!("{}", pair.decode.metrics.render_prometheus());
+    print!("{}", pair.decode().metrics.render_prometheus());
     let st = pair.stats;
-    let page_bytes = pair.prefill.layout().transfer_bytes(1).0;
+    let page_bytes = pair.prefill().layout().transfer_bytes(1).0;
     println!(
-        "single engine: {} requests in {one_steps} steps, {:.2} s; pair: {pair_steps} steps, {:.2} s",
+        "single engine: {} requests in {one_steps} steps, {:.2} s; pair: {pair_steps} steps, {:.2} s (both engines on one device: not a disaggregation timing)",
         single.len(),
         one_wall.as_secs_f64(),
         pair_wall.as_secs_f64()
@@ -173,8 +173,8 @@ fn compare<D: Device>(
         st.transfers_done,
         st.transfers_failed,
         st.requests_failed,
-        st.pages_sent,
-        (st.pages_sent * page_bytes / cfg.model.layers as u64) as f64 / 1e6
+        st.layer_pages_sent,
+        (st.layer_pages_sent * page_bytes / cfg.model.layers as u64) as f64 / 1e6
     );
     let (mut equal, mut digests) = (0usize, 0usize);
     let mut differ = Vec::new();

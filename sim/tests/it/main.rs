@@ -77,7 +77,13 @@ fn pd_pairs_have_no_findings() {
     let s = run_campaign(&campaign("pd", 0, 6), |_| {});
     assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
     assert!(s.totals.finished > 0 && s.totals.digests_checked > 0);
-    for probe in ["pd.admitted", "pd.layers_reordered", "pd.transfer_failed"] {
+    for probe in [
+        "pd.admitted",
+        "pd.layers_reordered",
+        "pd.transfer_failed",
+        "pd.decode_full",
+        "pd.send_draining",
+    ] {
         assert!(
             s.coverage
                 .probes
