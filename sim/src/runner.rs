@@ -504,7 +504,7 @@ fn start_engine(
             let link = SimLink::new(sc.seed);
             let pair = PdPair::new(
                 cfg.clone(),
-                cfg.clone(),
+                decode_config(cfg, sc.seed),
                 side(0),
                 side(1),
                 clock.clone(),
@@ -528,6 +528,23 @@ fn start_engine(
         other => other,
     };
     first.map_err(|e| failed(engine_error_kind(&e), format!("engine start: {e}")))
+}
+
+/// The decode engine's configuration in a `pd` run: the scenario's, with its own device tier
+/// and running limit drawn from the seed (the layout the handshake compares stays equal), so
+/// that the two sides' back-pressure differs. The scenario's own when the draw would not fit.
+fn decode_config(cfg: &Config, seed: u64) -> Config {
+    let mut r = Rng::new(seed ^ 0x000D_EC0D);
+    let mut d = cfg.clone();
+    let request = cfg.model.context_tokens_max.div_ceil(64);
+    let pages = cfg.cache.device_pages as u64;
+    d.cache.device_pages = (r.range(pages / 2, pages * 3 / 2 + 1) as u32).max(request + 1);
+    d.scheduler.running_requests_max = r.range(1, 8) as u32;
+    if d.validate().is_ok() {
+        d
+    } else {
+        cfg.clone()
+    }
 }
 
 impl<'a> Run<'a> {
@@ -1090,7 +1107,7 @@ impl<'a> Run<'a> {
                 device_pages: e.pools().device_pages.used_count() as usize,
                 host_pages: e.pools().host_pages.used_count() as usize,
             };
-            if let Some(f) = bounds::check(&self.cfg, &held, now) {
+            if let Some(f) = bounds::check(e.config(), &held, now) {
                 self.findings.push(f);
                 return Err(Stop);
             }
