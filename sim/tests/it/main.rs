@@ -82,7 +82,6 @@ fn pd_pairs_have_no_findings() {
         "pd.layers_reordered",
         "pd.transfer_failed",
         "pd.decode_full",
-        "pd.send_draining",
     ] {
         assert!(
             s.coverage
