@@ -16,17 +16,26 @@
 //    (double-buffered, so one barrier a pass) and finds the same bin, the one where the count
 //    from the top reaches the number still needed. It stops when that bin holds exactly the
 //    number still needed, or when every bit is fixed (the class is then the keys equal to T).
-// 3. Gather: each CTA counts, warp by warp in position order (ballots), its keys above the class
-//    and in it; the counts go round the cluster; each CTA writes its selected (key, position)
-//    pairs into CTA 0's buffer, taking the class in position order up to the number needed.
-// 4. CTA 0 sorts the pairs, one u64 each (key high, ~position low: descending order is the
-//    specification's), by a bitonic network in registers and shuffles for strides up to 32 and in
-//    shared memory above, and writes the slots.
+// The selection is ordered by one u64 per position, key high and ~position low: descending
+// order is the specification's. Then one of two ways:
+// 3a. Buckets (after the first pass, when no bin from the threshold bin up holds more than
+//     TOPK_BUCKET_MAX keys: random logits): every key from the threshold bin up goes to its bin's
+//     next free index in CTA 0's buffer (a shared-memory atomic across the cluster; bins are laid
+//     out from the top by their counts), and CTA 0 puts each key at its bin's first index plus
+//     the number of keys of its bin above it, dropping those past k (the threshold bin's
+//     lowest). No further pass, no count, no sort.
+// 3b. Otherwise (heavy ties, one value everywhere): the passes go on until the class is
+//     resolved; each CTA counts, warp by warp in position order (ballots), its keys above the
+//     class and in it; the counts go round the cluster; each CTA writes its selected pairs into
+//     CTA 0's buffer, taking the class in position order up to the number needed; CTA 0 sorts
+//     them by a bitonic network (registers and shuffles for strides up to 32, shared memory
+//     above) and writes the slots.
 #define TOPK_THREADS 1024
 #define TOPK_WARPS (TOPK_THREADS / 32)
 #define TOPK_MAX 2048
 #define TOPK_DIGIT 11
 #define TOPK_BINS (1 << TOPK_DIGIT)
+#define TOPK_BUCKET_MAX 64
 
 __device__ __forceinline__ u32 tkv_order_key(float x) {
     u32 b = __float_as_uint(x);
@@ -78,6 +87,16 @@ struct TopkCluster {
         }
         return v;
     }
+    // Adds 1 to the u32 at `addr`, returning what it held.
+    static __device__ __forceinline__ u32 inc(u32 addr) {
+        u32 v;
+        if constexpr (C == 1) {
+            asm volatile("atom.shared.add.u32 %0, [%1], 1;" : "=r"(v) : "r"(addr) : "memory");
+        } else {
+            asm volatile("atom.shared::cluster.add.u32 %0, [%1], 1;" : "=r"(v) : "r"(addr) : "memory");
+        }
+        return v;
+    }
     static __device__ __forceinline__ void st64(u32 addr, u64 v) {
         if constexpr (C == 1) {
             asm volatile("st.shared.u64 [%0], %1;" ::"r"(addr), "l"(v) : "memory");
@@ -88,17 +107,25 @@ struct TopkCluster {
 };
 
 // The bin of the cluster's summed histogram `h` (nbins bins) where the count from the top reaches
-// kk: res = {bin, keys in the bins above it, keys in it}. Two bins per thread, from the top.
+// kk: res = {bin, keys in the bins above it, keys in it, most keys in one bin from it up}. Two
+// bins per thread, from the top. With `bstart` (the first pass) every bin's first index, counted
+// from the top, goes there.
 template <int C>
 __device__ __forceinline__ void topk_find(const u32* h, u32 nbins, u32 kk, u32* warp_tot,
-                                          u32* res) {
+                                          u32* res, u32* bstart) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 i0 = 2 * tid, i1 = 2 * tid + 1;
+    u32 v0[C], v1[C];
+#pragma unroll
+    for (int r = 0; r < C; r++) {
+        v0[r] = i0 < nbins ? TopkCluster<C>::ld(TopkCluster<C>::map(h + (nbins - 1 - i0), r)) : 0u;
+        v1[r] = i1 < nbins ? TopkCluster<C>::ld(TopkCluster<C>::map(h + (nbins - 1 - i1), r)) : 0u;
+    }
     u32 c0 = 0, c1 = 0;
 #pragma unroll
     for (int r = 0; r < C; r++) {
-        if (i0 < nbins) c0 += TopkCluster<C>::ld(TopkCluster<C>::map(h + (nbins - 1 - i0), r));
-        if (i1 < nbins) c1 += TopkCluster<C>::ld(TopkCluster<C>::map(h + (nbins - 1 - i1), r));
+        c0 += v0[r];
+        c1 += v1[r];
     }
     const u32 mine = c0 + c1;
     u32 incl = mine;
@@ -110,6 +137,13 @@ __device__ __forceinline__ void topk_find(const u32* h, u32 nbins, u32 kk, u32* 
     if (lane == 31) warp_tot[warp] = incl;
     __syncthreads();
     const u32 before = __reduce_add_sync(TKV_FULL, lane < warp ? warp_tot[lane] : 0u) + incl - mine;
+    if (bstart != nullptr) {
+        if (i0 < nbins) bstart[nbins - 1 - i0] = before;
+        if (i1 < nbins) bstart[nbins - 1 - i1] = before + c0;
+    }
+    // Bins from the found one up are those whose keys before them number fewer than kk.
+    u32 big = max(before < kk ? c0 : 0u, before + c0 < kk ? c1 : 0u);
+    big = __reduce_max_sync(TKV_FULL, big);
     if (before < kk && before + mine >= kk) {
         if (before + c0 >= kk) {
             res[0] = nbins - 1 - i0;
@@ -120,6 +154,13 @@ __device__ __forceinline__ void topk_find(const u32* h, u32 nbins, u32 kk, u32* 
             res[1] = before + c0;
             res[2] = c1;
         }
+    }
+    __syncthreads();  // every warp has read warp_tot
+    if (lane == 0) warp_tot[warp] = big;
+    __syncthreads();
+    if (warp == 0) {
+        const u32 b = __reduce_max_sync(TKV_FULL, warp_tot[lane]);
+        if (lane == 0) res[3] = b;
     }
     __syncthreads();
 }
@@ -132,11 +173,11 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     typedef TopkCluster<C> Cl;
     extern __shared__ __align__(16) u32 t_keys[];
     __shared__ u32 hist[2][TOPK_BINS];
-    __shared__ __align__(16) u64 sel[TOPK_MAX];
+    __shared__ __align__(16) u64 sel[TOPK_MAX + TOPK_BUCKET_MAX];
     __shared__ u32 w_a[TOPK_WARPS], w_b[TOPK_WARPS], w_c[TOPK_WARPS];
     __shared__ u32 bound[3];   // this CTA's largest key, least group maximum, least key
     __shared__ u32 counts[2];  // this CTA's keys above the class, and in it
-    __shared__ u32 res[3];
+    __shared__ u32 res[4];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 rank = Cl::rank();
@@ -149,17 +190,23 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     const bool staged = chunk <= cap;
     const bool take_all = len <= k;  // every position is selected (uniform over the cluster)
     auto key_at = [&](int i) -> u32 { return staged ? t_keys[i] : tkv_order_key(lr[lo + i]); };
+    // After the staged keys: each first-pass bin's first index in the ordered selection, and
+    // (CTA 0's, counted by the whole cluster) the keys gathered into it so far.
+    u32* bstart = t_keys + cap;
+    u32* bfill = bstart + TOPK_BINS;
+    for (int b = tid; b < TOPK_BINS; b += TOPK_THREADS) bfill[b] = 0;  // before the first barrier
 
     // 1. Keys into shared memory, and a floor under T: groups of g consecutive threads (g the
     // largest power of two up to 32 that still makes k nonempty groups over the cluster).
+    int held[C];
+#pragma unroll
+    for (int r = 0; r < C; r++) held[r] = min(max(len - r * chunk, 0), min(chunk, TOPK_THREADS));
     int g = 0;
-    for (int gg = 32; gg >= 1 && g == 0; gg >>= 1) {
+    for (int lg = 5; lg >= 0 && g == 0; lg--) {
         int groups = 0;
-        for (int r = 0; r < C; r++) {
-            const int held = min(max(len - r * chunk, 0), min(chunk, TOPK_THREADS));
-            groups += (held + gg - 1) / gg;
-        }
-        if (groups >= k) g = gg;
+#pragma unroll
+        for (int r = 0; r < C; r++) groups += (held[r] + (1 << lg) - 1) >> lg;
+        if (groups >= k) g = 1 << lg;
     }
     u32 tmax = 0, kmin = 0xFFFFFFFFu;
 #pragma unroll 4
@@ -195,11 +242,18 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     }
     Cl::sync();
     u32 top = 0, gfloor = 0xFFFFFFFFu, kfloor = 0xFFFFFFFFu;
+    {
+        u32 b[3][C];
 #pragma unroll
-    for (int r = 0; r < C; r++) {
-        top = max(top, Cl::ld(Cl::map(&bound[0], r)));
-        gfloor = min(gfloor, Cl::ld(Cl::map(&bound[1], r)));
-        kfloor = min(kfloor, Cl::ld(Cl::map(&bound[2], r)));
+        for (int r = 0; r < C; r++)
+#pragma unroll
+            for (int j = 0; j < 3; j++) b[j][r] = Cl::ld(Cl::map(&bound[j], r));
+#pragma unroll
+        for (int r = 0; r < C; r++) {
+            top = max(top, b[0][r]);
+            gfloor = min(gfloor, b[1][r]);
+            kfloor = min(kfloor, b[2][r]);
+        }
     }
     // Keys below the floor are never selected: every pass and the gather skip them.
     const u32 cut = g > 0 ? gfloor : kfloor;
@@ -210,6 +264,10 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     u32 pre = topk_high(top, s);
     u32 kk = take_all ? 0u : (u32)k;
     int buf = 0;
+    bool buckets = false;  // 3a: set after the first pass
+    u32 gathered = 0;      // 3a: keys from the threshold bin up
+    u32 mask = 0;          // 3a: the first pass's digit, bits [s, s + 11) at most
+    bool first = true;
     while (!take_all && s > 0) {
         const int nb = min(TOPK_DIGIT, s), s2 = s - nb;
         const u32 nbins = 1u << nb, bmask = nbins - 1;
@@ -222,16 +280,53 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
             if (key >= cut && topk_high(key, s) == pre) atomicAdd(&h[(key >> s2) & bmask], 1u);
         }
         Cl::sync();
-        topk_find<C>(h, nbins, kk, w_a, res);
+        topk_find<C>(h, nbins, kk, w_a, res, first ? bstart : nullptr);
         const u32 bin = res[0], above = res[1], cnt = res[2];
         kk -= above;
         pre = (pre << nb) | bin;
         s = s2;
         buf ^= 1;
+        if (first && res[3] <= TOPK_BUCKET_MAX) {
+            buckets = true;
+            gathered = above + cnt;
+            mask = bmask;
+            break;
+        }
+        first = false;
         if (cnt == kk) break;
     }
+    const u32 dst0 = Cl::map(sel, 0);
+    const int* pt = page_table + (size_t)row * pt_stride;
+    int* o = out + (size_t)row * k;
+    auto slot_of = [&](u64 e) {
+        const u32 p = 0xFFFFFFFFu - (u32)e;
+        return pt[p / TKV_PAGE_TOKENS] * TKV_PAGE_TOKENS + (int)(p % TKV_PAGE_TOKENS);
+    };
+    if (buckets) {
+        // 3a. Every key from the threshold bin up (bits from s up at least pre) to its bin.
+        const u32 fill0 = Cl::map(bfill, 0);
+        for (int i = tid; i < my; i += TOPK_THREADS) {
+            const u32 key = key_at(i);
+            if (key >= cut && topk_high(key, s) >= pre) {
+                const u32 b = (key >> s) & mask;
+                const u32 at = bstart[b] + Cl::inc(fill0 + 4u * b);
+                Cl::st64(dst0 + 8u * at, ((u64)key << 32) | (u64)(0xFFFFFFFFu - (u32)(lo + i)));
+            }
+        }
+        Cl::sync();
+        if (rank != 0) return;
+        for (u32 i = tid; i < gathered; i += TOPK_THREADS) {
+            const u64 e = sel[i];
+            const u32 b = (u32)(e >> (32 + s)) & mask;
+            const u32 b0 = bstart[b], b1 = b0 + bfill[b];
+            u32 at = b0;
+            for (u32 j = b0; j < b1; j++) at += sel[j] > e;
+            if (at < (u32)k) o[at] = slot_of(e);
+        }
+        return;
+    }
 
-    // 3. Gather into CTA 0's buffer. Warp w scans positions [w * span, (w + 1) * span) of this
+    // 3b. Gather into CTA 0's buffer. Warp w scans positions [w * span, (w + 1) * span) of this
     // CTA's part, so ballots count in position order.
     const int span = ((my + TOPK_THREADS - 1) / TOPK_THREADS) * 32;
     const int wlo = min(warp * span, my), whi = min(wlo + span, my);
@@ -261,16 +356,21 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     }
     Cl::sync();
     u32 a_before = 0, a_total = 0, e_before = 0;
+    u32 cas[C], ces[C];
 #pragma unroll
     for (int r = 0; r < C; r++) {
-        const u32 ca = Cl::ld(Cl::map(&counts[0], r)), ce = Cl::ld(Cl::map(&counts[1], r));
+        cas[r] = Cl::ld(Cl::map(&counts[0], r));
+        ces[r] = Cl::ld(Cl::map(&counts[1], r));
+    }
+#pragma unroll
+    for (int r = 0; r < C; r++) {
+        const u32 ca = cas[r], ce = ces[r];
         a_total += ca;
         if ((u32)r < rank) {
             a_before += ca;
             e_before += ce;
         }
     }
-    const u32 dst0 = Cl::map(sel, 0);
     const u32 lt = (1u << lane) - 1u;
     u32 ra = a_before + wa_before, re = e_before + wb_before;
     // The warp stops once it has written its keys above the class and its share of the class.
@@ -295,7 +395,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     Cl::sync();
     if (rank != 0) return;
 
-    // 4. Sort (descending) and write. Warp w holds elements 64w + lane and 64w + 32 + lane.
+    // 4b. Sort (descending) and write. Warp w holds elements 64w + lane and 64w + 32 + lane.
     const int nsel = take_all ? len : k;
     int n2 = 64;
     while (n2 < nsel) n2 <<= 1;
@@ -345,20 +445,13 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
             }
         }
     }
-    const int* pt = page_table + (size_t)row * pt_stride;
-    int* o = out + (size_t)row * k;
     if (act) {
         const u64 e[2] = {e0, e1};
         const int idx[2] = {i0, i1};
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             if (idx[j] >= k) continue;
-            int slot = -1;
-            if (idx[j] < nsel) {
-                const u32 p = 0xFFFFFFFFu - (u32)e[j];
-                slot = pt[p / TKV_PAGE_TOKENS] * TKV_PAGE_TOKENS + (int)(p % TKV_PAGE_TOKENS);
-            }
-            o[idx[j]] = slot;
+            o[idx[j]] = idx[j] < nsel ? slot_of(e[j]) : -1;
         }
     }
     for (int i = n2 + tid; i < k; i += TOPK_THREADS) o[i] = -1;

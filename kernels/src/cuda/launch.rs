@@ -6,7 +6,10 @@
 //! Buffers are passed as raw device addresses with their sizes ([`DevPtr`]), so the production
 //! device can hand in any allocation it owns (device memory, or mapped pinned host memory).
 
-use super::{compile, logits_mma_kernel, topk_cluster, SOURCES, TOPK_KERNELS, TOPK_STAGED_MAX};
+use super::{
+    compile, logits_mma_kernel, topk_cluster, SOURCES, TOPK_BUCKET_WORDS, TOPK_KERNELS,
+    TOPK_STAGED_MAX,
+};
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
     bf16_bytes, f32_bytes, fp8_bytes, i32_bytes, u64_bytes, Bytes, IndexKDtype, KvDtype,
@@ -380,13 +383,13 @@ impl Kernels {
                 funcs.insert(k, module.load_function(k).map_err(cuda("load_function"))?);
             }
         }
-        // The top-k kernels keep up to TOPK_STAGED_MAX keys in dynamic shared memory, past the
-        // 48 KB a launch may ask for by default.
+        // The top-k kernels keep up to TOPK_STAGED_MAX keys and their buckets in dynamic shared
+        // memory, past the 48 KB a launch may ask for by default.
         for (_, name) in TOPK_KERNELS {
             funcs[name]
                 .set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    f32_bytes(TOPK_STAGED_MAX as u64).0 as i32,
+                    i32_bytes((TOPK_STAGED_MAX + TOPK_BUCKET_WORDS) as u64).0 as i32,
                 )
                 .map_err(cuda("topk: set_attribute"))?;
         }
@@ -734,7 +737,7 @@ impl Kernels {
         let cfg = LaunchConfig {
             grid_dim: (rows as u32 * cluster, 1, 1),
             block_dim: (1024, 1, 1),
-            shared_mem_bytes: f32_bytes(cap as u64).0 as u32,
+            shared_mem_bytes: i32_bytes((cap + TOPK_BUCKET_WORDS) as u64).0 as u32,
         };
         // SAFETY: sizes checked by `a.check()`; the kernel's cluster size is compiled in and
         // divides the grid.
