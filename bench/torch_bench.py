@@ -135,6 +135,9 @@ del kpool16
 
 for kk in (512, 2048):
     emit(f"topk {kk}", timeit(lambda: torch.topk(logits, kk, dim=-1)))
+# Batch 1: one row of 64K (a decode step of one request).
+row = logits[:1]
+emit("topk 2048 batch1", timeit(lambda: torch.topk(row, 2048, dim=-1)))
 
 # Page transfers of one 128K-token layer (2048 pages of KV 41984 B + index-K 8448 B), scattered
 # host pages: gather on the host, one copy (what a PyTorch engine does with index_select).

@@ -6,13 +6,17 @@
 //! Buffers are passed as raw device addresses with their sizes ([`DevPtr`]), so the production
 //! device can hand in any allocation it owns (device memory, or mapped pinned host memory).
 
-use super::{compile, logits_mma_kernel, SOURCES};
+use super::{
+    compile, logits_mma_kernel, topk_cluster, SOURCES, TOPK_BUCKET_WORDS, TOPK_KERNELS,
+    TOPK_STAGED_MAX,
+};
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
     bf16_bytes, f32_bytes, fp8_bytes, i32_bytes, u64_bytes, Bytes, IndexKDtype, KvDtype,
     LayoutFingerprint, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_ROW_VALUES,
     PAGE_TOKENS, ROPE_DIM,
 };
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
@@ -77,6 +81,12 @@ fn paged(op: &'static str, format: PageFormat, p: DevPtr, fp: LayoutFingerprint)
 }
 
 fn slots_in(op: &'static str, slots: &[i32], limit: u64) -> Result<()> {
+    // A fold without an early exit compiles to SIMD: a negative slot is above any limit as a
+    // u32. Only a list that fails is walked again, for the first entry outside.
+    let max = slots.iter().fold(0u32, |m, &s| m.max(s as u32));
+    if (max as u64) < limit {
+        return Ok(());
+    }
     for (i, &s) in slots.iter().enumerate() {
         if s < 0 || s as u64 >= limit {
             return Err(KernelError::OutOfRange {
@@ -87,7 +97,162 @@ fn slots_in(op: &'static str, slots: &[i32], limit: u64) -> Result<()> {
             });
         }
     }
+    unreachable!("{op}: the largest slot {max} is outside {limit}, so one entry is")
+}
+
+fn aligned(op: &'static str, buffer: &'static str, p: DevPtr, align: u64) -> Result<()> {
+    if p.ptr % align != 0 {
+        return Err(bad(
+            op,
+            buffer,
+            format!("address {:#x} is not {align}-byte aligned", p.ptr),
+        ));
+    }
     Ok(())
+}
+
+/// The arguments of one `index_k_store` launch over `slots.len()` tokens: `slots` is the host
+/// copy (checked before the launch), `slots_dev` its device copy.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexKStoreLaunch<'a> {
+    pub dtype: IndexKDtype,
+    /// Round fp8 scales up to powers of two.
+    pub ue8m0: bool,
+    pub keys: DevPtr,
+    pub gamma: DevPtr,
+    pub beta: DevPtr,
+    pub rope: DevPtr,
+    pub slots: &'a [i32],
+    pub slots_dev: DevPtr,
+    pub dst: DevPtr,
+    pub dst_fp: LayoutFingerprint,
+}
+
+impl IndexKStoreLaunch<'_> {
+    /// Every buffer is large enough and aligned for the kernel's 16-byte accesses, the pool is
+    /// whole pages of the dtype's format, and every slot lies in it.
+    pub fn check(&self) -> Result<CheckedIndexKStore> {
+        const OP: &str = "index_k_store";
+        let n = self.slots.len() as u64;
+        if n > (i32::MAX / 4) as u64 {
+            return Err(bad(OP, "slots", format!("{n} tokens in one launch")));
+        }
+        need(OP, "keys", self.keys, bf16_bytes(n * INDEX_HEAD_DIM as u64))?;
+        need(OP, "gamma", self.gamma, f32_bytes(INDEX_HEAD_DIM as u64))?;
+        need(OP, "beta", self.beta, f32_bytes(INDEX_HEAD_DIM as u64))?;
+        need(OP, "rope", self.rope, f32_bytes(n * ROPE_DIM as u64))?;
+        need(OP, "slots", self.slots_dev, i32_bytes(n))?;
+        // The kernel reads keys and rope rows and writes page rows 16 bytes at a time (a
+        // misaligned access would be a sticky CUDA error, poisoning the context).
+        for (name, p, align) in [
+            ("keys", self.keys, 16u64),
+            ("rope", self.rope, 16),
+            ("dst", self.dst, 16),
+            ("gamma", self.gamma, 4),
+            ("beta", self.beta, 4),
+            ("slots", self.slots_dev, 4),
+        ] {
+            aligned(OP, name, p, align)?;
+        }
+        let pages = paged(OP, PageFormat::IndexK(self.dtype), self.dst, self.dst_fp)?;
+        let slots_max = pages * PAGE_TOKENS as u64;
+        slots_in(OP, self.slots, slots_max)?;
+        Ok(CheckedIndexKStore {
+            dtype: self.dtype,
+            ue8m0: self.ue8m0,
+            keys: self.keys.ptr,
+            gamma: self.gamma.ptr,
+            beta: self.beta.ptr,
+            rope: self.rope.ptr,
+            slots_dev: self.slots_dev.ptr,
+            dst: self.dst.ptr,
+            n: n as u32,
+            // Slots are i32, so a larger pool only ever sees slots below i32::MAX.
+            slots_max: slots_max.min(u32::MAX as u64) as u32,
+        })
+    }
+}
+
+/// An `index_k_store` launch whose sizes, alignment and every slot were checked on the host:
+/// only [`IndexKStoreLaunch::check`] makes one, and [`Kernels::index_k_store_checked`] launches
+/// it without walking the slots again (the kernel traps on a slot outside the pool, the device
+/// half of the check). Its addresses must stay allocated while it is launched, as a
+/// [`DevPtr`]'s must.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckedIndexKStore {
+    dtype: IndexKDtype,
+    ue8m0: bool,
+    keys: u64,
+    gamma: u64,
+    beta: u64,
+    rope: u64,
+    slots_dev: u64,
+    dst: u64,
+    n: u32,
+    slots_max: u32,
+}
+
+impl CheckedIndexKStore {
+    pub fn tokens(&self) -> usize {
+        self.n as usize
+    }
+}
+
+/// The arguments of one `topk` launch over `context_lens.len()` rows: `context_lens` and
+/// `page_table` are the host copies (checked before the launch), `lens_dev` and `pt_dev` their
+/// device copies.
+#[derive(Clone, Copy, Debug)]
+pub struct TopKLaunch<'a> {
+    /// Positions per row, 1..=2048.
+    pub k: usize,
+    /// `[rows][stride]` logits.
+    pub logits: DevPtr,
+    pub stride: usize,
+    pub context_lens: &'a [i32],
+    pub lens_dev: DevPtr,
+    /// `[rows][pt_stride]` page tables.
+    pub page_table: &'a [i32],
+    pub pt_stride: usize,
+    pub pt_dev: DevPtr,
+    /// `[rows][k]` slots.
+    pub out: DevPtr,
+}
+
+impl TopKLaunch<'_> {
+    fn check(&self) -> Result<()> {
+        const OP: &str = "topk";
+        let (k, stride, pt_stride) = (self.k, self.stride, self.pt_stride);
+        if k == 0 || k > INDEX_TOPK_MAX as usize {
+            return Err(bad(OP, "k", format!("{k} is outside 1..=2048")));
+        }
+        if stride > i32::MAX as usize || pt_stride > i32::MAX as usize {
+            return Err(bad(OP, "stride", "a row stride above i32::MAX"));
+        }
+        let rows = self.context_lens.len();
+        need(OP, "logits", self.logits, f32_bytes((rows * stride) as u64))?;
+        need(OP, "context_lens", self.lens_dev, i32_bytes(rows as u64))?;
+        need(
+            OP,
+            "page_table",
+            self.pt_dev,
+            i32_bytes((rows * pt_stride) as u64),
+        )?;
+        need(OP, "out", self.out, i32_bytes((rows * k) as u64))?;
+        if self.page_table.len() != rows * pt_stride {
+            return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
+        }
+        for (r, &len) in self.context_lens.iter().enumerate() {
+            if len < 0 || len as usize > stride || len as usize > pt_stride * PAGE_TOKENS as usize {
+                return Err(KernelError::OutOfRange {
+                    op: OP,
+                    index: r,
+                    value: len as i64,
+                    limit: stride as u64,
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Which `index_logits` kernel runs.
@@ -192,10 +357,19 @@ impl IndexLogitsLaunch<'_> {
     }
 }
 
+/// The top-k launch shape, held by whoever launches it: CTAs per row (a thread-block cluster of
+/// 1, 2, 4 or 8), or `None` for [`super::topk_cluster`]'s choice. `tierkv bench` sweeps it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TopKTuning {
+    pub cluster: Option<u32>,
+}
+
 /// The compiled kernels, loaded into one context.
 pub struct Kernels {
     pub ctx: Arc<CudaContext>,
     funcs: BTreeMap<&'static str, CudaFunction>,
+    /// The device's multiprocessors (the top-k launch shape depends on them).
+    sms: usize,
 }
 
 impl Kernels {
@@ -209,9 +383,23 @@ impl Kernels {
                 funcs.insert(k, module.load_function(k).map_err(cuda("load_function"))?);
             }
         }
+        // The top-k kernels keep up to TOPK_STAGED_MAX keys and their buckets in dynamic shared
+        // memory, past the 48 KB a launch may ask for by default.
+        for (_, name) in TOPK_KERNELS {
+            funcs[name]
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    i32_bytes((TOPK_STAGED_MAX + TOPK_BUCKET_WORDS) as u64).0 as i32,
+                )
+                .map_err(cuda("topk: set_attribute"))?;
+        }
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda("device attribute"))?;
         Ok(Kernels {
             ctx: ctx.clone(),
             funcs,
+            sms: sms.max(1) as usize,
         })
     }
 
@@ -261,32 +449,47 @@ impl Kernels {
         dst: DevPtr,
         dst_fp: LayoutFingerprint,
     ) -> Result<()> {
+        let launch = IndexKStoreLaunch {
+            dtype,
+            ue8m0,
+            keys,
+            gamma,
+            beta,
+            rope,
+            slots,
+            slots_dev,
+            dst,
+            dst_fp,
+        };
+        self.index_k_store_checked(s, &launch.check()?)
+    }
+
+    /// `index_k_store` of a launch checked before (see [`CheckedIndexKStore`]).
+    pub fn index_k_store_checked(&self, s: &CudaStream, c: &CheckedIndexKStore) -> Result<()> {
         const OP: &str = "index_k_store";
-        let n = slots.len() as u64;
-        need(OP, "keys", keys, bf16_bytes(n * INDEX_HEAD_DIM as u64))?;
-        need(OP, "gamma", gamma, f32_bytes(INDEX_HEAD_DIM as u64))?;
-        need(OP, "beta", beta, f32_bytes(INDEX_HEAD_DIM as u64))?;
-        need(OP, "rope", rope, f32_bytes(n * ROPE_DIM as u64))?;
-        need(OP, "slots", slots_dev, i32_bytes(n))?;
-        let pages = paged(OP, PageFormat::IndexK(dtype), dst, dst_fp)?;
-        slots_in(OP, slots, pages * PAGE_TOKENS as u64)?;
-        if n == 0 {
+        const TOKENS_PER_CTA: u32 = 64;
+        if c.n == 0 {
             return Ok(());
         }
-        let (n32, dt, ue) = (n as i32, (dtype == IndexKDtype::Bf16) as i32, ue8m0 as i32);
+        let (n32, dt, ue) = (
+            c.n as i32,
+            (c.dtype == IndexKDtype::Bf16) as i32,
+            c.ue8m0 as i32,
+        );
         let mut b = s.launch_builder(self.f("index_k_store"));
-        b.arg(&keys.ptr)
-            .arg(&gamma.ptr)
-            .arg(&beta.ptr)
-            .arg(&rope.ptr)
-            .arg(&slots_dev.ptr);
-        b.arg(&n32).arg(&dt).arg(&ue).arg(&dst.ptr);
+        b.arg(&c.keys)
+            .arg(&c.gamma)
+            .arg(&c.beta)
+            .arg(&c.rope)
+            .arg(&c.slots_dev);
+        b.arg(&n32).arg(&dt).arg(&ue).arg(&c.slots_max).arg(&c.dst);
         let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(4), 1, 1),
-            block_dim: (128, 1, 1),
+            // Four threads per token (store.cu's IKS_TOKENS tokens per CTA).
+            grid_dim: (c.n.div_ceil(TOKENS_PER_CTA), 1, 1),
+            block_dim: (4 * TOKENS_PER_CTA, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: every pointer was checked against the sizes the kernel touches.
+        // SAFETY: every pointer was checked against the sizes and alignment the kernel needs.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
     }
@@ -466,7 +669,7 @@ impl Kernels {
         Ok(())
     }
 
-    /// `topk` with any `k` in 1..=2048.
+    /// `topk` with any `k` in 1..=2048, in the launch shape [`super::topk_cluster`] picks.
     #[allow(clippy::too_many_arguments)]
     pub fn topk(
         &self,
@@ -481,51 +684,63 @@ impl Kernels {
         pt_dev: DevPtr,
         out: DevPtr,
     ) -> Result<()> {
-        const OP: &str = "topk";
-        if k == 0 || k > INDEX_TOPK_MAX as usize {
-            return Err(bad(OP, "k", format!("{k} is outside 1..=2048")));
-        }
-        let rows = context_lens.len();
-        need(OP, "logits", logits, f32_bytes((rows * stride) as u64))?;
-        need(OP, "context_lens", lens_dev, i32_bytes(rows as u64))?;
-        need(
-            OP,
-            "page_table",
+        let a = TopKLaunch {
+            k,
+            logits,
+            stride,
+            context_lens,
+            lens_dev,
+            page_table,
+            pt_stride,
             pt_dev,
-            i32_bytes((rows * pt_stride) as u64),
-        )?;
-        need(OP, "out", out, i32_bytes((rows * k) as u64))?;
-        if page_table.len() != rows * pt_stride {
-            return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
-        }
-        for (r, &len) in context_lens.iter().enumerate() {
-            if len < 0 || len as usize > stride || len as usize > pt_stride * PAGE_TOKENS as usize {
-                return Err(KernelError::OutOfRange {
-                    op: OP,
-                    index: r,
-                    value: len as i64,
-                    limit: stride as u64,
-                });
-            }
-        }
+            out,
+        };
+        self.topk_with(TopKTuning::default(), s, &a)
+    }
+
+    /// `topk` in a chosen launch shape.
+    pub fn topk_with(&self, tuning: TopKTuning, s: &CudaStream, a: &TopKLaunch) -> Result<()> {
+        const OP: &str = "topk";
+        a.check()?;
+        let rows = a.context_lens.len();
         if rows == 0 {
             return Ok(());
         }
-        let (st, k32, pts) = (stride as i32, k as i32, pt_stride as i32);
-        let mut b = s.launch_builder(self.f("topk"));
-        b.arg(&logits.ptr)
+        let len_max = a
+            .context_lens
+            .iter()
+            .map(|&l| l as usize)
+            .max()
+            .unwrap_or(0);
+        let cluster = match tuning.cluster {
+            None => topk_cluster(rows, len_max, self.sms),
+            Some(c) => c,
+        };
+        let Some(&(_, name)) = TOPK_KERNELS.iter().find(|(c, _)| *c == cluster) else {
+            return Err(bad(OP, "cluster", format!("{cluster} is not 1, 2, 4 or 8")));
+        };
+        if rows as u64 * cluster as u64 > i32::MAX as u64 {
+            return Err(bad(OP, "rows", format!("{rows} rows in one launch")));
+        }
+        // Each CTA of a row's cluster stages its share of the row when it fits.
+        let cap = len_max.div_ceil(cluster as usize).min(TOPK_STAGED_MAX);
+        let (st, k32, pts, cap32) = (a.stride as i32, a.k as i32, a.pt_stride as i32, cap as i32);
+        let mut b = s.launch_builder(self.f(name));
+        b.arg(&a.logits.ptr)
             .arg(&st)
-            .arg(&lens_dev.ptr)
-            .arg(&pt_dev.ptr)
+            .arg(&a.lens_dev.ptr)
+            .arg(&a.pt_dev.ptr)
             .arg(&pts)
             .arg(&k32)
-            .arg(&out.ptr);
+            .arg(&a.out.ptr)
+            .arg(&cap32);
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
+            grid_dim: (rows as u32 * cluster, 1, 1),
             block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: i32_bytes((cap + TOPK_BUCKET_WORDS) as u64).0 as u32,
         };
-        // SAFETY: sizes checked above.
+        // SAFETY: sizes checked by `a.check()`; the kernel's cluster size is compiled in and
+        // divides the grid.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
     }

@@ -49,7 +49,7 @@ pub const SOURCES: &[Source] = &[
     Source {
         file: "topk.cu",
         text: include_str!("../../cuda/topk.cu"),
-        kernels: &["topk"],
+        kernels: &["topk_c1", "topk_c2", "topk_c4", "topk_c8"],
     },
     Source {
         file: "sparse_read.cu",
@@ -70,6 +70,39 @@ pub fn logits_mma_kernel(dtype: crate::layout::IndexKDtype) -> (&'static str, u3
         crate::layout::IndexKDtype::Fp8 => ("index_logits_mma_fp8", 2 * 64),
         crate::layout::IndexKDtype::Bf16 => ("index_logits_mma_bf16", 4 * 64),
     }
+}
+
+/// Positions of a row that one top-k CTA keeps in shared memory (160 KB of keys; with the
+/// buckets' 16 KB and the kernel's 34 KB of static shared memory, within sm_90's 227 KB per
+/// CTA). A row longer than its cluster can hold is read from global memory on every pass instead.
+pub const TOPK_STAGED_MAX: usize = 40_960;
+
+/// Words of dynamic shared memory a top-k CTA holds after its keys: each first-pass bin's start
+/// and fill (`topk.cu`: 2 x TOPK_BINS, 11-bit digits).
+pub const TOPK_BUCKET_WORDS: usize = 2 * 2048;
+
+/// The top-k kernel of each cluster size (CTAs per row; `topk.cu`).
+pub const TOPK_KERNELS: [(u32, &str); 4] = [
+    (1, "topk_c1"),
+    (2, "topk_c2"),
+    (4, "topk_c4"),
+    (8, "topk_c8"),
+];
+
+/// The cluster size for `rows` top-k rows of at most `len_max` positions on a GPU of `sms`
+/// multiprocessors: double it up to 4 while the rows' CTAs would not fill half the
+/// multiprocessors, and up to 8 while a row's share would not fit one CTA's shared memory. (Run
+/// 25 timed one 64K row at 39 us with 4 CTAs and 45 us with 8: past 4, the cluster's barriers
+/// and remote reads cost more than the smaller shares save.)
+pub fn topk_cluster(rows: usize, len_max: usize, sms: usize) -> u32 {
+    let mut c = 1u32;
+    while c < 8
+        && ((c < 4 && rows * c as usize * 2 <= sms)
+            || len_max.div_ceil(c as usize) > TOPK_STAGED_MAX)
+    {
+        c *= 2;
+    }
+    c
 }
 
 /// The page list the `page_gather` kernel reads (its `pairs_dev`): every page of `runs` as a
@@ -236,6 +269,31 @@ mod tests {
             prelude.contains("#define TKV_KV_FP8_ROW_BYTES 656\n"),
             "{prelude}"
         );
+    }
+
+    /// Two CTAs per row at batch 64, four at batch 1, and enough CTAs to hold a long row in
+    /// shared memory.
+    #[test]
+    fn topk_cluster_fills_the_gpu_and_holds_the_row() {
+        assert_eq!(topk_cluster(64, 65_536, 132), 2);
+        assert_eq!(topk_cluster(1, 65_536, 132), 4);
+        assert_eq!(topk_cluster(16, 4096, 132), 4);
+        assert_eq!(topk_cluster(40, 4096, 132), 2);
+        assert_eq!(topk_cluster(200, 4096, 132), 1);
+        assert_eq!(topk_cluster(200, 65_536, 132), 2);
+        assert_eq!(topk_cluster(200, 131_072, 132), 4);
+        assert_eq!(topk_cluster(1, 200_000, 132), 8);
+        assert_eq!(topk_cluster(200, 10_000_000, 132), 8);
+        let src = SOURCES.iter().find(|s| s.file == "topk.cu").unwrap();
+        assert!(src.text.contains("#define TOPK_DIGIT 11\n"));
+        assert_eq!(TOPK_BUCKET_WORDS, 2 << 11);
+        for (c, name) in TOPK_KERNELS {
+            assert!(src.kernels.contains(&name), "{name} not loaded");
+            assert!(
+                src.text.contains(&format!("TOPK_KERNEL({name}, {c})")),
+                "{name} is not the kernel of cluster size {c}"
+            );
+        }
     }
 
     #[test]

@@ -187,8 +187,16 @@ fn verdict(what: String, r: std::result::Result<(), String>) {
 pub fn store_body(b: &dyn Backend, expect: Expect) {
     let mut g = Gen::fresh("store");
     for dtype in IndexKDtype::ALL {
-        for (n, pages) in [(1usize, 1usize), (63, 2), (1000, 20), (4099, 70)] {
-            let ue8m0 = g.next() & 1 == 1;
+        // Both scale formats in every run: ue8m0 alternates from a random start.
+        let flip = g.next() & 1 == 1;
+        let mut sizes = vec![(1usize, 1usize), (63, 2), (1000, 20), (4099, 70)];
+        if expect == Expect::Reference {
+            // A GPU launch of many CTAs (the f64 check of the CPU instance would take minutes
+            // in a debug build).
+            sizes.push((70_001, 1200));
+        }
+        for (i, (n, pages)) in sizes.into_iter().enumerate() {
+            let ue8m0 = (i % 2 == 1) ^ flip;
             let keys = g.bf16s(n * 128, 6.0);
             let gamma: Vec<f32> = (0..128).map(|_| 1.0 + 0.5 * g.unit()).collect();
             let beta: Vec<f32> = (0..128).map(|_| 0.3 * g.unit()).collect();
@@ -460,24 +468,58 @@ fn check_logits_bound(
     }
 }
 
+/// What a top-k row holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scores {
+    /// Uniform in ±50: distinct values, almost surely.
+    Plain,
+    /// Multiples of 0.5 in ±50: every value hundreds of times, so the k-th ties.
+    Ties,
+    /// One value everywhere: the whole row ties.
+    Flat,
+    /// Half the positions -inf (masked), the rest in ±1 with some ±0.0: signed zeros and
+    /// infinities in the order.
+    Masked,
+}
+
 pub fn topk_body(b: &dyn Backend, expect: Expect) {
     let mut g = Gen::fresh("topk");
-    for (rows, len, k, ties) in [
-        (1usize, 1usize, 1usize, false),
-        (3, 100, 512, false),
-        (5, 5000, 2048, true),
-        (4, 3000, 37, true),
-        (64, 65_536, 2048, false),
-        (64, 65_536, 512, true),
+    use Scores::*;
+    for (rows, len, k, scores) in [
+        (1usize, 1usize, 1usize, Plain),
+        (3, 100, 512, Plain),
+        (5, 5000, 2048, Ties),
+        (4, 3000, 37, Ties),
+        (64, 65_536, 2048, Plain),
+        (64, 65_536, 512, Ties),
+        // Batch 1: the cluster's CTAs share one row.
+        (1, 65_536, 2048, Plain),
+        (1, 65_536, 2048, Ties),
+        // k = len and k = len - 1 (every position, and all but one).
+        (2, 2048, 2048, Plain),
+        (2, 2049, 2048, Ties),
+        (3, 20_000, 1, Ties),
+        (2, 70_000, 100, Flat),
+        (8, 20_000, 2048, Masked),
+        // Longer than a cluster of 8 keeps in shared memory: read from global memory per pass.
+        (1, 400_000, 2048, Plain),
     ] {
         let stride = len + 3;
         let pt_stride = len.div_ceil(64);
-        let mut logits: Vec<f32> = (0..rows * stride).map(|_| g.unit() * 50.0).collect();
-        if ties {
-            for v in logits.iter_mut() {
-                *v = (*v * 2.0).round() / 2.0;
-            }
-        }
+        let flat = g.unit() * 50.0;
+        let logits: Vec<f32> = (0..rows * stride)
+            .map(|_| match scores {
+                Plain => g.unit() * 50.0,
+                Ties => (g.unit() * 100.0).round() / 2.0,
+                Flat => flat,
+                Masked => match g.below(16) {
+                    0..=7 => f32::NEG_INFINITY,
+                    8 => 0.0,
+                    9 => -0.0,
+                    _ => g.unit(),
+                },
+            })
+            .collect();
         let page_table: Vec<i32> = (0..rows * pt_stride)
             .map(|_| g.below(1 << 20) as i32)
             .collect();
@@ -507,7 +549,7 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         b.topk(&a, &mut got).unwrap();
         assert!(
             got == want,
-            "{} topk rows {rows} len {len} k {k} ties {ties}: {} entries differ",
+            "{} topk rows {rows} len {len} k {k} {scores:?}: {} entries differ",
             b.name(),
             got.iter().zip(&want).filter(|(x, y)| x != y).count()
         );
@@ -640,14 +682,17 @@ mod cuda {
     use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
     use std::sync::Arc;
     use tierkv_kernels::cuda::launch::{
-        DevPtr, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
+        DevPtr, IndexKStoreLaunch, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
+        TopKLaunch, TopKTuning,
     };
+    use tierkv_kernels::KernelError;
 
     pub struct Cuda {
         k: &'static Kernels,
         s: Arc<CudaStream>,
         logits: LogitsKernel,
         tuning: LogitsTuning,
+        topk: TopKTuning,
     }
 
     fn bytes<T: Copy>(v: &[T]) -> &[u8] {
@@ -669,6 +714,16 @@ mod cuda {
                 s: k.ctx.new_stream().unwrap(),
                 logits: LogitsKernel::Exact,
                 tuning: LogitsTuning::default(),
+                topk: TopKTuning::default(),
+            }
+        }
+        /// Top-k with `cluster` CTAs per row whatever the shape.
+        pub fn topk_cluster(cluster: u32) -> Cuda {
+            Cuda {
+                topk: TopKTuning {
+                    cluster: Some(cluster),
+                },
+                ..Cuda::new()
             }
         }
         /// Logits on the tensor cores, launched with `tuning`.
@@ -794,18 +849,18 @@ mod cuda {
             let (_l, lp) = self.up(bytes(a.context_lens));
             let (_p, pp) = self.up(bytes(a.page_table));
             let (o, op) = self.up(bytes(out));
-            self.k.topk(
-                &self.s,
-                a.k,
-                xp,
-                a.stride,
-                a.context_lens,
-                lp,
-                a.page_table,
-                a.pt_stride,
-                pp,
-                op,
-            )?;
+            let launch = TopKLaunch {
+                k: a.k,
+                logits: xp,
+                stride: a.stride,
+                context_lens: a.context_lens,
+                lens_dev: lp,
+                page_table: a.page_table,
+                pt_stride: a.pt_stride,
+                pt_dev: pp,
+                out: op,
+            };
+            self.k.topk_with(self.topk, &self.s, &launch)?;
             self.down(&o, bytes_mut(out));
             Ok(())
         }
@@ -879,6 +934,130 @@ mod cuda {
     #[test]
     fn topk_cuda() {
         topk_body(&Cuda::new(), Expect::Reference);
+    }
+    /// Every cluster size on every shape (the default picks one per shape). Every size is
+    /// checked even when one fails, so the log shows them all.
+    #[test]
+    fn topk_every_cluster_size_cuda() {
+        let mut failed = Vec::new();
+        for cluster in [1, 2, 4, 8] {
+            eprintln!("CTAs per row: {cluster}");
+            let run = std::panic::catch_unwind(|| {
+                topk_body(&Cuda::topk_cluster(cluster), Expect::Reference)
+            });
+            if run.is_err() {
+                failed.push(cluster);
+            }
+        }
+        assert!(failed.is_empty(), "cluster sizes failing: {failed:?}");
+    }
+    /// The launchers answer bad input with typed errors before launching anything.
+    #[test]
+    fn launchers_refuse_bad_input_cuda() {
+        let c = Cuda::new();
+        let n = 70usize;
+        let (_k, kp) = c.up(&vec![0u8; 2 * 128 * n + 16]);
+        let (_g, gp) = c.up(&[0u8; 512]);
+        let (_r, rp) = c.up(&vec![0u8; 4 * 64 * n]);
+        let slots: Vec<i32> = (0..n as i32).collect();
+        let (_s, sp) = c.up(bytes(&slots));
+        let fmt = PageFormat::IndexK(IndexKDtype::Fp8);
+        let (_d, dp) = c.up(&vec![0u8; 2 * fmt.page_bytes() as usize]);
+        let good = IndexKStoreLaunch {
+            dtype: IndexKDtype::Fp8,
+            ue8m0: false,
+            keys: kp,
+            gamma: gp,
+            beta: gp,
+            rope: rp,
+            slots: &slots,
+            slots_dev: sp,
+            dst: dp,
+            dst_fp: fmt.fingerprint(),
+        };
+        let checked = good.check().unwrap();
+        assert_eq!(checked.tokens(), n);
+        // Keys 8 bytes off a 16-byte boundary.
+        let skewed = IndexKStoreLaunch {
+            keys: kp.offset(Bytes(8), Bytes(2 * 128 * n as u64)),
+            ..good
+        };
+        let err = skewed.check().unwrap_err();
+        assert!(
+            matches!(err, KernelError::BadArgument { arg: "keys", .. }),
+            "{err}"
+        );
+        // Slot 128 in a pool of 2 pages (128 slots), at entry 69.
+        let mut far = slots.clone();
+        far[69] = 128;
+        let err = IndexKStoreLaunch {
+            slots: &far,
+            ..good
+        }
+        .check()
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KernelError::OutOfRange {
+                    index: 69,
+                    value: 128,
+                    limit: 128,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        far[69] = -1;
+        let err = IndexKStoreLaunch {
+            slots: &far,
+            ..good
+        }
+        .check()
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KernelError::OutOfRange {
+                    index: 69,
+                    value: -1,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Top-k: a cluster size without a kernel, k outside 1..=2048.
+        let lens = [64i32];
+        let pt = [0i32];
+        let (_l, lp) = c.up(bytes(&lens));
+        let (_p, pp) = c.up(bytes(&pt));
+        let (_x, xp) = c.up(&[0u8; 256]);
+        let (_o, op) = c.up(&vec![0u8; 4 * 2048]);
+        let launch = TopKLaunch {
+            k: 8,
+            logits: xp,
+            stride: 64,
+            context_lens: &lens,
+            lens_dev: lp,
+            page_table: &pt,
+            pt_stride: 1,
+            pt_dev: pp,
+            out: op,
+        };
+        let err =
+            c.k.topk_with(TopKTuning { cluster: Some(3) }, &c.s, &launch)
+                .unwrap_err();
+        assert!(
+            matches!(err, KernelError::BadArgument { arg: "cluster", .. }),
+            "{err}"
+        );
+        let err =
+            c.k.topk_with(TopKTuning::default(), &c.s, &TopKLaunch { k: 0, ..launch })
+                .unwrap_err();
+        assert!(
+            matches!(err, KernelError::BadArgument { arg: "k", .. }),
+            "{err}"
+        );
     }
     #[test]
     fn sparse_read_cuda() {

@@ -176,7 +176,8 @@ mod imp {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaOps, PinnedHost};
     use tierkv_kernels::cpu::numerics::{e4m3_encode, mix64};
     use tierkv_kernels::cuda::launch::{
-        DevPtr, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
+        DevPtr, IndexKStoreLaunch, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
+        TopKLaunch, TopKTuning,
     };
     use tierkv_kernels::layout::*;
     use tierkv_kernels::rope::{Rope, RopeParams};
@@ -263,6 +264,11 @@ mod imp {
         rows: Vec<Row>,
         /// The tensor-core logits launch-shape sweep, as table lines.
         tuning: Vec<String>,
+        /// The top-k cluster-size sweep, as table lines.
+        topk_tuning: Vec<String>,
+        /// Outputs that differ from the CPU reference: the table is still written (with these
+        /// under it) and the bench then fails.
+        mismatches: Vec<String>,
         copy_bw: f64,
         h2d_bw: f64,
         d2h_bw: f64,
@@ -291,6 +297,8 @@ mod imp {
             c: Ctx { k, s, reps: a.reps },
             rows: Vec::new(),
             tuning: Vec::new(),
+            topk_tuning: Vec::new(),
+            mismatches: Vec::new(),
             copy_bw: 0.0,
             h2d_bw: 0.0,
             d2h_bw: 0.0,
@@ -308,6 +316,12 @@ mod imp {
         print!("{md}");
         if let Some(p) = &a.out {
             std::fs::write(p, &md).map_err(e)?;
+        }
+        if !b.mismatches.is_empty() {
+            return Err(format!(
+                "outputs differ from the CPU reference:\n{}",
+                b.mismatches.join("\n")
+            ));
         }
         Ok(())
     }
@@ -380,7 +394,23 @@ mod imp {
                 let fmt = PageFormat::IndexK(dtype);
                 let pool = c.buf((n / 64) * fmt.page_bytes() as usize)?;
                 let pp = ptr(s, &pool);
-                let ms = c.time(|| {
+                let launch = IndexKStoreLaunch {
+                    dtype,
+                    ue8m0: false,
+                    keys: kd,
+                    gamma: gd,
+                    beta: bd,
+                    rope: rd,
+                    slots: &slots,
+                    slots_dev: sd,
+                    dst: pp,
+                    dst_fp: fmt.fingerprint(),
+                };
+                // The kernel alone (a launch checked once), then the launcher as the engine
+                // calls it: its host check of 1M slots runs between the events too.
+                let checked = launch.check().map_err(e)?;
+                let ms = c.time(|| k.index_k_store_checked(s, &checked).map_err(e))?;
+                let full_ms = c.time(|| {
                     k.index_k_store(
                         s,
                         dtype,
@@ -396,12 +426,53 @@ mod imp {
                     )
                     .map_err(e)
                 })?;
+                // The pool the timed runs wrote, against the CPU reference on the same inputs.
+                let mut got = vec![0u8; pool.len()];
+                s.memcpy_dtoh(&pool, &mut got).map_err(e)?;
+                s.synchronize().map_err(e)?;
+                let mut want = vec![0u8; pool.len()];
+                tierkv_kernels::cpu::index_k_store(
+                    &tierkv_kernels::cpu::IndexKStoreArgs {
+                        dtype,
+                        ue8m0: false,
+                        keys: &keys,
+                        gamma: &gamma,
+                        beta: &beta,
+                        rope: &rope,
+                        slots: &slots,
+                    },
+                    &mut want,
+                    fmt.fingerprint(),
+                )
+                .map_err(e)?;
+                let exact = got == want;
+                if !exact {
+                    let bad = got.iter().zip(&want).filter(|(x, y)| x != y).count();
+                    self.mismatches.push(format!(
+                        "index_k_store {}: {bad} bytes differ from cpu::index_k_store",
+                        dtype.name()
+                    ));
+                }
                 let bytes = kd.bytes + rd.bytes + sd.bytes + pp.bytes;
                 self.rows.push(Row {
                     name: format!("index_k_store 1M tokens {}", dtype.name()),
                     ms,
                     bytes: bytes.0,
-                    note: String::new(),
+                    note: if exact {
+                        "keys + rope rows + slots read, pool written; bit-exact with cpu::index_k_store"
+                    } else {
+                        "DIFFERS from cpu::index_k_store"
+                    }
+                    .into(),
+                });
+                self.rows.push(Row {
+                    name: format!(
+                        "launcher (host check of 1M slots + launch), index_k_store {}",
+                        dtype.name()
+                    ),
+                    ms: full_ms,
+                    bytes: bytes.0,
+                    note: "what a caller with an idle GPU waits".into(),
                 });
             }
             Ok(())
@@ -543,36 +614,98 @@ mod imp {
             Ok(tierkv_kernels::cpu::numerics::le_f32s(&host))
         }
 
-        /// top-k over the logits of the last `logits` run.
+        /// top-k over the logits of the last `logits` run: 64 rows at k = 512 and 2048 and one
+        /// row at k = 2048 in the default launch shape, then the cluster size swept. Every
+        /// output is compared with `cpu::topk` on the same logits.
         fn topk(&mut self, ix: &Indexer) -> R<()> {
-            let (c, s, k) = (&self.c, &self.c.s, self.c.k);
-            let (op, ptd, ld) = (ptr(s, &ix.out), ptr(s, &ix.dev[2]), ptr(s, &ix.dev[3]));
-            for topk in [512usize, 2048] {
-                let sel = c.buf(i32_bytes((ix.bsz * topk) as u64).usize())?;
-                let sp = ptr(s, &sel);
-                let ms = c.time(|| {
-                    k.topk(
-                        s,
-                        topk,
-                        op,
-                        ix.ctx,
-                        &ix.lens,
-                        ld,
-                        &ix.page_table,
-                        ix.pt_stride,
-                        ptd,
-                        sp,
-                    )
-                    .map_err(e)
-                })?;
-                self.rows.push(Row {
-                    name: format!("topk k={topk}, 64 x 64K"),
-                    ms,
-                    bytes: (op.bytes + sp.bytes).0,
-                    note: String::new(),
-                });
+            let host = self.read_f32s(&ix.out)?;
+            let (op, ptd, ld) = (
+                ptr(&self.c.s, &ix.out),
+                ptr(&self.c.s, &ix.dev[2]),
+                ptr(&self.c.s, &ix.dev[3]),
+            );
+            let row_bytes = f32_bytes(ix.ctx as u64);
+            let one = (
+                op.offset(Bytes(0), row_bytes),
+                ptd.offset(Bytes(0), i32_bytes(ix.pt_stride as u64)),
+                ld.offset(Bytes(0), i32_bytes(1)),
+            );
+            for (rows, topk) in [(ix.bsz, 512usize), (ix.bsz, 2048), (1, 2048)] {
+                let (lp, pp, lens_dev) = if rows == 1 { one } else { (op, ptd, ld) };
+                let sel = self.c.buf(i32_bytes((rows * topk) as u64).usize())?;
+                let sp = ptr(&self.c.s, &sel);
+                let launch = TopKLaunch {
+                    k: topk,
+                    logits: lp,
+                    stride: ix.ctx,
+                    context_lens: &ix.lens[..rows],
+                    lens_dev,
+                    page_table: &ix.page_table[..rows * ix.pt_stride],
+                    pt_stride: ix.pt_stride,
+                    pt_dev: pp,
+                    out: sp,
+                };
+                let mut want = vec![0i32; rows * topk];
+                tierkv_kernels::cpu::topk(
+                    &tierkv_kernels::cpu::TopKArgs {
+                        k: topk,
+                        logits: &host[..rows * ix.ctx],
+                        stride: ix.ctx,
+                        context_lens: &ix.lens[..rows],
+                        page_table: &ix.page_table[..rows * ix.pt_stride],
+                        pt_stride: ix.pt_stride,
+                    },
+                    &mut want,
+                )
+                .map_err(e)?;
+                let shapes = if topk == 2048 {
+                    vec![None, Some(1), Some(2), Some(4), Some(8)]
+                } else {
+                    vec![None]
+                };
+                for cluster in shapes {
+                    let tuning = TopKTuning { cluster };
+                    let (k, s) = (self.c.k, self.c.s.clone());
+                    let ms = self
+                        .c
+                        .time(|| k.topk_with(tuning, &s, &launch).map_err(e))?;
+                    let got = self.read_i32s(&sel)?;
+                    let equal = got == want;
+                    if !equal {
+                        let bad = got.iter().zip(&want).filter(|(x, y)| x != y).count();
+                        self.mismatches.push(format!(
+                            "topk {rows} x 64K k={topk} {tuning:?}: {bad} of {} slots differ \
+                             from cpu::topk",
+                            want.len()
+                        ));
+                    }
+                    let verdict = if equal {
+                        "equal to cpu::topk"
+                    } else {
+                        "DIFFERS from cpu::topk"
+                    };
+                    let bytes = (lp.bytes + sp.bytes).0;
+                    match cluster {
+                        None => self.rows.push(Row {
+                            name: format!("topk k={topk}, {rows} x 64K"),
+                            ms,
+                            bytes,
+                            note: verdict.into(),
+                        }),
+                        Some(c) => self.topk_tuning.push(format!(
+                            "| {rows} x 64K | {topk} | {c} | {ms:.4} | {verdict} |"
+                        )),
+                    }
+                }
             }
             Ok(())
+        }
+
+        fn read_i32s(&self, d: &CudaSlice<u8>) -> R<Vec<i32>> {
+            let mut host = vec![0u8; d.len()];
+            self.c.s.memcpy_dtoh(d, &mut host).map_err(e)?;
+            self.c.s.synchronize().map_err(e)?;
+            Ok(tierkv_kernels::cpu::numerics::le_i32s(&host))
         }
 
         /// Page transfers of one 128K-token layer (2048 pages of KV + index-K), each way, with
@@ -710,6 +843,11 @@ mod imp {
                     row.note
                 ));
             }
+            md.push_str("\nTop-k launch shape (CTAs per row, one thread-block cluster):\n\n| rows | k | CTAs per row | ms | output |\n|---|---:|---:|---:|---|\n");
+            for t in &self.topk_tuning {
+                md.push_str(t);
+                md.push('\n');
+            }
             md.push_str("\nTensor-core logits launch shape (64 x 64K, 64 heads):\n\n| dtype | CTAs | L2 prefetch ahead | ms | GB/s | vs device copy |\n|---|---:|---:|---:|---:|---:|\n");
             for t in &self.tuning {
                 md.push_str(t);
@@ -797,8 +935,9 @@ mod imp {
             n if n.starts_with("index_k_store 1M tokens bf16") => "index_k_store bf16",
             n if n.starts_with("index_logits") && n.ends_with("fp8") => "index_logits fp8",
             n if n.starts_with("index_logits") && n.ends_with("bf16") => "index_logits bf16",
-            n if n.starts_with("topk k=512") => "topk 512",
-            n if n.starts_with("topk k=2048") => "topk 2048",
+            n if n.starts_with("topk k=512, 64 x") => "topk 512",
+            n if n.starts_with("topk k=2048, 64 x") => "topk 2048",
+            n if n.starts_with("topk k=2048, 1 x") => "topk 2048 batch1",
             n if n.contains("scattered") && n.contains("host→device") && n.contains("Gather") => {
                 "page transfer scattered h2d"
             }
