@@ -240,9 +240,10 @@ pub enum LinkError {
 /// prefill device to the decode device.
 pub trait KvLink<D: Device> {
     /// Enqueues the transfer of `pairs` (prefill page, decode page) of every layer in `layers`,
-    /// ordered after the prefill side's `after` event: each layer's `received` is recorded on
-    /// the decode side after that layer's copies, and `sent` after all of them, where the prefill
-    /// side can query it. Layers are independent: a link may send them in any order.
+    /// ordered after the prefill side's `after` event: each layer's `received` (a decode-side
+    /// event) is recorded on the decode side after that layer's copies, and `sent` (a
+    /// prefill-side event, which the pair queries on the prefill device) once the whole send is
+    /// over. Layers are independent: a link may send them in any order.
     /// `LinkError::Refused`: the transfer failed, its events recorded (the caller waits for
     /// `sent`, then sends again); `Layout`: nothing was enqueued; `Device`: an event could not
     /// be recorded, and the device is not to be trusted.

@@ -511,7 +511,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 })
                 .or_else(|| self.draining.first().map(|d| d.sent));
             if let Some(ev) = oldest {
-                self.decode.dev.synchronize(ev);
+                self.prefill.dev.synchronize(ev);
             }
         }
         for id in ids {
@@ -528,7 +528,8 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 any = true;
                 continue;
             }
-            if self.decode.dev.query(sent) == EventState::Pending {
+            // `sent` is the prefill side's event (the link records it where the send completes).
+            if self.prefill.dev.query(sent) == EventState::Pending {
                 continue;
             }
             any = true;
@@ -542,7 +543,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         }
         let mut i = 0;
         while i < self.draining.len() {
-            let sent = self.decode.dev.query(self.draining[i].sent);
+            let sent = self.prefill.dev.query(self.draining[i].sent);
             if sent == EventState::Pending {
                 probe::hit(Probe::PdSendDraining);
                 i += 1;
@@ -604,13 +605,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         let Stage::Sending(s) = std::mem::replace(&mut r.stage, Stage::Exported) else {
             unreachable!("in transfer");
         };
-        let every = s
-            .received
-            .iter()
-            .copied()
-            .chain([s.sent])
-            .collect::<Vec<_>>();
-        let failed = s.refused || !self.all_done(&every);
+        let failed = s.refused
+            || !self.all_done(&s.received)
+            || self.prefill.dev.query(s.sent) != EventState::Done;
         let r = self.requests.get_mut(&id).expect("in transfer");
         assert!(
             failed || r.aborted,
