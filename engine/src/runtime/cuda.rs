@@ -166,7 +166,12 @@ type Upload = (CudaSlice<u8>, DevPtr);
 
 impl CudaOps {
     pub fn new(strategy: CopyStrategy) -> Result<CudaOps, DeviceError> {
-        let kernels = Kernels::global().map_err(kernel)?;
+        CudaOps::on(0, strategy)
+    }
+
+    /// The kernels and copies on device `ordinal`.
+    pub fn on(ordinal: usize, strategy: CopyStrategy) -> Result<CudaOps, DeviceError> {
+        let kernels = Kernels::on(ordinal).map_err(kernel)?;
         Ok(CudaOps {
             ctx: kernels.ctx.clone(),
             kernels,
@@ -432,7 +437,12 @@ pub struct CudaDevice {
 
 impl CudaDevice {
     pub fn new(strategy: CopyStrategy) -> Result<CudaDevice, DeviceError> {
-        let ops = CudaOps::new(strategy)?;
+        CudaDevice::on(0, strategy)
+    }
+
+    /// The device on GPU `ordinal` (a prefill/decode pair puts each engine on its own).
+    pub fn on(ordinal: usize, strategy: CopyStrategy) -> Result<CudaDevice, DeviceError> {
+        let ops = CudaOps::on(ordinal, strategy)?;
         let mk = || ops.ctx.new_stream().map_err(backend("cuStreamCreate"));
         let streams = [mk()?, mk()?, mk()?];
         Ok(CudaDevice {
@@ -448,6 +458,14 @@ impl CudaDevice {
     pub fn stream(&self, k: StreamKind) -> &Arc<CudaStream> {
         &self.streams[k.index()]
     }
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ops.ctx.ordinal()
+    }
+    /// A buffer's device address (for the NCCL link, which moves pool pages between devices).
+    pub(crate) fn buffer_ptr(&self, b: BufferId) -> DevPtr {
+        self.resolve(b).0
+    }
     fn resolve(&self, b: BufferId) -> (DevPtr, BufferDesc) {
         (
             self.mem[b.0 as usize].dev_ptr(&self.streams[0]),
@@ -461,6 +479,15 @@ impl CudaDevice {
             .filter(|d| d.tier == tier)
             .map(|d| d.bytes.0)
             .sum()
+    }
+    /// Makes this device's context current on the calling thread: the raw driver calls (page
+    /// copies, host callbacks) act on the current context, and a pair drives two GPUs from one
+    /// thread.
+    fn bind(&self) -> Result<(), DeviceError> {
+        self.ops
+            .ctx
+            .bind_to_thread()
+            .map_err(backend("cuCtxSetCurrent"))
     }
     pub fn synchronize_all(&self) -> Result<(), DeviceError> {
         for s in &self.streams {
@@ -507,6 +534,7 @@ impl Device for CudaDevice {
         Ok(EventId(self.events.len() as u32 - 1))
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.bind()?;
         let s = &self.streams[stream.index()];
         self.events[ev.0 as usize]
             .record(s)
@@ -572,6 +600,7 @@ impl Device for CudaDevice {
     }
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
         check_op(&op, |b| self.descs[b.0 as usize])?;
+        self.bind()?;
         let s = self.streams[stream.index()].clone();
         self.ops.run(&s, &op, &|b| self.resolve(b))
     }

@@ -6,6 +6,8 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod ring;
 pub mod service;
 

@@ -21,6 +21,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
+/// CUDA devices (ordinals) one process launches tierkv's kernels on.
+pub const DEVICES_MAX: usize = 8;
+
 /// A device address and the bytes behind it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DevPtr {
@@ -405,8 +408,21 @@ impl Kernels {
 
     /// The process-wide kernels on device 0 (compiled and loaded on first use).
     pub fn global() -> Result<&'static Kernels> {
-        static K: OnceLock<std::result::Result<Kernels, KernelError>> = OnceLock::new();
-        K.get_or_init(|| {
+        Kernels::on(0)
+    }
+
+    /// The process-wide kernels on device `ordinal` (each device its own context, compiled and
+    /// loaded on first use): an engine on a second GPU launches there.
+    pub fn on(ordinal: usize) -> Result<&'static Kernels> {
+        static K: [OnceLock<std::result::Result<Kernels, KernelError>>; DEVICES_MAX] =
+            [const { OnceLock::new() }; DEVICES_MAX];
+        let Some(cell) = K.get(ordinal) else {
+            return Err(KernelError::Cuda {
+                op: "CudaContext::new",
+                detail: format!("device {ordinal}: tierkv uses devices 0..{DEVICES_MAX}"),
+            });
+        };
+        cell.get_or_init(|| {
             // cudarc loads the driver library lazily and panics when it is missing; a machine
             // without a GPU driver gets this error instead.
             // SAFETY: only tries to open the library (libloading), calls nothing in it.
@@ -418,7 +434,7 @@ impl Kernels {
                         .into(),
                 });
             }
-            let ctx = CudaContext::new(0).map_err(cuda("CudaContext::new"))?;
+            let ctx = CudaContext::new(ordinal).map_err(cuda("CudaContext::new"))?;
             // tierkv orders its streams itself (events, waits): cudarc's own tracking would add
             // synchronisation the engine did not ask for and hide its ordering bugs.
             // SAFETY: every buffer tierkv launches on is ordered by the engine's events.

@@ -64,6 +64,11 @@ pub struct ReplayArgs {
     /// compare their outputs digest for digest (no arrival times; `--metrics-port` unused).
     #[arg(long)]
     pub pd: bool,
+    /// With `--pd --device cuda`: 1 (both engines on GPU 0, the peer link) or 2 (prefill on GPU
+    /// 0, decode on GPU 1, the NCCL link; needs `--features nccl`), then NCCL's throughput
+    /// between the GPUs against a peer copy's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=2), requires = "pd")]
+    pub pd_gpus: u32,
 }
 
 fn percentile(v: &mut [u64], p: f64) -> f64 {

@@ -15,7 +15,7 @@ use std::rc::Rc;
 use std::time::Instant;
 use tierkv_engine::cpu_device::ManualClock;
 use tierkv_engine::device::Device;
-use tierkv_engine::pd::{PeerLink, SharedDevice};
+use tierkv_engine::pd::{KvLink, PeerLink, SharedDevice};
 use tierkv_engine::{Config, Engine, EngineOptions, Output, PdPair, Rejection, RequestSpec};
 
 /// What one request emitted.
@@ -98,15 +98,41 @@ where
     Ok(steps)
 }
 
-/// Runs the single engine and the pair on devices made by `device`, and compares them.
+/// Runs the single engine and the pair on devices made by `device`, both engines of the pair on
+/// one shared device joined by the peer link, and compares them.
 fn compare<D: Device>(
     cfg: &Config,
     work: &[RequestSpec],
     device: impl Fn() -> Result<D, String>,
 ) -> Result<bool, String> {
+    let shared = SharedDevice(Rc::new(RefCell::new(device()?)));
+    compare_with(cfg, work, device()?, || {
+        PdPair::new(
+            cfg.clone(),
+            cfg.clone(),
+            shared.clone(),
+            shared,
+            ManualClock::default(),
+            ManualClock::default(),
+            PeerLink,
+            EngineOptions::default(),
+        )
+        .map_err(|e| format!("prefill/decode pair: {e}"))
+    })
+    .map(|(equal, _)| equal)
+}
+
+/// Runs the single engine on `single` and the pair `pair` makes, and compares them. Returns
+/// whether every request was equal, and the pair (for what the caller measures next).
+fn compare_with<D: Device, P: Device, L: KvLink<P>>(
+    cfg: &Config,
+    work: &[RequestSpec],
+    single: D,
+    pair: impl FnOnce() -> Result<PdPair<P, ManualClock, L>, String>,
+) -> Result<(bool, PdPair<P, ManualClock, L>), String> {
     let opts = EngineOptions::default();
     let started = Instant::now();
-    let mut one = Engine::new(cfg.clone(), device()?, ManualClock::default(), opts)
+    let mut one = Engine::new(cfg.clone(), single, ManualClock::default(), opts)
         .map_err(|e| format!("single engine: {e}"))?;
     let mut single = BTreeMap::new();
     let one_steps = {
@@ -124,19 +150,8 @@ fn compare<D: Device>(
         )?
     };
     let one_wall = started.elapsed();
-    let shared = SharedDevice(Rc::new(RefCell::new(device()?)));
+    let mut pair = pair()?;
     let started = Instant::now();
-    let mut pair = PdPair::new(
-        cfg.clone(),
-        cfg.clone(),
-        shared.clone(),
-        shared,
-        ManualClock::default(),
-        ManualClock::default(),
-        PeerLink,
-        opts,
-    )
-    .map_err(|e| format!("prefill/decode pair: {e}"))?;
     let mut paired = BTreeMap::new();
     let pair_steps = {
         let pair = RefCell::new(&mut pair);
@@ -162,7 +177,7 @@ fn compare<D: Device>(
     let st = pair.stats;
     let page_bytes = pair.prefill().layout().transfer_bytes(1).0;
     println!(
-        "single engine: {} requests in {one_steps} steps, {:.2} s; pair: {pair_steps} steps, {:.2} s (both engines on one device: not a disaggregation timing)",
+        "single engine: {} requests in {one_steps} steps, {:.2} s; pair: {pair_steps} steps, {:.2} s (stepped on one thread: not a serving timing)",
         single.len(),
         one_wall.as_secs_f64(),
         pair_wall.as_secs_f64()
@@ -228,7 +243,7 @@ fn compare<D: Device>(
     for d in differ.iter().take(20) {
         println!("  differs: {d}");
     }
-    Ok(differ.is_empty() && equal == work.len())
+    Ok((differ.is_empty() && equal == work.len(), pair))
 }
 
 pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
@@ -239,6 +254,10 @@ pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
             return 2;
         }
     };
+    if a.pd_gpus == 2 && a.device != "cuda" {
+        eprintln!("--pd-gpus 2 puts the engines on two GPUs: add --device cuda");
+        return 2;
+    }
     let work: Vec<RequestSpec> = work.into_iter().map(|(_, s)| s).collect();
     println!(
         "replaying {} requests through a prefill/decode pair and through one engine, on {}; {} layers, device {} pages each",
@@ -278,11 +297,73 @@ fn cuda(cfg: &Config, work: &[RequestSpec], a: &ReplayArgs) -> Result<bool, Stri
     } else {
         CopyStrategy::Gather
     };
-    compare(cfg, work, || {
-        let mut dev = CudaDevice::new(strategy).map_err(|e| format!("CUDA device: {e}"))?;
+    let device = |ordinal: usize| {
+        let mut dev =
+            CudaDevice::on(ordinal, strategy).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
         dev.ops.logits = logits;
-        Ok(dev)
-    })
+        Ok::<_, String>(dev)
+    };
+    if a.pd_gpus == 2 {
+        return two_gpus(cfg, work, device(0)?, device(0)?, device(1)?);
+    }
+    compare(cfg, work, || device(0))
+}
+
+/// Prefill on GPU 0, decode on GPU 1, joined by NCCL; the single engine on GPU 0. Then NCCL's
+/// send/receive throughput between the two GPUs against `cuMemcpyPeerAsync`'s, on 1 GiB.
+#[cfg(feature = "nccl")]
+fn two_gpus(
+    cfg: &Config,
+    work: &[RequestSpec],
+    single: tierkv_engine::runtime::cuda::CudaDevice,
+    prefill: tierkv_engine::runtime::cuda::CudaDevice,
+    decode: tierkv_engine::runtime::cuda::CudaDevice,
+) -> Result<bool, String> {
+    use tierkv_engine::runtime::nccl::{measure, NcclLink};
+    let link = NcclLink::new(&prefill, &decode).map_err(|e| format!("NCCL link: {e}"))?;
+    println!(
+        "prefill engine on GPU {}, decode engine on GPU {}, joined by NCCL",
+        link.ordinals[0], link.ordinals[1]
+    );
+    let (equal, pair) = compare_with(cfg, work, single, || {
+        PdPair::new(
+            cfg.clone(),
+            cfg.clone(),
+            prefill,
+            decode,
+            ManualClock::default(),
+            ManualClock::default(),
+            link,
+            EngineOptions::default(),
+        )
+        .map_err(|e| format!("prefill/decode pair: {e}"))
+    })?;
+    let (p, d) = (pair.prefill(), pair.decode());
+    // The link went into the pair; measure with a second communicator over the same GPUs.
+    let probe = NcclLink::new(&p.dev, &d.dev).map_err(|e| format!("NCCL link: {e}"))?;
+    let bytes = 1usize << 30;
+    let (nccl, peer) =
+        measure(&probe, &p.dev, &d.dev, bytes).map_err(|e| format!("link throughput: {e}"))?;
+    println!(
+        "link throughput, 1 GiB GPU {} -> GPU {}: NCCL send/recv {:.1} GB/s, cuMemcpyPeerAsync {:.1} GB/s (ceiling): {:.0}%",
+        probe.ordinals[0],
+        probe.ordinals[1],
+        nccl / 1e9,
+        peer / 1e9,
+        100.0 * nccl / peer
+    );
+    Ok(equal)
+}
+
+#[cfg(all(feature = "cuda", not(feature = "nccl")))]
+fn two_gpus(
+    _: &Config,
+    _: &[RequestSpec],
+    _: tierkv_engine::runtime::cuda::CudaDevice,
+    _: tierkv_engine::runtime::cuda::CudaDevice,
+    _: tierkv_engine::runtime::cuda::CudaDevice,
+) -> Result<bool, String> {
+    Err("--pd-gpus 2 needs a build with `--features nccl`".into())
 }
 
 #[cfg(not(feature = "cuda"))]
