@@ -503,15 +503,19 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             .map(|(&id, _)| id)
             .collect();
         if wait {
+            // The oldest send: its `sent`, and its receives (which may finish later).
             let oldest = ids
                 .first()
                 .and_then(|id| match &self.requests[id].stage {
-                    Stage::Sending(s) => Some(s.sent),
+                    Stage::Sending(s) => Some((s.sent, s.received.clone())),
                     _ => None,
                 })
-                .or_else(|| self.draining.first().map(|d| d.sent));
-            if let Some(ev) = oldest {
-                self.prefill.dev.synchronize(ev);
+                .or_else(|| self.draining.first().map(|d| (d.sent, Vec::new())));
+            if let Some((sent, received)) = oldest {
+                self.prefill.dev.synchronize(sent);
+                for ev in received {
+                    self.decode.dev.synchronize(ev);
+                }
             }
         }
         for id in ids {
@@ -522,14 +526,22 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             // Decode admits once the receive of every layer completed (mutant 17: the first).
             let awaited = self.mutants.pd_layers_awaited(s.received.len());
             let admissible = !r.aborted && !s.refused;
-            let (received, sent) = (s.received[..awaited].to_vec(), s.sent);
+            let (received, all, sent) =
+                (s.received[..awaited].to_vec(), s.received.clone(), s.sent);
             if admissible && self.all_done(&received) {
                 self.admit(id);
                 any = true;
                 continue;
             }
-            // `sent` is the prefill side's event (the link records it where the send completes).
-            if self.prefill.dev.query(sent) == EventState::Pending {
+            // Not admitted: the transfer is over only when the send and every receive are (a
+            // send may complete on the prefill side before its receive on the decode side, as
+            // NCCL's does, and the decode pages must not go back while a receive writes them).
+            // `sent` is the prefill side's event.
+            if self.prefill.dev.query(sent) == EventState::Pending
+                || all
+                    .iter()
+                    .any(|&ev| self.decode.dev.query(ev) == EventState::Pending)
+            {
                 continue;
             }
             any = true;

@@ -204,6 +204,22 @@ pub fn measure(
         result::group_end().map_err(nccl("ncclGroupEnd"))?;
         Ok(())
     };
+    // The ceiling: a peer copy with peer access enabled both ways (without it the driver stages
+    // the copy through the host). Already enabled is fine.
+    for (from, to) in [(prefill, decode), (decode, prefill)] {
+        from.ops
+            .ctx
+            .bind_to_thread()
+            .map_err(backend("cuCtxSetCurrent"))?;
+        // SAFETY: two live contexts; enabling access maps nothing the link touches.
+        let r = unsafe { cudarc::driver::sys::cuCtxEnablePeerAccess(to.ops.ctx.cu_ctx(), 0) };
+        use cudarc::driver::sys::CUresult;
+        if r != CUresult::CUDA_SUCCESS && r != CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Err(DeviceError::Backend {
+                detail: format!("cuCtxEnablePeerAccess: {r:?}"),
+            });
+        }
+    }
     let peer_once = || -> Result<(), DeviceError> {
         // SAFETY: `bytes` bytes at both addresses, each in its device's context.
         unsafe {
