@@ -166,14 +166,17 @@ pub fn measure(
         prefill.stream(StreamKind::Write),
         decode.stream(StreamKind::Load),
     );
-    let src = ps.alloc_zeros::<u8>(bytes).map_err(backend("alloc"))?;
-    let mut dst = ds.alloc_zeros::<u8>(bytes).map_err(backend("alloc"))?;
-    let (sp, dp) = {
-        use cudarc::driver::{DevicePtr, DevicePtrMut};
-        let (s, _a) = src.device_ptr(ps);
-        let (d, _b) = dst.device_ptr_mut(ds);
-        (s, d)
+    // Plain `cuMemAlloc` buffers: memory of a stream-ordered pool is not reachable by a peer
+    // copy through `cuCtxEnablePeerAccess` (the driver would stage the copy through the host).
+    let alloc = |dev: &CudaDevice| -> Result<u64, DeviceError> {
+        dev.ops
+            .ctx
+            .bind_to_thread()
+            .map_err(backend("cuCtxSetCurrent"))?;
+        // SAFETY: a fresh allocation in the bound context, freed below.
+        unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(backend("cuMemAlloc"))
     };
+    let (sp, dp) = (alloc(prefill)?, alloc(decode)?);
     let sync = |what| -> Result<(), DeviceError> {
         ps.synchronize().map_err(backend(what))?;
         ds.synchronize().map_err(backend(what))
@@ -245,8 +248,14 @@ pub fn measure(
         sync("timed")?;
         Ok(bytes as f64 * REPEAT as f64 / t.elapsed().as_secs_f64())
     };
-    let n = timed(&nccl_once)?;
-    let p = timed(&peer_once)?;
-    drop((src, dst));
-    Ok((n, p))
+    let measured = timed(&nccl_once).and_then(|n| Ok((n, timed(&peer_once)?)));
+    for (dev, ptr) in [(prefill, sp), (decode, dp)] {
+        dev.ops
+            .ctx
+            .bind_to_thread()
+            .map_err(backend("cuCtxSetCurrent"))?;
+        // SAFETY: allocated above in this context, every copy on it synchronised.
+        unsafe { cudarc::driver::result::free_sync(ptr) }.map_err(backend("cuMemFree"))?;
+    }
+    measured
 }
