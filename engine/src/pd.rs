@@ -258,6 +258,24 @@ pub trait KvLink<D: Device> {
     ) -> Result<(), LinkError>;
 }
 
+/// Every layer's two sides hold pages of one format: the check each link makes before it sends
+/// a byte (the handshake compared the configurations; this compares the pools themselves).
+pub fn check_layers(layers: &[LayerSend]) -> Result<(), LinkError> {
+    for l in layers {
+        for (src, dst) in [l.kv, l.index_k] {
+            let (p, d) = (src.view().fingerprint, dst.view().fingerprint);
+            if p != d {
+                return Err(LinkError::Layout {
+                    layer: l.layer,
+                    prefill: p,
+                    decode: d,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The link between two devices of one address space: page copies on the decode side's load
 /// stream (after it waited for the prefill side's event), each layer's event recorded there, and
 /// `sent` too. It needs the two devices to share one table of buffers and events: the decode
@@ -277,18 +295,7 @@ impl<D: Device> KvLink<D> for PeerLink {
         layers: &[LayerSend],
         sent: EventId,
     ) -> Result<(), LinkError> {
-        for l in layers {
-            for (src, dst) in [l.kv, l.index_k] {
-                let (p, d) = (src.view().fingerprint, dst.view().fingerprint);
-                if p != d {
-                    return Err(LinkError::Layout {
-                        layer: l.layer,
-                        prefill: p,
-                        decode: d,
-                    });
-                }
-            }
-        }
+        check_layers(layers)?;
         let s = StreamKind::Load;
         decode.wait(s, after)?;
         let runs = coalesce_runs(pairs);

@@ -17,7 +17,7 @@
 use super::cuda::CudaDevice;
 use crate::device::{Device, DeviceError, EventId, Op, StreamKind};
 use crate::layout::{coalesce_runs, PageId};
-use crate::pd::{KvLink, LayerSend, LinkError};
+use crate::pd::{check_layers, KvLink, LayerSend, LinkError};
 use cudarc::nccl::{result, sys};
 
 /// Two NCCL ranks in this process: the prefill GPU's and the decode GPU's.
@@ -79,18 +79,7 @@ impl KvLink<CudaDevice> for NcclLink {
         layers: &[LayerSend],
         sent: EventId,
     ) -> Result<(), LinkError> {
-        for l in layers {
-            for (src, dst) in [l.kv, l.index_k] {
-                let (p, d) = (src.view().fingerprint, dst.view().fingerprint);
-                if p != d {
-                    return Err(LinkError::Layout {
-                        layer: l.layer,
-                        prefill: p,
-                        decode: d,
-                    });
-                }
-            }
-        }
+        check_layers(layers)?;
         prefill.wait(StreamKind::Write, after)?;
         let (ps, ds) = (
             prefill.stream(StreamKind::Write).cu_stream(),
