@@ -299,3 +299,34 @@ fn refused_commands_leave_files_alone() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `tierkv replay --pd` on the CPU: the built-in excerpt's first requests through a
+/// prefill/decode pair and through one engine are equal, request by request (exit code 0), and
+/// both roles' `/metrics` are printed; two GPUs without `--device cuda` is a usage error.
+#[test]
+fn replay_pd_equals_one_engine_on_the_cpu() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+        .args(["replay", "--pd", "--requests", "3", "--layers", "1"])
+        .output()
+        .expect("runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("pair = single engine: 3 of 3 requests equal"),
+        "{text}"
+    );
+    assert!(
+        text.contains("# prefill engine /metrics") && text.contains("# decode engine /metrics"),
+        "{text}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+        .args(["replay", "--pd", "--pd-gpus", "2", "--requests", "1"])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("add --device cuda"));
+}
