@@ -398,13 +398,14 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             .map(|(&id, _)| id)
             .collect();
         let running_max = self.decode.config().scheduler.running_requests_max as usize;
-        for id in ids {
-            let sending = self
-                .requests
-                .values()
-                .filter(|r| matches!(r.stage, Stage::Sending(_)))
-                .count();
-            if self.decode.running_len() + sending >= running_max {
+        let sending = self
+            .requests
+            .values()
+            .filter(|r| matches!(r.stage, Stage::Sending(_)))
+            .count();
+        // Each transfer started below adds one to those in flight.
+        for (started, id) in ids.into_iter().enumerate() {
+            if self.decode.running_len() + sending + started >= running_max {
                 probe::hit(Probe::PdDecodeFull);
                 break;
             }
@@ -526,9 +527,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             // Decode admits once the receive of every layer completed (mutant 17: the first).
             let awaited = self.mutants.pd_layers_awaited(s.received.len());
             let admissible = !r.aborted && !s.refused;
-            let (received, all, sent) =
-                (s.received[..awaited].to_vec(), s.received.clone(), s.sent);
-            if admissible && self.all_done(&received) {
+            let (all, sent) = (s.received.clone(), s.sent);
+            let received = &all[..awaited];
+            if admissible && self.all_done(received) {
                 self.admit(id);
                 any = true;
                 continue;
@@ -546,7 +547,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             }
             any = true;
             // Every layer may have arrived since the look above.
-            if admissible && self.all_done(&received) {
+            if admissible && self.all_done(received) {
                 self.admit(id);
                 continue;
             }
