@@ -142,6 +142,20 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
 }
 
 fn index_logits(o: &IndexLogits, mem: &mut Memory) -> KResult {
+    index_logits_with(o, mem, &mut cpu::logits::DecodeEach::default())
+}
+
+/// `index_logits` with each page's decoded keys from `keys` (see `cpu::index_logits_with`), for
+/// an executor that keeps them; errors as `run_op`'s.
+pub fn run_index_logits_with(
+    o: &IndexLogits,
+    mem: &mut Memory,
+    keys: &mut dyn cpu::PageKeys,
+) -> Result<(), DeviceError> {
+    index_logits_with(o, mem, keys).map_err(kerr("index_logits"))
+}
+
+fn index_logits_with(o: &IndexLogits, mem: &mut Memory, keys: &mut dyn cpu::PageKeys) -> KResult {
     let rows = o.context_lens.len() as u64;
     let h = o.heads as u64;
     let qb = mem
@@ -159,7 +173,13 @@ fn index_logits(o: &IndexLogits, mem: &mut Memory) -> KResult {
         out_stride: o.out_stride as usize,
     };
     let mut out = vec![0f32; (rows * o.out_stride as u64) as usize];
-    cpu::index_logits(&args, mem.bytes(o.k), mem.desc(o.k).fingerprint, &mut out)?;
+    cpu::index_logits_with(
+        &args,
+        mem.bytes(o.k),
+        mem.desc(o.k).fingerprint,
+        &mut out,
+        keys,
+    )?;
     put(
         mem.head_mut(o.out, f32_bytes(out.len() as u64)),
         &out,
@@ -190,6 +210,24 @@ fn topk(o: &TopK, mem: &mut Memory) -> KResult {
 }
 
 fn sparse_read(o: &SparseRead, mem: &mut Memory) -> KResult {
+    sparse_read_hashed(o, mem, &mut |_, row| cpu::row_hash(row))
+}
+
+/// `sparse_read` with its rows' hashes from `hash(offset, row)` (see
+/// `cpu::sparse_read_hashed`), for an executor that memoizes them; errors as `run_op`'s.
+pub fn run_sparse_read_hashed(
+    o: &SparseRead,
+    mem: &mut Memory,
+    hash: &mut dyn FnMut(usize, &[u8]) -> u64,
+) -> Result<(), DeviceError> {
+    sparse_read_hashed(o, mem, hash).map_err(kerr("sparse_read"))
+}
+
+fn sparse_read_hashed(
+    o: &SparseRead,
+    mem: &mut Memory,
+    hash: &mut dyn FnMut(usize, &[u8]) -> u64,
+) -> KResult {
     let rows = o.context_lens.len() as u64;
     let sv = le_i32s(mem.head(o.slots, i32_bytes(rows * o.k as u64)));
     let args = cpu::SparseReadArgs {
@@ -198,7 +236,13 @@ fn sparse_read(o: &SparseRead, mem: &mut Memory) -> KResult {
         slots: &sv,
     };
     let mut out = vec![0u64; rows as usize];
-    cpu::sparse_read(&args, mem.bytes(o.kv), mem.desc(o.kv).fingerprint, &mut out)?;
+    cpu::sparse_read_hashed(
+        &args,
+        mem.bytes(o.kv),
+        mem.desc(o.kv).fingerprint,
+        &mut out,
+        hash,
+    )?;
     put(mem.head_mut(o.out, u64_bytes(rows)), &out, u64::to_le_bytes);
     Ok(())
 }

@@ -14,6 +14,7 @@
 //! schedule); the layout check of every op at enqueue and again when it runs; the content oracle
 //! on every KV and index-K row an op reads, at the moment it reads it.
 
+use crate::fasthash::FastMap;
 use crate::oracles::content::ContentOracle;
 use crate::probes::{self, SimProbe};
 use crate::race::{join, Accessor, Race, RaceDetector, Vc, HOST};
@@ -25,9 +26,11 @@ use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::rc::Rc;
-use tierkv_engine::cpu_device::{run_op, Memory};
+use tierkv_engine::cpu_device::{run_index_logits_with, run_op, run_sparse_read_hashed, Memory};
 use tierkv_engine::device::*;
+use tierkv_engine::layout::IndexKDtype;
 use tierkv_engine::layout::{Bytes, PageId, PageRun};
+use tierkv_kernels::cpu::{row_hash, KeyBlock, PageKeys};
 
 /// Timing and fault model of the simulated GPU.
 #[derive(Clone, Debug)]
@@ -283,8 +286,9 @@ pub struct SimGpu {
 
 /// What performs an op's data effect when the simulation says it completes.
 enum Executor {
-    /// The kernels' CPU references on the simulator's memory.
-    Cpu,
+    /// The kernels' CPU references on the simulator's memory, with what they can keep from op to
+    /// op.
+    Cpu(Box<Kept>),
     /// The CUDA kernels and copies on a real GPU, through mirrors of the simulator's buffers.
     #[cfg(feature = "cuda")]
     Cuda(Box<crate::cuda_exec::CudaExec>),
@@ -339,7 +343,7 @@ impl SimGpu {
             allocs: 0,
             read_probes: BTreeMap::new(),
             shadow_arena: Vec::new(),
-            exec: Executor::Cpu,
+            exec: Executor::Cpu(Box::default()),
         };
         if cuda {
             g.exec = Executor::cuda()?;
@@ -758,7 +762,7 @@ impl SimGpu {
         // Undeclared reads are probed by running the CPU reference twice.
         let probed = self.read_probes.entry(rec.op.name()).or_default();
         let reads = match self.exec {
-            Executor::Cpu if undeclared::ReadProbe::sampled(rec.id, *probed) => {
+            Executor::Cpu(_) if undeclared::ReadProbe::sampled(rec.id, *probed) => {
                 let p = undeclared::ReadProbe::before(&rec.op, &self.mem);
                 *probed += p.is_some() as u32;
                 p
@@ -984,9 +988,85 @@ impl Executor {
     }
     fn run(&mut self, op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
         match self {
-            Executor::Cpu => run_op(op, mem),
+            Executor::Cpu(kept) => match op {
+                Op::SparseRead(o) => {
+                    let buffer = o.kv;
+                    let hashes = &mut kept.row_hashes;
+                    run_sparse_read_hashed(o, mem, &mut |at, row| hashes.get(buffer, at, row))
+                }
+                Op::IndexLogits(o) => run_index_logits_with(
+                    o,
+                    mem,
+                    &mut DecodedPages {
+                        buffer: o.k,
+                        kept: &mut kept.pages,
+                    },
+                ),
+                _ => run_op(op, mem),
+            },
             #[cfg(feature = "cuda")]
             Executor::Cuda(c) => c.run(op, mem),
+        }
+    }
+}
+
+/// What the CPU executor keeps from op to op, each entry with the bytes it was computed from and
+/// used only while they are unchanged: compared byte for byte rather than trusted to the write
+/// generations, so that no write the simulator did not account for can leave a stale entry. At
+/// most one entry per row or page of the pools read.
+#[derive(Default)]
+struct Kept {
+    row_hashes: RowHashes,
+    pages: FastMap<(BufferId, usize), (Box<[u8]>, IndexKDtype, Box<KeyBlock>)>,
+}
+
+/// A logits op's pages, decoded once and kept while their bytes stay the same (a query reads
+/// the pages the previous one did).
+struct DecodedPages<'a> {
+    buffer: BufferId,
+    kept: &'a mut FastMap<(BufferId, usize), (Box<[u8]>, IndexKDtype, Box<KeyBlock>)>,
+}
+
+impl PageKeys for DecodedPages<'_> {
+    fn page(&mut self, dtype: IndexKDtype, index: usize, bytes: &[u8]) -> &KeyBlock {
+        let e = self
+            .kept
+            .entry((self.buffer, index))
+            .or_insert_with(|| (Box::from(&[][..]), dtype, KeyBlock::new()));
+        if *e.0 != *bytes || e.1 != dtype {
+            if e.0.len() == bytes.len() {
+                e.0.copy_from_slice(bytes);
+            } else {
+                e.0 = bytes.into();
+            }
+            e.1 = dtype;
+            e.2.decode(dtype, bytes);
+        }
+        &e.2
+    }
+}
+
+/// The `row_hash` of every KV row a `sparse_read` hashed, by where it lies (a query selects the
+/// rows the previous one did, give or take a few).
+#[derive(Default)]
+struct RowHashes {
+    rows: FastMap<(BufferId, usize), (Box<[u8]>, u64)>,
+}
+
+impl RowHashes {
+    fn get(&mut self, buffer: BufferId, at: usize, row: &[u8]) -> u64 {
+        match self.rows.get_mut(&(buffer, at)) {
+            Some((bytes, h)) if **bytes == *row => *h,
+            Some((bytes, h)) if bytes.len() == row.len() => {
+                bytes.copy_from_slice(row);
+                *h = row_hash(row);
+                *h
+            }
+            _ => {
+                let h = row_hash(row);
+                self.rows.insert((buffer, at), (row.into(), h));
+                h
+            }
         }
     }
 }
@@ -1351,5 +1431,39 @@ impl Device for SimSide {
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
         self.at().recover()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tierkv_engine::layout::PageFormat;
+
+    /// What the executor keeps is used only while its bytes are unchanged: a row or page whose
+    /// bytes changed is hashed or decoded again, whoever changed them.
+    #[test]
+    fn kept_entries_follow_the_bytes() {
+        let mut kept = Kept::default();
+        let b = BufferId(7);
+        let mut row = vec![3u8; 64];
+        let h = kept.row_hashes.get(b, 128, &row);
+        assert_eq!(h, row_hash(&row));
+        row[5] = 4;
+        assert_eq!(kept.row_hashes.get(b, 128, &row), row_hash(&row));
+        assert_ne!(kept.row_hashes.get(b, 128, &row), h);
+
+        let dtype = IndexKDtype::Bf16;
+        let mut page = vec![0u8; PageFormat::IndexK(dtype).page_bytes() as usize];
+        page[0..2].copy_from_slice(&half::bf16::from_f32(1.5).to_bits().to_le_bytes());
+        let mut pages = DecodedPages {
+            buffer: b,
+            kept: &mut kept.pages,
+        };
+        assert_eq!(pages.page(dtype, 2, &page).kt[0][0], 1.5);
+        page[0..2].copy_from_slice(&half::bf16::from_f32(-2.0).to_bits().to_le_bytes());
+        assert_eq!(pages.page(dtype, 2, &page).kt[0][0], -2.0);
+        // Another page and another buffer are entries of their own.
+        assert_eq!(pages.page(dtype, 3, &vec![0u8; page.len()]).kt[0][0], 0.0);
+        assert_eq!(pages.page(dtype, 2, &page).kt[0][0], -2.0);
     }
 }

@@ -80,22 +80,26 @@ pub fn decode_key(dtype: IndexKDtype, page: &[u8], t: u32, k: &mut [f32; 128]) -
 
 /// Tokens scored together: independent fused multiply-add chains, so the CPU can run them side by
 /// side in SIMD lanes. Each chain is still the kernel's sequential chain over `d`, so the results
-/// are bit-identical to scoring one token at a time.
+/// are bit-identical to scoring one token at a time. A chain's every step waits for the one
+/// before (an FMA's latency is several cycles), so a context is scored `WIDE` keys at a time —
+/// enough chains to keep the FMA units busy — and its tail `LANES` at a time.
 const LANES: usize = 8;
+/// A page's keys: [`KeyBlock`] holds one page, scored in one block.
+pub const WIDE: usize = PAGE_TOKENS as usize;
 
-/// `Σ_h w_h · relu(q_h · k_j)` in the kernel's order for up to 8 keys `kt[d][j]`.
+/// `Σ_h w_h · relu(q_h · k_j)` in the kernel's order for up to `N` keys `kt[d][j]`.
 #[inline(always)]
-fn head_sum_block(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES] {
-    let mut s = [0f32; LANES];
+fn head_sum_block<const N: usize>(q: &[f32], w: &[f32], kt: &[[f32; N]; 128]) -> [f32; N] {
+    let mut s = [0f32; N];
     for (h, wh) in w.iter().enumerate() {
         let qh = &q[h * 128..(h + 1) * 128];
-        let mut dot = [0f32; LANES];
+        let mut dot = [0f32; N];
         for d in 0..128 {
-            for j in 0..LANES {
+            for j in 0..N {
                 dot[j] = qh[d].mul_add(kt[d][j], dot[j]);
             }
         }
-        for j in 0..LANES {
+        for j in 0..N {
             let r = if dot[j] > 0.0 { dot[j] } else { 0.0 };
             s[j] = wh.mul_add(r, s[j]);
         }
@@ -105,11 +109,15 @@ fn head_sum_block(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn head_sum_block_fma(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES] {
+unsafe fn head_sum_block_fma<const N: usize>(
+    q: &[f32],
+    w: &[f32],
+    kt: &[[f32; N]; 128],
+) -> [f32; N] {
     head_sum_block(q, w, kt)
 }
 
-fn block(q: &[f32], w: &[f32], kt: &[[f32; LANES]; 128]) -> [f32; LANES] {
+fn block<const N: usize>(q: &[f32], w: &[f32], kt: &[[f32; N]; 128]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2")
@@ -137,11 +145,24 @@ pub fn scores_with(
     out: &mut [f32],
     mut key: impl FnMut(usize, &mut [f32; 128]),
 ) {
-    let mut kt = [[0f32; LANES]; 128];
+    let wide = out.len() / WIDE * WIDE;
+    scores_in_blocks::<WIDE>(q, w, &mut out[..wide], 0, &mut key);
+    scores_in_blocks::<LANES>(q, w, &mut out[wide..], wide, &mut key);
+}
+
+/// `out[i]` is the score of key `first + i`, `N` keys per block.
+fn scores_in_blocks<const N: usize>(
+    q: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    first: usize,
+    key: &mut impl FnMut(usize, &mut [f32; 128]),
+) {
+    let mut kt = [[0f32; N]; 128];
     let mut k = [0f32; 128];
-    for (c, oc) in out.chunks_mut(LANES).enumerate() {
+    for (c, oc) in out.chunks_mut(N).enumerate() {
         for j in 0..oc.len() {
-            key(c * LANES + j, &mut k);
+            key(first + c * N + j, &mut k);
             for (lanes, &v) in kt.iter_mut().zip(&k) {
                 lanes[j] = v;
             }
@@ -198,12 +219,86 @@ fn key_page<'k>(
     Ok(&k_buf[p as usize * pb..(p as usize + 1) * pb])
 }
 
+/// One index-K page's 64 keys decoded to f32 and transposed (`kt[d][t]`), with their scales (1
+/// for bf16): the layout in which [`block_scores`] scores a whole page side by side.
+#[derive(Clone)]
+pub struct KeyBlock {
+    pub kt: [[f32; WIDE]; 128],
+    pub scales: [f32; WIDE],
+}
+
+impl KeyBlock {
+    pub fn new() -> Box<KeyBlock> {
+        Box::new(KeyBlock {
+            kt: [[0.0; WIDE]; 128],
+            scales: [0.0; WIDE],
+        })
+    }
+
+    /// Decodes every token of `page`.
+    pub fn decode(&mut self, dtype: IndexKDtype, page: &[u8]) {
+        let mut k = [0f32; 128];
+        for t in 0..PAGE_TOKENS {
+            let scale = decode_key(dtype, page, t, &mut k);
+            self.set(t as usize, &k, scale);
+        }
+    }
+
+    /// Puts key `k` with `scale` at token `t`.
+    pub fn set(&mut self, t: usize, k: &[f32; 128], scale: f32) {
+        for (lanes, &v) in self.kt.iter_mut().zip(k) {
+            lanes[t] = v;
+        }
+        self.scales[t] = scale;
+    }
+}
+
+/// The unscaled score (`Σ_h w_h · relu(q_h · k_t)`) of each of a page's 64 keys, bit-identical to
+/// [`scores`]: each key's chain is its own, whichever keys share the block.
+pub fn block_scores(q: &[f32], w: &[f32], b: &KeyBlock) -> [f32; WIDE] {
+    block(q, w, &b.kt)
+}
+
+/// Where [`index_logits_with`] gets each page's decoded keys.
+pub trait PageKeys {
+    /// The keys of page `index`, whose bytes are `bytes`.
+    fn page(&mut self, dtype: IndexKDtype, index: usize, bytes: &[u8]) -> &KeyBlock;
+}
+
+/// Decodes every page it is asked for: the reference's own.
+pub struct DecodeEach(Box<KeyBlock>);
+
+impl Default for DecodeEach {
+    fn default() -> Self {
+        DecodeEach(KeyBlock::new())
+    }
+}
+
+impl PageKeys for DecodeEach {
+    fn page(&mut self, dtype: IndexKDtype, _: usize, bytes: &[u8]) -> &KeyBlock {
+        self.0.decode(dtype, bytes);
+        &self.0
+    }
+}
+
 /// The CPU reference of `index_logits`; `out` is `[rows][out_stride]`.
 pub fn index_logits(
     a: &IndexLogitsArgs,
     k_buf: &[u8],
     k_fp: LayoutFingerprint,
     out: &mut [f32],
+) -> Result<()> {
+    index_logits_with(a, k_buf, k_fp, out, &mut DecodeEach::default())
+}
+
+/// `index_logits` with each page's keys from `keys`, which may keep decoded pages (the simulator's
+/// executor does, checking that their bytes are unchanged); the result is the same bits.
+pub fn index_logits_with(
+    a: &IndexLogitsArgs,
+    k_buf: &[u8],
+    k_fp: LayoutFingerprint,
+    out: &mut [f32],
+    keys: &mut dyn PageKeys,
 ) -> Result<()> {
     const OP: &str = "index_logits";
     a.check()?;
@@ -213,32 +308,35 @@ pub fn index_logits(
     expect_len(OP, "out", out.len(), a.rows() * a.out_stride)?;
     let pb = format.page_bytes() as usize;
     let h = a.heads;
+    let pt_tokens = PAGE_TOKENS as usize;
     for r in 0..a.rows() {
         let q = decode_q(&a.q[r * h * 128..(r + 1) * h * 128]);
         let w = &a.weights[r * h..(r + 1) * h];
         let pt = &a.page_table[r * a.pt_stride..(r + 1) * a.pt_stride];
         let len = a.context_lens[r] as usize;
         let row = &mut out[r * a.out_stride..(r + 1) * a.out_stride];
-        // Where each key's page starts (checked first, so decoding cannot fail).
-        let mut page_at = vec![0usize; len];
-        for (n, at) in page_at.iter_mut().enumerate() {
-            let page = key_page(k_buf, pb, pt, n, r, pages)?;
-            *at = page.as_ptr() as usize - k_buf.as_ptr() as usize;
-            if crate::mutants::on(crate::mutants::KernelMutant::LogitsReadsNextPage) && n + 1 == len
-            {
-                let p = pt[n / PAGE_TOKENS as usize] as usize + 1;
-                if p < pages as usize {
-                    *at = p * pb;
-                }
+        // Every page is checked first, so no row is half written when one is out of range.
+        for j in 0..len.div_ceil(pt_tokens) {
+            key_page(k_buf, pb, pt, j * pt_tokens, r, pages)?;
+        }
+        for j in 0..len.div_ceil(pt_tokens) {
+            let p = pt[j] as usize;
+            let b = keys.page(a.dtype, p, &k_buf[p * pb..(p + 1) * pb]);
+            let s = block_scores(&q, w, b);
+            let used = (len - j * pt_tokens).min(pt_tokens);
+            for t in 0..used {
+                row[j * pt_tokens + t] = apply_scale(s[t], b.scales[t], a.dtype);
             }
         }
-        let mut kscales = vec![0f32; len];
-        scores_with(&q, w, &mut row[..len], |n, k| {
-            let page = &k_buf[page_at[n]..page_at[n] + pb];
-            kscales[n] = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, k);
-        });
-        for (o, ks) in row[..len].iter_mut().zip(&kscales) {
-            *o = apply_scale(*o, *ks, a.dtype);
+        if crate::mutants::on(crate::mutants::KernelMutant::LogitsReadsNextPage) && len > 0 {
+            // The last key read from the page after its own.
+            let n = len - 1;
+            let p = pt[n / pt_tokens] as usize + 1;
+            if p < pages as usize {
+                let b = keys.page(a.dtype, p, &k_buf[p * pb..(p + 1) * pb]);
+                let t = n % pt_tokens;
+                row[n] = apply_scale(block_scores(&q, w, b)[t], b.scales[t], a.dtype);
+            }
         }
         for o in row.iter_mut().skip(len) {
             *o = f32::NEG_INFINITY;

@@ -10,9 +10,9 @@ pub mod sparse_read;
 pub mod store;
 pub mod topk;
 
-pub use logits::{index_logits, IndexLogitsArgs};
+pub use logits::{index_logits, index_logits_with, IndexLogitsArgs, KeyBlock, PageKeys};
 pub use page_copy::{check_page_copy, page_copy};
 pub use q_prep::{q_prep, QPrepArgs};
-pub use sparse_read::{sparse_read, SparseReadArgs};
+pub use sparse_read::{row_hash, sparse_read, sparse_read_hashed, SparseReadArgs};
 pub use store::{index_k_store, kv_store, IndexKStoreArgs, KvStoreArgs};
 pub use topk::{topk, TopKArgs};

@@ -54,6 +54,20 @@ pub fn sparse_read(
     kv_fp: LayoutFingerprint,
     out: &mut [u64],
 ) -> Result<()> {
+    sparse_read_hashed(a, kv, kv_fp, out, &mut |_, row| row_hash(row))
+}
+
+/// `sparse_read` with each selected row's [`row_hash`] taken from `hash(offset, row)`, where
+/// `offset` is the row's byte offset in `kv`: a caller that memoizes row hashes (the simulator's
+/// executor, which sees the same rows selected query after query) must return exactly
+/// `row_hash(row)`.
+pub fn sparse_read_hashed(
+    a: &SparseReadArgs,
+    kv: &[u8],
+    kv_fp: LayoutFingerprint,
+    out: &mut [u64],
+    hash: &mut dyn FnMut(usize, &[u8]) -> u64,
+) -> Result<()> {
     const OP: &str = "sparse_read";
     let format = PageFormat::Kv(a.dtype);
     let slots = check_paged_dst(OP, format, kv.len(), kv_fp)?;
@@ -68,7 +82,7 @@ pub fn sparse_read(
                 continue;
             }
             let at = kv_row::slot_offset(a.dtype, check_slot(OP, i, s, slots)?);
-            acc = acc.wrapping_add(rank_term(i, row_hash(&kv[at..at + tb])));
+            acc = acc.wrapping_add(rank_term(i, hash(at, &kv[at..at + tb])));
         }
         *o = acc;
     }

@@ -169,6 +169,19 @@ proptest! {
         let mut out = vec![f32::NAN; rows * out_stride];
         let args = cpu::IndexLogitsArgs { dtype, heads, q: &q, weights: &w, page_table: &page_table, pt_stride, context_lens: &ctx, out_stride };
         cpu::index_logits(&args, &kbuf, fmt.fingerprint(), &mut out).unwrap();
+        // Bit for bit the kernel's order key by key: a page scored as one block of 64 keys equals
+        // each key scored alone.
+        let pb = fmt.page_bytes() as usize;
+        for (r, &len) in lens.iter().enumerate() {
+            let qf = cpu::logits::decode_q(&q[r * heads * 128..(r + 1) * heads * 128]);
+            for n in 0..len {
+                let p = page_table[r * pt_stride + n / 64] as usize;
+                let mut k = [0f32; 128];
+                let ks = cpu::logits::decode_key(dtype, &kbuf[p * pb..(p + 1) * pb], (n % 64) as u32, &mut k);
+                let one = cpu::logits::logit(&qf, &w[r * heads..(r + 1) * heads], &k, ks, dtype);
+                prop_assert_eq!(out[r * out_stride + n].to_bits(), one.to_bits(), "row {} position {}", r, n);
+            }
+        }
         let (want, mag) = naive::index_logits_f64(&args, &kbuf);
         for (i, (&got, (&w, &m))) in out.iter().zip(want.iter().zip(&mag)).enumerate() {
             if w == f64::NEG_INFINITY {

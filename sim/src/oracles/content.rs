@@ -21,6 +21,7 @@ use tierkv_engine::layout::{
 };
 use tierkv_engine::synth::{LnParams, Synth};
 use tierkv_kernels::cpu::numerics::le_i32s;
+use tierkv_kernels::cpu::sparse_read::row_hash;
 use tierkv_kernels::cpu::store::{index_k_token, kv_token};
 use tierkv_kernels::rope::Rope;
 use tierkv_kernels::spec;
@@ -44,6 +45,9 @@ pub struct ContentOracle {
     pub tokens: BTreeMap<u64, Vec<u32>>,
     ik_memo: FastMap<(u32, u32, u32), Arc<IkRow>>,
     kv_memo: FastMap<(u32, u32, u32), Arc<Vec<u8>>>,
+    /// `row_hash` of each `kv_memo` row: a query's digest hashes every row it selects, and the
+    /// same rows are selected query after query.
+    kv_hash_memo: FastMap<(u32, u32, u32), u64>,
     /// Selections seen by `sparse_read`: (request, query position, global layer) → positions.
     pub selections: BTreeMap<(u64, u32, u32), Vec<u32>>,
     pub rows_checked: u64,
@@ -84,6 +88,7 @@ impl ContentOracle {
             tokens: BTreeMap::new(),
             ik_memo: FastMap::default(),
             kv_memo: FastMap::default(),
+            kv_hash_memo: FastMap::default(),
             selections: BTreeMap::new(),
             rows_checked: 0,
             rows_cached: 0,
@@ -151,6 +156,16 @@ impl ContentOracle {
         let r = Arc::new(out);
         self.kv_memo.insert((token, position, layer), r.clone());
         r
+    }
+
+    /// `sparse_read::row_hash` of the expected KV row of `token` at `position` in global `layer`.
+    pub fn kv_row_hash(&mut self, token: u32, position: u32, layer: u32) -> u64 {
+        if let Some(&h) = self.kv_hash_memo.get(&(token, position, layer)) {
+            return h;
+        }
+        let h = row_hash(&self.kv_row(token, position, layer));
+        self.kv_hash_memo.insert((token, position, layer), h);
+        h
     }
 
     /// A hash of the tokens expected at `first..last` of `request` in `layer`.

@@ -16,10 +16,10 @@ use crate::fasthash::FastMap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tierkv_engine::layout::IndexKDtype;
-use tierkv_kernels::cpu::logits::{apply_scale, decode_q, scores_with};
+use tierkv_kernels::cpu::logits::{apply_scale, block_scores, decode_q, KeyBlock, WIDE};
 use tierkv_kernels::cpu::numerics::{bf16_value, e4m3_decode, mix64};
 use tierkv_kernels::cpu::q_prep::{head_weight_scale, q_prep_head};
-use tierkv_kernels::cpu::sparse_read::{rank_term, row_hash};
+use tierkv_kernels::cpu::sparse_read::rank_term;
 use tierkv_kernels::cpu::topk::topk_positions;
 use tierkv_kernels::spec;
 
@@ -42,8 +42,35 @@ pub const SPEC_SAMPLE: u64 = 32;
 /// A decoded index key and its fp8 scale (1 for bf16).
 type Key = ([f32; 128], f32);
 
-/// A request's keys in one layer, position by position, each with the token it was made for.
-type Context = Vec<(u32, Arc<Key>)>;
+/// A request's keys in one layer: the token each position's key was made for, and the keys in
+/// pages of 64, decoded and transposed, as `block_scores` scores them (a query scores its whole
+/// context, and the next query of the request the same keys and one more).
+#[derive(Default)]
+struct Context {
+    tokens: Vec<u32>,
+    blocks: Vec<Box<KeyBlock>>,
+}
+
+impl Context {
+    fn set(&mut self, n: usize, token: u32, key: &Key) {
+        let b = n / WIDE;
+        while self.blocks.len() <= b {
+            self.blocks.push(KeyBlock::new());
+        }
+        self.blocks[b].set(n % WIDE, &key.0, key.1);
+        match self.tokens.get_mut(n) {
+            Some(t) => *t = token,
+            None => {
+                assert_eq!(
+                    self.tokens.len(),
+                    n,
+                    "a context grows one position at a time"
+                );
+                self.tokens.push(token);
+            }
+        }
+    }
+}
 
 /// A query's expected digest and the positions its top-k selects.
 pub type Expected = (u64, Arc<Vec<u32>>);
@@ -165,26 +192,32 @@ impl DigestOracle {
             qcodes.extend_from_slice(&codes);
         }
         let dtype = c.ik_dtype;
-        let mut keys = self.contexts.remove(&(request, layer)).unwrap_or_default();
+        let mut context = self.contexts.remove(&(request, layer)).unwrap_or_default();
         for n in 0..=position {
             let token = toks[n as usize];
-            match keys.get(n as usize) {
-                Some((t, _)) if *t == token => {}
-                Some(_) => keys[n as usize] = (token, self.key(c, token, n, layer)),
-                None => keys.push((token, self.key(c, token, n, layer))),
+            if context.tokens.get(n as usize) != Some(&token) {
+                let key = self.key(c, token, n, layer);
+                context.set(n as usize, token, &key);
             }
         }
-        let context = &keys[..=position as usize];
-        let mut scores = vec![0f32; context.len()];
-        scores_with(&qf, &wf, &mut scores, |n, k| *k = context[n].1 .0);
-        for (s, (_, key)) in scores.iter_mut().zip(context) {
-            *s = apply_scale(*s, key.1, dtype);
+        let len = position as usize + 1;
+        let mut scores = vec![0f32; len];
+        for (b, (block, out)) in context
+            .blocks
+            .iter()
+            .zip(scores.chunks_mut(WIDE))
+            .enumerate()
+        {
+            debug_assert!(b * WIDE < len);
+            let s = block_scores(&qf, &wf, block);
+            for (t, o) in out.iter_mut().enumerate() {
+                *o = apply_scale(s[t], block.scales[t], dtype);
+            }
         }
-        self.contexts.insert((request, layer), keys);
+        self.contexts.insert((request, layer), context);
         let sel = topk_positions(&scores, self.topk as usize);
         let digest = sel.iter().enumerate().fold(0u64, |acc, (i, &n)| {
-            let row = c.kv_row(toks[n as usize], n, layer);
-            acc.wrapping_add(rank_term(i, row_hash(&row)))
+            acc.wrapping_add(rank_term(i, c.kv_row_hash(toks[n as usize], n, layer)))
         });
         if ph % SPEC_SAMPLE == 0 {
             let query = SpecQuery {
