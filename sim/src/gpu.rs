@@ -1017,14 +1017,17 @@ impl Executor {
 #[derive(Default)]
 struct Kept {
     row_hashes: RowHashes,
-    pages: FastMap<(BufferId, usize), (Box<[u8]>, IndexKDtype, Box<KeyBlock>)>,
+    pages: KeptPages,
 }
+
+/// (buffer, page) → the page's bytes, the dtype they were decoded as and its keys.
+type KeptPages = FastMap<(BufferId, usize), (Box<[u8]>, IndexKDtype, Box<KeyBlock>)>;
 
 /// A logits op's pages, decoded once and kept while their bytes stay the same (a query reads
 /// the pages the previous one did).
 struct DecodedPages<'a> {
     buffer: BufferId,
-    kept: &'a mut FastMap<(BufferId, usize), (Box<[u8]>, IndexKDtype, Box<KeyBlock>)>,
+    kept: &'a mut KeptPages,
 }
 
 impl PageKeys for DecodedPages<'_> {
@@ -1050,8 +1053,11 @@ impl PageKeys for DecodedPages<'_> {
 /// rows the previous one did, give or take a few).
 #[derive(Default)]
 struct RowHashes {
-    rows: FastMap<(BufferId, usize), (Box<[u8]>, u64)>,
+    /// (buffer, byte offset) → the row's bytes and their hash.
+    rows: FastMap<(BufferId, usize), KeptRow>,
 }
+
+type KeptRow = (Box<[u8]>, u64);
 
 impl RowHashes {
     fn get(&mut self, buffer: BufferId, at: usize, row: &[u8]) -> u64 {
