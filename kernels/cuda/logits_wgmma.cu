@@ -39,8 +39,10 @@
 // the queries are written to shared memory with the same map.
 //
 // Shared memory (dynamic; the launcher asks for tkv logits_wgmma_smem bytes, mod.rs):
-//   [pad to 1024] | Q: 2 halves x 64 heads x 128 B (16 KB, 128B-swizzled) |
-//   ring: G x S stages of PAGE_BYTES | mbarriers: full[G][S], empty[G][S]
+//   [pad to 1024] | Q: 2 halves x 64 heads x 128 B (16 KB, 128B-swizzled) | the row's fp8
+//   queries as read (8 KB) | ring: G x S stages of PAGE_BYTES | mbarriers: full[G][S], empty[G][S]
+// The CTA stages the queries with 16-byte loads and syncs once; then the producer starts copying
+// pages while the consumers write Q and the weights and sync among themselves (named barrier 1).
 // Each half of Q holds k = 64 half .. 64 half + 63 (k-steps 4 half .. 4 half + 3): rows of 128 B,
 // the 16-byte chunk x of row h stored at chunk x ^ (h & 7) — the hardware's SWIZZLE_128B, which
 // is why Q is 1024-byte aligned. The descriptor of k-step s starts at half (s >> 2), byte
@@ -184,14 +186,17 @@ __device__ __forceinline__ void tkv_wg_load_row(const u8* row, int c, bool odd, 
 
 // The query row of the CTA into shared memory as B (f16 for fp8 pages, bf16 for bf16 pages):
 // head h, k-step s, k = 8 hi + 2c + j holds q[h][tkv_wg_dim(s, c, hi, j)], zeros past `heads`.
+// `qraw` is the row's fp8 queries staged in shared memory (heads x 128 bytes). Run by the
+// `threads` consumer threads (index `tid`).
 template <int DT>
-__device__ __forceinline__ void tkv_wg_write_q(u8* qs, const u8* qrow, int heads) {
-    for (int i = threadIdx.x; i < 64 * 8 * 4 * 2; i += blockDim.x) {
+__device__ __forceinline__ void tkv_wg_write_q(u8* qs, const u8* qraw, int heads, int tid,
+                                               int threads) {
+    for (int i = tid; i < 64 * 8 * 4 * 2; i += threads) {
         int hi = i & 1, c = (i >> 1) & 3, s = (i >> 3) & 7, h = i >> 6;
         u32 v = 0;
         if (h < heads) {
-            int d = tkv_wg_dim<DT>(s, c, hi, 0);
-            u32 two = (u32)qrow[h * 128 + d] | ((u32)qrow[h * 128 + d + 1] << 8);
+            int d = tkv_wg_dim<DT>(s, c, hi, 0);  // even: the pair d, d + 1 is one u16
+            u32 two = *reinterpret_cast<const u16*>(qraw + h * 128 + d);
             v = DT == 0 ? tkv_wg_e4m3x2_to_f16x2(two) : tkv_wg_e4m3x2_to_bf16x2(two);
         }
         int chunk = 2 * (s & 3) + hi;  // 16-byte chunk of the row (k = 16 (s & 3) + 8 hi ..)
@@ -204,7 +209,7 @@ __device__ __forceinline__ void tkv_wg_write_q(u8* qs, const u8* qrow, int heads
 // otherwise).
 template <int PAGE_BYTES, int G, int S>
 __host__ __device__ constexpr u32 tkv_wg_smem_bytes() {
-    return 1024 + 2 * TKV_WG_Q_HALF + G * S * PAGE_BYTES + 16 * G * S;
+    return 1024 + 3 * TKV_WG_Q_HALF + G * S * PAGE_BYTES + 16 * G * S;
 }
 
 template <int DT, int G, int S>
@@ -224,7 +229,8 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
 
     u8* base = tkv_wg_sm + ((1024 - (tkv_smem_u32(tkv_wg_sm) & 1023)) & 1023);
     u8* qs = base;
-    u8* ring = base + 2 * TKV_WG_Q_HALF;
+    u8* qraw = base + 2 * TKV_WG_Q_HALF;  // the row's fp8 queries, as read
+    u8* ring = base + 3 * TKV_WG_Q_HALF;
     u64* bars = reinterpret_cast<u64*>(ring + G * S * PAGE_BYTES);
     // full[g][s] = bars[g * S + s], empty[g][s] = bars[G * S + g * S + s]
     const u32 bar0 = tkv_smem_u32(bars);
@@ -247,11 +253,13 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    tkv_wg_write_q<DT>(qs, q + (size_t)row * heads * 128, heads);
-    for (int h = threadIdx.x; h < 64; h += blockDim.x)
-        ws[h] = h < heads ? w[(size_t)row * heads + h] : 0.0f;
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    // The row's queries, 16 bytes a thread (all loads in flight at once), staged as they are.
+    {
+        const uint4* src = reinterpret_cast<const uint4*>(q + (size_t)row * heads * 128);
+        for (int i = threadIdx.x; i < heads * 8; i += blockDim.x)
+            reinterpret_cast<uint4*>(qraw)[i] = src[i];
+    }
+    __syncthreads();  // the barriers are initialised, the queries staged: the producer may start
 
     const int* pt = page_table + (size_t)row * pt_stride;
     if (warp == 4 * G) {
@@ -274,6 +282,14 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         }
         return;
     }
+
+    // Consumers: the queries as B and the head weights (while the first pages arrive), then
+    // a barrier of the consumer threads only (named barrier 1; the producer is not in it).
+    tkv_wg_write_q<DT>(qs, qraw, heads, threadIdx.x, 128 * G);
+    for (int h = threadIdx.x; h < 64; h += 128 * G)
+        ws[h] = h < heads ? w[(size_t)row * heads + h] : 0.0f;
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma
+    asm volatile("bar.sync 1, %0;\n" ::"r"(128 * G) : "memory");
 
     // Consumer warpgroup wg; warp wl of it holds keys 16 wl .. 16 wl + 15.
     const int wg = warp >> 2, wl = warp & 3;
@@ -374,6 +390,6 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
     }
 
 // (name, dtype, consumer warpgroups, stages per warpgroup): two CTAs per multiprocessor
-// (85 KB and 83 KB of shared memory).
+// (93 KB and 91 KB of dynamic shared memory).
 TKV_LOGITS_WGMMA(index_logits_wgmma_fp8, 0, 2, 4)
 TKV_LOGITS_WGMMA(index_logits_wgmma_bf16, 1, 2, 2)

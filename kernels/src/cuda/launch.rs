@@ -403,7 +403,7 @@ impl Kernels {
                 )
                 .map_err(cuda("topk: set_attribute"))?;
         }
-        // The wgmma logits kernels hold their page rings in dynamic shared memory (83-85 KB).
+        // The wgmma logits kernels hold their page rings in dynamic shared memory (91-93 KB).
         for dtype in IndexKDtype::ALL {
             let shape = logits_wgmma_kernel(dtype);
             funcs[shape.name]
@@ -714,10 +714,15 @@ impl Kernels {
         a: &IndexLogitsLaunch,
     ) -> Result<()> {
         const OP: &str = "index_logits";
-        // The producer copies whole pages with cp.async.bulk (16-byte aligned source); the
-        // consumers read the weights and write the logits as f32. The queries are read byte by
-        // byte.
-        for (name, p, align) in [("k", a.k, 16u64), ("w", a.w, 4), ("out", a.out, 4)] {
+        // The producer copies whole pages with cp.async.bulk (16-byte aligned source); the CTA
+        // reads its queries 16 bytes at a time; the consumers read the weights and write the
+        // logits as f32.
+        for (name, p, align) in [
+            ("q", a.q, 16u64),
+            ("k", a.k, 16),
+            ("w", a.w, 4),
+            ("out", a.out, 4),
+        ] {
             aligned(OP, name, p, align)?;
         }
         if a.rows() > u16::MAX as usize {

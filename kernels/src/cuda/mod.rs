@@ -108,17 +108,18 @@ impl WgmmaShape {
         128 * self.groups + 32
     }
     /// Dynamic shared memory per CTA (the kernel's `tkv_wg_smem_bytes`, which traps on less):
-    /// 1 KB of alignment slack, the queries (2 x 8 KB, 128-byte swizzled), the rings, and a
-    /// full and an empty mbarrier per stage.
+    /// 1 KB of alignment slack, the queries as B (2 x 8 KB, 128-byte swizzled) and as read
+    /// (8 KB), the rings, and a full and an empty mbarrier per stage.
     pub fn smem_bytes(&self) -> u32 {
-        1024 + 2 * 64 * 128
+        1024 + 3 * 64 * 128
             + self.groups * self.stages * self.page_bytes
             + 16 * self.groups * self.stages
     }
 }
 
 /// The wgmma logits kernel of one page dtype: fp8 pages with 2 warpgroups of 4 stages, bf16
-/// pages with 2 warpgroups of 2 stages (two CTAs fit a multiprocessor either way).
+/// pages with 2 warpgroups of 2 stages (93 KB and 91 KB: two CTAs fit a multiprocessor either
+/// way).
 pub fn logits_wgmma_kernel(dtype: crate::layout::IndexKDtype) -> WgmmaShape {
     use crate::layout::{IndexKDtype, PageFormat};
     let page_bytes = PageFormat::IndexK(dtype).page_bytes() as u32;
@@ -460,7 +461,7 @@ mod tests {
             .all(|s| s.file == "logits_wgmma.cu" || s.arch == ARCH));
         assert!(src
             .text
-            .contains("return 1024 + 2 * TKV_WG_Q_HALF + G * S * PAGE_BYTES + 16 * G * S;"));
+            .contains("return 1024 + 3 * TKV_WG_Q_HALF + G * S * PAGE_BYTES + 16 * G * S;"));
         assert!(src.text.contains("#define TKV_WG_Q_HALF (64 * 128)"));
         assert!(src.text.contains("__launch_bounds__(128 * G + 32, 2)"));
         for (dt, dtype) in IndexKDtype::ALL.into_iter().enumerate() {
@@ -488,7 +489,7 @@ mod tests {
             assert_eq!(shape.threads(), 128 * shape.groups + 32);
             assert_eq!(
                 shape.smem_bytes(),
-                1024 + 16384 + shape.groups * shape.stages * (page + 16)
+                1024 + 24_576 + shape.groups * shape.stages * (page + 16)
             );
             // Two CTAs per multiprocessor: 228 KB of shared memory, 1 KB reserved per CTA and
             // the kernel's 1 KB of static shared memory (the head weights, padded by the
@@ -500,8 +501,8 @@ mod tests {
                 shape.smem_bytes()
             );
         }
-        assert_eq!(logits_wgmma_kernel(IndexKDtype::Fp8).smem_bytes(), 85_120);
-        assert_eq!(logits_wgmma_kernel(IndexKDtype::Bf16).smem_bytes(), 83_008);
+        assert_eq!(logits_wgmma_kernel(IndexKDtype::Fp8).smem_bytes(), 93_312);
+        assert_eq!(logits_wgmma_kernel(IndexKDtype::Bf16).smem_bytes(), 91_200);
     }
 
     /// The wgmma launch: one wave of resident CTAs split evenly between the rows, at least one
@@ -512,11 +513,11 @@ mod tests {
         // 64 x 64K on 132 multiprocessors: 264 resident CTAs, 4 per row (256).
         assert_eq!(
             logits_wgmma_launch(Fp8, 64, 65_536, 0, 132),
-            ((4, 64, 1), 288, 85_120)
+            ((4, 64, 1), 288, 93_312)
         );
         assert_eq!(
             logits_wgmma_launch(Bf16, 64, 65_536, 0, 132),
-            ((4, 64, 1), 288, 83_008)
+            ((4, 64, 1), 288, 91_200)
         );
         // The decode shapes: 1 x 64K, 8 x 8K.
         assert_eq!(logits_wgmma_launch(Fp8, 1, 65_536, 0, 132).0, (264, 1, 1));
