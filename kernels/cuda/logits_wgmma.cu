@@ -48,9 +48,10 @@
 // is why Q is 1024-byte aligned. The descriptor of k-step s starts at half (s >> 2), byte
 // 32 (s & 3) of the row (within the swizzle atom the hardware applies the XOR to the address).
 //
-// Risky parts on first GPU contact (kernels/GPU.md lists how to diagnose them): the matrix
-// descriptor (tkv_wg_desc), the A/D fragment maps (tkv_wg_dim, the epilogue), the barrier
-// parities, and the bulk copy of a page into a ring stage.
+// Risky parts on first GPU contact: the matrix descriptor (tkv_wg_desc), the A/D fragment maps
+// (tkv_wg_dim, the epilogue), the barrier parities, and the bulk copy of a page into a ring
+// stage. The conformance probes (`logits_probe_cuda`) run one page of structured inputs and
+// print what a wrong logit paired: the key dim, the key row, the scale or the head.
 
 // Bytes of one half of Q in shared memory: 64 heads x 128 bytes (64 f16 or bf16 values).
 #define TKV_WG_Q_HALF (64 * 128)
@@ -305,6 +306,7 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         int p = first + it * stride;
         int st = l % S;
         tkv_mbar_wait(bar0 + 8 * (wg * S + st), (l / S) & 1);
+        __syncwarp();  // the wait loop may leave the warp diverged; wgmma needs it converged
         const u8* page = ring + (wg * S + st) * PAGE_BYTES;
         constexpr int WORDS = DT == 0 ? 8 : 16;
         u32 k0[WORDS], k1[WORDS];
