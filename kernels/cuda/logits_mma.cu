@@ -2,8 +2,9 @@
 // logits.cu, but the dot products q_h . k_n run on the tensor cores (mma.sync m16n8k16, f32
 // accumulate), so the result is within DESIGN §4's 1e-5 of the terms' magnitude
 // (kscale . sum_h |w_h| . sum_d |q_hd k_d|), not bit-exact: the tensor core's summation order is
-// not the CPU reference's. The engine uses it in production; the simulator's bit-for-bit oracles
-// use the exact kernel (CudaOps::logits).
+// not the CPU reference's. Production now uses logits_wgmma.cu (LogitsKernel::TensorCore); this
+// kernel stays selectable (LogitsKernel::Mma) for comparison in `tierkv bench`. The simulator's
+// bit-for-bit oracles use the exact kernel (CudaOps::logits).
 //
 // Exactness of the operands: every e4m3 value is exact in f16 and in bf16, so the fp8 queries and
 // keys enter the tensor core unrounded (f16 for fp8 pages, bf16 for bf16 pages), and each product

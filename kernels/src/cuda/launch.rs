@@ -7,8 +7,8 @@
 //! device can hand in any allocation it owns (device memory, or mapped pinned host memory).
 
 use super::{
-    compile, logits_mma_kernel, topk_cluster, SOURCES, TOPK_BUCKET_WORDS, TOPK_KERNELS,
-    TOPK_STAGED_MAX,
+    compile, logits_mma_kernel, logits_wgmma_kernel, logits_wgmma_launch, topk_cluster, SOURCES,
+    TOPK_BUCKET_WORDS, TOPK_KERNELS, TOPK_STAGED_MAX,
 };
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
@@ -264,16 +264,22 @@ pub enum LogitsKernel {
     /// The CPU reference's operation order on CUDA-core fp32 FMAs: bit-exact, compute-bound. The
     /// simulator's oracles compare digests bit for bit, so `tierkv sim --device cuda` uses it.
     Exact,
-    /// Tensor cores (`mma.sync` f16/bf16, f32 accumulate; `logits_mma.cu`): within DESIGN §4's
+    /// Tensor cores, Hopper's warpgroup MMA (`wgmma` f16/bf16, f32 accumulate, pages copied into
+    /// a shared-memory ring by a producer warp; `logits_wgmma.cu`, sm_90a): within DESIGN §4's
     /// 1e-5 of the terms' magnitude, not bit-exact. The production default.
     #[default]
     TensorCore,
+    /// The previous tensor-core kernel (`mma.sync` f16/bf16, f32 accumulate; `logits_mma.cu`),
+    /// within the same bound: kept for comparison (`tierkv bench`).
+    Mma,
 }
 
-/// Launch choices of the tensor-core logits kernel, held by whoever launches it (`tierkv bench`
-/// sweeps them; kernels/GPU.md has the measurements behind the defaults): the CTAs one launch
-/// aims for (each CTA loops over a row's pages with a stride), and how many strides ahead pages
-/// are prefetched into L2.
+/// Launch choices of the tensor-core logits kernels, held by whoever launches them (`tierkv
+/// bench` sweeps them; kernels/GPU.md has the measurements behind the defaults): the CTAs one
+/// launch aims for (each CTA loops over a row's pages with a stride; 0 = the kernel's own
+/// default: [`super::WGMMA_CTAS_PER_SM`] per multiprocessor for the wgmma kernel, one wave;
+/// [`MMA_CTAS_PER_SM`] per multiprocessor for the `mma.sync` kernel, 2112 on an H200), and,
+/// for the `mma.sync` kernel only, how many strides ahead pages are prefetched into L2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LogitsTuning {
     pub ctas: usize,
@@ -282,12 +288,13 @@ pub struct LogitsTuning {
 
 impl Default for LogitsTuning {
     fn default() -> Self {
-        LogitsTuning {
-            ctas: 2112,
-            ahead: 2,
-        }
+        LogitsTuning { ctas: 0, ahead: 2 }
     }
 }
+
+/// CTAs per multiprocessor the `mma.sync` logits kernel launches by default (runs 5–10: 2112
+/// CTAs on the H200's 132 multiprocessors beat 1056 and matched 4224).
+pub const MMA_CTAS_PER_SM: usize = 16;
 
 /// The arguments of one `index_logits` launch over `context_lens.len()` rows: `page_table` and
 /// `context_lens` are the host copies (checked before the launch), `pt_dev` and `lens_dev` their
@@ -395,6 +402,16 @@ impl Kernels {
                     i32_bytes((TOPK_STAGED_MAX + TOPK_BUCKET_WORDS) as u64).0 as i32,
                 )
                 .map_err(cuda("topk: set_attribute"))?;
+        }
+        // The wgmma logits kernels hold their page rings in dynamic shared memory (91-93 KB).
+        for dtype in IndexKDtype::ALL {
+            let shape = logits_wgmma_kernel(dtype);
+            funcs[shape.name]
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shape.smem_bytes() as i32,
+                )
+                .map_err(cuda("index_logits_wgmma: set_attribute"))?;
         }
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -619,7 +636,8 @@ impl Kernels {
             return Ok(());
         }
         match kind {
-            LogitsKernel::TensorCore => self.logits_mma(tuning, s, a),
+            LogitsKernel::TensorCore => self.logits_wgmma(tuning, s, a),
+            LogitsKernel::Mma => self.logits_mma(tuning, s, a),
             LogitsKernel::Exact => self.logits_exact(s, a),
         }
     }
@@ -668,7 +686,11 @@ impl Kernels {
         }
         let (name, threads) = logits_mma_kernel(a.dtype);
         let out_pages = a.out_stride.div_ceil(PAGE_TOKENS as usize);
-        let chunks = tuning.ctas.div_ceil(a.rows()).clamp(1, out_pages);
+        let ctas = match tuning.ctas {
+            0 => MMA_CTAS_PER_SM * self.sms,
+            n => n,
+        };
+        let chunks = ctas.div_ceil(a.rows()).clamp(1, out_pages);
         let ahead = tuning.ahead.min(16) as i32;
         let (pts, h32, os) = (a.pt_stride as i32, a.heads as i32, a.out_stride as i32);
         let mut b = s.launch_builder(self.f(name));
@@ -681,6 +703,46 @@ impl Kernels {
             shared_mem_bytes: 0,
         };
         // SAFETY: sizes and every page the rows name were checked by `a.check()`.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    fn logits_wgmma(
+        &self,
+        tuning: LogitsTuning,
+        s: &CudaStream,
+        a: &IndexLogitsLaunch,
+    ) -> Result<()> {
+        const OP: &str = "index_logits";
+        // The producer copies whole pages with cp.async.bulk (16-byte aligned source); the CTA
+        // reads its queries 16 bytes at a time; the consumers read the weights and write the
+        // logits as f32.
+        for (name, p, align) in [
+            ("q", a.q, 16u64),
+            ("k", a.k, 16),
+            ("w", a.w, 4),
+            ("out", a.out, 4),
+        ] {
+            aligned(OP, name, p, align)?;
+        }
+        if a.rows() > u16::MAX as usize {
+            return Err(bad(OP, "rows", format!("{} rows in one launch", a.rows())));
+        }
+        let shape = logits_wgmma_kernel(a.dtype);
+        let (grid, threads, smem) =
+            logits_wgmma_launch(a.dtype, a.rows(), a.out_stride, tuning.ctas, self.sms);
+        let (pts, h32, os) = (a.pt_stride as i32, a.heads as i32, a.out_stride as i32);
+        let mut b = s.launch_builder(self.f(shape.name));
+        b.arg(&a.q.ptr).arg(&a.w.ptr).arg(&a.pt_dev.ptr).arg(&pts);
+        b.arg(&a.lens_dev.ptr).arg(&h32);
+        b.arg(&a.k.ptr).arg(&a.out.ptr).arg(&os);
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: sizes and every page the rows name were checked by `a.check()`; the shared
+        // memory is the kernel's own formula (it traps on less), allowed at load.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
     }

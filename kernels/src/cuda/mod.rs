@@ -1,5 +1,6 @@
 //! The CUDA versions of the kernels: their sources (embedded, because the GPU machine runs staged
-//! binaries without the source tree), NVRTC compilation for `sm_90`, and — with the `cuda`
+//! binaries without the source tree), NVRTC compilation for `sm_90` (`sm_90a` for the one source
+//! that uses wgmma), and — with the `cuda`
 //! feature — typed launchers (the `launch` module) that check sizes and fingerprints before any launch.
 //!
 //! NVRTC is loaded dynamically, so this module builds everywhere and CI (no GPU) can still compile
@@ -22,6 +23,9 @@ pub struct Source {
     pub file: &'static str,
     pub text: &'static str,
     pub kernels: &'static [&'static str],
+    /// The NVRTC target: [`ARCH`], or [`ARCH_WGMMA`] for a source that needs the architecture-
+    /// specific instructions of Hopper (wgmma).
+    pub arch: &'static str,
 }
 
 /// Every CUDA source of tierkv.
@@ -30,36 +34,49 @@ pub const SOURCES: &[Source] = &[
         file: "store.cu",
         text: include_str!("../../cuda/store.cu"),
         kernels: &["index_k_store", "kv_store"],
+        arch: ARCH,
     },
     Source {
         file: "q_prep.cu",
         text: include_str!("../../cuda/q_prep.cu"),
         kernels: &["q_prep"],
+        arch: ARCH,
     },
     Source {
         file: "logits.cu",
         text: include_str!("../../cuda/logits.cu"),
         kernels: &["index_logits"],
+        arch: ARCH,
     },
     Source {
         file: "logits_mma.cu",
         text: include_str!("../../cuda/logits_mma.cu"),
         kernels: &["index_logits_mma_fp8", "index_logits_mma_bf16"],
+        arch: ARCH,
+    },
+    Source {
+        file: "logits_wgmma.cu",
+        text: include_str!("../../cuda/logits_wgmma.cu"),
+        kernels: &["index_logits_wgmma_fp8", "index_logits_wgmma_bf16"],
+        arch: ARCH_WGMMA,
     },
     Source {
         file: "topk.cu",
         text: include_str!("../../cuda/topk.cu"),
         kernels: &["topk_c1", "topk_c2", "topk_c4", "topk_c8"],
+        arch: ARCH,
     },
     Source {
         file: "sparse_read.cu",
         text: include_str!("../../cuda/sparse_read.cu"),
         kernels: &["sparse_read"],
+        arch: ARCH,
     },
     Source {
         file: "page_copy.cu",
         text: include_str!("../../cuda/page_copy.cu"),
         kernels: &["page_gather"],
+        arch: ARCH,
     },
 ];
 
@@ -70,6 +87,88 @@ pub fn logits_mma_kernel(dtype: crate::layout::IndexKDtype) -> (&'static str, u3
         crate::layout::IndexKDtype::Fp8 => ("index_logits_mma_fp8", 2 * 64),
         crate::layout::IndexKDtype::Bf16 => ("index_logits_mma_bf16", 4 * 64),
     }
+}
+
+/// The shape of the wgmma logits kernel of one page dtype (`logits_wgmma.cu` explains it):
+/// consumer warpgroups per CTA and ring stages per warpgroup, as the kernel is compiled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WgmmaShape {
+    pub name: &'static str,
+    /// Consumer warpgroups (128 threads each); one producer warp joins them.
+    pub groups: u32,
+    /// Pages in flight per consumer warpgroup (its ring of shared-memory stages).
+    pub stages: u32,
+    /// Bytes of one stage: one whole index-K page.
+    pub page_bytes: u32,
+}
+
+impl WgmmaShape {
+    /// Threads per CTA: the consumer warpgroups and the producer warp.
+    pub fn threads(&self) -> u32 {
+        128 * self.groups + 32
+    }
+    /// Dynamic shared memory per CTA (the kernel's `tkv_wg_smem_bytes`, which traps on less):
+    /// 1 KB of alignment slack, the queries as B (2 x 8 KB, 128-byte swizzled) and as read
+    /// (8 KB), the rings, and a full and an empty mbarrier per stage.
+    pub fn smem_bytes(&self) -> u32 {
+        1024 + 3 * 64 * 128
+            + self.groups * self.stages * self.page_bytes
+            + 16 * self.groups * self.stages
+    }
+}
+
+/// The wgmma logits kernel of one page dtype: fp8 pages with 2 warpgroups of 4 stages, bf16
+/// pages with 2 warpgroups of 2 stages (93 KB and 91 KB: two CTAs fit a multiprocessor either
+/// way).
+pub fn logits_wgmma_kernel(dtype: crate::layout::IndexKDtype) -> WgmmaShape {
+    use crate::layout::{IndexKDtype, PageFormat};
+    let page_bytes = PageFormat::IndexK(dtype).page_bytes() as u32;
+    match dtype {
+        IndexKDtype::Fp8 => WgmmaShape {
+            name: "index_logits_wgmma_fp8",
+            groups: 2,
+            stages: 4,
+            page_bytes,
+        },
+        IndexKDtype::Bf16 => WgmmaShape {
+            name: "index_logits_wgmma_bf16",
+            groups: 2,
+            stages: 2,
+            page_bytes,
+        },
+    }
+}
+
+/// CTAs of the wgmma logits kernel that one multiprocessor holds (its `__launch_bounds__`
+/// minimum, and what its shared memory allows).
+pub const WGMMA_CTAS_PER_SM: usize = 2;
+
+/// The wgmma logits launch for `rows` rows of `out_stride` positions: grid `(chunks, rows)`,
+/// where `chunks` = `ctas / rows` rounded down (so `ctas` resident CTAs are one wave; at least
+/// 1, at most the row's pages), and `ctas` = 0 means [`WGMMA_CTAS_PER_SM`] per multiprocessor.
+/// Returns (grid, threads, dynamic shared memory bytes).
+pub fn logits_wgmma_launch(
+    dtype: crate::layout::IndexKDtype,
+    rows: usize,
+    out_stride: usize,
+    ctas: usize,
+    sms: usize,
+) -> ((u32, u32, u32), u32, u32) {
+    let shape = logits_wgmma_kernel(dtype);
+    let ctas = if ctas == 0 {
+        WGMMA_CTAS_PER_SM * sms.max(1)
+    } else {
+        ctas
+    };
+    let out_pages = out_stride
+        .div_ceil(crate::layout::PAGE_TOKENS as usize)
+        .max(1);
+    let chunks = (ctas / rows.max(1)).clamp(1, out_pages);
+    (
+        (chunks as u32, rows as u32, 1),
+        shape.threads(),
+        shape.smem_bytes(),
+    )
 }
 
 /// Positions of a row that one top-k CTA keeps in shared memory (160 KB of keys; with the
@@ -116,6 +215,10 @@ pub fn gather_pairs(runs: &[crate::layout::PageRun]) -> Vec<i32> {
 /// The target architecture: the H200 (Hopper, compute capability 9.0).
 pub const ARCH: &str = "sm_90";
 
+/// The architecture-specific Hopper target (wgmma, setmaxnreg): PTX for it loads only on a
+/// compute capability 9.0 device.
+pub const ARCH_WGMMA: &str = "sm_90a";
+
 /// Where `cuda_bf16.h` and `cuda_fp8.h` are: `$CUDA_INCLUDE_DIR`, else `$CUDA_HOME/include`, else
 /// `/usr/local/cuda/include` if it exists.
 pub fn cuda_include_dir() -> Option<PathBuf> {
@@ -142,12 +245,17 @@ pub fn nvrtc_available() -> bool {
 /// flush-to-zero, and no contraction of a multiply and an add into an FMA that the CPU reference
 /// would not also perform (DESIGN §4).
 pub fn compile_options() -> CompileOptions {
+    compile_options_for(ARCH)
+}
+
+/// [`compile_options`] for the target `arch`.
+pub fn compile_options_for(arch: &'static str) -> CompileOptions {
     CompileOptions {
         ftz: Some(false),
         prec_sqrt: Some(true),
         prec_div: Some(true),
         fmad: Some(false),
-        arch: Some(ARCH),
+        arch: Some(arch),
         include_paths: cuda_include_dir()
             .map(|p| vec![p.to_string_lossy().into_owned()])
             .unwrap_or_default(),
@@ -209,18 +317,20 @@ pub fn compile(src: &Source) -> Result<Ptx> {
             log: "the NVRTC library (libnvrtc.so) was not found on LD_LIBRARY_PATH".into(),
         });
     }
-    cudarc::nvrtc::compile_ptx_with_opts(full_source(src), compile_options()).map_err(|e| {
-        let log = match &e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                log.to_string_lossy().into_owned()
+    cudarc::nvrtc::compile_ptx_with_opts(full_source(src), compile_options_for(src.arch)).map_err(
+        |e| {
+            let log = match &e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                    log.to_string_lossy().into_owned()
+                }
+                other => format!("{other:?}"),
+            };
+            KernelError::Compile {
+                file: src.file,
+                log,
             }
-            other => format!("{other:?}"),
-        };
-        KernelError::Compile {
-            file: src.file,
-            log,
-        }
-    })
+        },
+    )
 }
 
 /// Without the `cuda` feature every launch answers this.
@@ -332,5 +442,93 @@ mod tests {
                 .unwrap();
             assert_eq!(threads, 64 * kw, "{name}");
         }
+    }
+
+    /// The wgmma logits kernel of each dtype is compiled for sm_90a and defined with the warpgroups
+    /// and stages the launcher sizes it by, and the launcher's shared memory is the kernel's
+    /// formula (`tkv_wg_smem_bytes`, which traps on less).
+    #[test]
+    fn logits_wgmma_kernels_are_compiled_with_their_shapes() {
+        use crate::layout::{IndexKDtype, PageFormat};
+        let src = SOURCES
+            .iter()
+            .find(|s| s.file == "logits_wgmma.cu")
+            .unwrap();
+        assert_eq!(src.arch, ARCH_WGMMA);
+        assert_eq!(ARCH_WGMMA, "sm_90a");
+        assert!(SOURCES
+            .iter()
+            .all(|s| s.file == "logits_wgmma.cu" || s.arch == ARCH));
+        assert!(src
+            .text
+            .contains("return 1024 + 3 * TKV_WG_Q_HALF + G * S * PAGE_BYTES + 16 * G * S;"));
+        assert!(src.text.contains("#define TKV_WG_Q_HALF (64 * 128)"));
+        assert!(src.text.contains("__launch_bounds__(128 * G + 32, 2)"));
+        for (dt, dtype) in IndexKDtype::ALL.into_iter().enumerate() {
+            let shape = logits_wgmma_kernel(dtype);
+            assert!(
+                src.kernels.contains(&shape.name),
+                "{} not loaded",
+                shape.name
+            );
+            let def = format!("TKV_LOGITS_WGMMA({}, {dt}, ", shape.name);
+            let at = src
+                .text
+                .find(&def)
+                .unwrap_or_else(|| panic!("{} not defined", shape.name));
+            let args: Vec<u32> = src.text[at + def.len()..]
+                .split(')')
+                .next()
+                .unwrap()
+                .split(',')
+                .map(|a| a.trim().parse().unwrap())
+                .collect();
+            assert_eq!(args, [shape.groups, shape.stages], "{}", shape.name);
+            let page = PageFormat::IndexK(dtype).page_bytes() as u32;
+            assert_eq!(shape.page_bytes, page);
+            assert_eq!(shape.threads(), 128 * shape.groups + 32);
+            assert_eq!(
+                shape.smem_bytes(),
+                1024 + 24_576 + shape.groups * shape.stages * (page + 16)
+            );
+            // Two CTAs per multiprocessor: 228 KB of shared memory, 1 KB reserved per CTA and
+            // the kernel's 1 KB of static shared memory (the head weights, padded by the
+            // 1024-byte alignment of the dynamic array).
+            assert!(
+                WGMMA_CTAS_PER_SM as u32 * (shape.smem_bytes() + 2048) <= 228 * 1024,
+                "{}: {} B",
+                shape.name,
+                shape.smem_bytes()
+            );
+        }
+        assert_eq!(logits_wgmma_kernel(IndexKDtype::Fp8).smem_bytes(), 93_312);
+        assert_eq!(logits_wgmma_kernel(IndexKDtype::Bf16).smem_bytes(), 91_200);
+    }
+
+    /// The wgmma launch: one wave of resident CTAs split evenly between the rows, at least one
+    /// CTA per row and at most one per output page.
+    #[test]
+    fn logits_wgmma_launch_shapes() {
+        use crate::layout::IndexKDtype::{Bf16, Fp8};
+        // 64 x 64K on 132 multiprocessors: 264 resident CTAs, 4 per row (256).
+        assert_eq!(
+            logits_wgmma_launch(Fp8, 64, 65_536, 0, 132),
+            ((4, 64, 1), 288, 93_312)
+        );
+        assert_eq!(
+            logits_wgmma_launch(Bf16, 64, 65_536, 0, 132),
+            ((4, 64, 1), 288, 91_200)
+        );
+        // The decode shapes: 1 x 64K, 8 x 8K.
+        assert_eq!(logits_wgmma_launch(Fp8, 1, 65_536, 0, 132).0, (264, 1, 1));
+        assert_eq!(logits_wgmma_launch(Fp8, 8, 8192, 0, 132).0, (33, 8, 1));
+        // More rows than CTAs: one CTA per row. Short rows: no more CTAs than pages.
+        assert_eq!(logits_wgmma_launch(Fp8, 1000, 4096, 0, 132).0, (1, 1000, 1));
+        assert_eq!(logits_wgmma_launch(Fp8, 1, 65, 0, 132).0, (2, 1, 1));
+        assert_eq!(logits_wgmma_launch(Fp8, 2, 1, 0, 132).0, (1, 2, 1));
+        // An explicit CTA count; an empty output still launches one page's CTA per row.
+        assert_eq!(logits_wgmma_launch(Bf16, 3, 65_536, 1, 132).0, (1, 3, 1));
+        assert_eq!(logits_wgmma_launch(Bf16, 3, 65_536, 100, 132).0, (33, 3, 1));
+        assert_eq!(logits_wgmma_launch(Bf16, 2, 0, 0, 132).0, (1, 2, 1));
     }
 }

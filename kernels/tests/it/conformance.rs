@@ -402,6 +402,148 @@ pub fn logits_body_with(b: &dyn Backend, exact: bool) {
     }
 }
 
+/// Structured logits probes, for first contact with a new tensor-core kernel: small integers that
+/// every path computes exactly, laid out so a wrong logit names what the kernel paired. Each
+/// probe reads back an index from the logits (as two base-16 digits 1..=16, exact in e4m3 and
+/// bf16) and the test prints the first mismatches as "probe: output (row, key) read X, expected
+/// Y", then fails if any.
+/// - dims: row r's queries are one-hot at d = r; every key holds digit(d) at d: logit = the key
+///   dim the kernel multiplied with query dim r.
+/// - keys: queries one-hot at d = 0; key n holds digit(n) everywhere: logit = the key row the
+///   kernel scored at output n.
+/// - scales (fp8): keys all 1, key n's scale n + 1: logit = the scale applied at output n.
+/// - heads: row r's query is head r (one-hot at d = 0), w_h = h + 1; keys all 1: logit = the
+///   weight applied to head r.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA instances run it
+pub fn logits_probe_body(b: &dyn Backend) {
+    use tierkv_kernels::layout::index_k_page::{scale_offset, value_offset};
+    let one = cpu::numerics::e4m3_encode(1.0);
+    let mut bad = Vec::new();
+    for dtype in IndexKDtype::ALL {
+        let fmt = PageFormat::IndexK(dtype);
+        // One page whose key (n, d) is value(n, d), scales scale(n).
+        let page = |value: &dyn Fn(u32, u32) -> f32, scale: &dyn Fn(u32) -> f32| {
+            let mut p = vec![0u8; fmt.page_bytes() as usize];
+            for n in 0..64u32 {
+                for d in 0..128u32 {
+                    let v = value(n, d);
+                    let at = value_offset(dtype, n, d);
+                    match dtype {
+                        IndexKDtype::Fp8 => p[at] = cpu::numerics::e4m3_encode(v),
+                        IndexKDtype::Bf16 => p[at..at + 2]
+                            .copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
+                    }
+                }
+                if let Some(at) = scale_offset(dtype, n) {
+                    p[at..at + 4].copy_from_slice(&scale(n).to_le_bytes());
+                }
+            }
+            p
+        };
+        // Runs `rows` rows of 64 heads over the one page (context 64) and returns the logits.
+        let run = |rows: usize, q: &[u8], w: &[f32], pool: &[u8]| {
+            let page_table = vec![0i32; rows];
+            let ctx = vec![64i32; rows];
+            let a = cpu::IndexLogitsArgs {
+                dtype,
+                heads: 64,
+                q,
+                weights: w,
+                page_table: &page_table,
+                pt_stride: 1,
+                context_lens: &ctx,
+                out_stride: 64,
+            };
+            let mut out = vec![f32::NAN; rows * 64];
+            b.index_logits(&a, pool, fmt.fingerprint(), &mut out)
+                .unwrap();
+            out
+        };
+        let digit = |x: u32, hi: bool| (if hi { x / 16 } else { x % 16 } + 1) as f32;
+        let unit_scale = |_| 1.0f32;
+        let mut check =
+            |probe: &str, rows: usize, got: Vec<f32>, want: &dyn Fn(usize, usize) -> f32| {
+                for (i, &x) in got.iter().enumerate() {
+                    let (r, n) = (i / 64, i % 64);
+                    if x != want(r, n) {
+                        bad.push(format!(
+                            "{dtype:?} {probe}: output (row {r}, key {n}) read {x}, expected {}",
+                            want(r, n)
+                        ));
+                    }
+                }
+                assert_eq!(got.len(), rows * 64);
+            };
+        // dims: 128 rows, row r one-hot at d = r (every head), only head 0 weighted.
+        for hi in [false, true] {
+            let pool = page(&|_, d| digit(d, hi), &unit_scale);
+            let q: Vec<u8> = (0..128 * 64 * 128)
+                .map(|i| if i % 128 == i / (64 * 128) { one } else { 0 })
+                .collect();
+            let w: Vec<f32> = (0..128 * 64).map(|i| (i % 64 == 0) as u32 as f32).collect();
+            let got = run(128, &q, &w, &pool);
+            check(
+                if hi {
+                    "dims (d / 16 + 1)"
+                } else {
+                    "dims (d % 16 + 1)"
+                },
+                128,
+                got,
+                &|r, _| digit(r as u32, hi),
+            );
+        }
+        // keys: one row, queries one-hot at d = 0, head 0 weighted.
+        let q1: Vec<u8> = (0..64 * 128)
+            .map(|i| if i % 128 == 0 { one } else { 0 })
+            .collect();
+        let w1: Vec<f32> = (0..64).map(|h| (h == 0) as u32 as f32).collect();
+        for hi in [false, true] {
+            let pool = page(&|n, _| digit(n, hi), &unit_scale);
+            let got = run(1, &q1, &w1, &pool);
+            check(
+                if hi {
+                    "keys (n / 16 + 1)"
+                } else {
+                    "keys (n % 16 + 1)"
+                },
+                1,
+                got,
+                &|_, n| digit(n as u32, hi),
+            );
+        }
+        if dtype == IndexKDtype::Fp8 {
+            let pool = page(&|_, _| 1.0, &|n| (n + 1) as f32);
+            let got = run(1, &q1, &w1, &pool);
+            check("scales (n + 1)", 1, got, &|_, n| (n + 1) as f32);
+        }
+        // heads: 64 rows, row r's only query is head r (one-hot at d = 0); w_h = h + 1.
+        let pool = page(&|_, _| 1.0, &unit_scale);
+        let q: Vec<u8> = (0..64 * 64 * 128)
+            .map(|i| {
+                let (r, h, d) = (i / (64 * 128), (i / 128) % 64, i % 128);
+                if h == r && d == 0 {
+                    one
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let w: Vec<f32> = (0..64 * 64).map(|i| (i % 64 + 1) as f32).collect();
+        let got = run(64, &q, &w, &pool);
+        check("heads (h + 1)", 64, got, &|r, _| (r + 1) as f32);
+    }
+    for line in bad.iter().take(24) {
+        eprintln!("{} probe: {line}", b.name());
+    }
+    assert!(
+        bad.is_empty(),
+        "{}: {} probe logits wrong",
+        b.name(),
+        bad.len()
+    );
+}
+
 /// A logits kernel that is not bit-exact: every logit within 1e-5 of its magnitude of the exact
 /// (f64) value, masked positions exactly `-inf`. Prints the worst error of the kernel and of the
 /// exact f32 reference, both relative to the magnitude.
@@ -663,6 +805,11 @@ fn q_prep_cpu() {
 fn logits_cpu_within_bound() {
     logits_body_with(&Cpu, false);
 }
+/// The probes themselves, on the CPU reference.
+#[test]
+fn logits_probe_cpu() {
+    logits_probe_body(&Cpu);
+}
 #[test]
 fn topk_cpu() {
     topk_body(&Cpu, Expect::Independent);
@@ -726,10 +873,10 @@ mod cuda {
                 ..Cuda::new()
             }
         }
-        /// Logits on the tensor cores, launched with `tuning`.
-        pub fn tensor_core(tuning: LogitsTuning) -> Cuda {
+        /// Logits with the chosen kernel, launched with `tuning`.
+        pub fn logits_with(logits: LogitsKernel, tuning: LogitsTuning) -> Cuda {
             Cuda {
-                logits: LogitsKernel::TensorCore,
+                logits,
                 tuning,
                 ..Cuda::new()
             }
@@ -762,7 +909,8 @@ mod cuda {
         fn name(&self) -> &'static str {
             match self.logits {
                 LogitsKernel::Exact => "cuda",
-                LogitsKernel::TensorCore => "cuda (tensor-core logits)",
+                LogitsKernel::TensorCore => "cuda (tensor-core logits, wgmma)",
+                LogitsKernel::Mma => "cuda (tensor-core logits, mma.sync)",
             }
         }
         fn logits_exact(&self) -> bool {
@@ -909,27 +1057,71 @@ mod cuda {
     fn logits_cuda() {
         logits_body(&Cuda::new());
     }
-    /// The tensor-core kernel, at one CTA per row (so a CTA loops over every page and its
-    /// double buffers turn over), three (pages strided between CTAs, a far L2 prefetch), and the
-    /// default launch shape. Every shape is checked even when one fails, so the log shows them all.
+    /// The production tensor-core kernel (wgmma), at one CTA per row (so a CTA loops over every
+    /// page and its rings turn over many times), three (pages strided between CTAs), the default
+    /// launch shape (two CTAs per multiprocessor) and 2112 (more CTAs than pages on the short
+    /// rows). Every shape is checked even when one fails, so the log shows them all.
     #[test]
     fn logits_tensor_core_cuda() {
+        logits_shapes(
+            LogitsKernel::TensorCore,
+            &[
+                LogitsTuning { ctas: 1, ahead: 0 },
+                LogitsTuning { ctas: 3, ahead: 0 },
+                LogitsTuning::default(),
+                LogitsTuning {
+                    ctas: 2112,
+                    ahead: 0,
+                },
+            ],
+        );
+    }
+    /// The previous tensor-core kernel (mma.sync), kept for comparison: one CTA per row, three
+    /// (a far L2 prefetch), and its default launch shape.
+    #[test]
+    fn logits_mma_cuda() {
+        logits_shapes(
+            LogitsKernel::Mma,
+            &[
+                LogitsTuning { ctas: 1, ahead: 2 },
+                LogitsTuning { ctas: 3, ahead: 16 },
+                LogitsTuning::default(),
+            ],
+        );
+    }
+    fn logits_shapes(kind: LogitsKernel, shapes: &[LogitsTuning]) {
         let mut failed = Vec::new();
-        for tuning in [
-            LogitsTuning { ctas: 1, ahead: 2 },
-            LogitsTuning { ctas: 3, ahead: 16 },
-            LogitsTuning::default(),
-        ] {
-            eprintln!("launch shape: {tuning:?}");
-            let run = std::panic::catch_unwind(|| logits_body(&Cuda::tensor_core(tuning)));
+        for &tuning in shapes {
+            eprintln!("{kind:?} launch shape: {tuning:?}");
+            let run = std::panic::catch_unwind(|| logits_body(&Cuda::logits_with(kind, tuning)));
             if run.is_err() {
                 failed.push(tuning);
             }
         }
         assert!(
             failed.is_empty(),
-            "launch shapes failing the bound: {failed:?}"
+            "{kind:?} launch shapes failing the bound: {failed:?}"
         );
+    }
+    /// The structured probes (`logits_probe_body`) on both tensor-core kernels and the exact
+    /// one: on a wrong logit they print what the kernel paired (key dim, key row, scale, head).
+    /// Run it first on a new kernel: `kernels_it logits_probe -- --nocapture`.
+    #[test]
+    fn logits_probe_cuda() {
+        let mut failed = Vec::new();
+        for kind in [
+            LogitsKernel::TensorCore,
+            LogitsKernel::Mma,
+            LogitsKernel::Exact,
+        ] {
+            let run = std::panic::catch_unwind(|| {
+                logits_probe_body(&Cuda::logits_with(kind, LogitsTuning::default()))
+            });
+            if run.is_err() {
+                failed.push(kind);
+            }
+        }
+        assert!(failed.is_empty(), "probes failing: {failed:?}");
     }
     #[test]
     fn topk_cuda() {

@@ -528,8 +528,10 @@ mod imp {
             self.c.up(&host)
         }
 
-        /// index_logits 64 x 64K, 64 heads: the exact and the tensor-core kernels, then the
-        /// tensor-core kernel's launch shape swept.
+        /// index_logits 64 x 64K, 64 heads: the exact kernel and both tensor-core kernels (the
+        /// production wgmma one and the previous mma.sync one); the wgmma kernel at the decode
+        /// shapes 1 x 64K and 8 x 8K (each against the exact kernel on the same input); then the
+        /// tensor-core launch shapes swept.
         fn logits(&mut self, ix: &Indexer, dtype: IndexKDtype) -> R<()> {
             let s = self.c.s.clone();
             let k = self.c.k;
@@ -552,36 +554,37 @@ mod imp {
                 out: op,
                 out_stride: ix.ctx,
             };
-            let run = |kind: LogitsKernel, tuning: LogitsTuning| {
-                k.index_logits_with(kind, tuning, &s, &launch).map_err(e)
+            let run = |kind: LogitsKernel, tuning: LogitsTuning, l: &IndexLogitsLaunch| {
+                k.index_logits_with(kind, tuning, &s, l).map_err(e)
             };
             let bytes = kp.bytes.0 + ix.q_bytes + ix.w_bytes + ptd.bytes.0 + op.bytes.0;
             let flops = 2.0 * (ix.bsz * ix.ctx * ix.heads * 128) as f64;
             let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
-            let exact_ms = self
-                .c
-                .time(|| run(LogitsKernel::Exact, LogitsTuning::default()))?;
+            let def = LogitsTuning::default();
+            let exact_ms = self.c.time(|| run(LogitsKernel::Exact, def, &launch))?;
             let exact = self.read_f32s(&ix.out)?;
-            let tc_ms = self
-                .c
-                .time(|| run(LogitsKernel::TensorCore, LogitsTuning::default()))?;
-            let worst = worst_relative(&exact, &self.read_f32s(&ix.out)?)
-                .map_err(|m| format!("index_logits {}: {m}", dtype.name()))?;
-            for (kind, ms, note) in [
-                (
-                    "exact",
-                    exact_ms,
-                    format!("{:.1} TFLOP/s fp32 FMA", tflops(exact_ms)),
-                ),
-                (
-                    "tensor-core",
-                    tc_ms,
-                    format!(
-                        "{:.1} TFLOP/s mma.sync; max |Δ| vs exact {worst:.1e} of the largest logit",
-                        tflops(tc_ms)
-                    ),
-                ),
+            let mut rows = vec![(
+                "exact".to_string(),
+                exact_ms,
+                format!("{:.1} TFLOP/s fp32 FMA", tflops(exact_ms)),
+            )];
+            for (kind, label) in [
+                (LogitsKernel::TensorCore, "wgmma"),
+                (LogitsKernel::Mma, "mma.sync"),
             ] {
+                let ms = self.c.time(|| run(kind, def, &launch))?;
+                let worst = worst_relative(&exact, &self.read_f32s(&ix.out)?)
+                    .map_err(|m| format!("index_logits {label} {}: {m}", dtype.name()))?;
+                rows.push((
+                    format!("tensor-core ({label})"),
+                    ms,
+                    format!(
+                        "{:.1} TFLOP/s {label}; max |Δ| vs exact {worst:.1e} of the largest logit",
+                        tflops(ms)
+                    ),
+                ));
+            }
+            for (kind, ms, note) in rows {
                 self.rows.push(Row {
                     name: format!("index_logits {kind} 64 x 64K, 64 heads, {}", dtype.name()),
                     ms,
@@ -589,20 +592,77 @@ mod imp {
                     note,
                 });
             }
-            // The tensor-core kernel's launch shape: CTAs per launch x L2 prefetch distance.
-            for ctas in [1056usize, 2112, 4224] {
-                for ahead in [0usize, 2] {
-                    let ms = self
-                        .c
-                        .time(|| run(LogitsKernel::TensorCore, LogitsTuning { ctas, ahead }))?;
-                    let bw = bytes as f64 / (ms * 1e-3);
-                    self.tuning.push(format!(
-                        "| {} | {ctas} | {ahead} | {ms:.4} | {:.0} | {:.0}% |",
-                        dtype.name(),
-                        bw / 1e9,
-                        100.0 * bw / self.copy_bw
-                    ));
-                }
+            // The decode shapes, on the first rows of the same inputs (the same page table, so
+            // each row's first pages).
+            for (rows, ctx) in [(1usize, 65_536usize), (8, 8192)] {
+                let lens = vec![ctx as i32; rows];
+                let lens_dev = self.c.up(&lens)?;
+                let pages = rows * ctx / 64;
+                let (qb, wb) = (ix.q_bytes / ix.bsz as u64, ix.w_bytes / ix.bsz as u64);
+                let out_bytes = f32_bytes((rows * ctx) as u64);
+                let small = IndexLogitsLaunch {
+                    q: qd.offset(Bytes(0), Bytes(qb * rows as u64)),
+                    w: wd.offset(Bytes(0), Bytes(wb * rows as u64)),
+                    page_table: &ix.page_table[..rows * ix.pt_stride],
+                    pt_dev: ptd.offset(Bytes(0), i32_bytes((rows * ix.pt_stride) as u64)),
+                    context_lens: &lens,
+                    lens_dev: ptr(&s, &lens_dev),
+                    out: op.offset(Bytes(0), out_bytes),
+                    out_stride: ctx,
+                    ..launch
+                };
+                let n = rows * ctx;
+                let exact_ms = self.c.time(|| run(LogitsKernel::Exact, def, &small))?;
+                let exact = self.read_f32s(&ix.out)?;
+                let ms = self.c.time(|| run(LogitsKernel::TensorCore, def, &small))?;
+                let got = self.read_f32s(&ix.out)?;
+                let worst = worst_relative(&exact[..n], &got[..n])
+                    .map_err(|m| format!("index_logits {rows} x {ctx} {}: {m}", dtype.name()))?;
+                let shape = format!("{rows} x {}K", ctx / 1024);
+                self.rows.push(Row {
+                    name: format!(
+                        "index_logits tensor-core (wgmma) {shape}, 64 heads, {}",
+                        dtype.name()
+                    ),
+                    ms,
+                    bytes: pages as u64 * fmt.page_bytes()
+                        + qb * rows as u64
+                        + wb * rows as u64
+                        + i32_bytes(pages as u64).0
+                        + out_bytes.0,
+                    note: format!(
+                        "decode shape; exact kernel {exact_ms:.3} ms; max |Δ| vs exact {worst:.1e} of the largest logit"
+                    ),
+                });
+            }
+            // The tensor-core launch shapes: the wgmma kernel's CTAs per launch (0 = two per
+            // multiprocessor); the mma.sync kernel's CTAs x L2 prefetch distance.
+            let shapes = [
+                (LogitsKernel::TensorCore, 132usize, 0usize),
+                (LogitsKernel::TensorCore, 0, 0),
+                (LogitsKernel::TensorCore, 528, 0),
+                (LogitsKernel::TensorCore, 1056, 0),
+                (LogitsKernel::TensorCore, 2112, 0),
+                (LogitsKernel::Mma, 1056, 2),
+                (LogitsKernel::Mma, 2112, 0),
+                (LogitsKernel::Mma, 2112, 2),
+            ];
+            for (kind, ctas, ahead) in shapes {
+                let ms = self
+                    .c
+                    .time(|| run(kind, LogitsTuning { ctas, ahead }, &launch))?;
+                let bw = bytes as f64 / (ms * 1e-3);
+                let label = if kind == LogitsKernel::Mma {
+                    "mma.sync"
+                } else {
+                    "wgmma"
+                };
+                self.tuning.push(format!(
+                    "| {} | {label} | {ctas} | {ahead} | {ms:.4} | {:.0} | {:.0}% |",
+                    dtype.name(),
+                    bw / 1e9,
+                    100.0 * bw / self.copy_bw
+                ));
             }
             Ok(())
         }
@@ -848,7 +908,7 @@ mod imp {
                 md.push_str(t);
                 md.push('\n');
             }
-            md.push_str("\nTensor-core logits launch shape (64 x 64K, 64 heads):\n\n| dtype | CTAs | L2 prefetch ahead | ms | GB/s | vs device copy |\n|---|---:|---:|---:|---:|---:|\n");
+            md.push_str("\nTensor-core logits launch shape (64 x 64K, 64 heads; CTAs 0 = the kernel's default):\n\n| dtype | kernel | CTAs | L2 prefetch ahead | ms | GB/s | vs device copy |\n|---|---|---:|---:|---:|---:|---:|\n");
             for t in &self.tuning {
                 md.push_str(t);
                 md.push('\n');
@@ -933,8 +993,15 @@ mod imp {
             n if n.starts_with("device copy") => "device copy",
             n if n.starts_with("index_k_store 1M tokens fp8") => "index_k_store fp8",
             n if n.starts_with("index_k_store 1M tokens bf16") => "index_k_store bf16",
-            n if n.starts_with("index_logits") && n.ends_with("fp8") => "index_logits fp8",
-            n if n.starts_with("index_logits") && n.ends_with("bf16") => "index_logits bf16",
+            n if n.starts_with("index_logits") && n.contains(" 64 x 64K") && n.ends_with("fp8") => {
+                "index_logits fp8"
+            }
+            n if n.starts_with("index_logits")
+                && n.contains(" 64 x 64K")
+                && n.ends_with("bf16") =>
+            {
+                "index_logits bf16"
+            }
             n if n.starts_with("topk k=512, 64 x") => "topk 512",
             n if n.starts_with("topk k=2048, 64 x") => "topk 2048",
             n if n.starts_with("topk k=2048, 1 x") => "topk 2048 batch1",
