@@ -299,6 +299,13 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
     const bool odd = g & 1;
     float* out_row = out + (size_t)row * out_stride;
     const u32 qs_addr = tkv_smem_u32(qs);
+    // The weights of the thread's 16 heads (8j + 2c + e), held in registers for every page.
+    float wr[16];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        wr[2 * j] = ws[8 * j + 2 * c];
+        wr[2 * j + 1] = ws[8 * j + 2 * c + 1];
+    }
 
     for (int l = 0;; l++) {
         int it = wg + l * G;
@@ -360,7 +367,7 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
         for (int i = 0; i < 32; i++) {
-            float t = ws[8 * (i >> 2) + 2 * c + (i & 1)] * fmaxf(acc[i], 0.0f);
+            float t = wr[2 * (i >> 2) + (i & 1)] * fmaxf(acc[i], 0.0f);
             if ((i >> 1) & 1) v1 += t;
             else v0 += t;
         }
