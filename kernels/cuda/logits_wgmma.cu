@@ -403,6 +403,6 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
     }
 
 // (name, dtype, consumer warpgroups, stages per warpgroup): two CTAs per multiprocessor
-// (93 KB and 91 KB of dynamic shared memory).
-TKV_LOGITS_WGMMA(index_logits_wgmma_fp8, 0, 2, 4)
+// (110 KB and 91 KB of dynamic shared memory).
+TKV_LOGITS_WGMMA(index_logits_wgmma_fp8, 0, 2, 5)
 TKV_LOGITS_WGMMA(index_logits_wgmma_bf16, 1, 2, 2)

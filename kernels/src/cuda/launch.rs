@@ -403,7 +403,7 @@ impl Kernels {
                 )
                 .map_err(cuda("topk: set_attribute"))?;
         }
-        // The wgmma logits kernels hold their page rings in dynamic shared memory (91-93 KB).
+        // The wgmma logits kernels hold their page rings in dynamic shared memory (91-110 KB).
         for dtype in IndexKDtype::ALL {
             let shape = logits_wgmma_kernel(dtype);
             funcs[shape.name]
