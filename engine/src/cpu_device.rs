@@ -142,20 +142,24 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
 }
 
 fn index_logits(o: &IndexLogits, mem: &mut Memory) -> KResult {
-    index_logits_with(o, mem, &mut cpu::logits::DecodeEach::default())
+    index_logits_from_pages(o, mem, &mut cpu::logits::DecodeEach::default())
 }
 
-/// `index_logits` with each page's decoded keys from `keys` (see `cpu::index_logits_with`), for
+/// `index_logits` with each page's decoded keys from `keys` (see `cpu::index_logits_from_pages`), for
 /// an executor that keeps them; errors as `run_op`'s.
-pub fn run_index_logits_with(
+pub fn run_index_logits_from_pages(
     o: &IndexLogits,
     mem: &mut Memory,
     keys: &mut dyn cpu::PageKeys,
 ) -> Result<(), DeviceError> {
-    index_logits_with(o, mem, keys).map_err(kerr("index_logits"))
+    index_logits_from_pages(o, mem, keys).map_err(kerr("index_logits"))
 }
 
-fn index_logits_with(o: &IndexLogits, mem: &mut Memory, keys: &mut dyn cpu::PageKeys) -> KResult {
+fn index_logits_from_pages(
+    o: &IndexLogits,
+    mem: &mut Memory,
+    keys: &mut dyn cpu::PageKeys,
+) -> KResult {
     let rows = o.context_lens.len() as u64;
     let h = o.heads as u64;
     let qb = mem
@@ -173,7 +177,7 @@ fn index_logits_with(o: &IndexLogits, mem: &mut Memory, keys: &mut dyn cpu::Page
         out_stride: o.out_stride as usize,
     };
     let mut out = vec![0f32; (rows * o.out_stride as u64) as usize];
-    cpu::index_logits_with(
+    cpu::index_logits_from_pages(
         &args,
         mem.bytes(o.k),
         mem.desc(o.k).fingerprint,

@@ -48,10 +48,15 @@
 // is why Q is 1024-byte aligned. The descriptor of k-step s starts at half (s >> 2), byte
 // 32 (s & 3) of the row (within the swizzle atom the hardware applies the XOR to the address).
 //
-// Risky parts on first GPU contact: the matrix descriptor (tkv_wg_desc), the A/D fragment maps
-// (tkv_wg_dim, the epilogue), the barrier parities, and the bulk copy of a page into a ring
-// stage. The conformance probes (`logits_probe_cuda`) run one page of structured inputs and
-// print what a wrong logit paired: the key dim, the key row, the scale or the head.
+// Run on the H200 since GPU.md run 31. What remains open there: the first version released a
+// stage right after the loads and a later bulk copy overwrote a stage under a read (one key of a
+// long bf16 row wrong, every run, at two CTAs per multiprocessor); releasing after the page's
+// wgmmas complete, behind an async-proxy fence, ended it — which of the two changes was needed
+// was not isolated. The kernel trusts the launcher's check of every page id (it reads none on
+// the device), and a bulk copy that faulted would leave a consumer spinning on its full
+// barrier, not trapping. The conformance probes (`logits_probe_cuda`) run one page of
+// structured inputs and print what a wrong logit paired: the key dim, the key row, the scale or
+// the head; the 64K rows of `logits_tensor_core_cuda` at the default shape caught the race.
 
 // Bytes of one half of Q in shared memory: 64 heads x 128 bytes (64 f16 or bf16 values).
 #define TKV_WG_Q_HALF (64 * 128)
@@ -226,7 +231,11 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
     __shared__ float ws[64];  // the head weights, zeros past `heads`
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (blockDim.x != 128 * G + 32 || dyn < tkv_wg_smem_bytes<PAGE_BYTES, G, S>()) __trap();
+    // The launcher checks all of this; the kernel repeats it (more than 64 heads would overrun
+    // the queries' 8 KB into the ring).
+    if (blockDim.x != 128 * G + 32 || dyn < tkv_wg_smem_bytes<PAGE_BYTES, G, S>() || heads < 1 ||
+        heads > 64)
+        __trap();
 
     u8* base = tkv_wg_sm + ((1024 - (tkv_smem_u32(tkv_wg_sm) & 1023)) & 1023);
     u8* qs = base;

@@ -26,7 +26,9 @@ use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::rc::Rc;
-use tierkv_engine::cpu_device::{run_index_logits_with, run_op, run_sparse_read_hashed, Memory};
+use tierkv_engine::cpu_device::{
+    run_index_logits_from_pages, run_op, run_sparse_read_hashed, Memory,
+};
 use tierkv_engine::device::*;
 use tierkv_engine::layout::IndexKDtype;
 use tierkv_engine::layout::{Bytes, PageId, PageRun};
@@ -994,7 +996,7 @@ impl Executor {
                     let hashes = &mut kept.row_hashes;
                     run_sparse_read_hashed(o, mem, &mut |at, row| hashes.get(buffer, at, row))
                 }
-                Op::IndexLogits(o) => run_index_logits_with(
+                Op::IndexLogits(o) => run_index_logits_from_pages(
                     o,
                     mem,
                     &mut DecodedPages {
@@ -1020,8 +1022,15 @@ struct Kept {
     pages: KeptPages,
 }
 
-/// (buffer, page) → the page's bytes, the dtype they were decoded as and its keys.
-type KeptPages = FastMap<(BufferId, usize), (Box<[u8]>, IndexKDtype, Box<KeyBlock>)>;
+/// (buffer, page index) → the page as it was decoded.
+type KeptPages = FastMap<(BufferId, usize), KeptPage>;
+
+/// An index-K page's bytes, the dtype they were decoded as, and its keys.
+struct KeptPage {
+    bytes: Box<[u8]>,
+    dtype: IndexKDtype,
+    keys: Box<KeyBlock>,
+}
 
 /// A logits op's pages, decoded once and kept while their bytes stay the same (a query reads
 /// the pages the previous one did).
@@ -1035,17 +1044,21 @@ impl PageKeys for DecodedPages<'_> {
         let e = self
             .kept
             .entry((self.buffer, index))
-            .or_insert_with(|| (Box::from(&[][..]), dtype, KeyBlock::new()));
-        if *e.0 != *bytes || e.1 != dtype {
-            if e.0.len() == bytes.len() {
-                e.0.copy_from_slice(bytes);
+            .or_insert_with(|| KeptPage {
+                bytes: Box::from(&[][..]),
+                dtype,
+                keys: KeyBlock::new(),
+            });
+        if *e.bytes != *bytes || e.dtype != dtype {
+            if e.bytes.len() == bytes.len() {
+                e.bytes.copy_from_slice(bytes);
             } else {
-                e.0 = bytes.into();
+                e.bytes = bytes.into();
             }
-            e.1 = dtype;
-            e.2.decode(dtype, bytes);
+            e.dtype = dtype;
+            e.keys.decode(dtype, bytes);
         }
-        &e.2
+        &e.keys
     }
 }
 
@@ -1471,5 +1484,143 @@ mod tests {
         // Another page and another buffer are entries of their own.
         assert_eq!(pages.page(dtype, 3, &vec![0u8; page.len()]).kt[0][0], 0.0);
         assert_eq!(pages.page(dtype, 2, &page).kt[0][0], -2.0);
+        let mut other = DecodedPages {
+            buffer: BufferId(8),
+            kept: &mut kept.pages,
+        };
+        assert_eq!(other.page(dtype, 2, &vec![0u8; page.len()]).kt[0][0], 0.0);
+        assert_eq!(kept.pages.len(), 3);
+    }
+
+    /// The executor's kept paths write `run_op`'s very bytes, op after op, while the pools'
+    /// bytes change under them (a few bytes, a whole page) and across both index-K dtypes.
+    #[test]
+    fn kept_paths_equal_the_reference() {
+        use tierkv_engine::layout::{BufferKind, KvDtype, LayerId, LayoutFingerprint};
+        let mut rng = crate::rng::Rng::new(0x5EED);
+        // Small bytes: finite fp8 and bf16 values and f32 scales.
+        let fill = |rng: &mut crate::rng::Rng, b: &mut [u8]| {
+            b.iter_mut().for_each(|x| *x = rng.below(0x38) as u8)
+        };
+        let pool = |mem: &mut Memory, kind, format: PageFormat, pages: u64| {
+            mem.alloc(BufferDesc {
+                role: BufferRole::Pool {
+                    kind,
+                    layer: LayerId(0),
+                },
+                tier: MemoryTier::Device,
+                bytes: Bytes(pages * format.page_bytes()),
+                fingerprint: format.fingerprint(),
+            })
+        };
+        let scratch = |mem: &mut Memory, bytes: u64| {
+            let buffer = mem.alloc(BufferDesc {
+                role: BufferRole::Scratch { name: "test" },
+                tier: MemoryTier::Device,
+                bytes: Bytes(bytes),
+                fingerprint: LayoutFingerprint::unpaged(bytes),
+            });
+            Region {
+                buffer,
+                offset: Bytes::ZERO,
+                bytes: Bytes(bytes),
+            }
+        };
+        let tags = RowTags {
+            layer_global: 0,
+            rows: vec![
+                RowTag {
+                    request: 0,
+                    position: 0
+                };
+                2
+            ],
+        };
+        for dtype in [IndexKDtype::Fp8, IndexKDtype::Bf16] {
+            let (heads, pages, pt_stride) = (3u32, 6u64, 5u32);
+            let mut mem = Memory::default();
+            let ik = pool(
+                &mut mem,
+                BufferKind::IndexK,
+                PageFormat::IndexK(dtype),
+                pages,
+            );
+            let kv_format = PageFormat::Kv(KvDtype::Fp8Packed);
+            let kv = pool(&mut mem, BufferKind::Kv, kv_format, pages);
+            let (q, w) = (scratch(&mut mem, 2 * 3 * 128), scratch(&mut mem, 2 * 3 * 4));
+            let (out, sel, digests) = (
+                scratch(&mut mem, 2 * 320 * 4),
+                scratch(&mut mem, 2 * 16 * 4),
+                scratch(&mut mem, 2 * 8),
+            );
+            for b in [ik, kv, q.buffer, w.buffer] {
+                fill(&mut rng, &mut mem.bufs[b.0 as usize]);
+            }
+            let slots: Vec<u8> = (0..32)
+                .flat_map(|_| (rng.below(pages * 64) as i32).to_le_bytes())
+                .collect();
+            mem.bufs[sel.buffer.0 as usize].copy_from_slice(&slots);
+            let page_table: Vec<i32> = (0..2 * pt_stride)
+                .map(|_| rng.below(pages) as i32)
+                .collect();
+            let logits = Op::IndexLogits(IndexLogits {
+                dtype,
+                heads,
+                q,
+                w,
+                k: ik,
+                page_table: page_table.clone(),
+                pt_stride,
+                context_lens: vec![100, 300],
+                out,
+                out_stride: 320,
+                tags: tags.clone(),
+            });
+            let read = Op::SparseRead(SparseRead {
+                dtype: KvDtype::Fp8Packed,
+                k: 16,
+                slots: sel,
+                kv,
+                page_table,
+                pt_stride,
+                context_lens: vec![100, 300],
+                out: digests,
+                tags: tags.clone(),
+            });
+            let mut exec = Executor::Cpu(Box::default());
+            let mut reference = Memory {
+                bufs: mem.bufs.clone(),
+                descs: mem.descs.clone(),
+            };
+            for round in 0..4 {
+                match round {
+                    1 => {
+                        // A few bytes of a page and of a row the ops read.
+                        for b in [ik, kv] {
+                            let at = rng.below(mem.bufs[b.0 as usize].len() as u64) as usize;
+                            mem.bufs[b.0 as usize][at] ^= 0x11;
+                            reference.bufs[b.0 as usize][at] ^= 0x11;
+                        }
+                    }
+                    2 => {
+                        let n = mem.bufs[ik.0 as usize].len();
+                        fill(&mut rng, &mut mem.bufs[ik.0 as usize][..n / 2]);
+                        reference.bufs[ik.0 as usize] = mem.bufs[ik.0 as usize].clone();
+                    }
+                    _ => {}
+                }
+                for op in [&logits, &read] {
+                    exec.run(op, &mut mem).expect("the kept path runs");
+                    run_op(op, &mut reference).expect("the reference runs");
+                }
+                for r in [out, digests] {
+                    assert_eq!(
+                        mem.region(r),
+                        reference.region(r),
+                        "{dtype:?} round {round}: the kept path wrote other bytes"
+                    );
+                }
+            }
+        }
     }
 }

@@ -952,10 +952,12 @@ impl<'a> Run<'a> {
             }
             Output::Finished { request, generated } => {
                 self.counted.finished += 1;
+                self.digest.forget(request);
                 self.finished(request, generated)
             }
             Output::Aborted { request } => {
                 self.counted.aborted += 1;
+                self.digest.forget(request);
                 self.stats.aborted += 1;
                 if let Some(Owner::Session(i)) = self.owners.remove(&request) {
                     self.sessions[i].inflight = None;
@@ -966,6 +968,7 @@ impl<'a> Run<'a> {
             Output::TransferFailed { request, .. } => {
                 // The pair gave up on moving its KV: the request ended, as an aborted one.
                 self.counted.aborted += 1;
+                self.digest.forget(request);
                 self.stats.aborted += 1;
                 if let Some(Owner::Session(i)) = self.owners.remove(&request) {
                     self.sessions[i].inflight = None;

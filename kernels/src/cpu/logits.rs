@@ -259,7 +259,7 @@ pub fn block_scores(q: &[f32], w: &[f32], b: &KeyBlock) -> [f32; WIDE] {
     block(q, w, &b.kt)
 }
 
-/// Where [`index_logits_with`] gets each page's decoded keys.
+/// Where [`index_logits_from_pages`] gets each page's decoded keys.
 pub trait PageKeys {
     /// The keys of page `index`, whose bytes are `bytes`.
     fn page(&mut self, dtype: IndexKDtype, index: usize, bytes: &[u8]) -> &KeyBlock;
@@ -288,12 +288,12 @@ pub fn index_logits(
     k_fp: LayoutFingerprint,
     out: &mut [f32],
 ) -> Result<()> {
-    index_logits_with(a, k_buf, k_fp, out, &mut DecodeEach::default())
+    index_logits_from_pages(a, k_buf, k_fp, out, &mut DecodeEach::default())
 }
 
 /// `index_logits` with each page's keys from `keys`, which may keep decoded pages (the simulator's
 /// executor does, checking that their bytes are unchanged); the result is the same bits.
-pub fn index_logits_with(
+pub fn index_logits_from_pages(
     a: &IndexLogitsArgs,
     k_buf: &[u8],
     k_fp: LayoutFingerprint,

@@ -10,7 +10,7 @@ pub mod sparse_read;
 pub mod store;
 pub mod topk;
 
-pub use logits::{index_logits, index_logits_with, IndexLogitsArgs, KeyBlock, PageKeys};
+pub use logits::{index_logits, index_logits_from_pages, IndexLogitsArgs, KeyBlock, PageKeys};
 pub use page_copy::{check_page_copy, page_copy};
 pub use q_prep::{q_prep, QPrepArgs};
 pub use sparse_read::{row_hash, sparse_read, sparse_read_hashed, SparseReadArgs};

@@ -215,7 +215,7 @@ pub fn gather_pairs(runs: &[crate::layout::PageRun]) -> Vec<i32> {
 /// The target architecture: the H200 (Hopper, compute capability 9.0).
 pub const ARCH: &str = "sm_90";
 
-/// The architecture-specific Hopper target (wgmma, setmaxnreg): PTX for it loads only on a
+/// The architecture-specific Hopper target (wgmma): PTX for it loads only on a
 /// compute capability 9.0 device.
 pub const ARCH_WGMMA: &str = "sm_90a";
 

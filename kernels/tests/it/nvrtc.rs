@@ -1,6 +1,7 @@
-//! Every CUDA source compiles to PTX for sm_90 (sm_90a: the wgmma logits kernel) with NVRTC. Where the build found no NVRTC
-//! (`kernels/build.rs`) the test is ignored, and `cargo test` says so with the reason; under CI
-//! (`TIERKV_REQUIRE_NVRTC=1`, set by `.ci/run`) it always runs and a missing NVRTC is a failure.
+//! Every CUDA source compiles to PTX for sm_90 (sm_90a: the wgmma logits kernel) with NVRTC.
+//! Where the build found no NVRTC (`kernels/build.rs`) the test is ignored, and `cargo test`
+//! says so with the reason; under CI (`TIERKV_REQUIRE_NVRTC=1`, set by `.ci/run`) it always runs
+//! and a missing NVRTC is a failure.
 
 use tierkv_kernels::cuda::{compile, nvrtc_available, SOURCES};
 

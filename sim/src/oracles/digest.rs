@@ -91,9 +91,10 @@ pub struct DigestOracle {
     memo: FastMap<(u64, u32), Expected>,
     /// (token, position, layer) → the decoded key and its scale.
     keys: FastMap<(u32, u32, u32), Arc<Key>>,
-    /// (request, global layer) → the keys of its positions so far, each with the token it was
-    /// made for: a query reads its whole context, so its keys are a slice here, not one map
-    /// lookup per position.
+    /// (request, global layer) → the keys of its positions so far, in key blocks: a query scores
+    /// its whole context, 64 keys at a time. A cache: a request's entries are dropped when it
+    /// ends ([`DigestOracle::forget`]; 33 KB per 64 positions and layer) and rebuilt from `keys`
+    /// if it is queried again.
     contexts: FastMap<(u64, u32), Context>,
     prefix: BTreeMap<u64, Vec<u64>>,
     pub digests_checked: u64,
@@ -111,6 +112,13 @@ impl DigestOracle {
             contexts: FastMap::default(),
             prefix: BTreeMap::new(),
             digests_checked: 0,
+        }
+    }
+
+    /// `request` ended: its contexts are not kept (they hold the most memory of this oracle).
+    pub fn forget(&mut self, request: u64) {
+        for layer in self.layer_base..self.layer_base + self.layers {
+            self.contexts.remove(&(request, layer));
         }
     }
 
@@ -201,14 +209,15 @@ impl DigestOracle {
             }
         }
         let len = position as usize + 1;
+        assert!(
+            context.tokens.len() >= len && context.blocks.len() * WIDE >= len,
+            "request {request} layer {layer}: the context holds {} keys in {} blocks, the query \
+             reads {len}",
+            context.tokens.len(),
+            context.blocks.len()
+        );
         let mut scores = vec![0f32; len];
-        for (b, (block, out)) in context
-            .blocks
-            .iter()
-            .zip(scores.chunks_mut(WIDE))
-            .enumerate()
-        {
-            debug_assert!(b * WIDE < len);
+        for (block, out) in context.blocks.iter().zip(scores.chunks_mut(WIDE)) {
             let s = block_scores(&qf, &wf, block);
             for (t, o) in out.iter_mut().enumerate() {
                 *o = apply_scale(s[t], block.scales[t], dtype);
