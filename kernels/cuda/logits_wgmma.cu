@@ -12,9 +12,9 @@
 //   warpgroup's ring of S stages, completing on the stage's "full" mbarrier (complete_tx). The
 //   warp reads the page table 32 entries at a time (one per lane, then shuffles).
 // - A consumer warpgroup waits "full", loads its lanes' pieces of the page from shared memory
-//   into registers (and the fp8 key scales), converts, and issues
-//   8 x wgmma.mma_async m64n64k16 (f32 accumulate), then after the wgmmas complete fences the
-//   async proxy and arrives on the stage's "empty" mbarrier (128 arrivals): A = the page's 64 keys from registers
+//   into registers (and the fp8 key scales), fences the async proxy and arrives on the stage's
+//   "empty" mbarrier (128 arrivals: the stage is free once every thread holds its values),
+//   converts, and issues 8 x wgmma.mma_async m64n64k16 (f32 accumulate): A = the page's 64 keys from registers
 //   (warp w of the warpgroup: keys 16w .. 16w + 15), B = the row's 64 queries (heads padded
 //   with zeros) from shared memory, written once per CTA in the 128-byte-swizzled K-major
 //   layout. D[key][head] is 32 f32 per thread.
@@ -48,11 +48,10 @@
 // is why Q is 1024-byte aligned. The descriptor of k-step s starts at half (s >> 2), byte
 // 32 (s & 3) of the row (within the swizzle atom the hardware applies the XOR to the address).
 //
-// Run on the H200 since GPU.md run 31. What remains open there: the first version released a
-// stage right after the loads and a later bulk copy overwrote a stage under a read (one key of a
-// long bf16 row wrong, every run, at two CTAs per multiprocessor); releasing after the page's
-// wgmmas complete, behind an async-proxy fence, ended it — which of the two changes was needed
-// was not isolated. The kernel trusts the launcher's check of every page id (it reads none on
+// Run on the H200 since GPU.md run 31. The first version released a stage right after the
+// loads with no proxy fence, and a later bulk copy overwrote a stage under a read (one key of a
+// long bf16 row wrong, every run, at two CTAs per multiprocessor); the async-proxy fence before
+// the release ended it (runs 33-37). The kernel trusts the launcher's check of every page id (it reads none on
 // the device), and a bulk copy that faulted would leave a consumer spinning on its full
 // barrier, not trapping. The conformance probes (`logits_probe_cuda`) run one page of
 // structured inputs and print what a wrong logit paired: the key dim, the key row, the scale or
@@ -334,6 +333,15 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
             sc0 = scales[r0];
             sc1 = scales[r0 + 8];
         }
+        // The stage is free once every thread holds its values — and its reads of the stage are
+        // ordered before the producer's next bulk copy into it, an async-proxy write: the proxy
+        // fence. Without the fence a copy overwrote a stage under a late read (GPU.md runs
+        // 31-32: one key of a long bf16 row wrong, every run, at two CTAs per multiprocessor);
+        // with it, released here, every run passed (GPU.md run 36: releasing only after the
+        // wgmmas, as runs 33-35 did, was not needed).
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        tkv_mbar_arrive(bar0 + 8 * (G * S + wg * S + st));
+
         // A fragments of the 8 k-steps: reg 0 (key r0) / 1 (key r0 + 8): k 2c, 2c + 1 (hi 0);
         // reg 2 / 3: k 2c + 8, 2c + 9 (hi 1).
         u32 a[8][4];
@@ -365,12 +373,6 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         tkv_wg_fence_acc(acc);
-        // The stage is free once every thread's reads of it are done and ordered before the
-        // producer's next bulk copy into it (an async-proxy write: the proxy fence). Released
-        // any earlier — right after the loads — a copy overwrote a stage under a late read:
-        // GPU.md run 31, one key in a 64K row wrong with two CTAs per multiprocessor.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        tkv_mbar_arrive(bar0 + 8 * (G * S + wg * S + st));
 
         // acc[i]: key r0 + 8 ((i >> 1) & 1), head 8 (i >> 2) + 2c + (i & 1).
         float v0 = 0.0f, v1 = 0.0f;
