@@ -213,35 +213,24 @@ mod imp {
             };
             self.s.clone_htod(b).map_err(e)
         }
-        /// Median milliseconds of `f` between events, after warm-up.
-        fn time(&self, mut f: impl FnMut() -> R<()>) -> R<f64> {
-            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-            for _ in 0..3 {
-                f()?;
-            }
-            self.s.synchronize().map_err(e)?;
-            let mut ms = Vec::new();
-            for _ in 0..self.reps {
-                let a = self.k.ctx.new_event(flags).map_err(e)?;
-                let b = self.k.ctx.new_event(flags).map_err(e)?;
-                a.record(&self.s).map_err(e)?;
-                f()?;
-                b.record(&self.s).map_err(e)?;
-                b.synchronize().map_err(e)?;
-                ms.push(a.elapsed_ms(&b).map_err(e)? as f64);
-            }
-            ms.sort_by(|x, y| x.partial_cmp(y).unwrap());
-            Ok(ms[ms.len() / 2])
+        /// Median milliseconds of one call of `f` alone between two events, after warm-up: its
+        /// host check and launch included, as PyTorch's script times its ops.
+        fn time(&self, f: impl FnMut() -> R<()>) -> R<f64> {
+            self.timed(f, 1, false)
         }
 
         /// Milliseconds per call of `f` with [`QUEUED`] calls queued between the two events
         /// (median of the reps), the first event queued behind one call already in flight: each
         /// call's host check and launch are hidden behind the call before it, as when the engine
         /// enqueues a step's work — the kernel's own time, unless the host cannot queue calls as
-        /// fast as the GPU runs them (a kernel of a few µs), when it is the host's rate. [`time`]
-        /// times one call alone, host check and launch included, as PyTorch's script times its
-        /// ops.
-        fn time_queued(&self, mut f: impl FnMut() -> R<()>) -> R<f64> {
+        /// fast as the GPU runs them (a kernel of a few µs), when it is the host's rate.
+        fn time_queued(&self, f: impl FnMut() -> R<()>) -> R<f64> {
+            self.timed(f, QUEUED, true)
+        }
+
+        /// Median milliseconds per call of `calls` calls of `f` between two events, after
+        /// warm-up; `behind` queues one call before the first event.
+        fn timed(&self, mut f: impl FnMut() -> R<()>, calls: usize, behind: bool) -> R<f64> {
             let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
             for _ in 0..3 {
                 f()?;
@@ -251,14 +240,16 @@ mod imp {
             for _ in 0..self.reps {
                 let a = self.k.ctx.new_event(flags).map_err(e)?;
                 let b = self.k.ctx.new_event(flags).map_err(e)?;
-                f()?;
+                if behind {
+                    f()?;
+                }
                 a.record(&self.s).map_err(e)?;
-                for _ in 0..QUEUED {
+                for _ in 0..calls {
                     f()?;
                 }
                 b.record(&self.s).map_err(e)?;
                 b.synchronize().map_err(e)?;
-                ms.push(a.elapsed_ms(&b).map_err(e)? as f64 / QUEUED as f64);
+                ms.push(a.elapsed_ms(&b).map_err(e)? as f64 / calls as f64);
             }
             ms.sort_by(|x, y| x.partial_cmp(y).unwrap());
             Ok(ms[ms.len() / 2])
