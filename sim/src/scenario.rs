@@ -223,6 +223,41 @@ fn at_most<T: PartialOrd + std::fmt::Display>(
 }
 
 impl Scenario {
+    /// A rough measure of the work a run of this scenario does, in arbitrary units, for ordering
+    /// a campaign's seeds longest first: per layer, every token stored (weighted as about 150
+    /// keys scored by one head) and every key each query scores — a query per prompt token under
+    /// every-token indexing, one per prompt otherwise, one per generated token. Prefix caching
+    /// and faults are not counted; only the order the estimates give matters.
+    pub fn work_estimate(&self) -> u64 {
+        const STORE: u64 = 150;
+        let cfg = self.engine_config();
+        let m = &cfg.model;
+        let every_token = m.prefill_indexer == PrefillIndexer::EveryToken;
+        let query = |ctx: u64| ctx * m.index_n_heads as u64 + m.index_topk as u64;
+        let request = |prompt: u64, generate: u64| {
+            let prefill = if every_token {
+                prompt * query(prompt / 2)
+            } else {
+                query(prompt)
+            };
+            STORE * (prompt + generate) + prefill + generate * query(prompt + generate / 2)
+        };
+        let mut work = 0u64;
+        for s in &self.workload.sessions {
+            let mut ctx = s.system_tokens as u64;
+            for t in &s.turns {
+                ctx += t.append_tokens as u64;
+                work = work.saturating_add(request(ctx, t.generate as u64));
+                ctx += t.generate as u64;
+            }
+        }
+        for o in &self.workload.oneshots {
+            let prompt = o.segments.iter().map(|s| s.1 as u64).sum();
+            work = work.saturating_add(request(prompt, o.generate as u64));
+        }
+        work.saturating_mul(m.layers as u64)
+    }
+
     pub fn engine_config(&self) -> Config {
         Config::from_toml(&self.config).expect("a scenario carries a valid configuration")
     }
