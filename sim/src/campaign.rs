@@ -260,13 +260,15 @@ impl CampaignSummary {
 /// seed order (drawing every scenario first would take seconds: about 30 µs a seed).
 pub const ORDERED_SEEDS_MAX: u64 = 200_000;
 
-/// The order a campaign's workers take its seeds in, or `None` for seed order (one worker, or
-/// more than [`ORDERED_SEEDS_MAX`] seeds). With more than one worker, the scenarios that predict
-/// the most work come first ([`Scenario::work_estimate`]; ties by seed), so that a campaign does
-/// not end on one worker running a heavy seed alone while the others idle. A seed's outcome
-/// depends on the seed alone, so the order changes no result, only when each arrives.
+/// The order a campaign's workers take its seeds in, or `None` for seed order: one worker, more
+/// than [`ORDERED_SEEDS_MAX`] seeds, or a planted mutant (the zoo counts the seeds to its first
+/// catch, and a campaign that stops at the first failure then reports the lowest failing seed).
+/// Otherwise the scenarios that predict the most work come first ([`Scenario::work_estimate`];
+/// ties by seed), so that a campaign does not end on one worker running a heavy seed alone
+/// while the others idle. A seed's outcome depends on the seed alone, so the order changes no
+/// result, only when each arrives.
 pub fn run_order(opts: &CampaignOptions, seeds: &SeedSet) -> Option<Vec<u64>> {
-    if opts.jobs <= 1 || seeds.len() > ORDERED_SEEDS_MAX {
+    if opts.jobs <= 1 || opts.mutant.is_some() || seeds.len() > ORDERED_SEEDS_MAX {
         return None;
     }
     let mut work: Vec<(u64, u64)> = seeds
@@ -500,7 +502,7 @@ mod tests {
     }
 
     /// Several workers take every seed of the set once, the heaviest estimates first; one worker,
-    /// or a set too large to draw up front, takes them in seed order.
+    /// a planted mutant or a set too large to draw up front takes them in seed order.
     #[test]
     fn workers_take_the_heaviest_seeds_first() {
         let opts = options(4, 0, 90, Some((1, 3)));
@@ -519,6 +521,11 @@ mod tests {
             "the estimates tell seeds apart"
         );
         assert_eq!(run_order(&options(1, 0, 90, None), &seeds), None);
+        let mutant = CampaignOptions {
+            mutant: Some("topk-hardcoded-512".into()),
+            ..options(4, 0, 90, None)
+        };
+        assert_eq!(run_order(&mutant, &mutant.seeds()), None);
         let huge = options(4, 0, u64::MAX, None);
         assert_eq!(run_order(&huge, &huge.seeds()), None);
     }
