@@ -113,3 +113,18 @@ __device__ __forceinline__ u64 tkv_mix64(u64 z) {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
+
+// Two e4m3 codes (the low 16 bits of `two`) as f16x2 or bf16x2, exactly: every e4m3 value is
+// an f16 and a bf16 value (the tensor-core logits kernels feed fp8 operands through these).
+__device__ __forceinline__ u32 tkv_e4m3x2_to_f16x2(u32 two) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
+    return (u32)h.x | ((u32)h.y << 16);
+}
+
+__device__ __forceinline__ u32 tkv_e4m3x2_to_bf16x2(u32 two) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
+    __half2 hh = *reinterpret_cast<__half2*>(&h);
+    float2 f = __half22float2(hh);  // exact
+    __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);  // exact: e4m3 values are bf16 values
+    return *reinterpret_cast<u32*>(&b);
+}

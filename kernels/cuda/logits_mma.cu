@@ -33,19 +33,6 @@
 // 4-9, at commits up to ce23485) and none was faster; they are no longer in the tree. The page
 // sizes and offsets come from the layout prelude (TKV_IK_*).
 
-__device__ __forceinline__ u32 tkv_e4m3x2_to_f16x2(u32 two) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
-    return (u32)h.x | ((u32)h.y << 16);
-}
-
-__device__ __forceinline__ u32 tkv_e4m3x2_to_bf16x2(u32 two) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
-    __half2 hh = *reinterpret_cast<__half2*>(&h);
-    float2 f = __half22float2(hh);  // exact
-    __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);  // exact: e4m3 values are bf16 values
-    return *reinterpret_cast<u32*>(&b);
-}
-
 template <int DT>
 __device__ __forceinline__ void tkv_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     if (DT == 0) {

@@ -148,19 +148,6 @@ __device__ __forceinline__ void tkv_wgmma(float (&d)[32], const u32 (&a)[4], u64
 #undef TKV_WG_OPS
 }
 
-__device__ __forceinline__ u32 tkv_wg_e4m3x2_to_f16x2(u32 two) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
-    return (u32)h.x | ((u32)h.y << 16);
-}
-
-__device__ __forceinline__ u32 tkv_wg_e4m3x2_to_bf16x2(u32 two) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
-    __half2 hh = *reinterpret_cast<__half2*>(&h);
-    float2 f = __half22float2(hh);                        // exact
-    __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);  // exact: e4m3 values are bf16 values
-    return *reinterpret_cast<u32*>(&b);
-}
-
 __device__ __forceinline__ void tkv_wg_uint4_words(uint4 v, u32* o) {
     o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
 }
@@ -202,7 +189,7 @@ __device__ __forceinline__ void tkv_wg_write_q(u8* qs, const u8* qraw, int heads
         if (h < heads) {
             int d = tkv_wg_dim<DT>(s, c, hi, 0);  // even: the pair d, d + 1 is one u16
             u32 two = *reinterpret_cast<const u16*>(qraw + h * 128 + d);
-            v = DT == 0 ? tkv_wg_e4m3x2_to_f16x2(two) : tkv_wg_e4m3x2_to_bf16x2(two);
+            v = DT == 0 ? tkv_e4m3x2_to_f16x2(two) : tkv_e4m3x2_to_bf16x2(two);
         }
         int chunk = 2 * (s & 3) + hi;  // 16-byte chunk of the row (k = 16 (s & 3) + 8 hi ..)
         int off = (s >> 2) * TKV_WG_Q_HALF + h * 128 + ((chunk ^ (h & 7)) << 4) + 4 * c;
@@ -348,10 +335,10 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
 #pragma unroll
         for (int s = 0; s < 8; s++) {
             if (DT == 0) {
-                a[s][0] = tkv_wg_e4m3x2_to_f16x2(k0[s]);
-                a[s][1] = tkv_wg_e4m3x2_to_f16x2(k1[s]);
-                a[s][2] = tkv_wg_e4m3x2_to_f16x2(k0[s] >> 16);
-                a[s][3] = tkv_wg_e4m3x2_to_f16x2(k1[s] >> 16);
+                a[s][0] = tkv_e4m3x2_to_f16x2(k0[s]);
+                a[s][1] = tkv_e4m3x2_to_f16x2(k1[s]);
+                a[s][2] = tkv_e4m3x2_to_f16x2(k0[s] >> 16);
+                a[s][3] = tkv_e4m3x2_to_f16x2(k1[s] >> 16);
             } else {
                 // word 4t + w with t = s >> 1, w = 2 (s & 1) + hi
                 int w0 = 4 * (s >> 1) + 2 * (s & 1);
