@@ -8,6 +8,7 @@ use crate::layout::{
     f32_bytes, fp8_bytes, i32_bytes, u64_bytes, BufferKind, Bytes, INDEX_HEAD_DIM,
 };
 use tierkv_kernels::cpu;
+use tierkv_kernels::cpu::draw;
 use tierkv_kernels::cpu::numerics::{le_f32s, le_i32s};
 
 /// Buffers as plain bytes, indexed by `BufferId`.
@@ -97,10 +98,11 @@ type KResult = Result<(), tierkv_kernels::KernelError>;
 
 fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
     let fp = mem.desc(o.dst).fingerprint;
+    let keys = draw::index_keys(&o.keys.args());
     let args = cpu::IndexKStoreArgs {
         dtype: o.dtype,
         ue8m0: o.ue8m0,
-        keys: &o.keys,
+        keys: &keys,
         gamma: &o.gamma,
         beta: &o.beta,
         rope: &o.rope,
@@ -111,9 +113,10 @@ fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
 
 fn kv_store(o: &KvStore, mem: &mut Memory) -> KResult {
     let fp = mem.desc(o.dst).fingerprint;
+    let rows = draw::kv_rows(&o.rows.args());
     let args = cpu::KvStoreArgs {
         dtype: o.dtype,
-        rows: &o.rows,
+        rows: &rows,
         slots: &o.slots,
     };
     mem.with_mut(o.dst, |_, d| cpu::kv_store(&args, d, fp))
@@ -123,11 +126,15 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
     let values = o.rows() as u64 * o.heads as u64;
     let mut qo = vec![0u8; fp8_bytes(values * INDEX_HEAD_DIM as u64).usize()];
     let mut wo = vec![0f32; values as usize];
+    let (q, weights) = (
+        draw::queries(&o.inputs.args(), o.heads),
+        draw::head_weights(&o.inputs.args(), o.heads),
+    );
     let args = cpu::QPrepArgs {
         heads: o.heads as usize,
         ue8m0: o.ue8m0,
-        q: &o.q,
-        weights: &o.weights,
+        q: &q,
+        weights: &weights,
         rope: &o.rope,
     };
     cpu::q_prep(&args, &mut qo, &mut wo)?;

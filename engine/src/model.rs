@@ -10,15 +10,15 @@
 
 use crate::config::Config;
 use crate::device::{
-    BufferDesc, BufferId, BufferRole, Device, DeviceError, EventId, EventState, IndexKStore,
+    BufferDesc, BufferId, BufferRole, Device, DeviceError, Drawn, EventId, EventState, IndexKStore,
     IndexLogits, KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RowTag, RowTags, SparseRead,
-    StreamKind, TopK,
+    StreamKind, TokenAt, TopK,
 };
 use crate::error::EngineError;
 use crate::gate::LayerGate;
 use crate::layout::{
     slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer, ScratchLayout,
-    INDEX_HEAD_DIM, KV_ROW_VALUES, PAGE_TOKENS,
+    PAGE_TOKENS,
 };
 use crate::mutants::Mutants;
 use crate::pools::Pools;
@@ -110,6 +110,22 @@ struct Batch {
 }
 
 impl Batch {
+    /// The new tokens' rows of global layer `layer`, for the device to draw.
+    fn drawn_store(&self, synth: &Synth, layer: u32) -> Drawn {
+        Drawn {
+            seed: synth.seed,
+            layer,
+            rows: self
+                .store
+                .iter()
+                .map(|t| TokenAt {
+                    token: t.2,
+                    position: t.1,
+                })
+                .collect(),
+        }
+    }
+
     fn store_tags(&self, layer_global: u32) -> RowTags {
         RowTags {
             layer_global,
@@ -288,15 +304,11 @@ impl ModelStep {
         let lg = self.shape.layer_base + l as u32;
         let ik = pools.gated(&gate.index_k(dev)?);
         let (gamma, beta) = self.ln[l].clone();
-        let mut keys = Vec::with_capacity(batch.store.len() * INDEX_HEAD_DIM as usize);
-        for t in &batch.store {
-            synth.index_key_into(t.2, t.1, lg, &mut keys);
-        }
         let store = IndexKStore {
             dst: ik,
             dtype: self.shape.store_ik_dtype,
             ue8m0: self.shape.ue8m0,
-            keys,
+            keys: batch.drawn_store(synth, lg),
             gamma,
             beta,
             rope: batch.store_rope.clone(),
@@ -329,14 +341,17 @@ impl ModelStep {
         let prep = QPrep {
             heads: sh.heads,
             ue8m0: sh.ue8m0,
-            q: chunk
-                .iter()
-                .flat_map(|c| synth.query(c.token, c.position, lg, sh.heads))
-                .collect(),
-            weights: chunk
-                .iter()
-                .flat_map(|c| synth.head_weights(c.token, c.position, lg, sh.heads))
-                .collect(),
+            inputs: Drawn {
+                seed: synth.seed,
+                layer: lg,
+                rows: chunk
+                    .iter()
+                    .map(|c| TokenAt {
+                        token: c.token,
+                        position: c.position,
+                    })
+                    .collect(),
+            },
             rope: sh.rope.rows(chunk.iter().map(|c| c.position)),
             q_out: q,
             w_out: w,
@@ -395,13 +410,7 @@ impl ModelStep {
         let store = KvStore {
             dst: kv,
             dtype: sh.kv_dtype,
-            rows: {
-                let mut rows = Vec::with_capacity(batch.store.len() * KV_ROW_VALUES as usize);
-                for t in &batch.store {
-                    synth.kv_row_into(t.2, t.1, lg, &mut rows);
-                }
-                rows
-            },
+            rows: batch.drawn_store(synth, lg),
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };

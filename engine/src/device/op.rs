@@ -6,16 +6,38 @@
 //! its own (the CPU references, the CUDA launchers).
 //!
 //! Small metadata (slots, page tables, context lengths) travels by value; bulk data lives in
-//! buffers. Inputs that the model would produce on the device (raw keys, queries, KV rows — here
-//! from the synthetic model) travel by value too.
+//! buffers. Inputs that a model computes on the device (raw keys, queries, head weights, KV rows)
+//! are drawn by the device itself from the synthetic model ([`Drawn`]: each row's token and
+//! position travel, the values are made where they are used).
 
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
     kv_row, slot_offset, slot_page, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat,
-    PageId, PageRun, PagedView, SlotId, INDEX_HEAD_DIM, KV_ROW_VALUES, PAGE_TOKENS, ROPE_DIM,
+    PageId, PageRun, PagedView, SlotId, PAGE_TOKENS, ROPE_DIM,
 };
-use half::bf16;
 use std::sync::Arc;
+use tierkv_kernels::cpu::draw::DrawArgs;
+pub use tierkv_kernels::cpu::draw::TokenAt;
+
+/// Model inputs an op's device draws itself (`tierkv_kernels::cpu::draw`, and `draw.cu` on
+/// CUDA), as a model computes its keys, queries and KV rows on the device: the rows' tokens and
+/// positions, of one global layer of the synthetic model of `seed`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Drawn {
+    pub seed: u64,
+    pub layer: u32,
+    pub rows: Vec<TokenAt>,
+}
+
+impl Drawn {
+    pub fn args(&self) -> DrawArgs<'_> {
+        DrawArgs {
+            seed: self.seed,
+            layer: self.layer,
+            rows: &self.rows,
+        }
+    }
+}
 
 /// A byte range of one buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,7 +158,8 @@ pub struct IndexKStore {
     pub dst: BufferId,
     pub dtype: IndexKDtype,
     pub ue8m0: bool,
-    pub keys: Vec<bf16>,
+    /// The raw keys of the stored tokens, one row per slot.
+    pub keys: Drawn,
     pub gamma: Arc<[f32]>,
     pub beta: Arc<[f32]>,
     pub rope: Vec<f32>,
@@ -149,7 +172,8 @@ pub struct IndexKStore {
 pub struct KvStore {
     pub dst: BufferId,
     pub dtype: KvDtype,
-    pub rows: Vec<bf16>,
+    /// The KV rows of the stored tokens, one per slot.
+    pub rows: Drawn,
     pub slots: Vec<i32>,
     pub tags: RowTags,
 }
@@ -160,8 +184,8 @@ pub struct QPrep {
     pub heads: u32,
     /// Round each head's fp8 scale up to a power of two (the model's `scale_fmt = "ue8m0"`).
     pub ue8m0: bool,
-    pub q: Vec<bf16>,
-    pub weights: Vec<f32>,
+    /// The query tokens: their raw queries (`heads × 128` each) and head weights are drawn.
+    pub inputs: Drawn,
     pub rope: Vec<f32>,
     pub q_out: Region,
     pub w_out: Region,
@@ -395,9 +419,7 @@ impl OpSpec for IndexKStore {
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let n = self.slots.len();
-        if self.keys.len() != n * INDEX_HEAD_DIM as usize
-            || self.rope.len() != n * ROPE_DIM as usize
-        {
+        if self.keys.rows.len() != n || self.rope.len() != n * ROPE_DIM as usize {
             return Err(bad(self.name(), "keys/rope/slots lengths disagree".into()));
         }
         Ok(())
@@ -428,7 +450,7 @@ impl OpSpec for KvStore {
         }
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        if self.rows.len() != self.slots.len() * KV_ROW_VALUES as usize {
+        if self.rows.rows.len() != self.slots.len() {
             return Err(bad(self.name(), "rows/slots lengths disagree".into()));
         }
         Ok(())
@@ -458,6 +480,12 @@ impl OpSpec for QPrep {
     fn accesses(&self, out: &mut Vec<Access>) {
         write(out, self.q_out.range());
         write(out, self.w_out.range());
+    }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        if self.rope.len() != self.inputs.rows.len() * ROPE_DIM as usize {
+            return Err(bad(self.name(), "query rows/rope lengths disagree".into()));
+        }
+        Ok(())
     }
     fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
         format!("{} rows x {} heads", self.rows(), self.heads)

@@ -16,7 +16,7 @@ use crate::device::*;
 use crate::layout::{Bytes, PageRun, PagedView};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::Arc;
-use tierkv_kernels::cuda::launch::{DevPtr, IndexLogitsLaunch, Kernels};
+use tierkv_kernels::cuda::launch::{DevPtr, DrawKind, IndexLogitsLaunch, Kernels};
 pub use tierkv_kernels::cuda::launch::{LogitsKernel, LogitsTuning};
 
 fn backend(what: &str) -> impl Fn(cudarc::driver::DriverError) -> DeviceError + '_ {
@@ -193,6 +193,26 @@ impl CudaOps {
         Ok((slice, DevPtr { ptr, bytes }))
     }
 
+    /// Draws the synthetic model's `kind` inputs of `d`'s rows on stream `s` into a
+    /// stream-ordered allocation (freed stream-ordered when dropped): the host sends 8 bytes a
+    /// row instead of the values.
+    fn draw(&self, s: &Arc<CudaStream>, kind: DrawKind, d: &Drawn) -> Result<Upload, DeviceError> {
+        let (_rows, rows) = self.upload(s, bytes_of(&d.rows))?;
+        let bytes = kind.bytes(d.rows.len() as u64).max(Bytes(1));
+        // SAFETY: the draw kernel below writes every byte of its rows before any op reads them.
+        let slice = unsafe { s.alloc::<u8>(bytes.usize()) }.map_err(backend("draw"))?;
+        let ptr = {
+            use cudarc::driver::DevicePtr;
+            let (p, _sync) = slice.device_ptr(s);
+            p
+        };
+        let out = DevPtr { ptr, bytes };
+        self.kernels
+            .draw(s, kind, d.seed, d.layer, d.rows.len(), rows, out)
+            .map_err(kernel)?;
+        Ok((slice, out))
+    }
+
     /// Runs `op` on stream `s`; `mem(buf)` gives a buffer's address and description. The one
     /// dispatch over the op set on CUDA.
     pub fn run(&self, s: &Arc<CudaStream>, op: &Op, mem: Resolve<'_>) -> Result<(), DeviceError> {
@@ -223,7 +243,7 @@ impl CudaOps {
         o: &IndexKStore,
         mem: Resolve<'_>,
     ) -> Result<(), DeviceError> {
-        let (_a, keys) = self.upload(s, bytes_of(&o.keys))?;
+        let (_a, keys) = self.draw(s, DrawKind::IndexKeys, &o.keys)?;
         let (_b, g) = self.upload(s, bytes_of(&o.gamma))?;
         let (_c, bt) = self.upload(s, bytes_of(&o.beta))?;
         let (_d, r) = self.upload(s, bytes_of(&o.rope))?;
@@ -252,7 +272,7 @@ impl CudaOps {
         o: &KvStore,
         mem: Resolve<'_>,
     ) -> Result<(), DeviceError> {
-        let (_a, rows) = self.upload(s, bytes_of(&o.rows))?;
+        let (_a, rows) = self.draw(s, DrawKind::KvRows, &o.rows)?;
         let (_b, sl) = self.upload(s, bytes_of(&o.slots))?;
         let (dp, dd) = mem(o.dst);
         self.kernels
@@ -261,8 +281,9 @@ impl CudaOps {
     }
 
     fn q_prep(&self, s: &Arc<CudaStream>, o: &QPrep, mem: Resolve<'_>) -> Result<(), DeviceError> {
-        let (_a, q) = self.upload(s, bytes_of(&o.q))?;
-        let (_b, w) = self.upload(s, bytes_of(&o.weights))?;
+        let heads = o.heads;
+        let (_a, q) = self.draw(s, DrawKind::Queries { heads }, &o.inputs)?;
+        let (_b, w) = self.draw(s, DrawKind::HeadWeights { heads }, &o.inputs)?;
         let (_c, r) = self.upload(s, bytes_of(&o.rope))?;
         let (qo, wo) = (region(mem, &o.q_out), region(mem, &o.w_out));
         self.kernels

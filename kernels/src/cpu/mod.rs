@@ -2,6 +2,7 @@
 //! layouts. The CUDA kernels must agree with these bit for bit (logits included: the reference
 //! uses the CUDA kernel's operation order). The simulator runs every kernel through these.
 
+pub mod draw;
 pub mod logits;
 pub mod numerics;
 pub mod page_copy;

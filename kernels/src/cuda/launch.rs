@@ -21,6 +21,31 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
+/// Which of the synthetic model's inputs [`Kernels::draw`] draws (`cpu::draw`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrawKind {
+    /// Raw index keys, `[rows][128]` bf16.
+    IndexKeys,
+    /// Raw indexer queries, `[rows][heads][128]` bf16.
+    Queries { heads: u32 },
+    /// Head weights, `[rows][heads]` f32.
+    HeadWeights { heads: u32 },
+    /// MLA KV rows, `[rows][576]` bf16.
+    KvRows,
+}
+
+impl DrawKind {
+    /// The bytes `rows` rows of this kind take.
+    pub fn bytes(self, rows: u64) -> Bytes {
+        match self {
+            DrawKind::IndexKeys => bf16_bytes(rows * INDEX_HEAD_DIM as u64),
+            DrawKind::Queries { heads } => bf16_bytes(rows * (heads * INDEX_HEAD_DIM) as u64),
+            DrawKind::HeadWeights { heads } => f32_bytes(rows * heads as u64),
+            DrawKind::KvRows => bf16_bytes(rows * KV_ROW_VALUES as u64),
+        }
+    }
+}
+
 /// CUDA devices (ordinals) one process launches tierkv's kernels on.
 pub const DEVICES_MAX: usize = 8;
 
@@ -819,6 +844,56 @@ impl Kernels {
         };
         // SAFETY: sizes checked by `a.check()`; the kernel's cluster size is compiled in and
         // divides the grid.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// Draws the synthetic model's `kind` inputs of `rows` rows (`rows_dev`: each row's token
+    /// and position, `cpu::draw::TokenAt`) of global layer `layer` into `out`, bit for bit as
+    /// `cpu::draw` draws them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn draw(
+        &self,
+        s: &CudaStream,
+        kind: DrawKind,
+        seed: u64,
+        layer: u32,
+        rows: usize,
+        rows_dev: DevPtr,
+        out: DevPtr,
+    ) -> Result<()> {
+        const OP: &str = "draw";
+        need(OP, "rows", rows_dev, i32_bytes(2 * rows as u64))?;
+        need(OP, "out", out, kind.bytes(rows as u64))?;
+        let (name, blocks, threads) = match kind {
+            DrawKind::IndexKeys => ("draw_index_keys", (rows as u32, 1), INDEX_HEAD_DIM),
+            DrawKind::KvRows => ("draw_kv_rows", (rows as u32, 1), 192),
+            DrawKind::Queries { heads } | DrawKind::HeadWeights { heads } => {
+                if heads == 0 || heads > INDEX_HEADS_MAX {
+                    return Err(bad(OP, "heads", "outside 1..=64"));
+                }
+                match kind {
+                    DrawKind::Queries { .. } => {
+                        ("draw_queries", (rows as u32, heads), INDEX_HEAD_DIM)
+                    }
+                    _ => ("draw_head_weights", (rows as u32, 1), heads),
+                }
+            }
+        };
+        if rows == 0 {
+            return Ok(());
+        }
+        if rows > i32::MAX as usize {
+            return Err(bad(OP, "rows", "more than 2^31 - 1"));
+        }
+        let mut b = s.launch_builder(self.f(name));
+        b.arg(&seed).arg(&layer).arg(&rows_dev.ptr).arg(&out.ptr);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks.0, blocks.1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes checked above; every kernel writes exactly `kind.bytes(rows)`.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
     }

@@ -78,6 +78,17 @@ pub const SOURCES: &[Source] = &[
         kernels: &["page_gather"],
         arch: ARCH,
     },
+    Source {
+        file: "draw.cu",
+        text: include_str!("../../cuda/draw.cu"),
+        kernels: &[
+            "draw_index_keys",
+            "draw_queries",
+            "draw_head_weights",
+            "draw_kv_rows",
+        ],
+        arch: ARCH,
+    },
 ];
 
 /// The tensor-core logits kernel for one page dtype, and its threads per CTA (64 per key group:
@@ -265,7 +276,8 @@ pub fn compile_options_for(arch: &'static str) -> CompileOptions {
 }
 
 /// The byte sizes and offsets the kernels address, as C macros generated from the layout module
-/// (the one place that computes them), so no `.cu` file writes a layout number of its own.
+/// (the one place that computes them), so no `.cu` file writes a layout number of its own; and
+/// the synthetic model's stream codes (`cpu::draw::Stream`), which `draw.cu` draws from.
 pub fn layout_prelude() -> String {
     use crate::layout::{index_k_page, kv_row, IndexKDtype, KvDtype, PageFormat};
     let ik = |d| PageFormat::IndexK(d);
@@ -294,9 +306,11 @@ pub fn layout_prelude() -> String {
         ("TKV_KV_FP8_SCALES", kv_row::FP8_SCALES_OFFSET as u64),
         ("TKV_KV_FP8_ROPE", kv_row::FP8_ROPE_OFFSET as u64),
     ];
-    defs.iter()
-        .map(|(name, v)| format!("#define {name} {v}\n"))
-        .collect()
+    let layout = defs.iter().map(|(name, v)| format!("#define {name} {v}\n"));
+    let streams = crate::cpu::draw::STREAM_DEFINES
+        .iter()
+        .map(|(name, s)| format!("#define {name} {}ull\n", *s as u64));
+    layout.chain(streams).collect()
 }
 
 /// The full text NVRTC compiles for `src`.

@@ -1259,6 +1259,86 @@ mod cuda {
     fn page_copy_cuda() {
         page_copy_body(&Cuda::new(), Expect::Reference);
     }
+    /// `draw.cu` draws the synthetic model's inputs bit for bit as `cpu::draw` does: every
+    /// kind, 1 and 64 heads, tokens and positions over their whole ranges (4,096 rows a kind).
+    #[test]
+    fn draw_cuda() {
+        use tierkv_kernels::cpu::draw::{self, DrawArgs, TokenAt};
+        use tierkv_kernels::cuda::launch::DrawKind;
+        let c = Cuda::new();
+        let mut g = Gen::fresh("draw");
+        let rows: Vec<TokenAt> = (0..4096)
+            .map(|i| TokenAt {
+                token: if i % 7 == 0 {
+                    u32::MAX - i
+                } else {
+                    g.below(50_000) as u32
+                },
+                position: if i % 5 == 0 {
+                    u32::MAX - i
+                } else {
+                    g.below(1 << 20) as u32
+                },
+            })
+            .collect();
+        let (_rows, rp) = c.up(bytes(&rows));
+        for (seed, layer) in [
+            (0u64, 0u32),
+            (0xDEAD_BEEF_0123_4567, 60),
+            (u64::MAX, u32::MAX),
+        ] {
+            let a = DrawArgs {
+                seed,
+                layer,
+                rows: &rows,
+            };
+            let want: [(DrawKind, Vec<u8>); 6] = [
+                (DrawKind::IndexKeys, bytes(&draw::index_keys(&a)).to_vec()),
+                (DrawKind::KvRows, bytes(&draw::kv_rows(&a)).to_vec()),
+                (
+                    DrawKind::Queries { heads: 1 },
+                    bytes(&draw::queries(&a, 1)).to_vec(),
+                ),
+                (
+                    DrawKind::Queries { heads: 64 },
+                    bytes(&draw::queries(&a, 64)).to_vec(),
+                ),
+                (
+                    DrawKind::HeadWeights { heads: 1 },
+                    bytes(&draw::head_weights(&a, 1)).to_vec(),
+                ),
+                (
+                    DrawKind::HeadWeights { heads: 64 },
+                    bytes(&draw::head_weights(&a, 64)).to_vec(),
+                ),
+            ];
+            for (kind, want) in want {
+                assert_eq!(
+                    kind.bytes(rows.len() as u64).usize(),
+                    want.len(),
+                    "{kind:?}"
+                );
+                let mut got = vec![0xA5u8; want.len()];
+                let (d, dp) = c.up(&got);
+                c.k.draw(&c.s, kind, seed, layer, rows.len(), rp, dp)
+                    .unwrap();
+                c.down(&d, &mut got);
+                assert_eq!(
+                    diff(&got, &want),
+                    0,
+                    "{kind:?}, seed {seed:#x}, layer {layer}"
+                );
+            }
+        }
+        let (d, dp) = c.up(&[0u8; 4]);
+        let e =
+            c.k.draw(&c.s, DrawKind::Queries { heads: 65 }, 0, 0, 0, rp, dp);
+        assert!(e.is_err(), "65 heads accepted");
+        let e = c.k.draw(&c.s, DrawKind::KvRows, 0, 0, 2, rp, dp);
+        assert!(e.is_err(), "an output of 4 B accepted for two KV rows");
+        drop(d);
+    }
+
     /// The GPU's e4m3 conversion (`__NV_SATFINITE`) agrees with the `float8` crate over 16.7M
     /// inputs, every rounding midpoint of the format included: each KV latent tile holds 448 (so
     /// its scale is exactly 1 and the codes are the conversion of the values themselves).
