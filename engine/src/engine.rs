@@ -13,10 +13,10 @@ pub use crate::cache::page_keys;
 use crate::cache::{NodeId, PrefixCache};
 use crate::config::{Config, WritePolicy};
 use crate::controller::{CacheController, Grant, Io, LoadAck};
-use crate::device::{Clock, Device, EventId};
+use crate::device::{Clock, Device, DeviceTiming, EventId};
 use crate::layout::PageId;
 use crate::layout::{pages_for_tokens, Layout, PAGE_TOKENS};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StepTimes};
 use crate::model::ModelStep;
 use crate::mutants::Mutants;
 use crate::pd::Role;
@@ -52,6 +52,10 @@ pub struct StepReport {
     pub admitted: usize,
     /// Nothing queued, running or in flight.
     pub idle: bool,
+    /// Where the step's host time went.
+    pub host: StepTimes,
+    /// What the device measured of the step's compute-stream work, if it times its work.
+    pub device: Option<DeviceTiming>,
 }
 
 pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
@@ -412,19 +416,29 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             rows: rows.iter().map(|r| r.queries.len()).sum(),
             admitted,
             idle: false,
+            host: StepTimes::default(),
+            device: None,
         };
+        let t1 = self.clock.now_ns();
+        report.host.schedule_ns = t1.saturating_sub(t0);
         if rows.is_empty() {
             self.wait_for_copies();
             self.device_lost()?;
+            report.host.wait_ns = self.clock.now_ns().saturating_sub(t1);
             report.idle = self.is_idle();
-            self.refresh_gauges();
+            self.end_step(&mut report);
             return Ok(report);
         }
         let events = self.ctl.layer_events(&self.sched.batch_loads(&rows));
-        let Some(digests) =
+        let queries =
             self.model
-                .forward(&mut self.dev, &self.pools, &events, &self.synth, &rows)?
-        else {
+                .forward(&mut self.dev, &self.pools, &events, &self.synth, &rows)?;
+        let t2 = self.clock.now_ns();
+        report.host.enqueue_ns = t2.saturating_sub(t1);
+        let digests = self.model.collect(&mut self.dev, queries)?;
+        let t3 = self.clock.now_ns();
+        report.host.wait_ns = t3.saturating_sub(t2);
+        let Some(digests) = digests else {
             // The device failed the step's work: nothing of it is kept. The requests' state
             // is as before the step (the batch is built again from it), loads stay unacked,
             // and the next step rewrites the same rows. A device that fails step after step is
@@ -442,20 +456,31 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                     ),
                 }));
             }
-            self.refresh_gauges();
             report.idle = self.is_idle();
+            self.end_step(&mut report);
             return Ok(report);
         };
         self.steps_failed_in_a_row = 0;
         self.finish_step(&rows, &digests)?;
         self.device_lost()?;
+        let t4 = self.clock.now_ns();
+        report.host.finish_ns = t4.saturating_sub(t3);
         self.metrics.steps += 1;
-        self.metrics
-            .step_latency
-            .observe(self.clock.now_ns().saturating_sub(t0));
-        self.refresh_gauges();
+        self.metrics.step_latency.observe(t4.saturating_sub(t0));
         report.idle = self.is_idle();
+        self.end_step(&mut report);
         Ok(report)
+    }
+
+    /// Every step's end: the device's timing of it, the time metrics and the gauges.
+    fn end_step(&mut self, report: &mut StepReport) {
+        report.device = self.dev.take_timing();
+        self.metrics.step_host.add(&report.host);
+        if let Some(d) = report.device {
+            self.metrics.step_device.busy_ns += d.busy_ns;
+            self.metrics.step_device.stalled_ns += d.stalled_ns;
+        }
+        self.refresh_gauges();
     }
 
     /// A device that could not recover from a fault a copy reported stops the engine.

@@ -19,6 +19,32 @@ impl Latency {
     }
 }
 
+/// Where the host's time in steps went, in nanoseconds of the engine's clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepTimes {
+    /// Polling copies, admitting requests and building the batch.
+    pub schedule_ns: u64,
+    /// Building the step's ops and enqueueing them (their launches included).
+    pub enqueue_ns: u64,
+    /// Blocked on the step's event and reading its digests back; in a step with nothing to
+    /// compute, blocked on the oldest copy in flight.
+    pub wait_ns: u64,
+    /// Acknowledging loads, recording outputs and completing requests (their backups issued).
+    pub finish_ns: u64,
+}
+
+impl StepTimes {
+    pub fn add(&mut self, o: &StepTimes) {
+        self.schedule_ns += o.schedule_ns;
+        self.enqueue_ns += o.enqueue_ns;
+        self.wait_ns += o.wait_ns;
+        self.finish_ns += o.finish_ns;
+    }
+    pub fn total_ns(&self) -> u64 {
+        self.schedule_ns + self.enqueue_ns + self.wait_ns + self.finish_ns
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Metrics {
     pub queue_depth: u64,
@@ -52,6 +78,10 @@ pub struct Metrics {
     pub prefill_tokens: u64,
     pub generated_tokens: u64,
     pub step_latency: Latency,
+    /// The host's time in steps, summed.
+    pub step_host: StepTimes,
+    /// The device's compute-stream time in steps, summed (devices that time their work).
+    pub step_device: crate::device::DeviceTiming,
 }
 
 impl Metrics {
@@ -221,6 +251,30 @@ impl Metrics {
                 [
                     ("device", self.hit_rate(self.prefix_pages_device_hit)),
                     ("host", self.hit_rate(self.prefix_pages_host_hit)),
+                ]
+                .to_vec(),
+            ),
+            (
+                "step_host_seconds_total",
+                "counter",
+                "Host time in steps, per phase.",
+                "phase",
+                [
+                    ("schedule", self.step_host.schedule_ns as f64 / 1e9),
+                    ("enqueue", self.step_host.enqueue_ns as f64 / 1e9),
+                    ("wait", self.step_host.wait_ns as f64 / 1e9),
+                    ("finish", self.step_host.finish_ns as f64 / 1e9),
+                ]
+                .to_vec(),
+            ),
+            (
+                "step_device_seconds_total",
+                "counter",
+                "Compute-stream time in steps (devices that time their work): running ops, and stalled on loads.",
+                "part",
+                [
+                    ("busy", self.step_device.busy_ns as f64 / 1e9),
+                    ("stalled", self.step_device.stalled_ns as f64 / 1e9),
                 ]
                 .to_vec(),
             ),

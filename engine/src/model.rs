@@ -225,10 +225,10 @@ impl ModelStep {
         self.scratch.layout.rows_max() as usize
     }
 
-    /// Runs one batch forward over the synthetic model `synth` and returns, per query row (in row
-    /// order), the digest of each layer; `None` when the device reports that the step's work
-    /// failed (its results are not data: the caller runs the step again). `load_events` are the
-    /// events of the loads the batch waits for (per load, one per local layer).
+    /// Enqueues one batch forward over the synthetic model `synth` and ends the step with its
+    /// event; returns the batch's query rows, whose digests [`collect`](Self::collect) reads.
+    /// `load_events` are the events of the loads the batch waits for (per load, one per local
+    /// layer).
     pub(crate) fn forward<D: Device>(
         &mut self,
         dev: &mut D,
@@ -236,7 +236,7 @@ impl ModelStep {
         load_events: &[Vec<EventId>],
         synth: &Synth,
         rows: &[Row],
-    ) -> Result<Option<Vec<Vec<u64>>>, EngineError> {
+    ) -> Result<usize, EngineError> {
         let batch = self.gather(rows);
         assert!(
             batch.queries.len() <= self.rows_max(),
@@ -254,7 +254,8 @@ impl ModelStep {
             self.index_layer(dev, pools, synth, &mut gate, &batch, l)?;
             self.read_layer(dev, pools, synth, &mut gate, &batch, l)?;
         }
-        self.read_back(dev, batch.queries.len())
+        self.end_step(dev)?;
+        Ok(batch.queries.len())
     }
 
     /// The batch's new tokens, their slots and RoPE rows, and its query rows with page tables.
@@ -439,14 +440,8 @@ impl ModelStep {
         Ok(())
     }
 
-    /// Copies the step's digests to pinned memory, ends the step (its event), waits for it and
-    /// reads the digests of `queries` rows back: per row, one digest per layer. `None` when the
-    /// step's event reports a failure.
-    fn read_back<D: Device>(
-        &self,
-        dev: &mut D,
-        queries: usize,
-    ) -> Result<Option<Vec<Vec<u64>>>, EngineError> {
+    /// Copies the step's digests to pinned memory and ends the step (its event).
+    fn end_step<D: Device>(&self, dev: &mut D) -> Result<(), EngineError> {
         let s = &self.scratch;
         let bytes = s.layout.bytes(ScratchBuffer::Digests);
         let copy = LinearCopy {
@@ -458,6 +453,19 @@ impl ModelStep {
         // is reported by it (a device reports a failed op at its stream's next record), so no
         // other record may be placed on the compute stream inside a step.
         dev.record(StreamKind::Compute, self.step_done)?;
+        Ok(())
+    }
+
+    /// Waits for the step [`forward`](Self::forward) enqueued and reads the digests of its
+    /// `queries` rows back: per row, one digest per layer. `None` when the step's event reports
+    /// a failure.
+    pub(crate) fn collect<D: Device>(
+        &self,
+        dev: &mut D,
+        queries: usize,
+    ) -> Result<Option<Vec<Vec<u64>>>, EngineError> {
+        let s = &self.scratch;
+        let bytes = s.layout.bytes(ScratchBuffer::Digests);
         if probe::hit_if(
             Probe::StepDeviceFailed,
             dev.synchronize(self.step_done) == EventState::Failed,

@@ -191,6 +191,23 @@ pub trait Device {
     /// here means the device cannot go on — a CUDA context with an asynchronous error is lost
     /// for good — and the engine stops with it.
     fn recover(&mut self) -> Result<(), DeviceError>;
+    /// What the device measured of its compute stream since the last call, for work the host
+    /// has already waited for. A device that does not time its work (the CPU and simulated
+    /// devices, and CUDA unless `CudaDevice::set_timing` turned it on) answers `None`.
+    fn take_timing(&mut self) -> Option<DeviceTiming> {
+        None
+    }
+}
+
+/// Time the compute stream spent, in nanoseconds of the device's own clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceTiming {
+    /// Running ops (kernels and the copies of their small arguments), each from its start to its
+    /// end.
+    pub busy_ns: u64,
+    /// Waiting at a wait for another stream's event (the step's loads): transfer time the
+    /// device could not hide.
+    pub stalled_ns: u64,
 }
 
 /// The check every device makes before the host reads or writes `len` bytes at `offset` of a

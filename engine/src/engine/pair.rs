@@ -240,10 +240,16 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             // the next step progresses.
             self.poll_transfers(true)?;
         }
+        let mut host = p.host;
+        host.add(&d.host);
         Ok(StepReport {
             rows: p.rows + d.rows,
             admitted: p.admitted,
             idle: self.is_idle(),
+            // Both engines' host time (one thread runs both); each device's timing is its
+            // engine's own (`Engine::metrics`).
+            host,
+            device: None,
         })
     }
 

@@ -444,6 +444,16 @@ unsafe extern "C" fn signal_ring(data: *mut std::ffi::c_void) {
     cb.ring.signal(cb.ticket, 0);
 }
 
+/// Timing of the compute stream (see [`CudaDevice::set_timing`]): a pair of timing events
+/// around every op and every wait, read back by `take_timing`.
+#[derive(Default)]
+struct ComputeTiming {
+    /// Timing events no longer in use.
+    free: Vec<CudaEvent>,
+    /// (start, end, is a wait), in stream order.
+    marks: Vec<(CudaEvent, CudaEvent, bool)>,
+}
+
 /// The production `Device` on one GPU.
 pub struct CudaDevice {
     pub ops: CudaOps,
@@ -454,6 +464,8 @@ pub struct CudaDevice {
     /// Load-stream events also signal this ring from a host callback; `query` reads it.
     ring: Arc<CompletionRing>,
     tickets: std::collections::BTreeMap<EventId, Ticket>,
+    /// `Some` while the compute stream is timed.
+    timing: Option<ComputeTiming>,
 }
 
 impl CudaDevice {
@@ -474,7 +486,45 @@ impl CudaDevice {
             events: Vec::new(),
             ring: Arc::new(CompletionRing::new(RING_SLOTS)),
             tickets: std::collections::BTreeMap::new(),
+            timing: None,
         })
+    }
+    /// Times every op and every wait of the compute stream (two timing events each, about a
+    /// microsecond of host time per op), so that `take_timing` answers.
+    pub fn set_timing(&mut self, on: bool) {
+        self.timing = on.then(ComputeTiming::default);
+    }
+    /// Records a timing event on the compute stream.
+    fn mark(&mut self) -> Result<CudaEvent, DeviceError> {
+        let t = self.timing.as_mut().expect("timing on");
+        let ev = match t.free.pop() {
+            Some(ev) => ev,
+            None => self
+                .ops
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(backend("cuEventCreate"))?,
+        };
+        ev.record(&self.streams[StreamKind::Compute.index()])
+            .map_err(backend("cuEventRecord"))?;
+        Ok(ev)
+    }
+    /// Runs `f` between two timing events when the compute stream is timed.
+    fn timed<R>(
+        &mut self,
+        stream: StreamKind,
+        wait: bool,
+        f: impl FnOnce(&mut Self) -> Result<R, DeviceError>,
+    ) -> Result<R, DeviceError> {
+        if stream != StreamKind::Compute || self.timing.is_none() {
+            return f(self);
+        }
+        let start = self.mark()?;
+        let r = f(self);
+        let end = self.mark()?;
+        let t = self.timing.as_mut().expect("timing on");
+        t.marks.push((start, end, wait));
+        r
     }
     pub fn stream(&self, k: StreamKind) -> &Arc<CudaStream> {
         &self.streams[k.index()]
@@ -484,6 +534,7 @@ impl CudaDevice {
         self.ops.ctx.ordinal()
     }
     /// A buffer's device address (for the NCCL link, which moves pool pages between devices).
+    #[cfg(feature = "nccl")]
     pub(crate) fn buffer_ptr(&self, b: BufferId) -> DevPtr {
         self.resolve(b).0
     }
@@ -587,9 +638,35 @@ impl Device for CudaDevice {
         Ok(())
     }
     fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
-        self.streams[stream.index()]
-            .wait(&self.events[ev.0 as usize])
-            .map_err(backend("cuStreamWaitEvent"))
+        self.timed(stream, true, |d| {
+            d.streams[stream.index()]
+                .wait(&d.events[ev.0 as usize])
+                .map_err(backend("cuStreamWaitEvent"))
+        })
+    }
+    fn take_timing(&mut self) -> Option<DeviceTiming> {
+        let t = self.timing.as_mut()?;
+        let mut out = DeviceTiming::default();
+        let mut kept = Vec::new();
+        for (start, end, wait) in t.marks.drain(..) {
+            // Only work the host has waited for: a mark still pending stays for the next call.
+            if !matches!(end.try_is_complete(), Ok(true)) {
+                kept.push((start, end, wait));
+                continue;
+            }
+            let ns = start
+                .elapsed_ms(&end)
+                .map_or(0, |ms| (ms as f64 * 1e6) as u64);
+            if wait {
+                out.stalled_ns += ns;
+            } else {
+                out.busy_ns += ns;
+            }
+            t.free.push(start);
+            t.free.push(end);
+        }
+        t.marks = kept;
+        Some(out)
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
         // An error from asynchronous work is sticky in CUDA: the context is lost and every later
@@ -622,8 +699,10 @@ impl Device for CudaDevice {
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
         check_op(&op, |b| self.descs[b.0 as usize])?;
         self.bind()?;
-        let s = self.streams[stream.index()].clone();
-        self.ops.run(&s, &op, &|b| self.resolve(b))
+        self.timed(stream, false, |d| {
+            let s = d.streams[stream.index()].clone();
+            d.ops.run(&s, &op, &|b| d.resolve(b))
+        })
     }
     fn host_read(
         &mut self,

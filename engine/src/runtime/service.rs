@@ -6,8 +6,9 @@
 //! handlers push into and the engine thread drains, and the metrics snapshot. Replies travel on
 //! tokio oneshot channels (sent from the engine thread, awaited by the handler).
 
-use crate::device::{Clock, Device};
+use crate::device::{Clock, Device, DeviceTiming};
 use crate::engine::{Engine, EngineError};
+use crate::metrics::StepTimes;
 use crate::scheduler::{Output, Rejection, RequestSpec};
 use crate::sync::{Arc, AtomicBool, Condvar, Mutex, Ordering};
 use crate::transfer::Transfer;
@@ -87,14 +88,28 @@ impl Intake {
     }
 }
 
-/// Step latencies kept for percentiles (the latest `STEP_SAMPLES`).
+/// Steps kept for percentiles (the first `STEP_SAMPLES`).
 const STEP_SAMPLES: usize = 65_536;
+
+/// One step as the service saw it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepSample {
+    /// Wall time of `Engine::step`.
+    pub wall_ns: u64,
+    /// Query rows it computed (0: it only waited for copies).
+    pub rows: usize,
+    /// Where its host time went.
+    pub host: StepTimes,
+    /// The device's timing of its compute-stream work, if the device times its work.
+    pub device: Option<DeviceTiming>,
+}
 
 /// What the engine thread publishes for readers on other threads.
 #[derive(Default)]
 pub struct Published {
     pub metrics_text: String,
-    pub step_ns: Vec<u64>,
+    /// The first `STEP_SAMPLES` steps.
+    pub steps: Vec<StepSample>,
     pub metrics: crate::metrics::Metrics,
 }
 
@@ -217,23 +232,31 @@ fn engine_loop<D: Device, C: Clock, T: Transfer>(
             continue;
         }
         let t0 = Instant::now();
-        if let Err(e) = engine.step() {
-            let msg = e.to_string();
-            for (_, p) in std::mem::take(&mut pending) {
-                let _ = p.reply.send(Err(ServiceError::EngineFailed(msg.clone())));
+        let report = match engine.step() {
+            Ok(r) => r,
+            Err(e) => {
+                let msg = e.to_string();
+                for (_, p) in std::mem::take(&mut pending) {
+                    let _ = p.reply.send(Err(ServiceError::EngineFailed(msg.clone())));
+                }
+                intake.close();
+                return Err(msg);
             }
-            intake.close();
-            return Err(msg);
-        }
-        let step_ns = t0.elapsed().as_nanos() as u64;
+        };
+        let sample = StepSample {
+            wall_ns: t0.elapsed().as_nanos() as u64,
+            rows: report.rows,
+            host: report.host,
+            device: report.device,
+        };
         answer(engine.drain_outputs(), &mut pending);
         if last_publish.elapsed() > Duration::from_millis(50) {
             last_publish = Instant::now();
-            publish(&engine, published, Some(step_ns));
+            publish(&engine, published, Some(sample));
         } else {
             let mut p = published.lock().expect("published lock");
-            if p.step_ns.len() < STEP_SAMPLES {
-                p.step_ns.push(step_ns);
+            if p.steps.len() < STEP_SAMPLES {
+                p.steps.push(sample);
             }
         }
     }
@@ -308,15 +331,15 @@ fn answer(outputs: Vec<Output>, pending: &mut BTreeMap<u64, Pending>) {
 fn publish<D: Device, C: Clock, T: Transfer>(
     engine: &Engine<D, C, T>,
     published: &Mutex<Published>,
-    step: Option<u64>,
+    step: Option<StepSample>,
 ) {
     let text = engine.metrics.render_prometheus();
     let mut p = published.lock().expect("published lock");
     p.metrics_text = text;
     p.metrics = engine.metrics.clone();
     if let Some(s) = step {
-        if p.step_ns.len() < STEP_SAMPLES {
-            p.step_ns.push(s);
+        if p.steps.len() < STEP_SAMPLES {
+            p.steps.push(s);
         }
     }
 }

@@ -188,7 +188,8 @@ mod tests {
         };
         let mut k = Vec::new();
         index_key_into(42, t, 1, &mut k);
-        let shared = mix64(mix64(mix64(mix64(42 ^ 2) ^ 7) ^ 0) ^ 1);
+        // b = 0: the third mix takes the second as it is.
+        let shared = mix64(mix64(mix64(mix64(42 ^ 2) ^ 7)) ^ 1);
         let own = mix64(mix64(mix64(mix64(42 ^ 1) ^ 7) ^ 3u64.wrapping_mul(0x9E37_79B9)) ^ 1);
         let v = |b: u64, i: u64| {
             ((mix64(b.wrapping_add(i.wrapping_mul(0xD1B5_4A32_D192_ED03))) >> 40) as f64

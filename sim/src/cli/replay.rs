@@ -12,8 +12,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
+use tierkv_engine::device::DeviceTiming;
 use tierkv_engine::metrics::Metrics;
-use tierkv_engine::runtime::service::{serve_metrics, Service, ServiceError};
+use tierkv_engine::runtime::service::{serve_metrics, Service, ServiceError, StepSample};
 use tierkv_engine::runtime::MonotonicClock;
 use tierkv_engine::synth::Synth;
 use tierkv_engine::trace::{prompt_tokens, read_trace, TraceRecord};
@@ -55,10 +56,14 @@ pub struct ReplayArgs {
     /// Page transfers: `runs` (one cuMemcpy2DAsync per run) or `gather` (one kernel).
     #[arg(long, default_value = "gather", value_parser = ["runs", "gather"])]
     pub copy: String,
-    /// Indexer logits on the GPU: `tensor-core` (mma.sync, within 1e-5 of each logit's magnitude)
+    /// Indexer logits on the GPU: `tensor-core` (wgmma, within 1e-5 of each logit's magnitude)
     /// or `exact` (the CPU reference's operation order, bit-exact, compute-bound).
     #[arg(long, default_value = "tensor-core", value_parser = ["tensor-core", "exact"])]
     pub logits: String,
+    /// With `--device cuda`: do not time the compute stream's ops (two timing events an op,
+    /// about a microsecond of host time each), so the report has no device breakdown.
+    #[arg(long)]
+    pub no_device_timing: bool,
     /// Prefill/decode disaggregation: run the requests through a prefill engine and a decode
     /// engine joined by the peer link (both on the one device), and through one engine, and
     /// compare their outputs digest for digest (no arrival times; `--metrics-port` unused).
@@ -160,7 +165,7 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
                 )
             })
         }
-        _ => match start_cuda(cfg.clone(), &a.copy, &a.logits) {
+        _ => match start_cuda(cfg.clone(), &a.copy, &a.logits, !a.no_device_timing) {
             Some(s) => s,
             None => return 2,
         },
@@ -180,7 +185,7 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
         return 1;
     }
     let p = published.lock().expect("published");
-    report(&p.metrics, p.step_ns.clone(), seen, wall)
+    report(&p.metrics, &p.steps, seen, wall)
 }
 
 /// DeepSeek-V3.2's shapes with the replay's layers, pools, host tier and write policy.
@@ -309,7 +314,8 @@ fn drive(
 
 /// Prints what the replay measured; the exit code says whether every request was answered and
 /// /metrics was.
-fn report(m: &Metrics, mut steps: Vec<u64>, mut seen: Seen, wall: Duration) -> i32 {
+fn report(m: &Metrics, samples: &[StepSample], mut seen: Seen, wall: Duration) -> i32 {
+    let mut steps: Vec<u64> = samples.iter().map(|s| s.wall_ns).collect();
     match &seen.probe {
         Ok(text) => println!(
             "/metrics answered during the replay ({} lines), e.g. {}",
@@ -361,11 +367,62 @@ fn report(m: &Metrics, mut steps: Vec<u64>, mut seen: Seen, wall: Duration) -> i
         percentile(ttft, 0.9),
         percentile(ttft, 0.99)
     );
+    step_breakdown(m, samples);
     if seen.failed > 0 || seen.probe.is_err() {
         1
     } else {
         0
     }
+}
+
+/// Where the computing steps' time went: the host's phases, the device's busy and stalled time,
+/// and the host time the device did not overlap.
+fn step_breakdown(m: &Metrics, samples: &[StepSample]) {
+    let computing: Vec<&StepSample> = samples.iter().filter(|s| s.rows > 0).collect();
+    if computing.is_empty() {
+        return;
+    }
+    let n = computing.len() as f64;
+    let mean = |f: &dyn Fn(&StepSample) -> u64| {
+        computing.iter().map(|s| f(s)).sum::<u64>() as f64 / n / 1e6
+    };
+    println!(
+        "computing steps ({}), host ms per step (mean): schedule {:.3}, enqueue {:.3}, wait for the device {:.3}, finish {:.3}; wall {:.3}",
+        computing.len(),
+        mean(&|s| s.host.schedule_ns),
+        mean(&|s| s.host.enqueue_ns),
+        mean(&|s| s.host.wait_ns),
+        mean(&|s| s.host.finish_ns),
+        mean(&|s| s.wall_ns),
+    );
+    let timed: Vec<(u64, DeviceTiming)> = computing
+        .iter()
+        .filter_map(|s| s.device.map(|d| (s.wall_ns, d)))
+        .collect();
+    if timed.is_empty() {
+        println!("device timing: off (the CPU device, or --no-device-timing)");
+        return;
+    }
+    let tn = timed.len() as f64;
+    let busy = timed.iter().map(|t| t.1.busy_ns).sum::<u64>() as f64 / tn / 1e6;
+    let stalled = timed.iter().map(|t| t.1.stalled_ns).sum::<u64>() as f64 / tn / 1e6;
+    let mut exposed: Vec<u64> = timed
+        .iter()
+        .map(|t| t.0.saturating_sub(t.1.busy_ns + t.1.stalled_ns))
+        .collect();
+    let exposed_mean = exposed.iter().sum::<u64>() as f64 / tn / 1e6;
+    println!(
+        "device ms per step (mean): busy {busy:.3} (ops, from each op's start to its end), stalled on loads {stalled:.3}; \
+         exposed host time (wall - busy - stalled: the device idle within the step) mean {exposed_mean:.3}, p50 {:.3}, p90 {:.3}",
+        percentile(&mut exposed, 0.5),
+        percentile(&mut exposed, 0.9),
+    );
+    let load_s = m.load_latency.sum_ns as f64 / 1e9;
+    let stalled_s = m.step_device.stalled_ns as f64 / 1e9;
+    println!(
+        "loads: {load_s:.3} s in flight in all, {stalled_s:.3} s of it exposed (the compute stream stalled), {:.3} s overlapped with other work",
+        (load_s - stalled_s).max(0.0)
+    );
 }
 
 async fn fetch_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
@@ -387,7 +444,7 @@ async fn fetch_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
 }
 
 #[cfg(feature = "cuda")]
-fn start_cuda(cfg: Config, copy: &str, logits: &str) -> Option<Service> {
+fn start_cuda(cfg: Config, copy: &str, logits: &str, timing: bool) -> Option<Service> {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
     if let Err(e) = tierkv_kernels::cuda::launch::Kernels::global() {
         eprintln!("--device cuda: no usable CUDA device: {e}");
@@ -406,12 +463,13 @@ fn start_cuda(cfg: Config, copy: &str, logits: &str) -> Option<Service> {
     Some(Service::start(move || {
         let mut dev = CudaDevice::new(strategy)?;
         dev.ops.logits = logits;
+        dev.set_timing(timing);
         Engine::new(cfg, dev, MonotonicClock::new(), EngineOptions::default())
     }))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn start_cuda(_: Config, _: &str, _: &str) -> Option<Service> {
+fn start_cuda(_: Config, _: &str, _: &str, _: bool) -> Option<Service> {
     eprintln!("--device cuda needs a build with `--features cuda`");
     None
 }
