@@ -99,13 +99,14 @@ type KResult = Result<(), tierkv_kernels::KernelError>;
 fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
     let fp = mem.desc(o.dst).fingerprint;
     let keys = draw::index_keys(&o.keys.args());
+    let rope = o.rope.rows();
     let args = cpu::IndexKStoreArgs {
         dtype: o.dtype,
         ue8m0: o.ue8m0,
         keys: &keys,
         gamma: &o.gamma,
         beta: &o.beta,
-        rope: &o.rope,
+        rope: &rope,
         slots: &o.slots,
     };
     mem.with_mut(o.dst, |_, d| cpu::index_k_store(&args, d, fp))
@@ -130,12 +131,13 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
         draw::queries(&o.inputs.args(), o.heads),
         draw::head_weights(&o.inputs.args(), o.heads),
     );
+    let rope = o.rope.rows();
     let args = cpu::QPrepArgs {
         heads: o.heads as usize,
         ue8m0: o.ue8m0,
         q: &q,
         weights: &weights,
-        rope: &o.rope,
+        rope: &rope,
     };
     cpu::q_prep(&args, &mut qo, &mut wo)?;
     mem.head_mut(o.q_out, fp8_bytes(qo.len() as u64))

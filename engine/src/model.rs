@@ -11,8 +11,8 @@
 use crate::config::Config;
 use crate::device::{
     BufferDesc, BufferId, BufferRole, Device, DeviceError, Drawn, EventId, EventState, IndexKStore,
-    IndexLogits, KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RowTag, RowTags, SparseRead,
-    StreamKind, TokenAt, TopK,
+    IndexLogits, KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RopeRows, RowTag, RowTags,
+    SparseRead, StreamKind, TokenAt, TopK,
 };
 use crate::error::EngineError;
 use crate::gate::LayerGate;
@@ -103,7 +103,6 @@ struct Batch {
     /// (request, position, token) of each new token.
     store: Vec<(u64, u32, u32)>,
     slots: Vec<i32>,
-    store_rope: Vec<f32>,
     queries: Vec<Query>,
     /// Each query's page-table row.
     tables: Vec<Vec<i32>>,
@@ -263,7 +262,6 @@ impl ModelStep {
         let mut b = Batch {
             store: Vec::new(),
             slots: Vec::new(),
-            store_rope: Vec::new(),
             queries: Vec::new(),
             tables: Vec::new(),
         };
@@ -273,7 +271,6 @@ impl ModelStep {
                 let page = row.pages[pos / PAGE_TOKENS as usize];
                 b.slots.push(slot(page, pos as u32 % PAGE_TOKENS).kernel());
                 b.store.push((row.request, pos as u32, row.token(pos)));
-                b.store_rope.extend(self.shape.rope.row(pos as u32));
             }
             let mut table = vec![-1i32; pt_stride];
             for (e, &p) in table.iter_mut().zip(&row.pages) {
@@ -312,7 +309,10 @@ impl ModelStep {
             keys: batch.drawn_store(synth, lg),
             gamma,
             beta,
-            rope: batch.store_rope.clone(),
+            rope: RopeRows {
+                rope: self.shape.rope,
+                positions: batch.store.iter().map(|t| t.1).collect(),
+            },
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };
@@ -353,7 +353,10 @@ impl ModelStep {
                     })
                     .collect(),
             },
-            rope: sh.rope.rows(chunk.iter().map(|c| c.position)),
+            rope: RopeRows {
+                rope: sh.rope,
+                positions: chunk.iter().map(|c| c.position).collect(),
+            },
             q_out: q,
             w_out: w,
         };

@@ -13,11 +13,12 @@
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
     kv_row, slot_offset, slot_page, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat,
-    PageId, PageRun, PagedView, SlotId, PAGE_TOKENS, ROPE_DIM,
+    PageId, PageRun, PagedView, SlotId, PAGE_TOKENS,
 };
 use std::sync::Arc;
 use tierkv_kernels::cpu::draw::DrawArgs;
 pub use tierkv_kernels::cpu::draw::TokenAt;
+pub use tierkv_kernels::rope::Rope;
 
 /// Model inputs an op's device draws itself (`tierkv_kernels::cpu::draw`, and `draw.cu` on
 /// CUDA), as a model computes its keys, queries and KV rows on the device: the rows' tokens and
@@ -27,6 +28,22 @@ pub struct Drawn {
     pub seed: u64,
     pub layer: u32,
     pub rows: Vec<TokenAt>,
+}
+
+/// RoPE rows by position: the model's frequencies and each row's position. The CPU device
+/// computes the rows (`Rope::row`); the CUDA device gathers them from its copy of the model's
+/// table of rows, as a model keeps its cos/sin cache on the device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeRows {
+    pub rope: Rope,
+    pub positions: Vec<u32>,
+}
+
+impl RopeRows {
+    /// The rows, `[positions][64]`: 32 cosines, then 32 sines.
+    pub fn rows(&self) -> Vec<f32> {
+        self.rope.rows(self.positions.iter().copied())
+    }
 }
 
 impl Drawn {
@@ -162,7 +179,8 @@ pub struct IndexKStore {
     pub keys: Drawn,
     pub gamma: Arc<[f32]>,
     pub beta: Arc<[f32]>,
-    pub rope: Vec<f32>,
+    /// The stored tokens' RoPE rows.
+    pub rope: RopeRows,
     pub slots: Vec<i32>,
     pub tags: RowTags,
 }
@@ -186,7 +204,8 @@ pub struct QPrep {
     pub ue8m0: bool,
     /// The query tokens: their raw queries (`heads × 128` each) and head weights are drawn.
     pub inputs: Drawn,
-    pub rope: Vec<f32>,
+    /// The query tokens' RoPE rows.
+    pub rope: RopeRows,
     pub q_out: Region,
     pub w_out: Region,
 }
@@ -419,7 +438,7 @@ impl OpSpec for IndexKStore {
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let n = self.slots.len();
-        if self.keys.rows.len() != n || self.rope.len() != n * ROPE_DIM as usize {
+        if self.keys.rows.len() != n || self.rope.positions.len() != n {
             return Err(bad(self.name(), "keys/rope/slots lengths disagree".into()));
         }
         Ok(())
@@ -469,7 +488,7 @@ impl OpSpec for KvStore {
 impl QPrep {
     /// Query rows of the launch.
     pub fn rows(&self) -> usize {
-        self.rope.len() / ROPE_DIM as usize
+        self.rope.positions.len()
     }
 }
 
@@ -482,7 +501,7 @@ impl OpSpec for QPrep {
         write(out, self.w_out.range());
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        if self.rope.len() != self.inputs.rows.len() * ROPE_DIM as usize {
+        if self.rope.positions.len() != self.inputs.rows.len() {
             return Err(bad(self.name(), "query rows/rope lengths disagree".into()));
         }
         Ok(())

@@ -13,7 +13,7 @@
 
 use super::ring::{CompletionRing, Ticket};
 use crate::device::*;
-use crate::layout::{Bytes, PageRun, PagedView};
+use crate::layout::{f32_bytes, Bytes, PageRun, PagedView, ROPE_DIM};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::Arc;
 use tierkv_kernels::cuda::launch::{DevPtr, DrawKind, IndexLogitsLaunch, Kernels};
@@ -151,7 +151,19 @@ pub struct CudaOps {
     pub logits: LogitsKernel,
     /// The tensor-core kernel's launch shape.
     pub tuning: LogitsTuning,
+    /// The model's RoPE rows on the device, grown to the largest position seen.
+    rope: std::cell::RefCell<Option<RopeTable>>,
 }
+
+/// RoPE rows `0..rows` of one model's frequencies, on the device.
+struct RopeTable {
+    rope: Rope,
+    rows: u32,
+    table: CudaSlice<u8>,
+}
+
+/// The fewest rows a RoPE table holds (it doubles past the largest position seen).
+const ROPE_TABLE_ROWS_MIN: u32 = 8192;
 
 fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
     // SAFETY: plain-old-data slices (f32, i32, u16) viewed as bytes.
@@ -172,13 +184,73 @@ impl CudaOps {
     /// The kernels and copies on device `ordinal`.
     pub fn on(ordinal: usize, strategy: CopyStrategy) -> Result<CudaOps, DeviceError> {
         let kernels = Kernels::on(ordinal).map_err(kernel)?;
+        // SAFETY: tierkv orders every access across streams itself (the engine's events: the
+        // layer gate, the loads' and backups' events), and each temporary (an op's uploaded
+        // arguments, its drawn inputs) is allocated, used and freed on one stream. cudarc's
+        // per-allocation event tracking would only add driver calls to every op (two events
+        // created per allocation, a record per use); `CudaDevice` synchronises its streams
+        // before its buffers are freed.
+        unsafe { kernels.ctx.disable_event_tracking() };
         Ok(CudaOps {
             ctx: kernels.ctx.clone(),
             kernels,
             strategy,
             logits: LogitsKernel::default(),
             tuning: LogitsTuning::default(),
+            rope: std::cell::RefCell::new(None),
         })
+    }
+
+    /// The RoPE rows of `r` gathered on stream `s` from the device's table of the model's rows
+    /// (made, or doubled, on the host when a position lies past it: the host computes each
+    /// position's row once), into a stream-ordered allocation.
+    fn rope_rows(&self, s: &Arc<CudaStream>, r: &RopeRows) -> Result<Upload, DeviceError> {
+        let max = r.positions.iter().copied().max().unwrap_or(0);
+        let mut cache = self.rope.borrow_mut();
+        if !cache
+            .as_ref()
+            .is_some_and(|t| t.rope == r.rope && max < t.rows)
+        {
+            let rows = max
+                .checked_add(1)
+                .and_then(u32::checked_next_power_of_two)
+                .ok_or_else(|| DeviceError::Backend {
+                    detail: format!("RoPE position {max} past any table"),
+                })?
+                .max(ROPE_TABLE_ROWS_MIN);
+            let host = r.rope.rows(0..rows);
+            let table = s.clone_htod(bytes_of(&host)).map_err(backend("upload"))?;
+            // The old table may still be read by queued work: it is freed after it.
+            s.synchronize().map_err(backend("cuStreamSynchronize"))?;
+            *cache = Some(RopeTable {
+                rope: r.rope,
+                rows,
+                table,
+            });
+        }
+        let t = cache.as_ref().expect("made above");
+        let table = {
+            use cudarc::driver::DevicePtr;
+            let (p, _sync) = t.table.device_ptr(s);
+            DevPtr {
+                ptr: p,
+                bytes: Bytes(t.table.len() as u64),
+            }
+        };
+        let (_p, positions) = self.upload(s, bytes_of(&r.positions))?;
+        let bytes = f32_bytes(r.positions.len() as u64 * ROPE_DIM as u64).max(Bytes(1));
+        // SAFETY: the gather below writes every byte before any op reads them.
+        let out = unsafe { s.alloc::<u8>(bytes.usize()) }.map_err(backend("rope rows"))?;
+        let ptr = {
+            use cudarc::driver::DevicePtr;
+            let (p, _sync) = out.device_ptr(s);
+            p
+        };
+        let dp = DevPtr { ptr, bytes };
+        self.kernels
+            .rope_rows(s, table, t.rows, &r.positions, positions, dp)
+            .map_err(kernel)?;
+        Ok((out, dp))
     }
 
     /// Uploads `data` with a stream-ordered allocation (freed stream-ordered when dropped).
@@ -246,7 +318,7 @@ impl CudaOps {
         let (_a, keys) = self.draw(s, DrawKind::IndexKeys, &o.keys)?;
         let (_b, g) = self.upload(s, bytes_of(&o.gamma))?;
         let (_c, bt) = self.upload(s, bytes_of(&o.beta))?;
-        let (_d, r) = self.upload(s, bytes_of(&o.rope))?;
+        let (_d, r) = self.rope_rows(s, &o.rope)?;
         let (_e, sl) = self.upload(s, bytes_of(&o.slots))?;
         let (dp, dd) = mem(o.dst);
         self.kernels
@@ -284,7 +356,7 @@ impl CudaOps {
         let heads = o.heads;
         let (_a, q) = self.draw(s, DrawKind::Queries { heads }, &o.inputs)?;
         let (_b, w) = self.draw(s, DrawKind::HeadWeights { heads }, &o.inputs)?;
-        let (_c, r) = self.upload(s, bytes_of(&o.rope))?;
+        let (_c, r) = self.rope_rows(s, &o.rope)?;
         let (qo, wo) = (region(mem, &o.q_out), region(mem, &o.w_out));
         self.kernels
             .q_prep(s, o.rows(), o.heads as usize, o.ue8m0, q, w, r, qo, wo)
@@ -566,6 +638,15 @@ impl CudaDevice {
             s.synchronize().map_err(backend("cuStreamSynchronize"))?;
         }
         Ok(())
+    }
+}
+
+impl Drop for CudaDevice {
+    /// Work still queued on any stream may use the buffers: it finishes before they are freed
+    /// (the buffers' event tracking is off, see `CudaOps::on`).
+    fn drop(&mut self) {
+        let _ = self.bind();
+        let _ = self.synchronize_all();
     }
 }
 

@@ -848,6 +848,52 @@ impl Kernels {
         Ok(())
     }
 
+    /// Gathers the RoPE rows of `positions` (on the device: `positions_dev`) from `table`, the
+    /// model's rows of positions `0..table_rows` (row `p` is `Rope::row(p)`), into `out`,
+    /// `[positions][64]` f32.
+    pub fn rope_rows(
+        &self,
+        s: &CudaStream,
+        table: DevPtr,
+        table_rows: u32,
+        positions: &[u32],
+        positions_dev: DevPtr,
+        out: DevPtr,
+    ) -> Result<()> {
+        const OP: &str = "rope_rows";
+        let n = positions.len() as u64;
+        need(
+            OP,
+            "table",
+            table,
+            f32_bytes(table_rows as u64 * ROPE_DIM as u64),
+        )?;
+        need(OP, "positions", positions_dev, i32_bytes(n))?;
+        need(OP, "out", out, f32_bytes(n * ROPE_DIM as u64))?;
+        if positions.iter().any(|&p| p >= table_rows) {
+            return Err(bad(OP, "positions", "a position outside the table"));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if n > i32::MAX as u64 {
+            return Err(bad(OP, "positions", "more than 2^31 - 1"));
+        }
+        let mut b = s.launch_builder(self.f("rope_rows"));
+        b.arg(&table.ptr)
+            .arg(&table_rows)
+            .arg(&positions_dev.ptr)
+            .arg(&out.ptr);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (ROPE_DIM, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes and positions checked above.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
     /// Draws the synthetic model's `kind` inputs of `rows` rows (`rows_dev`: each row's token
     /// and position, `cpu::draw::TokenAt`) of global layer `layer` into `out`, bit for bit as
     /// `cpu::draw` draws them.

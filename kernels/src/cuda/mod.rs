@@ -79,6 +79,12 @@ pub const SOURCES: &[Source] = &[
         arch: ARCH,
     },
     Source {
+        file: "rope.cu",
+        text: include_str!("../../cuda/rope.cu"),
+        kernels: &["rope_rows"],
+        arch: ARCH,
+    },
+    Source {
         file: "draw.cu",
         text: include_str!("../../cuda/draw.cu"),
         kernels: &[
@@ -281,8 +287,9 @@ pub fn compile_options_for(arch: &'static str) -> CompileOptions {
 pub fn layout_prelude() -> String {
     use crate::layout::{index_k_page, kv_row, IndexKDtype, KvDtype, PageFormat};
     let ik = |d| PageFormat::IndexK(d);
-    let defs: [(&str, u64); 10] = [
+    let defs: [(&str, u64); 11] = [
         ("TKV_KV_ROW_VALUES", crate::layout::KV_ROW_VALUES as u64),
+        ("TKV_ROPE_DIM", crate::layout::ROPE_DIM as u64),
         ("TKV_IK_FP8_PAGE_BYTES", ik(IndexKDtype::Fp8).page_bytes()),
         ("TKV_IK_BF16_PAGE_BYTES", ik(IndexKDtype::Bf16).page_bytes()),
         // One token's values: the stride of the value rows at the start of a page.

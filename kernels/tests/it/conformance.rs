@@ -1259,6 +1259,36 @@ mod cuda {
     fn page_copy_cuda() {
         page_copy_body(&Cuda::new(), Expect::Reference);
     }
+    /// `rope_rows` gathers each position's row of the model's table, equal to `Rope::row`; the
+    /// launcher refuses a position past the table.
+    #[test]
+    fn rope_rows_cuda() {
+        use tierkv_kernels::rope::{Rope, RopeParams};
+        let c = Cuda::new();
+        let mut g = Gen::fresh("rope rows");
+        let rope = Rope::new(&RopeParams::deepseek_v32(163_840));
+        let table_rows = 4096u32;
+        let table = rope.rows(0..table_rows);
+        let (_t, tp) = c.up(bytes(&table));
+        let positions: Vec<u32> = (0..777)
+            .map(|i| match i {
+                0 => 0,
+                1 => table_rows - 1,
+                _ => g.below(table_rows as u64) as u32,
+            })
+            .collect();
+        let (_p, pp) = c.up(bytes(&positions));
+        let want = rope.rows(positions.iter().copied());
+        let mut got = vec![0f32; want.len()];
+        let (d, dp) = c.up(bytes(&got));
+        c.k.rope_rows(&c.s, tp, table_rows, &positions, pp, dp)
+            .unwrap();
+        c.down(&d, bytes_mut(&mut got));
+        assert_eq!(diff(bytes(&got), bytes(&want)), 0);
+        let e = c.k.rope_rows(&c.s, tp, table_rows, &[table_rows], pp, dp);
+        assert!(e.is_err(), "a position past the table accepted");
+    }
+
     /// `draw.cu` draws the synthetic model's inputs bit for bit as `cpu::draw` does: every
     /// kind, 1 and 64 heads, tokens and positions over their whole ranges (4,096 rows a kind).
     #[test]
