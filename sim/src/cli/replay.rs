@@ -277,12 +277,20 @@ fn drive(
                 })
             })
             .collect();
-        // Probe /metrics while the replay runs (once the engine has published a snapshot).
-        let mut probe = Err("no snapshot yet".to_string());
-        for _ in 0..100 {
+        // Probe /metrics while the replay runs, once the engine has published a snapshot (a
+        // large configuration takes a while to start: its pools are allocated and pinned first).
+        let mut probe = Err("the engine published no metrics while the replay ran".to_string());
+        loop {
             tokio::time::sleep(Duration::from_millis(200)).await;
-            probe = fetch_metrics(addr).await;
-            if probe.as_ref().is_ok_and(|t| !t.is_empty()) {
+            match fetch_metrics(addr).await {
+                Ok(t) if !t.is_empty() => {
+                    probe = Ok(t);
+                    break;
+                }
+                Err(e) => probe = Err(e),
+                Ok(_) => {}
+            }
+            if handles.iter().all(|h| h.is_finished()) {
                 break;
             }
         }
