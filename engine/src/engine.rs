@@ -477,8 +477,15 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         report.device = self.dev.take_timing();
         self.metrics.step_host.add(&report.host);
         if let Some(d) = report.device {
-            self.metrics.step_device.busy_ns += d.busy_ns;
-            self.metrics.step_device.stalled_ns += d.stalled_ns;
+            let m = &mut self.metrics.step_device;
+            m.busy_ns += d.busy_ns;
+            m.stalled_ns += d.stalled_ns;
+            for (sum, ns) in m.enqueue_ns.iter_mut().zip(d.enqueue_ns) {
+                *sum += ns;
+            }
+            for (sum, ns) in m.busy_by_op_ns.iter_mut().zip(d.busy_by_op_ns) {
+                *sum += ns;
+            }
         }
         self.refresh_gauges();
     }

@@ -208,6 +208,11 @@ pub struct DeviceTiming {
     /// Waiting at a wait for another stream's event (the step's loads): transfer time the
     /// device could not hide.
     pub stalled_ns: u64,
+    /// `busy_ns` per op kind (`Op::NAMES` order).
+    pub busy_by_op_ns: [u64; 8],
+    /// Host time inside `enqueue` of the compute stream, per op kind (`Op::NAMES` order):
+    /// the launchers' checks, argument uploads and launches.
+    pub enqueue_ns: [u64; 8],
 }
 
 /// The check every device makes before the host reads or writes `len` bytes at `offset` of a

@@ -285,6 +285,32 @@ pub enum Op {
 }
 
 impl Op {
+    /// Every op's name, in [`Op::kind`] order.
+    pub const NAMES: [&'static str; 8] = [
+        "index_k_store",
+        "kv_store",
+        "q_prep",
+        "index_logits",
+        "topk",
+        "sparse_read",
+        "page_copy",
+        "copy",
+    ];
+
+    /// The op's index in [`Op::NAMES`].
+    pub fn kind(&self) -> usize {
+        match self {
+            Op::IndexKStore(_) => 0,
+            Op::KvStore(_) => 1,
+            Op::QPrep(_) => 2,
+            Op::IndexLogits(_) => 3,
+            Op::TopK(_) => 4,
+            Op::SparseRead(_) => 5,
+            Op::PageCopy(_) => 6,
+            Op::Copy(_) => 7,
+        }
+    }
+
     /// The op's statement about itself: the one dispatch over the op set.
     pub fn spec(&self) -> &dyn OpSpec {
         match self {

@@ -153,6 +153,65 @@ pub struct CudaOps {
     pub tuning: LogitsTuning,
     /// The model's RoPE rows on the device, grown to the largest position seen.
     rope: std::cell::RefCell<Option<RopeTable>>,
+    /// Per stream, the pinned ring its ops' arguments are staged through.
+    staging: std::cell::RefCell<std::collections::BTreeMap<usize, Staging>>,
+}
+
+/// A ring of pinned host memory that one stream's op arguments are staged through before their
+/// copy to the device. A copy from pageable memory may wait for the stream's queued work (the
+/// driver stages it itself), which holds the host to the GPU's pace at every op; from pinned
+/// memory the copy is queued like a kernel. A region is written again only after the event
+/// recorded behind its copy completed.
+struct Staging {
+    host: PinnedHost,
+    head: usize,
+    /// Regions whose copy may still be queued, `[start, end)` and the event behind the copy,
+    /// oldest first (in ring order: the oldest lie from `head` on).
+    in_flight: std::collections::VecDeque<(usize, usize, CudaEvent)>,
+    /// Events whose copy completed, for reuse.
+    free: Vec<CudaEvent>,
+}
+
+/// Bytes of each stream's staging ring; a larger argument is copied from pageable memory.
+const STAGING_BYTES: usize = 64 << 20;
+/// Staged regions start on this boundary.
+const STAGING_ALIGN: usize = 256;
+
+impl Staging {
+    /// Reserves `n` bytes, waiting for the copies whose regions it would overwrite.
+    fn reserve(&mut self, n: usize) -> Result<usize, DeviceError> {
+        assert!(
+            n <= self.host.len(),
+            "staged {n} B in a ring of {} B",
+            self.host.len()
+        );
+        if self.head + n > self.host.len() {
+            // Wrap: what lies past `head` is retired as the new laps pass over it.
+            self.head = 0;
+        }
+        let (start, end) = (self.head, self.head + n);
+        while let Some((a, b, ev)) = self.in_flight.front() {
+            let overlaps = *a < end && *b > start;
+            if overlaps {
+                ev.synchronize().map_err(backend("staging wait"))?;
+            } else if !ev.is_complete() {
+                break;
+            }
+            let (_, _, ev) = self.in_flight.pop_front().expect("front");
+            self.free.push(ev);
+        }
+        self.head = end.next_multiple_of(STAGING_ALIGN);
+        Ok(start)
+    }
+}
+
+impl Drop for Staging {
+    /// The pinned ring is freed only after every copy out of it completed.
+    fn drop(&mut self) {
+        for (_, _, ev) in self.in_flight.drain(..) {
+            let _ = ev.synchronize();
+        }
+    }
 }
 
 /// RoPE rows `0..rows` of one model's frequencies, on the device.
@@ -198,6 +257,7 @@ impl CudaOps {
             logits: LogitsKernel::default(),
             tuning: LogitsTuning::default(),
             rope: std::cell::RefCell::new(None),
+            staging: std::cell::RefCell::new(std::collections::BTreeMap::new()),
         })
     }
 
@@ -253,8 +313,59 @@ impl CudaOps {
         Ok((out, dp))
     }
 
-    /// Uploads `data` with a stream-ordered allocation (freed stream-ordered when dropped).
+    /// Uploads `data` into a stream-ordered allocation (freed stream-ordered when dropped),
+    /// staged through the stream's pinned ring, so that the copy is queued without waiting.
     fn upload(&self, s: &Arc<CudaStream>, data: &[u8]) -> Result<Upload, DeviceError> {
+        let n = data.len().max(1);
+        if n > STAGING_BYTES / 4 {
+            return self.upload_pageable(s, data);
+        }
+        let mut rings = self.staging.borrow_mut();
+        let key = s.cu_stream() as usize;
+        let ring = match rings.entry(key) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => e.insert(Staging {
+                host: PinnedHost::new(&self.ctx, STAGING_BYTES)?,
+                head: 0,
+                in_flight: std::collections::VecDeque::new(),
+                free: Vec::new(),
+            }),
+        };
+        let at = ring.reserve(n)?;
+        ring.host.slice_mut()[at..at + data.len()].copy_from_slice(data);
+        // SAFETY: the copy below writes all `n` bytes the caller may read (`data.len()`, at
+        // least 1 when it is empty: the byte is never read then).
+        let slice = unsafe { s.alloc::<u8>(n) }.map_err(backend("upload"))?;
+        let ptr = {
+            use cudarc::driver::DevicePtr;
+            let (p, _sync) = slice.device_ptr(s);
+            p
+        };
+        // SAFETY: `n` bytes at `at` lie inside the pinned ring (reserved above), and the device
+        // allocation holds `n` bytes.
+        check(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    ptr,
+                    ring.host.slice().as_ptr().add(at) as *const _,
+                    n,
+                    s.cu_stream(),
+                )
+            },
+            "cuMemcpyHtoDAsync",
+        )?;
+        let ev = match ring.free.pop() {
+            Some(ev) => ev,
+            None => self.ctx.new_event(None).map_err(backend("cuEventCreate"))?,
+        };
+        ev.record(s).map_err(backend("cuEventRecord"))?;
+        ring.in_flight.push_back((at, at + n, ev));
+        let bytes = Bytes(n as u64);
+        Ok((slice, DevPtr { ptr, bytes }))
+    }
+
+    /// Uploads `data` from pageable memory (the driver stages it, and may wait for the stream).
+    fn upload_pageable(&self, s: &Arc<CudaStream>, data: &[u8]) -> Result<Upload, DeviceError> {
         let slice = s.clone_htod(data).map_err(backend("upload"))?;
         let ptr = {
             use cudarc::driver::DevicePtr;
@@ -522,8 +633,10 @@ unsafe extern "C" fn signal_ring(data: *mut std::ffi::c_void) {
 struct ComputeTiming {
     /// Timing events no longer in use.
     free: Vec<CudaEvent>,
-    /// (start, end, is a wait), in stream order.
-    marks: Vec<(CudaEvent, CudaEvent, bool)>,
+    /// (start, end, the op's kind or `None` for a wait), in stream order.
+    marks: Vec<(CudaEvent, CudaEvent, Option<usize>)>,
+    /// Host time inside `enqueue` per op kind since the last `take_timing`.
+    enqueue_ns: [u64; 8],
 }
 
 /// The production `Device` on one GPU.
@@ -585,7 +698,7 @@ impl CudaDevice {
     fn timed<R>(
         &mut self,
         stream: StreamKind,
-        wait: bool,
+        kind: Option<usize>,
         f: impl FnOnce(&mut Self) -> Result<R, DeviceError>,
     ) -> Result<R, DeviceError> {
         if stream != StreamKind::Compute || self.timing.is_none() {
@@ -595,7 +708,7 @@ impl CudaDevice {
         let r = f(self);
         let end = self.mark()?;
         let t = self.timing.as_mut().expect("timing on");
-        t.marks.push((start, end, wait));
+        t.marks.push((start, end, kind));
         r
     }
     pub fn stream(&self, k: StreamKind) -> &Arc<CudaStream> {
@@ -719,7 +832,7 @@ impl Device for CudaDevice {
         Ok(())
     }
     fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
-        self.timed(stream, true, |d| {
+        self.timed(stream, None, |d| {
             d.streams[stream.index()]
                 .wait(&d.events[ev.0 as usize])
                 .map_err(backend("cuStreamWaitEvent"))
@@ -729,24 +842,27 @@ impl Device for CudaDevice {
         let t = self.timing.as_mut()?;
         let mut out = DeviceTiming::default();
         let mut kept = Vec::new();
-        for (start, end, wait) in t.marks.drain(..) {
+        for (start, end, kind) in t.marks.drain(..) {
             // Only work the host has waited for: a mark still pending stays for the next call.
             if !matches!(end.try_is_complete(), Ok(true)) {
-                kept.push((start, end, wait));
+                kept.push((start, end, kind));
                 continue;
             }
             let ns = start
                 .elapsed_ms(&end)
                 .map_or(0, |ms| (ms as f64 * 1e6) as u64);
-            if wait {
-                out.stalled_ns += ns;
-            } else {
-                out.busy_ns += ns;
+            match kind {
+                None => out.stalled_ns += ns,
+                Some(k) => {
+                    out.busy_ns += ns;
+                    out.busy_by_op_ns[k] += ns;
+                }
             }
             t.free.push(start);
             t.free.push(end);
         }
         t.marks = kept;
+        out.enqueue_ns = std::mem::take(&mut t.enqueue_ns);
         Some(out)
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
@@ -778,12 +894,18 @@ impl Device for CudaDevice {
         }
     }
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
+        debug_assert_eq!(Op::NAMES[op.kind()], op.name());
+        let t0 = std::time::Instant::now();
         check_op(&op, |b| self.descs[b.0 as usize])?;
         self.bind()?;
-        self.timed(stream, false, |d| {
+        let r = self.timed(stream, Some(op.kind()), |d| {
             let s = d.streams[stream.index()].clone();
             d.ops.run(&s, &op, &|b| d.resolve(b))
-        })
+        });
+        if let (StreamKind::Compute, Some(t)) = (stream, self.timing.as_mut()) {
+            t.enqueue_ns[op.kind()] += t0.elapsed().as_nanos() as u64;
+        }
+        r
     }
     fn host_read(
         &mut self,

@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
-use tierkv_engine::device::DeviceTiming;
+use tierkv_engine::device::{DeviceTiming, Op};
 use tierkv_engine::metrics::Metrics;
 use tierkv_engine::runtime::service::{serve_metrics, Service, ServiceError, StepSample};
 use tierkv_engine::runtime::MonotonicClock;
@@ -424,6 +424,20 @@ fn step_breakdown(m: &Metrics, samples: &[StepSample]) {
          exposed host time (wall - busy - stalled: the device idle within the step) mean {exposed_mean:.3}, p50 {:.3}, p90 {:.3}",
         percentile(&mut exposed, 0.5),
         percentile(&mut exposed, 0.9),
+    );
+    let per_op = |v: [u64; 8]| {
+        Op::NAMES
+            .iter()
+            .zip(v)
+            .filter(|(_, ns)| *ns > 0)
+            .map(|(name, ns)| format!("{name} {:.3}", ns as f64 / tn / 1e6))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "per op kind, ms per step (mean): device busy: {}; host inside the device's enqueue (checks, uploads, launches): {}",
+        per_op(m.step_device.busy_by_op_ns),
+        per_op(m.step_device.enqueue_ns)
     );
     let load_s = m.load_latency.sum_ns as f64 / 1e9;
     let stalled_s = m.step_device.stalled_ns as f64 / 1e9;
