@@ -1,5 +1,7 @@
-// sparse_read (cpu::sparse_read is the specification): one block per row, one warp per selected
-// rank at a time. Wrapping 64-bit adds only, so the reduction order does not change the digest.
+// sparse_read (cpu::sparse_read is the specification): blockIdx.x is the row, blockIdx.y one of
+// gridDim.y shares of its k ranks; within a block one warp per rank at a time. Wrapping 64-bit
+// adds only, so neither the reduction order nor the split changes the digest: each block adds
+// its share into out[row], which the launcher zeroes first.
 // dtype: 0 = bf16 rows (1152 B), 1 = packed fp8 rows (656 B).
 extern "C" __global__ void sparse_read(const int* __restrict__ slots, int k, int dtype,
                                        const u8* __restrict__ kv, u64* __restrict__ out) {
@@ -8,10 +10,12 @@ extern "C" __global__ void sparse_read(const int* __restrict__ slots, int k, int
     __syncthreads();
     int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int nwarps = blockDim.x >> 5;
+    int share = (k + gridDim.y - 1) / gridDim.y;
+    int first = blockIdx.y * share, last = min(k, first + share);
     int tb = dtype == 0 ? TKV_KV_BF16_ROW_BYTES : TKV_KV_FP8_ROW_BYTES;
     int words = tb / 8;
     u64 local = 0;
-    for (int i = warp; i < k; i += nwarps) {
+    for (int i = first + warp; i < last; i += nwarps) {
         int s = slots[(size_t)row * k + i];
         if (s < 0) continue;
         const u64* r = reinterpret_cast<const u64*>(kv + (size_t)s * tb);
@@ -24,5 +28,5 @@ extern "C" __global__ void sparse_read(const int* __restrict__ slots, int k, int
     }
     if (lane == 0) atomicAdd(&acc, local);
     __syncthreads();
-    if (threadIdx.x == 0) out[row] = acc;
+    if (threadIdx.x == 0) atomicAdd(&out[row], acc);
 }

@@ -46,6 +46,12 @@ impl DrawKind {
     }
 }
 
+/// Blocks per row of `sparse_read`: one per 128 ranks (16 at k = 2048), so that a few rows still
+/// spread over the GPU (one block per row read 2,048 scattered KV rows with 8 warps).
+pub fn sparse_read_shares(k: usize) -> u32 {
+    k.div_ceil(128).clamp(1, 65_535) as u32
+}
+
 /// CUDA devices (ordinals) one process launches tierkv's kernels on.
 pub const DEVICES_MAX: usize = 8;
 
@@ -970,6 +976,16 @@ impl Kernels {
         if rows == 0 {
             return Ok(());
         }
+        // Each block adds its share of a row's ranks into the row's digest: zero them first.
+        // SAFETY: `out` holds the rows' digests (checked above).
+        let zeroed =
+            unsafe { cudarc::driver::sys::cuMemsetD8Async(out.ptr, 0, rows * 8, s.cu_stream()) };
+        if zeroed != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(KernelError::Cuda {
+                op: OP,
+                detail: format!("cuMemsetD8Async: {zeroed:?}"),
+            });
+        }
         let k32 = k as i32;
         let mut b = s.launch_builder(self.f("sparse_read"));
         b.arg(&slots.ptr)
@@ -978,7 +994,7 @@ impl Kernels {
             .arg(&kv.ptr)
             .arg(&out.ptr);
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
+            grid_dim: (rows as u32, sparse_read_shares(k), 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
