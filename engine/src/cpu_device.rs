@@ -96,10 +96,44 @@ pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
 
 type KResult = Result<(), tierkv_kernels::KernelError>;
 
+/// Positions past this are computed per op rather than kept (64 MiB of rows a thread).
+const ROPE_MEMO_POSITIONS: u32 = 1 << 18;
+
+thread_local! {
+    /// The RoPE rows of positions `0..len` of the last model seen on this thread: the CPU
+    /// device's counterpart of the CUDA device's table (every layer stores the same positions,
+    /// and a simulation runs one model per thread at a time).
+    static ROPE_MEMO: std::cell::RefCell<(Option<Rope>, Vec<[f32; 64]>)> =
+        const { std::cell::RefCell::new((None, Vec::new())) };
+}
+
+/// `r.rows()`, each row computed once per thread and model.
+fn rope_rows(r: &RopeRows) -> Vec<f32> {
+    let max = r.positions.iter().copied().max().unwrap_or(0);
+    if max >= ROPE_MEMO_POSITIONS {
+        return r.rows();
+    }
+    ROPE_MEMO.with(|m| {
+        let (rope, rows) = &mut *m.borrow_mut();
+        if *rope != Some(r.rope) {
+            *rope = Some(r.rope);
+            rows.clear();
+        }
+        for p in rows.len() as u32..=max {
+            rows.push(r.rope.row(p));
+        }
+        let mut out = Vec::with_capacity(r.positions.len() * 64);
+        for &p in &r.positions {
+            out.extend_from_slice(&rows[p as usize]);
+        }
+        out
+    })
+}
+
 fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
     let fp = mem.desc(o.dst).fingerprint;
     let keys = draw::index_keys(&o.keys.args());
-    let rope = o.rope.rows();
+    let rope = rope_rows(&o.rope);
     let args = cpu::IndexKStoreArgs {
         dtype: o.dtype,
         ue8m0: o.ue8m0,
@@ -131,7 +165,7 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
         draw::queries(&o.inputs.args(), o.heads),
         draw::head_weights(&o.inputs.args(), o.heads),
     );
-    let rope = o.rope.rows();
+    let rope = rope_rows(&o.rope);
     let args = cpu::QPrepArgs {
         heads: o.heads as usize,
         ue8m0: o.ue8m0,

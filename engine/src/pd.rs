@@ -372,6 +372,10 @@ impl<D: Device> Device for SharedDevice<D> {
     fn recover(&mut self) -> Result<(), DeviceError> {
         self.0.borrow_mut().recover()
     }
+    /// The one device's timing, taken by whichever of the two engines asks first.
+    fn take_timing(&mut self) -> Option<crate::device::DeviceTiming> {
+        self.0.borrow_mut().take_timing()
+    }
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ impl Synth {
         out
     }
 
-    /// `index_key`, appended to `out` (a batch's keys in one buffer, no allocation per row).
+    /// `index_key`, appended to `out`.
     pub fn index_key_into(&self, token: u32, position: u32, layer: u32, out: &mut Vec<bf16>) {
         draw::index_key_into(self.seed, TokenAt { token, position }, layer, out);
     }
@@ -77,7 +77,7 @@ impl Synth {
         out
     }
 
-    /// `kv_row`, appended to `out` (a batch's rows in one buffer, no allocation per row).
+    /// `kv_row`, appended to `out`.
     pub fn kv_row_into(&self, token: u32, position: u32, layer: u32, out: &mut Vec<bf16>) {
         draw::kv_row_into(self.seed, TokenAt { token, position }, layer, out);
     }

@@ -82,4 +82,7 @@ impl Device for CheckedInOrder {
     fn recover(&mut self) -> Result<(), DeviceError> {
         self.inner.recover()
     }
+    fn take_timing(&mut self) -> Option<tierkv_engine::device::DeviceTiming> {
+        self.inner.take_timing()
+    }
 }

@@ -32,6 +32,7 @@ impl CudaExec {
         // The oracles compare every digest bit for bit with the CPU reference.
         ops.logits = tierkv_engine::runtime::cuda::LogitsKernel::Exact;
         let stream = ops.ctx.new_stream().map_err(backend)?;
+        ops.prepare_staging(&stream)?;
         Ok(CudaExec {
             ops,
             stream,

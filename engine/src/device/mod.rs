@@ -209,10 +209,10 @@ pub struct DeviceTiming {
     /// device could not hide.
     pub stalled_ns: u64,
     /// `busy_ns` per op kind (`Op::NAMES` order).
-    pub busy_by_op_ns: [u64; 8],
+    pub busy_by_op_ns: [u64; op::Op::KINDS],
     /// Host time inside `enqueue` of the compute stream, per op kind (`Op::NAMES` order):
     /// the launchers' checks, argument uploads and launches.
-    pub enqueue_ns: [u64; 8],
+    pub enqueue_ns: [u64; op::Op::KINDS],
 }
 
 /// The check every device makes before the host reads or writes `len` bytes at `offset` of a
@@ -249,6 +249,7 @@ pub fn check_host_access(
 /// equal the buffers' registered fingerprints, and every declared range lies inside its buffer.
 pub fn check_op(op: &Op, desc: impl Fn(BufferId) -> BufferDesc) -> Result<(), DeviceError> {
     let spec = op.spec();
+    debug_assert_eq!(Op::NAMES[op.kind()], spec.name(), "Op::NAMES out of order");
     spec.check_shapes()?;
     spec.check_buffers(&|b| desc(b).bytes)?;
     for (buf, declared) in spec.formats() {

@@ -46,6 +46,15 @@ impl RopeRows {
     }
 }
 
+/// The drawn rows and the RoPE rows are of the same positions, row by row.
+fn same_positions(d: &Drawn, r: &RopeRows) -> bool {
+    d.rows.len() == r.positions.len()
+        && d.rows
+            .iter()
+            .zip(&r.positions)
+            .all(|(t, &p)| t.position == p)
+}
+
 impl Drawn {
     pub fn args(&self) -> DrawArgs<'_> {
         DrawArgs {
@@ -285,8 +294,12 @@ pub enum Op {
 }
 
 impl Op {
-    /// Every op's name, in [`Op::kind`] order.
-    pub const NAMES: [&'static str; 8] = [
+    /// How many kinds of op there are.
+    pub const KINDS: usize = 8;
+
+    /// Every op's name, in [`Op::kind`] order (each equal to its `OpSpec::name`: `check_op`
+    /// asserts it at every enqueue in debug builds).
+    pub const NAMES: [&'static str; Op::KINDS] = [
         "index_k_store",
         "kv_store",
         "q_prep",
@@ -464,8 +477,11 @@ impl OpSpec for IndexKStore {
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let n = self.slots.len();
-        if self.keys.rows.len() != n || self.rope.positions.len() != n {
-            return Err(bad(self.name(), "keys/rope/slots lengths disagree".into()));
+        if self.keys.rows.len() != n || !same_positions(&self.keys, &self.rope) {
+            return Err(bad(
+                self.name(),
+                "keys/slots lengths, or the keys' and RoPE rows' positions, disagree".into(),
+            ));
         }
         Ok(())
     }
@@ -527,8 +543,11 @@ impl OpSpec for QPrep {
         write(out, self.w_out.range());
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        if self.rope.positions.len() != self.inputs.rows.len() {
-            return Err(bad(self.name(), "query rows/rope lengths disagree".into()));
+        if !same_positions(&self.inputs, &self.rope) {
+            return Err(bad(
+                self.name(),
+                "the query rows' positions and their RoPE rows' positions disagree".into(),
+            ));
         }
         Ok(())
     }

@@ -4,14 +4,17 @@
 //!
 //! [`CudaOps::run`] turns one engine `Op` into kernel launches and copies on a stream; the
 //! production [`CudaDevice`] and the simulator's CUDA executor share it. Small metadata that an op
-//! carries by value (slots, page tables, inputs) is uploaded with stream-ordered allocations that
-//! are freed stream-ordered after the launch.
+//! carries by value (slots, page tables, positions) is staged through a pinned ring per stream
+//! (`staging.rs`) into stream-ordered allocations freed after the launch; the model's inputs are
+//! drawn on the device from each row's token and position, and RoPE rows gathered from a table
+//! of the model's rows.
 //!
 //! Page transfers have two strategies ([`CopyStrategy`]): one `cuMemcpy2DAsync` per coalesced run
 //! (pitched, so strided `page_first` mirrors need one call per run), or one gather kernel over
 //! mapped host memory for all pages. `tierkv bench` measures both.
 
 use super::ring::{CompletionRing, Ticket};
+use super::staging::{QueuedCopy, StagingRing};
 use crate::device::*;
 use crate::layout::{f32_bytes, Bytes, PageRun, PagedView, ROPE_DIM};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
@@ -157,58 +160,45 @@ pub struct CudaOps {
     staging: std::cell::RefCell<std::collections::BTreeMap<usize, Staging>>,
 }
 
-/// A ring of pinned host memory that one stream's op arguments are staged through before their
-/// copy to the device. A copy from pageable memory may wait for the stream's queued work (the
-/// driver stages it itself), which holds the host to the GPU's pace at every op; from pinned
-/// memory the copy is queued like a kernel. A region is written again only after the event
-/// recorded behind its copy completed.
+/// The pinned ring one stream's op arguments are staged through before their copy to the
+/// device (`staging.rs` keeps its regions: a region is written again only after the copy out
+/// of it completed).
 struct Staging {
     host: PinnedHost,
-    head: usize,
-    /// Regions whose copy may still be queued, `[start, end)` and the event behind the copy,
-    /// oldest first (in ring order: the oldest lie from `head` on).
-    in_flight: std::collections::VecDeque<(usize, usize, CudaEvent)>,
-    /// Events whose copy completed, for reuse.
+    ring: StagingRing<CudaEvent>,
+    /// Events of completed copies, for reuse.
     free: Vec<CudaEvent>,
 }
 
-/// Bytes of each stream's staging ring; a larger argument is copied from pageable memory.
+/// Bytes of each stream's staging ring. An argument larger than a quarter of it is copied
+/// from pageable memory instead.
 const STAGING_BYTES: usize = 64 << 20;
-/// Staged regions start on this boundary.
-const STAGING_ALIGN: usize = 256;
+/// Staged regions start on multiples of this many bytes.
+const STAGING_ALIGN_BYTES: usize = 256;
+
+impl QueuedCopy for CudaEvent {
+    fn done(&self) -> bool {
+        self.is_complete()
+    }
+    fn wait(&self) -> Result<(), DeviceError> {
+        self.synchronize().map_err(backend("staging wait"))
+    }
+}
 
 impl Staging {
-    /// Reserves `n` bytes, waiting for the copies whose regions it would overwrite.
-    fn reserve(&mut self, n: usize) -> Result<usize, DeviceError> {
-        assert!(
-            n <= self.host.len(),
-            "staged {n} B in a ring of {} B",
-            self.host.len()
-        );
-        if self.head + n > self.host.len() {
-            // Wrap: what lies past `head` is retired as the new laps pass over it.
-            self.head = 0;
-        }
-        let (start, end) = (self.head, self.head + n);
-        while let Some((a, b, ev)) = self.in_flight.front() {
-            let overlaps = *a < end && *b > start;
-            if overlaps {
-                ev.synchronize().map_err(backend("staging wait"))?;
-            } else if !ev.is_complete() {
-                break;
-            }
-            let (_, _, ev) = self.in_flight.pop_front().expect("front");
-            self.free.push(ev);
-        }
-        self.head = end.next_multiple_of(STAGING_ALIGN);
-        Ok(start)
+    fn new(ctx: &Arc<CudaContext>) -> Result<Staging, DeviceError> {
+        Ok(Staging {
+            host: PinnedHost::new(ctx, STAGING_BYTES)?,
+            ring: StagingRing::new(STAGING_BYTES, STAGING_ALIGN_BYTES),
+            free: Vec::new(),
+        })
     }
 }
 
 impl Drop for Staging {
     /// The pinned ring is freed only after every copy out of it completed.
     fn drop(&mut self) {
-        for (_, _, ev) in self.in_flight.drain(..) {
+        for ev in self.ring.drain() {
             let _ = ev.synchronize();
         }
     }
@@ -243,13 +233,6 @@ impl CudaOps {
     /// The kernels and copies on device `ordinal`.
     pub fn on(ordinal: usize, strategy: CopyStrategy) -> Result<CudaOps, DeviceError> {
         let kernels = Kernels::on(ordinal).map_err(kernel)?;
-        // SAFETY: tierkv orders every access across streams itself (the engine's events: the
-        // layer gate, the loads' and backups' events), and each temporary (an op's uploaded
-        // arguments, its drawn inputs) is allocated, used and freed on one stream. cudarc's
-        // per-allocation event tracking would only add driver calls to every op (two events
-        // created per allocation, a record per use); `CudaDevice` synchronises its streams
-        // before its buffers are freed.
-        unsafe { kernels.ctx.disable_event_tracking() };
         Ok(CudaOps {
             ctx: kernels.ctx.clone(),
             kernels,
@@ -274,14 +257,17 @@ impl CudaOps {
             let rows = max
                 .checked_add(1)
                 .and_then(u32::checked_next_power_of_two)
-                .ok_or_else(|| DeviceError::Backend {
+                .ok_or_else(|| DeviceError::Kernel {
+                    op: "rope_rows",
                     detail: format!("RoPE position {max} past any table"),
                 })?
                 .max(ROPE_TABLE_ROWS_MIN);
             let host = r.rope.rows(0..rows);
             let table = s.clone_htod(bytes_of(&host)).map_err(backend("upload"))?;
-            // The old table may still be read by queued work: it is freed after it.
-            s.synchronize().map_err(backend("cuStreamSynchronize"))?;
+            // The old table may still be read by work queued on any stream: it is freed after.
+            self.ctx
+                .synchronize()
+                .map_err(backend("cuCtxSynchronize"))?;
             *cache = Some(RopeTable {
                 rope: r.rope,
                 rows,
@@ -321,17 +307,11 @@ impl CudaOps {
             return self.upload_pageable(s, data);
         }
         let mut rings = self.staging.borrow_mut();
-        let key = s.cu_stream() as usize;
-        let ring = match rings.entry(key) {
+        let ring = match rings.entry(s.cu_stream() as usize) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(e) => e.insert(Staging {
-                host: PinnedHost::new(&self.ctx, STAGING_BYTES)?,
-                head: 0,
-                in_flight: std::collections::VecDeque::new(),
-                free: Vec::new(),
-            }),
+            std::collections::btree_map::Entry::Vacant(e) => e.insert(Staging::new(&self.ctx)?),
         };
-        let at = ring.reserve(n)?;
+        let at = ring.ring.reserve(n, &mut ring.free)?;
         ring.host.slice_mut()[at..at + data.len()].copy_from_slice(data);
         // SAFETY: the copy below writes all `n` bytes the caller may read (`data.len()`, at
         // least 1 when it is empty: the byte is never read then).
@@ -359,9 +339,18 @@ impl CudaOps {
             None => self.ctx.new_event(None).map_err(backend("cuEventCreate"))?,
         };
         ev.record(s).map_err(backend("cuEventRecord"))?;
-        ring.in_flight.push_back((at, at + n, ev));
+        ring.ring.queued(at, at + n, ev);
         let bytes = Bytes(n as u64);
         Ok((slice, DevPtr { ptr, bytes }))
+    }
+
+    /// Makes stream `s`'s staging ring now (its pinned memory), rather than at its first op.
+    pub fn prepare_staging(&self, s: &Arc<CudaStream>) -> Result<(), DeviceError> {
+        let mut rings = self.staging.borrow_mut();
+        if let std::collections::btree_map::Entry::Vacant(e) = rings.entry(s.cu_stream() as usize) {
+            e.insert(Staging::new(&self.ctx)?);
+        }
+        Ok(())
     }
 
     /// Uploads `data` from pageable memory (the driver stages it, and may wait for the stream).
@@ -636,7 +625,7 @@ struct ComputeTiming {
     /// (start, end, the op's kind or `None` for a wait), in stream order.
     marks: Vec<(CudaEvent, CudaEvent, Option<usize>)>,
     /// Host time inside `enqueue` per op kind since the last `take_timing`.
-    enqueue_ns: [u64; 8],
+    enqueue_ns: [u64; Op::KINDS],
 }
 
 /// The production `Device` on one GPU.
@@ -663,6 +652,9 @@ impl CudaDevice {
         let ops = CudaOps::on(ordinal, strategy)?;
         let mk = || ops.ctx.new_stream().map_err(backend("cuStreamCreate"));
         let streams = [mk()?, mk()?, mk()?];
+        for s in &streams {
+            ops.prepare_staging(s)?;
+        }
         Ok(CudaDevice {
             ops,
             streams,
@@ -674,8 +666,9 @@ impl CudaDevice {
             timing: None,
         })
     }
-    /// Times every op and every wait of the compute stream (two timing events each, about a
-    /// microsecond of host time per op), so that `take_timing` answers.
+    /// Times every op and every wait of the compute stream (two timing events each: several
+    /// microseconds of host time per op; kernels/GPU.md runs 39 and 45 measured 0.2–0.9 ms per
+    /// 4-layer step), so that `take_timing` answers.
     pub fn set_timing(&mut self, on: bool) {
         self.timing = on.then(ComputeTiming::default);
     }
@@ -756,7 +749,8 @@ impl CudaDevice {
 
 impl Drop for CudaDevice {
     /// Work still queued on any stream may use the buffers: it finishes before they are freed
-    /// (the buffers' event tracking is off, see `CudaOps::on`).
+    /// (cudarc's event tracking is off on tierkv's contexts, `Kernels::on`, and a buffer is
+    /// freed on the stream it was allocated on, not on the streams that used it).
     fn drop(&mut self) {
         let _ = self.bind();
         let _ = self.synchronize_all();
@@ -894,7 +888,6 @@ impl Device for CudaDevice {
         }
     }
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
-        debug_assert_eq!(Op::NAMES[op.kind()], op.name());
         let t0 = std::time::Instant::now();
         check_op(&op, |b| self.descs[b.0 as usize])?;
         self.bind()?;

@@ -10,6 +10,8 @@ pub mod cuda;
 pub mod nccl;
 pub mod ring;
 pub mod service;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA device stages through it
+mod staging;
 
 use crate::device::Clock;
 use std::time::Instant;

@@ -915,22 +915,18 @@ impl Kernels {
         out: DevPtr,
     ) -> Result<()> {
         const OP: &str = "draw";
+        if let DrawKind::Queries { heads } | DrawKind::HeadWeights { heads } = kind {
+            if heads == 0 || heads > INDEX_HEADS_MAX {
+                return Err(bad(OP, "heads", "outside 1..=64"));
+            }
+        }
         need(OP, "rows", rows_dev, i32_bytes(2 * rows as u64))?;
         need(OP, "out", out, kind.bytes(rows as u64))?;
         let (name, blocks, threads) = match kind {
             DrawKind::IndexKeys => ("draw_index_keys", (rows as u32, 1), INDEX_HEAD_DIM),
             DrawKind::KvRows => ("draw_kv_rows", (rows as u32, 1), 192),
-            DrawKind::Queries { heads } | DrawKind::HeadWeights { heads } => {
-                if heads == 0 || heads > INDEX_HEADS_MAX {
-                    return Err(bad(OP, "heads", "outside 1..=64"));
-                }
-                match kind {
-                    DrawKind::Queries { .. } => {
-                        ("draw_queries", (rows as u32, heads), INDEX_HEAD_DIM)
-                    }
-                    _ => ("draw_head_weights", (rows as u32, 1), heads),
-                }
-            }
+            DrawKind::Queries { heads } => ("draw_queries", (rows as u32, heads), INDEX_HEAD_DIM),
+            DrawKind::HeadWeights { heads } => ("draw_head_weights", (rows as u32, 1), heads),
         };
         if rows == 0 {
             return Ok(());
@@ -978,8 +974,9 @@ impl Kernels {
         }
         // Each block adds its share of a row's ranks into the row's digest: zero them first.
         // SAFETY: `out` holds the rows' digests (checked above).
+        let bytes = u64_bytes(rows as u64).usize();
         let zeroed =
-            unsafe { cudarc::driver::sys::cuMemsetD8Async(out.ptr, 0, rows * 8, s.cu_stream()) };
+            unsafe { cudarc::driver::sys::cuMemsetD8Async(out.ptr, 0, bytes, s.cu_stream()) };
         if zeroed != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
             return Err(KernelError::Cuda {
                 op: OP,

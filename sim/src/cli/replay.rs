@@ -61,7 +61,7 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "tensor-core", value_parser = ["tensor-core", "exact"])]
     pub logits: String,
     /// With `--device cuda`: do not time the compute stream's ops (two timing events an op,
-    /// about a microsecond of host time each), so the report has no device breakdown.
+    /// several microseconds of host time per op), so the report has no device breakdown.
     #[arg(long)]
     pub no_device_timing: bool,
     /// Prefill/decode disaggregation: run the requests through a prefill engine and a decode
@@ -384,7 +384,8 @@ fn report(m: &Metrics, samples: &[StepSample], mut seen: Seen, wall: Duration) -
 }
 
 /// Where the computing steps' time went: the host's phases, the device's busy and stalled time,
-/// and the host time the device did not overlap.
+/// and the host time the device did not overlap. Steps that computed nothing (they only waited
+/// for copies) are left out.
 fn step_breakdown(m: &Metrics, samples: &[StepSample]) {
     let computing: Vec<&StepSample> = samples.iter().filter(|s| s.rows > 0).collect();
     if computing.is_empty() {
@@ -395,8 +396,9 @@ fn step_breakdown(m: &Metrics, samples: &[StepSample]) {
         computing.iter().map(|s| f(s)).sum::<u64>() as f64 / n / 1e6
     };
     println!(
-        "computing steps ({}), host ms per step (mean): schedule {:.3}, enqueue {:.3}, wait for the device {:.3}, finish {:.3}; wall {:.3}",
+        "computing steps ({} of {}), host ms per step (mean): schedule {:.3}, enqueue {:.3}, wait for the device {:.3}, finish {:.3}; wall {:.3}",
         computing.len(),
+        samples.len(),
         mean(&|s| s.host.schedule_ns),
         mean(&|s| s.host.enqueue_ns),
         mean(&|s| s.host.wait_ns),
@@ -408,42 +410,51 @@ fn step_breakdown(m: &Metrics, samples: &[StepSample]) {
         .filter_map(|s| s.device.map(|d| (s.wall_ns, d)))
         .collect();
     if timed.is_empty() {
-        println!("device timing: off (the CPU device, or --no-device-timing)");
+        println!(
+            "device timing: off (--no-device-timing, or the CPU device, which computes each op inside enqueue)"
+        );
         return;
     }
     let tn = timed.len() as f64;
-    let busy = timed.iter().map(|t| t.1.busy_ns).sum::<u64>() as f64 / tn / 1e6;
-    let stalled = timed.iter().map(|t| t.1.stalled_ns).sum::<u64>() as f64 / tn / 1e6;
+    let ms = |ns: u64| ns as f64 / tn / 1e6;
+    let busy = ms(timed.iter().map(|t| t.1.busy_ns).sum());
+    let stalled = ms(timed.iter().map(|t| t.1.stalled_ns).sum());
     let mut exposed: Vec<u64> = timed
         .iter()
         .map(|t| t.0.saturating_sub(t.1.busy_ns + t.1.stalled_ns))
         .collect();
-    let exposed_mean = exposed.iter().sum::<u64>() as f64 / tn / 1e6;
+    let exposed_mean = ms(exposed.iter().sum());
     println!(
-        "device ms per step (mean): busy {busy:.3} (ops, from each op's start to its end), stalled on loads {stalled:.3}; \
-         exposed host time (wall - busy - stalled: the device idle within the step) mean {exposed_mean:.3}, p50 {:.3}, p90 {:.3}",
+        "device ms per step (mean): busy {busy:.3} (each op from its start event to its end event: a device waiting for the host inside an op's launch counts as busy), stalled on loads {stalled:.3}; \
+         device idle within the step (wall - busy - stalled: a lower bound) mean {exposed_mean:.3}, p50 {:.3}, p90 {:.3}",
         percentile(&mut exposed, 0.5),
         percentile(&mut exposed, 0.9),
     );
-    let per_op = |v: [u64; 8]| {
+    let per_op = |of: &dyn Fn(&DeviceTiming) -> [u64; Op::KINDS]| {
+        let mut sum = [0u64; Op::KINDS];
+        for (_, d) in &timed {
+            for (s, ns) in sum.iter_mut().zip(of(d)) {
+                *s += ns;
+            }
+        }
         Op::NAMES
             .iter()
-            .zip(v)
+            .zip(sum)
             .filter(|(_, ns)| *ns > 0)
-            .map(|(name, ns)| format!("{name} {:.3}", ns as f64 / tn / 1e6))
+            .map(|(name, ns)| format!("{name} {:.3}", ms(ns)))
             .collect::<Vec<_>>()
             .join(", ")
     };
     println!(
         "per op kind, ms per step (mean): device busy: {}; host inside the device's enqueue (checks, uploads, launches): {}",
-        per_op(m.step_device.busy_by_op_ns),
-        per_op(m.step_device.enqueue_ns)
+        per_op(&|d| d.busy_by_op_ns),
+        per_op(&|d| d.enqueue_ns)
     );
     let load_s = m.load_latency.sum_ns as f64 / 1e9;
     let stalled_s = m.step_device.stalled_ns as f64 / 1e9;
     println!(
-        "loads: {load_s:.3} s in flight in all, {stalled_s:.3} s of it exposed (the compute stream stalled), {:.3} s overlapped with other work",
-        (load_s - stalled_s).max(0.0)
+        "loads: {} with {load_s:.3} s of latency summed (loads overlap one another), of which the compute stream stalled {stalled_s:.3} s (exposed); the rest ran beside other work",
+        m.loads
     );
 }
 
