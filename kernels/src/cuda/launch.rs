@@ -353,8 +353,9 @@ impl IndexLogitsLaunch<'_> {
     }
 
     /// Every buffer is large enough, every context fits its table and the output row, and every
-    /// page a row's context names lies in the pool.
-    fn check(&self) -> Result<()> {
+    /// page a row's context names lies in the pool: the launch, checked (see
+    /// [`CheckedIndexLogits`]).
+    pub fn check(&self) -> Result<CheckedIndexLogits> {
         const OP: &str = "index_logits";
         let (rows, pt_stride, out_stride) = (self.rows(), self.pt_stride, self.out_stride);
         if self.heads == 0 || self.heads > INDEX_HEADS_MAX as usize {
@@ -394,7 +395,46 @@ impl IndexLogitsLaunch<'_> {
                 pages,
             )?;
         }
-        Ok(())
+        Ok(CheckedIndexLogits {
+            dtype: self.dtype,
+            heads: self.heads,
+            q: self.q,
+            w: self.w,
+            pt_dev: self.pt_dev,
+            pt_stride,
+            lens_dev: self.lens_dev,
+            k: self.k,
+            out: self.out,
+            out_stride,
+            rows,
+        })
+    }
+}
+
+/// An `index_logits` launch whose sizes, context lengths and every page its rows name were
+/// checked on the host: only [`IndexLogitsLaunch::check`] makes one, and
+/// [`Kernels::index_logits_checked`] launches it without walking the page table again. The
+/// logits kernels do not bounds-check pages themselves, so relaunching one is sound only while
+/// the device's page table and context lengths hold what was checked (which is why that
+/// launcher is `unsafe`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckedIndexLogits {
+    dtype: IndexKDtype,
+    heads: usize,
+    q: DevPtr,
+    w: DevPtr,
+    pt_dev: DevPtr,
+    pt_stride: usize,
+    lens_dev: DevPtr,
+    k: DevPtr,
+    out: DevPtr,
+    out_stride: usize,
+    rows: usize,
+}
+
+impl CheckedIndexLogits {
+    pub fn rows(&self) -> usize {
+        self.rows
     }
 }
 
@@ -662,18 +702,34 @@ impl Kernels {
         s: &CudaStream,
         a: &IndexLogitsLaunch,
     ) -> Result<()> {
-        a.check()?;
-        if a.rows() == 0 || a.out_stride == 0 {
+        let c = a.check()?;
+        // SAFETY: checked just now against the host copies of the arrays the caller uploaded.
+        unsafe { self.index_logits_checked(kind, tuning, s, &c) }
+    }
+
+    /// `index_logits` of a launch checked before, without walking its page table again.
+    ///
+    /// # Safety
+    /// The device page table and context lengths `c` names must hold what
+    /// [`IndexLogitsLaunch::check`] checked (the kernels trust every page they name).
+    pub unsafe fn index_logits_checked(
+        &self,
+        kind: LogitsKernel,
+        tuning: LogitsTuning,
+        s: &CudaStream,
+        c: &CheckedIndexLogits,
+    ) -> Result<()> {
+        if c.rows == 0 || c.out_stride == 0 {
             return Ok(());
         }
         match kind {
-            LogitsKernel::TensorCore => self.logits_wgmma(tuning, s, a),
-            LogitsKernel::Mma => self.logits_mma(tuning, s, a),
-            LogitsKernel::Exact => self.logits_exact(s, a),
+            LogitsKernel::TensorCore => self.logits_wgmma(tuning, s, c),
+            LogitsKernel::Mma => self.logits_mma(tuning, s, c),
+            LogitsKernel::Exact => self.logits_exact(s, c),
         }
     }
 
-    fn logits_exact(&self, s: &CudaStream, a: &IndexLogitsLaunch) -> Result<()> {
+    fn logits_exact(&self, s: &CudaStream, a: &CheckedIndexLogits) -> Result<()> {
         let (pts, h32, os) = (a.pt_stride as i32, a.heads as i32, a.out_stride as i32);
         let dt = (a.dtype == IndexKDtype::Bf16) as i32;
         let mut b = s.launch_builder(self.f("index_logits"));
@@ -694,7 +750,7 @@ impl Kernels {
         &self,
         tuning: LogitsTuning,
         s: &CudaStream,
-        a: &IndexLogitsLaunch,
+        a: &CheckedIndexLogits,
     ) -> Result<()> {
         const OP: &str = "index_logits";
         // The tensor-core kernels pad to two halves of 32 heads, load queries 16 bytes at a time
@@ -742,7 +798,7 @@ impl Kernels {
         &self,
         tuning: LogitsTuning,
         s: &CudaStream,
-        a: &IndexLogitsLaunch,
+        a: &CheckedIndexLogits,
     ) -> Result<()> {
         const OP: &str = "index_logits";
         // The producer copies whole pages with cp.async.bulk (16-byte aligned source); the CTA
