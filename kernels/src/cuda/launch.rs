@@ -415,8 +415,8 @@ impl IndexLogitsLaunch<'_> {
 /// checked on the host: only [`IndexLogitsLaunch::check`] makes one, and
 /// [`Kernels::index_logits_checked`] launches it without walking the page table again. The
 /// logits kernels do not bounds-check pages themselves, so relaunching one is sound only while
-/// the device's page table and context lengths hold what was checked (which is why that
-/// launcher is `unsafe`).
+/// the device's page table and context lengths hold what was checked and its addresses stay
+/// allocated, as a [`DevPtr`]'s must (which is why that launcher is `unsafe`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CheckedIndexLogits {
     dtype: IndexKDtype,
@@ -703,15 +703,18 @@ impl Kernels {
         a: &IndexLogitsLaunch,
     ) -> Result<()> {
         let c = a.check()?;
-        // SAFETY: checked just now against the host copies of the arrays the caller uploaded.
+        // SAFETY: checked just now, against the host arrays the launch carries; that the
+        // device arrays hold them is the caller's part, as it always was (`pt_dev`, `lens_dev`).
         unsafe { self.index_logits_checked(kind, tuning, s, &c) }
     }
 
     /// `index_logits` of a launch checked before, without walking its page table again.
     ///
     /// # Safety
-    /// The device page table and context lengths `c` names must hold what
-    /// [`IndexLogitsLaunch::check`] checked (the kernels trust every page they name).
+    /// From this call until the kernel finished, the device page table and context lengths `c`
+    /// names must equal the host arrays [`IndexLogitsLaunch::check`] walked (no write to them
+    /// may be queued on any stream meanwhile), and every buffer it names must stay allocated
+    /// at its checked size: the kernels trust every page the table names.
     pub unsafe fn index_logits_checked(
         &self,
         kind: LogitsKernel,
@@ -741,7 +744,8 @@ impl Kernels {
             block_dim: (128, 1, 1),
             shared_mem_bytes: f32_bytes(a.heads as u64 * (INDEX_HEAD_DIM as u64 + 1)).0 as u32,
         };
-        // SAFETY: sizes and every page the rows name were checked by `a.check()`.
+        // SAFETY: sizes and every page the rows name were checked when `a` was made
+        // (`IndexLogitsLaunch::check`), and still hold (`index_logits_checked`'s contract).
         unsafe { b.launch(cfg) }.map_err(cuda("index_logits"))?;
         Ok(())
     }
@@ -789,7 +793,8 @@ impl Kernels {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: sizes and every page the rows name were checked by `a.check()`.
+        // SAFETY: sizes and every page the rows name were checked when `a` was made
+        // (`IndexLogitsLaunch::check`), and still hold (`index_logits_checked`'s contract).
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
     }
@@ -828,7 +833,8 @@ impl Kernels {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
-        // SAFETY: sizes and every page the rows name were checked by `a.check()`; the shared
+        // SAFETY: sizes and every page the rows name were checked when `a` was made, and still
+        // hold (`index_logits_checked`'s contract); the shared
         // memory is the kernel's own formula (it traps on less), allowed at load.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())

@@ -176,8 +176,8 @@ mod imp {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaOps, PinnedHost};
     use tierkv_kernels::cpu::numerics::{e4m3_encode, mix64};
     use tierkv_kernels::cuda::launch::{
-        DevPtr, IndexKStoreLaunch, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
-        TopKLaunch, TopKTuning,
+        CheckedIndexLogits, DevPtr, IndexKStoreLaunch, IndexLogitsLaunch, Kernels, LogitsKernel,
+        LogitsTuning, TopKLaunch, TopKTuning,
     };
     use tierkv_kernels::layout::*;
     use tierkv_kernels::rope::{Rope, RopeParams};
@@ -555,7 +555,9 @@ mod imp {
         /// index_logits 64 x 64K, 64 heads: the exact kernel and both tensor-core kernels (the
         /// production wgmma one and the previous mma.sync one); the wgmma kernel at the decode
         /// shapes 1 x 64K and 8 x 8K (each against the exact kernel on the same input); then the
-        /// tensor-core launch shapes swept.
+        /// tensor-core launch shapes swept. Every row times a launch whose page table was
+        /// checked once (`CheckedIndexLogits`), except the launcher rows, which time the host's
+        /// check of the page table with the launch.
         fn logits(&mut self, ix: &Indexer, dtype: IndexKDtype) -> R<()> {
             let s = self.c.s.clone();
             let k = self.c.k;
@@ -585,26 +587,29 @@ mod imp {
             let flops = 2.0 * (ix.bsz * ix.ctx * ix.heads * 128) as f64;
             let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
             let def = LogitsTuning::default();
-            let exact_ms = self.c.time(|| run(LogitsKernel::Exact, def, &launch))?;
+            // The page table checked once, as a caller that relaunches over the same table
+            // would (the launcher's walk of the 64 x 1024 entries is its own row).
+            let checked = launch.check().map_err(e)?;
+            let run_checked = |kind: LogitsKernel, tuning: LogitsTuning, c: &CheckedIndexLogits| {
+                // SAFETY: the device page tables and context lengths are the ones the checks
+                // walked (uploaded from them), nothing writes them while the bench runs, and
+                // their buffers live to the end of this function.
+                unsafe { k.index_logits_checked(kind, tuning, &s, c) }.map_err(e)
+            };
+            let exact_ms = self
+                .c
+                .time(|| run_checked(LogitsKernel::Exact, def, &checked))?;
             let exact = self.read_f32s(&ix.out)?;
             let mut rows = vec![(
                 "exact".to_string(),
                 exact_ms,
                 format!("{:.1} TFLOP/s fp32 FMA", tflops(exact_ms)),
             )];
-            // The page table checked once, as a caller that relaunches over the same table
-            // would (the launcher's walk of the 64 x 1024 entries is its own row).
-            let checked = launch.check().map_err(e)?;
-            let run_checked = |kind: LogitsKernel| {
-                // SAFETY: the device page table and context lengths are the ones just checked,
-                // and nothing writes them while the bench runs.
-                unsafe { k.index_logits_checked(kind, def, &s, &checked) }.map_err(e)
-            };
             for (kind, label) in [
                 (LogitsKernel::TensorCore, "wgmma"),
                 (LogitsKernel::Mma, "mma.sync"),
             ] {
-                let ms = self.c.time(|| run_checked(kind))?;
+                let ms = self.c.time(|| run_checked(kind, def, &checked))?;
                 let worst = worst_relative(&exact, &self.read_f32s(&ix.out)?)
                     .map_err(|m| format!("index_logits {label} {}: {m}", dtype.name()))?;
                 rows.push((
@@ -623,7 +628,7 @@ mod imp {
                     launcher,
                     "what a caller that checks every launch waits".to_string(),
                 ));
-                let queued = self.c.time_queued(|| run_checked(kind))?;
+                let queued = self.c.time_queued(|| run_checked(kind, def, &checked))?;
                 rows.push((
                     format!("tensor-core ({label}), {QUEUED} queued back to back,"),
                     queued,
@@ -634,8 +639,15 @@ mod imp {
                 ));
             }
             for (kind, ms, note) in rows {
+                let name = match kind.strip_prefix("launcher ") {
+                    Some(rest) => format!(
+                        "launcher {rest} index_logits 64 x 64K, 64 heads, {}",
+                        dtype.name()
+                    ),
+                    None => format!("index_logits {kind} 64 x 64K, 64 heads, {}", dtype.name()),
+                };
                 self.rows.push(Row {
-                    name: format!("index_logits {kind} 64 x 64K, 64 heads, {}", dtype.name()),
+                    name,
                     ms,
                     bytes,
                     note,
@@ -661,12 +673,17 @@ mod imp {
                     ..launch
                 };
                 let n = rows * ctx;
-                let exact_ms = self.c.time(|| run(LogitsKernel::Exact, def, &small))?;
+                let small = small.check().map_err(e)?;
+                let exact_ms = self
+                    .c
+                    .time(|| run_checked(LogitsKernel::Exact, def, &small))?;
                 let exact = self.read_f32s(&ix.out)?;
-                let ms = self.c.time(|| run(LogitsKernel::TensorCore, def, &small))?;
+                let ms = self
+                    .c
+                    .time(|| run_checked(LogitsKernel::TensorCore, def, &small))?;
                 let queued = self
                     .c
-                    .time_queued(|| run(LogitsKernel::TensorCore, def, &small))?;
+                    .time_queued(|| run_checked(LogitsKernel::TensorCore, def, &small))?;
                 let got = self.read_f32s(&ix.out)?;
                 let worst = worst_relative(&exact[..n], &got[..n])
                     .map_err(|m| format!("index_logits {rows} x {ctx} {}: {m}", dtype.name()))?;
@@ -702,7 +719,7 @@ mod imp {
             for (kind, ctas, ahead) in shapes {
                 let ms = self
                     .c
-                    .time(|| run(kind, LogitsTuning { ctas, ahead }, &launch))?;
+                    .time(|| run_checked(kind, LogitsTuning { ctas, ahead }, &checked))?;
                 let bw = bytes as f64 / (ms * 1e-3);
                 let label = if kind == LogitsKernel::Mma {
                     "mma.sync"
