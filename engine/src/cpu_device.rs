@@ -107,24 +107,25 @@ thread_local! {
         const { std::cell::RefCell::new((None, Vec::new())) };
 }
 
-/// `r.rows()`, each row computed once per thread and model.
-fn rope_rows(r: &RopeRows) -> Vec<f32> {
-    let max = r.positions.iter().copied().max().unwrap_or(0);
+/// The RoPE rows of the drawn rows' positions (`rope.rows`), each row computed once per thread
+/// and model.
+fn rope_rows(rope: &Rope, d: &Drawn) -> Vec<f32> {
+    let max = d.rows.iter().map(|t| t.position).max().unwrap_or(0);
     if max >= ROPE_MEMO_POSITIONS {
-        return r.rows();
+        return rope.rows(d.rows.iter().map(|t| t.position));
     }
     ROPE_MEMO.with(|m| {
-        let (rope, rows) = &mut *m.borrow_mut();
-        if *rope != Some(r.rope) {
-            *rope = Some(r.rope);
+        let (memo_of, rows) = &mut *m.borrow_mut();
+        if *memo_of != Some(*rope) {
+            *memo_of = Some(*rope);
             rows.clear();
         }
         for p in rows.len() as u32..=max {
-            rows.push(r.rope.row(p));
+            rows.push(rope.row(p));
         }
-        let mut out = Vec::with_capacity(r.positions.len() * 64);
-        for &p in &r.positions {
-            out.extend_from_slice(&rows[p as usize]);
+        let mut out = Vec::with_capacity(d.rows.len() * 64);
+        for t in &d.rows {
+            out.extend_from_slice(&rows[t.position as usize]);
         }
         out
     })
@@ -133,7 +134,7 @@ fn rope_rows(r: &RopeRows) -> Vec<f32> {
 fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
     let fp = mem.desc(o.dst).fingerprint;
     let keys = draw::index_keys(&o.keys.args());
-    let rope = rope_rows(&o.rope);
+    let rope = rope_rows(&o.rope, &o.keys);
     let args = cpu::IndexKStoreArgs {
         dtype: o.dtype,
         ue8m0: o.ue8m0,
@@ -165,7 +166,7 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
         draw::queries(&o.inputs.args(), o.heads),
         draw::head_weights(&o.inputs.args(), o.heads),
     );
-    let rope = rope_rows(&o.rope);
+    let rope = rope_rows(&o.rope, &o.inputs);
     let args = cpu::QPrepArgs {
         heads: o.heads as usize,
         ue8m0: o.ue8m0,

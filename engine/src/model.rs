@@ -11,8 +11,8 @@
 use crate::config::Config;
 use crate::device::{
     BufferDesc, BufferId, BufferRole, Device, DeviceError, Drawn, EventId, EventState, IndexKStore,
-    IndexLogits, KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RopeRows, RowTag, RowTags,
-    SparseRead, StreamKind, TokenAt, TopK,
+    IndexLogits, KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RowTag, RowTags, SparseRead,
+    StreamKind, TokenAt, TopK,
 };
 use crate::error::EngineError;
 use crate::gate::LayerGate;
@@ -309,10 +309,7 @@ impl ModelStep {
             keys: batch.drawn_store(synth, lg),
             gamma,
             beta,
-            rope: RopeRows {
-                rope: self.shape.rope,
-                positions: batch.store.iter().map(|t| t.1).collect(),
-            },
+            rope: self.shape.rope,
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };
@@ -353,10 +350,7 @@ impl ModelStep {
                     })
                     .collect(),
             },
-            rope: RopeRows {
-                rope: sh.rope,
-                positions: chunk.iter().map(|c| c.position).collect(),
-            },
+            rope: sh.rope,
             q_out: q,
             w_out: w,
         };

@@ -30,32 +30,12 @@ pub struct Drawn {
     pub rows: Vec<TokenAt>,
 }
 
-/// RoPE rows by position: the model's frequencies and each row's position. The CPU device
-/// computes the rows (`Rope::row`); the CUDA device gathers them from its copy of the model's
-/// table of rows, as a model keeps its cos/sin cache on the device.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RopeRows {
-    pub rope: Rope,
-    pub positions: Vec<u32>,
-}
-
-impl RopeRows {
-    /// The rows, `[positions][64]`: 32 cosines, then 32 sines.
-    pub fn rows(&self) -> Vec<f32> {
-        self.rope.rows(self.positions.iter().copied())
-    }
-}
-
-/// The drawn rows and the RoPE rows are of the same positions, row by row.
-fn same_positions(d: &Drawn, r: &RopeRows) -> bool {
-    d.rows.len() == r.positions.len()
-        && d.rows
-            .iter()
-            .zip(&r.positions)
-            .all(|(t, &p)| t.position == p)
-}
-
 impl Drawn {
+    /// Each row's position, in row order.
+    pub fn positions(&self) -> Vec<u32> {
+        self.rows.iter().map(|t| t.position).collect()
+    }
+
     pub fn args(&self) -> DrawArgs<'_> {
         DrawArgs {
             seed: self.seed,
@@ -188,8 +168,9 @@ pub struct IndexKStore {
     pub keys: Drawn,
     pub gamma: Arc<[f32]>,
     pub beta: Arc<[f32]>,
-    /// The stored tokens' RoPE rows.
-    pub rope: RopeRows,
+    /// The model's RoPE frequencies: each stored token is rotated by its position's row (the
+    /// CPU device computes it, the CUDA device gathers it from its table of the model's rows).
+    pub rope: Rope,
     pub slots: Vec<i32>,
     pub tags: RowTags,
 }
@@ -213,8 +194,8 @@ pub struct QPrep {
     pub ue8m0: bool,
     /// The query tokens: their raw queries (`heads × 128` each) and head weights are drawn.
     pub inputs: Drawn,
-    /// The query tokens' RoPE rows.
-    pub rope: RopeRows,
+    /// The model's RoPE frequencies, for each query token's position.
+    pub rope: Rope,
     pub q_out: Region,
     pub w_out: Region,
 }
@@ -477,11 +458,8 @@ impl OpSpec for IndexKStore {
     }
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let n = self.slots.len();
-        if self.keys.rows.len() != n || !same_positions(&self.keys, &self.rope) {
-            return Err(bad(
-                self.name(),
-                "keys/slots lengths, or the keys' and RoPE rows' positions, disagree".into(),
-            ));
+        if self.keys.rows.len() != n {
+            return Err(bad(self.name(), "keys/slots lengths disagree".into()));
         }
         Ok(())
     }
@@ -530,7 +508,7 @@ impl OpSpec for KvStore {
 impl QPrep {
     /// Query rows of the launch.
     pub fn rows(&self) -> usize {
-        self.rope.positions.len()
+        self.inputs.rows.len()
     }
 }
 
@@ -541,15 +519,6 @@ impl OpSpec for QPrep {
     fn accesses(&self, out: &mut Vec<Access>) {
         write(out, self.q_out.range());
         write(out, self.w_out.range());
-    }
-    fn check_shapes(&self) -> Result<(), DeviceError> {
-        if !same_positions(&self.inputs, &self.rope) {
-            return Err(bad(
-                self.name(),
-                "the query rows' positions and their RoPE rows' positions disagree".into(),
-            ));
-        }
-        Ok(())
     }
     fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
         format!("{} rows x {} heads", self.rows(), self.heads)

@@ -130,14 +130,10 @@ pub enum GpuMem {
 impl GpuMem {
     pub fn dev_ptr(&self, stream: &CudaStream) -> DevPtr {
         match self {
-            GpuMem::Device(s) => {
-                use cudarc::driver::DevicePtr;
-                let (p, _sync) = s.device_ptr(stream);
-                DevPtr {
-                    ptr: p,
-                    bytes: Bytes(s.len() as u64),
-                }
-            }
+            GpuMem::Device(s) => DevPtr {
+                ptr: dev_addr(s, stream),
+                bytes: Bytes(s.len() as u64),
+            },
             GpuMem::Pinned(h) => h.dev_ptr(),
         }
     }
@@ -244,15 +240,21 @@ impl CudaOps {
         })
     }
 
-    /// The RoPE rows of `r` gathered on stream `s` from the device's table of the model's rows
-    /// (made, or doubled, on the host when a position lies past it: the host computes each
-    /// position's row once), into a stream-ordered allocation.
-    fn rope_rows(&self, s: &Arc<CudaStream>, r: &RopeRows) -> Result<Upload, DeviceError> {
-        let max = r.positions.iter().copied().max().unwrap_or(0);
+    /// The RoPE rows of `d`'s positions gathered on stream `s` from the device's table of
+    /// `rope`'s rows (made, or doubled, on the host when a position lies past it: the host
+    /// computes each position's row once), into a stream-ordered allocation.
+    fn rope_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        rope: &Rope,
+        d: &Drawn,
+    ) -> Result<Upload, DeviceError> {
+        let positions = d.positions();
+        let max = positions.iter().copied().max().unwrap_or(0);
         let mut cache = self.rope.borrow_mut();
         if !cache
             .as_ref()
-            .is_some_and(|t| t.rope == r.rope && max < t.rows)
+            .is_some_and(|t| t.rope == *rope && max < t.rows)
         {
             let rows = max
                 .checked_add(1)
@@ -262,39 +264,33 @@ impl CudaOps {
                     detail: format!("RoPE position {max} past any table"),
                 })?
                 .max(ROPE_TABLE_ROWS_MIN);
-            let host = r.rope.rows(0..rows);
+            let host = rope.rows(0..rows);
             let table = s.clone_htod(bytes_of(&host)).map_err(backend("upload"))?;
             // The old table may still be read by work queued on any stream: it is freed after.
             self.ctx
                 .synchronize()
                 .map_err(backend("cuCtxSynchronize"))?;
             *cache = Some(RopeTable {
-                rope: r.rope,
+                rope: *rope,
                 rows,
                 table,
             });
         }
         let t = cache.as_ref().expect("made above");
-        let table = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = t.table.device_ptr(s);
-            DevPtr {
-                ptr: p,
-                bytes: Bytes(t.table.len() as u64),
-            }
+        let table = DevPtr {
+            ptr: dev_addr(&t.table, s),
+            bytes: Bytes(t.table.len() as u64),
         };
-        let (_p, positions) = self.upload(s, bytes_of(&r.positions))?;
-        let bytes = f32_bytes(r.positions.len() as u64 * ROPE_DIM as u64).max(Bytes(1));
+        let (_p, positions_dev) = self.upload(s, bytes_of(&positions))?;
+        let bytes = f32_bytes(positions.len() as u64 * ROPE_DIM as u64).max(Bytes(1));
         // SAFETY: the gather below writes every byte before any op reads them.
         let out = unsafe { s.alloc::<u8>(bytes.usize()) }.map_err(backend("rope rows"))?;
-        let ptr = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = out.device_ptr(s);
-            p
+        let dp = DevPtr {
+            ptr: dev_addr(&out, s),
+            bytes,
         };
-        let dp = DevPtr { ptr, bytes };
         self.kernels
-            .rope_rows(s, table, t.rows, &r.positions, positions, dp)
+            .rope_rows(s, table, t.rows, &positions, positions_dev, dp)
             .map_err(kernel)?;
         Ok((out, dp))
     }
@@ -316,11 +312,7 @@ impl CudaOps {
         // SAFETY: the copy below writes all `n` bytes the caller may read (`data.len()`, at
         // least 1 when it is empty: the byte is never read then).
         let slice = unsafe { s.alloc::<u8>(n) }.map_err(backend("upload"))?;
-        let ptr = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = slice.device_ptr(s);
-            p
-        };
+        let ptr = dev_addr(&slice, s);
         // SAFETY: `n` bytes at `at` lie inside the pinned ring (reserved above), and the device
         // allocation holds `n` bytes.
         check(
@@ -356,11 +348,7 @@ impl CudaOps {
     /// Uploads `data` from pageable memory (the driver stages it, and may wait for the stream).
     fn upload_pageable(&self, s: &Arc<CudaStream>, data: &[u8]) -> Result<Upload, DeviceError> {
         let slice = s.clone_htod(data).map_err(backend("upload"))?;
-        let ptr = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = slice.device_ptr(s);
-            p
-        };
+        let ptr = dev_addr(&slice, s);
         let bytes = Bytes(data.len().max(1) as u64);
         Ok((slice, DevPtr { ptr, bytes }))
     }
@@ -373,11 +361,7 @@ impl CudaOps {
         let bytes = kind.bytes(d.rows.len() as u64).max(Bytes(1));
         // SAFETY: the draw kernel below writes every byte of its rows before any op reads them.
         let slice = unsafe { s.alloc::<u8>(bytes.usize()) }.map_err(backend("draw"))?;
-        let ptr = {
-            use cudarc::driver::DevicePtr;
-            let (p, _sync) = slice.device_ptr(s);
-            p
-        };
+        let ptr = dev_addr(&slice, s);
         let out = DevPtr { ptr, bytes };
         self.kernels
             .draw(s, kind, d.seed, d.layer, d.rows.len(), rows, out)
@@ -418,7 +402,7 @@ impl CudaOps {
         let (_a, keys) = self.draw(s, DrawKind::IndexKeys, &o.keys)?;
         let (_b, g) = self.upload(s, bytes_of(&o.gamma))?;
         let (_c, bt) = self.upload(s, bytes_of(&o.beta))?;
-        let (_d, r) = self.rope_rows(s, &o.rope)?;
+        let (_d, r) = self.rope_rows(s, &o.rope, &o.keys)?;
         let (_e, sl) = self.upload(s, bytes_of(&o.slots))?;
         let (dp, dd) = mem(o.dst);
         self.kernels
@@ -456,7 +440,7 @@ impl CudaOps {
         let heads = o.heads;
         let (_a, q) = self.draw(s, DrawKind::Queries { heads }, &o.inputs)?;
         let (_b, w) = self.draw(s, DrawKind::HeadWeights { heads }, &o.inputs)?;
-        let (_c, r) = self.rope_rows(s, &o.rope)?;
+        let (_c, r) = self.rope_rows(s, &o.rope, &o.inputs)?;
         let (qo, wo) = (region(mem, &o.q_out), region(mem, &o.w_out));
         self.kernels
             .q_prep(s, o.rows(), o.heads as usize, o.ue8m0, q, w, r, qo, wo)
@@ -556,6 +540,13 @@ impl CudaOps {
             }
         }
     }
+}
+
+/// A device allocation's address, as stream `s` uses it.
+fn dev_addr(slice: &CudaSlice<u8>, s: &CudaStream) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _sync) = slice.device_ptr(s);
+    p
 }
 
 /// A scratch region's device address.
