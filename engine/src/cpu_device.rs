@@ -9,7 +9,8 @@ use crate::layout::{
 };
 use tierkv_kernels::cpu;
 use tierkv_kernels::cpu::draw;
-use tierkv_kernels::cpu::numerics::{le_f32s, le_i32s};
+use std::borrow::Cow;
+use tierkv_kernels::cpu::numerics::{le_f32s, le_i32s, le_u64s};
 
 /// Buffers as plain bytes, indexed by `BufferId`.
 #[derive(Default, Debug)]
@@ -90,11 +91,13 @@ pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
             mem.range_mut(o.dst.range()).copy_from_slice(&data);
             Ok(())
         }
+        Op::NextTokens(o) => next_tokens(o, mem),
     };
     r.map_err(kerr(op.name()))
 }
 
-type KResult = Result<(), tierkv_kernels::KernelError>;
+type KError = tierkv_kernels::KernelError;
+type KResult = Result<(), KError>;
 
 /// Positions past this are computed per op rather than kept (64 MiB of rows a thread).
 const ROPE_MEMO_POSITIONS: u32 = 1 << 18;
@@ -131,9 +134,41 @@ fn rope_rows(rope: &Rope, d: &Drawn) -> Vec<f32> {
     })
 }
 
+/// The drawn rows with every pending token read from the op's tokens region.
+fn resolved<'a>(d: &'a Drawn, mem: &Memory) -> Result<Cow<'a, [TokenAt]>, KError> {
+    match d.tokens {
+        None => Ok(Cow::Borrowed(&d.rows)),
+        Some(t) => {
+            let tokens: Vec<u32> = mem
+                .region(t)
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect();
+            draw::resolve_pending(&d.rows, &tokens).map(Cow::Owned)
+        }
+    }
+}
+
+/// The arguments of a draw of `d`'s rows.
+fn draw_args<'a>(d: &Drawn, rows: &'a [TokenAt]) -> draw::DrawArgs<'a> {
+    draw::DrawArgs {
+        seed: d.seed,
+        layer: d.layer,
+        rows,
+    }
+}
+
+fn next_tokens(o: &NextTokens, mem: &mut Memory) -> KResult {
+    let digests = le_u64s(mem.region(o.digests));
+    let tokens = draw::next_tokens(o.seed, &digests, o.layers, o.rows_max, o.rows() as u32)?;
+    put(mem.range_mut(o.out.range()), &tokens, u32::to_le_bytes);
+    Ok(())
+}
+
 fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
     let fp = mem.desc(o.dst).fingerprint;
-    let keys = draw::index_keys(&o.keys.args());
+    let rows = resolved(&o.keys, mem)?;
+    let keys = draw::index_keys(&draw_args(&o.keys, &rows));
     let rope = rope_rows(&o.rope, &o.keys);
     let args = cpu::IndexKStoreArgs {
         dtype: o.dtype,
@@ -149,7 +184,8 @@ fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
 
 fn kv_store(o: &KvStore, mem: &mut Memory) -> KResult {
     let fp = mem.desc(o.dst).fingerprint;
-    let rows = draw::kv_rows(&o.rows.args());
+    let drawn = resolved(&o.rows, mem)?;
+    let rows = draw::kv_rows(&draw_args(&o.rows, &drawn));
     let args = cpu::KvStoreArgs {
         dtype: o.dtype,
         rows: &rows,
@@ -162,10 +198,9 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
     let values = o.rows() as u64 * o.heads as u64;
     let mut qo = vec![0u8; fp8_bytes(values * INDEX_HEAD_DIM as u64).usize()];
     let mut wo = vec![0f32; values as usize];
-    let (q, weights) = (
-        draw::queries(&o.inputs.args(), o.heads),
-        draw::head_weights(&o.inputs.args(), o.heads),
-    );
+    let rows = resolved(&o.inputs, mem)?;
+    let a = draw_args(&o.inputs, &rows);
+    let (q, weights) = (draw::queries(&a, o.heads), draw::head_weights(&a, o.heads));
     let rope = rope_rows(&o.rope, &o.inputs);
     let args = cpu::QPrepArgs {
         heads: o.heads as usize,

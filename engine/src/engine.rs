@@ -41,6 +41,19 @@ pub struct EngineOptions {
     pub mutants: Mutants,
     /// Injected allocation faults (the simulator's; none by default).
     pub faults: EngineFaults,
+    /// Run one step ahead: enqueue step n+1 before waiting for step n, with the tokens step n
+    /// generates read on the device (see [`Engine::step`]). Not used by a prefill/decode pair.
+    pub overlap: bool,
+}
+
+/// The step in flight of an engine that runs one step ahead.
+#[derive(Debug)]
+struct InFlight {
+    rows: Vec<Row>,
+    queries: usize,
+    slot: crate::model::Slot,
+    /// When its enqueue began, for the step latency.
+    started_ns: u64,
 }
 
 /// What one step did.
@@ -82,6 +95,12 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     /// Decode side: device pages allocated for transfers in flight (`reserve_import`), not yet
     /// handed to a request.
     import_held: usize,
+    /// Runs one step ahead (`EngineOptions::overlap`).
+    overlap: bool,
+    /// The step enqueued and not yet collected (running ahead only).
+    in_flight: Option<InFlight>,
+    /// Requests aborted with a row in `in_flight`: their memory goes back once it is recorded.
+    aborted_in_flight: Vec<Request>,
 }
 
 /// A request whose prompt the prefill engine computed, as the decode engine admits it once its
@@ -141,10 +160,13 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let mut pools = Pools::new(&mut dev, layout, mutants)?;
         pools.inject(opts.faults);
         let scratch = ModelStep::scratch_layout(&cfg, mutants)?;
-        let scratch = ModelStep::alloc_scratch(&mut dev, scratch)?;
+        let scratch = ModelStep::alloc_scratch(&mut dev, scratch, opts.overlap)?;
         let c = &cfg.cache;
         let ctl = CacheController::new(&mut dev, c.write_policy, c.load_slots, layout.layers())?;
-        let step_done = dev.new_event()?;
+        let mut step_done = vec![dev.new_event()?];
+        if opts.overlap {
+            step_done.push(dev.new_event()?);
+        }
         let synth = Synth::new(opts.seed);
         let metrics = Metrics {
             device_pages_total: layout.device_pages() as u64,
@@ -169,6 +191,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             role: None,
             exports: std::collections::BTreeMap::new(),
             import_held: 0,
+            overlap: opts.overlap,
+            in_flight: None,
+            aborted_in_flight: Vec::new(),
         })
     }
 
@@ -211,7 +236,8 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     }
     /// Nothing queued, running, loading or backing up (nor, in a pair, held for a transfer).
     pub fn is_idle(&self) -> bool {
-        self.sched.is_idle()
+        self.in_flight.is_none()
+            && self.sched.is_idle()
             && self.ctl.is_idle()
             && self.exports.is_empty()
             && self.import_held == 0
@@ -221,6 +247,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// whose prompt it computed (it runs them with one output token: the first) as an export
     /// instead of completing it; a decode engine takes requests only through `admit_transferred`.
     pub(crate) fn set_role(&mut self, role: Role) {
+        assert!(!self.overlap, "a prefill/decode pair's engines do not run ahead");
         self.role = Some(role);
     }
     /// The compute stream's step event: everything a finished step wrote is before it.
@@ -366,7 +393,8 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
 
     /// Aborts a request wherever it is. Between steps the compute stream is idle, so a running
     /// request's own pages are free at once; pages of an in-flight load are freed only when the
-    /// load's finish event says the copy is over.
+    /// load's finish event says the copy is over. Running one step ahead, a request with a row
+    /// in the step in flight keeps its pages, locks and load until that step is recorded.
     pub fn abort(&mut self, id: u64) -> bool {
         let Some(req) = self.sched.remove(id) else {
             return false;
@@ -376,20 +404,15 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         if req.state == RequestState::Running {
             probe::hit(Probe::AbortRunning);
             probe::hit_if(Probe::AbortMidLoad, req.load.is_some());
-            let loading: Vec<NodeId> = match req.load {
-                Some(l) => self.ctl.orphan(l, &mut self.pools, self.mutants),
-                None => Vec::new(),
-            };
-            // Unlock what the request locked, except nodes of its in-flight load (the load
-            // keeps them until its ack).
-            let unlock: Vec<NodeId> = req
-                .locked
-                .iter()
-                .copied()
-                .filter(|n| !loading.contains(n))
-                .collect();
-            self.cache.unlock(&unlock);
-            self.pools.device_pages.free(&req.pages[req.owned_from..]);
+            let flying = self
+                .in_flight
+                .as_ref()
+                .is_some_and(|f| f.rows.iter().any(|r| r.request == id));
+            if probe::hit_if(Probe::AheadRowOfAborted, flying) {
+                self.aborted_in_flight.push(req);
+            } else {
+                self.release_aborted(req);
+            }
         }
         self.metrics.requests_aborted += 1;
         self.sched.emit(Output::Aborted { request: id });
@@ -397,21 +420,36 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         true
     }
 
-    /// One scheduling iteration; see the module comment.
-    pub fn step(&mut self) -> Result<StepReport, EngineError> {
-        let t0 = self.clock.now_ns();
-        let after = self.model.step_done();
-        let acks = {
-            let (ctl, mut io) = self.split();
-            ctl.poll_backups(&mut io, false);
-            ctl.retry_deferred_backups(&mut io, after)?;
-            ctl.poll_loads(&mut io)
+    /// An aborted running request's memory goes back: its load is orphaned (its pages freed at
+    /// the load's finish event), its locks released, its own pages freed.
+    fn release_aborted(&mut self, req: Request) {
+        let loading: Vec<NodeId> = match req.load {
+            Some(l) => self.ctl.orphan(l, &mut self.pools, self.mutants),
+            None => Vec::new(),
         };
-        self.apply(&acks);
-        self.device_lost()?;
-        let admitted = self.admit()?;
-        self.device_lost()?;
-        let rows = self.sched.build_batch(self.model.rows_max());
+        // Unlock what the request locked, except nodes of its in-flight load (the load keeps
+        // them until its ack).
+        let unlock: Vec<NodeId> = req
+            .locked
+            .iter()
+            .copied()
+            .filter(|n| !loading.contains(n))
+            .collect();
+        self.cache.unlock(&unlock);
+        self.pools.device_pages.free(&req.pages[req.owned_from..]);
+    }
+
+    /// One scheduling iteration; see the module comment. Running one step ahead
+    /// (`EngineOptions::overlap`), the iteration enqueues the next step before it waits for the
+    /// one in flight, then records that one's results: the host schedules and enqueues while
+    /// the device computes, and ordering is kept by the device's events alone.
+    pub fn step(&mut self) -> Result<StepReport, EngineError> {
+        if self.overlap {
+            return self.step_ahead();
+        }
+        let t0 = self.clock.now_ns();
+        let admitted = self.before_step()?;
+        let rows = self.sched.build_batch(self.model.rows_max(), None);
         let mut report = StepReport {
             rows: rows.iter().map(|r| r.queries.len()).sum(),
             admitted,
@@ -429,33 +467,14 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             self.end_step(&mut report);
             return Ok(report);
         }
-        let events = self.ctl.layer_events(&self.sched.batch_loads(&rows));
-        let queries =
-            self.model
-                .forward(&mut self.dev, &self.pools, &events, &self.synth, &rows)?;
+        let queries = self.enqueue_forward(&rows, 0)?;
         let t2 = self.clock.now_ns();
         report.host.enqueue_ns = t2.saturating_sub(t1);
-        let digests = self.model.collect(&mut self.dev, queries)?;
+        let digests = self.model.collect(&mut self.dev, queries, 0)?;
         let t3 = self.clock.now_ns();
         report.host.wait_ns = t3.saturating_sub(t2);
         let Some(digests) = digests else {
-            // The device failed the step's work: nothing of it is kept. The requests' state
-            // is as before the step (the batch is built again from it), loads stay unacked,
-            // and the next step rewrites the same rows. A device that fails step after step is
-            // broken: the caller hears of it.
-            self.metrics.steps_failed += 1;
-            self.steps_failed_in_a_row += 1;
-            // The fault is sticky until the device clears it: the rerun would fail too.
-            self.dev.recover()?;
-            probe::hit(Probe::DeviceRecovered);
-            if self.steps_failed_in_a_row >= STEP_FAILURES_MAX {
-                return Err(EngineError::Device(crate::device::DeviceError::Backend {
-                    detail: format!(
-                        "the device failed {} steps in a row",
-                        self.steps_failed_in_a_row
-                    ),
-                }));
-            }
+            self.step_failed()?;
             report.idle = self.is_idle();
             self.end_step(&mut report);
             return Ok(report);
@@ -467,6 +486,133 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         report.host.finish_ns = t4.saturating_sub(t3);
         self.metrics.steps += 1;
         self.metrics.step_latency.observe(t4.saturating_sub(t0));
+        report.idle = self.is_idle();
+        self.end_step(&mut report);
+        Ok(report)
+    }
+
+    /// Every iteration's start: acknowledge finished copies, retry deferred backups, admit
+    /// queued requests. Returns how many were admitted.
+    fn before_step(&mut self) -> Result<usize, EngineError> {
+        let after = self.model.step_done();
+        let acks = {
+            let (ctl, mut io) = self.split();
+            ctl.poll_backups(&mut io, false);
+            ctl.retry_deferred_backups(&mut io, after)?;
+            ctl.poll_loads(&mut io)
+        };
+        self.apply(&acks);
+        self.device_lost()?;
+        let admitted = self.admit()?;
+        self.device_lost()?;
+        Ok(admitted)
+    }
+
+    /// Enqueues the forward of `rows`, ended by the event of `slot`; returns its query rows.
+    fn enqueue_forward(&mut self, rows: &[Row], slot: usize) -> Result<usize, EngineError> {
+        let events = self.ctl.layer_events(&self.sched.batch_loads(rows));
+        self.model
+            .forward(&mut self.dev, &self.pools, &events, &self.synth, rows, slot)
+    }
+
+    /// The device failed a step's work: nothing of it is kept. The requests' state is as
+    /// before the step (the batch is built again from it), loads stay unacked, and the next
+    /// step rewrites the same rows. A device that fails step after step is broken: the caller
+    /// hears of it.
+    fn step_failed(&mut self) -> Result<(), EngineError> {
+        self.metrics.steps_failed += 1;
+        self.steps_failed_in_a_row += 1;
+        // The fault is sticky until the device clears it: the rerun would fail too.
+        self.dev.recover()?;
+        probe::hit(Probe::DeviceRecovered);
+        if self.steps_failed_in_a_row >= STEP_FAILURES_MAX {
+            return Err(EngineError::Device(crate::device::DeviceError::Backend {
+                detail: format!(
+                    "the device failed {} steps in a row",
+                    self.steps_failed_in_a_row
+                ),
+            }));
+        }
+        Ok(())
+    }
+
+    /// [`step`](Self::step) one step ahead. The batch is built from where the step in flight
+    /// leaves each request (`Scheduler::build_batch` with its rows: a token that step generates
+    /// is pending, read on the device), enqueued with the other event slot, and only then is
+    /// the step in flight waited for and recorded. When that step failed, the step built on it
+    /// is waited for and discarded too: both are rebuilt from the recorded state.
+    fn step_ahead(&mut self) -> Result<StepReport, EngineError> {
+        let t0 = self.clock.now_ns();
+        let admitted = self.before_step()?;
+        let ahead = self.in_flight.as_ref().map(|f| f.rows.as_slice());
+        let rows = self.sched.build_batch(self.model.rows_max(), ahead);
+        let mut report = StepReport {
+            rows: rows.iter().map(|r| r.queries.len()).sum(),
+            admitted,
+            idle: false,
+            host: StepTimes::default(),
+            device: None,
+        };
+        let t1 = self.clock.now_ns();
+        report.host.schedule_ns = t1.saturating_sub(t0);
+        if rows.is_empty() && self.in_flight.is_none() {
+            self.wait_for_copies();
+            self.device_lost()?;
+            report.host.wait_ns = self.clock.now_ns().saturating_sub(t1);
+            report.idle = self.is_idle();
+            self.end_step(&mut report);
+            return Ok(report);
+        }
+        let enqueued = if rows.is_empty() {
+            None
+        } else {
+            probe::hit_if(Probe::AheadStep, self.in_flight.is_some());
+            let slot = self.model.next_slot();
+            let queries = self.enqueue_forward(&rows, slot)?;
+            Some(InFlight {
+                rows,
+                queries,
+                slot,
+                started_ns: t1,
+            })
+        };
+        let t2 = self.clock.now_ns();
+        report.host.enqueue_ns = t2.saturating_sub(t1);
+        let Some(prev) = std::mem::replace(&mut self.in_flight, enqueued) else {
+            // The first step of a run: nothing to record yet.
+            report.idle = self.is_idle();
+            self.end_step(&mut report);
+            return Ok(report);
+        };
+        let digests = self
+            .model
+            .collect(&mut self.dev, prev.queries, prev.slot)?;
+        let t3 = self.clock.now_ns();
+        report.host.wait_ns = t3.saturating_sub(t2);
+        // The rows of requests aborted meanwhile were in that step alone (the step enqueued
+        // above was built without them): their memory is free now.
+        for req in std::mem::take(&mut self.aborted_in_flight) {
+            self.release_aborted(req);
+        }
+        let Some(digests) = digests else {
+            if let Some(next) = self.in_flight.take() {
+                probe::hit(Probe::AheadDiscarded);
+                let _ = self.dev.synchronize(self.model.slot_event(next.slot));
+            }
+            self.step_failed()?;
+            report.idle = self.is_idle();
+            self.end_step(&mut report);
+            return Ok(report);
+        };
+        self.steps_failed_in_a_row = 0;
+        self.finish_step(&prev.rows, &digests)?;
+        self.device_lost()?;
+        let t4 = self.clock.now_ns();
+        report.host.finish_ns = t4.saturating_sub(t3);
+        self.metrics.steps += 1;
+        self.metrics
+            .step_latency
+            .observe(t4.saturating_sub(prev.started_ns));
         report.idle = self.is_idle();
         self.end_step(&mut report);
         Ok(report)
@@ -614,11 +760,16 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             .map(|r| r.pages.len() - r.owned_from)
             .sum();
         let held = self.import_held;
+        let aborted: usize = self
+            .aborted_in_flight
+            .iter()
+            .map(|r| r.pages.len() - r.owned_from)
+            .sum();
         assert_eq!(
             self.pools.device_pages.used_count() as usize,
-            tree + owned + loading + exported + held,
+            tree + owned + loading + exported + held + aborted,
             "device pages in use = tree {tree} + requests {owned} + loading {loading} + \
-             exported {exported} + held for transfers {held}"
+             exported {exported} + held for transfers {held} + aborted in flight {aborted}"
         );
         assert_eq!(
             self.pools.host_pages.used_count() as usize,

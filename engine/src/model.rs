@@ -11,13 +11,13 @@
 use crate::config::Config;
 use crate::device::{
     BufferDesc, BufferId, BufferRole, Device, DeviceError, Drawn, EventId, EventState, IndexKStore,
-    IndexLogits, KvStore, LinearCopy, MemoryTier, Op, QPrep, Region, RowTag, RowTags, SparseRead,
-    StreamKind, TokenAt, TopK,
+    IndexLogits, KvStore, LinearCopy, MemoryTier, NextTokens, Op, QPrep, Region, RowTag, RowTags,
+    SparseRead, StreamKind, TokenAt, TopK,
 };
 use crate::error::EngineError;
 use crate::gate::LayerGate;
 use crate::layout::{
-    slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer, ScratchLayout,
+    i32_bytes, slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer, ScratchLayout,
     PAGE_TOKENS,
 };
 use crate::mutants::Mutants;
@@ -39,14 +39,22 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn alloc<D: Device>(dev: &mut D, layout: ScratchLayout) -> Result<Scratch, DeviceError> {
+    /// The step's buffers, and with `ahead` those of an engine that runs one step ahead.
+    fn alloc<D: Device>(
+        dev: &mut D,
+        layout: ScratchLayout,
+        ahead: bool,
+    ) -> Result<Scratch, DeviceError> {
         let mut buffers = Vec::new();
-        for b in ScratchBuffer::ALL {
+        let extra: &[ScratchBuffer] = if ahead { &ScratchBuffer::AHEAD } else { &[] };
+        for &b in ScratchBuffer::ALL.iter().chain(extra) {
             let bytes = layout.bytes(b);
             buffers.push(dev.alloc(BufferDesc {
                 role: BufferRole::Scratch { name: b.name() },
                 tier: match b {
-                    ScratchBuffer::Readback => MemoryTier::PinnedHost,
+                    ScratchBuffer::Readback | ScratchBuffer::ReadbackAhead => {
+                        MemoryTier::PinnedHost
+                    }
                     _ => MemoryTier::Device,
                 },
                 bytes,
@@ -56,7 +64,10 @@ impl Scratch {
         Ok(Scratch { layout, buffers })
     }
     fn buffer(&self, b: ScratchBuffer) -> BufferId {
-        self.buffers[b as usize]
+        *self
+            .buffers
+            .get(b as usize)
+            .unwrap_or_else(|| panic!("scratch buffer {} not allocated", b.name()))
     }
     fn region(&self, b: ScratchBuffer, (offset, bytes): (Bytes, Bytes)) -> Region {
         Region {
@@ -87,9 +98,17 @@ pub(crate) struct ModelStep {
     shape: Shape,
     scratch: Scratch,
     ln: Vec<LnParams>,
-    step_done: EventId,
+    /// The event each step records at its end: one, or (running one step ahead) one per
+    /// readback slot, so that the host waits for the older step while the newer one runs.
+    step_done: Vec<EventId>,
+    /// The slot of the step enqueued last.
+    last: usize,
     mutants: Mutants,
 }
+
+/// Where a step's digests come back and which event ends it: slot 0 (`Readback`), or slot 1
+/// (`ReadbackAhead`) for every other step of an engine that runs one step ahead.
+pub(crate) type Slot = usize;
 
 /// One query row of the batch.
 struct Query {
@@ -100,6 +119,8 @@ struct Query {
 
 /// A batch made concrete: what to store, where, and which rows to query.
 struct Batch {
+    /// The tokens buffer, when a row's token is pending (the previous step generates it).
+    tokens: Option<Region>,
     /// (request, position, token) of each new token.
     store: Vec<(u64, u32, u32)>,
     slots: Vec<i32>,
@@ -114,6 +135,7 @@ impl Batch {
         Drawn {
             seed: synth.seed,
             layer,
+            tokens: self.tokens,
             rows: self
                 .store
                 .iter()
@@ -181,17 +203,20 @@ impl ModelStep {
     pub(crate) fn alloc_scratch<D: Device>(
         dev: &mut D,
         layout: ScratchLayout,
+        ahead: bool,
     ) -> Result<ScratchHandle, DeviceError> {
-        Scratch::alloc(dev, layout).map(ScratchHandle)
+        Scratch::alloc(dev, layout, ahead).map(ScratchHandle)
     }
 
+    /// `step_done`: one event, or two for an engine that runs one step ahead.
     pub(crate) fn new(
         cfg: &Config,
         scratch: ScratchHandle,
-        step_done: EventId,
+        step_done: Vec<EventId>,
         synth: Synth,
         mutants: Mutants,
     ) -> ModelStep {
+        assert!(matches!(step_done.len(), 1 | 2), "one or two step events");
         let m = &cfg.model;
         let ln = (0..m.layers)
             .map(|l| synth.ln_params(m.layer_base + l))
@@ -211,23 +236,33 @@ impl ModelStep {
             scratch: scratch.0,
             ln,
             step_done,
+            last: 0,
             mutants,
         }
     }
 
-    /// The event the compute stream records at the end of every step.
+    /// The event of the step enqueued last: waiting for it waits for every step before.
     pub(crate) fn step_done(&self) -> EventId {
-        self.step_done
+        self.step_done[self.last]
+    }
+    /// The event that ends the step of `slot`.
+    pub(crate) fn slot_event(&self, slot: Slot) -> EventId {
+        self.step_done[slot]
+    }
+    /// The slot the next step uses.
+    pub(crate) fn next_slot(&self) -> Slot {
+        (self.last + 1) % self.step_done.len()
     }
     /// Query rows one step may hold.
     pub(crate) fn rows_max(&self) -> usize {
         self.scratch.layout.rows_max() as usize
     }
 
-    /// Enqueues one batch forward over the synthetic model `synth` and ends the step with its
-    /// event; returns the batch's query rows, whose digests [`collect`](Self::collect) reads.
-    /// `load_events` are the events of the loads the batch waits for (per load, one per local
-    /// layer).
+    /// Enqueues one batch forward over the synthetic model `synth` and ends the step with the
+    /// event of `slot` (see [`next_slot`](Self::next_slot)); returns the batch's query rows,
+    /// whose digests [`collect`](Self::collect) reads. `load_events` are the events of the loads
+    /// the batch waits for (per load, one per local layer). Rows with a pending token read it
+    /// from the tokens the previous step generated on the device.
     pub(crate) fn forward<D: Device>(
         &mut self,
         dev: &mut D,
@@ -235,7 +270,9 @@ impl ModelStep {
         load_events: &[Vec<EventId>],
         synth: &Synth,
         rows: &[Row],
+        slot: Slot,
     ) -> Result<usize, EngineError> {
+        assert!(slot < self.step_done.len(), "step slot {slot}");
         let batch = self.gather(rows);
         assert!(
             batch.queries.len() <= self.rows_max(),
@@ -253,13 +290,20 @@ impl ModelStep {
             self.index_layer(dev, pools, synth, &mut gate, &batch, l)?;
             self.read_layer(dev, pools, synth, &mut gate, &batch, l)?;
         }
-        self.end_step(dev)?;
+        self.end_step(dev, synth, &batch, slot)?;
+        self.last = slot;
         Ok(batch.queries.len())
     }
 
     /// The batch's new tokens, their slots and RoPE rows, and its query rows with page tables.
     fn gather(&self, rows: &[Row]) -> Batch {
+        let pending = rows.iter().any(|r| r.pending.is_some());
+        assert!(
+            !pending || self.ahead(),
+            "a pending token in an engine that does not run ahead"
+        );
         let mut b = Batch {
+            tokens: pending.then(|| self.tokens_region()),
             store: Vec::new(),
             slots: Vec::new(),
             queries: Vec::new(),
@@ -342,6 +386,7 @@ impl ModelStep {
             inputs: Drawn {
                 seed: synth.seed,
                 layer: lg,
+                tokens: batch.tokens,
                 rows: chunk
                     .iter()
                     .map(|c| TokenAt {
@@ -437,41 +482,95 @@ impl ModelStep {
         Ok(())
     }
 
-    /// Copies the step's digests to pinned memory and ends the step (its event).
-    fn end_step<D: Device>(&self, dev: &mut D) -> Result<(), EngineError> {
+    /// Whether this step runs one step ahead (two slots).
+    fn ahead(&self) -> bool {
+        self.step_done.len() == 2
+    }
+
+    /// The whole tokens buffer.
+    fn tokens_region(&self) -> Region {
+        let s = &self.scratch;
+        s.region(
+            ScratchBuffer::Tokens,
+            (Bytes::ZERO, s.layout.bytes(ScratchBuffer::Tokens)),
+        )
+    }
+
+    /// The pinned buffer the digests of a step of `slot` come back to.
+    fn readback(&self, slot: Slot) -> ScratchBuffer {
+        if slot == 0 || self.mutants.overlap_one_readback() {
+            ScratchBuffer::Readback
+        } else {
+            ScratchBuffer::ReadbackAhead
+        }
+    }
+
+    /// Copies the step's digests to pinned memory and ends the step (the event of `slot`).
+    /// Running ahead, the step first writes each query row's next token to the tokens buffer,
+    /// where the next step's pending rows read it.
+    fn end_step<D: Device>(
+        &self,
+        dev: &mut D,
+        synth: &Synth,
+        batch: &Batch,
+        slot: Slot,
+    ) -> Result<(), EngineError> {
         let s = &self.scratch;
         let bytes = s.layout.bytes(ScratchBuffer::Digests);
+        if self.ahead() {
+            let n = batch.queries.len() as u64;
+            let next = NextTokens {
+                seed: synth.seed,
+                digests: s.region(ScratchBuffer::Digests, (Bytes::ZERO, bytes)),
+                layers: self.shape.layers,
+                rows_max: s.layout.rows_max(),
+                out: s.region(ScratchBuffer::Tokens, (Bytes::ZERO, i32_bytes(n))),
+                tags: RowTags {
+                    layer_global: self.shape.layer_base,
+                    rows: batch
+                        .queries
+                        .iter()
+                        .map(|q| RowTag {
+                            request: q.request,
+                            position: q.position,
+                        })
+                        .collect(),
+                },
+            };
+            dev.enqueue(StreamKind::Compute, Op::NextTokens(next))?;
+        }
         let copy = LinearCopy {
             src: s.region(ScratchBuffer::Digests, (Bytes::ZERO, bytes)),
-            dst: s.region(ScratchBuffer::Readback, (Bytes::ZERO, bytes)),
+            dst: s.region(self.readback(slot), (Bytes::ZERO, bytes)),
         };
         dev.enqueue(StreamKind::Compute, Op::Copy(copy))?;
         // The step's only record on the compute stream: a failure anywhere in the step's work
         // is reported by it (a device reports a failed op at its stream's next record), so no
         // other record may be placed on the compute stream inside a step.
-        dev.record(StreamKind::Compute, self.step_done)?;
+        dev.record(StreamKind::Compute, self.step_done[slot])?;
         Ok(())
     }
 
-    /// Waits for the step [`forward`](Self::forward) enqueued and reads the digests of its
-    /// `queries` rows back: per row, one digest per layer. `None` when the step's event reports
-    /// a failure.
+    /// Waits for the step [`forward`](Self::forward) enqueued with `slot` and reads the digests
+    /// of its `queries` rows back: per row, one digest per layer. `None` when the step's event
+    /// reports a failure.
     pub(crate) fn collect<D: Device>(
         &self,
         dev: &mut D,
         queries: usize,
+        slot: Slot,
     ) -> Result<Option<Vec<Vec<u64>>>, EngineError> {
         let s = &self.scratch;
         let bytes = s.layout.bytes(ScratchBuffer::Digests);
         if probe::hit_if(
             Probe::StepDeviceFailed,
-            dev.synchronize(self.step_done) == EventState::Failed,
+            dev.synchronize(self.step_done[slot]) == EventState::Failed,
         ) {
             // The device could not run the step (a launch failed): its digests are not data.
             return Ok(None);
         }
         let mut raw = vec![0u8; bytes.usize()];
-        dev.host_read(s.buffer(ScratchBuffer::Readback), Bytes::ZERO, &mut raw)?;
+        dev.host_read(s.buffer(self.readback(slot)), Bytes::ZERO, &mut raw)?;
         let all = le_u64s(&raw);
         Ok(Some(
             (0..queries as u32)

@@ -54,10 +54,14 @@ pub enum Mutant {
     /// 17. Prefill/decode: decode admits a request when its first layer's receive completed, and
     ///     reads the other layers before theirs did.
     PdAdmitsBeforeEveryLayer,
+    /// 18. One step ahead: every step's digests come back through one pinned readback buffer,
+    ///     so the step enqueued next overwrites the digests the host is still reading (the
+    ///     double-buffered output of an overlap scheduler, single-buffered).
+    OverlapOneReadback,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 17] = [
+    pub const ALL: [Mutant; 18] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -75,6 +79,7 @@ impl Mutant {
         Mutant::PdFreesBeforeSend,
         Mutant::PdLayerLayoutMismatch,
         Mutant::PdAdmitsBeforeEveryLayer,
+        Mutant::OverlapOneReadback,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -86,6 +91,11 @@ impl Mutant {
                 | Mutant::PdLayerLayoutMismatch
                 | Mutant::PdAdmitsBeforeEveryLayer
         )
+    }
+    /// The mutants of an engine that runs one step ahead: the simulator switches the overlap
+    /// on for them.
+    pub fn needs_overlap(self) -> bool {
+        matches!(self, Mutant::OverlapOneReadback)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -106,6 +116,7 @@ impl Mutant {
             Mutant::PdFreesBeforeSend => "pd-frees-before-send",
             Mutant::PdLayerLayoutMismatch => "pd-layer-layout-mismatch",
             Mutant::PdAdmitsBeforeEveryLayer => "pd-admits-before-every-layer",
+            Mutant::OverlapOneReadback => "overlap-one-readback",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -127,6 +138,7 @@ impl Mutant {
             Mutant::PdFreesBeforeSend => "sglang #23020",
             Mutant::PdLayerLayoutMismatch => "TensorRT-LLM #6507",
             Mutant::PdAdmitsBeforeEveryLayer => "decode reads a layer before its receive",
+            Mutant::OverlapOneReadback => "overlap scheduler's output buffer reused",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -259,6 +271,10 @@ impl Mutants {
         self.on(Mutant::NoAdmissionControl)
     }
     /// Mutant 14: an aborted prefill is published to decode as if its prompt were computed.
+    /// Mutant 18: every step reads its digests back through the first readback buffer.
+    pub fn overlap_one_readback(&self) -> bool {
+        self.on(Mutant::OverlapOneReadback)
+    }
     pub fn pd_publishes_aborted(&self) -> bool {
         self.on(Mutant::PdPublishesAbortedPrefill)
     }

@@ -175,6 +175,16 @@ probes! {
     PdSendDraining = "pd.send_draining",
     /// Prefill/decode: a request was aborted after its prefill, before decode admitted it.
     PdAbortInTransfer = "pd.abort_in_transfer",
+    /// One step ahead: a step was enqueued while the step before it was still in flight.
+    AheadStep = "ahead.step",
+    /// One step ahead: a row's token is pending (the step in flight generates it on the device).
+    AheadPendingToken = "ahead.pending_token",
+    /// One step ahead: a request whose row in flight reads a load waited for that step's results.
+    AheadWaitsForLoad = "ahead.waits_for_load",
+    /// One step ahead: a request was aborted with a row in flight; the row's results were dropped.
+    AheadRowOfAborted = "ahead.row_of_aborted",
+    /// One step ahead: the step before failed, so the step built on it was discarded as well.
+    AheadDiscarded = "ahead.discarded",
 }
 
 #[cfg(test)]

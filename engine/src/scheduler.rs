@@ -14,6 +14,7 @@ use crate::error::EngineError;
 use crate::layout::{PageId, PAGE_TOKENS};
 use crate::mutants::Mutants;
 use crate::probe::{self, Probe};
+use crate::device::TokenAt;
 use crate::synth::{Synth, VOCAB};
 use std::collections::{BTreeMap, VecDeque};
 
@@ -120,6 +121,7 @@ impl Request {
             queries,
             tokens: self.tokens[from..to].to_vec(),
             pages: self.pages.clone(),
+            pending: None,
         }
     }
     /// Full prompt pages the prefix cache may serve: the last prompt token is always computed,
@@ -138,8 +140,13 @@ pub struct Row {
     pub from: usize,
     pub to: usize,
     pub queries: Vec<u32>,
+    /// The tokens of positions `from..to`; a row run ahead holds, at `from`, the pending token
+    /// (`TokenAt::pending`'s encoding) that the device reads from the previous step's tokens.
     pub tokens: Vec<u32>,
     pub pages: Vec<PageId>,
+    /// Run one step ahead: the token at `from` is the one the previous step's query row of
+    /// this index generates, which the host does not know yet.
+    pub pending: Option<u32>,
 }
 
 impl Row {
@@ -439,27 +446,68 @@ impl Scheduler {
     /// The next batch: every decoding request contributes one token; prefilling requests take
     /// chunks of their prompt within the step's prefill budget, in admission order; at most
     /// `rows_max` query rows.
-    pub(crate) fn build_batch(&self, rows_max: usize) -> Vec<Row> {
+    /// The next batch. With `ahead`, the rows of the step still in flight, the batch runs one
+    /// step ahead: each request continues from where that step leaves it, and a token that step
+    /// generates is pending (the device reads it from the tokens that step writes). A request
+    /// whose row in that step reads a load in flight waits for the step's results: its row may
+    /// be discarded if the load failed.
+    pub(crate) fn build_batch(&self, rows_max: usize, ahead: Option<&[Row]>) -> Vec<Row> {
+        // Each in-flight row's request, with the index of its last query row in that step.
+        let mut flying: BTreeMap<u64, (&Row, u32)> = BTreeMap::new();
+        let mut qi = 0u32;
+        for row in ahead.unwrap_or(&[]) {
+            qi += row.queries.len() as u32;
+            flying.insert(row.request, (row, qi - 1));
+        }
         let mut rows = Vec::new();
         let mut budget = self.limits.sched.prefill_tokens_per_step_max as usize;
         let mut query_rows = 0usize;
         for &id in &self.running {
             let r = &self.requests[&id];
-            let row = if r.in_prefill() {
-                let n = (r.prompt_len - r.computed).min(budget);
-                probe::hit_if(Probe::BatchPrefillChunked, n < r.prompt_len - r.computed);
+            // Where the request stands after the step in flight, if it has a row there.
+            let (computed, generated, pending) = match flying.get(&id) {
+                None => (r.computed, r.generated, None),
+                Some(_) if r.load.is_some() => {
+                    probe::hit(Probe::AheadWaitsForLoad);
+                    continue;
+                }
+                Some(&(prev, last_query)) => {
+                    let last = *prev.queries.last().expect("a row has a query") as usize;
+                    let generates = last + 1 == r.tokens.len()
+                        && last + 1 >= r.prompt_len
+                        && !r.finished();
+                    (prev.to, r.generated + generates as u32, generates.then_some(last_query))
+                }
+            };
+            let row = if computed < r.prompt_len {
+                let n = (r.prompt_len - computed).min(budget);
+                probe::hit_if(Probe::BatchPrefillChunked, n < r.prompt_len - computed);
                 if n == 0 {
                     continue;
                 }
-                let (from, to) = (r.computed, r.computed + n);
+                let (from, to) = (computed, computed + n);
                 let queries: Vec<u32> = match self.limits.prefill_indexer {
                     PrefillIndexer::EveryToken => (from as u32..to as u32).collect(),
                     PrefillIndexer::LastToken => vec![to as u32 - 1],
                 };
                 r.row(from, to, queries)
-            } else if !r.finished() {
-                let p = r.computed;
-                r.row(p, p + 1, vec![p as u32])
+            } else if generated < r.max_new {
+                let p = computed;
+                match pending {
+                    Some(index) => {
+                        probe::hit(Probe::AheadPendingToken);
+                        Row {
+                            request: id,
+                            from: p,
+                            to: p + 1,
+                            queries: vec![p as u32],
+                            tokens: vec![TokenAt::pending(index, p as u32).token],
+                            pages: r.pages.clone(),
+                            pending: Some(index),
+                        }
+                    }
+                    None => r.row(p, p + 1, vec![p as u32]),
+                }
             } else {
                 continue;
             };
@@ -470,7 +518,7 @@ impl Scheduler {
                 "batch of {} query rows over the scratch's {rows_max}",
                 query_rows + row.queries.len()
             );
-            if r.in_prefill() {
+            if computed < r.prompt_len {
                 budget -= row.to - row.from;
             }
             query_rows += row.queries.len();
@@ -514,6 +562,23 @@ impl Scheduler {
                 probe::hit(Probe::LoadRecomputed);
                 continue;
             }
+            let Some(r) = self.requests.get(&row.request) else {
+                // Aborted while its step was in flight (an engine running ahead): nothing of
+                // it is kept.
+                probe::hit(Probe::AheadRowOfAborted);
+                continue;
+            };
+            assert_eq!(
+                r.computed, row.from,
+                "request {}: a row from position {} recorded at {}",
+                row.request, row.from, r.computed
+            );
+            assert!(
+                r.tokens.len() > row.from,
+                "request {}: the token at {} unknown when its row is recorded",
+                row.request,
+                row.from
+            );
             for (&pos, d) in row.queries.iter().zip(row_digests) {
                 self.outputs.push(Output::Digests {
                     request: row.request,

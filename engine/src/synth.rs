@@ -13,8 +13,7 @@ use tierkv_kernels::layout::{INDEX_HEAD_DIM, KV_ROW_VALUES};
 /// A layer's indexer LayerNorm weight and bias (128 values each).
 pub type LnParams = (Arc<[f32]>, Arc<[f32]>);
 
-/// Token ids are below this.
-pub const VOCAB: u32 = 50_000;
+pub use tierkv_kernels::cpu::draw::VOCAB;
 
 /// The model's identity: two engines with the same seed produce the same bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,10 +91,7 @@ impl Synth {
 
     /// The token generated from a position's per-layer digests.
     pub fn next_token(&self, digests: &[u64]) -> u32 {
-        let h = digests
-            .iter()
-            .fold(self.seed ^ 0x7E57, |acc, d| mix64(acc ^ d));
-        (h % VOCAB as u64) as u32
+        draw::next_token(self.seed, digests.iter().copied())
     }
 
     /// A deterministic token for generated workloads (prompts, tool outputs).

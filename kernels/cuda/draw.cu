@@ -56,3 +56,31 @@ extern "C" __global__ void draw_kv_rows(u64 seed, unsigned layer, const uint2* _
         out[(size_t)blockIdx.x * TKV_KV_ROW_VALUES + i] =
             __float2bfloat16_rn(3.0f * tkv_draw_unit(s, i));
 }
+
+// An engine running one step ahead draws rows whose token the previous step generates on the
+// device: their token is TKV_PENDING_TOKEN | index into `tokens` (cpu::draw::resolve_pending).
+// Rewrites the uploaded rows in place; the host checked every index against `tokens_len`.
+extern "C" __global__ void draw_resolve_pending(uint2* __restrict__ rows, unsigned n,
+                                                const unsigned* __restrict__ tokens,
+                                                unsigned tokens_len) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned t = rows[i].x;
+    if (t & TKV_PENDING_TOKEN) {
+        unsigned at = t & ~TKV_PENDING_TOKEN;
+        if (at >= tokens_len) __trap();
+        rows[i].x = tokens[at];
+    }
+}
+
+// The next token of each of a step's first `rows` query rows (cpu::draw::next_tokens): a fold
+// of mix64 over the row's digests of every layer, laid out [layers][rows_max].
+extern "C" __global__ void next_tokens(u64 seed, const u64* __restrict__ digests,
+                                       unsigned layers, unsigned rows_max, unsigned rows,
+                                       unsigned* __restrict__ out) {
+    unsigned r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    u64 h = seed ^ (u64)TKV_NEXT_TOKEN_SALT;
+    for (unsigned l = 0; l < layers; l++) h = tkv_mix64(h ^ digests[(size_t)l * rows_max + r]);
+    out[r] = (unsigned)(h % (u64)TKV_VOCAB);
+}

@@ -651,6 +651,12 @@ pub enum ScratchBuffer {
     Digests,
     /// The pinned host copy of `Digests` that the host reads after the step.
     Readback,
+    /// The token each query row of the last step generated, `[rows_max]` u32 (device): where the
+    /// next step's rows read the tokens the host does not know yet (an engine running one step
+    /// ahead; [`ScratchBuffer::AHEAD`]).
+    Tokens,
+    /// A second readback, for the step enqueued while the host reads the previous one's.
+    ReadbackAhead,
 }
 
 impl ScratchBuffer {
@@ -662,6 +668,9 @@ impl ScratchBuffer {
         ScratchBuffer::Digests,
         ScratchBuffer::Readback,
     ];
+    /// The buffers only an engine that runs one step ahead allocates, after [`ScratchBuffer::ALL`].
+    pub const AHEAD: [ScratchBuffer; 2] = [ScratchBuffer::Tokens, ScratchBuffer::ReadbackAhead];
+
     pub fn name(self) -> &'static str {
         match self {
             ScratchBuffer::Queries => "q",
@@ -670,6 +679,8 @@ impl ScratchBuffer {
             ScratchBuffer::Selections => "topk",
             ScratchBuffer::Digests => "digests",
             ScratchBuffer::Readback => "readback",
+            ScratchBuffer::Tokens => "tokens",
+            ScratchBuffer::ReadbackAhead => "readback_ahead",
         }
     }
 }
@@ -770,9 +781,10 @@ impl ScratchLayout {
             ScratchBuffer::Weights => self.weights(p.launch_rows),
             ScratchBuffer::Logits => self.logits(p.launch_rows),
             ScratchBuffer::Selections => self.selections(0, p.rows_max).1,
-            ScratchBuffer::Digests | ScratchBuffer::Readback => {
+            ScratchBuffer::Digests | ScratchBuffer::Readback | ScratchBuffer::ReadbackAhead => {
                 u64_bytes(p.layers as u64 * p.rows_max as u64)
             }
+            ScratchBuffer::Tokens => i32_bytes(p.rows_max as u64),
         }
     }
     /// fp8 queries of `rows` rows (from the start of the buffer).

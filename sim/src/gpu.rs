@@ -31,7 +31,7 @@ use tierkv_engine::cpu_device::{
 };
 use tierkv_engine::device::*;
 use tierkv_engine::layout::IndexKDtype;
-use tierkv_engine::layout::{Bytes, PageId, PageRun};
+use tierkv_engine::layout::{slot_offset, slot_page, Bytes, PageId, PageRun, SlotId};
 use tierkv_kernels::cpu::{row_hash, KeyBlock, PageKeys};
 
 /// Timing and fault model of the simulated GPU.
@@ -262,6 +262,9 @@ pub struct SimGpu {
     race: RaceDetector,
     /// Token rows (bit `t` of a page's mask) that a failed copy left garbage in.
     tainted: crate::fasthash::FastMap<(BufferId, u64), u64>,
+    /// Tokens buffers whose last `next_tokens` was skipped (a failed step): what they hold is
+    /// not the tokens of any step.
+    stale_tokens: std::collections::BTreeSet<BufferId>,
     /// Writes per paged-buffer page (the content oracle's cache key).
     page_gen: crate::fasthash::FastMap<(BufferId, u64), u64>,
     sched: Decider,
@@ -330,6 +333,7 @@ impl SimGpu {
             host_actions: 0,
             race: RaceDetector::default(),
             tainted: Default::default(),
+            stale_tokens: Default::default(),
             page_gen: Default::default(),
             sched,
             findings: Vec::new(),
@@ -680,6 +684,10 @@ impl SimGpu {
         if skipped {
             self.log(&[13, s as u64, rec.id]);
             self.streams[s].failed_since_record = true;
+            // Tokens a skipped `next_tokens` should have written are stale.
+            if let Op::NextTokens(o) = &rec.op {
+                self.stale_tokens.insert(o.out.buffer);
+            }
             // What a skipped copy should have written holds whatever was there: garbage.
             if rec.op.spec().class() == OpClass::PageCopy {
                 for (buf, page, rows) in rec.op.spec().full_rows() {
@@ -826,8 +834,48 @@ impl SimGpu {
                 }
             }
         }
+        self.pending_tokens(&rec.op);
         if let Op::PageCopy(_) = rec.op {
             self.stats.copy_bytes += writes.iter().map(|r| r.len().0).sum::<u64>();
+        }
+    }
+
+    /// An engine running one step ahead: a `next_tokens` that ran makes its tokens data and
+    /// tells the content oracle the tokens its rows generated (provisionally: the engine
+    /// confirms each when it emits it); a store that drew a pending row from tokens that a
+    /// skipped `next_tokens` left stale wrote garbage there, like a failed copy (the engine must
+    /// discard the step, as it discards the failed one before it).
+    fn pending_tokens(&mut self, op: &Op) {
+        let (drawn, dst, slots) = match op {
+            Op::NextTokens(o) => {
+                self.stale_tokens.remove(&o.out.buffer);
+                if let Some(c) = &self.content {
+                    let got = self.mem.region(o.out);
+                    let mut c = c.borrow_mut();
+                    for (tag, b) in o.tags.rows.iter().zip(got.chunks_exact(4)) {
+                        let token = u32::from_le_bytes(b.try_into().expect("4 bytes"));
+                        c.generated(tag.request, tag.position + 1, token);
+                    }
+                }
+                return;
+            }
+            Op::IndexKStore(o) => (&o.keys, o.dst, &o.slots),
+            Op::KvStore(o) => (&o.rows, o.dst, &o.slots),
+            _ => return,
+        };
+        let Some(t) = drawn.tokens else {
+            return;
+        };
+        if !self.stale_tokens.contains(&t.buffer) {
+            return;
+        }
+        probes::hit(SimProbe::StaleTokensDrawn);
+        for (row, &slot) in drawn.rows.iter().zip(slots) {
+            if row.pending_index().is_some() {
+                let s = SlotId(slot.max(0) as u32);
+                *self.tainted.entry((dst, slot_page(s).0 as u64)).or_default() |=
+                    1u64 << slot_offset(s);
+            }
         }
     }
 

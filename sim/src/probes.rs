@@ -56,6 +56,8 @@ pub enum SimProbe {
     EvictedOnDemand,
     /// A prefill/decode transfer's layers went over the simulated link out of layer order.
     PdLayersReordered,
+    /// One step ahead: a store drew a pending token from tokens a failed step left stale.
+    StaleTokensDrawn,
 }
 
 impl SimProbe {
@@ -82,6 +84,7 @@ impl SimProbe {
         SimProbe::ClientRetried,
         SimProbe::EvictedOnDemand,
         SimProbe::PdLayersReordered,
+        SimProbe::StaleTokensDrawn,
     ];
 
     pub fn name(self) -> &'static str {
@@ -108,6 +111,7 @@ impl SimProbe {
             SimProbe::ClientRetried => "run.client_retried",
             SimProbe::EvictedOnDemand => "run.evicted_on_demand",
             SimProbe::PdLayersReordered => "pd.layers_reordered",
+            SimProbe::StaleTokensDrawn => "ahead.stale_tokens_drawn",
         }
     }
 }

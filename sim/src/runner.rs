@@ -471,6 +471,12 @@ fn start_engine(
             device_pages_refused_rate: sc.device_pages_refused_rate,
             host_pages_refused_rate: sc.host_pages_refused_rate,
         },
+        // A mutant of the overlapping engine needs it on.
+        overlap: sc.overlap
+            || planted
+                .engine
+                .active()
+                .is_some_and(|m| m.needs_overlap()),
     };
     let failed = |oracle, message| Finding {
         oracle,
@@ -788,7 +794,7 @@ impl<'a> Run<'a> {
                 self.stats.submitted += 1;
                 self.owners.insert(*id, owner);
                 self.specs.insert(*id, (prompt.len(), generate));
-                self.content.borrow_mut().tokens.insert(*id, prompt);
+                self.content.borrow_mut().prompt(*id, prompt);
             }
             Err(_) => self.stats.rejected += 1,
         }
@@ -983,6 +989,18 @@ impl<'a> Run<'a> {
     fn digests(&mut self, request: u64, position: u32, digests: Vec<u64>) {
         let layer_base = self.cfg.model.layer_base;
         let mut c = self.content.borrow_mut();
+        if position as usize >= c.confirmed(request) {
+            // A query's token is emitted before its digests (an engine running ahead reads it
+            // on the device meanwhile): these came from a token the engine never confirmed.
+            drop(c);
+            self.found(
+                OracleKind::Digest,
+                format!(
+                    "request {request} position {position}: digests emitted before the token at that position"
+                ),
+            );
+            return;
+        }
         let tainted = (0..digests.len() as u32).any(|l| {
             c.tainted_reads
                 .get(&(request, position, layer_base + l))
@@ -1020,13 +1038,10 @@ impl<'a> Run<'a> {
             .last_digests
             .get(&request)
             .map(|d| self.synth.next_token(d));
-        let mut c = self.content.borrow_mut();
-        let Some(t) = c.tokens.get_mut(&request) else {
+        let Some(at) = self.content.borrow_mut().confirm(request, token) else {
             return;
         };
-        let have = t.len() - prompt_len;
-        t.push(token);
-        drop(c);
+        let have = at - prompt_len;
         if index as usize != have || want != Some(token) {
             self.found(
                 OracleKind::Digest,
@@ -1052,13 +1067,12 @@ impl<'a> Run<'a> {
                 .map(|t| now + t.think_ns)
                 .unwrap_or(now);
         }
-        let known = self
-            .content
-            .borrow()
-            .tokens
-            .get(&request)
-            .cloned()
-            .unwrap_or_default();
+        let known = {
+            let c = self.content.borrow();
+            let mut known = c.tokens.get(&request).cloned().unwrap_or_default();
+            known.truncate(c.confirmed(request));
+            known
+        };
         let (prompt_len, max_new) = self.specs.get(&request).copied().unwrap_or((0, 0));
         if known.len() < prompt_len
             || known[prompt_len..] != generated[..]

@@ -152,6 +152,11 @@ pub struct Scenario {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub evict_rate: f64,
     pub workload: Workload,
+    /// The engine runs one step ahead (`EngineOptions::overlap`). Not with the `pd` profile.
+    /// (Left out of the JSON when false, so that scenarios from before it keep their
+    /// fingerprints.)
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub overlap: bool,
     /// Engine steps before the run is declared stuck.
     pub steps_max: u64,
     /// The mutant to switch on (bug zoo), by name.
@@ -160,6 +165,10 @@ pub struct Scenario {
 
 fn is_zero(v: &f64) -> bool {
     *v == 0.0
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }
 
 /// Why a scenario (a saved file, or any scenario handed to the runner) was refused: the field,
@@ -303,6 +312,13 @@ impl Scenario {
             return Err(bad("steps_max", 0, "must be at least 1"));
         }
         at_most("steps_max", self.steps_max, limits::STEPS_MAX)?;
+        if self.overlap && self.profile == "pd" {
+            return Err(bad(
+                "overlap",
+                true,
+                "a prefill/decode pair's engines do not run ahead",
+            ));
+        }
         self.validate_workload(&cfg)?;
         if let Some(m) = &self.mutant {
             let known = tierkv_engine::mutants::Mutant::parse(m).is_some()
@@ -393,7 +409,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -425,6 +441,7 @@ impl Scenario {
             self.abort_rate,
             self.abort_mid_load_rate,
             self.evict_rate,
+            if self.overlap { "one step ahead" } else { "in order" },
             self.workload.sessions.len(),
             self.workload.oneshots.len(),
             self.workload.requests(),
@@ -482,6 +499,8 @@ pub fn draw(
     } else {
         0.02 + er.unit() * 0.1
     };
+    // Its own stream too: every seed drew the same scenario as before, but for this.
+    let overlap = profile != "pd" && rng.fork(5).chance(0.5);
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
     let sc = Scenario {
@@ -495,6 +514,7 @@ pub fn draw(
         host_pages_refused_rate,
         evict_rate,
         workload,
+        overlap,
         steps_max: 2_000 + 200 * requests,
         mutant: None,
     };

@@ -12,7 +12,7 @@
 
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
-    kv_row, slot_offset, slot_page, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat,
+    i32_bytes, kv_row, slot_offset, u64_bytes, slot_page, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat,
     PageId, PageRun, PagedView, SlotId, PAGE_TOKENS,
 };
 use std::sync::Arc;
@@ -28,9 +28,45 @@ pub struct Drawn {
     pub seed: u64,
     pub layer: u32,
     pub rows: Vec<TokenAt>,
+    /// The tokens buffer that pending rows (`TokenAt::pending`) read their token from: the
+    /// previous step's [`NextTokens`]. `None` when every row's token is known.
+    pub tokens: Option<Region>,
 }
 
 impl Drawn {
+    /// Rows whose token is known on the host.
+    pub fn known(seed: u64, layer: u32, rows: Vec<TokenAt>) -> Drawn {
+        Drawn {
+            seed,
+            layer,
+            rows,
+            tokens: None,
+        }
+    }
+
+    /// Declares the tokens the pending rows read.
+    fn accesses(&self, out: &mut Vec<Access>) {
+        if let Some(t) = self.tokens {
+            read(out, t.range());
+        }
+    }
+
+    /// Every pending row names an entry inside the tokens region.
+    fn check(&self, op: &'static str) -> Result<(), DeviceError> {
+        let entries = self.tokens.map_or(0, |t| t.bytes.0 / 4);
+        for (i, t) in self.rows.iter().enumerate() {
+            if let Some(at) = t.pending_index() {
+                if at as u64 >= entries {
+                    return Err(bad(
+                        op,
+                        format!("row {i}: pending token {at} outside the {entries} drawn tokens"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Each row's position, in row order.
     pub fn positions(&self) -> Vec<u32> {
         self.rows.iter().map(|t| t.position).collect()
@@ -200,6 +236,29 @@ pub struct QPrep {
     pub w_out: Region,
 }
 
+/// The token each of a step's query rows generates (`cpu::draw::next_tokens`), from the step's
+/// digests into the tokens buffer, where the next step's pending rows read it: an engine that
+/// runs one step ahead never waits for a token on the host.
+#[derive(Clone, Debug)]
+pub struct NextTokens {
+    pub seed: u64,
+    /// The step's whole digests buffer, `[layers][rows_max]` u64.
+    pub digests: Region,
+    pub layers: u32,
+    pub rows_max: u32,
+    /// One u32 per query row.
+    pub out: Region,
+    /// Each query row (its request and position): entry `i` is the token after row `i`.
+    pub tags: RowTags,
+}
+
+impl NextTokens {
+    /// Query rows of the step.
+    pub fn rows(&self) -> usize {
+        self.tags.rows.len()
+    }
+}
+
 /// `index_logits` over one layer's index-K pool.
 #[derive(Clone, Debug)]
 pub struct IndexLogits {
@@ -272,11 +331,12 @@ pub enum Op {
     SparseRead(SparseRead),
     PageCopy(PageCopy),
     Copy(LinearCopy),
+    NextTokens(NextTokens),
 }
 
 impl Op {
     /// How many kinds of op there are.
-    pub const KINDS: usize = 8;
+    pub const KINDS: usize = 9;
 
     /// Every op's name, in [`Op::kind`] order (each equal to its `OpSpec::name`: `check_op`
     /// asserts it at every enqueue in debug builds).
@@ -289,6 +349,7 @@ impl Op {
         "sparse_read",
         "page_copy",
         "copy",
+        "next_tokens",
     ];
 
     /// The op's index in [`Op::NAMES`].
@@ -302,6 +363,7 @@ impl Op {
             Op::SparseRead(_) => 5,
             Op::PageCopy(_) => 6,
             Op::Copy(_) => 7,
+            Op::NextTokens(_) => 8,
         }
     }
 
@@ -316,6 +378,7 @@ impl Op {
             Op::SparseRead(o) => o,
             Op::PageCopy(o) => o,
             Op::Copy(o) => o,
+            Op::NextTokens(o) => o,
         }
     }
     pub fn name(&self) -> &'static str {
@@ -444,6 +507,7 @@ impl OpSpec for IndexKStore {
         vec![(self.dst, PageFormat::IndexK(self.dtype).fingerprint())]
     }
     fn accesses(&self, out: &mut Vec<Access>) {
+        self.keys.accesses(out);
         let fmt = PageFormat::IndexK(self.dtype);
         for &s in &self.slots {
             // The token's values and (fp8) scale both live in its page: declare the page.
@@ -461,7 +525,7 @@ impl OpSpec for IndexKStore {
         if self.keys.rows.len() != n {
             return Err(bad(self.name(), "keys/slots lengths disagree".into()));
         }
-        Ok(())
+        self.keys.check(self.name())
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)
@@ -482,6 +546,7 @@ impl OpSpec for KvStore {
         vec![(self.dst, PageFormat::Kv(self.dtype).fingerprint())]
     }
     fn accesses(&self, out: &mut Vec<Access>) {
+        self.rows.accesses(out);
         let tb = Bytes(PageFormat::Kv(self.dtype).token_bytes());
         for &s in &self.slots {
             let at = Bytes(kv_row::slot_offset(self.dtype, s.max(0) as u32) as u64);
@@ -492,7 +557,7 @@ impl OpSpec for KvStore {
         if self.rows.rows.len() != self.slots.len() {
             return Err(bad(self.name(), "rows/slots lengths disagree".into()));
         }
-        Ok(())
+        self.rows.check(self.name())
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)
@@ -517,11 +582,63 @@ impl OpSpec for QPrep {
         "q_prep"
     }
     fn accesses(&self, out: &mut Vec<Access>) {
+        self.inputs.accesses(out);
         write(out, self.q_out.range());
         write(out, self.w_out.range());
     }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        self.inputs.check(self.name())
+    }
     fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
         format!("{} rows x {} heads", self.rows(), self.heads)
+    }
+}
+
+impl OpSpec for NextTokens {
+    fn name(&self) -> &'static str {
+        "next_tokens"
+    }
+    fn accesses(&self, out: &mut Vec<Access>) {
+        for l in 0..self.layers as u64 {
+            let at = self.digests.offset + u64_bytes(l * self.rows_max as u64);
+            read(
+                out,
+                ByteRange::new(self.digests.buffer, at, u64_bytes(self.rows() as u64)),
+            );
+        }
+        write(out, self.out.range());
+    }
+    fn check_shapes(&self) -> Result<(), DeviceError> {
+        let rows = self.rows() as u64;
+        if rows > self.rows_max as u64 {
+            return Err(bad(
+                self.name(),
+                format!("{rows} rows of a step of {}", self.rows_max),
+            ));
+        }
+        let digests = u64_bytes(self.layers as u64 * self.rows_max as u64);
+        if self.digests.bytes != digests {
+            return Err(bad(
+                self.name(),
+                format!(
+                    "digests region of {} B, expected {digests} ({} layers x {} rows)",
+                    self.digests.bytes, self.layers, self.rows_max
+                ),
+            ));
+        }
+        if self.out.bytes != i32_bytes(rows) {
+            return Err(bad(
+                self.name(),
+                format!("tokens region of {} B for {rows} rows", self.out.bytes),
+            ));
+        }
+        Ok(())
+    }
+    fn tags(&self) -> Option<&RowTags> {
+        Some(&self.tags)
+    }
+    fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
+        format!("{} rows x {} layers", self.rows(), self.layers)
     }
 }
 

@@ -356,8 +356,20 @@ impl CudaOps {
     /// Draws the synthetic model's `kind` inputs of `d`'s rows on stream `s` into a
     /// stream-ordered allocation (freed stream-ordered when dropped): the host sends 8 bytes a
     /// row instead of the values.
-    fn draw(&self, s: &Arc<CudaStream>, kind: DrawKind, d: &Drawn) -> Result<Upload, DeviceError> {
+    /// Pending rows take their token from the op's tokens region first, on the device.
+    fn draw(
+        &self,
+        s: &Arc<CudaStream>,
+        kind: DrawKind,
+        d: &Drawn,
+        mem: Resolve<'_>,
+    ) -> Result<Upload, DeviceError> {
         let (_rows, rows) = self.upload(s, bytes_of(&d.rows))?;
+        if let Some(t) = d.tokens {
+            self.kernels
+                .resolve_pending(s, &d.rows, rows, region(mem, &t), (t.bytes.0 / 4) as u32)
+                .map_err(kernel)?;
+        }
         let bytes = kind.bytes(d.rows.len() as u64).max(Bytes(1));
         // SAFETY: the draw kernel below writes every byte of its rows before any op reads them.
         let slice = unsafe { s.alloc::<u8>(bytes.usize()) }.map_err(backend("draw"))?;
@@ -380,6 +392,18 @@ impl CudaOps {
             Op::TopK(o) => self.topk(s, o, mem),
             Op::SparseRead(o) => self.sparse_read(s, o, mem),
             Op::PageCopy(o) => self.page_copy(s, o, mem),
+            Op::NextTokens(o) => self
+                .kernels
+                .next_tokens(
+                    s,
+                    o.seed,
+                    region(mem, &o.digests),
+                    o.layers,
+                    o.rows_max,
+                    o.rows() as u32,
+                    region(mem, &o.out),
+                )
+                .map_err(kernel),
             Op::Copy(o) => {
                 let (sp, dp) = (region(mem, &o.src), region(mem, &o.dst));
                 // SAFETY: both regions were checked against their buffers by `check_op`.
@@ -399,7 +423,7 @@ impl CudaOps {
         o: &IndexKStore,
         mem: Resolve<'_>,
     ) -> Result<(), DeviceError> {
-        let (_a, keys) = self.draw(s, DrawKind::IndexKeys, &o.keys)?;
+        let (_a, keys) = self.draw(s, DrawKind::IndexKeys, &o.keys, mem)?;
         let (_b, g) = self.upload(s, bytes_of(&o.gamma))?;
         let (_c, bt) = self.upload(s, bytes_of(&o.beta))?;
         let (_d, r) = self.rope_rows(s, &o.rope, &o.keys)?;
@@ -428,7 +452,7 @@ impl CudaOps {
         o: &KvStore,
         mem: Resolve<'_>,
     ) -> Result<(), DeviceError> {
-        let (_a, rows) = self.draw(s, DrawKind::KvRows, &o.rows)?;
+        let (_a, rows) = self.draw(s, DrawKind::KvRows, &o.rows, mem)?;
         let (_b, sl) = self.upload(s, bytes_of(&o.slots))?;
         let (dp, dd) = mem(o.dst);
         self.kernels
@@ -438,8 +462,8 @@ impl CudaOps {
 
     fn q_prep(&self, s: &Arc<CudaStream>, o: &QPrep, mem: Resolve<'_>) -> Result<(), DeviceError> {
         let heads = o.heads;
-        let (_a, q) = self.draw(s, DrawKind::Queries { heads }, &o.inputs)?;
-        let (_b, w) = self.draw(s, DrawKind::HeadWeights { heads }, &o.inputs)?;
+        let (_a, q) = self.draw(s, DrawKind::Queries { heads }, &o.inputs, mem)?;
+        let (_b, w) = self.draw(s, DrawKind::HeadWeights { heads }, &o.inputs, mem)?;
         let (_c, r) = self.rope_rows(s, &o.rope, &o.inputs)?;
         let (qo, wo) = (region(mem, &o.q_out), region(mem, &o.w_out));
         self.kernels

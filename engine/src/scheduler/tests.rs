@@ -155,7 +155,7 @@ fn prefill_tokens_count_the_prompt_tokens_computed() {
         admit_all(&mut s, 0, false);
         let mut prefill = Vec::new();
         for _ in 0..4 {
-            let rows = s.build_batch(1024);
+            let rows = s.build_batch(1024, None);
             prefill.push(forward(&mut s, &rows).prefill_tokens);
         }
         assert_eq!(prefill, [130, 130, 20, 0], "{indexer:?}");
@@ -168,7 +168,7 @@ fn the_chunked_prefill_probe_is_hit_only_by_a_chunk() {
     submit(&mut s, 100, 1);
     admit_all(&mut s, 0, false);
     probe::take();
-    let rows = s.build_batch(64);
+    let rows = s.build_batch(64, None);
     assert_eq!((rows[0].from, rows[0].to), (0, 100));
     assert_eq!(probe_hits(Probe::BatchPrefillChunked), 0, "a whole prompt");
     // Resuming after a cached prefix (as admission leaves a request whose prefix hit) is not a
@@ -178,7 +178,7 @@ fn the_chunked_prefill_probe_is_hit_only_by_a_chunk() {
     admit_all(&mut s, 1, false);
     assert_eq!(s.requests[&id].computed, PAGE_TOKENS as usize);
     probe::take();
-    s.build_batch(64);
+    s.build_batch(64, None);
     assert_eq!(
         probe_hits(Probe::BatchPrefillChunked),
         0,
@@ -188,7 +188,7 @@ fn the_chunked_prefill_probe_is_hit_only_by_a_chunk() {
     submit(&mut s, 100, 1);
     admit_all(&mut s, 0, false);
     probe::take();
-    s.build_batch(64);
+    s.build_batch(64, None);
     assert_eq!(
         probe_hits(Probe::BatchPrefillChunked),
         1,
@@ -202,17 +202,17 @@ fn the_mixed_batch_probe_is_hit_only_by_prefill_beside_decode() {
     submit(&mut s, 40, 4);
     admit_all(&mut s, 0, false);
     probe::take();
-    let rows = s.build_batch(64);
+    let rows = s.build_batch(64, None);
     assert_eq!(probe_hits(Probe::BatchMixed), 0, "prefill only");
     forward(&mut s, &rows);
     probe::take();
-    let rows = s.build_batch(64);
+    let rows = s.build_batch(64, None);
     assert_eq!(probe_hits(Probe::BatchMixed), 0, "decode only");
     forward(&mut s, &rows);
     submit(&mut s, 40, 4);
     admit_all(&mut s, 0, false);
     probe::take();
-    s.build_batch(64);
+    s.build_batch(64, None);
     assert_eq!(
         probe_hits(Probe::BatchMixed),
         1,

@@ -54,12 +54,104 @@ pub fn unit(base: u64, i: u64) -> f32 {
     ((v >> 40) as f32 / (1u64 << 23) as f32) - 1.0
 }
 
+/// Token ids are below this.
+pub const VOCAB: u32 = 50_000;
+
+/// A drawn row's token with this bit set is not known to the host yet: the device reads it
+/// from a tokens buffer, at the index in the low bits ([`next_tokens`] wrote it there from the
+/// previous step's digests). An engine that runs one step ahead builds its rows this way.
+pub const PENDING_TOKEN: u32 = 1 << 31;
+
 /// A row the device draws: a token at a position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(C)]
 pub struct TokenAt {
     pub token: u32,
     pub position: u32,
+}
+
+impl TokenAt {
+    /// The row whose token is entry `index` of the device's tokens buffer.
+    pub fn pending(index: u32, position: u32) -> TokenAt {
+        assert!(index < PENDING_TOKEN, "pending token index {index}");
+        TokenAt {
+            token: PENDING_TOKEN | index,
+            position,
+        }
+    }
+    /// The tokens-buffer index of a pending row, `None` for a known token.
+    pub fn pending_index(&self) -> Option<u32> {
+        (self.token & PENDING_TOKEN != 0).then_some(self.token & !PENDING_TOKEN)
+    }
+}
+
+/// Mixed into the model's seed before a row's digests are folded into its next token.
+pub const NEXT_TOKEN_SALT: u64 = 0x7E57;
+
+/// The token a model generates after a query row whose per-layer digests are `digests` (in
+/// layer order): the synthetic model's sampling, a hash of everything the row read.
+pub fn next_token(seed: u64, digests: impl IntoIterator<Item = u64>) -> u32 {
+    let h = digests
+        .into_iter()
+        .fold(seed ^ NEXT_TOKEN_SALT, |acc, d| mix64(acc ^ d));
+    (h % VOCAB as u64) as u32
+}
+
+/// The next token of each of a step's first `rows` query rows, from the step's digests laid
+/// out `[layers][rows_max]` (`ScratchLayout::digest_index`): the CPU reference of
+/// `draw.cu`'s `next_tokens`.
+pub fn next_tokens(
+    seed: u64,
+    digests: &[u64],
+    layers: u32,
+    rows_max: u32,
+    rows: u32,
+) -> crate::Result<Vec<u32>> {
+    const OP: &str = "next_tokens";
+    if rows > rows_max {
+        return Err(crate::error::bad(
+            OP,
+            "rows",
+            format!("{rows} rows of a step of {rows_max}"),
+        ));
+    }
+    crate::error::expect_len(
+        OP,
+        "digests",
+        digests.len(),
+        layers as usize * rows_max as usize,
+    )?;
+    Ok((0..rows as usize)
+        .map(|r| {
+            next_token(
+                seed,
+                (0..layers as usize).map(|l| digests[l * rows_max as usize + r]),
+            )
+        })
+        .collect())
+}
+
+/// `rows` with every pending token replaced by its entry of `tokens`; an index past `tokens`
+/// is refused (the CUDA device checks the same before its launch).
+pub fn resolve_pending(rows: &[TokenAt], tokens: &[u32]) -> crate::Result<Vec<TokenAt>> {
+    rows.iter()
+        .enumerate()
+        .map(|(i, t)| match t.pending_index() {
+            None => Ok(*t),
+            Some(at) => match tokens.get(at as usize) {
+                Some(&token) => Ok(TokenAt {
+                    token,
+                    position: t.position,
+                }),
+                None => Err(crate::KernelError::OutOfRange {
+                    op: "draw",
+                    index: i,
+                    value: at as i64,
+                    limit: tokens.len() as u64,
+                }),
+            },
+        })
+        .collect()
 }
 
 /// Rows of one global layer of the model of `seed`.
@@ -168,6 +260,43 @@ pub fn kv_rows(a: &DrawArgs) -> Vec<bf16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn next_tokens_fold_each_rows_layers_in_order() {
+        // Hand-checked: two layers of two rows of a step of three.
+        let d = [10u64, 11, 12, 20, 21, 22];
+        let got = next_tokens(9, &d, 2, 3, 2).unwrap();
+        let want = |a: u64, b: u64| (mix64(mix64(9 ^ 0x7E57 ^ a) ^ b) % VOCAB as u64) as u32;
+        assert_eq!(got, vec![want(10, 20), want(11, 21)]);
+        assert!(next_tokens(9, &d, 2, 3, 4).is_err(), "rows past the step");
+        assert!(next_tokens(9, &d[..5], 2, 3, 1).is_err(), "short digests");
+    }
+
+    #[test]
+    fn pending_rows_resolve_from_the_tokens() {
+        let rows = [
+            TokenAt {
+                token: 5,
+                position: 1,
+            },
+            TokenAt::pending(1, 2),
+        ];
+        assert_eq!(rows[1].pending_index(), Some(1));
+        assert_eq!(rows[0].pending_index(), None);
+        let got = resolve_pending(&rows, &[7, 8]).unwrap();
+        assert_eq!(got[0], rows[0]);
+        assert_eq!(
+            got[1],
+            TokenAt {
+                token: 8,
+                position: 2
+            }
+        );
+        assert!(matches!(
+            resolve_pending(&rows, &[7]),
+            Err(crate::KernelError::OutOfRange { index: 1, .. })
+        ));
+    }
 
     #[test]
     fn unit_is_in_range_and_on_the_grid() {

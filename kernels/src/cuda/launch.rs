@@ -1008,6 +1008,91 @@ impl Kernels {
         Ok(())
     }
 
+    /// Replaces, in place on the device, the token of every pending row of `rows` (uploaded at
+    /// `rows_dev`) by its entry of `tokens` (`tokens_len` u32s), as `cpu::draw::resolve_pending`
+    /// does on the host; an index past `tokens` is refused here, before the launch.
+    pub fn resolve_pending(
+        &self,
+        s: &CudaStream,
+        rows: &[crate::cpu::draw::TokenAt],
+        rows_dev: DevPtr,
+        tokens: DevPtr,
+        tokens_len: u32,
+    ) -> Result<()> {
+        const OP: &str = "draw";
+        need(OP, "rows", rows_dev, i32_bytes(2 * rows.len() as u64))?;
+        need(OP, "tokens", tokens, i32_bytes(tokens_len as u64))?;
+        for (i, t) in rows.iter().enumerate() {
+            if let Some(at) = t.pending_index() {
+                if at >= tokens_len {
+                    return Err(KernelError::OutOfRange {
+                        op: OP,
+                        index: i,
+                        value: at as i64,
+                        limit: tokens_len as u64,
+                    });
+                }
+            }
+        }
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let n = u32::try_from(rows.len()).map_err(|_| bad(OP, "rows", "more than 2^32 - 1"))?;
+        let mut b = s.launch_builder(self.f("draw_resolve_pending"));
+        b.arg(&rows_dev.ptr)
+            .arg(&n)
+            .arg(&tokens.ptr)
+            .arg(&tokens_len);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: both buffers checked above, every pending index lies inside `tokens`.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// The next token of each of a step's first `rows` query rows into `out` (`rows` u32s), from
+    /// the step's digests (`[layers][rows_max]` u64), bit for bit as `cpu::draw::next_tokens`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn next_tokens(
+        &self,
+        s: &CudaStream,
+        seed: u64,
+        digests: DevPtr,
+        layers: u32,
+        rows_max: u32,
+        rows: u32,
+        out: DevPtr,
+    ) -> Result<()> {
+        const OP: &str = "next_tokens";
+        if rows > rows_max {
+            return Err(bad(OP, "rows", format!("{rows} rows of a step of {rows_max}")));
+        }
+        need(OP, "digests", digests, u64_bytes(layers as u64 * rows_max as u64))?;
+        need(OP, "out", out, i32_bytes(rows as u64))?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let mut b = s.launch_builder(self.f("next_tokens"));
+        b.arg(&seed)
+            .arg(&digests.ptr)
+            .arg(&layers)
+            .arg(&rows_max)
+            .arg(&rows)
+            .arg(&out.ptr);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(128), 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes checked above; the kernel reads `layers × rows_max` digests and writes
+        // `rows` tokens.
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
     /// `sparse_read` of `rows` selections of `k` slots. The selection is device data (from
     /// `topk`), so the pool is bounds-checked by the caller's declared page tables.
     #[allow(clippy::too_many_arguments)]

@@ -92,6 +92,8 @@ pub const SOURCES: &[Source] = &[
             "draw_queries",
             "draw_head_weights",
             "draw_kv_rows",
+            "draw_resolve_pending",
+            "next_tokens",
         ],
         arch: ARCH,
     },
@@ -313,7 +315,15 @@ pub fn layout_prelude() -> String {
         ("TKV_KV_FP8_SCALES", kv_row::FP8_SCALES_OFFSET as u64),
         ("TKV_KV_FP8_ROPE", kv_row::FP8_ROPE_OFFSET as u64),
     ];
-    let layout = defs.iter().map(|(name, v)| format!("#define {name} {v}\n"));
+    let draw = [
+        ("TKV_PENDING_TOKEN", crate::cpu::draw::PENDING_TOKEN as u64),
+        ("TKV_VOCAB", crate::cpu::draw::VOCAB as u64),
+        ("TKV_NEXT_TOKEN_SALT", crate::cpu::draw::NEXT_TOKEN_SALT),
+    ];
+    let layout = defs
+        .iter()
+        .chain(&draw)
+        .map(|(name, v)| format!("#define {name} {v}\n"));
     let streams = crate::cpu::draw::STREAM_DEFINES
         .iter()
         .map(|(name, s)| format!("#define {name} {}ull\n", *s as u64));

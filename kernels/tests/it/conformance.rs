@@ -1376,6 +1376,56 @@ mod cuda {
         drop(d);
     }
 
+    /// `next_tokens` and `draw_resolve_pending` (an engine running one step ahead) agree with
+    /// `cpu::draw` bit for bit: 1 and 61 layers, a step's first rows and all of them; an index
+    /// past the tokens is refused before the launch.
+    #[test]
+    fn next_tokens_cuda() {
+        use tierkv_kernels::cpu::draw::{self, TokenAt};
+        let c = Cuda::new();
+        let mut g = Gen::fresh("next_tokens");
+        for (layers, rows_max, rows) in [(1u32, 1u32, 1u32), (61, 300, 300), (4, 1000, 37)] {
+            let digests: Vec<u64> = (0..layers * rows_max)
+                .map(|_| g.below(u64::MAX))
+                .collect();
+            let seed = g.below(u64::MAX);
+            let want = draw::next_tokens(seed, &digests, layers, rows_max, rows).unwrap();
+            let (_d, dp) = c.up(bytes(&digests));
+            let mut got = vec![0u32; rows as usize];
+            let (o, op) = c.up(bytes(&got));
+            c.k.next_tokens(&c.s, seed, dp, layers, rows_max, rows, op)
+                .unwrap();
+            let mut raw = vec![0u8; got.len() * 4];
+            c.down(&o, &mut raw);
+            for (t, b) in got.iter_mut().zip(raw.chunks_exact(4)) {
+                *t = u32::from_le_bytes(b.try_into().unwrap());
+            }
+            assert_eq!(got, want, "{layers} layers, {rows} of {rows_max} rows");
+            // The same tokens resolve pending rows in place.
+            let pending: Vec<TokenAt> = (0..2 * rows)
+                .map(|i| {
+                    if i % 2 == 0 {
+                        TokenAt::pending(i / 2, i)
+                    } else {
+                        TokenAt {
+                            token: i,
+                            position: i,
+                        }
+                    }
+                })
+                .collect();
+            let (r, rp) = c.up(bytes(&pending));
+            c.k.resolve_pending(&c.s, &pending, rp, op, rows).unwrap();
+            let mut raw = vec![0u8; pending.len() * 8];
+            c.down(&r, &mut raw);
+            let want = draw::resolve_pending(&pending, &want).unwrap();
+            assert_eq!(raw, bytes(&want), "{rows} pending rows");
+            let past = [TokenAt::pending(rows, 0)];
+            let e = c.k.resolve_pending(&c.s, &past, rp, op, rows);
+            assert!(e.is_err(), "a pending index past the tokens accepted");
+        }
+    }
+
     /// The GPU's e4m3 conversion (`__NV_SATFINITE`) agrees with the `float8` crate over 16.7M
     /// inputs, every rounding midpoint of the format included: each KV latent tile holds 448 (so
     /// its scale is exactly 1 and the codes are the conversion of the values themselves).

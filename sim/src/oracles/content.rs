@@ -41,8 +41,12 @@ pub struct ContentOracle {
     /// The model's RoPE frequencies, as the engine's rows use them.
     pub rope: Rope,
     ln: BTreeMap<u32, LnParams>,
-    /// Known tokens of each request: prompt, then every generated token.
+    /// Known tokens of each request: prompt, then every generated token — the first
+    /// `confirmed` of them emitted by the engine, the rest told by a `next_tokens` the device
+    /// ran (an engine running one step ahead), until the engine emits them.
     pub tokens: BTreeMap<u64, Vec<u32>>,
+    /// How many of each request's `tokens` are the prompt's or emitted by the engine.
+    confirmed: BTreeMap<u64, usize>,
     ik_memo: FastMap<(u32, u32, u32), Arc<IkRow>>,
     kv_memo: FastMap<(u32, u32, u32), Arc<Vec<u8>>>,
     /// `row_hash` of each `kv_memo` row: a query's digest hashes every row it selects, and the
@@ -86,6 +90,7 @@ impl ContentOracle {
             rope: Rope::new(&cfg.rope()),
             ln: BTreeMap::new(),
             tokens: BTreeMap::new(),
+            confirmed: BTreeMap::new(),
             ik_memo: FastMap::default(),
             kv_memo: FastMap::default(),
             kv_hash_memo: FastMap::default(),
@@ -101,6 +106,49 @@ impl ContentOracle {
 
     pub fn token(&self, request: u64, position: u32) -> Option<u32> {
         self.tokens.get(&request)?.get(position as usize).copied()
+    }
+
+    /// A request's prompt: its first confirmed tokens.
+    pub fn prompt(&mut self, request: u64, prompt: Vec<u32>) {
+        self.confirmed.insert(request, prompt.len());
+        self.tokens.insert(request, prompt);
+    }
+
+    /// How many of `request`'s tokens are confirmed (its prompt and what the engine emitted).
+    pub fn confirmed(&self, request: u64) -> usize {
+        self.confirmed.get(&request).copied().unwrap_or(0)
+    }
+
+    /// The engine emitted `request`'s next token: it is confirmed. A provisional token at its
+    /// position that differs is replaced, with every provisional token after it (they were
+    /// drawn from it). Returns the index the token took.
+    pub fn confirm(&mut self, request: u64, token: u32) -> Option<usize> {
+        let n = self.confirmed.get_mut(&request)?;
+        let t = self.tokens.get_mut(&request).expect("a confirmed request has tokens");
+        if t.get(*n) != Some(&token) {
+            t.truncate(*n);
+            t.push(token);
+        }
+        *n += 1;
+        Some(*n - 1)
+    }
+
+    /// A `next_tokens` the device ran says `request`'s token at `position` is `token`: known
+    /// provisionally (a confirmed token is left as it is; one out of reach is ignored). A
+    /// provisional token it replaces is dropped with those after it.
+    pub fn generated(&mut self, request: u64, position: u32, token: u32) {
+        let n = self.confirmed(request);
+        let Some(t) = self.tokens.get_mut(&request) else {
+            return;
+        };
+        let p = position as usize;
+        if p < n || p > t.len() {
+            return;
+        }
+        if t.get(p) != Some(&token) {
+            t.truncate(p);
+            t.push(token);
+        }
     }
 
     /// The expected index-K row of `token` at `position` in global layer `layer`.
@@ -272,12 +320,8 @@ impl ContentOracle {
                     continue;
                 }
                 let (first, last) = (j * PAGE_TOKENS, ((j + 1) * PAGE_TOKENS).min(ctx));
-                let Some(want_hash) = self.expect_hash(tag.request, first, last, layer) else {
-                    return vec![format!(
-                        "request {} reads index-K positions {first}..{last}, past its known tokens",
-                        tag.request
-                    )];
-                };
+                // `None` when a row's token is unknown: only a row with garbage may be so.
+                let want_hash = self.expect_hash(tag.request, first, last, layer);
                 let rows_used = if last - first == 64 {
                     u64::MAX
                 } else {
@@ -288,7 +332,10 @@ impl ContentOracle {
                 // A page compared before, unwritten since and expected to hold the same tokens
                 // holds the very bytes that were compared: nothing new to learn from them.
                 let gen = pages.generation(k, page as u64);
-                if bad_rows == 0 && self.verified.get(&(k, page as u64)) == Some(&(gen, want_hash))
+                if bad_rows == 0
+                    && want_hash.is_some_and(|h| {
+                        self.verified.get(&(k, page as u64)) == Some(&(gen, h))
+                    })
                 {
                     self.rows_cached += (last - first) as u64;
                     continue;
@@ -298,8 +345,13 @@ impl ContentOracle {
                     if bad_rows & (1u64 << t) != 0 {
                         continue;
                     }
+                    let Some(token) = self.token(tag.request, n) else {
+                        return vec![format!(
+                            "request {} reads index-K position {n}, past its known tokens",
+                            tag.request
+                        )];
+                    };
                     self.rows_checked += 1;
-                    let token = self.tokens[&tag.request][n as usize];
                     let want = self.ik_row(token, n, layer);
                     let at = page as usize * pb + index_k_page::value_offset(dtype, t, 0);
                     let got = &buf[at..at + want.values.len()];
@@ -329,8 +381,8 @@ impl ContentOracle {
                         }
                     }
                 }
-                if bad_rows == 0 {
-                    self.verified.insert((k, page as u64), (gen, want_hash));
+                if let (0, Some(h)) = (bad_rows, want_hash) {
+                    self.verified.insert((k, page as u64), (gen, h));
                 }
             }
             self.tainted_reads
