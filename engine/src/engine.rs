@@ -99,8 +99,6 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     overlap: bool,
     /// The step enqueued and not yet collected (running ahead only).
     in_flight: Option<InFlight>,
-    /// Requests aborted with a row in `in_flight`: their memory goes back once it is recorded.
-    aborted_in_flight: Vec<Request>,
 }
 
 /// A request whose prompt the prefill engine computed, as the decode engine admits it once its
@@ -193,7 +191,6 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             import_held: 0,
             overlap: opts.overlap,
             in_flight: None,
-            aborted_in_flight: Vec::new(),
         })
     }
 
@@ -409,7 +406,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 .as_ref()
                 .is_some_and(|f| f.rows.iter().any(|r| r.request == id));
             if probe::hit_if(Probe::AheadRowOfAborted, flying) {
-                self.aborted_in_flight.push(req);
+                self.sched.detach(req);
             } else {
                 self.release_aborted(req);
             }
@@ -591,7 +588,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         report.host.wait_ns = t3.saturating_sub(t2);
         // The rows of requests aborted meanwhile were in that step alone (the step enqueued
         // above was built without them): their memory is free now.
-        for req in std::mem::take(&mut self.aborted_in_flight) {
+        for req in self.sched.take_detached() {
             self.release_aborted(req);
         }
         let Some(digests) = digests else {
@@ -760,11 +757,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             .map(|r| r.pages.len() - r.owned_from)
             .sum();
         let held = self.import_held;
-        let aborted: usize = self
-            .aborted_in_flight
-            .iter()
-            .map(|r| r.pages.len() - r.owned_from)
-            .sum();
+        let aborted = self.sched.detached_pages();
         assert_eq!(
             self.pools.device_pages.used_count() as usize,
             tree + owned + loading + exported + held + aborted,

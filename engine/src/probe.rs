@@ -183,6 +183,9 @@ probes! {
     AheadWaitsForLoad = "ahead.waits_for_load",
     /// One step ahead: a request was aborted with a row in flight; the row's results were dropped.
     AheadRowOfAborted = "ahead.row_of_aborted",
+    /// One step ahead: a row built on a row whose load failed since was discarded (the request
+    /// recomputes from its recorded state).
+    AheadRowStale = "ahead.row_stale",
     /// One step ahead: the step before failed, so the step built on it was discarded as well.
     AheadDiscarded = "ahead.discarded",
 }

@@ -189,6 +189,10 @@ pub struct Scheduler {
     mutants: Mutants,
     queue: VecDeque<u64>,
     requests: BTreeMap<u64, Request>,
+    /// Aborted requests whose memory waits for their row in the step in flight ([`detach`]).
+    ///
+    /// [`detach`]: Scheduler::detach
+    detached: BTreeMap<u64, Request>,
     running: Vec<u64>,
     next_request: u64,
     /// Prompt tokens of the queued requests (the admission-control bound).
@@ -207,6 +211,7 @@ impl Scheduler {
             mutants,
             queue: VecDeque::new(),
             requests: BTreeMap::new(),
+            detached: BTreeMap::new(),
             running: Vec::new(),
             next_request: 0,
             queued_tokens: 0,
@@ -411,17 +416,22 @@ impl Scheduler {
     }
 
     /// Applies a load's acknowledgement to its request: it no longer waits for the load; after a
-    /// failed copy it drops the unloaded nodes and recomputes their tokens.
+    /// failed copy it drops the unloaded nodes and recomputes their tokens (an aborted request
+    /// whose memory waits for its step in flight, [`detach`](Self::detach), only drops them).
     pub(crate) fn load_acked(&mut self, ack: &LoadAck) {
         if ack.orphaned {
             return; // its request was aborted; the controller released what the load held
         }
-        let r = self.requests.get_mut(&ack.request).unwrap_or_else(|| {
-            panic!(
-                "{} acknowledged for request {}, which is gone",
-                ack.load, ack.request
-            )
-        });
+        let detached = self.detached.contains_key(&ack.request);
+        let r = match self.requests.get_mut(&ack.request) {
+            Some(r) => r,
+            None => self.detached.get_mut(&ack.request).unwrap_or_else(|| {
+                panic!(
+                    "{} acknowledged for request {}, which is gone",
+                    ack.load, ack.request
+                )
+            }),
+        };
         assert_eq!(
             r.load,
             Some(ack.load),
@@ -436,21 +446,47 @@ impl Scheduler {
             r.owned_from = device_hits;
             r.computed = device_hits * PAGE_TOKENS as usize;
             let tokens = (ack.nodes * PAGE_TOKENS as usize) as u32;
-            self.emit(Output::Recompute {
-                request: ack.request,
-                tokens,
-            });
+            if !detached {
+                self.emit(Output::Recompute {
+                    request: ack.request,
+                    tokens,
+                });
+            }
         }
+    }
+
+    /// Keeps an aborted running request (out of the running set) until its row in the step in
+    /// flight is recorded: its load's acknowledgement still applies to it, and its memory goes
+    /// back after ([`take_detached`](Self::take_detached)).
+    pub(crate) fn detach(&mut self, r: Request) {
+        let prev = self.detached.insert(r.id, r);
+        assert!(prev.is_none(), "request detached twice");
+    }
+
+    /// The aborted requests [`detach`](Self::detach) kept, handed back.
+    pub(crate) fn take_detached(&mut self) -> Vec<Request> {
+        std::mem::take(&mut self.detached).into_values().collect()
+    }
+
+    /// The detached requests' own device pages.
+    pub(crate) fn detached_pages(&self) -> usize {
+        self.detached
+            .values()
+            .map(|r| r.pages.len() - r.owned_from)
+            .sum()
     }
 
     /// The next batch: every decoding request contributes one token; prefilling requests take
     /// chunks of their prompt within the step's prefill budget, in admission order; at most
     /// `rows_max` query rows.
-    /// The next batch. With `ahead`, the rows of the step still in flight, the batch runs one
-    /// step ahead: each request continues from where that step leaves it, and a token that step
-    /// generates is pending (the device reads it from the tokens that step writes). A request
-    /// whose row in that step reads a load in flight waits for the step's results: its row may
-    /// be discarded if the load failed.
+    ///
+    /// With `ahead`, the rows of the step still in flight, the batch runs one step ahead: each
+    /// request continues from where that step leaves it, and a token that step generates is
+    /// pending (the device reads it from the tokens that step writes). A request whose row in
+    /// that step reads a load still unacknowledged waits for the step's results (the row is
+    /// discarded if the load failed); one whose load failed since that row was built continues
+    /// from its recorded state (the row is stale: [`record_forward`](Self::record_forward)
+    /// discards it).
     pub(crate) fn build_batch(&self, rows_max: usize, ahead: Option<&[Row]>) -> Vec<Row> {
         // Each in-flight row's request, with the index of its last query row in that step.
         let mut flying: BTreeMap<u64, (&Row, u32)> = BTreeMap::new();
@@ -467,6 +503,10 @@ impl Scheduler {
             // Where the request stands after the step in flight, if it has a row there.
             let (computed, generated, pending) = match flying.get(&id) {
                 None => (r.computed, r.generated, None),
+                Some(&(prev, _)) if prev.from != r.computed => {
+                    probe::hit(Probe::AheadRowStale);
+                    (r.computed, r.generated, None)
+                }
                 Some(_) if r.load.is_some() => {
                     probe::hit(Probe::AheadWaitsForLoad);
                     continue;
@@ -568,11 +608,19 @@ impl Scheduler {
                 probe::hit(Probe::AheadRowOfAborted);
                 continue;
             };
-            assert_eq!(
-                r.computed, row.from,
-                "request {}: a row from position {} recorded at {}",
-                row.request, row.from, r.computed
-            );
+            if r.computed != row.from {
+                // Built one step ahead on a row whose load failed since (the request went back
+                // to recompute): stale, like the row it was built on.
+                assert!(
+                    r.computed < row.from,
+                    "request {}: a row from position {} recorded at {}",
+                    row.request,
+                    row.from,
+                    r.computed
+                );
+                probe::hit(Probe::AheadRowStale);
+                continue;
+            }
             assert!(
                 r.tokens.len() > row.from,
                 "request {}: the token at {} unknown when its row is recorded",
