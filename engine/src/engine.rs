@@ -13,7 +13,7 @@ pub use crate::cache::page_keys;
 use crate::cache::{NodeId, PrefixCache};
 use crate::config::{Config, WritePolicy};
 use crate::controller::{CacheController, Grant, Io, LoadAck};
-use crate::device::{Clock, Device, DeviceTiming, EventId};
+use crate::device::{Clock, Device, DeviceTiming, EventId, EventState};
 use crate::layout::PageId;
 use crate::layout::{pages_for_tokens, Layout, PAGE_TOKENS};
 use crate::metrics::{Metrics, StepTimes};
@@ -594,7 +594,13 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let Some(digests) = digests else {
             if let Some(next) = self.in_flight.take() {
                 probe::hit(Probe::AheadDiscarded);
-                let _ = self.dev.synchronize(self.model.slot_event(next.slot));
+                // Discarded whatever it reports; a failure of its own counts as one.
+                let ev = self.model.slot_event(next.slot);
+                if self.dev.synchronize(ev) == EventState::Failed {
+                    self.metrics.steps_failed += 1;
+                } else {
+                    self.metrics.steps_discarded += 1;
+                }
             }
             self.step_failed()?;
             report.idle = self.is_idle();

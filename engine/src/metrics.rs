@@ -75,6 +75,9 @@ pub struct Metrics {
     pub steps: u64,
     /// Steps whose work the device failed (dropped and run again).
     pub steps_failed: u64,
+    /// Steps an engine running one step ahead dropped, unfailed, because the step they were
+    /// built on failed (run again as well).
+    pub steps_discarded: u64,
     pub prefill_tokens: u64,
     pub generated_tokens: u64,
     pub step_latency: Latency,
@@ -95,7 +98,7 @@ impl Metrics {
     }
 
     /// The plain series: (name, type, help, value).
-    fn series(&self) -> [(&'static str, &'static str, &'static str, u64); 21] {
+    fn series(&self) -> [(&'static str, &'static str, &'static str, u64); 22] {
         [
             (
                 "queue_depth",
@@ -205,6 +208,12 @@ impl Metrics {
                 "counter",
                 "Steps whose work the device failed, dropped and run again.",
                 self.steps_failed,
+            ),
+            (
+                "steps_discarded_total",
+                "counter",
+                "Steps dropped unfailed because the step they were built on (running one step ahead) failed.",
+                self.steps_discarded,
             ),
             (
                 "prefill_tokens_total",

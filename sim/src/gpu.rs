@@ -688,11 +688,11 @@ impl SimGpu {
             if let Op::NextTokens(o) = &rec.op {
                 self.stale_tokens.insert(o.out.buffer);
             }
-            // What a skipped copy should have written holds whatever was there: garbage.
-            if rec.op.spec().class() == OpClass::PageCopy {
-                for (buf, page, rows) in rec.op.spec().full_rows() {
-                    *self.tainted.entry((buf, page)).or_default() |= rows;
-                }
+            // What a skipped copy or store should have written holds whatever was there:
+            // garbage. (Only an engine running ahead reads such a store's rows before the
+            // rerun rewrites them: the step built on the failed one, which it discards.)
+            for (buf, page, rows) in rec.op.spec().full_rows() {
+                *self.tainted.entry((buf, page)).or_default() |= rows;
             }
         } else {
             self.check_content(&rec, end);

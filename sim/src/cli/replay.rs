@@ -64,6 +64,10 @@ pub struct ReplayArgs {
     /// several microseconds of host time per op), so the report has no device breakdown.
     #[arg(long)]
     pub no_device_timing: bool,
+    /// Run the engine one step ahead: each step is enqueued before the host waits for the one
+    /// in flight, its pending tokens read on the device (`EngineOptions::overlap`).
+    #[arg(long, conflicts_with = "pd")]
+    pub overlap: bool,
     /// Prefill/decode disaggregation: run the requests through a prefill engine and a decode
     /// engine joined by the peer link (both on the one device), and through one engine, and
     /// compare their outputs digest for digest (no arrival times; `--metrics-port` unused).
@@ -142,7 +146,7 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
     };
     let tokens: usize = work.iter().map(|w| w.1.prompt.len()).sum();
     println!(
-        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}",
+        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}; the engine {}",
         work.len(),
         tokens,
         a.trace.as_ref().map_or(super::data::MOONCAKE_EXCERPT_NAME.to_string(), |p| p.display().to_string()),
@@ -151,8 +155,17 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
         a.layers,
         a.device_pages,
         a.host_ratio,
-        a.write_policy
+        a.write_policy,
+        if a.overlap {
+            "one step ahead (--overlap)"
+        } else {
+            "in order"
+        }
     );
+    let options = EngineOptions {
+        overlap: a.overlap,
+        ..EngineOptions::default()
+    };
     let service = match a.device.as_str() {
         "cpu" => {
             let cfg = cfg.clone();
@@ -161,11 +174,17 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
                     cfg,
                     tierkv_engine::cpu_device::InOrderDevice::new(),
                     MonotonicClock::new(),
-                    EngineOptions::default(),
+                    options,
                 )
             })
         }
-        _ => match start_cuda(cfg.clone(), &a.copy, &a.logits, !a.no_device_timing) {
+        _ => match start_cuda(
+            cfg.clone(),
+            &a.copy,
+            &a.logits,
+            !a.no_device_timing,
+            options,
+        ) {
             Some(s) => s,
             None => return 2,
         },
@@ -477,7 +496,13 @@ async fn fetch_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
 }
 
 #[cfg(feature = "cuda")]
-fn start_cuda(cfg: Config, copy: &str, logits: &str, timing: bool) -> Option<Service> {
+fn start_cuda(
+    cfg: Config,
+    copy: &str,
+    logits: &str,
+    timing: bool,
+    options: EngineOptions,
+) -> Option<Service> {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
     if let Err(e) = tierkv_kernels::cuda::launch::Kernels::global() {
         eprintln!("--device cuda: no usable CUDA device: {e}");
@@ -497,12 +522,12 @@ fn start_cuda(cfg: Config, copy: &str, logits: &str, timing: bool) -> Option<Ser
         let mut dev = CudaDevice::new(strategy)?;
         dev.ops.logits = logits;
         dev.set_timing(timing);
-        Engine::new(cfg, dev, MonotonicClock::new(), EngineOptions::default())
+        Engine::new(cfg, dev, MonotonicClock::new(), options)
     }))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn start_cuda(_: Config, _: &str, _: &str, _: bool) -> Option<Service> {
+fn start_cuda(_: Config, _: &str, _: &str, _: bool, _: EngineOptions) -> Option<Service> {
     eprintln!("--device cuda needs a build with `--features cuda`");
     None
 }

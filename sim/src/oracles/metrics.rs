@@ -100,8 +100,8 @@ pub fn check(
         ("generated_tokens", m.generated_tokens, clients.tokens),
         ("steps_failed", m.steps_failed, steps_failed),
         (
-            "steps (with the failed ones)",
-            m.steps + m.steps_failed,
+            "steps (with the failed and discarded ones)",
+            m.steps + m.steps_failed + m.steps_discarded,
             log.failed[compute].len() as u64,
         ),
     ];
