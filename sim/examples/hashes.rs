@@ -47,6 +47,7 @@ fn main() -> ExitCode {
         trace_records: None,
         cuda: false,
         schedules: 1,
+        overlap: None,
     };
     let results = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {

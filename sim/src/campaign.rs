@@ -33,6 +33,9 @@ pub struct CampaignOptions {
     pub cuda: bool,
     /// Schedules per seed (`--schedules`): the scenario's own, then `schedule::explore_policy`'s.
     pub schedules: u64,
+    /// Whether the engine runs one step ahead in every seed (`--overlap on|off`); `None`: as
+    /// each scenario draws it (half the seeds; never under `pd`).
+    pub overlap: Option<bool>,
 }
 
 /// The seeds of a campaign: `first..end`, and of those only `seed % n == i` under a shard
@@ -91,6 +94,9 @@ impl CampaignOptions {
     pub fn scenario(&self, seed: u64) -> Scenario {
         let mut sc = draw(seed, &self.profile, self.trace_records.as_deref());
         sc.mutant = self.mutant.clone();
+        if let Some(on) = self.overlap {
+            sc.overlap = on && sc.profile != "pd";
+        }
         sc
     }
 }
@@ -498,6 +504,7 @@ mod tests {
             trace_records: None,
             cuda: false,
             schedules: 1,
+            overlap: None,
         }
     }
 

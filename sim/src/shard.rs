@@ -110,6 +110,10 @@ pub struct ShardResult {
     pub profile: String,
     pub mutant: Option<String>,
     pub schedules: u64,
+    /// `--overlap`: every seed one step ahead (`Some(true)`), none (`Some(false)`), or as drawn.
+    /// (Left out of the JSON when drawn, so that files from before it still read.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<bool>,
     /// The campaign's seed range, `first..end`.
     pub first: u64,
     pub end: u64,
@@ -212,6 +216,7 @@ impl ShardResult {
             profile: opts.profile.clone(),
             mutant: opts.mutant.clone(),
             schedules: opts.schedules,
+            overlap: opts.overlap,
             first: opts.first,
             end: opts.end,
             shard_index,
@@ -424,8 +429,13 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
                 build_first: first.build.to_string(),
             });
         }
-        let fields: [(&'static str, String, String); 6] = [
+        let fields: [(&'static str, String, String); 7] = [
             ("profile", r.profile.clone(), first.profile.clone()),
+            (
+                "overlap",
+                format!("{:?}", r.overlap),
+                format!("{:?}", first.overlap),
+            ),
             (
                 "mutant",
                 format!("{:?}", r.mutant),
@@ -550,6 +560,7 @@ mod tests {
             profile: "swarm".into(),
             mutant: None,
             schedules: 1,
+            overlap: None,
             first: 0,
             end: 10,
             shard_index: i,

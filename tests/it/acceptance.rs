@@ -28,6 +28,7 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         trace_records: None,
         cuda: false,
         schedules: 1,
+        overlap: None,
     };
     let sc = opts.scenario(0);
     let out = run(
@@ -128,6 +129,7 @@ fn the_same_seed_gives_the_same_event_log() {
         trace_records: None,
         cuda: false,
         schedules: 1,
+        overlap: None,
     };
     for seed in [3u64, 4, 13] {
         let sc = opts.scenario(seed);

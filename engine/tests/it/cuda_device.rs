@@ -163,7 +163,15 @@ fn run(engine_outputs: &mut Vec<Output>, mut step: impl FnMut() -> (bool, Vec<Ou
 
 #[test]
 fn the_engine_on_the_gpu_matches_the_engine_on_the_cpu() {
-    engine_on_gpu_and_cpu(LogitsKernel::Exact);
+    engine_on_gpu_and_cpu(LogitsKernel::Exact, false);
+}
+
+/// The engine running one step ahead on the GPU (each step enqueued before the previous one is
+/// waited for, its pending tokens generated and read on the device) computes what the in-order
+/// engine on the CPU computes, request by request, bit for bit.
+#[test]
+fn the_engine_running_ahead_on_the_gpu_matches_the_engine_on_the_cpu() {
+    engine_on_gpu_and_cpu(LogitsKernel::Exact, true);
 }
 
 /// The production default: logits on the tensor cores, within 1e-5 of their magnitude but not
@@ -172,10 +180,10 @@ fn the_engine_on_the_gpu_matches_the_engine_on_the_cpu() {
 /// consistent, and the run prints how many digest rows agree with the CPU.
 #[test]
 fn the_engine_on_the_gpu_with_tensor_core_logits_runs_the_same_requests() {
-    engine_on_gpu_and_cpu(LogitsKernel::TensorCore);
+    engine_on_gpu_and_cpu(LogitsKernel::TensorCore, false);
 }
 
-fn engine_on_gpu_and_cpu(logits: LogitsKernel) {
+fn engine_on_gpu_and_cpu(logits: LogitsKernel, gpu_ahead: bool) {
     let mut cfg = Config::preset("sim-small").unwrap();
     cfg.model.layers = 2;
     cfg.model.index_n_heads = 4;
@@ -203,7 +211,11 @@ fn engine_on_gpu_and_cpu(logits: LogitsKernel) {
     .unwrap();
     let mut dev = CudaDevice::new(CopyStrategy::default()).unwrap();
     dev.ops.logits = logits;
-    let mut gpu = Engine::new(cfg, dev, MonotonicClock::new(), opts).unwrap();
+    let gpu_opts = EngineOptions {
+        overlap: gpu_ahead,
+        ..opts
+    };
+    let mut gpu = Engine::new(cfg, dev, MonotonicClock::new(), gpu_opts).unwrap();
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for (round, chunk) in prompts.chunks(4).enumerate() {
         // Between rounds the device tier is emptied: the shared prefixes come back from the host

@@ -53,6 +53,10 @@ pub struct SimArgs {
     /// Switch on a bug-zoo mutant (in the `tierkv-zoo` binary, built with `--features mutants`).
     #[arg(long)]
     pub mutant: Option<String>,
+    /// `on`: the engine runs one step ahead in every drawn seed; `off`: in none. Default: as
+    /// each scenario draws it (half the seeds; never under `pd`).
+    #[arg(long, value_parser = ["on", "off"])]
+    pub overlap: Option<String>,
     /// Replay a saved scenario (e.g. a shrunk reproduction). `--mutant` replaces the file's.
     #[arg(long, conflicts_with_all = ["seeds", "shard", "profile", "jobs", "mooncake"])]
     pub replay: Option<PathBuf>,
@@ -548,6 +552,7 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
         trace_records: trace_records(args)?,
         cuda: args.device == "cuda",
         schedules: args.schedules,
+        overlap: args.overlap.as_deref().map(|o| o == "on"),
     })
 }
 

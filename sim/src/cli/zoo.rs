@@ -24,6 +24,10 @@ pub struct ZooArgs {
     /// Skip the clean-engine run.
     #[arg(long)]
     pub no_clean: bool,
+    /// `on`: the engine runs one step ahead in every seed; `off`: in none. Default: as each
+    /// scenario draws it (half the seeds).
+    #[arg(long, value_parser = ["on", "off"])]
+    pub overlap: Option<String>,
 }
 
 /// One row of the zoo table.
@@ -40,7 +44,13 @@ pub struct ZooRow {
 }
 
 /// Runs one mutant (or the clean engine, `None`) over seeds `0..seeds`.
-pub fn zoo_row(mutant: Option<Mutant>, seeds: u64, jobs: usize, profile: &str) -> ZooRow {
+pub fn zoo_row(
+    mutant: Option<Mutant>,
+    seeds: u64,
+    jobs: usize,
+    profile: &str,
+    overlap: Option<bool>,
+) -> ZooRow {
     let t = Instant::now();
     let opts = CampaignOptions {
         first: 0,
@@ -54,6 +64,7 @@ pub fn zoo_row(mutant: Option<Mutant>, seeds: u64, jobs: usize, profile: &str) -
         trace_records: None,
         cuda: false,
         schedules: 1,
+        overlap,
     };
     let s = run_campaign(&opts, |_| {});
     let first = s.failures.first().cloned();
@@ -112,6 +123,7 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
             return 2;
         }
     };
+    let overlap = args.overlap.as_deref().map(|o| o == "on");
     println!(
         "{:<4} {:<28} {:<8} {:>6} {:>8}  {:<12} first finding",
         "#", "mutant", "caught", "seeds", "wall s", "oracle"
@@ -124,7 +136,7 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
         } else {
             args.profile.as_str()
         };
-        let r = zoo_row(Some(*m), args.seeds, jobs, profile);
+        let r = zoo_row(Some(*m), args.seeds, jobs, profile, overlap);
         if !r.caught {
             missed += 1;
         }
@@ -142,7 +154,7 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
     }
     let mut clean_failures = 0;
     if !args.no_clean {
-        let r = zoo_row(None, args.seeds, jobs, &args.profile);
+        let r = zoo_row(None, args.seeds, jobs, &args.profile, overlap);
         clean_failures = if r.caught { 1 } else { 0 };
         println!(
             "{:<4} {:<28} {:<8} {:>6} {:>8.2}  {:<12} {}",

@@ -20,6 +20,7 @@ fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
         trace_records: None,
         cuda: false,
         schedules: 1,
+        overlap: None,
     }
 }
 
