@@ -16,7 +16,6 @@ use crate::layout::{
     PageId, PageRun, PagedView, SlotId, PAGE_TOKENS,
 };
 use std::sync::Arc;
-use tierkv_kernels::cpu::draw::DrawArgs;
 pub use tierkv_kernels::cpu::draw::TokenAt;
 pub use tierkv_kernels::rope::Rope;
 
@@ -34,16 +33,6 @@ pub struct Drawn {
 }
 
 impl Drawn {
-    /// Rows whose token is known on the host.
-    pub fn known(seed: u64, layer: u32, rows: Vec<TokenAt>) -> Drawn {
-        Drawn {
-            seed,
-            layer,
-            rows,
-            tokens: None,
-        }
-    }
-
     /// Declares the tokens the pending rows read.
     fn accesses(&self, out: &mut Vec<Access>) {
         if let Some(t) = self.tokens {
@@ -70,14 +59,6 @@ impl Drawn {
     /// Each row's position, in row order.
     pub fn positions(&self) -> Vec<u32> {
         self.rows.iter().map(|t| t.position).collect()
-    }
-
-    pub fn args(&self) -> DrawArgs<'_> {
-        DrawArgs {
-            seed: self.seed,
-            layer: self.layer,
-            rows: &self.rows,
-        }
     }
 }
 
