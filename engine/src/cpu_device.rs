@@ -7,9 +7,9 @@ use crate::device::*;
 use crate::layout::{
     f32_bytes, fp8_bytes, i32_bytes, u64_bytes, BufferKind, Bytes, INDEX_HEAD_DIM,
 };
+use std::borrow::Cow;
 use tierkv_kernels::cpu;
 use tierkv_kernels::cpu::draw;
-use std::borrow::Cow;
 use tierkv_kernels::cpu::numerics::{le_f32s, le_i32s, le_u64s};
 
 /// Buffers as plain bytes, indexed by `BufferId`.

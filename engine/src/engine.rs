@@ -244,7 +244,10 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// whose prompt it computed (it runs them with one output token: the first) as an export
     /// instead of completing it; a decode engine takes requests only through `admit_transferred`.
     pub(crate) fn set_role(&mut self, role: Role) {
-        assert!(!self.overlap, "a prefill/decode pair's engines do not run ahead");
+        assert!(
+            !self.overlap,
+            "a prefill/decode pair's engines do not run ahead"
+        );
         self.role = Some(role);
     }
     /// The compute stream's step event: everything a finished step wrote is before it.
@@ -581,9 +584,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             self.end_step(&mut report);
             return Ok(report);
         };
-        let digests = self
-            .model
-            .collect(&mut self.dev, prev.queries, prev.slot)?;
+        let digests = self.model.collect(&mut self.dev, prev.queries, prev.slot)?;
         let t3 = self.clock.now_ns();
         report.host.wait_ns = t3.saturating_sub(t2);
         // The rows of requests aborted meanwhile were in that step alone (the step enqueued

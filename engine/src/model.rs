@@ -17,8 +17,8 @@ use crate::device::{
 use crate::error::EngineError;
 use crate::gate::LayerGate;
 use crate::layout::{
-    i32_bytes, slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer, ScratchLayout,
-    PAGE_TOKENS,
+    i32_bytes, slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer,
+    ScratchLayout, PAGE_TOKENS,
 };
 use crate::mutants::Mutants;
 use crate::pools::Pools;

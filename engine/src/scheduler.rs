@@ -10,11 +10,11 @@
 use crate::cache::NodeId;
 use crate::config::{Config, PrefillIndexer, SchedulerConfig};
 use crate::controller::{Grant, LoadAck, LoadId};
+use crate::device::TokenAt;
 use crate::error::EngineError;
 use crate::layout::{PageId, PAGE_TOKENS};
 use crate::mutants::Mutants;
 use crate::probe::{self, Probe};
-use crate::device::TokenAt;
 use crate::synth::{Synth, VOCAB};
 use std::collections::{BTreeMap, VecDeque};
 
@@ -513,10 +513,13 @@ impl Scheduler {
                 }
                 Some(&(prev, last_query)) => {
                     let last = *prev.queries.last().expect("a row has a query") as usize;
-                    let generates = last + 1 == r.tokens.len()
-                        && last + 1 >= r.prompt_len
-                        && !r.finished();
-                    (prev.to, r.generated + generates as u32, generates.then_some(last_query))
+                    let generates =
+                        last + 1 == r.tokens.len() && last + 1 >= r.prompt_len && !r.finished();
+                    (
+                        prev.to,
+                        r.generated + generates as u32,
+                        generates.then_some(last_query),
+                    )
                 }
             };
             let row = if computed < r.prompt_len {

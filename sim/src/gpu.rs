@@ -873,8 +873,10 @@ impl SimGpu {
         for (row, &slot) in drawn.rows.iter().zip(slots) {
             if row.pending_index().is_some() {
                 let s = SlotId(slot.max(0) as u32);
-                *self.tainted.entry((dst, slot_page(s).0 as u64)).or_default() |=
-                    1u64 << slot_offset(s);
+                *self
+                    .tainted
+                    .entry((dst, slot_page(s).0 as u64))
+                    .or_default() |= 1u64 << slot_offset(s);
             }
         }
     }

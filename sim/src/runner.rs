@@ -472,11 +472,7 @@ fn start_engine(
             host_pages_refused_rate: sc.host_pages_refused_rate,
         },
         // A mutant of the overlapping engine needs it on.
-        overlap: sc.overlap
-            || planted
-                .engine
-                .active()
-                .is_some_and(|m| m.needs_overlap()),
+        overlap: sc.overlap || planted.engine.active().is_some_and(|m| m.needs_overlap()),
     };
     let failed = |oracle, message| Finding {
         oracle,

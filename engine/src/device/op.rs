@@ -12,8 +12,8 @@
 
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
-    i32_bytes, kv_row, slot_offset, u64_bytes, slot_page, Bytes, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat,
-    PageId, PageRun, PagedView, SlotId, PAGE_TOKENS,
+    i32_bytes, kv_row, slot_offset, slot_page, u64_bytes, Bytes, IndexKDtype, KvDtype,
+    LayoutFingerprint, PageFormat, PageId, PageRun, PagedView, SlotId, PAGE_TOKENS,
 };
 use std::sync::Arc;
 pub use tierkv_kernels::cpu::draw::TokenAt;

@@ -244,7 +244,10 @@ fn running_ahead_computes_what_the_in_order_engine_does() {
     let (ahead, hits) = run(true, None);
     assert_eq!(in_order.len(), 5);
     assert_eq!(ahead, in_order);
-    assert!(hits.get("ahead.pending_token").copied().unwrap_or(0) > 0, "{hits:?}");
+    assert!(
+        hits.get("ahead.pending_token").copied().unwrap_or(0) > 0,
+        "{hits:?}"
+    );
     assert!(hits.get("ahead.step").copied().unwrap_or(0) > 0, "{hits:?}");
     // Aborts at steps 2..12: some land with the request's row in flight.
     let mut deferred = 0;
@@ -252,7 +255,10 @@ fn running_ahead_computes_what_the_in_order_engine_does() {
         let (aborted, hits) = run(true, Some(step));
         deferred += hits.get("ahead.row_of_aborted").copied().unwrap_or(0);
         for id in in_order.keys().take(4) {
-            assert_eq!(aborted[id], in_order[id], "request {id}, abort at step {step}");
+            assert_eq!(
+                aborted[id], in_order[id],
+                "request {id}, abort at step {step}"
+            );
         }
     }
     assert!(deferred > 0, "no abort landed with a row in flight");

@@ -1068,9 +1068,18 @@ impl Kernels {
     ) -> Result<()> {
         const OP: &str = "next_tokens";
         if rows > rows_max {
-            return Err(bad(OP, "rows", format!("{rows} rows of a step of {rows_max}")));
+            return Err(bad(
+                OP,
+                "rows",
+                format!("{rows} rows of a step of {rows_max}"),
+            ));
         }
-        need(OP, "digests", digests, u64_bytes(layers as u64 * rows_max as u64))?;
+        need(
+            OP,
+            "digests",
+            digests,
+            u64_bytes(layers as u64 * rows_max as u64),
+        )?;
         need(OP, "out", out, i32_bytes(rows as u64))?;
         if rows == 0 {
             return Ok(());

@@ -1385,9 +1385,7 @@ mod cuda {
         let c = Cuda::new();
         let mut g = Gen::fresh("next_tokens");
         for (layers, rows_max, rows) in [(1u32, 1u32, 1u32), (61, 300, 300), (4, 1000, 37)] {
-            let digests: Vec<u64> = (0..layers * rows_max)
-                .map(|_| g.below(u64::MAX))
-                .collect();
+            let digests: Vec<u64> = (0..layers * rows_max).map(|_| g.below(u64::MAX)).collect();
             let seed = g.below(u64::MAX);
             let want = draw::next_tokens(seed, &digests, layers, rows_max, rows).unwrap();
             let (_d, dp) = c.up(bytes(&digests));

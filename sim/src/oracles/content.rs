@@ -124,7 +124,10 @@ impl ContentOracle {
     /// drawn from it). Returns the index the token took.
     pub fn confirm(&mut self, request: u64, token: u32) -> Option<usize> {
         let n = self.confirmed.get_mut(&request)?;
-        let t = self.tokens.get_mut(&request).expect("a confirmed request has tokens");
+        let t = self
+            .tokens
+            .get_mut(&request)
+            .expect("a confirmed request has tokens");
         if t.get(*n) != Some(&token) {
             t.truncate(*n);
             t.push(token);
@@ -333,9 +336,8 @@ impl ContentOracle {
                 // holds the very bytes that were compared: nothing new to learn from them.
                 let gen = pages.generation(k, page as u64);
                 if bad_rows == 0
-                    && want_hash.is_some_and(|h| {
-                        self.verified.get(&(k, page as u64)) == Some(&(gen, h))
-                    })
+                    && want_hash
+                        .is_some_and(|h| self.verified.get(&(k, page as u64)) == Some(&(gen, h)))
                 {
                     self.rows_cached += (last - first) as u64;
                     continue;
