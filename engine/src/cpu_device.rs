@@ -10,7 +10,7 @@ use crate::layout::{
 use std::borrow::Cow;
 use tierkv_kernels::cpu;
 use tierkv_kernels::cpu::draw;
-use tierkv_kernels::cpu::numerics::{le_f32s, le_i32s, le_u64s};
+use tierkv_kernels::cpu::numerics::{le_f32s, le_i32s, le_u32s, le_u64s};
 
 /// Buffers as plain bytes, indexed by `BufferId`.
 #[derive(Default, Debug)]
@@ -138,14 +138,7 @@ fn rope_rows(rope: &Rope, d: &Drawn) -> Vec<f32> {
 fn resolved<'a>(d: &'a Drawn, mem: &Memory) -> Result<Cow<'a, [TokenAt]>, KError> {
     match d.tokens {
         None => Ok(Cow::Borrowed(&d.rows)),
-        Some(t) => {
-            let tokens: Vec<u32> = mem
-                .region(t)
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-                .collect();
-            draw::resolve_pending(&d.rows, &tokens).map(Cow::Owned)
-        }
+        Some(t) => draw::resolve_pending(&d.rows, &le_u32s(mem.region(t))).map(Cow::Owned),
     }
 }
 

@@ -765,6 +765,17 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             .sum();
         let held = self.import_held;
         let aborted = self.sched.detached_pages();
+        let flying = |id| {
+            self.in_flight
+                .as_ref()
+                .is_some_and(|f| f.rows.iter().any(|r| r.request == id))
+        };
+        for id in self.sched.detached_ids() {
+            assert!(
+                flying(id),
+                "request {id} detached without a row in the step in flight"
+            );
+        }
         assert_eq!(
             self.pools.device_pages.used_count() as usize,
             tree + owned + loading + exported + held + aborted,

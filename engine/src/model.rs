@@ -17,7 +17,7 @@ use crate::device::{
 use crate::error::EngineError;
 use crate::gate::LayerGate;
 use crate::layout::{
-    i32_bytes, slot, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer,
+    slot, u32_bytes, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer,
     ScratchLayout, PAGE_TOKENS,
 };
 use crate::mutants::Mutants;
@@ -524,7 +524,7 @@ impl ModelStep {
                 digests: s.region(ScratchBuffer::Digests, (Bytes::ZERO, bytes)),
                 layers: self.shape.layers,
                 rows_max: s.layout.rows_max(),
-                out: s.region(ScratchBuffer::Tokens, (Bytes::ZERO, i32_bytes(n))),
+                out: s.region(ScratchBuffer::Tokens, (Bytes::ZERO, u32_bytes(n))),
                 tags: RowTags {
                     layer_global: self.shape.layer_base,
                     rows: batch

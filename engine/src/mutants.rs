@@ -271,10 +271,6 @@ impl Mutants {
         self.on(Mutant::NoAdmissionControl)
     }
     /// Mutant 14: an aborted prefill is published to decode as if its prompt were computed.
-    /// Mutant 18: every step reads its digests back through the first readback buffer.
-    pub fn overlap_one_readback(&self) -> bool {
-        self.on(Mutant::OverlapOneReadback)
-    }
     pub fn pd_publishes_aborted(&self) -> bool {
         self.on(Mutant::PdPublishesAbortedPrefill)
     }
@@ -299,5 +295,9 @@ impl Mutants {
         } else {
             layers
         }
+    }
+    /// Mutant 18: every step reads its digests back through the first readback buffer.
+    pub fn overlap_one_readback(&self) -> bool {
+        self.on(Mutant::OverlapOneReadback)
     }
 }

@@ -459,6 +459,11 @@ impl Scheduler {
     /// flight is recorded: its load's acknowledgement still applies to it, and its memory goes
     /// back after ([`take_detached`](Self::take_detached)).
     pub(crate) fn detach(&mut self, r: Request) {
+        assert!(
+            !self.requests.contains_key(&r.id),
+            "request {} detached while still held",
+            r.id
+        );
         let prev = self.detached.insert(r.id, r);
         assert!(prev.is_none(), "request detached twice");
     }
@@ -466,6 +471,11 @@ impl Scheduler {
     /// The aborted requests [`detach`](Self::detach) kept, handed back.
     pub(crate) fn take_detached(&mut self) -> Vec<Request> {
         std::mem::take(&mut self.detached).into_values().collect()
+    }
+
+    /// The detached requests' ids.
+    pub(crate) fn detached_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.detached.keys().copied()
     }
 
     /// The detached requests' own device pages.
@@ -606,9 +616,8 @@ impl Scheduler {
                 continue;
             }
             let Some(r) = self.requests.get(&row.request) else {
-                // Aborted while its step was in flight (an engine running ahead): nothing of
-                // it is kept.
-                probe::hit(Probe::AheadRowOfAborted);
+                // Aborted while its step was in flight (an engine running ahead; counted at the
+                // abort): nothing of it is kept.
                 continue;
             };
             if r.computed != row.from {

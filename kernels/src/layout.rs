@@ -225,6 +225,13 @@ pub const fn f32_bytes(n: u64) -> Bytes {
 pub const fn i32_bytes(n: u64) -> Bytes {
     Bytes(n * 4)
 }
+/// Token ids (u32), and the inverse: how many fit in `b`.
+pub const fn u32_bytes(n: u64) -> Bytes {
+    Bytes(n * 4)
+}
+pub const fn u32_count(b: Bytes) -> u64 {
+    b.0 / 4
+}
 /// 64-bit digests.
 pub const fn u64_bytes(n: u64) -> Bytes {
     Bytes(n * 8)
@@ -685,6 +692,20 @@ impl ScratchBuffer {
     }
 }
 
+// The engine allocates `ALL` then `AHEAD` and finds each buffer by its discriminant.
+const _: () = {
+    let mut i = 0;
+    while i < ScratchBuffer::ALL.len() {
+        assert!(
+            ScratchBuffer::ALL[i] as usize == i,
+            "ScratchBuffer::ALL out of order"
+        );
+        i += 1;
+    }
+    let n = ScratchBuffer::ALL.len();
+    assert!(ScratchBuffer::AHEAD[0] as usize == n && ScratchBuffer::AHEAD[1] as usize == n + 1);
+};
+
 /// What a [`ScratchLayout`] is built from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScratchParams {
@@ -784,7 +805,7 @@ impl ScratchLayout {
             ScratchBuffer::Digests | ScratchBuffer::Readback | ScratchBuffer::ReadbackAhead => {
                 u64_bytes(p.layers as u64 * p.rows_max as u64)
             }
-            ScratchBuffer::Tokens => i32_bytes(p.rows_max as u64),
+            ScratchBuffer::Tokens => u32_bytes(p.rows_max as u64),
         }
     }
     /// fp8 queries of `rows` rows (from the start of the buffer).

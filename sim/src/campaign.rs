@@ -97,6 +97,16 @@ impl CampaignOptions {
         if let Some(on) = self.overlap {
             sc.overlap = on && sc.profile != "pd";
         }
+        // A mutant of the overlap itself needs the engine ahead (`Scenario::validate` refuses
+        // it otherwise, under `pd` too).
+        let needs = self
+            .mutant
+            .as_deref()
+            .and_then(tierkv_engine::mutants::Mutant::parse)
+            .is_some_and(|m| m.needs_overlap());
+        if needs && sc.profile != "pd" {
+            sc.overlap = true;
+        }
         sc
     }
 }

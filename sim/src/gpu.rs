@@ -271,6 +271,10 @@ pub struct SimGpu {
     pub findings: Vec<Finding>,
     pub races: Vec<Race>,
     pub content: Option<Rc<RefCell<ContentOracle>>>,
+    /// The engine runs one step ahead: a skipped store's rows count as garbage (the step built
+    /// on a failed one reads them before the engine discards it). In order, no step may read
+    /// them before the rerun rewrites them, so a read is still compared, and a finding.
+    pub ahead: bool,
     pub trace: Vec<Slice>,
     /// Records, waits and host calls, for the trace (`GpuOptions::trace`).
     pub marks: Vec<Mark>,
@@ -339,6 +343,7 @@ impl SimGpu {
             findings: Vec::new(),
             races: Vec::new(),
             content: None,
+            ahead: false,
             trace: Vec::new(),
             marks: Vec::new(),
             racing_ops: Vec::new(),
@@ -688,11 +693,12 @@ impl SimGpu {
             if let Op::NextTokens(o) = &rec.op {
                 self.stale_tokens.insert(o.out.buffer);
             }
-            // What a skipped copy or store should have written holds whatever was there:
-            // garbage. (Only an engine running ahead reads such a store's rows before the
-            // rerun rewrites them: the step built on the failed one, which it discards.)
-            for (buf, page, rows) in rec.op.spec().full_rows() {
-                *self.tainted.entry((buf, page)).or_default() |= rows;
+            // What a skipped copy should have written holds whatever was there: garbage; and
+            // so does a skipped store's, for an engine running ahead (`ahead`).
+            if rec.op.spec().class() == OpClass::PageCopy || self.ahead {
+                for (buf, page, rows) in rec.op.spec().full_rows() {
+                    *self.tainted.entry((buf, page)).or_default() |= rows;
+                }
             }
         } else {
             self.check_content(&rec, end);
@@ -850,10 +856,9 @@ impl SimGpu {
             Op::NextTokens(o) => {
                 self.stale_tokens.remove(&o.out.buffer);
                 if let Some(c) = &self.content {
-                    let got = self.mem.region(o.out);
+                    let got = tierkv_kernels::cpu::numerics::le_u32s(self.mem.region(o.out));
                     let mut c = c.borrow_mut();
-                    for (tag, b) in o.tags.rows.iter().zip(got.chunks_exact(4)) {
-                        let token = u32::from_le_bytes(b.try_into().expect("4 bytes"));
+                    for (tag, &token) in o.tags.rows.iter().zip(&got) {
                         c.generated(tag.request, tag.position + 1, token);
                     }
                 }

@@ -471,8 +471,7 @@ fn start_engine(
             device_pages_refused_rate: sc.device_pages_refused_rate,
             host_pages_refused_rate: sc.host_pages_refused_rate,
         },
-        // A mutant of the overlapping engine needs it on.
-        overlap: sc.overlap || planted.engine.active().is_some_and(|m| m.needs_overlap()),
+        overlap: sc.overlap,
     };
     let failed = |oracle, message| Finding {
         oracle,
@@ -496,6 +495,7 @@ fn start_engine(
         let mut gpu = SimGpu::new(sc.seed, o)
             .map_err(|e| failed(OracleKind::Engine, format!("simulated GPU: {e}")))?;
         gpu.content = Some(content.clone());
+        gpu.ahead = sc.overlap;
         let clock = gpu.clock();
         let gpu = Rc::new(RefCell::new(gpu));
         let side = |side| SimSide {
@@ -989,6 +989,7 @@ impl<'a> Run<'a> {
             // A query's token is emitted before its digests (an engine running ahead reads it
             // on the device meanwhile): these came from a token the engine never confirmed.
             drop(c);
+            self.last_digests.insert(request, digests);
             self.found(
                 OracleKind::Digest,
                 format!(

@@ -319,6 +319,18 @@ impl Scenario {
                 "a prefill/decode pair's engines do not run ahead",
             ));
         }
+        let needs_overlap = self
+            .mutant
+            .as_deref()
+            .and_then(tierkv_engine::mutants::Mutant::parse)
+            .is_some_and(|m| m.needs_overlap());
+        if needs_overlap && !self.overlap {
+            return Err(bad(
+                "mutant",
+                self.mutant.as_deref().unwrap_or_default(),
+                "plants a bug of the engine running one step ahead: needs `overlap = true` (not under `pd`)",
+            ));
+        }
         self.validate_workload(&cfg)?;
         if let Some(m) = &self.mutant {
             let known = tierkv_engine::mutants::Mutant::parse(m).is_some()
@@ -460,6 +472,16 @@ pub const PROFILES: &[&str] = &[
     "pd",
 ];
 
+/// Whether the scenario of `seed` under `profile` runs the engine one step ahead, as [`draw`]
+/// draws it (without drawing the rest).
+pub fn draws_overlap(seed: u64, profile: &str) -> bool {
+    let mut rng = Rng::new(seed);
+    for purpose in 1..=4 {
+        rng.fork(purpose);
+    }
+    profile != "pd" && rng.fork(5).chance(0.5)
+}
+
 /// Draws the scenario of `seed` under `profile`. `trace` is a Mooncake trace for the trace profile.
 pub fn draw(
     seed: u64,
@@ -501,6 +523,7 @@ pub fn draw(
     };
     // Its own stream too: every seed drew the same scenario as before, but for this.
     let overlap = profile != "pd" && rng.fork(5).chance(0.5);
+    debug_assert_eq!(overlap, draws_overlap(seed, profile));
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
     let sc = Scenario {

@@ -12,7 +12,7 @@
 
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
-    i32_bytes, kv_row, slot_offset, slot_page, u64_bytes, Bytes, IndexKDtype, KvDtype,
+    kv_row, slot_offset, slot_page, u32_bytes, u32_count, u64_bytes, Bytes, IndexKDtype, KvDtype,
     LayoutFingerprint, PageFormat, PageId, PageRun, PagedView, SlotId, PAGE_TOKENS,
 };
 use std::sync::Arc;
@@ -42,7 +42,7 @@ impl Drawn {
 
     /// Every pending row names an entry inside the tokens region.
     fn check(&self, op: &'static str) -> Result<(), DeviceError> {
-        let entries = self.tokens.map_or(0, |t| t.bytes.0 / 4);
+        let entries = self.tokens.map_or(0, |t| u32_count(t.bytes));
         for (i, t) in self.rows.iter().enumerate() {
             if let Some(at) = t.pending_index() {
                 if at as u64 >= entries {
@@ -607,7 +607,7 @@ impl OpSpec for NextTokens {
                 ),
             ));
         }
-        if self.out.bytes != i32_bytes(rows) {
+        if self.out.bytes != u32_bytes(rows) {
             return Err(bad(
                 self.name(),
                 format!("tokens region of {} B for {rows} rows", self.out.bytes),

@@ -37,6 +37,8 @@ pub enum PdError {
     Engine { role: Role, source: EngineError },
     #[error("KV link: {0}")]
     Link(#[from] LinkError),
+    #[error("`overlap`: a prefill/decode pair's engines do not run one step ahead (not built)")]
+    Overlap,
 }
 
 impl PdError {
@@ -139,6 +141,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         link: L,
         opts: EngineOptions,
     ) -> Result<Self, PdError> {
+        if opts.overlap {
+            return Err(PdError::Overlap);
+        }
         handshake(
             &PdLayout::of(&prefill_cfg, Role::Prefill),
             &PdLayout::of(&decode_cfg, Role::Decode),

@@ -16,7 +16,7 @@
 use super::ring::{CompletionRing, Ticket};
 use super::staging::{QueuedCopy, StagingRing};
 use crate::device::*;
-use crate::layout::{f32_bytes, Bytes, PageRun, PagedView, ROPE_DIM};
+use crate::layout::{f32_bytes, u32_count, Bytes, PageRun, PagedView, ROPE_DIM};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use std::sync::Arc;
 use tierkv_kernels::cuda::launch::{DevPtr, DrawKind, IndexLogitsLaunch, Kernels};
@@ -367,7 +367,7 @@ impl CudaOps {
         let (_rows, rows) = self.upload(s, bytes_of(&d.rows))?;
         if let Some(t) = d.tokens {
             self.kernels
-                .resolve_pending(s, &d.rows, rows, region(mem, &t), (t.bytes.0 / 4) as u32)
+                .resolve_pending(s, &d.rows, rows, region(mem, &t), u32_count(t.bytes) as u32)
                 .map_err(kernel)?;
         }
         let bytes = kind.bytes(d.rows.len() as u64).max(Bytes(1));

@@ -219,3 +219,72 @@ fn the_mixed_batch_probe_is_hit_only_by_prefill_beside_decode() {
         "a decode beside a prefill"
     );
 }
+
+/// One step ahead: a request continues from its row in flight (its next token pending, read on
+/// the device from that row's query), one that finishes there is left out, one whose row in
+/// flight reads a load waits, and a row built on one whose load then failed is stale.
+#[test]
+fn a_batch_built_ahead_continues_from_the_rows_in_flight() {
+    let mut s = scheduler(512, PrefillIndexer::LastToken);
+    let a = submit(&mut s, 100, 3);
+    let b = submit(&mut s, 30, 1);
+    admit_all(&mut s, 0, false);
+    let first = s.build_batch(64, None);
+    assert_eq!(first.len(), 2);
+    probe::take();
+    let ahead = s.build_batch(64, Some(&first));
+    // `b` generates its one token in the step in flight: it is done.
+    assert_eq!(ahead.len(), 1, "{ahead:?}");
+    let row = &ahead[0];
+    assert_eq!(
+        (row.request, row.from, row.to, row.pending),
+        (a, 100, 101, Some(0))
+    );
+    assert_eq!(row.tokens, [TokenAt::pending(0, 100).token]);
+    assert_eq!(probe_hits(Probe::AheadPendingToken), 1);
+    forward(&mut s, &first);
+    let r = &s.requests[&a];
+    assert_eq!(
+        (r.computed, r.tokens.len()),
+        (100, 101),
+        "the first step recorded"
+    );
+    assert_eq!(s.next_finished().map(|r| r.id), Some(b), "b finished");
+    forward(&mut s, &ahead);
+    assert_eq!(s.requests[&a].computed, 101, "the row built ahead recorded");
+    s.check_invariants();
+
+    // A request whose row in flight reads a load waits for that step.
+    let mut s = scheduler(512, PrefillIndexer::LastToken);
+    let c = submit(&mut s, 5 * PAGE_TOKENS as usize + 10, 2);
+    admit_all(&mut s, 4, true);
+    let first = s.build_batch(64, None);
+    probe::take();
+    assert!(s.build_batch(64, Some(&first)).is_empty());
+    assert_eq!(probe_hits(Probe::AheadWaitsForLoad), 1);
+    // Its load is acknowledged failed before the next batch: the row in flight is stale, and
+    // the request continues from its recorded state.
+    let load = s.requests[&c].load.expect("a load in flight");
+    s.load_acked(&LoadAck {
+        load,
+        request: c,
+        ok: false,
+        nodes: 3,
+        orphaned: false,
+    });
+    probe::take();
+    let next = s.build_batch(64, Some(&first));
+    assert_eq!(
+        (next[0].from, next[0].pending),
+        (PAGE_TOKENS as usize, None)
+    );
+    assert_eq!(probe_hits(Probe::AheadRowStale), 1);
+    forward(&mut s, &first);
+    assert_eq!(
+        s.requests[&c].computed, PAGE_TOKENS as usize,
+        "the stale row is dropped"
+    );
+    forward(&mut s, &next);
+    assert_eq!(s.requests[&c].computed, 5 * PAGE_TOKENS as usize + 10);
+    s.check_invariants();
+}

@@ -61,6 +61,7 @@ pub const VOCAB: u32 = 50_000;
 /// from a tokens buffer, at the index in the low bits ([`next_tokens`] wrote it there from the
 /// previous step's digests). An engine that runs one step ahead builds its rows this way.
 pub const PENDING_TOKEN: u32 = 1 << 31;
+const _: () = assert!(VOCAB < PENDING_TOKEN, "a token id must not read as pending");
 
 /// A row the device draws: a token at a position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -225,6 +225,12 @@ pub fn le_i32s(b: &[u8]) -> Vec<i32> {
         .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
+/// Little-endian `u32`s of a byte buffer.
+pub fn le_u32s(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
 /// Little-endian `u64`s of a byte buffer.
 pub fn le_u64s(b: &[u8]) -> Vec<u64> {
     b.chunks_exact(8)

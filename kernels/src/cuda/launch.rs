@@ -12,7 +12,7 @@ use super::{
 };
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
-    bf16_bytes, f32_bytes, fp8_bytes, i32_bytes, u64_bytes, Bytes, IndexKDtype, KvDtype,
+    bf16_bytes, f32_bytes, fp8_bytes, i32_bytes, u32_bytes, u64_bytes, Bytes, IndexKDtype, KvDtype,
     LayoutFingerprint, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_ROW_VALUES,
     PAGE_TOKENS, ROPE_DIM,
 };
@@ -1021,7 +1021,7 @@ impl Kernels {
     ) -> Result<()> {
         const OP: &str = "draw";
         need(OP, "rows", rows_dev, i32_bytes(2 * rows.len() as u64))?;
-        need(OP, "tokens", tokens, i32_bytes(tokens_len as u64))?;
+        need(OP, "tokens", tokens, u32_bytes(tokens_len as u64))?;
         for (i, t) in rows.iter().enumerate() {
             if let Some(at) = t.pending_index() {
                 if at >= tokens_len {
@@ -1080,7 +1080,7 @@ impl Kernels {
             digests,
             u64_bytes(layers as u64 * rows_max as u64),
         )?;
-        need(OP, "out", out, i32_bytes(rows as u64))?;
+        need(OP, "out", out, u32_bytes(rows as u64))?;
         if rows == 0 {
             return Ok(());
         }

@@ -1389,7 +1389,8 @@ mod cuda {
             let seed = g.below(u64::MAX);
             let want = draw::next_tokens(seed, &digests, layers, rows_max, rows).unwrap();
             let (_d, dp) = c.up(bytes(&digests));
-            let mut got = vec![0u32; rows as usize];
+            // Poisoned: every entry must be written.
+            let mut got = vec![0xA5A5_A5A5u32; rows as usize];
             let (o, op) = c.up(bytes(&got));
             c.k.next_tokens(&c.s, seed, dp, layers, rows_max, rows, op)
                 .unwrap();

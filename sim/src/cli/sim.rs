@@ -53,9 +53,10 @@ pub struct SimArgs {
     /// Switch on a bug-zoo mutant (in the `tierkv-zoo` binary, built with `--features mutants`).
     #[arg(long)]
     pub mutant: Option<String>,
-    /// `on`: the engine runs one step ahead in every drawn seed; `off`: in none. Default: as
-    /// each scenario draws it (half the seeds; never under `pd`).
-    #[arg(long, value_parser = ["on", "off"])]
+    /// `on`: the engine runs one step ahead in every drawn seed (overlap scheduling: step n+1 is
+    /// enqueued before the host waits for step n); `off`: in none. Default: as each scenario
+    /// draws it (half the seeds; never under `pd`). Mutants of the overlap (zoo 18) need it on.
+    #[arg(long, value_parser = ["on", "off"], conflicts_with = "replay")]
     pub overlap: Option<String>,
     /// Replay a saved scenario (e.g. a shrunk reproduction). `--mutant` replaces the file's.
     #[arg(long, conflicts_with_all = ["seeds", "shard", "profile", "jobs", "mooncake"])]
@@ -143,17 +144,24 @@ enum Origin {
 /// A bad argument: its message, printed with exit code 2.
 struct Usage(String);
 
-/// The one-line command that replays `sc`'s seed.
+/// The one-line command that replays `sc`'s seed (with `--overlap` when the scenario's engine
+/// mode is not the one its seed draws).
 pub fn replay_command(sc: &Scenario) -> String {
+    let drawn = crate::scenario::draws_overlap(sc.seed, &sc.profile);
     format!(
-        "cargo run --release -p tierkv-sim{} -- sim --seed {} --profile {}{}",
+        "cargo run --release -p tierkv-sim{} -- sim --seed {} --profile {}{}{}",
         features(sc),
         sc.seed,
         sc.profile,
         sc.mutant
             .as_ref()
             .map(|m| format!(" --mutant {m}"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        match (sc.overlap, drawn) {
+            (true, false) => " --overlap on",
+            (false, true) => " --overlap off",
+            _ => "",
+        }
     )
 }
 

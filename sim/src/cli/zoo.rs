@@ -24,8 +24,9 @@ pub struct ZooArgs {
     /// Skip the clean-engine run.
     #[arg(long)]
     pub no_clean: bool,
-    /// `on`: the engine runs one step ahead in every seed; `off`: in none. Default: as each
-    /// scenario draws it (half the seeds).
+    /// `on`: the engine runs one step ahead in every seed (overlap scheduling: step n+1 is
+    /// enqueued before the host waits for step n); `off`: in none, but for the mutants of the
+    /// overlap itself (18), which need it. Default: as each scenario draws it (half the seeds).
     #[arg(long, value_parser = ["on", "off"])]
     pub overlap: Option<String>,
 }
