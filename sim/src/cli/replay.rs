@@ -385,7 +385,7 @@ fn report(m: &Metrics, samples: &[StepSample], mut seen: Seen, wall: Duration) -
     );
     let ttft = &mut seen.ttft;
     println!(
-        "step latency ms: p50 {:.3} p90 {:.3} p99 {:.3} ({} steps); TTFT ms: p50 {:.1} p90 {:.1} p99 {:.1}",
+        "step latency ms (each engine iteration's wall time): p50 {:.3} p90 {:.3} p99 {:.3} ({} steps); TTFT ms: p50 {:.1} p90 {:.1} p99 {:.1}",
         percentile(&mut steps, 0.5),
         percentile(&mut steps, 0.9),
         percentile(&mut steps, 0.99),
