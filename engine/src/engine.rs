@@ -52,7 +52,7 @@ struct InFlight {
     rows: Vec<Row>,
     queries: usize,
     slot: crate::model::Slot,
-    /// When its enqueue began, for the step latency.
+    /// When the iteration that built it began, for the step latency.
     started_ns: u64,
 }
 
@@ -439,17 +439,19 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         self.pools.device_pages.free(&req.pages[req.owned_from..]);
     }
 
-    /// One scheduling iteration; see the module comment. Running one step ahead
-    /// (`EngineOptions::overlap`), the iteration enqueues the next step before it waits for the
-    /// one in flight, then records that one's results: the host schedules and enqueues while
-    /// the device computes, and ordering is kept by the device's events alone.
+    /// One scheduling iteration; see the module comment. In order, it enqueues a step and
+    /// waits for it. Running one step ahead (`EngineOptions::overlap`), it builds the batch from
+    /// where the step in flight leaves each request (`Scheduler::build_batch` with its rows: a
+    /// token that step generates is pending, read on the device), enqueues it with the other
+    /// event slot, and only then waits for the step in flight and records it: the host schedules
+    /// and enqueues while the device computes, and ordering is kept by the device's events
+    /// alone. When that step failed, the step built on it is waited for and discarded too: both
+    /// are rebuilt from the recorded state.
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
-        if self.overlap {
-            return self.step_ahead();
-        }
         let t0 = self.clock.now_ns();
         let admitted = self.before_step()?;
-        let rows = self.sched.build_batch(self.model.rows_max(), None);
+        let ahead = self.in_flight.as_ref().map(|f| f.rows.as_slice());
+        let rows = self.sched.build_batch(self.model.rows_max(), ahead);
         let mut report = StepReport {
             rows: rows.iter().map(|r| r.queries.len()).sum(),
             admitted,
@@ -459,7 +461,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         };
         let t1 = self.clock.now_ns();
         report.host.schedule_ns = t1.saturating_sub(t0);
-        if rows.is_empty() {
+        if rows.is_empty() && self.in_flight.is_none() {
             self.wait_for_copies();
             self.device_lost()?;
             report.host.wait_ns = self.clock.now_ns().saturating_sub(t1);
@@ -467,25 +469,66 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             self.end_step(&mut report);
             return Ok(report);
         }
-        let queries = self.enqueue_forward(&rows, 0)?;
+        let enqueued = if rows.is_empty() {
+            None
+        } else {
+            probe::hit_if(Probe::AheadStep, self.in_flight.is_some());
+            let slot = self.model.next_slot();
+            let queries = self.enqueue_forward(&rows, slot)?;
+            Some(InFlight {
+                rows,
+                queries,
+                slot,
+                started_ns: t0,
+            })
+        };
         let t2 = self.clock.now_ns();
         report.host.enqueue_ns = t2.saturating_sub(t1);
-        let digests = self.model.collect(&mut self.dev, queries, 0)?;
+        // In order the step just enqueued is the one to record; ahead, the one before it.
+        let to_record = if self.overlap {
+            std::mem::replace(&mut self.in_flight, enqueued)
+        } else {
+            enqueued
+        };
+        let Some(prev) = to_record else {
+            // The first step of a run ahead: nothing to record yet.
+            report.idle = self.is_idle();
+            self.end_step(&mut report);
+            return Ok(report);
+        };
+        let digests = self.model.collect(&mut self.dev, prev.queries, prev.slot)?;
         let t3 = self.clock.now_ns();
         report.host.wait_ns = t3.saturating_sub(t2);
+        // The rows of requests aborted meanwhile were in that step alone (a step enqueued above
+        // was built without them): their memory is free now.
+        for req in self.sched.take_detached() {
+            self.release_aborted(req);
+        }
         let Some(digests) = digests else {
+            if let Some(next) = self.in_flight.take() {
+                probe::hit(Probe::AheadDiscarded);
+                // Discarded whatever it reports; a failure of its own counts as one.
+                let ev = self.model.slot_event(next.slot);
+                if self.dev.synchronize(ev) == EventState::Failed {
+                    self.metrics.steps_failed += 1;
+                } else {
+                    self.metrics.steps_discarded += 1;
+                }
+            }
             self.step_failed()?;
             report.idle = self.is_idle();
             self.end_step(&mut report);
             return Ok(report);
         };
         self.steps_failed_in_a_row = 0;
-        self.finish_step(&rows, &digests)?;
+        self.finish_step(&prev.rows, &digests)?;
         self.device_lost()?;
         let t4 = self.clock.now_ns();
         report.host.finish_ns = t4.saturating_sub(t3);
         self.metrics.steps += 1;
-        self.metrics.step_latency.observe(t4.saturating_sub(t0));
+        self.metrics
+            .step_latency
+            .observe(t4.saturating_sub(prev.started_ns));
         report.idle = self.is_idle();
         self.end_step(&mut report);
         Ok(report)
@@ -534,92 +577,6 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             }));
         }
         Ok(())
-    }
-
-    /// [`step`](Self::step) one step ahead. The batch is built from where the step in flight
-    /// leaves each request (`Scheduler::build_batch` with its rows: a token that step generates
-    /// is pending, read on the device), enqueued with the other event slot, and only then is
-    /// the step in flight waited for and recorded. When that step failed, the step built on it
-    /// is waited for and discarded too: both are rebuilt from the recorded state.
-    fn step_ahead(&mut self) -> Result<StepReport, EngineError> {
-        let t0 = self.clock.now_ns();
-        let admitted = self.before_step()?;
-        let ahead = self.in_flight.as_ref().map(|f| f.rows.as_slice());
-        let rows = self.sched.build_batch(self.model.rows_max(), ahead);
-        let mut report = StepReport {
-            rows: rows.iter().map(|r| r.queries.len()).sum(),
-            admitted,
-            idle: false,
-            host: StepTimes::default(),
-            device: None,
-        };
-        let t1 = self.clock.now_ns();
-        report.host.schedule_ns = t1.saturating_sub(t0);
-        if rows.is_empty() && self.in_flight.is_none() {
-            self.wait_for_copies();
-            self.device_lost()?;
-            report.host.wait_ns = self.clock.now_ns().saturating_sub(t1);
-            report.idle = self.is_idle();
-            self.end_step(&mut report);
-            return Ok(report);
-        }
-        let enqueued = if rows.is_empty() {
-            None
-        } else {
-            probe::hit_if(Probe::AheadStep, self.in_flight.is_some());
-            let slot = self.model.next_slot();
-            let queries = self.enqueue_forward(&rows, slot)?;
-            Some(InFlight {
-                rows,
-                queries,
-                slot,
-                started_ns: t1,
-            })
-        };
-        let t2 = self.clock.now_ns();
-        report.host.enqueue_ns = t2.saturating_sub(t1);
-        let Some(prev) = std::mem::replace(&mut self.in_flight, enqueued) else {
-            // The first step of a run: nothing to record yet.
-            report.idle = self.is_idle();
-            self.end_step(&mut report);
-            return Ok(report);
-        };
-        let digests = self.model.collect(&mut self.dev, prev.queries, prev.slot)?;
-        let t3 = self.clock.now_ns();
-        report.host.wait_ns = t3.saturating_sub(t2);
-        // The rows of requests aborted meanwhile were in that step alone (the step enqueued
-        // above was built without them): their memory is free now.
-        for req in self.sched.take_detached() {
-            self.release_aborted(req);
-        }
-        let Some(digests) = digests else {
-            if let Some(next) = self.in_flight.take() {
-                probe::hit(Probe::AheadDiscarded);
-                // Discarded whatever it reports; a failure of its own counts as one.
-                let ev = self.model.slot_event(next.slot);
-                if self.dev.synchronize(ev) == EventState::Failed {
-                    self.metrics.steps_failed += 1;
-                } else {
-                    self.metrics.steps_discarded += 1;
-                }
-            }
-            self.step_failed()?;
-            report.idle = self.is_idle();
-            self.end_step(&mut report);
-            return Ok(report);
-        };
-        self.steps_failed_in_a_row = 0;
-        self.finish_step(&prev.rows, &digests)?;
-        self.device_lost()?;
-        let t4 = self.clock.now_ns();
-        report.host.finish_ns = t4.saturating_sub(t3);
-        self.metrics.steps += 1;
-        self.metrics
-            .step_latency
-            .observe(t4.saturating_sub(prev.started_ns));
-        report.idle = self.is_idle();
-        self.end_step(&mut report);
-        Ok(report)
     }
 
     /// Every step's end: the device's timing of it, the time metrics and the gauges.
