@@ -95,8 +95,6 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     /// Decode side: device pages allocated for transfers in flight (`reserve_import`), not yet
     /// handed to a request.
     import_held: usize,
-    /// Runs one step ahead (`EngineOptions::overlap`).
-    overlap: bool,
     /// The step enqueued and not yet collected (running ahead only).
     in_flight: Option<InFlight>,
 }
@@ -189,7 +187,6 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             role: None,
             exports: std::collections::BTreeMap::new(),
             import_held: 0,
-            overlap: opts.overlap,
             in_flight: None,
         })
     }
@@ -245,7 +242,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// instead of completing it; a decode engine takes requests only through `admit_transferred`.
     pub(crate) fn set_role(&mut self, role: Role) {
         assert!(
-            !self.overlap,
+            !self.model.ahead(),
             "a prefill/decode pair's engines do not run ahead"
         );
         self.role = Some(role);
@@ -485,7 +482,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         let t2 = self.clock.now_ns();
         report.host.enqueue_ns = t2.saturating_sub(t1);
         // In order the step just enqueued is the one to record; ahead, the one before it.
-        let to_record = if self.overlap {
+        let to_record = if self.model.ahead() {
             std::mem::replace(&mut self.in_flight, enqueued)
         } else {
             enqueued

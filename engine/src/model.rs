@@ -482,8 +482,8 @@ impl ModelStep {
         Ok(())
     }
 
-    /// Whether this step runs one step ahead (two slots).
-    fn ahead(&self) -> bool {
+    /// Whether the engine runs one step ahead (two slots): the one place that says so.
+    pub(crate) fn ahead(&self) -> bool {
         self.step_done.len() == 2
     }
 
