@@ -405,6 +405,39 @@ impl SimGpu {
         format!("{b} ({})", self.mem.desc(b).role)
     }
 
+    /// Slices for the ops still queued or running when the run ended (with `GpuOptions::trace`):
+    /// an op the host enqueued but did not wait for — a step enqueued ahead, the later op of a
+    /// race found at enqueue — shows in the trace, at its enqueue time, marked as not run.
+    pub fn unrun_slices(&self) -> Vec<Slice> {
+        if !self.opts.trace {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for (s, st) in self.streams.iter().enumerate() {
+            let running = st.running.iter().map(|(rec, _, _)| rec.as_ref());
+            let queued = st.queue.iter().filter_map(|e| match e {
+                Entry::Op(rec) => Some(rec.as_ref()),
+                _ => None,
+            });
+            for rec in running.chain(queued) {
+                out.push(Slice {
+                    op_id: rec.id,
+                    stream: s,
+                    name: rec.op.name(),
+                    start_ns: rec.enq_ns,
+                    end_ns: rec.enq_ns,
+                    detail: format!(
+                        "not run when the run ended; {}",
+                        op_detail(&rec.op, &self.mem)
+                    ),
+                    failed: false,
+                    skipped: true,
+                });
+            }
+        }
+        out
+    }
+
     fn report_races(&mut self, races: Vec<Race>) {
         for r in races {
             if self.races.len() < 16 {

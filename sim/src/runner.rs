@@ -1266,7 +1266,11 @@ impl<'a> Run<'a> {
             findings: self.findings,
             stats,
             log_hash: mix64(gpu.log_hash() ^ self.out_hash),
-            trace: std::mem::take(&mut gpu.trace),
+            trace: {
+                let mut t = std::mem::take(&mut gpu.trace);
+                t.extend(gpu.unrun_slices());
+                t
+            },
             marks: std::mem::take(&mut gpu.marks),
             racing_ops: gpu.racing_ops.clone(),
             probes: tierkv_engine::probe::take(),
