@@ -31,7 +31,7 @@ use tierkv_engine::cpu_device::{
 };
 use tierkv_engine::device::*;
 use tierkv_engine::layout::IndexKDtype;
-use tierkv_engine::layout::{slot_offset, slot_page, Bytes, PageId, PageRun, SlotId};
+use tierkv_engine::layout::{Bytes, PageId, PageRun};
 use tierkv_kernels::cpu::{row_hash, KeyBlock, PageKeys};
 
 /// Timing and fault model of the simulated GPU.
@@ -885,7 +885,7 @@ impl SimGpu {
     /// skipped `next_tokens` left stale wrote garbage there, like a failed copy (the engine must
     /// discard the step, as it discards the failed one before it).
     fn pending_tokens(&mut self, op: &Op) {
-        let (drawn, dst, slots) = match op {
+        let drawn = match op {
             Op::NextTokens(o) => {
                 self.stale_tokens.remove(&o.out.buffer);
                 if let Some(c) = &self.content {
@@ -897,8 +897,8 @@ impl SimGpu {
                 }
                 return;
             }
-            Op::IndexKStore(o) => (&o.keys, o.dst, &o.slots),
-            Op::KvStore(o) => (&o.rows, o.dst, &o.slots),
+            Op::IndexKStore(o) => &o.keys,
+            Op::KvStore(o) => &o.rows,
             _ => return,
         };
         let Some(t) = drawn.tokens else {
@@ -908,13 +908,10 @@ impl SimGpu {
             return;
         }
         probes::hit(SimProbe::StaleTokensDrawn);
-        for (row, &slot) in drawn.rows.iter().zip(slots) {
+        // A store's full rows are one per slot, in the drawn rows' order.
+        for (row, (buf, page, bit)) in drawn.rows.iter().zip(op.spec().full_rows()) {
             if row.pending_index().is_some() {
-                let s = SlotId(slot.max(0) as u32);
-                *self
-                    .tainted
-                    .entry((dst, slot_page(s).0 as u64))
-                    .or_default() |= 1u64 << slot_offset(s);
+                *self.tainted.entry((buf, page)).or_default() |= bit;
             }
         }
     }
