@@ -18,6 +18,13 @@
 //    number still needed, or when every bit is fixed (the class is then the keys equal to T).
 // The selection is ordered by one u64 per position, key high and ~position low: descending
 // order is the specification's. Then one of two ways:
+// 2'. The first pass places each candidate by value instead (when the top and the floor are finite
+//     and differ): bin = (x - floor) * (TOPK_BINS / (top - floor)), rounded down, each operation
+//     one IEEE operation, so a larger x never lands in a lower bin. Logits spread over an
+//     octave boundary (say 0.3 to 15) leave 11-bit digits of the bits only 8 bins an octave, and
+//     the bins near the threshold too full for 3a; bins by value stay small there. When one
+//     still holds more than TOPK_BUCKET_MAX keys (an outlier stretches the range), the radix
+//     select of 2 runs from its start.
 // 3a. Buckets (after the first pass, when no bin from the threshold bin up holds more than
 //     TOPK_BUCKET_MAX keys: random logits): every key from the threshold bin up goes to its bin's
 //     next free index in CTA 0's buffer (a shared-memory atomic across the cluster; bins are laid
@@ -41,6 +48,22 @@ __device__ __forceinline__ u32 tkv_order_key(float x) {
     u32 b = __float_as_uint(x);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
+
+// The float whose order-preserving key is `key` (tkv_order_key's inverse).
+__device__ __forceinline__ float tkv_key_float(u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+// The first pass's bins by value (2'): keys from the floor up, placed by (x - cf) * scale.
+// Every step is monotone (IEEE subtraction and multiplication round monotonically, conversion
+// truncates), so a key in a higher bin is a larger key.
+struct TopkLinear {
+    float cf, scale;
+    __device__ __forceinline__ u32 bin(u32 key) const {
+        const float d = __fsub_rn(tkv_key_float(key), cf);
+        return min(__float2uint_rz(__fmul_rn(d, scale)), (u32)(TOPK_BINS - 1));
+    }
+};
 
 // The key's bits from bit s up (s = 32: none).
 __device__ __forceinline__ u32 topk_high(u32 key, int s) { return s >= 32 ? 0u : key >> s; }
@@ -209,7 +232,9 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
         if (groups >= k) g = 1 << lg;
     }
     u32 tmax = 0, kmin = 0xFFFFFFFFu;
-#pragma unroll 4
+    // Unrolled so that a thread's loads are in flight together (16 per thread: one 64K row over
+    // four CTAs).
+#pragma unroll 16
     for (int i = tid; i < my; i += TOPK_THREADS) {
         const u32 key = tkv_order_key(lr[lo + i]);
         if (staged) t_keys[i] = key;
@@ -268,7 +293,29 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     u32 gathered = 0;      // 3a: keys from the threshold bin up
     u32 mask = 0;          // 3a: the first pass's digit, bits [s, s + 11) at most
     bool first = true;
-    while (!take_all && s > 0) {
+    // 2'. The first pass by value, when the range is finite and not empty.
+    const float cf = tkv_key_float(cut), range = __fsub_rn(tkv_key_float(top), cf);
+    const TopkLinear lin{cf, __fdiv_rn((float)TOPK_BINS, range)};
+    bool by_value = false;  // 3a's bins are lin's
+    u32 vthr = 0;           // 3a by value: the threshold bin
+    if (!take_all && isfinite(cf) && isfinite(range) && range > 0.0f && isfinite(lin.scale)) {
+        u32* h = hist[buf];
+        for (u32 b = tid; b < TOPK_BINS; b += TOPK_THREADS) h[b] = 0;
+        __syncthreads();
+        for (int i = tid; i < my; i += TOPK_THREADS) {
+            const u32 key = key_at(i);
+            if (key >= cut) atomicAdd(&h[lin.bin(key)], 1u);
+        }
+        Cl::sync();
+        topk_find<C>(h, TOPK_BINS, kk, w_a, res, bstart);
+        buf ^= 1;
+        if (res[3] <= TOPK_BUCKET_MAX) {
+            buckets = by_value = true;
+            vthr = res[0];
+            gathered = res[1] + res[2];
+        }
+    }
+    while (!take_all && !buckets && s > 0) {
         const int nb = min(TOPK_DIGIT, s), s2 = s - nb;
         const u32 nbins = 1u << nb, bmask = nbins - 1;
         u32* h = hist[buf];
@@ -303,12 +350,14 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
         return pt[p / TKV_PAGE_TOKENS] * TKV_PAGE_TOKENS + (int)(p % TKV_PAGE_TOKENS);
     };
     if (buckets) {
-        // 3a. Every key from the threshold bin up (bits from s up at least pre) to its bin.
+        // 3a. Every key from the threshold bin up (by value, or bits from s up at least pre) to
+        // its bin.
+        auto bucket = [&](u32 key) -> u32 { return by_value ? lin.bin(key) : (key >> s) & mask; };
         const u32 fill0 = Cl::map(bfill, 0);
         for (int i = tid; i < my; i += TOPK_THREADS) {
             const u32 key = key_at(i);
-            if (key >= cut && topk_high(key, s) >= pre) {
-                const u32 b = (key >> s) & mask;
+            if (key >= cut && (by_value ? lin.bin(key) >= vthr : topk_high(key, s) >= pre)) {
+                const u32 b = bucket(key);
                 const u32 at = bstart[b] + Cl::inc(fill0 + 4u * b);
                 Cl::st64(dst0 + 8u * at, ((u64)key << 32) | (u64)(0xFFFFFFFFu - (u32)(lo + i)));
             }
@@ -317,7 +366,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
         if (rank != 0) return;
         for (u32 i = tid; i < gathered; i += TOPK_THREADS) {
             const u64 e = sel[i];
-            const u32 b = (u32)(e >> (32 + s)) & mask;
+            const u32 b = bucket((u32)(e >> 32));
             const u32 b0 = bstart[b], b1 = b0 + bfill[b];
             u32 at = b0;
             for (u32 j = b0; j < b1; j++) at += sel[j] > e;

@@ -622,6 +622,14 @@ enum Scores {
     /// Half the positions -inf (masked), the rest in ±1 with some ±0.0: signed zeros and
     /// infinities in the order.
     Masked,
+    /// e^(±3): positive and spread over octaves, as the indexer's summed ReLU scores are (the
+    /// CUDA kernel's first pass then bins by value).
+    Spread,
+    /// Plain with one position per row at 3e38: the range by value stretched, its bins too full
+    /// (the CUDA kernel falls back to bins of the bits).
+    Outlier,
+    /// Within ±1e-38, subnormal mostly: a range by value too small to scale.
+    Tiny,
 }
 
 pub fn topk_body(b: &dyn Backend, expect: Expect) {
@@ -645,6 +653,11 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         (8, 20_000, 2048, Masked),
         // Longer than a cluster of 8 keeps in shared memory: read from global memory per pass.
         (1, 400_000, 2048, Plain),
+        (1, 65_536, 2048, Spread),
+        (64, 65_536, 512, Spread),
+        (4, 9000, 1, Spread),
+        (3, 30_000, 2048, Outlier),
+        (2, 20_000, 300, Tiny),
     ] {
         let stride = len + 3;
         let pt_stride = len.div_ceil(64);
@@ -660,6 +673,10 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
                     9 => -0.0,
                     _ => g.unit(),
                 },
+                Spread => (g.unit() * 3.0).exp(),
+                Outlier if g.below(len as u64) == 0 => 3e38,
+                Outlier => g.unit() * 50.0,
+                Tiny => g.unit() * 1e-38,
             })
             .collect();
         let page_table: Vec<i32> = (0..rows * pt_stride)
