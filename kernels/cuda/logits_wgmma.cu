@@ -26,8 +26,8 @@
 // Why not e4m3 wgmma for fp8 pages: Hopper's fp8 tensor-core accumulation keeps only ~14 bits
 // of the aligned products (DeepSeek-V3 report §3.5.2; SageAttention measures an FP22
 // accumulator), an error of order 1e-4 of the magnitude, ten times the bound. e4m3 is exact in
-// f16, so fp8 keys are converted to f16 in registers (cvt.rn.f16x2.e4m3x2) and the queries
-// written as f16: every product is exact and the f32 accumulation is the tensor core's f16 path
+// f16, so fp8 keys are converted to f16 in registers (by bit shifts, as key / 2^8:
+// tkv_e4m3x2_to_f16x2_div256) and the queries written as f16: every product is exact and the f32 accumulation is the tensor core's f16 path
 // (the one logits_mma.cu already uses within the bound). bf16 pages: the keys enter as they are,
 // the queries as bf16 (e4m3 is exact in bf16).
 //
@@ -146,6 +146,18 @@ __device__ __forceinline__ void tkv_wgmma(float (&d)[32], const u32 (&a)[4], u64
     }
 #undef TKV_WG_D
 #undef TKV_WG_OPS
+}
+
+// Bytes 0 and 1 (sel 0x1404) or 2 and 3 (sel 0x3424) of `w`, two e4m3 keys, as f16x2 times
+// 2^-8, exactly: e4m3's sign, exponent and mantissa bits are f16's shifted (the exponent biases,
+// 7 and 15, differ by 8), subnormals included, so two integer operations and a byte permute
+// replace the conversion unit's cvt.rn.f16x2.e4m3x2.
+// e4m3's NaN (0x7F) would come out finite; the store kernel never writes it (it saturates).
+// The factor 2^8 goes back in with the key scale.
+template <u32 SEL>
+__device__ __forceinline__ u32 tkv_e4m3x2_to_f16x2_div256(u32 w) {
+    const u32 x = __byte_perm(w, 0, SEL);  // 0, b0, 0, b1: each byte the high half of an f16
+    return (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
 }
 
 __device__ __forceinline__ void tkv_wg_uint4_words(uint4 v, u32* o) {
@@ -317,8 +329,12 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         float sc0 = 1.0f, sc1 = 1.0f;
         if (DT == 0) {
             const float* scales = reinterpret_cast<const float*>(page + TKV_IK_FP8_SCALES);
-            sc0 = scales[r0];
-            sc1 = scales[r0 + 8];
+            // The keys entered as key / 2^8 (tkv_e4m3x2_to_f16x2_div256): a power of two, so
+            // every product and sum is the unscaled one times 2^-8, exactly (barring underflow
+            // far below any logit), and scaling back
+            // with the key scale rounds as multiplying by the key scale alone would.
+            sc0 = scales[r0] * 256.0f;
+            sc1 = scales[r0 + 8] * 256.0f;
         }
         // The stage is free once every thread holds its values — and its reads of the stage are
         // ordered before the producer's next bulk copy into it, an async-proxy write: the proxy
@@ -335,10 +351,10 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
 #pragma unroll
         for (int s = 0; s < 8; s++) {
             if (DT == 0) {
-                a[s][0] = tkv_e4m3x2_to_f16x2(k0[s]);
-                a[s][1] = tkv_e4m3x2_to_f16x2(k1[s]);
-                a[s][2] = tkv_e4m3x2_to_f16x2(k0[s] >> 16);
-                a[s][3] = tkv_e4m3x2_to_f16x2(k1[s] >> 16);
+                a[s][0] = tkv_e4m3x2_to_f16x2_div256<0x1404>(k0[s]);
+                a[s][1] = tkv_e4m3x2_to_f16x2_div256<0x1404>(k1[s]);
+                a[s][2] = tkv_e4m3x2_to_f16x2_div256<0x3424>(k0[s]);
+                a[s][3] = tkv_e4m3x2_to_f16x2_div256<0x3424>(k1[s]);
             } else {
                 // word 4t + w with t = s >> 1, w = 2 (s & 1) + hi
                 int w0 = 4 * (s >> 1) + 2 * (s & 1);

@@ -26,11 +26,12 @@
 //     still holds more than TOPK_BUCKET_MAX keys (an outlier stretches the range), the radix
 //     select of 2 runs from its start.
 // 3a. Buckets (after the first pass, when no bin from the threshold bin up holds more than
-//     TOPK_BUCKET_MAX keys: random logits): every key from the threshold bin up goes to its bin's
-//     next free index in CTA 0's buffer (a shared-memory atomic across the cluster; bins are laid
-//     out from the top by their counts), and CTA 0 puts each key at its bin's first index plus
-//     the number of keys of its bin above it, dropping those past k (the threshold bin's
-//     lowest). No further pass, no count, no sort.
+//     TOPK_BUCKET_MAX keys: random logits): every key from the threshold bin up goes to CTA 0's
+//     buffer, at its bin's first index (bins are laid out from the top by their counts), plus the
+//     keys of its bin in the CTAs before its own (known from the histograms), plus its CTA's keys
+//     of the bin placed before it (a local shared-memory atomic); CTA 0 puts each key at its
+//     bin's first index plus the number of keys of its bin above it, dropping those past k (the
+//     threshold bin's lowest). No further pass, no count, no sort.
 // 3b. Otherwise (heavy ties, one value everywhere): the passes go on until the class is
 //     resolved; each CTA counts, warp by warp in position order (ballots), its keys above the
 //     class and in it; the counts go round the cluster; each CTA writes its selected pairs into
@@ -110,16 +111,6 @@ struct TopkCluster {
         }
         return v;
     }
-    // Adds 1 to the u32 at `addr`, returning what it held.
-    static __device__ __forceinline__ u32 inc(u32 addr) {
-        u32 v;
-        if constexpr (C == 1) {
-            asm volatile("atom.shared.add.u32 %0, [%1], 1;" : "=r"(v) : "r"(addr) : "memory");
-        } else {
-            asm volatile("atom.shared::cluster.add.u32 %0, [%1], 1;" : "=r"(v) : "r"(addr) : "memory");
-        }
-        return v;
-    }
     static __device__ __forceinline__ void st64(u32 addr, u64 v) {
         if constexpr (C == 1) {
             asm volatile("st.shared.u64 [%0], %1;" ::"r"(addr), "l"(v) : "memory");
@@ -131,11 +122,12 @@ struct TopkCluster {
 
 // The bin of the cluster's summed histogram `h` (nbins bins) where the count from the top reaches
 // kk: res = {bin, keys in the bins above it, keys in it, most keys in one bin from it up}. Two
-// bins per thread, from the top. With `bstart` (the first pass) every bin's first index, counted
-// from the top, goes there.
+// bins per thread, from the top. With `bstart` (the first pass), for every bin, the first index
+// of this CTA's keys in it, counted from the top (the bin's own first index in CTA 0, whose keys
+// come first), goes to bstart and the cluster's count of keys in it to bcount.
 template <int C>
 __device__ __forceinline__ void topk_find(const u32* h, u32 nbins, u32 kk, u32* warp_tot,
-                                          u32* res, u32* bstart) {
+                                          u32* res, u32* bstart, u32* bcount) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 i0 = 2 * tid, i1 = 2 * tid + 1;
     u32 v0[C], v1[C];
@@ -161,8 +153,23 @@ __device__ __forceinline__ void topk_find(const u32* h, u32 nbins, u32 kk, u32* 
     __syncthreads();
     const u32 before = __reduce_add_sync(TKV_FULL, lane < warp ? warp_tot[lane] : 0u) + incl - mine;
     if (bstart != nullptr) {
-        if (i0 < nbins) bstart[nbins - 1 - i0] = before;
-        if (i1 < nbins) bstart[nbins - 1 - i1] = before + c0;
+        const u32 rank = TopkCluster<C>::rank();
+        u32 p0 = 0, p1 = 0;  // the CTAs before this one: their keys in each bin
+#pragma unroll
+        for (int r = 0; r < C; r++) {
+            if ((u32)r < rank) {
+                p0 += v0[r];
+                p1 += v1[r];
+            }
+        }
+        if (i0 < nbins) {
+            bstart[nbins - 1 - i0] = before + p0;
+            bcount[nbins - 1 - i0] = c0;
+        }
+        if (i1 < nbins) {
+            bstart[nbins - 1 - i1] = before + c0 + p1;
+            bcount[nbins - 1 - i1] = c1;
+        }
     }
     // Bins from the found one up are those whose keys before them number fewer than kk.
     u32 big = max(before < kk ? c0 : 0u, before + c0 < kk ? c1 : 0u);
@@ -213,10 +220,12 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     const bool staged = chunk <= cap;
     const bool take_all = len <= k;  // every position is selected (uniform over the cluster)
     auto key_at = [&](int i) -> u32 { return staged ? t_keys[i] : tkv_order_key(lr[lo + i]); };
-    // After the staged keys: each first-pass bin's first index in the ordered selection, and
-    // (CTA 0's, counted by the whole cluster) the keys gathered into it so far.
+    // After the staged keys, for each first-pass bin: the first index of this CTA's keys in it in
+    // the ordered selection, this CTA's keys gathered into it so far, and the cluster's count of
+    // keys in it.
     u32* bstart = t_keys + cap;
     u32* bfill = bstart + TOPK_BINS;
+    u32* bcount = bfill + TOPK_BINS;
     for (int b = tid; b < TOPK_BINS; b += TOPK_THREADS) bfill[b] = 0;  // before the first barrier
 
     // 1. Keys into shared memory, and a floor under T: groups of g consecutive threads (g the
@@ -307,7 +316,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
             if (key >= cut) atomicAdd(&h[lin.bin(key)], 1u);
         }
         Cl::sync();
-        topk_find<C>(h, TOPK_BINS, kk, w_a, res, bstart);
+        topk_find<C>(h, TOPK_BINS, kk, w_a, res, bstart, bcount);
         buf ^= 1;
         if (res[3] <= TOPK_BUCKET_MAX) {
             buckets = by_value = true;
@@ -327,7 +336,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
             if (key >= cut && topk_high(key, s) == pre) atomicAdd(&h[(key >> s2) & bmask], 1u);
         }
         Cl::sync();
-        topk_find<C>(h, nbins, kk, w_a, res, first ? bstart : nullptr);
+        topk_find<C>(h, nbins, kk, w_a, res, first ? bstart : nullptr, bcount);
         const u32 bin = res[0], above = res[1], cnt = res[2];
         kk -= above;
         pre = (pre << nb) | bin;
@@ -353,12 +362,11 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
         // 3a. Every key from the threshold bin up (by value, or bits from s up at least pre) to
         // its bin.
         auto bucket = [&](u32 key) -> u32 { return by_value ? lin.bin(key) : (key >> s) & mask; };
-        const u32 fill0 = Cl::map(bfill, 0);
         for (int i = tid; i < my; i += TOPK_THREADS) {
             const u32 key = key_at(i);
             if (key >= cut && (by_value ? lin.bin(key) >= vthr : topk_high(key, s) >= pre)) {
                 const u32 b = bucket(key);
-                const u32 at = bstart[b] + Cl::inc(fill0 + 4u * b);
+                const u32 at = bstart[b] + atomicAdd(&bfill[b], 1u);
                 Cl::st64(dst0 + 8u * at, ((u64)key << 32) | (u64)(0xFFFFFFFFu - (u32)(lo + i)));
             }
         }
@@ -367,7 +375,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
         for (u32 i = tid; i < gathered; i += TOPK_THREADS) {
             const u64 e = sel[i];
             const u32 b = bucket((u32)(e >> 32));
-            const u32 b0 = bstart[b], b1 = b0 + bfill[b];
+            const u32 b0 = bstart[b], b1 = b0 + bcount[b];
             u32 at = b0;
             for (u32 j = b0; j < b1; j++) at += sel[j] > e;
             if (at < (u32)k) o[at] = slot_of(e);

@@ -191,13 +191,13 @@ pub fn logits_wgmma_launch(
 }
 
 /// Positions of a row that one top-k CTA keeps in shared memory (160 KB of keys; with the
-/// buckets' 16 KB and the kernel's 34 KB of static shared memory, within sm_90's 227 KB per
+/// buckets' 24 KB and the kernel's 34 KB of static shared memory, within sm_90's 227 KB per
 /// CTA). A row longer than its cluster can hold is read from global memory on every pass instead.
 pub const TOPK_STAGED_MAX: usize = 40_960;
 
-/// Words of dynamic shared memory a top-k CTA holds after its keys: each first-pass bin's start
-/// and fill (`topk.cu`: 2 x TOPK_BINS, 11-bit digits).
-pub const TOPK_BUCKET_WORDS: usize = 2 * 2048;
+/// Words of dynamic shared memory a top-k CTA holds after its keys: for each first-pass bin, the
+/// CTA's first index, its fill and the cluster's count (`topk.cu`: 3 x TOPK_BINS, 11-bit digits).
+pub const TOPK_BUCKET_WORDS: usize = 3 * 2048;
 
 /// The top-k kernel of each cluster size (CTAs per row; `topk.cu`).
 pub const TOPK_KERNELS: [(u32, &str); 4] = [
@@ -427,7 +427,7 @@ mod tests {
         assert_eq!(topk_cluster(200, 10_000_000, 132), 8);
         let src = SOURCES.iter().find(|s| s.file == "topk.cu").unwrap();
         assert!(src.text.contains("#define TOPK_DIGIT 11\n"));
-        assert_eq!(TOPK_BUCKET_WORDS, 2 << 11);
+        assert_eq!(TOPK_BUCKET_WORDS, 3 << 11);
         for (c, name) in TOPK_KERNELS {
             assert!(src.kernels.contains(&name), "{name} not loaded");
             assert!(

@@ -370,3 +370,41 @@ fn kv_store_packs_fp8_rows_as_designed() {
     }
     let _ = topk::order_key(0.0);
 }
+
+/// `__byte_perm(w, 0, sel)` as PTX's `prmt` defines it: result byte i is byte `sel` nibble i of
+/// the eight bytes `w` (0..3) then zeros (4..7).
+fn byte_perm_with_zero(w: u32, sel: u32) -> u32 {
+    (0..4).fold(0u32, |r, i| {
+        let n = (sel >> (4 * i)) & 7;
+        let byte = if n < 4 { (w >> (8 * n)) & 0xFF } else { 0 };
+        r | (byte << (8 * i))
+    })
+}
+
+/// `logits_wgmma.cu` feeds fp8 keys to the tensor cores as f16 made from their bits by a byte
+/// permute and two masks (`tkv_e4m3x2_to_f16x2_div256`), then multiplies the key scale by 2^8:
+/// for every e4m3 byte but NaN, in both lanes and both selectors, the f16 is the key / 2^8
+/// exactly, signed zeros and subnormals included.
+#[test]
+fn e4m3_bits_shifted_into_f16_are_the_value_over_256() {
+    let f16x2 = |w: u32, sel: u32| {
+        let x = byte_perm_with_zero(w, sel);
+        let h = (x & 0x8000_8000) | ((x >> 1) & 0x3F80_3F80);
+        [
+            half::f16::from_bits(h as u16).to_f32(),
+            half::f16::from_bits((h >> 16) as u16).to_f32(),
+        ]
+    };
+    let finite = (0..=255u8).filter(|b| b & 0x7F != 0x7F);
+    for b in finite {
+        let want = e4m3_decode(b) / 256.0;
+        let other = 0x5Au8; // a neighbour byte in the other positions
+        for (lane, shift, sel) in [(0, 0, 0x1404), (1, 8, 0x1404), (0, 16, 0x3424), (1, 24, 0x3424)] {
+            let mut w = u32::from_ne_bytes([other; 4]);
+            w &= !(0xFF << shift);
+            w |= (b as u32) << shift;
+            let got = f16x2(w, sel)[lane];
+            assert_eq!(got.to_bits(), want.to_bits(), "byte {b:#04x} at bit {shift}");
+        }
+    }
+}
