@@ -19,15 +19,15 @@
 //   with zeros) from shared memory, written once per CTA in the 128-byte-swizzled K-major
 //   layout. D[key][head] is 32 f32 per thread.
 // - Epilogue per thread: its two keys (16w + g, 16w + g + 8; g = lane >> 2) times its 16 heads
-//   (8j + 2c + {0,1}; c = lane & 3): relu, times w_h, summed, then over the quad (xor 1, 2);
-//   kscale multiplies last (fp8 pages); -inf at and past the context length; nothing past
-//   out_stride.
+//   (8j + 2c + {0,1}; c = lane & 3): relu, times w_h and summed (fused multiply-adds), then
+//   over the quad (xor 1, 2); kscale multiplies last (fp8 pages); -inf at and past the context
+//   length; nothing past out_stride.
 //
 // Why not e4m3 wgmma for fp8 pages: Hopper's fp8 tensor-core accumulation keeps only ~14 bits
 // of the aligned products (DeepSeek-V3 report §3.5.2; SageAttention measures an FP22
 // accumulator), an error of order 1e-4 of the magnitude, ten times the bound. e4m3 is exact in
-// f16, so fp8 keys are converted to f16 in registers (by bit shifts, as key / 2^8:
-// tkv_e4m3x2_to_f16x2_div256) and the queries written as f16: every product is exact and the f32 accumulation is the tensor core's f16 path
+// f16, so fp8 keys are converted to f16 in registers (cvt.rn.f16x2.e4m3x2) and the queries
+// written as f16: every product is exact and the f32 accumulation is the tensor core's f16 path
 // (the one logits_mma.cu already uses within the bound). bf16 pages: the keys enter as they are,
 // the queries as bf16 (e4m3 is exact in bf16).
 //
@@ -121,43 +121,37 @@ __device__ __forceinline__ void tkv_wg_fence_acc(float (&d)[32]) {
     for (int i = 0; i < 32; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D (64 keys x 64 heads, f32) = or += A (registers) x B (descriptor).
-template <int DT>
-__device__ __forceinline__ void tkv_wgmma(float (&d)[32], const u32 (&a)[4], u64 desc, int acc) {
+// D (64 keys x 64 heads, f32) = A (registers) x B (descriptor) when FIRST (D is only written:
+// no instruction zeroes it first), else D += A x B.
+template <int DT, bool FIRST>
+__device__ __forceinline__ void tkv_wgmma(float (&d)[32], const u32 (&a)[4], u64 desc) {
 #define TKV_WG_D                                                                                 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                              \
     "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-#define TKV_WG_OPS                                                                            \
-    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),      \
-      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),  \
-      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),            \
-      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),            \
-      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])             \
-    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc)
-    if (DT == 0) {
-        asm volatile(
-            "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-            " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TKV_WG_D TKV_WG_OPS);
+#define TKV_WG_OPS(RW)                                                                        \
+    : RW(d[0]), RW(d[1]), RW(d[2]), RW(d[3]), RW(d[4]), RW(d[5]), RW(d[6]), RW(d[7]),         \
+      RW(d[8]), RW(d[9]), RW(d[10]), RW(d[11]), RW(d[12]), RW(d[13]), RW(d[14]), RW(d[15]),   \
+      RW(d[16]), RW(d[17]), RW(d[18]), RW(d[19]), RW(d[20]), RW(d[21]), RW(d[22]), RW(d[23]), \
+      RW(d[24]), RW(d[25]), RW(d[26]), RW(d[27]), RW(d[28]), RW(d[29]), RW(d[30]), RW(d[31])  \
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(FIRST ? 0 : 1)
+#define TKV_WG_W(x) "=f"(x)
+#define TKV_WG_RW(x) "+f"(x)
+#define TKV_WG_P "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32."
+    if (DT == 0 && FIRST) {
+        asm volatile(TKV_WG_P "f16.f16 " TKV_WG_D TKV_WG_OPS(TKV_WG_W));
+    } else if (DT == 0) {
+        asm volatile(TKV_WG_P "f16.f16 " TKV_WG_D TKV_WG_OPS(TKV_WG_RW));
+    } else if (FIRST) {
+        asm volatile(TKV_WG_P "bf16.bf16 " TKV_WG_D TKV_WG_OPS(TKV_WG_W));
     } else {
-        asm volatile(
-            "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-            " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " TKV_WG_D TKV_WG_OPS);
+        asm volatile(TKV_WG_P "bf16.bf16 " TKV_WG_D TKV_WG_OPS(TKV_WG_RW));
     }
 #undef TKV_WG_D
 #undef TKV_WG_OPS
-}
-
-// Bytes 0 and 1 (sel 0x1404) or 2 and 3 (sel 0x3424) of `w`, two e4m3 keys, as f16x2 times
-// 2^-8, exactly: e4m3's sign, exponent and mantissa bits are f16's shifted (the exponent biases,
-// 7 and 15, differ by 8), subnormals included, so two integer operations and a byte permute
-// replace the conversion unit's cvt.rn.f16x2.e4m3x2.
-// e4m3's NaN (0x7F) would come out finite; the store kernel never writes it (it saturates).
-// The factor 2^8 goes back in with the key scale.
-template <u32 SEL>
-__device__ __forceinline__ u32 tkv_e4m3x2_to_f16x2_div256(u32 w) {
-    const u32 x = __byte_perm(w, 0, SEL);  // 0, b0, 0, b1: each byte the high half of an f16
-    return (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
+#undef TKV_WG_W
+#undef TKV_WG_RW
+#undef TKV_WG_P
 }
 
 __device__ __forceinline__ void tkv_wg_uint4_words(uint4 v, u32* o) {
@@ -329,12 +323,8 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         float sc0 = 1.0f, sc1 = 1.0f;
         if (DT == 0) {
             const float* scales = reinterpret_cast<const float*>(page + TKV_IK_FP8_SCALES);
-            // The keys entered as key / 2^8 (tkv_e4m3x2_to_f16x2_div256): a power of two, so
-            // every product and sum is the unscaled one times 2^-8, exactly (barring underflow
-            // far below any logit), and scaling back
-            // with the key scale rounds as multiplying by the key scale alone would.
-            sc0 = scales[r0] * 256.0f;
-            sc1 = scales[r0 + 8] * 256.0f;
+            sc0 = scales[r0];
+            sc1 = scales[r0 + 8];
         }
         // The stage is free once every thread holds its values — and its reads of the stage are
         // ordered before the producer's next bulk copy into it, an async-proxy write: the proxy
@@ -351,10 +341,10 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
 #pragma unroll
         for (int s = 0; s < 8; s++) {
             if (DT == 0) {
-                a[s][0] = tkv_e4m3x2_to_f16x2_div256<0x1404>(k0[s]);
-                a[s][1] = tkv_e4m3x2_to_f16x2_div256<0x1404>(k1[s]);
-                a[s][2] = tkv_e4m3x2_to_f16x2_div256<0x3424>(k0[s]);
-                a[s][3] = tkv_e4m3x2_to_f16x2_div256<0x3424>(k1[s]);
+                a[s][0] = tkv_e4m3x2_to_f16x2(k0[s]);
+                a[s][1] = tkv_e4m3x2_to_f16x2(k1[s]);
+                a[s][2] = tkv_e4m3x2_to_f16x2(k0[s] >> 16);
+                a[s][3] = tkv_e4m3x2_to_f16x2(k1[s] >> 16);
             } else {
                 // word 4t + w with t = s >> 1, w = 2 (s & 1) + hi
                 int w0 = 4 * (s >> 1) + 2 * (s & 1);
@@ -364,15 +354,13 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
                 a[s][3] = k1[w0 + 1];
             }
         }
-        float acc[32];
-#pragma unroll
-        for (int i = 0; i < 32; i++) acc[i] = 0.0f;
-        tkv_wg_fence_acc(acc);
+        float acc[32];  // written by the first k-step's wgmma
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        tkv_wgmma<DT, true>(acc, a[0], tkv_wg_desc(qs_addr));
 #pragma unroll
-        for (int s = 0; s < 8; s++)
-            tkv_wgmma<DT>(acc, a[s], tkv_wg_desc(qs_addr + (s >> 2) * TKV_WG_Q_HALF + (s & 3) * 32),
-                          s > 0 ? 1 : 0);
+        for (int s = 1; s < 8; s++)
+            tkv_wgmma<DT, false>(acc, a[s],
+                                 tkv_wg_desc(qs_addr + (s >> 2) * TKV_WG_Q_HALF + (s & 3) * 32));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         tkv_wg_fence_acc(acc);
@@ -381,9 +369,10 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
         for (int i = 0; i < 32; i++) {
-            float t = wr[2 * (i >> 2) + (i & 1)] * fmaxf(acc[i], 0.0f);
-            if ((i >> 1) & 1) v1 += t;
-            else v0 += t;
+            // One fused multiply-add a term (the sum is within the 1e-5 bound, not bit-exact).
+            const float t = fmaxf(acc[i], 0.0f), wh = wr[2 * (i >> 2) + (i & 1)];
+            if ((i >> 1) & 1) v1 = fmaf(wh, t, v1);
+            else v0 = fmaf(wh, t, v0);
         }
         v0 += __shfl_xor_sync(TKV_FULL, v0, 1);
         v1 += __shfl_xor_sync(TKV_FULL, v1, 1);
