@@ -299,7 +299,10 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
     const int r0 = 16 * wl + g;  // and r0 + 8
     const bool odd = g & 1;
     float* out_row = out + (size_t)row * out_stride;
-    const u32 qs_addr = tkv_smem_u32(qs);
+    // The descriptor of k-step 0; k-step s's adds its byte offset / 16 to the start-address
+    // field (bits 0-13, the address / 16: shared memory ends below 2^18, so no carry leaves it),
+    // one add instead of rebuilding each descriptor from the address.
+    const u64 q_desc = tkv_wg_desc(tkv_smem_u32(qs));
     // The weights of the thread's 16 heads (8j + 2c + e), held in registers for every page.
     float wr[16];
 #pragma unroll
@@ -356,11 +359,11 @@ __device__ __forceinline__ void tkv_index_logits_wgmma(
         }
         float acc[32];  // written by the first k-step's wgmma
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        tkv_wgmma<DT, true>(acc, a[0], tkv_wg_desc(qs_addr));
+        tkv_wgmma<DT, true>(acc, a[0], q_desc);
 #pragma unroll
         for (int s = 1; s < 8; s++)
             tkv_wgmma<DT, false>(acc, a[s],
-                                 tkv_wg_desc(qs_addr + (s >> 2) * TKV_WG_Q_HALF + (s & 3) * 32));
+                                 q_desc + (u64)(((s >> 2) * TKV_WG_Q_HALF + (s & 3) * 32) >> 4));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         tkv_wg_fence_acc(acc);
