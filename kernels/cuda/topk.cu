@@ -16,15 +16,16 @@
 //    (double-buffered, so one barrier a pass) and finds the same bin, the one where the count
 //    from the top reaches the number still needed. It stops when that bin holds exactly the
 //    number still needed, or when every bit is fixed (the class is then the keys equal to T).
-// The selection is ordered by one u64 per position, key high and ~position low: descending
-// order is the specification's. Then one of two ways:
 // 2'. The first pass places each candidate by value instead (when the top and the floor are finite
 //     and differ): bin = (x - floor) * (TOPK_BINS / (top - floor)), rounded down, each operation
 //     one IEEE operation, so a larger x never lands in a lower bin. Logits spread over an
 //     octave boundary (say 0.3 to 15) leave 11-bit digits of the bits only 8 bins an octave, and
-//     the bins near the threshold too full for 3a; bins by value stay small there. When one
-//     still holds more than TOPK_BUCKET_MAX keys (an outlier stretches the range), the radix
-//     select of 2 runs from its start.
+//     the bins near the threshold too full for 3a; bins by value stay small there. When a bin
+//     from the threshold up still holds more than TOPK_BUCKET_MAX keys (an outlier stretches the
+//     range; heavy ties), the radix select of 2 runs from its start: that pass was spent (4 to
+//     8 us of a 64K row, GPU.md runs 54-55).
+// The selection is ordered by one u64 per position, key high and ~position low: descending
+// order is the specification's. Then one of two ways:
 // 3a. Buckets (after the first pass, when no bin from the threshold bin up holds more than
 //     TOPK_BUCKET_MAX keys: random logits): every key from the threshold bin up goes to CTA 0's
 //     buffer, at its bin's first index (bins are laid out from the top by their counts), plus the
@@ -60,6 +61,15 @@ __device__ __forceinline__ float tkv_key_float(u32 key) {
 // truncates), so a key in a higher bin is a larger key.
 struct TopkLinear {
     float cf, scale;
+    // Usable when the floor and the range are finite and the range is wide enough to scale (a
+    // NaN or an infinity among the candidates makes the top or the floor infinite or NaN).
+    static __device__ __forceinline__ TopkLinear of(u32 top, u32 cut, bool* usable) {
+        const float cf = tkv_key_float(cut), range = __fsub_rn(tkv_key_float(top), cf);
+        const TopkLinear lin{cf, __fdiv_rn((float)TOPK_BINS, range)};
+        *usable = isfinite(cf) && isfinite(range) && range > 0.0f && isfinite(lin.scale);
+        return lin;
+    }
+    // The clamp: the top itself maps to TOPK_BINS, or just below or above it after rounding.
     __device__ __forceinline__ u32 bin(u32 key) const {
         const float d = __fsub_rn(tkv_key_float(key), cf);
         return min(__float2uint_rz(__fmul_rn(d, scale)), (u32)(TOPK_BINS - 1));
@@ -195,6 +205,25 @@ __device__ __forceinline__ void topk_find(const u32* h, u32 nbins, u32 kk, u32* 
     __syncthreads();
 }
 
+// 2'. The first pass by value over this CTA's `my` keys (`key_at`) into the histogram `h`:
+// whether it resolved the selection into buckets (3a), every bin from the threshold bin up
+// holding at most TOPK_BUCKET_MAX keys; topk_find's results are in `res` either way.
+template <int C, typename KeyAt>
+__device__ __forceinline__ bool topk_value_pass(const TopkLinear& lin, u32 cut, int my,
+                                                KeyAt key_at, u32* h, u32 kk, u32* w_a,
+                                                u32* res, u32* bstart, u32* bcount) {
+    const int tid = threadIdx.x;
+    for (u32 b = tid; b < TOPK_BINS; b += TOPK_THREADS) h[b] = 0;
+    __syncthreads();
+    for (int i = tid; i < my; i += TOPK_THREADS) {
+        const u32 key = key_at(i);
+        if (key >= cut) atomicAdd(&h[lin.bin(key)], 1u);
+    }
+    TopkCluster<C>::sync();
+    topk_find<C>(h, TOPK_BINS, kk, w_a, res, bstart, bcount);
+    return res[3] <= TOPK_BUCKET_MAX;
+}
+
 template <int C>
 __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int stride,
                                          const int* __restrict__ ctx_lens,
@@ -302,24 +331,17 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     u32 gathered = 0;      // 3a: keys from the threshold bin up
     u32 mask = 0;          // 3a: the first pass's digit, bits [s, s + 11) at most
     bool first = true;
-    // 2'. The first pass by value, when the range is finite and not empty.
-    const float cf = tkv_key_float(cut), range = __fsub_rn(tkv_key_float(top), cf);
-    const TopkLinear lin{cf, __fdiv_rn((float)TOPK_BINS, range)};
+    // 2'. The first pass by value, when the range allows it.
+    bool usable;
+    const TopkLinear lin = TopkLinear::of(top, cut, &usable);
     bool by_value = false;  // 3a's bins are lin's
     u32 vthr = 0;           // 3a by value: the threshold bin
-    if (!take_all && isfinite(cf) && isfinite(range) && range > 0.0f && isfinite(lin.scale)) {
-        u32* h = hist[buf];
-        for (u32 b = tid; b < TOPK_BINS; b += TOPK_THREADS) h[b] = 0;
-        __syncthreads();
-        for (int i = tid; i < my; i += TOPK_THREADS) {
-            const u32 key = key_at(i);
-            if (key >= cut) atomicAdd(&h[lin.bin(key)], 1u);
-        }
-        Cl::sync();
-        topk_find<C>(h, TOPK_BINS, kk, w_a, res, bstart, bcount);
+    if (!take_all && usable) {
+        by_value = topk_value_pass<C>(lin, cut, my, key_at, hist[buf], kk, w_a, res, bstart,
+                                      bcount);
         buf ^= 1;
-        if (res[3] <= TOPK_BUCKET_MAX) {
-            buckets = by_value = true;
+        if (by_value) {
+            buckets = true;
             vthr = res[0];
             gathered = res[1] + res[2];
         }

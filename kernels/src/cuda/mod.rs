@@ -199,6 +199,14 @@ pub const TOPK_STAGED_MAX: usize = 40_960;
 /// CTA's first index, its fill and the cluster's count (`topk.cu`: 3 x TOPK_BINS, 11-bit digits).
 pub const TOPK_BUCKET_WORDS: usize = 3 * 2048;
 
+/// The top-k kernels' static shared memory, as `ptxas -v` reports it for `topk.cu` (the
+/// histograms, the selection buffer and the reductions' words).
+pub const TOPK_STATIC_SMEM_BYTES: usize = 33_712;
+
+// A CTA's dynamic and static shared memory within sm_90's 227 KB.
+const _: () =
+    assert!((TOPK_STAGED_MAX + TOPK_BUCKET_WORDS) * 4 + TOPK_STATIC_SMEM_BYTES <= 227 * 1024);
+
 /// The top-k kernel of each cluster size (CTAs per row; `topk.cu`).
 pub const TOPK_KERNELS: [(u32, &str); 4] = [
     (1, "topk_c1"),

@@ -622,14 +622,20 @@ enum Scores {
     /// Half the positions -inf (masked), the rest in ±1 with some ±0.0: signed zeros and
     /// infinities in the order.
     Masked,
-    /// e^(±3): positive and spread over octaves, as the indexer's summed ReLU scores are (the
-    /// CUDA kernel's first pass then bins by value).
+    /// e^(±3): positive and spread over octaves, as the indexer's summed ReLU scores are (meant
+    /// for the CUDA kernel's first pass by value).
     Spread,
-    /// Plain with one position per row at 3e38: the range by value stretched, its bins too full
-    /// (the CUDA kernel falls back to bins of the bits).
+    /// Plain with one position per row, inside its context, at 3e38: the range by value
+    /// stretched and its bins too full (meant for the CUDA kernel's fallback to the bits).
     Outlier,
     /// Within ±1e-38, subnormal mostly: a range by value too small to scale.
     Tiny,
+    /// Within ±1e-35, a quarter subnormal and a quarter ±0.0: a range that scales, with
+    /// subnormals and signed zeros among the candidates binned by value.
+    Small,
+    /// 0, 1 or 2: three values, so every bin holds hundreds of keys and the selection ends in
+    /// the sort of the heavy-ties path, at any k.
+    Coarse,
 }
 
 pub fn topk_body(b: &dyn Backend, expect: Expect) {
@@ -653,16 +659,27 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         (8, 20_000, 2048, Masked),
         // Longer than a cluster of 8 keeps in shared memory: read from global memory per pass.
         (1, 400_000, 2048, Plain),
+        // The CUDA kernel's paths, by a model of its choice (the repository's
+        // bench/results/2026-12-01-topk-path-model.txt; not checked here): Spread, buckets by
+        // value; Outlier, the fallback to the bits (2000 x 64: then buckets of the bits;
+        // 30_000 x 2048: the heavy-ties sort); Tiny, no pass by value (the range cannot scale);
+        // Small, buckets by value with subnormal and zero candidates; Coarse, the heavy-ties
+        // sort at k = 37 and 2048 with clusters of 4.
         (1, 65_536, 2048, Spread),
         (64, 65_536, 512, Spread),
         (4, 9000, 1, Spread),
         (3, 30_000, 2048, Outlier),
+        // The fallback from bins by value to bins of the bits, then buckets of the bits.
+        (2, 2000, 64, Outlier),
         (2, 20_000, 300, Tiny),
+        (3, 3000, 300, Small),
+        (4, 3000, 37, Coarse),
+        (5, 5000, 2048, Coarse),
     ] {
         let stride = len + 3;
         let pt_stride = len.div_ceil(64);
         let flat = g.unit() * 50.0;
-        let logits: Vec<f32> = (0..rows * stride)
+        let mut logits: Vec<f32> = (0..rows * stride)
             .map(|_| match scores {
                 Plain => g.unit() * 50.0,
                 Ties => (g.unit() * 100.0).round() / 2.0,
@@ -674,9 +691,15 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
                     _ => g.unit(),
                 },
                 Spread => (g.unit() * 3.0).exp(),
-                Outlier if g.below(len as u64) == 0 => 3e38,
                 Outlier => g.unit() * 50.0,
                 Tiny => g.unit() * 1e-38,
+                Small => match g.below(8) {
+                    0 | 1 => g.unit() * 1e-39,
+                    2 => 0.0,
+                    3 => -0.0,
+                    _ => g.unit() * 1e-35,
+                },
+                Coarse => g.below(3) as f32,
             })
             .collect();
         let page_table: Vec<i32> = (0..rows * pt_stride)
@@ -691,6 +714,11 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
                 }
             })
             .collect();
+        if let Outlier = scores {
+            for (r, &len) in ctx.iter().enumerate() {
+                logits[r * stride + g.below(len as u64) as usize] = 3e38;
+            }
+        }
         let a = cpu::TopKArgs {
             k,
             logits: &logits,
