@@ -21,9 +21,11 @@
 //     one IEEE operation, so a larger x never lands in a lower bin. Logits spread over an
 //     octave boundary (say 0.3 to 15) leave 11-bit digits of the bits only 8 bins an octave, and
 //     the bins near the threshold too full for 3a; bins by value stay small there. When a bin
-//     from the threshold up still holds more than TOPK_BUCKET_MAX keys (an outlier stretches the
-//     range; heavy ties), the radix select of 2 runs from its start: that pass was spent (4 to
-//     8 us of a 64K row, GPU.md runs 54-55).
+//     from the threshold up still holds more than TOPK_BUCKET_MAX keys: if a few keys far above
+//     the rest stretched the range (an outlier, an attention sink), a second pass bins by value
+//     up to the largest of the rest, its top bin taking those few (2''); otherwise (heavy ties)
+//     the radix select of 2 runs from its start, and the pass by value was spent (4 to 8 us of
+//     a 64K row, GPU.md runs 54-55).
 // The selection is ordered by one u64 per position, key high and ~position low: descending
 // order is the specification's. Then one of two ways:
 // 3a. Buckets (after the first pass, when no bin from the threshold bin up holds more than
@@ -224,6 +226,28 @@ __device__ __forceinline__ bool topk_value_pass(const TopkLinear& lin, u32 cut, 
     return res[3] <= TOPK_BUCKET_MAX;
 }
 
+// The largest `v` of the cluster's threads (`w`: a word per warp; `slot`: this CTA's word, which
+// the other CTAs read after the cluster barrier here; nothing may write it again before another).
+template <int C>
+__device__ __forceinline__ u32 topk_cluster_max(u32 v, u32* w, u32* slot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = __reduce_max_sync(TKV_FULL, v);
+    if (lane == 0) w[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const u32 b = __reduce_max_sync(TKV_FULL, w[lane]);
+        if (lane == 0) *slot = b;
+    }
+    TopkCluster<C>::sync();
+    u32 x[C];
+#pragma unroll
+    for (int r = 0; r < C; r++) x[r] = TopkCluster<C>::ld(TopkCluster<C>::map(slot, r));
+    u32 m = 0;
+#pragma unroll
+    for (int r = 0; r < C; r++) m = max(m, x[r]);
+    return m;
+}
+
 template <int C>
 __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int stride,
                                          const int* __restrict__ ctx_lens,
@@ -333,13 +357,42 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     bool first = true;
     // 2'. The first pass by value, when the range allows it.
     bool usable;
-    const TopkLinear lin = TopkLinear::of(top, cut, &usable);
+    TopkLinear lin = TopkLinear::of(top, cut, &usable);
     bool by_value = false;  // 3a's bins are lin's
     u32 vthr = 0;           // 3a by value: the threshold bin
     if (!take_all && usable) {
         by_value = topk_value_pass<C>(lin, cut, my, key_at, hist[buf], kk, w_a, res, bstart,
                                       bcount);
         buf ^= 1;
+        if (!by_value) {
+            // 2''. Too full a bin: if it is because a few keys far above the rest stretched the
+            // range (an outlier; an attention sink), bin again up to the largest of the rest.
+            // u: the bin where the count from the top reaches TOPK_BUCKET_MAX + 1 (there is
+            // one: a bin from the threshold up holds more); the bins above it hold at most
+            // TOPK_BUCKET_MAX keys, which the second pass's top bin takes (its clamp). Only
+            // when u is low, so the second pass's bins are at least 16 times finer (ties,
+            // spread over the range, go straight to the radix passes).
+            topk_find<C>(hist[buf ^ 1], TOPK_BINS, TOPK_BUCKET_MAX + 1, w_a, res, nullptr,
+                         nullptr);
+            const u32 u = res[0];
+            if (u < TOPK_BINS / 16) {
+                u32 m = 0;
+                for (int i = tid; i < my; i += TOPK_THREADS) {
+                    const u32 key = key_at(i);
+                    if (key >= cut && lin.bin(key) <= u) m = max(m, key);
+                }
+                // bound[0]'s last remote reads were before the first pass's cluster barrier.
+                const u32 rest = topk_cluster_max<C>(m, w_a, &bound[0]);
+                bool usable2;
+                const TopkLinear lin2 = TopkLinear::of(rest, cut, &usable2);
+                if (usable2) {
+                    by_value = topk_value_pass<C>(lin2, cut, my, key_at, hist[buf], kk, w_a,
+                                                  res, bstart, bcount);
+                    buf ^= 1;
+                    lin = lin2;
+                }
+            }
+        }
         if (by_value) {
             buckets = true;
             vthr = res[0];

@@ -626,8 +626,18 @@ enum Scores {
     /// for the CUDA kernel's first pass by value).
     Spread,
     /// Plain with one position per row, inside its context, at 3e38: the range by value
-    /// stretched and its bins too full (meant for the CUDA kernel's fallback to the bits).
+    /// stretched and its bins too full (meant for the CUDA kernel's second pass by value, up
+    /// to the largest of the rest).
     Outlier,
+    /// e^(±1) with the first four positions 50 times larger, as attention sinks score: a range
+    /// stretched less far (the second pass by value, too).
+    Sink,
+    /// 2^(±20): spread over 40 octaves, so bins by value are too full near the floor but the
+    /// bits' digits are fine (meant for the fallback to the radix passes and their buckets).
+    Octaves,
+    /// Coarse with one position per row at 3e38: the second pass by value tried and too full
+    /// as well, then the heavy-ties sort.
+    CoarseOutlier,
     /// Within ±1e-38, subnormal mostly: a range by value too small to scale.
     Tiny,
     /// Within ±1e-35, a quarter subnormal and a quarter ±0.0: a range that scales, with
@@ -661,16 +671,20 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         (1, 400_000, 2048, Plain),
         // The CUDA kernel's paths, by a model of its choice (the repository's
         // bench/results/2026-12-01-topk-path-model.txt; not checked here): Spread, buckets by
-        // value; Outlier, the fallback to the bits (2000 x 64: then buckets of the bits;
-        // 30_000 x 2048: the heavy-ties sort); Tiny, no pass by value (the range cannot scale);
+        // value; Outlier and Sink, a second pass by value, then its buckets; Octaves, the
+        // fallback to the radix passes, then buckets of the bits; CoarseOutlier, a second pass
+        // by value, then the heavy-ties sort; Tiny, no pass by value (the range cannot scale);
         // Small, buckets by value with subnormal and zero candidates; Coarse, the heavy-ties
         // sort at k = 37 and 2048 with clusters of 4.
         (1, 65_536, 2048, Spread),
         (64, 65_536, 512, Spread),
         (4, 9000, 1, Spread),
         (3, 30_000, 2048, Outlier),
-        // The fallback from bins by value to bins of the bits, then buckets of the bits.
         (2, 2000, 64, Outlier),
+        (2, 20_000, 2048, Sink),
+        (1, 65_536, 2048, Sink),
+        (3, 4000, 1500, Octaves),
+        (2, 5000, 2048, CoarseOutlier),
         (2, 20_000, 300, Tiny),
         (3, 3000, 300, Small),
         (4, 3000, 37, Coarse),
@@ -699,7 +713,9 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
                     3 => -0.0,
                     _ => g.unit() * 1e-35,
                 },
-                Coarse => g.below(3) as f32,
+                Coarse | CoarseOutlier => g.below(3) as f32,
+                Sink => g.unit().exp(),
+                Octaves => 2f32.powf(g.unit() * 20.0),
             })
             .collect();
         let page_table: Vec<i32> = (0..rows * pt_stride)
@@ -714,9 +730,12 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
                 }
             })
             .collect();
-        if let Outlier = scores {
-            for (r, &len) in ctx.iter().enumerate() {
-                logits[r * stride + g.below(len as u64) as usize] = 3e38;
+        for (r, &len) in ctx.iter().enumerate() {
+            let row = &mut logits[r * stride..(r + 1) * stride];
+            match scores {
+                Outlier | CoarseOutlier => row[g.below(len as u64) as usize] = 3e38,
+                Sink => row[..4].iter_mut().for_each(|x| *x *= 50.0),
+                _ => {}
             }
         }
         let a = cpu::TopKArgs {
