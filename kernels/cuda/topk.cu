@@ -47,6 +47,7 @@
 #define TOPK_DIGIT 11
 #define TOPK_BINS (1 << TOPK_DIGIT)
 #define TOPK_BUCKET_MAX 64
+#define TOPK_FEW 16  // 2'': keys far above the rest that a second pass by value sets aside
 
 __device__ __forceinline__ u32 tkv_order_key(float x) {
     u32 b = __float_as_uint(x);
@@ -367,13 +368,14 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
         if (!by_value) {
             // 2''. Too full a bin: if it is because a few keys far above the rest stretched the
             // range (an outlier; an attention sink), bin again up to the largest of the rest.
-            // u: the bin where the count from the top reaches TOPK_BUCKET_MAX + 1 (there is
-            // one: a bin from the threshold up holds more); the bins above it hold at most
-            // TOPK_BUCKET_MAX keys, which the second pass's top bin takes (its clamp). Only
-            // when u is low, so the second pass's bins are at least 16 times finer (ties,
-            // spread over the range, go straight to the radix passes).
-            topk_find<C>(hist[buf ^ 1], TOPK_BINS, TOPK_BUCKET_MAX + 1, w_a, res, nullptr,
-                         nullptr);
+            // u: the bin where the count from the top reaches TOPK_FEW + 1 (there is one: a
+            // bin from the threshold up holds more than TOPK_BUCKET_MAX); the bins above it
+            // hold at most TOPK_FEW keys, which the second pass's top bin takes (its clamp),
+            // leaving room there for the rest's own top (run 60: with up to TOPK_BUCKET_MAX
+            // above, that bin overflowed on sink-like rows). Only when u is low, so the second
+            // pass's bins are at least 16 times finer (ties, spread over the range, go straight
+            // to the radix passes).
+            topk_find<C>(hist[buf ^ 1], TOPK_BINS, TOPK_FEW + 1, w_a, res, nullptr, nullptr);
             const u32 u = res[0];
             if (u < TOPK_BINS / 16) {
                 u32 m = 0;
