@@ -16,16 +16,17 @@
 //    (double-buffered, so one barrier a pass) and finds the same bin, the one where the count
 //    from the top reaches the number still needed. It stops when that bin holds exactly the
 //    number still needed, or when every bit is fixed (the class is then the keys equal to T).
-// 2'. The first pass places each candidate by value instead (when the top and the floor are finite
-//     and differ): bin = (x - floor) * (TOPK_BINS / (top - floor)), rounded down, each operation
-//     one IEEE operation, so a larger x never lands in a lower bin. Logits spread over an
+// 2'. The first pass places each candidate by value instead (when the top and the floor are
+//     finite and differ): bin = (x - floor) * (TOPK_BINS / (top - floor)), rounded down, each
+//     operation one IEEE operation, so a larger x never lands in a lower bin. Logits spread over an
 //     octave boundary (say 0.3 to 15) leave 11-bit digits of the bits only 8 bins an octave, and
 //     the bins near the threshold too full for 3a; bins by value stay small there. When a bin
 //     from the threshold up still holds more than TOPK_BUCKET_MAX keys: if a few keys far above
-//     the rest stretched the range (an outlier, an attention sink), a second pass bins by value
-//     up to the largest of the rest, its top bin taking those few (2''); otherwise (heavy ties)
-//     the radix select of 2 runs from its start, and the pass by value was spent (4 to 8 us of
-//     a 64K row, GPU.md runs 54-55).
+//     the rest stretched the range (an outlier, an attention sink) and the bits' first digit
+//     would be coarse over the rest, a second pass bins by value up to the largest of the rest,
+//     its top bin taking those few (2''); otherwise (heavy ties; a digit fine enough) the radix
+//     select of 2 runs from its start, and the pass by value was spent (4 to 8 us of a 64K
+//     row, GPU.md runs 54-55).
 // The selection is ordered by one u64 per position, key high and ~position low: descending
 // order is the specification's. Then one of two ways:
 // 3a. Buckets (after the first pass, when no bin from the threshold bin up holds more than
@@ -385,9 +386,19 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
                 }
                 // bound[0]'s last remote reads were before the first pass's cluster barrier.
                 const u32 rest = topk_cluster_max<C>(m, w_a, &bound[0]);
+                // When the bits' first digit has TOPK_BINS / 8 or more bins from the floor to
+                // the rest, the radix pass is the cheaper way to buckets (run 61: rows of summed
+                // ReLUs with four sinks 50 times larger, about 420 such bins, took 24.8 us by
+                // the radix pass and 29.1 by the second pass by value; an outlier over normal
+                // logits leaves about 20 and took 43 against 28).
+                // (Across the sign the bins of the bits between them are mostly empty octaves
+                // of tiny values: not fine.)
+                const int s2 = max(s - TOPK_DIGIT, 0);
+                const bool digit_fine =
+                    (cut >> 31) == (rest >> 31) && (rest >> s2) - (cut >> s2) >= TOPK_BINS / 8;
                 bool usable2;
                 const TopkLinear lin2 = TopkLinear::of(rest, cut, &usable2);
-                if (usable2) {
+                if (usable2 && !digit_fine) {
                     by_value = topk_value_pass<C>(lin2, cut, my, key_at, hist[buf], kk, w_a,
                                                   res, bstart, bcount);
                     buf ^= 1;

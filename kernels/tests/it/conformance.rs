@@ -635,9 +635,13 @@ enum Scores {
     /// 2^(±20): spread over 40 octaves, so bins by value are too full near the floor but the
     /// bits' digits are fine (meant for the fallback to the radix passes and their buckets).
     Octaves,
-    /// Coarse with one position per row at 3e38: the second pass by value tried and too full
-    /// as well, then the heavy-ties sort.
+    /// 1, 2 or 3, with one position per row at 3e38: the second pass by value tried and too
+    /// full as well, then the heavy-ties sort.
     CoarseOutlier,
+    /// Sums of eight ReLUs (as the indexer's scores are) with the first four positions 50 times
+    /// larger: the range stretched, but the bits' first digit fine over the rest (meant for the
+    /// CUDA kernel's radix passes after the first pass by value, without a second).
+    SumSink,
     /// Within ±1e-38, subnormal mostly: a range by value too small to scale.
     Tiny,
     /// Within ±1e-35, a quarter subnormal and a quarter ±0.0: a range that scales, with
@@ -673,9 +677,10 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         // bench/results/2026-12-01-topk-path-model.txt; not checked here): Spread, buckets by
         // value; Outlier and Sink, a second pass by value, then its buckets; Octaves, the
         // fallback to the radix passes, then buckets of the bits; CoarseOutlier, a second pass
-        // by value, then the heavy-ties sort; Tiny, no pass by value (the range cannot scale);
-        // Small, buckets by value with subnormal and zero candidates; Coarse, the heavy-ties
-        // sort at k = 37 and 2048 with clusters of 4.
+        // by value, then the heavy-ties sort; SumSink, the radix passes after the first pass by
+        // value; Tiny, no pass by value (the range cannot scale); Small, buckets by value with
+        // subnormal and zero candidates; Coarse, the heavy-ties sort at k = 37 and 2048 with
+        // clusters of 4.
         (1, 65_536, 2048, Spread),
         (64, 65_536, 512, Spread),
         (4, 9000, 1, Spread),
@@ -685,6 +690,7 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         (1, 65_536, 2048, Sink),
         (3, 4000, 1500, Octaves),
         (2, 5000, 2048, CoarseOutlier),
+        (1, 65_536, 2048, SumSink),
         (2, 20_000, 300, Tiny),
         (3, 3000, 300, Small),
         (4, 3000, 37, Coarse),
@@ -713,9 +719,13 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
                     3 => -0.0,
                     _ => g.unit() * 1e-35,
                 },
-                Coarse | CoarseOutlier => g.below(3) as f32,
+                Coarse => g.below(3) as f32,
+                CoarseOutlier => (g.below(3) + 1) as f32,
                 Sink => g.unit().exp(),
                 Octaves => 2f32.powf(g.unit() * 20.0),
+                SumSink => (0..8)
+                    .map(|_| g.unit().max(0.0) * (1.0 + 0.5 * g.unit()))
+                    .sum(),
             })
             .collect();
         let page_table: Vec<i32> = (0..rows * pt_stride)
@@ -734,7 +744,7 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
             let row = &mut logits[r * stride..(r + 1) * stride];
             match scores {
                 Outlier | CoarseOutlier => row[g.below(len as u64) as usize] = 3e38,
-                Sink => row[..4].iter_mut().for_each(|x| *x *= 50.0),
+                Sink | SumSink => row[..4].iter_mut().for_each(|x| *x *= 50.0),
                 _ => {}
             }
         }
