@@ -22,11 +22,10 @@
 //     octave boundary (say 0.3 to 15) leave 11-bit digits of the bits only 8 bins an octave, and
 //     the bins near the threshold too full for 3a; bins by value stay small there. When a bin
 //     from the threshold up still holds more than TOPK_BUCKET_MAX keys: if a few keys far above
-//     the rest stretched the range (an outlier, an attention sink) and the bits' first digit
-//     would be coarse over the rest, a second pass bins by value up to the largest of the rest,
-//     its top bin taking those few (2''); otherwise (heavy ties; a digit fine enough) the radix
-//     select of 2 runs from its start, and the pass by value was spent (4 to 8 us of a 64K
-//     row, GPU.md runs 54-55).
+//     the rest squeezed it into the lowest bins (an outlier), a second pass bins by value up to
+//     the largest of the rest, its top bin taking those few (2''); otherwise (heavy ties) the
+//     radix select of 2 runs from its start, and the pass by value was spent (4 to 8 us of a
+//     64K row, GPU.md runs 54-55).
 // The selection is ordered by one u64 per position, key high and ~position low: descending
 // order is the specification's. Then one of two ways:
 // 3a. Buckets (after the first pass, when no bin from the threshold bin up holds more than
@@ -49,6 +48,7 @@
 #define TOPK_BINS (1 << TOPK_DIGIT)
 #define TOPK_BUCKET_MAX 64
 #define TOPK_FEW 16  // 2'': keys far above the rest that a second pass by value sets aside
+#define TOPK_SQUEEZED 8  // 2'': a threshold (and the rest's top) within the lowest 8 bins of 2048
 
 __device__ __forceinline__ u32 tkv_order_key(float x) {
     u32 b = __float_as_uint(x);
@@ -366,19 +366,20 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
         by_value = topk_value_pass<C>(lin, cut, my, key_at, hist[buf], kk, w_a, res, bstart,
                                       bcount);
         buf ^= 1;
-        if (!by_value) {
-            // 2''. Too full a bin: if it is because a few keys far above the rest stretched the
-            // range (an outlier; an attention sink), bin again up to the largest of the rest.
-            // u: the bin where the count from the top reaches TOPK_FEW + 1 (there is one: a
-            // bin from the threshold up holds more than TOPK_BUCKET_MAX); the bins above it
+        if (!by_value && res[0] < TOPK_SQUEEZED) {
+            // 2''. Too full a bin, and the threshold in one of the lowest: the rest squeezed
+            // under a few keys far above it (an outlier). Bin again up to the largest of the
+            // rest. u: the bin where the count from the top reaches TOPK_FEW + 1 (there is one:
+            // a bin from the threshold up holds more than TOPK_BUCKET_MAX); the bins above it
             // hold at most TOPK_FEW keys, which the second pass's top bin takes (its clamp),
             // leaving room there for the rest's own top (run 60: with up to TOPK_BUCKET_MAX
-            // above, that bin overflowed on sink-like rows). Only when u is low, so the second
-            // pass's bins are at least 16 times finer (ties, spread over the range, go straight
-            // to the radix passes).
+            // above, that bin overflowed). Anything else (ties; sinks a few tens of times the
+            // rest, whose threshold sits higher) goes straight to the radix passes: run 62
+            // timed the finding of u and the reduction at 4 us on such rows, more than the
+            // radix pass they would replace.
             topk_find<C>(hist[buf ^ 1], TOPK_BINS, TOPK_FEW + 1, w_a, res, nullptr, nullptr);
             const u32 u = res[0];
-            if (u < TOPK_BINS / 16) {
+            if (u < TOPK_SQUEEZED) {
                 u32 m = 0;
                 for (int i = tid; i < my; i += TOPK_THREADS) {
                     const u32 key = key_at(i);
@@ -386,19 +387,9 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
                 }
                 // bound[0]'s last remote reads were before the first pass's cluster barrier.
                 const u32 rest = topk_cluster_max<C>(m, w_a, &bound[0]);
-                // When the bits' first digit has TOPK_BINS / 8 or more bins from the floor to
-                // the rest, the radix pass is the cheaper way to buckets (run 61: rows of summed
-                // ReLUs with four sinks 50 times larger, about 420 such bins, took 24.8 us by
-                // the radix pass and 29.1 by the second pass by value; an outlier over normal
-                // logits leaves about 20 and took 43 against 28).
-                // (Across the sign the bins of the bits between them are mostly empty octaves
-                // of tiny values: not fine.)
-                const int s2 = max(s - TOPK_DIGIT, 0);
-                const bool digit_fine =
-                    (cut >> 31) == (rest >> 31) && (rest >> s2) - (cut >> s2) >= TOPK_BINS / 8;
                 bool usable2;
                 const TopkLinear lin2 = TopkLinear::of(rest, cut, &usable2);
-                if (usable2 && !digit_fine) {
+                if (usable2) {
                     by_value = topk_value_pass<C>(lin2, cut, my, key_at, hist[buf], kk, w_a,
                                                   res, bstart, bcount);
                     buf ^= 1;

@@ -630,7 +630,8 @@ enum Scores {
     /// to the largest of the rest).
     Outlier,
     /// e^(±1) with the first four positions 50 times larger, as attention sinks score: a range
-    /// stretched less far (the second pass by value, too).
+    /// stretched less far, the threshold above the lowest bins (meant for the radix passes
+    /// after the first pass by value, without a second, and the heavy-ties sort).
     Sink,
     /// 2^(±20): spread over 40 octaves, so bins by value are too full near the floor but the
     /// bits' digits are fine (meant for the fallback to the radix passes and their buckets).
@@ -675,10 +676,10 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         (1, 400_000, 2048, Plain),
         // The CUDA kernel's paths, by a model of its choice (the repository's
         // bench/results/2026-12-01-topk-path-model.txt; not checked here): Spread, buckets by
-        // value; Outlier and Sink, a second pass by value, then its buckets; Octaves, the
-        // fallback to the radix passes, then buckets of the bits; CoarseOutlier, a second pass
-        // by value, then the heavy-ties sort; SumSink, the radix passes after the first pass by
-        // value; Tiny, no pass by value (the range cannot scale); Small, buckets by value with
+        // value; Outlier, a second pass by value, then its buckets; Octaves and SumSink, the
+        // fallback to the radix passes, then buckets of the bits; Sink, the fallback, then the
+        // heavy-ties sort; CoarseOutlier, a second pass by value, then the heavy-ties sort;
+        // Tiny, no pass by value (the range cannot scale); Small, buckets by value with
         // subnormal and zero candidates; Coarse, the heavy-ties sort at k = 37 and 2048 with
         // clusters of 4.
         (1, 65_536, 2048, Spread),
