@@ -640,9 +640,12 @@ enum Scores {
     /// full as well, then the heavy-ties sort.
     CoarseOutlier,
     /// Sums of eight ReLUs (as the indexer's scores are) with the first four positions 50 times
-    /// larger: the range stretched, but the bits' first digit fine over the rest (meant for the
-    /// CUDA kernel's radix passes after the first pass by value, without a second).
+    /// larger: the range stretched, the threshold above the lowest bins (meant for the CUDA
+    /// kernel's radix passes after the first pass by value, without a second).
     SumSink,
+    /// One value everywhere but one position per row at 3e38: the second pass by value's range
+    /// is empty, so the radix passes take over.
+    FlatOutlier,
     /// Within ±1e-38, subnormal mostly: a range by value too small to scale.
     Tiny,
     /// Within ±1e-35, a quarter subnormal and a quarter ±0.0: a range that scales, with
@@ -676,17 +679,20 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         (1, 400_000, 2048, Plain),
         // The CUDA kernel's paths, by a model of its choice (the repository's
         // bench/results/2026-12-01-topk-path-model.txt; not checked here): Spread, buckets by
-        // value; Outlier, a second pass by value, then its buckets; Octaves and SumSink, the
-        // fallback to the radix passes, then buckets of the bits; Sink, the fallback, then the
-        // heavy-ties sort; CoarseOutlier, a second pass by value, then the heavy-ties sort;
-        // Tiny, no pass by value (the range cannot scale); Small, buckets by value with
-        // subnormal and zero candidates; Coarse, the heavy-ties sort at k = 37 and 2048 with
-        // clusters of 4.
+        // value; Outlier, a second pass by value, then its buckets; Octaves, the fallback to
+        // the radix passes, then buckets of the bits; SumSink, the fallback, then buckets of the
+        // bits or (at the edge, by the draw) the sort; Sink, the fallback, then the sort; CoarseOutlier, a second pass by value, then the heavy-ties sort;
+        // FlatOutlier, no second pass (an empty range), then the heavy-ties sort; Tiny, no pass
+        // by value (the range cannot scale); Small, buckets by value with subnormal and zero
+        // candidates; Coarse, the heavy-ties sort at k = 37 and 2048 with clusters of 4.
         (1, 65_536, 2048, Spread),
         (64, 65_536, 512, Spread),
         (4, 9000, 1, Spread),
         (3, 30_000, 2048, Outlier),
         (2, 2000, 64, Outlier),
+        // k below the keys a second pass sets aside.
+        (2, 3000, 16, Outlier),
+        (2, 3000, 2048, FlatOutlier),
         (2, 20_000, 2048, Sink),
         (1, 65_536, 2048, Sink),
         (3, 4000, 1500, Octaves),
@@ -704,7 +710,7 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
             .map(|_| match scores {
                 Plain => g.unit() * 50.0,
                 Ties => (g.unit() * 100.0).round() / 2.0,
-                Flat => flat,
+                Flat | FlatOutlier => flat,
                 Masked => match g.below(16) {
                     0..=7 => f32::NEG_INFINITY,
                     8 => 0.0,
@@ -744,7 +750,7 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
         for (r, &len) in ctx.iter().enumerate() {
             let row = &mut logits[r * stride..(r + 1) * stride];
             match scores {
-                Outlier | CoarseOutlier => row[g.below(len as u64) as usize] = 3e38,
+                Outlier | CoarseOutlier | FlatOutlier => row[g.below(len as u64) as usize] = 3e38,
                 Sink | SumSink => row[..4].iter_mut().for_each(|x| *x *= 50.0),
                 _ => {}
             }
