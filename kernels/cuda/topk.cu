@@ -375,10 +375,12 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
             // a bin from the threshold up holds more than TOPK_BUCKET_MAX); the bins above it
             // hold at most TOPK_FEW keys, which the second pass's top bin takes (its clamp),
             // leaving room there for the rest's own top (run 60: with up to TOPK_BUCKET_MAX
-            // above, that bin overflowed). Anything else (ties; sinks a few tens of times the
-            // rest, whose threshold sits higher) goes straight to the radix passes: run 62
-            // timed the finding of u and the reduction at 4 us on such rows, more than the
-            // radix pass they would replace.
+            // above, that bin overflowed). A higher threshold (ties; sinks a few tens of times
+            // the rest) goes straight to the radix passes: run 62 timed the finding of u and
+            // the reduction at 4 us on such rows, more than the radix pass they would replace.
+            // (A low threshold with u not low — rows spread over octaves — still pays this find
+            // before the radix passes, about 2 us, run 63; taking u from the first pass's find
+            // would save it.)
             topk_find<C>(hist[buf ^ 1], TOPK_BINS, TOPK_FEW + 1, w_a, res, nullptr, nullptr);
             const u32 u = res[0];
             if (u < TOPK_SQUEEZED) {
