@@ -10,7 +10,11 @@
 //! lines every build since the coverage table has printed. Checked reads are the KV and index-K
 //! rows that ops read and the content oracle verified (compared, or known unchanged since
 //! compared). A probe's reach is the share of seeds that hit it: a faster build that reaches
-//! fewer probes, or reaches them in fewer seeds, is a blinder one, and the report says so.
+//! fewer probes, or reaches them in fewer seeds, is a blinder one, and the report says so: each
+//! drop comes with its size in standard errors (a drop of one or two seeds in sixty is within
+//! the seeds' scatter, one of z ≥ 2 is not), and for every probe both builds hit, the seeds that
+//! hit it per CPU-second, this build over the baseline (reach per second: what a swarm sized for
+//! speed must not lose).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -194,7 +198,15 @@ pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) ->
             .iter()
             .filter_map(|(p, &was)| {
                 let now = this.reach.get(p).copied().unwrap_or(0.0);
-                (now < was).then(|| format!("{p} {:.1}% (was {:.1}%)", now * 100.0, was * 100.0))
+                (now < was).then(|| {
+                    let z = drop_z(now, this.seeds, was, b.seeds);
+                    let noise = if z < 2.0 { ", within noise" } else { "" };
+                    format!(
+                        "{p} {:.1}% (was {:.1}%; z {z:.1}{noise})",
+                        now * 100.0,
+                        was * 100.0
+                    )
+                })
             })
             .collect();
         if lower.is_empty() {
@@ -206,6 +218,7 @@ pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) ->
                 lower.join(", ")
             );
         }
+        s += &reach_per_cpu_s(this, b);
         let new: Vec<&String> = this
             .reach
             .keys()
@@ -222,6 +235,43 @@ pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) ->
         }
     }
     s
+}
+
+/// How far below the baseline's a probe's share of seeds fell, in standard errors of the
+/// difference of two shares (pooled): under 2 a drop that the seeds' own scatter explains.
+fn drop_z(now: f64, seeds: u64, was: f64, base_seeds: u64) -> f64 {
+    let (n1, n2) = (seeds.max(1) as f64, base_seeds.max(1) as f64);
+    let pooled = (now * n1 + was * n2) / (n1 + n2);
+    let se = (pooled * (1.0 - pooled) * (1.0 / n1 + 1.0 / n2)).sqrt();
+    if se == 0.0 {
+        return if was > now { f64::INFINITY } else { 0.0 };
+    }
+    (was - now) / se
+}
+
+/// Reach per CPU-second: for each probe both builds hit, the seeds that hit it per CPU-second of
+/// the campaign, this build's over the baseline's. A build that runs seeds faster but hits a
+/// probe in fewer of them finds what that probe stands for sooner only if this ratio is above 1.
+fn reach_per_cpu_s(this: &Measured, b: &Measured) -> String {
+    let rate = |m: &Measured, share: f64| share * m.seeds as f64 / m.cpu_s.max(1e-9);
+    let mut ratios: Vec<(f64, &str)> = b
+        .reach
+        .iter()
+        .filter_map(|(p, &was)| {
+            let now = *this.reach.get(p)?;
+            (was > 0.0 && now > 0.0).then(|| (rate(this, now) / rate(b, was), p.as_str()))
+        })
+        .collect();
+    if ratios.is_empty() {
+        return String::new();
+    }
+    ratios.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let geo = (ratios.iter().map(|r| r.0.ln()).sum::<f64>() / ratios.len() as f64).exp();
+    let (low, low_p) = ratios[0];
+    format!(
+        "probe reach per CPU-second (seeds that hit a probe, per CPU-second), this build / baseline, over the {} probes both hit: geometric mean {geo:.2}x, lowest {low:.2}x ({low_p})\n",
+        ratios.len()
+    )
 }
 
 /// The run of `runs` whose CPU time is the median (the lower middle of an even count): a
@@ -275,5 +325,33 @@ mod tests {
         assert!((m.reach["load.issued"] - 0.789).abs() < 1e-9);
         assert_eq!(m.reach["abort.queued"], 0.0);
         assert!(parse_summary("seeds run: 6   failures: 0\n").is_err());
+    }
+
+    #[test]
+    fn reach_per_cpu_second_and_drops_beyond_noise() {
+        let m = |seeds: u64, cpu_s: f64, reach: &[(&str, f64)]| Measured {
+            seeds,
+            cpu_s,
+            wall_s: cpu_s,
+            reach: reach.iter().map(|(p, r)| (p.to_string(), *r)).collect(),
+            ..Measured::default()
+        };
+        // Twice the seeds per CPU-second; probe a hit in the same share, probe b in half.
+        let this = m(100, 50.0, &[("a", 0.5), ("b", 0.2)]);
+        let base = m(100, 100.0, &[("a", 0.5), ("b", 0.4)]);
+        let s = reach_per_cpu_s(&this, &base);
+        assert!(s.contains("geometric mean 1.41x, lowest 1.00x (b)"), "{s}");
+        // 20% against 40% of 100 seeds each is far beyond the scatter; 1 seed of 60 is not.
+        assert!(drop_z(0.2, 100, 0.4, 100) > 2.0);
+        assert!(drop_z(9.0 / 60.0, 60, 10.0 / 60.0, 60) < 2.0);
+        assert_eq!(drop_z(0.0, 60, 0.0, 60), 0.0);
+        let plan = Plan {
+            first: 0,
+            end: 100,
+            jobs: 1,
+            profile: "swarm".into(),
+        };
+        let r = report(&plan, &this, Some((Path::new("old"), &base)));
+        assert!(r.contains("b 20.0% (was 40.0%; z 3.1)"), "{r}");
     }
 }
