@@ -136,11 +136,12 @@ struct TopkCluster {
 };
 
 // The bin of the cluster's summed histogram `h` (nbins bins) where the count from the top reaches
-// kk: res = {bin, keys in the bins above it, keys in it, most keys in one bin from it up}. Two
-// bins per thread, from the top. With `bstart` (a pass that may lay out the buckets: by value, or
-// the first radix pass), for every bin, the first index of this CTA's keys in it, counted from
-// the top (the bin's own first index in CTA 0, whose keys come first), goes to bstart and the
-// cluster's count of keys in it to bcount.
+// kk: res = {bin, keys in the bins above it, keys in it, most keys in one bin from it up, the bin
+// where the count reaches TOPK_FEW + 1 (when one does)}. Two bins per thread, from the top. With
+// `bstart` (a pass that may lay out the buckets: by value, or the first radix pass), for every
+// bin, the first index of this CTA's keys in it, counted from the top (the bin's own first index
+// in CTA 0, whose keys come first), goes to bstart and the cluster's count of keys in it to
+// bcount.
 template <int C>
 __device__ __forceinline__ void topk_find(const u32* h, u32 nbins, u32 kk, u32* warp_tot,
                                           u32* res, u32* bstart, u32* bcount) {
@@ -190,6 +191,9 @@ __device__ __forceinline__ void topk_find(const u32* h, u32 nbins, u32 kk, u32* 
     // Bins from the found one up are those whose keys before them number fewer than kk.
     u32 big = max(before < kk ? c0 : 0u, before + c0 < kk ? c1 : 0u);
     big = __reduce_max_sync(TKV_FULL, big);
+    constexpr u32 few = TOPK_FEW + 1;
+    if (before < few && before + mine >= few)
+        res[4] = before + c0 >= few ? nbins - 1 - i0 : nbins - 1 - i1;
     if (before < kk && before + mine >= kk) {
         if (before + c0 >= kk) {
             res[0] = nbins - 1 - i0;
@@ -252,6 +256,38 @@ __device__ __forceinline__ u32 topk_cluster_max(u32 v, u32* w, u32* slot) {
     return m;
 }
 
+// 2''. After a first pass by value with too full a bin: when its threshold bin res[0] and the bin
+// res[4] where the count from the top reaches TOPK_FEW + 1 (there is one: a bin from the
+// threshold up holds more than TOPK_BUCKET_MAX) are both among the lowest TOPK_SQUEEZED, the
+// rest is squeezed under at most TOPK_FEW keys far above it (an outlier): bin again by value up
+// to the largest of the rest, whose top bin takes those few (its clamp) with room for the rest's
+// own top (run 60: setting aside up to TOPK_BUCKET_MAX, that bin overflowed). Whether it resolved
+// the selection into buckets; `lin` and `buf` follow the pass when it ran. Anything else (ties;
+// sinks a few tens of times the rest, whose threshold sits higher) is left to the radix passes:
+// run 62 timed this step at 4 us on such rows, more than the radix pass it would replace.
+template <int C, typename KeyAt>
+__device__ __forceinline__ bool topk_second_value_pass(TopkLinear& lin, u32 cut, int my,
+                                                       KeyAt key_at, u32 (*hist)[TOPK_BINS],
+                                                       int& buf, u32 kk, u32* w_a, u32* res,
+                                                       u32* bstart, u32* bcount, u32* slot) {
+    const u32 u = res[4];
+    if (res[0] >= TOPK_SQUEEZED || u >= TOPK_SQUEEZED) return false;
+    u32 m = 0;
+    for (int i = threadIdx.x; i < my; i += TOPK_THREADS) {
+        const u32 key = key_at(i);
+        if (key >= cut && lin.bin(key) <= u) m = max(m, key);
+    }
+    const u32 rest = topk_cluster_max<C>(m, w_a, slot);
+    bool usable;
+    const TopkLinear lin2 = TopkLinear::of(rest, cut, &usable);
+    if (!usable) return false;
+    const bool by_value =
+        topk_value_pass<C>(lin2, cut, my, key_at, hist[buf], kk, w_a, res, bstart, bcount);
+    buf ^= 1;
+    lin = lin2;
+    return by_value;
+}
+
 template <int C>
 __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int stride,
                                          const int* __restrict__ ctx_lens,
@@ -264,7 +300,7 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     __shared__ u32 w_a[TOPK_WARPS], w_b[TOPK_WARPS], w_c[TOPK_WARPS];
     __shared__ u32 bound[3];   // this CTA's largest key, least group maximum, least key
     __shared__ u32 counts[2];  // this CTA's keys above the class, and in it
-    __shared__ u32 res[4];
+    __shared__ u32 res[5];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 rank = Cl::rank();
@@ -368,39 +404,10 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
         by_value = topk_value_pass<C>(lin, cut, my, key_at, hist[buf], kk, w_a, res, bstart,
                                       bcount);
         buf ^= 1;
-        if (!by_value && res[0] < TOPK_SQUEEZED) {
-            // 2''. Too full a bin, and the threshold in one of the lowest: the rest squeezed
-            // under a few keys far above it (an outlier). Bin again up to the largest of the
-            // rest. u: the bin where the count from the top reaches TOPK_FEW + 1 (there is one:
-            // a bin from the threshold up holds more than TOPK_BUCKET_MAX); the bins above it
-            // hold at most TOPK_FEW keys, which the second pass's top bin takes (its clamp),
-            // leaving room there for the rest's own top (run 60: with up to TOPK_BUCKET_MAX
-            // above, that bin overflowed). A higher threshold (ties; sinks a few tens of times
-            // the rest) goes straight to the radix passes: run 62 timed the finding of u and
-            // the reduction at 4 us on such rows, more than the radix pass they would replace.
-            // (A low threshold with u not low — rows spread over octaves — still pays this find
-            // before the radix passes, about 2 us, run 63; taking u from the first pass's find
-            // would save it.)
-            topk_find<C>(hist[buf ^ 1], TOPK_BINS, TOPK_FEW + 1, w_a, res, nullptr, nullptr);
-            const u32 u = res[0];
-            if (u < TOPK_SQUEEZED) {
-                u32 m = 0;
-                for (int i = tid; i < my; i += TOPK_THREADS) {
-                    const u32 key = key_at(i);
-                    if (key >= cut && lin.bin(key) <= u) m = max(m, key);
-                }
-                // bound[0]'s last remote reads were before the first pass's cluster barrier.
-                const u32 rest = topk_cluster_max<C>(m, w_a, &bound[0]);
-                bool usable2;
-                const TopkLinear lin2 = TopkLinear::of(rest, cut, &usable2);
-                if (usable2) {
-                    by_value = topk_value_pass<C>(lin2, cut, my, key_at, hist[buf], kk, w_a,
-                                                  res, bstart, bcount);
-                    buf ^= 1;
-                    lin = lin2;
-                }
-            }
-        }
+        // bound[0]'s last remote reads were before the first pass's cluster barrier.
+        if (!by_value)
+            by_value = topk_second_value_pass<C>(lin, cut, my, key_at, hist, buf, kk, w_a, res,
+                                                 bstart, bcount, &bound[0]);
         if (by_value) {
             buckets = true;
             vthr = res[0];
