@@ -34,9 +34,16 @@ pub fn e4m3_step(v: f64) -> f64 {
 }
 
 /// LayerNorm (when `ln`) → NeoX RoPE on dims 0..64 → Hadamard 128 / √128, in f64.
-pub fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f32], ln: bool) -> Vec<f64> {
-    let x: Vec<f64> = key.iter().map(|v| v.to_f32() as f64).collect();
-    let mut y = x.clone();
+pub fn pipeline_f64(
+    key: &[bf16],
+    gamma: &[f32],
+    beta: &[f32],
+    rope: &[f32],
+    ln: bool,
+) -> [f64; 128] {
+    assert_eq!(key.len(), 128, "a 128-value row");
+    let x: [f64; 128] = std::array::from_fn(|i| key[i].to_f32() as f64);
+    let mut y = x;
     if ln {
         let mean = x.iter().sum::<f64>() / 128.0;
         let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / 128.0;
@@ -45,7 +52,7 @@ pub fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f32], ln:
             y[i] = (x[i] - mean) * rstd * gamma[i] as f64 + beta[i] as f64;
         }
     }
-    let r = y.clone();
+    let r = y;
     for i in 0..32 {
         let (c, s) = (rope[i] as f64, rope[32 + i] as f64);
         y[i] = r[i] * c - r[i + 32] * s;
@@ -56,9 +63,8 @@ pub fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f32], ln:
 
 /// The normalised Hadamard transform of 128 values in f64, by Sylvester's recursion
 /// `H_2n = [[H_n, H_n], [H_n, -H_n]]` (the test below holds it to the matrix definition).
-pub fn hadamard_f64(x: &[f64]) -> Vec<f64> {
-    assert_eq!(x.len(), 128, "a 128-value transform");
-    let mut y = x.to_vec();
+pub fn hadamard_f64(x: &[f64]) -> [f64; 128] {
+    let mut y: [f64; 128] = x.try_into().expect("a 128-value transform");
     let mut half = 1;
     while half < 128 {
         for block in y.chunks_mut(2 * half) {
@@ -70,7 +76,10 @@ pub fn hadamard_f64(x: &[f64]) -> Vec<f64> {
         half *= 2;
     }
     let norm = 128f64.sqrt();
-    y.iter().map(|v| v / norm).collect()
+    for v in &mut y {
+        *v /= norm;
+    }
+    y
 }
 
 pub fn f32_at(b: &[u8], at: usize) -> f32 {
@@ -145,17 +154,19 @@ pub fn check_index_k_row(
 pub fn check_kv_row(dtype: KvDtype, row: &[bf16], out: &[u8]) -> Result<(), String> {
     match dtype {
         KvDtype::Bf16 => {
-            let bits: Vec<u8> = row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
-            if bits != out {
+            let same = out.len() == 2 * row.len()
+                && row
+                    .iter()
+                    .zip(out.chunks_exact(2))
+                    .all(|(v, b)| v.to_bits().to_le_bytes() == *b);
+            if !same {
                 return Err("the bf16 row differs from its input".into());
             }
         }
         _ => {
             for tile in 0..4 {
-                let vals: Vec<f64> = row[tile * 128..(tile + 1) * 128]
-                    .iter()
-                    .map(|v| v.to_f32() as f64)
-                    .collect();
+                let vals: [f64; 128] =
+                    std::array::from_fn(|j| row[tile * 128 + j].to_f32() as f64);
                 let amax = vals.iter().fold(0f64, |m, v| m.max(v.abs()));
                 let scale = f32_at(out, 512 + 4 * tile) as f64;
                 check_scale(scale, amax, false).map_err(|e| format!("tile {tile}: {e}"))?;

@@ -214,18 +214,26 @@ impl CampaignSummary {
     }
 
     /// Work per wall second, and the workers' time beside it. `wall_s`: the campaign's wall
-    /// time (for merged shards, the longest shard's, named by `shards`).
-    pub fn print_throughput(&self, wall_s: f64, shards: Option<usize>) {
+    /// time. For merged shards, `shards` names their count and the worker time they held (each
+    /// shard's wall times its workers): `wall_s` is then the longest shard's, the campaign's wall
+    /// time when the shards ran at the same time, and the busy share is of the time they held.
+    pub fn print_throughput(&self, wall_s: f64, shards: Option<(usize, f64)>) {
         let t = &self.totals;
         let wall = wall_s.max(1e-9);
         let worker_s = self.worker.as_secs_f64();
-        let over = match shards {
-            Some(n) => format!("the longest of {n} shards, {} workers in all", self.jobs),
-            None => format!("{} workers", self.jobs),
+        let (over, held_s) = match shards {
+            Some((n, held_s)) => (
+                format!(
+                    "the longest of {n} shards, {} workers in all: the campaign's wall time if the shards ran at the same time",
+                    self.jobs
+                ),
+                held_s,
+            ),
+            None => (format!("{} workers", self.jobs), wall * self.jobs as f64),
         };
         println!(
             "wall time: {wall_s:.1} s ({over}; {worker_s:.1} s of worker time, {:.0}% of the workers busy)",
-            100.0 * worker_s / (wall * self.jobs.max(1) as f64)
+            100.0 * worker_s / held_s.max(1e-9)
         );
         println!(
             "throughput: {:.2} seeds/s, {:.0} ops/s, {:.0} checked reads/s, {:.1} MB copied/s; per worker-second: {:.0} checked reads",

@@ -412,6 +412,9 @@ pub struct Merged {
     /// Shards merged, and those missing (a partial merge).
     pub shards: u64,
     pub missing: Vec<u64>,
+    /// Each shard's wall time times its workers, summed: the worker time the shards held,
+    /// whether they ran at the same time or one after another.
+    pub held_s: f64,
 }
 
 /// Combines the results of one campaign's shards. `partial`: merge even when shards are missing.
@@ -512,7 +515,9 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         jobs: 0,
         ..first.clone()
     };
+    let mut held_s = 0.0;
     for (_, r) in results {
+        held_s += r.wall_s * r.jobs as f64;
         m.seeds_run += r.seeds_run;
         m.runs += r.runs;
         m.reruns += r.reruns;
@@ -532,6 +537,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         result: m,
         shards: seen.len() as u64,
         missing,
+        held_s,
     })
 }
 
@@ -607,6 +613,8 @@ mod tests {
         assert_eq!(r.coverage["load.issued"], ProbeCount { hits: 21, seeds: 4 });
         assert_eq!(r.totals.ops, 200);
         assert_eq!((r.wall_s, r.worker_s, r.jobs), (3.0, 8.0, 4));
+        // Walls of 2 s and 3 s on 2 workers each: 10 worker-seconds held, whatever their order.
+        assert_eq!(m.held_s, 10.0);
         let seeds: Vec<u64> = r.failures.iter().map(|f| f.seed).collect();
         assert_eq!(seeds, [3, 4, 7]);
         let s = r.summary();

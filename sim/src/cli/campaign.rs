@@ -86,7 +86,7 @@ fn run_merge(args: &MergeArgs) -> i32 {
     }
     let summary = r.summary();
     summary.print_counts();
-    summary.print_throughput(r.wall_s, Some(merged.shards as usize));
+    summary.print_throughput(r.wall_s, Some((merged.shards as usize, merged.held_s)));
     summary.print_checks();
     if args.coverage {
         print!("{}", summary.coverage.table());
