@@ -165,8 +165,7 @@ pub fn check_kv_row(dtype: KvDtype, row: &[bf16], out: &[u8]) -> Result<(), Stri
         }
         _ => {
             for tile in 0..4 {
-                let vals: [f64; 128] =
-                    std::array::from_fn(|j| row[tile * 128 + j].to_f32() as f64);
+                let vals: [f64; 128] = std::array::from_fn(|j| row[tile * 128 + j].to_f32() as f64);
                 let amax = vals.iter().fold(0f64, |m, v| m.max(v.abs()));
                 let scale = f32_at(out, 512 + 4 * tile) as f64;
                 check_scale(scale, amax, false).map_err(|e| format!("tile {tile}: {e}"))?;
