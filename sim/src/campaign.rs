@@ -221,22 +221,26 @@ impl CampaignSummary {
         let t = &self.totals;
         let wall = wall_s.max(1e-9);
         let worker_s = self.worker.as_secs_f64();
-        let (over, held_s) = match shards {
-            Some((n, held_s)) => (
-                format!(
-                    "the longest of {n} shards, {} workers in all: the campaign's wall time if the shards ran at the same time",
-                    self.jobs
-                ),
-                held_s,
+        match shards {
+            Some((n, held_s)) => println!(
+                "wall time: {wall_s:.1} s (the longest of {n} shards: the campaign's wall time if they ran at the same time); {worker_s:.1} s of worker time, {:.0}% of the {held_s:.1} worker-seconds the shards held ({} workers in all)",
+                100.0 * worker_s / held_s.max(1e-9),
+                self.jobs
             ),
-            None => (format!("{} workers", self.jobs), wall * self.jobs as f64),
-        };
+            None => println!(
+                "wall time: {wall_s:.1} s ({} worker{}; {worker_s:.1} s of worker time, {:.0}% of the workers busy)",
+                self.jobs,
+                if self.jobs == 1 { "" } else { "s" },
+                100.0 * worker_s / (wall * self.jobs.max(1) as f64)
+            ),
+        }
         println!(
-            "wall time: {wall_s:.1} s ({over}; {worker_s:.1} s of worker time, {:.0}% of the workers busy)",
-            100.0 * worker_s / held_s.max(1e-9)
-        );
-        println!(
-            "throughput: {:.2} seeds/s, {:.0} ops/s, {:.0} checked reads/s, {:.1} MB copied/s; per worker-second: {:.0} checked reads",
+            "throughput{}: {:.2} seeds/s, {:.0} ops/s, {:.0} checked reads/s, {:.1} MB copied/s; per worker-second: {:.0} checked reads",
+            if shards.is_some() {
+                " (over the longest shard's wall time)"
+            } else {
+                ""
+            },
             self.seeds_run as f64 / wall,
             t.ops as f64 / wall,
             self.checked_reads() as f64 / wall,

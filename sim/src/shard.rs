@@ -130,6 +130,10 @@ pub struct ShardResult {
     pub wall_s: f64,
     pub worker_s: f64,
     pub jobs: usize,
+    /// A merged result's worker time held: each shard's wall time times its workers, summed
+    /// (left out of one shard's own result, whose wall time times its workers it is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_s: Option<f64>,
 }
 
 /// Why shard results could not be read or merged. Each names the file and the value at fault.
@@ -153,14 +157,14 @@ pub enum MergeError {
     },
     #[error("{file}: unknown probe `{probe}` (a result of another build?)")]
     UnknownProbe { file: PathBuf, probe: String },
-    #[error("{file}: {what} do not add up: {why}")]
+    #[error("{file}: {what}: the counts do not add up: {why}")]
     Inconsistent {
         file: PathBuf,
         what: &'static str,
         why: String,
     },
     #[error(
-        "{file} comes from another build than {first}:\n  {build_file}\n  {build_first}\nrun every shard with the same sources, features and profile"
+        "{file} comes from another build than {first}:\n  {file}: {build_file}\n  {first}: {build_first}\nrun every shard with the same sources, features and profile (`tierkv --version` names a binary's)"
     )]
     OtherBuild {
         file: PathBuf,
@@ -184,7 +188,7 @@ pub enum MergeError {
         b: PathBuf,
     },
     #[error(
-        "{missing} of {count} shards missing ({list}); merge with --partial to see the others"
+        "{missing} of {count} shards missing (index {list}); `--partial` merges the {} present", count - missing
     )]
     Missing {
         missing: u64,
@@ -240,7 +244,15 @@ impl ShardResult {
             wall_s: s.wall.as_secs_f64(),
             worker_s: s.worker.as_secs_f64(),
             jobs: s.jobs,
+            held_s: None,
         }
+    }
+
+    /// The worker time this result's runs held, seconds: its wall time times its workers, or
+    /// for a merged result, that of each of its shards, summed (whether the shards ran at the
+    /// same time or one after another).
+    pub fn held_s(&self) -> f64 {
+        self.held_s.unwrap_or(self.wall_s * self.jobs as f64)
     }
 
     /// Reads and checks one result file (bounded in size; every field checked).
@@ -360,10 +372,13 @@ impl ShardResult {
             ));
         }
         let time = |t: f64| t.is_finite() && t >= 0.0;
-        if !(time(self.wall_s) && time(self.worker_s)) {
+        if !(time(self.wall_s) && time(self.worker_s) && self.held_s.is_none_or(time)) {
             return Err(inconsistent(
                 "times",
-                format!("wall {} s, worker {} s", self.wall_s, self.worker_s),
+                format!(
+                    "wall {} s, worker {} s, held {:?} s",
+                    self.wall_s, self.worker_s, self.held_s
+                ),
             ));
         }
         Ok(())
@@ -412,9 +427,6 @@ pub struct Merged {
     /// Shards merged, and those missing (a partial merge).
     pub shards: u64,
     pub missing: Vec<u64>,
-    /// Each shard's wall time times its workers, summed: the worker time the shards held,
-    /// whether they ran at the same time or one after another.
-    pub held_s: f64,
 }
 
 /// Combines the results of one campaign's shards. `partial`: merge even when shards are missing.
@@ -517,7 +529,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
     };
     let mut held_s = 0.0;
     for (_, r) in results {
-        held_s += r.wall_s * r.jobs as f64;
+        held_s += r.held_s();
         m.seeds_run += r.seeds_run;
         m.runs += r.runs;
         m.reruns += r.reruns;
@@ -532,12 +544,12 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         m.worker_s += r.worker_s;
         m.jobs += r.jobs;
     }
+    m.held_s = Some(held_s);
     m.failures.sort_by_key(|f| (f.seed, f.schedule));
     Ok(Merged {
         result: m,
         shards: seen.len() as u64,
         missing,
-        held_s,
     })
 }
 
@@ -596,6 +608,7 @@ mod tests {
             wall_s: 2.0 + i as f64,
             worker_s: 4.0,
             jobs: 2,
+            held_s: None,
         }
     }
 
@@ -613,8 +626,11 @@ mod tests {
         assert_eq!(r.coverage["load.issued"], ProbeCount { hits: 21, seeds: 4 });
         assert_eq!(r.totals.ops, 200);
         assert_eq!((r.wall_s, r.worker_s, r.jobs), (3.0, 8.0, 4));
-        // Walls of 2 s and 3 s on 2 workers each: 10 worker-seconds held, whatever their order.
-        assert_eq!(m.held_s, 10.0);
+        // Walls of 2 s and 3 s on 2 workers each: 10 worker-seconds held, whatever their order,
+        // kept when the merged result is merged again.
+        assert_eq!(r.held_s(), 10.0);
+        let again = merge(&[(PathBuf::from("m"), r.clone())], false).expect("merge again");
+        assert_eq!(again.result.held_s(), 10.0);
         let seeds: Vec<u64> = r.failures.iter().map(|f| f.seed).collect();
         assert_eq!(seeds, [3, 4, 7]);
         let s = r.summary();

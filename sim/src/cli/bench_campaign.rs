@@ -10,11 +10,11 @@
 //! lines every build since the coverage table has printed. Checked reads are the KV and index-K
 //! rows that ops read and the content oracle verified (compared, or known unchanged since
 //! compared). A probe's reach is the share of seeds that hit it: a faster build that reaches
-//! fewer probes, or reaches them in fewer seeds, is a blinder one, and the report says so: each
-//! drop comes with its size in standard errors (a drop of one or two seeds in sixty is within
-//! the seeds' scatter, one of z ≥ 2 is not), and for every probe both builds hit, the seeds that
-//! hit it per CPU-second, this build over the baseline (reach per second: what a swarm sized for
-//! speed must not lose).
+//! fewer probes, or reaches them in fewer seeds, is a blinder one, and the report says so: every
+//! probe whose share fell, and over the probes both builds hit, the seeds that hit each per
+//! CPU-second, this build over the baseline (reach per second: what a swarm sized for speed must
+//! not lose). Both builds run the same seeds, and a change that leaves a seed's run as it was
+//! leaves its probes as they were, so any fall is a change in what the seeds do.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -75,7 +75,13 @@ pub fn measure(bin: &Path, plan: &Plan) -> Result<Measured, String> {
     let wall_s = t0.elapsed().as_secs_f64();
     let cpu_s = children_cpu_s() - cpu0;
     let text = String::from_utf8_lossy(&out.stdout);
-    let mut m = parse_summary(&text).map_err(|e| format!("{}: {e}", bin.display()))?;
+    let mut m = parse_summary(&text).map_err(|e| {
+        format!(
+            "{}: did not print a tierkv sim summary (it ended with {}; {e})",
+            bin.display(),
+            out.status
+        )
+    })?;
     if !matches!(out.status.code(), Some(0) | Some(1)) {
         return Err(format!(
             "{}: the campaign ended with {}",
@@ -171,8 +177,12 @@ fn row(name: &str, m: &Measured) -> String {
 /// share of seeds than the baseline (or not at all).
 pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) -> String {
     let mut s = format!(
-        "campaign bench: profile {}, seeds {}..{}, {} workers\n\n",
-        plan.profile, plan.first, plan.end, plan.jobs
+        "campaign bench: profile {}, seeds {}..{}, {} worker{}\n\n",
+        plan.profile,
+        plan.first,
+        plan.end,
+        plan.jobs,
+        if plan.jobs == 1 { "" } else { "s" }
     );
     s += "| build | seeds | failures | wall s | CPU s | seeds/s | ops/s | checked reads/s | checked reads per CPU-s | probes in >= 5% of seeds |\n";
     s += "|---|---|---|---|---|---|---|---|---|---|\n";
@@ -198,15 +208,7 @@ pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) ->
             .iter()
             .filter_map(|(p, &was)| {
                 let now = this.reach.get(p).copied().unwrap_or(0.0);
-                (now < was).then(|| {
-                    let z = drop_z(now, this.seeds, was, b.seeds);
-                    let noise = if z < 2.0 { ", within noise" } else { "" };
-                    format!(
-                        "{p} {:.1}% (was {:.1}%; z {z:.1}{noise})",
-                        now * 100.0,
-                        was * 100.0
-                    )
-                })
+                (now < was).then(|| format!("{p} {:.1}% (was {:.1}%)", now * 100.0, was * 100.0))
             })
             .collect();
         if lower.is_empty() {
@@ -237,40 +239,71 @@ pub fn report(plan: &Plan, this: &Measured, base: Option<(&Path, &Measured)>) ->
     s
 }
 
-/// How far below the baseline's a probe's share of seeds fell, in standard errors of the
-/// difference of two shares (pooled): under 2 a drop that the seeds' own scatter explains.
-fn drop_z(now: f64, seeds: u64, was: f64, base_seeds: u64) -> f64 {
-    let (n1, n2) = (seeds.max(1) as f64, base_seeds.max(1) as f64);
-    let pooled = (now * n1 + was * n2) / (n1 + n2);
-    let se = (pooled * (1.0 - pooled) * (1.0 / n1 + 1.0 / n2)).sqrt();
-    if se == 0.0 {
-        return if was > now { f64::INFINITY } else { 0.0 };
-    }
-    (was - now) / se
-}
-
 /// Reach per CPU-second: for each probe both builds hit, the seeds that hit it per CPU-second of
 /// the campaign, this build's over the baseline's. A build that runs seeds faster but hits a
 /// probe in fewer of them finds what that probe stands for sooner only if this ratio is above 1.
+/// Probes the baseline hits and this build does not are counted apart (their ratio is 0).
 fn reach_per_cpu_s(this: &Measured, b: &Measured) -> String {
     let rate = |m: &Measured, share: f64| share * m.seeds as f64 / m.cpu_s.max(1e-9);
-    let mut ratios: Vec<(f64, &str)> = b
-        .reach
-        .iter()
-        .filter_map(|(p, &was)| {
-            let now = *this.reach.get(p)?;
-            (was > 0.0 && now > 0.0).then(|| (rate(this, now) / rate(b, was), p.as_str()))
-        })
-        .collect();
+    let mut ratios: Vec<(f64, &str)> = Vec::new();
+    let mut lost = 0;
+    for (p, &was) in &b.reach {
+        let now = this.reach.get(p).copied().unwrap_or(0.0);
+        if was > 0.0 && now > 0.0 {
+            ratios.push((rate(this, now) / rate(b, was), p.as_str()));
+        } else if was > 0.0 {
+            lost += 1;
+        }
+    }
     if ratios.is_empty() {
         return String::new();
     }
     ratios.sort_by(|x, y| x.0.total_cmp(&y.0));
     let geo = (ratios.iter().map(|r| r.0.ln()).sum::<f64>() / ratios.len() as f64).exp();
     let (low, low_p) = ratios[0];
+    let tied = ratios
+        .iter()
+        .filter(|r| (r.0 - low).abs() <= 1e-9 * low)
+        .count()
+        - 1;
+    let tied = if tied + 1 == ratios.len() && tied > 0 {
+        " and every other probe: each is hit in the same share of seeds by both builds, so each ratio is the ratio of the builds' seeds per CPU-second".to_string()
+    } else if tied > 0 {
+        format!(" and {tied} more at the same ratio")
+    } else {
+        String::new()
+    };
+    let lost = if lost > 0 {
+        format!("; {lost} probes the baseline hits this build never hits (listed above)")
+    } else {
+        String::new()
+    };
     format!(
-        "probe reach per CPU-second (seeds that hit a probe, per CPU-second), this build / baseline, over the {} probes both hit: geometric mean {geo:.2}x, lowest {low:.2}x ({low_p})\n",
+        "probe reach per CPU-second (seeds that hit the probe per CPU-second), this build / baseline, over the {} probes both hit: geometric mean {geo:.2}x, lowest {low:.2}x ({low_p}{tied}){lost}\n",
         ratios.len()
+    )
+}
+
+/// The machine's noise as far as repeated runs show it: the least and the most the ratio of
+/// checked reads per CPU-second could be, taking any run of this build against any run of the
+/// baseline (empty without repeats or a baseline).
+fn noise(this: &[Measured], base: &[Measured]) -> String {
+    if this.len() < 2 || base.is_empty() {
+        return String::new();
+    }
+    let per = |m: &Measured| m.checked_reads as f64 / m.cpu_s.max(1e-9);
+    let lo = |v: &[Measured]| v.iter().map(per).fold(f64::INFINITY, f64::min);
+    let hi = |v: &[Measured]| v.iter().map(per).fold(0.0, f64::max);
+    let overlap = lo(this) <= hi(base) && hi(this) >= lo(base);
+    format!(
+        "checked reads per CPU-second, this build / baseline, any run against any: {:.2}x to {:.2}x{}\n",
+        lo(this) / hi(base).max(1e-12),
+        hi(this) / lo(base).max(1e-12),
+        if overlap {
+            " (the two builds' runs overlap: a difference this small is within the machine's noise)"
+        } else {
+            ""
+        }
     )
 }
 
@@ -300,6 +333,8 @@ pub fn run(plan: &Plan, baseline: Option<&PathBuf>, repeat: usize) -> Result<Str
     if !base.is_empty() {
         notes += &format!("; baseline {}", spread(&base));
     }
+    notes += " (each row is the run of median CPU time)\n";
+    notes += &noise(&this, &base);
     let this = median(this);
     let base = (!base.is_empty()).then(|| median(base));
     let mut out = report(
@@ -307,7 +342,7 @@ pub fn run(plan: &Plan, baseline: Option<&PathBuf>, repeat: usize) -> Result<Str
         &this,
         baseline.map(|b| b.as_path()).zip(base.as_ref()),
     );
-    out += &format!("{notes} (each row is the run of median CPU time)\n");
+    out += &notes;
     Ok(out)
 }
 
@@ -328,7 +363,30 @@ mod tests {
     }
 
     #[test]
-    fn reach_per_cpu_second_and_drops_beyond_noise() {
+    fn the_noise_of_repeated_runs() {
+        let m = |reads: u64, cpu_s: f64| Measured {
+            checked_reads: reads,
+            cpu_s,
+            ..Measured::default()
+        };
+        // 100 and 120 reads/s against 90 and 110: overlapping, 100/110 to 120/90.
+        let s = noise(&[m(100, 1.0), m(120, 1.0)], &[m(90, 1.0), m(110, 1.0)]);
+        assert!(
+            s.contains("0.91x to 1.33x (the two builds' runs overlap"),
+            "{s}"
+        );
+        // Twice as fast in every run: apart.
+        let s = noise(&[m(200, 1.0), m(210, 1.0)], &[m(90, 1.0), m(100, 1.0)]);
+        assert!(s.contains("2.00x to 2.33x\n"), "{s}");
+        assert_eq!(
+            noise(&[m(1, 1.0)], &[m(1, 1.0)]),
+            "",
+            "one run each: no range"
+        );
+    }
+
+    #[test]
+    fn reach_per_cpu_second_against_the_baseline() {
         let m = |seeds: u64, cpu_s: f64, reach: &[(&str, f64)]| Measured {
             seeds,
             cpu_s,
@@ -336,15 +394,19 @@ mod tests {
             reach: reach.iter().map(|(p, r)| (p.to_string(), *r)).collect(),
             ..Measured::default()
         };
-        // Twice the seeds per CPU-second; probe a hit in the same share, probe b in half.
-        let this = m(100, 50.0, &[("a", 0.5), ("b", 0.2)]);
-        let base = m(100, 100.0, &[("a", 0.5), ("b", 0.4)]);
+        // Twice the seeds per CPU-second; probe a hit in the same share, probe b in half, probe
+        // c no longer at all.
+        let this = m(100, 50.0, &[("a", 0.5), ("b", 0.2), ("c", 0.0)]);
+        let base = m(100, 100.0, &[("a", 0.5), ("b", 0.4), ("c", 0.1)]);
         let s = reach_per_cpu_s(&this, &base);
-        assert!(s.contains("geometric mean 1.41x, lowest 1.00x (b)"), "{s}");
-        // 20% against 40% of 100 seeds each is far beyond the scatter; 1 seed of 60 is not.
-        assert!(drop_z(0.2, 100, 0.4, 100) > 2.0);
-        assert!(drop_z(9.0 / 60.0, 60, 10.0 / 60.0, 60) < 2.0);
-        assert_eq!(drop_z(0.0, 60, 0.0, 60), 0.0);
+        assert!(
+            s.contains("over the 2 probes both hit: geometric mean 1.41x, lowest 1.00x (b);"),
+            "{s}"
+        );
+        assert!(
+            s.contains("1 probes the baseline hits this build never hits"),
+            "{s}"
+        );
         let plan = Plan {
             first: 0,
             end: 100,
@@ -352,6 +414,21 @@ mod tests {
             profile: "swarm".into(),
         };
         let r = report(&plan, &this, Some((Path::new("old"), &base)));
-        assert!(r.contains("b 20.0% (was 40.0%; z 3.1)"), "{r}");
+        assert!(r.contains("2 probes hit in a smaller share"), "{r}");
+        assert!(r.contains("b 20.0% (was 40.0%), c 0.0% (was 10.0%)"), "{r}");
+        assert!(r.contains("geometric mean 1.41x"), "{r}");
+        // Equal shares at equal cost: every ratio 1, the tie said as such.
+        let s = reach_per_cpu_s(&base, &base);
+        assert!(s.contains("lowest 1.00x (a and every other probe:"), "{s}");
+        // One probe in twice the share, the other three as before: a tie of three.
+        let mut more = base.clone();
+        more.reach.insert("d".into(), 0.3);
+        let mut more_this = more.clone();
+        more_this.reach.insert("d".into(), 0.6);
+        let s = reach_per_cpu_s(&more_this, &more);
+        assert!(
+            s.contains("lowest 1.00x (a and 2 more at the same ratio)"),
+            "{s}"
+        );
     }
 }

@@ -74,8 +74,9 @@ fn run_merge(args: &MergeArgs) -> i32 {
     println!("build: {}", r.build);
     if !merged.missing.is_empty() {
         println!(
-            "PARTIAL: {} shards missing: {}",
+            "PARTIAL: {} of {} shards missing (index {}): this is not the whole campaign",
             merged.missing.len(),
+            merged.shards + merged.missing.len() as u64,
             merged
                 .missing
                 .iter()
@@ -86,7 +87,7 @@ fn run_merge(args: &MergeArgs) -> i32 {
     }
     let summary = r.summary();
     summary.print_counts();
-    summary.print_throughput(r.wall_s, Some((merged.shards as usize, merged.held_s)));
+    summary.print_throughput(r.wall_s, Some((merged.shards as usize, r.held_s())));
     summary.print_checks();
     if args.coverage {
         print!("{}", summary.coverage.table());

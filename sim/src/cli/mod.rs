@@ -22,7 +22,7 @@ pub mod zoo;
 #[derive(Parser, Debug)]
 #[command(
     name = "tierkv",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (source ", env!("TIERKV_SOURCE_ID"), ")"),
     about = "tierkv: tiered KV-cache engine for sparse-attention LLM serving, and its deterministic simulator"
 )]
 pub struct Cli {

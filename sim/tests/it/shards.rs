@@ -29,6 +29,7 @@ fn without_timing(mut r: ShardResult) -> ShardResult {
     r.wall_s = 0.0;
     r.worker_s = 0.0;
     r.jobs = 0;
+    r.held_s = None;
     r.totals.wall_ns = 0;
     r
 }
@@ -107,10 +108,16 @@ fn shard_results_merged_equal_the_whole_campaign() {
     assert!(err.contains("shard 0/3 given twice"), "{err}");
     let (code, _, err) = merge(&[shard(0), shard(2)], &[]);
     assert_eq!(code, Some(2));
-    assert!(err.contains("1 of 3 shards missing (1)"), "{err}");
+    assert!(
+        err.contains("1 of 3 shards missing (index 1); `--partial` merges the 2 present"),
+        "{err}"
+    );
     let (code, out, _) = merge(&[shard(0), shard(2)], &["--partial"]);
     assert_eq!(code, Some(0));
-    assert!(out.contains("PARTIAL: 1 shards missing: 1"), "{out}");
+    assert!(
+        out.contains("PARTIAL: 1 of 3 shards missing (index 1)"),
+        "{out}"
+    );
     let (code, _, err) = merge(&[shard(0), whole.clone()], &[]);
     assert_eq!(code, Some(2));
     assert!(
