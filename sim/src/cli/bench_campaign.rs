@@ -267,7 +267,7 @@ fn reach_per_cpu_s(this: &Measured, b: &Measured) -> String {
         .count()
         - 1;
     let tied = if tied + 1 == ratios.len() && tied > 0 {
-        " and every other probe: each is hit in the same share of seeds by both builds, so each ratio is the ratio of the builds' seeds per CPU-second".to_string()
+        " and every other probe at the same ratio: the ratio of the builds' seeds per CPU-second when each probe is hit in the same share of seeds by both".to_string()
     } else if tied > 0 {
         format!(" and {tied} more at the same ratio")
     } else {
@@ -419,7 +419,10 @@ mod tests {
         assert!(r.contains("geometric mean 1.41x"), "{r}");
         // Equal shares at equal cost: every ratio 1, the tie said as such.
         let s = reach_per_cpu_s(&base, &base);
-        assert!(s.contains("lowest 1.00x (a and every other probe:"), "{s}");
+        assert!(
+            s.contains("lowest 1.00x (a and every other probe at the same ratio:"),
+            "{s}"
+        );
         // One probe in twice the share, the other three as before: a tie of three.
         let mut more = base.clone();
         more.reach.insert("d".into(), 0.3);
