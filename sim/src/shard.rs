@@ -157,7 +157,7 @@ pub enum MergeError {
     },
     #[error("{file}: unknown probe `{probe}` (a result of another build?)")]
     UnknownProbe { file: PathBuf, probe: String },
-    #[error("{file}: {what}: the counts do not add up: {why}")]
+    #[error("{file}: inconsistent {what}: {why}")]
     Inconsistent {
         file: PathBuf,
         what: &'static str,
@@ -376,8 +376,12 @@ impl ShardResult {
             return Err(inconsistent(
                 "times",
                 format!(
-                    "wall {} s, worker {} s, held {:?} s",
-                    self.wall_s, self.worker_s, self.held_s
+                    "wall {} s, worker {} s{}",
+                    self.wall_s,
+                    self.worker_s,
+                    self.held_s
+                        .map(|h| format!(", held {h} s"))
+                        .unwrap_or_default()
                 ),
             ));
         }
