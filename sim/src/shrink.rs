@@ -13,6 +13,47 @@ use crate::scenario::Scenario;
 use crate::schedule::Source;
 use std::time::{Duration, Instant};
 
+/// How long a shrink may go on: a number of runs (tests and anything that must give the same
+/// result on a loaded machine), or wall time (an interactive user's `--shrink-secs`). A run
+/// budget makes the shrunk case a function of the input alone; a wall budget does not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Budget {
+    Runs(u32),
+    Wall(Duration),
+}
+
+/// A budget being spent.
+struct Meter {
+    budget: Budget,
+    start: Instant,
+}
+
+impl Meter {
+    fn new(budget: Budget) -> Self {
+        Meter {
+            budget,
+            start: Instant::now(),
+        }
+    }
+
+    fn spent(&self, runs: u32) -> bool {
+        match self.budget {
+            Budget::Runs(max) => runs >= max,
+            Budget::Wall(max) => self.start.elapsed() > max,
+        }
+    }
+}
+
+/// Half of a budget, for a shrink done in two stages.
+impl Budget {
+    pub fn half(self) -> Budget {
+        match self {
+            Budget::Runs(n) => Budget::Runs(n / 2),
+            Budget::Wall(d) => Budget::Wall(d / 2),
+        }
+    }
+}
+
 pub struct Shrunk {
     pub scenario: Scenario,
     pub runs: u32,
@@ -151,8 +192,8 @@ fn candidates(sc: &Scenario) -> Vec<Scenario> {
     out
 }
 
-/// Shrinks `sc`, which fails with `oracle`, within `budget` of wall time.
-pub fn shrink(sc: &Scenario, oracle: OracleKind, budget: Duration) -> Shrunk {
+/// Shrinks `sc`, which fails with `oracle`, within `budget`.
+pub fn shrink(sc: &Scenario, oracle: OracleKind, budget: Budget) -> Shrunk {
     shrink_under(sc, &RunOptions::default(), oracle, budget)
 }
 
@@ -162,14 +203,14 @@ pub fn shrink_under(
     sc: &Scenario,
     opts: &RunOptions,
     oracle: OracleKind,
-    budget: Duration,
+    budget: Budget,
 ) -> Shrunk {
-    let start = Instant::now();
+    let meter = Meter::new(budget);
     let mut best = sc.clone();
     let mut runs = 0;
     'outer: loop {
         for c in candidates(&best) {
-            if start.elapsed() > budget {
+            if meter.spent(runs) {
                 break 'outer;
             }
             if fails_with(&c, opts, oracle, &mut runs) {
@@ -195,9 +236,9 @@ pub fn shrink_schedule(
     base: &RunOptions,
     decisions: &[u8],
     oracle: OracleKind,
-    budget: Duration,
+    budget: Budget,
 ) -> (Vec<u8>, u32) {
-    let start = Instant::now();
+    let meter = Meter::new(budget);
     let mut best = decisions.to_vec();
     let mut runs = 0;
     let fails = |d: &[u8], runs: &mut u32| {
@@ -209,7 +250,7 @@ pub fn shrink_schedule(
     };
     // Shorter: keep the first half, quarter, ... while it still fails.
     let mut keep = best.len() / 2;
-    while keep > 0 && start.elapsed() < budget {
+    while keep > 0 && !meter.spent(runs) {
         if fails(&best[..keep], &mut runs) {
             best.truncate(keep);
             keep = best.len() / 2;
@@ -219,9 +260,9 @@ pub fn shrink_schedule(
     }
     // Runs of held ops released, coarse to fine (ddmin's complement step, on a list).
     let mut chunk = best.len().max(1).next_power_of_two() / 2;
-    while chunk >= 1 && start.elapsed() < budget {
+    while chunk >= 1 && !meter.spent(runs) {
         let mut at = 0;
-        while at < best.len() && start.elapsed() < budget {
+        while at < best.len() && !meter.spent(runs) {
             let end = (at + chunk).min(best.len());
             if best[at..end].iter().any(|&d| d != 0) {
                 let mut c = best.clone();

@@ -4,14 +4,13 @@
 //! by the `sessions` profile: the workload of the incident this mutant re-creates (60 and more
 //! concurrent tool-call sessions, whose turns load their history back layer by layer).
 
-use std::time::Duration;
 use tierkv_sim::campaign::CampaignOptions;
 use tierkv_sim::cli::sim::replay_command;
 use tierkv_sim::report::OracleKind;
 use tierkv_sim::runner::{run, RunOptions};
 use tierkv_sim::scenario::{draw, Scenario};
 use tierkv_sim::schedule::{explore_policy, Source};
-use tierkv_sim::shrink::{shrink, shrink_schedule};
+use tierkv_sim::shrink::{shrink, shrink_schedule, Budget};
 use tierkv_sim::trace_out::chrome_trace;
 
 #[test]
@@ -97,7 +96,7 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
     assert_eq!(racing.len(), 2, "both ops of the race are marked");
 
     // Shrinking keeps the race and makes the case smaller.
-    let s = shrink(&sc, OracleKind::Race, Duration::from_secs(30));
+    let s = shrink(&sc, OracleKind::Race, Budget::Runs(400));
     assert!(s.scenario.workload.requests() < sc.workload.requests() || sc.workload.requests() == 1);
     let again = run(&s.scenario, &RunOptions::default());
     assert_eq!(
@@ -195,7 +194,7 @@ fn a_schedule_is_explored_replayed_and_shrunk() {
         &RunOptions::default(),
         &found.decisions,
         OracleKind::Race,
-        Duration::from_secs(20),
+        Budget::Runs(200),
     );
     assert!(small.len() < found.decisions.len());
     let shrunk = replay(&small);

@@ -10,7 +10,7 @@ use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
 use crate::scenario::{Scenario, PROFILES};
 use crate::schedule::{explore_policy, fingerprint, Policy, Schedule, Source};
 use crate::shard::ShardResult;
-use crate::shrink::{shrink, shrink_schedule, shrink_under};
+use crate::shrink::{shrink, shrink_schedule, shrink_under, Budget};
 use crate::trace_out::chrome_trace;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -74,6 +74,10 @@ pub struct SimArgs {
     /// Wall-time budget for shrinking one failure, seconds.
     #[arg(long, default_value_t = 60)]
     pub shrink_secs: u64,
+    /// Budget shrinking by runs instead of wall time (`--shrink-secs` is then unused), so that
+    /// the shrunk case depends on the input alone, however loaded the machine is.
+    #[arg(long, conflicts_with = "shrink_secs")]
+    pub shrink_runs: Option<u32>,
     /// Schedules to run per seed, 1..=4096: the scenario's own, then PCT of depth 1, 2 and 3 and
     /// a random walk in turn (PCT's change points spread over the first schedule's op starts).
     #[arg(long, default_value_t = 1)]
@@ -335,7 +339,10 @@ fn shrink_and_report(
     let Some(oracle) = out.findings.first().map(|f| f.oracle) else {
         return Err("the failure did not happen again: nothing to shrink".into());
     };
-    let budget = Duration::from_secs(args.shrink_secs);
+    let budget = match args.shrink_runs {
+        Some(runs) => Budget::Runs(runs),
+        None => Budget::Wall(Duration::from_secs(args.shrink_secs)),
+    };
     let (s, min, decisions) = match sched {
         None => {
             let s = shrink(sc, oracle, budget);
@@ -344,7 +351,7 @@ fn shrink_and_report(
         }
         Some(_) => {
             let base = run_options(args, false);
-            let (d, runs) = shrink_schedule(sc, &base, &out.decisions, oracle, budget / 2);
+            let (d, runs) = shrink_schedule(sc, &base, &out.decisions, oracle, budget.half());
             println!(
                 "  schedule shrunk in {runs} runs from {} to {} decisions ({} ops held)",
                 out.decisions.len(),
@@ -352,7 +359,7 @@ fn shrink_and_report(
                 d.iter().filter(|&&x| x != 0).count()
             );
             let opts = under(run_options(args, false), &d);
-            let s = shrink_under(sc, &opts, oracle, budget / 2);
+            let s = shrink_under(sc, &opts, oracle, budget.half());
             let min = run(&s.scenario, &opts);
             (s, min, Some(d))
         }

@@ -1,5 +1,5 @@
 //! The bad-input corpus (`sim/tests/bad_inputs/*.case`): every case runs the `tierkv` binary under
-//! a 1 GiB address-space limit and a time limit, and must end with its expected exit code and a
+//! a 1 GiB address-space limit and a CPU-time limit, and must end with its expected exit code and a
 //! message holding its fragment — never a panic, a hang or a runaway allocation, and never an
 //! echo of a huge input.
 //!
@@ -11,7 +11,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const TIME_LIMIT: Duration = Duration::from_secs(180);
+/// CPU seconds one case may spend (`ulimit -t`): a runaway computation is killed by this, which
+/// does not depend on how loaded the machine is.
+const CPU_SECONDS_MAX: u64 = 120;
+/// Wall time after which a case counts as hung (blocked without spending CPU: a read from a FIFO
+/// nobody closes). Far above what any case takes on a loaded 2-core machine, so that only a real
+/// hang reaches it.
+const HANG_LIMIT: Duration = Duration::from_secs(900);
 /// Virtual memory of one case, KiB (`ulimit -v`).
 const MEMORY_KIB: u64 = 1 << 20;
 /// The longest stderr a bad input may produce.
@@ -58,7 +64,9 @@ fn parse(path: &Path, dir: &Path, tmp: &Path) -> Case {
 fn check(case: &Case, tmp: &Path) -> Vec<String> {
     let mut child = Command::new("sh")
         .arg("-c")
-        .arg(format!("ulimit -v {MEMORY_KIB}; exec \"$0\" \"$@\""))
+        .arg(format!(
+            "ulimit -v {MEMORY_KIB}; ulimit -t {CPU_SECONDS_MAX}; exec \"$0\" \"$@\""
+        ))
         .arg(env!("CARGO_BIN_EXE_tierkv"))
         .args(&case.args)
         .current_dir(tmp)
@@ -68,9 +76,12 @@ fn check(case: &Case, tmp: &Path) -> Vec<String> {
         .expect("run tierkv");
     let start = Instant::now();
     while child.try_wait().expect("wait").is_none() {
-        if start.elapsed() > TIME_LIMIT {
+        if start.elapsed() > HANG_LIMIT {
             let _ = child.kill();
-            return vec![format!("{}: still running after {TIME_LIMIT:?}", case.name)];
+            return vec![format!(
+                "{}: hung, still running after {HANG_LIMIT:?}",
+                case.name
+            )];
         }
         std::thread::sleep(Duration::from_millis(20));
     }
