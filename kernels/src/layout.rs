@@ -370,8 +370,14 @@ pub mod index_k_page {
     use super::*;
 
     /// Offset of value `d` of token `t` within the page.
-    pub const fn value_offset(dtype: IndexKDtype, t: u32, d: u32) -> usize {
+    pub fn value_offset(dtype: IndexKDtype, t: u32, d: u32) -> usize {
         match dtype {
+            // The planted layout bug: the scales first, the values after them.
+            IndexKDtype::Fp8
+                if crate::mutants::on(crate::mutants::KernelMutant::IndexKScalesFirst) =>
+            {
+                (PAGE_TOKENS as u64 * FP32_BYTES) as usize + (t * INDEX_HEAD_DIM + d) as usize
+            }
             IndexKDtype::Fp8 => (t * INDEX_HEAD_DIM + d) as usize,
             IndexKDtype::Bf16 => ((t * INDEX_HEAD_DIM + d) as u64 * BF16_BYTES) as usize,
         }
@@ -386,8 +392,13 @@ pub mod index_k_page {
     /// Where the scales start (fp8 only).
     pub const FP8_SCALES_OFFSET: usize = (PAGE_TOKENS * INDEX_HEAD_DIM) as usize;
     /// Offset of token `t`'s fp32 scale, fp8 pages only.
-    pub const fn scale_offset(dtype: IndexKDtype, t: u32) -> Option<usize> {
+    pub fn scale_offset(dtype: IndexKDtype, t: u32) -> Option<usize> {
         match dtype {
+            IndexKDtype::Fp8
+                if crate::mutants::on(crate::mutants::KernelMutant::IndexKScalesFirst) =>
+            {
+                Some((t as u64 * FP32_BYTES) as usize)
+            }
             IndexKDtype::Fp8 => Some(FP8_SCALES_OFFSET + (t as u64 * FP32_BYTES) as usize),
             IndexKDtype::Bf16 => None,
         }
@@ -565,21 +576,35 @@ impl Layout {
         );
         let pb = self.format(kind).page_bytes();
         let (layers, pages) = (self.params.layers as u64, self.params.host_pages as u64);
-        Bytes(match self.params.host_layout {
+        Bytes(match self.host_order() {
             HostLayout::LayerFirst => (layer.0 as u64 * pages + page.0 as u64) * pb,
             HostLayout::PageFirst => (page.0 as u64 * layers + layer.0 as u64) * pb,
         })
     }
+    /// The order the mirror's pages are placed in: the configured one (or, with the planted
+    /// layout bug, the other).
+    fn host_order(&self) -> HostLayout {
+        let order = self.params.host_layout;
+        if crate::mutants::on(crate::mutants::KernelMutant::HostOrderSwapped) {
+            match order {
+                HostLayout::LayerFirst => HostLayout::PageFirst,
+                HostLayout::PageFirst => HostLayout::LayerFirst,
+            }
+        } else {
+            order
+        }
+    }
+
     /// A strided view of one layer of the host mirror: page `p` starts at `base + p * stride`.
     pub fn host_layer_view(&self, kind: BufferKind, layer: LayerId) -> PagedView {
         let pb = self.format(kind).page_bytes();
-        let stride = match self.params.host_layout {
+        let stride = match self.host_order() {
             HostLayout::LayerFirst => pb,
             HostLayout::PageFirst => pb * self.params.layers as u64,
         };
         assert!(layer.0 < self.params.layers, "layer {layer} out of range");
         // Where the layer's page 0 is (or would be: a mirror may have no pages).
-        let base = match self.params.host_layout {
+        let base = match self.host_order() {
             HostLayout::LayerFirst => layer.0 as u64 * self.params.host_pages as u64 * pb,
             HostLayout::PageFirst => layer.0 as u64 * pb,
         };

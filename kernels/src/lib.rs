@@ -14,3 +14,5 @@ pub mod rope;
 pub mod spec;
 
 pub use error::{KernelError, Result};
+// The names of the formats, for `spec` (which must not use the layout module's sizes and offsets).
+pub use layout::{HostLayout, IndexKDtype, KvDtype};

@@ -1,4 +1,4 @@
-//! Bugs planted in the CPU references, for the simulator's self-test (the bug zoo's reference
+//! Bugs planted in the CPU references and the layout module, for the simulator's self-test (the bug zoo's reference
 //! mutants, feature `mutants`). A bug in a reference is the hardest kind for a simulator whose
 //! oracles call the same reference: these prove that the oracles do not, and that an op which
 //! writes or reads outside what it declares is caught.
@@ -16,13 +16,22 @@ pub enum KernelMutant {
     /// `index_logits` takes the key of each row's last position from the page after the one
     /// its page table names: bytes the op never declared it reads.
     LogitsReadsNextPage,
+    /// The layout module places an fp8 index-K page's scales first and its values after them
+    /// (the same page size): every kernel that goes through the layout agrees with every other,
+    /// so only a check with a layout of its own can see it.
+    IndexKScalesFirst,
+    /// The layout module places the host mirror's pages in the other order (page-first for
+    /// layer-first and back): the engine's copies and views agree, the design does not.
+    HostOrderSwapped,
 }
 
 impl KernelMutant {
-    pub const ALL: [KernelMutant; 3] = [
+    pub const ALL: [KernelMutant; 5] = [
         KernelMutant::RopeWrongHalf,
         KernelMutant::KvStoreWritesNextRow,
         KernelMutant::LogitsReadsNextPage,
+        KernelMutant::IndexKScalesFirst,
+        KernelMutant::HostOrderSwapped,
     ];
 
     pub fn name(self) -> &'static str {
@@ -30,6 +39,8 @@ impl KernelMutant {
             KernelMutant::RopeWrongHalf => "reference-rope-wrong-half",
             KernelMutant::KvStoreWritesNextRow => "reference-kv-store-writes-next-row",
             KernelMutant::LogitsReadsNextPage => "reference-logits-reads-next-page",
+            KernelMutant::IndexKScalesFirst => "layout-index-k-scales-first",
+            KernelMutant::HostOrderSwapped => "layout-host-order-swapped",
         }
     }
 

@@ -1,64 +1,187 @@
-//! Independent versions of the kernels, written from their specification (docs/DESIGN.md §3–4)
-//! without the CPU references' code: f64 arithmetic where the reference fixes an f32 operation
-//! order, sorts where it selects, byte loops where it copies, the fp8 format decoded from its
-//! definition. Nothing in production calls them. The kernels' tests (property tests and the CPU
-//! instances of the conformance bodies) and the simulator's oracles hold the references to these,
-//! so a bug in a reference cannot hide behind a comparison of the reference with itself.
+//! The specification: independent versions of the kernels and of the byte formats they write,
+//! from the design (docs/DESIGN.md §3–4), sharing no code with the CPU references or with the
+//! layout module. f64 arithmetic where a reference fixes an f32 operation order, sorts where it
+//! selects, byte loops where it copies; the fp8 (e4m3fn) and bf16 formats decoded and rounded
+//! from their definitions; every byte offset and stride from [`format`], written here from the
+//! design's byte tables. It takes the references' argument structs and the dtype enums (the
+//! names of the formats, which carry no size or offset) and nothing else of the crate. Nothing in
+//! production calls it. The kernels' tests and the simulator's oracles hold the references, the
+//! CUDA kernels and the engine's layout to it.
 //!
-//! Whole-op checks (`check_index_k_store`, `check_kv_store`, `check_q_prep`, `topk`,
-//! `sparse_read`, `page_copy`, `index_logits_f64`) serve the tests; row-level ones
-//! (`check_index_k_row`, `check_kv_row`, `check_q_head`, `logits_f64`, `topk_order`, `digest`)
-//! serve the oracles, which check every expected value they derive from a reference.
+//! **What a check accepts.** A reference computes a row in f32; this module computes the same
+//! row in f64 together with a bound on the f32 computation's rounding error (the *running error
+//! bound* of [`Pipeline`]). A stored fp8 or bf16 code is accepted exactly when it is the code
+//! round-to-nearest-even gives some value within that bound of the f64 value: nearly always one
+//! code, two only for a value within the bound of the midpoint between two codes. So truncation,
+//! rounding away from zero and a code one step off are all refused (a test shows each), except
+//! for values so close to a midpoint that the f32 computation could have landed on either side.
+//! Where the op is a fixed sequence of exactly rounded IEEE f32 operations on exact inputs (the
+//! fp8 KV row: a maximum, one division for the scale, one division per value) the specification
+//! computes those operations itself and the bytes must be equal.
 
 use crate::cpu;
-use crate::layout::*;
+use crate::{IndexKDtype, KvDtype};
 use half::bf16;
 
-/// The splitmix64 finalizer, from its published constants.
-pub fn splitmix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// The byte formats of DESIGN §3, written out here apart from `layout.rs` so that a slip there
+/// (an offset, a stride) is a disagreement here rather than a shared assumption.
+///
+/// - An index-K page holds 64 tokens. fp8: the 128 e4m3 codes of token `t` at `128t .. 128t+128`,
+///   then the 64 tokens' f32 scales at `8192 + 4t` (8448 B in all). bf16: token `t`'s 128 values
+///   at `256t`, two bytes each, little-endian (16384 B), no scale.
+/// - An MLA KV row (one token). bf16: 576 values, two bytes each (1152 B). Packed fp8: 512 e4m3
+///   latent codes, the four tiles' f32 scales at `512 + 4i`, the 64 RoPE values as bf16 at
+///   `528 + 2r` (656 B). The foreign unpacked fp8 row: 576 codes (576 B). A slot `s` of a paged
+///   KV buffer is row `s` (pages are 64 consecutive rows).
+/// - A device pool holds one layer: page `p` at `p · page_bytes`. The host mirror holds every
+///   layer of a kind: page `p` of layer `l` at `(l · pages + p) · page_bytes` when layer-first,
+///   `(p · layers + l) · page_bytes` when page-first.
+pub mod format {
+    use crate::{HostLayout, IndexKDtype, KvDtype};
 
-/// One e4m3 step at magnitude |v| (the spacing of codes around it).
-pub fn e4m3_step(v: f64) -> f64 {
-    let a = v.abs();
-    if a < 2f64.powi(-6) {
-        2f64.powi(-9)
-    } else {
-        // 2^(floor(log2 a) - 3), read off the exponent field (a is a normal f64 here).
-        let exponent = ((a.to_bits() >> 52) & 0x7FF) as i64 - 1023;
-        f64::from_bits(((exponent - 3 + 1023) as u64) << 52)
+    pub const PAGE_TOKENS: usize = 64;
+    /// Values of an index key and of a query head.
+    pub const HEAD_DIM: usize = 128;
+
+    /// Bytes of one index-K page.
+    pub fn index_k_page_bytes(dtype: IndexKDtype) -> usize {
+        match dtype {
+            IndexKDtype::Fp8 => 64 * 128 + 64 * 4,
+            IndexKDtype::Bf16 => 64 * 128 * 2,
+        }
+    }
+    /// Where token `t`'s values start in an index-K page, and how many bytes they take.
+    pub fn index_k_values(dtype: IndexKDtype, t: usize) -> (usize, usize) {
+        match dtype {
+            IndexKDtype::Fp8 => (128 * t, 128),
+            IndexKDtype::Bf16 => (256 * t, 256),
+        }
+    }
+    /// Where token `t`'s f32 scale is in an index-K page (fp8 only).
+    pub fn index_k_scale(dtype: IndexKDtype, t: usize) -> Option<usize> {
+        match dtype {
+            IndexKDtype::Fp8 => Some(8192 + 4 * t),
+            IndexKDtype::Bf16 => None,
+        }
+    }
+    /// Which token an index-K page's byte `at` belongs to.
+    pub fn index_k_token_of(dtype: IndexKDtype, at: usize) -> usize {
+        match dtype {
+            IndexKDtype::Fp8 if at >= 8192 => (at - 8192) / 4,
+            IndexKDtype::Fp8 => at / 128,
+            IndexKDtype::Bf16 => at / 256,
+        }
+    }
+    /// Bytes of one KV row.
+    pub fn kv_row_bytes(dtype: KvDtype) -> usize {
+        match dtype {
+            KvDtype::Bf16 => 576 * 2,
+            KvDtype::Fp8Packed => 512 + 4 * 4 + 64 * 2,
+            KvDtype::Fp8Unpacked => 576,
+        }
+    }
+    /// Packed fp8 KV rows: where the tile scales and the RoPE values start.
+    pub const KV_FP8_SCALES: usize = 512;
+    pub const KV_FP8_ROPE: usize = 528;
+    /// Bytes of one KV page.
+    pub fn kv_page_bytes(dtype: KvDtype) -> usize {
+        PAGE_TOKENS * kv_row_bytes(dtype)
+    }
+
+    /// Where a tier keeps its pages: a device pool (one layer), or one layer of the host mirror.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Placement {
+        Device,
+        Host {
+            order: HostLayout,
+            layers: u32,
+            pages: u32,
+            layer: u32,
+        },
+    }
+
+    /// Where page `page` of `placement` starts, for pages of `page_bytes`.
+    pub fn page_at(placement: Placement, page_bytes: usize, page: u32) -> usize {
+        let (page, pb) = (page as usize, page_bytes);
+        match placement {
+            Placement::Device => page * pb,
+            Placement::Host {
+                order: HostLayout::LayerFirst,
+                pages,
+                layer,
+                ..
+            } => (layer as usize * pages as usize + page) * pb,
+            Placement::Host {
+                order: HostLayout::PageFirst,
+                layers,
+                layer,
+                ..
+            } => (page * layers as usize + layer as usize) * pb,
+        }
     }
 }
 
-/// LayerNorm (when `ln`) → NeoX RoPE on dims 0..64 → Hadamard 128 / √128, in f64.
-pub fn pipeline_f64(
-    key: &[bf16],
-    gamma: &[f32],
-    beta: &[f32],
-    rope: &[f32],
-    ln: bool,
-) -> [f64; 128] {
-    assert_eq!(key.len(), 128, "a 128-value row");
+use format::{HEAD_DIM, PAGE_TOKENS};
+
+/// f32's unit roundoff, 2^-24: an exactly rounded f32 operation is off by at most this much of
+/// its result.
+pub const U32: f64 = 1.0 / 16_777_216.0;
+
+/// The row pipelines' error bound, in units of [`U32`] times the magnitude `M` of
+/// [`Pipeline::err`]. Counted from the f32 operations a value goes through: LayerNorm's mean
+/// and variance (128-term sums in a warp's order: 4 in a lane, 5 butterfly levels, then the
+/// square root and the division for `rstd`, about 12 roundings, each bounded by the running
+/// magnitude), RoPE's two products and a sum (3), the Hadamard's 7 butterfly levels and the
+/// 1/√128 (8): 23 in all, taken as 32.
+pub const PIPELINE_ERROR_UNITS: f64 = 32.0;
+
+/// The f64 value of a row pipeline and the bound on how far the f32 computation of it may be.
+#[derive(Clone, Copy, Debug)]
+pub struct Pipeline {
+    pub values: [f64; 128],
+    /// The same for every value: each Hadamard output sums every input once.
+    pub err: f64,
+}
+
+impl Pipeline {
+    pub fn amax(&self) -> f64 {
+        self.values.iter().fold(0f64, |m, v| m.max(v.abs()))
+    }
+}
+
+/// LayerNorm (when `ln`) → NeoX RoPE on dims 0..64 → Hadamard 128 / √128, in f64, with the
+/// bound on the f32 computation's error: `PIPELINE_ERROR_UNITS · U32 · M`, where `M` is
+/// `Σ_j m_j / √128` over the magnitudes `m_j` each value carries into the Hadamard (LayerNorm's
+/// `(|x_j| + Σ|x| / 128) · rstd · |γ_j| + |β_j|`, RoPE's `m_i|c| + m_{i+32}|s|`).
+pub fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f32], ln: bool) -> Pipeline {
+    assert_eq!(key.len(), HEAD_DIM, "a 128-value row");
     let x: [f64; 128] = std::array::from_fn(|i| key[i].to_f32() as f64);
     let mut y = x;
+    let mut m: [f64; 128] = std::array::from_fn(|i| x[i].abs());
     if ln {
         let mean = x.iter().sum::<f64>() / 128.0;
+        let mean_abs = x.iter().map(|v| v.abs()).sum::<f64>() / 128.0;
         let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / 128.0;
         let rstd = 1.0 / (var + 1e-6).sqrt();
         for i in 0..128 {
             y[i] = (x[i] - mean) * rstd * gamma[i] as f64 + beta[i] as f64;
+            m[i] =
+                (x[i].abs() + mean_abs) * rstd * (gamma[i] as f64).abs() + (beta[i] as f64).abs();
         }
     }
-    let r = y;
+    let (r, rm) = (y, m);
     for i in 0..32 {
         let (c, s) = (rope[i] as f64, rope[32 + i] as f64);
         y[i] = r[i] * c - r[i + 32] * s;
         y[i + 32] = r[i + 32] * c + r[i] * s;
+        m[i] = rm[i] * c.abs() + rm[i + 32] * s.abs();
+        m[i + 32] = rm[i + 32] * c.abs() + rm[i] * s.abs();
     }
-    hadamard_f64(&y)
+    let magnitude = m.iter().sum::<f64>() / 128f64.sqrt();
+    Pipeline {
+        values: hadamard_f64(&y),
+        err: PIPELINE_ERROR_UNITS * U32 * magnitude,
+    }
 }
 
 /// The normalised Hadamard transform of 128 values in f64, by Sylvester's recursion
@@ -83,34 +206,177 @@ pub fn hadamard_f64(x: &[f64]) -> [f64; 128] {
 }
 
 pub fn f32_at(b: &[u8], at: usize) -> f32 {
-    f32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+    f32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
 
-/// A value of fp8 codes × `scale` against its f64 value: within one e4m3 step (plus a hair of
-/// the row's largest value for the f32 rounding before quantisation).
-pub fn close_fp8(code: u8, scale: f64, want: f64, amax: f64) -> bool {
-    let v = E4M3.with(|t| t[code as usize]) * scale;
-    (v - want).abs() <= e4m3_step(want / scale) * scale + 1e-5 * amax
-}
-
-/// The fp8 scale of a row with largest magnitude `amax`: `max(amax, 1e-4) / 448`, rounded up to
-/// a power of two under `ue8m0`.
-pub fn check_scale(scale: f64, amax: f64, ue8m0: bool) -> Result<(), String> {
-    let exact = amax.max(1e-4) / 448.0;
-    let ok = if ue8m0 {
-        scale >= exact * (1.0 - 1e-6)
-            && scale < 2.0 * exact * (1.0 + 1e-6)
-            && (scale as f32).to_bits() & 0x7F_FFFF == 0
+/// An e4m3fn code's value from the format's definition: sign, 4 exponent bits (bias 7), 3
+/// mantissa bits, subnormals at exponent 0, NaN at `s.1111.111`, no infinities.
+pub fn e4m3(code: u8) -> f64 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((code >> 3) & 0xF, code & 0x7);
+    if e == 0xF && m == 0x7 {
+        return f64::NAN;
+    }
+    let mag = if e == 0 {
+        m as f64 / 8.0 * 2f64.powi(-6)
     } else {
-        (scale - exact).abs() <= 1e-5 * exact
+        (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7)
+    };
+    sign * mag
+}
+
+thread_local! {
+    /// `e4m3` of every code, computed once.
+    static E4M3: [f64; 256] = std::array::from_fn(|c| e4m3(c as u8));
+}
+
+fn e4m3_of(code: u8) -> f64 {
+    E4M3.with(|t| t[code as usize])
+}
+
+/// The largest finite e4m3fn magnitude (code 0x7E).
+pub const E4M3_MAX: f64 = 448.0;
+
+/// The e4m3fn code round-to-nearest-even gives `x`: the nearest finite code, a tie to the code
+/// whose last mantissa bit is 0; magnitudes past 448 saturate to ±448 (CUDA's
+/// `__NV_SATFINITE`); the sign is kept (a negative value that rounds to zero is -0); NaN is the
+/// NaN code of its sign.
+pub fn e4m3_rne(x: f64) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    if x.is_nan() {
+        return sign | 0x7F;
+    }
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7E;
+    }
+    // Positive codes 0..=0x7E increase with their value: find the last one at or below `a`.
+    let (mut lo, mut hi) = (0u8, 0x7Eu8);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if e4m3_of(mid) <= a {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let below = lo;
+    let (v0, v1) = (e4m3_of(below), e4m3_of(below + 1));
+    let code = match (a - v0).partial_cmp(&(v1 - a)).expect("finite") {
+        std::cmp::Ordering::Less => below,
+        std::cmp::Ordering::Greater => below + 1,
+        std::cmp::Ordering::Equal if below & 1 == 0 => below,
+        std::cmp::Ordering::Equal => below + 1,
+    };
+    sign | code
+}
+
+/// Whether `code` is the e4m3fn code round-to-nearest-even gives some value within `slack` of
+/// `x`. A zero's sign must be one such a value rounds to: a value of magnitude at most 2^-10 (half
+/// the smallest subnormal, the tie going to the even zero) rounds to the zero of its sign.
+pub fn e4m3_code_ok(code: u8, x: f64, slack: f64) -> bool {
+    let v = e4m3_of(code);
+    if v.is_nan() {
+        return false;
+    }
+    let (lo, hi) = (x - slack, x + slack);
+    if v == 0.0 {
+        let tie = 2f64.powi(-10);
+        return if code & 0x80 != 0 {
+            lo <= 0.0 && hi >= -tie
+        } else {
+            hi >= 0.0 && lo <= tie
+        };
+    }
+    e4m3_of(e4m3_rne(lo)) <= v && v <= e4m3_of(e4m3_rne(hi))
+}
+
+/// A bf16 value from its bits (the upper half of an f32).
+pub fn bf16_of(bits: u16) -> f64 {
+    f32::from_bits((bits as u32) << 16) as f64
+}
+
+/// The bf16 bits round-to-nearest-even gives `x` (finite, below bf16's largest value): 8
+/// significant bits, spacing `2^(e - 7)` in binade `e`, subnormal spacing below 2^-126.
+pub fn bf16_rne(x: f64) -> u16 {
+    let sign = if x.is_sign_negative() { 0x8000u16 } else { 0 };
+    let a = x.abs();
+    if a == 0.0 {
+        return sign;
+    }
+    let e = (((a.to_bits() >> 52) & 0x7FF) as i64 - 1023).max(-126);
+    let spacing = 2f64.powi((e - 7) as i32);
+    let q = a / spacing; // exact: a power-of-two division
+    let fl = q.floor();
+    let frac = q - fl;
+    let n = if frac > 0.5 || (frac == 0.5 && fl % 2.0 == 1.0) {
+        fl + 1.0
+    } else {
+        fl
+    };
+    let v = n * spacing;
+    sign | ((v as f32).to_bits() >> 16) as u16
+}
+
+/// Whether bf16 `bits` are what round-to-nearest-even gives some value within `slack` of `x`.
+pub fn bf16_code_ok(bits: u16, x: f64, slack: f64) -> bool {
+    let v = bf16_of(bits);
+    let (lo, hi) = (bf16_of(bf16_rne(x - slack)), bf16_of(bf16_rne(x + slack)));
+    lo <= v && v <= hi
+}
+
+/// `v` rounded up to a power of two: itself when its mantissa is 0 (`v` positive and normal).
+fn pow2_up(v: f64) -> f64 {
+    let bits = v.to_bits();
+    let mantissa = bits & ((1u64 << 52) - 1);
+    if mantissa == 0 {
+        v
+    } else {
+        f64::from_bits((bits & !((1u64 << 52) - 1)) + (1u64 << 52))
+    }
+}
+
+fn is_pow2(v: f64) -> bool {
+    v > 0.0 && v.to_bits() & ((1u64 << 52) - 1) == 0
+}
+
+/// The fp8 scale of a row whose largest magnitude is `amax ± err`: `max(amax, 1e-4) / 448`
+/// computed in f32 (so within `err / 448` and two roundings of the exact one), or under `ue8m0`
+/// that rounded up to a power of two (so one of the powers of two the interval rounds up to:
+/// one, or two when the interval holds a power of two).
+pub fn check_scale(scale: f64, amax: f64, err: f64, ue8m0: bool) -> Result<(), String> {
+    let lo = (amax - err).max(1e-4) / E4M3_MAX * (1.0 - 2.0 * U32);
+    let hi = (amax + err).max(1e-4) / E4M3_MAX * (1.0 + 2.0 * U32);
+    let ok = if ue8m0 {
+        is_pow2(scale) && pow2_up(lo) <= scale && scale <= pow2_up(hi)
+    } else {
+        lo <= scale && scale <= hi
     };
     ok.then_some(())
-        .ok_or_else(|| format!("scale {scale:e} for amax {amax:e} (ue8m0 {ue8m0})"))
+        .ok_or_else(|| format!("scale {scale:e} for amax {amax:e} ± {err:e} (ue8m0 {ue8m0})"))
+}
+
+/// fp8 `codes` of `values` (± `err`, from an f32 computation) divided by `scale` in f32:
+/// each the round-to-nearest-even code of some value within the bound.
+fn check_codes(codes: &[u8], values: &[f64], err: f64, scale: f64) -> Result<(), String> {
+    for (d, (&code, &w)) in codes.iter().zip(values).enumerate() {
+        let x = w / scale;
+        let slack = err / scale + 2.0 * U32 * x.abs();
+        if !e4m3_code_ok(code, x, slack) {
+            return Err(format!(
+                "dim {d}: code {code:#04x} ({}) for {x} (± {slack:e}; round-to-nearest-even gives {:#04x})",
+                e4m3_of(code),
+                e4m3_rne(x)
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// One index-K row as specified: the f64 pipeline of `key` (LayerNorm with `gamma`/`beta`, NeoX
-/// RoPE with `rope`, Hadamard); fp8 `values` within one e4m3 step of it at the specified `scale`,
-/// or bf16 `values` (little-endian) rounded from it.
+/// RoPE with `rope`, Hadamard); fp8 `values` the round-to-nearest-even codes of it divided by
+/// its `scale`, the scale as [`check_scale`] says; or bf16 `values` (little-endian) rounded to
+/// nearest even from it.
 #[allow(clippy::too_many_arguments)]
 pub fn check_index_k_row(
     dtype: IndexKDtype,
@@ -122,95 +388,89 @@ pub fn check_index_k_row(
     values: &[u8],
     scale: Option<f32>,
 ) -> Result<(), String> {
-    let want = pipeline_f64(key, gamma, beta, rope, true);
-    let amax = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let p = pipeline_f64(key, gamma, beta, rope, true);
     match dtype {
         IndexKDtype::Fp8 => {
             let scale = scale.ok_or("an fp8 row without a scale")? as f64;
-            check_scale(scale, amax, ue8m0)?;
-            for d in 0..128 {
-                if !close_fp8(values[d], scale, want[d], amax) {
-                    return Err(format!("dim {d}: code {:#04x} for {}", values[d], want[d]));
-                }
-            }
+            check_scale(scale, p.amax(), p.err, ue8m0)?;
+            check_codes(&values[..HEAD_DIM], &p.values, p.err, scale)
         }
         IndexKDtype::Bf16 => {
-            for d in 0..128 {
+            for d in 0..HEAD_DIM {
                 let bits = u16::from_le_bytes([values[2 * d], values[2 * d + 1]]);
-                let v = bf16::from_bits(bits).to_f32() as f64;
-                let w = want[d];
-                if (v - w).abs() > w.abs() * 2f64.powi(-8) + 1e-5 {
-                    return Err(format!("dim {d}: {v} vs {w}"));
+                let w = p.values[d];
+                // The f32 value's bound, and the f32 rounding of it.
+                let slack = p.err + U32 * w.abs();
+                if !bf16_code_ok(bits, w, slack) {
+                    return Err(format!(
+                        "dim {d}: bf16 {} for {w} (± {slack:e}; round-to-nearest-even gives {})",
+                        bf16_of(bits),
+                        bf16_of(bf16_rne(w))
+                    ));
                 }
             }
+            Ok(())
         }
     }
-    Ok(())
 }
 
-/// One KV row as specified: bf16 rows are the input bits; packed fp8 rows hold four tiles of 128
-/// latent values, each within one e4m3 step at an `amax / 448` scale, then the 64 RoPE values as
-/// bf16 bits.
-pub fn check_kv_row(dtype: KvDtype, row: &[bf16], out: &[u8]) -> Result<(), String> {
+/// One KV row's bytes as specified. bf16: the input bits. Packed fp8, per tile of 128 latent
+/// values: the scale `max(amax, 1e-4) / 448` as one f32 division (`amax` is exact: a maximum),
+/// each code the round-to-nearest-even e4m3 of the value divided by the scale in f32; then the
+/// 64 RoPE values' bf16 bits.
+pub fn kv_row(dtype: KvDtype, row: &[bf16]) -> Vec<u8> {
+    assert_eq!(row.len(), 576, "a 576-value KV row");
+    let mut out = vec![0u8; format::kv_row_bytes(dtype)];
     match dtype {
         KvDtype::Bf16 => {
-            let same = out.len() == 2 * row.len()
-                && row
-                    .iter()
-                    .zip(out.chunks_exact(2))
-                    .all(|(v, b)| v.to_bits().to_le_bytes() == *b);
-            if !same {
-                return Err("the bf16 row differs from its input".into());
+            for (o, v) in out.chunks_exact_mut(2).zip(row) {
+                o.copy_from_slice(&v.to_bits().to_le_bytes());
             }
         }
-        _ => {
+        KvDtype::Fp8Packed => {
             for tile in 0..4 {
-                let vals: [f64; 128] = std::array::from_fn(|j| row[tile * 128 + j].to_f32() as f64);
-                let amax = vals.iter().fold(0f64, |m, v| m.max(v.abs()));
-                let scale = f32_at(out, 512 + 4 * tile) as f64;
-                check_scale(scale, amax, false).map_err(|e| format!("tile {tile}: {e}"))?;
-                for (j, &w) in vals.iter().enumerate() {
-                    if !close_fp8(out[tile * 128 + j], scale, w, amax) {
-                        return Err(format!("latent {}: {w}", tile * 128 + j));
-                    }
+                let vals = &row[tile * 128..(tile + 1) * 128];
+                let amax = vals.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
+                let scale = amax.max(1e-4) / 448.0;
+                for (j, v) in vals.iter().enumerate() {
+                    out[tile * 128 + j] = e4m3_rne((v.to_f32() / scale) as f64);
                 }
+                let at = format::KV_FP8_SCALES + 4 * tile;
+                out[at..at + 4].copy_from_slice(&scale.to_le_bytes());
             }
             for r in 0..64 {
-                let at = 528 + 2 * r;
-                if u16::from_le_bytes([out[at], out[at + 1]]) != row[512 + r].to_bits() {
-                    return Err(format!("rope {r}"));
-                }
+                let at = format::KV_FP8_ROPE + 2 * r;
+                out[at..at + 2].copy_from_slice(&row[512 + r].to_bits().to_le_bytes());
             }
         }
-    }
-    Ok(())
-}
-
-/// The fp8 scales a query head of largest magnitude `amax` (computed in f64) may carry: its
-/// `max(amax, 1e-4) / 448`, or under `ue8m0` that rounded up to a power of two. Where the exact
-/// scale is within a hair (1e-6) of a power of two, the f32 pipeline's `amax` may round to either
-/// side of it, so both powers are allowed.
-fn q_scales(amax: f64, ue8m0: bool) -> Vec<f64> {
-    let exact = amax.max(1e-4) / 448.0;
-    if !ue8m0 {
-        return vec![exact];
-    }
-    let up = 2f64.powf(exact.log2().ceil());
-    let mut out = vec![up];
-    if up / exact < 1.0 + 1e-6 {
-        out.push(2.0 * up);
-    }
-    if exact / (up / 2.0) < 1.0 + 1e-6 {
-        out.push(up / 2.0);
+        KvDtype::Fp8Unpacked => panic!("the unpacked fp8 KV row is never stored"),
     }
     out
 }
 
-/// One query head as specified: through RoPE and Hadamard in f64; fp8 `codes` within one step at
-/// the head's scale (`amax / 448`, rounded up to a power of two under `ue8m0`); and the folded
-/// weight DeepSeek-V3.2-Exp's `Indexer.forward` computes, `w · heads^-½ · q_scale ·
-/// index_head_dim^-½` with `index_head_dim` 128, in `w_out`. `heads` is the model's indexer head
-/// count.
+/// One KV row as specified ([`kv_row`]): the bytes must be equal.
+pub fn check_kv_row(dtype: KvDtype, row: &[bf16], out: &[u8]) -> Result<(), String> {
+    let want = kv_row(dtype, row);
+    match out.iter().zip(&want).position(|(a, b)| a != b) {
+        _ if out.len() != want.len() => Err(format!(
+            "a {} B row, the format's is {} B",
+            out.len(),
+            want.len()
+        )),
+        None => Ok(()),
+        Some(b) => Err(format!(
+            "byte {b} is {:#04x}, the specification's {:#04x}",
+            out[b], want[b]
+        )),
+    }
+}
+
+/// One query head as specified: through RoPE and Hadamard in f64; fp8 `codes` the
+/// round-to-nearest-even codes at the head's scale (`amax / 448` computed in f32, rounded up to
+/// a power of two under `ue8m0`); and the folded weight DeepSeek-V3.2-Exp's `Indexer.forward`
+/// computes, `w · heads^-½ · q_scale · index_head_dim^-½` with `index_head_dim` 128, in
+/// `w_out` (four f32 roundings). `heads` is the model's indexer head count. The scale is not
+/// stored: it is read back from the folded weight where `w` is not 0.
 #[allow(clippy::too_many_arguments)]
 pub fn check_q_head(
     q: &[bf16],
@@ -221,20 +481,65 @@ pub fn check_q_head(
     codes: &[u8],
     w_out: f32,
 ) -> Result<(), String> {
-    let want = pipeline_f64(q, &[], &[], rope, false);
-    let amax = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let p = pipeline_f64(q, &[], &[], rope, false);
+    let amax = p.amax();
     let constant = 1.0 / (heads as f64).sqrt() / 128f64.sqrt();
-    let mut why = String::new();
-    for scale in q_scales(amax, ue8m0) {
-        let fw = w as f64 * constant * scale;
-        if (w_out as f64 - fw).abs() > 1e-5 * fw.abs() + 1e-12 {
-            why = format!("weight {w_out} vs {fw} (scale {scale:e}, ue8m0 {ue8m0})");
-            continue;
+    // The scales the kernel may have used, each with the relative uncertainty it carries into
+    // the codes. With a weight, the one the folded weight carries (four f32 roundings), which
+    // must be allowed; without, every allowed one.
+    let mut candidates: Vec<(f64, f64)> = Vec::new();
+    if w != 0.0 {
+        let carried = w_out as f64 / (w as f64 * constant);
+        let within = 5.0 * U32 * carried.abs();
+        if ue8m0 {
+            let pow2 = pow2_up(carried * (1.0 - 5.0 * U32));
+            if (pow2 - carried).abs() <= within && check_scale(pow2, amax, p.err, true).is_ok() {
+                candidates.push((pow2, 0.0));
+            }
+        } else if [carried - within, carried, carried + within]
+            .iter()
+            .any(|&s| check_scale(s, amax, p.err, false).is_ok())
+        {
+            candidates.push((carried, 5.0 * U32));
         }
-        match (0..128).find(|&d| !close_fp8(codes[d], scale, want[d], amax)) {
+        if candidates.is_empty() {
+            return Err(format!(
+                "the folded weight {w_out} carries scale {carried:e}: {}",
+                check_scale(carried, amax, p.err, ue8m0).unwrap_err()
+            ));
+        }
+    } else if w_out != 0.0 {
+        return Err(format!("weight {w_out} for a head weight of 0"));
+    } else if ue8m0 {
+        let lo = pow2_up((amax - p.err).max(1e-4) / E4M3_MAX * (1.0 - 2.0 * U32));
+        candidates.push((lo, 0.0));
+        if check_scale(2.0 * lo, amax, p.err, true).is_ok() {
+            candidates.push((2.0 * lo, 0.0));
+        }
+    } else {
+        let nominal = amax.max(1e-4) / E4M3_MAX;
+        candidates.push((nominal, p.err / amax.max(1e-4) + 3.0 * U32));
+    }
+    let mut why = String::new();
+    for (scale, widen) in candidates {
+        let bad = p
+            .values
+            .iter()
+            .zip(codes)
+            .enumerate()
+            .find(|&(_, (&v, &code))| {
+                let x = v / scale;
+                !e4m3_code_ok(code, x, p.err / scale + (widen + 2.0 * U32) * x.abs())
+            });
+        match bad {
             None => return Ok(()),
-            Some(d) => {
-                why = format!("dim {d}: code {:#04x} for {}", codes[d], want[d]);
+            Some((d, (&v, &code))) => {
+                why = format!(
+                    "dim {d}: code {code:#04x} ({}) for {} at scale {scale:e} (round-to-nearest-even gives {:#04x})",
+                    e4m3_of(code),
+                    v / scale,
+                    e4m3_rne(v / scale)
+                )
             }
         }
     }
@@ -245,39 +550,31 @@ pub fn check_q_head(
 fn untouched(
     before: &[u8],
     after: &[u8],
-    row_of: impl Fn(usize) -> Option<usize>,
+    row_of: impl Fn(usize) -> usize,
     slots: &[i32],
 ) -> Result<(), String> {
     for (i, (a, b)) in before.iter().zip(after).enumerate() {
-        if a != b && !row_of(i).is_some_and(|s| slots.contains(&(s as i32))) {
+        if a != b && !slots.contains(&(row_of(i) as i32)) {
             return Err(format!("byte {i} outside the stored rows changed"));
         }
     }
     Ok(())
 }
 
-/// `index_k_store` as specified: each slot's row holds the f64 pipeline's values (fp8 within a
-/// step, with its scale; bf16 rounded), and nothing else changed.
+/// `index_k_store` as specified: each slot's row, read through [`format`], is the f64
+/// pipeline's (fp8 codes and scale, or bf16, as [`check_index_k_row`] accepts), and nothing
+/// else changed.
 pub fn check_index_k_store(
     a: &cpu::IndexKStoreArgs,
     before: &[u8],
     after: &[u8],
 ) -> Result<(), String> {
-    let fmt = PageFormat::IndexK(a.dtype);
-    let pb = fmt.page_bytes() as usize;
+    let pb = format::index_k_page_bytes(a.dtype);
     for (i, &s) in a.slots.iter().enumerate() {
-        let page = &after[(s as usize / 64) * pb..][..pb];
-        let t = s as u32 % 64;
-        let values: Vec<u8> = match a.dtype {
-            IndexKDtype::Fp8 => (0..128)
-                .map(|d| page[index_k_page::value_offset(a.dtype, t, d)])
-                .collect(),
-            IndexKDtype::Bf16 => {
-                let at = index_k_page::value_offset(a.dtype, t, 0);
-                page[at..at + 256].to_vec()
-            }
-        };
-        let scale = index_k_page::scale_offset(a.dtype, t).map(|off| f32_at(page, off));
+        let (page, t) = (s as usize / PAGE_TOKENS, s as usize % PAGE_TOKENS);
+        let page = &after[page * pb..][..pb];
+        let (at, len) = format::index_k_values(a.dtype, t);
+        let scale = format::index_k_scale(a.dtype, t).map(|off| f32_at(page, off));
         check_index_k_row(
             a.dtype,
             a.ue8m0,
@@ -285,39 +582,27 @@ pub fn check_index_k_store(
             a.gamma,
             a.beta,
             &a.rope[i * 64..(i + 1) * 64],
-            &values,
+            &page[at..at + len],
             scale,
         )
         .map_err(|e| format!("slot {s}: {e}"))?;
     }
-    // fp8 pages keep values and scales in separate regions of the page: map bytes to tokens.
-    let row_of = |i: usize| {
-        let (page, off) = (i / pb, i % pb);
-        let t = match a.dtype {
-            IndexKDtype::Fp8 if off >= 64 * 128 => (off - 64 * 128) / 4,
-            IndexKDtype::Fp8 => off / 128,
-            IndexKDtype::Bf16 => off / 256,
-        };
-        Some(page * 64 + t)
-    };
+    let row_of = |i: usize| (i / pb) * PAGE_TOKENS + format::index_k_token_of(a.dtype, i % pb);
     untouched(before, after, row_of, a.slots)
 }
 
-/// `kv_store` as specified: bf16 rows are the input bits; packed fp8 rows hold four tiles of 128
-/// latent values with `amax / 448` scales, then the 64 RoPE values as bf16 bits.
+/// `kv_store` as specified: each slot's row is [`kv_row`]'s bytes, and nothing else changed.
 pub fn check_kv_store(a: &cpu::KvStoreArgs, before: &[u8], after: &[u8]) -> Result<(), String> {
-    let tb = PageFormat::Kv(a.dtype).token_bytes() as usize;
+    let rb = format::kv_row_bytes(a.dtype);
     for (i, &s) in a.slots.iter().enumerate() {
         let row = &a.rows[i * 576..(i + 1) * 576];
-        let out = &after[s as usize * tb..][..tb];
+        let out = &after[s as usize * rb..][..rb];
         check_kv_row(a.dtype, row, out).map_err(|e| format!("slot {s}: {e}"))?;
     }
-    untouched(before, after, |i| Some(i / tb), a.slots)
+    untouched(before, after, |i| i / rb, a.slots)
 }
 
-/// `q_prep` as specified: each (token, head) query through RoPE and Hadamard in f64, fp8 with
-/// scale `amax / 448` (a power of two under `ue8m0`), and the folded head weight
-/// `w · heads^-½ · q_scale · 128^-½`.
+/// `q_prep` as specified: each (token, head) query as [`check_q_head`] accepts.
 pub fn check_q_prep(a: &cpu::QPrepArgs, q_out: &[u8], w_out: &[f32]) -> Result<(), String> {
     for t in 0..a.rope.len() / 64 {
         for h in 0..a.heads {
@@ -345,11 +630,10 @@ pub fn topk(a: &cpu::TopKArgs) -> Vec<i32> {
         let order = topk_order(&a.logits[r * a.stride..][..len as usize], a.k);
         let pt = &a.page_table[r * a.pt_stride..];
         for i in 0..a.k {
-            out.push(
-                order
-                    .get(i)
-                    .map_or(-1, |&n| pt[n as usize / 64] * 64 + (n % 64) as i32),
-            );
+            out.push(order.get(i).map_or(-1, |&n| {
+                pt[n as usize / PAGE_TOKENS] * PAGE_TOKENS as i32
+                    + (n as usize % PAGE_TOKENS) as i32
+            }));
         }
     }
     out
@@ -373,104 +657,157 @@ pub fn topk_order(scores: &[f32], k: usize) -> Vec<u32> {
     order.into_iter().take(k).map(|n| n as u32).collect()
 }
 
-/// `sparse_read` from the digest's definition: per selected row, the wrapping sum over its
-/// 8-byte words of `mix(word ^ (j+1)·φ)`; per row of selections, the wrapping sum over ranks of
-/// `mix(row_hash ^ (i+1)·ψ)`, padding skipped.
+/// Whether `selection` (positions, in rank order) is a top-`k` of logits known only within
+/// bounds: `scores[n] = (value, err)`, the f32 logit within `err` of `value`. It must select
+/// `min(k, len)` distinct positions of the context, no unselected logit may be certainly above a
+/// selected one, and each rank may not be certainly below the next. The message says which
+/// condition failed first.
+pub fn check_topk_within(selection: &[u32], scores: &[(f64, f64)], k: usize) -> Result<(), String> {
+    let want = k.min(scores.len());
+    if selection.len() != want {
+        return Err(format!(
+            "{} positions selected, top-{k} of a context of {} selects {want}",
+            selection.len(),
+            scores.len()
+        ));
+    }
+    let mut chosen = vec![false; scores.len()];
+    for (i, &n) in selection.iter().enumerate() {
+        let n = n as usize;
+        if n >= scores.len() || chosen[n] {
+            return Err(format!(
+                "rank {i}: position {n} is outside the context or selected twice"
+            ));
+        }
+        chosen[n] = true;
+    }
+    for (i, w) in selection.windows(2).enumerate() {
+        let ((a, ea), (b, eb)) = (scores[w[0] as usize], scores[w[1] as usize]);
+        if a + ea < b - eb {
+            return Err(format!(
+                "rank {i} (position {}, logit {a:e} ± {ea:e}) is below rank {} (position {}, logit {b:e} ± {eb:e})",
+                w[0],
+                i + 1,
+                w[1]
+            ));
+        }
+    }
+    let lowest = selection
+        .iter()
+        .map(|&n| scores[n as usize])
+        .map(|(v, e)| v + e)
+        .fold(f64::INFINITY, f64::min);
+    if let Some((n, &(v, e))) = scores
+        .iter()
+        .enumerate()
+        .find(|&(n, &(v, e))| !chosen[n] && v - e > lowest)
+    {
+        return Err(format!(
+            "position {n} (logit {v:e} ± {e:e}) is not selected, yet above a selected logit (at most {lowest:e})"
+        ));
+    }
+    Ok(())
+}
+
+/// `sparse_read` from the digest's definition, rows addressed through [`format`].
 pub fn sparse_read(a: &cpu::SparseReadArgs, kv: &[u8], rows: usize) -> Vec<u64> {
-    let tb = PageFormat::Kv(a.dtype).token_bytes() as usize;
+    let rb = format::kv_row_bytes(a.dtype);
     (0..rows)
         .map(|r| {
             digest(
                 a.slots[r * a.k..(r + 1) * a.k]
                     .iter()
-                    .map(|&s| (s >= 0).then(|| &kv[s as usize * tb..][..tb])),
+                    .map(|&s| (s >= 0).then(|| &kv[s as usize * rb..][..rb])),
             )
         })
         .collect()
+}
+
+/// The splitmix64 finalizer, from its published constants.
+pub fn splitmix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// The digest of a selection from its definition: per row (in rank order; `None` is padding),
 /// the wrapping sum over its 8-byte words of `mix(word ^ (j+1)·φ)`; then the wrapping sum over
 /// ranks of `mix(row_hash ^ (i+1)·ψ)`, padding skipped; `mix` the splitmix64 finalizer.
 pub fn digest<'a>(rows: impl IntoIterator<Item = Option<&'a [u8]>>) -> u64 {
-    const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
-    const PSI: u64 = 0xC2B2_AE3D_27D4_EB4F;
     let mut acc = 0u64;
     for (i, row) in rows.into_iter().enumerate() {
         let Some(row) = row else {
             continue;
         };
-        let mut h = 0u64;
-        for (j, w) in row.chunks(8).enumerate() {
-            let w = u64::from_le_bytes(w.try_into().expect("rows are whole words"));
-            h = h.wrapping_add(splitmix(w ^ (j as u64 + 1).wrapping_mul(PHI)));
-        }
-        acc = acc.wrapping_add(splitmix(h ^ (i as u64 + 1).wrapping_mul(PSI)));
+        acc = acc.wrapping_add(splitmix(row_hash(row) ^ (i as u64 + 1).wrapping_mul(PSI)));
     }
     acc
 }
 
-/// `page_copy` byte by byte through both views.
-pub fn page_copy(src: &[u8], sv: &PagedView, dst: &mut [u8], dv: &PagedView, runs: &[PageRun]) {
+/// The golden-ratio and xxHash constants the digest mixes positions with (DESIGN §4).
+const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
+const PSI: u64 = 0xC2B2_AE3D_27D4_EB4F;
+
+/// A row's hash in the digest: the wrapping sum over its 8-byte little-endian words of
+/// `mix(word ^ (j+1)·φ)`.
+pub fn row_hash(row: &[u8]) -> u64 {
+    let mut h = 0u64;
+    for (j, w) in row.chunks(8).enumerate() {
+        let w = u64::from_le_bytes(w.try_into().expect("rows are whole words"));
+        h = h.wrapping_add(splitmix(w ^ (j as u64 + 1).wrapping_mul(PHI)));
+    }
+    h
+}
+
+/// A page run: `count` pages from source page `src` on, to destination page `dst` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub src: u32,
+    pub dst: u32,
+    pub count: u32,
+}
+
+/// `page_copy` byte by byte, each page placed by [`format::page_at`].
+pub fn page_copy(
+    src: &[u8],
+    from: format::Placement,
+    dst: &mut [u8],
+    to: format::Placement,
+    page_bytes: usize,
+    runs: &[Run],
+) {
     for run in runs {
         for j in 0..run.count {
-            let s = sv.base + (run.src.0 + j) as u64 * sv.page_stride;
-            let d = dv.base + (run.dst.0 + j) as u64 * dv.page_stride;
-            for b in 0..sv.fingerprint.page_bytes {
-                dst[(d + b) as usize] = src[(s + b) as usize];
+            let s = format::page_at(from, page_bytes, run.src + j);
+            let d = format::page_at(to, page_bytes, run.dst + j);
+            for b in 0..page_bytes {
+                dst[d + b] = src[s + b];
             }
         }
     }
 }
 
-/// An e4m3fn code's value from the format's definition: sign, 4 exponent bits (bias 7), 3
-/// mantissa bits, subnormals at exponent 0, NaN at `s.1111.111`, no infinities.
-pub fn e4m3(code: u8) -> f64 {
-    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = ((code >> 3) & 0xF, code & 0x7);
-    if e == 0xF && m == 0x7 {
-        return f64::NAN;
-    }
-    let mag = if e == 0 {
-        m as f64 / 8.0 * 2f64.powi(-6)
-    } else {
-        (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7)
-    };
-    sign * mag
-}
-
-thread_local! {
-    /// `e4m3` of every code, computed once.
-    static E4M3: [f64; 256] = std::array::from_fn(|c| e4m3(c as u8));
-}
-
-/// Index key `t` of an index-K page as f64 values, and its scale (1 for bf16), from the page
-/// format: fp8 values at `t·128 + d` and the f32 scale at `8192 + 4t`; bf16 values at
-/// `(t·128 + d)·2`, little-endian.
-fn key_f64(dtype: IndexKDtype, page: &[u8], t: usize) -> ([f64; 128], f64) {
-    match dtype {
-        IndexKDtype::Fp8 => key_row_f64(
-            dtype,
-            &page[t * 128..][..128],
-            Some(f32_at(page, 8192 + 4 * t)),
-        ),
-        IndexKDtype::Bf16 => key_row_f64(dtype, &page[t * 256..][..256], None),
-    }
+/// Index key `t` of an index-K page as f64 values, and its scale (1 for bf16), through
+/// [`format`].
+pub fn key_f64(dtype: IndexKDtype, page: &[u8], t: usize) -> ([f64; 128], f64) {
+    let (at, len) = format::index_k_values(dtype, t);
+    let scale = format::index_k_scale(dtype, t).map(|off| f32_at(page, off));
+    key_row_f64(dtype, &page[at..at + len], scale)
 }
 
 /// `index_logits` in f64 from the definition, `kscale[n] · Σ_h w_h · relu(q_h · k_n)`, with each
 /// logit's error scale `|kscale| · Σ_h |w_h| · Σ_d |q_hd k_nd|`; `-inf` (and scale 0) at and past
 /// each row's context length. Both `[rows][out_stride]`.
 pub fn index_logits_f64(a: &cpu::IndexLogitsArgs, pool: &[u8]) -> (Vec<f64>, Vec<f64>) {
-    let pb = PageFormat::IndexK(a.dtype).page_bytes() as usize;
+    let pb = format::index_k_page_bytes(a.dtype);
     let rows = a.context_lens.len();
     let mut value = vec![f64::NEG_INFINITY; rows * a.out_stride];
     let mut magnitude = vec![0f64; rows * a.out_stride];
     for r in 0..rows {
         let keys: Vec<([f64; 128], f64)> = (0..a.context_lens[r] as usize)
             .map(|n| {
-                let page = a.page_table[r * a.pt_stride + n / 64] as usize;
-                key_f64(a.dtype, &pool[page * pb..][..pb], n % 64)
+                let page = a.page_table[r * a.pt_stride + n / PAGE_TOKENS] as usize;
+                key_f64(a.dtype, &pool[page * pb..][..pb], n % PAGE_TOKENS)
             })
             .collect();
         let q = &a.q[r * a.heads * 128..][..a.heads * 128];
@@ -483,22 +820,31 @@ pub fn index_logits_f64(a: &cpu::IndexLogitsArgs, pool: &[u8]) -> (Vec<f64>, Vec
     (value, magnitude)
 }
 
+/// The error bound of an f32 logit, in units of [`U32`] times its magnitude (the second value
+/// of [`logits_f64`]). Counted from the kernels' operation order: each head's 128-term dot
+/// product as a chain of 128 fused multiply-adds (128 roundings, each bounded by the running
+/// magnitude), its ReLU (exact), the weighted sum over at most 64 heads as another chain (64),
+/// the key's scale (1): 193, taken as 256. The tensor-core kernels sum in another order and are
+/// held to their own bound.
+pub const LOGIT_ERROR_UNITS: f64 = 256.0;
+
 /// The logits of one query from the definition, `kscale · Σ_h w_h · relu(q_h · k)` per key, in
 /// f64, with each one's error scale `|kscale| · Σ_h |w_h| · Σ_d |q_hd k_d|`: `q_codes` are the
 /// query's fp8 codes (heads × 128), `weights` its folded head weights, `keys` each key's values
 /// and scale.
 pub fn logits_f64(q_codes: &[u8], weights: &[f32], keys: &[([f64; 128], f64)]) -> Vec<(f64, f64)> {
-    let q: Vec<f64> = q_codes
-        .iter()
-        .map(|&c| E4M3.with(|t| t[c as usize]))
-        .collect();
+    let q: Vec<f64> = q_codes.iter().map(|&c| e4m3_of(c)).collect();
     keys.iter()
         .map(|(k, ks)| {
             let (mut s, mut m) = (0f64, 0f64);
             for (h, &w) in weights.iter().enumerate() {
                 let q = &q[h * 128..][..128];
-                let terms = (0..128).map(|d| q[d] * k[d]);
-                let (dot, abs) = terms.fold((0f64, 0f64), |(x, y), t| (x + t, y + t.abs()));
+                let (mut dot, mut abs) = (0f64, 0f64);
+                for d in 0..128 {
+                    let t = q[d] * k[d];
+                    dot += t;
+                    abs += t.abs();
+                }
                 s += w as f64 * dot.max(0.0);
                 m += (w as f64).abs() * abs;
             }
@@ -514,14 +860,13 @@ pub fn key_row_f64(dtype: IndexKDtype, values: &[u8], scale: Option<f32>) -> ([f
     match dtype {
         IndexKDtype::Fp8 => {
             for (d, kd) in k.iter_mut().enumerate() {
-                *kd = E4M3.with(|t| t[values[d] as usize]);
+                *kd = e4m3_of(values[d]);
             }
             (k, scale.map_or(1.0, |s| s as f64))
         }
         IndexKDtype::Bf16 => {
             for (d, kd) in k.iter_mut().enumerate() {
-                let bits = u16::from_le_bytes([values[2 * d], values[2 * d + 1]]) as u32;
-                *kd = f32::from_bits(bits << 16) as f64;
+                *kd = bf16_of(u16::from_le_bytes([values[2 * d], values[2 * d + 1]]));
             }
             (k, 1.0)
         }
@@ -529,42 +874,4 @@ pub fn key_row_f64(dtype: IndexKDtype, values: &[u8], scale: Option<f32>) -> ([f
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// One e4m3 step is the spacing of codes: 2^-9 below 2^-6, then 1/8 of the power of two.
-    #[test]
-    fn e4m3_steps_are_the_code_spacing() {
-        assert_eq!(e4m3_step(0.001), 2f64.powi(-9));
-        assert_eq!(e4m3_step(1.0), 0.125);
-        assert_eq!(e4m3_step(-1.99), 0.125);
-        assert_eq!(e4m3_step(2.0), 0.25);
-        assert_eq!(e4m3_step(448.0), 32.0);
-        assert_eq!(e4m3_step(2f64.powi(-6)), 2f64.powi(-9));
-    }
-
-    /// Sylvester's recursion is the matrix `H[i][j] = (-1)^popcount(i & j) / √128`.
-    #[test]
-    fn hadamard_is_its_matrix_definition() {
-        let x: Vec<f64> = (0..128)
-            .map(|i| ((i * 37 % 101) as f64 - 50.0) / 7.0)
-            .collect();
-        let by_matrix: Vec<f64> = (0..128usize)
-            .map(|i| {
-                (0..128usize)
-                    .map(|j| {
-                        if (i & j).count_ones() % 2 == 0 {
-                            x[j]
-                        } else {
-                            -x[j]
-                        }
-                    })
-                    .sum::<f64>()
-                    / 128f64.sqrt()
-            })
-            .collect();
-        for (a, b) in hadamard_f64(&x).iter().zip(&by_matrix) {
-            assert!((a - b).abs() < 1e-12, "{a} vs {b}");
-        }
-    }
-}
+mod tests;

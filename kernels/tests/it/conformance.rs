@@ -861,7 +861,33 @@ pub fn page_copy_body(b: &dyn Backend, expect: Expect) {
                         cpu::page_copy(&dev, &dev_view, &mut want, &host_view, &runs).unwrap()
                     }
                     Expect::Independent => {
-                        naive::page_copy(&dev, &dev_view, &mut want, &host_view, &runs)
+                        // Placed by the specification's own formats, not by the views.
+                        let to = naive::format::Placement::Host {
+                            order: layout,
+                            layers: 3,
+                            pages: 90,
+                            layer: 1,
+                        };
+                        let runs: Vec<naive::Run> = runs
+                            .iter()
+                            .map(|r| naive::Run {
+                                src: r.src.0,
+                                dst: r.dst.0,
+                                count: r.count,
+                            })
+                            .collect();
+                        let pb = match kind {
+                            BufferKind::Kv => naive::format::kv_page_bytes(KvDtype::Fp8Packed),
+                            BufferKind::IndexK => naive::format::index_k_page_bytes(ik),
+                        };
+                        naive::page_copy(
+                            &dev,
+                            naive::format::Placement::Device,
+                            &mut want,
+                            to,
+                            pb,
+                            &runs,
+                        )
                     }
                 }
                 b.page_copy(&dev, &dev_view, &mut got, &host_view, &runs)

@@ -7,4 +7,6 @@ mod fp8;
 /// The independent versions of the kernels (the crate's `spec` module).
 use tierkv_kernels::spec as naive;
 mod nvrtc;
+#[cfg(feature = "mutants")]
+mod planted_layout;
 mod reference;

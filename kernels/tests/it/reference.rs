@@ -1,6 +1,6 @@
 //! Property tests of each CPU reference against the independent versions of `naive.rs`.
 
-use crate::naive::{self, e4m3_step, pipeline_f64};
+use crate::naive;
 use half::bf16;
 use proptest::prelude::*;
 use tierkv_kernels::cpu::numerics::{self, e4m3_decode, hadamard_128, read_f32};
@@ -72,42 +72,13 @@ proptest! {
         for i in 0..all.len() { let j = g.below(all.len() as u64) as usize; all.swap(i, j); }
         let slots = &all[..n];
         let fmt = PageFormat::IndexK(dtype);
-        let mut dst = vec![0xA5u8; (pages as u64 * fmt.page_bytes()) as usize];
+        let before = vec![0xA5u8; (pages as u64 * fmt.page_bytes()) as usize];
+        let mut dst = before.clone();
         let args = cpu::IndexKStoreArgs { dtype, ue8m0, keys: &keys, gamma: &gamma, beta: &beta, rope: &rope, slots };
         cpu::index_k_store(&args, &mut dst, fmt.fingerprint()).unwrap();
-        let pb = fmt.page_bytes() as usize;
-        for (i, &s) in slots.iter().enumerate() {
-            let want = pipeline_f64(&keys[i*128..(i+1)*128], &gamma, &beta, &rope[i*64..(i+1)*64], true);
-            let page = &dst[(s as usize / 64) * pb..(s as usize / 64 + 1) * pb];
-            let t = s as u32 % 64;
-            match dtype {
-                IndexKDtype::Fp8 => {
-                    let scale = read_f32(page, index_k_page::scale_offset(dtype, t).unwrap()) as f64;
-                    let amax = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-                    let exact = amax.max(1e-4) / 448.0;
-                    if ue8m0 {
-                        prop_assert!(scale >= exact * (1.0 - 1e-6) && scale < 2.0 * exact * (1.0 + 1e-6));
-                        prop_assert_eq!((scale as f32).to_bits() & 0x7F_FFFF, 0);
-                    } else {
-                        prop_assert!((scale - exact).abs() <= 1e-5 * exact);
-                    }
-                    for d in 0..128u32 {
-                        let v = e4m3_decode(page[index_k_page::value_offset(dtype, t, d)]) as f64 * scale;
-                        let err = (v - want[d as usize]).abs();
-                        prop_assert!(err <= e4m3_step(want[d as usize] / scale) * scale + 1e-5 * amax,
-                            "token {} dim {}: {} vs {}", i, d, v, want[d as usize]);
-                    }
-                }
-                IndexKDtype::Bf16 => {
-                    for d in 0..128u32 {
-                        let at = index_k_page::value_offset(dtype, t, d);
-                        let v = numerics::bf16_value(numerics::read_u16(page, at)) as f64;
-                        let w = want[d as usize];
-                        prop_assert!((v - w).abs() <= w.abs() * 2f64.powi(-8) + 1e-5, "{} vs {}", v, w);
-                    }
-                }
-            }
-        }
+        // Each row the round-to-nearest-even codes of the f64 pipeline (within its f32 error
+        // bound), its scale as specified, and nothing else written.
+        prop_assert_eq!(naive::check_index_k_store(&args, &before, &dst), Ok(()));
     }
 
     #[test]
@@ -120,27 +91,7 @@ proptest! {
         let (mut qo, mut wo) = (vec![0u8; n * heads * 128], vec![0f32; n * heads]);
         let args = cpu::QPrepArgs { heads, ue8m0, q: &q, weights: &w, rope: &rope };
         cpu::q_prep(&args, &mut qo, &mut wo).unwrap();
-        let constant = 1.0 / ((heads * 128) as f64).sqrt();
-        for t in 0..n {
-            for h in 0..heads {
-                let i = t * heads + h;
-                let want = pipeline_f64(&q[i*128..(i+1)*128], &[], &[], &rope[t*64..(t+1)*64], false);
-                let amax = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-                // The scale the weight carries; under ue8m0 a power of two at most 2x the exact one.
-                let scale = wo[i] as f64 / (w[i] as f64 * constant);
-                let exact = amax.max(1e-4) / 448.0;
-                if ue8m0 {
-                    prop_assert!(scale >= exact * (1.0 - 1e-5) && scale < 2.0 * exact * (1.0 + 1e-5), "{} for {}", scale, exact);
-                    prop_assert!((scale.log2() - scale.log2().round()).abs() < 1e-5, "{} is no power of two", scale);
-                } else {
-                    prop_assert!((scale - exact).abs() <= 1e-5 * exact, "{} vs {}", scale, exact);
-                }
-                for d in 0..128 {
-                    let v = e4m3_decode(qo[i * 128 + d]) as f64 * scale;
-                    prop_assert!((v - want[d]).abs() <= e4m3_step(want[d] / scale) * scale + 1e-5 * amax);
-                }
-            }
-        }
+        // The scale folded into each weight, each head's codes rounded to nearest even at it.
         prop_assert_eq!(naive::check_q_prep(&args, &qo, &wo), Ok(()));
     }
 
@@ -354,13 +305,11 @@ fn kv_store_packs_fp8_rows_as_designed() {
     let row = g.vec_bf16(576, 5.0);
     let mut out = vec![0u8; 656];
     store::kv_token(KvDtype::Fp8Packed, &row, &mut out);
+    // Byte for byte the specification's row (its own offsets and rounding).
+    assert_eq!(naive::check_kv_row(KvDtype::Fp8Packed, &row, &out), Ok(()));
     for tile in 0..4 {
         let scale = read_f32(&out, kv_row::FP8_SCALES_OFFSET + 4 * tile) as f64;
-        for j in 0..128 {
-            let want = row[tile * 128 + j].to_f32() as f64;
-            let got = e4m3_decode(out[tile * 128 + j]) as f64 * scale;
-            assert!((got - want).abs() <= e4m3_step(want / scale) * scale);
-        }
+        assert!(scale > 0.0 && e4m3_decode(out[tile * 128]).is_finite());
     }
     for r in 0..64 {
         assert_eq!(
