@@ -767,7 +767,7 @@ pub struct Run {
     pub count: u32,
 }
 
-/// `page_copy` byte by byte, each page placed by [`format::page_at`].
+/// `page_copy` page by page, each page placed by [`format::page_at`].
 pub fn page_copy(
     src: &[u8],
     from: format::Placement,
@@ -780,9 +780,7 @@ pub fn page_copy(
         for j in 0..run.count {
             let s = format::page_at(from, page_bytes, run.src + j);
             let d = format::page_at(to, page_bytes, run.dst + j);
-            for b in 0..page_bytes {
-                dst[d + b] = src[s + b];
-            }
+            dst[d..d + page_bytes].copy_from_slice(&src[s..s + page_bytes]);
         }
     }
 }
