@@ -123,6 +123,45 @@ pub mod format {
 
 use format::{HEAD_DIM, PAGE_TOKENS};
 
+/// DeepSeek's rotary frequencies, from the formula of `precompute_freqs_cis` (DeepSeek-V3.2-Exp,
+/// `inference/model.py`), apart from the `rope` module the engine builds its rows with:
+/// frequency `i` of 32 is `θ^(-2i/64)`; when the longest sequence served is above the length
+/// the model was trained at, YaRN divides the low frequencies by `factor`, keeps the high ones,
+/// and blends linearly between the dimension indices where a frequency turns `beta_fast` and
+/// `beta_slow` times over the trained length (`64 · ln(L / (2π·rotations)) / (2 ln θ)`, floored
+/// and ceiled, clamped to `0..=63`, 0.001 apart at least).
+pub fn rope_inv_freq(p: &crate::rope::RopeParams) -> [f64; 32] {
+    let plain: [f64; 32] = std::array::from_fn(|i| 1.0 / p.theta.powf(2.0 * i as f64 / 64.0));
+    if p.max_seq_len <= p.original_seq_len {
+        return plain;
+    }
+    let turns_at = |rotations: f64| {
+        64.0 * (p.original_seq_len as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * p.theta.ln())
+    };
+    let low = turns_at(p.beta_fast).floor().max(0.0);
+    let mut high = turns_at(p.beta_slow).ceil().min(63.0);
+    if low == high {
+        high += 0.001;
+    }
+    std::array::from_fn(|i| {
+        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+        plain[i] / p.factor * ramp + plain[i] * (1.0 - ramp)
+    })
+}
+
+/// The RoPE row of `position` in f64: 32 cosines, then 32 sines, of `position · inv_freq[i]`.
+pub fn rope_row(inv_freq: &[f64; 32], position: u32) -> [f64; 64] {
+    std::array::from_fn(|j| {
+        let angle = position as f64 * inv_freq[j % 32];
+        if j < 32 {
+            angle.cos()
+        } else {
+            angle.sin()
+        }
+    })
+}
+
 /// f32's unit roundoff, 2^-24: an exactly rounded f32 operation is off by at most this much of
 /// its result.
 pub const U32: f64 = 1.0 / 16_777_216.0;
@@ -131,8 +170,8 @@ pub const U32: f64 = 1.0 / 16_777_216.0;
 /// [`Pipeline::err`]. Counted from the f32 operations a value goes through: LayerNorm's mean
 /// and variance (128-term sums in a warp's order: 4 in a lane, 5 butterfly levels, then the
 /// square root and the division for `rstd`, about 12 roundings, each bounded by the running
-/// magnitude), RoPE's two products and a sum (3), the Hadamard's 7 butterfly levels and the
-/// 1/√128 (8): 23 in all, taken as 32.
+/// magnitude), RoPE's two products and a sum (3) and its table's rounding to f32 (1), the
+/// Hadamard's 7 butterfly levels and the 1/√128 (8): 24 in all, taken as 32.
 pub const PIPELINE_ERROR_UNITS: f64 = 32.0;
 
 /// The f64 value of a row pipeline and the bound on how far the f32 computation of it may be.
@@ -152,8 +191,10 @@ impl Pipeline {
 /// LayerNorm (when `ln`) → NeoX RoPE on dims 0..64 → Hadamard 128 / √128, in f64, with the
 /// bound on the f32 computation's error: `PIPELINE_ERROR_UNITS · U32 · M`, where `M` is
 /// `Σ_j m_j / √128` over the magnitudes `m_j` each value carries into the Hadamard (LayerNorm's
-/// `(|x_j| + Σ|x| / 128) · rstd · |γ_j| + |β_j|`, RoPE's `m_i|c| + m_{i+32}|s|`).
-pub fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f32], ln: bool) -> Pipeline {
+/// `(|x_j| + Σ|x| / 128) · rstd · |γ_j| + |β_j|`, RoPE's `m_i|c| + m_{i+32}|s|`). `rope` is the
+/// position's row, 32 cosines then 32 sines: exact ([`rope_row`]) or as a kernel was given them
+/// (rounded to f32; the bound counts that rounding).
+pub fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f64], ln: bool) -> Pipeline {
     assert_eq!(key.len(), HEAD_DIM, "a 128-value row");
     let x: [f64; 128] = std::array::from_fn(|i| key[i].to_f32() as f64);
     let mut y = x;
@@ -171,7 +212,7 @@ pub fn pipeline_f64(key: &[bf16], gamma: &[f32], beta: &[f32], rope: &[f32], ln:
     }
     let (r, rm) = (y, m);
     for i in 0..32 {
-        let (c, s) = (rope[i] as f64, rope[32 + i] as f64);
+        let (c, s) = (rope[i], rope[32 + i]);
         y[i] = r[i] * c - r[i + 32] * s;
         y[i + 32] = r[i + 32] * c + r[i] * s;
         m[i] = rm[i] * c.abs() + rm[i + 32] * s.abs();
@@ -384,7 +425,7 @@ pub fn check_index_k_row(
     key: &[bf16],
     gamma: &[f32],
     beta: &[f32],
-    rope: &[f32],
+    rope: &[f64],
     values: &[u8],
     scale: Option<f32>,
 ) -> Result<(), String> {
@@ -475,7 +516,7 @@ pub fn check_kv_row(dtype: KvDtype, row: &[bf16], out: &[u8]) -> Result<(), Stri
 pub fn check_q_head(
     q: &[bf16],
     w: f32,
-    rope: &[f32],
+    rope: &[f64],
     heads: usize,
     ue8m0: bool,
     codes: &[u8],
@@ -546,6 +587,11 @@ pub fn check_q_head(
     Err(why)
 }
 
+/// A RoPE row as a kernel was given it, in f64.
+pub fn f64s(row: &[f32]) -> Vec<f64> {
+    row.iter().map(|&v| v as f64).collect()
+}
+
 /// Bytes outside the rows of `slots` are what they were.
 fn untouched(
     before: &[u8],
@@ -581,7 +627,7 @@ pub fn check_index_k_store(
             &a.keys[i * 128..(i + 1) * 128],
             a.gamma,
             a.beta,
-            &a.rope[i * 64..(i + 1) * 64],
+            &f64s(&a.rope[i * 64..(i + 1) * 64]),
             &page[at..at + len],
             scale,
         )
@@ -610,7 +656,7 @@ pub fn check_q_prep(a: &cpu::QPrepArgs, q_out: &[u8], w_out: &[f32]) -> Result<(
             check_q_head(
                 &a.q[i * 128..(i + 1) * 128],
                 a.weights[i],
-                &a.rope[t * 64..(t + 1) * 64],
+                &f64s(&a.rope[t * 64..(t + 1) * 64]),
                 a.heads,
                 a.ue8m0,
                 &q_out[i * 128..(i + 1) * 128],
@@ -734,12 +780,16 @@ pub fn splitmix(mut z: u64) -> u64 {
 /// the wrapping sum over its 8-byte words of `mix(word ^ (j+1)·φ)`; then the wrapping sum over
 /// ranks of `mix(row_hash ^ (i+1)·ψ)`, padding skipped; `mix` the splitmix64 finalizer.
 pub fn digest<'a>(rows: impl IntoIterator<Item = Option<&'a [u8]>>) -> u64 {
+    digest_of(rows.into_iter().map(|r| r.map(row_hash)))
+}
+
+/// [`digest`] from each rank's [`row_hash`] (`None` is padding).
+pub fn digest_of(row_hashes: impl IntoIterator<Item = Option<u64>>) -> u64 {
     let mut acc = 0u64;
-    for (i, row) in rows.into_iter().enumerate() {
-        let Some(row) = row else {
-            continue;
-        };
-        acc = acc.wrapping_add(splitmix(row_hash(row) ^ (i as u64 + 1).wrapping_mul(PSI)));
+    for (i, h) in row_hashes.into_iter().enumerate() {
+        if let Some(h) = h {
+            acc = acc.wrapping_add(splitmix(h ^ (i as u64 + 1).wrapping_mul(PSI)));
+        }
     }
     acc
 }

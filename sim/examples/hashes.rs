@@ -48,6 +48,7 @@ fn main() -> ExitCode {
         cuda: false,
         schedules: 1,
         overlap: None,
+        exhaustive: false,
     };
     let results = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {

@@ -36,6 +36,8 @@ pub struct CampaignOptions {
     /// Whether the engine runs one step ahead in every seed (`--overlap on|off`); `None`: as
     /// each scenario draws it (half the seeds; never under `pd`).
     pub overlap: Option<bool>,
+    /// Hold every query row to the specification's logits (`--exhaustive`).
+    pub exhaustive: bool,
 }
 
 /// The seeds of a campaign: `first..end`, and of those only `seed % n == i` under a shard
@@ -208,8 +210,8 @@ impl CampaignSummary {
             }
         );
         println!(
-            "checked: {} requests finished, {} digests recomputed, {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again), {} aborts",
-            t.finished, t.digests_checked, t.rows_checked, t.rows_cached, t.ops, t.loads, t.backups, t.failed_copies, t.failed_kernels, t.steps_failed, t.aborted
+            "checked: {} requests finished, {} digests held to the specification's ({} queries' logits and top-k recomputed), {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again), {} aborts",
+            t.finished, t.digests_checked, t.queries_recomputed, t.rows_checked, t.rows_cached, t.ops, t.loads, t.backups, t.failed_copies, t.failed_kernels, t.steps_failed, t.aborted
         );
     }
 
@@ -347,6 +349,7 @@ pub fn run_campaign(
                     trace: false,
                     cuda: opts.cuda,
                     schedule: None,
+                    exhaustive: opts.exhaustive,
                 };
                 let mut out = run(&sc, &ropts);
                 if determinism::sampled(seed, out.failed()) {
@@ -527,6 +530,7 @@ mod tests {
             cuda: false,
             schedules: 1,
             overlap: None,
+            exhaustive: false,
         }
     }
 

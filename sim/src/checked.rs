@@ -65,7 +65,11 @@ impl Device for CheckedInOrder {
             .content
             .borrow_mut()
             .check_reads(&op, &self.inner.mem, &NoTaint);
-        self.findings.extend(found);
+        self.findings.extend(
+            found
+                .into_iter()
+                .map(|(oracle, m)| format!("[{oracle}] {m}")),
+        );
         self.inner.enqueue(stream, op)
     }
     fn host_read(

@@ -771,17 +771,10 @@ impl SimGpu {
             tainted: &self.tainted,
             gen: &self.page_gen,
         };
-        let (found, reference) = {
-            let mut c = c.borrow_mut();
-            let found = c.check_reads(&rec.op, &self.mem, &view);
-            (found, std::mem::take(&mut c.reference_errors))
-        };
-        for msg in reference {
-            self.finding(OracleKind::Reference, msg);
-        }
-        for msg in found {
+        let found = c.borrow_mut().check_reads(&rec.op, &self.mem, &view);
+        for (oracle, msg) in found {
             self.finding(
-                OracleKind::Content,
+                oracle,
                 format!("op {} ({}) at {} ns: {msg}", rec.id, rec.op.name(), end),
             );
         }

@@ -28,6 +28,7 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         cuda: false,
         schedules: 1,
         overlap: None,
+        exhaustive: false,
     };
     let sc = opts.scenario(0);
     let out = run(
@@ -129,6 +130,7 @@ fn the_same_seed_gives_the_same_event_log() {
         cuda: false,
         schedules: 1,
         overlap: None,
+        exhaustive: false,
     };
     for seed in [3u64, 4, 13] {
         let sc = opts.scenario(seed);

@@ -10,7 +10,7 @@ use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
 use tierkv_engine::synth::Synth;
 use tierkv_engine::{Engine, EngineOptions, Output, RequestSpec};
 use tierkv_sim::checked::CheckedInOrder;
-use tierkv_sim::oracles::content::ContentOracle;
+use tierkv_sim::oracles::content::{ContentOracle, Sampler};
 use tierkv_sim::oracles::digest::DigestOracle;
 
 #[derive(Clone, Copy, Debug)]
@@ -44,7 +44,9 @@ fn check(ik: IndexKDtype, kv: KvDtype, host: HostLayout, script: &[Step]) -> See
     cfg.cache.host_layout = host;
     cfg.cache.write_policy = WritePolicy::WriteThrough;
     let synth = Synth::new(11);
-    let content = Rc::new(RefCell::new(ContentOracle::new(&cfg, synth)));
+    // Every query row held to the specification's logits (none sampled out).
+    let every = Sampler { seed: 11, every: 1 };
+    let content = Rc::new(RefCell::new(ContentOracle::new(&cfg, synth, every)));
     let mut digests = DigestOracle::new(&cfg);
     let dev = CheckedInOrder::new(content.clone());
     let mut e = Engine::new(

@@ -84,15 +84,15 @@ fn bf16_rounding_is_the_half_crates() {
 }
 
 /// A row of keys, LayerNorm parameters and a RoPE row, drawn.
-fn inputs(g: &mut Gen) -> (Vec<bf16>, Vec<f32>, Vec<f32>, Vec<f32>) {
+fn inputs(g: &mut Gen) -> (Vec<bf16>, Vec<f32>, Vec<f32>, Vec<f64>) {
     let key: Vec<bf16> = (0..128).map(|_| bf16::from_f64(g.unit() * 3.0)).collect();
     let gamma: Vec<f32> = (0..128).map(|_| (1.0 + 0.5 * g.unit()) as f32).collect();
     let beta: Vec<f32> = (0..128).map(|_| (0.2 * g.unit()) as f32).collect();
     let angle: Vec<f64> = (0..32).map(|_| g.unit() * 3.0).collect();
-    let rope: Vec<f32> = angle
+    let rope: Vec<f64> = angle
         .iter()
-        .map(|a| a.cos() as f32)
-        .chain(angle.iter().map(|a| a.sin() as f32))
+        .map(|a| a.cos())
+        .chain(angle.iter().map(|a| a.sin()))
         .collect();
     (key, gamma, beta, rope)
 }
@@ -270,4 +270,26 @@ fn the_formats_are_the_designs() {
         let s = format::index_k_scale(IndexKDtype::Fp8, t).unwrap();
         assert_eq!(format::index_k_token_of(IndexKDtype::Fp8, s + 3), t);
     }
+}
+
+/// The specification's frequencies are the engine's module's (two writings of DeepSeek's
+/// formula), with YaRN and without, within f64 rounding.
+#[test]
+fn rope_frequencies_agree_with_the_rope_module() {
+    for max in [2048, 4096, 4097, 131_072] {
+        let p = crate::rope::RopeParams::deepseek_v32(max);
+        let ours = rope_inv_freq(&p);
+        let theirs = crate::rope::Rope::new(&p);
+        for (i, (a, b)) in ours.iter().zip(theirs.inv_freq()).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-15 * b.abs(),
+                "max {max} frequency {i}: {a} vs {b}"
+            );
+        }
+    }
+    // YaRN divides the lowest frequency by the factor and keeps the highest.
+    let p = crate::rope::RopeParams::deepseek_v32(131_072);
+    let f = rope_inv_freq(&p);
+    assert_eq!(f[0], 1.0);
+    assert!((f[31] - 10000f64.powf(-62.0 / 64.0) / 40.0).abs() < 1e-18);
 }

@@ -176,9 +176,26 @@ fn the_folded_weight_carries_deepseeks_constant() {
         &mut codes,
     );
     assert_eq!(
-        spec::check_q_head(&spike_head(), 1.0, &rope, 64, true, &codes, folded),
+        spec::check_q_head(
+            &spike_head(),
+            1.0,
+            &spec::f64s(&rope),
+            64,
+            true,
+            &codes,
+            folded
+        ),
         Ok(())
     );
     let bare = 2f32.powi(-9);
-    assert!(spec::check_q_head(&spike_head(), 1.0, &rope, 64, true, &codes, bare).is_err());
+    assert!(spec::check_q_head(
+        &spike_head(),
+        1.0,
+        &spec::f64s(&rope),
+        64,
+        true,
+        &codes,
+        bare
+    )
+    .is_err());
 }

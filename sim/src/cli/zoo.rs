@@ -66,6 +66,7 @@ pub fn zoo_row(
         cuda: false,
         schedules: 1,
         overlap,
+        exhaustive: false,
     };
     let s = run_campaign(&opts, |_| {});
     let first = s.failures.first().cloned();

@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 use tierkv_engine::cache::{NodeId, ROOT};
 use tierkv_engine::cpu_device::Memory;
 use tierkv_engine::device::{BufferId, BufferRole};
-use tierkv_engine::layout::{BufferKind, LayerId, PageId, PagedView, PAGE_TOKENS};
+use tierkv_engine::layout::{BufferKind, LayerId, PageId, PAGE_TOKENS};
+use tierkv_kernels::spec::format::Placement;
 
 pub fn check<D, C, T>(engine: &tierkv_engine::Engine<D, C, T>, time_ns: u64) -> Option<Finding>
 where
@@ -62,9 +63,9 @@ where
         })
     };
     let cache = engine.cache();
-    let pools = engine.pools();
-    let layer_base = engine.config().model.layer_base;
-    let layers = engine.layout().layers();
+    let cfg = engine.config();
+    let layer_base = cfg.model.layer_base;
+    let layers = cfg.model.layers;
     // The first position of each node: its depth in the tree, in pages.
     let mut depth: BTreeMap<NodeId, u32> = BTreeMap::new();
     let mut depth_of = |id: NodeId| -> u32 {
@@ -85,26 +86,28 @@ where
         }
         depth[&id]
     };
-    // Per tier, layer and kind: the buffer and where its pages are.
-    let sides: Vec<[(BufferKind, BufferId, PagedView); 2]> = (0..2)
+    // Per tier, layer and kind: the buffer and where its pages are, by the specification's
+    // placement (a device pool holds one layer; the host mirror every layer, in the configured
+    // order), not by the engine's views.
+    let host = |layer| Placement::Host {
+        order: cfg.cache.host_layout,
+        layers,
+        pages: cfg.host_pages(),
+        layer,
+    };
+    let sides: Vec<[(BufferKind, BufferId, Placement); 2]> = (0..2)
         .flat_map(|tier| {
             (0..layers).map(move |l| {
                 BufferKind::ALL.map(|kind| {
-                    let layer = LayerId(l);
                     if tier == 0 {
-                        let role = BufferRole::Pool { kind, layer };
-                        (
+                        let role = BufferRole::Pool {
                             kind,
-                            buffer(mem, role, nth),
-                            pools.device_side(kind, layer).view(),
-                        )
+                            layer: LayerId(l),
+                        };
+                        (kind, buffer(mem, role, nth), Placement::Device)
                     } else {
                         let role = BufferRole::Mirror { kind };
-                        (
-                            kind,
-                            buffer(mem, role, nth),
-                            pools.host_side(kind, layer).view(),
-                        )
+                        (kind, buffer(mem, role, nth), host(l))
                     }
                 })
             })
@@ -126,13 +129,13 @@ where
                 ));
             }
             for l in 0..layers {
-                for (kind, buf, view) in sides[tier * layers as usize + l as usize] {
+                for (kind, buf, placement) in sides[tier * layers as usize + l as usize] {
                     if let Some(e) = content.audit_page(
                         mem,
                         kind,
                         buf,
-                        view,
-                        page,
+                        placement,
+                        page.0,
                         &n.key,
                         first,
                         layer_base + l,

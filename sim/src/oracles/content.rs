@@ -1,45 +1,94 @@
 //! The content oracle: every index-K row an `index_logits` op reads and every KV row a
-//! `sparse_read` op reads is compared, byte for byte, with what the synthetic model says belongs
-//! there — at the moment the simulated GPU runs the op. It knows each request's tokens (the runner
-//! tells it the prompt and every generated token) and computes expected rows with the kernels' CPU
-//! references on fresh inputs; it never looks at the engine's state. Every expected row is held,
-//! once, to the specification's independent version (`tierkv_kernels::spec`) before it is used:
-//! a bug in a reference, which the executor shares, shows up there (`reference_errors`).
+//! `sparse_read` op reads is judged, at the moment the simulated GPU runs the op, against what
+//! the synthetic model says belongs there — by the specification (`tierkv_kernels::spec`), never
+//! by the kernel references the executor runs, and addressed through the specification's own
+//! byte formats, never through the layout module the engine writes with. It knows each
+//! request's tokens (the runner tells it the prompt and every generated token); it never looks
+//! at the engine's state.
 //!
-//! Rows of pages that a failed copy left garbage in are not compared (the engine must discard what
-//! it computed from them; the digest oracle checks that it did).
+//! - A KV row must be, byte for byte, the specification's row of its token ([`spec::kv_row`]:
+//!   the input bits, or the packed fp8 row computed by the exactly rounded f32 operations the
+//!   format defines).
+//! - An index-K row must be one the specification accepts for its token, position and layer:
+//!   the f64 pipeline's values rounded to nearest even within the f32 computation's error bound
+//!   ([`spec::check_index_k_row`]). Each distinct row (by a hash of its bytes) is judged once.
+//! - For a sample of the query rows (one in [`SAMPLE_EVERY`] by a hash of the seed, request,
+//!   position and layer; every row under `--exhaustive`), the query's fp8 codes and folded head
+//!   weights the op reads must be the specification's for the query's token
+//!   ([`spec::check_q_head`]), and the specification's f64 logits of that query over every key
+//!   it read are kept: the selection `sparse_read` then reads must be a top-k of them within
+//!   the f32 logits' error bound ([`spec::check_topk_within`]). Every selection, sampled or not,
+//!   must hold `min(index_topk, context)` distinct positions of the context — the *configured*
+//!   `index_topk`.
+//!
+//! The digest oracle (`digest.rs`) then holds each emitted digest to the specification's
+//! digest of the selection read, over the specification's KV rows.
+//!
+//! Rows of pages that a failed copy left garbage in are not judged (the engine must discard what
+//! it computed from them; the runner checks that it did).
 
-use crate::fasthash::FastMap;
+use crate::fasthash::{FastHasher, FastMap};
+use crate::report::OracleKind;
 use std::collections::BTreeMap;
+use std::hash::Hasher;
 use std::sync::Arc;
 use tierkv_engine::config::Config;
 use tierkv_engine::cpu_device::Memory;
-use tierkv_engine::device::{BufferId, BufferRole, Op, RowTags, SparseRead};
-use tierkv_engine::layout::{
-    index_k_page, kv_row, slot_offset, slot_page, BufferKind, IndexKDtype, KvDtype, LayerId,
-    PageFormat, SlotId, PAGE_TOKENS,
-};
+use tierkv_engine::device::{BufferId, BufferRole, IndexLogits, Op, RowTags, SparseRead};
+use tierkv_engine::layout::{BufferKind, IndexKDtype, KvDtype, LayerId};
 use tierkv_engine::synth::{LnParams, Synth};
-use tierkv_kernels::cpu::numerics::le_i32s;
-use tierkv_kernels::cpu::sparse_read::row_hash;
-use tierkv_kernels::cpu::store::{index_k_token, kv_token};
-use tierkv_kernels::rope::Rope;
-use tierkv_kernels::spec;
+use tierkv_kernels::spec::{self, format};
 
-/// What the synthetic model says an index-K row is: its value bytes and (fp8) scale.
-#[derive(Clone, Debug, PartialEq)]
-pub struct IkRow {
-    pub values: Vec<u8>,
-    pub scale: Option<f32>,
+/// One query row in this many (by a hash) has its logits recomputed by the specification.
+pub const SAMPLE_EVERY: u64 = 4;
+
+/// Which query rows are held to the specification's logits.
+#[derive(Clone, Copy, Debug)]
+pub struct Sampler {
+    pub seed: u64,
+    /// One row in `every` (1: every row, `--exhaustive`).
+    pub every: u64,
 }
+
+impl Sampler {
+    pub fn sampled(&self, request: u64, position: u32, layer: u32) -> bool {
+        self.every <= 1
+            || hash_words(&[self.seed, request, position as u64, layer as u64]) % self.every == 0
+    }
+}
+
+fn hash_words(words: &[u64]) -> u64 {
+    let mut h = FastHasher::default();
+    for &w in words {
+        h.write_u64(w);
+    }
+    // The multiply-and-rotate hasher leaves its low bits weak: fold the high ones in.
+    let v = h.finish();
+    v ^ (v >> 29) ^ (v >> 47)
+}
+
+fn hash_bytes(parts: &[&[u8]]) -> u64 {
+    let mut h = FastHasher::default();
+    for p in parts {
+        h.write(p);
+        h.write_u64(p.len() as u64);
+    }
+    h.finish()
+}
+
+/// A finding of this oracle: which oracle it belongs to, and its message.
+pub type Verdict = (OracleKind, String);
 
 pub struct ContentOracle {
     pub synth: Synth,
     pub ik_dtype: IndexKDtype,
     pub kv_dtype: KvDtype,
     pub ue8m0: bool,
-    /// The model's RoPE frequencies, as the engine's rows use them.
-    pub rope: Rope,
+    /// The configured `index_topk` and indexer heads.
+    topk: u32,
+    heads: u32,
+    /// The model's rotary frequencies, from the specification's own formula.
+    inv_freq: [f64; 32],
     ln: BTreeMap<u32, LnParams>,
     /// Known tokens of each request: prompt, then every generated token — the first
     /// `confirmed` of them emitted by the engine, the rest told by a `next_tokens` the device
@@ -47,17 +96,29 @@ pub struct ContentOracle {
     pub tokens: BTreeMap<u64, Vec<u32>>,
     /// How many of each request's `tokens` are the prompt's or emitted by the engine.
     confirmed: BTreeMap<u64, usize>,
-    ik_memo: FastMap<(u32, u32, u32), Arc<IkRow>>,
+    /// Index-K rows the specification accepted: (token, position, layer) → the hashes of the
+    /// bytes (values and scale) it accepted for it.
+    ik_accepted: FastMap<(u32, u32, u32), Vec<u64>>,
+    /// Query rows the specification accepted: (token, position, layer) → the hashes of the
+    /// codes and weights it accepted.
+    q_accepted: FastMap<(u32, u32, u32), Vec<u64>>,
     kv_memo: FastMap<(u32, u32, u32), Arc<Vec<u8>>>,
-    /// `row_hash` of each `kv_memo` row: a query's digest hashes every row it selects, and the
-    /// same rows are selected query after query.
+    /// `spec::row_hash` of each `kv_memo` row: a query's digest hashes every row it selects, and
+    /// the same rows are selected query after query.
     kv_hash_memo: FastMap<(u32, u32, u32), u64>,
     /// Selections seen by `sparse_read`: (request, query position, global layer) → positions.
     pub selections: BTreeMap<(u64, u32, u32), Vec<u32>>,
+    /// The sampled queries' logits, from the specification: (request, query position, global
+    /// layer) → each context position's value and error bound; taken by the `sparse_read` that
+    /// reads the query's selection.
+    logits: BTreeMap<(u64, u32, u32), Vec<(f64, f64)>>,
+    pub sampler: Sampler,
     pub rows_checked: u64,
     /// Rows not compared again because their page was compared, unwritten since, against the same
     /// expected tokens.
     pub rows_cached: u64,
+    /// Query rows whose logits and selection were recomputed by the specification.
+    pub queries_recomputed: u64,
     /// For each (request, query position, global layer): whether the latest forward of that query
     /// read rows a failed copy left garbage in. Those rows are not compared — the engine must
     /// discard what it computed from them, and the runner checks that no output it emits comes
@@ -68,9 +129,6 @@ pub struct ContentOracle {
     /// A page read again, unwritten since and expected to hold the same tokens, holds the bytes
     /// that were compared — so comparing them again would prove nothing new.
     verified: FastMap<(BufferId, u64), (u64, u64)>,
-    /// Expected values a reference computed that the specification's independent version
-    /// disagrees with (this oracle's and the digest oracle's), for the runner to report.
-    pub reference_errors: Vec<String>,
 }
 
 /// What the GPU knows about a page: which token rows a failed copy left garbage in (bit `t`),
@@ -81,26 +139,31 @@ pub trait PageState {
 }
 
 impl ContentOracle {
-    pub fn new(cfg: &Config, synth: Synth) -> Self {
+    pub fn new(cfg: &Config, synth: Synth, sampler: Sampler) -> Self {
         ContentOracle {
             synth,
             ik_dtype: cfg.model.index_k_dtype,
             kv_dtype: cfg.model.kv_dtype,
             ue8m0: cfg.model.scale_fmt.ue8m0(),
-            rope: Rope::new(&cfg.rope()),
+            topk: cfg.model.index_topk,
+            heads: cfg.model.index_n_heads,
+            inv_freq: spec::rope_inv_freq(&cfg.rope()),
             ln: BTreeMap::new(),
             tokens: BTreeMap::new(),
             confirmed: BTreeMap::new(),
-            ik_memo: FastMap::default(),
+            ik_accepted: FastMap::default(),
+            q_accepted: FastMap::default(),
             kv_memo: FastMap::default(),
             kv_hash_memo: FastMap::default(),
             selections: BTreeMap::new(),
+            logits: BTreeMap::new(),
+            sampler,
             rows_checked: 0,
             rows_cached: 0,
+            queries_recomputed: 0,
             tainted_reads: BTreeMap::new(),
             layer_base: cfg.model.layer_base,
             verified: FastMap::default(),
-            reference_errors: Vec::new(),
         }
     }
 
@@ -112,6 +175,19 @@ impl ContentOracle {
     pub fn prompt(&mut self, request: u64, prompt: Vec<u32>) {
         self.confirmed.insert(request, prompt.len());
         self.tokens.insert(request, prompt);
+    }
+
+    /// `request` ended: what was kept for its queries goes.
+    pub fn forget(&mut self, request: u64) {
+        let range = (request, 0, 0)..(request + 1, 0, 0);
+        let keys: Vec<_> = self.logits.range(range.clone()).map(|(k, _)| *k).collect();
+        for k in keys {
+            self.logits.remove(&k);
+        }
+        let keys: Vec<_> = self.selections.range(range).map(|(k, _)| *k).collect();
+        for k in keys {
+            self.selections.remove(&k);
+        }
     }
 
     /// How many of `request`'s tokens are confirmed (its prompt and what the engine emitted).
@@ -154,10 +230,20 @@ impl ContentOracle {
         }
     }
 
-    /// The expected index-K row of `token` at `position` in global layer `layer`.
-    pub fn ik_row(&mut self, token: u32, position: u32, layer: u32) -> Arc<IkRow> {
-        if let Some(r) = self.ik_memo.get(&(token, position, layer)) {
-            return r.clone();
+    /// Whether the specification accepts `values` and `scale` as the index-K row of `token` at
+    /// `position` in global `layer` (each distinct row judged once).
+    fn ik_ok(
+        &mut self,
+        token: u32,
+        position: u32,
+        layer: u32,
+        values: &[u8],
+        scale: Option<&[u8]>,
+    ) -> Result<(), String> {
+        let h = hash_bytes(&[values, scale.unwrap_or(&[])]);
+        let key = (token, position, layer);
+        if self.ik_accepted.get(&key).is_some_and(|v| v.contains(&h)) {
+            return Ok(());
         }
         let synth = self.synth;
         let (g, b) = self
@@ -165,56 +251,67 @@ impl ContentOracle {
             .entry(layer)
             .or_insert_with(|| synth.ln_params(layer))
             .clone();
-        let key = synth.index_key(token, position, layer);
-        let mut values = vec![0u8; index_k_page::values_bytes(self.ik_dtype)];
-        let rope = self.rope.row(position);
-        let scale = index_k_token(self.ik_dtype, self.ue8m0, &key, &g, &b, &rope, &mut values);
-        let spec = spec::check_index_k_row(
-            self.ik_dtype,
-            self.ue8m0,
-            &key,
-            &g,
-            &b,
-            &rope,
-            &values,
-            scale,
-        );
-        if let Err(e) = spec {
-            self.reference_errors.push(format!(
-                "the index_k_store reference's row for token {token} at position {position}, layer {layer}, \
-                 disagrees with the specification: {e}"
-            ));
-        }
-        let r = Arc::new(IkRow { values, scale });
-        self.ik_memo.insert((token, position, layer), r.clone());
-        r
+        let k = synth.index_key(token, position, layer);
+        let rope = spec::rope_row(&self.inv_freq, position);
+        let scale = scale.map(|s| f32::from_le_bytes(s.try_into().expect("4 bytes")));
+        spec::check_index_k_row(self.ik_dtype, self.ue8m0, &k, &g, &b, &rope, values, scale)?;
+        self.ik_accepted.entry(key).or_default().push(h);
+        Ok(())
     }
 
-    /// The expected KV row bytes of `token` at `position` in global layer `layer`.
+    /// Whether the specification accepts `codes` and `weights` (every head) as the query of
+    /// `token` at `position` in global `layer`.
+    fn q_ok(
+        &mut self,
+        token: u32,
+        position: u32,
+        layer: u32,
+        codes: &[u8],
+        weights: &[u8],
+    ) -> Result<(), String> {
+        let h = hash_bytes(&[codes, weights]);
+        let key = (token, position, layer);
+        if self.q_accepted.get(&key).is_some_and(|v| v.contains(&h)) {
+            return Ok(());
+        }
+        let heads = self.heads as usize;
+        let q = self.synth.query(token, position, layer, self.heads);
+        let w = self.synth.head_weights(token, position, layer, self.heads);
+        let rope = spec::rope_row(&self.inv_freq, position);
+        for hd in 0..heads {
+            let w_out = f32::from_le_bytes(weights[4 * hd..4 * hd + 4].try_into().expect("4 B"));
+            spec::check_q_head(
+                &q[hd * 128..(hd + 1) * 128],
+                w[hd],
+                &rope,
+                heads,
+                self.ue8m0,
+                &codes[hd * 128..(hd + 1) * 128],
+                w_out,
+            )
+            .map_err(|e| format!("head {hd}: {e}"))?;
+        }
+        self.q_accepted.entry(key).or_default().push(h);
+        Ok(())
+    }
+
+    /// The specification's KV row of `token` at `position` in global `layer`.
     pub fn kv_row(&mut self, token: u32, position: u32, layer: u32) -> Arc<Vec<u8>> {
         if let Some(r) = self.kv_memo.get(&(token, position, layer)) {
             return r.clone();
         }
         let row = self.synth.kv_row(token, position, layer);
-        let mut out = vec![0u8; PageFormat::Kv(self.kv_dtype).token_bytes() as usize];
-        kv_token(self.kv_dtype, &row, &mut out);
-        if let Err(e) = spec::check_kv_row(self.kv_dtype, &row, &out) {
-            self.reference_errors.push(format!(
-                "the kv_store reference's row for token {token} at position {position}, layer {layer}, \
-                 disagrees with the specification: {e}"
-            ));
-        }
-        let r = Arc::new(out);
+        let r = Arc::new(spec::kv_row(self.kv_dtype, &row));
         self.kv_memo.insert((token, position, layer), r.clone());
         r
     }
 
-    /// `sparse_read::row_hash` of the expected KV row of `token` at `position` in global `layer`.
+    /// `spec::row_hash` of the specification's KV row of `token` at `position` in `layer`.
     pub fn kv_row_hash(&mut self, token: u32, position: u32, layer: u32) -> u64 {
         if let Some(&h) = self.kv_hash_memo.get(&(token, position, layer)) {
             return h;
         }
-        let h = row_hash(&self.kv_row(token, position, layer));
+        let h = spec::row_hash(&self.kv_row(token, position, layer));
         self.kv_hash_memo.insert((token, position, layer), h);
         h
     }
@@ -225,41 +322,36 @@ impl ContentOracle {
         if last as usize > toks.len() {
             return None;
         }
-        let mut h = tierkv_kernels::cpu::numerics::mix64(
-            ((layer as u64) << 40) ^ ((first as u64) << 20) ^ last as u64,
-        );
+        let mut h = FastHasher::default();
+        h.write_u64(((layer as u64) << 40) ^ ((first as u64) << 20) ^ last as u64);
         for &t in &toks[first as usize..last as usize] {
-            h = tierkv_kernels::cpu::numerics::mix64(h ^ t as u64);
+            h.write_u32(t);
         }
-        Some(h)
+        Some(h.finish())
     }
 
-    /// Checks the rows `op` reads from `mem`; returns one message per violated op (first row).
-    pub fn check_reads(&mut self, op: &Op, mem: &Memory, pages: &dyn PageState) -> Vec<String> {
+    /// Judges the rows `op` reads from `mem`; returns one finding per violated op (first row).
+    pub fn check_reads(&mut self, op: &Op, mem: &Memory, pages: &dyn PageState) -> Vec<Verdict> {
         match op {
             Op::IndexLogits(o) => {
                 if let Some(e) =
                     self.check_tags(op, o.k, BufferKind::IndexK, &o.context_lens, &o.tags, mem)
                 {
-                    return vec![e];
+                    return vec![(OracleKind::Content, e)];
                 }
-                self.check_index_k(
-                    o.k,
-                    &o.page_table,
-                    o.pt_stride,
-                    &o.context_lens,
-                    &o.tags,
-                    mem,
-                    pages,
-                )
+                self.check_index_k(o, mem, pages)
             }
             Op::SparseRead(o) => {
                 if let Some(e) =
                     self.check_tags(op, o.kv, BufferKind::Kv, &o.context_lens, &o.tags, mem)
                 {
-                    return vec![e];
+                    return vec![(OracleKind::Content, e)];
                 }
-                let sel = le_i32s(mem.region(o.slots));
+                let sel: Vec<i32> = mem
+                    .region(o.slots)
+                    .chunks_exact(4)
+                    .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")))
+                    .collect();
                 self.check_kv(o, &sel, mem, pages)
             }
             _ => Vec::new(),
@@ -299,30 +391,27 @@ impl ContentOracle {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn check_index_k(
         &mut self,
-        k: BufferId,
-        page_table: &[i32],
-        pt_stride: u32,
-        context_lens: &[i32],
-        tags: &RowTags,
+        o: &IndexLogits,
         mem: &Memory,
         pages: &dyn PageState,
-    ) -> Vec<String> {
+    ) -> Vec<Verdict> {
         let dtype = self.ik_dtype;
-        let pb = PageFormat::IndexK(dtype).page_bytes() as usize;
-        let buf = mem.bytes(k);
-        let layer = tags.layer_global;
-        for (r, tag) in tags.rows.iter().enumerate() {
-            let ctx = context_lens[r] as u32;
+        let pb = format::index_k_page_bytes(dtype);
+        let buf = mem.bytes(o.k);
+        let layer = o.tags.layer_global;
+        let content = |m: String| vec![(OracleKind::Content, m)];
+        for (r, tag) in o.tags.rows.iter().enumerate() {
+            let ctx = o.context_lens[r] as u32;
+            let pt = &o.page_table[r * o.pt_stride as usize..][..ctx.div_ceil(64) as usize];
             let mut tainted_read = false;
-            for j in 0..ctx.div_ceil(PAGE_TOKENS) {
-                let page = page_table[r * pt_stride as usize + j as usize];
+            for (j, &page) in pt.iter().enumerate() {
+                let j = j as u32;
                 if page < 0 {
                     continue;
                 }
-                let (first, last) = (j * PAGE_TOKENS, ((j + 1) * PAGE_TOKENS).min(ctx));
+                let (first, last) = (j * 64, ((j + 1) * 64).min(ctx));
                 // `None` when a row's token is unknown: only a row with garbage may be so.
                 let want_hash = self.expect_hash(tag.request, first, last, layer);
                 let rows_used = if last - first == 64 {
@@ -330,67 +419,108 @@ impl ContentOracle {
                 } else {
                     (1u64 << (last - first)) - 1
                 };
-                let bad_rows = pages.tainted_rows(k, page as u64) & rows_used;
+                let bad_rows = pages.tainted_rows(o.k, page as u64) & rows_used;
                 tainted_read |= bad_rows != 0;
                 // A page compared before, unwritten since and expected to hold the same tokens
                 // holds the very bytes that were compared: nothing new to learn from them.
-                let gen = pages.generation(k, page as u64);
+                let gen = pages.generation(o.k, page as u64);
                 if bad_rows == 0
                     && want_hash
-                        .is_some_and(|h| self.verified.get(&(k, page as u64)) == Some(&(gen, h)))
+                        .is_some_and(|h| self.verified.get(&(o.k, page as u64)) == Some(&(gen, h)))
                 {
                     self.rows_cached += (last - first) as u64;
                     continue;
                 }
+                let bytes =
+                    &buf[format::page_at(format::Placement::Device, pb, page as u32)..][..pb];
                 for n in first..last {
-                    let t = n % PAGE_TOKENS;
+                    let t = (n % 64) as usize;
                     if bad_rows & (1u64 << t) != 0 {
                         continue;
                     }
                     let Some(token) = self.token(tag.request, n) else {
-                        return vec![format!(
+                        return content(format!(
                             "request {} reads index-K position {n}, past its known tokens",
                             tag.request
-                        )];
+                        ));
                     };
                     self.rows_checked += 1;
-                    let want = self.ik_row(token, n, layer);
-                    let at = page as usize * pb + index_k_page::value_offset(dtype, t, 0);
-                    let got = &buf[at..at + want.values.len()];
-                    if got != want.values.as_slice() {
-                        let i = got
-                            .iter()
-                            .zip(want.values.iter())
-                            .position(|(a, b)| a != b)
-                            .unwrap_or(0);
-                        return vec![format!(
-                            "index-K read of request {} position {n} (page {page}, token {t}) in layer {layer}: \
-                             value byte {i} is {:#04x}, the synthetic model says {:#04x} (query position {})",
-                            tag.request, got[i], want.values[i], tag.position
-                        )];
-                    }
-                    if let (Some(off), Some(scale)) =
-                        (index_k_page::scale_offset(dtype, t), want.scale)
-                    {
-                        let at = page as usize * pb + off;
-                        let got = f32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
-                        if got.to_bits() != scale.to_bits() {
-                            return vec![format!(
-                                "index-K read of request {} position {n} (page {page}) in layer {layer}: \
-                                 scale is {got:e}, the synthetic model says {scale:e}",
-                                tag.request
-                            )];
-                        }
+                    let (at, len) = format::index_k_values(dtype, t);
+                    let scale = format::index_k_scale(dtype, t).map(|s| &bytes[s..s + 4]);
+                    if let Err(e) = self.ik_ok(token, n, layer, &bytes[at..at + len], scale) {
+                        return content(format!(
+                            "index-K read of request {} position {n} (page {page}, token {t}) in layer {layer}, \
+                             query position {}: not the specification's row of token {token}: {e}",
+                            tag.request, tag.position
+                        ));
                     }
                 }
                 if let (0, Some(h)) = (bad_rows, want_hash) {
-                    self.verified.insert((k, page as u64), (gen, h));
+                    self.verified.insert((o.k, page as u64), (gen, h));
                 }
             }
             self.tainted_reads
                 .insert((tag.request, tag.position, layer), tainted_read);
+            if !tainted_read && self.sampler.sampled(tag.request, tag.position, layer) {
+                if let Err(v) = self.recompute_query(o, r, mem) {
+                    return vec![v];
+                }
+            }
         }
         Vec::new()
+    }
+
+    /// Row `r` of `o`, a sampled query: its codes and weights held to the specification, then
+    /// the specification's logits of it over every key the row reads, kept for its selection.
+    fn recompute_query(&mut self, o: &IndexLogits, r: usize, mem: &Memory) -> Result<(), Verdict> {
+        let tag = o.tags.rows[r];
+        let layer = o.tags.layer_global;
+        let heads = o.heads as usize;
+        let codes = &mem.region(o.q)[r * heads * 128..][..heads * 128];
+        let weights = &mem.region(o.w)[r * heads * 4..][..heads * 4];
+        let Some(token) = self.token(tag.request, tag.position) else {
+            return Err((
+                OracleKind::Content,
+                format!(
+                    "request {} queries position {}, past its known tokens",
+                    tag.request, tag.position
+                ),
+            ));
+        };
+        if let Err(e) = self.q_ok(token, tag.position, layer, codes, weights) {
+            return Err((
+                OracleKind::Reference,
+                format!(
+                    "the query of request {} at position {} (token {token}) in layer {layer} is not the \
+                     specification's: {e}",
+                    tag.request, tag.position
+                ),
+            ));
+        }
+        let w: Vec<f32> = weights
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let ctx = o.context_lens[r] as usize;
+        let pb = format::index_k_page_bytes(self.ik_dtype);
+        let buf = mem.bytes(o.k);
+        let mut scores = Vec::with_capacity(ctx);
+        let mut keys = Vec::with_capacity(64);
+        for (j, &page) in o.page_table[r * o.pt_stride as usize..][..ctx.div_ceil(64)]
+            .iter()
+            .enumerate()
+        {
+            let bytes = &buf[format::page_at(format::Placement::Device, pb, page as u32)..][..pb];
+            keys.clear();
+            keys.extend(
+                (0..(ctx - 64 * j).min(64)).map(|t| spec::key_f64(self.ik_dtype, bytes, t)),
+            );
+            scores.extend(spec::logits_f64(codes, &w, &keys));
+        }
+        self.queries_recomputed += 1;
+        self.logits
+            .insert((tag.request, tag.position, layer), scores);
+        Ok(())
     }
 
     fn check_kv(
@@ -399,7 +529,7 @@ impl ContentOracle {
         sel: &[i32],
         mem: &Memory,
         pages: &dyn PageState,
-    ) -> Vec<String> {
+    ) -> Vec<Verdict> {
         let SparseRead {
             kv,
             k,
@@ -410,12 +540,13 @@ impl ContentOracle {
             ..
         } = *op;
         let dtype = self.kv_dtype;
-        let tb = PageFormat::Kv(dtype).token_bytes() as usize;
+        let rb = format::kv_row_bytes(dtype);
         let buf = mem.bytes(kv);
         let layer = tags.layer_global;
+        let content = |m: String| vec![(OracleKind::Content, m)];
         for (r, tag) in tags.rows.iter().enumerate() {
             let ctx = context_lens[r] as u32;
-            let pt = &page_table[r * pt_stride as usize..][..ctx.div_ceil(PAGE_TOKENS) as usize];
+            let pt = &page_table[r * pt_stride as usize..][..ctx.div_ceil(64) as usize];
             let mut positions = Vec::new();
             let mut tainted_read = false;
             for i in 0..k as usize {
@@ -423,21 +554,21 @@ impl ContentOracle {
                 if s < 0 {
                     continue;
                 }
-                let slot = SlotId(s as u32);
-                let (page, t) = (slot_page(slot).0 as i32, slot_offset(slot));
+                // A KV slot is row `s` of the pool: page `s / 64`, row `s % 64` of it.
+                let (page, t) = (s / 64, (s % 64) as u32);
                 let Some(j) = pt.iter().position(|&p| p == page) else {
-                    return vec![format!(
+                    return content(format!(
                         "request {} (query position {}) layer {layer}: selected slot {s} is in page {page}, \
                          which is not in the row's page table",
                         tag.request, tag.position
-                    )];
+                    ));
                 };
-                let n = j as u32 * PAGE_TOKENS + t;
+                let n = j as u32 * 64 + t;
                 if n >= ctx {
-                    return vec![format!(
+                    return content(format!(
                         "request {} (query position {}) layer {layer}: selected position {n} is past the context ({ctx})",
                         tag.request, tag.position
-                    )];
+                    ));
                 }
                 positions.push(n);
                 if pages.tainted_rows(kv, page as u64) & (1u64 << t) != 0 {
@@ -445,14 +576,13 @@ impl ContentOracle {
                     continue;
                 }
                 let Some(token) = self.token(tag.request, n) else {
-                    return vec![format!(
+                    return content(format!(
                         "request {} reads KV position {n}, past its known tokens",
                         tag.request
-                    )];
+                    ));
                 };
                 let want = self.kv_row(token, n, layer);
-                let at = kv_row::slot_offset(dtype, s as u32);
-                let got = &buf[at..at + tb];
+                let got = &buf[s as usize * rb..][..rb];
                 self.rows_checked += 1;
                 if got != want.as_slice() {
                     let b = got
@@ -460,73 +590,125 @@ impl ContentOracle {
                         .zip(want.iter())
                         .position(|(a, b)| a != b)
                         .unwrap_or(0);
-                    return vec![format!(
+                    return content(format!(
                         "KV read of request {} position {n} (slot {s}) in layer {layer}: byte {b} is {:#04x}, \
-                         the synthetic model says {:#04x} (query position {})",
+                         the specification's row of token {token} says {:#04x} (query position {})",
                         tag.request, got[b], want[b], tag.position
-                    )];
+                    ));
+                }
+            }
+            let tainted = {
+                let t = self
+                    .tainted_reads
+                    .entry((tag.request, tag.position, layer))
+                    .or_default();
+                *t |= tainted_read;
+                *t
+            };
+            let logits = self.logits.remove(&(tag.request, tag.position, layer));
+            if !tainted {
+                if let Some(v) =
+                    self.check_selection(tag.request, tag.position, layer, &positions, logits)
+                {
+                    return vec![v];
                 }
             }
             self.selections
                 .insert((tag.request, tag.position, layer), positions);
-            *self
-                .tainted_reads
-                .entry((tag.request, tag.position, layer))
-                .or_default() |= tainted_read;
         }
         Vec::new()
+    }
+
+    /// A query's selection: `min(index_topk, context)` distinct positions of its context (the
+    /// query at position `p` sees `p + 1`), and, where the query was sampled, a top-k of the
+    /// specification's logits within their bounds.
+    fn check_selection(
+        &self,
+        request: u64,
+        position: u32,
+        layer: u32,
+        selected: &[u32],
+        logits: Option<Vec<(f64, f64)>>,
+    ) -> Option<Verdict> {
+        let context = position as usize + 1;
+        let scores = match logits {
+            Some(s) => s,
+            // Not sampled: only what the selection's size and positions say.
+            None => vec![(0.0, f64::INFINITY); context],
+        };
+        if scores.len() != context {
+            return Some((
+                OracleKind::TopK,
+                format!(
+                    "request {request} position {position} layer {layer}: the query scored {} keys; its context is {context}",
+                    scores.len()
+                ),
+            ));
+        }
+        let bounded: Vec<(f64, f64)> = scores
+            .iter()
+            .map(|&(v, m)| (v, spec::LOGIT_ERROR_UNITS * spec::U32 * m))
+            .collect();
+        spec::check_topk_within(selected, &bounded, self.topk as usize)
+            .err()
+            .map(|e| {
+                (
+                    OracleKind::TopK,
+                    format!(
+                        "request {request} position {position} layer {layer}: the selection read is not a top-{} \
+                         (index_topk) of the specification's logits: {e}",
+                        self.topk
+                    ),
+                )
+            })
     }
 }
 
 impl ContentOracle {
-    /// Compares one whole page of `kind` — tokens `tokens` at positions `first..first + PAGE_TOKENS` of
-    /// global layer `layer` — with the bytes of `page` in `view` of buffer `buf`. The message
-    /// names the first row that differs.
+    /// Judges one whole page of `kind` — tokens `tokens` at positions `first..first + 64` of
+    /// global layer `layer` — in buffer `buf`, page `page` placed as `placement` says (the
+    /// specification's placement, not the engine's views). The message names the first row
+    /// that differs.
     #[allow(clippy::too_many_arguments)]
     pub fn audit_page(
         &mut self,
         mem: &Memory,
         kind: BufferKind,
         buf: BufferId,
-        view: tierkv_engine::layout::PagedView,
-        page: tierkv_engine::layout::PageId,
+        placement: format::Placement,
+        page: u32,
         tokens: &[u32],
         first: u32,
         layer: u32,
     ) -> Option<String> {
-        let at = view.page_range(page);
-        let bytes = &mem.bytes(buf)[at.start as usize..at.end as usize];
+        let pb = match kind {
+            BufferKind::Kv => format::kv_page_bytes(self.kv_dtype),
+            BufferKind::IndexK => format::index_k_page_bytes(self.ik_dtype),
+        };
+        let at = format::page_at(placement, pb, page);
+        let bytes = &mem.bytes(buf)[at..at + pb];
         for (t, &token) in tokens.iter().enumerate() {
-            let (t, n) = (t as u32, first + t as u32);
+            let n = first + t as u32;
             self.rows_checked += 1;
             let differs = match kind {
                 BufferKind::Kv => {
                     let want = self.kv_row(token, n, layer);
-                    let off = kv_row::slot_offset(self.kv_dtype, t);
-                    bytes[off..off + want.len()] != want[..]
+                    let rb = want.len();
+                    (bytes[t * rb..(t + 1) * rb] != want[..])
+                        .then(|| "not the specification's row".to_string())
                 }
                 BufferKind::IndexK => {
                     let dtype = self.ik_dtype;
-                    let want = self.ik_row(token, n, layer);
-                    let off = index_k_page::value_offset(dtype, t, 0);
-                    let values = bytes[off..off + want.values.len()] != want.values[..];
-                    let scale = match (index_k_page::scale_offset(dtype, t), want.scale) {
-                        (Some(off), Some(s)) => bytes[off..off + 4] != s.to_le_bytes(),
-                        (None, None) => false,
-                        (off, s) => panic!(
-                            "index-K page format and expected row disagree on the scale ({off:?}, {s:?})"
-                        ),
-                    };
-                    values || scale
+                    let (v, len) = format::index_k_values(dtype, t);
+                    let scale = format::index_k_scale(dtype, t).map(|s| &bytes[s..s + 4]);
+                    self.ik_ok(token, n, layer, &bytes[v..v + len], scale).err()
                 }
             };
-            if differs {
+            if let Some(why) = differs {
                 return Some(format!(
-                    "{} row of position {n} (row {t} of the page) in layer {layer} differs from the synthetic model",
-                    match kind {
-                        BufferKind::Kv => "KV",
-                        BufferKind::IndexK => "index-K",
-                    }
+                    "{} row of position {n} (row {t} of the page) in layer {layer} is not the specification's \
+                     row of token {token}: {why}",
+                    kind.name()
                 ));
             }
         }

@@ -2,6 +2,7 @@
 //! `TIERKV_SIM_SEEDS=N`), the CLI's behaviour on good and bad input.
 
 mod bad_inputs;
+mod independence;
 mod shards;
 
 use std::process::Command;
@@ -21,6 +22,7 @@ fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
         cuda: false,
         schedules: 1,
         overlap: None,
+        exhaustive: false,
     }
 }
 

@@ -1,0 +1,75 @@
+//! The oracles that judge arithmetic and layout are independent of what they judge: read from
+//! their sources, so that a later edit cannot quietly make them share the code under test.
+
+use std::path::Path;
+
+fn source(rel: &str) -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::fs::read_to_string(root.join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// Lines of `text` (comments left out) holding any of `needles`.
+fn uses(text: &str, needles: &[&str]) -> Vec<String> {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .filter(|l| needles.iter().any(|n| l.contains(n)))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The digest and content oracles take nothing from the kernels' CPU references (which the
+/// executor runs) and no offset from the layout module (which the engine writes with): their
+/// rows, logits, top-k judgement and digests come from the specification.
+#[test]
+fn the_oracles_share_no_code_with_the_references_or_the_layout() {
+    for file in ["sim/src/oracles/digest.rs", "sim/src/oracles/content.rs"] {
+        let found = uses(
+            &source(file),
+            &[
+                "tierkv_kernels::cpu",
+                "cpu::",
+                "index_k_page::",
+                "kv_row::",
+                "slot_offset",
+                "slot_page",
+                "PagedView",
+                "page_range",
+                "rope::Rope",
+            ],
+        );
+        assert!(
+            found.is_empty(),
+            "{file} uses the code it checks:\n{}",
+            found.join("\n")
+        );
+    }
+}
+
+/// The specification owns its byte formats and calls no reference: it may name the references'
+/// argument structs (`cpu::IndexKStoreArgs`, ...) and nothing else of `cpu`, and nothing of the
+/// layout module.
+#[test]
+fn the_specification_owns_its_layout() {
+    let text = source("kernels/src/spec.rs");
+    let found = uses(
+        &text,
+        &[
+            "use crate::layout",
+            "crate::layout::",
+            "index_k_page::",
+            "kv_row::",
+        ],
+    );
+    assert!(
+        found.is_empty(),
+        "spec.rs uses the layout module:\n{}",
+        found.join("\n")
+    );
+    for line in uses(&text, &["cpu::"]) {
+        let calls_a_function = line
+            .split("cpu::")
+            .skip(1)
+            .any(|rest| rest.starts_with(|c: char| c.is_ascii_lowercase()));
+        assert!(!calls_a_function, "spec.rs calls a reference: {line}");
+    }
+}
