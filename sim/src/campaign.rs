@@ -147,6 +147,9 @@ pub struct CampaignSummary {
     /// The first failure's schedule: index, the policy that drew it (`None`: the scenario's
     /// own) and decisions (the schedule to replay it under).
     pub first_failure_schedule: Option<(u64, Option<Policy>, Vec<u8>)>,
+    /// Each seed's event-log hash under its own schedule (schedule 0): what `campaign merge`
+    /// compares when a seed ran on more than one machine.
+    pub log_hashes: BTreeMap<u64, u64>,
 }
 
 impl CampaignSummary {
@@ -154,6 +157,9 @@ impl CampaignSummary {
         self.runs += 1;
         self.seeds_run += (o.schedule == 0) as u64;
         self.reruns += o.rerun as u64;
+        if o.schedule == 0 {
+            self.log_hashes.insert(o.seed, o.log_hash);
+        }
         self.coverage.add(&o.probes);
         self.totals.add(&o.stats);
         if let Some(f) = o.findings.first() {

@@ -6,9 +6,11 @@
 //! A shard result holds what its campaign saw: the seeds run, every failure with its replay
 //! command, the coverage counts, the totals and the timing, and the build that produced it.
 //! Merging refuses files of different builds (a different source, features or profile would
-//! make different seeds' outcomes incomparable), of different campaigns (profile, mutant,
-//! schedules, seed range, shard count) and the same shard twice; a shard missing is refused
-//! unless the merge is asked to be partial.
+//! make different seeds' outcomes incomparable) and of different campaigns (profile, mutant,
+//! schedules, seed range, shard count); a shard missing is refused unless the merge is asked to
+//! be partial. A shard given twice (run on two machines, or again) is a determinism check: every
+//! seed both runs hold must have the same event-log hash, or the merge is refused; the first is
+//! kept.
 
 use crate::campaign::{CampaignFailure, CampaignOptions, CampaignSummary};
 use crate::probes::all_names;
@@ -134,6 +136,10 @@ pub struct ShardResult {
     /// (left out of one shard's own result, whose wall time times its workers it is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_s: Option<f64>,
+    /// Each seed's event-log hash under its own schedule: a shard run on two machines (or run
+    /// again) must give the same hash for every seed, which `merge` checks.
+    #[serde(default)]
+    pub log_hashes: BTreeMap<u64, u64>,
 }
 
 /// Why shard results could not be read or merged. Each names the file and the value at fault.
@@ -180,12 +186,21 @@ pub enum MergeError {
         value_file: String,
         value_first: String,
     },
-    #[error("shard {index}/{count} given twice: {a} and {b}")]
-    Duplicate {
+    #[error(
+        "shard {index}/{count} ran twice ({a} and {b}) and its seeds' event-log hashes differ: \
+         seed {seed} gave {hash_a:#018x} and {hash_b:#018x}{more}: the simulator is not \
+         deterministic across these runs (replay the seed on each machine with \
+         `tierkv sim --seed {seed} --check-determinism`)"
+    )]
+    Nondeterministic {
         index: u64,
         count: u64,
         a: PathBuf,
         b: PathBuf,
+        seed: u64,
+        hash_a: u64,
+        hash_b: u64,
+        more: String,
     },
     #[error(
         "{missing} of {count} shards missing (index {list}); `--partial` merges the {} present", count - missing
@@ -245,6 +260,7 @@ impl ShardResult {
             worker_s: s.worker.as_secs_f64(),
             jobs: s.jobs,
             held_s: None,
+            log_hashes: s.log_hashes.clone(),
         }
     }
 
@@ -371,6 +387,22 @@ impl ShardResult {
                 ),
             ));
         }
+        if self.log_hashes.len() as u64 > self.seeds_run {
+            return Err(inconsistent(
+                "log hashes",
+                format!("{} for {} seeds run", self.log_hashes.len(), self.seeds_run),
+            ));
+        }
+        if let Some(seed) = self
+            .log_hashes
+            .keys()
+            .find(|&&s| s < self.first || s >= self.end || s % self.shard_count != self.shard_index)
+        {
+            return Err(inconsistent(
+                "log hashes",
+                format!("seed {seed} is not a seed of this shard"),
+            ));
+        }
         let time = |t: f64| t.is_finite() && t >= 0.0;
         if !(time(self.wall_s) && time(self.worker_s) && self.held_s.is_none_or(time)) {
             return Err(inconsistent(
@@ -431,6 +463,10 @@ pub struct Merged {
     /// Shards merged, and those missing (a partial merge).
     pub shards: u64,
     pub missing: Vec<u64>,
+    /// Files of a shard already merged from another file (run twice): compared, not counted.
+    pub repeated: Vec<PathBuf>,
+    /// Seeds whose event-log hashes were compared between two runs of their shard (all equal).
+    pub cross_checked: u64,
 }
 
 /// Combines the results of one campaign's shards. `partial`: merge even when shards are missing.
@@ -438,7 +474,9 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
     let Some((first_file, first)) = results.first() else {
         return Err(MergeError::Empty);
     };
-    let mut seen: BTreeMap<u64, &PathBuf> = BTreeMap::new();
+    let mut seen: BTreeMap<u64, (&PathBuf, &ShardResult)> = BTreeMap::new();
+    let mut cross_checked = 0u64;
+    let mut repeated: Vec<PathBuf> = Vec::new();
     for (file, r) in results {
         if r.build != first.build {
             return Err(MergeError::OtherBuild {
@@ -491,13 +529,37 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
                 value_first,
             });
         }
-        if let Some(a) = seen.insert(r.shard_index, file) {
-            return Err(MergeError::Duplicate {
-                index: r.shard_index,
-                count: r.shard_count,
-                a: a.clone(),
-                b: file.clone(),
-            });
+        match seen.get(&r.shard_index) {
+            None => {
+                seen.insert(r.shard_index, (file, r));
+            }
+            // The same shard run twice (on two machines, or again after a preemption): every
+            // seed both ran must have given the same event log. The first is kept.
+            Some(&(a, ra)) => {
+                let common: Vec<(u64, u64, u64)> = ra
+                    .log_hashes
+                    .iter()
+                    .filter_map(|(&seed, &h)| r.log_hashes.get(&seed).map(|&h2| (seed, h, h2)))
+                    .collect();
+                let differ: Vec<_> = common.iter().filter(|(_, h, h2)| h != h2).collect();
+                if let Some(&&(seed, hash_a, hash_b)) = differ.first() {
+                    return Err(MergeError::Nondeterministic {
+                        index: r.shard_index,
+                        count: r.shard_count,
+                        a: a.clone(),
+                        b: file.clone(),
+                        seed,
+                        hash_a,
+                        hash_b,
+                        more: match differ.len() {
+                            1 => String::new(),
+                            n => format!(" (and {} more seeds)", n - 1),
+                        },
+                    });
+                }
+                cross_checked += common.len() as u64;
+                repeated.push(file.clone());
+            }
         }
     }
     let count = first.shard_count;
@@ -529,11 +591,13 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         wall_s: 0.0,
         worker_s: 0.0,
         jobs: 0,
+        log_hashes: BTreeMap::new(),
         ..first.clone()
     };
     let mut held_s = 0.0;
-    for (_, r) in results {
+    for (_, r) in seen.values() {
         held_s += r.held_s();
+        m.log_hashes.extend(&r.log_hashes);
         m.seeds_run += r.seeds_run;
         m.runs += r.runs;
         m.reruns += r.reruns;
@@ -554,6 +618,8 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         result: m,
         shards: seen.len() as u64,
         missing,
+        repeated,
+        cross_checked,
     })
 }
 
@@ -613,6 +679,7 @@ mod tests {
             worker_s: 4.0,
             jobs: 2,
             held_s: None,
+            log_hashes: (0..10).filter(|s| s % 2 == i).map(|s| (s, s * 7)).collect(),
         }
     }
 
@@ -694,6 +761,40 @@ mod tests {
             ShardResult::parse("[1, 2]", Path::new("list")).unwrap_err(),
             MergeError::NotAResult { .. }
         ));
+        assert!(matches!(
+            bad(|r| {
+                r.log_hashes.insert(2, 0);
+            }),
+            MergeError::Inconsistent {
+                what: "log hashes",
+                ..
+            }
+        ));
         assert_eq!(merge(&[], false).unwrap_err(), MergeError::Empty);
+    }
+
+    /// A shard run twice is merged once when every seed gave the same event log, and refused
+    /// when one did not.
+    #[test]
+    fn a_shard_run_twice_is_a_determinism_check() {
+        let files = [
+            (PathBuf::from("a"), result(0, &[4])),
+            (PathBuf::from("b"), result(1, &[])),
+            (PathBuf::from("a-again"), result(0, &[4])),
+        ];
+        let m = merge(&files, false).expect("the same logs");
+        assert_eq!((m.shards, m.cross_checked), (2, 5));
+        assert_eq!(m.repeated, [PathBuf::from("a-again")]);
+        assert_eq!(m.result.seeds_run, 10, "the second run is not counted");
+        let mut other = result(0, &[4]);
+        other.log_hashes.insert(6, 1);
+        let files = [
+            (PathBuf::from("a"), result(0, &[4])),
+            (PathBuf::from("a-elsewhere"), other),
+        ];
+        match merge(&files, false).unwrap_err() {
+            MergeError::Nondeterministic { seed, hash_b, .. } => assert_eq!((seed, hash_b), (6, 1)),
+            e => panic!("{e}"),
+        }
     }
 }

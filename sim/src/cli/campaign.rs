@@ -8,8 +8,9 @@ use std::path::PathBuf;
 #[derive(clap::Subcommand, Debug, Clone)]
 pub enum CampaignCommand {
     /// Combine shard results (`tierkv sim --shard I/N --json FILE`) into one summary and one
-    /// coverage table. Refuses results of different builds or campaigns, a shard given twice,
-    /// and (unless --partial) a shard missing.
+    /// coverage table. Refuses results of different builds or campaigns and (unless --partial) a
+    /// shard missing. A shard given twice (run on two machines) is merged once, after every seed
+    /// both runs hold is found to have the same event-log hash; else it is refused.
     Merge(MergeArgs),
 }
 
@@ -81,6 +82,21 @@ fn run_merge(args: &MergeArgs) -> i32 {
                 .missing
                 .iter()
                 .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if !merged.repeated.is_empty() {
+        println!(
+            "determinism across runs: {} seeds ran in two runs of their shard ({} file{} not counted again: {}); every event-log hash agrees",
+            merged.cross_checked,
+            merged.repeated.len(),
+            if merged.repeated.len() == 1 { "" } else { "s" },
+            merged
+                .repeated
+                .iter()
+                .take(5)
+                .map(|f| f.display().to_string())
                 .collect::<Vec<_>>()
                 .join(", ")
         );

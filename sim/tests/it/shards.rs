@@ -87,7 +87,7 @@ fn shard_results_merged_equal_the_whole_campaign() {
     assert_eq!(m, w);
     assert_eq!(m.seeds_run, 10);
 
-    // Refused: a shard twice, a shard missing (unless --partial), another campaign, another
+    // Refused: a shard missing (unless --partial), another campaign, another
     // build, a file that is not a result.
     let shard = |i: usize| dir.join(format!("shard-{i}.json"));
     let merge = |files: &[PathBuf], extra: &[&str]| {
@@ -103,9 +103,23 @@ fn shard_results_merged_equal_the_whole_campaign() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let (code, _, err) = merge(&[shard(0), shard(1), shard(0)], &[]);
+    // A shard given twice is a determinism check across the runs: equal logs merge once...
+    let (code, out, _) = merge(&[shard(0), shard(1), shard(2), shard(0)], &[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("seeds ran in two runs of their shard"),
+        "{out}"
+    );
+    assert!(out.contains("seeds run: 10"), "{out}");
+    // ... and a seed whose log differs is refused.
+    let mut twin = read(&shard(0));
+    let seed = *twin.log_hashes.keys().next().expect("a seed's hash");
+    twin.log_hashes.insert(seed, 1);
+    let twin_file = dir.join("shard-0-elsewhere.json");
+    std::fs::write(&twin_file, serde_json::to_string(&twin).unwrap()).unwrap();
+    let (code, _, err) = merge(&[shard(0), shard(1), twin_file], &[]);
     assert_eq!(code, Some(2));
-    assert!(err.contains("shard 0/3 given twice"), "{err}");
+    assert!(err.contains("event-log hashes differ"), "{err}");
     let (code, _, err) = merge(&[shard(0), shard(2)], &[]);
     assert_eq!(code, Some(2));
     assert!(
