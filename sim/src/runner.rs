@@ -1121,9 +1121,6 @@ impl<'a> Run<'a> {
                 queued_tokens: e.queued_tokens(),
                 running: e.running_len(),
                 loads: e.loads_in_flight(),
-                pinned_host_pages: e.cache().pinned_nodes(),
-                device_pages: e.pools().device_pages.used_count() as usize,
-                host_pages: e.pools().host_pages.used_count() as usize,
             };
             if let Some(f) = bounds::check(e.config(), &held, now) {
                 self.findings.push(f);
