@@ -58,10 +58,18 @@ pub enum Mutant {
     ///     so the step enqueued next overwrites the digests the host is still reading (the
     ///     double-buffered output of an overlap scheduler, single-buffered).
     OverlapOneReadback,
+    /// 19. Policy: admission passes over a queued request that does not fit and admits the ones
+    ///     behind it, where the documented policy is FIFO with head-of-line blocking (every
+    ///     output stays correct; only the order of service changes).
+    AdmissionPassesBlocked,
+    /// 20. Policy: every prefilling request of a step takes the whole prefill budget
+    ///     (`scheduler.prefill_tokens_per_step_max`) instead of sharing it, so a step computes
+    ///     more prompt tokens than the configuration allows (every output stays correct).
+    PrefillBudgetPerRequest,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 18] = [
+    pub const ALL: [Mutant; 20] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -80,6 +88,8 @@ impl Mutant {
         Mutant::PdLayerLayoutMismatch,
         Mutant::PdAdmitsBeforeEveryLayer,
         Mutant::OverlapOneReadback,
+        Mutant::AdmissionPassesBlocked,
+        Mutant::PrefillBudgetPerRequest,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -117,6 +127,8 @@ impl Mutant {
             Mutant::PdLayerLayoutMismatch => "pd-layer-layout-mismatch",
             Mutant::PdAdmitsBeforeEveryLayer => "pd-admits-before-every-layer",
             Mutant::OverlapOneReadback => "overlap-one-readback",
+            Mutant::AdmissionPassesBlocked => "admission-passes-blocked",
+            Mutant::PrefillBudgetPerRequest => "prefill-budget-per-request",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -139,6 +151,8 @@ impl Mutant {
             Mutant::PdLayerLayoutMismatch => "TensorRT-LLM #6507",
             Mutant::PdAdmitsBeforeEveryLayer => "decode reads a layer before its receive",
             Mutant::OverlapOneReadback => "overlap scheduler's output buffer reused",
+            Mutant::AdmissionPassesBlocked => "policy: admission order (FIFO, head of line)",
+            Mutant::PrefillBudgetPerRequest => "policy: the step's prefill token budget",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -265,6 +279,19 @@ impl Mutants {
     /// Mutant 12: aborting a request frees its in-flight load's pages at once.
     pub fn abort_frees_load_pages(&self) -> bool {
         self.on(Mutant::WriteOnLoadingPage)
+    }
+    /// Mutant 19: admission passes over a request that does not fit.
+    pub fn admission_passes_blocked(&self) -> bool {
+        self.on(Mutant::AdmissionPassesBlocked)
+    }
+    /// Mutant 20: the prefill budget left for the next request of a step (clean: what is left
+    /// after `used`).
+    pub fn prefill_budget_left(&self, budget: usize, used: usize) -> usize {
+        if self.on(Mutant::PrefillBudgetPerRequest) {
+            budget
+        } else {
+            budget - used
+        }
     }
     /// Mutant 13: intake queues whatever arrives.
     pub fn no_admission_control(&self) -> bool {

@@ -351,7 +351,10 @@ impl Scheduler {
     pub(crate) fn admit(&mut self, res: &mut impl Reserve) -> Result<usize, EngineError> {
         let mut admitted = 0;
         let mut acks = Vec::new();
-        while let Some(&id) = self.queue.front() {
+        // The queue position tried next: always the front, but for a mutant that passes over
+        // a request that does not fit.
+        let mut at = 0;
+        while let Some(&id) = self.queue.get(at) {
             if self.running.len() >= self.limits.sched.running_requests_max as usize {
                 probe::hit(Probe::AdmitRunningFull);
                 break;
@@ -362,9 +365,13 @@ impl Scheduler {
             }
             let Some(grant) = reserved? else {
                 probe::hit(Probe::AdmitNoPages);
+                if self.mutants.admission_passes_blocked() {
+                    at += 1;
+                    continue;
+                }
                 break;
             };
-            self.queue.pop_front();
+            self.queue.remove(at);
             let r = self.requests.get_mut(&id).expect("queued request exists");
             let whole = grant.cached == r.cacheable_pages();
             probe::hit_if(Probe::AdmitWholePromptCached, whole && grant.cached > 0);
@@ -572,7 +579,7 @@ impl Scheduler {
                 query_rows + row.queries.len()
             );
             if computed < r.prompt_len {
-                budget -= row.to - row.from;
+                budget = self.mutants.prefill_budget_left(budget, row.to - row.from);
             }
             query_rows += row.queries.len();
             rows.push(row);

@@ -283,6 +283,9 @@ pub struct SimGpu {
     pub racing_ops: Vec<u64>,
     pub stats: GpuStats,
     pub record_log: RecordLog,
+    /// The tokens whose KV rows side 0 was asked to store since the runner last took them
+    /// (request, position): what a step computed, for the per-step promises.
+    pub stored: Vec<(u64, u32)>,
     log_hash: u64,
     host_allocs: u32,
     allocs: u32,
@@ -350,6 +353,7 @@ impl SimGpu {
             racing_ops: Vec::new(),
             stats: GpuStats::default(),
             record_log: RecordLog::default(),
+            stored: Vec::new(),
             log_hash: 0xC0FF_EE00,
             host_allocs: 0,
             allocs: 0,
@@ -1371,6 +1375,10 @@ impl Device for SimGpu {
             return Err(e);
         }
         self.host.set(self.host.get() + self.opts.launch_ns);
+        if let (Op::KvStore(o), 0) = (&op, self.side) {
+            self.stored
+                .extend(o.tags.rows.iter().map(|t| (t.request, t.position)));
+        }
         if op.spec().class() == OpClass::PageCopy {
             let written: u64 = op
                 .accesses()

@@ -426,6 +426,11 @@ struct Run<'a> {
     findings: Vec<Finding>,
     /// What the clients saw, for the metrics oracle.
     counted: metrics::Counted,
+    /// The requests the engine took and has not admitted or aborted, in the order the clients
+    /// submitted them: the admission order the engine must keep.
+    admission_queue: std::collections::VecDeque<u64>,
+    /// The requests admitted that have not finished or been aborted (the runner's own count).
+    running_model: BTreeSet<u64>,
 }
 
 /// Runs one scenario.
@@ -612,6 +617,8 @@ impl<'a> Run<'a> {
             faults_on: true,
             findings: Vec::new(),
             counted: metrics::Counted::default(),
+            admission_queue: Default::default(),
+            running_model: BTreeSet::new(),
         })
     }
 
@@ -800,6 +807,7 @@ impl<'a> Run<'a> {
         match &answer {
             Ok(id) => {
                 self.stats.submitted += 1;
+                self.admission_queue.push_back(*id);
                 self.owners.insert(*id, owner);
                 self.specs.insert(*id, (prompt.len(), generate));
                 self.content.borrow_mut().prompt(*id, prompt);
@@ -900,7 +908,10 @@ impl<'a> Run<'a> {
 
     fn abort(&mut self, victim: u64) -> Result<(), Stop> {
         match guarded(|| self.engine.abort(victim)) {
-            Ok(Ok(_)) => Ok(()),
+            Ok(Ok(_)) => {
+                self.admission_queue.retain(|&q| q != victim);
+                Ok(())
+            }
             Ok(Err(e)) => {
                 self.found(engine_error_kind(&e), format!("abort({victim}): {e}"));
                 Err(Stop)
@@ -929,12 +940,25 @@ impl<'a> Run<'a> {
             .collect();
         let report = self.engine_call("engine step", |e| e.step())?;
         self.stats.steps += 1;
-        // Admission is the only way out of the queue within a step (`reported`).
-        let left_queue = queued_before
+        // Admission is the only way out of the queue within a step (`reported`), in the order
+        // the clients submitted.
+        let left: Vec<u64> = queued_before
             .iter()
-            .filter(|&&id| self.engine.request(id).is_none_or(|r| r.state != queued))
-            .count();
-        if let Some(f) = reported::admitted(report.admitted, left_queue, self.gpu.borrow().now()) {
+            .copied()
+            .filter(|&id| self.engine.request(id).is_none_or(|r| r.state != queued))
+            .collect();
+        let now = self.gpu.borrow().now();
+        let found = reported::admitted(report.admitted, left.len(), now)
+            .or_else(|| reported::admitted_in_order(&self.admission_queue, &left, now))
+            .or_else(|| self.prefill_within_budget(now));
+        self.admission_queue.retain(|id| !left.contains(id));
+        self.running_model.extend(&left);
+        // Admission looks up every full page of the prompt but the last token's.
+        for id in &left {
+            let page = tierkv_kernels::spec::format::PAGE_TOKENS as u64;
+            self.counted.prefix_pages_queried += (self.specs[id].0 as u64 - 1) / page;
+        }
+        if let Some(f) = found {
             self.findings.push(f);
             return Err(Stop);
         }
@@ -942,11 +966,55 @@ impl<'a> Run<'a> {
             self.out_hash = mix64(self.out_hash ^ format!("{o:?}").len() as u64 ^ output_key(&o));
             self.output(o);
         }
+        if let Some(f) = self.gauges() {
+            self.findings.push(f);
+        }
         self.findings.append(&mut self.gpu.borrow_mut().findings);
         if !self.findings.is_empty() {
             return Err(Stop);
         }
         Ok(report.idle)
+    }
+
+    /// The queue and running gauges `/metrics` exports, against the runner's counts (one
+    /// engine; a pair's engines export their own).
+    fn gauges(&self) -> Option<Finding> {
+        let Target::One(e) = &self.engine else {
+            return None;
+        };
+        let m = &e.metrics;
+        let queued_tokens: u64 = self
+            .admission_queue
+            .iter()
+            .map(|id| self.specs[id].0 as u64)
+            .sum();
+        reported::gauges(
+            [m.queue_depth, m.queued_tokens, m.running_requests],
+            [
+                self.admission_queue.len() as u64,
+                queued_tokens,
+                self.running_model.len() as u64,
+            ],
+            self.gpu.borrow().now(),
+        )
+    }
+
+    /// The prompt tokens the step just taken asked the device to store, against the budget.
+    fn prefill_within_budget(&mut self, now: u64) -> Option<Finding> {
+        let stored = std::mem::take(&mut self.gpu.borrow_mut().stored);
+        let prefill: BTreeSet<(u64, u32)> = stored
+            .into_iter()
+            .filter(|&(request, position)| {
+                self.specs
+                    .get(&request)
+                    .is_some_and(|&(prompt, _)| (position as usize) < prompt)
+            })
+            .collect();
+        reported::prefill_budget(
+            prefill.len() as u64,
+            self.cfg.scheduler.prefill_tokens_per_step_max,
+            now,
+        )
     }
 
     fn output(&mut self, o: Output) {
@@ -965,11 +1033,14 @@ impl<'a> Run<'a> {
                 self.token(request, index, token)
             }
             Output::Finished { request, generated } => {
+                self.running_model.remove(&request);
                 self.counted.finished += 1;
                 self.content.borrow_mut().forget(request);
                 self.finished(request, generated)
             }
             Output::Aborted { request } => {
+                self.admission_queue.retain(|&q| q != request);
+                self.running_model.remove(&request);
                 self.counted.aborted += 1;
                 self.content.borrow_mut().forget(request);
                 self.stats.aborted += 1;
@@ -981,6 +1052,7 @@ impl<'a> Run<'a> {
             Output::Recompute { .. } => self.stats.recomputed += 1,
             Output::TransferFailed { request, .. } => {
                 // The pair gave up on moving its KV: the request ended, as an aborted one.
+                self.running_model.remove(&request);
                 self.counted.aborted += 1;
                 self.content.borrow_mut().forget(request);
                 self.stats.aborted += 1;

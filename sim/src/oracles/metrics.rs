@@ -9,6 +9,28 @@
 //! failed. A load failed when one of its records reported a failure or one of its copies was
 //! refused at enqueue; a backup likewise (its record comes after its copies). Every page a load
 //! moves is a host-tier hit of the prefix cache.
+//!
+//! Every series `/metrics` exports, and what holds it:
+//! - `loads_total`, `load_failures_total`, `load_bytes_total`, `backups_total`,
+//!   `backup_failures_total`, `backup_bytes_total`, `steps_total` (with failed and discarded
+//!   steps), `steps_failed_total`, the host-tier hit rate's numerator, and the clients' counts
+//!   (`requests_submitted_total`, `requests_rejected_total` by reason,
+//!   `requests_finished_total`, `requests_aborted_total`, `generated_tokens_total`): here, at
+//!   the end of a run.
+//! - `prefix_pages_queried_total`: here, against the full prompt pages (all but the last token)
+//!   of every request the runner saw admitted.
+//! - `queue_depth`, `queued_tokens`, `running_requests`: after every step, against the runner's
+//!   own count of the requests it submitted, saw admitted and saw end (`reported::gauges`).
+//! - No oracle yet, and why: `prefix_pages_device_hit` (the device-tier hit rate's numerator:
+//!   the simulator does not yet model which prefix pages are resident; a device hit is a page a
+//!   request reads without storing or loading it, which the ops show but no oracle counts);
+//!   `steps_discarded_total` apart from the sum above (a discarded step records like any other);
+//!   `prefill_tokens_total` (a failed step's prompt tokens are stored again, so the stores
+//!   over-count it); `device_kv_pages_used` and `host_tokens_used` (the allocators' own counts;
+//!   the conservation audit judges the pages the prefix cache holds, not their number);
+//!   `device_kv_pages_total` and `host_tokens_capacity` (the configuration); the latency
+//!   histograms and the host and device step times (wall-clock and device-timer measurements,
+//!   which a simulation does not have).
 
 use crate::gpu::RecordLog;
 use crate::report::{Finding, OracleKind};
@@ -26,6 +48,8 @@ pub struct Counted {
     pub finished: u64,
     pub aborted: u64,
     pub tokens: u64,
+    /// Full prompt pages of the requests the runner saw admitted.
+    pub prefix_pages_queried: u64,
 }
 
 /// `page_bytes`: the bytes one page moves between the tiers (every layer, KV and index-K).
@@ -98,6 +122,11 @@ pub fn check(
         ("requests_finished", m.requests_finished, clients.finished),
         ("requests_aborted", m.requests_aborted, clients.aborted),
         ("generated_tokens", m.generated_tokens, clients.tokens),
+        (
+            "prefix_pages_queried",
+            m.prefix_pages_queried,
+            clients.prefix_pages_queried,
+        ),
         ("steps_failed", m.steps_failed, steps_failed),
         (
             "steps (with the failed and discarded ones)",

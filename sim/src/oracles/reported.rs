@@ -10,6 +10,10 @@
 //!   step, admission is the only way out of the queue (aborts come between steps).
 //! - The pages `Engine::evict_device` says it freed at once are those that left the device
 //!   tier, and no more than were asked for.
+//! - Admission is FIFO with head-of-line blocking: the requests a step admits are the oldest
+//!   queued ones, in the order the clients submitted them (the runner keeps that order itself).
+//! - A step computes at most `scheduler.prefill_tokens_per_step_max` prompt tokens: counted from
+//!   the KV rows the device was asked to store, whose positions fall in their request's prompt.
 
 use crate::report::{Finding, OracleKind};
 
@@ -65,6 +69,56 @@ pub fn evicted(
     })
 }
 
+/// The requests a step admitted (`left`, any order), against the queue in submission order as
+/// the runner kept it (`queue`): they must be its first `left.len()`.
+pub fn admitted_in_order(
+    queue: &std::collections::VecDeque<u64>,
+    left: &[u64],
+    time_ns: u64,
+) -> Option<Finding> {
+    let oldest: Vec<u64> = queue.iter().copied().take(left.len()).collect();
+    let mut got = left.to_vec();
+    got.sort_by_key(|id| queue.iter().position(|q| q == id).unwrap_or(usize::MAX));
+    (got != oldest).then(|| Finding {
+        oracle: OracleKind::Bound,
+        time_ns,
+        message: format!(
+            "admission is FIFO with head-of-line blocking: the step admitted requests {got:?}, the \
+             oldest queued were {oldest:?} (queue in submission order: {:?})",
+            queue.iter().take(12).collect::<Vec<_>>()
+        ),
+    })
+}
+
+/// The `/metrics` gauges of the queue and the running set after a step, against the runner's
+/// own counts: the requests it submitted that were neither admitted nor aborted (and their
+/// prompt tokens), and those admitted that have not ended.
+pub fn gauges(exported: [u64; 3], recount: [u64; 3], time_ns: u64) -> Option<Finding> {
+    const NAMES: [&str; 3] = ["queue_depth", "queued_tokens", "running_requests"];
+    (0..3)
+        .find(|&i| exported[i] != recount[i])
+        .map(|i| Finding {
+            oracle: OracleKind::Metrics,
+            time_ns,
+            message: format!(
+                "the engine exports {} = {}; the clients' requests recounted give {}",
+                NAMES[i], exported[i], recount[i]
+            ),
+        })
+}
+
+/// The prompt tokens one step computed (`prefill` distinct (request, position) pairs), against
+/// the configured budget.
+pub fn prefill_budget(prefill: u64, budget: u32, time_ns: u64) -> Option<Finding> {
+    (prefill > budget as u64).then(|| Finding {
+        oracle: OracleKind::Bound,
+        time_ns,
+        message: format!(
+            "a step computed {prefill} prompt tokens, over scheduler.prefill_tokens_per_step_max = {budget}"
+        ),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,5 +138,17 @@ mod tests {
         );
         assert!(evicted(10, 4, 20, 20, 0).is_some(), "nothing left the tier");
         assert!(evicted(2, 4, 20, 16, 0).is_some(), "more than asked");
+        let queue: std::collections::VecDeque<u64> = [4, 2, 9].into();
+        assert!(admitted_in_order(&queue, &[2, 4], 0).is_none());
+        assert!(admitted_in_order(&queue, &[], 0).is_none());
+        assert!(
+            admitted_in_order(&queue, &[4, 9], 0).is_some(),
+            "2 passed over"
+        );
+        assert!(admitted_in_order(&queue, &[7], 0).is_some(), "not queued");
+        assert!(gauges([1, 2, 3], [1, 2, 3], 0).is_none());
+        assert!(gauges([1, 2, 3], [1, 2, 4], 0).is_some());
+        assert!(prefill_budget(512, 512, 0).is_none());
+        assert!(prefill_budget(513, 512, 0).is_some());
     }
 }
