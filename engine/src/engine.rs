@@ -1,8 +1,9 @@
 //! The engine: the composition root that ties the owners together — the pools and the prefix
 //! cache (the memory), the scheduler (requests), the cache controller (copies between tiers) and
 //! the model step (the forward) — and routes what one owner's work means for another. Generic
-//! over `Device`, `Clock` and `Transfer` (static dispatch); it never names a concrete backend,
-//! and no other module names it.
+//! over `Device`, `Clock` and `Transfer` (static dispatch); it never names a concrete backend.
+//! Outside its submodule `pair.rs`, only the production runtime names it
+//! (`engine/tests/it/architecture.rs`).
 //!
 //! One call of [`Engine::step`] is one scheduling iteration: acknowledge finished copies, admit
 //! queued requests (issuing their loads), run one batch forward, hand back outputs, and cache the

@@ -22,10 +22,12 @@
 //! receive event, and releases the prefill side's pages only after `sent`.
 //!
 //! Links: [`PeerLink`] for two devices in one address space — the in-order CPU device shared by
-//! both engines ([`SharedDevice`], unit tests), the simulator's two GPUs of one executor (whose
-//! `SimLink` sends the layers in a seeded order) — as page copies on the decode side's load
-//! stream. Not built yet: the production NCCL link (send/recv on dedicated streams of two CUDA
-//! devices) and `replay --pd` on two GPUs.
+//! both engines ([`SharedDevice`]: unit tests, and `replay --pd` on one device), the
+//! simulator's two GPUs of one executor (whose `SimLink` sends the layers in a seeded order) —
+//! as page copies on the decode side's load stream. Between two GPUs the production link is
+//! `runtime::nccl::NcclLink` (feature `nccl`: NCCL send/recv on the prefill engine's write
+//! stream and the decode engine's load stream), which `replay --pd --pd-gpus 2` uses. Not
+//! built: a pair across machines.
 
 use crate::config::{Config, ScaleFmt};
 use crate::device::{

@@ -1,7 +1,8 @@
 //! The engine's one seam for cross-thread synchronisation (like `tokio/src/loom/`): std in
 //! production, loom under `cfg(tierkv_loom)` so the production runtime's cross-thread primitives
-//! can be model-checked. Nothing else in the engine names `std::sync` primitives shared across
-//! threads.
+//! can be model-checked. Outside the production runtime (`runtime/`, which holds cudarc's handles
+//! in `Arc`s), nothing else in the engine names `std::sync` primitives shared across threads
+//! (`engine/tests/it/architecture.rs` checks the rest of the crate).
 //!
 //! The cfg is `tierkv_loom`, not `loom`: `--cfg loom` would also switch tokio (a dependency) into
 //! its own loom mode, which does not build outside tokio's tests.

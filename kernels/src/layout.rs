@@ -2,9 +2,11 @@
 //!
 //! This module owns the byte layouts of DESIGN §3 — index-K pages (fp8 and bf16), MLA KV rows (bf16
 //! and packed fp8), the per-layer device buffers, the pinned-host mirror in `layer_first` and
-//! `page_first` order, and the slot ↔ (page, offset) mapping. Nothing else in tierkv multiplies an
-//! element count by a dtype size: buffer-size mismatches are born exactly there (DESIGN §1, incidents
-//! 1 and 4, upstream #37534), so there is exactly one place where such a product is written.
+//! `page_first` order, and the slot ↔ (page, offset) mapping. Nothing the engine, the references
+//! or the CUDA launchers run multiplies an element count by a dtype size: buffer-size mismatches
+//! are born exactly there (DESIGN §1, incidents 1 and 4, upstream #37534), so there is one place
+//! where such a product is written for them. The specification (`spec::format`) writes the
+//! products again, apart, to check this module.
 //!
 //! A [`Layout`] is built once, from the validated configuration, with every product checked for u64
 //! overflow; after construction its accessors cannot overflow, because every value they return is

@@ -1,9 +1,10 @@
 //! tierkv-kernels: the kernels of the DeepSeek sparse-attention indexer path and the KV cache.
 //!
-//! Each kernel has one CPU reference ([`cpu`]), its specification on byte buffers in the DESIGN §3
-//! layouts, and one CUDA version (`cuda/*.cu`, compiled at run time by NVRTC, launched through
-//! [`cuda`] when the `cuda` feature is on). The [`layout`] module is the one place that computes
-//! byte sizes and offsets; the engine re-exports it.
+//! Each kernel has one CPU reference ([`cpu`]) and CUDA versions (`cuda/*.cu`, compiled at run
+//! time by NVRTC, launched through [`cuda`] when the `cuda` feature is on). [`spec`] is the
+//! specification the references and the CUDA kernels are held to, with arithmetic and byte
+//! formats of its own. The [`layout`] module is where the engine, the references and the
+//! launchers take every byte size and offset from; the engine re-exports it.
 
 pub mod cpu;
 pub mod cuda;

@@ -1,7 +1,9 @@
-//! Bugs planted in the CPU references and the layout module, for the simulator's self-test (the bug zoo's reference
-//! mutants, feature `mutants`). A bug in a reference is the hardest kind for a simulator whose
-//! oracles call the same reference: these prove that the oracles do not, and that an op which
-//! writes or reads outside what it declares is caught.
+//! Bugs planted in the CPU references and the layout module, for the simulator's self-test
+//! (feature `mutants`). A bug in a reference is the hardest kind for a simulator whose executor
+//! runs that reference: the reference mutants prove that the oracles judge by the specification
+//! rather than by the reference, and that an op which writes or reads outside what it declares is
+//! caught; the layout mutants, that the specification's own byte formats see a layout every
+//! kernel agrees on.
 //!
 //! A thread switches one on for a run (`set`); the references ask `on`. Without the feature
 //! `on` is a constant `false` and the planted code compiles away.

@@ -3,8 +3,9 @@
 //! layout module. f64 arithmetic where a reference fixes an f32 operation order, sorts where it
 //! selects, byte loops where it copies; the fp8 (e4m3fn) and bf16 formats decoded and rounded
 //! from their definitions; every byte offset and stride from [`format`], written here from the
-//! design's byte tables. It takes the references' argument structs and the dtype enums (the
-//! names of the formats, which carry no size or offset) and nothing else of the crate. Nothing in
+//! design's byte tables. It takes the references' argument structs, the dtype and host-order
+//! enums (the names of the formats, which carry no size or offset) and the RoPE settings
+//! (`RopeParams`, plain values), and nothing else of the crate. Nothing in
 //! production calls it. The kernels' tests and the simulator's oracles hold the references, the
 //! CUDA kernels and the engine's layout to it.
 //!

@@ -216,7 +216,7 @@ impl CampaignSummary {
             }
         );
         println!(
-            "checked: {} requests finished, {} digests held to the specification's ({} queries' logits and top-k recomputed), {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again), {} aborts",
+            "checked: {} requests finished, {} digests held to the specification's ({} queries held to the specification's logits), {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again), {} aborts",
             t.finished, t.digests_checked, t.queries_recomputed, t.rows_checked, t.rows_cached, t.ops, t.loads, t.backups, t.failed_copies, t.failed_kernels, t.steps_failed, t.aborted
         );
     }

@@ -1,7 +1,8 @@
 //! The oracles on the in-order CPU device: a `Device` wrapper that runs the content oracle on every
 //! op just before the in-order device runs it (in-order, enqueue is execution, so the bytes it
 //! checks are the bytes the op reads). For the engine's scenario tests, where the simulated GPU's
-//! interleavings are not wanted but every read must still be verified.
+//! interleavings are not wanted but the content oracle must still judge the rows the kernels
+//! read.
 
 use crate::oracles::content::{ContentOracle, PageState};
 use std::cell::RefCell;

@@ -29,7 +29,7 @@ fn backend(e: cudarc::driver::DriverError) -> DeviceError {
 impl CudaExec {
     pub fn new() -> Result<CudaExec, DeviceError> {
         let mut ops = CudaOps::new(CopyStrategy::Gather)?;
-        // The oracles compare every digest bit for bit with the CPU reference.
+        // The exact kernel: a seed computes on the GPU exactly what the CPU executor computes.
         ops.logits = tierkv_engine::runtime::cuda::LogitsKernel::Exact;
         let stream = ops.ctx.new_stream().map_err(backend)?;
         ops.prepare_staging(&stream)?;

@@ -6,14 +6,17 @@
 //! the wait call; an event never recorded is complete). Everything else is chosen: how long an op
 //! that could start is held is the schedule's decision (see `schedule`); how long it runs
 //! (latency and bandwidth models, slow copies) and whether a copy or a kernel launch fails are
-//! the scenario's, from its seeded generator. An op's data effect — its reads and its writes —
+//! drawn from the GPU's seeded generator with the scenario's rates, in the order ops are
+//! enqueued and records complete (so they move with the schedule). An op's data effect — its reads and its writes —
 //! happens at its completion, so an op that a missing wait leaves unordered really reads stale
 //! bytes in the schedules where it completes first.
 //!
 //! Checks made here: the race detector at every enqueue and host access; the layout check of
 //! every op at enqueue (buffer descriptors never change after allocation, so it is not made
-//! again when the op runs); the content oracle on every KV and index-K row an op reads, at the
-//! moment it reads it.
+//! again when the op runs); the content oracle on the index-K rows an `index_logits` reads and
+//! the KV rows a `sparse_read` reads, as the op runs (`oracles/content.rs` says what it skips);
+//! the undeclared-write check around every op, and the undeclared-read probe on a sample of
+//! them (CPU executor only).
 
 use crate::fasthash::FastMap;
 use crate::oracles::content::ContentOracle;

@@ -1,8 +1,10 @@
 //! The race detector: vector clocks for every stream and for the host, and per buffer cell (a page
 //! of a paged buffer, 4 KiB of any other) the last writer and the readers since. An access that is
-//! not ordered after a conflicting one is reported the moment it is enqueued — happens-before on a
-//! GPU follows from the order of host calls alone (stream order, event record/wait, host
-//! synchronisation), so the report does not depend on the schedule the run happens to take.
+//! not ordered after a conflicting one is reported the moment it is enqueued. Happens-before comes
+//! from stream order, event record/wait and the completions the host observed (`query`,
+//! `synchronize`, completion callbacks). Those observations, and so the engine's later calls,
+//! depend on the schedule, so a race can be reported under one schedule and not under another
+//! (`tests/it/acceptance.rs` finds one only under schedules other than the scenario's own).
 
 use std::collections::BTreeMap;
 use tierkv_engine::device::{BufferId, ByteRange};

@@ -10,26 +10,30 @@ pub enum OracleKind {
     Race,
     /// A copy or launch whose byte counts or fingerprints disagree with its buffers.
     Layout,
-    /// A KV or index-K row read that differs from the synthetic model.
+    /// A KV or index-K row read that the specification does not accept as the synthetic model's.
     Content,
-    /// A digest that differs from the independent recomputation.
+    /// An emitted digest that differs from the specification's digest of the selection read (or
+    /// a token that does not follow from its query's digests).
     Digest,
-    /// A top-k selection that differs from the independent recomputation.
+    /// A selection of the wrong size or outside the context, or (for a sampled query) not a
+    /// top-k of the specification's logits within their bound.
     TopK,
     /// Bytes an op changed outside the writes it declared, or read outside its declared reads.
     Undeclared,
-    /// A kernel reference computed a value its specification's independent version disagrees
-    /// with (a bug the executor and the oracles would otherwise share).
+    /// A sampled query's fp8 codes or folded weights that the specification does not accept for
+    /// its token (a bug of `q_prep`, reference or kernel).
     Reference,
     /// Pages, pins or locks not returned at the end of a run, or a page of the prefix cache that
     /// does not hold what the cache files it under.
     Conservation,
-    /// A counter the engine exports that disagrees with what the device and the clients saw.
+    /// A counter or gauge the engine exports that disagrees with what the device and the clients
+    /// saw.
     Metrics,
     /// Requests that never finish.
     Liveness,
-    /// A bound the engine promises (queue, queued tokens, running batch, ring, pins, tiers)
-    /// broken.
+    /// A promise the engine's configuration makes broken: the queue, queued tokens, running
+    /// batch and loads in flight within their limits, a step's prefill budget, admission in
+    /// submission order, what the engine reports about its queue.
     Bound,
     /// The same seed gave a different event log.
     Determinism,

@@ -1,6 +1,8 @@
-//! The simulator's one source of randomness: a seeded xoshiro256** generator. Every random choice
-//! of a run — its configuration, workload, durations, schedule and faults — comes from a generator
-//! derived from the seed, so the seed alone reproduces the run.
+//! The simulator's seeded generator (xoshiro256**). Every random choice of a run — its
+//! configuration, workload, durations, schedule and faults — comes from generators derived from
+//! the seed (the schedule's also from its index; the engine's page-refusal faults from its own
+//! seeded generator; the oracles' samples from hashes), so the seed and the schedule reproduce
+//! the run.
 
 use tierkv_kernels::cpu::numerics::mix64;
 

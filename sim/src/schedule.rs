@@ -1,20 +1,27 @@
 //! Schedules: the simulated GPU's scheduling decisions, kept apart from the scenario.
 //!
-//! A scenario fixes the configuration, the workload, the copy timings and the faults. A schedule
-//! fixes what is left: in which order the ops that are ready at once take effect. Every time an
-//! op could start on a stream (its stream is free and the waits before it are satisfied), the
-//! scheduler makes one decision: how many quarter-steps of the scenario's jitter it holds the op
-//! back (0 = start now). Ops' data effects happen at their completion, so these decisions are
-//! what orders one stream's effects against another's and against the host.
+//! A scenario fixes the configuration, the workload, the timing and fault models (latencies,
+//! bandwidths, fault rates) and the seeds of their generators. A schedule fixes the holds: every
+//! time an op could start on a stream (its stream is free and the waits before it are
+//! satisfied), the scheduler makes one decision, how many quarter-steps of the scenario's jitter
+//! it holds the op back (0 = start now). Ops' data effects happen at their completion, so the
+//! holds, with the drawn durations, order one stream's effects against another's and against
+//! the host. Durations and faults are drawn from the GPU's generator in the order ops are
+//! enqueued and records complete, so a different schedule, which changes what the engine
+//! enqueues and when, also moves which op draws which duration and fault: two schedules of one
+//! scenario are two fault sequences, not one.
 //!
-//! A schedule is drawn by a policy — a random walk, or PCT after Burckhardt et al. (`depth - 1`
-//! priority change points spread uniformly over the run's op starts; at one, the stream whose
-//! op starts drops below every other; between them, stream priorities order the holds) — and
-//! recorded as the list of decisions, one per op start, in the order the ops started. Priorities
-//! here are holds (a lower stream's op waits 4 or 8 quarter-jitters longer), not a strict order,
-//! so PCT's probability bound is a guide rather than a guarantee. Replaying the list reproduces the run exactly; a shortened or edited
-//! list is still a valid schedule (decisions past its end are 0), which is how a failing
-//! schedule shrinks on its own.
+//! A schedule is drawn by a policy — a random walk, or holds after PCT (Burckhardt et al.): the
+//! three stream kinds (compute, load, write; a prefill/decode pair's two sides share them) get a
+//! random priority order, and an op that could start is held `4 · priority + U{0..3}`
+//! quarter-jitters, so a lower kind's ops start later, but not strictly after; at each of
+//! `depth - 1` change points, drawn independently and uniformly over the op starts of schedule 0
+//! (or an estimate of them), the kind with the highest priority drops to the lowest and the
+//! others move up. Priorities are holds, not a strict order, so PCT's probability bound is a
+//! guide rather than a guarantee. A schedule is recorded as the list of decisions, one per op
+//! start, in the order the ops started. Replaying the list reproduces the run exactly; a
+//! shortened or edited list is still a valid schedule (decisions past its end are 0), which is
+//! how a failing schedule shrinks on its own.
 
 use crate::probes::{self, SimProbe};
 use crate::rng::Rng;
@@ -33,9 +40,10 @@ pub const DECISIONS_MAX: usize = 1 << 24;
 pub enum Policy {
     /// Each decision uniform in 0..=4: a hold of up to one jitter.
     RandomWalk,
-    /// PCT of `depth`: streams in a random priority order hold their ops by priority (0, 4 or 8
-    /// quarter-jitters, plus 0..=3); at `depth - 1` op starts drawn uniformly in `1..ops`, the
-    /// stream whose op starts drops to the lowest priority. `ops` is the run's op-start count,
+    /// PCT-like holds of `depth`: the stream kinds in a random priority order hold their ops by
+    /// priority (0, 4 or 8 quarter-jitters, plus 0..=3); at `depth - 1` op starts drawn
+    /// uniformly in `1..ops`, the kind with the highest priority drops to the lowest and the
+    /// others move up. `ops` is schedule 0's op-start count,
     /// measured by an earlier run of the same scenario (`--schedules`); 0 when unknown, then
     /// estimated from the workload (`GpuOptions::ops_guess`), so some change points may fall
     /// past the run's end.

@@ -1,7 +1,9 @@
 //! Shrinking: a failing scenario is made smaller — fewer sessions, one-shots and turns, fewer layers
-//! and heads, shorter prompts and generations, faults that are not needed switched off — keeping
-//! each step only if the run still fails with the same oracle. The result is a minimal
-//! reproduction, printed as its configuration and workload and saved for `tierkv sim --replay`.
+//! and heads, shorter session prompts, shorter generations, faults that are not needed switched
+//! off — keeping each step only if the run still fails with the same oracle (greedy, first
+//! improvement over a fixed list of candidates). The result is the smallest failing scenario
+//! found within the budget (`Budget::Runs` for a result that depends on the input alone),
+//! printed as its configuration and workload and saved for `tierkv sim --replay`.
 //!
 //! A failure found under a schedule other than the scenario's own shrinks its schedule first
 //! (`shrink_schedule`: fewer decisions, then held ops released), then the scenario under the

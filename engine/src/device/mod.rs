@@ -6,12 +6,13 @@
 //! run in order, and across streams only events order them — exactly CUDA's contract, which the
 //! simulator implements adversarially and the production device implements with CUDA itself.
 //!
-//! Every call that reaches a driver answers a `Result`: creating, recording and waiting on an
-//! event can fail on a real GPU, and the engine must see that as an error, never as a panic.
+//! Every call that reaches a driver answers a `Result` (or, for `query` and `synchronize`, an
+//! `EventState` that may be `Failed`): creating, recording and waiting on an event can fail on
+//! a real GPU, and the engine must see that as an error, never as a panic.
 //!
 //! Every op declares the byte ranges it reads and writes ([`OpSpec::accesses`]), computed from its
-//! arguments alone. That declaration is what lets the simulator's race detector check every access
-//! in every schedule; an op that reads device memory through indices produced by another kernel
+//! arguments alone. That declaration is what lets the simulator's race detector check every declared
+//! access of every op it runs; an op that reads device memory through indices produced by another kernel
 //! (`SparseRead` reads rows named by `TopK`'s output) declares the whole set it may read.
 
 pub mod op;

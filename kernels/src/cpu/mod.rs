@@ -1,6 +1,8 @@
-//! The CPU references: each kernel's specification, plain Rust over byte slices in the DESIGN §3
-//! layouts. The CUDA kernels must agree with these bit for bit (logits included: the reference
-//! uses the CUDA kernel's operation order). The simulator runs every kernel through these.
+//! The CPU references: plain Rust over byte slices in the DESIGN §3 layouts, held to the
+//! specification (`spec`). The CUDA kernels agree with them bit for bit (the exact logits kernel
+//! included: the reference uses its operation order), except the tensor-core logits kernels,
+//! held to 1e-5 of each logit's magnitude. The CPU device and the simulator's CPU executor run
+//! every kernel through these.
 
 pub mod draw;
 pub mod logits;

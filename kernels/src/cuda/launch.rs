@@ -1,5 +1,5 @@
-//! Typed launchers of the CUDA kernels (feature `cuda`). Every source is compiled once per process
-//! by NVRTC and loaded into the context; each launcher checks sizes, dtypes and fingerprints on the
+//! Typed launchers of the CUDA kernels (feature `cuda`). Every source is compiled by NVRTC and
+//! loaded once per device (context) per process; each launcher checks sizes, dtypes and fingerprints on the
 //! host before it launches anything — the first half of the paired assertions whose second half is
 //! the kernel's own bounds (the device checks the same on the simulated GPU).
 //!
@@ -292,8 +292,9 @@ impl TopKLaunch<'_> {
 /// Which `index_logits` kernel runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogitsKernel {
-    /// The CPU reference's operation order on CUDA-core fp32 FMAs: bit-exact, compute-bound. The
-    /// simulator's oracles compare digests bit for bit, so `tierkv sim --device cuda` uses it.
+    /// The CPU reference's operation order on CUDA-core fp32 FMAs: bit-exact, compute-bound.
+    /// `tierkv sim --device cuda` uses it, so that a seed computes on the GPU exactly what it
+    /// computes on the CPU executor (the same selections, digests and tokens).
     Exact,
     /// Tensor cores, Hopper's warpgroup MMA (`wgmma` f16/bf16, f32 accumulate, pages copied into
     /// a shared-memory ring by a producer warp; `logits_wgmma.cu`, sm_90a): within DESIGN §4's

@@ -8,8 +8,8 @@
 //! the child (`getrusage`), so neither depends on what the build reports about itself; the
 //! counts (seeds, ops, checked reads) and the coverage table are read from its summary, whose
 //! lines every build since the coverage table has printed. Checked reads are the KV and index-K
-//! rows that ops read and the content oracle verified (compared, or known unchanged since
-//! compared). A probe's reach is the share of seeds that hit it: a faster build that reaches
+//! rows the content oracle compared (those ops read, and those the end-of-run conservation
+//! audit compared) or knew unchanged since compared. A probe's reach is the share of seeds that hit it: a faster build that reaches
 //! fewer probes, or reaches them in fewer seeds, is a blinder one, and the report says so: every
 //! probe whose share fell, and over the probes both builds hit, the seeds that hit each per
 //! CPU-second, this build over the baseline (reach per second: what a swarm sized for speed must

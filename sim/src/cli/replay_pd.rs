@@ -1,12 +1,14 @@
 //! `tierkv replay --pd`: the trace's requests through a prefill/decode pair and through one
 //! engine, on the same device kind, and the two compared request by request, digest for digest.
 //!
-//! Both engines of the pair share one device (the in-order CPU device, or one CUDA GPU) and are
-//! joined by the peer link: each transfer is page copies on the device's load stream, from the
+//! By default both engines of the pair share one device (the in-order CPU device, or one CUDA
+//! GPU) and are joined by the peer link: each transfer is page copies on the device's load stream, from the
 //! prefill engine's pools to the decode engine's. The requests are submitted in trace order and
 //! the engines stepped to idle on this thread (no arrival times: the comparison is of outputs,
 //! not of latency). Prints each role's `/metrics` text, the transfers, and the comparison; exits
-//! 1 when any request differs. Not here: the NCCL link between two GPUs.
+//! 1 when any request differs. With `--device cuda --pd-gpus 2` (feature `nccl`) the prefill
+//! engine runs on GPU 0 and the decode engine on GPU 1, joined by NCCL
+//! (`runtime::nccl::NcclLink`), and the link is then timed against a peer copy.
 
 use super::replay::{prepare, ReplayArgs};
 use std::cell::RefCell;

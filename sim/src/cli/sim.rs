@@ -851,7 +851,7 @@ fn print_run(out: &RunOutcome) {
         hits(SimProbe::EvictedOnDemand.name()),
     );
     println!(
-        "{} digests held to the specification's ({} queries' logits and top-k recomputed), {} rows compared, {} ops, {} events; simulated {:.3} ms in {:.1} ms; event-log hash {:#018x}",
+        "{} digests held to the specification's ({} queries held to the specification's logits), {} rows compared, {} ops, {} events; simulated {:.3} ms in {:.1} ms; event-log hash {:#018x}",
         s.digests_checked,
         s.queries_recomputed,
         s.rows_checked,

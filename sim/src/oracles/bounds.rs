@@ -1,10 +1,11 @@
-//! The bounds oracle: every bound the engine promises, checked after every step from what the
-//! engine reports and what the configuration says, written here apart from the engine's checks.
-//! Admission control keeps the queue and its prompt tokens within their limits; the running
-//! batch and the loads in flight stay within theirs. (The tiers' pages in use are not checked
-//! here: the engine's allocators are built with the configured capacity and count their pages
-//! in use as capacity minus free, so that comparison could never fail. Whether the pages the
-//! engine holds are the right ones is the conservation audit's question.)
+//! The bounds oracle: the queue, its prompt tokens, the running batch and the loads in flight,
+//! each within its configured limit, checked after every step from what the engine reports,
+//! written here apart from the engine's checks. (The step's prefill budget and the admission
+//! order are `reported.rs`'s; the output limit is checked by the runner at submission. The
+//! tiers' pages in use are not checked: the engine's allocators are built with the configured
+//! capacity and count their pages in use as capacity minus free, so that comparison could never
+//! fail; whether the pages the engine holds are the right ones is the conservation audit's
+//! question.)
 
 use crate::report::{Finding, OracleKind};
 use tierkv_engine::Config;

@@ -24,8 +24,14 @@
 //! The digest oracle (`digest.rs`) then holds each emitted digest to the specification's
 //! digest of the selection read, over the specification's KV rows.
 //!
-//! Rows of pages that a failed copy left garbage in are not judged (the engine must discard what
-//! it computed from them; the runner checks that it did).
+//! What it does not judge: rows of pages that a failed, refused, skipped or torn copy left
+//! garbage in (the engine must discard what it computed from them; the runner checks that it
+//! did), and queries that read such rows (no q or selection check); an index-K page judged
+//! before, unwritten since and expected to hold the same tokens (write generations count the
+//! writes ops declare: a stray write is the undeclared-write check's to see); page-table
+//! entries below 0. The inputs of the ground truth are the synthetic model's (`Synth`, drawn by
+//! `cpu::draw`, which the CPU executor also draws an op's inputs from); what is judged from them
+//! is the specification's.
 
 use crate::fasthash::{FastHasher, FastMap};
 use crate::report::OracleKind;

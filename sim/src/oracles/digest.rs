@@ -6,8 +6,9 @@
 //! the queries, a top-k of the specification's own f64 logits within the f32 logits' bound.
 //!
 //! This module shares no function with the kernels' CPU references or the executor (a test in
-//! `sim/tests/it` reads its source to keep it so): the rows, the digest and the selection's
-//! judgement all come from the specification.
+//! `sim/tests/it` reads its source to keep it so): the row format, the digest and the
+//! selection's judgement come from the specification; the rows' input values are the synthetic
+//! model's (`Synth`).
 
 use super::content::ContentOracle;
 use tierkv_kernels::spec;

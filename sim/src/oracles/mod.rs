@@ -1,5 +1,6 @@
 //! The oracles, each in its own module. The content oracle runs inside the simulated GPU on
-//! every op that reads KV or index-K rows (`gpu.rs` calls it as the op runs), beside the layout
+//! every `index_logits` and `sparse_read` (the ops that read KV or index-K rows for the model;
+//! page copies are judged where their rows are read later, and by the conservation audit), beside the layout
 //! check at enqueue (`tierkv_engine::device::check_op`), the race detector (`race.rs`) and the
 //! undeclared-access check (`undeclared.rs`); the digest oracle sees every digest output;
 //! liveness and conservation are asked by the runner during and at the end of a run, bounds and

@@ -118,6 +118,13 @@ fn sixty_concurrent_sessions_have_no_findings() {
 fn needle_workloads_have_no_findings() {
     let s = run_campaign(&campaign("needle", 0, 4), |_| {});
     assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
+    // ... and they ran: requests finished, their reads and digests were judged, and some of
+    // their queries were held to the specification's logits.
+    let t = &s.totals;
+    assert_eq!(s.seeds_run, 4);
+    assert!(t.finished >= 16, "{} requests finished", t.finished);
+    assert!(t.digests_checked > 0 && t.rows_checked > 0, "{t:?}");
+    assert!(t.queries_recomputed > 0, "{t:?}");
 }
 
 #[test]
