@@ -251,29 +251,47 @@ pub fn f32_at(b: &[u8], at: usize) -> f32 {
     f32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
 
+/// `2^e`, for `e` in f64's normal range, built from its bits.
+const fn pow2(e: i32) -> f64 {
+    f64::from_bits(((e + 1023) as u64) << 52)
+}
+
+/// The binade of a positive normal `a`: `floor(log2 a)`, read off its exponent field.
+fn binade(a: f64) -> i32 {
+    ((a.to_bits() >> 52) & 0x7FF) as i32 - 1023
+}
+
 /// An e4m3fn code's value from the format's definition: sign, 4 exponent bits (bias 7), 3
-/// mantissa bits, subnormals at exponent 0, NaN at `s.1111.111`, no infinities.
+/// mantissa bits, subnormals at exponent 0, NaN at `s.1111.111`, no infinities. A normal code is
+/// `(1 + m/8) · 2^(e-7) = (8 + m) · 2^(e-10)`; a subnormal one `m · 2^-9`.
 pub fn e4m3(code: u8) -> f64 {
+    E4M3_VALUES[code as usize]
+}
+
+/// [`e4m3`] of every code, computed at compile time by [`e4m3_value`].
+static E4M3_VALUES: [f64; 256] = {
+    let mut t = [0f64; 256];
+    let mut c = 0;
+    while c < 256 {
+        t[c] = e4m3_value(c as u8);
+        c += 1;
+    }
+    t
+};
+
+/// An e4m3fn code's value, computed from its fields.
+const fn e4m3_value(code: u8) -> f64 {
     let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = ((code >> 3) & 0xF, code & 0x7);
-    if e == 0xF && m == 0x7 {
+    let (e, m) = (((code >> 3) & 0xF) as i32, (code & 0x7) as f64);
+    if e == 0xF && m == 7.0 {
         return f64::NAN;
     }
     let mag = if e == 0 {
-        m as f64 / 8.0 * 2f64.powi(-6)
+        m * pow2(-9)
     } else {
-        (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7)
+        (8.0 + m) * pow2(e - 10)
     };
     sign * mag
-}
-
-thread_local! {
-    /// `e4m3` of every code, computed once.
-    static E4M3: [f64; 256] = std::array::from_fn(|c| e4m3(c as u8));
-}
-
-fn e4m3_of(code: u8) -> f64 {
-    E4M3.with(|t| t[code as usize])
 }
 
 /// The largest finite e4m3fn magnitude (code 0x7E).
@@ -282,7 +300,9 @@ pub const E4M3_MAX: f64 = 448.0;
 /// The e4m3fn code round-to-nearest-even gives `x`: the nearest finite code, a tie to the code
 /// whose last mantissa bit is 0; magnitudes past 448 saturate to ±448 (CUDA's
 /// `__NV_SATFINITE`); the sign is kept (a negative value that rounds to zero is -0); NaN is the
-/// NaN code of its sign.
+/// NaN code of its sign. Codes are spaced `2^-9` below `2^-6` (the subnormals) and by an eighth
+/// of the binade above, so rounding is to the nearest multiple of that spacing, ties to an even
+/// multiple (an even multiple is a code with mantissa bit 0, across a binade's top too).
 pub fn e4m3_rne(x: f64) -> u8 {
     let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
     if x.is_nan() {
@@ -292,23 +312,21 @@ pub fn e4m3_rne(x: f64) -> u8 {
     if a >= E4M3_MAX {
         return sign | 0x7E;
     }
-    // Positive codes 0..=0x7E increase with their value: find the last one at or below `a`.
-    let (mut lo, mut hi) = (0u8, 0x7Eu8);
-    while lo < hi {
-        let mid = (lo + hi).div_ceil(2);
-        if e4m3_of(mid) <= a {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    let below = lo;
-    let (v0, v1) = (e4m3_of(below), e4m3_of(below + 1));
-    let code = match (a - v0).partial_cmp(&(v1 - a)).expect("finite") {
-        std::cmp::Ordering::Less => below,
-        std::cmp::Ordering::Greater => below + 1,
-        std::cmp::Ordering::Equal if below & 1 == 0 => below,
-        std::cmp::Ordering::Equal => below + 1,
+    let spacing = if a < pow2(-6) {
+        pow2(-9)
+    } else {
+        pow2(binade(a) - 3)
+    };
+    // Exact: a division and a multiplication by a power of two.
+    let v = (a / spacing).round_ties_even() * spacing;
+    let code = if v < pow2(-6) {
+        (v / pow2(-9)) as u8
+    } else if v >= E4M3_MAX {
+        0x7E
+    } else {
+        let e = binade(v);
+        let m = (v / pow2(e) - 1.0) * 8.0;
+        (((e + 7) as u8) << 3) | m as u8
     };
     sign | code
 }
@@ -317,7 +335,11 @@ pub fn e4m3_rne(x: f64) -> u8 {
 /// `x`. A zero's sign must be one such a value rounds to: a value of magnitude at most 2^-10 (half
 /// the smallest subnormal, the tie going to the even zero) rounds to the zero of its sign.
 pub fn e4m3_code_ok(code: u8, x: f64, slack: f64) -> bool {
-    let v = e4m3_of(code);
+    // The code of `x` itself is always one of them (and carries `x`'s sign at zero).
+    if code == e4m3_rne(x) {
+        return true;
+    }
+    let v = e4m3(code);
     if v.is_nan() {
         return false;
     }
@@ -330,7 +352,7 @@ pub fn e4m3_code_ok(code: u8, x: f64, slack: f64) -> bool {
             hi >= 0.0 && lo <= tie
         };
     }
-    e4m3_of(e4m3_rne(lo)) <= v && v <= e4m3_of(e4m3_rne(hi))
+    e4m3(e4m3_rne(lo)) <= v && v <= e4m3(e4m3_rne(hi))
 }
 
 /// A bf16 value from its bits (the upper half of an f32).
@@ -346,17 +368,9 @@ pub fn bf16_rne(x: f64) -> u16 {
     if a == 0.0 {
         return sign;
     }
-    let e = (((a.to_bits() >> 52) & 0x7FF) as i64 - 1023).max(-126);
-    let spacing = 2f64.powi((e - 7) as i32);
-    let q = a / spacing; // exact: a power-of-two division
-    let fl = q.floor();
-    let frac = q - fl;
-    let n = if frac > 0.5 || (frac == 0.5 && fl % 2.0 == 1.0) {
-        fl + 1.0
-    } else {
-        fl
-    };
-    let v = n * spacing;
+    let spacing = pow2(binade(a).max(-126) - 7);
+    // Exact: a division and a multiplication by a power of two.
+    let v = (a / spacing).round_ties_even() * spacing;
     sign | ((v as f32).to_bits() >> 16) as u16
 }
 
@@ -407,7 +421,7 @@ fn check_codes(codes: &[u8], values: &[f64], err: f64, scale: f64) -> Result<(),
         if !e4m3_code_ok(code, x, slack) {
             return Err(format!(
                 "dim {d}: code {code:#04x} ({}) for {x} (± {slack:e}; round-to-nearest-even gives {:#04x})",
-                e4m3_of(code),
+                e4m3(code),
                 e4m3_rne(x)
             ));
         }
@@ -578,7 +592,7 @@ pub fn check_q_head(
             Some((d, (&v, &code))) => {
                 why = format!(
                     "dim {d}: code {code:#04x} ({}) for {} at scale {scale:e} (round-to-nearest-even gives {:#04x})",
-                    e4m3_of(code),
+                    e4m3(code),
                     v / scale,
                     e4m3_rne(v / scale)
                 )
@@ -882,7 +896,7 @@ pub const LOGIT_ERROR_UNITS: f64 = 256.0;
 /// query's fp8 codes (heads × 128), `weights` its folded head weights, `keys` each key's values
 /// and scale.
 pub fn logits_f64(q_codes: &[u8], weights: &[f32], keys: &[([f64; 128], f64)]) -> Vec<(f64, f64)> {
-    let q: Vec<f64> = q_codes.iter().map(|&c| e4m3_of(c)).collect();
+    let q: Vec<f64> = q_codes.iter().map(|&c| e4m3(c)).collect();
     keys.iter()
         .map(|(k, ks)| {
             let (mut s, mut m) = (0f64, 0f64);
@@ -909,7 +923,7 @@ pub fn key_row_f64(dtype: IndexKDtype, values: &[u8], scale: Option<f32>) -> ([f
     match dtype {
         IndexKDtype::Fp8 => {
             for (d, kd) in k.iter_mut().enumerate() {
-                *kd = e4m3_of(values[d]);
+                *kd = e4m3(values[d]);
             }
             (k, scale.map_or(1.0, |s| s as f64))
         }
