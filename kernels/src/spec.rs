@@ -2,7 +2,7 @@
 //! from the design (docs/DESIGN.md §3–4), sharing no code with the CPU references or with the
 //! layout module. f64 arithmetic where a reference fixes an f32 operation order, sorts where it
 //! selects, byte loops where it copies; the fp8 (e4m3fn) and bf16 formats decoded and rounded
-//! from their definitions; every byte offset and stride from [`format`], written here from the
+//! from their definitions; every byte offset and stride from [`format`](mod@format), written here from the
 //! design's byte tables. It takes the references' argument structs, the dtype and host-order
 //! enums (the names of the formats, which carry no size or offset) and the RoPE settings
 //! (`RopeParams`, plain values), and nothing else of the crate. Nothing in
@@ -622,7 +622,7 @@ fn untouched(
     Ok(())
 }
 
-/// `index_k_store` as specified: each slot's row, read through [`format`], is the f64
+/// `index_k_store` as specified: each slot's row, read through [`format`](mod@format), is the f64
 /// pipeline's (fp8 codes and scale, or bf16, as [`check_index_k_row`] accepts), and nothing
 /// else changed.
 pub fn check_index_k_store(
@@ -770,7 +770,7 @@ pub fn check_topk_within(selection: &[u32], scores: &[(f64, f64)], k: usize) -> 
     Ok(())
 }
 
-/// `sparse_read` from the digest's definition, rows addressed through [`format`].
+/// `sparse_read` from the digest's definition, rows addressed through [`format`](mod@format).
 pub fn sparse_read(a: &cpu::SparseReadArgs, kv: &[u8], rows: usize) -> Vec<u64> {
     let rb = format::kv_row_bytes(a.dtype);
     (0..rows)
@@ -851,7 +851,7 @@ pub fn page_copy(
 }
 
 /// Index key `t` of an index-K page as f64 values, and its scale (1 for bf16), through
-/// [`format`].
+/// [`format`](mod@format).
 pub fn key_f64(dtype: IndexKDtype, page: &[u8], t: usize) -> ([f64; 128], f64) {
     let (at, len) = format::index_k_values(dtype, t);
     let scale = format::index_k_scale(dtype, t).map(|off| f32_at(page, off));
