@@ -459,6 +459,7 @@ impl PrefixCache {
             self.update(id, |n| n.lock += 1);
         }
     }
+    /// Releases a use of `nodes`: they were in use until now, so most recently used.
     pub fn unlock(&mut self, nodes: &[NodeId]) {
         self.tick += 1;
         let tick = self.tick;
@@ -469,6 +470,19 @@ impl PrefixCache {
                     .checked_sub(1)
                     .expect("node unlocked more than locked");
                 n.last_access = tick;
+            });
+        }
+    }
+
+    /// Releases locks taken for a match that was not acted on (a reservation that found no
+    /// room): like the match itself, it leaves the eviction order as it was.
+    pub fn unlock_unused(&mut self, nodes: &[NodeId]) {
+        for &id in nodes {
+            self.update(id, |n| {
+                n.lock = n
+                    .lock
+                    .checked_sub(1)
+                    .expect("node unlocked more than locked");
             });
         }
     }
@@ -728,6 +742,7 @@ impl PrefixCache {
         if want == 0 {
             return out;
         }
+        let policy = self.mutants.eviction_policy(policy);
         // Candidates come oldest first from the maintained order; a node leaves it when it is
         // evicted or marked for write-back, and a parent joins it when its last resident child
         // goes. `skipped` holds a candidate this call passed over (kept for exactness: the prefix
@@ -735,7 +750,13 @@ impl PrefixCache {
         let mut skipped: BTreeSet<(u64, NodeId)> = BTreeSet::new();
         let mut pending = 0usize;
         while out.freed.len() + pending < want {
-            let next = if skipped.is_empty() {
+            let next = if self.mutants.device_eviction_newest_first() {
+                self.device_leaves
+                    .iter()
+                    .rev()
+                    .find(|e| !skipped.contains(e))
+                    .copied()
+            } else if skipped.is_empty() {
                 self.device_leaves.first().copied()
             } else {
                 self.device_leaves
@@ -783,10 +804,13 @@ impl PrefixCache {
             for _ in 0..self.host_pinned - keep_pinned as u64 {
                 probe::hit(Probe::HostEvictSkippedPinned);
             }
-            let round: Vec<NodeId> = self
-                .host_leaves
-                .iter()
-                .map(|&(_, id)| id)
+            let order: Vec<NodeId> = if self.mutants.host_eviction_newest_first() {
+                self.host_leaves.iter().rev().map(|&(_, id)| id).collect()
+            } else {
+                self.host_leaves.iter().map(|&(_, id)| id).collect()
+            };
+            let round: Vec<NodeId> = order
+                .into_iter()
                 .filter(|&id| id != keep)
                 .take(want - freed.len())
                 .collect();

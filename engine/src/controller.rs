@@ -652,15 +652,16 @@ impl CacheController {
         io.cache.pin_host(&m.nodes[m.device..]);
         let Some(pages) = self.alloc_device(io, total - m.device, after)? else {
             io.cache.unpin(&m.nodes[m.device..]);
-            io.cache.unlock(&m.nodes);
+            io.cache.unlock_unused(&m.nodes);
             return Ok(None);
         };
         io.cache.touch(&m.nodes);
         probe::hit_if(Probe::AdmitDevicePrefix, m.device > 0);
         probe::hit_if(Probe::AdmitHostPrefix, m.host > 0);
         io.metrics.prefix_pages_queried += keys.len() as u64;
-        io.metrics.prefix_pages_device_hit += m.device as u64;
-        io.metrics.prefix_pages_host_hit += m.host as u64;
+        let (device_hits, host_hits) = io.mutants.prefix_hits(m.device, m.host);
+        io.metrics.prefix_pages_device_hit += device_hits;
+        io.metrics.prefix_pages_host_hit += host_hits;
         let mut table: Vec<PageId> = m.nodes[..m.device]
             .iter()
             .map(|&n| io.cache.node(n).device.expect("resident"))
@@ -675,7 +676,7 @@ impl CacheController {
         }
         if self.write_policy == WritePolicy::WriteThroughSelective && m.device > 0 {
             let last = io.cache.node(m.nodes[m.device - 1]);
-            if last.hits >= 2 && last.host.is_none() {
+            if last.hits >= io.mutants.selective_hits() && last.host.is_none() {
                 probe::hit(Probe::BackupSelective);
                 self.issue_backup(io, m.nodes[m.device - 1], after)?;
             }

@@ -680,7 +680,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             .device_pages
             .free(&r.pages[full.max(r.owned_from)..]);
         self.cache.unlock(&r.locked);
-        if self.cfg.cache.write_policy == WritePolicy::WriteThrough {
+        if self.cfg.cache.write_policy == WritePolicy::WriteThrough
+            && self.mutants.write_through_backs_up()
+        {
             if let Some(&last) = ins.nodes.last() {
                 let after = self.model.step_done();
                 let (ctl, mut io) = self.split();

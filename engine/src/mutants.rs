@@ -4,6 +4,7 @@
 //! compiles away. Production code never names a mutant: it calls a named point of [`Mutants`]
 //! (`Mutants::index_topk`, `Mutants::host_layout`, ...), which is the identity on the clean engine.
 
+use crate::config::WritePolicy;
 use crate::layout::{slot, IndexKDtype, KvDtype, Layout, PageId};
 
 /// The `index_topk` of mutant 9, which ignores the configured one.
@@ -66,10 +67,27 @@ pub enum Mutant {
     ///     (`scheduler.prefill_tokens_per_step_max`) instead of sharing it, so a step computes
     ///     more prompt tokens than the configuration allows (every output stays correct).
     PrefillBudgetPerRequest,
+    /// 21. Policy: device eviction takes the most recently used candidate first (the order of
+    ///     the LRU list read from the wrong end).
+    DeviceEvictsNewest,
+    /// 22. Policy: host eviction takes the most recently used host copy first.
+    HostEvictsNewest,
+    /// 23. Policy: write-through never backs up a finished request's pages (the host tier stays
+    ///     empty; every later hit is a device hit or a recompute).
+    WriteThroughSkipsBackup,
+    /// 24. Policy: selective write-through backs a prefix up on its first hit, not its second.
+    SelectiveOnFirstHit,
+    /// 25. Policy: write-back drops an evicted page that has no host copy instead of backing it
+    ///     up first (write-through's eviction under the write-back policy).
+    WriteBackDropsUnbacked,
+    /// 26. Policy: the device prefix-hit counter counts the loaded pages too.
+    DeviceHitCountsLoads,
+    /// 27. Policy: the host prefix-hit counter counts requests that loaded, not pages.
+    HostHitPerRequest,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 20] = [
+    pub const ALL: [Mutant; 27] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -90,6 +108,13 @@ impl Mutant {
         Mutant::OverlapOneReadback,
         Mutant::AdmissionPassesBlocked,
         Mutant::PrefillBudgetPerRequest,
+        Mutant::DeviceEvictsNewest,
+        Mutant::HostEvictsNewest,
+        Mutant::WriteThroughSkipsBackup,
+        Mutant::SelectiveOnFirstHit,
+        Mutant::WriteBackDropsUnbacked,
+        Mutant::DeviceHitCountsLoads,
+        Mutant::HostHitPerRequest,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -129,6 +154,13 @@ impl Mutant {
             Mutant::OverlapOneReadback => "overlap-one-readback",
             Mutant::AdmissionPassesBlocked => "admission-passes-blocked",
             Mutant::PrefillBudgetPerRequest => "prefill-budget-per-request",
+            Mutant::DeviceEvictsNewest => "device-evicts-newest",
+            Mutant::HostEvictsNewest => "host-evicts-newest",
+            Mutant::WriteThroughSkipsBackup => "write-through-skips-backup",
+            Mutant::SelectiveOnFirstHit => "selective-on-first-hit",
+            Mutant::WriteBackDropsUnbacked => "write-back-drops-unbacked",
+            Mutant::DeviceHitCountsLoads => "device-hit-counts-loads",
+            Mutant::HostHitPerRequest => "host-hit-per-request",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -153,6 +185,13 @@ impl Mutant {
             Mutant::OverlapOneReadback => "overlap scheduler's output buffer reused",
             Mutant::AdmissionPassesBlocked => "policy: admission order (FIFO, head of line)",
             Mutant::PrefillBudgetPerRequest => "policy: the step's prefill token budget",
+            Mutant::DeviceEvictsNewest => "policy: device eviction order (LRU)",
+            Mutant::HostEvictsNewest => "policy: host eviction order (LRU)",
+            Mutant::WriteThroughSkipsBackup => "policy: write-through's trigger",
+            Mutant::SelectiveOnFirstHit => "policy: selective write-through's trigger",
+            Mutant::WriteBackDropsUnbacked => "policy: write-back's trigger",
+            Mutant::DeviceHitCountsLoads => "policy: the device prefix-hit counter",
+            Mutant::HostHitPerRequest => "policy: the host prefix-hit counter",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -292,6 +331,49 @@ impl Mutants {
         } else {
             budget - used
         }
+    }
+    /// Mutant 21: device eviction reads its LRU order from the newest end.
+    pub fn device_eviction_newest_first(&self) -> bool {
+        self.on(Mutant::DeviceEvictsNewest)
+    }
+    /// Mutant 22: host eviction reads its LRU order from the newest end.
+    pub fn host_eviction_newest_first(&self) -> bool {
+        self.on(Mutant::HostEvictsNewest)
+    }
+    /// Mutant 23: whether write-through backs up a finished request's pages (clean: yes).
+    pub fn write_through_backs_up(&self) -> bool {
+        !self.on(Mutant::WriteThroughSkipsBackup)
+    }
+    /// Mutant 24: the hits at which selective write-through backs a prefix up (clean: 2).
+    pub fn selective_hits(&self) -> u32 {
+        if self.on(Mutant::SelectiveOnFirstHit) {
+            1
+        } else {
+            2
+        }
+    }
+    /// Mutant 25: the policy device eviction applies (clean: the configured one).
+    pub fn eviction_policy(&self, policy: WritePolicy) -> WritePolicy {
+        if self.on(Mutant::WriteBackDropsUnbacked) && policy == WritePolicy::WriteBack {
+            WritePolicy::WriteThrough
+        } else {
+            policy
+        }
+    }
+    /// Mutants 26 and 27: the device and host prefix-hit counts of an admission with `device`
+    /// cached pages on the device and `host` loaded (clean: those numbers).
+    pub fn prefix_hits(&self, device: usize, host: usize) -> (u64, u64) {
+        let dev = if self.on(Mutant::DeviceHitCountsLoads) {
+            device + host
+        } else {
+            device
+        };
+        let host = if self.on(Mutant::HostHitPerRequest) {
+            (host > 0) as usize
+        } else {
+            host
+        };
+        (dev as u64, host as u64)
     }
     /// Mutant 13: intake queues whatever arrives.
     pub fn no_admission_control(&self) -> bool {

@@ -216,8 +216,8 @@ impl CampaignSummary {
             }
         );
         println!(
-            "checked: {} requests finished, {} digests held to the specification's ({} queries held to the specification's logits), {} KV/index-K rows compared (+{} unchanged since compared), {} ops, {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again), {} aborts",
-            t.finished, t.digests_checked, t.queries_recomputed, t.rows_checked, t.rows_cached, t.ops, t.loads, t.backups, t.failed_copies, t.failed_kernels, t.steps_failed, t.aborted
+            "checked: {} requests finished, {} digests held to the specification's ({} queries held to the specification's logits), {} KV/index-K rows compared (+{} unchanged since compared), {} cache decisions held to the policy model, {} ops, {} loads, {} backups, {} failed copies, {} failed launches ({} steps run again), {} aborts",
+            t.finished, t.digests_checked, t.queries_recomputed, t.rows_checked, t.rows_cached, t.policy_judged, t.ops, t.loads, t.backups, t.failed_copies, t.failed_kernels, t.steps_failed, t.aborted
         );
     }
 

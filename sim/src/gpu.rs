@@ -289,6 +289,9 @@ pub struct SimGpu {
     /// The tokens whose KV rows side 0 was asked to store since the runner last took them
     /// (request, position): what a step computed, for the per-step promises.
     pub stored: Vec<(u64, u32)>,
+    /// The device pages side 0's load stream was asked to fill from the host since the runner
+    /// last took them: the loads a step issued, for the prefix-hit recount (`oracles::policy`).
+    pub loaded: Vec<u32>,
     log_hash: u64,
     host_allocs: u32,
     allocs: u32,
@@ -357,6 +360,7 @@ impl SimGpu {
             stats: GpuStats::default(),
             record_log: RecordLog::default(),
             stored: Vec::new(),
+            loaded: Vec::new(),
             log_hash: 0xC0FF_EE00,
             host_allocs: 0,
             allocs: 0,
@@ -1381,6 +1385,13 @@ impl Device for SimGpu {
         if let (Op::KvStore(o), 0) = (&op, self.side) {
             self.stored
                 .extend(o.tags.rows.iter().map(|t| (t.request, t.position)));
+        }
+        if let (Op::PageCopy(c), StreamKind::Load, 0) = (&op, stream, self.side) {
+            self.loaded.extend(
+                c.runs
+                    .iter()
+                    .flat_map(|r| (0..r.count).map(move |i| r.dst.0 + i)),
+            );
         }
         if op.spec().class() == OpClass::PageCopy {
             let written: u64 = op

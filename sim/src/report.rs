@@ -31,6 +31,9 @@ pub enum OracleKind {
     Metrics,
     /// Requests that never finish.
     Liveness,
+    /// A cache decision the policies' reference model does not allow: which page device or host
+    /// eviction took, a backup a write policy should have started (or should not have).
+    Policy,
     /// A promise the engine's configuration makes broken: the queue, queued tokens, running
     /// batch and loads in flight within their limits, a step's prefill budget, admission in
     /// submission order, what the engine reports about its queue.
@@ -56,6 +59,7 @@ impl OracleKind {
             OracleKind::Conservation => "conservation",
             OracleKind::Metrics => "metrics",
             OracleKind::Liveness => "liveness",
+            OracleKind::Policy => "policy",
             OracleKind::Bound => "bound",
             OracleKind::Determinism => "determinism",
             OracleKind::Invariant => "invariant",

@@ -5,6 +5,7 @@ use crate::gpu::{Mark, SimClock, SimGpu, SimSide, Slice};
 use crate::link::SimLink;
 use crate::oracles::content::{ContentOracle, Sampler, SAMPLE_EVERY};
 use crate::oracles::digest::DigestOracle;
+use crate::oracles::policy::{self, PolicyModel, Snapshot};
 use crate::oracles::{bounds, conservation, liveness, metrics, reported};
 use crate::probes::{self, SimProbe};
 use crate::report::{Finding, OracleKind};
@@ -55,6 +56,10 @@ pub struct RunStats {
     /// Query rows whose logits and selection the specification recomputed (a sampled share).
     #[serde(default)]
     pub queries_recomputed: u64,
+    /// Cache decisions the policy model judged: device and host evictions, write-policy
+    /// triggers, and steps whose prefix-hit counters it recounted (`oracles::policy`).
+    #[serde(default)]
+    pub policy_judged: u64,
     pub ops: u64,
     pub events: u64,
     pub copy_bytes: u64,
@@ -82,6 +87,7 @@ impl RunStats {
             rows_checked,
             rows_cached,
             queries_recomputed,
+            policy_judged,
             ops,
             events,
             copy_bytes,
@@ -103,6 +109,7 @@ impl RunStats {
         self.rows_checked += rows_checked;
         self.rows_cached += rows_cached;
         self.queries_recomputed += queries_recomputed;
+        self.policy_judged += policy_judged;
         self.ops += ops;
         self.events += events;
         self.copy_bytes += copy_bytes;
@@ -397,6 +404,11 @@ impl Target {
 /// Why a run ends early: its findings are in `Run::findings`.
 struct Stop;
 
+enum EngineKind {
+    One,
+    Pair,
+}
+
 /// One run in progress: the engine, the oracles, the workload's state and what was found.
 struct Run<'a> {
     sc: &'a Scenario,
@@ -431,6 +443,17 @@ struct Run<'a> {
     admission_queue: std::collections::VecDeque<u64>,
     /// The requests admitted that have not finished or been aborted (the runner's own count).
     running_model: BTreeSet<u64>,
+    /// The reference model of the cache's policies (one engine; `oracles::policy`).
+    policy: Option<PolicyModel>,
+}
+
+/// What an engine call changed that the policy oracle reads: the counters of failures (a call
+/// with any is recovery, not policy) and of prefix hits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Counters {
+    failures: u64,
+    device_hit: u64,
+    host_hit: u64,
 }
 
 /// Runs one scenario.
@@ -573,6 +596,11 @@ impl<'a> Run<'a> {
         let content = Rc::new(RefCell::new(ContentOracle::new(&cfg, synth, sampler)));
         let digest = DigestOracle::new(&cfg);
         let (engine, gpu) = start_engine(sc, opts, &cfg, &content)?;
+        let engine_kind = match &engine {
+            Target::One(_) => EngineKind::One,
+            Target::Pair(_) => EngineKind::Pair,
+        };
+        let cfg_policy = cfg.cache.write_policy;
         let sessions = sc
             .workload
             .sessions
@@ -619,6 +647,7 @@ impl<'a> Run<'a> {
             counted: metrics::Counted::default(),
             admission_queue: Default::default(),
             running_model: BTreeSet::new(),
+            policy: matches!(engine_kind, EngineKind::One).then(|| PolicyModel::new(cfg_policy)),
         })
     }
 
@@ -893,10 +922,24 @@ impl<'a> Run<'a> {
     fn evict(&mut self, pages: usize) -> Result<(), Stop> {
         let used = |r: &Self| r.engine.intake().pools().device_pages.used_count() as usize;
         let before = used(self);
+        let policy_before = self.policy_observe_start();
         let freed =
             self.engine_call(&format!("evict_device({pages})"), |e| e.evict_device(pages))?;
         probes::hit_if(SimProbe::EvictedOnDemand, freed > 0);
         let now = self.gpu.borrow().now();
+        if let Some(before) = policy_before {
+            let call = policy::Call {
+                admitted: &[],
+                finished: &[],
+                ended: &[],
+                tried: &[],
+                faulty: false,
+                refusals: false,
+                hit_growth: None,
+                now,
+            };
+            self.policy_observe_end(before, call, false);
+        }
         if let Some(f) = reported::evicted(pages, freed, before, used(self), now) {
             self.findings.push(f);
         }
@@ -938,8 +981,11 @@ impl<'a> Run<'a> {
             .copied()
             .filter(|&id| self.engine.request(id).is_some_and(|r| r.state == queued))
             .collect();
+        let policy_before = self.policy_observe_start();
         let report = self.engine_call("engine step", |e| e.step())?;
         self.stats.steps += 1;
+        let stored = std::mem::take(&mut self.gpu.borrow_mut().stored);
+        let loaded = std::mem::take(&mut self.gpu.borrow_mut().loaded);
         // Admission is the only way out of the queue within a step (`reported`), in the order
         // the clients submitted.
         let left: Vec<u64> = queued_before
@@ -950,7 +996,14 @@ impl<'a> Run<'a> {
         let now = self.gpu.borrow().now();
         let found = reported::admitted(report.admitted, left.len(), now)
             .or_else(|| reported::admitted_in_order(&self.admission_queue, &left, now))
-            .or_else(|| self.prefill_within_budget(now));
+            .or_else(|| self.prefill_within_budget(&stored, now));
+        // In admission order (the queue's, which `admitted_in_order` holds the engine to).
+        let admitted: Vec<policy::Admitted> = self
+            .admission_queue
+            .iter()
+            .filter(|id| left.contains(id))
+            .map(|&id| self.admitted_as_seen(id, &stored, &loaded))
+            .collect();
         self.admission_queue.retain(|id| !left.contains(id));
         self.running_model.extend(&left);
         // Admission looks up every full page of the prompt but the last token's.
@@ -962,9 +1015,37 @@ impl<'a> Run<'a> {
             self.findings.push(f);
             return Err(Stop);
         }
+        let (mut inserted, mut ended, mut recomputed) = (Vec::new(), Vec::new(), false);
         for o in self.engine.drain_outputs() {
             self.out_hash = mix64(self.out_hash ^ format!("{o:?}").len() as u64 ^ output_key(&o));
+            match &o {
+                Output::Finished { request, generated } => {
+                    inserted.push(self.inserted_as_seen(*request, generated))
+                }
+                Output::Aborted { request } | Output::TransferFailed { request, .. } => {
+                    ended.push(*request)
+                }
+                Output::Recompute { .. } => recomputed = true,
+                _ => {}
+            }
             self.output(o);
+        }
+        if let Some(before) = policy_before {
+            let tried = match self.admission_queue.front() {
+                Some(&head) => self.prompt_keys(head),
+                None => Vec::new(),
+            };
+            let call = policy::Call {
+                admitted: &admitted,
+                finished: &inserted,
+                ended: &ended,
+                tried: &tried,
+                faulty: recomputed,
+                refusals: false,
+                hit_growth: None,
+                now,
+            };
+            self.policy_observe_end(before, call, true);
         }
         if let Some(f) = self.gauges() {
             self.findings.push(f);
@@ -974,6 +1055,104 @@ impl<'a> Run<'a> {
             return Err(Stop);
         }
         Ok(report.idle)
+    }
+
+    fn policy_counters(e: &Eng) -> Counters {
+        let m = &e.metrics;
+        Counters {
+            failures: m.load_failures + m.backup_failures + m.steps_failed + m.steps_discarded,
+            device_hit: m.prefix_pages_device_hit,
+            host_hit: m.prefix_pages_host_hit,
+        }
+    }
+
+    /// The tree and the counters before an engine call, for the policy oracle.
+    fn policy_observe_start(&mut self) -> Option<(Snapshot, Counters)> {
+        let (Some(model), Target::One(e)) = (self.policy.as_mut(), &self.engine) else {
+            return None;
+        };
+        let snap = model.snapshot(e.cache(), e.pools().host_pages.free_count() as usize);
+        Some((snap, Self::policy_counters(e)))
+    }
+
+    /// Judges the call that `before` preceded; `step` says whether it was a step (the hit
+    /// counters grow only in steps).
+    fn policy_observe_end(
+        &mut self,
+        (before, counters): (Snapshot, Counters),
+        mut call: policy::Call,
+        step: bool,
+    ) {
+        let (Some(model), Target::One(e)) = (self.policy.as_mut(), &self.engine) else {
+            return;
+        };
+        let after = model.snapshot(e.cache(), e.pools().host_pages.free_count() as usize);
+        let now = Self::policy_counters(e);
+        call.faulty |= now.failures != counters.failures;
+        call.refusals = self.faults_on && self.sc.host_pages_refused_rate > 0.0;
+        if step {
+            call.hit_growth = Some((
+                now.device_hit - counters.device_hit,
+                now.host_hit - counters.host_hit,
+            ));
+        }
+        let found = model.observe(&before, &after, &call);
+        self.findings.extend(found);
+    }
+
+    /// The chained keys of a request's cacheable prompt pages (all but the last token's).
+    fn prompt_keys(&self, id: u64) -> Vec<u64> {
+        let page = tierkv_kernels::spec::format::PAGE_TOKENS as usize;
+        let prompt_len = self.specs[&id].0;
+        let c = self.content.borrow();
+        let tokens = c.tokens.get(&id).map(|t| &t[..prompt_len.min(t.len())]);
+        policy::page_keys(tokens.unwrap_or(&[]), prompt_len.saturating_sub(1) / page)
+    }
+
+    /// An admitted request as the device saw it: its prompt's page keys, the prompt pages it
+    /// took from the cache (its first stored position this step, or where it stands when it
+    /// stored none) and how many of those the load stream filled.
+    fn admitted_as_seen(&self, id: u64, stored: &[(u64, u32)], loaded: &[u32]) -> policy::Admitted {
+        let page = tierkv_kernels::spec::format::PAGE_TOKENS as usize;
+        let keys = self.prompt_keys(id);
+        let first = stored
+            .iter()
+            .filter(|s| s.0 == id)
+            .map(|s| s.1 as usize)
+            .min();
+        let cached = self.engine.request(id).map(|r| {
+            let at = first.unwrap_or(r.computed);
+            let pages = at / page;
+            let filled = r.pages[..pages.min(r.pages.len())]
+                .iter()
+                .filter(|p| loaded.contains(&p.0))
+                .count();
+            (pages, filled)
+        });
+        policy::Admitted {
+            request: id,
+            keys,
+            cached,
+        }
+    }
+
+    /// A finished request's full pages (the cache takes every page whose KV it computed: the
+    /// last generated token's KV never is).
+    fn inserted_as_seen(&self, id: u64, generated: &[u32]) -> policy::Inserted {
+        let page = tierkv_kernels::spec::format::PAGE_TOKENS as usize;
+        let prompt_len = self.specs.get(&id).map_or(0, |s| s.0);
+        let c = self.content.borrow();
+        let mut tokens: Vec<u32> = c
+            .tokens
+            .get(&id)
+            .map(|t| t[..prompt_len.min(t.len())].to_vec())
+            .unwrap_or_default();
+        tokens.extend_from_slice(generated);
+        let full = tokens.len().saturating_sub(1) / page;
+        policy::Inserted {
+            request: id,
+            keys: policy::page_keys(&tokens, full),
+        }
     }
 
     /// The queue and running gauges `/metrics` exports, against the runner's counts (one
@@ -1000,10 +1179,10 @@ impl<'a> Run<'a> {
     }
 
     /// The prompt tokens the step just taken asked the device to store, against the budget.
-    fn prefill_within_budget(&mut self, now: u64) -> Option<Finding> {
-        let stored = std::mem::take(&mut self.gpu.borrow_mut().stored);
+    fn prefill_within_budget(&self, stored: &[(u64, u32)], now: u64) -> Option<Finding> {
         let prefill: BTreeSet<(u64, u32)> = stored
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|&(request, position)| {
                 self.specs
                     .get(&request)
@@ -1332,6 +1511,10 @@ impl<'a> Run<'a> {
         stats.rows_checked = self.content.borrow().rows_checked;
         stats.rows_cached = self.content.borrow().rows_cached;
         stats.queries_recomputed = self.content.borrow().queries_recomputed;
+        if let Some(p) = &self.policy {
+            let c = p.counts;
+            stats.policy_judged = c.device_evictions + c.host_evictions + c.triggers + c.hit_steps;
+        }
         let mut gpu = self.gpu.borrow_mut();
         stats.sim_ns = gpu.now();
         stats.wall_ns = wall.elapsed().as_nanos() as u64;

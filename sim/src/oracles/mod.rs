@@ -14,4 +14,5 @@ pub mod determinism;
 pub mod digest;
 pub mod liveness;
 pub mod metrics;
+pub mod policy;
 pub mod reported;

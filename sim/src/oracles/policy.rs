@@ -1,0 +1,717 @@
+//! The policy oracle: a reference model of the prefix cache's decisions, written from the
+//! policies' definitions (docs/DESIGN.md §3) apart from `engine/src/cache.rs` and the
+//! controller. It judges decisions whose result is still correct data, which no content check
+//! can see: which page device and host eviction take, when a write policy backs a prefix up, and
+//! what the prefix-hit counters count.
+//!
+//! What the model observes, after every engine call (a step, or the operator's
+//! `evict_device`): which nodes of the prefix tree exist and which tier copies each holds (the
+//! tree's shape, read through `PrefixCache::live_nodes` and `node`; a node is named by its slot
+//! and generation, and the model hashes its tokens itself), the requests a step admitted (in
+//! submission order, which `reported::admitted_in_order` holds), how many prompt pages each took
+//! from the cache (its first stored position, from the device's store ops), how many of those
+//! were loaded (the device pages the load stream was asked to fill), and the requests that
+//! finished, with their tokens. What it keeps of its own: each node's last use on the device
+//! tier (a tick per admission and per finish, in the order the step runs them: admissions, then
+//! finishes), its host copy's last use (the call in which a backup or a load of it ended), its
+//! hits, and the nodes each running request locked. None of it is read from the engine's
+//! `last_access`, `host_access`, `hits`, `lock` or eviction lists.
+//!
+//! The checks, each a necessary condition of the policy (a finding is a decision the policy
+//! does not allow, never a mere difference of timing):
+//! - **Device eviction order (LRU).** A node that lost its device page in a call was used no
+//!   later than every node that was a device eviction candidate (unlocked, no backup reading it,
+//!   no resident child) both before and after the call and was not used during it.
+//! - **Host eviction order (LRU).** The same for host copies, with host candidates (no load
+//!   reading the copy, no backed-up child, not on the path of a backup the call started) and the
+//!   host copy's last use.
+//! - **Write-through.** A finished request's inserted path is backed up (or waits for an
+//!   ancestor's backup) when the host tier had room for it.
+//! - **Selective write-through.** A backup starts only on a path that ends at a node hit for at
+//!   least the second time as the last device page of an admitted request's prefix; and every
+//!   such hit without a host copy starts one (or waits for an ancestor's) when the host had room.
+//! - **Write-back.** A device page without a host copy leaves the device tier only through a
+//!   backup, unless the host had no room (or an ancestor's backup was in flight).
+//! - **Prefix-hit counters.** `prefix_pages_device_hit` and `prefix_pages_host_hit` grow in a
+//!   step by the admitted requests' cached pages that were on the device and that were loaded.
+//!
+//! Where a check does not apply, and why: a call in which a copy failed, a step failed or a
+//! load was recomputed (recovery drops state without a policy decision), or in which the pools
+//! refuse allocations by injection (an injected refusal leaves room unused); the trigger checks
+//! when the host tier was full at the end of the call (whether room could have been made by
+//! host eviction is not modelled); nodes whose last use the model could not observe (a request
+//! that finished in the very step that admitted it, before its prefix could be seen); the
+//! prefill/decode pair (each side's tree receives imports the model does not follow).
+//!
+//! Not modelled yet: page ownership apart from the tree, and the decode side of a pair.
+
+use crate::report::{Finding, OracleKind};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use tierkv_engine::cache::{NodeId, PrefixCache, ROOT};
+use tierkv_engine::config::WritePolicy;
+
+/// Tokens per page, from the byte format the specification states (64 tokens a page).
+const PAGE: usize = 64;
+
+/// A node as the simulator names it: its slot and that slot's generation.
+type NodeRef = (NodeId, u64);
+
+/// One node of the tree as observed.
+#[derive(Clone, Copy, Debug)]
+struct Seen {
+    parent: Option<NodeRef>,
+    device: bool,
+    loading: bool,
+    host: bool,
+    backing_up: bool,
+}
+
+/// The tree as observed between two calls.
+#[derive(Default)]
+pub struct Snapshot {
+    nodes: HashMap<NodeRef, Seen>,
+    by_key: HashMap<u64, NodeRef>,
+    /// Children holding or filling a device page.
+    resident_children: HashMap<NodeRef, u32>,
+    /// Children holding or filling a host copy.
+    backed_children: HashMap<NodeRef, u32>,
+    /// Host pages free.
+    pub host_free: usize,
+}
+
+impl Snapshot {
+    fn get(&self, n: NodeRef) -> Option<&Seen> {
+        self.nodes.get(&n)
+    }
+    /// `n` and its ancestors, `n` first.
+    fn path(&self, n: NodeRef) -> Vec<NodeRef> {
+        let mut out = Vec::new();
+        let mut cur = Some(n);
+        while let Some(c) = cur {
+            let Some(s) = self.nodes.get(&c) else { break };
+            out.push(c);
+            cur = s.parent;
+        }
+        out
+    }
+    fn device_candidate(&self, n: NodeRef, locked: &HashSet<NodeRef>) -> bool {
+        self.get(n).is_some_and(|s| {
+            s.device
+                && !s.backing_up
+                && self.resident_children.get(&n).copied().unwrap_or(0) == 0
+                && !locked.contains(&n)
+        })
+    }
+    fn host_candidate(&self, n: NodeRef) -> bool {
+        self.get(n).is_some_and(|s| {
+            s.host && !s.loading && self.backed_children.get(&n).copied().unwrap_or(0) == 0
+        })
+    }
+}
+
+/// The hash of a page's tokens chained onto its parent's: equal keys, equal token prefixes
+/// (up to hash collisions).
+fn chain(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = parent ^ 0x9e37_79b9_7f4a_7c15;
+    for &t in tokens {
+        h = (h ^ t as u64).wrapping_mul(0x100_0000_01b3);
+        h ^= h >> 29;
+    }
+    h.wrapping_mul(0xbf58_476d_1ce4_e5b9) ^ (h >> 31)
+}
+
+/// The chained keys of the first `pages` full pages of `tokens`.
+pub fn page_keys(tokens: &[u32], pages: usize) -> Vec<u64> {
+    let mut k = 0;
+    tokens
+        .chunks_exact(PAGE)
+        .take(pages)
+        .map(|c| {
+            k = chain(k, c);
+            k
+        })
+        .collect()
+}
+
+/// A request a step admitted, as the device saw it.
+pub struct Admitted {
+    pub request: u64,
+    /// The chained keys of its cacheable prompt pages.
+    pub keys: Vec<u64>,
+    /// Prompt pages taken from the cache, and how many of those were loaded from the host;
+    /// `None` when the step did not show them (the request finished within it).
+    pub cached: Option<(usize, usize)>,
+}
+
+/// A request that finished in a call: the chained keys of the full pages it inserted.
+pub struct Inserted {
+    pub request: u64,
+    pub keys: Vec<u64>,
+}
+
+/// One engine call as the runner saw it.
+pub struct Call<'a> {
+    pub admitted: &'a [Admitted],
+    pub finished: &'a [Inserted],
+    /// Requests that ended otherwise (aborted, or their transfer failed): their locks go.
+    pub ended: &'a [u64],
+    /// The chained prompt keys of the request left at the head of the queue: admission tried
+    /// it and found no room, and its match stayed locked while it evicted for itself.
+    pub tried: &'a [u64],
+    /// A copy or a step failed, or a load was recomputed, during the call.
+    pub faulty: bool,
+    /// The host pool refuses allocations by injection now.
+    pub refusals: bool,
+    /// The counters' growth during the call (device hits, host hits); `None` for a call that
+    /// is not a step.
+    pub hit_growth: Option<(u64, u64)>,
+    pub now: u64,
+}
+
+/// How many decisions each check judged (a check that never applied proves nothing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyCounts {
+    pub device_evictions: u64,
+    pub host_evictions: u64,
+    pub triggers: u64,
+    pub hit_steps: u64,
+}
+
+/// The reference model.
+pub struct PolicyModel {
+    policy: WritePolicy,
+    tick: u64,
+    calls: u64,
+    /// Each node's last use on the device tier.
+    access: HashMap<NodeRef, u64>,
+    /// The call in which each node's host copy was last written or read by a finished load.
+    host_access: HashMap<NodeRef, u64>,
+    hits: HashMap<NodeRef, u32>,
+    /// Nodes whose last use the model could not observe (until a finish sets it).
+    unknown: HashSet<NodeRef>,
+    /// Nodes whose hits the model could not count (for as long as they live).
+    hits_unknown: HashSet<NodeRef>,
+    /// The nodes each running request matched (and the engine locked).
+    locks: BTreeMap<u64, Vec<NodeRef>>,
+    /// Locks of requests that ended otherwise than by finishing, with the call after which
+    /// they are surely released: a request aborted during a step is released by the next one.
+    releasing: Vec<(u64, Vec<NodeRef>)>,
+    /// Selective write-through: nodes whose trigger held at some admission.
+    justified: HashSet<NodeRef>,
+    /// Each node's chained key, computed once.
+    keys: HashMap<NodeRef, u64>,
+    pub counts: PolicyCounts,
+}
+
+impl PolicyModel {
+    pub fn new(policy: WritePolicy) -> PolicyModel {
+        PolicyModel {
+            policy,
+            tick: 0,
+            calls: 0,
+            access: HashMap::new(),
+            host_access: HashMap::new(),
+            hits: HashMap::new(),
+            unknown: HashSet::new(),
+            hits_unknown: HashSet::new(),
+            locks: BTreeMap::new(),
+            releasing: Vec::new(),
+            justified: HashSet::new(),
+            keys: HashMap::new(),
+            counts: PolicyCounts::default(),
+        }
+    }
+
+    /// Observes `cache` (and the host pages free).
+    pub fn snapshot(&mut self, cache: &PrefixCache, host_free: usize) -> Snapshot {
+        let mut snap = Snapshot {
+            host_free,
+            ..Snapshot::default()
+        };
+        let name = |id: NodeId| (id, cache.generation(id));
+        // Keys top-down: a node's parent is keyed first (memoised across calls).
+        let ids: Vec<NodeId> = cache.live_nodes().filter(|&id| id != ROOT).collect();
+        for &id in &ids {
+            let mut stack = vec![id];
+            while let Some(&top) = stack.last() {
+                if self.keys.contains_key(&name(top)) {
+                    stack.pop();
+                    continue;
+                }
+                let n = cache.node(top);
+                if n.parent == ROOT {
+                    self.keys.insert(name(top), chain(0, &n.key));
+                    stack.pop();
+                } else if let Some(&pk) = self.keys.get(&name(n.parent)) {
+                    self.keys.insert(name(top), chain(pk, &n.key));
+                    stack.pop();
+                } else {
+                    stack.push(n.parent);
+                }
+            }
+        }
+        for &id in &ids {
+            let n = cache.node(id);
+            let me = name(id);
+            let parent = (n.parent != ROOT).then(|| name(n.parent));
+            let key = self.keys[&me];
+            snap.nodes.insert(
+                me,
+                Seen {
+                    parent,
+                    device: n.device.is_some(),
+                    loading: n.loading.is_some(),
+                    host: n.host.is_some(),
+                    backing_up: n.backing_up.is_some(),
+                },
+            );
+            snap.by_key.insert(key, me);
+            if let Some(p) = parent {
+                if n.device.is_some() || n.loading.is_some() {
+                    *snap.resident_children.entry(p).or_default() += 1;
+                }
+                if n.host.is_some() || n.backing_up.is_some() {
+                    *snap.backed_children.entry(p).or_default() += 1;
+                }
+            }
+        }
+        snap
+    }
+
+    fn locked(&self) -> HashSet<NodeRef> {
+        let releasing = self.releasing.iter().flat_map(|(_, n)| n);
+        self.locks
+            .values()
+            .flatten()
+            .chain(releasing)
+            .copied()
+            .collect()
+    }
+
+    /// Judges one call: `before` and `after` are the tree around it.
+    pub fn observe(&mut self, before: &Snapshot, after: &Snapshot, call: &Call) -> Vec<Finding> {
+        self.calls += 1;
+        let mut found = Vec::new();
+        // Recovery drops state without a policy decision; an injected host refusal leaves room
+        // unused, which the trigger checks would take for a skipped backup.
+        let checks = !call.faulty;
+        let triggers = checks && !call.refusals;
+        let locked_before = self.locked();
+        let mut touched: HashSet<NodeRef> = HashSet::new();
+
+        // Admissions, in order: each touches (and locks) the prefix it took.
+        let (mut dev_hits, mut host_hits, mut counted) = (0u64, 0u64, true);
+        for a in call.admitted {
+            self.tick += 1;
+            let Some((cached, loaded)) = a.cached else {
+                // Its prefix is not known: whatever it may have touched is not either.
+                counted = false;
+                for k in &a.keys {
+                    if let Some(&n) = before.by_key.get(k) {
+                        self.unknown.insert(n);
+                        self.hits_unknown.insert(n);
+                        touched.insert(n);
+                    }
+                }
+                continue;
+            };
+            dev_hits += (cached - loaded.min(cached)) as u64;
+            host_hits += loaded.min(cached) as u64;
+            let mut matched = Vec::new();
+            for k in a.keys.iter().take(cached) {
+                let Some(&n) = before.by_key.get(k) else {
+                    break;
+                };
+                matched.push(n);
+            }
+            for &n in &matched {
+                self.access.insert(n, self.tick);
+                self.unknown.remove(&n);
+                *self.hits.entry(n).or_default() += 1;
+                touched.insert(n);
+            }
+            let device_part = cached.saturating_sub(loaded).min(matched.len());
+            // Its loads read the host copies (one may end within this very call).
+            for &n in &matched[device_part..] {
+                self.host_access.insert(n, self.calls);
+            }
+            if device_part > 0 && self.policy == WritePolicy::WriteThroughSelective {
+                let last = matched[device_part - 1];
+                let hits = self.hits[&last];
+                let had_host = before.get(last).is_some_and(|s| s.host);
+                if hits >= 2 && !had_host && !self.hits_unknown.contains(&last) {
+                    self.justified.insert(last);
+                    if triggers {
+                        if let Some(f) = self.expect_backup(
+                            after,
+                            last,
+                            &format!(
+                                "selective write-through: request {} hit the prefix ending at page {} for the {hits}th time without a host copy",
+                                a.request,
+                                device_part
+                            ),
+                            call.now,
+                        ) {
+                            found.push(f);
+                        }
+                    }
+                }
+            }
+            self.locks.insert(a.request, matched);
+        }
+
+        if call.faulty {
+            // A load that failed within the call left its request with less than it matched:
+            // what its match touched, hit and loaded is not known.
+            for a in call.admitted {
+                for n in a.keys.iter().filter_map(|k| before.by_key.get(k)) {
+                    self.unknown.insert(*n);
+                    self.hits_unknown.insert(*n);
+                    self.host_access.remove(n);
+                }
+            }
+        }
+
+        // Finishes: each inserts its full pages, most recently used.
+        for f in call.finished {
+            self.tick += 1;
+            self.locks.remove(&f.request);
+            let mut path = Vec::new();
+            for k in &f.keys {
+                let Some(&n) = after.by_key.get(k) else { break };
+                // Insertion stops at a node another request's load fills; a load that ended in
+                // the call was acknowledged before any request finished.
+                if after.get(n).is_some_and(|s| s.loading) {
+                    break;
+                }
+                self.access.insert(n, self.tick);
+                self.unknown.remove(&n);
+                touched.insert(n);
+                path.push(n);
+            }
+            if self.policy == WritePolicy::WriteThrough && triggers {
+                if let Some(&last) = path.last() {
+                    if let Some(finding) = self.expect_backup(
+                        after,
+                        last,
+                        &format!(
+                            "write-through: request {} finished with {} full pages",
+                            f.request,
+                            path.len()
+                        ),
+                        call.now,
+                    ) {
+                        found.push(finding);
+                    }
+                }
+            }
+        }
+        let locked_after = self.locked();
+        // Aborted requests' locks: kept through the next call, which releases them surely.
+        let calls = self.calls;
+        self.releasing.retain(|(until, _)| *until >= calls);
+        for r in call.ended {
+            if let Some(nodes) = self.locks.remove(r) {
+                // Releasing a lock is a use, at a time the model does not see (the abort call,
+                // or within a step for a request aborted while its row was in flight).
+                self.unknown.extend(nodes.iter().copied());
+                self.releasing.push((calls + 2, nodes));
+            }
+        }
+
+        // The hit counters, when every admission showed its prefix.
+        if let (Some((dev, host)), true, false) = (call.hit_growth, counted, call.faulty) {
+            self.counts.hit_steps += 1;
+            if (dev, host) != (dev_hits, host_hits) {
+                found.push(Finding {
+                    oracle: OracleKind::Metrics,
+                    time_ns: call.now,
+                    message: format!(
+                        "the step's prefix hits grew by {dev} device and {host} host pages; the requests it admitted took {dev_hits} cached pages from the device and loaded {host_hits}"
+                    ),
+                });
+            }
+        }
+
+        // Host copies whose last use changed: a backup ended, or a load that read one.
+        let mut host_changed: HashSet<NodeRef> = HashSet::new();
+        for (&n, a) in &after.nodes {
+            let b = before.get(n);
+            let gained = a.host && !b.is_some_and(|b| b.host);
+            let load_ended = b.is_some_and(|b| b.loading) && !a.loading;
+            if gained || load_ended {
+                self.host_access.insert(n, self.calls);
+            }
+            if load_ended && !locked_after.contains(&n) {
+                // An orphaned load (its request aborted) releases its lock at its end, a use.
+                self.unknown.insert(n);
+            }
+            if b.is_none_or(|b| b.host != a.host || b.backing_up != a.backing_up) {
+                host_changed.insert(n);
+            }
+        }
+
+        if checks {
+            // A reservation that found no room held its match locked while it evicted.
+            // (and its host-only part pinned).
+            let mut spared = touched.clone();
+            spared.extend(
+                call.tried
+                    .iter()
+                    .map_while(|k| before.by_key.get(k).copied()),
+            );
+            found.extend(self.device_order(
+                before,
+                after,
+                &spared,
+                &locked_before,
+                &locked_after,
+                call.now,
+            ));
+            found.extend(self.host_order(before, after, &spared, &host_changed, call.now));
+            if self.policy == WritePolicy::WriteBack && triggers {
+                found.extend(self.write_back(before, after, call.now));
+            }
+            if self.policy == WritePolicy::WriteThroughSelective {
+                found.extend(self.selective_justified(before, after, call.now));
+            }
+        }
+
+        // Nodes that are gone are forgotten.
+        let live = |n: &NodeRef| after.nodes.contains_key(n);
+        self.access.retain(|n, _| live(n));
+        self.host_access.retain(|n, _| live(n));
+        self.hits.retain(|n, _| live(n));
+        self.unknown.retain(live);
+        self.hits_unknown.retain(live);
+        self.justified.retain(live);
+        self.keys.retain(|n, _| live(n));
+        found
+    }
+
+    /// A backup of the path ending at `last` started (or one of its ancestors' is in flight, which
+    /// it waits for), or the host tier had no room for it.
+    fn expect_backup(
+        &mut self,
+        after: &Snapshot,
+        last: NodeRef,
+        what: &str,
+        now: u64,
+    ) -> Option<Finding> {
+        let path = after.path(last);
+        let Some(end) = after.get(last) else {
+            return None; // evicted within the call
+        };
+        if end.host
+            || path
+                .iter()
+                .any(|&n| after.get(n).is_some_and(|s| s.backing_up))
+        {
+            self.counts.triggers += 1;
+            return None;
+        }
+        let need = path
+            .iter()
+            .filter(|&&n| after.get(n).is_some_and(|s| !s.host))
+            .count();
+        if after.host_free < need {
+            return None; // the host tier may have had no room
+        }
+        self.counts.triggers += 1;
+        Some(Finding {
+            oracle: OracleKind::Policy,
+            time_ns: now,
+            message: format!(
+                "{what}, and no backup of its {need} pages without a host copy started although {} host pages were free",
+                after.host_free
+            ),
+        })
+    }
+
+    fn device_order(
+        &mut self,
+        before: &Snapshot,
+        after: &Snapshot,
+        touched: &HashSet<NodeRef>,
+        locked_before: &HashSet<NodeRef>,
+        locked_after: &HashSet<NodeRef>,
+        now: u64,
+    ) -> Option<Finding> {
+        let known = |n: &NodeRef| {
+            !touched.contains(n) && !self.unknown.contains(n) && self.access.contains_key(n)
+        };
+        let evicted: Vec<NodeRef> = before
+            .nodes
+            .iter()
+            .filter(|(n, s)| {
+                s.device && !s.backing_up && known(n) && after.get(**n).is_none_or(|a| !a.device)
+            })
+            .map(|(n, _)| *n)
+            .collect();
+        if evicted.is_empty() {
+            return None;
+        }
+        self.counts.device_evictions += evicted.len() as u64;
+        let same_host = |n: NodeRef| {
+            let (b, a) = (before.get(n), after.get(n));
+            b.zip(a)
+                .is_some_and(|(b, a)| b.host == a.host && b.backing_up == a.backing_up)
+        };
+        let kept = before
+            .nodes
+            .keys()
+            .copied()
+            .filter(|&n| {
+                known(&n)
+                    && same_host(n)
+                    && before.device_candidate(n, locked_before)
+                    && after.device_candidate(n, locked_after)
+            })
+            .min_by_key(|n| (self.access.get(n).copied().unwrap_or(0), *n))?;
+        let newest = evicted
+            .iter()
+            .copied()
+            .max_by_key(|n| (self.access.get(n).copied().unwrap_or(0), *n))?;
+        let (t_kept, t_gone) = (
+            self.access.get(&kept).copied().unwrap_or(0),
+            self.access.get(&newest).copied().unwrap_or(0),
+        );
+        (t_gone > t_kept).then(|| Finding {
+            oracle: OracleKind::Policy,
+            time_ns: now,
+            message: format!(
+                "device eviction is not least recently used: it took node {} (last used at tick {t_gone}) while node {} (last used at tick {t_kept}) stayed evictable throughout",
+                newest.0, kept.0
+            ),
+        })
+    }
+
+    fn host_order(
+        &mut self,
+        before: &Snapshot,
+        after: &Snapshot,
+        touched: &HashSet<NodeRef>,
+        host_changed: &HashSet<NodeRef>,
+        now: u64,
+    ) -> Option<Finding> {
+        let evicted: Vec<NodeRef> = before
+            .nodes
+            .iter()
+            .filter(|(n, s)| s.host && after.get(**n).is_none_or(|a| !a.host))
+            .map(|(n, _)| *n)
+            .filter(|n| self.host_access.contains_key(n))
+            .collect();
+        if evicted.is_empty() {
+            return None;
+        }
+        self.counts.host_evictions += evicted.len() as u64;
+        // Spared by host eviction during the call: the paths of backups it started (their
+        // ancestors keep their copies), copies a load read, copies used in the call.
+        let mut spared: HashSet<NodeRef> = touched.clone();
+        for (&n, a) in &after.nodes {
+            if a.backing_up && !before.get(n).is_some_and(|b| b.backing_up) {
+                spared.extend(after.path(n));
+            }
+            if a.loading || before.get(n).is_some_and(|b| b.loading) {
+                spared.insert(n);
+            }
+        }
+        spared.extend(host_changed.iter().copied());
+        let kept = before
+            .nodes
+            .keys()
+            .copied()
+            .filter(|&n| {
+                !spared.contains(&n)
+                    && before.host_candidate(n)
+                    && after.host_candidate(n)
+                    && self.host_access.contains_key(&n)
+            })
+            .min_by_key(|n| (self.host_access[n], *n))?;
+        let newest = evicted
+            .iter()
+            .copied()
+            .max_by_key(|n| (self.host_access[n], *n))?;
+        let (t_kept, t_gone) = (self.host_access[&kept], self.host_access[&newest]);
+        (t_gone > t_kept).then(|| Finding {
+            oracle: OracleKind::Policy,
+            time_ns: now,
+            message: format!(
+                "host eviction is not least recently used: it dropped node {}'s host copy (last used in call {t_gone}) while node {}'s (last used in call {t_kept}) stayed evictable throughout",
+                newest.0, kept.0
+            ),
+        })
+    }
+
+    /// Write-back: a device page without a host copy leaves the device only through a backup.
+    /// The engine's fallback drops unbacked leaves (least recently used first) in a call where a
+    /// write-back eviction could not be issued; besides a full host tier, that happens when the
+    /// evicted node's ancestor is being backed up. With any backup in flight around the call,
+    /// the model cannot tell, and does not judge.
+    fn write_back(&mut self, before: &Snapshot, after: &Snapshot, now: u64) -> Option<Finding> {
+        let in_flight = |s: &Snapshot| s.nodes.values().any(|s| s.backing_up);
+        if in_flight(before) || in_flight(after) {
+            return None;
+        }
+        for (&n, b) in &before.nodes {
+            let dropped = b.device
+                && !b.host
+                && !b.backing_up
+                && after.get(n).is_none_or(|a| !a.device && !a.host);
+            if !dropped {
+                continue;
+            }
+            let path = before.path(n);
+            let need = path
+                .iter()
+                .filter(|&&p| before.get(p).is_some_and(|s| !s.host))
+                .count();
+            self.counts.triggers += 1;
+            if after.host_free >= need {
+                return Some(Finding {
+                    oracle: OracleKind::Policy,
+                    time_ns: now,
+                    message: format!(
+                        "write-back dropped node {}'s device page without backing it up, although {} host pages were free (its path needs {need})",
+                        n.0, after.host_free
+                    ),
+                });
+            }
+        }
+        None
+    }
+
+    /// Selective write-through: every backup a call started ends at a node whose trigger held.
+    fn selective_justified(
+        &mut self,
+        before: &Snapshot,
+        after: &Snapshot,
+        now: u64,
+    ) -> Option<Finding> {
+        let started: Vec<NodeRef> = after
+            .nodes
+            .iter()
+            .filter(|(n, a)| a.backing_up && !before.get(**n).is_some_and(|b| b.backing_up))
+            .map(|(n, _)| *n)
+            .collect();
+        if started.is_empty() {
+            return None;
+        }
+        // A node is covered when it is on the path of a node whose trigger held.
+        let mut covered: HashSet<NodeRef> = HashSet::new();
+        for &j in self.justified.iter().chain(&self.hits_unknown) {
+            covered.extend(after.path(j));
+        }
+        self.counts.triggers += started.len() as u64;
+        let n = started.into_iter().find(|n| !covered.contains(n))?;
+        Some(Finding {
+            oracle: OracleKind::Policy,
+            time_ns: now,
+            message: format!(
+                "selective write-through backed up node {} (hit {} times), which is on no prefix hit a second time as the last device page of an admission",
+                n.0,
+                self.hits.get(&n).copied().unwrap_or(0)
+            ),
+        })
+    }
+}
