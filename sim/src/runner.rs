@@ -998,11 +998,14 @@ impl<'a> Run<'a> {
             .or_else(|| reported::admitted_in_order(&self.admission_queue, &left, now))
             .or_else(|| self.prefill_within_budget(&stored, now));
         // In admission order (the queue's, which `admitted_in_order` holds the engine to).
+        // A page loaded for one request and published within the step is a device hit of the
+        // requests admitted after it: each loaded page counts for the first that holds it.
+        let mut unclaimed = loaded;
         let admitted: Vec<policy::Admitted> = self
             .admission_queue
             .iter()
             .filter(|id| left.contains(id))
-            .map(|&id| self.admitted_as_seen(id, &stored, &loaded))
+            .map(|&id| self.admitted_as_seen(id, &stored, &mut unclaimed))
             .collect();
         self.admission_queue.retain(|id| !left.contains(id));
         self.running_model.extend(&left);
@@ -1112,7 +1115,12 @@ impl<'a> Run<'a> {
     /// An admitted request as the device saw it: its prompt's page keys, the prompt pages it
     /// took from the cache (its first stored position this step, or where it stands when it
     /// stored none) and how many of those the load stream filled.
-    fn admitted_as_seen(&self, id: u64, stored: &[(u64, u32)], loaded: &[u32]) -> policy::Admitted {
+    fn admitted_as_seen(
+        &self,
+        id: u64,
+        stored: &[(u64, u32)],
+        loaded: &mut Vec<u32>,
+    ) -> policy::Admitted {
         let page = tierkv_kernels::spec::format::PAGE_TOKENS as usize;
         let keys = self.prompt_keys(id);
         let first = stored
@@ -1123,10 +1131,12 @@ impl<'a> Run<'a> {
         let cached = self.engine.request(id).map(|r| {
             let at = first.unwrap_or(r.computed);
             let pages = at / page;
-            let filled = r.pages[..pages.min(r.pages.len())]
-                .iter()
-                .filter(|p| loaded.contains(&p.0))
-                .count();
+            let mut filled = 0;
+            for p in &r.pages[..pages.min(r.pages.len())] {
+                let before = loaded.len();
+                loaded.retain(|&l| l != p.0);
+                filled += (loaded.len() < before) as usize;
+            }
             (pages, filled)
         });
         policy::Admitted {

@@ -616,7 +616,11 @@ impl PolicyModel {
                 spared.insert(n);
             }
         }
-        spared.extend(host_changed.iter().copied());
+        // A backup can also start and end within the call (acknowledged by a step that waits
+        // for copies): its path gained host copies, and its parent was spared too.
+        for &n in host_changed {
+            spared.extend(after.path(n));
+        }
         let kept = before
             .nodes
             .keys()
