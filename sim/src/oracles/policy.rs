@@ -19,9 +19,13 @@
 //!
 //! The checks, each a necessary condition of the policy (a finding is a decision the policy
 //! does not allow, never a mere difference of timing):
-//! - **Device eviction order (LRU).** A node that lost its device page in a call was used no
-//!   later than every node that was a device eviction candidate (unlocked, no backup reading it,
-//!   no resident child) both before and after the call and was not used during it.
+//! - **Device eviction order (LRU),** under write-through and selective write-through. A node
+//!   that lost its device page in a call was used no later than every node that was a device
+//!   eviction candidate (unlocked, no backup reading it, no resident child) both before and
+//!   after the call and was not used during it, nor matched by the request admission tried and
+//!   could not place. Under write-back an eviction whose backup could not be issued is
+//!   withdrawn, leaving an older node behind younger ones that went; the order is not judged
+//!   there.
 //! - **Host eviction order (LRU).** The same for host copies, with host candidates (no load
 //!   reading the copy, no backed-up child, not on the path of a backup the call started) and the
 //!   host copy's last use.
@@ -452,23 +456,32 @@ impl PolicyModel {
         }
 
         if checks {
-            // A reservation that found no room held its match locked while it evicted.
-            // (and its host-only part pinned).
+            // A reservation that found no room held its match locked while it evicted (and its
+            // host-only part pinned).
             let mut spared = touched.clone();
             spared.extend(
                 call.tried
                     .iter()
                     .map_while(|k| before.by_key.get(k).copied()),
             );
-            found.extend(self.device_order(
-                before,
-                after,
-                &spared,
-                &locked_before,
-                &locked_after,
-                call.now,
-            ));
-            found.extend(self.host_order(before, after, &spared, &host_changed, call.now));
+            // Under write-back, an eviction whose backup could not be issued (the host had no
+            // room, or an ancestor's backup was in flight) is withdrawn and the node stays,
+            // behind younger nodes that went: the order is judged under the other policies.
+            if self.policy != WritePolicy::WriteBack {
+                found.extend(self.device_order(
+                    before,
+                    after,
+                    &spared,
+                    &locked_before,
+                    &locked_after,
+                    call.now,
+                ));
+            }
+            if triggers {
+                // A backup whose host pages were refused after host eviction made room leaves
+                // no trace of the path its eviction spared.
+                found.extend(self.host_order(before, after, &spared, &host_changed, call.now));
+            }
             if self.policy == WritePolicy::WriteBack && triggers {
                 found.extend(self.write_back(before, after, call.now));
             }
