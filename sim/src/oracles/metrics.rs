@@ -21,10 +21,11 @@
 //!   of every request the runner saw admitted.
 //! - `queue_depth`, `queued_tokens`, `running_requests`: after every step, against the runner's
 //!   own count of the requests it submitted, saw admitted and saw end (`reported::gauges`).
-//! - No oracle yet, and why: `prefix_pages_device_hit` (the device-tier hit rate's numerator:
-//!   the simulator does not yet model which prefix pages are resident; a device hit is a page a
-//!   request reads without storing or loading it, which the ops show but no oracle counts);
-//!   `steps_discarded_total` apart from the sum above (a discarded step records like any other);
+//! - `prefix_hit_rate`'s numerators per tier (`prefix_pages_device_hit`,
+//!   `prefix_pages_host_hit`): also after every step without faults, against each admitted
+//!   request's cached pages (its first stored position) split into those the load stream filled
+//!   for it and the rest (`policy.rs`).
+//! - No oracle yet, and why: `steps_discarded_total` apart from the sum above (a discarded step records like any other);
 //!   `prefill_tokens_total` (a failed step's prompt tokens are stored again, so the stores
 //!   over-count it); `device_kv_pages_used` and `host_tokens_used` (the allocators' own counts;
 //!   the conservation audit judges the pages the prefix cache holds, not their number);

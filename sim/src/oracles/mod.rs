@@ -3,8 +3,9 @@
 //! page copies are judged where their rows are read later, and by the conservation audit), beside the layout
 //! check at enqueue (`tierkv_engine::device::check_op`), the race detector (`race.rs`) and the
 //! undeclared-access check (`undeclared.rs`); the digest oracle sees every digest output;
-//! liveness and conservation are asked by the runner during and at the end of a run, bounds and
-//! the reported counts after every step; determinism by the campaign (a hash-sampled share of
+//! liveness and conservation are asked by the runner during and at the end of a run, bounds,
+//! the reported counts and the policy model after every step (the policy model also after the
+//! operator's evictions); determinism by the campaign (a hash-sampled share of
 //! its seeds, and every failing one), `campaign merge` (a shard run twice) and the tests.
 
 pub mod bounds;

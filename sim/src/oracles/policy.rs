@@ -13,9 +13,11 @@
 //! were loaded (the device pages the load stream was asked to fill), and the requests that
 //! finished, with their tokens. What it keeps of its own: each node's last use on the device
 //! tier (a tick per admission and per finish, in the order the step runs them: admissions, then
-//! finishes), its host copy's last use (the call in which a backup or a load of it ended), its
-//! hits, and the nodes each running request locked. None of it is read from the engine's
-//! `last_access`, `host_access`, `hits`, `lock` or eviction lists.
+//! finishes; a lock released by an abort is a use at a time it does not see, so such nodes are
+//! not judged until their next observed use), its host copy's last use (the call in which a
+//! backup ended, or a load of it was issued or ended), its hits, and the nodes each running
+//! request locked. None of it is read from the engine's `last_access`, `host_access`, `hits`,
+//! `lock` or eviction lists.
 //!
 //! The checks, each a necessary condition of the policy (a finding is a decision the policy
 //! does not allow, never a mere difference of timing):
@@ -40,14 +42,19 @@
 //!   step by the admitted requests' cached pages that were on the device and that were loaded.
 //!
 //! Where a check does not apply, and why: a call in which a copy failed, a step failed or a
-//! load was recomputed (recovery drops state without a policy decision), or in which the pools
-//! refuse allocations by injection (an injected refusal leaves room unused); the trigger checks
-//! when the host tier was full at the end of the call (whether room could have been made by
-//! host eviction is not modelled); nodes whose last use the model could not observe (a request
-//! that finished in the very step that admitted it, before its prefix could be seen); the
-//! prefill/decode pair (each side's tree receives imports the model does not follow).
+//! load was recomputed (recovery drops state without a policy decision; what such a call's
+//! admissions touched is forgotten); the trigger checks and the host order while the host pool
+//! refuses allocations by injection (a refusal leaves room unused, and a backup refused after
+//! host eviction made room leaves no trace of what that eviction spared); the trigger checks
+//! when the host tier had less room at the end of the call than the path needed (whether host
+//! eviction could have made room is not modelled); the write-back check while any backup is in
+//! flight (its fallback may then drop unbacked leaves); nodes whose last use the model could
+//! not observe (a request that finished in the very step that admitted it, a lock released by an
+//! abort or an orphaned load); the prefill/decode pair (each side's tree receives imports the
+//! model does not follow).
 //!
-//! Not modelled yet: page ownership apart from the tree, and the decode side of a pair.
+//! Not modelled yet: page ownership apart from the tree, the decode side of a pair, and host
+//! eviction's room (so a backup skipped when eviction could have made room is not a finding).
 
 use crate::report::{Finding, OracleKind};
 use std::collections::{BTreeMap, HashMap, HashSet};
