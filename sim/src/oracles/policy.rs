@@ -739,3 +739,102 @@ impl PolicyModel {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tierkv_engine::cache::page_keys as engine_keys;
+    use tierkv_engine::layout::PageId;
+
+    fn tokens(seed: u32) -> Vec<u32> {
+        (0..64).map(|i| seed * 1000 + i).collect()
+    }
+
+    fn call<'a>(finished: &'a [Inserted]) -> Call<'a> {
+        Call {
+            admitted: &[],
+            finished,
+            ended: &[],
+            tried: &[],
+            faulty: false,
+            refusals: false,
+            hit_growth: None,
+            now: 0,
+        }
+    }
+
+    /// Inserts one single-page prefix per seed, in order, each observed as a finish; then asks
+    /// the cache for one page and returns the model's findings on that eviction. `model_order`
+    /// is the order in which the model is told the prefixes finished.
+    fn evict_one(engine_order: [u32; 2], model_order: [u32; 2]) -> Vec<Finding> {
+        let mut cache = PrefixCache::new();
+        // Selective write-through: finishes alone trigger no backup.
+        let mut model = PolicyModel::new(WritePolicy::WriteThroughSelective);
+        for (i, s) in engine_order.into_iter().enumerate() {
+            cache.insert(&engine_keys(&tokens(s), 1), &[PageId(i as u32)]);
+        }
+        // The model sees both finishes, in its own order, across two calls.
+        let empty = model.snapshot(&PrefixCache::new(), 10);
+        let full = model.snapshot(&cache, 10);
+        let first = [Inserted {
+            request: 0,
+            keys: page_keys(&tokens(model_order[0]), 1),
+        }];
+        let second = [Inserted {
+            request: 1,
+            keys: page_keys(&tokens(model_order[1]), 1),
+        }];
+        assert!(model.observe(&empty, &full, &call(&first)).is_empty());
+        assert!(model.observe(&full, &full, &call(&second)).is_empty());
+        let before = model.snapshot(&cache, 10);
+        let ev = cache.evict_device(1, WritePolicy::WriteThroughSelective);
+        assert_eq!(ev.freed.len(), 1);
+        let after = model.snapshot(&cache, 10);
+        let found = model.observe(&before, &after, &call(&[]));
+        assert_eq!(model.counts.device_evictions, 1);
+        found
+    }
+
+    #[test]
+    fn least_recently_used_eviction_passes() {
+        assert!(evict_one([1, 2], [1, 2]).is_empty());
+    }
+
+    #[test]
+    fn eviction_of_the_newer_prefix_is_a_finding() {
+        // The engine evicts prefix 1, its oldest; the model saw prefix 1 finish last.
+        let found = evict_one([1, 2], [2, 1]);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].oracle, OracleKind::Policy);
+        assert!(found[0].message.contains("not least recently used"));
+    }
+
+    #[test]
+    fn write_through_expects_a_backup_of_a_finished_request() {
+        let mut cache = PrefixCache::new();
+        let mut model = PolicyModel::new(WritePolicy::WriteThrough);
+        let before = model.snapshot(&cache, 10);
+        cache.insert(&engine_keys(&tokens(1), 1), &[PageId(0)]);
+        let finished = [Inserted {
+            request: 0,
+            keys: page_keys(&tokens(1), 1),
+        }];
+        // The host has room for the page: no backup started is a finding.
+        let after = model.snapshot(&cache, 10);
+        let found = model.observe(&before, &after, &call(&finished));
+        assert!(found[0].message.starts_with("write-through"), "{found:?}");
+        // No room: no finding.
+        let mut model = PolicyModel::new(WritePolicy::WriteThrough);
+        let after = model.snapshot(&cache, 0);
+        assert!(model.observe(&before, &after, &call(&finished)).is_empty());
+    }
+
+    #[test]
+    fn chained_keys_name_token_prefixes() {
+        let a = page_keys(&[tokens(1), tokens(2)].concat(), 2);
+        let b = page_keys(&[tokens(1), tokens(3)].concat(), 2);
+        assert_eq!(a[0], b[0]);
+        assert_ne!(a[1], b[1]);
+        assert_eq!(page_keys(&tokens(1), 2).len(), 1, "only full pages");
+    }
+}
