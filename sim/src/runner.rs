@@ -18,6 +18,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
 use tierkv_engine::device::DeviceError;
 use tierkv_engine::engine::EngineFaults;
+use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
 use tierkv_engine::mutants::Mutants;
 use tierkv_engine::pd::LinkError;
 use tierkv_engine::synth::Synth;
@@ -539,10 +540,32 @@ fn start_engine(
             side,
         };
         let target = if sc.profile == "pd" {
+            let decode = decode_config(cfg, sc.seed);
+            // First a decode configuration one handshake field off: the pair must refuse it,
+            // naming that field alone (nothing is built when it does).
+            if let Some((off, field)) = one_field_off(&decode, sc.seed) {
+                let trial = guarded(|| {
+                    PdPair::new(
+                        cfg.clone(),
+                        off,
+                        side(0),
+                        side(1),
+                        clock.clone(),
+                        clock.clone(),
+                        SimLink::new(sc.seed),
+                        eopts,
+                    )
+                    .map(|_| ())
+                })
+                .map_err(|p| failed(OracleKind::Invariant, p))?;
+                if let Some(message) = refused_for(trial, field) {
+                    return Err(failed(OracleKind::Engine, message));
+                }
+            }
             let link = SimLink::new(sc.seed);
             let pair = PdPair::new(
                 cfg.clone(),
-                decode_config(cfg, sc.seed),
+                decode,
                 side(0),
                 side(1),
                 clock.clone(),
@@ -566,6 +589,71 @@ fn start_engine(
         other => other,
     };
     first.map_err(|e| failed(engine_error_kind(&e), format!("engine start: {e}")))
+}
+
+/// A decode configuration that differs from `d` in exactly one field the prefill/decode
+/// handshake compares, drawn from the seed, with the name the handshake gives that field; `None`
+/// when the drawn change makes the configuration invalid.
+fn one_field_off(d: &Config, seed: u64) -> Option<(Config, &'static str)> {
+    let mut r = Rng::new(seed ^ 0x0000_0FF0);
+    let mut x = d.clone();
+    let m = &mut x.model;
+    let field = match r.below(6) {
+        0 => {
+            m.layers = if m.layers > 1 { m.layers - 1 } else { 2 };
+            "model.layers"
+        }
+        1 => {
+            m.layer_base = if m.layer_base > 0 {
+                m.layer_base - 1
+            } else {
+                1
+            };
+            "model.layer_base"
+        }
+        2 => {
+            m.kv_dtype = match m.kv_dtype {
+                KvDtype::Bf16 => KvDtype::Fp8Packed,
+                _ => KvDtype::Bf16,
+            };
+            "model.kv_dtype"
+        }
+        3 => {
+            m.index_k_dtype = match m.index_k_dtype {
+                IndexKDtype::Fp8 => IndexKDtype::Bf16,
+                IndexKDtype::Bf16 => IndexKDtype::Fp8,
+            };
+            "model.index_k_dtype"
+        }
+        4 => {
+            x.cache.host_layout = match x.cache.host_layout {
+                HostLayout::LayerFirst => HostLayout::PageFirst,
+                HostLayout::PageFirst => HostLayout::LayerFirst,
+            };
+            "cache.host_layout"
+        }
+        _ => {
+            m.rope_theta *= 2.0;
+            "RoPE frequencies of the index keys"
+        }
+    };
+    x.validate().is_ok().then_some((x, field))
+}
+
+/// What was wrong with a pair's answer to a decode configuration one `field` off: `None` when
+/// it was the handshake's typed refusal naming that field alone.
+fn refused_for(trial: Result<(), PdError>, field: &str) -> Option<String> {
+    match trial {
+        Err(PdError::Handshake(tierkv_engine::pd::HandshakeError::Layout {
+            mismatches, ..
+        })) if mismatches.len() == 1 && mismatches[0].field == field => None,
+        Ok(()) => Some(format!(
+            "the prefill/decode pair started with a decode configuration that differs in {field}"
+        )),
+        Err(e) => Some(format!(
+            "a decode configuration that differs in {field} alone was refused with: {e}"
+        )),
+    }
 }
 
 /// The decode engine's configuration in a `pd` run: the scenario's, with its own device tier
@@ -1569,5 +1657,36 @@ fn output_key(o: &Output) -> u64 {
         Output::Aborted { request } => request.wrapping_mul(7),
         Output::Recompute { request, tokens } => request ^ ((*tokens as u64) << 40),
         Output::TransferFailed { request, tries } => request ^ ((*tries as u64) << 44) ^ 0x7D,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tierkv_engine::pd::{handshake, PdLayout, Role};
+
+    /// Every drawn one-field-off decode configuration differs from its own in that field alone,
+    /// as the handshake sees it; and every field is drawn.
+    #[test]
+    fn one_field_off_differs_in_the_field_it_names() {
+        let mut drawn = BTreeSet::new();
+        for preset in Config::PRESETS {
+            let cfg = Config::preset(preset).expect("a valid preset");
+            for seed in 0..64 {
+                let Some((off, field)) = one_field_off(&cfg, seed) else {
+                    continue;
+                };
+                drawn.insert(field);
+                let refused = handshake(
+                    &PdLayout::of(&cfg, Role::Prefill),
+                    &PdLayout::of(&off, Role::Decode),
+                )
+                .map_err(PdError::Handshake);
+                assert_eq!(refused_for(refused, field), None, "{preset} seed {seed}");
+            }
+        }
+        assert_eq!(drawn.len(), 6, "{drawn:?}");
+        let started = refused_for(Ok(()), "model.layers").expect("a pair that starts is wrong");
+        assert!(started.contains("started"), "{started}");
     }
 }
