@@ -1193,7 +1193,7 @@ impl<'a> Run<'a> {
 
     /// The chained keys of a request's cacheable prompt pages (all but the last token's).
     fn prompt_keys(&self, id: u64) -> Vec<u64> {
-        let page = tierkv_kernels::spec::format::PAGE_TOKENS as usize;
+        let page = tierkv_kernels::spec::format::PAGE_TOKENS;
         let prompt_len = self.specs[&id].0;
         let c = self.content.borrow();
         let tokens = c.tokens.get(&id).map(|t| &t[..prompt_len.min(t.len())]);
@@ -1209,7 +1209,7 @@ impl<'a> Run<'a> {
         stored: &[(u64, u32)],
         loaded: &mut Vec<u32>,
     ) -> policy::Admitted {
-        let page = tierkv_kernels::spec::format::PAGE_TOKENS as usize;
+        let page = tierkv_kernels::spec::format::PAGE_TOKENS;
         let keys = self.prompt_keys(id);
         let first = stored
             .iter()
@@ -1237,7 +1237,7 @@ impl<'a> Run<'a> {
     /// A finished request's full pages (the cache takes every page whose KV it computed: the
     /// last generated token's KV never is).
     fn inserted_as_seen(&self, id: u64, generated: &[u32]) -> policy::Inserted {
-        let page = tierkv_kernels::spec::format::PAGE_TOKENS as usize;
+        let page = tierkv_kernels::spec::format::PAGE_TOKENS;
         let prompt_len = self.specs.get(&id).map_or(0, |s| s.0);
         let c = self.content.borrow();
         let mut tokens: Vec<u32> = c

@@ -61,8 +61,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use tierkv_engine::cache::{NodeId, PrefixCache, ROOT};
 use tierkv_engine::config::WritePolicy;
 
-/// Tokens per page, from the byte format the specification states (64 tokens a page).
-const PAGE: usize = 64;
+/// Tokens per page, as the specification's byte format states it.
+const PAGE: usize = tierkv_kernels::spec::format::PAGE_TOKENS;
 
 /// A node as the simulator names it: its slot and that slot's generation.
 type NodeRef = (NodeId, u64);
