@@ -292,6 +292,9 @@ pub struct SimGpu {
     /// The device pages side 0's load stream was asked to fill from the host since the runner
     /// last took them: the loads a step issued, for the prefix-hit recount (`oracles::policy`).
     pub loaded: Vec<u32>,
+    /// The device pages side 0's KV stores wrote since the runner last took them, with the
+    /// request each row belongs to: the page-ownership check's input.
+    pub stored_pages: Vec<(u64, u32)>,
     log_hash: u64,
     host_allocs: u32,
     allocs: u32,
@@ -361,6 +364,7 @@ impl SimGpu {
             record_log: RecordLog::default(),
             stored: Vec::new(),
             loaded: Vec::new(),
+            stored_pages: Vec::new(),
             log_hash: 0xC0FF_EE00,
             host_allocs: 0,
             allocs: 0,
@@ -1385,6 +1389,15 @@ impl Device for SimGpu {
         if let (Op::KvStore(o), 0) = (&op, self.side) {
             self.stored
                 .extend(o.tags.rows.iter().map(|t| (t.request, t.position)));
+            let page = tierkv_kernels::spec::format::PAGE_TOKENS as i32;
+            self.stored_pages.extend(
+                o.tags
+                    .rows
+                    .iter()
+                    .zip(&o.slots)
+                    .filter(|(_, &slot)| slot >= 0)
+                    .map(|(t, &slot)| (t.request, (slot / page) as u32)),
+            );
         }
         if let (Op::PageCopy(c), StreamKind::Load, 0) = (&op, stream, self.side) {
             self.loaded.extend(

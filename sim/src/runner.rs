@@ -1074,6 +1074,7 @@ impl<'a> Run<'a> {
         self.stats.steps += 1;
         let stored = std::mem::take(&mut self.gpu.borrow_mut().stored);
         let loaded = std::mem::take(&mut self.gpu.borrow_mut().loaded);
+        let stored_pages = std::mem::take(&mut self.gpu.borrow_mut().stored_pages);
         // Admission is the only way out of the queue within a step (`reported`), in the order
         // the clients submitted.
         let left: Vec<u64> = queued_before
@@ -1084,7 +1085,8 @@ impl<'a> Run<'a> {
         let now = self.gpu.borrow().now();
         let found = reported::admitted(report.admitted, left.len(), now)
             .or_else(|| reported::admitted_in_order(&self.admission_queue, &left, now))
-            .or_else(|| self.prefill_within_budget(&stored, now));
+            .or_else(|| self.prefill_within_budget(&stored, now))
+            .or_else(|| self.stores_within_ownership(&stored_pages, now));
         // In admission order (the queue's, which `admitted_in_order` holds the engine to).
         // A page loaded for one request and published within the step is a device hit of the
         // requests admitted after it: each loaded page counts for the first that holds it.
@@ -1274,6 +1276,47 @@ impl<'a> Run<'a> {
             ],
             self.gpu.borrow().now(),
         )
+    }
+
+    /// Page ownership: every page a step's KV stores wrote belongs to the storing request's own
+    /// page table, and to no other running request's (a page another request holds is either
+    /// its own or a prefix page the cache shares read-only). Checked against the tables the
+    /// requests hold after the step, for one engine (a pair's sides are not followed).
+    fn stores_within_ownership(&self, stored: &[(u64, u32)], now: u64) -> Option<Finding> {
+        let Target::One(e) = &self.engine else {
+            return None;
+        };
+        let pages: BTreeSet<(u64, u32)> = stored.iter().copied().collect();
+        let mut holders: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        for &id in &self.running_model {
+            if let Some(r) = e.request(id) {
+                for p in &r.pages {
+                    holders.entry(p.0).or_default().push(id);
+                }
+            }
+        }
+        for (request, page) in pages {
+            let held = holders.get(&page).map(Vec::as_slice).unwrap_or(&[]);
+            let others: Vec<u64> = held.iter().copied().filter(|&h| h != request).collect();
+            let own = e
+                .request(request)
+                .is_none_or(|r| r.pages.iter().any(|p| p.0 == page));
+            if !others.is_empty() || !own {
+                return Some(Finding {
+                    oracle: OracleKind::Conservation,
+                    time_ns: now,
+                    message: format!(
+                        "request {request} stored KV into device page {page}, which {}",
+                        if others.is_empty() {
+                            "is not in its page table".to_string()
+                        } else {
+                            format!("request(s) {others:?} hold")
+                        }
+                    ),
+                });
+            }
+        }
+        None
     }
 
     /// The prompt tokens the step just taken asked the device to store, against the budget.
