@@ -53,8 +53,9 @@
 //! abort or an orphaned load); the prefill/decode pair (each side's tree receives imports the
 //! model does not follow).
 //!
-//! Not modelled yet: page ownership apart from the tree, the decode side of a pair, and host
-//! eviction's room (so a backup skipped when eviction could have made room is not a finding).
+//! Not modelled yet: the decode side of a pair, and host eviction's room (so a backup skipped
+//! when eviction could have made room is not a finding). Page ownership of KV stores is checked
+//! by the runner (`stores_within_ownership`); reads and copies are not followed by it.
 
 use crate::report::{Finding, OracleKind};
 use std::collections::{BTreeMap, HashMap, HashSet};
