@@ -405,11 +405,6 @@ impl Target {
 /// Why a run ends early: its findings are in `Run::findings`.
 struct Stop;
 
-enum EngineKind {
-    One,
-    Pair,
-}
-
 /// One run in progress: the engine, the oracles, the workload's state and what was found.
 struct Run<'a> {
     sc: &'a Scenario,
@@ -684,10 +679,7 @@ impl<'a> Run<'a> {
         let content = Rc::new(RefCell::new(ContentOracle::new(&cfg, synth, sampler)));
         let digest = DigestOracle::new(&cfg);
         let (engine, gpu) = start_engine(sc, opts, &cfg, &content)?;
-        let engine_kind = match &engine {
-            Target::One(_) => EngineKind::One,
-            Target::Pair(_) => EngineKind::Pair,
-        };
+        let one_engine = matches!(engine, Target::One(_));
         let cfg_policy = cfg.cache.write_policy;
         let sessions = sc
             .workload
@@ -735,7 +727,7 @@ impl<'a> Run<'a> {
             counted: metrics::Counted::default(),
             admission_queue: Default::default(),
             running_model: BTreeSet::new(),
-            policy: matches!(engine_kind, EngineKind::One).then(|| PolicyModel::new(cfg_policy)),
+            policy: one_engine.then(|| PolicyModel::new(cfg_policy)),
         })
     }
 
@@ -1024,7 +1016,8 @@ impl<'a> Run<'a> {
                 faulty: false,
                 refusals: false,
                 hit_growth: None,
-                now,
+                now_ns: now,
+                what: format!("evict_device({pages})"),
             };
             self.policy_observe_end(before, call, false);
         }
@@ -1136,7 +1129,8 @@ impl<'a> Run<'a> {
                 faulty: recomputed,
                 refusals: false,
                 hit_growth: None,
-                now,
+                now_ns: now,
+                what: format!("step {}", self.stats.steps),
             };
             self.policy_observe_end(before, call, true);
         }
@@ -1184,9 +1178,10 @@ impl<'a> Run<'a> {
         call.faulty |= now.failures != counters.failures;
         call.refusals = self.faults_on && self.sc.host_pages_refused_rate > 0.0;
         if step {
+            let grew = |to: u64, from: u64| to.checked_sub(from).expect("a counter went down");
             call.hit_growth = Some((
-                now.device_hit - counters.device_hit,
-                now.host_hit - counters.host_hit,
+                grew(now.device_hit, counters.device_hit),
+                grew(now.host_hit, counters.host_hit),
             ));
         }
         let found = model.observe(&before, &after, &call);
@@ -1198,8 +1193,11 @@ impl<'a> Run<'a> {
         let page = tierkv_kernels::spec::format::PAGE_TOKENS;
         let prompt_len = self.specs[&id].0;
         let c = self.content.borrow();
-        let tokens = c.tokens.get(&id).map(|t| &t[..prompt_len.min(t.len())]);
-        policy::page_keys(tokens.unwrap_or(&[]), prompt_len.saturating_sub(1) / page)
+        let tokens = &c
+            .tokens
+            .get(&id)
+            .expect("the runner keeps every prompt it sent")[..prompt_len];
+        policy::page_keys(tokens, prompt_len.saturating_sub(1) / page)
     }
 
     /// An admitted request as the device saw it: its prompt's page keys, the prompt pages it
@@ -1240,13 +1238,13 @@ impl<'a> Run<'a> {
     /// last generated token's KV never is).
     fn inserted_as_seen(&self, id: u64, generated: &[u32]) -> policy::Inserted {
         let page = tierkv_kernels::spec::format::PAGE_TOKENS;
-        let prompt_len = self.specs.get(&id).map_or(0, |s| s.0);
+        let prompt_len = self.specs[&id].0;
         let c = self.content.borrow();
-        let mut tokens: Vec<u32> = c
+        let mut tokens = c
             .tokens
             .get(&id)
-            .map(|t| t[..prompt_len.min(t.len())].to_vec())
-            .unwrap_or_default();
+            .expect("the runner keeps every prompt it sent")[..prompt_len]
+            .to_vec();
         tokens.extend_from_slice(generated);
         let full = tokens.len().saturating_sub(1) / page;
         policy::Inserted {

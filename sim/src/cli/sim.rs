@@ -851,10 +851,11 @@ fn print_run(out: &RunOutcome) {
         hits(SimProbe::EvictedOnDemand.name()),
     );
     println!(
-        "{} digests held to the specification's ({} queries held to the specification's logits), {} rows compared, {} ops, {} events; simulated {:.3} ms in {:.1} ms; event-log hash {:#018x}",
+        "{} digests held to the specification's ({} queries held to the specification's logits), {} rows compared, {} cache decisions held to the policy model, {} ops, {} events; simulated {:.3} ms in {:.1} ms; event-log hash {:#018x}",
         s.digests_checked,
         s.queries_recomputed,
         s.rows_checked,
+        s.policy_judged,
         s.ops,
         s.events,
         s.sim_ns as f64 / 1e6,

@@ -22,9 +22,10 @@
 //! - `queue_depth`, `queued_tokens`, `running_requests`: after every step, against the runner's
 //!   own count of the requests it submitted, saw admitted and saw end (`reported::gauges`).
 //! - `prefix_hit_rate`'s numerators per tier (`prefix_pages_device_hit`,
-//!   `prefix_pages_host_hit`): also after every step without faults, against each admitted
-//!   request's cached pages (its first stored position) split into those the load stream filled
-//!   for it and the rest (`policy.rs`).
+//!   `prefix_pages_host_hit`): also after every step of a single engine without faults in
+//!   which every admitted request could be seen (not one that finished within the step that
+//!   admitted it), against each admitted request's cached pages (its first stored position)
+//!   split into those the load stream filled for it and the rest (`policy.rs`).
 //! - No oracle yet, and why: `steps_discarded_total` apart from the sum above (a discarded step records like any other);
 //!   `prefill_tokens_total` (a failed step's prompt tokens are stored again, so the stores
 //!   over-count it); `device_kv_pages_used` and `host_tokens_used` (the allocators' own counts;

@@ -53,7 +53,7 @@
 //! abort or an orphaned load); the prefill/decode pair (each side's tree receives imports the
 //! model does not follow).
 //!
-//! Not modelled yet: the decode side of a pair, and host eviction's room (so a backup skipped
+//! Not modelled yet: the prefill/decode pair, and host eviction's room (so a backup skipped
 //! when eviction could have made room is not a finding). Page ownership of KV stores is checked
 //! by the runner (`stores_within_ownership`); reads and copies are not followed by it.
 
@@ -63,7 +63,7 @@ use tierkv_engine::cache::{NodeId, PrefixCache, ROOT};
 use tierkv_engine::config::WritePolicy;
 
 /// Tokens per page, as the specification's byte format states it.
-const PAGE: usize = tierkv_kernels::spec::format::PAGE_TOKENS;
+const PAGE_TOKENS: usize = tierkv_kernels::spec::format::PAGE_TOKENS;
 
 /// A node as the simulator names it: its slot and that slot's generation.
 type NodeRef = (NodeId, u64);
@@ -81,14 +81,14 @@ struct Seen {
 /// The tree as observed between two calls.
 #[derive(Default)]
 pub struct Snapshot {
-    nodes: HashMap<NodeRef, Seen>,
+    nodes: BTreeMap<NodeRef, Seen>,
     by_key: HashMap<u64, NodeRef>,
     /// Children holding or filling a device page.
     resident_children: HashMap<NodeRef, u32>,
     /// Children holding or filling a host copy.
     backed_children: HashMap<NodeRef, u32>,
     /// Host pages free.
-    pub host_free: usize,
+    pub host_pages_free: usize,
 }
 
 impl Snapshot {
@@ -136,7 +136,7 @@ fn chain(parent: u64, tokens: &[u32]) -> u64 {
 pub fn page_keys(tokens: &[u32], pages: usize) -> Vec<u64> {
     let mut k = 0;
     tokens
-        .chunks_exact(PAGE)
+        .chunks_exact(PAGE_TOKENS)
         .take(pages)
         .map(|c| {
             k = chain(k, c);
@@ -177,7 +177,9 @@ pub struct Call<'a> {
     /// The counters' growth during the call (device hits, host hits); `None` for a call that
     /// is not a step.
     pub hit_growth: Option<(u64, u64)>,
-    pub now: u64,
+    pub now_ns: u64,
+    /// What the call was, for messages (`step 12`, `evict_device(4)`).
+    pub what: String,
 }
 
 /// How many decisions each check judged (a check that never applied proves nothing).
@@ -205,8 +207,9 @@ pub struct PolicyModel {
     hits_unknown: HashSet<NodeRef>,
     /// The nodes each running request matched (and the engine locked).
     locks: BTreeMap<u64, Vec<NodeRef>>,
-    /// Locks of requests that ended otherwise than by finishing, with the call after which
-    /// they are surely released: a request aborted during a step is released by the next one.
+    /// Locks of requests that ended otherwise than by finishing, with the last call that still
+    /// counts them: two calls after the one that reported the end (a request aborted while its
+    /// row was in flight is released within the next step).
     releasing: Vec<(u64, Vec<NodeRef>)>,
     /// Selective write-through: nodes whose trigger held at some admission.
     justified: HashSet<NodeRef>,
@@ -235,9 +238,9 @@ impl PolicyModel {
     }
 
     /// Observes `cache` (and the host pages free).
-    pub fn snapshot(&mut self, cache: &PrefixCache, host_free: usize) -> Snapshot {
+    pub fn snapshot(&mut self, cache: &PrefixCache, host_pages_free: usize) -> Snapshot {
         let mut snap = Snapshot {
-            host_free,
+            host_pages_free,
             ..Snapshot::default()
         };
         let name = |id: NodeId| (id, cache.generation(id));
@@ -351,8 +354,12 @@ impl PolicyModel {
                 let last = matched[device_part - 1];
                 let hits = self.hits[&last];
                 let had_host = before.get(last).is_some_and(|s| s.host);
-                if hits >= 2 && !had_host && !self.hits_unknown.contains(&last) {
+                if hits >= 2 && !self.hits_unknown.contains(&last) {
+                    // Justified even with a host copy at the call's start: host eviction earlier
+                    // in the call may have dropped it before this admission looked.
                     self.justified.insert(last);
+                }
+                if hits >= 2 && !had_host && !self.hits_unknown.contains(&last) {
                     if triggers {
                         if let Some(f) = self.expect_backup(
                             after,
@@ -362,7 +369,7 @@ impl PolicyModel {
                                 a.request,
                                 device_part
                             ),
-                            call.now,
+                            call.now_ns,
                         ) {
                             found.push(f);
                         }
@@ -411,7 +418,7 @@ impl PolicyModel {
                             f.request,
                             path.len()
                         ),
-                        call.now,
+                        call.now_ns,
                     ) {
                         found.push(finding);
                     }
@@ -419,7 +426,7 @@ impl PolicyModel {
             }
         }
         let locked_after = self.locked();
-        // Aborted requests' locks: kept through the next call, which releases them surely.
+        // Aborted requests' locks: counted for two more calls (their release comes within one).
         let calls = self.calls;
         self.releasing.retain(|(until, _)| *until >= calls);
         for r in call.ended {
@@ -437,7 +444,7 @@ impl PolicyModel {
             if (dev, host) != (dev_hits, host_hits) {
                 found.push(Finding {
                     oracle: OracleKind::Metrics,
-                    time_ns: call.now,
+                    time_ns: call.now_ns,
                     message: format!(
                         "the step's prefix hits grew by {dev} device and {host} host pages; the requests it admitted took {dev_hits} cached pages from the device and loaded {host_hits}"
                     ),
@@ -482,22 +489,25 @@ impl PolicyModel {
                     &spared,
                     &locked_before,
                     &locked_after,
-                    call.now,
+                    call.now_ns,
                 ));
             }
             if triggers {
                 // A backup whose host pages were refused after host eviction made room leaves
                 // no trace of the path its eviction spared.
-                found.extend(self.host_order(before, after, &spared, &host_changed, call.now));
+                found.extend(self.host_order(before, after, &spared, &host_changed, call.now_ns));
             }
             if self.policy == WritePolicy::WriteBack && triggers {
-                found.extend(self.write_back(before, after, call.now));
+                found.extend(self.write_back(before, after, call.now_ns));
             }
-            if self.policy == WritePolicy::WriteThroughSelective {
-                found.extend(self.selective_justified(before, after, call.now));
+            if self.policy == WritePolicy::WriteThroughSelective && triggers {
+                found.extend(self.selective_justified(before, after, call.now_ns));
             }
         }
 
+        for f in &mut found {
+            f.message = format!("{}: {}", call.what, f.message);
+        }
         // Nodes that are gone are forgotten.
         let live = |n: &NodeRef| after.nodes.contains_key(n);
         self.access.retain(|n, _| live(n));
@@ -535,7 +545,7 @@ impl PolicyModel {
             .iter()
             .filter(|&&n| after.get(n).is_some_and(|s| !s.host))
             .count();
-        if after.host_free < need {
+        if after.host_pages_free < need {
             return None; // the host tier may have had no room
         }
         self.counts.triggers += 1;
@@ -544,7 +554,7 @@ impl PolicyModel {
             time_ns: now,
             message: format!(
                 "{what}, and no backup of its {need} pages without a host copy started although {} host pages were free",
-                after.host_free
+                after.host_pages_free
             ),
         })
     }
@@ -572,7 +582,6 @@ impl PolicyModel {
         if evicted.is_empty() {
             return None;
         }
-        self.counts.device_evictions += evicted.len() as u64;
         let same_host = |n: NodeRef| {
             let (b, a) = (before.get(n), after.get(n));
             b.zip(a)
@@ -589,6 +598,7 @@ impl PolicyModel {
                     && after.device_candidate(n, locked_after)
             })
             .min_by_key(|n| (self.access.get(n).copied().unwrap_or(0), *n))?;
+        self.counts.device_evictions += evicted.len() as u64;
         let newest = evicted
             .iter()
             .copied()
@@ -601,8 +611,11 @@ impl PolicyModel {
             oracle: OracleKind::Policy,
             time_ns: now,
             message: format!(
-                "device eviction is not least recently used: it took node {} (last used at tick {t_gone}) while node {} (last used at tick {t_kept}) stayed evictable throughout",
-                newest.0, kept.0
+                "device eviction is not least recently used: it took node {} (page {} of its prefix, last used at the model's use tick {t_gone}) while node {} (page {} of its prefix, last used at tick {t_kept}) stayed evictable throughout (use ticks count admissions and finishes in order)",
+                newest.0,
+                before.path(newest).len(),
+                kept.0,
+                before.path(kept).len()
             ),
         })
     }
@@ -625,7 +638,6 @@ impl PolicyModel {
         if evicted.is_empty() {
             return None;
         }
-        self.counts.host_evictions += evicted.len() as u64;
         // Spared by host eviction during the call: the paths of backups it started (their
         // ancestors keep their copies), copies a load read, copies used in the call.
         let mut spared: HashSet<NodeRef> = touched.clone();
@@ -653,6 +665,7 @@ impl PolicyModel {
                     && self.host_access.contains_key(&n)
             })
             .min_by_key(|n| (self.host_access[n], *n))?;
+        self.counts.host_evictions += evicted.len() as u64;
         let newest = evicted
             .iter()
             .copied()
@@ -662,8 +675,11 @@ impl PolicyModel {
             oracle: OracleKind::Policy,
             time_ns: now,
             message: format!(
-                "host eviction is not least recently used: it dropped node {}'s host copy (last used in call {t_gone}) while node {}'s (last used in call {t_kept}) stayed evictable throughout",
-                newest.0, kept.0
+                "host eviction is not least recently used: it dropped the host copy of node {} (page {} of its prefix, last used in engine call {t_gone}) while that of node {} (page {} of its prefix, last used in call {t_kept}) stayed evictable throughout (calls count steps and operator evictions)",
+                newest.0,
+                before.path(newest).len(),
+                kept.0,
+                before.path(kept).len()
             ),
         })
     }
@@ -692,13 +708,13 @@ impl PolicyModel {
                 .filter(|&&p| before.get(p).is_some_and(|s| !s.host))
                 .count();
             self.counts.triggers += 1;
-            if after.host_free >= need {
+            if after.host_pages_free >= need {
                 return Some(Finding {
                     oracle: OracleKind::Policy,
                     time_ns: now,
                     message: format!(
                         "write-back dropped node {}'s device page without backing it up, although {} host pages were free (its path needs {need})",
-                        n.0, after.host_free
+                        n.0, after.host_pages_free
                     ),
                 });
             }
@@ -760,7 +776,8 @@ mod tests {
             faulty: false,
             refusals: false,
             hit_growth: None,
-            now: 0,
+            now_ns: 0,
+            what: "test".into(),
         }
     }
 
@@ -823,7 +840,8 @@ mod tests {
         // The host has room for the page: no backup started is a finding.
         let after = model.snapshot(&cache, 10);
         let found = model.observe(&before, &after, &call(&finished));
-        assert!(found[0].message.starts_with("write-through"), "{found:?}");
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].message.starts_with("test: write-through"), "{found:?}");
         // No room: no finding.
         let mut model = PolicyModel::new(WritePolicy::WriteThrough);
         let after = model.snapshot(&cache, 0);
