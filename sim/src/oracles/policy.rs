@@ -309,12 +309,51 @@ impl PolicyModel {
         let mut found = Vec::new();
         // Recovery drops state without a policy decision; an injected host refusal leaves room
         // unused, which the trigger checks would take for a skipped backup.
-        let checks = !call.faulty;
-        let triggers = checks && !call.refusals;
+        let triggers = !call.faulty && !call.refusals;
         let locked_before = self.locked();
         let mut touched: HashSet<NodeRef> = HashSet::new();
+        let hits = self.admissions(before, after, call, triggers, &mut touched, &mut found);
+        if call.faulty {
+            self.forget_admissions(before, call);
+        }
+        self.finishes(after, call, triggers, &mut touched, &mut found);
+        let locked_after = self.locked();
+        self.end_requests(call);
+        if let (Some(grew), Some(took), false) = (call.hit_growth, hits, call.faulty) {
+            found.extend(self.hit_counters(grew, took, call.now_ns));
+        }
+        let host_changed = self.host_uses(before, after, &locked_after);
+        if !call.faulty {
+            let locks = [&locked_before, &locked_after];
+            let mut spared = touched;
+            // A reservation that found no room held its match locked while it evicted (and its
+            // host-only part pinned).
+            spared.extend(
+                call.tried
+                    .iter()
+                    .map_while(|k| before.by_key.get(k).copied()),
+            );
+            found.extend(self.judge(before, after, &spared, locks, &host_changed, triggers, call));
+        }
+        for f in &mut found {
+            f.message = format!("{}: {}", call.what, f.message);
+        }
+        self.forget_gone(after);
+        found
+    }
 
-        // Admissions, in order: each touches (and locks) the prefix it took.
+    /// The admissions of a call, in order: each touches (and locks) the prefix it took, and
+    /// under selective write-through may trigger a backup. Returns the device and host pages
+    /// they took from the cache, or `None` when an admission did not show its prefix.
+    fn admissions(
+        &mut self,
+        before: &Snapshot,
+        after: &Snapshot,
+        call: &Call,
+        triggers: bool,
+        touched: &mut HashSet<NodeRef>,
+        found: &mut Vec<Finding>,
+    ) -> Option<(u64, u64)> {
         let (mut dev_hits, mut host_hits, mut counted) = (0u64, 0u64, true);
         for a in call.admitted {
             self.tick += 1;
@@ -332,13 +371,12 @@ impl PolicyModel {
             };
             dev_hits += (cached - loaded.min(cached)) as u64;
             host_hits += loaded.min(cached) as u64;
-            let mut matched = Vec::new();
-            for k in a.keys.iter().take(cached) {
-                let Some(&n) = before.by_key.get(k) else {
-                    break;
-                };
-                matched.push(n);
-            }
+            let matched: Vec<NodeRef> = a
+                .keys
+                .iter()
+                .take(cached)
+                .map_while(|k| before.by_key.get(k).copied())
+                .collect();
             for &n in &matched {
                 self.access.insert(n, self.tick);
                 self.unknown.remove(&n);
@@ -352,46 +390,70 @@ impl PolicyModel {
             }
             if device_part > 0 && self.policy == WritePolicy::WriteThroughSelective {
                 let last = matched[device_part - 1];
-                let hits = self.hits[&last];
-                let had_host = before.get(last).is_some_and(|s| s.host);
-                if hits >= 2 && !self.hits_unknown.contains(&last) {
-                    // Justified even with a host copy at the call's start: host eviction earlier
-                    // in the call may have dropped it before this admission looked.
-                    self.justified.insert(last);
-                }
-                if hits >= 2 && !had_host && !self.hits_unknown.contains(&last) {
-                    if triggers {
-                        if let Some(f) = self.expect_backup(
-                            after,
-                            last,
-                            &format!(
-                                "selective write-through: request {} hit the prefix ending at page {} for the {hits}th time without a host copy",
-                                a.request,
-                                device_part
-                            ),
-                            call.now_ns,
-                        ) {
-                            found.push(f);
-                        }
-                    }
-                }
+                found.extend(self.selective_trigger(before, after, last, triggers, a, call));
             }
             self.locks.insert(a.request, matched);
         }
+        counted.then_some((dev_hits, host_hits))
+    }
 
-        if call.faulty {
-            // A load that failed within the call left its request with less than it matched:
-            // what its match touched, hit and loaded is not known.
-            for a in call.admitted {
-                for n in a.keys.iter().filter_map(|k| before.by_key.get(k)) {
-                    self.unknown.insert(*n);
-                    self.hits_unknown.insert(*n);
-                    self.host_access.remove(n);
-                }
+    /// Selective write-through's trigger at an admission whose device-resident prefix ends at
+    /// `last`: hit for at least the second time, it justifies a backup of its path; without a
+    /// host copy at the call's start, one must start (or wait for an ancestor's).
+    fn selective_trigger(
+        &mut self,
+        before: &Snapshot,
+        after: &Snapshot,
+        last: NodeRef,
+        triggers: bool,
+        a: &Admitted,
+        call: &Call,
+    ) -> Option<Finding> {
+        let hits = self.hits[&last];
+        if hits < 2 || self.hits_unknown.contains(&last) {
+            return None;
+        }
+        // Justified even with a host copy at the call's start: host eviction earlier in the
+        // call may have dropped it before this admission looked.
+        self.justified.insert(last);
+        let had_host = before.get(last).is_some_and(|s| s.host);
+        if had_host || !triggers {
+            return None;
+        }
+        let depth = before.path(last).len();
+        self.expect_backup(
+            after,
+            last,
+            &format!(
+                "selective write-through: request {} hit the prefix ending at page {depth} for the {hits}th time without a host copy",
+                a.request
+            ),
+            call.now_ns,
+        )
+    }
+
+    /// A faulty call: a load that failed within it left its request with less than it matched,
+    /// so what its admissions touched, hit and loaded is not known.
+    fn forget_admissions(&mut self, before: &Snapshot, call: &Call) {
+        for a in call.admitted {
+            for n in a.keys.iter().filter_map(|k| before.by_key.get(k)) {
+                self.unknown.insert(*n);
+                self.hits_unknown.insert(*n);
+                self.host_access.remove(n);
             }
         }
+    }
 
-        // Finishes: each inserts its full pages, most recently used.
+    /// The finishes of a call: each inserts its full pages, most recently used, and releases
+    /// its locks; under write-through its path must be backed up.
+    fn finishes(
+        &mut self,
+        after: &Snapshot,
+        call: &Call,
+        triggers: bool,
+        touched: &mut HashSet<NodeRef>,
+        found: &mut Vec<Finding>,
+    ) {
         for f in call.finished {
             self.tick += 1;
             self.locks.remove(&f.request);
@@ -408,25 +470,21 @@ impl PolicyModel {
                 touched.insert(n);
                 path.push(n);
             }
+            let Some(&last) = path.last() else { continue };
             if self.policy == WritePolicy::WriteThrough && triggers {
-                if let Some(&last) = path.last() {
-                    if let Some(finding) = self.expect_backup(
-                        after,
-                        last,
-                        &format!(
-                            "write-through: request {} finished with {} full pages",
-                            f.request,
-                            path.len()
-                        ),
-                        call.now_ns,
-                    ) {
-                        found.push(finding);
-                    }
-                }
+                let what = format!(
+                    "write-through: request {} finished with {} full pages",
+                    f.request,
+                    path.len()
+                );
+                found.extend(self.expect_backup(after, last, &what, call.now_ns));
             }
         }
-        let locked_after = self.locked();
-        // Aborted requests' locks: counted for two more calls (their release comes within one).
+    }
+
+    /// Requests that ended otherwise than by finishing: their locks are counted for two more
+    /// calls (their release comes within one), and their nodes' last use is not known.
+    fn end_requests(&mut self, call: &Call) {
         let calls = self.calls;
         self.releasing.retain(|(until, _)| *until >= calls);
         for r in call.ended {
@@ -437,22 +495,29 @@ impl PolicyModel {
                 self.releasing.push((calls + 2, nodes));
             }
         }
+    }
 
-        // The hit counters, when every admission showed its prefix.
-        if let (Some((dev, host)), true, false) = (call.hit_growth, counted, call.faulty) {
-            self.counts.hit_steps += 1;
-            if (dev, host) != (dev_hits, host_hits) {
-                found.push(Finding {
-                    oracle: OracleKind::Metrics,
-                    time_ns: call.now_ns,
-                    message: format!(
-                        "the step's prefix hits grew by {dev} device and {host} host pages; the requests it admitted took {dev_hits} cached pages from the device and loaded {host_hits}"
-                    ),
-                });
-            }
-        }
+    /// The prefix-hit counters' growth (device, host) against what the admissions took.
+    fn hit_counters(&mut self, grew: (u64, u64), took: (u64, u64), now_ns: u64) -> Option<Finding> {
+        self.counts.hit_steps += 1;
+        let ((dev, host), (dev_hits, host_hits)) = (grew, took);
+        (grew != took).then(|| Finding {
+            oracle: OracleKind::Metrics,
+            time_ns: now_ns,
+            message: format!(
+                "the step's prefix hits grew by {dev} device and {host} host pages; the requests it admitted took {dev_hits} cached pages from the device and loaded {host_hits}"
+            ),
+        })
+    }
 
-        // Host copies whose last use changed: a backup ended, or a load that read one.
+    /// Host copies whose last use changed in the call (a backup ended, or a load that read one);
+    /// returns the nodes whose host state changed at all.
+    fn host_uses(
+        &mut self,
+        before: &Snapshot,
+        after: &Snapshot,
+        locked_after: &HashSet<NodeRef>,
+    ) -> HashSet<NodeRef> {
         let mut host_changed: HashSet<NodeRef> = HashSet::new();
         for (&n, a) in &after.nodes {
             let b = before.get(n);
@@ -469,46 +534,47 @@ impl PolicyModel {
                 host_changed.insert(n);
             }
         }
+        host_changed
+    }
 
-        if checks {
-            // A reservation that found no room held its match locked while it evicted (and its
-            // host-only part pinned).
-            let mut spared = touched.clone();
-            spared.extend(
-                call.tried
-                    .iter()
-                    .map_while(|k| before.by_key.get(k).copied()),
-            );
-            // Under write-back, an eviction whose backup could not be issued (the host had no
-            // room, or an ancestor's backup was in flight) is withdrawn and the node stays,
-            // behind younger nodes that went: the order is judged under the other policies.
-            if self.policy != WritePolicy::WriteBack {
-                found.extend(self.device_order(
-                    before,
-                    after,
-                    &spared,
-                    &locked_before,
-                    &locked_after,
-                    call.now_ns,
-                ));
-            }
-            if triggers {
-                // A backup whose host pages were refused after host eviction made room leaves
-                // no trace of the path its eviction spared.
-                found.extend(self.host_order(before, after, &spared, &host_changed, call.now_ns));
-            }
-            if self.policy == WritePolicy::WriteBack && triggers {
-                found.extend(self.write_back(before, after, call.now_ns));
-            }
-            if self.policy == WritePolicy::WriteThroughSelective && triggers {
-                found.extend(self.selective_justified(before, after, call.now_ns));
-            }
+    /// The checks of a call without faults; `locks` are the model's locks before and after it.
+    #[allow(clippy::too_many_arguments)]
+    fn judge(
+        &mut self,
+        before: &Snapshot,
+        after: &Snapshot,
+        spared: &HashSet<NodeRef>,
+        locks: [&HashSet<NodeRef>; 2],
+        host_changed: &HashSet<NodeRef>,
+        triggers: bool,
+        call: &Call,
+    ) -> Vec<Finding> {
+        let mut found = Vec::new();
+        let now_ns = call.now_ns;
+        // Under write-back, an eviction whose backup could not be issued (the host had no room,
+        // or an ancestor's backup was in flight) is withdrawn and the node stays, behind younger
+        // nodes that went: the order is judged under the other policies.
+        if self.policy != WritePolicy::WriteBack {
+            found.extend(self.device_order(before, after, spared, locks[0], locks[1], now_ns));
         }
+        if !triggers {
+            // A backup whose host pages were refused after host eviction made room leaves no
+            // trace of the path its eviction spared.
+            return found;
+        }
+        found.extend(self.host_order(before, after, spared, host_changed, now_ns));
+        match self.policy {
+            WritePolicy::WriteBack => found.extend(self.write_back(before, after, now_ns)),
+            WritePolicy::WriteThroughSelective => {
+                found.extend(self.selective_justified(before, after, now_ns))
+            }
+            WritePolicy::WriteThrough => {}
+        }
+        found
+    }
 
-        for f in &mut found {
-            f.message = format!("{}: {}", call.what, f.message);
-        }
-        // Nodes that are gone are forgotten.
+    /// Nodes that are gone are forgotten.
+    fn forget_gone(&mut self, after: &Snapshot) {
         let live = |n: &NodeRef| after.nodes.contains_key(n);
         self.access.retain(|n, _| live(n));
         self.host_access.retain(|n, _| live(n));
@@ -517,7 +583,6 @@ impl PolicyModel {
         self.hits_unknown.retain(live);
         self.justified.retain(live);
         self.keys.retain(|n, _| live(n));
-        found
     }
 
     /// A backup of the path ending at `last` started (or one of its ancestors' is in flight, which
@@ -841,7 +906,10 @@ mod tests {
         let after = model.snapshot(&cache, 10);
         let found = model.observe(&before, &after, &call(&finished));
         assert_eq!(found.len(), 1, "{found:?}");
-        assert!(found[0].message.starts_with("test: write-through"), "{found:?}");
+        assert!(
+            found[0].message.starts_with("test: write-through"),
+            "{found:?}"
+        );
         // No room: no finding.
         let mut model = PolicyModel::new(WritePolicy::WriteThrough);
         let after = model.snapshot(&cache, 0);
