@@ -916,6 +916,68 @@ mod tests {
         assert!(model.observe(&before, &after, &call(&finished)).is_empty());
     }
 
+    /// One single-page prefix, inserted and observed as a finish under `policy`.
+    fn one_prefix(policy: WritePolicy) -> (PrefixCache, PolicyModel, NodeId) {
+        let mut cache = PrefixCache::new();
+        let mut model = PolicyModel::new(policy);
+        let empty = model.snapshot(&cache, 10);
+        let ins = cache.insert(&engine_keys(&tokens(1), 1), &[PageId(0)]);
+        let full = model.snapshot(&cache, 0); // no host room: no trigger expected
+        let finished = [Inserted {
+            request: 0,
+            keys: page_keys(&tokens(1), 1),
+        }];
+        assert!(model.observe(&empty, &full, &call(&finished)).is_empty());
+        (cache, model, ins.nodes[0])
+    }
+
+    /// Selective write-through: a backup after the first hit is a finding; after the second
+    /// it is justified.
+    #[test]
+    fn selective_backup_needs_a_second_hit() {
+        for hits in [1, 2] {
+            let (mut cache, mut model, node) = one_prefix(WritePolicy::WriteThroughSelective);
+            for h in 0..hits {
+                let before = model.snapshot(&cache, 0);
+                if h == hits - 1 {
+                    cache.begin_backup(&[node], &[PageId(0)]);
+                }
+                let after = model.snapshot(&cache, 0);
+                let admitted = [Admitted {
+                    request: 10 + h,
+                    keys: page_keys(&tokens(1), 1),
+                    cached: Some((1, 0)),
+                }];
+                let mut c = call(&[]);
+                c.admitted = &admitted;
+                let found = model.observe(&before, &after, &c);
+                let expect_finding = hits == 1 && h == hits - 1;
+                assert_eq!(
+                    found.len(),
+                    expect_finding as usize,
+                    "hits {hits}: {found:?}"
+                );
+            }
+        }
+    }
+
+    /// Write-back: dropping a page without a host copy is a finding when the host had room.
+    #[test]
+    fn write_back_never_drops_an_unbacked_page_with_room() {
+        for room in [0, 10] {
+            let (mut cache, mut model, _) = one_prefix(WritePolicy::WriteBack);
+            let before = model.snapshot(&cache, room);
+            // The write-through eviction deletes the unbacked leaf.
+            assert_eq!(
+                cache.evict_device(1, WritePolicy::WriteThrough).freed.len(),
+                1
+            );
+            let after = model.snapshot(&cache, room);
+            let found = model.observe(&before, &after, &call(&[]));
+            assert_eq!(found.len(), (room > 0) as usize, "room {room}: {found:?}");
+        }
+    }
+
     #[test]
     fn chained_keys_name_token_prefixes() {
         let a = page_keys(&[tokens(1), tokens(2)].concat(), 2);
