@@ -462,27 +462,26 @@ impl PrefixCache {
     /// Releases a use of `nodes`: they were in use until now, so most recently used.
     pub fn unlock(&mut self, nodes: &[NodeId]) {
         self.tick += 1;
-        let tick = self.tick;
-        for &id in nodes {
-            self.update(id, |n| {
-                n.lock = n
-                    .lock
-                    .checked_sub(1)
-                    .expect("node unlocked more than locked");
-                n.last_access = tick;
-            });
-        }
+        self.release(nodes, Some(self.tick));
     }
 
     /// Releases locks taken for a match that was not acted on (a reservation that found no
     /// room): like the match itself, it leaves the eviction order as it was.
     pub fn unlock_unused(&mut self, nodes: &[NodeId]) {
+        self.release(nodes, None);
+    }
+
+    /// Drops one lock of each of `nodes`, and marks them used at `used_at` if given.
+    fn release(&mut self, nodes: &[NodeId], used_at: Option<u64>) {
         for &id in nodes {
             self.update(id, |n| {
                 n.lock = n
                     .lock
                     .checked_sub(1)
                     .expect("node unlocked more than locked");
+                if let Some(tick) = used_at {
+                    n.last_access = tick;
+                }
             });
         }
     }
