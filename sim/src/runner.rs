@@ -75,52 +75,45 @@ pub struct RunStats {
 }
 
 impl RunStats {
-    /// Adds another run's figures (a campaign's totals).
+    /// Adds another run's figures (a campaign's totals). A sum past `u64::MAX` is a broken
+    /// invariant here (one process's runs cannot count that far): it panics.
     pub fn add(&mut self, s: &RunStats) {
-        let RunStats {
-            steps,
-            submitted,
-            finished,
-            rejected,
-            aborted,
-            recomputed,
-            digests_checked,
-            rows_checked,
-            rows_cached,
-            queries_recomputed,
-            policy_judged,
-            ops,
-            events,
-            copy_bytes,
-            failed_copies,
-            failed_kernels,
-            steps_failed,
-            loads,
-            backups,
-            sim_ns,
-            wall_ns,
-        } = *s;
-        self.steps += steps;
-        self.submitted += submitted;
-        self.finished += finished;
-        self.rejected += rejected;
-        self.aborted += aborted;
-        self.recomputed += recomputed;
-        self.digests_checked += digests_checked;
-        self.rows_checked += rows_checked;
-        self.rows_cached += rows_cached;
-        self.queries_recomputed += queries_recomputed;
-        self.policy_judged += policy_judged;
-        self.ops += ops;
-        self.events += events;
-        self.copy_bytes += copy_bytes;
-        self.failed_copies += failed_copies;
-        self.failed_kernels += failed_kernels;
-        self.steps_failed += steps_failed;
-        self.loads += loads;
-        self.backups += backups;
-        self.sim_ns += sim_ns;
-        self.wall_ns += wall_ns;
+        *self = self
+            .checked_add(s)
+            .unwrap_or_else(|what| panic!("campaign totals: {what} overflows u64"));
+    }
+
+    /// The sum of two runs' figures, or the name of the first figure whose sum overflows `u64`
+    /// (shard results read from files can hold anything; `campaign merge` refuses then).
+    pub fn checked_add(&self, s: &RunStats) -> Result<RunStats, &'static str> {
+        let sum = |name: &'static str, a: u64, b: u64| a.checked_add(b).ok_or(name);
+        Ok(RunStats {
+            steps: sum("steps", self.steps, s.steps)?,
+            submitted: sum("submitted", self.submitted, s.submitted)?,
+            finished: sum("finished", self.finished, s.finished)?,
+            rejected: sum("rejected", self.rejected, s.rejected)?,
+            aborted: sum("aborted", self.aborted, s.aborted)?,
+            recomputed: sum("recomputed", self.recomputed, s.recomputed)?,
+            digests_checked: sum("digests_checked", self.digests_checked, s.digests_checked)?,
+            rows_checked: sum("rows_checked", self.rows_checked, s.rows_checked)?,
+            rows_cached: sum("rows_cached", self.rows_cached, s.rows_cached)?,
+            queries_recomputed: sum(
+                "queries_recomputed",
+                self.queries_recomputed,
+                s.queries_recomputed,
+            )?,
+            policy_judged: sum("policy_judged", self.policy_judged, s.policy_judged)?,
+            ops: sum("ops", self.ops, s.ops)?,
+            events: sum("events", self.events, s.events)?,
+            copy_bytes: sum("copy_bytes", self.copy_bytes, s.copy_bytes)?,
+            failed_copies: sum("failed_copies", self.failed_copies, s.failed_copies)?,
+            failed_kernels: sum("failed_kernels", self.failed_kernels, s.failed_kernels)?,
+            steps_failed: sum("steps_failed", self.steps_failed, s.steps_failed)?,
+            loads: sum("loads", self.loads, s.loads)?,
+            backups: sum("backups", self.backups, s.backups)?,
+            sim_ns: sum("sim_ns", self.sim_ns, s.sim_ns)?,
+            wall_ns: sum("wall_ns", self.wall_ns, s.wall_ns)?,
+        })
     }
 }
 

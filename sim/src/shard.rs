@@ -8,7 +8,10 @@
 //! Merging refuses files of different builds (a different source, features or profile would
 //! make different seeds' outcomes incomparable) and of different campaigns (profile, mutant,
 //! schedules, seed range, shard count); a shard missing is refused unless the merge is asked to
-//! be partial. A shard given twice (run on two machines, or again) is a determinism check: every
+//! be partial. A file whose figures cannot be true is refused too (fewer runs than seeds, more
+//! reruns than runs, no workers, a time past [`TIME_S_MAX`], a profile or mutant this build does
+//! not know), and so is a merge whose sums would pass `u64::MAX`: every count is added with a
+//! check, never wrapped. A shard given twice (run on two machines, or again) is a determinism check: every
 //! seed both runs hold must have the same event-log hash, or the merge is refused; the first is
 //! kept.
 
@@ -30,6 +33,9 @@ pub const VERSION: u32 = 1;
 pub const FILE_BYTES_MAX: u64 = 64 << 20;
 /// The most shards one campaign may be split into.
 pub const SHARDS_MAX: u64 = 1 << 20;
+/// The longest wall or worker time a result may hold, seconds (about 31,700 years): far above
+/// any real campaign, far below what `Duration` can hold.
+pub const TIME_S_MAX: f64 = 1e12;
 
 /// What produced a result: the same sources (a hash of every file that decides a seed's
 /// outcome, made by the build script), features and profile give the same outcome per seed.
@@ -203,6 +209,11 @@ pub enum MergeError {
         more: String,
     },
     #[error(
+        "the merged {what} overflows a 64-bit count: these results cannot all be true \
+         (a file edited by hand or corrupted?)"
+    )]
+    Overflow { what: &'static str },
+    #[error(
         "{missing} of {count} shards missing (index {list}); `--partial` merges the {} present", count - missing
     )]
     Missing {
@@ -340,6 +351,36 @@ impl ShardResult {
             what,
             why,
         };
+        if !crate::scenario::PROFILES.contains(&self.profile.as_str()) {
+            return Err(inconsistent(
+                "profile",
+                format!(
+                    "`{}` is not one of {}",
+                    self.profile,
+                    crate::scenario::PROFILES.join(", ")
+                ),
+            ));
+        }
+        if let Some(m) = &self.mutant {
+            let known = tierkv_engine::mutants::Mutant::parse(m).is_some()
+                || tierkv_kernels::mutants::KernelMutant::parse(m).is_some();
+            if !known {
+                return Err(inconsistent(
+                    "mutant",
+                    format!("`{m}` is no mutant of this build (`tierkv-zoo zoo --list`)"),
+                ));
+            }
+        }
+        if self.schedules == 0 || self.schedules > crate::cli::sim::SCHEDULES_MAX {
+            return Err(inconsistent(
+                "schedules",
+                format!(
+                    "{} schedules per seed (a campaign runs 1..={})",
+                    self.schedules,
+                    crate::cli::sim::SCHEDULES_MAX
+                ),
+            ));
+        }
         let names = all_names();
         if let Some(p) = self.coverage.keys().find(|p| !names.contains(&p.as_str())) {
             return Err(MergeError::UnknownProbe {
@@ -403,17 +444,59 @@ impl ShardResult {
                 format!("seed {seed} is not a seed of this shard"),
             ));
         }
-        let time = |t: f64| t.is_finite() && t >= 0.0;
+        // Every seed run ran its schedule 0, and at most `schedules` schedules; a determinism
+        // rerun repeats a run.
+        let runs_max = self.seeds_run.saturating_mul(self.schedules);
+        if self.runs < self.seeds_run || self.runs > runs_max || self.reruns > self.runs {
+            return Err(inconsistent(
+                "runs",
+                format!(
+                    "{} runs and {} reruns for {} seeds of {} schedule{} (need seeds <= runs <= \
+                     seeds x schedules, reruns <= runs)",
+                    self.runs,
+                    self.reruns,
+                    self.seeds_run,
+                    self.schedules,
+                    if self.schedules == 1 { "" } else { "s" }
+                ),
+            ));
+        }
+        // One shard's workers, or (a merged result, which holds `held_s`) every shard's.
+        let jobs_max = match self.held_s {
+            None => crate::cli::sim::JOBS_MAX,
+            Some(_) => crate::cli::sim::JOBS_MAX * SHARDS_MAX as usize,
+        };
+        if self.jobs == 0 || self.jobs > jobs_max {
+            return Err(inconsistent(
+                "jobs",
+                format!("{} workers (a shard runs 1..={jobs_max})", self.jobs),
+            ));
+        }
+        let time = |t: f64| t.is_finite() && (0.0..=TIME_S_MAX).contains(&t);
         if !(time(self.wall_s) && time(self.worker_s) && self.held_s.is_none_or(time)) {
             return Err(inconsistent(
                 "times",
                 format!(
-                    "wall {} s, worker {} s{}",
+                    "wall {} s, worker {} s{} (each must be a number of seconds in 0..={TIME_S_MAX:e})",
                     self.wall_s,
                     self.worker_s,
                     self.held_s
                         .map(|h| format!(", held {h} s"))
                         .unwrap_or_default()
+                ),
+            ));
+        }
+        // The workers cannot have been busy longer than they were held (a little slack for the
+        // clocks' rounding).
+        if self.worker_s > self.held_s() * 1.01 + 1.0 {
+            return Err(inconsistent(
+                "times",
+                format!(
+                    "{} s of worker time, but {} workers for {} s hold only {} s",
+                    self.worker_s,
+                    self.jobs,
+                    self.wall_s,
+                    self.held_s()
                 ),
             ));
         }
@@ -594,24 +677,34 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         log_hashes: BTreeMap::new(),
         ..first.clone()
     };
+    // Every count is summed with a check: files can hold anything, and a wrapped total would
+    // be printed as if it were true.
+    let sum = |what: &'static str, a: u64, b: u64| a.checked_add(b).ok_or(MergeError::Overflow { what });
     let mut held_s = 0.0;
     for (_, r) in seen.values() {
         held_s += r.held_s();
         m.log_hashes.extend(&r.log_hashes);
-        m.seeds_run += r.seeds_run;
-        m.runs += r.runs;
-        m.reruns += r.reruns;
+        m.seeds_run = sum("seeds run", m.seeds_run, r.seeds_run)?;
+        m.runs = sum("runs", m.runs, r.runs)?;
+        m.reruns = sum("reruns", m.reruns, r.reruns)?;
         m.failures.extend(r.failures.iter().cloned());
         for (name, c) in &r.coverage {
             let e = m.coverage.entry(name.clone()).or_default();
-            e.hits += c.hits;
-            e.seeds += c.seeds;
+            e.hits = sum("probe hits", e.hits, c.hits)?;
+            e.seeds = sum("probe seeds", e.seeds, c.seeds)?;
         }
-        m.totals.add(&r.totals);
+        m.totals = m
+            .totals
+            .checked_add(&r.totals)
+            .map_err(|what| MergeError::Overflow { what })?;
         m.wall_s = m.wall_s.max(r.wall_s);
         m.worker_s += r.worker_s;
-        m.jobs += r.jobs;
+        m.jobs = m
+            .jobs
+            .checked_add(r.jobs)
+            .ok_or(MergeError::Overflow { what: "jobs" })?;
     }
+    sum("checked reads", m.totals.rows_checked, m.totals.rows_cached)?;
     m.held_s = Some(held_s);
     m.failures.sort_by_key(|f| (f.seed, f.schedule));
     Ok(Merged {
@@ -771,6 +864,55 @@ mod tests {
             }
         ));
         assert_eq!(merge(&[], false).unwrap_err(), MergeError::Empty);
+        let what = |e: MergeError| match e {
+            MergeError::Inconsistent { what, .. } => what,
+            other => panic!("not an inconsistency: {other}"),
+        };
+        assert_eq!(what(bad(|r| r.wall_s = 1e300)), "times", "past Duration");
+        assert_eq!(what(bad(|r| r.worker_s = 100.0)), "times", "busier than held");
+        assert_eq!(what(bad(|r| r.jobs = 0)), "jobs");
+        assert_eq!(what(bad(|r| r.jobs = usize::MAX)), "jobs");
+        assert_eq!(what(bad(|r| r.runs = 0)), "runs", "fewer runs than seeds");
+        assert_eq!(what(bad(|r| r.runs = 6)), "runs", "more than one schedule each");
+        assert_eq!(what(bad(|r| r.reruns = 6)), "runs", "more reruns than runs");
+        assert_eq!(what(bad(|r| r.schedules = 0)), "schedules");
+        assert_eq!(what(bad(|r| r.profile = "nope".into())), "profile");
+        assert_eq!(what(bad(|r| r.mutant = Some("nope".into()))), "mutant");
+        let mut zoo = result(1, &[3]);
+        zoo.mutant = Some("ungated-index-k-read".into());
+        let text = serde_json::to_string(&zoo).unwrap();
+        assert!(ShardResult::parse(&text, Path::new("zoo")).is_ok(), "a known mutant");
+    }
+
+    /// Counts whose sum passes `u64::MAX` are refused, naming the count, never wrapped.
+    #[test]
+    fn a_merge_whose_sums_overflow_is_refused() {
+        let big = |i: u64, edit: fn(&mut ShardResult)| {
+            let mut r = result(i, &[]);
+            edit(&mut r);
+            (PathBuf::from(format!("{i}")), r)
+        };
+        let refused = |edit: fn(&mut ShardResult)| {
+            merge(&[big(0, edit), big(1, edit)], false).unwrap_err()
+        };
+        assert_eq!(
+            refused(|r| r.totals.ops = u64::MAX / 2 + 1),
+            MergeError::Overflow { what: "ops" }
+        );
+        assert_eq!(
+            refused(|r| r.coverage.get_mut("load.issued").unwrap().hits = u64::MAX),
+            MergeError::Overflow { what: "probe hits" }
+        );
+        assert_eq!(
+            refused(|r| {
+                r.totals.rows_checked = u64::MAX / 3;
+                r.totals.rows_cached = u64::MAX / 3;
+            }),
+            MergeError::Overflow {
+                what: "checked reads"
+            },
+            "rows checked fit, and with the cached rows they do not"
+        );
     }
 
     /// A shard run twice is merged once when every seed gave the same event log, and refused

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 #[derive(clap::Subcommand, Debug, Clone)]
 pub enum CampaignCommand {
     /// Combine shard results (`tierkv sim --shard I/N --json FILE`) into one summary and one
-    /// coverage table. Refuses results of different builds or campaigns and (unless --partial) a
-    /// shard missing. A shard given twice (run on two machines) is merged once, after every seed
+    /// coverage table. Refuses results of different builds or campaigns, results whose figures
+    /// cannot be true or whose sums overflow, and (unless --partial) a shard missing. A shard given twice (run on two machines) is merged once, after every seed
     /// both runs hold is found to have the same event-log hash; else it is refused.
     Merge(MergeArgs),
 }
@@ -28,6 +28,16 @@ pub struct MergeArgs {
     /// Write the merged result here (JSON, as one shard of one). Not with --partial.
     #[arg(long, conflicts_with = "partial")]
     pub json: Option<PathBuf>,
+}
+
+/// The missing shards' indices, the first 20 of them: a merge of a million shards with most
+/// missing must not print a line of megabytes.
+fn missing_list(missing: &[u64]) -> String {
+    let mut list: Vec<String> = missing.iter().take(20).map(u64::to_string).collect();
+    if missing.len() > 20 {
+        list.push(format!("and {} more", missing.len() - 20));
+    }
+    list.join(", ")
 }
 
 pub fn run_campaign_command(cmd: CampaignCommand) -> i32 {
@@ -78,12 +88,7 @@ fn run_merge(args: &MergeArgs) -> i32 {
             "PARTIAL: {} of {} shards missing (index {}): this is not the whole campaign",
             merged.missing.len(),
             merged.shards + merged.missing.len() as u64,
-            merged
-                .missing
-                .iter()
-                .map(u64::to_string)
-                .collect::<Vec<_>>()
-                .join(", ")
+            missing_list(&merged.missing)
         );
     }
     if !merged.repeated.is_empty() {
