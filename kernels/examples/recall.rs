@@ -101,10 +101,16 @@ const VARIANTS: [(Store, bool); 4] = [
 fn main() {
     let contexts = [1024usize, 4096, 16384, 65536];
     let ks = [512usize, 2048];
-    let trials: usize = std::env::var("RECALL_TRIALS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(40);
+    let trials: usize = match std::env::var("RECALL_TRIALS") {
+        Ok(v) => match v.trim().parse() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                eprintln!("RECALL_TRIALS={v:?}: give a number of trials, 1 or more");
+                std::process::exit(2);
+            }
+        },
+        Err(_) => 40,
+    };
     let heads = 4;
     let eps = 0.01;
     let needle_pos = 7;

@@ -679,7 +679,8 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
     };
     // Every count is summed with a check: files can hold anything, and a wrapped total would
     // be printed as if it were true.
-    let sum = |what: &'static str, a: u64, b: u64| a.checked_add(b).ok_or(MergeError::Overflow { what });
+    let sum =
+        |what: &'static str, a: u64, b: u64| a.checked_add(b).ok_or(MergeError::Overflow { what });
     let mut held_s = 0.0;
     for (_, r) in seen.values() {
         held_s += r.held_s();
@@ -869,11 +870,19 @@ mod tests {
             other => panic!("not an inconsistency: {other}"),
         };
         assert_eq!(what(bad(|r| r.wall_s = 1e300)), "times", "past Duration");
-        assert_eq!(what(bad(|r| r.worker_s = 100.0)), "times", "busier than held");
+        assert_eq!(
+            what(bad(|r| r.worker_s = 100.0)),
+            "times",
+            "busier than held"
+        );
         assert_eq!(what(bad(|r| r.jobs = 0)), "jobs");
         assert_eq!(what(bad(|r| r.jobs = usize::MAX)), "jobs");
         assert_eq!(what(bad(|r| r.runs = 0)), "runs", "fewer runs than seeds");
-        assert_eq!(what(bad(|r| r.runs = 6)), "runs", "more than one schedule each");
+        assert_eq!(
+            what(bad(|r| r.runs = 6)),
+            "runs",
+            "more than one schedule each"
+        );
         assert_eq!(what(bad(|r| r.reruns = 6)), "runs", "more reruns than runs");
         assert_eq!(what(bad(|r| r.schedules = 0)), "schedules");
         assert_eq!(what(bad(|r| r.profile = "nope".into())), "profile");
@@ -881,7 +890,10 @@ mod tests {
         let mut zoo = result(1, &[3]);
         zoo.mutant = Some("ungated-index-k-read".into());
         let text = serde_json::to_string(&zoo).unwrap();
-        assert!(ShardResult::parse(&text, Path::new("zoo")).is_ok(), "a known mutant");
+        assert!(
+            ShardResult::parse(&text, Path::new("zoo")).is_ok(),
+            "a known mutant"
+        );
     }
 
     /// Counts whose sum passes `u64::MAX` are refused, naming the count, never wrapped.
@@ -892,9 +904,8 @@ mod tests {
             edit(&mut r);
             (PathBuf::from(format!("{i}")), r)
         };
-        let refused = |edit: fn(&mut ShardResult)| {
-            merge(&[big(0, edit), big(1, edit)], false).unwrap_err()
-        };
+        let refused =
+            |edit: fn(&mut ShardResult)| merge(&[big(0, edit), big(1, edit)], false).unwrap_err();
         assert_eq!(
             refused(|r| r.totals.ops = u64::MAX / 2 + 1),
             MergeError::Overflow { what: "ops" }

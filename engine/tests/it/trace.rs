@@ -10,8 +10,10 @@ use tierkv_engine::synth::Synth;
 use tierkv_engine::trace::cache_replay::{prompt_page_keys, CacheReplay, CacheReplayError};
 use tierkv_engine::trace::{self, TraceRecord, BLOCK_TOKENS};
 
-/// The full Mooncake conversation trace: `TIERKV_MOONCAKE_TRACE`, else the copy kept beside the
-/// checkout in tierkv's development setup. The test prints which trace it replayed.
+/// The full Mooncake conversation trace: `TIERKV_MOONCAKE_TRACE` (set and unreadable is a test
+/// failure, never a quiet fallback), else the copy kept beside the checkout in tierkv's
+/// development setup when it is there, else the repository's excerpt. The test prints which
+/// trace it replayed.
 const TRACE_BESIDE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../shared/data/mooncake/conversation_trace.jsonl"
@@ -24,7 +26,18 @@ const EXCERPT: &str = concat!(
 );
 
 fn records() -> Vec<TraceRecord> {
-    let path = std::env::var("TIERKV_MOONCAKE_TRACE").unwrap_or_else(|_| TRACE_BESIDE.to_string());
+    if let Some(path) = std::env::var_os("TIERKV_MOONCAKE_TRACE") {
+        let path = std::path::PathBuf::from(path);
+        let r = trace::read_trace(&path).unwrap_or_else(|e| {
+            panic!(
+                "TIERKV_MOONCAKE_TRACE={}: {e} (unset it to replay the repository's excerpt)",
+                path.display()
+            )
+        });
+        eprintln!("replaying the {} requests of {}", r.len(), path.display());
+        return r;
+    }
+    let path = TRACE_BESIDE;
     match trace::read_trace(std::path::Path::new(&path)) {
         Ok(r) => {
             eprintln!("replaying the {} requests of {path}", r.len());

@@ -30,10 +30,15 @@ fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
 /// `0..N` instead (a long campaign; not part of the default test run).
 #[test]
 fn fixed_seeds_have_no_findings() {
-    let n: u64 = std::env::var("TIERKV_SIM_SEEDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(DEFAULT_TEST_SEEDS);
+    // Set and wrong is an error, not the default campaign run as if it were the one asked for.
+    let n: u64 =
+        match std::env::var("TIERKV_SIM_SEEDS") {
+            Ok(v) => v.trim().parse().ok().filter(|&n| n > 0).unwrap_or_else(|| {
+                panic!("TIERKV_SIM_SEEDS={v:?}: give a number of seeds, 1 or more")
+            }),
+            Err(std::env::VarError::NotPresent) => DEFAULT_TEST_SEEDS,
+            Err(e) => panic!("TIERKV_SIM_SEEDS: {e}"),
+        };
     let s = run_campaign(&campaign("swarm", 0, n), |_| {});
     assert_eq!(s.seeds_run, n);
     assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
