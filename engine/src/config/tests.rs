@@ -242,6 +242,60 @@ fn invalid_inputs_name_their_field() {
     }
 }
 
+/// Each bound of the configuration is refused by its own rule, not by a later check that happens
+/// to name the same field (the message's rule is compared, not only the field).
+#[test]
+fn each_bound_is_refused_by_its_own_rule() {
+    // 2^32 host pages of 64 tokens, and one page more.
+    let host_tokens_over = ((u32::MAX as u64) + 2) * 64;
+    let cases = [
+        (
+            "preset = \"sim-small\"\n[cache]\ndevice_pages = -3".to_string(),
+            "must not be negative",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nhost_ratio = 1e8".to_string(),
+            "gives more than 2^32 host pages",
+        ),
+        (
+            format!("preset = \"sim-small\"\n[cache]\nhost_tokens = {host_tokens_over}"),
+            "gives more than 2^32 host pages",
+        ),
+        // About 3 MB a page over 61 layers: 400,000 pages pass 1 TiB of device memory, while
+        // the host mirror (1% larger) stays within its own limit.
+        (
+            "preset = \"deepseek-v3.2\"\n[cache]\ndevice_pages = 400000\nhost_ratio = 1.01"
+                .to_string(),
+            "device memory of the pools and the step scratch",
+        ),
+    ];
+    for (text, rule) in cases {
+        let msg = err_field(&text);
+        assert!(msg.contains(rule), "{text:?} gave {msg:?}, not {rule:?}");
+    }
+}
+
+/// The readback buffer is the one part of the step's scratch in pinned host memory; every other
+/// scratch buffer is on the device.
+#[test]
+fn the_footprint_puts_only_the_readback_buffer_on_the_host() {
+    for name in Config::PRESETS {
+        let c = Config::preset(name).unwrap();
+        let topk = c.model.index_topk;
+        let (layout, scratch) = (c.layout().unwrap(), c.scratch_layout(topk).unwrap());
+        let fp = c.footprint(topk).unwrap();
+        let on_device: u64 = ScratchBuffer::ALL
+            .iter()
+            .filter(|&&b| b != ScratchBuffer::Readback)
+            .map(|&b| scratch.bytes(b).0)
+            .sum();
+        let readback = scratch.bytes(ScratchBuffer::Readback).0;
+        assert!(readback > 0 && on_device > 0, "{name}");
+        assert_eq!(fp.device.0, layout.device_total_bytes().0 + on_device, "{name}");
+        assert_eq!(fp.host.0, layout.host_total_bytes().0 + readback, "{name}");
+    }
+}
+
 #[test]
 fn json_is_accepted_too() {
     let c = Config::from_json(r#"{"preset": "sim-small", "model": {"index_topk": 7}}"#).unwrap();
