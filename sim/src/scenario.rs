@@ -1036,18 +1036,48 @@ fn needle_workload(r: &mut Rng, s: &Shape) -> Workload {
     }
 }
 
+/// Requests in the slice of a Mooncake trace that one `trace` seed replays.
+pub const TRACE_WINDOW: usize = 48;
+
+/// Whether `--profile trace` can replay `t`: every window of [`TRACE_WINDOW`] consecutive
+/// requests spans at most [`limits::TIME_NS_MAX`] of virtual time (a trace millisecond is a
+/// virtual microsecond), so that no arrival time wraps. The error names the two lines.
+pub fn check_trace(t: &[tierkv_engine::trace::TraceRecord]) -> Result<(), String> {
+    let span_ms_max = limits::TIME_NS_MAX / 1_000;
+    for w in t.windows(TRACE_WINDOW.min(t.len()).max(1)) {
+        let (first, last) = (&w[0], &w[w.len() - 1]);
+        let span = last.timestamp_ms.checked_sub(first.timestamp_ms);
+        if span.is_none_or(|s| s > span_ms_max) {
+            return Err(format!(
+                "line {} arrives {} ms after line {} (timestamps {} and {}): a `trace` seed \
+                 replays {TRACE_WINDOW} consecutive requests within {span_ms_max} ms",
+                last.line,
+                last.timestamp_ms.wrapping_sub(first.timestamp_ms),
+                first.line,
+                first.timestamp_ms,
+                last.timestamp_ms
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A slice of a Mooncake trace, blocks scaled down to fit the simulator's small contexts: each
 /// 512-token block becomes a 64-token page of the same id, arrivals keep their spacing (ms → µs).
+/// The trace passed [`check_trace`].
 fn trace_workload(r: &mut Rng, t: &[tierkv_engine::trace::TraceRecord]) -> Workload {
     let start = r.below(t.len().saturating_sub(64).max(1) as u64) as usize;
-    let slice = &t[start..(start + 48).min(t.len())];
+    let slice = &t[start..(start + TRACE_WINDOW).min(t.len())];
     let t0 = slice.first().map(|x| x.timestamp_ms).unwrap_or(0);
     let oneshots = slice
         .iter()
         .map(|rec| {
             let blocks: Vec<(u64, u32)> = rec.hash_ids.iter().take(14).map(|&h| (h, 64)).collect();
             OneShot {
-                at_ns: (rec.timestamp_ms - t0) * 1_000,
+                at_ns: (rec.timestamp_ms - t0)
+                    .checked_mul(1_000)
+                    .filter(|&ns| ns <= limits::TIME_NS_MAX)
+                    .expect("the trace's windows were checked (check_trace)"),
                 segments: blocks,
                 generate: rec.output_length.clamp(1, 8),
             }

@@ -484,8 +484,9 @@ fn trace_records(args: &SimArgs) -> Result<Option<Vec<TraceRecord>>, Usage> {
         Some(p) => tierkv_engine::trace::read_trace(p),
         None => super::data::mooncake_excerpt(),
     };
-    recs.map(Some)
-        .map_err(|e| Usage(format!("--profile trace: {e}")))
+    let recs = recs.map_err(|e| Usage(format!("--profile trace: {e}")))?;
+    crate::scenario::check_trace(&recs).map_err(|e| Usage(format!("--profile trace: {e}")))?;
+    Ok(Some(recs))
 }
 
 /// The checks `tierkv sim` makes before it runs anything (the `cli_numbers` fuzz target's
