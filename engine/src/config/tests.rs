@@ -291,7 +291,11 @@ fn the_footprint_puts_only_the_readback_buffer_on_the_host() {
             .sum();
         let readback = scratch.bytes(ScratchBuffer::Readback).0;
         assert!(readback > 0 && on_device > 0, "{name}");
-        assert_eq!(fp.device.0, layout.device_total_bytes().0 + on_device, "{name}");
+        assert_eq!(
+            fp.device.0,
+            layout.device_total_bytes().0 + on_device,
+            "{name}"
+        );
         assert_eq!(fp.host.0, layout.host_total_bytes().0 + readback, "{name}");
     }
 }

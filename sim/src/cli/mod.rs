@@ -19,11 +19,15 @@ pub mod replay_pd;
 pub mod sim;
 pub mod zoo;
 
+/// The exit codes, as `--help` prints them.
+pub const EXIT_CODES: &str = "Exit codes:\n  0  success (a campaign or seed: no findings)\n  1  a campaign or seed found failures\n  2  bad input: arguments, a configuration, a trace, a scenario or a result file\n  3  an output could not be written (a full disk, a closed stream)";
+
 #[derive(Parser, Debug)]
 #[command(
     name = "tierkv",
     version = concat!(env!("CARGO_PKG_VERSION"), " (source ", env!("TIERKV_SOURCE_ID"), ")"),
-    about = "tierkv: tiered KV-cache engine for sparse-attention LLM serving, and its deterministic simulator"
+    about = "tierkv: tiered KV-cache engine for sparse-attention LLM serving, and its deterministic simulator",
+    after_help = EXIT_CODES
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -55,7 +59,8 @@ pub enum Command {
     #[command(subcommand)]
     Campaign(campaign::CampaignCommand),
     /// Run every bug-zoo mutant through seeded campaigns (the `tierkv-zoo` binary, built with
-    /// `--features mutants`).
+    /// `--features mutants`). Hidden from the plain binary's help, which refuses it.
+    #[command(hide = cfg!(not(feature = "mutants")))]
     Zoo(zoo::ZooArgs),
     /// Time the kernels and page transfers on the GPU (needs `--features cuda`); with
     /// `--campaign` the simulator's campaign speed, with `--cache` the prefix cache's logic over
@@ -88,8 +93,9 @@ fn default_sigpipe() {
     }
 }
 
-/// A full disk or a closed output makes `println!` panic: that becomes a one-line error and
-/// exit code 3, not a panic report. Every other panic reports as usual.
+/// A full disk or a closed output makes `println!` (or `eprintln!`) panic: that becomes a
+/// one-line error (none when stderr is what failed) and exit code 3, not a panic report. Every
+/// other panic reports as usual.
 fn output_errors_exit() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -101,6 +107,10 @@ fn output_errors_exit() {
             .unwrap_or("");
         if let Some(why) = msg.strip_prefix("failed printing to stdout: ") {
             eprintln!("tierkv: could not write the output: {why}");
+            std::process::exit(3);
+        }
+        // stderr itself failed (a full device): nothing can be said; the exit code says it.
+        if msg.starts_with("failed printing to stderr: ") {
             std::process::exit(3);
         }
         default(info);

@@ -616,7 +616,7 @@ pub fn run_sim(args: SimArgs) -> i32 {
             let text = serde_json::to_string_pretty(&sc).expect("a scenario serialises");
             if let Err(e) = std::fs::write(p, text) {
                 eprintln!("--save-scenario {}: {e}", p.display());
-                return 2;
+                return 3;
             }
             println!("scenario written to {}", p.display());
         }
@@ -791,7 +791,7 @@ fn single(
     if let Some(p) = &args.trace_out {
         if let Err(e) = write_trace(p, &out, &format!("tierkv seed {}", sc.seed)) {
             eprintln!("{e}");
-            return 2;
+            return 3;
         }
     }
     if args.schedules > 1 {

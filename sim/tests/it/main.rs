@@ -345,3 +345,19 @@ fn replay_pd_equals_one_engine_on_the_cpu() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("add --device cuda"));
 }
+
+/// A full device as stderr (an error that cannot even be told) exits with the documented 3, not
+/// a panic report.
+#[test]
+fn an_unwritable_stderr_exits_3() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("no /dev/full here: skipped");
+        return;
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+        .args(["check-config", "/nonexistent/tierkv.toml"])
+        .stderr(full)
+        .output()
+        .expect("run tierkv");
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+}
