@@ -53,13 +53,15 @@ pub struct ReplayArgs {
     /// Write policy of the host tier.
     #[arg(long, default_value = "write_through", value_parser = ["write_through", "write_through_selective", "write_back"])]
     pub write_policy: String,
-    /// Page transfers: `runs` (one cuMemcpy2DAsync per run) or `gather` (one kernel).
-    #[arg(long, default_value = "gather", value_parser = ["runs", "gather"])]
-    pub copy: String,
-    /// Indexer logits on the GPU: `tensor-core` (wgmma, within 1e-5 of each logit's magnitude)
-    /// or `exact` (the CPU reference's operation order, bit-exact, compute-bound).
-    #[arg(long, default_value = "tensor-core", value_parser = ["tensor-core", "exact"])]
-    pub logits: String,
+    /// With `--device cuda`: page transfers by `runs` (one cuMemcpy2DAsync per run) or `gather`
+    /// (one kernel). Default: gather.
+    #[arg(long, value_parser = ["runs", "gather"])]
+    pub copy: Option<String>,
+    /// With `--device cuda`: indexer logits by `tensor-core` (wgmma, within 1e-5 of each
+    /// logit's magnitude) or `exact` (the CPU reference's operation order, bit-exact,
+    /// compute-bound). Default: tensor-core.
+    #[arg(long, value_parser = ["tensor-core", "exact"])]
+    pub logits: Option<String>,
     /// With `--device cuda`: do not time the compute stream's ops (two timing events an op,
     /// several microseconds of host time per op), so the report has no device breakdown.
     #[arg(long)]
@@ -112,6 +114,20 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
     }
     if a.device == "cuda" && !cfg!(feature = "cuda") {
         return Err("--device cuda needs a build with `--features cuda`".into());
+    }
+    // Flags that choose how the GPU runs do nothing on the CPU device: refused, not ignored.
+    if a.device != "cuda" {
+        let gpu_only = [
+            ("--copy", a.copy.is_some()),
+            ("--logits", a.logits.is_some()),
+            ("--no-device-timing", a.no_device_timing),
+            ("--pd-gpus", a.pd_gpus != 1),
+        ];
+        if let Some((flag, _)) = gpu_only.iter().find(|f| f.1) {
+            return Err(format!(
+                "{flag} chooses how the GPU runs: add --device cuda, or drop {flag}"
+            ));
+        }
     }
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
         return Err(format!(
@@ -180,8 +196,8 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
         }
         _ => match start_cuda(
             cfg.clone(),
-            &a.copy,
-            &a.logits,
+            a.copy.as_deref().unwrap_or("gather"),
+            a.logits.as_deref().unwrap_or("tensor-core"),
             !a.no_device_timing,
             options,
         ) {

@@ -289,12 +289,12 @@ fn cuda(cfg: &Config, work: &[RequestSpec], a: &ReplayArgs) -> Result<bool, Stri
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
     tierkv_kernels::cuda::launch::Kernels::global()
         .map_err(|e| format!("--device cuda: no usable CUDA device: {e}"))?;
-    let logits = if a.logits == "exact" {
+    let logits = if a.logits.as_deref() == Some("exact") {
         LogitsKernel::Exact
     } else {
         LogitsKernel::TensorCore
     };
-    let strategy = if a.copy == "runs" {
+    let strategy = if a.copy.as_deref() == Some("runs") {
         CopyStrategy::MemcpyRuns
     } else {
         CopyStrategy::Gather

@@ -495,6 +495,14 @@ pub fn check_args(args: &SimArgs) -> Result<CampaignOptions, String> {
     setup(args).map_err(|Usage(m)| m)
 }
 
+/// The `--mutant`, when it is one that acts only in a prefill/decode pair.
+fn pd_mutant_of(args: &SimArgs) -> Option<tierkv_engine::mutants::Mutant> {
+    args.mutant
+        .as_deref()
+        .and_then(tierkv_engine::mutants::Mutant::parse)
+        .filter(|m| m.is_pd())
+}
+
 /// Everything the arguments ask for, checked.
 fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
     if !PROFILES.contains(&args.profile.as_str()) {
@@ -515,6 +523,31 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
         // a clear message, whether there is one.
         tierkv_kernels::cuda::launch::Kernels::global()
             .map_err(|e| Usage(format!("--device cuda: no usable CUDA device: {e}")))?;
+    }
+    // Flags that would do nothing here are refused, not ignored.
+    let single = args.seed.is_some() || args.replay.is_some();
+    if args.coverage && single {
+        return Err(Usage(
+            "--coverage prints a campaign's coverage table: give --seeds A..B, or drop --coverage"
+                .into(),
+        ));
+    }
+    if args.overlap.as_deref() == Some("on") && args.profile == "pd" {
+        return Err(Usage(
+            "--overlap on: a prefill/decode pair never runs one step ahead (the `pd` profile \
+             draws no overlap); drop --overlap, or choose another profile"
+                .into(),
+        ));
+    }
+    if let Some(m) = pd_mutant_of(args) {
+        // A replayed scenario carries its own profile: checked when it is read.
+        if args.profile != "pd" && args.replay.is_none() {
+            return Err(Usage(format!(
+                "--mutant {}: acts only in a prefill/decode pair, which only `--profile pd` \
+                 builds; add --profile pd",
+                m.name()
+            )));
+        }
     }
     mutants_of(args.mutant.as_deref()).map_err(Usage)?;
     if args.save_scenario.is_some() && args.seed.is_none() {
@@ -588,6 +621,15 @@ pub fn run_sim(args: SimArgs) -> i32 {
     };
     if let Some(file) = &args.replay {
         let ready = read_scenario(file).and_then(|mut sc| {
+            if let Some(m) = pd_mutant_of(&args).filter(|_| sc.profile != "pd") {
+                return Err(Usage(format!(
+                    "--mutant {}: acts only in a prefill/decode pair; {} is a scenario of profile \
+                     `{}`, which builds none",
+                    m.name(),
+                    file.display(),
+                    sc.profile
+                )));
+            }
             if args.mutant.is_some() {
                 sc.mutant = args.mutant.clone();
             }
