@@ -11,8 +11,9 @@ use crate::schedule::{explore_policy, Policy, Source};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tierkv_engine::trace::TraceRecord;
 
@@ -150,6 +151,9 @@ pub struct CampaignSummary {
     /// Each seed's event-log hash under its own schedule (schedule 0): what `campaign merge`
     /// compares when a seed ran on more than one machine.
     pub log_hashes: BTreeMap<u64, u64>,
+    /// The signal that stopped the campaign early (see [`catch_interrupts`]): the summary then
+    /// holds only the runs that ended before it.
+    pub interrupted: Option<i32>,
 }
 
 impl CampaignSummary {
@@ -185,6 +189,12 @@ impl CampaignSummary {
 
     pub fn print(&self, profile: &str) {
         println!("== tierkv sim summary (profile {profile})");
+        if let Some(sig) = self.interrupted {
+            println!(
+                "INTERRUPTED by signal {sig}: the {} seeds that ended before it, not the whole campaign",
+                self.seeds_run
+            );
+        }
         self.print_counts();
         self.print_throughput(self.wall.as_secs_f64(), None);
         self.print_checks();
@@ -304,16 +314,139 @@ pub const ORDERED_SEEDS_MAX: u64 = 200_000;
 /// while the others idle. A seed's outcome depends on the seed alone, so the order changes no
 /// result, only when each arrives.
 pub fn run_order(opts: &CampaignOptions, seeds: &SeedSet) -> Option<Vec<u64>> {
+    ordered_work(opts, seeds).map(|o| o.into_iter().map(|(seed, _)| seed).collect())
+}
+
+/// [`run_order`]'s seeds, each with its predicted work.
+fn ordered_work(opts: &CampaignOptions, seeds: &SeedSet) -> Option<Vec<(u64, u64)>> {
     if opts.jobs <= 1 || opts.mutant.is_some() || seeds.len() > ORDERED_SEEDS_MAX {
         return None;
     }
     let mut work: Vec<(u64, u64)> = seeds
         .iter()
-        .map(|seed| (opts.scenario(seed).work_estimate(), seed))
+        .map(|seed| (seed, opts.scenario(seed).work_estimate()))
         .collect();
-    work.sort_by_key(|&(w, seed)| (std::cmp::Reverse(w), seed));
-    Some(work.into_iter().map(|(_, seed)| seed).collect())
+    work.sort_by_key(|&(seed, w)| (std::cmp::Reverse(w), seed));
+    Some(work)
 }
+
+/// A signal that asked the process to stop (SIGINT, SIGTERM): its number, 0 while none came.
+static INTERRUPT: AtomicI32 = AtomicI32::new(0);
+
+/// Makes SIGINT and SIGTERM stop a running campaign instead of the process: the campaign hands
+/// out no more seeds and returns at once with the runs that ended ([`CampaignSummary::
+/// interrupted`]), so that the caller can print and write what finished. A second signal of the
+/// same kind ends the process as usual. (Unix; elsewhere a no-op.)
+pub fn catch_interrupts() {
+    #[cfg(unix)]
+    {
+        extern "C" fn on_signal(sig: libc::c_int) {
+            INTERRUPT.store(sig, Ordering::SeqCst);
+            // SAFETY: `signal` is async-signal-safe; the next signal of this kind kills.
+            unsafe {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+        }
+        for sig in [libc::SIGINT, libc::SIGTERM] {
+            // SAFETY: installs a handler that only stores to an atomic and resets itself.
+            unsafe {
+                libc::signal(
+                    sig,
+                    on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+                );
+            }
+        }
+    }
+}
+
+/// The signal that interrupted this process's campaign, if one came.
+pub fn interrupted() -> Option<i32> {
+    match INTERRUPT.load(Ordering::SeqCst) {
+        0 => None,
+        sig => Some(sig),
+    }
+}
+
+/// What the workers of one campaign share: the options, the seeds and their order, the next
+/// seed to hand out, and whether to stop handing them out.
+struct Shared {
+    opts: CampaignOptions,
+    seeds: SeedSet,
+    order: Option<Vec<u64>>,
+    next: AtomicU64,
+    stop: AtomicBool,
+}
+
+/// One worker: takes seeds until none is left or the campaign stops, runs each (and its other
+/// schedules) and sends every outcome with the worker time it took.
+fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
+    let opts = &sh.opts;
+    loop {
+        if sh.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let i = sh.next.fetch_add(1, Ordering::Relaxed);
+        let seed = match &sh.order {
+            Some(order) => order.get(i as usize).copied(),
+            None => sh.seeds.nth(i),
+        };
+        let Some(seed) = seed else {
+            return;
+        };
+        let began = Instant::now();
+        let sc = opts.scenario(seed);
+        let ropts = RunOptions {
+            trace: false,
+            cuda: opts.cuda,
+            schedule: None,
+            exhaustive: opts.exhaustive,
+        };
+        let mut out = run(&sc, &ropts);
+        if determinism::sampled(seed, out.failed()) {
+            out.rerun = true;
+            out.findings
+                .extend(determinism::rerun(&sc, &ropts, out.log_hash));
+        }
+        // More schedules of the same scenario, PCT over schedule 0's op starts.
+        let ops = out.decisions.len() as u64;
+        let mut failed = out.failed();
+        if tx.send((out, began.elapsed())).is_err() {
+            return;
+        }
+        for index in 1..opts.schedules {
+            if failed || sh.stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let policy = explore_policy(index, sc.gpu.schedule_policy(), ops);
+            let sopts = RunOptions {
+                schedule: Some(Source::Draw { index, policy }),
+                ..ropts.clone()
+            };
+            let began = Instant::now();
+            let mut out = run(&sc, &sopts);
+            out.schedule = index;
+            out.policy = Some(policy);
+            failed = out.failed();
+            if failed {
+                // Every failing run is run again: the same schedule, the same log.
+                out.rerun = true;
+                let again = RunOptions {
+                    schedule: Some(Source::Replay(out.decisions.clone())),
+                    ..ropts.clone()
+                };
+                out.findings
+                    .extend(determinism::rerun(&sc, &again, out.log_hash));
+            }
+            if tx.send((out, began.elapsed())).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// How often the campaign's main thread looks for an interrupt and a due progress line while
+/// no run ends.
+const POLL: Duration = Duration::from_millis(200);
 
 pub fn run_campaign(
     opts: &CampaignOptions,
@@ -321,107 +454,98 @@ pub fn run_campaign(
 ) -> CampaignSummary {
     let seeds = opts.seeds();
     let total = seeds.len();
-    let order = run_order(opts, &seeds);
-    let next = AtomicU64::new(0);
-    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut progress = Progress::new(opts.progress, total);
+    let big = seeds.len() > 20_000 && seeds.len() <= ORDERED_SEEDS_MAX;
+    if opts.progress && big && opts.jobs > 1 && opts.mutant.is_none() {
+        eprintln!(
+            "ordering {} seeds by predicted work (each scenario is drawn first)...",
+            seeds.len()
+        );
+    }
+    let ordered = ordered_work(opts, &seeds);
+    // Each seed's predicted work, for the time left: the heaviest seeds run first, so the
+    // rate of the first seeds says little about the rest.
+    progress.set_work(ordered.as_ref().map(|o| o.iter().copied().collect()));
+    let order = ordered.map(|o| o.into_iter().map(|(seed, _)| seed).collect());
     let start = Instant::now();
     let mut summary = CampaignSummary {
         jobs: opts.jobs.max(1),
         ..CampaignSummary::default()
     };
     summary.coverage.pd = opts.profile == "pd";
-    let mut progress = Progress::new(opts.progress, total);
-    // Each outcome comes with the worker time it took, reruns included.
-    let (tx, rx) = mpsc::channel::<(RunOutcome, Duration)>();
-    std::thread::scope(|scope| {
-        for _ in 0..(opts.jobs.max(1) as u64).min(total.max(1)) {
-            let tx = tx.clone();
-            let (next, stop, order, seeds) = (&next, &stop, &order, &seeds);
-            scope.spawn(move || loop {
-                if stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let seed = match order {
-                    Some(order) => order.get(i as usize).copied(),
-                    None => seeds.nth(i),
-                };
-                let Some(seed) = seed else {
-                    return;
-                };
-                let began = Instant::now();
-                let sc = opts.scenario(seed);
-                let ropts = RunOptions {
-                    trace: false,
-                    cuda: opts.cuda,
-                    schedule: None,
-                    exhaustive: opts.exhaustive,
-                };
-                let mut out = run(&sc, &ropts);
-                if determinism::sampled(seed, out.failed()) {
-                    out.rerun = true;
-                    out.findings
-                        .extend(determinism::rerun(&sc, &ropts, out.log_hash));
-                }
-                // More schedules of the same scenario, PCT over schedule 0's op starts.
-                let ops = out.decisions.len() as u64;
-                let mut failed = out.failed();
-                if tx.send((out, began.elapsed())).is_err() {
-                    return;
-                }
-                for index in 1..opts.schedules {
-                    if failed {
-                        break;
-                    }
-                    let policy = explore_policy(index, sc.gpu.schedule_policy(), ops);
-                    let sopts = RunOptions {
-                        schedule: Some(Source::Draw { index, policy }),
-                        ..ropts.clone()
-                    };
-                    let began = Instant::now();
-                    let mut out = run(&sc, &sopts);
-                    out.schedule = index;
-                    out.policy = Some(policy);
-                    failed = out.failed();
-                    if failed {
-                        // Every failing run is run again: the same schedule, the same log.
-                        out.rerun = true;
-                        let again = RunOptions {
-                            schedule: Some(Source::Replay(out.decisions.clone())),
-                            ..ropts.clone()
-                        };
-                        out.findings
-                            .extend(determinism::rerun(&sc, &again, out.log_hash));
-                    }
-                    if tx.send((out, began.elapsed())).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-        drop(tx);
-        for (out, took) in rx {
-            summary.add(&out);
-            summary.worker += took;
-            if out.failed() && opts.stop_at_first {
-                stop.store(true, Ordering::Relaxed);
-            }
-            progress.suspend(|| on_done(&out));
-            progress.update(&summary, start);
-        }
+    let shared = Arc::new(Shared {
+        opts: opts.clone(),
+        seeds,
+        order,
+        next: AtomicU64::new(0),
+        stop: AtomicBool::new(false),
     });
+    let (tx, rx) = mpsc::channel::<(RunOutcome, Duration)>();
+    let workers: Vec<std::thread::JoinHandle<()>> = (0..(opts.jobs.max(1) as u64)
+        .min(total.max(1)))
+        .map(|_| {
+            let (sh, tx) = (Arc::clone(&shared), tx.clone());
+            std::thread::spawn(move || worker(&sh, tx))
+        })
+        .collect();
+    drop(tx);
+    loop {
+        match rx.recv_timeout(POLL) {
+            Ok((out, took)) => {
+                summary.add(&out);
+                summary.worker += took;
+                if out.failed() && opts.stop_at_first {
+                    shared.stop.store(true, Ordering::Relaxed);
+                }
+                progress.done(out.seed, out.schedule);
+                progress.suspend(|| on_done(&out));
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        if let Some(sig) = interrupted() {
+            // Return now with what ended: a run in flight may take minutes, and a cluster's
+            // grace period after SIGTERM is short. The workers stop at their next seed.
+            shared.stop.store(true, Ordering::Relaxed);
+            summary.interrupted = Some(sig);
+            break;
+        }
+        progress.update(&summary, start);
+    }
+    if summary.interrupted.is_none() {
+        for w in workers {
+            if let Err(panic) = w.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+    }
     progress.finish(&summary, start);
     summary.wall = start.elapsed();
     summary.failures.sort_by_key(|f| (f.seed, f.schedule));
     summary
 }
 
-/// A campaign's progress on stderr: a bar with an ETA on a terminal; elsewhere (a CI log, a
-/// file) a plain line every `LINE_EVERY` and one at the end, never a redrawn line.
-enum Progress {
+/// A campaign's progress on stderr: a bar on a terminal; elsewhere (a CI log, a file) a plain
+/// line every `LINE_EVERY`, whether or not a seed ended, and one at the end, never a redrawn
+/// line. The time left is extrapolated from the predicted work of the seeds done and left
+/// (`Scenario::work_estimate`) when the campaign is ordered by it, else from the seeds.
+struct Progress {
+    mode: Mode,
+    total: u64,
+    /// Each seed's predicted work (an ordered campaign), the sum, and the sum of those done.
+    work: Option<BTreeMap<u64, u64>>,
+    work_total: u64,
+    work_done: u64,
+}
+
+enum Mode {
     Off,
     Bar(ProgressBar),
-    Lines { total: u64, last: Instant },
+    /// The last line's time, and the seeds it reported (not printed twice).
+    Lines {
+        last: Instant,
+        printed: Option<u64>,
+    },
 }
 
 /// How often the plain progress line is printed.
@@ -429,82 +553,130 @@ const LINE_EVERY: Duration = Duration::from_secs(30);
 
 impl Progress {
     fn new(on: bool, total: u64) -> Progress {
-        if !on {
-            return Progress::Off;
-        }
-        if !std::io::stderr().is_terminal() {
-            return Progress::Lines {
-                total,
+        let mode = if !on {
+            Mode::Off
+        } else if !std::io::stderr().is_terminal() {
+            Mode::Lines {
                 last: Instant::now(),
-            };
+                printed: None,
+            }
+        } else {
+            let bar = ProgressBar::new(total);
+            let style = ProgressStyle::with_template(
+                "[{elapsed_precise}] {bar:30} {pos}/{len} seeds, {msg}",
+            )
+            .expect("a valid progress template");
+            bar.set_style(style);
+            bar.set_message("0 failures");
+            Mode::Bar(bar)
+        };
+        Progress {
+            mode,
+            total,
+            work: None,
+            work_total: 0,
+            work_done: 0,
         }
-        let bar = ProgressBar::new(total);
-        let style = ProgressStyle::with_template(
-            "[{elapsed_precise}] {bar:30} {pos}/{len} seeds, {msg}, ETA {eta}",
-        )
-        .expect("a valid progress template");
-        bar.set_style(style);
-        bar.set_message("0 failures");
-        Progress::Bar(bar)
+    }
+
+    fn set_work(&mut self, work: Option<BTreeMap<u64, u64>>) {
+        self.work_total = work.as_ref().map_or(0, |w| w.values().sum());
+        self.work = work;
+    }
+
+    /// A run ended (its seed's work counts once, with its first schedule).
+    fn done(&mut self, seed: u64, schedule: u64) {
+        if schedule == 0 {
+            self.work_done += self
+                .work
+                .as_ref()
+                .and_then(|w| w.get(&seed))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+
+    /// The share of the campaign done: by predicted work when known, else by seeds.
+    fn fraction(&self, s: &CampaignSummary) -> f64 {
+        if self.work.is_some() && self.work_total > 0 {
+            self.work_done as f64 / self.work_total as f64
+        } else {
+            s.seeds_run as f64 / self.total.max(1) as f64
+        }
     }
 
     /// Runs `f` (which may print) with the bar out of the way.
     fn suspend(&self, f: impl FnOnce()) {
-        match self {
-            Progress::Bar(bar) => bar.suspend(f),
+        match &self.mode {
+            Mode::Bar(bar) => bar.suspend(f),
             _ => f(),
         }
     }
 
     fn update(&mut self, s: &CampaignSummary, start: Instant) {
-        match self {
-            Progress::Off => {}
-            Progress::Bar(bar) => {
+        let fraction = self.fraction(s);
+        let total = self.total;
+        match &mut self.mode {
+            Mode::Off => {}
+            Mode::Bar(bar) => {
                 bar.set_position(s.seeds_run);
                 bar.set_message(format!(
-                    "{} failures, {:.1} seeds/s",
+                    "{} failures, {:.1} seeds/s, {}",
                     s.failures.len(),
-                    s.seeds_run as f64 / start.elapsed().as_secs_f64().max(1e-9)
+                    s.seeds_run as f64 / start.elapsed().as_secs_f64().max(1e-9),
+                    time_left(s.seeds_run, total, fraction, start)
                 ));
             }
-            Progress::Lines { total, last } => {
+            Mode::Lines { last, printed } => {
                 if last.elapsed() >= LINE_EVERY {
                     *last = Instant::now();
-                    eprintln!("{}", progress_line(s, *total, start));
+                    *printed = Some(s.seeds_run);
+                    eprintln!("{}", progress_line(s, total, fraction, start));
                 }
             }
         }
     }
 
     fn finish(&mut self, s: &CampaignSummary, start: Instant) {
-        match self {
-            Progress::Off => {}
-            Progress::Bar(bar) => bar.finish_and_clear(),
-            Progress::Lines { total, .. } => eprintln!("{}", progress_line(s, *total, start)),
+        let fraction = self.fraction(s);
+        match &self.mode {
+            Mode::Off => {}
+            Mode::Bar(bar) => bar.finish_and_clear(),
+            Mode::Lines { printed, .. } => {
+                if *printed != Some(s.seeds_run) {
+                    eprintln!("{}", progress_line(s, self.total, fraction, start));
+                }
+            }
         }
     }
 }
 
-/// `progress: 120/150 seeds (80%), 0 failures, 1.0 seeds/s, 2 min 3 s elapsed, about 31 s left`.
-fn progress_line(s: &CampaignSummary, total: u64, start: Instant) -> String {
-    let elapsed = start.elapsed().as_secs_f64();
-    let rate = s.seeds_run as f64 / elapsed.max(1e-9);
-    let left = if s.seeds_run >= total {
+/// `about 31 s left`, from the share of the campaign done so far.
+fn time_left(seeds_run: u64, total: u64, fraction: f64, start: Instant) -> String {
+    if seeds_run >= total {
         "done".to_string()
-    } else if s.seeds_run == 0 {
+    } else if seeds_run == 0 || fraction <= 0.0 {
         "time left unknown".to_string()
     } else {
+        let elapsed = start.elapsed().as_secs_f64();
         format!(
             "about {} left",
-            duration(total.saturating_sub(s.seeds_run) as f64 / rate)
+            duration(elapsed * (1.0 - fraction).max(0.0) / fraction)
         )
-    };
+    }
+}
+
+/// `progress: 120/150 seeds (80%), 0 failures, 1.0 seeds/s, 2 min 3 s elapsed, about 31 s left`.
+fn progress_line(s: &CampaignSummary, total: u64, fraction: f64, start: Instant) -> String {
+    let elapsed = start.elapsed().as_secs_f64();
+    let rate = s.seeds_run as f64 / elapsed.max(1e-9);
     format!(
-        "progress: {}/{total} seeds ({:.0}%), {} failures, {rate:.1} seeds/s, {} elapsed, {left}",
+        "progress: {}/{total} seeds ({:.0}%), {} failures, {rate:.1} seeds/s, {} elapsed, {}",
         s.seeds_run,
         100.0 * s.seeds_run as f64 / total.max(1) as f64,
         s.failures.len(),
         duration(elapsed),
+        time_left(s.seeds_run, total, fraction, start)
     )
 }
 

@@ -146,6 +146,10 @@ pub struct ShardResult {
     /// again) must give the same hash for every seed, which `merge` checks.
     #[serde(default)]
     pub log_hashes: BTreeMap<u64, u64>,
+    /// The shard was interrupted (SIGINT, SIGTERM): it holds the seeds that ended before, which
+    /// `log_hashes` lists. `merge` takes it only with `--partial`. (Left out when false.)
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub interrupted: bool,
 }
 
 /// Why shard results could not be read or merged. Each names the file and the value at fault.
@@ -214,6 +218,15 @@ pub enum MergeError {
     )]
     Overflow { what: &'static str },
     #[error(
+        "{file}: shard {index} was interrupted after {seeds_run} seeds; `--partial` merges what \
+         it finished"
+    )]
+    Interrupted {
+        file: PathBuf,
+        index: u64,
+        seeds_run: u64,
+    },
+    #[error(
         "{missing} of {count} shards missing (index {list}); `--partial` merges the {} present", count - missing
     )]
     Missing {
@@ -272,6 +285,7 @@ impl ShardResult {
             jobs: s.jobs,
             held_s: None,
             log_hashes: s.log_hashes.clone(),
+            interrupted: s.interrupted.is_some(),
         }
     }
 
@@ -612,6 +626,13 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
                 value_first,
             });
         }
+        if r.interrupted && !partial {
+            return Err(MergeError::Interrupted {
+                file: file.clone(),
+                index: r.shard_index,
+                seeds_run: r.seeds_run,
+            });
+        }
         match seen.get(&r.shard_index) {
             None => {
                 seen.insert(r.shard_index, (file, r));
@@ -675,6 +696,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         worker_s: 0.0,
         jobs: 0,
         log_hashes: BTreeMap::new(),
+        interrupted: false,
         ..first.clone()
     };
     // Every count is summed with a check: files can hold anything, and a wrapped total would
@@ -707,6 +729,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
     }
     sum("checked reads", m.totals.rows_checked, m.totals.rows_cached)?;
     m.held_s = Some(held_s);
+    m.interrupted = seen.values().any(|(_, r)| r.interrupted);
     m.failures.sort_by_key(|f| (f.seed, f.schedule));
     Ok(Merged {
         result: m,
@@ -774,6 +797,7 @@ mod tests {
             jobs: 2,
             held_s: None,
             log_hashes: (0..10).filter(|s| s % 2 == i).map(|s| (s, s * 7)).collect(),
+            interrupted: false,
         }
     }
 
@@ -894,6 +918,33 @@ mod tests {
             ShardResult::parse(&text, Path::new("zoo")).is_ok(),
             "a known mutant"
         );
+    }
+
+    /// An interrupted shard merges only with `--partial`, and the merge says it is partial.
+    #[test]
+    fn an_interrupted_shard_merges_only_when_partial() {
+        let mut cut = result(1, &[]);
+        cut.interrupted = true;
+        cut.seeds_run = 2;
+        cut.runs = 2;
+        cut.log_hashes.retain(|&s, _| s < 5);
+        let files = [
+            (PathBuf::from("a"), result(0, &[])),
+            (PathBuf::from("b"), cut),
+        ];
+        assert!(matches!(
+            merge(&files, false).unwrap_err(),
+            MergeError::Interrupted {
+                index: 1,
+                seeds_run: 2,
+                ..
+            }
+        ));
+        let m = merge(&files, true).expect("a partial merge");
+        assert!(m.result.interrupted && m.missing.is_empty());
+        assert_eq!(m.result.seeds_run, 7);
+        let text = serde_json::to_string(&result(0, &[])).unwrap();
+        assert!(!text.contains("interrupted"), "left out when false");
     }
 
     /// Counts whose sum passes `u64::MAX` are refused, naming the count, never wrapped.

@@ -91,6 +91,25 @@ fn run_merge(args: &MergeArgs) -> i32 {
             missing_list(&merged.missing)
         );
     }
+    let cut: Vec<String> = results
+        .iter()
+        .filter(|(_, r)| r.interrupted)
+        .take(20)
+        .map(|(f, r)| {
+            format!(
+                "{} after {} seeds ({})",
+                r.shard_index,
+                r.seeds_run,
+                f.display()
+            )
+        })
+        .collect();
+    if !cut.is_empty() {
+        println!(
+            "PARTIAL: interrupted shards hold only the seeds they finished: {}",
+            cut.join("; ")
+        );
+    }
     if !merged.repeated.is_empty() {
         println!(
             "determinism across runs: {} seeds ran in two runs of their shard ({} file{} not counted again: {}); every event-log hash agrees",

@@ -2,7 +2,8 @@
 //! GPU bench and the trace replay.
 //!
 //! Exit codes: 0 success; 1 a campaign found failures; 2 bad input (configuration, arguments);
-//! 3 the output could not be written (a full disk, a closed file).
+//! 3 the output could not be written (a full disk, a closed file); 128 + the signal (130, 143) a
+//! campaign stopped by SIGINT or SIGTERM, after printing and writing what ended.
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -20,7 +21,7 @@ pub mod sim;
 pub mod zoo;
 
 /// The exit codes, as `--help` prints them.
-pub const EXIT_CODES: &str = "Exit codes:\n  0  success (a campaign or seed: no findings)\n  1  a campaign or seed found failures\n  2  bad input: arguments, a configuration, a trace, a scenario or a result file\n  3  an output could not be written (a full disk, a closed stream)";
+pub const EXIT_CODES: &str = "Exit codes:\n  0  success (a campaign or seed: no findings)\n  1  a campaign or seed found failures\n  2  bad input: arguments, a configuration, a trace, a scenario or a result file\n  3  an output could not be written (a full disk, a closed stream)\n  130, 143  a campaign stopped by SIGINT or SIGTERM, after printing and writing (--json) the seeds that ended";
 
 #[derive(Parser, Debug)]
 #[command(

@@ -694,6 +694,7 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
             return code;
         }
     }
+    crate::campaign::catch_interrupts();
     let summary = run_campaign(copts, |out| {
         if args.verbose {
             let sc = copts.scenario(out.seed);
@@ -724,6 +725,19 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
                 return 3;
             }
         }
+    }
+    if let Some(sig) = summary.interrupted {
+        // What ended is printed and written; replaying a failure would outlast the grace
+        // period the signal gave.
+        if let Some(f) = summary.failures.first() {
+            println!(
+                "FAIL seed {} {}\n  replay: {}",
+                f.seed,
+                f.finding,
+                failure_replay(&copts.scenario(f.seed), f.schedule)
+            );
+        }
+        return 128 + sig;
     }
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);

@@ -361,3 +361,68 @@ fn an_unwritable_stderr_exits_3() {
         .expect("run tierkv");
     assert_eq!(out.status.code(), Some(3), "{out:?}");
 }
+
+/// SIGTERM mid-campaign: the runs that ended are printed and written (`--json`, marked
+/// interrupted), the process exits 143 at once, and `campaign merge` takes the result only with
+/// `--partial`. The signal is sent once the process catches it (Linux's /proc says so), so
+/// the outcome does not depend on timing.
+#[cfg(target_os = "linux")]
+#[test]
+fn sigterm_keeps_the_finished_seeds() {
+    let dir = std::env::temp_dir().join(format!("tierkv-sigterm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("shard.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+        .args(["sim", "--seeds", "0..1000", "--jobs", "2", "--json"])
+        .arg(&json)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run tierkv");
+    let status = format!("/proc/{}/status", child.id());
+    let catches_term = || {
+        let text = std::fs::read_to_string(&status).unwrap_or_default();
+        text.lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+            .is_some_and(|mask| mask & (1 << (SIGTERM - 1)) != 0)
+    };
+    let began = std::time::Instant::now();
+    while !catches_term() {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(300),
+            "the campaign never caught SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    let out = child.wait_with_output().expect("wait");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(143), "{stdout}");
+    assert!(stdout.contains("INTERRUPTED by signal 15"), "{stdout}");
+    let text = std::fs::read_to_string(&json).expect("the result is written");
+    let r: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(r["interrupted"], true);
+    let merge = |partial: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_tierkv"));
+        c.args(["campaign", "merge"]);
+        if partial {
+            c.arg("--partial");
+        }
+        c.arg(&json).output().expect("merge").status.code()
+    };
+    assert_eq!(
+        merge(false),
+        Some(2),
+        "an interrupted shard needs --partial"
+    );
+    assert_eq!(merge(true), Some(0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// SIGTERM's number on Linux.
+#[cfg(target_os = "linux")]
+const SIGTERM: u32 = 15;
