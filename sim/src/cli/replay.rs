@@ -146,6 +146,8 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
     if work.is_empty() {
         return Err("the trace's requests all have empty prompts: nothing to replay".into());
     }
+    // The input first, then whether this machine can hold what it asks for.
+    check_memory(&cfg, a, memory_available())?;
     Ok((cfg, work))
 }
 
@@ -224,6 +226,85 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
 }
 
 /// DeepSeek-V3.2's shapes with the replay's layers, pools, host tier and write policy.
+/// The bytes a replay holds in this process's memory, sized before anything is allocated: each
+/// engine's host mirror and readback buffer (pinned host memory), and on the CPU device its
+/// device tier and scratch too. `--pd` on the CPU holds three engines at once (the pair and
+/// the single engine it is compared with); on CUDA the pair's device tiers are on the GPU.
+fn resident_bytes(cfg: &Config, a: &ReplayArgs) -> Result<u64, String> {
+    let fp = cfg
+        .footprint(cfg.model.index_topk)
+        .map_err(|e| format!("replay configuration: {e}"))?;
+    let per_engine = match a.device.as_str() {
+        "cuda" => fp.host.0,
+        _ => fp.host.0.saturating_add(fp.device.0),
+    };
+    let engines = if a.pd { 3 } else { 1 };
+    Ok(per_engine.saturating_mul(engines))
+}
+
+/// What this process may hold: the smaller of the memory the kernel says is available
+/// (`MemAvailable`) and the address-space limit (`ulimit -v`), with what limited it. `None`
+/// where neither can be read.
+fn memory_available() -> Option<(u64, &'static str)> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+        t.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| {
+                (
+                    kib.saturating_mul(1024),
+                    "the memory available (MemAvailable)",
+                )
+            })
+    });
+    #[cfg(unix)]
+    let limit = {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one rlimit into `r`.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0;
+        (ok && r.rlim_cur != libc::RLIM_INFINITY)
+            .then(|| (r.rlim_cur as u64, "the address-space limit (ulimit -v)"))
+    };
+    #[cfg(not(unix))]
+    let limit = None;
+    [meminfo, limit].into_iter().flatten().min_by_key(|m| m.0)
+}
+
+/// Refuses a replay that would hold more than 90% of `available` (an address-space limit
+/// counts the program and its threads too), naming the figure and the flags that set it.
+fn check_memory(
+    cfg: &Config,
+    a: &ReplayArgs,
+    available: Option<(u64, &'static str)>,
+) -> Result<(), String> {
+    let need = resident_bytes(cfg, a)?;
+    let Some((have, what)) = available else {
+        return Ok(());
+    };
+    if need as f64 <= 0.9 * have as f64 {
+        return Ok(());
+    }
+    Err(format!(
+        "the replay would hold {:.2} GB ({}{} pages x {} layers on the device tier \
+         (--device-pages, --layers){}, a host mirror {}x as large (--host-ratio)), over 90% of \
+         {what}, {:.2} GB: lower --device-pages, --layers or --host-ratio",
+        need as f64 / 1e9,
+        if a.pd { "three engines, each " } else { "" },
+        a.device_pages,
+        a.layers,
+        if a.device == "cuda" {
+            " on the GPU"
+        } else {
+            " in host memory on the CPU device"
+        },
+        a.host_ratio,
+        have as f64 / 1e9
+    ))
+}
+
 fn replay_config(a: &ReplayArgs) -> Result<Config, tierkv_engine::ConfigError> {
     let mut cfg = Config::preset("deepseek-v3.2")?;
     cfg.name = "replay".into();

@@ -256,10 +256,6 @@ pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
             return 2;
         }
     };
-    if a.pd_gpus == 2 && a.device != "cuda" {
-        eprintln!("--pd-gpus 2 puts the engines on two GPUs: add --device cuda");
-        return 2;
-    }
     let work: Vec<RequestSpec> = work.into_iter().map(|(_, s)| s).collect();
     println!(
         "replaying {} requests through a prefill/decode pair and through one engine, on {}; {} layers, device {} pages each",
