@@ -5,9 +5,10 @@
 #
 # Stage 1 tests every mutant of the shard with the engine's own tests (its unit tests and
 # engine/tests/it): a mutant there takes about 10 s on a 2-core box. Stage 2 takes the mutants
-# stage 1 missed, by name, and tests them with the simulator's default test campaign
-# (`fixed_seeds_have_no_findings`: 24 swarm seeds, and every coverage probe hit) and the
-# prefill/decode pairs' campaign (`pd_pairs_have_no_findings`). A mutant is caught when either
+# stage 1 missed, by name, and tests them with the simulator's unit tests (every test under a
+# `tests::` module), its default test campaign (`fixed_seeds_have_no_findings`: 24 swarm seeds,
+# and every coverage probe hit) and the prefill/decode pairs' campaign
+# (`pd_pairs_have_no_findings`). A mutant is caught when either
 # stage's tests fail; both are part of the README's test command. A stage-1 timeout (the
 # engine's tests never end) is a catch too and is not tested again.
 #
@@ -38,7 +39,7 @@ done
 if [ ${#re[@]} -gt 0 ]; then
     cargo mutants -p tierkv-engine "${re[@]}" --build-timeout 900 -o "$out/stage2" \
         --test-package tierkv-sim --timeout 300 \
-        -- --test it -- fixed_seeds_have_no_findings pd_pairs_have_no_findings || true
+        -- --lib --test it -- "tests::" fixed_seeds_have_no_findings pd_pairs_have_no_findings || true
 fi
 for stage in stage1 stage2; do
     [ -d "$out/$stage/mutants.out" ] || continue

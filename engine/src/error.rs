@@ -10,7 +10,8 @@ pub enum EngineError {
     Config(#[from] crate::config::ConfigError),
     #[error("device: {0}")]
     Device(#[from] DeviceError),
-    #[error("transfer: {0}")]
+    /// A transfer refused (its message says so: "transfer refused: ...").
+    #[error(transparent)]
     Transfer(TransferError),
 }
 

@@ -153,7 +153,9 @@ pub enum DeviceError {
         buffer: BufferId,
         role: BufferRole,
     },
-    #[error("device: {detail}")]
+    /// A driver's own error (CUDA, NCCL), its message as the driver gave it, with the call.
+    /// (`EngineError::Device` says "device: " before it.)
+    #[error("{detail}")]
     Backend { detail: String },
 }
 
