@@ -135,7 +135,9 @@ pub struct CampaignSummary {
     pub wall: Duration,
     /// Worker threads.
     pub jobs: usize,
-    /// The workers' busy time: every run, determinism reruns included.
+    /// The workers' CPU time (each worker thread's own clock): every run, determinism reruns
+    /// included. A worker waiting for a CPU does not count, so the busy share it gives is true
+    /// on a loaded machine too.
     pub worker: Duration,
     pub totals: RunStats,
     /// The first failing seed in seed order, if any.
@@ -231,7 +233,7 @@ impl CampaignSummary {
         );
     }
 
-    /// Work per wall second, and the workers' time beside it. `wall_s`: the campaign's wall
+    /// Work per wall second, and the workers' CPU time beside it. `wall_s`: the campaign's wall
     /// time. For merged shards, `shards` names their count and the worker time they held (each
     /// shard's wall times its workers): `wall_s` is then the longest shard's, the campaign's wall
     /// time when the shards ran at the same time, and the busy share is of the time they held.
@@ -241,19 +243,19 @@ impl CampaignSummary {
         let worker_s = self.worker.as_secs_f64();
         match shards {
             Some((n, held_s)) => println!(
-                "wall time: {wall_s:.1} s (the longest of {n} shards: the campaign's wall time if they ran at the same time); {worker_s:.1} s of worker time, {:.0}% of the {held_s:.1} worker-seconds the shards held ({} workers in all)",
+                "wall time: {wall_s:.1} s (the longest of {n} shards: the campaign's wall time if they ran at the same time); {worker_s:.1} CPU-seconds of work, {:.0}% of the {held_s:.1} worker-seconds the shards held ({} workers in all)",
                 100.0 * worker_s / held_s.max(1e-9),
                 self.jobs
             ),
             None => println!(
-                "wall time: {wall_s:.1} s ({} worker{}; {worker_s:.1} s of worker time, {:.0}% of the workers busy)",
+                "wall time: {wall_s:.1} s ({} worker{}; {worker_s:.1} CPU-seconds of work, {:.0}% of the workers' time on a CPU)",
                 self.jobs,
                 if self.jobs == 1 { "" } else { "s" },
                 100.0 * worker_s / (wall * self.jobs.max(1) as f64)
             ),
         }
         println!(
-            "throughput{}: {:.2} seeds/s, {:.0} ops/s, {:.0} checked reads/s, {:.1} MB copied/s; per worker-second: {:.0} checked reads",
+            "throughput{}: {:.2} seeds/s, {:.0} ops/s, {:.0} checked reads/s, {:.1} MB copied/s; per CPU-second: {:.0} checked reads",
             if shards.is_some() {
                 " (over the longest shard's wall time)"
             } else {
@@ -378,7 +380,7 @@ struct Shared {
 }
 
 /// One worker: takes seeds until none is left or the campaign stops, runs each (and its other
-/// schedules) and sends every outcome with the worker time it took.
+/// schedules) and sends every outcome with the CPU time it took on this thread.
 fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
     let opts = &sh.opts;
     loop {
@@ -393,7 +395,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
         let Some(seed) = seed else {
             return;
         };
-        let began = Instant::now();
+        let began = thread_cpu();
         let sc = opts.scenario(seed);
         let ropts = RunOptions {
             trace: false,
@@ -410,7 +412,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
         // More schedules of the same scenario, PCT over schedule 0's op starts.
         let ops = out.decisions.len() as u64;
         let mut failed = out.failed();
-        if tx.send((out, began.elapsed())).is_err() {
+        if tx.send((out, thread_cpu().saturating_sub(began))).is_err() {
             return;
         }
         for index in 1..opts.schedules {
@@ -422,7 +424,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
                 schedule: Some(Source::Draw { index, policy }),
                 ..ropts.clone()
             };
-            let began = Instant::now();
+            let began = thread_cpu();
             let mut out = run(&sc, &sopts);
             out.schedule = index;
             out.policy = Some(policy);
@@ -437,11 +439,28 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
                 out.findings
                     .extend(determinism::rerun(&sc, &again, out.log_hash));
             }
-            if tx.send((out, began.elapsed())).is_err() {
+            if tx.send((out, thread_cpu().saturating_sub(began))).is_err() {
                 return;
             }
         }
     }
+}
+
+/// This thread's CPU time so far (`CLOCK_THREAD_CPUTIME_ID`; elsewhere than Unix, zero).
+fn thread_cpu() -> Duration {
+    #[cfg(unix)]
+    {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec into `t`.
+        let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } == 0;
+        assert!(ok, "CLOCK_THREAD_CPUTIME_ID is always there on Linux");
+        Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+    }
+    #[cfg(not(unix))]
+    Duration::ZERO
 }
 
 /// How often the campaign's main thread looks for an interrupt and a due progress line while

@@ -136,6 +136,7 @@ pub struct ShardResult {
     pub coverage: BTreeMap<String, ProbeCount>,
     pub totals: RunStats,
     pub wall_s: f64,
+    /// The workers' CPU time, seconds (each worker thread's own clock).
     pub worker_s: f64,
     pub jobs: usize,
     /// A merged result's worker time held: each shard's wall time times its workers, summed
@@ -500,13 +501,13 @@ impl ShardResult {
                 ),
             ));
         }
-        // The workers cannot have been busy longer than they were held (a little slack for the
+        // The workers cannot have run longer than they were held (a little slack for the
         // clocks' rounding).
         if self.worker_s > self.held_s() * 1.01 + 1.0 {
             return Err(inconsistent(
                 "times",
                 format!(
-                    "{} s of worker time, but {} workers for {} s hold only {} s",
+                    "{} CPU-seconds of work, but {} workers for {} s hold only {} s",
                     self.worker_s,
                     self.jobs,
                     self.wall_s,
