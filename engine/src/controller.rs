@@ -742,3 +742,14 @@ impl CacheController {
         Ok(freed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reports and findings name loads as `load<N>`.
+    #[test]
+    fn a_load_is_named_by_its_number() {
+        assert_eq!(LoadId(42).to_string(), "load42");
+    }
+}

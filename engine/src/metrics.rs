@@ -317,3 +317,61 @@ impl Metrics {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_latency_sums_counts_and_keeps_the_maximum() {
+        let mut l = Latency::default();
+        for ns in [3, 9, 4] {
+            l.observe(ns);
+        }
+        assert_eq!(
+            l,
+            Latency {
+                count: 3,
+                sum_ns: 16,
+                max_ns: 9
+            }
+        );
+    }
+
+    #[test]
+    fn step_times_add_up_per_phase_and_in_total() {
+        let t = StepTimes {
+            schedule_ns: 1,
+            enqueue_ns: 20,
+            wait_ns: 300,
+            finish_ns: 4000,
+        };
+        assert_eq!(t.total_ns(), 4321);
+        let mut sum = t;
+        sum.add(&t);
+        assert_eq!(sum.total_ns(), 8642);
+        assert_eq!(sum.wait_ns, 600);
+    }
+
+    /// Nanosecond counters are exported in seconds.
+    #[test]
+    fn host_phases_are_exported_in_seconds() {
+        let m = Metrics {
+            step_host: StepTimes {
+                schedule_ns: 1_500_000_000,
+                enqueue_ns: 0,
+                wait_ns: 2_000_000_000,
+                finish_ns: 250_000_000,
+            },
+            ..Metrics::default()
+        };
+        let text = m.render_prometheus();
+        for line in [
+            "tierkv_step_host_seconds_total{phase=\"schedule\"} 1.5",
+            "tierkv_step_host_seconds_total{phase=\"wait\"} 2",
+            "tierkv_step_host_seconds_total{phase=\"finish\"} 0.25",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+        }
+    }
+}

@@ -384,6 +384,37 @@ impl<D: Device> Device for SharedDevice<D> {
 mod tests {
     use super::*;
 
+    /// Refusals and reports name the pair's roles.
+    #[test]
+    fn roles_are_named() {
+        assert_eq!(Role::Prefill.to_string(), "prefill");
+        assert_eq!(Role::Decode.to_string(), "decode");
+    }
+
+    /// A shared device passes host writes to the device it shares (both engines of a pair see
+    /// them).
+    #[test]
+    fn a_shared_device_passes_host_writes_through() {
+        use crate::cpu_device::InOrderDevice;
+        use crate::device::{BufferDesc, BufferRole, MemoryTier};
+        use crate::layout::{Bytes, LayoutFingerprint};
+        let inner = Rc::new(RefCell::new(InOrderDevice::new()));
+        let mut a = SharedDevice(Rc::clone(&inner));
+        let mut b = a.clone();
+        let buf = a
+            .alloc(BufferDesc {
+                role: BufferRole::Scratch { name: "test" },
+                tier: MemoryTier::PinnedHost,
+                bytes: Bytes(8),
+                fingerprint: LayoutFingerprint::unpaged(8),
+            })
+            .unwrap();
+        a.host_write(buf, Bytes(2), &[5, 6]).unwrap();
+        let mut out = [0u8; 2];
+        b.host_read(buf, Bytes(2), &mut out).unwrap();
+        assert_eq!(out, [5, 6]);
+    }
+
     /// sim-small with fp8 index keys (whose scale format counts), and a copy edited by `edit`.
     fn pair(edit: impl FnOnce(&mut Config)) -> (PdLayout, PdLayout) {
         let mut p = Config::preset("sim-small").unwrap();

@@ -282,3 +282,26 @@ pub fn check_op(op: &Op, desc: impl Fn(BufferId) -> BufferDesc) -> Result<(), De
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Errors and reports name buffers by role.
+    #[test]
+    fn buffer_roles_are_named_for_reports() {
+        let pool = BufferRole::Pool {
+            kind: BufferKind::IndexK,
+            layer: LayerId(3),
+        };
+        let mirror = BufferRole::Mirror {
+            kind: BufferKind::Kv,
+        };
+        let scratch = BufferRole::Scratch { name: "logits" };
+        let names = [pool, mirror, scratch].map(|r| r.to_string());
+        assert_eq!(names[2], "scratch logits");
+        assert!(names[0].starts_with("device ") && names[0].ends_with(" layer 3"), "{names:?}");
+        assert!(names[1].starts_with("host ") && names[1].ends_with(" mirror"), "{names:?}");
+        assert_ne!(names[0], BufferRole::Pool { kind: BufferKind::Kv, layer: LayerId(3) }.to_string());
+    }
+}
