@@ -653,11 +653,6 @@ impl PrefixCache {
         (host_free, device_free)
     }
 
-    /// Device pages already on their way out: write-back evictions waiting for their backup.
-    pub fn pending_write_backs(&self) -> usize {
-        self.evict_after_backup.len()
-    }
-
     /// How many host pages `evict_host(_, keep)` could free at most: backed-up nodes whose host
     /// copy no load pins, not `keep` or its ancestors, and whose backed-up descendants are all
     /// evictable too (host eviction goes leaf first).
