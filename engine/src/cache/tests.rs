@@ -219,6 +219,39 @@ mod policy {
         assert_eq!(c.host_evictable(ROOT), 4, "every copy, leaves first");
     }
 
+    /// Write-back takes as many unbacked leaves as it was asked for pages, oldest first, each
+    /// queued for its backup; no more.
+    #[test]
+    fn write_back_queues_exactly_the_pages_asked_for() {
+        let (mut c, nodes) = with_pages(&[1, 2, 3, 4]);
+        let ev = c.evict_device(2, WritePolicy::WriteBack);
+        assert!(ev.freed.is_empty(), "nothing is backed up: nothing freed yet");
+        assert_eq!(ev.write_back, nodes[..2].to_vec());
+        c.check_invariants();
+    }
+
+    /// Host eviction in rounds (a parent joins once its last backed-up child went) frees what
+    /// was asked for and no more: the second round takes only what the first left to free.
+    #[test]
+    fn host_eviction_across_rounds_frees_no_more_than_asked() {
+        let mut c = PrefixCache::new();
+        // Two two-page documents: each first page is a parent until its child's copy goes.
+        let x = c.insert(&[key(1), key(2)], &[PageId(0), PageId(1)]);
+        let y = c.insert(&[key(3), key(4)], &[PageId(2), PageId(3)]);
+        backed_up(&mut c, &x.nodes, 100);
+        backed_up(&mut c, &y.nodes, 102);
+        // Round one frees both leaves (2 of the 3 asked for); round two, where both parents
+        // are candidates, takes one of them.
+        let freed = c.evict_host(3, ROOT);
+        assert_eq!(freed.len(), 3, "{freed:?}");
+        let left = [x.nodes[0], y.nodes[0]]
+            .iter()
+            .filter(|&&n| c.node(n).host.is_some())
+            .count();
+        assert_eq!(left, 1, "one parent's copy stays");
+        c.check_invariants();
+    }
+
     #[test]
     fn a_backup_is_deferred_only_behind_one_in_flight() {
         let mut c = PrefixCache::new();
