@@ -202,6 +202,10 @@ struct StreamState {
     /// A fault left the stream in error (`GpuOptions::sticky_faults`): it skips every op and
     /// fails every record until the engine recovers the device.
     sticky: bool,
+    /// While `sticky`: the failed event by which the host saw it (a query or synchronize that
+    /// answered `Failed`). An op enqueued on the stream after that, before `recover`, is a
+    /// finding (`OracleKind::Recovery`).
+    failure_seen: Option<EventId>,
     /// When the host callback of the stream's latest completed record runs (in order).
     last_seen: u64,
     /// Race-detector clock of the stream's enqueue point.
@@ -406,6 +410,15 @@ impl SimGpu {
     fn mark(&mut self, m: Mark) {
         if self.opts.trace {
             self.marks.push(m);
+        }
+    }
+
+    /// The host saw `ev`, recorded on stream `s`, fail: while the stream stays in error, later
+    /// work on it is work the engine knows will not run.
+    fn failure_seen(&mut self, s: usize, ev: EventId) {
+        let st = &mut self.streams[s];
+        if st.sticky && st.failure_seen.is_none() {
+            st.failure_seen = Some(ev);
         }
     }
 
@@ -1318,6 +1331,7 @@ impl Device for SimGpu {
                         join(&mut self.host_vc, &r.vc);
                         self.observed(rec, now);
                         if r.failed {
+                            self.failure_seen(r.stream, ev);
                             EventState::Failed
                         } else {
                             EventState::Done
@@ -1355,6 +1369,7 @@ impl Device for SimGpu {
                 let now = self.host.get();
                 self.observed(rec, now);
                 if r.failed {
+                    self.failure_seen(r.stream, ev);
                     EventState::Failed
                 } else {
                     EventState::Done
@@ -1384,6 +1399,18 @@ impl Device for SimGpu {
                 ),
             );
             return Err(e);
+        }
+        if let Some(ev) = self.streams[s].failure_seen {
+            self.finding(
+                OracleKind::Recovery,
+                format!(
+                    "{} enqueued on the {} stream after the host saw it fail ({ev} answered \
+                     Failed) and before it recovered the device: work on a failed stream \
+                     never runs (Device::recover)",
+                    op.name(),
+                    entity_name(s)
+                ),
+            );
         }
         self.host.set(self.host.get() + self.opts.launch_ns);
         if let (Op::KvStore(o), 0) = (&op, self.side) {
@@ -1494,6 +1521,7 @@ impl Device for SimGpu {
         let mut was = false;
         for st in &mut self.streams[self.side * 3..self.side * 3 + 3] {
             was |= std::mem::take(&mut st.sticky);
+            st.failure_seen = None;
         }
         probes::hit_if(SimProbe::FaultStickyRecovered, was);
         self.log(&[15, was as u64]);

@@ -44,6 +44,10 @@ pub enum OracleKind {
     Invariant,
     /// The engine returned an error a correct engine never returns.
     Engine,
+    /// Work enqueued on a stream whose failure the host had seen, before recovering the device
+    /// (the `Device` contract: after a failed event, `recover` before later work; a CUDA context
+    /// with an asynchronous error stays failed until it is recreated).
+    Recovery,
 }
 
 impl OracleKind {
@@ -64,6 +68,7 @@ impl OracleKind {
             OracleKind::Determinism => "determinism",
             OracleKind::Invariant => "invariant",
             OracleKind::Engine => "engine",
+            OracleKind::Recovery => "recovery",
         }
     }
 }

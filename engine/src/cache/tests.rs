@@ -225,7 +225,10 @@ mod policy {
     fn write_back_queues_exactly_the_pages_asked_for() {
         let (mut c, nodes) = with_pages(&[1, 2, 3, 4]);
         let ev = c.evict_device(2, WritePolicy::WriteBack);
-        assert!(ev.freed.is_empty(), "nothing is backed up: nothing freed yet");
+        assert!(
+            ev.freed.is_empty(),
+            "nothing is backed up: nothing freed yet"
+        );
         assert_eq!(ev.write_back, nodes[..2].to_vec());
         c.check_invariants();
     }

@@ -300,8 +300,21 @@ mod tests {
         let scratch = BufferRole::Scratch { name: "logits" };
         let names = [pool, mirror, scratch].map(|r| r.to_string());
         assert_eq!(names[2], "scratch logits");
-        assert!(names[0].starts_with("device ") && names[0].ends_with(" layer 3"), "{names:?}");
-        assert!(names[1].starts_with("host ") && names[1].ends_with(" mirror"), "{names:?}");
-        assert_ne!(names[0], BufferRole::Pool { kind: BufferKind::Kv, layer: LayerId(3) }.to_string());
+        assert!(
+            names[0].starts_with("device ") && names[0].ends_with(" layer 3"),
+            "{names:?}"
+        );
+        assert!(
+            names[1].starts_with("host ") && names[1].ends_with(" mirror"),
+            "{names:?}"
+        );
+        assert_ne!(
+            names[0],
+            BufferRole::Pool {
+                kind: BufferKind::Kv,
+                layer: LayerId(3)
+            }
+            .to_string()
+        );
     }
 }
