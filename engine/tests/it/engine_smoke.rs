@@ -263,3 +263,86 @@ fn running_ahead_computes_what_the_in_order_engine_does() {
     }
     assert!(deferred > 0, "no abort landed with a row in flight");
 }
+
+/// Under write-back, handing device pages back backs the evicted prefix up first: once the
+/// backups land the pages are free and the prefix is still cached, on the host, where the same
+/// prompt finds it again (host prefix hits, none on the device).
+#[test]
+fn write_back_eviction_keeps_the_prefix_on_the_host() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    let mut e = Engine::new(
+        cfg,
+        InOrderDevice::new(),
+        ManualClock::default(),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let s = e.synth;
+    // 4 full pages and a part: all 4 can be matched again.
+    let spec = || RequestSpec {
+        prompt: prompt(&s, 256, 32, 1),
+        max_new_tokens: 1,
+    };
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    assert_eq!(e.metrics.backups, 0, "write-back backs up only on eviction");
+    // Hand every page back; a leaf goes once its backup landed, then its parent is a leaf.
+    for _ in 0..16 {
+        if e.metrics.device_pages_used == 0 {
+            break;
+        }
+        e.evict_device(4).unwrap();
+        run_to_idle(&mut e);
+    }
+    assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
+    assert!(e.metrics.backups > 0);
+    let (device_hits, host_hits) = (
+        e.metrics.prefix_pages_device_hit,
+        e.metrics.prefix_pages_host_hit,
+    );
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    assert_eq!(
+        (
+            e.metrics.prefix_pages_device_hit - device_hits,
+            e.metrics.prefix_pages_host_hit - host_hits
+        ),
+        (0, 4),
+        "the prefix was kept on the host: {:?}",
+        e.metrics
+    );
+}
+
+/// Under write-back, a page whose backup cannot be issued (here the host tier refuses every
+/// allocation) is dropped instead: handing pages back frees them, whatever the host can take.
+#[test]
+fn write_back_eviction_drops_what_it_cannot_back_up() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    let options = EngineOptions {
+        faults: tierkv_engine::pools::EngineFaults {
+            seed: 1,
+            device_pages_refused_rate: 0.0,
+            host_pages_refused_rate: 1.0,
+        },
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::new(cfg, InOrderDevice::new(), ManualClock::default(), options).unwrap();
+    let s = e.synth;
+    e.submit(RequestSpec {
+        prompt: prompt(&s, 256, 32, 1),
+        max_new_tokens: 1,
+    })
+    .unwrap();
+    run_to_idle(&mut e);
+    let used = e.metrics.device_pages_used;
+    assert!(used >= 4, "{:?}", e.metrics);
+    let mut freed = 0;
+    for _ in 0..16 {
+        freed += e.evict_device(8).unwrap();
+        run_to_idle(&mut e);
+    }
+    assert_eq!((freed as u64, e.metrics.device_pages_used), (used, 0));
+    assert_eq!(e.metrics.backups, 0, "no backup could be issued");
+}
