@@ -582,15 +582,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         report.device = self.dev.take_timing();
         self.metrics.step_host.add(&report.host);
         if let Some(d) = report.device {
-            let m = &mut self.metrics.step_device;
-            m.busy_ns += d.busy_ns;
-            m.stalled_ns += d.stalled_ns;
-            for (sum, ns) in m.enqueue_ns.iter_mut().zip(d.enqueue_ns) {
-                *sum += ns;
-            }
-            for (sum, ns) in m.busy_by_op_ns.iter_mut().zip(d.busy_by_op_ns) {
-                *sum += ns;
-            }
+            self.metrics.step_device.add(&d);
         }
         self.refresh_gauges();
     }

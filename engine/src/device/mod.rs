@@ -218,6 +218,20 @@ pub struct DeviceTiming {
     pub enqueue_ns: [u64; op::Op::KINDS],
 }
 
+impl DeviceTiming {
+    /// Adds another step's timing (the engine's running totals).
+    pub fn add(&mut self, o: &DeviceTiming) {
+        self.busy_ns += o.busy_ns;
+        self.stalled_ns += o.stalled_ns;
+        for (sum, ns) in self.busy_by_op_ns.iter_mut().zip(o.busy_by_op_ns) {
+            *sum += ns;
+        }
+        for (sum, ns) in self.enqueue_ns.iter_mut().zip(o.enqueue_ns) {
+            *sum += ns;
+        }
+    }
+}
+
 /// The check every device makes before the host reads or writes `len` bytes at `offset` of a
 /// buffer: it must be pinned host memory and the range must lie inside it.
 pub fn check_host_access(
@@ -286,6 +300,22 @@ pub fn check_op(op: &Op, desc: impl Fn(BufferId) -> BufferDesc) -> Result<(), De
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn device_timing_adds_up_per_field_and_per_op() {
+        let mut step = DeviceTiming {
+            busy_ns: 5,
+            stalled_ns: 7,
+            ..DeviceTiming::default()
+        };
+        step.busy_by_op_ns[1] = 3;
+        step.enqueue_ns[2] = 11;
+        let mut sum = step;
+        sum.add(&step);
+        assert_eq!((sum.busy_ns, sum.stalled_ns), (10, 14));
+        assert_eq!((sum.busy_by_op_ns[1], sum.enqueue_ns[2]), (6, 22));
+        assert_eq!(sum.busy_by_op_ns[0] + sum.enqueue_ns[0], 0);
+    }
 
     /// Errors and reports name buffers by role.
     #[test]

@@ -297,6 +297,11 @@ fn write_back_eviction_keeps_the_prefix_on_the_host() {
     }
     assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
     assert!(e.metrics.backups > 0);
+    assert_eq!(
+        e.metrics.host_tokens_used,
+        4 * 64,
+        "the 4 pages, on the host"
+    );
     let (device_hits, host_hits) = (
         e.metrics.prefix_pages_device_hit,
         e.metrics.prefix_pages_host_hit,
