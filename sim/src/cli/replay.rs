@@ -266,7 +266,7 @@ fn memory_available() -> Option<(u64, &'static str)> {
         // SAFETY: getrlimit writes one rlimit into `r`.
         let ok = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0;
         (ok && r.rlim_cur != libc::RLIM_INFINITY)
-            .then(|| (r.rlim_cur as u64, "the address-space limit (ulimit -v)"))
+            .then_some((r.rlim_cur, "the address-space limit (ulimit -v)"))
     };
     #[cfg(not(unix))]
     let limit = None;

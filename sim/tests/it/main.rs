@@ -372,7 +372,7 @@ fn sigterm_keeps_the_finished_seeds() {
     let dir = std::env::temp_dir().join(format!("tierkv-sigterm-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("shard.json");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+    let child = Command::new(env!("CARGO_BIN_EXE_tierkv"))
         .args(["sim", "--seeds", "0..1000", "--jobs", "2", "--json"])
         .arg(&json)
         .stdout(std::process::Stdio::piped())
