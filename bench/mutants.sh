@@ -17,7 +17,8 @@
 #
 # Not mutated: engine/src/runtime/cuda.rs and runtime/nccl.rs, which are compiled only with the
 # `cuda` / `nccl` features and run only on a GPU (their mutants would build and pass untested on
-# a box without one). Sharding is round robin, so each shard samples every file.
+# a box without one). Sharding is round robin, so each file's mutants are spread over the shards
+# (a file with fewer mutants than shards is in some shards only).
 #
 # Results: OUT/stage1/mutants.out and OUT/stage2/mutants.out (caught.txt, missed.txt,
 # timeout.txt, unviable.txt); the missed mutants are stage 2's missed.txt. The record of each

@@ -315,6 +315,10 @@ pub const ORDERED_SEEDS_MAX: u64 = 200_000;
 /// ties by seed), so that a campaign does not end on one worker running a heavy seed alone
 /// while the others idle. A seed's outcome depends on the seed alone, so the order changes no
 /// result, only when each arrives.
+/// Campaigns ordered by predicted work with more seeds than this say so before they start (it
+/// takes a while).
+const ORDERING_NOTICE_SEEDS: u64 = 20_000;
+
 pub fn run_order(opts: &CampaignOptions, seeds: &SeedSet) -> Option<Vec<u64>> {
     ordered_work(opts, seeds).map(|o| o.into_iter().map(|(seed, _)| seed).collect())
 }
@@ -324,10 +328,15 @@ fn ordered_work(opts: &CampaignOptions, seeds: &SeedSet) -> Option<Vec<(u64, u64
     if opts.jobs <= 1 || opts.mutant.is_some() || seeds.len() > ORDERED_SEEDS_MAX {
         return None;
     }
-    let mut work: Vec<(u64, u64)> = seeds
-        .iter()
-        .map(|seed| (seed, opts.scenario(seed).work_estimate()))
-        .collect();
+    let mut work: Vec<(u64, u64)> = Vec::with_capacity(seeds.len() as usize);
+    for seed in seeds.iter() {
+        // Drawing 200,000 scenarios takes minutes: a signal meanwhile leaves them unordered
+        // (the campaign then returns at once).
+        if interrupted().is_some() {
+            return None;
+        }
+        work.push((seed, opts.scenario(seed).work_estimate()));
+    }
     work.sort_by_key(|&(seed, w)| (std::cmp::Reverse(w), seed));
     Some(work)
 }
@@ -336,9 +345,10 @@ fn ordered_work(opts: &CampaignOptions, seeds: &SeedSet) -> Option<Vec<(u64, u64
 static INTERRUPT: AtomicI32 = AtomicI32::new(0);
 
 /// Makes SIGINT and SIGTERM stop a running campaign instead of the process: the campaign hands
-/// out no more seeds and returns at once with the runs that ended ([`CampaignSummary::
-/// interrupted`]), so that the caller can print and write what finished. A second signal of the
-/// same kind ends the process as usual. (Unix; elsewhere a no-op.)
+/// out no more seeds and returns within [`POLL_INTERVAL`] with the runs that ended
+/// ([`CampaignSummary::interrupted`]), so that the caller can print and write what finished. A
+/// second signal of the same kind ends the process as usual; so does any signal after
+/// [`release_interrupts`]. (Unix; elsewhere a no-op.)
 pub fn catch_interrupts() {
     #[cfg(unix)]
     {
@@ -357,6 +367,18 @@ pub fn catch_interrupts() {
                     on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
                 );
             }
+        }
+    }
+}
+
+/// Gives SIGINT and SIGTERM back their default action (the process ends), once what a campaign
+/// finished is safe. A signal caught before stays in [`interrupted`].
+pub fn release_interrupts() {
+    #[cfg(unix)]
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: restores a signal's default disposition.
+        unsafe {
+            libc::signal(sig, libc::SIG_DFL);
         }
     }
 }
@@ -465,7 +487,7 @@ fn thread_cpu() -> Duration {
 
 /// How often the campaign's main thread looks for an interrupt and a due progress line while
 /// no run ends.
-const POLL: Duration = Duration::from_millis(200);
+pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
 
 pub fn run_campaign(
     opts: &CampaignOptions,
@@ -474,7 +496,7 @@ pub fn run_campaign(
     let seeds = opts.seeds();
     let total = seeds.len();
     let mut progress = Progress::new(opts.progress, total);
-    let big = seeds.len() > 20_000 && seeds.len() <= ORDERED_SEEDS_MAX;
+    let big = seeds.len() > ORDERING_NOTICE_SEEDS && seeds.len() <= ORDERED_SEEDS_MAX;
     if opts.progress && big && opts.jobs > 1 && opts.mutant.is_none() {
         eprintln!(
             "ordering {} seeds by predicted work (each scenario is drawn first)...",
@@ -509,7 +531,7 @@ pub fn run_campaign(
         .collect();
     drop(tx);
     loop {
-        match rx.recv_timeout(POLL) {
+        match rx.recv_timeout(POLL_INTERVAL) {
             Ok((out, took)) => {
                 summary.add(&out);
                 summary.worker += took;
@@ -524,8 +546,15 @@ pub fn run_campaign(
         }
         if let Some(sig) = interrupted() {
             // Return now with what ended: a run in flight may take minutes, and a cluster's
-            // grace period after SIGTERM is short. The workers stop at their next seed.
+            // grace period after SIGTERM is short. The workers stop at their next seed. Runs
+            // that ended and wait in the channel count.
             shared.stop.store(true, Ordering::Relaxed);
+            for (out, took) in rx.try_iter() {
+                summary.add(&out);
+                summary.worker += took;
+                progress.done(out.seed, out.schedule);
+                progress.suspend(|| on_done(&out));
+            }
             summary.interrupted = Some(sig);
             break;
         }

@@ -482,7 +482,9 @@ pub fn draws_overlap(seed: u64, profile: &str) -> bool {
     profile != "pd" && rng.fork(5).chance(0.5)
 }
 
-/// Draws the scenario of `seed` under `profile`. `trace` is a Mooncake trace for the trace profile.
+/// Draws the scenario of `seed` under `profile`. `trace` is a Mooncake trace for the trace
+/// profile, which must have passed [`check_trace`] (a trace that did not panics here: its
+/// arrival times would wrap).
 pub fn draw(
     seed: u64,
     profile: &str,
@@ -1037,20 +1039,35 @@ fn needle_workload(r: &mut Rng, s: &Shape) -> Workload {
 }
 
 /// Requests in the slice of a Mooncake trace that one `trace` seed replays.
-pub const TRACE_WINDOW: usize = 48;
+pub const TRACE_WINDOW_REQUESTS: usize = 48;
 
-/// Whether `--profile trace` can replay `t`: every window of [`TRACE_WINDOW`] consecutive
-/// requests spans at most [`limits::TIME_NS_MAX`] of virtual time (a trace millisecond is a
-/// virtual microsecond), so that no arrival time wraps. The error names the two lines.
+/// The first request of the slice a `trace` seed replays lies before the last this many.
+const TRACE_WINDOW_STARTS_BEFORE_END: usize = 64;
+
+/// The slices of `t` a `trace` seed can replay: [`TRACE_WINDOW_REQUESTS`] requests (fewer at
+/// the end) from each start a seed can draw.
+fn trace_windows(
+    t: &[tierkv_engine::trace::TraceRecord],
+) -> impl Iterator<Item = &[tierkv_engine::trace::TraceRecord]> {
+    let starts = t
+        .len()
+        .saturating_sub(TRACE_WINDOW_STARTS_BEFORE_END)
+        .max(1);
+    (0..starts.min(t.len())).map(move |s| &t[s..(s + TRACE_WINDOW_REQUESTS).min(t.len())])
+}
+
+/// Whether `--profile trace` can replay `t`: every slice a seed can draw spans at most
+/// [`limits::TIME_NS_MAX`] of virtual time (a trace millisecond is a virtual microsecond), so
+/// that no arrival time wraps. The error names the two lines.
 pub fn check_trace(t: &[tierkv_engine::trace::TraceRecord]) -> Result<(), String> {
     let span_ms_max = limits::TIME_NS_MAX / 1_000;
-    for w in t.windows(TRACE_WINDOW.min(t.len()).max(1)) {
+    for w in trace_windows(t) {
         let (first, last) = (&w[0], &w[w.len() - 1]);
         let span = last.timestamp_ms.checked_sub(first.timestamp_ms);
         if span.is_none_or(|s| s > span_ms_max) {
             return Err(format!(
                 "line {} arrives {} ms after line {} (timestamps {} and {}): a `trace` seed \
-                 replays {TRACE_WINDOW} consecutive requests within {span_ms_max} ms",
+                 replays {TRACE_WINDOW_REQUESTS} consecutive requests within {span_ms_max} ms",
                 last.line,
                 last.timestamp_ms.wrapping_sub(first.timestamp_ms),
                 first.line,
@@ -1066,8 +1083,12 @@ pub fn check_trace(t: &[tierkv_engine::trace::TraceRecord]) -> Result<(), String
 /// 512-token block becomes a 64-token page of the same id, arrivals keep their spacing (ms → µs).
 /// The trace passed [`check_trace`].
 fn trace_workload(r: &mut Rng, t: &[tierkv_engine::trace::TraceRecord]) -> Workload {
-    let start = r.below(t.len().saturating_sub(64).max(1) as u64) as usize;
-    let slice = &t[start..(start + TRACE_WINDOW).min(t.len())];
+    let start = r.below(
+        t.len()
+            .saturating_sub(TRACE_WINDOW_STARTS_BEFORE_END)
+            .max(1) as u64,
+    ) as usize;
+    let slice = &t[start..(start + TRACE_WINDOW_REQUESTS).min(t.len())];
     let t0 = slice.first().map(|x| x.timestamp_ms).unwrap_or(0);
     let oneshots = slice
         .iter()

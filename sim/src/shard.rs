@@ -33,6 +33,22 @@ pub const VERSION: u32 = 1;
 pub const FILE_BYTES_MAX: u64 = 64 << 20;
 /// The most shards one campaign may be split into.
 pub const SHARDS_MAX: u64 = 1 << 20;
+/// The most entries a list of shard indices in a message shows.
+pub const LIST_SHOWN_MAX: usize = 20;
+
+/// `items`, comma-separated: the first [`LIST_SHOWN_MAX`] of them, and how many more.
+pub fn shown_list(items: &[u64]) -> String {
+    let mut list: Vec<String> = items
+        .iter()
+        .take(LIST_SHOWN_MAX)
+        .map(u64::to_string)
+        .collect();
+    if items.len() > LIST_SHOWN_MAX {
+        list.push(format!("and {} more", items.len() - LIST_SHOWN_MAX));
+    }
+    list.join(", ")
+}
+
 /// The longest wall or worker time a result may hold, seconds (about 31,700 years): far above
 /// any real campaign, far below what `Duration` can hold.
 pub const TIME_S_MAX: f64 = 1e12;
@@ -565,6 +581,8 @@ pub struct Merged {
     pub repeated: Vec<PathBuf>,
     /// Seeds whose event-log hashes were compared between two runs of their shard (all equal).
     pub cross_checked: u64,
+    /// Shards merged from an interrupted run (no complete one given): file, index, seeds run.
+    pub interrupted: Vec<(PathBuf, u64, u64)>,
 }
 
 /// Combines the results of one campaign's shards. `partial`: merge even when shards are missing.
@@ -627,13 +645,6 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
                 value_first,
             });
         }
-        if r.interrupted && !partial {
-            return Err(MergeError::Interrupted {
-                file: file.clone(),
-                index: r.shard_index,
-                seeds_run: r.seeds_run,
-            });
-        }
         match seen.get(&r.shard_index) {
             None => {
                 seen.insert(r.shard_index, (file, r));
@@ -663,9 +674,28 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
                     });
                 }
                 cross_checked += common.len() as u64;
-                repeated.push(file.clone());
+                // A complete run of the shard is kept over an interrupted one.
+                if ra.interrupted && !r.interrupted {
+                    repeated.push(a.clone());
+                    seen.insert(r.shard_index, (file, r));
+                } else {
+                    repeated.push(file.clone());
+                }
             }
         }
+    }
+    // A shard only an interrupted run holds is partial.
+    let cut: Vec<(PathBuf, u64, u64)> = seen
+        .values()
+        .filter(|(_, r)| r.interrupted)
+        .map(|(f, r)| ((*f).clone(), r.shard_index, r.seeds_run))
+        .collect();
+    if let (Some((file, index, seeds_run)), false) = (cut.first(), partial) {
+        return Err(MergeError::Interrupted {
+            file: file.clone(),
+            index: *index,
+            seeds_run: *seeds_run,
+        });
     }
     let count = first.shard_count;
     let missing: Vec<u64> = if (seen.len() as u64) < count {
@@ -674,14 +704,10 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         Vec::new()
     };
     if !missing.is_empty() && !partial {
-        let mut list: Vec<String> = missing.iter().take(20).map(u64::to_string).collect();
-        if missing.len() > 20 {
-            list.push(format!("and {} more", missing.len() - 20));
-        }
         return Err(MergeError::Missing {
             missing: missing.len() as u64,
             count,
-            list: list.join(", "),
+            list: shown_list(&missing),
         });
     }
     let mut m = ShardResult {
@@ -738,6 +764,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         missing,
         repeated,
         cross_checked,
+        interrupted: cut,
     })
 }
 
@@ -946,6 +973,17 @@ mod tests {
         assert_eq!(m.result.seeds_run, 7);
         let text = serde_json::to_string(&result(0, &[])).unwrap();
         assert!(!text.contains("interrupted"), "left out when false");
+        // Beside a complete run of the same shard, in either order, the complete one is kept
+        // and the merge is whole.
+        let whole = (PathBuf::from("c"), result(1, &[]));
+        for files in [
+            [files[0].clone(), files[1].clone(), whole.clone()],
+            [files[0].clone(), whole.clone(), files[1].clone()],
+        ] {
+            let m = merge(&files, false).expect("the complete run stands in");
+            assert!(!m.result.interrupted && m.interrupted.is_empty());
+            assert_eq!(m.result.seeds_run, 10);
+        }
     }
 
     /// Counts whose sum passes `u64::MAX` are refused, naming the count, never wrapped.

@@ -2,14 +2,15 @@
 //! one coverage table (see `shard`). Exit codes: 0 no failure; 1 failures; 2 the results could
 //! not be read or do not belong together; 3 the merged result could not be written.
 
-use crate::shard::{merge, ShardResult};
+use crate::shard::{merge, shown_list as missing_list, ShardResult, LIST_SHOWN_MAX};
 use std::path::PathBuf;
 
 #[derive(clap::Subcommand, Debug, Clone)]
 pub enum CampaignCommand {
     /// Combine shard results (`tierkv sim --shard I/N --json FILE`) into one summary and one
     /// coverage table. Refuses results of different builds or campaigns, results whose figures
-    /// cannot be true or whose sums overflow, and (unless --partial) a shard missing. A shard given twice (run on two machines) is merged once, after every seed
+    /// cannot be true or whose sums overflow, and (unless --partial) a shard missing or held only
+    /// by an interrupted run. A shard given twice (run on two machines) is merged once, after every seed
     /// both runs hold is found to have the same event-log hash; else it is refused.
     Merge(MergeArgs),
 }
@@ -28,16 +29,6 @@ pub struct MergeArgs {
     /// Write the merged result here (JSON, as one shard of one). Not with --partial.
     #[arg(long, conflicts_with = "partial")]
     pub json: Option<PathBuf>,
-}
-
-/// The missing shards' indices, the first 20 of them: a merge of a million shards with most
-/// missing must not print a line of megabytes.
-fn missing_list(missing: &[u64]) -> String {
-    let mut list: Vec<String> = missing.iter().take(20).map(u64::to_string).collect();
-    if missing.len() > 20 {
-        list.push(format!("and {} more", missing.len() - 20));
-    }
-    list.join(", ")
 }
 
 pub fn run_campaign_command(cmd: CampaignCommand) -> i32 {
@@ -91,18 +82,11 @@ fn run_merge(args: &MergeArgs) -> i32 {
             missing_list(&merged.missing)
         );
     }
-    let cut: Vec<String> = results
+    let cut: Vec<String> = merged
+        .interrupted
         .iter()
-        .filter(|(_, r)| r.interrupted)
-        .take(20)
-        .map(|(f, r)| {
-            format!(
-                "{} after {} seeds ({})",
-                r.shard_index,
-                r.seeds_run,
-                f.display()
-            )
-        })
+        .take(LIST_SHOWN_MAX)
+        .map(|(f, index, seeds)| format!("{index} after {seeds} seeds ({})", f.display()))
         .collect();
     if !cut.is_empty() {
         println!(

@@ -146,8 +146,6 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
     if work.is_empty() {
         return Err("the trace's requests all have empty prompts: nothing to replay".into());
     }
-    // The input first, then whether this machine can hold what it asks for.
-    check_memory(&cfg, a, memory_available())?;
     Ok((cfg, work))
 }
 
@@ -155,7 +153,10 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
     if a.pd {
         return super::replay_pd::run_replay_pd(&a);
     }
-    let (cfg, work) = match prepare(&a) {
+    let (cfg, work) = match prepare(&a).and_then(|p| {
+        check_memory(&p.0, &a, memory_available())?;
+        Ok(p)
+    }) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("{e}");
@@ -242,10 +243,19 @@ fn resident_bytes(cfg: &Config, a: &ReplayArgs) -> Result<u64, String> {
     Ok(per_engine.saturating_mul(engines))
 }
 
-/// What this process may hold: the smaller of the memory the kernel says is available
-/// (`MemAvailable`) and the address-space limit (`ulimit -v`), with what limited it. `None`
-/// where neither can be read.
-fn memory_available() -> Option<(u64, &'static str)> {
+/// What this process may hold: the smallest of the memory the kernel says is available
+/// (`MemAvailable`), the control group's memory limit (cgroup v2 `memory.max`, v1
+/// `memory.limit_in_bytes`: a container's) and the address-space limit (`ulimit -v`), with what
+/// limited it. `None` where none can be read.
+pub fn memory_available() -> Option<(u64, &'static str)> {
+    // "max" (v2) when unlimited does not parse; v1's unlimited is a huge number.
+    let cgroup = [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .find_map(|f| std::fs::read_to_string(f).ok()?.trim().parse::<u64>().ok())
+    .map(|b| (b, "the container's memory limit (cgroup)"));
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
         t.lines()
             .find_map(|l| l.strip_prefix("MemAvailable:"))
@@ -270,12 +280,20 @@ fn memory_available() -> Option<(u64, &'static str)> {
     };
     #[cfg(not(unix))]
     let limit = None;
-    [meminfo, limit].into_iter().flatten().min_by_key(|m| m.0)
+    [meminfo, cgroup, limit]
+        .into_iter()
+        .flatten()
+        .min_by_key(|m| m.0)
 }
 
-/// Refuses a replay that would hold more than 90% of `available` (an address-space limit
-/// counts the program and its threads too), naming the figure and the flags that set it.
-fn check_memory(
+/// The share of the memory available a replay may hold (an address-space limit counts the
+/// program, its threads and its other allocations too).
+const MEMORY_SHARE_MAX: f64 = 0.9;
+
+/// Refuses a replay that would hold more than [`MEMORY_SHARE_MAX`] of `available` (what
+/// [`memory_available`] found), naming the figure and the flags that set it. Apart from
+/// [`prepare`], whose verdict depends on the arguments alone.
+pub fn check_memory(
     cfg: &Config,
     a: &ReplayArgs,
     available: Option<(u64, &'static str)>,
@@ -284,7 +302,7 @@ fn check_memory(
     let Some((have, what)) = available else {
         return Ok(());
     };
-    if need as f64 <= 0.9 * have as f64 {
+    if need as f64 <= MEMORY_SHARE_MAX * have as f64 {
         return Ok(());
     }
     Err(format!(

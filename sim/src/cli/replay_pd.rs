@@ -249,7 +249,10 @@ fn compare_with<D: Device, P: Device, L: KvLink<P>>(
 }
 
 pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
-    let (cfg, work) = match prepare(a) {
+    let (cfg, work) = match prepare(a).and_then(|p| {
+        super::replay::check_memory(&p.0, a, super::replay::memory_available())?;
+        Ok(p)
+    }) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("{e}");

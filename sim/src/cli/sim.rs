@@ -685,6 +685,9 @@ pub fn parse_scenario(text: &str) -> Result<Scenario, String> {
 }
 
 fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
+    // From here until the results are written, SIGINT and SIGTERM end the campaign, not the
+    // process (see `catch_interrupts`).
+    crate::campaign::catch_interrupts();
     if args.check_determinism {
         let first = copts
             .seeds()
@@ -694,7 +697,6 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
             return code;
         }
     }
-    crate::campaign::catch_interrupts();
     let summary = run_campaign(copts, |out| {
         if args.verbose {
             let sc = copts.scenario(out.seed);
@@ -726,9 +728,12 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
             }
         }
     }
-    if let Some(sig) = summary.interrupted {
-        // What ended is printed and written; replaying a failure would outlast the grace
-        // period the signal gave.
+    // What ended is printed and written: a signal from now on ends the process (the failure's
+    // replay and shrinking can take minutes), and one that came after the last run ended still
+    // sets the exit code.
+    crate::campaign::release_interrupts();
+    if let Some(sig) = summary.interrupted.or_else(crate::campaign::interrupted) {
+        // Replaying a failure would outlast the grace period the signal gave.
         if let Some(f) = summary.failures.first() {
             println!(
                 "FAIL seed {} {}\n  replay: {}",

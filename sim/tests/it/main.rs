@@ -321,7 +321,20 @@ fn refused_commands_leave_files_alone() {
 #[test]
 fn replay_pd_equals_one_engine_on_the_cpu() {
     let out = Command::new(env!("CARGO_BIN_EXE_tierkv"))
-        .args(["replay", "--pd", "--requests", "3", "--layers", "1"])
+        // Small tiers (about 0.8 GB for the three engines), so that the memory check passes on
+        // a small machine too.
+        .args([
+            "replay",
+            "--pd",
+            "--requests",
+            "3",
+            "--layers",
+            "1",
+            "--device-pages",
+            "2048",
+            "--host-ratio",
+            "1.5",
+        ])
         .output()
         .expect("runs");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -387,12 +400,9 @@ fn sigterm_keeps_the_finished_seeds() {
             .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
             .is_some_and(|mask| mask & (1 << (SIGTERM - 1)) != 0)
     };
-    let began = std::time::Instant::now();
+    // The handler is installed before any seed runs; a process that never installs it is
+    // caught by the harness's own time limit, not by a clock here.
     while !catches_term() {
-        assert!(
-            began.elapsed() < std::time::Duration::from_secs(300),
-            "the campaign never caught SIGTERM"
-        );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     Command::new("kill")
