@@ -288,7 +288,7 @@ pub fn memory_available() -> Option<(u64, &'static str)> {
 
 /// The share of the memory available a replay may hold (an address-space limit counts the
 /// program, its threads and its other allocations too).
-const MEMORY_SHARE_MAX: f64 = 0.9;
+pub const MEMORY_SHARE_MAX: f64 = 0.9;
 
 /// Refuses a replay that would hold more than [`MEMORY_SHARE_MAX`] of `available` (what
 /// [`memory_available`] found), naming the figure and the flags that set it. Apart from
