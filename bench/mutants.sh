@@ -27,6 +27,7 @@ set -euo pipefail
 shard=${1:?usage: bench/mutants.sh SHARD [OUT], e.g. 0/8}
 out=${2:-target/mutants/shard-${shard%/*}}
 cd "$(dirname "$0")/.."
+mkdir -p "$out/stage1" "$out/stage2" # cargo-mutants makes no parent folders
 # cargo-mutants exits non-zero when a mutant survives; that is a result, not a failure here.
 cargo mutants -p tierkv-engine -e engine/src/runtime/cuda.rs -e engine/src/runtime/nccl.rs \
     --shard "$shard" --sharding round-robin --build-timeout 900 -o "$out/stage1" \
