@@ -17,6 +17,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tierkv_engine::trace::TraceRecord;
 
+/// The most worker threads a campaign takes.
+pub const JOBS_MAX: usize = 1024;
+
+/// The most schedules a campaign explores per seed.
+pub const SCHEDULES_MAX: u64 = 4096;
+
 #[derive(Clone, Debug)]
 pub struct CampaignOptions {
     pub first: u64,

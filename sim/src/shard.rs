@@ -402,13 +402,13 @@ impl ShardResult {
                 ));
             }
         }
-        if self.schedules == 0 || self.schedules > crate::cli::sim::SCHEDULES_MAX {
+        if self.schedules == 0 || self.schedules > crate::campaign::SCHEDULES_MAX {
             return Err(inconsistent(
                 "schedules",
                 format!(
                     "{} schedules per seed (a campaign runs 1..={})",
                     self.schedules,
-                    crate::cli::sim::SCHEDULES_MAX
+                    crate::campaign::SCHEDULES_MAX
                 ),
             ));
         }
@@ -494,8 +494,8 @@ impl ShardResult {
         }
         // One shard's workers, or (a merged result, which holds `held_s`) every shard's.
         let jobs_max = match self.held_s {
-            None => crate::cli::sim::JOBS_MAX,
-            Some(_) => crate::cli::sim::JOBS_MAX * SHARDS_MAX as usize,
+            None => crate::campaign::JOBS_MAX,
+            Some(_) => crate::campaign::JOBS_MAX * SHARDS_MAX as usize,
         };
         if self.jobs == 0 || self.jobs > jobs_max {
             return Err(inconsistent(

@@ -17,14 +17,10 @@ use std::time::Duration;
 use tierkv_engine::probe::Probe;
 use tierkv_engine::trace::TraceRecord;
 
-/// The most worker threads a campaign takes.
-pub const JOBS_MAX: usize = 1024;
+pub use crate::campaign::{JOBS_MAX, SCHEDULES_MAX};
 
 /// Seeds a campaign runs when `--seeds` is not given: about three minutes on two cores.
 pub const DEFAULT_SEEDS: u64 = 150;
-
-/// The most schedules `--schedules` explores per seed.
-pub const SCHEDULES_MAX: u64 = 4096;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct SimArgs {
