@@ -42,10 +42,10 @@
 //     CTA 0's buffer, taking the class in position order up to the number needed; CTA 0 sorts
 //     them by a bitonic network (registers and shuffles for strides up to 32, shared memory
 //     above) and writes the slots.
-#define TOPK_THREADS 1024
+#define TOPK_THREADS TKV_TOPK_THREADS
 #define TOPK_WARPS (TOPK_THREADS / 32)
-#define TOPK_MAX 2048
-#define TOPK_DIGIT 11
+#define TOPK_MAX TKV_TOPK_MAX
+#define TOPK_DIGIT TKV_TOPK_DIGIT
 #define TOPK_BINS (1 << TOPK_DIGIT)
 #define TOPK_BUCKET_MAX 64
 #define TOPK_FEW 16  // 2'': keys far above the rest that a second pass by value sets aside

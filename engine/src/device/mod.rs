@@ -347,4 +347,47 @@ mod tests {
             .to_string()
         );
     }
+
+    /// Top-k's `k` and the sizes of its logits and selection regions are checked at enqueue:
+    /// an op whose `k` and output disagree is refused, naming what was wrong.
+    #[test]
+    fn topk_k_and_its_regions_are_checked_at_enqueue() {
+        use crate::layout::INDEX_TOPK_MAX;
+        let region = |bytes| Region {
+            buffer: BufferId(0),
+            offset: Bytes::ZERO,
+            bytes: Bytes(bytes),
+        };
+        // Two rows of 64 positions, one page each.
+        let topk = |k: u32, logits: u64, out: u64| {
+            Op::TopK(TopK {
+                k,
+                logits: region(logits),
+                stride: 64,
+                context_lens: vec![64, 10],
+                page_table: vec![0, 1],
+                pt_stride: 1,
+                out: region(out),
+            })
+        };
+        let desc = |_| BufferDesc {
+            role: BufferRole::Scratch { name: "scratch" },
+            tier: MemoryTier::Device,
+            bytes: Bytes(1 << 20),
+            fingerprint: LayoutFingerprint::unpaged(1 << 20),
+        };
+        let refusal = |op: Op| match check_op(&op, desc) {
+            Err(DeviceError::Kernel { op: "topk", detail }) => detail,
+            other => panic!("expected a topk refusal, got {other:?}"),
+        };
+        assert_eq!(check_op(&topk(8, 2 * 64 * 4, 2 * 8 * 4), desc), Ok(()));
+        assert!(refusal(topk(0, 512, 0)).contains("k = 0"));
+        let over = INDEX_TOPK_MAX + 1;
+        let detail = refusal(topk(over, 512, 2 * over as u64 * 4));
+        assert!(detail.contains(&format!("1..={INDEX_TOPK_MAX}")), "{detail}");
+        let detail = refusal(topk(8, 2 * 64 * 4, 8 * 4));
+        assert!(detail.contains("selection region of 32 B, expected 64 B"), "{detail}");
+        let detail = refusal(topk(8, 64 * 4, 2 * 8 * 4));
+        assert!(detail.contains("logits region of 256 B"), "{detail}");
+    }
 }

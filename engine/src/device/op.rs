@@ -12,8 +12,9 @@
 
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
-    kv_row, slot_offset, slot_page, u32_bytes, u32_count, u64_bytes, Bytes, IndexKDtype, KvDtype,
-    LayoutFingerprint, PageFormat, PageId, PageRun, PagedView, SlotId, PAGE_TOKENS,
+    f32_bytes, i32_bytes, kv_row, slot_offset, slot_page, u32_bytes, u32_count, u64_bytes, Bytes,
+    IndexKDtype, KvDtype, LayoutFingerprint, PageFormat, PageId, PageRun, PagedView, SlotId,
+    INDEX_TOPK_MAX, PAGE_TOKENS,
 };
 use std::sync::Arc;
 pub use tierkv_kernels::cpu::draw::TokenAt;
@@ -664,7 +665,37 @@ impl OpSpec for TopK {
         read(out, self.logits.range());
         write(out, self.out.range());
     }
+    /// Also its `k` (the configured `index_topk`, within what the kernels select) and the sizes
+    /// of its logits (`[rows][stride]` f32) and selection (`[rows][k]` slots) regions: an op
+    /// whose `k` and output disagree would write past its selection or leave part of it stale.
     fn check_shapes(&self) -> Result<(), DeviceError> {
+        if self.k == 0 || self.k > INDEX_TOPK_MAX {
+            return Err(bad(
+                self.name(),
+                format!("k = {} is outside 1..={INDEX_TOPK_MAX}", self.k),
+            ));
+        }
+        let rows = self.context_lens.len() as u64;
+        let logits = f32_bytes(rows * self.stride as u64);
+        if self.logits.bytes != logits {
+            return Err(bad(
+                self.name(),
+                format!(
+                    "logits region of {} B, expected {logits} B ({rows} rows x stride {})",
+                    self.logits.bytes, self.stride
+                ),
+            ));
+        }
+        let selection = i32_bytes(rows * self.k as u64);
+        if self.out.bytes != selection {
+            return Err(bad(
+                self.name(),
+                format!(
+                    "selection region of {} B, expected {selection} B ({rows} rows x k = {})",
+                    self.out.bytes, self.k
+                ),
+            ));
+        }
         check_rows(
             self.name(),
             &self.page_table,

@@ -40,7 +40,11 @@ impl TopKArgs<'_> {
     pub fn check(&self) -> Result<()> {
         const OP: &str = "topk";
         if self.k == 0 || self.k > INDEX_TOPK_MAX as usize {
-            return Err(bad(OP, "k", format!("{} is outside 1..=2048", self.k)));
+            return Err(bad(
+                OP,
+                "k",
+                format!("{} is outside 1..={INDEX_TOPK_MAX}", self.k),
+            ));
         }
         let r = self.rows();
         expect_len(OP, "logits", self.logits.len(), r * self.stride)?;

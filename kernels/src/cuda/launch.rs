@@ -8,7 +8,7 @@
 
 use super::{
     compile, logits_mma_kernel, logits_wgmma_kernel, logits_wgmma_launch, topk_cluster, SOURCES,
-    TOPK_BUCKET_WORDS, TOPK_KERNELS, TOPK_STAGED_MAX,
+    TOPK_BUCKET_WORDS, TOPK_KERNELS, TOPK_STAGED_MAX, TOPK_THREADS,
 };
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
@@ -257,7 +257,7 @@ impl TopKLaunch<'_> {
         const OP: &str = "topk";
         let (k, stride, pt_stride) = (self.k, self.stride, self.pt_stride);
         if k == 0 || k > INDEX_TOPK_MAX as usize {
-            return Err(bad(OP, "k", format!("{k} is outside 1..=2048")));
+            return Err(bad(OP, "k", format!("{k} is outside 1..={INDEX_TOPK_MAX}")));
         }
         if stride > i32::MAX as usize || pt_stride > i32::MAX as usize {
             return Err(bad(OP, "stride", "a row stride above i32::MAX"));
@@ -360,7 +360,11 @@ impl IndexLogitsLaunch<'_> {
         const OP: &str = "index_logits";
         let (rows, pt_stride, out_stride) = (self.rows(), self.pt_stride, self.out_stride);
         if self.heads == 0 || self.heads > INDEX_HEADS_MAX as usize {
-            return Err(bad(OP, "heads", format!("{} outside 1..=64", self.heads)));
+            return Err(bad(
+                OP,
+                "heads",
+                format!("{} outside 1..={INDEX_HEADS_MAX}", self.heads),
+            ));
         }
         let rh = (rows * self.heads) as u64;
         need(OP, "q", self.q, fp8_bytes(rh * INDEX_HEAD_DIM as u64))?;
@@ -660,7 +664,11 @@ impl Kernels {
     ) -> Result<()> {
         const OP: &str = "q_prep";
         if heads == 0 || heads > INDEX_HEADS_MAX as usize {
-            return Err(bad(OP, "heads", format!("{heads} outside 1..=64")));
+            return Err(bad(
+                OP,
+                "heads",
+                format!("{heads} outside 1..={INDEX_HEADS_MAX}"),
+            ));
         }
         let nh = (n * heads) as u64;
         need(OP, "q", q, bf16_bytes(nh * INDEX_HEAD_DIM as u64))?;
@@ -908,7 +916,7 @@ impl Kernels {
             .arg(&cap32);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32 * cluster, 1, 1),
-            block_dim: (1024, 1, 1),
+            block_dim: (TOPK_THREADS, 1, 1),
             shared_mem_bytes: i32_bytes((cap + TOPK_BUCKET_WORDS) as u64).0 as u32,
         };
         // SAFETY: sizes checked by `a.check()`; the kernel's cluster size is compiled in and
@@ -980,7 +988,7 @@ impl Kernels {
         const OP: &str = "draw";
         if let DrawKind::Queries { heads } | DrawKind::HeadWeights { heads } = kind {
             if heads == 0 || heads > INDEX_HEADS_MAX {
-                return Err(bad(OP, "heads", "outside 1..=64"));
+                return Err(bad(OP, "heads", format!("outside 1..={INDEX_HEADS_MAX}")));
             }
         }
         need(OP, "rows", rows_dev, i32_bytes(2 * rows as u64))?;

@@ -195,9 +195,16 @@ pub fn logits_wgmma_launch(
 /// CTA). A row longer than its cluster can hold is read from global memory on every pass instead.
 pub const TOPK_STAGED_MAX: usize = 40_960;
 
+/// Bits of the top-k radix select's digit (`topk.cu`'s `TOPK_DIGIT`, generated from this).
+pub const TOPK_DIGIT_BITS: u32 = 11;
+
+/// Threads of one top-k CTA (`topk.cu`'s `TOPK_THREADS`, generated from this, and the launch's
+/// block size).
+pub const TOPK_THREADS: u32 = 1024;
+
 /// Words of dynamic shared memory a top-k CTA holds after its keys: for each first-pass bin, the
-/// CTA's first index, its fill and the cluster's count (`topk.cu`: 3 x TOPK_BINS, 11-bit digits).
-pub const TOPK_BUCKET_WORDS: usize = 3 * 2048;
+/// CTA's first index, its fill and the cluster's count (`topk.cu`: 3 x TOPK_BINS).
+pub const TOPK_BUCKET_WORDS: usize = 3 << TOPK_DIGIT_BITS;
 
 /// The top-k kernels' static shared memory, as `ptxas -v` reports it for `topk.cu` (the
 /// histograms, the selection buffer and the reductions' words).
@@ -323,6 +330,14 @@ pub fn layout_prelude() -> String {
         ("TKV_KV_FP8_SCALES", kv_row::FP8_SCALES_OFFSET as u64),
         ("TKV_KV_FP8_ROPE", kv_row::FP8_ROPE_OFFSET as u64),
     ];
+    // The top-k kernel's limits: the largest `k` it selects (its selection buffer is sized by
+    // it), its digit and its block size, so that raising a Rust limit cannot build a launcher
+    // that accepts what the kernel cannot hold.
+    let topk = [
+        ("TKV_TOPK_MAX", crate::layout::INDEX_TOPK_MAX as u64),
+        ("TKV_TOPK_DIGIT", TOPK_DIGIT_BITS as u64),
+        ("TKV_TOPK_THREADS", TOPK_THREADS as u64),
+    ];
     let draw = [
         ("TKV_PENDING_TOKEN", crate::cpu::draw::PENDING_TOKEN as u64),
         ("TKV_VOCAB", crate::cpu::draw::VOCAB as u64),
@@ -330,6 +345,7 @@ pub fn layout_prelude() -> String {
     ];
     let layout = defs
         .iter()
+        .chain(&topk)
         .chain(&draw)
         .map(|(name, v)| format!("#define {name} {v}\n"));
     let streams = crate::cpu::draw::STREAM_DEFINES
@@ -418,6 +434,33 @@ mod tests {
             prelude.contains("#define TKV_KV_FP8_ROW_BYTES 656\n"),
             "{prelude}"
         );
+    }
+
+    /// The top-k kernel's limits are the Rust constants: `topk.cu` defines them from the
+    /// generated prelude and writes no number of its own for them.
+    #[test]
+    fn topk_limits_are_generated_from_the_rust_constants() {
+        let prelude = layout_prelude();
+        for line in [
+            format!("#define TKV_TOPK_MAX {}\n", crate::layout::INDEX_TOPK_MAX),
+            format!("#define TKV_TOPK_DIGIT {TOPK_DIGIT_BITS}\n"),
+            format!("#define TKV_TOPK_THREADS {TOPK_THREADS}\n"),
+        ] {
+            assert!(prelude.contains(&line), "{line} missing from\n{prelude}");
+        }
+        let topk = SOURCES
+            .iter()
+            .find(|s| s.file == "topk.cu")
+            .expect("topk.cu");
+        for (name, from) in [
+            ("TOPK_MAX", "TKV_TOPK_MAX"),
+            ("TOPK_DIGIT", "TKV_TOPK_DIGIT"),
+            ("TOPK_THREADS", "TKV_TOPK_THREADS"),
+        ] {
+            let def = format!("#define {name} ");
+            let lines: Vec<&str> = topk.text.lines().filter(|l| l.starts_with(&def)).collect();
+            assert_eq!(lines, [format!("{def}{from}")], "topk.cu's {name}");
+        }
     }
 
     /// Two CTAs per row at batch 64, four at batch 1, and enough CTAs to hold a long row in
