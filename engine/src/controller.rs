@@ -22,7 +22,7 @@
 
 use crate::cache::{NodeId, PageKey, PrefixCache};
 use crate::config::WritePolicy;
-use crate::device::{Clock, Device, DeviceError, EventId, EventState, StreamKind};
+use crate::device::{call_recovering, Clock, Device, DeviceError, EventId, EventState, StreamKind};
 use crate::error::EngineError;
 use crate::layout::{BufferKind, HostLayout, IndexKDtype, LayerId, Layout, PageId};
 use crate::metrics::Metrics;
@@ -283,14 +283,15 @@ impl CacheController {
                     Ok(()) => {}
                     // A copy the backend could not take is a failed transfer, handled like one
                     // that failed in flight; a layout refusal is a bug and stops the engine.
-                    Err(TransferError::Device(DeviceError::Backend { .. })) => {
-                        enqueue_failed = true
-                    }
+                    // A device in error refuses it the same way (its records report failures).
+                    Err(TransferError::Device(e)) if e.is_transient() => enqueue_failed = true,
                     Err(e) => return Err(e.into()),
                 }
             }
             if let Some(evs) = events {
-                io.dev.record(stream, evs[l as usize])?;
+                // The layer's event must capture its copies: a record that failed is made again
+                // (an event left with its previous capture would report the copies done).
+                call_recovering(io.dev, |d| d.record(stream, evs[l as usize]))?;
             }
         }
         Ok(enqueue_failed)
@@ -512,12 +513,12 @@ impl CacheController {
             .collect();
         let event = match self.free_events.pop() {
             Some(ev) => ev,
-            None => io.dev.new_event()?,
+            None => call_recovering(io.dev, |d| d.new_event())?,
         };
         // The pages were written by the compute stream: the copy starts after its last step.
-        io.dev.wait(StreamKind::Write, after)?;
+        call_recovering(io.dev, |d| d.wait(StreamKind::Write, after))?;
         let enqueue_failed = Self::copy_all_layers(io, StreamKind::Write, true, &pairs, None)?;
-        io.dev.record(StreamKind::Write, event)?;
+        call_recovering(io.dev, |d| d.record(StreamKind::Write, event))?;
         io.metrics.backups += 1;
         probe::hit(Probe::BackupIssued);
         probe::hit_if(Probe::BackupEnqueueFailed, enqueue_failed);

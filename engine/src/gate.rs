@@ -9,7 +9,7 @@
 //! devices, the engine never constructs one (a test in `engine/tests/it/architecture.rs` checks),
 //! so the pools' `gated` and the controller's `PoolSide`s are the only sources of pool buffers.
 
-use crate::device::{Device, DeviceError, EventId, StreamKind};
+use crate::device::{call_recovering, Device, DeviceError, EventId, StreamKind};
 use crate::layout::{BufferKind, LayerId};
 use crate::mutants::Mutants;
 use std::marker::PhantomData;
@@ -59,7 +59,7 @@ impl<'a> LayerGate<'a> {
             return Ok(());
         }
         for &ev in self.events {
-            dev.wait(StreamKind::Compute, ev)?;
+            call_recovering(dev, |d| d.wait(StreamKind::Compute, ev))?;
         }
         self.waited = true;
         Ok(())

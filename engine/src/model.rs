@@ -10,9 +10,9 @@
 
 use crate::config::Config;
 use crate::device::{
-    BufferDesc, BufferId, BufferRole, Device, DeviceError, Drawn, EventId, EventState, IndexKStore,
-    IndexLogits, KvStore, LinearCopy, MemoryTier, NextTokens, Op, QPrep, Region, RowTag, RowTags,
-    SparseRead, StreamKind, TokenAt, TopK,
+    call_recovering, BufferDesc, BufferId, BufferRole, Device, DeviceError, Drawn, EventId,
+    EventState, IndexKStore, IndexLogits, KvStore, LinearCopy, MemoryTier, NextTokens, Op, QPrep,
+    Region, RowTag, RowTags, SparseRead, StreamKind, TokenAt, TopK,
 };
 use crate::error::EngineError;
 use crate::gate::LayerGate;
@@ -357,7 +357,7 @@ impl ModelStep {
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };
-        dev.enqueue(StreamKind::Compute, Op::IndexKStore(store))?;
+        enqueue(dev, Op::IndexKStore(store))?;
         for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
             self.indexer_launch(dev, synth, ik, batch, base, chunk, lg)?;
         }
@@ -399,7 +399,7 @@ impl ModelStep {
             q_out: q,
             w_out: w,
         };
-        dev.enqueue(StreamKind::Compute, Op::QPrep(prep))?;
+        enqueue(dev, Op::QPrep(prep))?;
         let page_table = batch.page_table(base, chunk.len());
         let logits = s.region(ScratchBuffer::Logits, (Bytes::ZERO, s.layout.logits(n)));
         let scores = IndexLogits {
@@ -415,7 +415,7 @@ impl ModelStep {
             out_stride: s.layout.out_stride(),
             tags: query_tags(lg, chunk),
         };
-        dev.enqueue(StreamKind::Compute, Op::IndexLogits(scores))?;
+        enqueue(dev, Op::IndexLogits(scores))?;
         for c in chunk {
             let covered = c.position < sh.topk;
             probe::hit_if(Probe::TopkCoversContext, covered);
@@ -433,7 +433,7 @@ impl ModelStep {
                 s.layout.selections(base as u32, n),
             ),
         };
-        dev.enqueue(StreamKind::Compute, Op::TopK(topk))
+        enqueue(dev, Op::TopK(topk))
     }
 
     /// Layer `l`'s KV store and, for every launch of query rows, the `sparse_read` of its
@@ -457,7 +457,7 @@ impl ModelStep {
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };
-        dev.enqueue(StreamKind::Compute, Op::KvStore(store))?;
+        enqueue(dev, Op::KvStore(store))?;
         for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
             let n = chunk.len() as u32;
             let read = SparseRead {
@@ -477,7 +477,7 @@ impl ModelStep {
                 ),
                 tags: query_tags(lg, chunk),
             };
-            dev.enqueue(StreamKind::Compute, Op::SparseRead(read))?;
+            enqueue(dev, Op::SparseRead(read))?;
         }
         Ok(())
     }
@@ -537,17 +537,17 @@ impl ModelStep {
                         .collect(),
                 },
             };
-            dev.enqueue(StreamKind::Compute, Op::NextTokens(next))?;
+            enqueue(dev, Op::NextTokens(next))?;
         }
         let copy = LinearCopy {
             src: s.region(ScratchBuffer::Digests, (Bytes::ZERO, bytes)),
             dst: s.region(self.readback(slot), (Bytes::ZERO, bytes)),
         };
-        dev.enqueue(StreamKind::Compute, Op::Copy(copy))?;
+        enqueue(dev, Op::Copy(copy))?;
         // The step's only record on the compute stream: a failure anywhere in the step's work
         // is reported by it (a device reports a failed op at its stream's next record), so no
         // other record may be placed on the compute stream inside a step.
-        dev.record(StreamKind::Compute, self.step_done[slot])?;
+        call_recovering(dev, |d| d.record(StreamKind::Compute, self.step_done[slot]))?;
         Ok(())
     }
 
@@ -582,6 +582,13 @@ impl ModelStep {
                 .collect(),
         ))
     }
+}
+
+/// Enqueues `op` on the compute stream; a transient failure is recovered and the op enqueued
+/// again (`call_recovering`; each try takes its own copy of the op, since a device takes the op
+/// it is given).
+fn enqueue<D: Device>(dev: &mut D, op: Op) -> Result<(), DeviceError> {
+    call_recovering(dev, |d| d.enqueue(StreamKind::Compute, op.clone()))
 }
 
 /// Scratch buffers allocated for a model step that is not built yet (the engine allocates them

@@ -31,7 +31,7 @@
 
 use crate::config::{Config, ScaleFmt};
 use crate::device::{
-    BufferDesc, BufferId, Device, DeviceError, EventId, EventState, Op, StreamKind,
+    call_recovering, BufferDesc, BufferId, Device, DeviceError, EventId, EventState, Op, StreamKind,
 };
 use crate::layout::{
     coalesce_runs, Bytes, HostLayout, IndexKDtype, LayerId, LayoutFingerprint, PageFormat, PageId,
@@ -299,7 +299,8 @@ impl<D: Device> KvLink<D> for PeerLink {
     ) -> Result<(), LinkError> {
         check_layers(layers)?;
         let s = StreamKind::Load;
-        decode.wait(s, after)?;
+        // A device in error refuses these calls until it is recovered (`call_recovering`).
+        call_recovering(decode, |d| d.wait(s, after))?;
         let runs = coalesce_runs(pairs);
         // A copy the device refuses fails the transfer, but every event is still recorded, so
         // the caller can wait for the copies already enqueued before it reuses their pages.
@@ -313,9 +314,9 @@ impl<D: Device> KvLink<D> for PeerLink {
                     }
                 }
             }
-            decode.record(s, l.received)?;
+            call_recovering(decode, |d| d.record(s, l.received))?;
         }
-        decode.record(s, sent)?;
+        call_recovering(decode, |d| d.record(s, sent))?;
         match refused {
             Some(e) => Err(LinkError::Refused(e)),
             None => Ok(()),

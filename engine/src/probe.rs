@@ -120,6 +120,9 @@ probes! {
     StepDeviceFailed = "step.device_failed",
     /// The engine cleared a device fault it had seen (a failed step, load or backup).
     DeviceRecovered = "device.recovered",
+    /// A device call (an event's creation, record or wait, an op's enqueue) failed transiently
+    /// and was made again after recovering the device (`device::call_recovering`).
+    DeviceCallRepeated = "device.call_repeated",
     /// A page allocation was refused by an injected fault (`EngineFaults`), device tier.
     FaultDevicePagesRefused = "fault.device_pages_refused",
     /// A page allocation was refused by an injected fault, host tier.

@@ -76,6 +76,21 @@ pub struct GpuOptions {
     pub sticky_faults: bool,
     /// `Device::recover` fails (the device is lost): the engine must stop with a typed error.
     pub recover_fails: bool,
+    /// A fault is sticky for the whole device, as CUDA's asynchronous errors are for a context:
+    /// a failed launch or copy leaves every stream of its side in error, and every call (an
+    /// event's creation, record or wait, an op's enqueue) fails with `DeviceError::InError`
+    /// until `Device::recover` (kinder than CUDA in one way: recovering keeps the memory, where
+    /// CUDA must recreate the context).
+    pub context_faults: bool,
+    /// Probability that a kernel's enqueue is refused with out-of-memory (the production
+    /// runtime's stream-ordered allocations for its arguments, or a launch's resources): a
+    /// failure of the call alone, nothing is enqueued and the device stays usable.
+    pub refused_launch_rate: f64,
+    /// Probability that an op hangs: it does not finish until the device's watchdog gives up on
+    /// it (`WATCHDOG_NS` after it started); then it has failed and its side is in error, as
+    /// with `context_faults` (a hung kernel cannot be cancelled in place), whatever the other
+    /// options say.
+    pub hang_rate: f64,
     /// Probability that a page copy of two or more pages runs as two ops on its stream, the
     /// first half of its pages first: each half can fail or be skipped on its own, leaving the
     /// destination half written. (A read that could see the midpoint is unordered with the copy,
@@ -119,6 +134,9 @@ impl Default for GpuOptions {
             failed_kernel_rate: 0.0,
             sticky_faults: false,
             recover_fails: false,
+            context_faults: false,
+            refused_launch_rate: 0.0,
+            hang_rate: 0.0,
             torn_copy_rate: 0.0,
             completion_delay_ns: 0,
             fail_first_host_alloc: false,
@@ -133,6 +151,17 @@ impl Default for GpuOptions {
 /// engine), side 1 a prefill/decode pair's decode engine ([`SimSide`]): two GPUs of one executor,
 /// one host, one race detector and one content oracle.
 pub const STREAMS: usize = 6;
+
+/// How long the simulated device's watchdog lets an op run before it gives up on it
+/// (`GpuOptions::hang_rate`), ns of virtual time: a second, far above any op the timing model
+/// draws (a slow copy of a whole layer's pages takes milliseconds), so only a hung op meets it.
+pub const WATCHDOG_NS: u64 = 1_000_000_000;
+
+/// What each keyed draw decides (`SimGpu::keyed`).
+const KEY_COPY_FAILS: u64 = 1;
+const KEY_KERNEL_FAILS: u64 = 2;
+const KEY_HANGS: u64 = 3;
+const KEY_LAUNCH_REFUSED: u64 = 4;
 
 /// A stream's index: its side's three, then its kind.
 pub fn stream_index(side: usize, kind: StreamKind) -> usize {
@@ -176,6 +205,8 @@ struct OpRec {
     id: u64,
     op: Op,
     fail: bool,
+    /// It hangs: it ends only when the watchdog gives up on it (`fail` too).
+    hung: bool,
     duration: u64,
     enq_ns: u64,
 }
@@ -208,6 +239,10 @@ struct StreamState {
     failure_seen: Option<EventId>,
     /// When the host callback of the stream's latest completed record runs (in order).
     last_seen: u64,
+    /// Ops pushed onto the stream, and enqueue calls made for it: each op's and each call's
+    /// number, which keys its fault draws (`SimGpu::keyed`).
+    pushed: u64,
+    calls: u64,
     /// Race-detector clock of the stream's enqueue point.
     vc: Vc,
     /// The last op and the last record this stream finished: both finish in enqueue order.
@@ -308,6 +343,11 @@ pub struct SimGpu {
     /// op (as large as the largest buffer a whole-buffer check copied).
     shadow_arena: Vec<u8>,
     exec: Executor,
+    /// Per side, the fault that left the whole side in error (`GpuOptions::context_faults`,
+    /// a hang), until the engine recovers it.
+    in_error: [Option<DeviceFault>; 2],
+    /// The seed of the keyed fault draws.
+    fault_key: u64,
 }
 
 /// What performs an op's data effect when the simulation says it completes.
@@ -375,6 +415,8 @@ impl SimGpu {
             read_probes: BTreeMap::new(),
             shadow_arena: Vec::new(),
             exec: Executor::Cpu(Box::default()),
+            in_error: [None; 2],
+            fault_key: tierkv_kernels::cpu::numerics::mix64(seed ^ 0xFA17_0000),
         };
         if cuda {
             g.exec = Executor::cuda()?;
@@ -392,6 +434,32 @@ impl SimGpu {
     pub fn log_hash(&self) -> u64 {
         self.log_hash
     }
+    /// A uniform draw in [0, 1) for deciding `what` about the call numbered `n` on stream `s`:
+    /// keyed by the call's identity rather than taken in sequence, so that a schedule which
+    /// reorders calls across streams draws the same fault for the same call.
+    fn keyed(&self, what: u64, s: usize, n: u64) -> f64 {
+        use tierkv_kernels::cpu::numerics::mix64;
+        let h = mix64(mix64(mix64(self.fault_key ^ what) ^ s as u64) ^ n);
+        (h >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The calls of a side in error fail (`GpuOptions::context_faults`, a hang). The device
+    /// first runs up to the host's time, so a fault that happened by now is seen.
+    fn refuse_in_error(&mut self, what: u64) -> Result<(), DeviceError> {
+        if self.opts.context_faults || self.opts.hang_rate > 0.0 {
+            let now = self.host.get();
+            self.pump(now);
+        }
+        match self.in_error[self.side] {
+            Some(cause) => {
+                probes::hit(SimProbe::FaultCallInError);
+                self.log(&[16, self.side as u64, what]);
+                Err(DeviceError::InError { cause })
+            }
+            None => Ok(()),
+        }
+    }
+
     fn log(&mut self, parts: &[u64]) {
         for &p in parts {
             self.log_hash = tierkv_kernels::cpu::numerics::mix64(self.log_hash ^ p);
@@ -508,9 +576,15 @@ impl SimGpu {
         }
     }
 
-    fn duration(&mut self, op: &Op) -> (u64, bool) {
+    /// The op's duration, whether it fails, and whether it hangs (then it fails too, and lasts
+    /// until the watchdog). `s` and `n`: its stream and its number there (the fault draws' key).
+    fn duration(&mut self, op: &Op, s: usize, n: u64) -> (u64, bool, bool) {
         let bytes = op.bytes_touched().0;
-        match op.spec().class() {
+        if self.opts.hang_rate > 0.0 && self.keyed(KEY_HANGS, s, n) < self.opts.hang_rate {
+            probes::hit(SimProbe::FaultHung);
+            return (WATCHDOG_NS, true, true);
+        }
+        let (d, fail) = match op.spec().class() {
             OpClass::PageCopy | OpClass::LinearCopy => {
                 let base = self.opts.copy_latency_ns
                     + (bytes as f64 / 2.0 / self.opts.copy_bytes_per_ns) as u64;
@@ -521,7 +595,7 @@ impl SimGpu {
                 }
                 let fail = op.spec().class() == OpClass::PageCopy
                     && self.opts.failed_copy_rate > 0.0
-                    && self.rng.chance(self.opts.failed_copy_rate);
+                    && self.keyed(KEY_COPY_FAILS, s, n) < self.opts.failed_copy_rate;
                 probes::hit_if(SimProbe::FaultCopyFailed, fail);
                 (d, fail)
             }
@@ -530,10 +604,11 @@ impl SimGpu {
                     self.opts.kernel_ns + (bytes as f64 / self.opts.kernel_bytes_per_ns) as u64;
                 let d = base + self.rng.below(base / 2 + 1);
                 let fail = self.opts.failed_kernel_rate > 0.0
-                    && self.rng.chance(self.opts.failed_kernel_rate);
+                    && self.keyed(KEY_KERNEL_FAILS, s, n) < self.opts.failed_kernel_rate;
                 (d, fail)
             }
-        }
+        };
+        (d, fail, false)
     }
 
     /// How long the op that could start on `stream` now is held: the schedule's decision.
@@ -744,6 +819,10 @@ impl SimGpu {
         if skipped {
             self.log(&[13, s as u64, rec.id]);
             self.streams[s].failed_since_record = true;
+            // Work after a skipped op reads what it should have written: the stream skips on
+            // to its next record even when the engine recovers the device in between (it may,
+            // when a call fails in the middle of a step).
+            self.streams[s].skipping = true;
             // Tokens a skipped `next_tokens` should have written are stale.
             if let Op::NextTokens(o) = &rec.op {
                 self.stale_tokens.insert(o.out.buffer);
@@ -763,7 +842,28 @@ impl SimGpu {
                 self.perform(&rec);
             }
         }
-        if rec.fail && self.opts.sticky_faults && !self.streams[s].sticky {
+        if rec.fail && (rec.hung || self.opts.context_faults) {
+            // The whole side is in error: its streams skip their work and every call fails.
+            let side = s / 3;
+            if self.in_error[side].is_none() {
+                let stream = StreamKind::ALL[s % 3];
+                let op = rec.op.name();
+                self.in_error[side] = Some(if rec.hung {
+                    DeviceFault::Hung {
+                        op,
+                        stream,
+                        after_ns: WATCHDOG_NS,
+                    }
+                } else {
+                    DeviceFault::Failed { op, stream }
+                });
+                probes::hit(SimProbe::FaultContextInError);
+                self.log(&[17, s as u64, rec.id]);
+            }
+            for st in &mut self.streams[side * 3..side * 3 + 3] {
+                st.sticky = true;
+            }
+        } else if rec.fail && self.opts.sticky_faults && !self.streams[s].sticky {
             probes::hit(SimProbe::FaultSticky);
             self.streams[s].sticky = true;
             self.log(&[14, s as u64, rec.id]);
@@ -969,6 +1069,8 @@ impl SimGpu {
         self.opts.failed_kernel_rate = 0.0;
         self.opts.torn_copy_rate = 0.0;
         self.opts.completion_delay_ns = 0;
+        self.opts.refused_launch_rate = 0.0;
+        self.opts.hang_rate = 0.0;
     }
 
     /// Queues op `op` on stream `s`: its id, its happens-before clock and the race check of its
@@ -994,13 +1096,16 @@ impl SimGpu {
                 self.report_races(races);
             }
         }
-        let (duration, fail) = self.duration(&op);
+        let n = self.streams[s].pushed;
+        self.streams[s].pushed += 1;
+        let (duration, fail, hung) = self.duration(&op, s, n);
         self.log(&[9, s as u64, id, duration, fail as u64]);
         let now = self.host.get();
         self.streams[s].queue.push_back(Entry::Op(Box::new(OpRec {
             id,
             op,
             fail,
+            hung,
             duration,
             enq_ns: now,
         })));
@@ -1262,6 +1367,7 @@ impl Device for SimGpu {
         self.mem.desc(buf)
     }
     fn new_event(&mut self) -> Result<EventId, DeviceError> {
+        self.refuse_in_error(21)?;
         self.events.push(None);
         Ok(EventId(self.events.len() as u32 - 1))
     }
@@ -1271,6 +1377,7 @@ impl Device for SimGpu {
             (ev.0 as usize) < self.events.len(),
             "record of unknown {ev}"
         );
+        self.refuse_in_error(22)?;
         if let Some(old) = self.events[ev.0 as usize] {
             if stream == StreamKind::Load && self.opts.completion_delay_ns > 0 {
                 self.wait_callback(old);
@@ -1305,6 +1412,7 @@ impl Device for SimGpu {
     fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         let s = stream_index(self.side, stream);
         assert!((ev.0 as usize) < self.events.len(), "wait on unknown {ev}");
+        self.refuse_in_error(23)?;
         let target = self.events[ev.0 as usize];
         if let Some(rec) = target {
             let vc = self.records[&rec].vc;
@@ -1400,7 +1508,12 @@ impl Device for SimGpu {
             );
             return Err(e);
         }
-        if let Some(ev) = self.streams[s].failure_seen {
+        if self.opts.context_faults || self.opts.hang_rate > 0.0 {
+            let now = self.host.get();
+            self.pump(now);
+        }
+        // A side in error refuses the op below: the recovery oracle judges the per-stream model.
+        if let (Some(ev), None) = (self.streams[s].failure_seen, self.in_error[self.side]) {
             self.finding(
                 OracleKind::Recovery,
                 format!(
@@ -1411,6 +1524,28 @@ impl Device for SimGpu {
                     entity_name(s)
                 ),
             );
+        }
+        let n = self.streams[s].calls;
+        self.streams[s].calls += 1;
+        let class = op.spec().class();
+        // A page copy a device in error refuses is a failed transfer (below); any other op is
+        // refused here, before it counts as enqueued.
+        if class != OpClass::PageCopy {
+            self.refuse_in_error(18)?;
+        }
+        if class == OpClass::Kernel
+            && self.opts.refused_launch_rate > 0.0
+            && self.keyed(KEY_LAUNCH_REFUSED, s, n) < self.opts.refused_launch_rate
+        {
+            probes::hit(SimProbe::FaultLaunchRefused);
+            self.log(&[19, s as u64, n]);
+            return Err(DeviceError::OutOfMemory {
+                role: BufferRole::Scratch {
+                    name: "stream-ordered op arguments",
+                },
+                tier: MemoryTier::Device,
+                bytes: op.bytes_touched().0,
+            });
         }
         self.host.set(self.host.get() + self.opts.launch_ns);
         if let (Op::KvStore(o), 0) = (&op, self.side) {
@@ -1442,17 +1577,22 @@ impl Device for SimGpu {
                 .sum();
             self.record_log.copy_bytes[s] += written;
         }
-        if op.spec().class() == OpClass::PageCopy
-            && self.opts.failed_enqueue_rate > 0.0
-            && self.rng.chance(self.opts.failed_enqueue_rate)
+        let in_error = class == OpClass::PageCopy && self.refuse_in_error(20).is_err();
+        if in_error
+            || (class == OpClass::PageCopy
+                && self.opts.failed_enqueue_rate > 0.0
+                && self.rng.chance(self.opts.failed_enqueue_rate))
         {
-            probes::hit(SimProbe::FaultEnqueueFailed);
+            probes::hit_if(SimProbe::FaultEnqueueFailed, !in_error);
             self.log(&[12, s as u64]);
             self.record_log.refused_after[s].push(self.record_log.made[s]);
             // The rows it should have written hold whatever was there before: not the bytes
             // the engine asked for, so a read of them must never reach an output.
             for (buf, page, rows) in op.spec().full_rows() {
                 *self.tainted.entry((buf, page)).or_default() |= rows;
+            }
+            if let (true, Some(cause)) = (in_error, self.in_error[self.side]) {
+                return Err(DeviceError::InError { cause });
             }
             return Err(DeviceError::Backend {
                 detail: format!("injected: {} refused at enqueue", op.name()),
@@ -1518,7 +1658,7 @@ impl Device for SimGpu {
         let now = self.host.get();
         self.pump(now);
         // Each side is its own device: recovering one clears its streams alone.
-        let mut was = false;
+        let mut was = self.in_error[self.side].take().is_some();
         for st in &mut self.streams[self.side * 3..self.side * 3 + 3] {
             was |= std::mem::take(&mut st.sticky);
             st.failure_seen = None;

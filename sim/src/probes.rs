@@ -37,6 +37,15 @@ pub enum SimProbe {
     FaultSticky,
     /// The engine recovered a device whose stream was in error.
     FaultStickyRecovered,
+    /// Fault: a failed or hung op left its whole side in error (CUDA's context-wide sticky
+    /// errors).
+    FaultContextInError,
+    /// A call (event creation, record, wait, enqueue) failed because its side was in error.
+    FaultCallInError,
+    /// Fault: a kernel's enqueue was refused with out-of-memory (the call alone failed).
+    FaultLaunchRefused,
+    /// Fault: an op hung, and the watchdog gave up on it.
+    FaultHung,
     /// Fault: a page copy became visible in two chunks.
     FaultCopyTorn,
     /// Fault: the host learned of a completed record later than it completed.
@@ -75,6 +84,10 @@ impl SimProbe {
         SimProbe::FaultKernelFailed,
         SimProbe::FaultSticky,
         SimProbe::FaultStickyRecovered,
+        SimProbe::FaultContextInError,
+        SimProbe::FaultCallInError,
+        SimProbe::FaultLaunchRefused,
+        SimProbe::FaultHung,
         SimProbe::FaultCopyTorn,
         SimProbe::FaultCompletionLate,
         SimProbe::FaultCompletionReordered,
@@ -102,6 +115,10 @@ impl SimProbe {
             SimProbe::FaultKernelFailed => "fault.kernel_failed",
             SimProbe::FaultSticky => "fault.sticky",
             SimProbe::FaultStickyRecovered => "fault.sticky_recovered",
+            SimProbe::FaultContextInError => "fault.context_in_error",
+            SimProbe::FaultCallInError => "fault.call_in_error",
+            SimProbe::FaultLaunchRefused => "fault.launch_refused",
+            SimProbe::FaultHung => "fault.hung",
             SimProbe::FaultCopyTorn => "fault.copy_torn",
             SimProbe::FaultCompletionLate => "fault.completion_late",
             SimProbe::FaultCompletionReordered => "fault.completion_reordered",

@@ -81,6 +81,17 @@ pub struct GpuKnobs {
     /// Probability that a page copy becomes visible in two chunks.
     #[serde(default)]
     pub torn_copy_rate: f64,
+    /// A failed op leaves the whole device in error and every call fails until the engine
+    /// recovers it (`GpuOptions::context_faults`).
+    #[serde(default)]
+    pub context_faults: bool,
+    /// Probability that a kernel's enqueue is refused with out-of-memory
+    /// (`GpuOptions::refused_launch_rate`).
+    #[serde(default)]
+    pub refused_launch_rate: f64,
+    /// Probability that an op hangs until the watchdog gives up on it (`GpuOptions::hang_rate`).
+    #[serde(default)]
+    pub hang_rate: f64,
     /// Longest delay before the host learns of a completion, ns (0: none).
     #[serde(default)]
     pub completion_delay_ns: u64,
@@ -116,6 +127,9 @@ impl GpuKnobs {
             failed_kernel_rate: self.failed_kernel_rate,
             fail_first_host_alloc: self.fail_first_host_alloc,
             sticky_faults: self.sticky_faults,
+            context_faults: self.context_faults,
+            refused_launch_rate: self.refused_launch_rate,
+            hang_rate: self.hang_rate,
             torn_copy_rate: self.torn_copy_rate,
             completion_delay_ns: self.completion_delay_ns,
             fail_alloc_nth: self.fail_alloc_nth,
@@ -365,6 +379,8 @@ impl Scenario {
         rate("gpu.failed_enqueue_rate", g.failed_enqueue_rate)?;
         rate("gpu.failed_kernel_rate", g.failed_kernel_rate)?;
         rate("gpu.torn_copy_rate", g.torn_copy_rate)?;
+        rate("gpu.refused_launch_rate", g.refused_launch_rate)?;
+        rate("gpu.hang_rate", g.hang_rate)?;
         at_most(
             "gpu.completion_delay_ns",
             g.completion_delay_ns,
@@ -421,7 +437,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {}{} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -445,6 +461,9 @@ impl Scenario {
             self.gpu.failed_enqueue_rate,
             self.gpu.failed_kernel_rate,
             if self.gpu.sticky_faults { "on" } else { "off" },
+            if self.gpu.context_faults { " (device-wide)" } else { "" },
+            self.gpu.refused_launch_rate,
+            self.gpu.hang_rate,
             self.gpu.torn_copy_rate,
             self.gpu.completion_delay_ns,
             self.gpu.fail_alloc_nth,
@@ -777,6 +796,18 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
             0
         } else {
             gr.range(1, 8) as u32
+        },
+        // CUDA's own fault model: device-wide errors in error mostly, refused launches, hangs.
+        context_faults: gr.chance(0.6),
+        refused_launch_rate: if gr.chance(0.75) {
+            0.0
+        } else {
+            0.002 + gr.unit() * 0.018
+        },
+        hang_rate: if gr.chance(0.85) {
+            0.0
+        } else {
+            0.0002 + gr.unit() * 0.0008
         },
     }
 }

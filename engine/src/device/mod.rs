@@ -157,6 +157,84 @@ pub enum DeviceError {
     /// (`EngineError::Device` says "device: " before it.)
     #[error("{detail}")]
     Backend { detail: String },
+    /// The device is in error since an asynchronous fault (CUDA's sticky errors: one poisons
+    /// the whole context), and every call fails with this until [`Device::recover`].
+    #[error("the device is in error since {cause}; calls fail until it is recovered")]
+    InError { cause: DeviceFault },
+}
+
+/// The asynchronous fault that left a device in error ([`DeviceError::InError`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceFault {
+    /// An op failed while it ran (a kernel's launch failure, a failed copy).
+    Failed {
+        op: &'static str,
+        stream: StreamKind,
+    },
+    /// An op did not finish within the device's watchdog deadline, and was given up.
+    Hung {
+        op: &'static str,
+        stream: StreamKind,
+        after_ns: u64,
+    },
+}
+
+impl fmt::Display for DeviceFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceFault::Failed { op, stream } => {
+                write!(f, "{op} failed on the {} stream", stream.name())
+            }
+            DeviceFault::Hung {
+                op,
+                stream,
+                after_ns,
+            } => write!(
+                f,
+                "{op} on the {} stream did not finish within {after_ns} ns",
+                stream.name()
+            ),
+        }
+    }
+}
+
+impl DeviceError {
+    /// An error of the device itself, which a call made again after [`Device::recover`] may not
+    /// meet (a failed driver call, memory the driver could not give now, a device in error); the
+    /// rest refuse the call's arguments (a bug of the caller) and fail the same way again.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            DeviceError::Backend { .. }
+                | DeviceError::OutOfMemory { .. }
+                | DeviceError::InError { .. }
+        )
+    }
+}
+
+/// Calls a device `call` made again after a transient failure (`DeviceError::is_transient`):
+/// the device is recovered and the call repeated, up to this many calls in all; then its error
+/// stands. A call that failed had no effect (the `Device` contract), so repeating it is safe.
+pub const CALL_TRIES: u32 = 8;
+
+/// Makes a device call (an event's creation, record or wait, an op's enqueue), recovering the
+/// device and calling again after a transient failure, up to [`CALL_TRIES`] calls. An error of
+/// `recover` itself stops it: the device is lost.
+pub fn call_recovering<D: Device + ?Sized, R>(
+    dev: &mut D,
+    mut call: impl FnMut(&mut D) -> Result<R, DeviceError>,
+) -> Result<R, DeviceError> {
+    let mut tries = 1;
+    loop {
+        match call(dev) {
+            Err(e) if e.is_transient() && tries < CALL_TRIES => {
+                dev.recover()?;
+                crate::probe::hit(crate::probe::Probe::DeviceCallRepeated);
+                tries += 1;
+            }
+            r => return r,
+        }
+    }
 }
 
 /// A device: buffers, three streams, events, ops. See the module comment for the contract.
@@ -166,6 +244,9 @@ pub trait Device {
     fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError>;
     fn desc(&self, buf: BufferId) -> BufferDesc;
     /// A fresh event, never recorded (querying it answers `Done`, as CUDA does).
+    ///
+    /// Every call below that answers a `Result` has no effect when it fails: nothing is
+    /// created, recorded, waited for or enqueued.
     fn new_event(&mut self) -> Result<EventId, DeviceError>;
     /// Captures all work enqueued on `stream` so far.
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError>;
@@ -384,9 +465,15 @@ mod tests {
         assert!(refusal(topk(0, 512, 0)).contains("k = 0"));
         let over = INDEX_TOPK_MAX + 1;
         let detail = refusal(topk(over, 512, 2 * over as u64 * 4));
-        assert!(detail.contains(&format!("1..={INDEX_TOPK_MAX}")), "{detail}");
+        assert!(
+            detail.contains(&format!("1..={INDEX_TOPK_MAX}")),
+            "{detail}"
+        );
         let detail = refusal(topk(8, 2 * 64 * 4, 8 * 4));
-        assert!(detail.contains("selection region of 32 B, expected 64 B"), "{detail}");
+        assert!(
+            detail.contains("selection region of 32 B, expected 64 B"),
+            "{detail}"
+        );
         let detail = refusal(topk(8, 64 * 4, 2 * 8 * 4));
         assert!(detail.contains("logits region of 256 B"), "{detail}");
     }
