@@ -7,7 +7,7 @@
 
 use crate::gpu::SimSide;
 use crate::rng::Rng;
-use tierkv_engine::device::{Device, EventId, StreamKind};
+use tierkv_engine::device::{call_recovering, Device, EventId, StreamKind};
 use tierkv_engine::layout::PageId;
 use tierkv_engine::pd::{KvLink, LayerSend, LinkError, PeerLink};
 
@@ -48,12 +48,16 @@ impl KvLink<SimSide> for SimLink {
         );
         let arrived = match self.arrived {
             Some(e) => e,
-            None => *self.arrived.insert(decode.new_event()?),
+            // A side in error refuses these calls until it is recovered, as the engine's own
+            // link calls do (`call_recovering`).
+            None => *self
+                .arrived
+                .insert(call_recovering(decode, |d| d.new_event())?),
         };
         let r = PeerLink.send(prefill, decode, after, pairs, &order, arrived);
         if matches!(r, Ok(()) | Err(LinkError::Refused(_))) {
-            prefill.wait(StreamKind::Write, arrived)?;
-            prefill.record(StreamKind::Write, sent)?;
+            call_recovering(prefill, |d| d.wait(StreamKind::Write, arrived))?;
+            call_recovering(prefill, |d| d.record(StreamKind::Write, sent))?;
         }
         r
     }

@@ -17,7 +17,7 @@
 
 use super::{Engine, EngineError, EngineOptions, StepReport, Transferred};
 use crate::config::Config;
-use crate::device::{Clock, Device, EventId, EventState};
+use crate::device::{call_recovering, Clock, Device, EventId, EventState};
 use crate::layout::{pages_for_tokens, BufferKind, LayerId, PageId};
 use crate::mutants::Mutants;
 use crate::pd::{handshake, HandshakeError, KvLink, LayerSend, LinkError, PdLayout, Role};
@@ -125,6 +125,10 @@ pub struct PdPair<D: Device, C: Clock, L: KvLink<D>> {
     /// Events of finished transfers, for reuse: the decode side's and the prefill side's.
     free_received: Vec<EventId>,
     free_sent: Vec<EventId>,
+    /// A transfer's event answered `Failed` since the last recovery: a stream of either side
+    /// is in error, and nothing may be enqueued on it before the devices are recovered (at the
+    /// end of `poll_transfers`).
+    failure_seen: bool,
     pub stats: PdStats,
 }
 
@@ -164,6 +168,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             outputs: Vec::new(),
             free_received: Vec::new(),
             free_sent: Vec::new(),
+            failure_seen: false,
             stats: PdStats::default(),
         })
     }
@@ -396,7 +401,8 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
     fn event(pool: &mut Vec<EventId>, dev: &mut D) -> Result<EventId, EngineError> {
         match pool.pop() {
             Some(e) => Ok(e),
-            None => Ok(dev.new_event()?),
+            // A device in error refuses the creation until it is recovered.
+            None => Ok(call_recovering(dev, |d| d.new_event())?),
         }
     }
 
@@ -524,9 +530,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 })
                 .or_else(|| self.draining.first().map(|d| (d.sent, Vec::new())));
             if let Some((sent, received)) = oldest {
-                self.prefill.dev.synchronize(sent);
+                self.prefill_sync(sent);
                 for ev in received {
-                    self.decode.dev.synchronize(ev);
+                    self.decode_sync(ev);
                 }
             }
         }
@@ -549,10 +555,10 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             // send may complete on the prefill side before its receive on the decode side, as
             // NCCL's does, and the decode pages must not go back while a receive writes them).
             // `sent` is the prefill side's event.
-            if self.prefill.dev.query(sent) == EventState::Pending
+            if self.prefill_query(sent) == EventState::Pending
                 || all
                     .iter()
-                    .any(|&ev| self.decode.dev.query(ev) == EventState::Pending)
+                    .any(|&ev| self.decode_query(ev) == EventState::Pending)
             {
                 continue;
             }
@@ -567,7 +573,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         }
         let mut i = 0;
         while i < self.draining.len() {
-            let sent = self.prefill.dev.query(self.draining[i].sent);
+            let sent = self.prefill_query(self.draining[i].sent);
             if sent == EventState::Pending {
                 probe::hit(Probe::PdSendDraining);
                 i += 1;
@@ -578,12 +584,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             self.free_received.extend_from_slice(&d.received);
             self.free_sent.push(d.sent);
             if sent == EventState::Failed {
-                // Only a mutant admits before every copy succeeded; the device's error still
-                // has to be cleared.
-                self.decode
-                    .dev
-                    .recover()
-                    .map_err(|e| PdError::decode(e.into()))?;
+                // Only a mutant admits before every copy succeeded; the devices' errors still
+                // have to be cleared before either side enqueues again.
+                self.recover_both()?;
             }
             if !d.released {
                 let held = self
@@ -594,14 +597,62 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 self.take_prefill_outputs()?;
             }
         }
+        if self.failure_seen {
+            // A receive or a send failed while others of its transfer were still running: the
+            // stream stays in error until recovered, and the next transfer or step enqueues.
+            self.recover_both()?;
+        }
         Ok(any)
+    }
+
+    /// A send failed: both sides' errors are cleared. The receives ran on the decode side; the
+    /// send's `sent` may be recorded on the prefill side (behind its backups, as an NCCL send
+    /// completes on the sender's stream), so its failure may be a prefill stream's, and the
+    /// prefill side must not enqueue on that stream (a backup, say) before it is recovered.
+    fn recover_both(&mut self) -> Result<(), PdError> {
+        self.failure_seen = false;
+        self.decode
+            .dev
+            .recover()
+            .map_err(|e| PdError::decode(e.into()))?;
+        self.prefill
+            .dev
+            .recover()
+            .map_err(|e| PdError::prefill(e.into()))
+    }
+
+    /// The host's look at a transfer's event on either side: a `Failed` answer is remembered
+    /// (`failure_seen`) for the recovery.
+    fn seen(&mut self, state: EventState) -> EventState {
+        self.failure_seen |= state == EventState::Failed;
+        state
+    }
+
+    fn prefill_query(&mut self, ev: EventId) -> EventState {
+        let state = self.prefill.dev.query(ev);
+        self.seen(state)
+    }
+
+    fn decode_query(&mut self, ev: EventId) -> EventState {
+        let state = self.decode.dev.query(ev);
+        self.seen(state)
+    }
+
+    fn prefill_sync(&mut self, ev: EventId) -> EventState {
+        let state = self.prefill.dev.synchronize(ev);
+        self.seen(state)
+    }
+
+    fn decode_sync(&mut self, ev: EventId) -> EventState {
+        let state = self.decode.dev.synchronize(ev);
+        self.seen(state)
     }
 
     /// Whether every one of `events` completed without a failure.
     fn all_done(&mut self, events: &[EventId]) -> bool {
         events
             .iter()
-            .all(|&ev| self.decode.dev.query(ev) == EventState::Done)
+            .all(|&ev| self.decode_query(ev) == EventState::Done)
     }
 
     /// Every awaited layer of `id` arrived: the decode engine takes the request, and the send
@@ -631,7 +682,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         };
         let failed = s.refused
             || !self.all_done(&s.received)
-            || self.prefill.dev.query(s.sent) != EventState::Done;
+            || self.prefill_query(s.sent) != EventState::Done;
         let r = self.requests.get_mut(&id).expect("in transfer");
         assert!(
             failed || r.aborted,
@@ -657,10 +708,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             None // sent again from the prefill side's pages, which it still holds
         };
         if failed {
-            self.decode
-                .dev
-                .recover()
-                .map_err(|e| PdError::decode(e.into()))?;
+            self.recover_both()?;
         }
         if let Some(o) = end {
             self.requests.remove(&id);
