@@ -4,6 +4,7 @@ mod architecture;
 mod cache_model;
 mod config_docs;
 mod cuda_device;
+mod device_calls;
 mod engine_smoke;
 mod pd;
 mod service;
