@@ -406,7 +406,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 .in_flight
                 .as_ref()
                 .is_some_and(|f| f.rows.iter().any(|r| r.request == id));
-            if probe::hit_if(Probe::AheadRowOfAborted, flying) {
+            if probe::hit_if(Probe::AheadRowOfAborted, flying)
+                && self.mutants.abort_keeps_in_flight_pages()
+            {
                 self.sched.detach(req);
             } else {
                 self.release_aborted(req);

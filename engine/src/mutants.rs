@@ -84,10 +84,15 @@ pub enum Mutant {
     DeviceHitCountsLoads,
     /// 27. Policy: the host prefix-hit counter counts requests that loaded, not pages.
     HostHitPerRequest,
+    /// 28. Field (vllm-project/vllm#47282, a load overwrites blocks a running step still
+    ///     reads): one step ahead, an aborted request's pages go back to the allocator at once
+    ///     although the step in flight still reads them, so a load issued next may copy into
+    ///     them while that step runs.
+    AbortFreesPagesInFlight,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 27] = [
+    pub const ALL: [Mutant; 28] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -115,6 +120,7 @@ impl Mutant {
         Mutant::WriteBackDropsUnbacked,
         Mutant::DeviceHitCountsLoads,
         Mutant::HostHitPerRequest,
+        Mutant::AbortFreesPagesInFlight,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -130,7 +136,10 @@ impl Mutant {
     /// The mutants of an engine that runs one step ahead: the simulator switches the overlap
     /// on for them.
     pub fn needs_overlap(self) -> bool {
-        matches!(self, Mutant::OverlapOneReadback)
+        matches!(
+            self,
+            Mutant::OverlapOneReadback | Mutant::AbortFreesPagesInFlight
+        )
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -161,6 +170,7 @@ impl Mutant {
             Mutant::WriteBackDropsUnbacked => "write-back-drops-unbacked",
             Mutant::DeviceHitCountsLoads => "device-hit-counts-loads",
             Mutant::HostHitPerRequest => "host-hit-per-request",
+            Mutant::AbortFreesPagesInFlight => "abort-frees-pages-in-flight",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -192,6 +202,7 @@ impl Mutant {
             Mutant::WriteBackDropsUnbacked => "policy: write-back's trigger",
             Mutant::DeviceHitCountsLoads => "policy: the device prefix-hit counter",
             Mutant::HostHitPerRequest => "policy: the host prefix-hit counter",
+            Mutant::AbortFreesPagesInFlight => "vllm-project/vllm#47282",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -255,6 +266,11 @@ impl Mutants {
     /// Mutants 1 and 4: the copy trusts the source's item size for the destination too.
     pub fn copy_trusts_source_size(&self) -> bool {
         self.on(Mutant::HostIndexKFromFp8Defaults) || self.on(Mutant::HostKvRow576)
+    }
+    /// Mutant 28: whether an aborted request with a row in the step in flight keeps its pages
+    /// until that step is recorded. Clean: it does.
+    pub fn abort_keeps_in_flight_pages(&self) -> bool {
+        !self.on(Mutant::AbortFreesPagesInFlight)
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

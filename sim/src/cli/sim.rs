@@ -51,7 +51,7 @@ pub struct SimArgs {
     pub mutant: Option<String>,
     /// `on`: the engine runs one step ahead in every drawn seed (overlap scheduling: step n+1 is
     /// enqueued before the host waits for step n); `off`: in none. Default: as each scenario
-    /// draws it (half the seeds; never under `pd`). Mutants of the overlap (zoo 18) need it on.
+    /// draws it (half the seeds; never under `pd`). Mutants of the overlap (zoo 18, 28) need it on.
     #[arg(long, value_parser = ["on", "off"], conflicts_with = "replay")]
     pub overlap: Option<String>,
     /// Replay a saved scenario (e.g. a shrunk reproduction). `--mutant` replaces the file's.

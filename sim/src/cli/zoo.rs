@@ -26,7 +26,7 @@ pub struct ZooArgs {
     pub no_clean: bool,
     /// `on`: the engine runs one step ahead in every seed (overlap scheduling: step n+1 is
     /// enqueued before the host waits for step n); `off`: in none, but for the mutants of the
-    /// overlap itself (18), which need it. Default: as each scenario draws it (half the seeds).
+    /// overlap (18, 28), which need it. Default: as each scenario draws it (half the seeds).
     #[arg(long, value_parser = ["on", "off"])]
     pub overlap: Option<String>,
 }
@@ -153,6 +153,8 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
             r.oracle.map_or("-".to_string(), |o| o.to_string()),
             truncate(&r.message, 110)
         );
+        // What it re-creates: an incident's link, or the mistake it plants.
+        println!("{:<4} {}", "", m.incident());
     }
     let mut clean_failures = 0;
     if !args.no_clean {
