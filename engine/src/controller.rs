@@ -272,7 +272,13 @@ impl CacheController {
         for l in 0..io.layout.layers() {
             let layer = LayerId(l);
             for kind in BufferKind::ALL {
-                if kind == BufferKind::IndexK && to_host && io.mutants.backup_skips_index_k() {
+                if kind == BufferKind::IndexK
+                    && (if to_host {
+                        io.mutants.backup_skips_index_k()
+                    } else {
+                        io.mutants.load_skips_index_k()
+                    })
+                {
                     continue;
                 }
                 let dev = io.pools.device_side(kind, layer);

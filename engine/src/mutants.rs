@@ -89,10 +89,14 @@ pub enum Mutant {
     ///     although the step in flight still reads them, so a load issued next may copy into
     ///     them while that step runs.
     AbortFreesPagesInFlight,
+    /// 29. Field (sgl-project/sglang#30057, KV restored without its indexer pages):
+    ///     a load from the host tier copies each layer's KV pages but not its index-K pages, so
+    ///     the indexer scores the loaded prefix from whatever its device pages held before.
+    LoadSkipsIndexK,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 28] = [
+    pub const ALL: [Mutant; 29] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -121,6 +125,7 @@ impl Mutant {
         Mutant::DeviceHitCountsLoads,
         Mutant::HostHitPerRequest,
         Mutant::AbortFreesPagesInFlight,
+        Mutant::LoadSkipsIndexK,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -171,6 +176,7 @@ impl Mutant {
             Mutant::DeviceHitCountsLoads => "device-hit-counts-loads",
             Mutant::HostHitPerRequest => "host-hit-per-request",
             Mutant::AbortFreesPagesInFlight => "abort-frees-pages-in-flight",
+            Mutant::LoadSkipsIndexK => "load-skips-index-k",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -203,6 +209,7 @@ impl Mutant {
             Mutant::DeviceHitCountsLoads => "policy: the device prefix-hit counter",
             Mutant::HostHitPerRequest => "policy: the host prefix-hit counter",
             Mutant::AbortFreesPagesInFlight => "vllm-project/vllm#47282",
+            Mutant::LoadSkipsIndexK => "sgl-project/sglang#30057",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -279,6 +286,10 @@ impl Mutants {
     /// Mutant 3: a backup copies the KV pages only.
     pub fn backup_skips_index_k(&self) -> bool {
         self.on(Mutant::IndexKNotMirrored)
+    }
+    /// Mutant 29: a load skips the index-K pages.
+    pub fn load_skips_index_k(&self) -> bool {
+        self.on(Mutant::LoadSkipsIndexK)
     }
     /// Mutant 5: host eviction takes host copies that a load still reads.
     pub fn host_eviction_ignores_pins(&self) -> bool {
