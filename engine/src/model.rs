@@ -349,7 +349,7 @@ impl ModelStep {
         let store = IndexKStore {
             dst: ik,
             dtype: self.shape.store_ik_dtype,
-            ue8m0: self.shape.ue8m0,
+            ue8m0: self.mutants.store_ue8m0(self.shape.ue8m0),
             keys: batch.drawn_store(synth, lg),
             gamma,
             beta,

@@ -93,10 +93,15 @@ pub enum Mutant {
     ///     a load from the host tier copies each layer's KV pages but not its index-K pages, so
     ///     the indexer scores the loaded prefix from whatever its device pages held before.
     LoadSkipsIndexK,
+    /// 30. Field (deepseek-ai/FlashMLA#184, fp32 scales pushed through the ue8m0 path): the
+    ///     index-K store rounds each token's fp8 scale up to a power of two whatever the model's
+    ///     `scale_fmt`, so a model with fp32 scales stores keys its indexer's specification does
+    ///     not hold.
+    StoreScalesThroughUe8m0,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 29] = [
+    pub const ALL: [Mutant; 30] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -126,6 +131,7 @@ impl Mutant {
         Mutant::HostHitPerRequest,
         Mutant::AbortFreesPagesInFlight,
         Mutant::LoadSkipsIndexK,
+        Mutant::StoreScalesThroughUe8m0,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -177,6 +183,7 @@ impl Mutant {
             Mutant::HostHitPerRequest => "host-hit-per-request",
             Mutant::AbortFreesPagesInFlight => "abort-frees-pages-in-flight",
             Mutant::LoadSkipsIndexK => "load-skips-index-k",
+            Mutant::StoreScalesThroughUe8m0 => "store-scales-through-ue8m0",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -210,6 +217,7 @@ impl Mutant {
             Mutant::HostHitPerRequest => "policy: the host prefix-hit counter",
             Mutant::AbortFreesPagesInFlight => "vllm-project/vllm#47282",
             Mutant::LoadSkipsIndexK => "sgl-project/sglang#30057",
+            Mutant::StoreScalesThroughUe8m0 => "deepseek-ai/FlashMLA#184",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -286,6 +294,11 @@ impl Mutants {
     /// Mutant 3: a backup copies the KV pages only.
     pub fn backup_skips_index_k(&self) -> bool {
         self.on(Mutant::IndexKNotMirrored)
+    }
+    /// Mutant 30: whether the index-K store rounds its scales to powers of two. Clean: as the
+    /// model's `scale_fmt` says (`ue8m0`).
+    pub fn store_ue8m0(&self, ue8m0: bool) -> bool {
+        ue8m0 || self.on(Mutant::StoreScalesThroughUe8m0)
     }
     /// Mutant 29: a load skips the index-K pages.
     pub fn load_skips_index_k(&self) -> bool {
