@@ -269,16 +269,16 @@ impl CacheController {
                 );
             }
         }
+        // Mutants 3 and 29: a backup or a load that leaves the index-K pages behind.
+        let skips_index_k = if to_host {
+            io.mutants.backup_skips_index_k()
+        } else {
+            io.mutants.load_skips_index_k()
+        };
         for l in 0..io.layout.layers() {
             let layer = LayerId(l);
             for kind in BufferKind::ALL {
-                if kind == BufferKind::IndexK
-                    && (if to_host {
-                        io.mutants.backup_skips_index_k()
-                    } else {
-                        io.mutants.load_skips_index_k()
-                    })
-                {
+                if kind == BufferKind::IndexK && skips_index_k {
                     continue;
                 }
                 let dev = io.pools.device_side(kind, layer);

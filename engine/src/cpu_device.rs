@@ -345,6 +345,9 @@ pub struct InOrderDevice {
     failed_since_record: [bool; 3],
     /// Ops run, by name (tests look at what happened).
     pub log: Vec<&'static str>,
+    /// `recover` calls made, and whether they fail (a lost device, for tests).
+    pub recoveries: u32,
+    pub recover_fails: bool,
 }
 
 impl InOrderDevice {
@@ -401,6 +404,12 @@ impl Device for InOrderDevice {
         Ok(())
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
+        self.recoveries += 1;
+        if self.recover_fails {
+            return Err(DeviceError::Backend {
+                detail: "injected: the device is lost".into(),
+            });
+        }
         // A failure here is the failed copy's alone (`fail_next_copies`): nothing stays broken.
         Ok(())
     }

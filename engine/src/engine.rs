@@ -407,7 +407,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 .as_ref()
                 .is_some_and(|f| f.rows.iter().any(|r| r.request == id));
             if probe::hit_if(Probe::AheadRowOfAborted, flying)
-                && self.mutants.abort_keeps_in_flight_pages()
+                && !self.mutants.abort_frees_in_flight_pages()
             {
                 self.sched.detach(req);
             } else {

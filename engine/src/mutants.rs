@@ -282,10 +282,10 @@ impl Mutants {
     pub fn copy_trusts_source_size(&self) -> bool {
         self.on(Mutant::HostIndexKFromFp8Defaults) || self.on(Mutant::HostKvRow576)
     }
-    /// Mutant 28: whether an aborted request with a row in the step in flight keeps its pages
-    /// until that step is recorded. Clean: it does.
-    pub fn abort_keeps_in_flight_pages(&self) -> bool {
-        !self.on(Mutant::AbortFreesPagesInFlight)
+    /// Mutant 28: an aborted request with a row in the step in flight frees its pages at once,
+    /// not when that step is recorded.
+    pub fn abort_frees_in_flight_pages(&self) -> bool {
+        self.on(Mutant::AbortFreesPagesInFlight)
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

@@ -82,9 +82,10 @@ pub struct GpuOptions {
     /// until `Device::recover` (kinder than CUDA in one way: recovering keeps the memory, where
     /// CUDA must recreate the context).
     pub context_faults: bool,
-    /// Probability that a kernel's enqueue is refused with out-of-memory (the production
-    /// runtime's stream-ordered allocations for its arguments, or a launch's resources): a
-    /// failure of the call alone, nothing is enqueued and the device stays usable.
+    /// Probability that a kernel's enqueue is refused with out-of-memory: a failure of the call
+    /// alone, nothing is enqueued and the device stays usable. (The production device reports a
+    /// failed launch as `DeviceError::Kernel` instead, which the engine does not repeat: this
+    /// models what a runtime with stream-ordered argument allocations would meet.)
     pub refused_launch_rate: f64,
     /// Probability that an op hangs: it does not finish until the device's watchdog gives up on
     /// it (`WATCHDOG_NS` after it started); then it has failed and its side is in error, as
@@ -162,6 +163,8 @@ const KEY_COPY_FAILS: u64 = 1;
 const KEY_KERNEL_FAILS: u64 = 2;
 const KEY_HANGS: u64 = 3;
 const KEY_LAUNCH_REFUSED: u64 = 4;
+const KEY_TORN: u64 = 5;
+const KEY_ENQUEUE_REFUSED: u64 = 6;
 
 /// A stream's index: its side's three, then its kind.
 pub fn stream_index(side: usize, kind: StreamKind) -> usize {
@@ -239,9 +242,8 @@ struct StreamState {
     failure_seen: Option<EventId>,
     /// When the host callback of the stream's latest completed record runs (in order).
     last_seen: u64,
-    /// Ops pushed onto the stream, and enqueue calls made for it: each op's and each call's
-    /// number, which keys its fault draws (`SimGpu::keyed`).
-    pushed: u64,
+    /// Enqueue calls made for the stream: each call's number keys its fault draws
+    /// (`SimGpu::keyed`), and those of the ops it pushes.
     calls: u64,
     /// Race-detector clock of the stream's enqueue point.
     vc: Vc,
@@ -577,7 +579,7 @@ impl SimGpu {
     }
 
     /// The op's duration, whether it fails, and whether it hangs (then it fails too, and lasts
-    /// until the watchdog). `s` and `n`: its stream and its number there (the fault draws' key).
+    /// until the watchdog). `s` and `n`: its stream and its key there (`push_op`).
     fn duration(&mut self, op: &Op, s: usize, n: u64) -> (u64, bool, bool) {
         let bytes = op.bytes_touched().0;
         if self.opts.hang_rate > 0.0 && self.keyed(KEY_HANGS, s, n) < self.opts.hang_rate {
@@ -1060,8 +1062,8 @@ impl SimGpu {
     }
 
     /// Faults stop (the liveness phase of a run): no more slow, torn or failed copies, failed
-    /// launches or late completions. A stream already in error stays so until the engine
-    /// recovers the device.
+    /// or refused launches, hangs or late completions. A stream or side already in error stays
+    /// so until the engine recovers the device.
     pub fn stop_faults(&mut self) {
         self.opts.slow_copy_rate = 0.0;
         self.opts.failed_copy_rate = 0.0;
@@ -1075,7 +1077,8 @@ impl SimGpu {
 
     /// Queues op `op` on stream `s`: its id, its happens-before clock and the race check of its
     /// accesses, its duration and fate.
-    fn push_op(&mut self, s: usize, op: Op) {
+    /// Pushes `op` onto stream `s`; `key` numbers it for its keyed fault draws.
+    fn push_op(&mut self, s: usize, op: Op, key: u64) {
         let id = self.next_op;
         self.next_op += 1;
         // Happens-before: the op follows everything its stream and the host know of.
@@ -1096,9 +1099,7 @@ impl SimGpu {
                 self.report_races(races);
             }
         }
-        let n = self.streams[s].pushed;
-        self.streams[s].pushed += 1;
-        let (duration, fail, hung) = self.duration(&op, s, n);
+        let (duration, fail, hung) = self.duration(&op, s, key);
         self.log(&[9, s as u64, id, duration, fail as u64]);
         let now = self.host.get();
         self.streams[s].queue.push_back(Entry::Op(Box::new(OpRec {
@@ -1115,14 +1116,14 @@ impl SimGpu {
 
     /// A torn copy (`torn_copy_rate`): the op as two page copies, the first half of its pages
     /// first. `None`: the op stays whole.
-    fn tear(&mut self, op: &Op) -> Option<(Op, Op)> {
+    fn tear(&mut self, op: &Op, s: usize, n: u64) -> Option<(Op, Op)> {
         let Op::PageCopy(c) = op else {
             return None;
         };
         let pages: u32 = c.runs.iter().map(|r| r.count).sum();
         if pages < 2
             || self.opts.torn_copy_rate <= 0.0
-            || !self.rng.chance(self.opts.torn_copy_rate)
+            || self.keyed(KEY_TORN, s, n) >= self.opts.torn_copy_rate
         {
             return None;
         }
@@ -1581,7 +1582,7 @@ impl Device for SimGpu {
         if in_error
             || (class == OpClass::PageCopy
                 && self.opts.failed_enqueue_rate > 0.0
-                && self.rng.chance(self.opts.failed_enqueue_rate))
+                && self.keyed(KEY_ENQUEUE_REFUSED, s, n) < self.opts.failed_enqueue_rate)
         {
             probes::hit_if(SimProbe::FaultEnqueueFailed, !in_error);
             self.log(&[12, s as u64]);
@@ -1598,12 +1599,14 @@ impl Device for SimGpu {
                 detail: format!("injected: {} refused at enqueue", op.name()),
             });
         }
-        match self.tear(&op) {
+        // Each op's fault draws are keyed by its enqueue call's number and its half (a torn
+        // copy's two ops), so a torn copy does not move the draws of the ops after it.
+        match self.tear(&op, s, n) {
             Some((first, second)) => {
-                self.push_op(s, first);
-                self.push_op(s, second);
+                self.push_op(s, first, 2 * n);
+                self.push_op(s, second, 2 * n + 1);
             }
-            None => self.push_op(s, op),
+            None => self.push_op(s, op, 2 * n),
         }
         Ok(())
     }

@@ -437,7 +437,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {}{} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} context-wide {} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -461,7 +461,7 @@ impl Scenario {
             self.gpu.failed_enqueue_rate,
             self.gpu.failed_kernel_rate,
             if self.gpu.sticky_faults { "on" } else { "off" },
-            if self.gpu.context_faults { " (device-wide)" } else { "" },
+            if self.gpu.context_faults { "on" } else { "off" },
             self.gpu.refused_launch_rate,
             self.gpu.hang_rate,
             self.gpu.torn_copy_rate,
@@ -797,7 +797,8 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         } else {
             gr.range(1, 8) as u32
         },
-        // CUDA's own fault model: device-wide errors in error mostly, refused launches, hangs.
+        // CUDA's own fault model: a fault leaves the whole side in error in most seeds; refused
+        // launches and hangs in some.
         context_faults: gr.chance(0.6),
         refused_launch_rate: if gr.chance(0.75) {
             0.0

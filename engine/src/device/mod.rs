@@ -212,14 +212,19 @@ impl DeviceError {
     }
 }
 
-/// Calls a device `call` made again after a transient failure (`DeviceError::is_transient`):
-/// the device is recovered and the call repeated, up to this many calls in all; then its error
-/// stands. A call that failed had no effect (the `Device` contract), so repeating it is safe.
-pub const CALL_TRIES: u32 = 8;
+/// Calls a device `call` made again after a transient failure (`DeviceError::is_transient`),
+/// up to this many calls in all; then its error stands. Repeating a call is safe: the
+/// simulator's calls have no effect when they fail; the production device's enqueue may have
+/// enqueued part of its work (an argument upload, the first runs of a copy) before it failed,
+/// and the repeat enqueues the same bytes to the same places again.
+pub const CALL_TRIES_MAX: u32 = 8;
 
-/// Makes a device call (an event's creation, record or wait, an op's enqueue), recovering the
-/// device and calling again after a transient failure, up to [`CALL_TRIES`] calls. An error of
-/// `recover` itself stops it: the device is lost.
+/// Makes a device call (an event's creation, record or wait, an op's enqueue) and calls again
+/// after a transient failure, up to [`CALL_TRIES_MAX`] calls. A device in error
+/// (`DeviceError::InError`) is recovered first; the other transient errors (memory the driver
+/// could not give now, a failed driver call) are met by the call alone, and recovering would
+/// clear stream errors the engine has not yet handled. An error of `recover` itself stops it:
+/// the device is lost.
 pub fn call_recovering<D: Device + ?Sized, R>(
     dev: &mut D,
     mut call: impl FnMut(&mut D) -> Result<R, DeviceError>,
@@ -227,8 +232,10 @@ pub fn call_recovering<D: Device + ?Sized, R>(
     let mut tries = 1;
     loop {
         match call(dev) {
-            Err(e) if e.is_transient() && tries < CALL_TRIES => {
-                dev.recover()?;
+            Err(e) if e.is_transient() && tries < CALL_TRIES_MAX => {
+                if matches!(e, DeviceError::InError { .. }) {
+                    dev.recover()?;
+                }
                 crate::probe::hit(crate::probe::Probe::DeviceCallRepeated);
                 tries += 1;
             }

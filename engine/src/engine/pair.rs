@@ -583,9 +583,11 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             let d = self.draining.remove(i);
             self.free_received.extend_from_slice(&d.received);
             self.free_sent.push(d.sent);
-            if sent == EventState::Failed {
-                // Only a mutant admits before every copy succeeded; the devices' errors still
-                // have to be cleared before either side enqueues again.
+            if self.failure_seen {
+                // This send's `sent` failed (a backup ahead of it on the prefill side's write
+                // stream failed, or a mutant admitted before every copy succeeded), or an event
+                // looked at earlier in this poll did: the devices' errors are cleared before
+                // the release below enqueues (a write-through backup, say).
                 self.recover_both()?;
             }
             if !d.released {
@@ -605,10 +607,11 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         Ok(any)
     }
 
-    /// A send failed: both sides' errors are cleared. The receives ran on the decode side; the
-    /// send's `sent` may be recorded on the prefill side (behind its backups, as an NCCL send
-    /// completes on the sender's stream), so its failure may be a prefill stream's, and the
-    /// prefill side must not enqueue on that stream (a backup, say) before it is recovered.
+    /// A transfer's event answered `Failed`, or a transfer was refused: both sides' errors are
+    /// cleared. The receives ran on the decode side; the send's `sent` may be recorded on the
+    /// prefill side (behind its backups, as an NCCL send completes on the sender's stream), so
+    /// its failure may be a prefill stream's, and the prefill side must not enqueue on that
+    /// stream (a backup, say) before it is recovered.
     fn recover_both(&mut self) -> Result<(), PdError> {
         self.failure_seen = false;
         self.decode
@@ -692,8 +695,8 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         self.free_sent.push(s.sent);
         self.decode.cancel_import(&s.request.pages);
         if failed {
-            // A copy failed (its destination holds unspecified bytes) or was refused. Clear the
-            // device's error.
+            // A copy failed (its destination holds unspecified bytes) or was refused; the
+            // devices are recovered below.
             self.stats.transfers_failed += 1;
             probe::hit(Probe::PdTransferFailed);
             r.tries += 1;
@@ -707,7 +710,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         } else {
             None // sent again from the prefill side's pages, which it still holds
         };
-        if failed {
+        if failed || self.failure_seen {
+            // Before the release below enqueues (a write-through backup, say): this transfer's
+            // failure, or one an earlier event of this poll answered.
             self.recover_both()?;
         }
         if let Some(o) = end {

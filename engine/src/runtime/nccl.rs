@@ -15,7 +15,7 @@
 //! from [`NcclLink::new`] instead of cudarc's panic.
 
 use super::cuda::CudaDevice;
-use crate::device::{Device, DeviceError, EventId, Op, StreamKind};
+use crate::device::{call_recovering, Device, DeviceError, EventId, Op, StreamKind};
 use crate::layout::{coalesce_runs, PageId};
 use crate::pd::{check_layers, KvLink, LayerSend, LinkError};
 use cudarc::nccl::{result, sys};
@@ -80,7 +80,7 @@ impl KvLink<CudaDevice> for NcclLink {
         sent: EventId,
     ) -> Result<(), LinkError> {
         check_layers(layers)?;
-        prefill.wait(StreamKind::Write, after)?;
+        call_recovering(prefill, |d| d.wait(StreamKind::Write, after))?;
         let (ps, ds) = (
             prefill.stream(StreamKind::Write).cu_stream(),
             decode.stream(StreamKind::Load).cu_stream(),
@@ -130,9 +130,9 @@ impl KvLink<CudaDevice> for NcclLink {
                 }
                 result::group_end().map_err(nccl("ncclGroupEnd"))?;
             }
-            decode.record(StreamKind::Load, l.received)?;
+            call_recovering(decode, |d| d.record(StreamKind::Load, l.received))?;
         }
-        prefill.record(StreamKind::Write, sent)?;
+        call_recovering(prefill, |d| d.record(StreamKind::Write, sent))?;
         Ok(())
     }
 }

@@ -515,16 +515,85 @@ fn a_fault_leaves_the_side_in_error_until_it_is_recovered() {
                 );
             }
         }
-        assert!(cause.to_string().contains("topk"), "{cause}");
         assert_eq!(in_error(gpu.record(StreamKind::Load, ev)), cause);
         assert_eq!(in_error(gpu.wait(StreamKind::Write, ev)), cause);
         assert_eq!(
             in_error(gpu.enqueue(StreamKind::Compute, topk.clone())),
             cause
         );
+        // Recovered, and with no more faults, the same work runs and its event completes.
         gpu.recover().expect("recovered");
+        gpu.stop_faults();
         let ev2 = gpu.new_event().expect("calls succeed after recover");
-        gpu.wait(StreamKind::Write, ev2)
+        gpu.wait(StreamKind::Write, ev)
             .expect("a wait after recover");
+        gpu.enqueue(StreamKind::Compute, topk.clone())
+            .expect("an enqueue after recover");
+        gpu.record(StreamKind::Compute, ev2)
+            .expect("a record after recover");
+        assert_eq!(gpu.synchronize(ev2), EventState::Done, "hang {hang}");
+        assert!(gpu.findings.is_empty(), "{:?}", gpu.findings);
     }
+}
+
+/// Without `context_faults` a failed kernel leaves only its stream in error (the per-stream
+/// sticky model): the device's calls are not refused, and the stream's later record fails
+/// until `recover`.
+#[test]
+fn without_context_faults_a_fault_stays_on_its_stream() {
+    use tierkv_engine::device::{
+        BufferDesc, BufferRole, Device, EventState, MemoryTier, Op, Region, StreamKind, TopK,
+    };
+    use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+    use tierkv_sim::gpu::{GpuOptions, SimGpu};
+    let opts = GpuOptions {
+        failed_kernel_rate: 1.0,
+        sticky_faults: true,
+        ..Default::default()
+    };
+    let mut gpu = SimGpu::new(5, opts).expect("a simulated GPU");
+    let mut scratch = |bytes: u64| {
+        let buffer = gpu
+            .alloc(BufferDesc {
+                role: BufferRole::Scratch { name: "test" },
+                tier: MemoryTier::Device,
+                bytes: Bytes(bytes),
+                fingerprint: LayoutFingerprint::unpaged(bytes),
+            })
+            .expect("a scratch buffer");
+        Region {
+            buffer,
+            offset: Bytes::ZERO,
+            bytes: Bytes(bytes),
+        }
+    };
+    let (logits, out) = (scratch(64 * 4), scratch(8 * 4));
+    let topk = Op::TopK(TopK {
+        k: 8,
+        logits,
+        stride: 64,
+        context_lens: vec![64],
+        page_table: vec![0],
+        pt_stride: 1,
+        out,
+    });
+    let ev = gpu.new_event().expect("an event");
+    gpu.enqueue(StreamKind::Compute, topk).expect("enqueued");
+    gpu.record(StreamKind::Compute, ev).expect("recorded");
+    assert_eq!(gpu.synchronize(ev), EventState::Failed);
+    // The other streams' calls go on; the failed stream's next record still fails.
+    let (load, compute) = (
+        gpu.new_event().expect("an event"),
+        gpu.new_event().expect("an event"),
+    );
+    gpu.record(StreamKind::Load, load)
+        .expect("a record on another stream");
+    gpu.record(StreamKind::Compute, compute)
+        .expect("a record on the failed stream");
+    assert_eq!(gpu.synchronize(load), EventState::Done);
+    assert_eq!(gpu.synchronize(compute), EventState::Failed);
+    gpu.recover().expect("recovered");
+    gpu.record(StreamKind::Compute, compute)
+        .expect("a record after recover");
+    assert_eq!(gpu.synchronize(compute), EventState::Done);
 }
