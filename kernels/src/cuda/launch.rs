@@ -237,7 +237,7 @@ impl CheckedIndexKStore {
 /// device copies.
 #[derive(Clone, Copy, Debug)]
 pub struct TopKLaunch<'a> {
-    /// Positions per row, 1..=2048.
+    /// Positions per row, 1..=`INDEX_TOPK_MAX`.
     pub k: usize,
     /// `[rows][stride]` logits.
     pub logits: DevPtr,
@@ -849,7 +849,7 @@ impl Kernels {
         Ok(())
     }
 
-    /// `topk` with any `k` in 1..=2048, in the launch shape [`super::topk_cluster`] picks.
+    /// `topk` with any `k` in 1..=`INDEX_TOPK_MAX`, in the launch shape [`super::topk_cluster`] picks.
     #[allow(clippy::too_many_arguments)]
     pub fn topk(
         &self,

@@ -207,7 +207,9 @@ pub const TOPK_THREADS: u32 = 1024;
 pub const TOPK_BUCKET_WORDS: usize = 3 << TOPK_DIGIT_BITS;
 
 /// The top-k kernels' static shared memory, as `ptxas -v` reports it for `topk.cu` (the
-/// histograms, the selection buffer and the reductions' words).
+/// histograms, the selection buffer and the reductions' words) at today's `INDEX_TOPK_MAX`,
+/// `TOPK_DIGIT_BITS` and `TOPK_THREADS`. Not derived from them: raising one makes this number,
+/// and the budget check below, stale until it is read off `ptxas` again.
 pub const TOPK_STATIC_SMEM_BYTES: usize = 33_712;
 
 // A CTA's dynamic and static shared memory within sm_90's 227 KB.
@@ -331,8 +333,9 @@ pub fn layout_prelude() -> String {
         ("TKV_KV_FP8_ROPE", kv_row::FP8_ROPE_OFFSET as u64),
     ];
     // The top-k kernel's limits: the largest `k` it selects (its selection buffer is sized by
-    // it), its digit and its block size, so that raising a Rust limit cannot build a launcher
-    // that accepts what the kernel cannot hold.
+    // it), its digit and its block size, so that raising a Rust limit cannot build a kernel
+    // whose buffers are smaller than what its launcher accepts (its static shared memory,
+    // `TOPK_STATIC_SMEM_BYTES`, is still a number read off ptxas).
     let topk = [
         ("TKV_TOPK_MAX", crate::layout::INDEX_TOPK_MAX as u64),
         ("TKV_TOPK_DIGIT", TOPK_DIGIT_BITS as u64),
