@@ -282,8 +282,8 @@ pub fn check_layers(layers: &[LayerSend]) -> Result<(), LinkError> {
 /// stream (after it waited for the prefill side's event), each layer's event recorded there, and
 /// `sent` too. It needs the two devices to share one table of buffers and events: the decode
 /// side waits on the prefill side's `after` and the prefill side queries `sent` — true of the
-/// simulator's two sides and of `SharedDevice`, not of two separate CUDA devices (that link is
-/// NCCL's, not built yet).
+/// simulator's two sides and of `SharedDevice`, not of two separate CUDA devices (their link is
+/// NCCL's: `runtime/nccl.rs`, feature `nccl`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PeerLink;
 
@@ -309,6 +309,11 @@ impl<D: Device> KvLink<D> for PeerLink {
             if !pairs.is_empty() && refused.is_none() {
                 for (src, dst) in [l.kv, l.index_k] {
                     if let Err(e) = decode.enqueue(s, src.copy_to(dst, runs.clone())) {
+                        // A refusal of the copy's arguments (a layout the device does not
+                        // hold) is a bug, not a failed transfer to send again.
+                        if !e.is_transient() {
+                            return Err(LinkError::Device(e));
+                        }
                         refused = Some(e);
                         break;
                     }
