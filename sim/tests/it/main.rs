@@ -438,17 +438,45 @@ fn sigterm_keeps_the_finished_seeds() {
 #[cfg(target_os = "linux")]
 const SIGTERM: u32 = 15;
 
+/// A top-k op on scratch buffers of `gpu`: one row of 64 positions, its top 8 (an op for the
+/// fault tests to fail; its bytes do not matter).
+fn one_row_topk(gpu: &mut tierkv_sim::gpu::SimGpu) -> tierkv_engine::device::Op {
+    use tierkv_engine::device::{BufferDesc, BufferRole, Device, MemoryTier, Op, Region, TopK};
+    use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+    let mut scratch = |bytes: u64| {
+        let buffer = gpu
+            .alloc(BufferDesc {
+                role: BufferRole::Scratch { name: "test" },
+                tier: MemoryTier::Device,
+                bytes: Bytes(bytes),
+                fingerprint: LayoutFingerprint::unpaged(bytes),
+            })
+            .expect("a scratch buffer");
+        Region {
+            buffer,
+            offset: Bytes::ZERO,
+            bytes: Bytes(bytes),
+        }
+    };
+    let (logits, out) = (scratch(64 * 4), scratch(8 * 4));
+    Op::TopK(TopK {
+        k: 8,
+        logits,
+        stride: 64,
+        context_lens: vec![64],
+        page_table: vec![0],
+        pt_stride: 1,
+        out,
+    })
+}
+
 /// CUDA's faults at the `Device` seam: with `context_faults` a kernel that fails leaves its side
 /// in error, and a hung one (`hang_rate`) fails when the watchdog gives up on it, one virtual
 /// second after it started; then every call — event creation, record, wait, enqueue — fails
 /// with `DeviceError::InError` naming the fault, until `recover`, after which calls succeed.
 #[test]
 fn a_fault_leaves_the_side_in_error_until_it_is_recovered() {
-    use tierkv_engine::device::{
-        BufferDesc, BufferRole, Device, DeviceError, DeviceFault, EventState, MemoryTier, Op,
-        Region, StreamKind, TopK,
-    };
-    use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+    use tierkv_engine::device::{Device, DeviceError, DeviceFault, EventState, StreamKind};
     use tierkv_sim::gpu::{GpuOptions, SimGpu, WATCHDOG_NS};
     for hang in [false, true] {
         let opts = GpuOptions {
@@ -459,32 +487,7 @@ fn a_fault_leaves_the_side_in_error_until_it_is_recovered() {
         };
         let mut gpu = SimGpu::new(5, opts).expect("a simulated GPU");
         let clock = gpu.clock();
-        let mut scratch = |bytes: u64| {
-            let buffer = gpu
-                .alloc(BufferDesc {
-                    role: BufferRole::Scratch { name: "test" },
-                    tier: MemoryTier::Device,
-                    bytes: Bytes(bytes),
-                    fingerprint: LayoutFingerprint::unpaged(bytes),
-                })
-                .expect("a scratch buffer");
-            Region {
-                buffer,
-                offset: Bytes::ZERO,
-                bytes: Bytes(bytes),
-            }
-        };
-        // One row of 64 positions, its top 8.
-        let (logits, out) = (scratch(64 * 4), scratch(8 * 4));
-        let topk = Op::TopK(TopK {
-            k: 8,
-            logits,
-            stride: 64,
-            context_lens: vec![64],
-            page_table: vec![0],
-            pt_stride: 1,
-            out,
-        });
+        let topk = one_row_topk(&mut gpu);
         let ev = gpu.new_event().expect("a device not in error");
         let start = tierkv_engine::device::Clock::now_ns(&clock);
         gpu.enqueue(StreamKind::Compute, topk.clone())
@@ -541,10 +544,7 @@ fn a_fault_leaves_the_side_in_error_until_it_is_recovered() {
 /// until `recover`.
 #[test]
 fn without_context_faults_a_fault_stays_on_its_stream() {
-    use tierkv_engine::device::{
-        BufferDesc, BufferRole, Device, EventState, MemoryTier, Op, Region, StreamKind, TopK,
-    };
-    use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+    use tierkv_engine::device::{Device, EventState, StreamKind};
     use tierkv_sim::gpu::{GpuOptions, SimGpu};
     let opts = GpuOptions {
         failed_kernel_rate: 1.0,
@@ -552,31 +552,7 @@ fn without_context_faults_a_fault_stays_on_its_stream() {
         ..Default::default()
     };
     let mut gpu = SimGpu::new(5, opts).expect("a simulated GPU");
-    let mut scratch = |bytes: u64| {
-        let buffer = gpu
-            .alloc(BufferDesc {
-                role: BufferRole::Scratch { name: "test" },
-                tier: MemoryTier::Device,
-                bytes: Bytes(bytes),
-                fingerprint: LayoutFingerprint::unpaged(bytes),
-            })
-            .expect("a scratch buffer");
-        Region {
-            buffer,
-            offset: Bytes::ZERO,
-            bytes: Bytes(bytes),
-        }
-    };
-    let (logits, out) = (scratch(64 * 4), scratch(8 * 4));
-    let topk = Op::TopK(TopK {
-        k: 8,
-        logits,
-        stride: 64,
-        context_lens: vec![64],
-        page_table: vec![0],
-        pt_stride: 1,
-        out,
-    });
+    let topk = one_row_topk(&mut gpu);
     let ev = gpu.new_event().expect("an event");
     gpu.enqueue(StreamKind::Compute, topk).expect("enqueued");
     gpu.record(StreamKind::Compute, ev).expect("recorded");
