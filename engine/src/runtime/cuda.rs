@@ -1,25 +1,21 @@
-//! The production device on CUDA (feature `cuda`): device buffers, pinned host buffers from
-//! `cuMemHostAlloc` (portable, device-mapped — cudarc's `alloc_pinned` is write-combined and slow
-//! for CPU reads), the compute, load and write streams, events, and the NVRTC kernels.
+//! The production driver on CUDA (feature `cuda`): cudarc's driver calls below the runtime seam
+//! ([`super::driver::Driver`]), and the NVRTC kernels behind each [`Launch`] record. Device
+//! buffers come from `cuMemAlloc`, pinned host buffers from `cuMemHostAlloc` (portable,
+//! device-mapped — cudarc's `alloc_pinned` is write-combined and slow for CPU reads), scratch
+//! from the stream-ordered pool (`cuMemAllocAsync`). The compute, load and write streams are
+//! the context's own.
 //!
-//! [`CudaOps::run`] turns one engine `Op` into kernel launches and copies on a stream; the
-//! production [`CudaDevice`] and the simulator's CUDA executor share it. Small metadata that an op
-//! carries by value (slots, page tables, positions) is staged through a pinned ring per stream
-//! (`staging.rs`) into stream-ordered allocations freed after the launch; the model's inputs are
-//! drawn on the device from each row's token and position, and RoPE rows gathered from a table
-//! of the model's rows.
-//!
-//! Page transfers have two strategies ([`CopyStrategy`]): one `cuMemcpy2DAsync` per coalesced run
-//! (pitched, so strided `page_first` mirrors need one call per run), or one gather kernel over
-//! mapped host memory for all pages. `tierkv bench` measures both.
+//! [`CudaDevice`] is the runtime ([`super::driven::DrivenDevice`]) over this driver: the one
+//! production `Device` on a GPU.
 
-use super::ring::{CompletionRing, Ticket};
-use super::staging::{QueuedCopy, StagingRing};
+pub use super::driven::CopyStrategy;
+use super::driven::DrivenDevice;
+use super::driver::{Copy2d, Driver, DrvEvent, HostCallback, Launch, Mem, Ptr};
 use crate::device::*;
-use crate::layout::{f32_bytes, u32_count, Bytes, PageRun, PagedView, ROPE_DIM};
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
+use crate::layout::Bytes;
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use std::sync::Arc;
-use tierkv_kernels::cuda::launch::{DevPtr, DrawKind, IndexLogitsLaunch, Kernels};
+use tierkv_kernels::cuda::launch::{DevPtr, IndexLogitsLaunch, Kernels};
 pub use tierkv_kernels::cuda::launch::{LogitsKernel, LogitsTuning};
 
 fn backend(what: &str) -> impl Fn(cudarc::driver::DriverError) -> DeviceError + '_ {
@@ -43,18 +39,6 @@ fn check(r: sys::CUresult, what: &str) -> Result<(), DeviceError> {
             detail: format!("{what}: {r:?}"),
         })
     }
-}
-
-/// How page runs move between tiers. The default is the gather kernel: on the H200 it moves a
-/// scattered 128K-token layer at 88–92% of one large pinned copy, against 13–16% for one
-/// `cuMemcpy2DAsync` per run (kernels/GPU.md, run 1).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CopyStrategy {
-    /// One pitched `cuMemcpy2DAsync` per coalesced run.
-    MemcpyRuns,
-    /// One `page_gather` kernel launch for all pages (host side through its mapped address).
-    #[default]
-    Gather,
 }
 
 /// Pinned, portable, device-mapped host memory. Its host address is private: only `new` makes
@@ -121,833 +105,524 @@ impl Drop for PinnedHost {
     }
 }
 
-/// A buffer's memory on the GPU machine.
-pub enum GpuMem {
-    Device(CudaSlice<u8>),
+/// One allocation of the driver.
+enum Alloc {
+    /// `cuMemAlloc`, freed with `cuMemFree`.
+    Device {
+        ptr: sys::CUdeviceptr,
+    },
     Pinned(PinnedHost),
+    /// `cuMemAllocAsync`, freed with `cuMemFreeAsync` by the runtime.
+    Async {
+        ptr: sys::CUdeviceptr,
+    },
 }
 
-impl GpuMem {
-    pub fn dev_ptr(&self, stream: &CudaStream) -> DevPtr {
-        match self {
-            GpuMem::Device(s) => DevPtr {
-                ptr: dev_addr(s, stream),
-                bytes: Bytes(s.len() as u64),
-            },
-            GpuMem::Pinned(h) => h.dev_ptr(),
-        }
-    }
-}
-
-/// The kernels and copy strategy, shared by the production device and the simulator's executor.
-pub struct CudaOps {
+/// cudarc's driver calls on one GPU: its context, three streams, the kernels, and every
+/// allocation and event the runtime made.
+pub struct CudaDriver {
     pub ctx: Arc<CudaContext>,
     pub kernels: &'static Kernels,
-    pub strategy: CopyStrategy,
     /// Which `index_logits` kernel runs: the tensor cores by default (production); the
-    /// simulator's executor sets [`LogitsKernel::Exact`], because its oracles compare digests bit
-    /// for bit against the CPU reference.
+    /// simulator's CUDA executor sets [`LogitsKernel::Exact`], because its oracles compare
+    /// digests bit for bit against the CPU reference.
     pub logits: LogitsKernel,
     /// The tensor-core kernel's launch shape.
     pub tuning: LogitsTuning,
-    /// The model's RoPE rows on the device, grown to the largest position seen.
-    rope: std::cell::RefCell<Option<RopeTable>>,
-    /// Per stream, the pinned ring its ops' arguments are staged through.
-    staging: std::cell::RefCell<std::collections::BTreeMap<usize, Staging>>,
+    streams: [Arc<CudaStream>; 3],
+    /// Allocations by [`Mem`] id; `None` once freed (its id is then in `free_ids`).
+    mems: Vec<Option<(Alloc, u64)>>,
+    free_ids: Vec<u32>,
+    events: Vec<CudaEvent>,
 }
 
-/// The pinned ring one stream's op arguments are staged through before their copy to the
-/// device (`staging.rs` keeps its regions: a region is written again only after the copy out
-/// of it completed).
-struct Staging {
-    host: PinnedHost,
-    ring: StagingRing<CudaEvent>,
-    /// Events of completed copies, for reuse.
-    free: Vec<CudaEvent>,
+/// Runs a [`HostCallback`] on CUDA's callback thread.
+unsafe extern "C" fn run_callback(data: *mut std::ffi::c_void) {
+    // SAFETY: `data` is the `Box<HostCallback>` leaked by `host_callback`, consumed once here.
+    let cb = unsafe { Box::from_raw(data as *mut HostCallback) };
+    cb();
 }
 
-/// Bytes of each stream's staging ring. An argument larger than a quarter of it is copied
-/// from pageable memory instead.
-const STAGING_BYTES: usize = 64 << 20;
-/// Staged regions start on multiples of this many bytes.
-const STAGING_ALIGN_BYTES: usize = 256;
-
-impl QueuedCopy for CudaEvent {
-    fn done(&self) -> bool {
-        self.is_complete()
-    }
-    fn wait(&self) -> Result<(), DeviceError> {
-        self.synchronize().map_err(backend("staging wait"))
-    }
-}
-
-impl Staging {
-    fn new(ctx: &Arc<CudaContext>) -> Result<Staging, DeviceError> {
-        Ok(Staging {
-            host: PinnedHost::new(ctx, STAGING_BYTES)?,
-            ring: StagingRing::new(STAGING_BYTES, STAGING_ALIGN_BYTES),
-            free: Vec::new(),
-        })
-    }
-}
-
-impl Drop for Staging {
-    /// The pinned ring is freed only after every copy out of it completed.
-    fn drop(&mut self) {
-        for ev in self.ring.drain() {
-            let _ = ev.synchronize();
-        }
-    }
-}
-
-/// RoPE rows `0..rows` of one model's frequencies, on the device.
-struct RopeTable {
-    rope: Rope,
-    rows: u32,
-    table: CudaSlice<u8>,
-}
-
-/// The fewest rows a RoPE table holds (it doubles past the largest position seen).
-const ROPE_TABLE_ROWS_MIN: u32 = 8192;
-
-fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
-    // SAFETY: plain-old-data slices (f32, i32, u16) viewed as bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
-}
-
-/// Where an op's buffers are: a buffer's device address and its description.
-pub type Resolve<'a> = &'a dyn Fn(BufferId) -> (DevPtr, BufferDesc);
-
-/// Uploaded metadata: the device copy lives until this is dropped (stream-ordered free).
-type Upload = (CudaSlice<u8>, DevPtr);
-
-impl CudaOps {
-    pub fn new(strategy: CopyStrategy) -> Result<CudaOps, DeviceError> {
-        CudaOps::on(0, strategy)
-    }
-
-    /// The kernels and copies on device `ordinal`.
-    pub fn on(ordinal: usize, strategy: CopyStrategy) -> Result<CudaOps, DeviceError> {
+impl CudaDriver {
+    /// The driver on GPU `ordinal`, with its three streams.
+    pub fn on(ordinal: usize) -> Result<CudaDriver, DeviceError> {
         let kernels = Kernels::on(ordinal).map_err(kernel)?;
-        Ok(CudaOps {
-            ctx: kernels.ctx.clone(),
+        let ctx = kernels.ctx.clone();
+        let mk = || ctx.new_stream().map_err(backend("cuStreamCreate"));
+        let streams = [mk()?, mk()?, mk()?];
+        Ok(CudaDriver {
+            ctx,
             kernels,
-            strategy,
             logits: LogitsKernel::default(),
             tuning: LogitsTuning::default(),
-            rope: std::cell::RefCell::new(None),
-            staging: std::cell::RefCell::new(std::collections::BTreeMap::new()),
+            streams,
+            mems: Vec::new(),
+            free_ids: Vec::new(),
+            events: Vec::new(),
         })
     }
 
-    /// The RoPE rows of `d`'s positions gathered on stream `s` from the device's table of
-    /// `rope`'s rows (made, or doubled, on the host when a position lies past it: the host
-    /// computes each position's row once), into a stream-ordered allocation.
-    fn rope_rows(
-        &self,
-        s: &Arc<CudaStream>,
-        rope: &Rope,
-        d: &Drawn,
-    ) -> Result<Upload, DeviceError> {
-        let positions = d.positions();
-        let max = positions.iter().copied().max().unwrap_or(0);
-        let mut cache = self.rope.borrow_mut();
-        if !cache
-            .as_ref()
-            .is_some_and(|t| t.rope == *rope && max < t.rows)
-        {
-            let rows = max
-                .checked_add(1)
-                .and_then(u32::checked_next_power_of_two)
-                .ok_or_else(|| DeviceError::Kernel {
-                    op: "rope_rows",
-                    detail: format!("RoPE position {max} past any table"),
-                })?
-                .max(ROPE_TABLE_ROWS_MIN);
-            let host = rope.rows(0..rows);
-            let table = s.clone_htod(bytes_of(&host)).map_err(backend("upload"))?;
-            // The old table may still be read by work queued on any stream: it is freed after.
-            self.ctx
-                .synchronize()
-                .map_err(backend("cuCtxSynchronize"))?;
-            *cache = Some(RopeTable {
-                rope: *rope,
-                rows,
-                table,
-            });
+    pub fn stream(&self, k: StreamKind) -> &Arc<CudaStream> {
+        &self.streams[k.index()]
+    }
+
+    fn insert(&mut self, a: Alloc, bytes: u64) -> Mem {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.mems[id as usize] = Some((a, bytes));
+                Mem(id)
+            }
+            None => {
+                self.mems.push(Some((a, bytes)));
+                Mem(self.mems.len() as u32 - 1)
+            }
         }
-        let t = cache.as_ref().expect("made above");
-        let table = DevPtr {
-            ptr: dev_addr(&t.table, s),
-            bytes: Bytes(t.table.len() as u64),
-        };
-        let (_p, positions_dev) = self.upload(s, bytes_of(&positions))?;
-        let bytes = f32_bytes(positions.len() as u64 * ROPE_DIM as u64).max(Bytes(1));
-        // SAFETY: the gather below writes every byte before any op reads them.
-        let out = unsafe { s.alloc::<u8>(bytes.usize()) }.map_err(backend("rope rows"))?;
-        let dp = DevPtr {
-            ptr: dev_addr(&out, s),
+    }
+
+    fn take(&mut self, m: Mem) -> (Alloc, u64) {
+        let a = self.mems[m.0 as usize]
+            .take()
+            .unwrap_or_else(|| panic!("allocation {} freed twice", m.0));
+        self.free_ids.push(m.0);
+        a
+    }
+
+    /// An allocation's device address (pinned host memory is mapped).
+    fn base(&self, m: Mem) -> u64 {
+        match &self.mems[m.0 as usize] {
+            Some((Alloc::Device { ptr } | Alloc::Async { ptr }, _)) => *ptr,
+            Some((Alloc::Pinned(h), _)) => h.dev,
+            None => panic!("allocation {} used after its free", m.0),
+        }
+    }
+
+    /// A range's device address and size, for the launchers.
+    pub fn dev_ptr(&self, p: Ptr) -> DevPtr {
+        DevPtr {
+            ptr: self.base(p.mem) + p.offset.0,
+            bytes: p.bytes,
+        }
+    }
+
+    fn pinned(&mut self, m: Mem) -> &mut PinnedHost {
+        match &mut self.mems[m.0 as usize] {
+            Some((Alloc::Pinned(h), _)) => h,
+            _ => panic!("allocation {} is not pinned host memory", m.0),
+        }
+    }
+
+    /// Copies `data` into device memory at `dst` and waits for it (the simulator's CUDA
+    /// executor moves its bytes in and out of its mirrors with these two).
+    pub fn upload_sync(&mut self, dst: Ptr, data: &[u8]) -> Result<(), DeviceError> {
+        let to = self.dev_ptr(dst).ptr;
+        // SAFETY: the range lies inside the allocation; synchronous copy.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(to, data) }
+            .map_err(backend("cuMemcpyHtoD"))
+    }
+
+    /// Copies device memory at `src` into `out` and waits for it.
+    pub fn download_sync(&mut self, src: Ptr, out: &mut [u8]) -> Result<(), DeviceError> {
+        let from = self.dev_ptr(src).ptr;
+        // SAFETY: the range lies inside the allocation; synchronous copy.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, from) }
+            .map_err(backend("cuMemcpyDtoH"))
+    }
+}
+
+impl Drop for CudaDriver {
+    /// Everything queued finishes before the allocations are freed.
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.ctx.synchronize();
+        for (a, _) in self.mems.drain(..).flatten() {
+            match a {
+                // SAFETY: allocated by this driver in this context; no work is queued.
+                Alloc::Device { ptr } | Alloc::Async { ptr } => unsafe {
+                    let _ = cudarc::driver::result::free_sync(ptr);
+                },
+                Alloc::Pinned(h) => drop(h),
+            }
+        }
+    }
+}
+
+impl Driver for CudaDriver {
+    fn bind(&mut self) -> Result<(), DeviceError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(backend("cuCtxSetCurrent"))
+    }
+    fn alloc(&mut self, tier: MemoryTier, bytes: u64) -> Result<Mem, DeviceError> {
+        self.bind()?;
+        let n = bytes.max(1) as usize;
+        let oom = |_| DeviceError::OutOfMemory {
+            role: BufferRole::Scratch { name: "driver" },
+            tier,
             bytes,
         };
-        self.kernels
-            .rope_rows(s, table, t.rows, &positions, positions_dev, dp)
-            .map_err(kernel)?;
-        Ok((out, dp))
-    }
-
-    /// Uploads `data` into a stream-ordered allocation (freed stream-ordered when dropped),
-    /// staged through the stream's pinned ring, so that the copy is queued without waiting.
-    fn upload(&self, s: &Arc<CudaStream>, data: &[u8]) -> Result<Upload, DeviceError> {
-        let n = data.len().max(1);
-        if n > STAGING_BYTES / 4 {
-            return self.upload_pageable(s, data);
-        }
-        let mut rings = self.staging.borrow_mut();
-        let ring = match rings.entry(s.cu_stream() as usize) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(e) => e.insert(Staging::new(&self.ctx)?),
+        let a = match tier {
+            // Zeroed at allocation: a whole page moves to the host mirror even where its tail
+            // was never written, and no uninitialised byte may leave the device (the GPU
+            // session runs compute-sanitizer's initcheck).
+            MemoryTier::Device => {
+                // SAFETY: a fresh allocation of `n` bytes, zeroed before anything reads it.
+                let ptr = unsafe { cudarc::driver::result::malloc_sync(n) }.map_err(oom)?;
+                // SAFETY: `n` bytes at `ptr`, allocated above.
+                if let Err(e) = unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, n) } {
+                    // SAFETY: allocated above, never used.
+                    let _ = unsafe { cudarc::driver::result::free_sync(ptr) };
+                    return Err(backend("cuMemsetD8")(e));
+                }
+                Alloc::Device { ptr }
+            }
+            MemoryTier::PinnedHost => Alloc::Pinned(PinnedHost::new(&self.ctx, n)?),
         };
-        let at = ring.ring.reserve(n, &mut ring.free)?;
-        ring.host.slice_mut()[at..at + data.len()].copy_from_slice(data);
-        // SAFETY: the copy below writes all `n` bytes the caller may read (`data.len()`, at
-        // least 1 when it is empty: the byte is never read then).
-        let slice = unsafe { s.alloc::<u8>(n) }.map_err(backend("upload"))?;
-        let ptr = dev_addr(&slice, s);
-        // SAFETY: `n` bytes at `at` lie inside the pinned ring (reserved above), and the device
-        // allocation holds `n` bytes.
-        check(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    ptr,
-                    ring.host.slice().as_ptr().add(at) as *const _,
-                    n,
-                    s.cu_stream(),
-                )
-            },
-            "cuMemcpyHtoDAsync",
-        )?;
-        let ev = match ring.free.pop() {
-            Some(ev) => ev,
-            None => self.ctx.new_event(None).map_err(backend("cuEventCreate"))?,
-        };
-        ev.record(s).map_err(backend("cuEventRecord"))?;
-        ring.ring.queued(at, at + n, ev);
-        let bytes = Bytes(n as u64);
-        Ok((slice, DevPtr { ptr, bytes }))
+        Ok(self.insert(a, bytes))
     }
-
-    /// Makes stream `s`'s staging ring now (its pinned memory), rather than at its first op.
-    pub fn prepare_staging(&self, s: &Arc<CudaStream>) -> Result<(), DeviceError> {
-        let mut rings = self.staging.borrow_mut();
-        if let std::collections::btree_map::Entry::Vacant(e) = rings.entry(s.cu_stream() as usize) {
-            e.insert(Staging::new(&self.ctx)?);
+    fn free(&mut self, mem: Mem) -> Result<(), DeviceError> {
+        match self.take(mem).0 {
+            // SAFETY: the caller made sure no queued work uses it.
+            Alloc::Device { ptr } | Alloc::Async { ptr } => {
+                unsafe { cudarc::driver::result::free_sync(ptr) }.map_err(backend("cuMemFree"))
+            }
+            Alloc::Pinned(h) => {
+                drop(h);
+                Ok(())
+            }
         }
+    }
+    fn alloc_async(&mut self, s: StreamKind, bytes: u64) -> Result<Mem, DeviceError> {
+        let stream = self.streams[s.index()].cu_stream();
+        // SAFETY: a stream-ordered allocation on a live stream; the runtime writes it (by a
+        // copy or a kernel) before anything reads it.
+        let ptr = unsafe { cudarc::driver::result::malloc_async(stream, bytes.max(1) as usize) }
+            .map_err(|_| DeviceError::OutOfMemory {
+                role: BufferRole::Scratch {
+                    name: "stream-ordered",
+                },
+                tier: MemoryTier::Device,
+                bytes,
+            })?;
+        Ok(self.insert(Alloc::Async { ptr }, bytes))
+    }
+    fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError> {
+        let stream = self.streams[s.index()].cu_stream();
+        match self.take(mem).0 {
+            // SAFETY: the runtime frees it on the stream of its last reader, after its work.
+            Alloc::Async { ptr } => unsafe { cudarc::driver::result::free_async(ptr, stream) }
+                .map_err(backend("cuMemFreeAsync")),
+            _ => panic!("allocation {} is not stream-ordered", mem.0),
+        }
+    }
+    fn write_pinned(&mut self, mem: Mem, at: Bytes, data: &[u8]) -> Result<(), DeviceError> {
+        let at = at.usize();
+        self.pinned(mem).slice_mut()[at..at + data.len()].copy_from_slice(data);
         Ok(())
     }
-
-    /// Uploads `data` from pageable memory (the driver stages it, and may wait for the stream).
-    fn upload_pageable(&self, s: &Arc<CudaStream>, data: &[u8]) -> Result<Upload, DeviceError> {
-        let slice = s.clone_htod(data).map_err(backend("upload"))?;
-        let ptr = dev_addr(&slice, s);
-        let bytes = Bytes(data.len().max(1) as u64);
-        Ok((slice, DevPtr { ptr, bytes }))
+    fn read_pinned(&mut self, mem: Mem, at: Bytes, out: &mut [u8]) -> Result<(), DeviceError> {
+        let at = at.usize();
+        out.copy_from_slice(&self.pinned(mem).slice()[at..at + out.len()]);
+        Ok(())
     }
-
-    /// Draws the synthetic model's `kind` inputs of `d`'s rows on stream `s` into a
-    /// stream-ordered allocation (freed stream-ordered when dropped): the host sends 8 bytes a
-    /// row instead of the values.
-    /// Pending rows take their token from the op's tokens region first, on the device.
-    fn draw(
-        &self,
-        s: &Arc<CudaStream>,
-        kind: DrawKind,
-        d: &Drawn,
-        mem: Resolve<'_>,
-    ) -> Result<Upload, DeviceError> {
-        let (_rows, rows) = self.upload(s, bytes_of(&d.rows))?;
-        if let Some(t) = d.tokens {
-            self.kernels
-                .resolve_pending(s, &d.rows, rows, region(mem, &t), u32_count(t.bytes) as u32)
-                .map_err(kernel)?;
-        }
-        let bytes = kind.bytes(d.rows.len() as u64).max(Bytes(1));
-        // SAFETY: the draw kernel below writes every byte of its rows before any op reads them.
-        let slice = unsafe { s.alloc::<u8>(bytes.usize()) }.map_err(backend("draw"))?;
-        let ptr = dev_addr(&slice, s);
-        let out = DevPtr { ptr, bytes };
-        self.kernels
-            .draw(s, kind, d.seed, d.layer, d.rows.len(), rows, out)
-            .map_err(kernel)?;
-        Ok((slice, out))
+    fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError> {
+        assert_eq!(
+            src.bytes, dst.bytes,
+            "a copy between ranges of different sizes"
+        );
+        let (d, sp) = (self.dev_ptr(dst), self.dev_ptr(src));
+        let stream = self.streams[s.index()].cu_stream();
+        // SAFETY: both ranges lie inside live allocations (the runtime checked them).
+        check(
+            unsafe { sys::cuMemcpyAsync(d.ptr, sp.ptr, src.bytes.usize(), stream) },
+            "cuMemcpyAsync",
+        )
     }
-
-    /// Runs `op` on stream `s`; `mem(buf)` gives a buffer's address and description. The one
-    /// dispatch over the op set on CUDA.
-    pub fn run(&self, s: &Arc<CudaStream>, op: &Op, mem: Resolve<'_>) -> Result<(), DeviceError> {
-        match op {
-            Op::IndexKStore(o) => self.index_k_store(s, o, mem),
-            Op::KvStore(o) => self.kv_store(s, o, mem),
-            Op::QPrep(o) => self.q_prep(s, o, mem),
-            Op::IndexLogits(o) => self.index_logits(s, o, mem),
-            Op::TopK(o) => self.topk(s, o, mem),
-            Op::SparseRead(o) => self.sparse_read(s, o, mem),
-            Op::PageCopy(o) => self.page_copy(s, o, mem),
-            Op::NextTokens(o) => self
-                .kernels
-                .next_tokens(
-                    s,
-                    o.seed,
-                    region(mem, &o.digests),
-                    o.layers,
-                    o.rows_max,
-                    o.rows() as u32,
-                    region(mem, &o.out),
-                )
-                .map_err(kernel),
-            Op::Copy(o) => {
-                let (sp, dp) = (region(mem, &o.src), region(mem, &o.dst));
-                // SAFETY: both regions were checked against their buffers by `check_op`.
-                check(
-                    unsafe {
-                        sys::cuMemcpyAsync(dp.ptr, sp.ptr, o.src.bytes.usize(), s.cu_stream())
-                    },
-                    "cuMemcpyAsync",
-                )
-            }
-        }
-    }
-
-    fn index_k_store(
-        &self,
-        s: &Arc<CudaStream>,
-        o: &IndexKStore,
-        mem: Resolve<'_>,
-    ) -> Result<(), DeviceError> {
-        let (_a, keys) = self.draw(s, DrawKind::IndexKeys, &o.keys, mem)?;
-        let (_b, g) = self.upload(s, bytes_of(&o.gamma))?;
-        let (_c, bt) = self.upload(s, bytes_of(&o.beta))?;
-        let (_d, r) = self.rope_rows(s, &o.rope, &o.keys)?;
-        let (_e, sl) = self.upload(s, bytes_of(&o.slots))?;
-        let (dp, dd) = mem(o.dst);
-        self.kernels
-            .index_k_store(
-                s,
-                o.dtype,
-                o.ue8m0,
-                keys,
-                g,
-                bt,
-                r,
-                &o.slots,
-                sl,
-                dp,
-                dd.fingerprint,
-            )
-            .map_err(kernel)
-    }
-
-    fn kv_store(
-        &self,
-        s: &Arc<CudaStream>,
-        o: &KvStore,
-        mem: Resolve<'_>,
-    ) -> Result<(), DeviceError> {
-        let (_a, rows) = self.draw(s, DrawKind::KvRows, &o.rows, mem)?;
-        let (_b, sl) = self.upload(s, bytes_of(&o.slots))?;
-        let (dp, dd) = mem(o.dst);
-        self.kernels
-            .kv_store(s, o.dtype, rows, &o.slots, sl, dp, dd.fingerprint)
-            .map_err(kernel)
-    }
-
-    fn q_prep(&self, s: &Arc<CudaStream>, o: &QPrep, mem: Resolve<'_>) -> Result<(), DeviceError> {
-        let heads = o.heads;
-        let (_a, q) = self.draw(s, DrawKind::Queries { heads }, &o.inputs, mem)?;
-        let (_b, w) = self.draw(s, DrawKind::HeadWeights { heads }, &o.inputs, mem)?;
-        let (_c, r) = self.rope_rows(s, &o.rope, &o.inputs)?;
-        let (qo, wo) = (region(mem, &o.q_out), region(mem, &o.w_out));
-        self.kernels
-            .q_prep(s, o.rows(), o.heads as usize, o.ue8m0, q, w, r, qo, wo)
-            .map_err(kernel)
-    }
-
-    fn index_logits(
-        &self,
-        s: &Arc<CudaStream>,
-        o: &IndexLogits,
-        mem: Resolve<'_>,
-    ) -> Result<(), DeviceError> {
-        let (_a, pt) = self.upload(s, bytes_of(&o.page_table))?;
-        let (_b, lens) = self.upload(s, bytes_of(&o.context_lens))?;
-        let (kp, kd) = mem(o.k);
-        let a = IndexLogitsLaunch {
-            dtype: o.dtype,
-            heads: o.heads as usize,
-            q: region(mem, &o.q),
-            w: region(mem, &o.w),
-            page_table: &o.page_table,
-            pt_stride: o.pt_stride as usize,
-            pt_dev: pt,
-            context_lens: &o.context_lens,
-            lens_dev: lens,
-            k: kp,
-            k_fp: kd.fingerprint,
-            out: region(mem, &o.out),
-            out_stride: o.out_stride as usize,
-        };
-        self.kernels
-            .index_logits_with(self.logits, self.tuning, s, &a)
-            .map_err(kernel)
-    }
-
-    fn topk(&self, s: &Arc<CudaStream>, o: &TopK, mem: Resolve<'_>) -> Result<(), DeviceError> {
-        let (_a, pt) = self.upload(s, bytes_of(&o.page_table))?;
-        let (_b, lens) = self.upload(s, bytes_of(&o.context_lens))?;
-        self.kernels
-            .topk(
-                s,
-                o.k as usize,
-                region(mem, &o.logits),
-                o.stride as usize,
-                &o.context_lens,
-                lens,
-                &o.page_table,
-                o.pt_stride as usize,
-                pt,
-                region(mem, &o.out),
-            )
-            .map_err(kernel)
-    }
-
-    fn sparse_read(
-        &self,
-        s: &Arc<CudaStream>,
-        o: &SparseRead,
-        mem: Resolve<'_>,
-    ) -> Result<(), DeviceError> {
-        let (kvp, kvd) = mem(o.kv);
-        let rows = o.context_lens.len();
-        let (sel, out) = (region(mem, &o.slots), region(mem, &o.out));
-        self.kernels
-            .sparse_read(
-                s,
-                o.dtype,
-                rows,
-                o.k as usize,
-                sel,
-                kvp,
-                kvd.fingerprint,
-                out,
-            )
-            .map_err(kernel)
-    }
-
-    fn page_copy(
-        &self,
-        s: &Arc<CudaStream>,
-        o: &PageCopy,
-        mem: Resolve<'_>,
-    ) -> Result<(), DeviceError> {
-        let (sp, _) = mem(o.src);
-        let (dp, _) = mem(o.dst);
-        let (sv, dv) = (&o.src_view, &o.dst_view);
-        tierkv_kernels::cpu::check_page_copy(sv, sp.bytes.0, dv, dp.bytes.0, &o.runs)
-            .map_err(kernel)?;
-        match self.strategy {
-            CopyStrategy::MemcpyRuns => memcpy_runs(s, sp, sv, dp, dv, &o.runs),
-            CopyStrategy::Gather => {
-                let flat = tierkv_kernels::cuda::gather_pairs(&o.runs);
-                let (_a, pairs) = self.upload(s, bytes_of(&flat))?;
-                self.kernels
-                    .page_gather(s, sp, sv, dp, dv, &o.runs, pairs)
-                    .map_err(kernel)
-            }
-        }
-    }
-}
-
-/// A device allocation's address, as stream `s` uses it.
-fn dev_addr(slice: &CudaSlice<u8>, s: &CudaStream) -> u64 {
-    use cudarc::driver::DevicePtr;
-    let (p, _sync) = slice.device_ptr(s);
-    p
-}
-
-/// A scratch region's device address.
-fn region(mem: Resolve<'_>, r: &Region) -> DevPtr {
-    mem(r.buffer).0.offset(r.offset, r.bytes)
-}
-
-/// One pitched `cuMemcpy2DAsync` per run of pages (the caller checked every run).
-fn memcpy_runs(
-    s: &CudaStream,
-    sp: DevPtr,
-    sv: &PagedView,
-    dp: DevPtr,
-    dv: &PagedView,
-    runs: &[PageRun],
-) -> Result<(), DeviceError> {
-    for run in runs {
+    fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError> {
         let copy = sys::CUDA_MEMCPY2D {
             srcXInBytes: 0,
             srcY: 0,
             srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
             srcHost: std::ptr::null(),
-            srcDevice: sp.ptr + sv.page_range(run.src).start,
+            srcDevice: self.dev_ptr(c.src).ptr,
             srcArray: std::ptr::null_mut(),
-            srcPitch: sv.page_stride as usize,
+            srcPitch: c.src_pitch as usize,
             dstXInBytes: 0,
             dstY: 0,
             dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
             dstHost: std::ptr::null_mut(),
-            dstDevice: dp.ptr + dv.page_range(run.dst).start,
+            dstDevice: self.dev_ptr(c.dst).ptr,
             dstArray: std::ptr::null_mut(),
-            dstPitch: dv.page_stride as usize,
-            WidthInBytes: sv.page_bytes() as usize,
-            Height: run.count as usize,
+            dstPitch: c.dst_pitch as usize,
+            WidthInBytes: c.width as usize,
+            Height: c.height as usize,
         };
-        // SAFETY: both views and every run were checked to lie inside their buffers.
+        let stream = self.streams[s.index()].cu_stream();
+        // SAFETY: both ranges were checked to lie inside their buffers.
         check(
-            unsafe { sys::cuMemcpy2DAsync_v2(&copy, s.cu_stream()) },
+            unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) },
             "cuMemcpy2DAsync",
-        )?;
+        )
     }
-    Ok(())
+    fn copy_pageable(&mut self, s: StreamKind, dst: Ptr, data: &[u8]) -> Result<(), DeviceError> {
+        assert!(
+            data.len() as u64 <= dst.bytes.0,
+            "a pageable copy past its destination"
+        );
+        let to = self.dev_ptr(dst).ptr;
+        let stream = self.streams[s.index()].cu_stream();
+        // SAFETY: the range lies inside a live allocation; from pageable memory the driver
+        // stages `data` before it returns.
+        unsafe { cudarc::driver::result::memcpy_htod_async(to, data, stream) }
+            .map_err(backend("cuMemcpyHtoDAsync"))
+    }
+    fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
+        let st = &self.streams[s.index()];
+        let k = self.kernels;
+        let p = |x: Ptr| self.dev_ptr(x);
+        match *l {
+            Launch::ResolvePending {
+                rows,
+                rows_dev,
+                tokens,
+                tokens_len,
+            } => k.resolve_pending(st, rows, p(rows_dev), p(tokens), tokens_len),
+            Launch::Draw {
+                kind,
+                seed,
+                layer,
+                rows,
+                rows_dev,
+                out,
+            } => k.draw(st, kind, seed, layer, rows, p(rows_dev), p(out)),
+            Launch::RopeRows {
+                table,
+                table_rows,
+                positions,
+                positions_dev,
+                out,
+            } => k.rope_rows(
+                st,
+                p(table),
+                table_rows,
+                positions,
+                p(positions_dev),
+                p(out),
+            ),
+            Launch::IndexKStore {
+                op,
+                keys,
+                gamma,
+                beta,
+                rope,
+                slots,
+                dst,
+                dst_fp,
+            } => k.index_k_store(
+                st,
+                op.dtype,
+                op.ue8m0,
+                p(keys),
+                p(gamma),
+                p(beta),
+                p(rope),
+                &op.slots,
+                p(slots),
+                p(dst),
+                dst_fp,
+            ),
+            Launch::KvStore {
+                op,
+                rows,
+                slots,
+                dst,
+                dst_fp,
+            } => k.kv_store(st, op.dtype, p(rows), &op.slots, p(slots), p(dst), dst_fp),
+            Launch::QPrep {
+                op,
+                q,
+                w,
+                rope,
+                q_out,
+                w_out,
+            } => k.q_prep(
+                st,
+                op.rows(),
+                op.heads as usize,
+                op.ue8m0,
+                p(q),
+                p(w),
+                p(rope),
+                p(q_out),
+                p(w_out),
+            ),
+            Launch::IndexLogits {
+                op,
+                q,
+                w,
+                page_table,
+                context_lens,
+                k: keys,
+                k_fp,
+                out,
+            } => {
+                let a = IndexLogitsLaunch {
+                    dtype: op.dtype,
+                    heads: op.heads as usize,
+                    q: p(q),
+                    w: p(w),
+                    page_table: &op.page_table,
+                    pt_stride: op.pt_stride as usize,
+                    pt_dev: p(page_table),
+                    context_lens: &op.context_lens,
+                    lens_dev: p(context_lens),
+                    k: p(keys),
+                    k_fp,
+                    out: p(out),
+                    out_stride: op.out_stride as usize,
+                };
+                k.index_logits_with(self.logits, self.tuning, st, &a)
+            }
+            Launch::TopK {
+                op,
+                logits,
+                context_lens,
+                page_table,
+                out,
+            } => k.topk(
+                st,
+                op.k as usize,
+                p(logits),
+                op.stride as usize,
+                &op.context_lens,
+                p(context_lens),
+                &op.page_table,
+                op.pt_stride as usize,
+                p(page_table),
+                p(out),
+            ),
+            Launch::SparseRead {
+                op,
+                slots,
+                kv,
+                kv_fp,
+                out,
+            } => k.sparse_read(
+                st,
+                op.dtype,
+                op.context_lens.len(),
+                op.k as usize,
+                p(slots),
+                p(kv),
+                kv_fp,
+                p(out),
+            ),
+            Launch::NextTokens { op, digests, out } => k.next_tokens(
+                st,
+                op.seed,
+                p(digests),
+                op.layers,
+                op.rows_max,
+                op.rows() as u32,
+                p(out),
+            ),
+            Launch::PageGather {
+                op,
+                src,
+                dst,
+                pairs,
+            } => k.page_gather(
+                st,
+                p(src),
+                &op.src_view,
+                p(dst),
+                &op.dst_view,
+                &op.runs,
+                p(pairs),
+            ),
+        }
+        .map_err(kernel)
+    }
+    fn event_create(&mut self, timing: bool) -> Result<DrvEvent, DeviceError> {
+        let flags = timing.then_some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let ev = self
+            .ctx
+            .new_event(flags)
+            .map_err(backend("cuEventCreate"))?;
+        self.events.push(ev);
+        Ok(DrvEvent(self.events.len() as u32 - 1))
+    }
+    fn event_record(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
+        self.events[e.0 as usize]
+            .record(&self.streams[s.index()])
+            .map_err(backend("cuEventRecord"))
+    }
+    fn event_query(&mut self, e: DrvEvent) -> EventState {
+        match self.events[e.0 as usize].try_is_complete() {
+            Ok(true) => EventState::Done,
+            Ok(false) => EventState::Pending,
+            Err(_) => EventState::Failed,
+        }
+    }
+    fn event_synchronize(&mut self, e: DrvEvent) -> EventState {
+        match self.events[e.0 as usize].synchronize() {
+            Ok(()) => EventState::Done,
+            Err(_) => EventState::Failed,
+        }
+    }
+    fn event_elapsed_ns(&mut self, start: DrvEvent, end: DrvEvent) -> Option<u64> {
+        let (a, b) = (&self.events[start.0 as usize], &self.events[end.0 as usize]);
+        a.elapsed_ms(b).ok().map(|ms| (ms as f64 * 1e6) as u64)
+    }
+    fn stream_wait(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
+        self.streams[s.index()]
+            .wait(&self.events[e.0 as usize])
+            .map_err(backend("cuStreamWaitEvent"))
+    }
+    fn stream_synchronize(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        self.streams[s.index()]
+            .synchronize()
+            .map_err(backend("cuStreamSynchronize"))
+    }
+    fn context_synchronize(&mut self) -> Result<(), DeviceError> {
+        self.ctx.synchronize().map_err(backend("cuCtxSynchronize"))
+    }
+    fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
+        let data = Box::into_raw(Box::new(cb));
+        let stream = self.streams[s.index()].cu_stream();
+        // SAFETY: `run_callback` takes ownership of `data` when CUDA runs it.
+        let r = unsafe { sys::cuLaunchHostFunc(stream, Some(run_callback), data as *mut _) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: the callback was not enqueued, so we still own `data`.
+            drop(unsafe { Box::from_raw(data) });
+        }
+        check(r, "cuLaunchHostFunc")
+    }
 }
 
-/// Slots of the completion ring (events with larger ids are answered by `cuEventQuery` alone).
-const RING_SLOTS: usize = 4096;
+/// The production `Device` on one GPU: the runtime over cudarc's driver.
+pub type CudaDevice = DrivenDevice<CudaDriver>;
 
-/// What the host callback carries: the ring and the ticket to signal.
-struct Callback {
-    ring: Arc<CompletionRing>,
-    ticket: Ticket,
-}
-
-/// Runs on CUDA's callback thread when the load stream reaches it: no CUDA calls here.
-unsafe extern "C" fn signal_ring(data: *mut std::ffi::c_void) {
-    // SAFETY: `data` is the `Box<Callback>` leaked by `record`, consumed exactly once here.
-    let cb = unsafe { Box::from_raw(data as *mut Callback) };
-    cb.ring.signal(cb.ticket, 0);
-}
-
-/// Timing of the compute stream (see [`CudaDevice::set_timing`]): a pair of timing events
-/// around every op and every wait, read back by `take_timing`.
-#[derive(Default)]
-struct ComputeTiming {
-    /// Timing events no longer in use.
-    free: Vec<CudaEvent>,
-    /// (start, end, the op's kind or `None` for a wait), in stream order.
-    marks: Vec<(CudaEvent, CudaEvent, Option<usize>)>,
-    /// Host time inside `enqueue` per op kind since the last `take_timing`.
-    enqueue_ns: [u64; Op::KINDS],
-}
-
-/// The production `Device` on one GPU.
-pub struct CudaDevice {
-    pub ops: CudaOps,
-    streams: [Arc<CudaStream>; 3],
-    mem: Vec<GpuMem>,
-    descs: Vec<BufferDesc>,
-    events: Vec<CudaEvent>,
-    /// Load-stream events also signal this ring from a host callback; `query` reads it.
-    ring: Arc<CompletionRing>,
-    tickets: std::collections::BTreeMap<EventId, Ticket>,
-    /// `Some` while the compute stream is timed.
-    timing: Option<ComputeTiming>,
-}
-
-impl CudaDevice {
+impl DrivenDevice<CudaDriver> {
     pub fn new(strategy: CopyStrategy) -> Result<CudaDevice, DeviceError> {
         CudaDevice::on(0, strategy)
     }
 
     /// The device on GPU `ordinal` (a prefill/decode pair puts each engine on its own).
     pub fn on(ordinal: usize, strategy: CopyStrategy) -> Result<CudaDevice, DeviceError> {
-        let ops = CudaOps::on(ordinal, strategy)?;
-        let mk = || ops.ctx.new_stream().map_err(backend("cuStreamCreate"));
-        let streams = [mk()?, mk()?, mk()?];
-        for s in &streams {
-            ops.prepare_staging(s)?;
-        }
-        Ok(CudaDevice {
-            ops,
-            streams,
-            mem: Vec::new(),
-            descs: Vec::new(),
-            events: Vec::new(),
-            ring: Arc::new(CompletionRing::new(RING_SLOTS)),
-            tickets: std::collections::BTreeMap::new(),
-            timing: None,
-        })
+        DrivenDevice::over(CudaDriver::on(ordinal)?, strategy)
     }
-    /// Times every op and every wait of the compute stream (two timing events each: several
-    /// microseconds of host time per op; kernels/GPU.md runs 39 and 45 measured 0.2–0.9 ms per
-    /// 4-layer step), so that `take_timing` answers.
-    pub fn set_timing(&mut self, on: bool) {
-        self.timing = on.then(ComputeTiming::default);
-    }
-    /// Records a timing event on the compute stream.
-    fn mark(&mut self) -> Result<CudaEvent, DeviceError> {
-        let t = self.timing.as_mut().expect("timing on");
-        let ev = match t.free.pop() {
-            Some(ev) => ev,
-            None => self
-                .ops
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(backend("cuEventCreate"))?,
-        };
-        ev.record(&self.streams[StreamKind::Compute.index()])
-            .map_err(backend("cuEventRecord"))?;
-        Ok(ev)
-    }
-    /// Runs `f` between two timing events when the compute stream is timed.
-    fn timed<R>(
-        &mut self,
-        stream: StreamKind,
-        kind: Option<usize>,
-        f: impl FnOnce(&mut Self) -> Result<R, DeviceError>,
-    ) -> Result<R, DeviceError> {
-        if stream != StreamKind::Compute || self.timing.is_none() {
-            return f(self);
-        }
-        let start = self.mark()?;
-        let r = f(self);
-        let end = self.mark()?;
-        let t = self.timing.as_mut().expect("timing on");
-        t.marks.push((start, end, kind));
-        r
-    }
+
     pub fn stream(&self, k: StreamKind) -> &Arc<CudaStream> {
-        &self.streams[k.index()]
+        self.driver.stream(k)
     }
+
     /// The GPU's ordinal.
     pub fn ordinal(&self) -> usize {
-        self.ops.ctx.ordinal()
+        self.driver.ctx.ordinal()
     }
+
     /// A buffer's device address (for the NCCL link, which moves pool pages between devices).
-    #[cfg(feature = "nccl")]
-    pub(crate) fn buffer_ptr(&self, b: BufferId) -> DevPtr {
-        self.resolve(b).0
-    }
-    fn resolve(&self, b: BufferId) -> (DevPtr, BufferDesc) {
-        (
-            self.mem[b.0 as usize].dev_ptr(&self.streams[0]),
-            self.descs[b.0 as usize],
-        )
-    }
-    /// Total bytes allocated per tier.
-    pub fn allocated(&self, tier: MemoryTier) -> u64 {
-        self.descs
-            .iter()
-            .filter(|d| d.tier == tier)
-            .map(|d| d.bytes.0)
-            .sum()
-    }
-    /// Makes this device's context current on the calling thread: the raw driver calls (page
-    /// copies, host callbacks) act on the current context, and a pair drives two GPUs from one
-    /// thread.
-    fn bind(&self) -> Result<(), DeviceError> {
-        self.ops
-            .ctx
-            .bind_to_thread()
-            .map_err(backend("cuCtxSetCurrent"))
-    }
-    pub fn synchronize_all(&self) -> Result<(), DeviceError> {
-        for s in &self.streams {
-            s.synchronize().map_err(backend("cuStreamSynchronize"))?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for CudaDevice {
-    /// Work still queued on any stream may use the buffers: it finishes before they are freed
-    /// (cudarc's event tracking is off on tierkv's contexts, `Kernels::on`, and a buffer is
-    /// freed on the stream it was allocated on, not on the streams that used it).
-    fn drop(&mut self) {
-        let _ = self.bind();
-        let _ = self.synchronize_all();
-    }
-}
-
-impl Device for CudaDevice {
-    fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
-        let bytes = desc.bytes.usize().max(1);
-        let oom = |_| DeviceError::OutOfMemory {
-            role: desc.role,
-            tier: desc.tier,
-            bytes: desc.bytes.0,
-        };
-        let m = match desc.tier {
-            // Zeroed at allocation: a whole page moves to the host mirror even where its tail
-            // was never written, and no uninitialised byte may leave the device (the GPU
-            // session runs compute-sanitizer's initcheck).
-            MemoryTier::Device => {
-                GpuMem::Device(self.streams[0].alloc_zeros::<u8>(bytes).map_err(oom)?)
-            }
-            MemoryTier::PinnedHost => GpuMem::Pinned(PinnedHost::new(&self.ops.ctx, bytes)?),
-        };
-        self.streams[0]
-            .synchronize()
-            .map_err(backend("alloc sync"))?;
-        self.mem.push(m);
-        self.descs.push(desc);
-        Ok(BufferId(self.mem.len() as u32 - 1))
-    }
-    fn desc(&self, buf: BufferId) -> BufferDesc {
-        self.descs[buf.0 as usize]
-    }
-    fn new_event(&mut self) -> Result<EventId, DeviceError> {
-        let ev = self
-            .ops
-            .ctx
-            .new_event(None)
-            .map_err(backend("cuEventCreate"))?;
-        self.events.push(ev);
-        Ok(EventId(self.events.len() as u32 - 1))
-    }
-    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
-        self.bind()?;
-        let s = &self.streams[stream.index()];
-        self.events[ev.0 as usize]
-            .record(s)
-            .map_err(backend("cuEventRecord"))?;
-        if stream == StreamKind::Load && (ev.0 as usize) < RING_SLOTS {
-            let ticket = self.ring.issue_after_previous(ev.0 as usize);
-            let cb = Box::into_raw(Box::new(Callback {
-                ring: self.ring.clone(),
-                ticket,
-            }));
-            // SAFETY: `signal_ring` takes ownership of `cb` when CUDA runs it.
-            let r =
-                unsafe { sys::cuLaunchHostFunc(s.cu_stream(), Some(signal_ring), cb as *mut _) };
-            if r == sys::CUresult::CUDA_SUCCESS {
-                self.tickets.insert(ev, ticket);
-            } else {
-                // The event itself is recorded; only the host callback that would signal the
-                // ring is missing. `query` then falls back to `cuEventQuery` for this event,
-                // which answers the same question more slowly, so the record still succeeds.
-                // SAFETY: the callback was not enqueued, so we still own `cb`; the ticket is
-                // completed here so the slot can be re-issued.
-                let cb = unsafe { Box::from_raw(cb) };
-                cb.ring.signal(cb.ticket, 0);
-                self.tickets.remove(&ev);
-            }
-        } else {
-            self.tickets.remove(&ev);
-        }
-        Ok(())
-    }
-    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
-        self.timed(stream, None, |d| {
-            d.streams[stream.index()]
-                .wait(&d.events[ev.0 as usize])
-                .map_err(backend("cuStreamWaitEvent"))
-        })
-    }
-    fn take_timing(&mut self) -> Option<DeviceTiming> {
-        let t = self.timing.as_mut()?;
-        let mut out = DeviceTiming::default();
-        let mut kept = Vec::new();
-        for (start, end, kind) in t.marks.drain(..) {
-            // Only work the host has waited for: a mark still pending stays for the next call.
-            if !matches!(end.try_is_complete(), Ok(true)) {
-                kept.push((start, end, kind));
-                continue;
-            }
-            let ns = start
-                .elapsed_ms(&end)
-                .map_or(0, |ms| (ms as f64 * 1e6) as u64);
-            match kind {
-                None => out.stalled_ns += ns,
-                Some(k) => {
-                    out.busy_ns += ns;
-                    out.busy_by_op_ns[k] += ns;
-                }
-            }
-            t.free.push(start);
-            t.free.push(end);
-        }
-        t.marks = kept;
-        out.enqueue_ns = std::mem::take(&mut t.enqueue_ns);
-        Some(out)
-    }
-    fn recover(&mut self) -> Result<(), DeviceError> {
-        // An error from asynchronous work is sticky in CUDA: the context is lost and every later
-        // call fails with it, so nothing can be recovered in place. A context that still
-        // synchronises had no such error (an event's failure was its own): go on.
-        self.ops
-            .ctx
-            .synchronize()
-            .map_err(backend("the CUDA context did not survive a device fault"))
-    }
-    fn query(&mut self, ev: EventId) -> EventState {
-        if let Some(&t) = self.tickets.get(&ev) {
-            // The host callback ran: the load stream passed this event.
-            if self.ring.poll(t).is_some() {
-                return EventState::Done;
-            }
-        }
-        match self.events[ev.0 as usize].try_is_complete() {
-            Ok(true) => EventState::Done,
-            Ok(false) => EventState::Pending,
-            Err(_) => EventState::Failed,
-        }
-    }
-    fn synchronize(&mut self, ev: EventId) -> EventState {
-        match self.events[ev.0 as usize].synchronize() {
-            Ok(()) => EventState::Done,
-            Err(_) => EventState::Failed,
-        }
-    }
-    fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
-        let t0 = std::time::Instant::now();
-        check_op(&op, |b| self.descs[b.0 as usize])?;
-        self.bind()?;
-        let r = self.timed(stream, Some(op.kind()), |d| {
-            let s = d.streams[stream.index()].clone();
-            d.ops.run(&s, &op, &|b| d.resolve(b))
-        });
-        if let (StreamKind::Compute, Some(t)) = (stream, self.timing.as_mut()) {
-            t.enqueue_ns[op.kind()] += t0.elapsed().as_nanos() as u64;
-        }
-        r
-    }
-    fn host_read(
-        &mut self,
-        buf: BufferId,
-        offset: Bytes,
-        out: &mut [u8],
-    ) -> Result<(), DeviceError> {
-        check_host_access(
-            "host_read",
-            buf,
-            self.descs[buf.0 as usize],
-            offset,
-            out.len(),
-        )?;
-        let GpuMem::Pinned(h) = &self.mem[buf.0 as usize] else {
-            unreachable!("pinned host tier checked above");
-        };
-        let at = offset.usize();
-        out.copy_from_slice(&h.slice()[at..at + out.len()]);
-        Ok(())
-    }
-    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
-        check_host_access(
-            "host_write",
-            buf,
-            self.descs[buf.0 as usize],
-            offset,
-            data.len(),
-        )?;
-        let GpuMem::Pinned(h) = &mut self.mem[buf.0 as usize] else {
-            unreachable!("pinned host tier checked above");
-        };
-        let at = offset.usize();
-        h.slice_mut()[at..at + data.len()].copy_from_slice(data);
-        Ok(())
+    pub fn buffer_ptr(&self, b: BufferId) -> DevPtr {
+        self.driver.dev_ptr(self.buffer(b))
     }
 }

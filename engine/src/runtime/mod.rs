@@ -1,16 +1,18 @@
 //! The production runtime: the only module of the engine that may name real time, threads, tokio
 //! and cudarc (ARCHITECTURE.md; checked by `tests/it/architecture.rs`). It provides the real
-//! clock, the CUDA device (feature `cuda`), and the service around the engine: tokio intake with
+//! clock, the device runtime over the driver seam (`driven`, `driver`) with cudarc's driver
+//! below it (`cuda`, feature `cuda`), and the service around the engine: tokio intake with
 //! admission answers, the engine loop on its own thread, `/metrics` over loopback HTTP, and
 //! graceful shutdown.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod driven;
+pub mod driver;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod ring;
 pub mod service;
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA device stages through it
 mod staging;
 
 use crate::device::Clock;

@@ -158,7 +158,7 @@ pub fn measure(
     // Plain `cuMemAlloc` buffers: memory of a stream-ordered pool is not reachable by a peer
     // copy through `cuCtxEnablePeerAccess` (the driver would stage the copy through the host).
     let alloc = |dev: &CudaDevice| -> Result<u64, DeviceError> {
-        dev.ops
+        dev.driver
             .ctx
             .bind_to_thread()
             .map_err(backend("cuCtxSetCurrent"))?;
@@ -199,12 +199,12 @@ pub fn measure(
     // The ceiling: a peer copy with peer access enabled both ways (without it the driver stages
     // the copy through the host). Already enabled is fine.
     for (from, to) in [(prefill, decode), (decode, prefill)] {
-        from.ops
+        from.driver
             .ctx
             .bind_to_thread()
             .map_err(backend("cuCtxSetCurrent"))?;
         // SAFETY: two live contexts; enabling access maps nothing the link touches.
-        let r = unsafe { cudarc::driver::sys::cuCtxEnablePeerAccess(to.ops.ctx.cu_ctx(), 0) };
+        let r = unsafe { cudarc::driver::sys::cuCtxEnablePeerAccess(to.driver.ctx.cu_ctx(), 0) };
         use cudarc::driver::sys::CUresult;
         if r != CUresult::CUDA_SUCCESS && r != CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
             return Err(DeviceError::Backend {
@@ -216,9 +216,9 @@ pub fn measure(
         // SAFETY: `bytes` bytes at both addresses, each in its device's context.
         unsafe {
             cudarc::driver::result::memcpy_peer_async(
-                decode.ops.ctx.cu_ctx(),
+                decode.driver.ctx.cu_ctx(),
                 dp,
-                prefill.ops.ctx.cu_ctx(),
+                prefill.driver.ctx.cu_ctx(),
                 sp,
                 bytes,
                 ds.cu_stream(),
@@ -239,7 +239,7 @@ pub fn measure(
     };
     let measured = timed(&nccl_once).and_then(|n| Ok((n, timed(&peer_once)?)));
     for (dev, ptr) in [(prefill, sp), (decode, dp)] {
-        dev.ops
+        dev.driver
             .ctx
             .bind_to_thread()
             .map_err(backend("cuCtxSetCurrent"))?;

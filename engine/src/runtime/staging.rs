@@ -1,18 +1,18 @@
 //! The bookkeeping of a staging ring: which regions of a pinned host buffer hold op arguments
-//! whose copy to the device may still be queued on a stream. The CUDA device stages every op's
-//! small arguments through one ring per stream (a copy from pageable memory may wait for the
-//! stream's queued work; from pinned memory it is queued like a kernel). Kept apart from CUDA
-//! so that it is tested without a GPU.
+//! whose copy to the device may still be queued on a stream. The runtime (`driven.rs`) stages
+//! every op's small arguments through one ring per stream (a copy from pageable memory may wait
+//! for the stream's queued work; from pinned memory it is queued like a kernel). Kept apart from
+//! the driver so that it is tested on its own.
 
 use crate::device::DeviceError;
 use std::collections::VecDeque;
 
-/// A queued copy's completion, as the ring asks about it.
-pub(crate) trait QueuedCopy {
+/// Where the ring asks about a queued copy's completion (`E` names the copy).
+pub(crate) trait Copies<E> {
     /// Whether the copy completed (non-blocking).
-    fn done(&self) -> bool;
+    fn done(&mut self, copy: &E) -> bool;
     /// Blocks until the copy completed.
-    fn wait(&self) -> Result<(), DeviceError>;
+    fn wait(&mut self, copy: &E) -> Result<(), DeviceError>;
 }
 
 /// Regions of a ring of `len` bytes and the copies out of them, for one stream.
@@ -25,7 +25,7 @@ pub(crate) struct StagingRing<E> {
     in_flight: VecDeque<(usize, usize, E)>,
 }
 
-impl<E: QueuedCopy> StagingRing<E> {
+impl<E> StagingRing<E> {
     pub(crate) fn new(len: usize, align: usize) -> StagingRing<E> {
         assert!(
             align.is_power_of_two() && len % align == 0,
@@ -44,13 +44,18 @@ impl<E: QueuedCopy> StagingRing<E> {
     /// queued, so waiting for the newest copy that overlaps the region waits for all older
     /// ones, wherever they lie (after a wrap the oldest may lie in the tail the ring skipped).
     /// Completed copies go to `retired`, for reuse.
-    pub(crate) fn reserve(&mut self, n: usize, retired: &mut Vec<E>) -> Result<usize, DeviceError> {
+    pub(crate) fn reserve(
+        &mut self,
+        n: usize,
+        retired: &mut Vec<E>,
+        copies: &mut impl Copies<E>,
+    ) -> Result<usize, DeviceError> {
         assert!(
             n >= 1 && n <= self.len,
             "staged {n} B in a ring of {} B",
             self.len
         );
-        self.retire_done(retired);
+        self.retire_done(retired, copies);
         if self.head + n > self.len {
             self.head = 0;
         }
@@ -60,7 +65,7 @@ impl<E: QueuedCopy> StagingRing<E> {
             .iter()
             .rposition(|(a, b, _)| *a < end && *b > start);
         if let Some(last) = newest {
-            self.in_flight[last].2.wait()?;
+            copies.wait(&self.in_flight[last].2)?;
             for _ in 0..=last {
                 let (_, _, e) = self.in_flight.pop_front().expect("counted above");
                 retired.push(e);
@@ -76,16 +81,15 @@ impl<E: QueuedCopy> StagingRing<E> {
     }
 
     /// Moves the completed copies at the front to `retired`.
-    fn retire_done(&mut self, retired: &mut Vec<E>) {
-        while self.in_flight.front().is_some_and(|(_, _, e)| e.done()) {
+    fn retire_done(&mut self, retired: &mut Vec<E>, copies: &mut impl Copies<E>) {
+        while self
+            .in_flight
+            .front()
+            .is_some_and(|(_, _, e)| copies.done(e))
+        {
             let (_, _, e) = self.in_flight.pop_front().expect("front");
             retired.push(e);
         }
-    }
-
-    /// Every copy still recorded, oldest first (to wait for before the buffer is freed).
-    pub(crate) fn drain(&mut self) -> impl Iterator<Item = E> + '_ {
-        self.in_flight.drain(..).map(|(_, _, e)| e)
     }
 }
 
@@ -95,25 +99,24 @@ mod tests {
     use std::cell::Cell;
     use std::rc::Rc;
 
-    /// Copy `id` of a stream that has completed every copy below `*done`.
+    /// A stream that has completed every copy below `done`; copies are named by their id.
     struct Fake {
-        id: usize,
         done: Rc<Cell<usize>>,
     }
 
-    impl QueuedCopy for Fake {
-        fn done(&self) -> bool {
-            self.id < self.done.get()
+    impl Copies<usize> for Fake {
+        fn done(&mut self, id: &usize) -> bool {
+            *id < self.done.get()
         }
-        fn wait(&self) -> Result<(), DeviceError> {
-            self.done.set(self.done.get().max(self.id + 1));
+        fn wait(&mut self, id: &usize) -> Result<(), DeviceError> {
+            self.done.set(self.done.get().max(id + 1));
             Ok(())
         }
     }
 
     /// Regions handed out, with their copy's id, for the overlap check.
     struct Stage {
-        ring: StagingRing<Fake>,
+        ring: StagingRing<usize>,
         done: Rc<Cell<usize>>,
         regions: Vec<(usize, usize, usize)>,
     }
@@ -128,7 +131,10 @@ mod tests {
         }
         /// Stages `n` bytes: the new region must not overlap any region whose copy is pending.
         fn stage(&mut self, n: usize) -> usize {
-            let start = self.ring.reserve(n, &mut Vec::new()).unwrap();
+            let mut fake = Fake {
+                done: self.done.clone(),
+            };
+            let start = self.ring.reserve(n, &mut Vec::new(), &mut fake).unwrap();
             let end = start + n;
             for &(a, b, id) in &self.regions {
                 let pending = id >= self.done.get();
@@ -139,8 +145,7 @@ mod tests {
             }
             let id = self.regions.len();
             self.regions.push((start, end, id));
-            let done = self.done.clone();
-            self.ring.queued(start, end, Fake { id, done });
+            self.ring.queued(start, end, id);
             start
         }
     }

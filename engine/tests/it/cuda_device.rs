@@ -210,7 +210,7 @@ fn engine_on_gpu_and_cpu(logits: LogitsKernel, gpu_ahead: bool) {
     )
     .unwrap();
     let mut dev = CudaDevice::new(CopyStrategy::default()).unwrap();
-    dev.ops.logits = logits;
+    dev.driver.logits = logits;
     let gpu_opts = EngineOptions {
         overlap: gpu_ahead,
         ..opts

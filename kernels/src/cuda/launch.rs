@@ -21,30 +21,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
-/// Which of the synthetic model's inputs [`Kernels::draw`] draws (`cpu::draw`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DrawKind {
-    /// Raw index keys, `[rows][128]` bf16.
-    IndexKeys,
-    /// Raw indexer queries, `[rows][heads][128]` bf16.
-    Queries { heads: u32 },
-    /// Head weights, `[rows][heads]` f32.
-    HeadWeights { heads: u32 },
-    /// MLA KV rows, `[rows][576]` bf16.
-    KvRows,
-}
-
-impl DrawKind {
-    /// The bytes `rows` rows of this kind take.
-    pub fn bytes(self, rows: u64) -> Bytes {
-        match self {
-            DrawKind::IndexKeys => bf16_bytes(rows * INDEX_HEAD_DIM as u64),
-            DrawKind::Queries { heads } => bf16_bytes(rows * (heads * INDEX_HEAD_DIM) as u64),
-            DrawKind::HeadWeights { heads } => f32_bytes(rows * heads as u64),
-            DrawKind::KvRows => bf16_bytes(rows * KV_ROW_VALUES as u64),
-        }
-    }
-}
+pub use super::DrawKind;
 
 /// Blocks per row of `sparse_read`: one per 128 ranks (16 at k = 2048), so that a few rows still
 /// spread over the GPU (one block per row read 2,048 scattered KV rows with 8 warps).

@@ -14,6 +14,37 @@ use std::path::PathBuf;
 #[cfg(feature = "cuda")]
 pub mod launch;
 
+/// Which of the synthetic model's inputs `Kernels::draw` draws (`cpu::draw`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrawKind {
+    /// Raw index keys, `[rows][128]` bf16.
+    IndexKeys,
+    /// Raw indexer queries, `[rows][heads][128]` bf16.
+    Queries { heads: u32 },
+    /// Head weights, `[rows][heads]` f32.
+    HeadWeights { heads: u32 },
+    /// MLA KV rows, `[rows][576]` bf16.
+    KvRows,
+}
+
+impl DrawKind {
+    /// The bytes `rows` rows of this kind take.
+    pub fn bytes(self, rows: u64) -> crate::layout::Bytes {
+        match self {
+            DrawKind::IndexKeys => {
+                crate::layout::bf16_bytes(rows * crate::layout::INDEX_HEAD_DIM as u64)
+            }
+            DrawKind::Queries { heads } => {
+                crate::layout::bf16_bytes(rows * (heads * crate::layout::INDEX_HEAD_DIM) as u64)
+            }
+            DrawKind::HeadWeights { heads } => crate::layout::f32_bytes(rows * heads as u64),
+            DrawKind::KvRows => {
+                crate::layout::bf16_bytes(rows * crate::layout::KV_ROW_VALUES as u64)
+            }
+        }
+    }
+}
+
 /// Prepended to every source before compilation.
 pub const COMMON: &str = include_str!("../../cuda/common.cuh");
 

@@ -173,7 +173,8 @@ mod imp {
     use std::collections::BTreeMap;
     use std::sync::Arc;
     use tierkv_engine::device::{BufferDesc, BufferId, BufferRole, MemoryTier, Op, PageCopy};
-    use tierkv_engine::runtime::cuda::{CopyStrategy, CudaOps, PinnedHost};
+    use tierkv_engine::device::{Device, StreamKind};
+    use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, PinnedHost};
     use tierkv_kernels::cpu::numerics::{e4m3_encode, mix64};
     use tierkv_kernels::cuda::launch::{
         CheckedIndexLogits, DevPtr, IndexKStoreLaunch, IndexLogitsLaunch, Kernels, LogitsKernel,
@@ -866,11 +867,11 @@ mod imp {
                 .collect();
             let contiguous: Vec<(PageId, PageId)> =
                 (0..2048).map(|d| (PageId(d), PageId(d))).collect();
-            let bufs = TransferBufs::new(&self.c, &layout)?;
+            let mut bufs = TransferBufs::new(&layout)?;
             for (label, pairs) in [("scattered", &scattered), ("contiguous", &contiguous)] {
                 for to_device in [true, false] {
                     for strategy in [CopyStrategy::MemcpyRuns, CopyStrategy::Gather] {
-                        self.transfer(&bufs, &layout, label, pairs, to_device, strategy)?;
+                        self.transfer(&mut bufs, &layout, label, pairs, to_device, strategy)?;
                     }
                 }
             }
@@ -879,14 +880,14 @@ mod imp {
 
         fn transfer(
             &mut self,
-            bufs: &TransferBufs,
+            bufs: &mut TransferBufs,
             layout: &Layout,
             label: &str,
             pairs: &[(PageId, PageId)],
             to_device: bool,
             strategy: CopyStrategy,
         ) -> R<()> {
-            let ops = CudaOps::new(strategy).map_err(e)?;
+            bufs.dev.strategy = strategy;
             let list: Vec<Op> = BufferKind::ALL
                 .iter()
                 .enumerate()
@@ -916,10 +917,16 @@ mod imp {
                     _ => 0,
                 })
                 .sum();
-            let s = self.c.s.clone();
-            let ms = self.c.time(|| {
+            // Timed on the device's compute stream, where the runtime queues the copies.
+            let c = Ctx {
+                k: self.c.k,
+                s: bufs.dev.stream(StreamKind::Compute).clone(),
+                reps: self.c.reps,
+            };
+            let dev = &mut bufs.dev;
+            let ms = c.time(|| {
                 for op in &list {
-                    ops.run(&s, op, &|b| bufs.resolve(b)).map_err(e)?;
+                    dev.enqueue(StreamKind::Compute, op.clone()).map_err(e)?;
                 }
                 Ok(())
             })?;
@@ -1016,32 +1023,27 @@ mod imp {
     /// A host mirror and a device layer per buffer kind, for the transfer benchmark: buffer
     /// `2i` is kind `i`'s mirror, `2i + 1` its device layer.
     struct TransferBufs {
-        mem: Vec<(PinnedHost, CudaSlice<u8>)>,
-        descs: Vec<BufferDesc>,
-        ptrs: Vec<DevPtr>,
+        /// The runtime on GPU 0, holding a host mirror and a device layer per kind (buffers
+        /// `2i` and `2i + 1`).
+        dev: CudaDevice,
         /// Bytes one transfer of the 2048 pages moves over both kinds.
         moved: u64,
     }
 
     impl TransferBufs {
-        fn new(c: &Ctx, layout: &Layout) -> R<TransferBufs> {
-            let mut b = TransferBufs {
-                mem: Vec::new(),
-                descs: Vec::new(),
-                ptrs: Vec::new(),
-                moved: 0,
-            };
+        fn new(layout: &Layout) -> R<TransferBufs> {
+            let mut dev = CudaDevice::new(CopyStrategy::default()).map_err(e)?;
+            let mut moved = 0;
             for kind in BufferKind::ALL {
-                let host = PinnedHost::new(&c.k.ctx, layout.host_bytes(kind).usize()).map_err(e)?;
-                let dev = c.buf(layout.device_layer_bytes(kind).usize())?;
-                b.moved += 2048 * layout.page_bytes(kind).0;
-                b.descs.push(BufferDesc {
+                moved += 2048 * layout.page_bytes(kind).0;
+                dev.alloc(BufferDesc {
                     role: BufferRole::Mirror { kind },
                     tier: MemoryTier::PinnedHost,
                     bytes: layout.host_bytes(kind),
                     fingerprint: layout.fingerprint(kind),
-                });
-                b.descs.push(BufferDesc {
+                })
+                .map_err(e)?;
+                dev.alloc(BufferDesc {
                     role: BufferRole::Pool {
                         kind,
                         layer: LayerId(0),
@@ -1049,15 +1051,10 @@ mod imp {
                     tier: MemoryTier::Device,
                     bytes: layout.device_layer_bytes(kind),
                     fingerprint: layout.fingerprint(kind),
-                });
-                b.ptrs.push(host.dev_ptr());
-                b.ptrs.push(ptr(&c.s, &dev));
-                b.mem.push((host, dev));
+                })
+                .map_err(e)?;
             }
-            Ok(b)
-        }
-        fn resolve(&self, b: BufferId) -> (DevPtr, BufferDesc) {
-            (self.ptrs[b.0 as usize], self.descs[b.0 as usize])
+            Ok(TransferBufs { dev, moved })
         }
     }
 

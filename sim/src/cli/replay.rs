@@ -635,7 +635,7 @@ fn start_cuda(
     };
     Some(Service::start(move || {
         let mut dev = CudaDevice::new(strategy)?;
-        dev.ops.logits = logits;
+        dev.driver.logits = logits;
         dev.set_timing(timing);
         Engine::new(cfg, dev, MonotonicClock::new(), options)
     }))

@@ -301,7 +301,7 @@ fn cuda(cfg: &Config, work: &[RequestSpec], a: &ReplayArgs) -> Result<bool, Stri
     let device = |ordinal: usize| {
         let mut dev =
             CudaDevice::on(ordinal, strategy).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
-        dev.ops.logits = logits;
+        dev.driver.logits = logits;
         Ok::<_, String>(dev)
     };
     if a.pd_gpus == 2 {

@@ -1,0 +1,658 @@
+//! The runtime above the driver seam: a [`Device`] made of [`Driver`] calls. It is the same code
+//! on cudarc in production ([`super::cuda::CudaDevice`]) and on any other driver.
+//!
+//! [`DrivenDevice::enqueue`] turns one engine `Op` into kernel launches and copies on a stream.
+//! Small metadata that an op carries by value (slots, page tables, positions) is staged through
+//! a pinned ring per stream (`staging.rs`) into stream-ordered allocations, freed on the op's
+//! stream after its launches; an argument above a quarter of the ring is copied from pageable
+//! memory instead. The model's inputs are drawn on the device from each row's token and
+//! position, and RoPE rows gathered from a table of the model's rows (made again, after a context
+//! synchronisation, when a position lies past it). Each event recorded on the load stream also
+//! queues a host callback that signals the completion ring (`ring.rs`), which `query` reads
+//! before it asks the driver.
+//!
+//! Page transfers have two strategies ([`CopyStrategy`]): one pitched copy per coalesced run, or
+//! one gather kernel over mapped host memory for all pages. `tierkv bench` measures both.
+
+use super::driver::{Copy2d, DrawKind, Driver, DrvEvent, Launch, Mem, Ptr};
+use super::ring::{CompletionRing, Ticket};
+use super::staging::{Copies, StagingRing};
+use crate::device::*;
+use crate::layout::{f32_bytes, u32_count, Bytes, ROPE_DIM};
+use std::sync::Arc;
+
+/// How page runs move between tiers. The default is the gather kernel: on the H200 it moves a
+/// scattered 128K-token layer at 88–92% of one large pinned copy, against 13–16% for one
+/// `cuMemcpy2DAsync` per run (kernels/GPU.md, run 1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CopyStrategy {
+    /// One pitched `cuMemcpy2DAsync` per coalesced run.
+    MemcpyRuns,
+    /// One `page_gather` kernel launch for all pages (host side through its mapped address).
+    #[default]
+    Gather,
+}
+
+/// Bytes of each stream's staging ring. An argument larger than a quarter of it is copied
+/// from pageable memory instead.
+pub const STAGING_BYTES: usize = 64 << 20;
+/// Staged regions start on multiples of this many bytes.
+const STAGING_ALIGN_BYTES: usize = 256;
+/// The fewest rows a RoPE table holds (it doubles past the largest position seen).
+const ROPE_TABLE_ROWS_MIN: u32 = 8192;
+/// Slots of the completion ring (events with larger ids are answered by the driver alone).
+const RING_SLOTS: usize = 4096;
+
+/// The pinned ring one stream's op arguments are staged through before their copy to the
+/// device (a region is written again only after the copy out of it completed).
+struct Staging {
+    host: Mem,
+    ring: StagingRing<DrvEvent>,
+    /// Events of completed copies, for reuse.
+    free: Vec<DrvEvent>,
+}
+
+/// The staging ring asks the driver about its copies.
+struct DriverCopies<'a, D>(&'a mut D);
+
+impl<D: Driver> Copies<DrvEvent> for DriverCopies<'_, D> {
+    fn done(&mut self, e: &DrvEvent) -> bool {
+        self.0.event_query(*e) == EventState::Done
+    }
+    fn wait(&mut self, e: &DrvEvent) -> Result<(), DeviceError> {
+        match self.0.event_synchronize(*e) {
+            EventState::Done => Ok(()),
+            s => Err(DeviceError::Backend {
+                detail: format!("staging wait: the copy out of the ring ended {s:?}"),
+            }),
+        }
+    }
+}
+
+/// RoPE rows `0..rows` of one model's frequencies, on the device.
+struct RopeTable {
+    rope: Rope,
+    rows: u32,
+    table: Mem,
+}
+
+/// Timing of the compute stream (see [`DrivenDevice::set_timing`]): a pair of timing events
+/// around every op and every wait, read back by `take_timing`.
+#[derive(Default)]
+struct ComputeTiming {
+    /// Timing events no longer in use.
+    free: Vec<DrvEvent>,
+    /// (start, end, the op's kind or `None` for a wait), in stream order.
+    marks: Vec<(DrvEvent, DrvEvent, Option<usize>)>,
+    /// Host time inside `enqueue` per op kind since the last `take_timing`.
+    enqueue_ns: [u64; Op::KINDS],
+}
+
+fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: plain-old-data slices (f32, i32, u32, u16, TokenAt) viewed as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// The production `Device` logic over a driver.
+pub struct DrivenDevice<D: Driver> {
+    pub driver: D,
+    pub strategy: CopyStrategy,
+    /// Each buffer's allocation and description.
+    buffers: Vec<(Mem, BufferDesc)>,
+    events: Vec<DrvEvent>,
+    /// Per stream, the pinned ring its ops' arguments are staged through.
+    staging: [Option<Staging>; StreamKind::ALL.len()],
+    /// The model's RoPE rows on the device, grown to the largest position seen.
+    rope: Option<RopeTable>,
+    /// Stream-ordered allocations of the op being enqueued, freed on its stream after it.
+    scratch: Vec<Mem>,
+    /// Load-stream events also signal this ring from a host callback; `query` reads it.
+    ring: Arc<CompletionRing>,
+    tickets: std::collections::BTreeMap<EventId, Ticket>,
+    /// `Some` while the compute stream is timed.
+    timing: Option<ComputeTiming>,
+}
+
+impl<D: Driver> DrivenDevice<D> {
+    /// The device over `driver`, with every stream's staging ring made now.
+    pub fn over(driver: D, strategy: CopyStrategy) -> Result<DrivenDevice<D>, DeviceError> {
+        let mut d = DrivenDevice {
+            driver,
+            strategy,
+            buffers: Vec::new(),
+            events: Vec::new(),
+            staging: [None, None, None],
+            rope: None,
+            scratch: Vec::new(),
+            ring: Arc::new(CompletionRing::new(RING_SLOTS)),
+            tickets: std::collections::BTreeMap::new(),
+            timing: None,
+        };
+        for s in StreamKind::ALL {
+            d.prepare_staging(s)?;
+        }
+        Ok(d)
+    }
+
+    /// Makes stream `s`'s staging ring (its pinned memory), if it has none.
+    fn prepare_staging(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        if self.staging[s.index()].is_none() {
+            let host = self
+                .driver
+                .alloc(MemoryTier::PinnedHost, STAGING_BYTES as u64)?;
+            self.staging[s.index()] = Some(Staging {
+                host,
+                ring: StagingRing::new(STAGING_BYTES, STAGING_ALIGN_BYTES),
+                free: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A buffer's allocation, whole.
+    pub fn buffer(&self, b: BufferId) -> Ptr {
+        let (mem, desc) = self.buffers[b.0 as usize];
+        Ptr::whole(mem, desc.bytes.max(Bytes(1)))
+    }
+
+    /// How many buffers `alloc` made.
+    pub fn buffers(&self) -> usize {
+        self.buffers.len()
+    }
+
+    /// A region's bytes.
+    fn region(&self, r: &Region) -> Ptr {
+        self.buffer(r.buffer).at(r.offset, r.bytes)
+    }
+
+    /// Total bytes allocated per tier.
+    pub fn allocated(&self, tier: MemoryTier) -> u64 {
+        self.buffers
+            .iter()
+            .filter(|(_, d)| d.tier == tier)
+            .map(|(_, d)| d.bytes.0)
+            .sum()
+    }
+
+    /// Times every op and every wait of the compute stream (two timing events each: several
+    /// microseconds of host time per op; kernels/GPU.md runs 39 and 45 measured 0.2–0.9 ms per
+    /// 4-layer step), so that `take_timing` answers.
+    pub fn set_timing(&mut self, on: bool) {
+        self.timing = on.then(ComputeTiming::default);
+    }
+
+    /// Records a timing event on the compute stream.
+    fn mark(&mut self) -> Result<DrvEvent, DeviceError> {
+        let t = self.timing.as_mut().expect("timing on");
+        let ev = match t.free.pop() {
+            Some(ev) => ev,
+            None => self.driver.event_create(true)?,
+        };
+        self.driver.event_record(StreamKind::Compute, ev)?;
+        Ok(ev)
+    }
+
+    /// Runs `f` between two timing events when the compute stream is timed.
+    fn timed<R>(
+        &mut self,
+        stream: StreamKind,
+        kind: Option<usize>,
+        f: impl FnOnce(&mut Self) -> Result<R, DeviceError>,
+    ) -> Result<R, DeviceError> {
+        if stream != StreamKind::Compute || self.timing.is_none() {
+            return f(self);
+        }
+        let start = self.mark()?;
+        let r = f(self);
+        let end = self.mark()?;
+        let t = self.timing.as_mut().expect("timing on");
+        t.marks.push((start, end, kind));
+        r
+    }
+
+    /// Blocks until every stream's work completed.
+    pub fn synchronize_all(&mut self) -> Result<(), DeviceError> {
+        for s in StreamKind::ALL {
+            self.driver.stream_synchronize(s)?;
+        }
+        Ok(())
+    }
+
+    /// A stream-ordered allocation on `s` of `bytes` (at least 1), freed after the op.
+    fn scratch_alloc(&mut self, s: StreamKind, bytes: Bytes) -> Result<Ptr, DeviceError> {
+        let bytes = bytes.max(Bytes(1));
+        let mem = self.driver.alloc_async(s, bytes.0)?;
+        self.scratch.push(mem);
+        Ok(Ptr::whole(mem, bytes))
+    }
+
+    /// Uploads `data` into a stream-ordered allocation (freed after the op), staged through the
+    /// stream's pinned ring, so that the copy is queued without waiting.
+    fn upload(&mut self, s: StreamKind, data: &[u8]) -> Result<Ptr, DeviceError> {
+        let n = data.len().max(1);
+        if n > STAGING_BYTES / 4 {
+            let dst = self.scratch_alloc(s, Bytes(n as u64))?;
+            self.driver.copy_pageable(s, dst, data)?;
+            return Ok(dst);
+        }
+        self.prepare_staging(s)?;
+        let staging = self.staging[s.index()].as_mut().expect("prepared above");
+        let at = staging
+            .ring
+            .reserve(n, &mut staging.free, &mut DriverCopies(&mut self.driver))?;
+        let host = staging.host;
+        self.driver.write_pinned(host, Bytes(at as u64), data)?;
+        let dst = self.scratch_alloc(s, Bytes(n as u64))?;
+        let src = Ptr {
+            mem: host,
+            offset: Bytes(at as u64),
+            bytes: Bytes(n as u64),
+        };
+        self.driver.copy_async(s, dst, src)?;
+        let staging = self.staging[s.index()].as_mut().expect("prepared above");
+        let ev = match staging.free.pop() {
+            Some(ev) => ev,
+            None => self.driver.event_create(false)?,
+        };
+        self.driver.event_record(s, ev)?;
+        let staging = self.staging[s.index()].as_mut().expect("prepared above");
+        staging.ring.queued(at, at + n, ev);
+        Ok(dst)
+    }
+
+    /// The RoPE rows of `d`'s positions gathered on stream `s` from the device's table of
+    /// `rope`'s rows (made, or doubled, on the host when a position lies past it: the host
+    /// computes each position's row once), into a stream-ordered allocation.
+    fn rope_rows(&mut self, s: StreamKind, rope: &Rope, d: &Drawn) -> Result<Ptr, DeviceError> {
+        let positions = d.positions();
+        let max = positions.iter().copied().max().unwrap_or(0);
+        if !self
+            .rope
+            .as_ref()
+            .is_some_and(|t| t.rope == *rope && max < t.rows)
+        {
+            let rows = max
+                .checked_add(1)
+                .and_then(u32::checked_next_power_of_two)
+                .ok_or_else(|| DeviceError::Kernel {
+                    op: "rope_rows",
+                    detail: format!("RoPE position {max} past any table"),
+                })?
+                .max(ROPE_TABLE_ROWS_MIN);
+            let host = rope.rows(0..rows);
+            let data = bytes_of(&host);
+            let table = self.driver.alloc(MemoryTier::Device, data.len() as u64)?;
+            let copied = self
+                .driver
+                .copy_pageable(s, Ptr::whole(table, Bytes(data.len() as u64)), data)
+                // The old table may still be read by work queued on any stream: it is freed after.
+                .and_then(|()| self.driver.context_synchronize());
+            if let Err(e) = copied {
+                self.driver.free(table)?;
+                return Err(e);
+            }
+            if let Some(old) = self.rope.take() {
+                self.driver.free(old.table)?;
+            }
+            self.rope = Some(RopeTable {
+                rope: *rope,
+                rows,
+                table,
+            });
+        }
+        let t = self.rope.as_ref().expect("made above");
+        let table_rows = t.rows;
+        let table = Ptr::whole(t.table, f32_bytes(table_rows as u64 * ROPE_DIM as u64));
+        let positions_dev = self.upload(s, bytes_of(&positions))?;
+        let out = self.scratch_alloc(s, f32_bytes(positions.len() as u64 * ROPE_DIM as u64))?;
+        self.driver.launch(
+            s,
+            &Launch::RopeRows {
+                table,
+                table_rows,
+                positions: &positions,
+                positions_dev,
+                out,
+            },
+        )?;
+        Ok(out)
+    }
+
+    /// Draws the synthetic model's `kind` inputs of `d`'s rows on stream `s` into a
+    /// stream-ordered allocation: the host sends 8 bytes a row instead of the values. Pending
+    /// rows take their token from the op's tokens region first, on the device.
+    fn draw(&mut self, s: StreamKind, kind: DrawKind, d: &Drawn) -> Result<Ptr, DeviceError> {
+        let rows_dev = self.upload(s, bytes_of(&d.rows))?;
+        if let Some(t) = d.tokens {
+            let tokens = self.region(&t);
+            self.driver.launch(
+                s,
+                &Launch::ResolvePending {
+                    rows: &d.rows,
+                    rows_dev,
+                    tokens,
+                    tokens_len: u32_count(t.bytes) as u32,
+                },
+            )?;
+        }
+        let out = self.scratch_alloc(s, kind.bytes(d.rows.len() as u64))?;
+        self.driver.launch(
+            s,
+            &Launch::Draw {
+                kind,
+                seed: d.seed,
+                layer: d.layer,
+                rows: d.rows.len(),
+                rows_dev,
+                out,
+            },
+        )?;
+        Ok(out)
+    }
+
+    /// Queues `op`'s launches and copies on `s` (the op was checked). The one dispatch over the
+    /// op set.
+    fn run(&mut self, s: StreamKind, op: &Op) -> Result<(), DeviceError> {
+        match op {
+            Op::IndexKStore(o) => {
+                let keys = self.draw(s, DrawKind::IndexKeys, &o.keys)?;
+                let gamma = self.upload(s, bytes_of(&o.gamma))?;
+                let beta = self.upload(s, bytes_of(&o.beta))?;
+                let rope = self.rope_rows(s, &o.rope, &o.keys)?;
+                let slots = self.upload(s, bytes_of(&o.slots))?;
+                let l = Launch::IndexKStore {
+                    op: o,
+                    keys,
+                    gamma,
+                    beta,
+                    rope,
+                    slots,
+                    dst: self.buffer(o.dst),
+                    dst_fp: self.desc(o.dst).fingerprint,
+                };
+                self.driver.launch(s, &l)
+            }
+            Op::KvStore(o) => {
+                let rows = self.draw(s, DrawKind::KvRows, &o.rows)?;
+                let slots = self.upload(s, bytes_of(&o.slots))?;
+                let l = Launch::KvStore {
+                    op: o,
+                    rows,
+                    slots,
+                    dst: self.buffer(o.dst),
+                    dst_fp: self.desc(o.dst).fingerprint,
+                };
+                self.driver.launch(s, &l)
+            }
+            Op::QPrep(o) => {
+                let heads = o.heads;
+                let q = self.draw(s, DrawKind::Queries { heads }, &o.inputs)?;
+                let w = self.draw(s, DrawKind::HeadWeights { heads }, &o.inputs)?;
+                let rope = self.rope_rows(s, &o.rope, &o.inputs)?;
+                let l = Launch::QPrep {
+                    op: o,
+                    q,
+                    w,
+                    rope,
+                    q_out: self.region(&o.q_out),
+                    w_out: self.region(&o.w_out),
+                };
+                self.driver.launch(s, &l)
+            }
+            Op::IndexLogits(o) => {
+                let page_table = self.upload(s, bytes_of(&o.page_table))?;
+                let context_lens = self.upload(s, bytes_of(&o.context_lens))?;
+                let l = Launch::IndexLogits {
+                    op: o,
+                    q: self.region(&o.q),
+                    w: self.region(&o.w),
+                    page_table,
+                    context_lens,
+                    k: self.buffer(o.k),
+                    k_fp: self.desc(o.k).fingerprint,
+                    out: self.region(&o.out),
+                };
+                self.driver.launch(s, &l)
+            }
+            Op::TopK(o) => {
+                let page_table = self.upload(s, bytes_of(&o.page_table))?;
+                let context_lens = self.upload(s, bytes_of(&o.context_lens))?;
+                let l = Launch::TopK {
+                    op: o,
+                    logits: self.region(&o.logits),
+                    context_lens,
+                    page_table,
+                    out: self.region(&o.out),
+                };
+                self.driver.launch(s, &l)
+            }
+            Op::SparseRead(o) => {
+                let l = Launch::SparseRead {
+                    op: o,
+                    slots: self.region(&o.slots),
+                    kv: self.buffer(o.kv),
+                    kv_fp: self.desc(o.kv).fingerprint,
+                    out: self.region(&o.out),
+                };
+                self.driver.launch(s, &l)
+            }
+            Op::PageCopy(o) => self.page_copy(s, o),
+            Op::NextTokens(o) => {
+                let l = Launch::NextTokens {
+                    op: o,
+                    digests: self.region(&o.digests),
+                    out: self.region(&o.out),
+                };
+                self.driver.launch(s, &l)
+            }
+            Op::Copy(o) => {
+                let (src, dst) = (self.region(&o.src), self.region(&o.dst));
+                self.driver.copy_async(s, dst, src)
+            }
+        }
+    }
+
+    fn page_copy(&mut self, s: StreamKind, o: &PageCopy) -> Result<(), DeviceError> {
+        let (src, dst) = (self.buffer(o.src), self.buffer(o.dst));
+        let (sv, dv) = (&o.src_view, &o.dst_view);
+        tierkv_kernels::cpu::check_page_copy(sv, src.bytes.0, dv, dst.bytes.0, &o.runs).map_err(
+            |e| DeviceError::Kernel {
+                op: "page_copy",
+                detail: e.to_string(),
+            },
+        )?;
+        match self.strategy {
+            CopyStrategy::MemcpyRuns => {
+                for run in &o.runs {
+                    let (a, b) = (sv.page_range(run.src), dv.page_range(run.dst));
+                    let rows = run.count as u64;
+                    let width = sv.page_bytes();
+                    // The last page's row ends at the page's bytes, not at the next stride.
+                    let span = |stride: u64| Bytes((rows - 1) * stride + width);
+                    let c = Copy2d {
+                        src: src.at(Bytes(a.start), span(sv.page_stride)),
+                        src_pitch: sv.page_stride,
+                        dst: dst.at(Bytes(b.start), span(dv.page_stride)),
+                        dst_pitch: dv.page_stride,
+                        width,
+                        height: rows,
+                    };
+                    self.driver.copy_2d_async(s, &c)?;
+                }
+                Ok(())
+            }
+            CopyStrategy::Gather => {
+                let flat = tierkv_kernels::cuda::gather_pairs(&o.runs);
+                let pairs = self.upload(s, bytes_of(&flat))?;
+                self.driver.launch(
+                    s,
+                    &Launch::PageGather {
+                        op: o,
+                        src,
+                        dst,
+                        pairs,
+                    },
+                )
+            }
+        }
+    }
+
+    /// Frees the op's stream-ordered allocations on its stream, after everything it queued.
+    fn free_scratch(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        let mut first = Ok(());
+        for mem in std::mem::take(&mut self.scratch) {
+            let r = self.driver.free_async(s, mem);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// The completion ring (tests read it).
+    pub fn completion_ring(&self) -> &Arc<CompletionRing> {
+        &self.ring
+    }
+}
+
+impl<D: Driver> Drop for DrivenDevice<D> {
+    /// Work still queued on any stream may use the buffers and the staging rings: it finishes
+    /// before the driver frees them.
+    fn drop(&mut self) {
+        let _ = self.driver.bind();
+        let _ = self.synchronize_all();
+    }
+}
+
+impl<D: Driver> Device for DrivenDevice<D> {
+    fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
+        let mem = self
+            .driver
+            .alloc(desc.tier, desc.bytes.0.max(1))
+            .map_err(|e| match e {
+                DeviceError::OutOfMemory { .. } => DeviceError::OutOfMemory {
+                    role: desc.role,
+                    tier: desc.tier,
+                    bytes: desc.bytes.0,
+                },
+                e => e,
+            })?;
+        self.buffers.push((mem, desc));
+        Ok(BufferId(self.buffers.len() as u32 - 1))
+    }
+    fn desc(&self, buf: BufferId) -> BufferDesc {
+        self.buffers[buf.0 as usize].1
+    }
+    fn new_event(&mut self) -> Result<EventId, DeviceError> {
+        let ev = self.driver.event_create(false)?;
+        self.events.push(ev);
+        Ok(EventId(self.events.len() as u32 - 1))
+    }
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.driver.bind()?;
+        self.driver
+            .event_record(stream, self.events[ev.0 as usize])?;
+        if stream == StreamKind::Load && (ev.0 as usize) < RING_SLOTS {
+            let ticket = self.ring.issue_after_previous(ev.0 as usize);
+            let ring = self.ring.clone();
+            let r = self
+                .driver
+                .host_callback(stream, Box::new(move || ring.signal(ticket, 0)));
+            if r.is_ok() {
+                self.tickets.insert(ev, ticket);
+            } else {
+                // The event itself is recorded; only the host callback that would signal the
+                // ring is missing. `query` then falls back to the driver's answer for this
+                // event, which answers the same question more slowly, so the record still
+                // succeeds. The ticket is completed here so the slot can be re-issued.
+                self.ring.signal(ticket, 0);
+                self.tickets.remove(&ev);
+            }
+        } else {
+            self.tickets.remove(&ev);
+        }
+        Ok(())
+    }
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        let e = self.events[ev.0 as usize];
+        self.timed(stream, None, |d| d.driver.stream_wait(stream, e))
+    }
+    fn take_timing(&mut self) -> Option<DeviceTiming> {
+        let mut t = self.timing.take()?;
+        let mut out = DeviceTiming::default();
+        let mut kept = Vec::new();
+        for (start, end, kind) in t.marks.drain(..) {
+            // Only work the host has waited for: a mark still pending stays for the next call.
+            if self.driver.event_query(end) != EventState::Done {
+                kept.push((start, end, kind));
+                continue;
+            }
+            let ns = self.driver.event_elapsed_ns(start, end).unwrap_or(0);
+            match kind {
+                None => out.stalled_ns += ns,
+                Some(k) => {
+                    out.busy_ns += ns;
+                    out.busy_by_op_ns[k] += ns;
+                }
+            }
+            t.free.push(start);
+            t.free.push(end);
+        }
+        t.marks = kept;
+        out.enqueue_ns = std::mem::take(&mut t.enqueue_ns);
+        self.timing = Some(t);
+        Some(out)
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        // An error from asynchronous work is sticky in CUDA: the context is lost and every later
+        // call fails with it, so nothing can be recovered in place. A context that still
+        // synchronises had no such error (an event's failure was its own): go on.
+        self.driver
+            .context_synchronize()
+            .map_err(|e| DeviceError::Backend {
+                detail: format!("the context did not survive a device fault: {e}"),
+            })
+    }
+    fn query(&mut self, ev: EventId) -> EventState {
+        if let Some(&t) = self.tickets.get(&ev) {
+            // The host callback ran: the load stream passed this event.
+            if self.ring.poll(t).is_some() {
+                return EventState::Done;
+            }
+        }
+        self.driver.event_query(self.events[ev.0 as usize])
+    }
+    fn synchronize(&mut self, ev: EventId) -> EventState {
+        self.driver.event_synchronize(self.events[ev.0 as usize])
+    }
+    fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
+        // Real time only while timed: the runtime names no clock otherwise.
+        let t0 = self.timing.is_some().then(std::time::Instant::now);
+        check_op(&op, |b| self.buffers[b.0 as usize].1)?;
+        self.driver.bind()?;
+        let r = self.timed(stream, Some(op.kind()), |d| {
+            let r = d.run(stream, &op);
+            let freed = d.free_scratch(stream);
+            r.and(freed)
+        });
+        if let (StreamKind::Compute, Some(t), Some(t0)) = (stream, self.timing.as_mut(), t0) {
+            t.enqueue_ns[op.kind()] += t0.elapsed().as_nanos() as u64;
+        }
+        r
+    }
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        let (mem, desc) = self.buffers[buf.0 as usize];
+        check_host_access("host_read", buf, desc, offset, out.len())?;
+        self.driver.read_pinned(mem, offset, out)
+    }
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
+        let (mem, desc) = self.buffers[buf.0 as usize];
+        check_host_access("host_write", buf, desc, offset, data.len())?;
+        self.driver.write_pinned(mem, offset, data)
+    }
+}

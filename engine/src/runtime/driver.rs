@@ -1,0 +1,241 @@
+//! The driver seam: exactly the CUDA driver calls the runtime ([`super::driven`]) makes, as a
+//! trait. The runtime logic above it (staging ring, argument uploads, stream-ordered scratch
+//! allocations, the event pool, the RoPE table, the completion ring and its host callbacks,
+//! transfer strategies, recovery) is the same code whichever driver runs below it: cudarc's
+//! ([`super::cuda::CudaDriver`], feature `cuda`) in production.
+//!
+//! A kernel launch is one [`Launch`] record: the engine op it belongs to (its scalars and the
+//! host copies of its arrays, which the launcher checks before it launches) and a [`Ptr`] for
+//! every argument the kernel reads or writes on the device (the uploaded copies of those arrays
+//! among them: the kernel reads those, not the host copies).
+
+use crate::device::{
+    DeviceError, EventState, IndexKStore, IndexLogits, KvStore, MemoryTier, NextTokens, PageCopy,
+    QPrep, SparseRead, StreamKind, TopK,
+};
+use crate::layout::{Bytes, LayoutFingerprint};
+use tierkv_kernels::cpu::draw::TokenAt;
+pub use tierkv_kernels::cuda::DrawKind;
+
+/// One allocation a driver made (device memory, pinned host memory, or a stream-ordered
+/// allocation). Ids may be reused after the allocation is freed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Mem(pub u32);
+
+/// `bytes` bytes of allocation `mem`, from `offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ptr {
+    pub mem: Mem,
+    pub offset: Bytes,
+    pub bytes: Bytes,
+}
+
+impl Ptr {
+    /// The whole of an allocation of `bytes` bytes.
+    pub fn whole(mem: Mem, bytes: Bytes) -> Ptr {
+        Ptr {
+            mem,
+            offset: Bytes(0),
+            bytes,
+        }
+    }
+    /// `bytes` bytes from `at` inside this range. Panics past its end (the runtime checked every
+    /// region against its buffer before it asks).
+    pub fn at(self, at: Bytes, bytes: Bytes) -> Ptr {
+        assert!(
+            at.0 + bytes.0 <= self.bytes.0,
+            "range {}+{} past a pointer of {} bytes",
+            at.0,
+            bytes.0,
+            self.bytes.0
+        );
+        Ptr {
+            mem: self.mem,
+            offset: Bytes(self.offset.0 + at.0),
+            bytes,
+        }
+    }
+}
+
+/// One event of a driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DrvEvent(pub u32);
+
+/// Runs on the driver's callback thread when a stream reaches it. It may make no driver call.
+pub type HostCallback = Box<dyn FnOnce() + Send + 'static>;
+
+/// One kernel launch: the op's record and the device pointers of every argument.
+#[derive(Clone, Copy, Debug)]
+pub enum Launch<'a> {
+    /// Replaces each pending row's token in `rows_dev` (the uploaded `rows`) by entry
+    /// `pending_index` of `tokens` (`tokens_len` entries).
+    ResolvePending {
+        rows: &'a [TokenAt],
+        rows_dev: Ptr,
+        tokens: Ptr,
+        tokens_len: u32,
+    },
+    /// Draws the synthetic model's `kind` inputs of `rows` rows (`rows_dev`) into `out`.
+    Draw {
+        kind: DrawKind,
+        seed: u64,
+        layer: u32,
+        rows: usize,
+        rows_dev: Ptr,
+        out: Ptr,
+    },
+    /// Gathers the RoPE rows of `positions` (uploaded as `positions_dev`) from `table` (rows
+    /// `0..table_rows`) into `out`.
+    RopeRows {
+        table: Ptr,
+        table_rows: u32,
+        positions: &'a [u32],
+        positions_dev: Ptr,
+        out: Ptr,
+    },
+    IndexKStore {
+        op: &'a IndexKStore,
+        keys: Ptr,
+        gamma: Ptr,
+        beta: Ptr,
+        rope: Ptr,
+        slots: Ptr,
+        dst: Ptr,
+        dst_fp: LayoutFingerprint,
+    },
+    KvStore {
+        op: &'a KvStore,
+        rows: Ptr,
+        slots: Ptr,
+        dst: Ptr,
+        dst_fp: LayoutFingerprint,
+    },
+    QPrep {
+        op: &'a QPrep,
+        q: Ptr,
+        w: Ptr,
+        rope: Ptr,
+        q_out: Ptr,
+        w_out: Ptr,
+    },
+    IndexLogits {
+        op: &'a IndexLogits,
+        q: Ptr,
+        w: Ptr,
+        page_table: Ptr,
+        context_lens: Ptr,
+        k: Ptr,
+        k_fp: LayoutFingerprint,
+        out: Ptr,
+    },
+    TopK {
+        op: &'a TopK,
+        logits: Ptr,
+        context_lens: Ptr,
+        page_table: Ptr,
+        out: Ptr,
+    },
+    SparseRead {
+        op: &'a SparseRead,
+        slots: Ptr,
+        kv: Ptr,
+        kv_fp: LayoutFingerprint,
+        out: Ptr,
+    },
+    NextTokens {
+        op: &'a NextTokens,
+        digests: Ptr,
+        out: Ptr,
+    },
+    /// Every page of `op`'s runs, as the (source, destination) pairs uploaded to `pairs`.
+    PageGather {
+        op: &'a PageCopy,
+        src: Ptr,
+        dst: Ptr,
+        pairs: Ptr,
+    },
+}
+
+impl Launch<'_> {
+    /// The kernel's name, for errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Launch::ResolvePending { .. } => "resolve_pending",
+            Launch::Draw { .. } => "draw",
+            Launch::RopeRows { .. } => "rope_rows",
+            Launch::IndexKStore { .. } => "index_k_store",
+            Launch::KvStore { .. } => "kv_store",
+            Launch::QPrep { .. } => "q_prep",
+            Launch::IndexLogits { .. } => "index_logits",
+            Launch::TopK { .. } => "topk",
+            Launch::SparseRead { .. } => "sparse_read",
+            Launch::NextTokens { .. } => "next_tokens",
+            Launch::PageGather { .. } => "page_gather",
+        }
+    }
+}
+
+/// A pitched copy of `height` rows of `width` bytes: row `i` from `src.offset + i·src_pitch` to
+/// `dst.offset + i·dst_pitch` (`cuMemcpy2DAsync`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Copy2d {
+    pub src: Ptr,
+    pub src_pitch: u64,
+    pub dst: Ptr,
+    pub dst_pitch: u64,
+    pub width: u64,
+    pub height: u64,
+}
+
+/// The CUDA driver calls of the runtime. Every call may fail; an asynchronous error (a kernel
+/// that faulted) is sticky in CUDA: every later call of the context fails with it.
+pub trait Driver {
+    /// Makes the driver's context current on the calling thread.
+    fn bind(&mut self) -> Result<(), DeviceError>;
+    /// A zeroed allocation of `bytes` (at least 1) bytes, made synchronously: device memory, or
+    /// pinned, device-mapped host memory.
+    fn alloc(&mut self, tier: MemoryTier, bytes: u64) -> Result<Mem, DeviceError>;
+    /// Frees an allocation of [`Driver::alloc`]. The caller made sure no queued work uses it.
+    fn free(&mut self, mem: Mem) -> Result<(), DeviceError>;
+    /// A stream-ordered device allocation (`cuMemAllocAsync`): usable by work queued on `s`
+    /// after this call; uninitialised.
+    fn alloc_async(&mut self, s: StreamKind, bytes: u64) -> Result<Mem, DeviceError>;
+    /// A stream-ordered free (`cuMemFreeAsync`): the memory may be reused by work ordered after
+    /// this point of `s`, so every reader on another stream must be ordered before it.
+    fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError>;
+    /// Writes pinned host memory from the host (no stream: the caller orders it).
+    fn write_pinned(&mut self, mem: Mem, at: Bytes, data: &[u8]) -> Result<(), DeviceError>;
+    /// Reads pinned host memory on the host.
+    fn read_pinned(&mut self, mem: Mem, at: Bytes, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Queues a copy of `src.bytes` bytes from `src` to `dst` on `s` (`cuMemcpyAsync`; either
+    /// side may be device or pinned host memory).
+    fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError>;
+    /// Queues a pitched copy on `s` (`cuMemcpy2DAsync`).
+    fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError>;
+    /// Copies `data` from pageable host memory to `dst` on `s` (`cuMemcpyHtoDAsync` from
+    /// pageable memory): the driver takes the bytes before it returns, so `data` may be reused
+    /// at once; the copy to the device is ordered on `s`.
+    fn copy_pageable(&mut self, s: StreamKind, dst: Ptr, data: &[u8]) -> Result<(), DeviceError>;
+    /// Queues a kernel on `s`. The launcher checks the record first and refuses what its kernel
+    /// cannot hold.
+    fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError>;
+    /// A new event; `timing` events can be measured against each other.
+    fn event_create(&mut self, timing: bool) -> Result<DrvEvent, DeviceError>;
+    /// Captures the work queued on `s` so far in `e`.
+    fn event_record(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError>;
+    /// Whether `e`'s work completed, without blocking.
+    fn event_query(&mut self, e: DrvEvent) -> EventState;
+    /// Blocks until `e`'s work completed.
+    fn event_synchronize(&mut self, e: DrvEvent) -> EventState;
+    /// Nanoseconds between two completed timing events, `None` if either is not complete.
+    fn event_elapsed_ns(&mut self, start: DrvEvent, end: DrvEvent) -> Option<u64>;
+    /// Work queued on `s` after this call waits for `e`'s work (as recorded now).
+    fn stream_wait(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError>;
+    /// Blocks until everything queued on `s` completed.
+    fn stream_synchronize(&mut self, s: StreamKind) -> Result<(), DeviceError>;
+    /// Blocks until everything queued on every stream completed.
+    fn context_synchronize(&mut self) -> Result<(), DeviceError>;
+    /// Queues `cb` on `s`: it runs on the callback thread once the work before it completed.
+    /// On an error the callback never runs (it is dropped).
+    fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError>;
+}
