@@ -98,10 +98,20 @@ pub enum Mutant {
     ///     `scale_fmt`, so a model with fp32 scales stores keys its indexer's specification does
     ///     not hold.
     StoreScalesThroughUe8m0,
+    /// 31. Runtime: a staging ring's region is written again without waiting for the copy
+    ///     still queued out of it (a pinned slot rewritten before its upload ran).
+    StagingReusedEarly,
+    /// 32. Runtime (LMCache/LMCache#2916's review: staged on one stream, read on another): an
+    ///     op's stream-ordered scratch is freed on another stream than the one whose kernels
+    ///     read it, with no event, so that stream's next allocation reuses it while they run.
+    ScratchFreedOnOtherStream,
+    /// 33. Runtime: the completion callback of a load-stream event is queued before the event's
+    ///     record, so the completion ring acknowledges the load before its last copy ran.
+    CallbackBeforeRecord,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 30] = [
+    pub const ALL: [Mutant; 33] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -132,6 +142,9 @@ impl Mutant {
         Mutant::AbortFreesPagesInFlight,
         Mutant::LoadSkipsIndexK,
         Mutant::StoreScalesThroughUe8m0,
+        Mutant::StagingReusedEarly,
+        Mutant::ScratchFreedOnOtherStream,
+        Mutant::CallbackBeforeRecord,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -142,6 +155,16 @@ impl Mutant {
                 | Mutant::PdFreesBeforeSend
                 | Mutant::PdLayerLayoutMismatch
                 | Mutant::PdAdmitsBeforeEveryLayer
+        )
+    }
+    /// The mutants of the production runtime below the `Device` trait (`runtime::driven`): they
+    /// act only where the engine runs on it, so the simulator runs them over its driver.
+    pub fn is_runtime(self) -> bool {
+        matches!(
+            self,
+            Mutant::StagingReusedEarly
+                | Mutant::ScratchFreedOnOtherStream
+                | Mutant::CallbackBeforeRecord
         )
     }
     /// The mutants of an engine that runs one step ahead: the simulator switches the overlap
@@ -184,6 +207,9 @@ impl Mutant {
             Mutant::AbortFreesPagesInFlight => "abort-frees-pages-in-flight",
             Mutant::LoadSkipsIndexK => "load-skips-index-k",
             Mutant::StoreScalesThroughUe8m0 => "store-scales-through-ue8m0",
+            Mutant::StagingReusedEarly => "staging-reused-early",
+            Mutant::ScratchFreedOnOtherStream => "scratch-freed-on-other-stream",
+            Mutant::CallbackBeforeRecord => "callback-before-record",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -218,6 +244,9 @@ impl Mutant {
             Mutant::AbortFreesPagesInFlight => "vllm-project/vllm#47282",
             Mutant::LoadSkipsIndexK => "sgl-project/sglang#30057",
             Mutant::StoreScalesThroughUe8m0 => "deepseek-ai/FlashMLA#184",
+            Mutant::StagingReusedEarly => "runtime: a staging slot rewritten before its upload ran",
+            Mutant::ScratchFreedOnOtherStream => "LMCache/LMCache#2916 (review)",
+            Mutant::CallbackBeforeRecord => "runtime: a callback acknowledges a load early",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -286,6 +315,26 @@ impl Mutants {
     /// not when that step is recorded.
     pub fn abort_frees_in_flight_pages(&self) -> bool {
         self.on(Mutant::AbortFreesPagesInFlight)
+    }
+    /// Mutant 31: whether the staging ring waits for the copy out of a region before writing it
+    /// again. Clean: it does.
+    pub fn staging_waits(&self) -> bool {
+        !self.on(Mutant::StagingReusedEarly)
+    }
+    /// Mutant 32: the stream an op's stream-ordered scratch is freed on. Clean: `s`, the stream
+    /// of the kernels that read it.
+    pub fn scratch_free_stream(&self, s: crate::device::StreamKind) -> crate::device::StreamKind {
+        use crate::device::StreamKind;
+        match (self.on(Mutant::ScratchFreedOnOtherStream), s) {
+            (false, s) => s,
+            (true, StreamKind::Compute) => StreamKind::Write,
+            (true, _) => StreamKind::Compute,
+        }
+    }
+    /// Mutant 33: whether a load-stream event's completion callback is queued before its record.
+    /// Clean: after.
+    pub fn callback_before_record(&self) -> bool {
+        self.on(Mutant::CallbackBeforeRecord)
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

@@ -98,13 +98,13 @@ pub struct GpuOptions {
     /// which the race detector reports anyway.)
     pub torn_copy_rate: f64,
     /// The longest delay between a load-stream record's completion and its host callback, ns
-    /// (0: at once). The production device enqueues a host callback after every record on the
-    /// load stream, which signals the completion ring; before it records the same event again
-    /// it waits for the previous callback (`CompletionRing::issue_after_previous`), so a late
-    /// callback stalls the host there. Callbacks run in order (CUDA runs a stream's callbacks
-    /// in order) but late against the other streams' completions, which the host can observe
-    /// first. `query` and `synchronize` stay exact, as `cuEventQuery` is (the production
-    /// `query` falls back to it when the callback has not run).
+    /// (0: at once). The production runtime queues a host callback after every record on the
+    /// load stream, which signals the completion ring; the simulated driver (`driver.rs`) runs
+    /// it at the drawn time, in order (CUDA runs a stream's callbacks in order) but late
+    /// against the other streams' completions, which the host can observe first. A record whose
+    /// slot's previous callback has not run gets no ticket: `query` asks the driver, and
+    /// `query` and `synchronize` stay exact, as `cuEventQuery` is. (Engines on the simulated GPU
+    /// directly have no callbacks: the delay only orders the `observed` probe.)
     pub completion_delay_ns: u64,
     /// Fail the first pinned-host allocation (the runner retries the engine's construction).
     pub fail_first_host_alloc: bool,
@@ -203,10 +203,37 @@ pub enum Mark {
     },
 }
 
+/// Where a launch of the simulated driver (`driver.rs`) takes its by-value arrays from on the
+/// device, and what else it reads there: at its completion the op takes each array from its
+/// range, so the kernel computes with what the uploads left there, as a CUDA kernel does.
+#[derive(Clone, Debug, Default)]
+pub struct LaunchArgs {
+    /// Device ranges the kernel reads besides the op's own (uploaded arrays, the drawn inputs
+    /// and RoPE rows of the launches fused into it).
+    pub reads: Vec<ByteRange>,
+    /// The op's arrays, each read from a range at completion.
+    pub patches: Vec<(ArgField, ByteRange)>,
+}
+
+/// An array of an op that a launch reads from the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgField {
+    /// A store's slots (`i32`).
+    Slots,
+    /// `index_logits`' or `topk`'s page table (`i32`).
+    PageTable,
+    /// `index_logits`' or `topk`'s context lengths (`i32`).
+    ContextLens,
+    /// The drawn rows (token, position) of a store or `q_prep`.
+    Rows,
+}
+
 #[derive(Clone, Debug)]
 struct OpRec {
     id: u64,
     op: Op,
+    /// A launch's device arguments (`None`: the op carries all its arguments).
+    args: Option<Box<LaunchArgs>>,
     fail: bool,
     /// It hangs: it ends only when the watchdog gives up on it (`fail` too).
     hung: bool,
@@ -256,6 +283,9 @@ struct StreamState {
 struct RecordState {
     /// The stream it was recorded on.
     stream: usize,
+    /// A record of one of the engine's events (not of the runtime's own, `internal_events`):
+    /// the record log counts it, and a failure it reports is one the host saw.
+    counted: bool,
     done_at: Option<u64>,
     /// When its host callback runs (load-stream records, `completion_delay_ns`).
     seen_at: Option<u64>,
@@ -296,6 +326,9 @@ pub struct SimGpu {
     side: usize,
     /// Latest record of each event.
     events: Vec<Option<u64>>,
+    /// Events the runtime over the simulated driver made for itself (staging copies, host
+    /// callbacks, stream synchronisation), not the engine's.
+    internal_events: std::collections::BTreeSet<EventId>,
     records: BTreeMap<u64, RecordState>,
     next_record: u64,
     heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
@@ -386,6 +419,7 @@ impl SimGpu {
             streams: Default::default(),
             side: 0,
             events: Vec::new(),
+            internal_events: Default::default(),
             records: BTreeMap::new(),
             next_record: 0,
             heap: BinaryHeap::new(),
@@ -637,9 +671,15 @@ impl SimGpu {
                 Entry::Record(rec) => {
                     let rec = *rec;
                     self.streams[s].queue.pop_front();
-                    let failed = std::mem::take(&mut self.streams[s].failed_since_record)
-                        || self.streams[s].sticky;
-                    self.streams[s].skipping = false;
+                    // A failure is the engine's to see at its next record: a record of the
+                    // runtime's own (a staging copy's, a callback's) reports it too but neither
+                    // clears it nor ends the skipping of the failed step's work.
+                    let counted = self.records[&rec].counted;
+                    let failed = self.streams[s].failed_since_record || self.streams[s].sticky;
+                    if counted {
+                        self.streams[s].failed_since_record = false;
+                        self.streams[s].skipping = false;
+                    }
                     let seen = self.seen_at(s, t);
                     let r = self.records.get_mut(&rec).expect("record exists");
                     assert_eq!(r.stream, s, "record {rec} completes on another stream");
@@ -649,7 +689,9 @@ impl SimGpu {
                     let last = self.streams[s].last_record.replace(rec);
                     assert!(last < Some(rec), "records of one stream complete in order");
                     r.failed = failed;
-                    self.record_log.failed[s].push(failed);
+                    if r.counted {
+                        self.record_log.failed[s].push(failed);
+                    }
                     probes::hit_if(SimProbe::RecordFailed, failed);
                     self.mark(Mark::Record {
                         stream: s,
@@ -753,30 +795,6 @@ impl SimGpu {
         probes::hit_if(SimProbe::FaultCompletionReordered, late);
     }
 
-    /// Before the host records a load-stream event again, it waits for the host callback of the
-    /// event's previous record (as `CompletionRing::issue_after_previous` does), and is ordered
-    /// after that record (the ring's acquire). Only in runs that draw a delay: with none, the
-    /// engine's own wait (or its absence, which the zoo's ring mutant is) is what orders it.
-    fn wait_callback(&mut self, rec: u64) {
-        let start = self.host.get();
-        self.run_until_record(rec);
-        let r = self.records[&rec];
-        join(&mut self.host_vc, &r.vc);
-        let at = r.seen_at.expect("a completed record has its callback time");
-        if at > start {
-            probes::hit(SimProbe::FaultCompletionLate);
-            self.host.set(at);
-            self.pump(at);
-            self.mark(Mark::Host {
-                what: "wait for a late callback",
-                start,
-                end: at,
-                rec: Some(rec),
-            });
-        }
-        self.log(&[16, rec, at]);
-    }
-
     /// Runs the device until record `rec` is complete (the host blocks meanwhile).
     fn run_until_record(&mut self, rec: u64) -> u64 {
         loop {
@@ -793,7 +811,7 @@ impl SimGpu {
     /// The op running on stream `s` ends at `t` (the executor's queue entry for it): its reads
     /// and writes happen now.
     fn complete(&mut self, s: usize, t: u64) {
-        let (rec, start, end) = self.streams[s].running.take().expect("a running op");
+        let (mut rec, start, end) = self.streams[s].running.take().expect("a running op");
         // Paired with the start in `advance_stream`: the queue holds the op's own end time, and
         // the stream finishes its ops in the order they were enqueued.
         assert_eq!(
@@ -837,6 +855,10 @@ impl SimGpu {
                 }
             }
         } else {
+            if let Some(args) = rec.args.take() {
+                self.patch(&mut rec.op, &args);
+                rec.args = Some(args);
+            }
             self.check_content(&rec, end);
             if rec.fail {
                 self.fail_copy(s, &rec);
@@ -884,6 +906,41 @@ impl SimGpu {
         }
         self.streams[s].ready_at = end;
         self.advance_stream(s, end);
+    }
+
+    /// A launch's arrays as its kernel reads them: from their device ranges, now.
+    fn patch(&self, op: &mut Op, args: &LaunchArgs) {
+        for &(field, range) in &args.patches {
+            let bytes = self.mem.range(range);
+            let word = |i: usize| u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
+            let ints = match (field, &mut *op) {
+                (ArgField::Slots, Op::IndexKStore(o)) => &mut o.slots,
+                (ArgField::Slots, Op::KvStore(o)) => &mut o.slots,
+                (ArgField::PageTable, Op::IndexLogits(o)) => &mut o.page_table,
+                (ArgField::PageTable, Op::TopK(o)) => &mut o.page_table,
+                (ArgField::ContextLens, Op::IndexLogits(o)) => &mut o.context_lens,
+                (ArgField::ContextLens, Op::TopK(o)) => &mut o.context_lens,
+                (ArgField::Rows, o) => {
+                    let rows = match o {
+                        Op::IndexKStore(o) => &mut o.keys.rows,
+                        Op::KvStore(o) => &mut o.rows.rows,
+                        Op::QPrep(o) => &mut o.inputs.rows,
+                        o => panic!("{} has no drawn rows", o.name()),
+                    };
+                    assert!(bytes.len() >= 8 * rows.len(), "rows past their upload");
+                    for (i, r) in rows.iter_mut().enumerate() {
+                        r.token = word(2 * i);
+                        r.position = word(2 * i + 1);
+                    }
+                    continue;
+                }
+                (f, o) => panic!("{} has no {f:?}", o.name()),
+            };
+            assert!(bytes.len() >= 4 * ints.len(), "{field:?} past its upload");
+            for (i, x) in ints.iter_mut().enumerate() {
+                *x = word(i) as i32;
+            }
+        }
     }
 
     /// The content oracle on every row the op reads, in the memory it reads them from.
@@ -1078,7 +1135,7 @@ impl SimGpu {
     /// Queues op `op` on stream `s`: its id, its happens-before clock and the race check of its
     /// accesses, its duration and fate.
     /// Pushes `op` onto stream `s`; `key` numbers it for its keyed fault draws.
-    fn push_op(&mut self, s: usize, op: Op, key: u64) {
+    fn push_op(&mut self, s: usize, op: Op, key: u64, args: Option<Box<LaunchArgs>>) {
         let id = self.next_op;
         self.next_op += 1;
         // Happens-before: the op follows everything its stream and the host know of.
@@ -1087,7 +1144,11 @@ impl SimGpu {
         vc[s] += 1;
         self.streams[s].vc = vc;
         let who_what = format!("{} {}", op.name(), op_detail(&op, &self.mem));
-        for a in op.accesses() {
+        let launch_reads = args.iter().flat_map(|a| &a.reads).map(|&range| Access {
+            range,
+            write: false,
+        });
+        for a in op.accesses().into_iter().chain(launch_reads) {
             let who = Accessor {
                 entity: s,
                 epoch: vc[s],
@@ -1105,6 +1166,7 @@ impl SimGpu {
         self.streams[s].queue.push_back(Entry::Op(Box::new(OpRec {
             id,
             op,
+            args,
             fail,
             hung,
             duration,
@@ -1175,6 +1237,111 @@ impl SimGpu {
                 st.queue.len()
             );
         }
+    }
+
+    /// What the engine asked of the current side: the tokens side 0 stores and the pages its
+    /// load stream fills (the runner's per-step promises), and the bytes a page copy writes
+    /// (the record log). Refused asks count too.
+    pub(crate) fn note_asked(&mut self, stream: StreamKind, op: &Op) {
+        let s = stream_index(self.side, stream);
+        if let (Op::KvStore(o), 0) = (op, self.side) {
+            self.stored
+                .extend(o.tags.rows.iter().map(|t| (t.request, t.position)));
+            let page = tierkv_kernels::spec::format::PAGE_TOKENS as i32;
+            self.stored_pages.extend(
+                o.tags
+                    .rows
+                    .iter()
+                    .zip(&o.slots)
+                    .filter(|(_, &slot)| slot >= 0)
+                    .map(|(t, &slot)| (t.request, (slot / page) as u32)),
+            );
+        }
+        if let (Op::PageCopy(c), StreamKind::Load, 0) = (op, stream, self.side) {
+            self.loaded.extend(
+                c.runs
+                    .iter()
+                    .flat_map(|r| (0..r.count).map(move |i| r.dst.0 + i)),
+            );
+        }
+        if op.spec().class() == OpClass::PageCopy {
+            let written: u64 = op
+                .accesses()
+                .iter()
+                .filter(|a| a.write)
+                .map(|a| a.range.len().0)
+                .sum();
+            self.record_log.copy_bytes[s] += written;
+        }
+    }
+
+    /// A page copy the device refused: the record log counts it, and the rows it should have
+    /// written hold whatever was there before — not the bytes the engine asked for, so a read
+    /// of them must never reach an output.
+    pub(crate) fn note_refused(&mut self, stream: StreamKind, op: &Op) {
+        let s = stream_index(self.side, stream);
+        self.record_log.refused_after[s].push(self.record_log.made[s]);
+        for (buf, page, rows) in op.spec().full_rows() {
+            *self.tainted.entry((buf, page)).or_default() |= rows;
+        }
+    }
+
+    /// A buffer whose race-detector cells are `cell` bytes (the simulated driver's staging rings
+    /// and scratch: their regions are that finely aligned).
+    pub(crate) fn alloc_cells(
+        &mut self,
+        desc: BufferDesc,
+        cell: u64,
+    ) -> Result<BufferId, DeviceError> {
+        let id = self.alloc(desc)?;
+        self.race.register(id, cell);
+        Ok(id)
+    }
+
+    /// An event of the runtime's own (`internal_events`).
+    pub(crate) fn new_internal_event(&mut self) -> Result<EventId, DeviceError> {
+        let ev = self.new_event()?;
+        self.internal_events.insert(ev);
+        Ok(ev)
+    }
+
+    /// The latest record of `ev`.
+    pub(crate) fn latest_record(&self, ev: EventId) -> Option<u64> {
+        self.events[ev.0 as usize]
+    }
+
+    /// Whether the host callback behind record `rec` runs by the host's time (the device runs
+    /// up to it first): `Some(true)` it does, `Some(false)` it never will (the record failed:
+    /// CUDA does not run host functions after an error), `None` not yet.
+    pub(crate) fn callback_due(&mut self, rec: u64) -> Option<bool> {
+        let now = self.host.get();
+        self.pump(now);
+        let r = self.records[&rec];
+        let due = r.seen_at.is_some_and(|t| t <= now);
+        probes::hit_if(SimProbe::FaultCompletionLate, !due && r.done_at.is_some());
+        due.then_some(!r.failed)
+    }
+
+    /// The host learned from a completion callback that record `rec` completed: it is ordered
+    /// after that record's work from now on.
+    pub(crate) fn observe_record(&mut self, rec: u64) {
+        let r = self.records[&rec];
+        assert!(
+            r.done_at.is_some(),
+            "a callback ran before record {rec} completed"
+        );
+        join(&mut self.host_vc, &r.vc);
+        self.log(&[24, rec]);
+    }
+
+    /// Whether the current side is in error (its calls fail, CUDA drops its callbacks).
+    pub(crate) fn side_in_error(&self) -> bool {
+        self.in_error[self.side].is_some()
+    }
+
+    /// Fails a call of a side in error (`what` numbers the call kind in the log).
+    pub(crate) fn refuse(&mut self, what: u64) -> Result<(), DeviceError> {
+        self.refuse_in_error(what)
     }
 
     /// Whether any token row of this page holds bytes from a failed copy.
@@ -1380,9 +1547,6 @@ impl Device for SimGpu {
         );
         self.refuse_in_error(22)?;
         if let Some(old) = self.events[ev.0 as usize] {
-            if stream == StreamKind::Load && self.opts.completion_delay_ns > 0 {
-                self.wait_callback(old);
-            }
             let awaited = self.streams.iter().any(|st| {
                 st.queue
                     .iter()
@@ -1392,10 +1556,12 @@ impl Device for SimGpu {
         }
         let rec = self.next_record;
         self.next_record += 1;
+        let counted = !self.internal_events.contains(&ev);
         self.records.insert(
             rec,
             RecordState {
                 stream: s,
+                counted,
                 done_at: None,
                 seen_at: None,
                 failed: false,
@@ -1403,7 +1569,9 @@ impl Device for SimGpu {
             },
         );
         self.events[ev.0 as usize] = Some(rec);
-        self.record_log.made[s] += 1;
+        if counted {
+            self.record_log.made[s] += 1;
+        }
         self.streams[s].queue.push_back(Entry::Record(rec));
         self.log(&[5, s as u64, ev.0 as u64, rec]);
         let now = self.host.get();
@@ -1440,7 +1608,9 @@ impl Device for SimGpu {
                         join(&mut self.host_vc, &r.vc);
                         self.observed(rec, now);
                         if r.failed {
-                            self.failure_seen(r.stream, ev);
+                            if r.counted {
+                                self.failure_seen(r.stream, ev);
+                            }
                             EventState::Failed
                         } else {
                             EventState::Done
@@ -1478,7 +1648,9 @@ impl Device for SimGpu {
                 let now = self.host.get();
                 self.observed(rec, now);
                 if r.failed {
-                    self.failure_seen(r.stream, ev);
+                    if r.counted {
+                        self.failure_seen(r.stream, ev);
+                    }
                     EventState::Failed
                 } else {
                     EventState::Done
@@ -1497,6 +1669,61 @@ impl Device for SimGpu {
         state
     }
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
+        self.enqueue_with(stream, op, None)
+    }
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        check_host_access("host_read", buf, self.mem.desc(buf), offset, out.len())?;
+        let now = self.host.get();
+        self.pump(now);
+        self.host_access("host_read", buf, offset, out.len(), false);
+        out.copy_from_slice(
+            self.mem
+                .range(ByteRange::new(buf, offset, Bytes(out.len() as u64))),
+        );
+        self.log(&[10, buf.0 as u64, offset.0]);
+        self.mark(Mark::Host {
+            what: "host_read",
+            start: now,
+            end: now,
+            rec: None,
+        });
+        Ok(())
+    }
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
+        check_host_access("host_write", buf, self.mem.desc(buf), offset, data.len())?;
+        let now = self.host.get();
+        self.pump(now);
+        self.host_access("host_write", buf, offset, data.len(), true);
+        self.mem
+            .range_mut(ByteRange::new(buf, offset, Bytes(data.len() as u64)))
+            .copy_from_slice(data);
+        self.log(&[11, buf.0 as u64, offset.0]);
+        self.mark(Mark::Host {
+            what: "host_write",
+            start: now,
+            end: now,
+            rec: None,
+        });
+        Ok(())
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        self.recover_side()
+    }
+}
+
+impl SimGpu {
+    /// Queues `op` on `stream` of the current side; `args`: a launch's device arguments.
+    pub(crate) fn enqueue_with(
+        &mut self,
+        stream: StreamKind,
+        op: Op,
+        args: Option<Box<LaunchArgs>>,
+    ) -> Result<(), DeviceError> {
         let s = stream_index(self.side, stream);
         if let Err(e) = check_op(&op, |b| self.mem.desc(b)) {
             self.finding(
@@ -1549,34 +1776,11 @@ impl Device for SimGpu {
             });
         }
         self.host.set(self.host.get() + self.opts.launch_ns);
-        if let (Op::KvStore(o), 0) = (&op, self.side) {
-            self.stored
-                .extend(o.tags.rows.iter().map(|t| (t.request, t.position)));
-            let page = tierkv_kernels::spec::format::PAGE_TOKENS as i32;
-            self.stored_pages.extend(
-                o.tags
-                    .rows
-                    .iter()
-                    .zip(&o.slots)
-                    .filter(|(_, &slot)| slot >= 0)
-                    .map(|(t, &slot)| (t.request, (slot / page) as u32)),
-            );
-        }
-        if let (Op::PageCopy(c), StreamKind::Load, 0) = (&op, stream, self.side) {
-            self.loaded.extend(
-                c.runs
-                    .iter()
-                    .flat_map(|r| (0..r.count).map(move |i| r.dst.0 + i)),
-            );
-        }
-        if op.spec().class() == OpClass::PageCopy {
-            let written: u64 = op
-                .accesses()
-                .iter()
-                .filter(|a| a.write)
-                .map(|a| a.range.len().0)
-                .sum();
-            self.record_log.copy_bytes[s] += written;
+        // A launch of the simulated driver is the runtime's: the engine's device call that asked
+        // for it is noted by `SimDevice` (it may fail before any launch).
+        let launch = args.is_some();
+        if !launch {
+            self.note_asked(stream, &op);
         }
         let in_error = class == OpClass::PageCopy && self.refuse_in_error(20).is_err();
         if in_error
@@ -1586,11 +1790,8 @@ impl Device for SimGpu {
         {
             probes::hit_if(SimProbe::FaultEnqueueFailed, !in_error);
             self.log(&[12, s as u64]);
-            self.record_log.refused_after[s].push(self.record_log.made[s]);
-            // The rows it should have written hold whatever was there before: not the bytes
-            // the engine asked for, so a read of them must never reach an output.
-            for (buf, page, rows) in op.spec().full_rows() {
-                *self.tainted.entry((buf, page)).or_default() |= rows;
+            if !launch {
+                self.note_refused(stream, &op);
             }
             if let (true, Some(cause)) = (in_error, self.in_error[self.side]) {
                 return Err(DeviceError::InError { cause });
@@ -1603,54 +1804,16 @@ impl Device for SimGpu {
         // copy's two ops), so a torn copy does not move the draws of the ops after it.
         match self.tear(&op, s, n) {
             Some((first, second)) => {
-                self.push_op(s, first, 2 * n);
-                self.push_op(s, second, 2 * n + 1);
+                self.push_op(s, first, 2 * n, args.clone());
+                self.push_op(s, second, 2 * n + 1, args);
             }
-            None => self.push_op(s, op, 2 * n),
+            None => self.push_op(s, op, 2 * n, args),
         }
         Ok(())
     }
-    fn host_read(
-        &mut self,
-        buf: BufferId,
-        offset: Bytes,
-        out: &mut [u8],
-    ) -> Result<(), DeviceError> {
-        check_host_access("host_read", buf, self.mem.desc(buf), offset, out.len())?;
-        let now = self.host.get();
-        self.pump(now);
-        self.host_access("host_read", buf, offset, out.len(), false);
-        out.copy_from_slice(
-            self.mem
-                .range(ByteRange::new(buf, offset, Bytes(out.len() as u64))),
-        );
-        self.log(&[10, buf.0 as u64, offset.0]);
-        self.mark(Mark::Host {
-            what: "host_read",
-            start: now,
-            end: now,
-            rec: None,
-        });
-        Ok(())
-    }
-    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
-        check_host_access("host_write", buf, self.mem.desc(buf), offset, data.len())?;
-        let now = self.host.get();
-        self.pump(now);
-        self.host_access("host_write", buf, offset, data.len(), true);
-        self.mem
-            .range_mut(ByteRange::new(buf, offset, Bytes(data.len() as u64)))
-            .copy_from_slice(data);
-        self.log(&[11, buf.0 as u64, offset.0]);
-        self.mark(Mark::Host {
-            what: "host_write",
-            start: now,
-            end: now,
-            rec: None,
-        });
-        Ok(())
-    }
-    fn recover(&mut self) -> Result<(), DeviceError> {
+
+    /// Recovers the current side (`Device::recover`).
+    fn recover_side(&mut self) -> Result<(), DeviceError> {
         if self.opts.recover_fails {
             self.log(&[15, 2]);
             return Err(DeviceError::Backend {
@@ -1660,9 +1823,15 @@ impl Device for SimGpu {
         // Completions up to now happened with the error; what completes later runs again.
         let now = self.host.get();
         self.pump(now);
-        // Each side is its own device: recovering one clears its streams alone.
+        // Each side is its own device: recovering one clears its streams alone. Work a stream
+        // in error still holds was queued in the failed context: it never runs (the stream
+        // skips to its next record, which reports the failure).
         let mut was = self.in_error[self.side].take().is_some();
         for st in &mut self.streams[self.side * 3..self.side * 3 + 3] {
+            if st.sticky && (st.running.is_some() || !st.queue.is_empty()) {
+                st.skipping = true;
+                st.failed_since_record = true;
+            }
             was |= std::mem::take(&mut st.sticky);
             st.failure_seen = None;
         }
@@ -1683,7 +1852,7 @@ pub struct SimSide {
 }
 
 impl SimSide {
-    fn at(&self) -> std::cell::RefMut<'_, SimGpu> {
+    pub(crate) fn at(&self) -> std::cell::RefMut<'_, SimGpu> {
         let mut g = self.gpu.borrow_mut();
         g.side = self.side;
         g

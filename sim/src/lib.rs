@@ -10,6 +10,7 @@ pub mod checked;
 pub mod cli;
 #[cfg(feature = "cuda")]
 pub mod cuda_exec;
+pub mod driver;
 pub mod fasthash;
 pub mod fuzz;
 pub mod gpu;

@@ -5,7 +5,7 @@
 //! send's completion reported on the prefill side's write stream, behind its backups — as an
 //! NCCL send completes on the sender's stream — so it may come well after every layer arrived.
 
-use crate::gpu::SimSide;
+use crate::driver::SimDevice;
 use crate::rng::Rng;
 use tierkv_engine::device::{call_recovering, Device, EventId, StreamKind};
 use tierkv_engine::layout::PageId;
@@ -27,11 +27,11 @@ impl SimLink {
     }
 }
 
-impl KvLink<SimSide> for SimLink {
+impl KvLink<SimDevice> for SimLink {
     fn send(
         &mut self,
-        prefill: &mut SimSide,
-        decode: &mut SimSide,
+        prefill: &mut SimDevice,
+        decode: &mut SimDevice,
         after: EventId,
         pairs: &[(PageId, PageId)],
         layers: &[LayerSend],

@@ -67,6 +67,17 @@ pub enum SimProbe {
     PdLayersReordered,
     /// One step ahead: a store drew a pending token from tokens a failed step left stale.
     StaleTokensDrawn,
+    /// The runtime over the simulated driver: a stream-ordered allocation reused a buffer an
+    /// earlier op of its stream freed.
+    DriverScratchReused,
+    /// The runtime over the simulated driver: a staging ring wrapped (a region was written
+    /// below the previous one).
+    DriverStagingWrapped,
+    /// The runtime over the simulated driver: an argument went by a pageable copy.
+    DriverPageableCopy,
+    /// The runtime over the simulated driver: a host callback was dropped because its side was
+    /// in error.
+    DriverCallbackDropped,
 }
 
 impl SimProbe {
@@ -98,6 +109,10 @@ impl SimProbe {
         SimProbe::EvictedOnDemand,
         SimProbe::PdLayersReordered,
         SimProbe::StaleTokensDrawn,
+        SimProbe::DriverScratchReused,
+        SimProbe::DriverStagingWrapped,
+        SimProbe::DriverPageableCopy,
+        SimProbe::DriverCallbackDropped,
     ];
 
     pub fn name(self) -> &'static str {
@@ -129,6 +144,10 @@ impl SimProbe {
             SimProbe::EvictedOnDemand => "run.evicted_on_demand",
             SimProbe::PdLayersReordered => "pd.layers_reordered",
             SimProbe::StaleTokensDrawn => "ahead.stale_tokens_drawn",
+            SimProbe::DriverScratchReused => "driver.scratch_reused",
+            SimProbe::DriverStagingWrapped => "driver.staging_wrapped",
+            SimProbe::DriverPageableCopy => "driver.pageable_copy",
+            SimProbe::DriverCallbackDropped => "driver.callback_dropped",
         }
     }
 }

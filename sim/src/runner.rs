@@ -1,6 +1,7 @@
 //! One simulated run: a scenario's engine on the simulated GPU, driven by its workload in virtual
 //! time, with every oracle watching. The run stops at the first finding.
 
+use crate::driver::{SimDevice, SimDriver};
 use crate::gpu::{Mark, SimClock, SimGpu, SimSide, Slice};
 use crate::link::SimLink;
 use crate::oracles::content::{ContentOracle, Sampler, SAMPLE_EVERY};
@@ -21,6 +22,7 @@ use tierkv_engine::engine::EngineFaults;
 use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
 use tierkv_engine::mutants::Mutants;
 use tierkv_engine::pd::LinkError;
+use tierkv_engine::runtime::driven::{CopyStrategy, DrivenDevice};
 use tierkv_engine::synth::Synth;
 use tierkv_engine::{
     Config, Engine, EngineError, EngineOptions, Output, PdError, PdPair, Rejection, RequestSpec,
@@ -290,8 +292,8 @@ fn engine_error_kind(e: &EngineError) -> OracleKind {
     }
 }
 
-type Eng = Engine<SimSide, SimClock>;
-type PairEng = PdPair<SimSide, SimClock, SimLink>;
+type Eng = Engine<SimDevice, SimClock>;
+type PairEng = PdPair<SimDevice, SimClock, SimLink>;
 
 /// What a run drives: one engine on side 0 of the simulated GPU, or (the `pd` profile) a
 /// prefill/decode pair, prefill on side 0 and decode on side 1, joined by the simulated link.
@@ -536,8 +538,8 @@ fn start_engine(
                     PdPair::new(
                         cfg.clone(),
                         off,
-                        side(0),
-                        side(1),
+                        SimDevice::Direct(side(0)),
+                        SimDevice::Direct(side(1)),
                         clock.clone(),
                         clock.clone(),
                         SimLink::new(sc.seed),
@@ -554,8 +556,8 @@ fn start_engine(
             let pair = PdPair::new(
                 cfg.clone(),
                 decode,
-                side(0),
-                side(1),
+                SimDevice::Direct(side(0)),
+                SimDevice::Direct(side(1)),
                 clock.clone(),
                 clock,
                 link,
@@ -563,8 +565,20 @@ fn start_engine(
             );
             guarded(|| pair.map(|p| Target::Pair(Box::new(p))).map_err(pd_error))
         } else {
+            let staging = sc.gpu.runtime_staging_bytes as usize;
             guarded(|| {
-                Engine::new(cfg.clone(), side(0), clock, eopts).map(|e| Target::One(Box::new(e)))
+                // The production runtime over the simulated driver, unless the run performs
+                // its ops on a real GPU (whose executor takes the ops themselves).
+                let dev = if staging > 0 && !opts.cuda {
+                    let driver = SimDriver::new(side(0));
+                    let mut rt = DrivenDevice::with_staging(driver, CopyStrategy::Gather, staging)
+                        .map_err(EngineError::Device)?;
+                    rt.mutants = eopts.mutants;
+                    SimDevice::Runtime(Box::new(rt))
+                } else {
+                    SimDevice::Direct(side(0))
+                };
+                Engine::new(cfg.clone(), dev, clock, eopts).map(|e| Target::One(Box::new(e)))
             })
         };
         target

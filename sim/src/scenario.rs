@@ -98,6 +98,11 @@ pub struct GpuKnobs {
     /// The buffer allocation at the engine's construction that fails, from 1 (0: none).
     #[serde(default, alias = "fail_alloc")]
     pub fail_alloc_nth: u32,
+    /// The engine runs on the production runtime over the simulated driver (`driver.rs`), with
+    /// staging rings of this many bytes (a multiple of 256, at least 1024); 0: on the simulated
+    /// GPU directly. A prefill/decode pair, and a run with `--device cuda`, always run directly.
+    #[serde(default)]
+    pub runtime_staging_bytes: u64,
 }
 
 impl GpuKnobs {
@@ -203,6 +208,8 @@ pub mod limits {
     pub const PCT_DEPTH_MAX: u32 = 64;
     pub const JITTER_NS_MAX: u64 = 1_000_000_000;
     pub const COMPLETION_DELAY_NS_MAX: u64 = 1_000_000_000;
+    /// A simulated staging ring (its bytes are the simulator's memory).
+    pub const RUNTIME_STAGING_BYTES_MAX: u64 = 64 << 20;
     pub const COPY_BYTES_PER_NS_MAX: f64 = 1e6;
     /// Arrival times, think times and the like, in virtual ns (about 17 minutes).
     pub const TIME_NS_MAX: u64 = 1 << 40;
@@ -386,6 +393,19 @@ impl Scenario {
             g.completion_delay_ns,
             limits::COMPLETION_DELAY_NS_MAX,
         )?;
+        let staging = g.runtime_staging_bytes;
+        if staging != 0 && (staging < 1024 || staging % 256 != 0) {
+            return Err(bad(
+                "gpu.runtime_staging_bytes",
+                staging,
+                "must be 0 or a multiple of 256 of at least 1024",
+            ));
+        }
+        at_most(
+            "gpu.runtime_staging_bytes",
+            staging,
+            limits::RUNTIME_STAGING_BYTES_MAX,
+        )?;
         rate("gpu.failed_copy_rate", g.failed_copy_rate)
     }
 
@@ -437,7 +457,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} context-wide {} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} context-wide {} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | {} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -467,6 +487,10 @@ impl Scenario {
             self.gpu.torn_copy_rate,
             self.gpu.completion_delay_ns,
             self.gpu.fail_alloc_nth,
+            match self.gpu.runtime_staging_bytes {
+                0 => "device direct".to_string(),
+                b => format!("runtime staging {b} B"),
+            },
             self.device_pages_refused_rate,
             self.host_pages_refused_rate,
             self.abort_rate,
@@ -810,6 +834,8 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         } else {
             0.0002 + gr.unit() * 0.0008
         },
+        // Small rings, so that they wrap within a run and large arguments go pageable.
+        runtime_staging_bytes: *gr.pick(&[1024, 4096, 16384, 65536]),
     }
 }
 

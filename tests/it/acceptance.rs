@@ -157,6 +157,10 @@ fn the_same_seed_gives_the_same_event_log() {
 fn a_schedule_is_explored_replayed_and_shrunk() {
     let mut sc = draw(3, "sessions", None);
     sc.mutant = Some("ungated-index-k-read".into());
+    // On the simulated GPU directly: behind the runtime's argument uploads the race shows under
+    // most seeds' own schedules (27 of sessions seeds 0..30, measured), and this test is about
+    // the schedules that find what the scenario's own misses.
+    sc.gpu.runtime_staging_bytes = 0;
     let own = run(&sc, &RunOptions::default());
     assert!(!own.failed(), "{:?}", own.findings.first());
     let ops = own.decisions.len() as u64;

@@ -10,7 +10,7 @@
 
 pub use super::driven::CopyStrategy;
 use super::driven::DrivenDevice;
-use super::driver::{Copy2d, Driver, DrvEvent, HostCallback, Launch, Mem, Ptr};
+use super::driver::{Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, Ptr};
 use crate::device::*;
 use crate::layout::Bytes;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
@@ -252,11 +252,12 @@ impl Driver for CudaDriver {
             .bind_to_thread()
             .map_err(backend("cuCtxSetCurrent"))
     }
-    fn alloc(&mut self, tier: MemoryTier, bytes: u64) -> Result<Mem, DeviceError> {
+    fn alloc(&mut self, desc: &BufferDesc) -> Result<Mem, DeviceError> {
         self.bind()?;
+        let (tier, bytes) = (desc.tier, desc.bytes.0);
         let n = bytes.max(1) as usize;
         let oom = |_| DeviceError::OutOfMemory {
-            role: BufferRole::Scratch { name: "driver" },
+            role: desc.role,
             tier,
             bytes,
         };
@@ -542,7 +543,8 @@ impl Driver for CudaDriver {
         }
         .map_err(kernel)
     }
-    fn event_create(&mut self, timing: bool) -> Result<DrvEvent, DeviceError> {
+    fn event_create(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError> {
+        let timing = purpose == EventUse::Timing;
         let flags = timing.then_some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let ev = self
             .ctx
@@ -585,6 +587,14 @@ impl Driver for CudaDriver {
     }
     fn context_synchronize(&mut self) -> Result<(), DeviceError> {
         self.ctx.synchronize().map_err(backend("cuCtxSynchronize"))
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        // An error from asynchronous work is sticky in CUDA: the context is lost and every later
+        // call fails with it, so nothing can be recovered in place. A context that still
+        // synchronises had no such error (an event's failure was its own): go on.
+        self.ctx
+            .synchronize()
+            .map_err(backend("the CUDA context did not survive a device fault"))
     }
     fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
         let data = Box::into_raw(Box::new(cb));

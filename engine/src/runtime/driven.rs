@@ -14,11 +14,11 @@
 //! Page transfers have two strategies ([`CopyStrategy`]): one pitched copy per coalesced run, or
 //! one gather kernel over mapped host memory for all pages. `tierkv bench` measures both.
 
-use super::driver::{Copy2d, DrawKind, Driver, DrvEvent, Launch, Mem, Ptr};
+use super::driver::{Copy2d, DrawKind, Driver, DrvEvent, EventUse, Launch, Mem, Ptr};
 use super::ring::{CompletionRing, Ticket};
 use super::staging::{Copies, StagingRing};
 use crate::device::*;
-use crate::layout::{f32_bytes, u32_count, Bytes, ROPE_DIM};
+use crate::layout::{f32_bytes, u32_count, Bytes, LayoutFingerprint, ROPE_DIM};
 use std::sync::Arc;
 
 /// How page runs move between tiers. The default is the gather kernel: on the H200 it moves a
@@ -33,8 +33,8 @@ pub enum CopyStrategy {
     Gather,
 }
 
-/// Bytes of each stream's staging ring. An argument larger than a quarter of it is copied
-/// from pageable memory instead.
+/// Bytes of each stream's staging ring in production (`DrivenDevice::over`). An argument larger
+/// than a quarter of its ring is copied from pageable memory instead.
 pub const STAGING_BYTES: usize = 64 << 20;
 /// Staged regions start on multiples of this many bytes.
 const STAGING_ALIGN_BYTES: usize = 256;
@@ -50,21 +50,29 @@ struct Staging {
     ring: StagingRing<DrvEvent>,
     /// Events of completed copies, for reuse.
     free: Vec<DrvEvent>,
+    /// A copy out of the ring was queued but its event not recorded (the call failed): no
+    /// region is known free until the stream has been synchronised.
+    unknown: bool,
 }
 
-/// The staging ring asks the driver about its copies.
-struct DriverCopies<'a, D>(&'a mut D);
+/// The staging ring asks the driver about its copies (`waits`: clean, it waits for them).
+struct DriverCopies<'a, D> {
+    driver: &'a mut D,
+    waits: bool,
+}
 
+/// A copy that failed is over too: it reads the ring no more, so its region may be written.
 impl<D: Driver> Copies<DrvEvent> for DriverCopies<'_, D> {
     fn done(&mut self, e: &DrvEvent) -> bool {
-        self.0.event_query(*e) == EventState::Done
+        !self.waits || self.driver.event_query(*e) != EventState::Pending
     }
     fn wait(&mut self, e: &DrvEvent) -> Result<(), DeviceError> {
-        match self.0.event_synchronize(*e) {
-            EventState::Done => Ok(()),
-            s => Err(DeviceError::Backend {
-                detail: format!("staging wait: the copy out of the ring ended {s:?}"),
-            }),
+        if !self.waits {
+            return Ok(());
+        }
+        match self.driver.event_synchronize(*e) {
+            EventState::Done | EventState::Failed => Ok(()),
+            EventState::Pending => unreachable!("a synchronised event is not pending"),
         }
     }
 }
@@ -93,15 +101,78 @@ fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
+/// Where each argument array and output of an op lies: its arrays packed for one upload, its
+/// outputs planned in one stream-ordered allocation. Each starts on a [`PACK_ALIGN_BYTES`]
+/// boundary (the kernels read their inputs and write their outputs 16 bytes at a time).
+#[derive(Default)]
+struct Pack {
+    args: Vec<u8>,
+    outs: u64,
+}
+
+/// Every packed array and output starts on a multiple of this.
+const PACK_ALIGN_BYTES: usize = 16;
+
+/// A range of a pack: `(offset, bytes)`; an empty array still owns one byte.
+#[derive(Clone, Copy, Debug)]
+struct Packed(u64, u64);
+
+impl Pack {
+    fn arg<T: Copy>(&mut self, v: &[T]) -> Packed {
+        let at = self.args.len().next_multiple_of(PACK_ALIGN_BYTES);
+        let b = bytes_of(v);
+        self.args.resize(at, 0);
+        self.args.extend_from_slice(b);
+        if b.is_empty() {
+            self.args.push(0);
+        }
+        Packed(at as u64, b.len().max(1) as u64)
+    }
+    fn out(&mut self, bytes: Bytes) -> Packed {
+        let at = self.outs.next_multiple_of(PACK_ALIGN_BYTES as u64);
+        let n = bytes.0.max(1);
+        self.outs = at + n;
+        Packed(at, n)
+    }
+}
+
+/// An op's uploaded arguments and its outputs on the device.
+struct Staged {
+    args: Ptr,
+    outs: Ptr,
+}
+
+impl Staged {
+    fn arg(&self, p: Packed) -> Ptr {
+        self.args.at(Bytes(p.0), Bytes(p.1))
+    }
+    fn out(&self, p: Packed) -> Ptr {
+        self.outs.at(Bytes(p.0), Bytes(p.1))
+    }
+}
+
+/// Where a drawn input's rows, outputs and RoPE rows lie in its op's pack.
+struct DrawPlan {
+    rows: Packed,
+    outs: Vec<Packed>,
+    positions: Option<Packed>,
+    rope_out: Option<Packed>,
+    positions_host: Vec<u32>,
+}
+
 /// The production `Device` logic over a driver.
 pub struct DrivenDevice<D: Driver> {
     pub driver: D,
     pub strategy: CopyStrategy,
+    /// The bug zoo's runtime mutants (none in production).
+    pub mutants: crate::mutants::Mutants,
     /// Each buffer's allocation and description.
     buffers: Vec<(Mem, BufferDesc)>,
     events: Vec<DrvEvent>,
     /// Per stream, the pinned ring its ops' arguments are staged through.
     staging: [Option<Staging>; StreamKind::ALL.len()],
+    /// Bytes of each staging ring.
+    staging_bytes: usize,
     /// The model's RoPE rows on the device, grown to the largest position seen.
     rope: Option<RopeTable>,
     /// Stream-ordered allocations of the op being enqueued, freed on its stream after it.
@@ -114,14 +185,26 @@ pub struct DrivenDevice<D: Driver> {
 }
 
 impl<D: Driver> DrivenDevice<D> {
-    /// The device over `driver`, with every stream's staging ring made now.
+    /// The device over `driver`, with every stream's staging ring ([`STAGING_BYTES`]) made now.
     pub fn over(driver: D, strategy: CopyStrategy) -> Result<DrivenDevice<D>, DeviceError> {
+        DrivenDevice::with_staging(driver, strategy, STAGING_BYTES)
+    }
+
+    /// The device over `driver` with staging rings of `staging_bytes` (a multiple of 256, at
+    /// least 1024; a simulated driver takes small ones, so that they wrap).
+    pub fn with_staging(
+        driver: D,
+        strategy: CopyStrategy,
+        staging_bytes: usize,
+    ) -> Result<DrivenDevice<D>, DeviceError> {
         let mut d = DrivenDevice {
             driver,
             strategy,
+            mutants: crate::mutants::Mutants::none(),
             buffers: Vec::new(),
             events: Vec::new(),
             staging: [None, None, None],
+            staging_bytes,
             rope: None,
             scratch: Vec::new(),
             ring: Arc::new(CompletionRing::new(RING_SLOTS)),
@@ -137,13 +220,20 @@ impl<D: Driver> DrivenDevice<D> {
     /// Makes stream `s`'s staging ring (its pinned memory), if it has none.
     fn prepare_staging(&mut self, s: StreamKind) -> Result<(), DeviceError> {
         if self.staging[s.index()].is_none() {
-            let host = self
-                .driver
-                .alloc(MemoryTier::PinnedHost, STAGING_BYTES as u64)?;
+            let bytes = self.staging_bytes;
+            let host = self.driver.alloc(&BufferDesc {
+                role: BufferRole::Scratch {
+                    name: "staging ring",
+                },
+                tier: MemoryTier::PinnedHost,
+                bytes: Bytes(bytes as u64),
+                fingerprint: LayoutFingerprint::unpaged(bytes as u64),
+            })?;
             self.staging[s.index()] = Some(Staging {
                 host,
-                ring: StagingRing::new(STAGING_BYTES, STAGING_ALIGN_BYTES),
+                ring: StagingRing::new(bytes, STAGING_ALIGN_BYTES),
                 free: Vec::new(),
+                unknown: false,
             });
         }
         Ok(())
@@ -186,7 +276,7 @@ impl<D: Driver> DrivenDevice<D> {
         let t = self.timing.as_mut().expect("timing on");
         let ev = match t.free.pop() {
             Some(ev) => ev,
-            None => self.driver.event_create(true)?,
+            None => self.driver.event_create(EventUse::Timing)?,
         };
         self.driver.event_record(StreamKind::Compute, ev)?;
         Ok(ev)
@@ -227,19 +317,34 @@ impl<D: Driver> DrivenDevice<D> {
     }
 
     /// Uploads `data` into a stream-ordered allocation (freed after the op), staged through the
-    /// stream's pinned ring, so that the copy is queued without waiting.
+    /// stream's pinned ring, so that the copy is queued without waiting; above a quarter of the
+    /// ring, from pageable memory.
     fn upload(&mut self, s: StreamKind, data: &[u8]) -> Result<Ptr, DeviceError> {
         let n = data.len().max(1);
-        if n > STAGING_BYTES / 4 {
+        if n > self.staging_bytes / 4 {
             let dst = self.scratch_alloc(s, Bytes(n as u64))?;
             self.driver.copy_pageable(s, dst, data)?;
             return Ok(dst);
         }
         self.prepare_staging(s)?;
+        if self.staging[s.index()]
+            .as_ref()
+            .is_some_and(|st| st.unknown)
+        {
+            self.driver.stream_synchronize(s)?;
+            let staging = self.staging[s.index()].as_mut().expect("prepared above");
+            staging.ring.retire_all(&mut staging.free);
+            staging.unknown = false;
+        }
         let staging = self.staging[s.index()].as_mut().expect("prepared above");
-        let at = staging
-            .ring
-            .reserve(n, &mut staging.free, &mut DriverCopies(&mut self.driver))?;
+        let at = staging.ring.reserve(
+            n,
+            &mut staging.free,
+            &mut DriverCopies {
+                driver: &mut self.driver,
+                waits: self.mutants.staging_waits(),
+            },
+        )?;
         let host = staging.host;
         self.driver.write_pinned(host, Bytes(at as u64), data)?;
         let dst = self.scratch_alloc(s, Bytes(n as u64))?;
@@ -251,21 +356,39 @@ impl<D: Driver> DrivenDevice<D> {
         self.driver.copy_async(s, dst, src)?;
         let staging = self.staging[s.index()].as_mut().expect("prepared above");
         let ev = match staging.free.pop() {
-            Some(ev) => ev,
-            None => self.driver.event_create(false)?,
+            Some(ev) => Ok(ev),
+            None => self.driver.event_create(EventUse::Staging),
         };
-        self.driver.event_record(s, ev)?;
+        let recorded = ev.and_then(|ev| self.driver.event_record(s, ev).map(|()| ev));
         let staging = self.staging[s.index()].as_mut().expect("prepared above");
-        staging.ring.queued(at, at + n, ev);
+        match recorded {
+            Ok(ev) => staging.ring.queued(at, at + n, ev),
+            Err(e) => {
+                staging.unknown = true;
+                return Err(e);
+            }
+        }
         Ok(dst)
     }
 
-    /// The RoPE rows of `d`'s positions gathered on stream `s` from the device's table of
-    /// `rope`'s rows (made, or doubled, on the host when a position lies past it: the host
-    /// computes each position's row once), into a stream-ordered allocation.
-    fn rope_rows(&mut self, s: StreamKind, rope: &Rope, d: &Drawn) -> Result<Ptr, DeviceError> {
-        let positions = d.positions();
-        let max = positions.iter().copied().max().unwrap_or(0);
+    /// Uploads the op's packed arguments and allocates its outputs: one staged copy and one
+    /// stream-ordered allocation for the whole op.
+    fn stage(&mut self, s: StreamKind, p: &Pack) -> Result<Staged, DeviceError> {
+        let args = self.upload(s, &p.args)?;
+        let outs = self.scratch_alloc(s, Bytes(p.outs))?;
+        Ok(Staged { args, outs })
+    }
+
+    /// Makes the device's RoPE table of `rope` hold row `max` (made, or doubled, on the host
+    /// when it does not: the host computes each position's row once) and returns it with its
+    /// rows. The old table may still be read by work queued on any stream: it is freed after a
+    /// context synchronisation.
+    fn rope_table(
+        &mut self,
+        s: StreamKind,
+        rope: &Rope,
+        max: u32,
+    ) -> Result<(Ptr, u32), DeviceError> {
         if !self
             .rope
             .as_ref()
@@ -281,11 +404,15 @@ impl<D: Driver> DrivenDevice<D> {
                 .max(ROPE_TABLE_ROWS_MIN);
             let host = rope.rows(0..rows);
             let data = bytes_of(&host);
-            let table = self.driver.alloc(MemoryTier::Device, data.len() as u64)?;
+            let table = self.driver.alloc(&BufferDesc {
+                role: BufferRole::Scratch { name: "RoPE table" },
+                tier: MemoryTier::Device,
+                bytes: Bytes(data.len() as u64),
+                fingerprint: LayoutFingerprint::unpaged(data.len() as u64),
+            })?;
             let copied = self
                 .driver
                 .copy_pageable(s, Ptr::whole(table, Bytes(data.len() as u64)), data)
-                // The old table may still be read by work queued on any stream: it is freed after.
                 .and_then(|()| self.driver.context_synchronize());
             if let Err(e) = copied {
                 self.driver.free(table)?;
@@ -301,28 +428,37 @@ impl<D: Driver> DrivenDevice<D> {
             });
         }
         let t = self.rope.as_ref().expect("made above");
-        let table_rows = t.rows;
-        let table = Ptr::whole(t.table, f32_bytes(table_rows as u64 * ROPE_DIM as u64));
-        let positions_dev = self.upload(s, bytes_of(&positions))?;
-        let out = self.scratch_alloc(s, f32_bytes(positions.len() as u64 * ROPE_DIM as u64))?;
-        self.driver.launch(
-            s,
-            &Launch::RopeRows {
-                table,
-                table_rows,
-                positions: &positions,
-                positions_dev,
-                out,
-            },
-        )?;
-        Ok(out)
+        let table = Ptr::whole(t.table, f32_bytes(t.rows as u64 * ROPE_DIM as u64));
+        Ok((table, t.rows))
     }
 
-    /// Draws the synthetic model's `kind` inputs of `d`'s rows on stream `s` into a
-    /// stream-ordered allocation: the host sends 8 bytes a row instead of the values. Pending
-    /// rows take their token from the op's tokens region first, on the device.
-    fn draw(&mut self, s: StreamKind, kind: DrawKind, d: &Drawn) -> Result<Ptr, DeviceError> {
-        let rows_dev = self.upload(s, bytes_of(&d.rows))?;
+    /// Packs `d`'s rows (and for RoPE, their positions) and plans the outputs of `kinds` drawn
+    /// from them.
+    fn plan_draws(p: &mut Pack, d: &Drawn, kinds: &[DrawKind], rope: bool) -> DrawPlan {
+        let rows = d.rows.len() as u64;
+        let positions = rope.then(|| d.positions());
+        DrawPlan {
+            rows: p.arg(&d.rows),
+            outs: kinds.iter().map(|k| p.out(k.bytes(rows))).collect(),
+            positions: positions.as_ref().map(|v| p.arg(v)),
+            rope_out: rope.then(|| p.out(f32_bytes(rows * ROPE_DIM as u64))),
+            positions_host: positions.unwrap_or_default(),
+        }
+    }
+
+    /// Draws the synthetic model's inputs of `d`'s rows on stream `s` into the op's outputs (the
+    /// host sends 8 bytes a row instead of the values; pending rows take their token from the
+    /// op's tokens region first, on the device), and gathers their RoPE rows.
+    fn draw(
+        &mut self,
+        s: StreamKind,
+        d: &Drawn,
+        kinds: &[DrawKind],
+        plan: &DrawPlan,
+        st: &Staged,
+        rope: Option<&Rope>,
+    ) -> Result<(), DeviceError> {
+        let rows_dev = st.arg(plan.rows);
         if let Some(t) = d.tokens {
             let tokens = self.region(&t);
             self.driver.launch(
@@ -335,50 +471,74 @@ impl<D: Driver> DrivenDevice<D> {
                 },
             )?;
         }
-        let out = self.scratch_alloc(s, kind.bytes(d.rows.len() as u64))?;
-        self.driver.launch(
-            s,
-            &Launch::Draw {
-                kind,
-                seed: d.seed,
-                layer: d.layer,
-                rows: d.rows.len(),
-                rows_dev,
-                out,
-            },
-        )?;
-        Ok(out)
+        for (&kind, &out) in kinds.iter().zip(&plan.outs) {
+            self.driver.launch(
+                s,
+                &Launch::Draw {
+                    kind,
+                    seed: d.seed,
+                    layer: d.layer,
+                    rows: d.rows.len(),
+                    rows_dev,
+                    out: st.out(out),
+                },
+            )?;
+        }
+        if let (Some(rope), Some(pos), Some(out)) = (rope, plan.positions, plan.rope_out) {
+            let max = plan.positions_host.iter().copied().max().unwrap_or(0);
+            let (table, table_rows) = self.rope_table(s, rope, max)?;
+            self.driver.launch(
+                s,
+                &Launch::RopeRows {
+                    table,
+                    table_rows,
+                    positions: &plan.positions_host,
+                    positions_dev: st.arg(pos),
+                    out: st.out(out),
+                },
+            )?;
+        }
+        Ok(())
     }
 
     /// Queues `op`'s launches and copies on `s` (the op was checked). The one dispatch over the
     /// op set.
     fn run(&mut self, s: StreamKind, op: &Op) -> Result<(), DeviceError> {
+        let mut p = Pack::default();
         match op {
             Op::IndexKStore(o) => {
-                let keys = self.draw(s, DrawKind::IndexKeys, &o.keys)?;
-                let gamma = self.upload(s, bytes_of(&o.gamma))?;
-                let beta = self.upload(s, bytes_of(&o.beta))?;
-                let rope = self.rope_rows(s, &o.rope, &o.keys)?;
-                let slots = self.upload(s, bytes_of(&o.slots))?;
+                let kinds = [DrawKind::IndexKeys];
+                let plan = Self::plan_draws(&mut p, &o.keys, &kinds, true);
+                let (gamma, beta, slots) = (p.arg(&o.gamma), p.arg(&o.beta), p.arg(&o.slots));
+                self.rope_table(
+                    s,
+                    &o.rope,
+                    plan.positions_host.iter().copied().max().unwrap_or(0),
+                )?;
+                let st = self.stage(s, &p)?;
+                self.draw(s, &o.keys, &kinds, &plan, &st, Some(&o.rope))?;
                 let l = Launch::IndexKStore {
                     op: o,
-                    keys,
-                    gamma,
-                    beta,
-                    rope,
-                    slots,
+                    keys: st.out(plan.outs[0]),
+                    gamma: st.arg(gamma),
+                    beta: st.arg(beta),
+                    rope: st.out(plan.rope_out.expect("planned")),
+                    slots: st.arg(slots),
                     dst: self.buffer(o.dst),
                     dst_fp: self.desc(o.dst).fingerprint,
                 };
                 self.driver.launch(s, &l)
             }
             Op::KvStore(o) => {
-                let rows = self.draw(s, DrawKind::KvRows, &o.rows)?;
-                let slots = self.upload(s, bytes_of(&o.slots))?;
+                let kinds = [DrawKind::KvRows];
+                let plan = Self::plan_draws(&mut p, &o.rows, &kinds, false);
+                let slots = p.arg(&o.slots);
+                let st = self.stage(s, &p)?;
+                self.draw(s, &o.rows, &kinds, &plan, &st, None)?;
                 let l = Launch::KvStore {
                     op: o,
-                    rows,
-                    slots,
+                    rows: st.out(plan.outs[0]),
+                    slots: st.arg(slots),
                     dst: self.buffer(o.dst),
                     dst_fp: self.desc(o.dst).fingerprint,
                 };
@@ -386,28 +546,34 @@ impl<D: Driver> DrivenDevice<D> {
             }
             Op::QPrep(o) => {
                 let heads = o.heads;
-                let q = self.draw(s, DrawKind::Queries { heads }, &o.inputs)?;
-                let w = self.draw(s, DrawKind::HeadWeights { heads }, &o.inputs)?;
-                let rope = self.rope_rows(s, &o.rope, &o.inputs)?;
+                let kinds = [DrawKind::Queries { heads }, DrawKind::HeadWeights { heads }];
+                let plan = Self::plan_draws(&mut p, &o.inputs, &kinds, true);
+                self.rope_table(
+                    s,
+                    &o.rope,
+                    plan.positions_host.iter().copied().max().unwrap_or(0),
+                )?;
+                let st = self.stage(s, &p)?;
+                self.draw(s, &o.inputs, &kinds, &plan, &st, Some(&o.rope))?;
                 let l = Launch::QPrep {
                     op: o,
-                    q,
-                    w,
-                    rope,
+                    q: st.out(plan.outs[0]),
+                    w: st.out(plan.outs[1]),
+                    rope: st.out(plan.rope_out.expect("planned")),
                     q_out: self.region(&o.q_out),
                     w_out: self.region(&o.w_out),
                 };
                 self.driver.launch(s, &l)
             }
             Op::IndexLogits(o) => {
-                let page_table = self.upload(s, bytes_of(&o.page_table))?;
-                let context_lens = self.upload(s, bytes_of(&o.context_lens))?;
+                let (pt, lens) = (p.arg(&o.page_table), p.arg(&o.context_lens));
+                let st = self.stage(s, &p)?;
                 let l = Launch::IndexLogits {
                     op: o,
                     q: self.region(&o.q),
                     w: self.region(&o.w),
-                    page_table,
-                    context_lens,
+                    page_table: st.arg(pt),
+                    context_lens: st.arg(lens),
                     k: self.buffer(o.k),
                     k_fp: self.desc(o.k).fingerprint,
                     out: self.region(&o.out),
@@ -415,13 +581,13 @@ impl<D: Driver> DrivenDevice<D> {
                 self.driver.launch(s, &l)
             }
             Op::TopK(o) => {
-                let page_table = self.upload(s, bytes_of(&o.page_table))?;
-                let context_lens = self.upload(s, bytes_of(&o.context_lens))?;
+                let (pt, lens) = (p.arg(&o.page_table), p.arg(&o.context_lens));
+                let st = self.stage(s, &p)?;
                 let l = Launch::TopK {
                     op: o,
                     logits: self.region(&o.logits),
-                    context_lens,
-                    page_table,
+                    context_lens: st.arg(lens),
+                    page_table: st.arg(pt),
                     out: self.region(&o.out),
                 };
                 self.driver.launch(s, &l)
@@ -500,6 +666,7 @@ impl<D: Driver> DrivenDevice<D> {
     /// Frees the op's stream-ordered allocations on its stream, after everything it queued.
     fn free_scratch(&mut self, s: StreamKind) -> Result<(), DeviceError> {
         let mut first = Ok(());
+        let s = self.mutants.scratch_free_stream(s);
         for mem in std::mem::take(&mut self.scratch) {
             let r = self.driver.free_async(s, mem);
             if first.is_ok() {
@@ -526,17 +693,7 @@ impl<D: Driver> Drop for DrivenDevice<D> {
 
 impl<D: Driver> Device for DrivenDevice<D> {
     fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
-        let mem = self
-            .driver
-            .alloc(desc.tier, desc.bytes.0.max(1))
-            .map_err(|e| match e {
-                DeviceError::OutOfMemory { .. } => DeviceError::OutOfMemory {
-                    role: desc.role,
-                    tier: desc.tier,
-                    bytes: desc.bytes.0,
-                },
-                e => e,
-            })?;
+        let mem = self.driver.alloc(&desc)?;
         self.buffers.push((mem, desc));
         Ok(BufferId(self.buffers.len() as u32 - 1))
     }
@@ -544,20 +701,31 @@ impl<D: Driver> Device for DrivenDevice<D> {
         self.buffers[buf.0 as usize].1
     }
     fn new_event(&mut self) -> Result<EventId, DeviceError> {
-        let ev = self.driver.event_create(false)?;
+        let ev = self.driver.event_create(EventUse::Engine)?;
         self.events.push(ev);
         Ok(EventId(self.events.len() as u32 - 1))
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         self.driver.bind()?;
-        self.driver
-            .event_record(stream, self.events[ev.0 as usize])?;
-        if stream == StreamKind::Load && (ev.0 as usize) < RING_SLOTS {
-            let ticket = self.ring.issue_after_previous(ev.0 as usize);
+        let early = self.mutants.callback_before_record();
+        if !early {
+            self.driver
+                .event_record(stream, self.events[ev.0 as usize])?;
+        }
+        // A slot whose previous callback has not run yet (late, or never: CUDA drops the
+        // callbacks of a context in error) is not issued again: `query` asks the driver about
+        // this record instead of blocking the host until that callback.
+        let slot = ev.0 as usize;
+        if stream == StreamKind::Load && slot < RING_SLOTS && self.ring.settled(slot) {
+            let ticket = self.ring.issue(slot);
             let ring = self.ring.clone();
             let r = self
                 .driver
                 .host_callback(stream, Box::new(move || ring.signal(ticket, 0)));
+            if early {
+                self.driver
+                    .event_record(stream, self.events[ev.0 as usize])?;
+            }
             if r.is_ok() {
                 self.tickets.insert(ev, ticket);
             } else {
@@ -569,6 +737,10 @@ impl<D: Driver> Device for DrivenDevice<D> {
                 self.tickets.remove(&ev);
             }
         } else {
+            if early {
+                self.driver
+                    .event_record(stream, self.events[ev.0 as usize])?;
+            }
             self.tickets.remove(&ev);
         }
         Ok(())
@@ -604,19 +776,19 @@ impl<D: Driver> Device for DrivenDevice<D> {
         Some(out)
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
-        // An error from asynchronous work is sticky in CUDA: the context is lost and every later
-        // call fails with it, so nothing can be recovered in place. A context that still
-        // synchronises had no such error (an event's failure was its own): go on.
-        self.driver
-            .context_synchronize()
-            .map_err(|e| DeviceError::Backend {
-                detail: format!("the context did not survive a device fault: {e}"),
-            })
+        self.driver.recover()?;
+        // The callbacks queued before the fault may never run (CUDA drops them after an
+        // error): their slots start again in a new ring. A late one signals the old ring, which
+        // nobody reads.
+        self.ring = Arc::new(CompletionRing::new(RING_SLOTS));
+        self.tickets.clear();
+        Ok(())
     }
     fn query(&mut self, ev: EventId) -> EventState {
         if let Some(&t) = self.tickets.get(&ev) {
             // The host callback ran: the load stream passed this event.
             if self.ring.poll(t).is_some() {
+                self.driver.observed_by_callback(self.events[ev.0 as usize]);
                 return EventState::Done;
             }
         }

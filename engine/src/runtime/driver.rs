@@ -10,7 +10,7 @@
 //! among them: the kernel reads those, not the host copies).
 
 use crate::device::{
-    DeviceError, EventState, IndexKStore, IndexLogits, KvStore, MemoryTier, NextTokens, PageCopy,
+    BufferDesc, DeviceError, EventState, IndexKStore, IndexLogits, KvStore, NextTokens, PageCopy,
     QPrep, SparseRead, StreamKind, TopK,
 };
 use crate::layout::{Bytes, LayoutFingerprint};
@@ -60,6 +60,19 @@ impl Ptr {
 /// One event of a driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DrvEvent(pub u32);
+
+/// What an event is for. CUDA makes timing events with timing on and the others without; a
+/// simulated driver tells the engine's events from the runtime's own (its oracles count what
+/// the engine recorded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventUse {
+    /// One of the engine's events (`Device::new_event`).
+    Engine,
+    /// The runtime's: the end of a copy out of a staging ring.
+    Staging,
+    /// The runtime's: a timing mark of the compute stream.
+    Timing,
+}
 
 /// Runs on the driver's callback thread when a stream reaches it. It may make no driver call.
 pub type HostCallback = Box<dyn FnOnce() + Send + 'static>;
@@ -192,9 +205,10 @@ pub struct Copy2d {
 pub trait Driver {
     /// Makes the driver's context current on the calling thread.
     fn bind(&mut self) -> Result<(), DeviceError>;
-    /// A zeroed allocation of `bytes` (at least 1) bytes, made synchronously: device memory, or
-    /// pinned, device-mapped host memory.
-    fn alloc(&mut self, tier: MemoryTier, bytes: u64) -> Result<Mem, DeviceError>;
+    /// A zeroed allocation of `desc.bytes` (at least 1) bytes in `desc.tier`, made
+    /// synchronously: device memory, or pinned, device-mapped host memory. The role and
+    /// fingerprint name what it holds (errors say it; a simulated driver checks ops with them).
+    fn alloc(&mut self, desc: &BufferDesc) -> Result<Mem, DeviceError>;
     /// Frees an allocation of [`Driver::alloc`]. The caller made sure no queued work uses it.
     fn free(&mut self, mem: Mem) -> Result<(), DeviceError>;
     /// A stream-ordered device allocation (`cuMemAllocAsync`): usable by work queued on `s`
@@ -219,8 +233,8 @@ pub trait Driver {
     /// Queues a kernel on `s`. The launcher checks the record first and refuses what its kernel
     /// cannot hold.
     fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError>;
-    /// A new event; `timing` events can be measured against each other.
-    fn event_create(&mut self, timing: bool) -> Result<DrvEvent, DeviceError>;
+    /// A new event; timing events can be measured against each other.
+    fn event_create(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError>;
     /// Captures the work queued on `s` so far in `e`.
     fn event_record(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError>;
     /// Whether `e`'s work completed, without blocking.
@@ -235,7 +249,18 @@ pub trait Driver {
     fn stream_synchronize(&mut self, s: StreamKind) -> Result<(), DeviceError>;
     /// Blocks until everything queued on every stream completed.
     fn context_synchronize(&mut self) -> Result<(), DeviceError>;
+    /// Brings the context back into use after a fault (`Device::recover`). CUDA cannot recover
+    /// a context in place: the production driver synchronises it and fails if it is lost. (The
+    /// simulated driver clears its side's error and keeps the memory, as the simulated device
+    /// does; recreating a lost context is not built.)
+    fn recover(&mut self) -> Result<(), DeviceError>;
     /// Queues `cb` on `s`: it runs on the callback thread once the work before it completed.
-    /// On an error the callback never runs (it is dropped).
+    /// On an error the callback never runs (it is dropped). CUDA does not run it either when
+    /// the context is in error by then.
     fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError>;
+    /// The host learned from a host callback (the completion ring), not from a driver call,
+    /// that `e`'s latest record completed. CUDA has no such call and the production driver does
+    /// nothing; a simulated driver orders the host after the record's work here, as the ring's
+    /// acquire does.
+    fn observed_by_callback(&mut self, _e: DrvEvent) {}
 }

@@ -76,6 +76,13 @@ impl CompletionRing {
         }
     }
 
+    /// Engine thread: whether `slot`'s latest ticket completed (or it has none), so that it may
+    /// be issued again without waiting.
+    pub fn settled(&self, slot: usize) -> bool {
+        let s = &self.slots[slot];
+        s.done.load(Ordering::Acquire) >= s.issued.load(Ordering::Relaxed)
+    }
+
     /// Engine thread: waits until `slot`'s previous ticket completed, then issues the next. (An
     /// event whose work is done may still have its callback pending on CUDA's thread.)
     pub fn issue_after_previous(&self, slot: usize) -> Ticket {

@@ -80,6 +80,13 @@ impl<E> StagingRing<E> {
         self.in_flight.push_back((start, end, copy));
     }
 
+    /// Forgets every recorded copy (the caller saw the stream complete them all) and starts
+    /// again at the ring's start.
+    pub(crate) fn retire_all(&mut self, retired: &mut Vec<E>) {
+        retired.extend(self.in_flight.drain(..).map(|(_, _, e)| e));
+        self.head = 0;
+    }
+
     /// Moves the completed copies at the front to `retired`.
     fn retire_done(&mut self, retired: &mut Vec<E>, copies: &mut impl Copies<E>) {
         while self

@@ -59,7 +59,12 @@ const DEFAULT_TEST_SEEDS: u64 = 25;
 
 /// Probes the default test campaign does not reach yet, each with the reason. A probe listed here
 /// that the campaign starts hitting fails the test too, so the list stays true.
-const COLD: &[(&str, &str)] = &[];
+const COLD: &[(&str, &str)] = &[(
+    "step.waited_for_load",
+    "since the engine runs on the runtime over the simulated driver, whose argument uploads \
+     keep the compute stream busy, a load is rarely the only work left: 3 of seeds 0..200 \
+     reach it (measured at the commit that made the runtime run in every seed)",
+)];
 
 /// The default test campaign reaches every coverage probe but the ones `COLD` lists.
 fn every_probe_is_hit(c: &tierkv_sim::probes::Coverage) {

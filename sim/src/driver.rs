@@ -1,0 +1,785 @@
+//! The simulated driver: the production runtime (`tierkv_engine::runtime::driven`) runs on it
+//! in a seed, so that what the runtime does below the `Device` trait — staging each op's
+//! arguments through a pinned ring, stream-ordered scratch allocations, pageable copies, the
+//! completion ring's host callbacks — runs under the simulator's schedules, faults and race
+//! detector.
+//!
+//! Each driver call becomes a call of one side of the simulated GPU (`gpu.rs`):
+//! - allocations are its buffers (a stream-ordered free returns the buffer to a pool that a
+//!   later allocation on the same stream reuses, as CUDA's pool may without any event);
+//! - pinned writes and reads are the host's accesses, which the race detector checks against
+//!   the copies still queued from the same bytes;
+//! - copies are linear copies on the stream; a pageable copy takes the host's bytes into a
+//!   bounce buffer at once (as CUDA does before it returns) and copies from it on the stream;
+//! - a kernel launch is the engine op it belongs to, rebuilt on the simulator's buffers, with
+//!   every device argument declared as a read and its arrays (slots, page tables, context
+//!   lengths, drawn rows) taken from their uploaded copies when it runs, so a kernel computes
+//!   with what the uploads left on the device. The launches that draw the model's inputs,
+//!   resolve pending tokens and gather RoPE rows are fused into the launch that consumes their
+//!   output: the consumer declares their reads, and its CPU reference computes what they
+//!   compute (from the drawn rows it reads);
+//! - events are the GPU's events; the runtime's own (staging copies, callbacks) are internal,
+//!   so the record log counts only the engine's;
+//! - a host callback is an internal record on its stream, run by the driver at its next call
+//!   once the record completed and its callback time came (`GpuOptions::completion_delay_ns`),
+//!   and dropped when its side is in error or the record failed (CUDA does not run host
+//!   functions after an error).
+//!
+//! Not modelled yet: driver calls failing by their own drawn faults (a side in error refuses
+//! them), the pitched copies of `CopyStrategy::MemcpyRuns` beyond row-by-row linear copies,
+//! and timing events (`event_elapsed_ns` answers `None`).
+
+use crate::gpu::{ArgField, LaunchArgs, SimSide};
+use crate::probes::{self, SimProbe};
+use std::collections::{BTreeMap, VecDeque};
+use tierkv_engine::device::*;
+use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+use tierkv_engine::runtime::driven::DrivenDevice;
+use tierkv_engine::runtime::driver::{
+    Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, Ptr,
+};
+
+/// Race-detector cells of a staging ring: its regions start on 256-byte boundaries, so two
+/// regions never share a cell. (The other buffers of the driver are one op's each: one cell.)
+const DRIVER_CELL_BYTES: u64 = 256;
+
+/// What a driver allocation is on the simulated GPU.
+#[derive(Clone, Copy, Debug)]
+struct SimMem {
+    buf: BufferId,
+    /// A stream-ordered allocation: its buffer goes back to the pool when freed.
+    pooled: bool,
+    /// The buffer's bytes (at least the allocation's).
+    cap: u64,
+}
+
+/// A launch that the consumer of its output absorbs (see the module doc).
+#[derive(Clone, Debug, Default)]
+struct Fused {
+    /// What it read.
+    reads: Vec<Ptr>,
+    /// For a draw: the uploaded rows it drew from.
+    rows: Option<Ptr>,
+    /// For a pending-token resolution of uploaded rows: the tokens region it read.
+    tokens: Option<Ptr>,
+}
+
+/// A pageable copy's bounce buffer, free once its copy completed.
+struct Bounce {
+    buf: BufferId,
+    cap: u64,
+    done: EventId,
+}
+
+/// A host callback waiting for its record.
+struct Pending {
+    rec: u64,
+    /// The event whose record `rec` is, when the callback came right behind it.
+    behind: Option<EventId>,
+    /// The internal event recorded for it, if it has one of its own.
+    event: Option<EventId>,
+    cb: HostCallback,
+}
+
+pub struct SimDriver {
+    pub(crate) side: SimSide,
+    mems: Vec<Option<SimMem>>,
+    free_ids: Vec<u32>,
+    /// Freed stream-ordered buffers: (capacity, the stream that freed it) → buffers.
+    pool: BTreeMap<(u64, usize), Vec<BufferId>>,
+    /// Driver events → the GPU's events.
+    events: Vec<EventId>,
+    /// Internal events free for a callback or a synchronisation.
+    spare_events: Vec<EventId>,
+    /// Fused launches by the start of their output (allocation, offset).
+    fused: BTreeMap<(Mem, u64), Fused>,
+    bounces: Vec<Bounce>,
+    callbacks: VecDeque<Pending>,
+    /// Per pinned allocation, where the host last wrote it (a staging ring wraps below it).
+    last_write: BTreeMap<Mem, u64>,
+    /// Per stream, the event recorded last if nothing was queued on the stream since.
+    last_record: [Option<EventId>; 3],
+    /// Per event, the record behind which its latest callback ran.
+    callback_ran: BTreeMap<EventId, u64>,
+}
+
+impl SimDriver {
+    pub fn new(side: SimSide) -> SimDriver {
+        SimDriver {
+            side,
+            mems: Vec::new(),
+            free_ids: Vec::new(),
+            pool: BTreeMap::new(),
+            events: Vec::new(),
+            spare_events: Vec::new(),
+            fused: BTreeMap::new(),
+            bounces: Vec::new(),
+            callbacks: VecDeque::new(),
+            last_write: BTreeMap::new(),
+            last_record: [None; 3],
+            callback_ran: BTreeMap::new(),
+        }
+    }
+
+    fn insert(&mut self, m: SimMem) -> Mem {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.mems[id as usize] = Some(m);
+                Mem(id)
+            }
+            None => {
+                self.mems.push(Some(m));
+                Mem(self.mems.len() as u32 - 1)
+            }
+        }
+    }
+
+    fn mem(&self, m: Mem) -> SimMem {
+        self.mems[m.0 as usize].unwrap_or_else(|| panic!("allocation {} used after its free", m.0))
+    }
+
+    /// The simulator's bytes of a range.
+    fn range(&self, p: Ptr) -> ByteRange {
+        let m = self.mem(p.mem);
+        assert!(
+            p.offset.0 + p.bytes.0 <= m.cap,
+            "range {}+{} past allocation {} of {} bytes",
+            p.offset.0,
+            p.bytes.0,
+            p.mem.0,
+            m.cap
+        );
+        ByteRange::new(m.buf, p.offset, p.bytes)
+    }
+
+    fn region(&self, p: Ptr) -> Region {
+        Region {
+            buffer: self.mem(p.mem).buf,
+            offset: p.offset,
+            bytes: p.bytes,
+        }
+    }
+
+    fn buffer(&self, p: Ptr) -> BufferId {
+        self.mem(p.mem).buf
+    }
+
+    /// An internal event (reused once its callback ran or its wait returned).
+    fn spare_event(&mut self) -> Result<EventId, DeviceError> {
+        match self.spare_events.pop() {
+            Some(e) => Ok(e),
+            None => self.side.at().new_internal_event(),
+        }
+    }
+
+    /// Runs the host callbacks whose time came, in order; drops them all when the side is in
+    /// error.
+    fn deliver(&mut self) {
+        while let Some(p) = self.callbacks.front() {
+            let mut g = self.side.at();
+            let due = if g.side_in_error() {
+                Some(false)
+            } else {
+                g.callback_due(p.rec)
+            };
+            drop(g);
+            let Some(runs) = due else {
+                return;
+            };
+            let p = self.callbacks.pop_front().expect("front");
+            if runs {
+                (p.cb)();
+                if let Some(ev) = p.behind {
+                    self.callback_ran.insert(ev, p.rec);
+                }
+            } else {
+                probes::hit(SimProbe::DriverCallbackDropped);
+            }
+            self.spare_events.extend(p.event);
+        }
+    }
+
+    /// Every uploaded range a fused launch behind `p` read, and `p` itself.
+    fn reads_behind(&self, p: Ptr, out: &mut Vec<ByteRange>) {
+        out.push(self.range(p));
+        if let Some(f) = self.fused.get(&(p.mem, p.offset.0)) {
+            for &r in &f.reads {
+                self.reads_behind(r, out);
+            }
+        }
+    }
+
+    /// The drawn rows behind a draw's output: their uploaded range, and the tokens region of
+    /// their pending rows.
+    fn drawn(&self, out: Ptr) -> (Ptr, Option<Region>) {
+        let rows = self.fused[&(out.mem, out.offset.0)]
+            .rows
+            .expect("a draw's output");
+        let tokens = self
+            .fused
+            .get(&(rows.mem, rows.offset.0))
+            .and_then(|f| f.tokens);
+        (rows, tokens.map(|t| self.region(t)))
+    }
+
+    /// Blocks until everything queued on `s` completed: an internal record, synchronised.
+    fn sync_stream(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        let e = self.spare_event()?;
+        let mut g = self.side.at();
+        g.record(s, e)?;
+        let state = g.synchronize(e);
+        drop(g);
+        self.spare_events.push(e);
+        self.deliver();
+        // A failure the stream carries is the engine's to see at its next record: the
+        // synchronisation itself completed.
+        debug_assert_ne!(state, EventState::Pending);
+        Ok(())
+    }
+
+    /// The op a launch belongs to, on the simulator's buffers, with its device arguments.
+    fn sim_op(&self, l: &Launch<'_>) -> (Op, LaunchArgs) {
+        let mut a = LaunchArgs::default();
+        let op = match *l {
+            Launch::ResolvePending { .. } | Launch::Draw { .. } | Launch::RopeRows { .. } => {
+                unreachable!("fused launches are not ops")
+            }
+            Launch::IndexKStore {
+                op,
+                keys,
+                gamma,
+                beta,
+                rope,
+                slots,
+                dst,
+                ..
+            } => {
+                let mut o = op.clone();
+                o.dst = self.buffer(dst);
+                let (rows, tokens) = self.drawn(keys);
+                assert_eq!(
+                    o.keys.tokens.is_some(),
+                    tokens.is_some(),
+                    "pending rows lost"
+                );
+                o.keys.tokens = tokens;
+                for p in [keys, gamma, beta, rope, slots] {
+                    self.reads_behind(p, &mut a.reads);
+                }
+                a.patches.push((ArgField::Slots, self.range(slots)));
+                a.patches.push((ArgField::Rows, self.range(rows)));
+                Op::IndexKStore(o)
+            }
+            Launch::KvStore {
+                op,
+                rows,
+                slots,
+                dst,
+                ..
+            } => {
+                let mut o = op.clone();
+                o.dst = self.buffer(dst);
+                let (drawn, tokens) = self.drawn(rows);
+                assert_eq!(
+                    o.rows.tokens.is_some(),
+                    tokens.is_some(),
+                    "pending rows lost"
+                );
+                o.rows.tokens = tokens;
+                for p in [rows, slots] {
+                    self.reads_behind(p, &mut a.reads);
+                }
+                a.patches.push((ArgField::Slots, self.range(slots)));
+                a.patches.push((ArgField::Rows, self.range(drawn)));
+                Op::KvStore(o)
+            }
+            Launch::QPrep {
+                op,
+                q,
+                w,
+                rope,
+                q_out,
+                w_out,
+            } => {
+                let mut o = op.clone();
+                o.q_out = self.region(q_out);
+                o.w_out = self.region(w_out);
+                let (rows, tokens) = self.drawn(q);
+                assert_eq!(
+                    o.inputs.tokens.is_some(),
+                    tokens.is_some(),
+                    "pending rows lost"
+                );
+                o.inputs.tokens = tokens;
+                for p in [q, w, rope] {
+                    self.reads_behind(p, &mut a.reads);
+                }
+                a.patches.push((ArgField::Rows, self.range(rows)));
+                Op::QPrep(o)
+            }
+            Launch::IndexLogits {
+                op,
+                q,
+                w,
+                page_table,
+                context_lens,
+                k,
+                out,
+                ..
+            } => {
+                let mut o = op.clone();
+                o.q = self.region(q);
+                o.w = self.region(w);
+                o.k = self.buffer(k);
+                o.out = self.region(out);
+                for p in [page_table, context_lens] {
+                    self.reads_behind(p, &mut a.reads);
+                }
+                a.patches
+                    .push((ArgField::PageTable, self.range(page_table)));
+                a.patches
+                    .push((ArgField::ContextLens, self.range(context_lens)));
+                Op::IndexLogits(o)
+            }
+            Launch::TopK {
+                op,
+                logits,
+                context_lens,
+                page_table,
+                out,
+            } => {
+                let mut o = op.clone();
+                o.logits = self.region(logits);
+                o.out = self.region(out);
+                for p in [page_table, context_lens] {
+                    self.reads_behind(p, &mut a.reads);
+                }
+                a.patches
+                    .push((ArgField::PageTable, self.range(page_table)));
+                a.patches
+                    .push((ArgField::ContextLens, self.range(context_lens)));
+                Op::TopK(o)
+            }
+            Launch::SparseRead {
+                op, slots, kv, out, ..
+            } => {
+                let mut o = op.clone();
+                o.slots = self.region(slots);
+                o.kv = self.buffer(kv);
+                o.out = self.region(out);
+                Op::SparseRead(o)
+            }
+            Launch::NextTokens { op, digests, out } => {
+                let mut o = op.clone();
+                o.digests = self.region(digests);
+                o.out = self.region(out);
+                Op::NextTokens(o)
+            }
+            Launch::PageGather {
+                op,
+                src,
+                dst,
+                pairs,
+            } => {
+                let mut o = op.clone();
+                o.src = self.buffer(src);
+                o.dst = self.buffer(dst);
+                self.reads_behind(pairs, &mut a.reads);
+                Op::PageCopy(o)
+            }
+        };
+        (op, a)
+    }
+}
+
+impl Driver for SimDriver {
+    fn bind(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn alloc(&mut self, desc: &BufferDesc) -> Result<Mem, DeviceError> {
+        self.deliver();
+        let cap = desc.bytes.0.max(1);
+        // The runtime's own buffers: a staging ring's regions are its cells; anything else of
+        // its own (the RoPE table) is used whole.
+        let buf = match desc.role {
+            BufferRole::Scratch { .. } if desc.tier == MemoryTier::PinnedHost => {
+                self.side.at().alloc_cells(*desc, DRIVER_CELL_BYTES)?
+            }
+            BufferRole::Scratch { .. } if !desc.fingerprint.is_paged() => {
+                self.side.at().alloc_cells(*desc, cap)?
+            }
+            _ => self.side.at().alloc(*desc)?,
+        };
+        Ok(self.insert(SimMem {
+            buf,
+            pooled: false,
+            cap,
+        }))
+    }
+    fn free(&mut self, mem: Mem) -> Result<(), DeviceError> {
+        let m = self.mems[mem.0 as usize]
+            .take()
+            .unwrap_or_else(|| panic!("allocation {} freed twice", mem.0));
+        assert!(!m.pooled, "a stream-ordered allocation freed synchronously");
+        self.free_ids.push(mem.0);
+        Ok(())
+    }
+    fn alloc_async(&mut self, s: StreamKind, bytes: u64) -> Result<Mem, DeviceError> {
+        self.deliver();
+        self.side.at().refuse(25)?;
+        let cap = bytes.max(1).next_power_of_two().max(DRIVER_CELL_BYTES);
+        let key = (cap, s.index());
+        let buf = match self.pool.get_mut(&key).and_then(Vec::pop) {
+            Some(b) => {
+                probes::hit(SimProbe::DriverScratchReused);
+                b
+            }
+            None => self.side.at().alloc_cells(
+                BufferDesc {
+                    role: BufferRole::Scratch {
+                        name: "stream-ordered",
+                    },
+                    tier: MemoryTier::Device,
+                    bytes: Bytes(cap),
+                    fingerprint: LayoutFingerprint::unpaged(cap),
+                },
+                // One op's arguments or outputs: used whole.
+                cap,
+            )?,
+        };
+        Ok(self.insert(SimMem {
+            buf,
+            pooled: true,
+            cap,
+        }))
+    }
+    fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError> {
+        let m = self.mem(mem);
+        assert!(m.pooled, "allocation {} is not stream-ordered", mem.0);
+        self.side.at().refuse(26)?;
+        self.mems[mem.0 as usize] = None;
+        self.free_ids.push(mem.0);
+        let gone: Vec<_> = self
+            .fused
+            .range((mem, 0)..=(mem, u64::MAX))
+            .map(|(&k, _)| k)
+            .collect();
+        for k in gone {
+            self.fused.remove(&k);
+        }
+        self.pool.entry((m.cap, s.index())).or_default().push(m.buf);
+        Ok(())
+    }
+    fn write_pinned(&mut self, mem: Mem, at: Bytes, data: &[u8]) -> Result<(), DeviceError> {
+        let buf = self.mem(mem).buf;
+        let last = self.last_write.insert(mem, at.0);
+        probes::hit_if(
+            SimProbe::DriverStagingWrapped,
+            last.is_some_and(|l| l > at.0),
+        );
+        self.side.at().host_write(buf, at, data)
+    }
+    fn read_pinned(&mut self, mem: Mem, at: Bytes, out: &mut [u8]) -> Result<(), DeviceError> {
+        let buf = self.mem(mem).buf;
+        self.side.at().host_read(buf, at, out)
+    }
+    fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError> {
+        self.deliver();
+        self.last_record[s.index()] = None;
+        let op = Op::Copy(LinearCopy {
+            src: self.region(src),
+            dst: self.region(dst),
+        });
+        self.side.at().enqueue(s, op)
+    }
+    fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError> {
+        for row in 0..c.height {
+            let src = c.src.at(Bytes(row * c.src_pitch), Bytes(c.width));
+            let dst = c.dst.at(Bytes(row * c.dst_pitch), Bytes(c.width));
+            self.copy_async(s, dst, src)?;
+        }
+        Ok(())
+    }
+    fn copy_pageable(&mut self, s: StreamKind, dst: Ptr, data: &[u8]) -> Result<(), DeviceError> {
+        self.deliver();
+        self.last_record[s.index()] = None;
+        self.side.at().refuse(27)?;
+        probes::hit(SimProbe::DriverPageableCopy);
+        let need = (data.len() as u64).max(1);
+        // A bounce buffer whose copy completed (the host saw it: ordered after it).
+        let mut free = None;
+        for (i, b) in self.bounces.iter().enumerate() {
+            if b.cap >= need && self.side.at().query(b.done) != EventState::Pending {
+                free = Some(i);
+                break;
+            }
+        }
+        let (buf, cap, done) = match free {
+            Some(i) => {
+                let b = self.bounces.swap_remove(i);
+                (b.buf, b.cap, b.done)
+            }
+            None => {
+                let cap = need.next_power_of_two().max(DRIVER_CELL_BYTES);
+                let buf = self.side.at().alloc_cells(
+                    BufferDesc {
+                        role: BufferRole::Scratch {
+                            name: "pageable bounce",
+                        },
+                        tier: MemoryTier::PinnedHost,
+                        bytes: Bytes(cap),
+                        fingerprint: LayoutFingerprint::unpaged(cap),
+                    },
+                    cap,
+                )?;
+                let done = self.side.at().new_internal_event()?;
+                (buf, cap, done)
+            }
+        };
+        let mut g = self.side.at();
+        g.host_write(buf, Bytes(0), data)?;
+        let src = Region {
+            buffer: buf,
+            offset: Bytes(0),
+            bytes: Bytes(data.len() as u64),
+        };
+        let mut to = self.region(dst);
+        to.bytes = Bytes(data.len() as u64);
+        g.enqueue(s, Op::Copy(LinearCopy { src, dst: to }))?;
+        // A copy queued without its record (the side fell in error in between) may still read
+        // the bounce buffer: it is not used again.
+        g.record(s, done)?;
+        drop(g);
+        self.bounces.push(Bounce { buf, cap, done });
+        Ok(())
+    }
+    fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
+        self.deliver();
+        self.last_record[s.index()] = None;
+        match *l {
+            Launch::ResolvePending {
+                rows_dev, tokens, ..
+            } => {
+                self.side.at().refuse(28)?;
+                let f = self
+                    .fused
+                    .entry((rows_dev.mem, rows_dev.offset.0))
+                    .or_default();
+                f.tokens = Some(tokens);
+                f.reads.push(tokens);
+                Ok(())
+            }
+            Launch::Draw { rows_dev, out, .. } => {
+                self.side.at().refuse(28)?;
+                let f = Fused {
+                    reads: vec![rows_dev],
+                    rows: Some(rows_dev),
+                    tokens: None,
+                };
+                self.fused.insert((out.mem, out.offset.0), f);
+                Ok(())
+            }
+            Launch::RopeRows {
+                table,
+                positions_dev,
+                out,
+                ..
+            } => {
+                self.side.at().refuse(28)?;
+                let f = Fused {
+                    reads: vec![table, positions_dev],
+                    rows: None,
+                    tokens: None,
+                };
+                self.fused.insert((out.mem, out.offset.0), f);
+                Ok(())
+            }
+            _ => {
+                let (op, args) = self.sim_op(l);
+                self.side.at().enqueue_with(s, op, Some(Box::new(args)))
+            }
+        }
+    }
+    fn event_create(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError> {
+        let e = match purpose {
+            EventUse::Engine => self.side.at().new_event()?,
+            EventUse::Staging | EventUse::Timing => self.side.at().new_internal_event()?,
+        };
+        self.events.push(e);
+        Ok(DrvEvent(self.events.len() as u32 - 1))
+    }
+    fn event_record(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
+        self.deliver();
+        let ev = self.events[e.0 as usize];
+        let r = self.side.at().record(s, ev);
+        self.last_record[s.index()] = r.is_ok().then_some(ev);
+        r
+    }
+    fn event_query(&mut self, e: DrvEvent) -> EventState {
+        self.deliver();
+        let ev = self.events[e.0 as usize];
+        self.side.at().query(ev)
+    }
+    fn event_synchronize(&mut self, e: DrvEvent) -> EventState {
+        let ev = self.events[e.0 as usize];
+        let state = self.side.at().synchronize(ev);
+        self.deliver();
+        state
+    }
+    fn event_elapsed_ns(&mut self, _start: DrvEvent, _end: DrvEvent) -> Option<u64> {
+        None
+    }
+    fn stream_wait(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
+        self.deliver();
+        self.last_record[s.index()] = None;
+        let ev = self.events[e.0 as usize];
+        self.side.at().wait(s, ev)
+    }
+    fn stream_synchronize(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        self.sync_stream(s)
+    }
+    fn context_synchronize(&mut self) -> Result<(), DeviceError> {
+        let mut first = Ok(());
+        for s in StreamKind::ALL {
+            let r = self.sync_stream(s);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        self.deliver();
+        self.side.at().recover()
+    }
+    fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
+        self.deliver();
+        self.side.at().refuse(29)?;
+        // Right behind a record, the callback runs with that record (and is dropped if it
+        // fails); otherwise behind a record of its own.
+        let behind = self.last_record[s.index()];
+        let (rec, event) = match behind {
+            Some(ev) => (self.side.at().latest_record(ev), None),
+            None => {
+                let event = self.spare_event()?;
+                let mut g = self.side.at();
+                g.record(s, event)?;
+                (g.latest_record(event), Some(event))
+            }
+        };
+        let rec = rec.expect("recorded above");
+        self.callbacks.push_back(Pending {
+            rec,
+            behind,
+            event,
+            cb,
+        });
+        Ok(())
+    }
+    /// The host is ordered after `e`'s latest record if the callback that ran came behind that
+    /// record; a callback queued anywhere else orders nothing (the runtime misplaced it).
+    fn observed_by_callback(&mut self, e: DrvEvent) {
+        let ev = self.events[e.0 as usize];
+        let mut g = self.side.at();
+        let latest = g.latest_record(ev);
+        match self.callback_ran.get(&ev) {
+            Some(&rec) if Some(rec) == latest => g.observe_record(rec),
+            _ => {}
+        }
+    }
+}
+
+/// The engine's device in a run: a side of the simulated GPU directly, or the production runtime
+/// over the simulated driver (`GpuKnobs::runtime_staging_bytes`).
+pub enum SimDevice {
+    Direct(SimSide),
+    Runtime(Box<DrivenDevice<SimDriver>>),
+}
+
+impl SimDevice {
+    fn dev(&mut self) -> &mut dyn Device {
+        match self {
+            SimDevice::Direct(d) => d,
+            SimDevice::Runtime(d) => &mut **d,
+        }
+    }
+}
+
+impl Device for SimDevice {
+    fn alloc(&mut self, desc: BufferDesc) -> Result<BufferId, DeviceError> {
+        self.dev().alloc(desc)
+    }
+    fn desc(&self, buf: BufferId) -> BufferDesc {
+        match self {
+            SimDevice::Direct(d) => d.desc(buf),
+            SimDevice::Runtime(d) => d.desc(buf),
+        }
+    }
+    fn new_event(&mut self) -> Result<EventId, DeviceError> {
+        self.dev().new_event()
+    }
+    fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.dev().record(stream, ev)
+    }
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.dev().wait(stream, ev)
+    }
+    fn query(&mut self, ev: EventId) -> EventState {
+        self.dev().query(ev)
+    }
+    fn synchronize(&mut self, ev: EventId) -> EventState {
+        self.dev().synchronize(ev)
+    }
+    /// The runtime may fail an op before any launch reaches the simulated GPU (an upload
+    /// refused): what the engine asked is noted here, as the GPU notes it for a direct call.
+    fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
+        let SimDevice::Runtime(d) = self else {
+            return self.dev().enqueue(stream, op);
+        };
+        let noted =
+            matches!(op, Op::PageCopy(_) | Op::KvStore(_)) && check_op(&op, |b| d.desc(b)).is_ok();
+        // On the simulator's buffers (the runtime's buffer ids are its own).
+        let kept = noted.then(|| {
+            let mut op = op.clone();
+            let sim = |b: BufferId| d.driver.mem(d.buffer(b).mem).buf;
+            match &mut op {
+                Op::PageCopy(c) => (c.src, c.dst) = (sim(c.src), sim(c.dst)),
+                Op::KvStore(o) => o.dst = sim(o.dst),
+                _ => unreachable!("only page copies and KV stores are noted"),
+            }
+            op
+        });
+        let r = d.enqueue(stream, op);
+        if let Some(op) = kept {
+            let mut g = d.driver.side.at();
+            match op {
+                Op::KvStore(_) if r.is_ok() => g.note_asked(stream, &op),
+                Op::PageCopy(_) => {
+                    g.note_asked(stream, &op);
+                    if r.is_err() {
+                        g.note_refused(stream, &op);
+                    }
+                }
+                _ => {}
+            }
+        }
+        r
+    }
+    fn host_read(
+        &mut self,
+        buf: BufferId,
+        offset: Bytes,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        self.dev().host_read(buf, offset, out)
+    }
+    fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError> {
+        self.dev().host_write(buf, offset, data)
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        self.dev().recover()
+    }
+    fn take_timing(&mut self) -> Option<DeviceTiming> {
+        self.dev().take_timing()
+    }
+}
