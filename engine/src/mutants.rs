@@ -105,9 +105,10 @@ pub enum Mutant {
     ///     op's stream-ordered scratch is freed on another stream than the one whose kernels
     ///     read it, with no event, so that stream's next allocation reuses it while they run.
     ScratchFreedOnOtherStream,
-    /// 33. Runtime: the completion callback of a load-stream event is queued before the event's
-    ///     record, so the completion ring acknowledges the load before its last copy ran.
-    CallbackBeforeRecord,
+    /// 33. Runtime: the completion callback of a load-stream event is queued on the compute
+    ///     stream, so the completion ring acknowledges the load when the compute stream reaches
+    ///     it, whether or not the load's copies ran.
+    CallbackOnComputeStream,
 }
 
 impl Mutant {
@@ -144,7 +145,7 @@ impl Mutant {
         Mutant::StoreScalesThroughUe8m0,
         Mutant::StagingReusedEarly,
         Mutant::ScratchFreedOnOtherStream,
-        Mutant::CallbackBeforeRecord,
+        Mutant::CallbackOnComputeStream,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -158,13 +159,15 @@ impl Mutant {
         )
     }
     /// The mutants of the production runtime below the `Device` trait (`runtime::driven`): they
-    /// act only where the engine runs on it, so the simulator runs them over its driver.
+    /// act only where the engine runs on that runtime, which in the simulator is every drawn
+    /// single-engine seed on the CPU executor (not a prefill/decode pair, not `--device cuda`,
+    /// not a scenario whose `gpu.runtime_staging_bytes` is 0).
     pub fn is_runtime(self) -> bool {
         matches!(
             self,
             Mutant::StagingReusedEarly
                 | Mutant::ScratchFreedOnOtherStream
-                | Mutant::CallbackBeforeRecord
+                | Mutant::CallbackOnComputeStream
         )
     }
     /// The mutants of an engine that runs one step ahead: the simulator switches the overlap
@@ -209,7 +212,7 @@ impl Mutant {
             Mutant::StoreScalesThroughUe8m0 => "store-scales-through-ue8m0",
             Mutant::StagingReusedEarly => "staging-reused-early",
             Mutant::ScratchFreedOnOtherStream => "scratch-freed-on-other-stream",
-            Mutant::CallbackBeforeRecord => "callback-before-record",
+            Mutant::CallbackOnComputeStream => "callback-on-compute-stream",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -246,7 +249,7 @@ impl Mutant {
             Mutant::StoreScalesThroughUe8m0 => "deepseek-ai/FlashMLA#184",
             Mutant::StagingReusedEarly => "runtime: a staging slot rewritten before its upload ran",
             Mutant::ScratchFreedOnOtherStream => "LMCache/LMCache#2916 (review)",
-            Mutant::CallbackBeforeRecord => "runtime: a callback acknowledges a load early",
+            Mutant::CallbackOnComputeStream => "runtime: a callback acknowledges a load early",
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -331,10 +334,14 @@ impl Mutants {
             (true, _) => StreamKind::Compute,
         }
     }
-    /// Mutant 33: whether a load-stream event's completion callback is queued before its record.
-    /// Clean: after.
-    pub fn callback_before_record(&self) -> bool {
-        self.on(Mutant::CallbackBeforeRecord)
+    /// Mutant 33: the stream a load-stream event's completion callback is queued on. Clean: `s`,
+    /// the event's own stream.
+    pub fn callback_stream(&self, s: crate::device::StreamKind) -> crate::device::StreamKind {
+        if self.on(Mutant::CallbackOnComputeStream) {
+            crate::device::StreamKind::Compute
+        } else {
+            s
+        }
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

@@ -211,6 +211,10 @@ pub struct LaunchArgs {
     /// Device ranges the kernel reads besides the op's own (uploaded arrays, the drawn inputs
     /// and RoPE rows of the launches fused into it).
     pub reads: Vec<ByteRange>,
+    /// Device ranges the launches fused into it write (drawn inputs, RoPE rows, uploaded rows
+    /// whose pending tokens they resolve): declared by the op, which runs right after them on
+    /// their stream. Its CPU reference computes what they hold instead of reading them.
+    pub writes: Vec<ByteRange>,
     /// The op's arrays, each read from a range at completion.
     pub patches: Vec<(ArgField, ByteRange)>,
 }
@@ -1148,7 +1152,11 @@ impl SimGpu {
             range,
             write: false,
         });
-        for a in op.accesses().into_iter().chain(launch_reads) {
+        let launch_writes = args
+            .iter()
+            .flat_map(|a| &a.writes)
+            .map(|&range| Access { range, write: true });
+        for a in launch_writes.chain(op.accesses()).chain(launch_reads) {
             let who = Accessor {
                 entity: s,
                 epoch: vc[s],
@@ -1332,6 +1340,27 @@ impl SimGpu {
         );
         join(&mut self.host_vc, &r.vc);
         self.log(&[24, rec]);
+    }
+
+    /// Whether `ev`'s latest record completed by the host's time, without the host observing it
+    /// (the driver's own bookkeeping: no ordering, no host time).
+    pub(crate) fn record_done(&mut self, ev: EventId) -> bool {
+        let now = self.host.get();
+        self.pump(now);
+        match self.events[ev.0 as usize] {
+            None => true,
+            Some(rec) => self.records[&rec].done_at.is_some_and(|t| t <= now),
+        }
+    }
+
+    /// Writes the driver's own host memory (a pageable copy's bounce buffer): no host access the
+    /// race detector sees, as the CUDA driver's staging of a pageable copy is not the
+    /// application's.
+    pub(crate) fn write_untracked(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) {
+        self.mem
+            .range_mut(ByteRange::new(buf, offset, Bytes(data.len() as u64)))
+            .copy_from_slice(data);
+        self.log(&[25, buf.0 as u64, offset.0]);
     }
 
     /// Whether the current side is in error (its calls fail, CUDA drops its callbacks).

@@ -2,14 +2,16 @@
 //! on cudarc in production ([`super::cuda::CudaDevice`]) and on any other driver.
 //!
 //! [`DrivenDevice::enqueue`] turns one engine `Op` into kernel launches and copies on a stream.
-//! Small metadata that an op carries by value (slots, page tables, positions) is staged through
-//! a pinned ring per stream (`staging.rs`) into stream-ordered allocations, freed on the op's
-//! stream after its launches; an argument above a quarter of the ring is copied from pageable
-//! memory instead. The model's inputs are drawn on the device from each row's token and
-//! position, and RoPE rows gathered from a table of the model's rows (made again, after a context
-//! synchronisation, when a position lies past it). Each event recorded on the load stream also
+//! The arrays an op carries by value (slots, page tables, drawn rows, positions) are packed into
+//! one argument upload, staged through a pinned ring per stream (`staging.rs`) into a
+//! stream-ordered allocation; its drawn inputs and RoPE rows go into one stream-ordered output
+//! allocation; both are freed on the op's stream after its launches. An upload above a quarter
+//! of the ring is copied from pageable memory instead. The model's inputs are drawn on the
+//! device from each row's token and position, and RoPE rows gathered from a table of the model's
+//! rows (made again, after a context synchronisation, when a position lies past it). Each event recorded on the load stream also
 //! queues a host callback that signals the completion ring (`ring.rs`), which `query` reads
-//! before it asks the driver.
+//! before it asks the driver — when the event's ring slot is free (its previous callback ran;
+//! otherwise `query` asks the driver alone).
 //!
 //! Page transfers have two strategies ([`CopyStrategy`]): one pitched copy per coalesced run, or
 //! one gather kernel over mapped host memory for all pages. `tierkv bench` measures both.
@@ -197,6 +199,14 @@ impl<D: Driver> DrivenDevice<D> {
         strategy: CopyStrategy,
         staging_bytes: usize,
     ) -> Result<DrivenDevice<D>, DeviceError> {
+        if staging_bytes < 1024 || staging_bytes % STAGING_ALIGN_BYTES != 0 {
+            return Err(DeviceError::Backend {
+                detail: format!(
+                    "a staging ring of {staging_bytes} B: it takes a multiple of \
+                     {STAGING_ALIGN_BYTES} B of at least 1024 B"
+                ),
+            });
+        }
         let mut d = DrivenDevice {
             driver,
             strategy,
@@ -357,13 +367,20 @@ impl<D: Driver> DrivenDevice<D> {
         let staging = self.staging[s.index()].as_mut().expect("prepared above");
         let ev = match staging.free.pop() {
             Some(ev) => Ok(ev),
-            None => self.driver.event_create(EventUse::Staging),
+            None => self
+                .driver
+                .event_create(EventUse::Staging)
+                .map_err(|e| (e, None)),
         };
-        let recorded = ev.and_then(|ev| self.driver.event_record(s, ev).map(|()| ev));
+        let recorded = ev.and_then(|ev| match self.driver.event_record(s, ev) {
+            Ok(()) => Ok(ev),
+            Err(e) => Err((e, Some(ev))),
+        });
         let staging = self.staging[s.index()].as_mut().expect("prepared above");
         match recorded {
             Ok(ev) => staging.ring.queued(at, at + n, ev),
-            Err(e) => {
+            Err((e, ev)) => {
+                staging.free.extend(ev);
                 staging.unknown = true;
                 return Err(e);
             }
@@ -415,17 +432,18 @@ impl<D: Driver> DrivenDevice<D> {
                 .copy_pageable(s, Ptr::whole(table, Bytes(data.len() as u64)), data)
                 .and_then(|()| self.driver.context_synchronize());
             if let Err(e) = copied {
-                self.driver.free(table)?;
+                // The copy's error is the one to report, whatever the cleanup meets.
+                let _ = self.driver.free(table);
                 return Err(e);
             }
-            if let Some(old) = self.rope.take() {
-                self.driver.free(old.table)?;
-            }
-            self.rope = Some(RopeTable {
+            let old = self.rope.replace(RopeTable {
                 rope: *rope,
                 rows,
                 table,
             });
+            if let Some(old) = old {
+                self.driver.free(old.table)?;
+            }
         }
         let t = self.rope.as_ref().expect("made above");
         let table = Ptr::whole(t.table, f32_bytes(t.rows as u64 * ROPE_DIM as u64));
@@ -707,11 +725,8 @@ impl<D: Driver> Device for DrivenDevice<D> {
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         self.driver.bind()?;
-        let early = self.mutants.callback_before_record();
-        if !early {
-            self.driver
-                .event_record(stream, self.events[ev.0 as usize])?;
-        }
+        self.driver
+            .event_record(stream, self.events[ev.0 as usize])?;
         // A slot whose previous callback has not run yet (late, or never: CUDA drops the
         // callbacks of a context in error) is not issued again: `query` asks the driver about
         // this record instead of blocking the host until that callback.
@@ -719,13 +734,10 @@ impl<D: Driver> Device for DrivenDevice<D> {
         if stream == StreamKind::Load && slot < RING_SLOTS && self.ring.settled(slot) {
             let ticket = self.ring.issue(slot);
             let ring = self.ring.clone();
+            let on = self.mutants.callback_stream(stream);
             let r = self
                 .driver
-                .host_callback(stream, Box::new(move || ring.signal(ticket, 0)));
-            if early {
-                self.driver
-                    .event_record(stream, self.events[ev.0 as usize])?;
-            }
+                .host_callback(on, Box::new(move || ring.signal(ticket, 0)));
             if r.is_ok() {
                 self.tickets.insert(ev, ticket);
             } else {
@@ -737,10 +749,6 @@ impl<D: Driver> Device for DrivenDevice<D> {
                 self.tickets.remove(&ev);
             }
         } else {
-            if early {
-                self.driver
-                    .event_record(stream, self.events[ev.0 as usize])?;
-            }
             self.tickets.remove(&ev);
         }
         Ok(())
@@ -755,7 +763,7 @@ impl<D: Driver> Device for DrivenDevice<D> {
         let mut kept = Vec::new();
         for (start, end, kind) in t.marks.drain(..) {
             // Only work the host has waited for: a mark still pending stays for the next call.
-            if self.driver.event_query(end) != EventState::Done {
+            if self.driver.event_query(end) == EventState::Pending {
                 kept.push((start, end, kind));
                 continue;
             }

@@ -83,16 +83,6 @@ impl CompletionRing {
         s.done.load(Ordering::Acquire) >= s.issued.load(Ordering::Relaxed)
     }
 
-    /// Engine thread: waits until `slot`'s previous ticket completed, then issues the next. (An
-    /// event whose work is done may still have its callback pending on CUDA's thread.)
-    pub fn issue_after_previous(&self, slot: usize) -> Ticket {
-        let prev = self.slots[slot].issued.load(Ordering::Relaxed);
-        if prev > 0 {
-            self.wait(Ticket { slot, seq: prev });
-        }
-        self.issue(slot)
-    }
-
     /// Callback thread: the work behind `t` completed with `status`.
     pub fn signal(&self, t: Ticket, status: u32) {
         self.signal_with(t, status, Ordering::Release)
