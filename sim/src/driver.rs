@@ -41,7 +41,7 @@ use tierkv_engine::device::*;
 use tierkv_engine::layout::{Bytes, LayoutFingerprint};
 use tierkv_engine::runtime::driven::DrivenDevice;
 use tierkv_engine::runtime::driver::{
-    Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, Ptr,
+    Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, MemTable, Ptr,
 };
 
 /// Race-detector cells of a staging ring: its regions start on 256-byte boundaries, so two
@@ -88,8 +88,7 @@ struct Pending {
 
 pub struct SimDriver {
     pub(crate) side: SimSide,
-    mems: Vec<Option<SimMem>>,
-    free_ids: Vec<u32>,
+    mems: MemTable<SimMem>,
     /// Freed stream-ordered buffers: (capacity, the stream that freed it) → buffers.
     pool: BTreeMap<(u64, usize), Vec<BufferId>>,
     /// Driver events → the GPU's events.
@@ -112,8 +111,7 @@ impl SimDriver {
     pub fn new(side: SimSide) -> SimDriver {
         SimDriver {
             side,
-            mems: Vec::new(),
-            free_ids: Vec::new(),
+            mems: MemTable::default(),
             pool: BTreeMap::new(),
             events: Vec::new(),
             spare_events: Vec::new(),
@@ -126,21 +124,8 @@ impl SimDriver {
         }
     }
 
-    fn insert(&mut self, m: SimMem) -> Mem {
-        match self.free_ids.pop() {
-            Some(id) => {
-                self.mems[id as usize] = Some(m);
-                Mem(id)
-            }
-            None => {
-                self.mems.push(Some(m));
-                Mem(self.mems.len() as u32 - 1)
-            }
-        }
-    }
-
     fn mem(&self, m: Mem) -> SimMem {
-        self.mems[m.0 as usize].unwrap_or_else(|| panic!("allocation {} used after its free", m.0))
+        *self.mems.get(m)
     }
 
     /// The simulator's bytes of a range.
@@ -216,9 +201,9 @@ impl SimDriver {
         }
     }
 
-    /// The drawn rows behind a draw's output: their uploaded range, and the tokens region of
-    /// their pending rows.
-    fn drawn(&self, out: Ptr) -> (Ptr, Option<Region>) {
+    /// The drawn rows `d` of an op whose draw wrote `out`: its pending rows read the tokens on
+    /// the simulator's buffers, and its rows are taken from their upload at completion.
+    fn redraw(&self, d: &mut Drawn, out: Ptr, a: &mut LaunchArgs) {
         let rows = self.fused[&(out.mem, out.offset.0)]
             .rows
             .expect("a draw's output");
@@ -226,7 +211,20 @@ impl SimDriver {
             .fused
             .get(&(rows.mem, rows.offset.0))
             .and_then(|f| f.tokens);
-        (rows, tokens.map(|t| self.region(t)))
+        assert_eq!(d.tokens.is_some(), tokens.is_some(), "pending rows lost");
+        d.tokens = tokens.map(|t| self.region(t));
+        a.patches.push((ArgField::Rows, self.range(rows)));
+    }
+
+    /// A page table and context lengths taken from their uploads at completion.
+    fn tables(&self, page_table: Ptr, context_lens: Ptr, a: &mut LaunchArgs) {
+        for p in [page_table, context_lens] {
+            self.reads_behind(p, a);
+        }
+        a.patches
+            .push((ArgField::PageTable, self.range(page_table)));
+        a.patches
+            .push((ArgField::ContextLens, self.range(context_lens)));
     }
 
     /// Blocks until everything queued on `s` completed: an internal record, synchronised.
@@ -268,18 +266,11 @@ impl SimDriver {
             } => {
                 let mut o = op.clone();
                 o.dst = self.buffer(dst);
-                let (rows, tokens) = self.drawn(keys);
-                assert_eq!(
-                    o.keys.tokens.is_some(),
-                    tokens.is_some(),
-                    "pending rows lost"
-                );
-                o.keys.tokens = tokens;
+                self.redraw(&mut o.keys, keys, &mut a);
                 for p in [keys, gamma, beta, rope, slots] {
                     self.reads_behind(p, &mut a);
                 }
                 a.patches.push((ArgField::Slots, self.range(slots)));
-                a.patches.push((ArgField::Rows, self.range(rows)));
                 Op::IndexKStore(o)
             }
             Launch::KvStore {
@@ -291,18 +282,11 @@ impl SimDriver {
             } => {
                 let mut o = op.clone();
                 o.dst = self.buffer(dst);
-                let (drawn, tokens) = self.drawn(rows);
-                assert_eq!(
-                    o.rows.tokens.is_some(),
-                    tokens.is_some(),
-                    "pending rows lost"
-                );
-                o.rows.tokens = tokens;
+                self.redraw(&mut o.rows, rows, &mut a);
                 for p in [rows, slots] {
                     self.reads_behind(p, &mut a);
                 }
                 a.patches.push((ArgField::Slots, self.range(slots)));
-                a.patches.push((ArgField::Rows, self.range(drawn)));
                 Op::KvStore(o)
             }
             Launch::QPrep {
@@ -316,17 +300,10 @@ impl SimDriver {
                 let mut o = op.clone();
                 o.q_out = self.region(q_out);
                 o.w_out = self.region(w_out);
-                let (rows, tokens) = self.drawn(q);
-                assert_eq!(
-                    o.inputs.tokens.is_some(),
-                    tokens.is_some(),
-                    "pending rows lost"
-                );
-                o.inputs.tokens = tokens;
+                self.redraw(&mut o.inputs, q, &mut a);
                 for p in [q, w, rope] {
                     self.reads_behind(p, &mut a);
                 }
-                a.patches.push((ArgField::Rows, self.range(rows)));
                 Op::QPrep(o)
             }
             Launch::IndexLogits {
@@ -344,13 +321,7 @@ impl SimDriver {
                 o.w = self.region(w);
                 o.k = self.buffer(k);
                 o.out = self.region(out);
-                for p in [page_table, context_lens] {
-                    self.reads_behind(p, &mut a);
-                }
-                a.patches
-                    .push((ArgField::PageTable, self.range(page_table)));
-                a.patches
-                    .push((ArgField::ContextLens, self.range(context_lens)));
+                self.tables(page_table, context_lens, &mut a);
                 Op::IndexLogits(o)
             }
             Launch::TopK {
@@ -363,13 +334,7 @@ impl SimDriver {
                 let mut o = op.clone();
                 o.logits = self.region(logits);
                 o.out = self.region(out);
-                for p in [page_table, context_lens] {
-                    self.reads_behind(p, &mut a);
-                }
-                a.patches
-                    .push((ArgField::PageTable, self.range(page_table)));
-                a.patches
-                    .push((ArgField::ContextLens, self.range(context_lens)));
+                self.tables(page_table, context_lens, &mut a);
                 Op::TopK(o)
             }
             Launch::SparseRead {
@@ -422,18 +387,15 @@ impl Driver for SimDriver {
             }
             _ => self.side.at().alloc(*desc)?,
         };
-        Ok(self.insert(SimMem {
+        Ok(self.mems.insert(SimMem {
             buf,
             pooled: false,
             cap,
         }))
     }
     fn free(&mut self, mem: Mem) -> Result<(), DeviceError> {
-        let m = self.mems[mem.0 as usize]
-            .take()
-            .unwrap_or_else(|| panic!("allocation {} freed twice", mem.0));
+        let m = self.mems.take(mem);
         assert!(!m.pooled, "a stream-ordered allocation freed synchronously");
-        self.free_ids.push(mem.0);
         Ok(())
     }
     fn alloc_async(&mut self, s: StreamKind, bytes: u64) -> Result<Mem, DeviceError> {
@@ -459,7 +421,7 @@ impl Driver for SimDriver {
                 cap,
             )?,
         };
-        Ok(self.insert(SimMem {
+        Ok(self.mems.insert(SimMem {
             buf,
             pooled: true,
             cap,
@@ -470,8 +432,7 @@ impl Driver for SimDriver {
         assert!(m.pooled, "allocation {} is not stream-ordered", mem.0);
         // Accepted even on a side in error: its memory would go with a lost context in CUDA,
         // and a side recovered here keeps it, so refusing would leak it.
-        self.mems[mem.0 as usize] = None;
-        self.free_ids.push(mem.0);
+        self.mems.take(mem);
         let gone: Vec<_> = self
             .fused
             .range((mem, 0)..=(mem, u64::MAX))

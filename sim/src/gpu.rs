@@ -98,8 +98,8 @@ pub struct GpuOptions {
     /// which the race detector reports anyway.)
     pub torn_copy_rate: f64,
     /// The longest delay between a load-stream record's completion and its host callback, ns
-    /// (0: at once). The production runtime queues a host callback after every record on the
-    /// load stream, which signals the completion ring; the simulated driver (`driver.rs`) runs
+    /// (0: at once). The production runtime queues a host callback after a record on the load
+    /// stream (when the event's ring slot is free), which signals the completion ring; the simulated driver (`driver.rs`) runs
     /// it at the drawn time, in order (CUDA runs a stream's callbacks in order) but late
     /// against the other streams' completions, which the host can observe first. A record whose
     /// slot's previous callback has not run gets no ticket: `query` asks the driver, and

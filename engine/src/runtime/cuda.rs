@@ -10,7 +10,7 @@
 
 pub use super::driven::CopyStrategy;
 use super::driven::DrivenDevice;
-use super::driver::{Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, Ptr};
+use super::driver::{Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, MemTable, Ptr};
 use crate::device::*;
 use crate::layout::Bytes;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
@@ -130,9 +130,7 @@ pub struct CudaDriver {
     /// The tensor-core kernel's launch shape.
     pub tuning: LogitsTuning,
     streams: [Arc<CudaStream>; 3],
-    /// Allocations by [`Mem`] id; `None` once freed (its id is then in `free_ids`).
-    mems: Vec<Option<(Alloc, u64)>>,
-    free_ids: Vec<u32>,
+    mems: MemTable<Alloc>,
     events: Vec<CudaEvent>,
 }
 
@@ -156,8 +154,7 @@ impl CudaDriver {
             logits: LogitsKernel::default(),
             tuning: LogitsTuning::default(),
             streams,
-            mems: Vec::new(),
-            free_ids: Vec::new(),
+            mems: MemTable::default(),
             events: Vec::new(),
         })
     }
@@ -166,33 +163,11 @@ impl CudaDriver {
         &self.streams[k.index()]
     }
 
-    fn insert(&mut self, a: Alloc, bytes: u64) -> Mem {
-        match self.free_ids.pop() {
-            Some(id) => {
-                self.mems[id as usize] = Some((a, bytes));
-                Mem(id)
-            }
-            None => {
-                self.mems.push(Some((a, bytes)));
-                Mem(self.mems.len() as u32 - 1)
-            }
-        }
-    }
-
-    fn take(&mut self, m: Mem) -> (Alloc, u64) {
-        let a = self.mems[m.0 as usize]
-            .take()
-            .unwrap_or_else(|| panic!("allocation {} freed twice", m.0));
-        self.free_ids.push(m.0);
-        a
-    }
-
     /// An allocation's device address (pinned host memory is mapped).
     fn base(&self, m: Mem) -> u64 {
-        match &self.mems[m.0 as usize] {
-            Some((Alloc::Device { ptr } | Alloc::Async { ptr }, _)) => *ptr,
-            Some((Alloc::Pinned(h), _)) => h.dev,
-            None => panic!("allocation {} used after its free", m.0),
+        match self.mems.get(m) {
+            Alloc::Device { ptr } | Alloc::Async { ptr } => *ptr,
+            Alloc::Pinned(h) => h.dev,
         }
     }
 
@@ -205,8 +180,8 @@ impl CudaDriver {
     }
 
     fn pinned(&mut self, m: Mem) -> &mut PinnedHost {
-        match &mut self.mems[m.0 as usize] {
-            Some((Alloc::Pinned(h), _)) => h,
+        match self.mems.get_mut(m) {
+            Alloc::Pinned(h) => h,
             _ => panic!("allocation {} is not pinned host memory", m.0),
         }
     }
@@ -234,7 +209,7 @@ impl Drop for CudaDriver {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         let _ = self.ctx.synchronize();
-        for (a, _) in self.mems.drain(..).flatten() {
+        for a in self.mems.drain() {
             match a {
                 // SAFETY: allocated by this driver in this context; no work is queued.
                 Alloc::Device { ptr } | Alloc::Async { ptr } => unsafe {
@@ -278,10 +253,10 @@ impl Driver for CudaDriver {
             }
             MemoryTier::PinnedHost => Alloc::Pinned(PinnedHost::new(&self.ctx, n)?),
         };
-        Ok(self.insert(a, bytes))
+        Ok(self.mems.insert(a))
     }
     fn free(&mut self, mem: Mem) -> Result<(), DeviceError> {
-        match self.take(mem).0 {
+        match self.mems.take(mem) {
             // SAFETY: the caller made sure no queued work uses it.
             Alloc::Device { ptr } | Alloc::Async { ptr } => {
                 unsafe { cudarc::driver::result::free_sync(ptr) }.map_err(backend("cuMemFree"))
@@ -304,11 +279,11 @@ impl Driver for CudaDriver {
                 tier: MemoryTier::Device,
                 bytes,
             })?;
-        Ok(self.insert(Alloc::Async { ptr }, bytes))
+        Ok(self.mems.insert(Alloc::Async { ptr }))
     }
     fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError> {
         let stream = self.streams[s.index()].cu_stream();
-        match self.take(mem).0 {
+        match self.mems.take(mem) {
             // SAFETY: the runtime frees it on the stream of its last reader, after its work.
             Alloc::Async { ptr } => unsafe { cudarc::driver::result::free_async(ptr, stream) }
                 .map_err(backend("cuMemFreeAsync")),

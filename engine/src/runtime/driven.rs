@@ -466,7 +466,8 @@ impl<D: Driver> DrivenDevice<D> {
 
     /// Draws the synthetic model's inputs of `d`'s rows on stream `s` into the op's outputs (the
     /// host sends 8 bytes a row instead of the values; pending rows take their token from the
-    /// op's tokens region first, on the device), and gathers their RoPE rows.
+    /// op's tokens region first, on the device), and gathers their RoPE rows from `rope` (the
+    /// table and its rows) when the plan has them.
     fn draw(
         &mut self,
         s: StreamKind,
@@ -474,7 +475,7 @@ impl<D: Driver> DrivenDevice<D> {
         kinds: &[DrawKind],
         plan: &DrawPlan,
         st: &Staged,
-        rope: Option<&Rope>,
+        rope: Option<(Ptr, u32)>,
     ) -> Result<(), DeviceError> {
         let rows_dev = st.arg(plan.rows);
         if let Some(t) = d.tokens {
@@ -502,9 +503,9 @@ impl<D: Driver> DrivenDevice<D> {
                 },
             )?;
         }
-        if let (Some(rope), Some(pos), Some(out)) = (rope, plan.positions, plan.rope_out) {
-            let max = plan.positions_host.iter().copied().max().unwrap_or(0);
-            let (table, table_rows) = self.rope_table(s, rope, max)?;
+        if let (Some((table, table_rows)), Some(pos), Some(out)) =
+            (rope, plan.positions, plan.rope_out)
+        {
             self.driver.launch(
                 s,
                 &Launch::RopeRows {
@@ -528,13 +529,10 @@ impl<D: Driver> DrivenDevice<D> {
                 let kinds = [DrawKind::IndexKeys];
                 let plan = Self::plan_draws(&mut p, &o.keys, &kinds, true);
                 let (gamma, beta, slots) = (p.arg(&o.gamma), p.arg(&o.beta), p.arg(&o.slots));
-                self.rope_table(
-                    s,
-                    &o.rope,
-                    plan.positions_host.iter().copied().max().unwrap_or(0),
-                )?;
+                let max = plan.positions_host.iter().copied().max().unwrap_or(0);
+                let table = self.rope_table(s, &o.rope, max)?;
                 let st = self.stage(s, &p)?;
-                self.draw(s, &o.keys, &kinds, &plan, &st, Some(&o.rope))?;
+                self.draw(s, &o.keys, &kinds, &plan, &st, Some(table))?;
                 let l = Launch::IndexKStore {
                     op: o,
                     keys: st.out(plan.outs[0]),
@@ -566,13 +564,10 @@ impl<D: Driver> DrivenDevice<D> {
                 let heads = o.heads;
                 let kinds = [DrawKind::Queries { heads }, DrawKind::HeadWeights { heads }];
                 let plan = Self::plan_draws(&mut p, &o.inputs, &kinds, true);
-                self.rope_table(
-                    s,
-                    &o.rope,
-                    plan.positions_host.iter().copied().max().unwrap_or(0),
-                )?;
+                let max = plan.positions_host.iter().copied().max().unwrap_or(0);
+                let table = self.rope_table(s, &o.rope, max)?;
                 let st = self.stage(s, &p)?;
-                self.draw(s, &o.inputs, &kinds, &plan, &st, Some(&o.rope))?;
+                self.draw(s, &o.inputs, &kinds, &plan, &st, Some(table))?;
                 let l = Launch::QPrep {
                     op: o,
                     q: st.out(plan.outs[0]),

@@ -57,6 +57,61 @@ impl Ptr {
     }
 }
 
+/// A driver's allocations by [`Mem`] id; an id is reused after its allocation is freed.
+#[derive(Debug)]
+pub struct MemTable<T> {
+    slots: Vec<Option<T>>,
+    free: Vec<u32>,
+}
+
+impl<T> Default for MemTable<T> {
+    fn default() -> Self {
+        MemTable {
+            slots: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+impl<T> MemTable<T> {
+    pub fn insert(&mut self, t: T) -> Mem {
+        match self.free.pop() {
+            Some(id) => {
+                self.slots[id as usize] = Some(t);
+                Mem(id)
+            }
+            None => {
+                self.slots.push(Some(t));
+                Mem(self.slots.len() as u32 - 1)
+            }
+        }
+    }
+    /// The allocation `m`. Panics after its free (a runtime invariant).
+    pub fn get(&self, m: Mem) -> &T {
+        self.slots[m.0 as usize]
+            .as_ref()
+            .unwrap_or_else(|| panic!("allocation {} used after its free", m.0))
+    }
+    pub fn get_mut(&mut self, m: Mem) -> &mut T {
+        self.slots[m.0 as usize]
+            .as_mut()
+            .unwrap_or_else(|| panic!("allocation {} used after its free", m.0))
+    }
+    /// Removes `m`, whose id may then be reused. Panics if it was freed already.
+    pub fn take(&mut self, m: Mem) -> T {
+        let t = self.slots[m.0 as usize]
+            .take()
+            .unwrap_or_else(|| panic!("allocation {} freed twice", m.0));
+        self.free.push(m.0);
+        t
+    }
+    /// Every allocation still held, removed.
+    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.free.clear();
+        self.slots.drain(..).flatten()
+    }
+}
+
 /// One event of a driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DrvEvent(pub u32);
