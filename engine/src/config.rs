@@ -1044,6 +1044,23 @@ impl Config {
                 }
             }
         }
+        // Whole pages: a ratio or a token count just above the device tier's can still round
+        // down to no more pages than it has.
+        let host_pages = self.host_pages();
+        if host_pages <= c.device_pages {
+            let (field, value) = match c.host {
+                HostCapacity::Ratio(r) => (key!(cache.host_ratio).path, r.to_string()),
+                HostCapacity::Tokens(t) => (key!(cache.host_tokens).path, t.to_string()),
+            };
+            return Err(inv(
+                field,
+                value,
+                &format!(
+                    "gives {host_pages} whole host pages, no more than cache.device_pages = {}: the host tier must hold more pages than the device tier",
+                    c.device_pages
+                ),
+            ));
+        }
         Ok(())
     }
 

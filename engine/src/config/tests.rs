@@ -421,3 +421,21 @@ proptest! {
         prop_assert!(l.host_tokens().0 > l.device_tokens().0);
     }
 }
+
+/// A host tier that rounds down to no more whole pages than the device tier is refused, by the
+/// field that gave it (proptest's `layout_parts_add_up` found device_pages = 1, ratio = 1.01).
+#[test]
+fn a_host_tier_of_no_more_pages_than_the_device_is_refused() {
+    for (host, field) in [
+        (HostCapacity::Ratio(1.01), "cache.host_ratio"),
+        (HostCapacity::Tokens(65), "cache.host_tokens"),
+    ] {
+        let mut c = Config::preset("sim-small").unwrap();
+        c.cache.device_pages = 1;
+        c.model.context_tokens_max = 64;
+        c.scheduler.output_tokens_max = 1;
+        c.cache.host = host;
+        let e = c.validate().expect_err("one host page for one device page");
+        assert!(e.to_string().contains(field), "{e}");
+    }
+}
