@@ -109,10 +109,16 @@ pub enum Mutant {
     ///     stream, so the completion ring acknowledges the load when the compute stream reaches
     ///     it, whether or not the load's copies ran.
     CallbackOnComputeStream,
+    /// 34. Runtime: large arguments go through a host buffer the runtime pinned (registered)
+    ///     for speed, so their copy is asynchronous; the runtime still writes the buffer again
+    ///     for the next large argument at once, as if the driver had taken the bytes before the
+    ///     call returned (what it does for pageable memory), while the earlier copy from it is
+    ///     still queued.
+    PageableBufferReused,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 33] = [
+    pub const ALL: [Mutant; 34] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -146,6 +152,7 @@ impl Mutant {
         Mutant::StagingReusedEarly,
         Mutant::ScratchFreedOnOtherStream,
         Mutant::CallbackOnComputeStream,
+        Mutant::PageableBufferReused,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -168,6 +175,7 @@ impl Mutant {
             Mutant::StagingReusedEarly
                 | Mutant::ScratchFreedOnOtherStream
                 | Mutant::CallbackOnComputeStream
+                | Mutant::PageableBufferReused
         )
     }
     /// The mutants of an engine that runs one step ahead: the simulator switches the overlap
@@ -213,6 +221,7 @@ impl Mutant {
             Mutant::StagingReusedEarly => "staging-reused-early",
             Mutant::ScratchFreedOnOtherStream => "scratch-freed-on-other-stream",
             Mutant::CallbackOnComputeStream => "callback-on-compute-stream",
+            Mutant::PageableBufferReused => "pageable-buffer-reused",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -250,6 +259,9 @@ impl Mutant {
             Mutant::StagingReusedEarly => "runtime: a staging slot rewritten before its upload ran",
             Mutant::ScratchFreedOnOtherStream => "LMCache/LMCache#2916 (review)",
             Mutant::CallbackOnComputeStream => "runtime: a callback acknowledges a load early",
+            Mutant::PageableBufferReused => {
+                "runtime: a pinned host buffer reused as if its copy were pageable"
+            }
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -342,6 +354,12 @@ impl Mutants {
         } else {
             s
         }
+    }
+    /// Mutant 34: large arguments are copied from a host buffer the runtime pinned and reuses
+    /// at once. Clean: `false`, a copy from pageable memory (the driver takes the bytes before
+    /// it returns).
+    pub fn pageable_is_pinned(&self) -> bool {
+        self.on(Mutant::PageableBufferReused)
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

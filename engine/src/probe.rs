@@ -191,6 +191,12 @@ probes! {
     AheadRowStale = "ahead.row_stale",
     /// One step ahead: the step before failed, so the step built on it was discarded as well.
     AheadDiscarded = "ahead.discarded",
+    /// The runtime (`runtime::driven`): a stream-ordered allocation met out of memory, and was
+    /// made again after a context synchronisation and a trim of the driver's pool.
+    RuntimePoolTrimmed = "runtime.pool_trimmed",
+    /// The runtime: a page copy failed after some of its runs were queued; the stream ran them
+    /// out before the error returned, so nothing of the failed call is still queued.
+    RuntimePartialCopyDrained = "runtime.partial_copy_drained",
 }
 
 #[cfg(test)]

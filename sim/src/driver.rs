@@ -26,13 +26,18 @@
 //!   and dropped when its side is in error or the record failed (CUDA does not run host
 //!   functions after an error).
 //!
-//! Faults: a launch meets the simulated GPU's draws at enqueue (a kernel's refused launch, a
-//! page gather's refused copy) and its faults as it runs; a side in error refuses allocations on
-//! a stream, copies, launches, event records and waits, stream synchronisations and host
-//! callbacks. Not modelled yet: other driver calls failing by drawn faults of their own
-//! (`alloc_async` out of memory mid-run, a refused copy or event creation), the pitched copies of
-//! `CopyStrategy::MemcpyRuns` beyond row-by-row linear copies, and timing events
-//! (`event_elapsed_ns` answers `None`).
+//! Faults: once the engine is built, each call that CUDA can refuse by itself fails by a draw
+//! of its own (`GpuOptions::driver_fault_rate`, keyed by the call's kind, stream and number
+//! among the calls of that kind on that stream): allocations and stream-ordered allocations
+//! that must grow their pool (twenty times as often: `ALLOC_FAULT_FACTOR`) and event
+//! creations with out-of-memory; copies,
+//! pitched copies, pageable copies, launches, event records, stream waits and host callbacks
+//! with the driver's error (see `Call`). A launch also meets the simulated GPU's draws at
+//! enqueue (a kernel's refused launch) and its faults as it runs; a side in error refuses
+//! allocations on a stream, copies, launches, event records and waits, pool trims, stream
+//! synchronisations and host callbacks. Not modelled: a pitched copy is its rows as linear
+//! copies, which no copy fault of the simulated GPU reaches (only page copies fail or tear as
+//! they run), and timing events (`event_elapsed_ns` answers `None`).
 
 use crate::gpu::{ArgField, LaunchArgs, SimSide};
 use crate::probes::{self, SimProbe};
@@ -47,6 +52,12 @@ use tierkv_engine::runtime::driver::{
 /// Race-detector cells of a staging ring: its regions start on 256-byte boundaries, so two
 /// regions never share a cell. (The other buffers of the driver are one op's each: one cell.)
 const DRIVER_CELL_BYTES: u64 = 256;
+
+/// An allocation that takes new memory from the device (a synchronous one after the engine's
+/// construction, a stream-ordered one that grows its pool) fails this many times as often as
+/// another driver call (`GpuOptions::driver_fault_rate`): where a serving process meets
+/// out-of-memory in practice.
+const ALLOC_FAULT_FACTOR: f64 = 20.0;
 
 /// What a driver allocation is on the simulated GPU.
 #[derive(Clone, Copy, Debug)]
@@ -74,6 +85,69 @@ struct Bounce {
     buf: BufferId,
     cap: u64,
     done: EventId,
+}
+
+/// The driver calls that fail by faults of their own (`GpuOptions::driver_fault_rate`). The
+/// other calls cannot fail in CUDA but through a context in error, which the simulated GPU's
+/// sides model: host reads and writes of pinned memory are the host's own copies, frees and
+/// pool trims give memory back, `bind` makes the context current, and synchronisations and
+/// event queries report the context's error.
+#[derive(Clone, Copy, Debug)]
+enum Call {
+    Alloc,
+    AllocAsync,
+    CopyAsync,
+    Copy2d,
+    CopyPageable,
+    Launch,
+    EventCreate,
+    EventRecord,
+    StreamWait,
+    HostCallback,
+}
+
+impl Call {
+    const COUNT: usize = 10;
+
+    fn probe(self) -> SimProbe {
+        match self {
+            Call::Alloc => SimProbe::DriverRefusedAlloc,
+            Call::AllocAsync => SimProbe::DriverRefusedAllocAsync,
+            Call::CopyAsync => SimProbe::DriverRefusedCopyAsync,
+            Call::Copy2d => SimProbe::DriverRefusedCopy2d,
+            Call::CopyPageable => SimProbe::DriverRefusedCopyPageable,
+            Call::Launch => SimProbe::DriverRefusedLaunch,
+            Call::EventCreate => SimProbe::DriverRefusedEventCreate,
+            Call::EventRecord => SimProbe::DriverRefusedEventRecord,
+            Call::StreamWait => SimProbe::DriverRefusedStreamWait,
+            Call::HostCallback => SimProbe::DriverRefusedHostCallback,
+        }
+    }
+
+    /// The CUDA call and the error it answers.
+    fn cuda(self) -> (&'static str, &'static str) {
+        const OOM: &str = "CUDA_ERROR_OUT_OF_MEMORY";
+        match self {
+            Call::Alloc => ("cuMemAlloc", OOM),
+            Call::AllocAsync => ("cuMemAllocAsync", OOM),
+            Call::CopyAsync => ("cuMemcpyAsync", OOM),
+            Call::Copy2d => ("cuMemcpy2DAsync", OOM),
+            Call::CopyPageable => ("cuMemcpyHtoDAsync", OOM),
+            Call::Launch => ("cuLaunchKernel", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"),
+            Call::EventCreate => ("cuEventCreate", OOM),
+            Call::EventRecord => ("cuEventRecord", OOM),
+            Call::StreamWait => ("cuStreamWaitEvent", OOM),
+            Call::HostCallback => ("cuLaunchHostFunc", OOM),
+        }
+    }
+
+    /// The driver's error for a refused call that is not an allocation.
+    fn refusal(self) -> DeviceError {
+        let (call, code) = self.cuda();
+        DeviceError::Backend {
+            detail: format!("{call}: {code} (injected)"),
+        }
+    }
 }
 
 /// A host callback waiting for its record.
@@ -105,6 +179,9 @@ pub struct SimDriver {
     last_record: [Option<EventId>; 3],
     /// Per event, the record behind which its latest callback ran.
     callback_ran: BTreeMap<EventId, u64>,
+    /// Per call kind and stream (and one entry past the streams for calls of none), the calls
+    /// made: each call's number keys its fault draw.
+    calls: [[u64; 4]; Call::COUNT],
 }
 
 impl SimDriver {
@@ -121,7 +198,33 @@ impl SimDriver {
             last_write: BTreeMap::new(),
             last_record: [None; 3],
             callback_ran: BTreeMap::new(),
+            calls: [[0; 4]; Call::COUNT],
         }
+    }
+
+    /// Whether this call (of kind `call`, on stream `s` or none) fails by a fault of its own
+    /// (`GpuOptions::driver_fault_rate`, times `factor`).
+    fn refused(&mut self, call: Call, s: Option<StreamKind>, factor: f64) -> bool {
+        let e = s.map_or(3, StreamKind::index);
+        let n = self.calls[call as usize][e];
+        self.calls[call as usize][e] += 1;
+        let entity = self.side.side * 4 + e;
+        let refused = self
+            .side
+            .at()
+            .driver_refuses(call as u64, entity, n, factor);
+        probes::hit_if(call.probe(), refused)
+    }
+
+    /// A linear copy on `s` (no fault of its own drawn).
+    fn linear(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError> {
+        self.deliver();
+        self.last_record[s.index()] = None;
+        let op = Op::Copy(LinearCopy {
+            src: self.region(src),
+            dst: self.region(dst),
+        });
+        self.side.at().enqueue(s, op)
     }
 
     fn mem(&self, m: Mem) -> SimMem {
@@ -375,6 +478,13 @@ impl Driver for SimDriver {
     }
     fn alloc(&mut self, desc: &BufferDesc) -> Result<Mem, DeviceError> {
         self.deliver();
+        if self.refused(Call::Alloc, None, ALLOC_FAULT_FACTOR) {
+            return Err(DeviceError::OutOfMemory {
+                role: desc.role,
+                tier: desc.tier,
+                bytes: desc.bytes.0,
+            });
+        }
         let cap = desc.bytes.0.max(1);
         // The runtime's own buffers: a staging ring's regions are its cells; anything else of
         // its own (the RoPE table) is used whole.
@@ -408,6 +518,17 @@ impl Driver for SimDriver {
                 probes::hit(SimProbe::DriverScratchReused);
                 b
             }
+            // The pool grows: the device may have no memory to give (other work on the GPU
+            // holds it), more often than any other call fails.
+            None if self.refused(Call::AllocAsync, Some(s), ALLOC_FAULT_FACTOR) => {
+                return Err(DeviceError::OutOfMemory {
+                    role: BufferRole::Scratch {
+                        name: "stream-ordered",
+                    },
+                    tier: MemoryTier::Device,
+                    bytes,
+                });
+            }
             None => self.side.at().alloc_cells(
                 BufferDesc {
                     role: BufferRole::Scratch {
@@ -426,6 +547,13 @@ impl Driver for SimDriver {
             pooled: true,
             cap,
         }))
+    }
+    fn trim_pool(&mut self) -> Result<(), DeviceError> {
+        self.deliver();
+        self.side.at().refuse(32)?;
+        // The buffers stay the simulator's; no allocation takes them again.
+        self.pool.clear();
+        Ok(())
     }
     fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError> {
         let m = self.mem(mem);
@@ -458,19 +586,21 @@ impl Driver for SimDriver {
         self.side.at().host_read(buf, at, out)
     }
     fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError> {
-        self.deliver();
-        self.last_record[s.index()] = None;
-        let op = Op::Copy(LinearCopy {
-            src: self.region(src),
-            dst: self.region(dst),
-        });
-        self.side.at().enqueue(s, op)
+        if self.refused(Call::CopyAsync, Some(s), 1.0) {
+            return Err(Call::CopyAsync.refusal());
+        }
+        self.linear(s, dst, src)
     }
     fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError> {
+        if self.refused(Call::Copy2d, Some(s), 1.0) {
+            return Err(Call::Copy2d.refusal());
+        }
+        // Its rows as linear copies. (A side that falls in error between two rows refuses the
+        // rest: CUDA's pitched copy is one call, refused whole or queued whole.)
         for row in 0..c.height {
             let src = c.src.at(Bytes(row * c.src_pitch), Bytes(c.width));
             let dst = c.dst.at(Bytes(row * c.dst_pitch), Bytes(c.width));
-            self.copy_async(s, dst, src)?;
+            self.linear(s, dst, src)?;
         }
         Ok(())
     }
@@ -478,6 +608,9 @@ impl Driver for SimDriver {
         self.deliver();
         self.last_record[s.index()] = None;
         self.side.at().refuse(27)?;
+        if self.refused(Call::CopyPageable, Some(s), 1.0) {
+            return Err(Call::CopyPageable.refusal());
+        }
         probes::hit(SimProbe::DriverPageableCopy);
         let need = (data.len() as u64).max(1);
         // A bounce buffer whose copy completed (the host saw it: ordered after it).
@@ -529,6 +662,9 @@ impl Driver for SimDriver {
     }
     fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
         self.deliver();
+        if self.refused(Call::Launch, Some(s), 1.0) {
+            return Err(Call::Launch.refusal());
+        }
         self.last_record[s.index()] = None;
         match *l {
             Launch::ResolvePending {
@@ -575,6 +711,9 @@ impl Driver for SimDriver {
         }
     }
     fn event_create(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError> {
+        if self.refused(Call::EventCreate, None, 1.0) {
+            return Err(Call::EventCreate.refusal());
+        }
         let e = match purpose {
             EventUse::Engine => self.side.at().new_event()?,
             EventUse::Staging | EventUse::Timing => self.side.at().new_internal_event()?,
@@ -584,6 +723,9 @@ impl Driver for SimDriver {
     }
     fn event_record(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
         self.deliver();
+        if self.refused(Call::EventRecord, Some(s), 1.0) {
+            return Err(Call::EventRecord.refusal());
+        }
         let ev = self.events[e.0 as usize];
         let r = self.side.at().record(s, ev);
         self.last_record[s.index()] = r.is_ok().then_some(ev);
@@ -605,6 +747,9 @@ impl Driver for SimDriver {
     }
     fn stream_wait(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
         self.deliver();
+        if self.refused(Call::StreamWait, Some(s), 1.0) {
+            return Err(Call::StreamWait.refusal());
+        }
         self.last_record[s.index()] = None;
         let ev = self.events[e.0 as usize];
         self.side.at().wait(s, ev)
@@ -629,6 +774,9 @@ impl Driver for SimDriver {
     fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
         self.deliver();
         self.side.at().refuse(29)?;
+        if self.refused(Call::HostCallback, Some(s), 1.0) {
+            return Err(Call::HostCallback.refusal());
+        }
         // Right behind a record, the callback runs with that record (and is dropped if it
         // fails); otherwise behind a record of its own.
         let behind = self.last_record[s.index()];

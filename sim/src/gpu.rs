@@ -106,6 +106,13 @@ pub struct GpuOptions {
     /// `query` and `synchronize` stay exact, as `cuEventQuery` is. (Engines on the simulated GPU
     /// directly have no callbacks: the delay only orders the `observed` probe.)
     pub completion_delay_ns: u64,
+    /// Probability that a call of the simulated driver (`driver.rs`) is refused by a fault of
+    /// its own, once the engine is built (`SimDriver::arm`): allocations and event creations
+    /// with out-of-memory, copies, launches, records, waits and host callbacks with the
+    /// driver's error. An allocation that takes new memory from the device meets out-of-memory
+    /// twenty times as often (`driver.rs`), at most one call in four. Each draw is keyed by the call's kind, its stream and its number
+    /// among the calls of that kind on that stream.
+    pub driver_fault_rate: f64,
     /// Fail the first pinned-host allocation (the runner retries the engine's construction).
     pub fail_first_host_alloc: bool,
     /// The buffer allocation, counted from 1, that fails with out-of-memory (pool, mirror or
@@ -138,6 +145,7 @@ impl Default for GpuOptions {
             context_faults: false,
             refused_launch_rate: 0.0,
             hang_rate: 0.0,
+            driver_fault_rate: 0.0,
             torn_copy_rate: 0.0,
             completion_delay_ns: 0,
             fail_first_host_alloc: false,
@@ -165,6 +173,8 @@ const KEY_HANGS: u64 = 3;
 const KEY_LAUNCH_REFUSED: u64 = 4;
 const KEY_TORN: u64 = 5;
 const KEY_ENQUEUE_REFUSED: u64 = 6;
+/// Driver calls' own faults: this plus the call's kind (`driver.rs`).
+const KEY_DRIVER_CALL: u64 = 0x100;
 
 /// A stream's index: its side's three, then its kind.
 pub fn stream_index(side: usize, kind: StreamKind) -> usize {
@@ -387,6 +397,8 @@ pub struct SimGpu {
     in_error: [Option<DeviceFault>; 2],
     /// The seed of the keyed fault draws.
     fault_key: u64,
+    /// The simulated driver's own faults are drawn (`arm_driver_faults`).
+    driver_armed: bool,
 }
 
 /// What performs an op's data effect when the simulation says it completes.
@@ -457,6 +469,7 @@ impl SimGpu {
             exec: Executor::Cpu(Box::default()),
             in_error: [None; 2],
             fault_key: tierkv_kernels::cpu::numerics::mix64(seed ^ 0xFA17_0000),
+            driver_armed: false,
         };
         if cuda {
             g.exec = Executor::cuda()?;
@@ -853,8 +866,10 @@ impl SimGpu {
             }
             // What a skipped copy should have written holds whatever was there: garbage; and
             // so does a skipped store's, for an engine running ahead (`ahead`).
-            if rec.op.spec().class() == OpClass::PageCopy || self.ahead {
-                for (buf, page, rows) in rec.op.spec().full_rows() {
+            let pages_copied = rec.op.spec().class() == OpClass::PageCopy
+                || matches!(&rec.op, Op::Copy(c) if self.mem.desc(c.dst.buffer).fingerprint.is_paged());
+            if pages_copied || self.ahead {
+                for (buf, page, rows) in self.full_rows(&rec.op) {
                     *self.tainted.entry((buf, page)).or_default() |= rows;
                 }
             }
@@ -1043,7 +1058,7 @@ impl SimGpu {
         for &r in &writes {
             self.bump_generations(r);
         }
-        for (buf, page, rows) in rec.op.spec().full_rows() {
+        for (buf, page, rows) in self.full_rows(&rec.op) {
             if let Some(m) = self.tainted.get_mut(&(buf, page)) {
                 *m &= !rows;
                 if *m == 0 {
@@ -1094,6 +1109,24 @@ impl SimGpu {
         }
     }
 
+    /// The token rows `op` writes whole, per page (`OpSpec::full_rows`); a linear copy into a
+    /// paged buffer (a pitched copy's row of the runtime's `CopyStrategy::MemcpyRuns`) writes
+    /// the pages it covers whole.
+    fn full_rows(&self, op: &Op) -> Vec<(BufferId, u64, u64)> {
+        let Op::Copy(c) = op else {
+            return op.spec().full_rows();
+        };
+        let desc = self.mem.desc(c.dst.buffer);
+        if !desc.fingerprint.is_paged() {
+            return Vec::new();
+        }
+        let pb = desc.fingerprint.page_bytes.max(1);
+        let (start, end) = (c.dst.offset.0, c.dst.offset.0 + c.dst.bytes.0);
+        (start.div_ceil(pb)..end / pb)
+            .map(|p| (c.dst.buffer, p, u64::MAX))
+            .collect()
+    }
+
     /// Every paged-buffer page an op writes gets a new write generation (the content oracle's
     /// cache key).
     fn bump_generations(&mut self, r: ByteRange) {
@@ -1134,6 +1167,7 @@ impl SimGpu {
         self.opts.completion_delay_ns = 0;
         self.opts.refused_launch_rate = 0.0;
         self.opts.hang_rate = 0.0;
+        self.opts.driver_fault_rate = 0.0;
     }
 
     /// Queues op `op` on stream `s`: its id, its happens-before clock and the race check of its
@@ -1371,6 +1405,27 @@ impl SimGpu {
     /// Fails a call of a side in error (`what` numbers the call kind in the log).
     pub(crate) fn refuse(&mut self, what: u64) -> Result<(), DeviceError> {
         self.refuse_in_error(what)
+    }
+
+    /// The simulated driver's calls may fail by faults of their own from now on (the engine is
+    /// built: its construction meets the allocation faults of `fail_alloc_nth` alone).
+    pub fn arm_driver_faults(&mut self) {
+        self.driver_armed = true;
+    }
+
+    /// Whether the simulated driver's call number `n` of kind `call` on entity `e` (a stream's
+    /// index, or one past the streams for calls of no stream) is refused by a fault of its own
+    /// (`GpuOptions::driver_fault_rate`, times `factor`, at most one call in four: the engine
+    /// repeats a refused call a few times, and a call refused every time would stop it).
+    /// Logged when it is.
+    pub(crate) fn driver_refuses(&mut self, call: u64, e: usize, n: u64, factor: f64) -> bool {
+        let rate = (self.opts.driver_fault_rate * factor).min(0.25);
+        let refused =
+            self.driver_armed && rate > 0.0 && self.keyed(KEY_DRIVER_CALL + call, e, n) < rate;
+        if refused {
+            self.log(&[31, call, e as u64, n]);
+        }
+        refused
     }
 
     /// Whether any token row of this page holds bytes from a failed copy.

@@ -78,6 +78,26 @@ pub enum SimProbe {
     /// The runtime over the simulated driver: a host callback was dropped because its side was
     /// in error.
     DriverCallbackDropped,
+    /// The simulated driver's own fault: a synchronous allocation (a RoPE table) met out-of-memory.
+    DriverRefusedAlloc,
+    /// The simulated driver's own fault: a stream-ordered allocation that had to grow its pool met out-of-memory.
+    DriverRefusedAllocAsync,
+    /// The simulated driver's own fault: an asynchronous copy was refused.
+    DriverRefusedCopyAsync,
+    /// The simulated driver's own fault: a pitched copy (a page run) was refused.
+    DriverRefusedCopy2d,
+    /// The simulated driver's own fault: a copy from pageable memory was refused.
+    DriverRefusedCopyPageable,
+    /// The simulated driver's own fault: a kernel launch was refused.
+    DriverRefusedLaunch,
+    /// The simulated driver's own fault: an event's creation met out-of-memory.
+    DriverRefusedEventCreate,
+    /// The simulated driver's own fault: an event record was refused.
+    DriverRefusedEventRecord,
+    /// The simulated driver's own fault: a stream's wait for an event was refused.
+    DriverRefusedStreamWait,
+    /// The simulated driver's own fault: a host callback was refused.
+    DriverRefusedHostCallback,
 }
 
 impl SimProbe {
@@ -113,6 +133,16 @@ impl SimProbe {
         SimProbe::DriverStagingWrapped,
         SimProbe::DriverPageableCopy,
         SimProbe::DriverCallbackDropped,
+        SimProbe::DriverRefusedAlloc,
+        SimProbe::DriverRefusedAllocAsync,
+        SimProbe::DriverRefusedCopyAsync,
+        SimProbe::DriverRefusedCopy2d,
+        SimProbe::DriverRefusedCopyPageable,
+        SimProbe::DriverRefusedLaunch,
+        SimProbe::DriverRefusedEventCreate,
+        SimProbe::DriverRefusedEventRecord,
+        SimProbe::DriverRefusedStreamWait,
+        SimProbe::DriverRefusedHostCallback,
     ];
 
     pub fn name(self) -> &'static str {
@@ -148,6 +178,16 @@ impl SimProbe {
             SimProbe::DriverStagingWrapped => "driver.staging_wrapped",
             SimProbe::DriverPageableCopy => "driver.pageable_copy",
             SimProbe::DriverCallbackDropped => "driver.callback_dropped",
+            SimProbe::DriverRefusedAlloc => "driver.refused_alloc",
+            SimProbe::DriverRefusedAllocAsync => "driver.refused_alloc_async",
+            SimProbe::DriverRefusedCopyAsync => "driver.refused_copy_async",
+            SimProbe::DriverRefusedCopy2d => "driver.refused_copy_2d",
+            SimProbe::DriverRefusedCopyPageable => "driver.refused_copy_pageable",
+            SimProbe::DriverRefusedLaunch => "driver.refused_launch",
+            SimProbe::DriverRefusedEventCreate => "driver.refused_event_create",
+            SimProbe::DriverRefusedEventRecord => "driver.refused_event_record",
+            SimProbe::DriverRefusedStreamWait => "driver.refused_stream_wait",
+            SimProbe::DriverRefusedHostCallback => "driver.refused_host_callback",
         }
     }
 }

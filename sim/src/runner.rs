@@ -571,7 +571,12 @@ fn start_engine(
                 // its ops on a real GPU (whose executor takes the ops themselves).
                 let dev = if staging > 0 && !opts.cuda {
                     let driver = SimDriver::new(side(0));
-                    let mut rt = DrivenDevice::with_staging(driver, CopyStrategy::Gather, staging)
+                    let strategy = if sc.gpu.runtime_copy_runs {
+                        CopyStrategy::MemcpyRuns
+                    } else {
+                        CopyStrategy::Gather
+                    };
+                    let mut rt = DrivenDevice::with_staging(driver, strategy, staging)
                         .map_err(EngineError::Device)?;
                     rt.mutants = eopts.mutants;
                     SimDevice::Runtime(Box::new(rt))
@@ -581,6 +586,7 @@ fn start_engine(
                 Engine::new(cfg.clone(), dev, clock, eopts).map(|e| Target::One(Box::new(e)))
             })
         };
+        gpu.borrow_mut().arm_driver_faults();
         target
             .map(|t| t.map(|t| (t, gpu)))
             .map_err(|p| failed(OracleKind::Invariant, p))

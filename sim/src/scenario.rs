@@ -103,6 +103,14 @@ pub struct GpuKnobs {
     /// GPU directly. A prefill/decode pair, and a run with `--device cuda`, always run directly.
     #[serde(default)]
     pub runtime_staging_bytes: u64,
+    /// The runtime moves pages by one pitched copy per run (`CopyStrategy::MemcpyRuns`)
+    /// instead of its gather kernel.
+    #[serde(default)]
+    pub runtime_copy_runs: bool,
+    /// Probability that a call of the simulated driver fails by a fault of its own
+    /// (`GpuOptions::driver_fault_rate`); with the runtime only.
+    #[serde(default)]
+    pub driver_fault_rate: f64,
 }
 
 impl GpuKnobs {
@@ -138,6 +146,7 @@ impl GpuKnobs {
             torn_copy_rate: self.torn_copy_rate,
             completion_delay_ns: self.completion_delay_ns,
             fail_alloc_nth: self.fail_alloc_nth,
+            driver_fault_rate: self.driver_fault_rate,
             trace,
             ..GpuOptions::default()
         }
@@ -231,6 +240,9 @@ fn bad(
         rule: rule.into(),
     }
 }
+
+/// The highest `gpu.driver_fault_rate` a scenario may ask for.
+const DRIVER_FAULT_RATE_MAX: f64 = 0.05;
 
 fn rate(field: &str, v: f64) -> Result<(), ScenarioError> {
     if v.is_finite() && (0.0..=1.0).contains(&v) {
@@ -406,6 +418,15 @@ impl Scenario {
             staging,
             limits::RUNTIME_STAGING_BYTES_MAX,
         )?;
+        rate("gpu.driver_fault_rate", g.driver_fault_rate)?;
+        if g.driver_fault_rate > DRIVER_FAULT_RATE_MAX {
+            return Err(bad(
+                "gpu.driver_fault_rate",
+                g.driver_fault_rate,
+                "must be at most 0.05: the engine repeats a refused call a few times, and at \
+                 higher rates every repeat fails too",
+            ));
+        }
         rate("gpu.failed_copy_rate", g.failed_copy_rate)
     }
 
@@ -489,7 +510,11 @@ impl Scenario {
             self.gpu.fail_alloc_nth,
             match self.gpu.runtime_staging_bytes {
                 0 => "device direct".to_string(),
-                b => format!("runtime staging {b} B"),
+                b => format!(
+                    "runtime staging {b} B, {}, driver-fail {}",
+                    if self.gpu.runtime_copy_runs { "copy per run" } else { "gather" },
+                    self.gpu.driver_fault_rate
+                ),
             },
             self.device_pages_refused_rate,
             self.host_pages_refused_rate,
@@ -836,6 +861,12 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         },
         // Small rings, so that they wrap within a run and large arguments go pageable.
         runtime_staging_bytes: *gr.pick(&[1024, 4096, 16384, 65536]),
+        runtime_copy_runs: gr.chance(0.25),
+        driver_fault_rate: if gr.chance(0.4) {
+            0.0
+        } else {
+            *gr.pick(&[0.0005, 0.002, 0.01])
+        },
     }
 }
 

@@ -281,6 +281,20 @@ impl Driver for CudaDriver {
             })?;
         Ok(self.mems.insert(Alloc::Async { ptr }))
     }
+    fn trim_pool(&mut self) -> Result<(), DeviceError> {
+        self.bind()?;
+        let mut pool = std::mem::MaybeUninit::uninit();
+        // SAFETY: the context's device; `pool` is written by the call before it is read.
+        check(
+            unsafe { sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), self.ctx.cu_device()) },
+            "cuDeviceGetDefaultMemPool",
+        )?;
+        // SAFETY: the device's default pool, which `cuMemAllocAsync` allocates from.
+        check(
+            unsafe { sys::cuMemPoolTrimTo(pool.assume_init(), 0) },
+            "cuMemPoolTrimTo",
+        )
+    }
     fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError> {
         let stream = self.streams[s.index()].cu_stream();
         match self.mems.take(mem) {

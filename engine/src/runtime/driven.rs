@@ -184,6 +184,8 @@ pub struct DrivenDevice<D: Driver> {
     tickets: std::collections::BTreeMap<EventId, Ticket>,
     /// `Some` while the compute stream is timed.
     timing: Option<ComputeTiming>,
+    /// Mutant 34's pinned buffer per stream (allocation, bytes); never used in production.
+    registered: [Option<(Mem, u64)>; StreamKind::ALL.len()],
 }
 
 impl<D: Driver> DrivenDevice<D> {
@@ -220,6 +222,7 @@ impl<D: Driver> DrivenDevice<D> {
             ring: Arc::new(CompletionRing::new(RING_SLOTS)),
             tickets: std::collections::BTreeMap::new(),
             timing: None,
+            registered: [None; StreamKind::ALL.len()],
         };
         for s in StreamKind::ALL {
             d.prepare_staging(s)?;
@@ -318,10 +321,21 @@ impl<D: Driver> DrivenDevice<D> {
         Ok(())
     }
 
-    /// A stream-ordered allocation on `s` of `bytes` (at least 1), freed after the op.
+    /// A stream-ordered allocation on `s` of `bytes` (at least 1), freed after the op. When the
+    /// pool cannot grow (out of memory), the memory freed on every stream is given back first:
+    /// the context is synchronised (every stream-ordered free is reached), the pool trimmed,
+    /// and the allocation made once more; its error then stands.
     fn scratch_alloc(&mut self, s: StreamKind, bytes: Bytes) -> Result<Ptr, DeviceError> {
         let bytes = bytes.max(Bytes(1));
-        let mem = self.driver.alloc_async(s, bytes.0)?;
+        let mem = match self.driver.alloc_async(s, bytes.0) {
+            Err(DeviceError::OutOfMemory { .. }) => {
+                self.driver.context_synchronize()?;
+                self.driver.trim_pool()?;
+                crate::probe::hit(crate::probe::Probe::RuntimePoolTrimmed);
+                self.driver.alloc_async(s, bytes.0)?
+            }
+            r => r?,
+        };
         self.scratch.push(mem);
         Ok(Ptr::whole(mem, bytes))
     }
@@ -333,7 +347,11 @@ impl<D: Driver> DrivenDevice<D> {
         let n = data.len().max(1);
         if n > self.staging_bytes / 4 {
             let dst = self.scratch_alloc(s, Bytes(n as u64))?;
-            self.driver.copy_pageable(s, dst, data)?;
+            if self.mutants.pageable_is_pinned() {
+                self.copy_from_registered(s, dst, data)?;
+            } else {
+                self.driver.copy_pageable(s, dst, data)?;
+            }
             return Ok(dst);
         }
         self.prepare_staging(s)?;
@@ -386,6 +404,43 @@ impl<D: Driver> DrivenDevice<D> {
             }
         }
         Ok(dst)
+    }
+
+    /// Mutant 34's copy: `data` written into the stream's pinned buffer (grown as needed; a
+    /// buffer outgrown is kept, never freed) and copied asynchronously from it, with nothing
+    /// that makes the next write wait for the copy.
+    fn copy_from_registered(
+        &mut self,
+        s: StreamKind,
+        dst: Ptr,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        let n = data.len().max(1) as u64;
+        let held = self.registered[s.index()].filter(|&(_, cap)| cap >= n);
+        let mem = match held {
+            Some((mem, _)) => mem,
+            None => {
+                let cap = n.next_power_of_two();
+                let mem = self.driver.alloc(&BufferDesc {
+                    role: BufferRole::Scratch {
+                        name: "registered host buffer",
+                    },
+                    tier: MemoryTier::PinnedHost,
+                    bytes: Bytes(cap),
+                    fingerprint: LayoutFingerprint::unpaged(cap),
+                })?;
+                self.registered[s.index()] = Some((mem, cap));
+                mem
+            }
+        };
+        self.driver.write_pinned(mem, Bytes(0), data)?;
+        let src = Ptr {
+            mem,
+            offset: Bytes(0),
+            bytes: Bytes(data.len() as u64),
+        };
+        let to = dst.at(Bytes(0), Bytes(data.len() as u64));
+        self.driver.copy_async(s, to, src)
     }
 
     /// Uploads the op's packed arguments and allocates its outputs: one staged copy and one
@@ -642,7 +697,7 @@ impl<D: Driver> DrivenDevice<D> {
         )?;
         match self.strategy {
             CopyStrategy::MemcpyRuns => {
-                for run in &o.runs {
+                for (i, run) in o.runs.iter().enumerate() {
                     let (a, b) = (sv.page_range(run.src), dv.page_range(run.dst));
                     let rows = run.count as u64;
                     let width = sv.page_bytes();
@@ -656,7 +711,17 @@ impl<D: Driver> DrivenDevice<D> {
                         width,
                         height: rows,
                     };
-                    self.driver.copy_2d_async(s, &c)?;
+                    if let Err(e) = self.driver.copy_2d_async(s, &c) {
+                        // The runs queued before it would still write the destination after the
+                        // caller reused it for something else (a failed load's pages are
+                        // recomputed): they run out first. The copy's error is the one to
+                        // report, whatever the synchronisation meets.
+                        if i > 0 {
+                            let _ = self.driver.stream_synchronize(s);
+                            crate::probe::hit(crate::probe::Probe::RuntimePartialCopyDrained);
+                        }
+                        return Err(e);
+                    }
                 }
                 Ok(())
             }

@@ -269,6 +269,10 @@ pub trait Driver {
     /// A stream-ordered device allocation (`cuMemAllocAsync`): usable by work queued on `s`
     /// after this call; uninitialised.
     fn alloc_async(&mut self, s: StreamKind, bytes: u64) -> Result<Mem, DeviceError>;
+    /// Gives back to the device the memory of the stream-ordered pool that no allocation holds
+    /// (`cuMemPoolTrimTo(pool, 0)`); after a context synchronisation, that is all of it that was
+    /// freed.
+    fn trim_pool(&mut self) -> Result<(), DeviceError>;
     /// A stream-ordered free (`cuMemFreeAsync`): the memory may be reused by work ordered after
     /// this point of `s`, so every reader on another stream must be ordered before it.
     fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError>;
