@@ -109,9 +109,9 @@ pub enum Mutant {
     ///     stream, so the completion ring acknowledges the load when the compute stream reaches
     ///     it, whether or not the load's copies ran.
     CallbackOnComputeStream,
-    /// 34. Runtime: large arguments go through a host buffer the runtime pinned (registered)
-    ///     for speed, so their copy is asynchronous; the runtime still writes the buffer again
-    ///     for the next large argument at once, as if the driver had taken the bytes before the
+    /// 34. Runtime: large arguments go through a pinned host buffer the runtime keeps for
+    ///     speed, so their copy is asynchronous; the runtime still writes the buffer again for
+    ///     the next large argument at once, as if the driver had taken the bytes before the
     ///     call returned (what it does for pageable memory), while the earlier copy from it is
     ///     still queued.
     PageableBufferReused,
@@ -355,8 +355,8 @@ impl Mutants {
             s
         }
     }
-    /// Mutant 34: large arguments are copied from a host buffer the runtime pinned and reuses
-    /// at once. Clean: `false`, a copy from pageable memory (the driver takes the bytes before
+    /// Mutant 34: large arguments are copied from a pinned host buffer the runtime reuses at
+    /// once. Clean: `false`, a copy from pageable memory (the driver takes the bytes before
     /// it returns).
     pub fn pageable_is_pinned(&self) -> bool {
         self.on(Mutant::PageableBufferReused)

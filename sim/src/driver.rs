@@ -26,18 +26,21 @@
 //!   and dropped when its side is in error or the record failed (CUDA does not run host
 //!   functions after an error).
 //!
-//! Faults: once the engine is built, each call that CUDA can refuse by itself fails by a draw
-//! of its own (`GpuOptions::driver_fault_rate`, keyed by the call's kind, stream and number
-//! among the calls of that kind on that stream): allocations and stream-ordered allocations
-//! that must grow their pool (twenty times as often: `ALLOC_FAULT_FACTOR`) and event
-//! creations with out-of-memory; copies,
-//! pitched copies, pageable copies, launches, event records, stream waits and host callbacks
-//! with the driver's error (see `Call`). A launch also meets the simulated GPU's draws at
-//! enqueue (a kernel's refused launch) and its faults as it runs; a side in error refuses
-//! allocations on a stream, copies, launches, event records and waits, pool trims, stream
-//! synchronisations and host callbacks. Not modelled: a pitched copy is its rows as linear
-//! copies, which no copy fault of the simulated GPU reaches (only page copies fail or tear as
-//! they run), and timing events (`event_elapsed_ns` answers `None`).
+//! Faults: once the engine is built, each call that CUDA can refuse fails by a draw of its own
+//! (`GpuOptions::driver_fault_rate`, keyed by the call's kind, stream and number among the
+//! calls of that kind on that stream; no draw on a side in error, whose calls meet its error):
+//! allocations that take new memory from the device (a synchronous one, a stream-ordered one
+//! that grows its pool) twenty times as often as the rest (`ALLOC_FAULT_FACTOR`), with
+//! out-of-memory; event creations with out-of-memory and launches with out-of-resources (as
+//! `Backend` errors); copies, pitched and pageable copies, event records, stream waits and host
+//! callbacks refused with no CUDA error code (see `Call::cuda`). A launch also meets the
+//! simulated GPU's draws at enqueue (a kernel's refused launch) and its faults as it runs; a
+//! side in error refuses allocations on a stream, copies, launches, event records and waits,
+//! pool trims, stream synchronisations and host callbacks. A pool trim gives the freed buffers
+//! back to the device, where any stream's next growth takes them again without a fault. Not
+//! modelled: a pitched copy is its rows as linear copies, which no copy fault of the simulated
+//! GPU reaches (only page copies fail or tear as they run), and timing events
+//! (`event_elapsed_ns` answers `None`).
 
 use crate::gpu::{ArgField, LaunchArgs, SimSide};
 use crate::probes::{self, SimProbe};
@@ -106,8 +109,14 @@ enum Call {
     HostCallback,
 }
 
+/// The entity of a call that names no stream (an allocation, an event's creation): one past
+/// the streams.
+const NO_STREAM: usize = StreamKind::ALL.len();
+/// Entities a side's calls are counted and keyed by: its streams, then `NO_STREAM`.
+const CALL_ENTITIES: usize = NO_STREAM + 1;
+
 impl Call {
-    const COUNT: usize = 10;
+    const COUNT: usize = Call::HostCallback as usize + 1;
 
     fn probe(self) -> SimProbe {
         match self {
@@ -124,29 +133,32 @@ impl Call {
         }
     }
 
-    /// The CUDA call and the error it answers.
-    fn cuda(self) -> (&'static str, &'static str) {
-        const OOM: &str = "CUDA_ERROR_OUT_OF_MEMORY";
+    /// The CUDA call, and the error CUDA documents for it that the refusal stands for, if
+    /// any. Copies, records, waits and host callbacks have none but invalid arguments and a
+    /// lost context: their refusals are drawn so that every call's error path runs.
+    fn cuda(self) -> (&'static str, Option<&'static str>) {
+        const OOM: Option<&str> = Some("CUDA_ERROR_OUT_OF_MEMORY");
         match self {
             Call::Alloc => ("cuMemAlloc", OOM),
             Call::AllocAsync => ("cuMemAllocAsync", OOM),
-            Call::CopyAsync => ("cuMemcpyAsync", OOM),
-            Call::Copy2d => ("cuMemcpy2DAsync", OOM),
-            Call::CopyPageable => ("cuMemcpyHtoDAsync", OOM),
-            Call::Launch => ("cuLaunchKernel", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"),
+            Call::CopyAsync => ("cuMemcpyAsync", None),
+            Call::Copy2d => ("cuMemcpy2DAsync", None),
+            Call::CopyPageable => ("cuMemcpyHtoDAsync", None),
+            Call::Launch => ("cuLaunchKernel", Some("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")),
             Call::EventCreate => ("cuEventCreate", OOM),
-            Call::EventRecord => ("cuEventRecord", OOM),
-            Call::StreamWait => ("cuStreamWaitEvent", OOM),
-            Call::HostCallback => ("cuLaunchHostFunc", OOM),
+            Call::EventRecord => ("cuEventRecord", None),
+            Call::StreamWait => ("cuStreamWaitEvent", None),
+            Call::HostCallback => ("cuLaunchHostFunc", None),
         }
     }
 
     /// The driver's error for a refused call that is not an allocation.
     fn refusal(self) -> DeviceError {
-        let (call, code) = self.cuda();
-        DeviceError::Backend {
-            detail: format!("{call}: {code} (injected)"),
-        }
+        let detail = match self.cuda() {
+            (call, Some(code)) => format!("{call}: {code} (injected)"),
+            (call, None) => format!("{call}: refused (injected)"),
+        };
+        DeviceError::Backend { detail }
     }
 }
 
@@ -165,6 +177,8 @@ pub struct SimDriver {
     mems: MemTable<SimMem>,
     /// Freed stream-ordered buffers: (capacity, the stream that freed it) → buffers.
     pool: BTreeMap<(u64, usize), Vec<BufferId>>,
+    /// Buffers a pool trim gave back to the device, by capacity.
+    trimmed: BTreeMap<u64, Vec<BufferId>>,
     /// Driver events → the GPU's events.
     events: Vec<EventId>,
     /// Internal events free for a callback or a synchronisation.
@@ -181,7 +195,7 @@ pub struct SimDriver {
     callback_ran: BTreeMap<EventId, u64>,
     /// Per call kind and stream (and one entry past the streams for calls of none), the calls
     /// made: each call's number keys its fault draw.
-    calls: [[u64; 4]; Call::COUNT],
+    calls: [[u64; CALL_ENTITIES]; Call::COUNT],
 }
 
 impl SimDriver {
@@ -190,6 +204,7 @@ impl SimDriver {
             side,
             mems: MemTable::default(),
             pool: BTreeMap::new(),
+            trimmed: BTreeMap::new(),
             events: Vec::new(),
             spare_events: Vec::new(),
             fused: BTreeMap::new(),
@@ -198,21 +213,23 @@ impl SimDriver {
             last_write: BTreeMap::new(),
             last_record: [None; 3],
             callback_ran: BTreeMap::new(),
-            calls: [[0; 4]; Call::COUNT],
+            calls: [[0; CALL_ENTITIES]; Call::COUNT],
         }
     }
 
     /// Whether this call (of kind `call`, on stream `s` or none) fails by a fault of its own
     /// (`GpuOptions::driver_fault_rate`, times `factor`).
+    /// A side in error draws nothing: the call meets the context's error instead, as in CUDA.
     fn refused(&mut self, call: Call, s: Option<StreamKind>, factor: f64) -> bool {
-        let e = s.map_or(3, StreamKind::index);
+        let e = s.map_or(NO_STREAM, StreamKind::index);
         let n = self.calls[call as usize][e];
         self.calls[call as usize][e] += 1;
-        let entity = self.side.side * 4 + e;
-        let refused = self
-            .side
-            .at()
-            .driver_refuses(call as u64, entity, n, factor);
+        let entity = self.side.side * CALL_ENTITIES + e;
+        let mut g = self.side.at();
+        if g.side_in_error() {
+            return false;
+        }
+        let refused = g.driver_refuses(call as u64, entity, n, factor);
         probes::hit_if(call.probe(), refused)
     }
 
@@ -513,7 +530,11 @@ impl Driver for SimDriver {
         self.side.at().refuse(25)?;
         let cap = bytes.max(1).next_power_of_two().max(DRIVER_CELL_BYTES);
         let key = (cap, s.index());
-        let buf = match self.pool.get_mut(&key).and_then(Vec::pop) {
+        let reused = self.pool.get_mut(&key).and_then(Vec::pop);
+        // Memory a trim gave back is the device's again, free for any stream: the pool grows
+        // by taking it, with no fault (nothing else took it in between, in this model).
+        let reused = reused.or_else(|| self.trimmed.get_mut(&cap).and_then(Vec::pop));
+        let buf = match reused {
             Some(b) => {
                 probes::hit(SimProbe::DriverScratchReused);
                 b
@@ -551,8 +572,11 @@ impl Driver for SimDriver {
     fn trim_pool(&mut self) -> Result<(), DeviceError> {
         self.deliver();
         self.side.at().refuse(32)?;
-        // The buffers stay the simulator's; no allocation takes them again.
-        self.pool.clear();
+        // Every freed buffer goes back to the device, where the next growth of any stream may
+        // take it: a trim before the work that read it completed is a race the detector sees.
+        for ((cap, _), bufs) in std::mem::take(&mut self.pool) {
+            self.trimmed.entry(cap).or_default().extend(bufs);
+        }
         Ok(())
     }
     fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError> {
@@ -606,11 +630,11 @@ impl Driver for SimDriver {
     }
     fn copy_pageable(&mut self, s: StreamKind, dst: Ptr, data: &[u8]) -> Result<(), DeviceError> {
         self.deliver();
-        self.last_record[s.index()] = None;
         self.side.at().refuse(27)?;
         if self.refused(Call::CopyPageable, Some(s), 1.0) {
             return Err(Call::CopyPageable.refusal());
         }
+        self.last_record[s.index()] = None;
         probes::hit(SimProbe::DriverPageableCopy);
         let need = (data.len() as u64).max(1);
         // A bounce buffer whose copy completed (the host saw it: ordered after it).

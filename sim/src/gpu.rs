@@ -107,11 +107,12 @@ pub struct GpuOptions {
     /// directly have no callbacks: the delay only orders the `observed` probe.)
     pub completion_delay_ns: u64,
     /// Probability that a call of the simulated driver (`driver.rs`) is refused by a fault of
-    /// its own, once the engine is built (`SimDriver::arm`): allocations and event creations
-    /// with out-of-memory, copies, launches, records, waits and host callbacks with the
-    /// driver's error. An allocation that takes new memory from the device meets out-of-memory
-    /// twenty times as often (`driver.rs`), at most one call in four. Each draw is keyed by the call's kind, its stream and its number
-    /// among the calls of that kind on that stream.
+    /// its own, once the engine is built (`SimGpu::arm_driver_faults`): allocations and event
+    /// creations with out-of-memory, copies, launches, records, waits and host callbacks with
+    /// the driver's error. An allocation that takes new memory from the device meets
+    /// out-of-memory twenty times as often (`driver.rs`), at most one call in four. Each draw is
+    /// keyed by the call's kind, its stream and its number among the calls of that kind on
+    /// that stream.
     pub driver_fault_rate: f64,
     /// Fail the first pinned-host allocation (the runner retries the engine's construction).
     pub fail_first_host_alloc: bool,
@@ -1413,8 +1414,8 @@ impl SimGpu {
         self.driver_armed = true;
     }
 
-    /// Whether the simulated driver's call number `n` of kind `call` on entity `e` (a stream's
-    /// index, or one past the streams for calls of no stream) is refused by a fault of its own
+    /// Whether the simulated driver's call number `n` of kind `call` by entity `e` (the
+    /// driver's own numbering of a side's streams and its calls of no stream) is refused by a fault of its own
     /// (`GpuOptions::driver_fault_rate`, times `factor`, at most one call in four: the engine
     /// repeats a refused call a few times, and a call refused every time would stop it).
     /// Logged when it is.

@@ -212,11 +212,16 @@ pub struct ScenarioError {
 /// Bounds of a scenario beyond its configuration's: what one simulated run can hold in memory
 /// and time (the simulator runs every op on real bytes).
 pub mod limits {
-    /// Device pools, step scratch and host mirror together, in bytes.
-    pub const SIM_MEMORY_BYTES_MAX: u64 = 1 << 30;
+    /// Device pools, step scratch and host mirror together, in bytes: 4 GiB, which every
+    /// drawn scenario fits (the production profile's draws go over 1 GiB, the limit before;
+    /// `drawn_scenarios_are_valid` in `sim/tests/it/main.rs` checks the draws).
+    pub const SIM_MEMORY_BYTES_MAX: u64 = 4 << 30;
     pub const PCT_DEPTH_MAX: u32 = 64;
     pub const JITTER_NS_MAX: u64 = 1_000_000_000;
     pub const COMPLETION_DELAY_NS_MAX: u64 = 1_000_000_000;
+    /// The highest `gpu.driver_fault_rate`: the engine repeats a refused call a few times, and
+    /// at higher rates every repeat fails too.
+    pub const DRIVER_FAULT_RATE_MAX: f64 = 0.05;
     /// A simulated staging ring (its bytes are the simulator's memory).
     pub const RUNTIME_STAGING_BYTES_MAX: u64 = 64 << 20;
     pub const COPY_BYTES_PER_NS_MAX: f64 = 1e6;
@@ -240,9 +245,6 @@ fn bad(
         rule: rule.into(),
     }
 }
-
-/// The highest `gpu.driver_fault_rate` a scenario may ask for.
-const DRIVER_FAULT_RATE_MAX: f64 = 0.05;
 
 fn rate(field: &str, v: f64) -> Result<(), ScenarioError> {
     if v.is_finite() && (0.0..=1.0).contains(&v) {
@@ -419,12 +421,25 @@ impl Scenario {
             limits::RUNTIME_STAGING_BYTES_MAX,
         )?;
         rate("gpu.driver_fault_rate", g.driver_fault_rate)?;
-        if g.driver_fault_rate > DRIVER_FAULT_RATE_MAX {
+        if g.driver_fault_rate > limits::DRIVER_FAULT_RATE_MAX {
             return Err(bad(
                 "gpu.driver_fault_rate",
                 g.driver_fault_rate,
-                "must be at most 0.05: the engine repeats a refused call a few times, and at \
-                 higher rates every repeat fails too",
+                format!(
+                    "must be at most {}: the engine repeats a refused call a few times, and \
+                     at higher rates every repeat fails too",
+                    limits::DRIVER_FAULT_RATE_MAX
+                ),
+            ));
+        }
+        // The driver's faults and copy strategy are the runtime's: without it they would do
+        // nothing, silently.
+        if staging == 0 && (g.driver_fault_rate > 0.0 || g.runtime_copy_runs) {
+            return Err(bad(
+                "gpu.runtime_staging_bytes",
+                staging,
+                "must not be 0 with gpu.driver_fault_rate > 0 or gpu.runtime_copy_runs: they \
+                 act in the runtime, which a scenario with 0 does not run",
             ));
         }
         rate("gpu.failed_copy_rate", g.failed_copy_rate)
@@ -563,7 +578,7 @@ pub fn draw(
     let mut gr = rng.fork(2);
     let mut wr = rng.fork(3);
     let cfg = draw_config(&mut cr, seed, profile);
-    let gpu = draw_gpu(&mut gr);
+    let mut gpu = draw_gpu(&mut gr);
     let abort_rate = if gr.chance(0.6) {
         0.0
     } else {
@@ -594,6 +609,15 @@ pub fn draw(
     // Its own stream too: every seed drew the same scenario as before, but for this.
     let overlap = profile != "pd" && rng.fork(5).chance(0.5);
     debug_assert_eq!(overlap, draws_overlap(seed, profile));
+    // The runtime's copy strategy and the driver's own faults: a stream of their own, forked
+    // after every other, so that adding them left every other draw as it was.
+    let mut dr = rng.fork(6);
+    gpu.runtime_copy_runs = dr.chance(0.25);
+    gpu.driver_fault_rate = if dr.chance(0.4) {
+        0.0
+    } else {
+        *dr.pick(&[0.0005, 0.002, 0.01])
+    };
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
     let sc = Scenario {
@@ -678,11 +702,15 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     // The device tier holds at least one request of the longest context.
     let pages_per_request = ctx.div_ceil(64) as u64;
     c.device_pages = (cr.range(17, 40) as u32).max((pages_per_request + cr.range(1, 12)) as u32);
-    c.host = HostCapacity::Ratio(if cr.chance(0.4) {
+    let ratio = if cr.chance(0.4) {
         1.05 + cr.unit() * 0.25 // a host tier barely larger than the device: always full
     } else {
         1.3 + cr.unit() * 2.7
-    });
+    };
+    // At least one whole host page more than the device tier holds (the configuration refuses
+    // less); a ratio that already gives one is kept as drawn.
+    let dp = c.device_pages as f64;
+    c.host = HostCapacity::Ratio(ratio.max((dp + 1.5) / dp));
     draw_cache_policies(cr, c);
     let s = &mut cfg.scheduler;
     s.queued_requests_max = cr.range(8, 64) as u32;
@@ -861,12 +889,9 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         },
         // Small rings, so that they wrap within a run and large arguments go pageable.
         runtime_staging_bytes: *gr.pick(&[1024, 4096, 16384, 65536]),
-        runtime_copy_runs: gr.chance(0.25),
-        driver_fault_rate: if gr.chance(0.4) {
-            0.0
-        } else {
-            *gr.pick(&[0.0005, 0.002, 0.01])
-        },
+        // Drawn in `draw`, from a stream of their own.
+        runtime_copy_runs: false,
+        driver_fault_rate: 0.0,
     }
 }
 

@@ -272,28 +272,29 @@ impl Driver for CudaDriver {
         // SAFETY: a stream-ordered allocation on a live stream; the runtime writes it (by a
         // copy or a kernel) before anything reads it.
         let ptr = unsafe { cudarc::driver::result::malloc_async(stream, bytes.max(1) as usize) }
-            .map_err(|_| DeviceError::OutOfMemory {
-                role: BufferRole::Scratch {
-                    name: "stream-ordered",
+            .map_err(|e| match e.0 {
+                sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => DeviceError::OutOfMemory {
+                    role: BufferRole::Scratch {
+                        name: "stream-ordered",
+                    },
+                    tier: MemoryTier::Device,
+                    bytes,
                 },
-                tier: MemoryTier::Device,
-                bytes,
+                r => DeviceError::Backend {
+                    detail: format!("cuMemAllocAsync: {r:?}"),
+                },
             })?;
         Ok(self.mems.insert(Alloc::Async { ptr }))
     }
     fn trim_pool(&mut self) -> Result<(), DeviceError> {
         self.bind()?;
-        let mut pool = std::mem::MaybeUninit::uninit();
-        // SAFETY: the context's device; `pool` is written by the call before it is read.
-        check(
-            unsafe { sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), self.ctx.cu_device()) },
-            "cuDeviceGetDefaultMemPool",
-        )?;
-        // SAFETY: the device's default pool, which `cuMemAllocAsync` allocates from.
-        check(
-            unsafe { sys::cuMemPoolTrimTo(pool.assume_init(), 0) },
-            "cuMemPoolTrimTo",
-        )
+        use cudarc::driver::result::{device, mem_pool};
+        // SAFETY: the context's device; the pool `cuMemAllocAsync` allocates from is its
+        // current one.
+        let pool = unsafe { device::get_mem_pool(self.ctx.cu_device()) }
+            .map_err(backend("cuDeviceGetMemPool"))?;
+        // SAFETY: a live pool; trimming releases only memory no allocation holds.
+        unsafe { mem_pool::trim_to(pool, 0) }.map_err(backend("cuMemPoolTrimTo"))
     }
     fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError> {
         let stream = self.streams[s.index()].cu_stream();

@@ -184,8 +184,9 @@ pub struct DrivenDevice<D: Driver> {
     tickets: std::collections::BTreeMap<EventId, Ticket>,
     /// `Some` while the compute stream is timed.
     timing: Option<ComputeTiming>,
-    /// Mutant 34's pinned buffer per stream (allocation, bytes); never used in production.
-    registered: [Option<(Mem, u64)>; StreamKind::ALL.len()],
+    /// Mutant 34's pinned buffer per stream (allocation, bytes).
+    #[cfg(feature = "mutants")]
+    pinned_args: [Option<(Mem, Bytes)>; StreamKind::ALL.len()],
 }
 
 impl<D: Driver> DrivenDevice<D> {
@@ -222,7 +223,8 @@ impl<D: Driver> DrivenDevice<D> {
             ring: Arc::new(CompletionRing::new(RING_SLOTS)),
             tickets: std::collections::BTreeMap::new(),
             timing: None,
-            registered: [None; StreamKind::ALL.len()],
+            #[cfg(feature = "mutants")]
+            pinned_args: [None; StreamKind::ALL.len()],
         };
         for s in StreamKind::ALL {
             d.prepare_staging(s)?;
@@ -347,11 +349,12 @@ impl<D: Driver> DrivenDevice<D> {
         let n = data.len().max(1);
         if n > self.staging_bytes / 4 {
             let dst = self.scratch_alloc(s, Bytes(n as u64))?;
+            #[cfg(feature = "mutants")]
             if self.mutants.pageable_is_pinned() {
-                self.copy_from_registered(s, dst, data)?;
-            } else {
-                self.driver.copy_pageable(s, dst, data)?;
+                self.copy_from_pinned(s, dst, data)?;
+                return Ok(dst);
             }
+            self.driver.copy_pageable(s, dst, data)?;
             return Ok(dst);
         }
         self.prepare_staging(s)?;
@@ -409,27 +412,28 @@ impl<D: Driver> DrivenDevice<D> {
     /// Mutant 34's copy: `data` written into the stream's pinned buffer (grown as needed; a
     /// buffer outgrown is kept, never freed) and copied asynchronously from it, with nothing
     /// that makes the next write wait for the copy.
-    fn copy_from_registered(
+    #[cfg(feature = "mutants")]
+    fn copy_from_pinned(
         &mut self,
         s: StreamKind,
         dst: Ptr,
         data: &[u8],
     ) -> Result<(), DeviceError> {
-        let n = data.len().max(1) as u64;
-        let held = self.registered[s.index()].filter(|&(_, cap)| cap >= n);
+        let n = Bytes(data.len().max(1) as u64);
+        let held = self.pinned_args[s.index()].filter(|&(_, cap)| cap >= n);
         let mem = match held {
             Some((mem, _)) => mem,
             None => {
-                let cap = n.next_power_of_two();
+                let cap = Bytes(n.0.next_power_of_two());
                 let mem = self.driver.alloc(&BufferDesc {
                     role: BufferRole::Scratch {
-                        name: "registered host buffer",
+                        name: "pinned argument buffer",
                     },
                     tier: MemoryTier::PinnedHost,
-                    bytes: Bytes(cap),
-                    fingerprint: LayoutFingerprint::unpaged(cap),
+                    bytes: cap,
+                    fingerprint: LayoutFingerprint::unpaged(cap.0),
                 })?;
-                self.registered[s.index()] = Some((mem, cap));
+                self.pinned_args[s.index()] = Some((mem, cap));
                 mem
             }
         };

@@ -270,8 +270,10 @@ pub trait Driver {
     /// after this call; uninitialised.
     fn alloc_async(&mut self, s: StreamKind, bytes: u64) -> Result<Mem, DeviceError>;
     /// Gives back to the device the memory of the stream-ordered pool that no allocation holds
-    /// (`cuMemPoolTrimTo(pool, 0)`); after a context synchronisation, that is all of it that was
-    /// freed.
+    /// (`cuMemPoolTrimTo` on the device's current pool, keeping nothing); after a context
+    /// synchronisation, that is all of it that was freed. (With CUDA's default release
+    /// threshold of 0 the synchronisation already gives it back: the trim is for a pool whose
+    /// threshold was raised.)
     fn trim_pool(&mut self) -> Result<(), DeviceError>;
     /// A stream-ordered free (`cuMemFreeAsync`): the memory may be reused by work ordered after
     /// this point of `s`, so every reader on another stream must be ordered before it.

@@ -53,16 +53,19 @@ fn fixed_seeds_have_no_findings() {
     }
 }
 
-/// Seeds of the default test campaign: 36, the first `0..N` that reaches every probe since the
-/// simulated driver's calls fail by faults of their own (seed 35 is the first to hit
-/// `fault.sticky` at those draws).
-const DEFAULT_TEST_SEEDS: u64 = 36;
+/// Seeds of the default test campaign: 25, the first `0..N` that reaches every probe since the
+/// fault draws were keyed (seed 24 is the first to hit `ahead.row_stale`; checked again at
+/// `bcbe539`'s draws).
+const DEFAULT_TEST_SEEDS: u64 = 25;
 
 /// Probes the default test campaign does not reach yet, each with the reason. A probe listed here
-/// that the campaign starts hitting fails the test too, so the list stays true. (None now:
-/// `step.waited_for_load` was listed until the draws of the driver's own faults, which changed
-/// every seed's run, made one of seeds 0..25 reach it.)
-const COLD: &[(&str, &str)] = &[];
+/// that the campaign starts hitting fails the test too, so the list stays true.
+const COLD: &[(&str, &str)] = &[(
+    "step.waited_for_load",
+    "since the engine runs on the runtime over the simulated driver, whose argument uploads \
+     keep the compute stream busy, a load is rarely the only work left: 3 of seeds 0..200 \
+     reach it (measured at the commit that made the runtime run in every seed)",
+)];
 
 /// The default test campaign reaches every coverage probe but the ones `COLD` lists.
 fn every_probe_is_hit(c: &tierkv_sim::probes::Coverage) {
@@ -576,4 +579,29 @@ fn without_context_faults_a_fault_stays_on_its_stream() {
     gpu.record(StreamKind::Compute, compute)
         .expect("a record after recover");
     assert_eq!(gpu.synchronize(compute), EventState::Done);
+}
+
+/// Every drawn scenario is one the simulator accepts: a campaign draws (and validates) all of its
+/// seeds' scenarios before it runs the first, so one invalid draw stops it. Swarm seeds
+/// `0..20_000` and the first 2,000 of each other profile that needs no trace file. (Before
+/// this test, swarm seed 813 drew a host tier with no more whole pages than the device tier,
+/// which stopped any campaign over it, and production seed 15 drew pools over the simulator's
+/// memory limit of then, so that its saved scenario could not be replayed.)
+#[test]
+fn drawn_scenarios_are_valid() {
+    for (profile, seeds) in [
+        ("swarm", 20_000),
+        ("sessions", 2_000),
+        ("needle", 2_000),
+        ("quick", 2_000),
+        ("production", 2_000),
+        ("pd", 2_000),
+    ] {
+        for seed in 0..seeds {
+            let sc = tierkv_sim::scenario::draw(seed, profile, None);
+            if let Err(e) = sc.validate() {
+                panic!("{profile} seed {seed} drew an invalid scenario: {e}");
+            }
+        }
+    }
 }
