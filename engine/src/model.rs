@@ -461,7 +461,7 @@ impl ModelStep {
         for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
             let n = chunk.len() as u32;
             let read = SparseRead {
-                dtype: sh.kv_dtype,
+                dtype: self.mutants.sparse_read_dtype(sh.kv_dtype),
                 k: sh.topk,
                 slots: s.region(
                     ScratchBuffer::Selections,

@@ -115,10 +115,26 @@ pub enum Mutant {
     ///     call returned (what it does for pageable memory), while the earlier copy from it is
     ///     still queued.
     PageableBufferReused,
+    /// 35. Field (vllm-project/vllm#50558: received blocks matched to local ones by count, not
+    ///     position), prefill/decode: the decode side reserves more pages than the prefill side
+    ///     sends (room for the tokens it will generate), and the transfer fills the last of them
+    ///     instead of the first, so the request's first pages are read as if they held the
+    ///     prompt's KV.
+    PdReceivesIntoLastPages,
+    /// 36. Field (vllm-project/vllm#50576): the writer stores an fp8 index-K page
+    ///     block-planar (every value, then every scale) and the reader reads it
+    ///     token-interleaved (each token's values, then its scale): the same bytes a page, so
+    ///     no size or layout-fingerprint check can fire. The reader is `index_logits`'s
+    ///     reference (`Mutant::kernel`: the kernels' `LogitsReadsInterleaved`).
+    IndexKReadInterleaved,
+    /// 37. Field (vllm-project/vllm#55221: a cache's storage dtype handed on where its compute
+    ///     dtype was meant): the sparse read of a packed-fp8 KV pool is handed the dtype its
+    ///     rows are computed in (bf16), not the one they are stored in.
+    SparseReadComputeDtype,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 34] = [
+    pub const ALL: [Mutant; 37] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -153,6 +169,9 @@ impl Mutant {
         Mutant::ScratchFreedOnOtherStream,
         Mutant::CallbackOnComputeStream,
         Mutant::PageableBufferReused,
+        Mutant::PdReceivesIntoLastPages,
+        Mutant::IndexKReadInterleaved,
+        Mutant::SparseReadComputeDtype,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -163,6 +182,7 @@ impl Mutant {
                 | Mutant::PdFreesBeforeSend
                 | Mutant::PdLayerLayoutMismatch
                 | Mutant::PdAdmitsBeforeEveryLayer
+                | Mutant::PdReceivesIntoLastPages
         )
     }
     /// The mutants of the production runtime below the `Device` trait (`runtime::driven`): they
@@ -222,6 +242,9 @@ impl Mutant {
             Mutant::ScratchFreedOnOtherStream => "scratch-freed-on-other-stream",
             Mutant::CallbackOnComputeStream => "callback-on-compute-stream",
             Mutant::PageableBufferReused => "pageable-buffer-reused",
+            Mutant::PdReceivesIntoLastPages => "pd-receives-into-last-pages",
+            Mutant::IndexKReadInterleaved => "index-k-read-interleaved",
+            Mutant::SparseReadComputeDtype => "sparse-read-compute-dtype",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -262,6 +285,19 @@ impl Mutant {
             Mutant::PageableBufferReused => {
                 "runtime: a pinned host buffer reused as if its copy were pageable"
             }
+            Mutant::PdReceivesIntoLastPages => "vllm-project/vllm#50558",
+            Mutant::IndexKReadInterleaved => "vllm-project/vllm#50576",
+            Mutant::SparseReadComputeDtype => "vllm-project/vllm#55221",
+        }
+    }
+    /// The bug of the kernels' references this mutant plants (its mistake is in a kernel, not
+    /// in the engine); the simulator switches it on for the run.
+    pub fn kernel(self) -> Option<tierkv_kernels::mutants::KernelMutant> {
+        match self {
+            Mutant::IndexKReadInterleaved => {
+                Some(tierkv_kernels::mutants::KernelMutant::LogitsReadsInterleaved)
+            }
+            _ => None,
         }
     }
     pub fn parse(s: &str) -> Option<Mutant> {
@@ -360,6 +396,23 @@ impl Mutants {
     /// it returns).
     pub fn pageable_is_pinned(&self) -> bool {
         self.on(Mutant::PageableBufferReused)
+    }
+    /// Mutant 35: the decode pages a transfer of `sent` pages fills, of the `reserved` pages
+    /// (at least `sent`) the decode side holds for the request. Clean: the first `sent`.
+    pub fn pd_received_pages(&self, reserved: &[PageId], sent: usize) -> Vec<PageId> {
+        if self.on(Mutant::PdReceivesIntoLastPages) {
+            reserved[reserved.len() - sent..].to_vec()
+        } else {
+            reserved[..sent].to_vec()
+        }
+    }
+    /// Mutant 37: the dtype a sparse read of a KV pool of `pool` is handed. Clean: `pool`.
+    pub fn sparse_read_dtype(&self, pool: KvDtype) -> KvDtype {
+        if self.on(Mutant::SparseReadComputeDtype) {
+            KvDtype::Bf16
+        } else {
+            pool
+        }
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

@@ -25,15 +25,21 @@ pub enum KernelMutant {
     /// The layout module places the host mirror's pages in the other order (page-first for
     /// layer-first and back): the engine's copies and views agree, the design does not.
     HostOrderSwapped,
+    /// `index_logits` reads an fp8 index-K page as token-interleaved (each token's 128 values
+    /// and then its scale, 132 bytes a token) while the store writes it block-planar (every
+    /// value, then every scale): the same 8448 bytes a page, so no size check can see it
+    /// (the engine's zoo mutant `index-k-read-interleaved`, vllm-project/vllm#50576).
+    LogitsReadsInterleaved,
 }
 
 impl KernelMutant {
-    pub const ALL: [KernelMutant; 5] = [
+    pub const ALL: [KernelMutant; 6] = [
         KernelMutant::RopeWrongHalf,
         KernelMutant::KvStoreWritesNextRow,
         KernelMutant::LogitsReadsNextPage,
         KernelMutant::IndexKScalesFirst,
         KernelMutant::HostOrderSwapped,
+        KernelMutant::LogitsReadsInterleaved,
     ];
 
     pub fn name(self) -> &'static str {
@@ -43,6 +49,7 @@ impl KernelMutant {
             KernelMutant::LogitsReadsNextPage => "reference-logits-reads-next-page",
             KernelMutant::IndexKScalesFirst => "layout-index-k-scales-first",
             KernelMutant::HostOrderSwapped => "layout-host-order-swapped",
+            KernelMutant::LogitsReadsInterleaved => "reference-logits-reads-interleaved",
         }
     }
 

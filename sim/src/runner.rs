@@ -217,7 +217,7 @@ pub fn mutants_of(name: Option<&str>) -> Result<Planted, String> {
     if let Some(m) = Mutant::parse(n) {
         return Ok(Planted {
             engine: Mutants::only(m),
-            kernel: None,
+            kernel: m.kernel(),
         });
     }
     if let Some(k) = KernelMutant::parse(n) {

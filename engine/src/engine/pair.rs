@@ -440,8 +440,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 probe::hit(Probe::PdDecodeFull);
                 break;
             };
+            let filled = self.mutants.pd_received_pages(&pages, src.len());
             let pairs: Vec<(PageId, PageId)> =
-                src.iter().copied().zip(pages.iter().copied()).collect();
+                src.iter().copied().zip(filled.iter().copied()).collect();
             let layers = self.prefill.layout().layers();
             let mut received = Vec::with_capacity(layers as usize);
             let mut sends = Vec::with_capacity(layers as usize);

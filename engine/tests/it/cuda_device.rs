@@ -285,3 +285,26 @@ fn engine_on_gpu_and_cpu(logits: LogitsKernel, gpu_ahead: bool) {
     );
     gpu.check_quiescent().unwrap();
 }
+
+/// The runtime's answer to a stream-ordered allocation the pool cannot grow for: CUDA's
+/// out-of-memory comes back as `OutOfMemory` (the error the runtime trims the pool on), and the
+/// trim after a context synchronisation succeeds, with allocations working after it.
+#[test]
+fn the_stream_ordered_pool_reports_out_of_memory_and_trims() {
+    use tierkv_engine::runtime::driver::Driver;
+    let mut dev = CudaDevice::new(CopyStrategy::default()).unwrap();
+    let s = StreamKind::Compute;
+    // More than any GPU holds.
+    let r = dev.driver.alloc_async(s, 1 << 50);
+    assert!(
+        matches!(r, Err(DeviceError::OutOfMemory { .. })),
+        "an allocation of 1 PiB answered {r:?}"
+    );
+    let m = dev.driver.alloc_async(s, 64 << 20).unwrap();
+    dev.driver.free_async(s, m).unwrap();
+    dev.driver.context_synchronize().unwrap();
+    dev.driver.trim_pool().unwrap();
+    let m = dev.driver.alloc_async(s, 64 << 20).unwrap();
+    dev.driver.free_async(s, m).unwrap();
+    dev.driver.context_synchronize().unwrap();
+}

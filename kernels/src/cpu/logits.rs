@@ -10,7 +10,10 @@
 use super::numerics::{e4m3_decode, read_f32, read_u16, E4M3_DECODE};
 use super::store::check_paged_dst;
 use crate::error::{bad, expect_len, KernelError, Result};
-use crate::layout::{index_k_page, IndexKDtype, LayoutFingerprint, PageFormat, PAGE_TOKENS};
+use crate::layout::{
+    index_k_page, IndexKDtype, LayoutFingerprint, PageFormat, INDEX_HEAD_DIM, PAGE_TOKENS,
+};
+use crate::mutants::KernelMutant;
 
 /// Arguments of `index_logits` for `rows` query rows.
 #[derive(Clone, Copy, Debug)]
@@ -61,6 +64,14 @@ impl IndexLogitsArgs<'_> {
 /// Decodes token `t` of an index-K page into f32 values; returns its key scale (1 for bf16).
 pub fn decode_key(dtype: IndexKDtype, page: &[u8], t: u32, k: &mut [f32; 128]) -> f32 {
     let at = index_k_page::value_offset(dtype, t, 0);
+    // The planted reader bug: token `t`'s values and scale read from `t · 132`.
+    if dtype == IndexKDtype::Fp8 && crate::mutants::on(KernelMutant::LogitsReadsInterleaved) {
+        let at = t as usize * (INDEX_HEAD_DIM as usize + 4);
+        for (d, kd) in k.iter_mut().enumerate() {
+            *kd = e4m3_decode(page[at + d]);
+        }
+        return read_f32(page, at + INDEX_HEAD_DIM as usize);
+    }
     match dtype {
         IndexKDtype::Fp8 => {
             for (d, kd) in k.iter_mut().enumerate() {
