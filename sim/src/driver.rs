@@ -39,8 +39,8 @@
 //! pool trims, stream synchronisations and host callbacks. A pool trim gives the freed buffers
 //! back to the device, where any stream's next growth takes them again without a fault. Not
 //! modelled: a pitched copy is its rows as linear copies, which no copy fault of the simulated
-//! GPU reaches (only page copies fail or tear as they run), and timing events
-//! (`event_elapsed_ns` answers `None`).
+//! GPU reaches (only page copies fail or tear as they run). Timing events measure between the
+//! simulated completions of their records (`GpuKnobs::runtime_timing`).
 
 use crate::gpu::{ArgField, LaunchArgs, SimSide};
 use crate::probes::{self, SimProbe};
@@ -766,8 +766,10 @@ impl Driver for SimDriver {
         self.deliver();
         state
     }
-    fn event_elapsed_ns(&mut self, _start: DrvEvent, _end: DrvEvent) -> Option<u64> {
-        None
+    fn event_elapsed_ns(&mut self, start: DrvEvent, end: DrvEvent) -> Option<u64> {
+        let g = self.side.at();
+        let at = |e: DrvEvent| g.record_done_at(self.events[e.0 as usize]);
+        Some(at(end)?.saturating_sub(at(start)?))
     }
     fn stream_wait(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
         self.deliver();

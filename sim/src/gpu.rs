@@ -1353,6 +1353,13 @@ impl SimGpu {
         self.events[ev.0 as usize]
     }
 
+    /// When `ev`'s latest record completed, on the device's clock, if it did by the host's
+    /// time and did not fail (a timing event's reading).
+    pub(crate) fn record_done_at(&self, ev: EventId) -> Option<u64> {
+        let r = self.records[&self.events[ev.0 as usize]?];
+        r.done_at.filter(|&at| at <= self.host.get() && !r.failed)
+    }
+
     /// Whether the host callback behind record `rec` runs by the host's time (the device runs
     /// up to it first): `Some(true)` it does, `Some(false)` it never will (the record failed:
     /// CUDA does not run host functions after an error), `None` not yet.

@@ -579,6 +579,7 @@ fn start_engine(
                     let mut rt = DrivenDevice::with_staging(driver, strategy, staging)
                         .map_err(EngineError::Device)?;
                     rt.mutants = eopts.mutants;
+                    rt.set_timing(sc.gpu.runtime_timing);
                     SimDevice::Runtime(Box::new(rt))
                 } else {
                     SimDevice::Direct(side(0))

@@ -111,6 +111,10 @@ pub struct GpuKnobs {
     /// (`GpuOptions::driver_fault_rate`); with the runtime only.
     #[serde(default)]
     pub driver_fault_rate: f64,
+    /// The runtime times every op and wait of the compute stream with a pair of timing events
+    /// (`DrivenDevice::set_timing`, as `tierkv replay --device cuda` does).
+    #[serde(default)]
+    pub runtime_timing: bool,
 }
 
 impl GpuKnobs {
@@ -434,12 +438,12 @@ impl Scenario {
         }
         // The driver's faults and copy strategy are the runtime's: without it they would do
         // nothing, silently.
-        if staging == 0 && (g.driver_fault_rate > 0.0 || g.runtime_copy_runs) {
+        if staging == 0 && (g.driver_fault_rate > 0.0 || g.runtime_copy_runs || g.runtime_timing) {
             return Err(bad(
                 "gpu.runtime_staging_bytes",
                 staging,
-                "must not be 0 with gpu.driver_fault_rate > 0 or gpu.runtime_copy_runs: they \
-                 act in the runtime, which a scenario with 0 does not run",
+                "must not be 0 with gpu.driver_fault_rate > 0, gpu.runtime_copy_runs or \
+                 gpu.runtime_timing: they act in the runtime, which a scenario with 0 does not run",
             ));
         }
         rate("gpu.failed_copy_rate", g.failed_copy_rate)
@@ -526,9 +530,10 @@ impl Scenario {
             match self.gpu.runtime_staging_bytes {
                 0 => "device direct".to_string(),
                 b => format!(
-                    "runtime staging {b} B, {}, driver-fail {}",
+                    "runtime staging {b} B, {}, driver-fail {}{}",
                     if self.gpu.runtime_copy_runs { "copy per run" } else { "gather" },
-                    self.gpu.driver_fault_rate
+                    self.gpu.driver_fault_rate,
+                    if self.gpu.runtime_timing { ", timed" } else { "" }
                 ),
             },
             self.device_pages_refused_rate,
@@ -618,6 +623,7 @@ pub fn draw(
     } else {
         *dr.pick(&[0.0005, 0.002, 0.01])
     };
+    gpu.runtime_timing = dr.chance(0.25);
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
     let sc = Scenario {
@@ -892,6 +898,7 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         // Drawn in `draw`, from a stream of their own.
         runtime_copy_runs: false,
         driver_fault_rate: 0.0,
+        runtime_timing: false,
     }
 }
 

@@ -270,15 +270,6 @@ impl<D: Driver> DrivenDevice<D> {
         self.buffer(r.buffer).at(r.offset, r.bytes)
     }
 
-    /// Total bytes allocated per tier.
-    pub fn allocated(&self, tier: MemoryTier) -> u64 {
-        self.buffers
-            .iter()
-            .filter(|(_, d)| d.tier == tier)
-            .map(|(_, d)| d.bytes.0)
-            .sum()
-    }
-
     /// Times every op and every wait of the compute stream (two timing events each: several
     /// microseconds of host time per op; kernels/GPU.md runs 39 and 45 measured 0.2–0.9 ms per
     /// 4-layer step), so that `take_timing` answers.
@@ -756,11 +747,6 @@ impl<D: Driver> DrivenDevice<D> {
             }
         }
         first
-    }
-
-    /// The completion ring (tests read it).
-    pub fn completion_ring(&self) -> &Arc<CompletionRing> {
-        &self.ring
     }
 }
 

@@ -224,25 +224,6 @@ pub enum Launch<'a> {
     },
 }
 
-impl Launch<'_> {
-    /// The kernel's name, for errors.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Launch::ResolvePending { .. } => "resolve_pending",
-            Launch::Draw { .. } => "draw",
-            Launch::RopeRows { .. } => "rope_rows",
-            Launch::IndexKStore { .. } => "index_k_store",
-            Launch::KvStore { .. } => "kv_store",
-            Launch::QPrep { .. } => "q_prep",
-            Launch::IndexLogits { .. } => "index_logits",
-            Launch::TopK { .. } => "topk",
-            Launch::SparseRead { .. } => "sparse_read",
-            Launch::NextTokens { .. } => "next_tokens",
-            Launch::PageGather { .. } => "page_gather",
-        }
-    }
-}
-
 /// A pitched copy of `height` rows of `width` bytes: row `i` from `src.offset + i·src_pitch` to
 /// `dst.offset + i·dst_pitch` (`cuMemcpy2DAsync`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
