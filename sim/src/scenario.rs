@@ -225,7 +225,7 @@ pub mod limits {
     pub const COMPLETION_DELAY_NS_MAX: u64 = 1_000_000_000;
     /// The highest `gpu.driver_fault_rate`: the engine repeats a refused call a few times, and
     /// at higher rates every repeat fails too.
-    pub const DRIVER_FAULT_RATE_MAX: f64 = 0.05;
+    pub const DRIVER_FAULT_RATE_MAX: f64 = 0.02;
     /// A simulated staging ring (its bytes are the simulator's memory).
     pub const RUNTIME_STAGING_BYTES_MAX: u64 = 64 << 20;
     pub const COPY_BYTES_PER_NS_MAX: f64 = 1e6;

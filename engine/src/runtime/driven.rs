@@ -284,11 +284,16 @@ impl<D: Driver> DrivenDevice<D> {
             Some(ev) => ev,
             None => self.driver.event_create(EventUse::Timing)?,
         };
-        self.driver.event_record(StreamKind::Compute, ev)?;
+        if let Err(e) = self.driver.event_record(StreamKind::Compute, ev) {
+            self.timing.as_mut().expect("timing on").free.push(ev);
+            return Err(e);
+        }
         Ok(ev)
     }
 
-    /// Runs `f` between two timing events when the compute stream is timed.
+    /// Runs `f` between two timing events when the compute stream is timed. Timing is a
+    /// measure, not part of the op: a mark the driver refuses leaves the op untimed, and only
+    /// `f`'s own result is the call's.
     fn timed<R>(
         &mut self,
         stream: StreamKind,
@@ -298,11 +303,14 @@ impl<D: Driver> DrivenDevice<D> {
         if stream != StreamKind::Compute || self.timing.is_none() {
             return f(self);
         }
-        let start = self.mark()?;
+        let start = self.mark();
         let r = f(self);
-        let end = self.mark()?;
+        let end = self.mark();
         let t = self.timing.as_mut().expect("timing on");
-        t.marks.push((start, end, kind));
+        match (start, end) {
+            (Ok(start), Ok(end)) => t.marks.push((start, end, kind)),
+            (start, end) => t.free.extend(start.into_iter().chain(end)),
+        }
         r
     }
 

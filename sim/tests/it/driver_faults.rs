@@ -8,7 +8,7 @@ use tierkv_sim::scenario::{draw, limits::DRIVER_FAULT_RATE_MAX};
 
 /// Swarm seeds `0..SEEDS`, each at the highest driver fault rate a scenario may ask for, half
 /// of them moving pages by one pitched copy per run.
-const SEEDS: u64 = 8;
+const SEEDS: u64 = 12;
 
 #[test]
 fn every_driver_call_kind_fails_and_the_engine_recovers() {
