@@ -400,6 +400,11 @@ impl Mutants {
     /// Mutant 35: the decode pages a transfer of `sent` pages fills, of the `reserved` pages
     /// (at least `sent`) the decode side holds for the request. Clean: the first `sent`.
     pub fn pd_received_pages(&self, reserved: &[PageId], sent: usize) -> Vec<PageId> {
+        assert!(
+            sent <= reserved.len(),
+            "a transfer of {sent} pages into {} reserved",
+            reserved.len()
+        );
         if self.on(Mutant::PdReceivesIntoLastPages) {
             reserved[reserved.len() - sent..].to_vec()
         } else {

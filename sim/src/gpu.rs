@@ -1354,7 +1354,8 @@ impl SimGpu {
     }
 
     /// When `ev`'s latest record completed, on the device's clock, if it did by the host's
-    /// time and did not fail (a timing event's reading).
+    /// time and did not fail (a timing event's reading; the runtime reads a pair after it saw
+    /// the pair's end complete, which ran the device up to the host's time).
     pub(crate) fn record_done_at(&self, ev: EventId) -> Option<u64> {
         let r = self.records[&self.events[ev.0 as usize]?];
         r.done_at.filter(|&at| at <= self.host.get() && !r.failed)

@@ -293,7 +293,7 @@ impl<D: Driver> DrivenDevice<D> {
 
     /// Runs `f` between two timing events when the compute stream is timed. Timing is a
     /// measure, not part of the op: a mark the driver refuses leaves the op untimed, and only
-    /// `f`'s own result is the call's.
+    /// `f`'s own result is the call's (a failed `f` is not timed either).
     fn timed<R>(
         &mut self,
         stream: StreamKind,
@@ -308,7 +308,7 @@ impl<D: Driver> DrivenDevice<D> {
         let end = self.mark();
         let t = self.timing.as_mut().expect("timing on");
         match (start, end) {
-            (Ok(start), Ok(end)) => t.marks.push((start, end, kind)),
+            (Ok(start), Ok(end)) if r.is_ok() => t.marks.push((start, end, kind)),
             (start, end) => t.free.extend(start.into_iter().chain(end)),
         }
         r
