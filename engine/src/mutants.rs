@@ -399,16 +399,16 @@ impl Mutants {
     }
     /// Mutant 35: the decode pages a transfer of `sent` pages fills, of the `reserved` pages
     /// (at least `sent`) the decode side holds for the request. Clean: the first `sent`.
-    pub fn pd_received_pages(&self, reserved: &[PageId], sent: usize) -> Vec<PageId> {
+    pub fn pd_received_pages<'a>(&self, reserved: &'a [PageId], sent: usize) -> &'a [PageId] {
         assert!(
             sent <= reserved.len(),
             "a transfer of {sent} pages into {} reserved",
             reserved.len()
         );
         if self.on(Mutant::PdReceivesIntoLastPages) {
-            reserved[reserved.len() - sent..].to_vec()
+            &reserved[reserved.len() - sent..]
         } else {
-            reserved[..sent].to_vec()
+            &reserved[..sent]
         }
     }
     /// Mutant 37: the dtype a sparse read of a KV pool of `pool` is handed. Clean: `pool`.

@@ -91,8 +91,8 @@ struct Bounce {
 }
 
 /// The driver calls that fail by faults of their own (`GpuOptions::driver_fault_rate`). The
-/// other calls cannot fail in CUDA but through a context in error, which the simulated GPU's
-/// sides model: host reads and writes of pinned memory are the host's own copies, frees and
+/// other calls fail in CUDA only on invalid arguments or a context in error, which the
+/// simulated GPU's sides model: host reads and writes of pinned memory are the host's own copies, frees and
 /// pool trims give memory back, `bind` makes the context current, and synchronisations and
 /// event queries report the context's error.
 #[derive(Clone, Copy, Debug)]
@@ -135,7 +135,7 @@ impl Call {
 
     /// The CUDA call, and the error CUDA documents for it that the refusal stands for, if
     /// any. Copies, records, waits and host callbacks have none but invalid arguments and a
-    /// lost context: their refusals are drawn so that every call's error path runs.
+    /// lost context: their refusals are drawn so that the runtime's error paths after them run.
     fn cuda(self) -> (&'static str, Option<&'static str>) {
         const OOM: Option<&str> = Some("CUDA_ERROR_OUT_OF_MEMORY");
         match self {

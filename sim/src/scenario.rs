@@ -216,15 +216,15 @@ pub struct ScenarioError {
 /// Bounds of a scenario beyond its configuration's: what one simulated run can hold in memory
 /// and time (the simulator runs every op on real bytes).
 pub mod limits {
-    /// Device pools, step scratch and host mirror together, in bytes: 4 GiB, which every
-    /// drawn scenario fits (the production profile's draws go over 1 GiB, the limit before;
-    /// `drawn_scenarios_are_valid` in `sim/tests/it/main.rs` checks the draws).
+    /// Device pools, step scratch and host mirror together, in bytes: 4 GiB, which the
+    /// scenarios `drawn_scenarios_are_valid` (`sim/tests/it/main.rs`) draws all fit (the
+    /// production profile's go over 1 GiB, the limit before).
     pub const SIM_MEMORY_BYTES_MAX: u64 = 4 << 30;
     pub const PCT_DEPTH_MAX: u32 = 64;
     pub const JITTER_NS_MAX: u64 = 1_000_000_000;
     pub const COMPLETION_DELAY_NS_MAX: u64 = 1_000_000_000;
     /// The highest `gpu.driver_fault_rate`: the engine repeats a refused call a few times, and
-    /// at higher rates every repeat fails too.
+    /// at higher rates all its repeats fail too often (at 0.05, in swarm seed 4).
     pub const DRIVER_FAULT_RATE_MAX: f64 = 0.02;
     /// A simulated staging ring (its bytes are the simulator's memory).
     pub const RUNTIME_STAGING_BYTES_MAX: u64 = 64 << 20;
@@ -431,7 +431,7 @@ impl Scenario {
                 g.driver_fault_rate,
                 format!(
                     "must be at most {}: the engine repeats a refused call a few times, and \
-                     at higher rates every repeat fails too",
+                     at higher rates all its repeats fail too often",
                     limits::DRIVER_FAULT_RATE_MAX
                 ),
             ));

@@ -64,9 +64,10 @@ impl IndexLogitsArgs<'_> {
 /// Decodes token `t` of an index-K page into f32 values; returns its key scale (1 for bf16).
 pub fn decode_key(dtype: IndexKDtype, page: &[u8], t: u32, k: &mut [f32; 128]) -> f32 {
     let at = index_k_page::value_offset(dtype, t, 0);
-    // The planted reader bug: token `t`'s values and scale read from `t · 132`.
+    // The planted reader bug: token `t`'s values and scale read from `t` token rows in, as if
+    // each row held its values and then its scale.
     if dtype == IndexKDtype::Fp8 && crate::mutants::on(KernelMutant::LogitsReadsInterleaved) {
-        let at = t as usize * (INDEX_HEAD_DIM as usize + 4);
+        let at = t as usize * PageFormat::IndexK(dtype).token_bytes() as usize;
         for (d, kd) in k.iter_mut().enumerate() {
             *kd = e4m3_decode(page[at + d]);
         }
