@@ -518,6 +518,16 @@ impl PrefixCache {
     /// Ends a load. On success the device pages are published; on failure they are returned to
     /// the caller to free (the node stays host-only).
     pub fn finish_load(&mut self, nodes: &[NodeId], ok: bool) -> Vec<PageId> {
+        self.end_load(nodes, ok, true)
+    }
+
+    /// Ends a load whose host pins were dropped before (`unpin`) while it ran (mutant 40: its
+    /// lease expired); otherwise as `finish_load`.
+    pub fn finish_load_unpinned(&mut self, nodes: &[NodeId], ok: bool) -> Vec<PageId> {
+        self.end_load(nodes, ok, false)
+    }
+
+    fn end_load(&mut self, nodes: &[NodeId], ok: bool, pinned: bool) -> Vec<PageId> {
         self.tick += 1;
         let tick = self.tick;
         let mut unpublished = Vec::new();
@@ -528,7 +538,9 @@ impl PrefixCache {
                     .loading
                     .take()
                     .expect("finishing a load that was not started");
-                n.host_pins = n.host_pins.checked_sub(1).expect("host pin underflow");
+                if pinned {
+                    n.host_pins = n.host_pins.checked_sub(1).expect("host pin underflow");
+                }
                 n.host_access = tick;
                 if ok {
                     n.device = Some(p);

@@ -83,6 +83,8 @@ struct Load {
     enqueue_failed: bool,
     /// Its request was aborted: the pages are freed (or published) at the ack, and nobody waits.
     orphaned: bool,
+    /// Mutant 40: its lease ran out while it ran, and its host pins were dropped then.
+    lease_expired: bool,
 }
 
 /// A backup in flight.
@@ -373,6 +375,7 @@ impl CacheController {
             issued_ns: io.clock.now_ns(),
             enqueue_failed,
             orphaned: false,
+            lease_expired: false,
         };
         self.loads.insert(id, load);
         Ok((id, reclaimed))
@@ -403,10 +406,14 @@ impl CacheController {
             self.recover(io);
         }
         // Pending only under the mutants that ack without waiting: the copy is then taken as done.
-        let ok = state != EventState::Failed && !load.enqueue_failed;
+        // Mutant 38 took the load's success for granted when it issued it.
+        let ok =
+            io.mutants.load_ok_at_issue() || (state != EventState::Failed && !load.enqueue_failed);
         let unpublished = if io.mutants.load_publishes_at_issue() {
             io.cache.unpin(&load.nodes);
             Vec::new()
+        } else if load.lease_expired {
+            io.cache.finish_load_unpinned(&load.nodes, ok)
         } else {
             io.cache.finish_load(&load.nodes, ok)
         };
@@ -442,6 +449,16 @@ impl CacheController {
         &mut self,
         io: &mut Io<'_, D, C, T>,
     ) -> Vec<LoadAck> {
+        if let Some(lease) = io.mutants.host_lease_ns() {
+            // Mutant 40: a load older than its lease no longer keeps its host copies.
+            let now = io.clock.now_ns();
+            for load in self.loads.values_mut() {
+                if !load.lease_expired && now.saturating_sub(load.issued_ns) >= lease {
+                    io.cache.unpin(&load.nodes);
+                    load.lease_expired = true;
+                }
+            }
+        }
         let ids: Vec<LoadId> = self.loads.keys().copied().collect();
         let mut acks = Vec::new();
         for id in ids {

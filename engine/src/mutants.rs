@@ -131,10 +131,32 @@ pub enum Mutant {
     ///     dtype was meant): the sparse read of a packed-fp8 KV pool is handed the dtype its
     ///     rows are computed in (bf16), not the one they are stored in.
     SparseReadComputeDtype,
+    /// 38. Field (LMCache/LMCache#4286: a load reported successful before its transfer ran):
+    ///     a load's success is decided when it is issued, so a load whose copy failed in
+    ///     flight or could not be enqueued is acknowledged as done and its pages published.
+    LoadOkAtIssue,
+    /// 39. Field (vllm-project/vllm#52234: a receive that fails open, a stale reference into
+    ///     reused blocks), prefill/decode: a transfer is given up as soon as one of its events
+    ///     answers `Failed`, and its decode pages go back to the allocator while the other
+    ///     layers' copies of that failed attempt still write them.
+    PdRetryBeforeStaleCopies,
+    /// 40. Field (kvcache-ai/Mooncake#850: an object evicted during a slow read, its lease
+    ///     expired): a load holds its host copies from eviction by a lease of fixed length
+    ///     ([`HOST_LEASE_NS`]) instead of until its copy ended, so the host tier may evict
+    ///     and reuse a host page that a slow load still reads.
+    HostLeaseExpires,
+    /// 41. Field (vllm-project/vllm#50754, sgl-project/sglang#36108: the decode side waits
+    ///     forever for a transfer notification that was lost), prefill/decode: the decode side
+    ///     waits for a send's notification with no deadline.
+    PdNoNotificationDeadline,
 }
 
+/// The lease of mutant 40: how long a load's host copies are kept from eviction (simulated
+/// nanoseconds from the load's issue).
+pub const HOST_LEASE_NS: u64 = 20_000;
+
 impl Mutant {
-    pub const ALL: [Mutant; 37] = [
+    pub const ALL: [Mutant; 41] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -172,6 +194,10 @@ impl Mutant {
         Mutant::PdReceivesIntoLastPages,
         Mutant::IndexKReadInterleaved,
         Mutant::SparseReadComputeDtype,
+        Mutant::LoadOkAtIssue,
+        Mutant::PdRetryBeforeStaleCopies,
+        Mutant::HostLeaseExpires,
+        Mutant::PdNoNotificationDeadline,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -183,6 +209,8 @@ impl Mutant {
                 | Mutant::PdLayerLayoutMismatch
                 | Mutant::PdAdmitsBeforeEveryLayer
                 | Mutant::PdReceivesIntoLastPages
+                | Mutant::PdRetryBeforeStaleCopies
+                | Mutant::PdNoNotificationDeadline
         )
     }
     /// The mutants of the production runtime below the `Device` trait (`runtime::driven`): they
@@ -245,6 +273,10 @@ impl Mutant {
             Mutant::PdReceivesIntoLastPages => "pd-receives-into-last-pages",
             Mutant::IndexKReadInterleaved => "index-k-read-interleaved",
             Mutant::SparseReadComputeDtype => "sparse-read-compute-dtype",
+            Mutant::LoadOkAtIssue => "load-ok-at-issue",
+            Mutant::PdRetryBeforeStaleCopies => "pd-retry-before-stale-copies",
+            Mutant::HostLeaseExpires => "host-lease-expires",
+            Mutant::PdNoNotificationDeadline => "pd-no-notification-deadline",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -288,6 +320,10 @@ impl Mutant {
             Mutant::PdReceivesIntoLastPages => "vllm-project/vllm#50558",
             Mutant::IndexKReadInterleaved => "vllm-project/vllm#50576",
             Mutant::SparseReadComputeDtype => "vllm-project/vllm#55221",
+            Mutant::LoadOkAtIssue => "LMCache/LMCache#4286",
+            Mutant::PdRetryBeforeStaleCopies => "vllm-project/vllm#52234",
+            Mutant::HostLeaseExpires => "kvcache-ai/Mooncake#850",
+            Mutant::PdNoNotificationDeadline => "vllm-project/vllm#50754",
         }
     }
     /// The bug of the kernels' references this mutant plants (its mistake is in a kernel, not
@@ -418,6 +454,26 @@ impl Mutants {
         } else {
             pool
         }
+    }
+    /// Mutant 38: whether a load is taken as successful whatever its copy did. Clean: `false`,
+    /// success is read from the copy's events when the load is acknowledged.
+    pub fn load_ok_at_issue(&self) -> bool {
+        self.on(Mutant::LoadOkAtIssue)
+    }
+    /// Mutant 39: whether a failed transfer's decode pages go back as soon as one of its
+    /// events answers `Failed`. Clean: `false`, only once none of its events is pending.
+    pub fn pd_gives_up_at_first_failure(&self) -> bool {
+        self.on(Mutant::PdRetryBeforeStaleCopies)
+    }
+    /// Mutant 40: how long after its issue a load keeps its host copies from eviction. Clean:
+    /// `None`, until the load is acknowledged.
+    pub fn host_lease_ns(&self) -> Option<u64> {
+        self.on(Mutant::HostLeaseExpires).then_some(HOST_LEASE_NS)
+    }
+    /// Mutant 41: how long after a send the decode side waits for its notification. Clean:
+    /// [`crate::pd::NOTIFICATION_DEADLINE_NS`]; the mutant: forever (`None`).
+    pub fn pd_notification_deadline_ns(&self) -> Option<u64> {
+        (!self.on(Mutant::PdNoNotificationDeadline)).then_some(crate::pd::NOTIFICATION_DEADLINE_NS)
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

@@ -258,7 +258,32 @@ pub trait KvLink<D: Device> {
         layers: &[LayerSend],
         sent: EventId,
     ) -> Result<(), LinkError>;
+
+    /// Whether the decode side has been told that the send whose `sent` event was handed to
+    /// [`KvLink::send`] is over: the prefill side's message after its writes, as in NIXL's push
+    /// mode, where the decode side learns from it, not from its own events, that the KV is
+    /// there. Such a message can be lost or late; the pair admits the request only once it
+    /// came, and gives the transfer up when it did not come by [`NOTIFICATION_DEADLINE_NS`]
+    /// after the send. A link whose decode side sees the copies' own events, as both of
+    /// tierkv's production links do ([`PeerLink`], NCCL's), has no message to lose: `true`.
+    fn notified(&mut self, _decode: &mut D, _sent: EventId) -> bool {
+        true
+    }
+
+    /// Blocks until [`KvLink::notified`] answers `true` or the decode side's clock reads
+    /// `until_ns`, whichever comes first; whether it was notified.
+    fn wait_notified(&mut self, decode: &mut D, sent: EventId, _until_ns: u64) -> bool {
+        self.notified(decode, sent)
+    }
 }
+
+/// How long after a send the decode side waits for its notification ([`KvLink::notified`])
+/// once every layer's receive event completed, in nanoseconds of the decode engine's clock:
+/// then the transfer counts as failed (it is sent again, up to the pair's tries), as vLLM's and
+/// SGLang's decode sides time out a transfer whose notification never came. 10 ms: far above
+/// what a transfer of the simulated link takes to be reported, far below the minutes a
+/// production stack waits (tierkv's own links never lose a notification; see `notified`).
+pub const NOTIFICATION_DEADLINE_NS: u64 = 10_000_000;
 
 /// Every layer's two sides hold pages of one format: the check each link makes before it sends
 /// a byte (the handshake compared the configurations; this compares the pools themselves).

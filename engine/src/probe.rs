@@ -178,6 +178,12 @@ probes! {
     PdSendDraining = "pd.send_draining",
     /// Prefill/decode: a request was aborted after its prefill, before decode admitted it.
     PdAbortInTransfer = "pd.abort_in_transfer",
+    /// Prefill/decode: every layer of a transfer arrived before the link's notification that
+    /// the send was over (`KvLink::notified`); decode waits for it.
+    PdNotificationAwaited = "pd.notification_awaited",
+    /// Prefill/decode: a transfer's notification did not come by its deadline; it counts as
+    /// failed.
+    PdNotificationTimedOut = "pd.notification_timed_out",
     /// One step ahead: a step was enqueued while the step before it was still in flight.
     AheadStep = "ahead.step",
     /// One step ahead: a row's token is pending (the step in flight generates it on the device).

@@ -73,6 +73,14 @@ pub enum Output {
         request: u64,
         tries: u32,
     },
+    /// Prefill/decode: every layer of the request's last send arrived, but the decode side was
+    /// never told the send was over (its notification was lost, or came after
+    /// `pd::NOTIFICATION_DEADLINE_NS`), and that was its last try of `tries`; it ends here, and
+    /// no page of it is left on either side.
+    TransferTimedOut {
+        request: u64,
+        tries: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,9 +4,15 @@
 //! transfer sent in a seeded order, as independent sends may complete in any order, and the
 //! send's completion reported on the prefill side's write stream, behind its backups — as an
 //! NCCL send completes on the sender's stream — so it may come well after every layer arrived.
+//!
+//! When the scenario asks for it (`notify_loss_rate`, `notify_late_ns`), the link also tells the
+//! decode side that a send is over by a message of its own, as NIXL's push mode does: the
+//! message comes a drawn delay after the send's completion on the prefill side, or never (lost).
+//! Its draws come from a generator of their own, so that the layer orders stay as they were.
 
 use crate::driver::SimDevice;
 use crate::rng::Rng;
+use std::collections::BTreeMap;
 use tierkv_engine::device::{call_recovering, Device, EventId, StreamKind};
 use tierkv_engine::layout::PageId;
 use tierkv_engine::pd::{KvLink, LayerSend, LinkError, PeerLink};
@@ -16,14 +22,44 @@ pub struct SimLink {
     /// Recorded on the decode side after a send's last layer, awaited by the prefill side's
     /// write stream before it records the send's `sent` (one event, re-recorded per send).
     arrived: Option<EventId>,
+    /// Notifications, when modelled: their generator, the loss rate and the longest delay.
+    notify: Option<(Rng, f64, u64)>,
+    /// Per send in flight (keyed by its `sent` event, which is reused after the transfer is
+    /// over: each send overwrites its entry), the delay of its message; `None`: lost.
+    notes: BTreeMap<EventId, Option<u64>>,
 }
 
 impl SimLink {
     pub fn new(seed: u64) -> SimLink {
+        SimLink::with_notifications(seed, 0.0, 0)
+    }
+
+    /// A link whose notifications are lost with probability `loss_rate` and come at most
+    /// `late_ns` after the send's completion; with 0 and 0 it sends none (`SimLink::new`).
+    pub fn with_notifications(seed: u64, loss_rate: f64, late_ns: u64) -> SimLink {
+        let notify = (loss_rate > 0.0 || late_ns > 0)
+            .then(|| (Rng::new(seed ^ 0x4E07_1F1E), loss_rate, late_ns));
         SimLink {
             rng: Rng::new(seed ^ 0x004C_1A4B),
             arrived: None,
+            notify,
+            notes: BTreeMap::new(),
         }
+    }
+
+    /// When the decode side hears of the send of `sent`: its completion time plus the
+    /// message's delay; `None` while it is not complete, or when the message is lost.
+    fn heard_at(&self, decode: &SimDevice, sent: EventId) -> Option<u64> {
+        let delay = (*self.notes.get(&sent)?)?;
+        let done = sim_side(decode).gpu.borrow().record_done_at(sent)?;
+        Some(done.saturating_add(delay))
+    }
+}
+
+fn sim_side(d: &SimDevice) -> &crate::gpu::SimSide {
+    match d {
+        SimDevice::Direct(s) => s,
+        SimDevice::Runtime(_) => unreachable!("a pair's sides run on the simulated GPU directly"),
     }
 }
 
@@ -54,11 +90,37 @@ impl KvLink<SimDevice> for SimLink {
                 .arrived
                 .insert(call_recovering(decode, |d| d.new_event())?),
         };
+        if let Some((rng, loss, late)) = &mut self.notify {
+            let lost = rng.chance(*loss);
+            let delay = rng.range(0, *late + 1);
+            crate::probes::hit_if(crate::probes::SimProbe::PdNotificationLost, lost);
+            self.notes.insert(sent, (!lost).then_some(delay));
+        }
         let r = PeerLink.send(prefill, decode, after, pairs, &order, arrived);
         if matches!(r, Ok(()) | Err(LinkError::Refused(_))) {
             call_recovering(prefill, |d| d.wait(StreamKind::Write, arrived))?;
             call_recovering(prefill, |d| d.record(StreamKind::Write, sent))?;
         }
         r
+    }
+
+    fn notified(&mut self, decode: &mut SimDevice, sent: EventId) -> bool {
+        if self.notify.is_none() {
+            return true;
+        }
+        let now = sim_side(decode).gpu.borrow().now();
+        self.heard_at(decode, sent).is_some_and(|t| t <= now)
+    }
+
+    /// The decode host blocks: its clock moves to the message, or to `until_ns` if it comes
+    /// later or never.
+    fn wait_notified(&mut self, decode: &mut SimDevice, sent: EventId, until_ns: u64) -> bool {
+        if self.notify.is_none() {
+            return true;
+        }
+        let heard = self.heard_at(decode, sent);
+        let wake = heard.map_or(until_ns, |t| t.min(until_ns));
+        sim_side(decode).gpu.borrow_mut().advance_host_to(wake);
+        self.notified(decode, sent)
     }
 }

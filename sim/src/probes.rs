@@ -65,6 +65,8 @@ pub enum SimProbe {
     EvictedOnDemand,
     /// A prefill/decode transfer's layers went over the simulated link out of layer order.
     PdLayersReordered,
+    /// A prefill/decode link lost the notification of a send (`notify_loss_rate`).
+    PdNotificationLost,
     /// One step ahead: a store drew a pending token from tokens a failed step left stale.
     StaleTokensDrawn,
     /// The runtime over the simulated driver: a stream-ordered allocation reused a buffer an
@@ -128,6 +130,7 @@ impl SimProbe {
         SimProbe::ClientRetried,
         SimProbe::EvictedOnDemand,
         SimProbe::PdLayersReordered,
+        SimProbe::PdNotificationLost,
         SimProbe::StaleTokensDrawn,
         SimProbe::DriverScratchReused,
         SimProbe::DriverStagingWrapped,
@@ -173,6 +176,7 @@ impl SimProbe {
             SimProbe::ClientRetried => "run.client_retried",
             SimProbe::EvictedOnDemand => "run.evicted_on_demand",
             SimProbe::PdLayersReordered => "pd.layers_reordered",
+            SimProbe::PdNotificationLost => "pd.notification_lost",
             SimProbe::StaleTokensDrawn => "ahead.stale_tokens_drawn",
             SimProbe::DriverScratchReused => "driver.scratch_reused",
             SimProbe::DriverStagingWrapped => "driver.staging_wrapped",

@@ -552,7 +552,7 @@ fn start_engine(
                     return Err(failed(OracleKind::Engine, message));
                 }
             }
-            let link = SimLink::new(sc.seed);
+            let link = SimLink::with_notifications(sc.seed, sc.notify_loss_rate, sc.notify_late_ns);
             let pair = PdPair::new(
                 cfg.clone(),
                 decode,
@@ -1122,7 +1122,9 @@ impl<'a> Run<'a> {
                 Output::Finished { request, generated } => {
                     inserted.push(self.inserted_as_seen(*request, generated))
                 }
-                Output::Aborted { request } | Output::TransferFailed { request, .. } => {
+                Output::Aborted { request }
+                | Output::TransferFailed { request, .. }
+                | Output::TransferTimedOut { request, .. } => {
                     ended.push(*request)
                 }
                 Output::Recompute { .. } => recomputed = true,
@@ -1382,7 +1384,7 @@ impl<'a> Run<'a> {
                 }
             }
             Output::Recompute { .. } => self.stats.recomputed += 1,
-            Output::TransferFailed { request, .. } => {
+            Output::TransferFailed { request, .. } | Output::TransferTimedOut { request, .. } => {
                 // The pair gave up on moving its KV: the request ended, as an aborted one.
                 self.running_model.remove(&request);
                 self.counted.aborted += 1;
@@ -1712,6 +1714,7 @@ fn output_key(o: &Output) -> u64 {
         Output::Aborted { request } => request.wrapping_mul(7),
         Output::Recompute { request, tokens } => request ^ ((*tokens as u64) << 40),
         Output::TransferFailed { request, tries } => request ^ ((*tries as u64) << 44) ^ 0x7D,
+        Output::TransferTimedOut { request, tries } => request ^ ((*tries as u64) << 44) ^ 0x7E,
     }
 }
 

@@ -189,6 +189,16 @@ pub struct Scenario {
     /// fingerprints.)
     #[serde(default, skip_serializing_if = "is_false")]
     pub overlap: bool,
+    /// Prefill/decode: the link tells the decode side that a send is over by a message of its
+    /// own (`KvLink::notified`), lost with this probability per send. (Left out of the JSON
+    /// when 0, so that scenarios from before it keep their fingerprints.)
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub notify_loss_rate: f64,
+    /// Prefill/decode: the message comes a uniform delay of at most this many ns after the
+    /// send completed on the prefill side. With `notify_loss_rate`, 0 and 0 mean the link
+    /// sends no message (the decode side acts on the receive events alone, as before).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub notify_late_ns: u64,
     /// Engine steps before the run is declared stuck.
     pub steps_max: u64,
     /// The mutant to switch on (bug zoo), by name.
@@ -197,6 +207,10 @@ pub struct Scenario {
 
 fn is_zero(v: &f64) -> bool {
     *v == 0.0
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
 }
 
 fn is_false(v: &bool) -> bool {
@@ -347,6 +361,15 @@ impl Scenario {
         rate("device_pages_refused_rate", self.device_pages_refused_rate)?;
         rate("host_pages_refused_rate", self.host_pages_refused_rate)?;
         rate("evict_rate", self.evict_rate)?;
+        rate("notify_loss_rate", self.notify_loss_rate)?;
+        at_most("notify_late_ns", self.notify_late_ns, limits::TIME_NS_MAX)?;
+        if (self.notify_loss_rate > 0.0 || self.notify_late_ns > 0) && self.profile != "pd" {
+            return Err(bad(
+                "notify_loss_rate",
+                self.notify_loss_rate,
+                "a link's notifications exist only in a prefill/decode pair (`pd`)",
+            ));
+        }
         if self.steps_max == 0 {
             return Err(bad("steps_max", 0, "must be at least 1"));
         }
@@ -624,6 +647,18 @@ pub fn draw(
         *dr.pick(&[0.0005, 0.002, 0.01])
     };
     gpu.runtime_timing = dr.chance(0.25);
+    // The pair's link notifications: a stream of their own, forked last (every other draw is
+    // as it was); half the pd seeds model them, some lost and some later than the decode
+    // side's deadline (`pd::NOTIFICATION_DEADLINE_NS`, 10 ms).
+    let mut nr = rng.fork(7);
+    let (notify_loss_rate, notify_late_ns) = if profile == "pd" && nr.chance(0.5) {
+        (
+            *nr.pick(&[0.0, 0.02, 0.1]),
+            *nr.pick(&[0, 20_000, 2_000_000, 15_000_000]),
+        )
+    } else {
+        (0.0, 0)
+    };
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
     let sc = Scenario {
@@ -638,6 +673,8 @@ pub fn draw(
         evict_rate,
         workload,
         overlap,
+        notify_loss_rate,
+        notify_late_ns,
         steps_max: 2_000 + 200 * requests,
         mutant: None,
     };

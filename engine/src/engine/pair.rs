@@ -8,6 +8,10 @@
 //! releases its pages (into its prefix cache, as a finished request's) only after the send
 //! completed. A transfer whose events report a failure gives its decode pages back and is sent
 //! again, up to [`TRANSFER_TRIES_MAX`] times; then the request ends with `Output::TransferFailed`.
+//! A link may tell the decode side that a send is over by a message of its own
+//! ([`KvLink::notified`]): the request is admitted only once it came, and a transfer whose every
+//! layer arrived but whose message did not come within [`crate::pd::NOTIFICATION_DEADLINE_NS`] counts as
+//! failed too (sent again; after the last try, `Output::TransferTimedOut`).
 //! An aborted request is never published to decode: in prefill it is aborted there; in transfer
 //! it waits for its copies to complete, then both sides' pages are released.
 //!
@@ -67,6 +71,9 @@ struct Sending {
     sent: EventId,
     /// The link refused a copy: the transfer failed.
     refused: bool,
+    /// The decode engine's clock when the send was enqueued (its notification's deadline
+    /// counts from here).
+    sent_at_ns: u64,
     /// The prefill engine released its pages.
     released: bool,
 }
@@ -106,6 +113,9 @@ pub struct PdStats {
     pub transfers_started: u64,
     pub transfers_done: u64,
     pub transfers_failed: u64,
+    /// Of those failed, the transfers whose every layer arrived but whose notification did
+    /// not come in time.
+    pub transfers_timed_out: u64,
     pub requests_failed: u64,
     /// Pages sent, counted per layer (a page of every layer counts `layers` times).
     pub layer_pages_sent: u64,
@@ -503,6 +513,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 received,
                 sent,
                 refused,
+                sent_at_ns: self.decode.clock.now_ns(),
                 released,
             });
         }
@@ -526,14 +537,22 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             let oldest = ids
                 .first()
                 .and_then(|id| match &self.requests[id].stage {
-                    Stage::Sending(s) => Some((s.sent, s.received.clone())),
+                    Stage::Sending(s) => Some((s.sent, s.received.clone(), Some(s.sent_at_ns))),
                     _ => None,
                 })
-                .or_else(|| self.draining.first().map(|d| (d.sent, Vec::new())));
-            if let Some((sent, received)) = oldest {
-                self.prefill_sync(sent);
+                .or_else(|| self.draining.first().map(|d| (d.sent, Vec::new(), None)));
+            if let Some((sent, received, sent_at)) = oldest {
+                let mut arrived = self.prefill_sync(sent) == EventState::Done;
                 for ev in received {
-                    self.decode_sync(ev);
+                    arrived &= self.decode_sync(ev) == EventState::Done;
+                }
+                // Every copy of a send in transfer arrived: its notification is waited for,
+                // until its deadline (mutant 41 has none, and waits no longer than a look).
+                if let (true, Some(at), Some(deadline)) =
+                    (arrived, sent_at, self.mutants.pd_notification_deadline_ns())
+                {
+                    self.link
+                        .wait_notified(&mut self.decode.dev, sent, at.saturating_add(deadline));
                 }
             }
         }
@@ -545,9 +564,10 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             // Decode admits once the receive of every layer completed (mutant 17: the first).
             let awaited = self.mutants.pd_layers_awaited(s.received.len());
             let admissible = !r.aborted && !s.refused;
-            let (all, sent) = (s.received.clone(), s.sent);
+            let (all, sent, refused) = (s.received.clone(), s.sent, s.refused);
             let received = &all[..awaited];
-            if admissible && self.all_done(received) {
+            let sent_at = s.sent_at_ns;
+            if admissible && self.all_done(received) && self.notified(sent) {
                 self.admit(id);
                 any = true;
                 continue;
@@ -555,22 +575,41 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             // Not admitted: the transfer is over only when the send and every receive are (a
             // send may complete on the prefill side before its receive on the decode side, as
             // NCCL's does, and the decode pages must not go back while a receive writes them).
-            // `sent` is the prefill side's event.
-            if self.prefill_query(sent) == EventState::Pending
-                || all
-                    .iter()
-                    .any(|&ev| self.decode_query(ev) == EventState::Pending)
+            // `sent` is the prefill side's event. (Mutant 39 gives up at the first failure.)
+            let gave_up = self.mutants.pd_gives_up_at_first_failure()
+                && (refused
+                    || all
+                        .iter()
+                        .any(|&ev| self.decode_query(ev) == EventState::Failed));
+            if !gave_up
+                && (self.prefill_query(sent) == EventState::Pending
+                    || all
+                        .iter()
+                        .any(|&ev| self.decode_query(ev) == EventState::Pending))
             {
                 continue;
             }
-            any = true;
             // Every layer may have arrived since the look above.
+            let mut timed_out = false;
             if admissible && self.all_done(received) {
-                self.admit(id);
-                continue;
+                if self.notified(sent) {
+                    any = true;
+                    self.admit(id);
+                    continue;
+                }
+                // Every copy arrived, and the decode side was not told: it waits for the
+                // notification until its deadline (mutant 41: forever).
+                probe::hit(Probe::PdNotificationAwaited);
+                let now = self.decode.clock.now_ns();
+                match self.mutants.pd_notification_deadline_ns() {
+                    Some(d) if now >= sent_at.saturating_add(d) => timed_out = true,
+                    _ => continue,
+                }
             }
-            // The send is over and the request was not admitted: it failed, or was aborted.
-            self.fail_transfer(id)?;
+            any = true;
+            // The send is over and the request was not admitted: it failed, timed out, or was
+            // aborted.
+            self.fail_transfer(id, timed_out)?;
         }
         let mut i = 0;
         while i < self.draining.len() {
@@ -652,6 +691,11 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         self.seen(state)
     }
 
+    /// Whether the link told the decode side that the send of `sent` is over.
+    fn notified(&mut self, sent: EventId) -> bool {
+        self.link.notified(&mut self.decode.dev, sent)
+    }
+
     /// Whether every one of `events` completed without a failure.
     fn all_done(&mut self, events: &[EventId]) -> bool {
         events
@@ -677,14 +721,16 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         });
     }
 
-    /// The send of `id` is over without the request admitted: a copy failed or was refused, or
-    /// the request was aborted. Its decode pages go back; it is sent again, or ends.
-    fn fail_transfer(&mut self, id: u64) -> Result<(), PdError> {
+    /// The send of `id` is over without the request admitted: a copy failed or was refused, its
+    /// notification did not come in time (`timed_out`), or the request was aborted. Its decode
+    /// pages go back; it is sent again, or ends.
+    fn fail_transfer(&mut self, id: u64, timed_out: bool) -> Result<(), PdError> {
         let r = self.requests.get_mut(&id).expect("in transfer");
         let Stage::Sending(s) = std::mem::replace(&mut r.stage, Stage::Exported) else {
             unreachable!("in transfer");
         };
         let failed = s.refused
+            || timed_out
             || !self.all_done(&s.received)
             || self.prefill_query(s.sent) != EventState::Done;
         let r = self.requests.get_mut(&id).expect("in transfer");
@@ -699,7 +745,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             // A copy failed (its destination holds unspecified bytes) or was refused; the
             // devices are recovered below.
             self.stats.transfers_failed += 1;
+            self.stats.transfers_timed_out += timed_out as u64;
             probe::hit(Probe::PdTransferFailed);
+            probe::hit_if(Probe::PdNotificationTimedOut, timed_out);
             r.tries += 1;
         }
         let tries = r.tries;
@@ -707,7 +755,11 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             Some(Output::Aborted { request: id })
         } else if tries >= TRANSFER_TRIES_MAX || s.released {
             self.stats.requests_failed += 1;
-            Some(Output::TransferFailed { request: id, tries })
+            Some(if timed_out {
+                Output::TransferTimedOut { request: id, tries }
+            } else {
+                Output::TransferFailed { request: id, tries }
+            })
         } else {
             None // sent again from the prefill side's pages, which it still holds
         };

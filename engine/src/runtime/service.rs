@@ -35,6 +35,10 @@ pub enum ServiceError {
         "request {request}: its KV could not be moved to the decode engine ({tries} sends failed)"
     )]
     TransferFailed { request: u64, tries: u32 },
+    #[error(
+        "request {request}: the decode engine was never told its KV had arrived ({tries} sends, the last timed out)"
+    )]
+    TransferTimedOut { request: u64, tries: u32 },
     #[error("the service is shutting down")]
     ShuttingDown,
     #[error("the engine stopped: {0}")]
@@ -321,6 +325,13 @@ fn answer(outputs: Vec<Output>, pending: &mut BTreeMap<u64, Pending>) {
                     let _ = p
                         .reply
                         .send(Err(ServiceError::TransferFailed { request, tries }));
+                }
+            }
+            Output::TransferTimedOut { request, tries } => {
+                if let Some(p) = pending.remove(&request) {
+                    let _ = p
+                        .reply
+                        .send(Err(ServiceError::TransferTimedOut { request, tries }));
                 }
             }
             Output::Digests { .. } | Output::Recompute { .. } => {}

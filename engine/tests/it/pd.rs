@@ -85,7 +85,7 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Seen>) {
                 s.finished = Some(generated);
             }
             Output::Aborted { request } => seen.entry(request).or_default().aborted = true,
-            Output::TransferFailed { request, .. } => {
+            Output::TransferFailed { request, .. } | Output::TransferTimedOut { request, .. } => {
                 seen.entry(request).or_default().transfer_failed = true
             }
             Output::Recompute { .. } => {}

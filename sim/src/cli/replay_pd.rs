@@ -56,6 +56,10 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Emitted>) {
                 seen.entry(request).or_default().ended_otherwise =
                     Some(format!("transfer failed {tries} times"))
             }
+            Output::TransferTimedOut { request, tries } => {
+                seen.entry(request).or_default().ended_otherwise =
+                    Some(format!("transfer timed out ({tries} tries)"))
+            }
             Output::Recompute { .. } => {}
         }
     }
