@@ -136,7 +136,8 @@ pub enum Mutant {
     ///     flight or could not be enqueued is acknowledged as done and its pages published.
     LoadOkAtIssue,
     /// 39. Field (vllm-project/vllm#52234: a receive that fails open, a stale reference into
-    ///     reused blocks), prefill/decode: a transfer is given up as soon as one of its events
+    ///     reused blocks; vllm#55900 defers a failed receive's report until the transfers
+    ///     beside it finished), prefill/decode: a transfer is given up as soon as one of its events
     ///     answers `Failed`, and its decode pages go back to the allocator while the other
     ///     layers' copies of that failed attempt still write them.
     PdRetryBeforeStaleCopies,
@@ -284,7 +285,7 @@ impl Mutant {
             Mutant::HostIndexKFromFp8Defaults => "DESIGN §1.1 (bf16 index-K vs fp8 host mirror)",
             Mutant::UngatedIndexKRead => "sglang #22811",
             Mutant::IndexKNotMirrored => "sglang #17085",
-            Mutant::HostKvRow576 => "#37534",
+            Mutant::HostKvRow576 => "sgl-project/sglang#37534",
             Mutant::EvictionIgnoresLoadPins => "#27631",
             Mutant::PublishBeforeCopy => "#8901",
             Mutant::GlobalLayerCounter => "#39876",
@@ -325,6 +326,47 @@ impl Mutant {
             Mutant::HostLeaseExpires => "kvcache-ai/Mooncake#850",
             Mutant::PdNoNotificationDeadline => "vllm-project/vllm#50754",
         }
+    }
+    /// The mechanism of an incident of another serving stack (the field zoo), in one line:
+    /// `None` for the incidents tierkv was designed against, its policies and its runtime.
+    /// Mutant 4 is both: planted with the seed incidents, it is also the field's sglang#37534.
+    pub fn field_mechanism(self) -> Option<&'static str> {
+        Some(match self {
+            Mutant::HostKvRow576 => {
+                "the host mirror's KV row sized from a constant (576 B), not the device's packed fp8 row (656 B)"
+            }
+            Mutant::AbortFreesPagesInFlight => {
+                "an aborted request's pages freed while the step in flight still reads them; a load copies into them"
+            }
+            Mutant::LoadSkipsIndexK => {
+                "a load restores the KV pages without their index-K pages"
+            }
+            Mutant::StoreScalesThroughUe8m0 => {
+                "fp32 scales rounded to powers of two (the ue8m0 path) by the index-K store"
+            }
+            Mutant::PdReceivesIntoLastPages => {
+                "the decode side holds more pages than were sent; the transfer fills the last ones, the first are read"
+            }
+            Mutant::IndexKReadInterleaved => {
+                "index-K written block-planar, read token-interleaved: the same bytes, so no check fires"
+            }
+            Mutant::SparseReadComputeDtype => {
+                "the sparse read of a packed-fp8 KV pool handed the compute dtype (bf16), not the storage one"
+            }
+            Mutant::LoadOkAtIssue => {
+                "a load's success decided when it is issued: a failed copy's pages are published"
+            }
+            Mutant::PdRetryBeforeStaleCopies => {
+                "a failed transfer's decode pages given back while its other layers' copies still write them"
+            }
+            Mutant::HostLeaseExpires => {
+                "a load's host copies kept from eviction by a 20 us lease, not until the copy ended"
+            }
+            Mutant::PdNoNotificationDeadline => {
+                "the decode side waits for a lost transfer notification with no deadline"
+            }
+            _ => return None,
+        })
     }
     /// The bug of the kernels' references this mutant plants (its mistake is in a kernel, not
     /// in the engine); the simulator switches it on for the run.
@@ -471,9 +513,9 @@ impl Mutants {
         self.on(Mutant::HostLeaseExpires).then_some(HOST_LEASE_NS)
     }
     /// Mutant 41: how long after a send the decode side waits for its notification. Clean:
-    /// [`crate::pd::NOTIFICATION_DEADLINE_NS`]; the mutant: forever (`None`).
-    pub fn pd_notification_deadline_ns(&self) -> Option<u64> {
-        (!self.on(Mutant::PdNoNotificationDeadline)).then_some(crate::pd::NOTIFICATION_DEADLINE_NS)
+    /// `deadline` (the pair's); the mutant: forever (`None`).
+    pub fn pd_notification_deadline_ns(&self, deadline: u64) -> Option<u64> {
+        (!self.on(Mutant::PdNoNotificationDeadline)).then_some(deadline)
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

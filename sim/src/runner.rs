@@ -1124,9 +1124,7 @@ impl<'a> Run<'a> {
                 }
                 Output::Aborted { request }
                 | Output::TransferFailed { request, .. }
-                | Output::TransferTimedOut { request, .. } => {
-                    ended.push(*request)
-                }
+                | Output::TransferTimedOut { request, .. } => ended.push(*request),
                 Output::Recompute { .. } => recomputed = true,
                 _ => {}
             }

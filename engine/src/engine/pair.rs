@@ -10,7 +10,7 @@
 //! again, up to [`TRANSFER_TRIES_MAX`] times; then the request ends with `Output::TransferFailed`.
 //! A link may tell the decode side that a send is over by a message of its own
 //! ([`KvLink::notified`]): the request is admitted only once it came, and a transfer whose every
-//! layer arrived but whose message did not come within [`crate::pd::NOTIFICATION_DEADLINE_NS`] counts as
+//! layer arrived but whose message did not come within [`NOTIFICATION_DEADLINE_NS`] counts as
 //! failed too (sent again; after the last try, `Output::TransferTimedOut`).
 //! An aborted request is never published to decode: in prefill it is aborted there; in transfer
 //! it waits for its copies to complete, then both sides' pages are released.
@@ -24,7 +24,10 @@ use crate::config::Config;
 use crate::device::{call_recovering, Clock, Device, EventId, EventState};
 use crate::layout::{pages_for_tokens, BufferKind, LayerId, PageId};
 use crate::mutants::Mutants;
-use crate::pd::{handshake, HandshakeError, KvLink, LayerSend, LinkError, PdLayout, Role};
+use crate::pd::{
+    handshake, HandshakeError, KvLink, LayerSend, LinkError, PdLayout, Role,
+    NOTIFICATION_DEADLINE_NS,
+};
 use crate::probe::{self, Probe};
 use crate::scheduler::{Output, Rejection, RequestSpec};
 use std::collections::BTreeMap;
@@ -548,11 +551,17 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 }
                 // Every copy of a send in transfer arrived: its notification is waited for,
                 // until its deadline (mutant 41 has none, and waits no longer than a look).
-                if let (true, Some(at), Some(deadline)) =
-                    (arrived, sent_at, self.mutants.pd_notification_deadline_ns())
-                {
-                    self.link
-                        .wait_notified(&mut self.decode.dev, sent, at.saturating_add(deadline));
+                if let (true, Some(at), Some(deadline)) = (
+                    arrived,
+                    sent_at,
+                    self.mutants
+                        .pd_notification_deadline_ns(NOTIFICATION_DEADLINE_NS),
+                ) {
+                    self.link.wait_notified(
+                        &mut self.decode.dev,
+                        sent,
+                        at.saturating_add(deadline),
+                    );
                 }
             }
         }
@@ -601,7 +610,10 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 // notification until its deadline (mutant 41: forever).
                 probe::hit(Probe::PdNotificationAwaited);
                 let now = self.decode.clock.now_ns();
-                match self.mutants.pd_notification_deadline_ns() {
+                match self
+                    .mutants
+                    .pd_notification_deadline_ns(NOTIFICATION_DEADLINE_NS)
+                {
                     Some(d) if now >= sent_at.saturating_add(d) => timed_out = true,
                     _ => continue,
                 }

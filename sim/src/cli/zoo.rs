@@ -153,8 +153,12 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
             r.oracle.map_or("-".to_string(), |o| o.to_string()),
             truncate(&r.message, 110)
         );
-        // What it re-creates: an incident's link, or the mistake it plants.
-        println!("{:<4} {}", "", m.incident());
+        // What it re-creates: an incident's link, or the mistake it plants; for an incident of
+        // another serving stack, its mechanism too.
+        match m.field_mechanism() {
+            Some(how) => println!("{:<4} field: {}: {how}", "", m.incident()),
+            None => println!("{:<4} {}", "", m.incident()),
+        }
     }
     let mut clean_failures = 0;
     if !args.no_clean {
