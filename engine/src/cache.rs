@@ -49,6 +49,28 @@ pub fn page_keys(tokens: &[u32], pages: usize) -> Vec<PageKey> {
         .collect()
 }
 
+/// Where a prefix's model fingerprint sits in its first page's first key word: above every
+/// token id (`synth::VOCAB` < 2^16).
+pub const MODEL_TAG_SHIFT: u32 = 16;
+
+/// The page keys of `tokens`' first `pages` full pages under the weights of version `model`
+/// (`Engine::update_weights`): the first key's first word carries the version above the token
+/// id, so a prefix computed under other weights never matches (the stale KV of vLLM's
+/// offloading spec, whose block hashes ignore the weights). Version 0 leaves the keys as
+/// `page_keys` makes them.
+pub fn model_page_keys(tokens: &[u32], pages: usize, model: u32) -> Vec<PageKey> {
+    let mut keys = page_keys(tokens, pages);
+    if let Some(first) = keys.first_mut() {
+        assert!(
+            first[0] < 1 << MODEL_TAG_SHIFT && model < 1 << (32 - MODEL_TAG_SHIFT),
+            "token {} or weights version {model} out of the key's range",
+            first[0]
+        );
+        first[0] |= model << MODEL_TAG_SHIFT;
+    }
+    keys
+}
+
 #[derive(Clone, Debug)]
 pub struct Node {
     pub parent: NodeId,

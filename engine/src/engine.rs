@@ -10,6 +10,7 @@
 //! pages of completed requests (issuing backups). Everything is deterministic given the device's
 //! answers: iteration uses `BTreeMap`/`Vec`, ids are sequential.
 
+use crate::cache::model_page_keys;
 pub use crate::cache::page_keys;
 use crate::cache::{NodeId, PrefixCache};
 use crate::config::{Config, WritePolicy};
@@ -79,6 +80,8 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     clock: C,
     transfer: T,
     pub synth: Synth,
+    /// The model's seed (`EngineOptions::seed`): `synth` is its model under `weights`.
+    synth_seed: u64,
     mutants: Mutants,
     pools: Pools,
     cache: PrefixCache,
@@ -98,6 +101,8 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     import_held: usize,
     /// The step enqueued and not yet collected (running ahead only).
     in_flight: Option<InFlight>,
+    /// The weights' version (`update_weights`), carried by every prefix key.
+    weights: u32,
 }
 
 /// A request whose prompt the prefill engine computed, as the decode engine admits it once its
@@ -179,6 +184,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             clock,
             transfer,
             synth,
+            synth_seed: opts.seed,
             mutants,
             pools,
             ctl,
@@ -189,7 +195,48 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             exports: std::collections::BTreeMap::new(),
             import_held: 0,
             in_flight: None,
+            weights: 0,
         })
+    }
+
+    /// The model's weights change to version `version` (an RL trainer's update, a hot swap): the
+    /// synthetic model of this engine's seed and that version (`Synth::with_weights`) computes
+    /// from now on. The prefix cache keeps what it holds, but every prefix key carries the
+    /// version (`cache::model_page_keys`), so KV computed under other weights is never matched
+    /// again; it leaves the tiers by eviction. Refused unless the engine is idle but for backups
+    /// in flight (they copy bytes, whatever computed them): nothing queued or running, no load,
+    /// export or import.
+    pub fn update_weights(&mut self, version: u32) -> Result<(), EngineError> {
+        if version >= 1 << (32 - crate::cache::MODEL_TAG_SHIFT) {
+            return Err(EngineError::WeightsVersion(version));
+        }
+        let busy = [
+            (self.in_flight.is_some(), "a step in flight"),
+            (!self.sched.is_idle(), "requests queued or running"),
+            (self.ctl.loads_in_flight() > 0, "loads in flight"),
+            (!self.exports.is_empty(), "exports held"),
+            (self.import_held > 0, "imports held"),
+        ];
+        let why: Vec<&str> = busy.iter().filter(|b| b.0).map(|b| b.1).collect();
+        if !why.is_empty() {
+            return Err(EngineError::NotIdle(why.join(", ")));
+        }
+        probe::hit(Probe::WeightsUpdated);
+        self.weights = version;
+        self.synth = Synth::with_weights(self.synth_seed, version);
+        self.model.set_weights(&self.cfg, &self.synth);
+        Ok(())
+    }
+
+    /// The weights' version (`update_weights`; 0 until the first update).
+    pub fn weights(&self) -> u32 {
+        self.weights
+    }
+
+    /// The page keys of a request's first `pages` full pages: its tokens under the current
+    /// weights (mutant 42 leaves the weights out).
+    fn prefix_keys(&self, tokens: &[u32], pages: usize) -> Vec<crate::cache::PageKey> {
+        model_page_keys(tokens, pages, self.mutants.key_weights(self.weights))
     }
 
     /// Changes the injected allocation faults (the simulator stops them for its liveness phase).
@@ -612,10 +659,12 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// Moves queued requests into the running batch while the device tier can hold them.
     fn admit(&mut self) -> Result<usize, EngineError> {
         let step_done = self.model.step_done();
+        let weights = self.mutants.key_weights(self.weights);
         let mut res = Admission {
             ctl: &mut self.ctl,
             io: io!(self),
             step_done,
+            weights,
         };
         self.sched.admit(&mut res)
     }
@@ -666,7 +715,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// write-through), the rest are freed, its locks released.
     fn complete(&mut self, r: Request) -> Result<(), EngineError> {
         let full = r.computed / PAGE_TOKENS as usize;
-        let keys = page_keys(&r.tokens, full);
+        let keys = self.prefix_keys(&r.tokens, full);
         let ins = self.cache.insert(&keys, &r.pages[..full]);
         probe::hit_if(Probe::FinishDuplicatePages, !ins.duplicates.is_empty());
         self.pools.device_pages.free(&ins.duplicates);
@@ -781,6 +830,8 @@ struct Admission<'a, D, C, T> {
     ctl: &'a mut CacheController,
     io: Io<'a, D, C, T>,
     step_done: EventId,
+    /// The weights' version the prefix keys carry (`Engine::prefix_keys`).
+    weights: u32,
 }
 
 impl<D: Device, C: Clock, T: Transfer> Reserve for Admission<'_, D, C, T> {
@@ -789,7 +840,7 @@ impl<D: Device, C: Clock, T: Transfer> Reserve for Admission<'_, D, C, T> {
         r: &Request,
         acks: &mut Vec<LoadAck>,
     ) -> Result<Option<Grant>, EngineError> {
-        let keys = page_keys(&r.tokens, r.cacheable_pages());
+        let keys = model_page_keys(&r.tokens, r.cacheable_pages(), self.weights);
         let total = pages_for_tokens((r.prompt_len + r.max_new as usize) as u64) as usize;
         self.ctl
             .reserve(&mut self.io, r.id, &keys, total, self.step_done, acks)

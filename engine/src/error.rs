@@ -13,6 +13,13 @@ pub enum EngineError {
     /// A transfer refused (its message says so: "transfer refused: ...").
     #[error(transparent)]
     Transfer(TransferError),
+    /// `Engine::update_weights` while the engine holds work computed under the current
+    /// weights (requests queued or running, copies in flight, exports or imports).
+    #[error("weights update refused: the engine is not idle ({0})")]
+    NotIdle(String),
+    /// `Engine::update_weights` to a version the prefix keys cannot carry.
+    #[error("weights version {0} is out of range (at most {max})", max = (1u32 << 16) - 1)]
+    WeightsVersion(u32),
 }
 
 impl From<TransferError> for EngineError {

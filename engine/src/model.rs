@@ -208,6 +208,14 @@ impl ModelStep {
         Scratch::alloc(dev, layout, ahead).map(ScratchHandle)
     }
 
+    /// New weights: the indexer's LayerNorm parameters of `synth`'s model.
+    pub(crate) fn set_weights(&mut self, cfg: &Config, synth: &Synth) {
+        let m = &cfg.model;
+        self.ln = (0..m.layers)
+            .map(|l| synth.ln_params(m.layer_base + l))
+            .collect();
+    }
+
     /// `step_done`: one event, or two for an engine that runs one step ahead.
     pub(crate) fn new(
         cfg: &Config,

@@ -150,6 +150,10 @@ pub enum Mutant {
     ///     forever for a transfer notification that was lost), prefill/decode: the decode side
     ///     waits for a send's notification with no deadline.
     PdNoNotificationDeadline,
+    /// 42. Field (vLLM's offloading spec, `vllm/v1/kv_offload/spec.py`: block hashes that
+    ///     ignore the model's weights): prefix keys leave the weights' version out, so after a
+    ///     weight update a request matches KV its prefix had under the old weights.
+    PrefixKeysIgnoreWeights,
 }
 
 /// The lease of mutant 40: how long a load's host copies are kept from eviction (simulated
@@ -157,7 +161,7 @@ pub enum Mutant {
 pub const HOST_LEASE_NS: u64 = 20_000;
 
 impl Mutant {
-    pub const ALL: [Mutant; 41] = [
+    pub const ALL: [Mutant; 42] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -199,6 +203,7 @@ impl Mutant {
         Mutant::PdRetryBeforeStaleCopies,
         Mutant::HostLeaseExpires,
         Mutant::PdNoNotificationDeadline,
+        Mutant::PrefixKeysIgnoreWeights,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -278,6 +283,7 @@ impl Mutant {
             Mutant::PdRetryBeforeStaleCopies => "pd-retry-before-stale-copies",
             Mutant::HostLeaseExpires => "host-lease-expires",
             Mutant::PdNoNotificationDeadline => "pd-no-notification-deadline",
+            Mutant::PrefixKeysIgnoreWeights => "prefix-keys-ignore-weights",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -325,6 +331,7 @@ impl Mutant {
             Mutant::PdRetryBeforeStaleCopies => "vllm-project/vllm#52234",
             Mutant::HostLeaseExpires => "kvcache-ai/Mooncake#850",
             Mutant::PdNoNotificationDeadline => "vllm-project/vllm#50754",
+            Mutant::PrefixKeysIgnoreWeights => "vllm-project/vllm vllm/v1/kv_offload/spec.py",
         }
     }
     /// The mechanism of an incident of another serving stack (the field zoo), in one line:
@@ -364,6 +371,9 @@ impl Mutant {
             }
             Mutant::PdNoNotificationDeadline => {
                 "the decode side waits for a lost transfer notification with no deadline"
+            }
+            Mutant::PrefixKeysIgnoreWeights => {
+                "prefix keys ignore the weights: after an update, KV of the old weights is matched"
             }
             _ => return None,
         })
@@ -516,6 +526,14 @@ impl Mutants {
     /// `deadline` (the pair's); the mutant: forever (`None`).
     pub fn pd_notification_deadline_ns(&self, deadline: u64) -> Option<u64> {
         (!self.on(Mutant::PdNoNotificationDeadline)).then_some(deadline)
+    }
+    /// Mutant 42: the weights' version the prefix keys carry. Clean: `version`.
+    pub fn key_weights(&self, version: u32) -> u32 {
+        if self.on(Mutant::PrefixKeysIgnoreWeights) {
+            0
+        } else {
+            version
+        }
     }
     /// Mutant 2: the index-K read path skips the layer's load wait.
     pub fn index_k_read_ungated(&self) -> bool {

@@ -143,6 +143,8 @@ probes! {
     BackupSelective = "backup.selective",
     /// Host pages were evicted to make room for a backup.
     HostEvicted = "host.evicted",
+    /// The model's weights changed (`Engine::update_weights`).
+    WeightsUpdated = "model.weights_updated",
     /// Host eviction stepped around a node whose host copy is pinned by a load in flight.
     HostEvictSkippedPinned = "host.evict_skipped_pinned",
     /// Device pages were evicted.

@@ -26,6 +26,15 @@ impl Synth {
         Synth { seed }
     }
 
+    /// The model of `seed` after `version` weight updates (`Engine::update_weights`): version 0
+    /// is `Synth::new(seed)`; every other version draws every vector anew.
+    pub fn with_weights(seed: u64, version: u32) -> Self {
+        if version == 0 {
+            return Synth::new(seed);
+        }
+        Synth::new(mix64(seed ^ mix64(0x5745_4947_4854_5300 ^ version as u64)))
+    }
+
     fn stream(&self, what: Stream, a: u64, b: u64, c: u64) -> u64 {
         draw::stream(self.seed, what, a, b, c)
     }

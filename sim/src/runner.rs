@@ -419,6 +419,8 @@ struct Run<'a> {
     /// One-shots refused by admission control, to be sent again: (due time, index into the
     /// workload, tries so far).
     retries: BTreeSet<(u64, usize, u32)>,
+    /// The scenario's weight update happened (`Scenario::weights_update_ns`).
+    weights_updated: bool,
     owners: BTreeMap<u64, Owner>,
     /// Each request's prompt length and max_new_tokens.
     specs: BTreeMap<u64, (usize, u32)>,
@@ -732,6 +734,7 @@ impl<'a> Run<'a> {
             oneshots,
             next_oneshot: 0,
             retries: BTreeSet::new(),
+            weights_updated: false,
             owners: BTreeMap::new(),
             specs: BTreeMap::new(),
             last_digests: BTreeMap::new(),
@@ -1211,7 +1214,11 @@ impl<'a> Run<'a> {
             .tokens
             .get(&id)
             .expect("the runner keeps every prompt it sent")[..prompt_len];
-        policy::page_keys(tokens, prompt_len.saturating_sub(1) / page)
+        policy::model_page_keys(
+            tokens,
+            prompt_len.saturating_sub(1) / page,
+            c.weights_of(id),
+        )
     }
 
     /// An admitted request as the device saw it: its prompt's page keys, the prompt pages it
@@ -1261,9 +1268,10 @@ impl<'a> Run<'a> {
             .to_vec();
         tokens.extend_from_slice(generated);
         let full = tokens.len().saturating_sub(1) / page;
+        let weights = c.weights_of(id);
         policy::Inserted {
             request: id,
-            keys: policy::page_keys(&tokens, full),
+            keys: policy::model_page_keys(&tokens, full, weights),
         }
     }
 
@@ -1439,10 +1447,10 @@ impl<'a> Run<'a> {
     /// A generated token follows from the digests of its query, and comes in order.
     fn token(&mut self, request: u64, index: u32, token: u32) {
         let (prompt_len, _) = self.specs.get(&request).copied().unwrap_or((0, 0));
-        let want = self
-            .last_digests
-            .get(&request)
-            .map(|d| self.synth.next_token(d));
+        let want = self.last_digests.get(&request).map(|d| {
+            let weights = self.content.borrow().weights_of(request);
+            self.content.borrow().synth(weights).next_token(d)
+        });
         let Some(at) = self.content.borrow_mut().confirm(request, token) else {
             return;
         };
@@ -1593,13 +1601,39 @@ impl<'a> Run<'a> {
             .min()
         {
             Some(t) => {
-                let mut dev = self.gpu.borrow_mut();
-                let at = t.max(dev.now() + 1);
-                dev.advance_host_to(at);
+                let at = t.max(self.gpu.borrow().now() + 1);
+                // The weights change when the scenario says, if the engine is idle then (it is
+                // until `at`), else at the first idle moment after.
+                let update = self.sc.weights_update_ns;
+                if update > 0 && !self.weights_updated && update <= at {
+                    self.gpu.borrow_mut().advance_host_to(update);
+                    self.update_weights()?;
+                }
+                self.gpu.borrow_mut().advance_host_to(at);
                 Ok(())
             }
             None => Err(Stop),
         }
+    }
+
+    /// The engine's weights change to version 1 (`Scenario::weights_update_ns`); requests
+    /// submitted from now on are judged by the new weights' rows.
+    fn update_weights(&mut self) -> Result<(), Stop> {
+        self.weights_updated = true;
+        let Target::One(e) = &mut self.engine else {
+            unreachable!("a pair's scenario draws no weight update (validated)");
+        };
+        if let Err(err) = e.update_weights(1) {
+            let now = self.gpu.borrow().now();
+            self.findings.push(Finding {
+                oracle: OracleKind::Engine,
+                time_ns: now,
+                message: format!("the idle engine refused a weight update: {err}"),
+            });
+            return Err(Stop);
+        }
+        self.content.borrow_mut().set_weights(1);
+        Ok(())
     }
 
     /// The end: the device drains; everything must be returned and every request must have

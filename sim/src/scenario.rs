@@ -199,6 +199,11 @@ pub struct Scenario {
     /// sends no message (the decode side acts on the receive events alone, as before).
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub notify_late_ns: u64,
+    /// The model's weights change (`Engine::update_weights`, to version 1) at this virtual time,
+    /// or at the first moment after it that the engine is idle; 0: never. Not under `pd`. (Left
+    /// out of the JSON when 0, so that scenarios from before it keep their fingerprints.)
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub weights_update_ns: u64,
     /// Engine steps before the run is declared stuck.
     pub steps_max: u64,
     /// The mutant to switch on (bug zoo), by name.
@@ -363,6 +368,18 @@ impl Scenario {
         rate("evict_rate", self.evict_rate)?;
         rate("notify_loss_rate", self.notify_loss_rate)?;
         at_most("notify_late_ns", self.notify_late_ns, limits::TIME_NS_MAX)?;
+        at_most(
+            "weights_update_ns",
+            self.weights_update_ns,
+            limits::TIME_NS_MAX,
+        )?;
+        if self.weights_update_ns > 0 && self.profile == "pd" {
+            return Err(bad(
+                "weights_update_ns",
+                self.weights_update_ns,
+                "a prefill/decode pair's weights are not updated (both engines would have to agree)",
+            ));
+        }
         if (self.notify_loss_rate > 0.0 || self.notify_late_ns > 0) && self.profile != "pd" {
             return Err(bad(
                 "notify_loss_rate",
@@ -520,7 +537,7 @@ impl Scenario {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} context-wide {} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | {} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} context-wide {} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | {} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {}{}{} | {} sessions, {} one-shots, {} requests",
             self.profile,
             m.layers,
             m.layer_base,
@@ -565,6 +582,18 @@ impl Scenario {
             self.abort_mid_load_rate,
             self.evict_rate,
             if self.overlap { "one step ahead" } else { "in order" },
+            match self.weights_update_ns {
+                0 => String::new(),
+                t => format!(" | weights updated at {:.3} ms", t as f64 / 1e6),
+            },
+            if self.notify_loss_rate > 0.0 || self.notify_late_ns > 0 {
+                format!(
+                    " | notifications lost {:.2}, late ≤{} ns",
+                    self.notify_loss_rate, self.notify_late_ns
+                )
+            } else {
+                String::new()
+            },
             self.workload.sessions.len(),
             self.workload.oneshots.len(),
             self.workload.requests(),
@@ -661,6 +690,21 @@ pub fn draw(
     };
     let workload = draw_workload(&mut wr, profile, &cfg, trace);
     let requests = workload.requests() as u64;
+    // A weight update mid-run: a stream of its own, forked last; three seeds in ten but pairs,
+    // at a time among the arrivals' (the last session's start or one-shot's arrival).
+    let mut ur = rng.fork(8);
+    let last_arrival = workload
+        .sessions
+        .iter()
+        .map(|s| s.start_ns)
+        .chain(workload.oneshots.iter().map(|o| o.at_ns))
+        .max()
+        .unwrap_or(0);
+    let weights_update_ns = if profile != "pd" && ur.chance(0.3) {
+        1 + ur.below(last_arrival.max(1))
+    } else {
+        0
+    };
     let sc = Scenario {
         seed,
         profile: profile.to_string(),
@@ -675,6 +719,7 @@ pub fn draw(
         overlap,
         notify_loss_rate,
         notify_late_ns,
+        weights_update_ns,
         steps_max: 2_000 + 200 * requests,
         mutant: None,
     };

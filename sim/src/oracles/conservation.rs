@@ -8,12 +8,14 @@
 //!   in every layer, KV and index-K — the rows the synthetic model gives the tokens the cache
 //!   files it under, and no page may be held twice. A page freed while the cache still points at
 //!   it and then reused, a backup or load published over a failed or torn copy, a node filed
-//!   under the wrong prefix: each leaves bytes that differ.
+//!   under the wrong prefix: each leaves bytes that differ. A prefix's rows are those of the
+//!   weights its first key carries (`cache::model_page_keys`: the version above the first
+//!   token), as the engine files it.
 
 use crate::oracles::content::ContentOracle;
 use crate::report::{Finding, OracleKind};
 use std::collections::BTreeMap;
-use tierkv_engine::cache::{NodeId, ROOT};
+use tierkv_engine::cache::{NodeId, MODEL_TAG_SHIFT, ROOT};
 use tierkv_engine::cpu_device::Memory;
 use tierkv_engine::device::{BufferId, BufferRole};
 use tierkv_engine::layout::{BufferKind, LayerId, PageId, PAGE_TOKENS};
@@ -118,6 +120,18 @@ where
     for id in nodes {
         let n = cache.node(id);
         let first = (depth_of(id) - 1) * PAGE_TOKENS;
+        // The weights the prefix was computed under: carried by its first page's key.
+        let mut top = id;
+        while cache.node(top).parent != ROOT {
+            top = cache.node(top).parent;
+        }
+        let weights = cache.node(top).key[0] >> MODEL_TAG_SHIFT;
+        let untag = (1u32 << MODEL_TAG_SHIFT) - 1;
+        let tokens: Vec<u32> = n
+            .key
+            .iter()
+            .map(|&t| ContentOracle::model_token(t & untag, weights))
+            .collect();
         for (tier, page) in [(0usize, n.device), (1, n.host)] {
             let Some(page) = page else {
                 continue;
@@ -136,7 +150,7 @@ where
                         buf,
                         placement,
                         page.0,
-                        &n.key,
+                        &tokens,
                         first,
                         layer_base + l,
                     ) {

@@ -82,11 +82,33 @@ fn hash_bytes(parts: &[&[u8]]) -> u64 {
     h.finish()
 }
 
+/// Where a row function's `token` argument carries its request's weights' version
+/// (`ContentOracle::model_token`).
+const WEIGHTS_SHIFT: u32 = 16;
+
+/// A tagged token (`ContentOracle::model_token`): the token, and the weights' version.
+fn split(token: u32) -> (u32, u32) {
+    (token & ((1 << WEIGHTS_SHIFT) - 1), token >> WEIGHTS_SHIFT)
+}
+
+/// A tagged token for a message: `17`, or `17 (weights 1)`.
+fn show(token: u32) -> String {
+    match split(token) {
+        (t, 0) => t.to_string(),
+        (t, v) => format!("{t} (weights {v})"),
+    }
+}
+
 /// A finding of this oracle: which oracle it belongs to, and its message.
 pub type Verdict = (OracleKind, String);
 
 pub struct ContentOracle {
-    pub synth: Synth,
+    /// The synthetic model's seed: its weights of version `v` are `Synth::with_weights(seed, v)`.
+    seed: u64,
+    /// The weights' version the engine computes with now (`set_weights`), and the version each
+    /// request was submitted under (all its rows are that version's).
+    weights: u32,
+    request_weights: BTreeMap<u64, u32>,
     pub ik_dtype: IndexKDtype,
     pub kv_dtype: KvDtype,
     pub ue8m0: bool,
@@ -95,7 +117,8 @@ pub struct ContentOracle {
     heads: u32,
     /// The model's rotary frequencies, from the specification's own formula.
     inv_freq: [f64; 32],
-    ln: BTreeMap<u32, LnParams>,
+    /// The indexer's LayerNorm parameters per (weights' version, global layer).
+    ln: BTreeMap<(u32, u32), LnParams>,
     /// Known tokens of each request: prompt, then every generated token — the first
     /// `confirmed` of them emitted by the engine, the rest told by a `next_tokens` the device
     /// ran (an engine running one step ahead), until the engine emits them.
@@ -147,7 +170,9 @@ pub trait PageState {
 impl ContentOracle {
     pub fn new(cfg: &Config, synth: Synth, sampler: Sampler) -> Self {
         ContentOracle {
-            synth,
+            seed: synth.seed,
+            weights: 0,
+            request_weights: BTreeMap::new(),
             ik_dtype: cfg.model.index_k_dtype,
             kv_dtype: cfg.model.kv_dtype,
             ue8m0: cfg.model.scale_fmt.ue8m0(),
@@ -177,10 +202,41 @@ impl ContentOracle {
         self.tokens.get(&request)?.get(position as usize).copied()
     }
 
-    /// A request's prompt: its first confirmed tokens.
+    /// The engine's weights change to version `version` (`Engine::update_weights`): requests
+    /// submitted from now on are judged by that version's rows.
+    pub fn set_weights(&mut self, version: u32) {
+        assert!(version < 1 << WEIGHTS_SHIFT, "weights version {version}");
+        self.weights = version;
+    }
+
+    /// The weights' version `request` was submitted under.
+    pub fn weights_of(&self, request: u64) -> u32 {
+        self.request_weights.get(&request).copied().unwrap_or(0)
+    }
+
+    /// The synthetic model of the weights of version `version`.
+    pub fn synth(&self, version: u32) -> Synth {
+        Synth::with_weights(self.seed, version)
+    }
+
+    /// `token` of a request of weights `version`, as the row functions below take it: the
+    /// version above the token id (`VOCAB` < 2^16), the token alone for version 0.
+    pub fn model_token(token: u32, version: u32) -> u32 {
+        assert!(token < 1 << WEIGHTS_SHIFT, "token {token}");
+        token | version << WEIGHTS_SHIFT
+    }
+
+    /// The token of `request` at `position`, tagged with the request's weights' version.
+    fn token_of_model(&self, request: u64, position: u32) -> Option<u32> {
+        let t = self.token(request, position)?;
+        Some(Self::model_token(t, self.weights_of(request)))
+    }
+
+    /// A request's prompt: its first confirmed tokens. It is judged under the current weights.
     pub fn prompt(&mut self, request: u64, prompt: Vec<u32>) {
         self.confirmed.insert(request, prompt.len());
         self.tokens.insert(request, prompt);
+        self.request_weights.insert(request, self.weights);
     }
 
     /// `request` ended: what was kept for its queries goes.
@@ -251,10 +307,11 @@ impl ContentOracle {
         if self.ik_accepted.get(&key).is_some_and(|v| v.contains(&h)) {
             return Ok(());
         }
-        let synth = self.synth;
+        let (token, version) = split(token);
+        let synth = self.synth(version);
         let (g, b) = self
             .ln
-            .entry(layer)
+            .entry((version, layer))
             .or_insert_with(|| synth.ln_params(layer))
             .clone();
         let k = synth.index_key(token, position, layer);
@@ -281,8 +338,10 @@ impl ContentOracle {
             return Ok(());
         }
         let heads = self.heads as usize;
-        let q = self.synth.query(token, position, layer, self.heads);
-        let w = self.synth.head_weights(token, position, layer, self.heads);
+        let (token, version) = split(token);
+        let synth = self.synth(version);
+        let q = synth.query(token, position, layer, self.heads);
+        let w = synth.head_weights(token, position, layer, self.heads);
         let rope = spec::rope_row(&self.inv_freq, position);
         for hd in 0..heads {
             let w_out = f32::from_le_bytes(weights[4 * hd..4 * hd + 4].try_into().expect("4 B"));
@@ -301,12 +360,14 @@ impl ContentOracle {
         Ok(())
     }
 
-    /// The specification's KV row of `token` at `position` in global `layer`.
+    /// The specification's KV row of `token` at `position` in global `layer`. Here and in the
+    /// row checks, `token` is tagged with its weights' version ([`ContentOracle::model_token`]).
     pub fn kv_row(&mut self, token: u32, position: u32, layer: u32) -> Arc<Vec<u8>> {
         if let Some(r) = self.kv_memo.get(&(token, position, layer)) {
             return r.clone();
         }
-        let row = self.synth.kv_row(token, position, layer);
+        let (t, version) = split(token);
+        let row = self.synth(version).kv_row(t, position, layer);
         let r = Arc::new(spec::kv_row(self.kv_dtype, &row));
         self.kv_memo.insert((token, position, layer), r.clone());
         r
@@ -330,6 +391,8 @@ impl ContentOracle {
         }
         let mut h = FastHasher::default();
         h.write_u64(((layer as u64) << 40) ^ ((first as u64) << 20) ^ last as u64);
+        // Rows of the same tokens under other weights are other rows.
+        h.write_u32(self.weights_of(request));
         for &t in &toks[first as usize..last as usize] {
             h.write_u32(t);
         }
@@ -444,7 +507,7 @@ impl ContentOracle {
                     if bad_rows & (1u64 << t) != 0 {
                         continue;
                     }
-                    let Some(token) = self.token(tag.request, n) else {
+                    let Some(token) = self.token_of_model(tag.request, n) else {
                         return content(format!(
                             "request {} reads index-K position {n}, past its known tokens",
                             tag.request
@@ -456,8 +519,10 @@ impl ContentOracle {
                     if let Err(e) = self.ik_ok(token, n, layer, &bytes[at..at + len], scale) {
                         return content(format!(
                             "index-K read of request {} position {n} (page {page}, token {t}) in layer {layer}, \
-                             query position {}: not the specification's row of token {token}: {e}",
-                            tag.request, tag.position
+                             query position {}: not the specification's row of token {}: {e}",
+                            tag.request,
+                            tag.position,
+                            show(token)
                         ));
                     }
                 }
@@ -484,7 +549,7 @@ impl ContentOracle {
         let heads = o.heads as usize;
         let codes = &mem.region(o.q)[r * heads * 128..][..heads * 128];
         let weights = &mem.region(o.w)[r * heads * 4..][..heads * 4];
-        let Some(token) = self.token(tag.request, tag.position) else {
+        let Some(token) = self.token_of_model(tag.request, tag.position) else {
             return Err((
                 OracleKind::Content,
                 format!(
@@ -497,9 +562,11 @@ impl ContentOracle {
             return Err((
                 OracleKind::Reference,
                 format!(
-                    "the query of request {} at position {} (token {token}) in layer {layer} is not the \
+                    "the query of request {} at position {} (token {}) in layer {layer} is not the \
                      specification's: {e}",
-                    tag.request, tag.position
+                    tag.request,
+                    tag.position,
+                    show(token)
                 ),
             ));
         }
@@ -581,7 +648,7 @@ impl ContentOracle {
                     tainted_read = true;
                     continue;
                 }
-                let Some(token) = self.token(tag.request, n) else {
+                let Some(token) = self.token_of_model(tag.request, n) else {
                     return content(format!(
                         "request {} reads KV position {n}, past its known tokens",
                         tag.request
@@ -598,8 +665,12 @@ impl ContentOracle {
                         .unwrap_or(0);
                     return content(format!(
                         "KV read of request {} position {n} (slot {s}) in layer {layer}: byte {b} is {:#04x}, \
-                         the specification's row of token {token} says {:#04x} (query position {})",
-                        tag.request, got[b], want[b], tag.position
+                         the specification's row of token {} says {:#04x} (query position {})",
+                        tag.request,
+                        got[b],
+                        show(token),
+                        want[b],
+                        tag.position
                     ));
                 }
             }
@@ -673,8 +744,9 @@ impl ContentOracle {
 impl ContentOracle {
     /// Judges one whole page of `kind` — tokens `tokens` at positions `first..first + 64` of
     /// global layer `layer` — in buffer `buf`, page `page` placed as `placement` says (the
-    /// specification's placement, not the engine's views). The message names the first row
-    /// that differs.
+    /// specification's placement, not the engine's views). The tokens are tagged with the
+    /// weights' version they were computed under ([`ContentOracle::model_token`]). The message
+    /// names the first row that differs.
     #[allow(clippy::too_many_arguments)]
     pub fn audit_page(
         &mut self,
@@ -713,8 +785,9 @@ impl ContentOracle {
             if let Some(why) = differs {
                 return Some(format!(
                     "{} row of position {n} (row {t} of the page) in layer {layer} is not the specification's \
-                     row of token {token}: {why}",
-                    kind.name()
+                     row of token {}: {why}",
+                    kind.name(),
+                    show(token)
                 ));
             }
         }

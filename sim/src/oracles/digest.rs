@@ -44,12 +44,16 @@ impl DigestOracle {
                 .get(&(request, position, layer))
                 .ok_or("no sparse_read of that query ran")?;
             let tokens = c.tokens.get(&request).ok_or("the request is unknown")?;
+            let weights = c.weights_of(request);
             selected
                 .iter()
                 .map(|&n| {
-                    tokens.get(n as usize).map(|&t| (t, n)).ok_or(format!(
-                        "its selection names position {n}, past the known tokens"
-                    ))
+                    tokens
+                        .get(n as usize)
+                        .map(|&t| (ContentOracle::model_token(t, weights), n))
+                        .ok_or(format!(
+                            "its selection names position {n}, past the known tokens"
+                        ))
                 })
                 .collect::<Result<_, String>>()?
         };

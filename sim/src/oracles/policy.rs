@@ -60,7 +60,7 @@
 
 use crate::report::{Finding, OracleKind};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use tierkv_engine::cache::{NodeId, PrefixCache, ROOT};
+use tierkv_engine::cache::{NodeId, PrefixCache, MODEL_TAG_SHIFT, ROOT};
 use tierkv_engine::config::WritePolicy;
 
 /// Tokens per page, as the specification's byte format states it.
@@ -133,9 +133,34 @@ fn chain(parent: u64, tokens: &[u32]) -> u64 {
     h.wrapping_mul(0xbf58_476d_1ce4_e5b9) ^ (h >> 31)
 }
 
+/// Where the chain of a prefix computed under the weights of version `weights` starts.
+fn chain_start(weights: u32) -> u64 {
+    if weights == 0 {
+        0
+    } else {
+        chain(0x5745_4947_4854 ^ weights as u64, &[])
+    }
+}
+
+/// The chained key of a page of the engine's prefix cache directly under its root: the
+/// engine's node key carries the weights' version above its first token
+/// (`cache::model_page_keys`).
+fn top_key(key: &[u32]) -> u64 {
+    let untag = (1u32 << MODEL_TAG_SHIFT) - 1;
+    let tokens: Vec<u32> = key.iter().map(|&t| t & untag).collect();
+    chain(chain_start(key[0] >> MODEL_TAG_SHIFT), &tokens)
+}
+
 /// The chained keys of the first `pages` full pages of `tokens`.
 pub fn page_keys(tokens: &[u32], pages: usize) -> Vec<u64> {
-    let mut k = 0;
+    model_page_keys(tokens, pages, 0)
+}
+
+/// The chained keys of the first `pages` full pages of `tokens` computed under the weights of
+/// version `weights`: the chain starts from the version, so prefixes of other weights never
+/// share a key (version 0: as `page_keys`).
+pub fn model_page_keys(tokens: &[u32], pages: usize, weights: u32) -> Vec<u64> {
+    let mut k = chain_start(weights);
     tokens
         .chunks_exact(PAGE_TOKENS)
         .take(pages)
@@ -256,7 +281,7 @@ impl PolicyModel {
                 }
                 let n = cache.node(top);
                 if n.parent == ROOT {
-                    self.keys.insert(name(top), chain(0, &n.key));
+                    self.keys.insert(name(top), top_key(&n.key));
                     stack.pop();
                 } else if let Some(&pk) = self.keys.get(&name(n.parent)) {
                     self.keys.insert(name(top), chain(pk, &n.key));
