@@ -331,7 +331,7 @@ impl Mutant {
             Mutant::PdRetryBeforeStaleCopies => "vllm-project/vllm#52234",
             Mutant::HostLeaseExpires => "kvcache-ai/Mooncake#850",
             Mutant::PdNoNotificationDeadline => "vllm-project/vllm#50754",
-            Mutant::PrefixKeysIgnoreWeights => "vllm-project/vllm vllm/v1/kv_offload/spec.py",
+            Mutant::PrefixKeysIgnoreWeights => "vllm-project/vllm: vllm/v1/kv_offload/spec.py",
         }
     }
     /// The mechanism of an incident of another serving stack (the field zoo), in one line:

@@ -351,3 +351,56 @@ fn write_back_eviction_drops_what_it_cannot_back_up() {
     assert_eq!((freed as u64, e.metrics.device_pages_used), (used, 0));
     assert_eq!(e.metrics.backups, 0, "no backup could be issued");
 }
+
+/// A weight update: refused while a request is queued; then a prompt whose prefix the cache
+/// holds under the old weights matches none of it, and its tokens are the new model's.
+#[test]
+fn a_weight_update_leaves_the_old_weights_kv_unmatched() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = Engine::new(
+        cfg,
+        InOrderDevice::new(),
+        ManualClock::default(),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let s = e.synth;
+    let spec = || RequestSpec {
+        prompt: prompt(&s, 256, 40, 1),
+        max_new_tokens: 4,
+    };
+    let tokens_of = |out: &[Output]| -> Vec<u32> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Token { token, .. } => Some(*token),
+                _ => None,
+            })
+            .collect()
+    };
+    e.submit(spec()).unwrap();
+    let err = e.update_weights(1).expect_err("a queued request");
+    assert!(
+        err.to_string().contains("requests queued or running"),
+        "{err}"
+    );
+    let before = tokens_of(&run_to_idle(&mut e));
+    // The same prompt again, same weights: its full prompt pages are device hits.
+    e.submit(spec()).unwrap();
+    let again = tokens_of(&run_to_idle(&mut e));
+    assert_eq!(again, before, "the same model gives the same tokens");
+    let hits = e.metrics.prefix_pages_device_hit;
+    assert!(hits >= 4, "the second run matched {hits} pages");
+    e.update_weights(1).expect("idle");
+    assert_eq!(e.weights(), 1);
+    e.submit(spec()).unwrap();
+    let after = tokens_of(&run_to_idle(&mut e));
+    assert_eq!(
+        e.metrics.prefix_pages_device_hit, hits,
+        "the old weights' pages were matched after the update"
+    );
+    assert_ne!(after, before, "the new weights give other tokens");
+    assert!(matches!(
+        e.update_weights(1 << 16),
+        Err(tierkv_engine::EngineError::WeightsVersion(_))
+    ));
+}
