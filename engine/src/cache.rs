@@ -50,8 +50,12 @@ pub fn page_keys(tokens: &[u32], pages: usize) -> Vec<PageKey> {
 }
 
 /// Where a prefix's model fingerprint sits in its first page's first key word: above every
-/// token id (`synth::VOCAB` < 2^16).
+/// token id.
 pub const MODEL_TAG_SHIFT: u32 = 16;
+const _: () = assert!(crate::synth::VOCAB <= 1 << MODEL_TAG_SHIFT);
+
+/// The highest weights' version a prefix key carries (`Engine::update_weights`).
+pub const WEIGHTS_VERSION_MAX: u32 = (1 << (32 - MODEL_TAG_SHIFT)) - 1;
 
 /// The page keys of `tokens`' first `pages` full pages under the weights of version `model`
 /// (`Engine::update_weights`): the first key's first word carries the version above the token
@@ -61,8 +65,10 @@ pub const MODEL_TAG_SHIFT: u32 = 16;
 pub fn model_page_keys(tokens: &[u32], pages: usize, model: u32) -> Vec<PageKey> {
     let mut keys = page_keys(tokens, pages);
     if let Some(first) = keys.first_mut() {
+        // Tokens are in the vocabulary (`Scheduler` refuses others); versions are checked by
+        // `Engine::update_weights`.
         assert!(
-            first[0] < 1 << MODEL_TAG_SHIFT && model < 1 << (32 - MODEL_TAG_SHIFT),
+            first[0] < 1 << MODEL_TAG_SHIFT && model <= WEIGHTS_VERSION_MAX,
             "token {} or weights version {model} out of the key's range",
             first[0]
         );

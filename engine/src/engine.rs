@@ -207,19 +207,26 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// in flight (they copy bytes, whatever computed them): nothing queued or running, no load,
     /// export or import.
     pub fn update_weights(&mut self, version: u32) -> Result<(), EngineError> {
-        if version >= 1 << (32 - crate::cache::MODEL_TAG_SHIFT) {
+        if version > crate::cache::WEIGHTS_VERSION_MAX {
             return Err(EngineError::WeightsVersion(version));
         }
-        let busy = [
-            (self.in_flight.is_some(), "a step in flight"),
-            (!self.sched.is_idle(), "requests queued or running"),
-            (self.ctl.loads_in_flight() > 0, "loads in flight"),
-            (!self.exports.is_empty(), "exports held"),
-            (self.import_held > 0, "imports held"),
-        ];
-        let why: Vec<&str> = busy.iter().filter(|b| b.0).map(|b| b.1).collect();
-        if !why.is_empty() {
-            return Err(EngineError::NotIdle(why.join(", ")));
+        let (step_in_flight, requests) = (
+            self.in_flight.is_some() as usize,
+            self.sched.queue_len() + self.sched.running_len(),
+        );
+        let (loads, exports, imports) = (
+            self.ctl.loads_in_flight(),
+            self.exports.len(),
+            self.import_held,
+        );
+        if step_in_flight + requests + loads + exports + imports > 0 {
+            return Err(EngineError::NotIdle {
+                step_in_flight,
+                requests,
+                loads,
+                exports,
+                imports,
+            });
         }
         probe::hit(Probe::WeightsUpdated);
         self.weights = version;

@@ -14,11 +14,25 @@ pub enum EngineError {
     #[error(transparent)]
     Transfer(TransferError),
     /// `Engine::update_weights` while the engine holds work computed under the current
-    /// weights (requests queued or running, copies in flight, exports or imports).
-    #[error("weights update refused: the engine is not idle ({0})")]
-    NotIdle(String),
+    /// weights: a step in flight, requests queued or running, loads in flight, exports or
+    /// imports held (backups in flight are allowed).
+    #[error(
+        "weights update refused: the engine is not idle ({step_in_flight} steps in flight, \
+         {requests} requests queued or running, {loads} loads in flight, {exports} exports and \
+         {imports} import pages held)"
+    )]
+    NotIdle {
+        step_in_flight: usize,
+        requests: usize,
+        loads: usize,
+        exports: usize,
+        imports: usize,
+    },
     /// `Engine::update_weights` to a version the prefix keys cannot carry.
-    #[error("weights version {0} is out of range (at most {max})", max = (1u32 << 16) - 1)]
+    #[error(
+        "weights version {0} is out of range (at most {max})",
+        max = crate::cache::WEIGHTS_VERSION_MAX
+    )]
     WeightsVersion(u32),
 }
 

@@ -138,7 +138,7 @@ pub enum Mutant {
     /// 39. Field (vllm-project/vllm#52234: a receive that fails open, a stale reference into
     ///     reused blocks; vllm#55900 defers a failed receive's report until the transfers
     ///     beside it finished), prefill/decode: a transfer is given up as soon as one of its events
-    ///     answers `Failed`, and its decode pages go back to the allocator while the other
+    ///     answers `Failed` (or a copy of it was refused), and its decode pages go back to the allocator while the other
     ///     layers' copies of that failed attempt still write them.
     PdRetryBeforeStaleCopies,
     /// 40. Field (kvcache-ai/Mooncake#850: an object evicted during a slow read, its lease

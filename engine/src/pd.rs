@@ -271,15 +271,18 @@ pub trait KvLink<D: Device> {
     }
 
     /// Blocks until [`KvLink::notified`] answers `true` or the decode side's clock reads
-    /// `until_ns`, whichever comes first; whether it was notified.
+    /// `until_ns`, whichever comes first; whether it was notified. The default answers
+    /// `notified` at once: right for a link whose `notified` is always `true`; a link that
+    /// overrides `notified` must override this too, or the pair looks again step by step.
     fn wait_notified(&mut self, decode: &mut D, sent: EventId, _until_ns: u64) -> bool {
         self.notified(decode, sent)
     }
 }
 
-/// How long after a send the decode side waits for its notification ([`KvLink::notified`])
-/// once every layer's receive event completed, in nanoseconds of the decode engine's clock:
-/// then the transfer counts as failed (it is sent again, up to the pair's tries), as vLLM's and
+/// How long after a send was enqueued the decode side waits for its notification
+/// ([`KvLink::notified`]), in nanoseconds of the decode engine's clock: a transfer whose every
+/// layer arrived but whose notification did not come by then (lost, late, or its layers slow)
+/// counts as failed (it is sent again, up to the pair's tries), as vLLM's and
 /// SGLang's decode sides time out a transfer whose notification never came. 10 ms: far above
 /// what a transfer of the simulated link takes to be reported, far below the minutes a
 /// production stack waits (tierkv's own links never lose a notification; see `notified`).

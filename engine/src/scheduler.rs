@@ -74,9 +74,9 @@ pub enum Output {
         tries: u32,
     },
     /// Prefill/decode: every layer of the request's last send arrived, but the decode side was
-    /// never told the send was over (its notification was lost, or came after
-    /// `pd::NOTIFICATION_DEADLINE_NS`), and that was its last try of `tries`; it ends here, and
-    /// no page of it is left on either side.
+    /// not told the send was over by `pd::NOTIFICATION_DEADLINE_NS` after it was enqueued (its
+    /// notification was lost, or late, or its layers slow), and that was its last try of
+    /// `tries`; it ends here, and no page of it is left on either side.
     TransferTimedOut {
         request: u64,
         tries: u32,

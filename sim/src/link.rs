@@ -5,9 +5,9 @@
 //! send's completion reported on the prefill side's write stream, behind its backups — as an
 //! NCCL send completes on the sender's stream — so it may come well after every layer arrived.
 //!
-//! When the scenario asks for it (`notify_loss_rate`, `notify_late_ns`), the link also tells the
-//! decode side that a send is over by a message of its own, as NIXL's push mode does: the
-//! message comes a drawn delay after the send's completion on the prefill side, or never (lost).
+//! When the scenario asks for it (`notify_loss_rate`, `notify_late_ns_max`), the link also tells
+//! the decode side that a send is over by a message of its own, as NIXL's push mode does: the
+//! message comes a drawn delay after the send's last layer arrived, or never (lost).
 //! Its draws come from a generator of their own, so that the layer orders stay as they were.
 
 use crate::driver::SimDevice;
@@ -22,11 +22,26 @@ pub struct SimLink {
     /// Recorded on the decode side after a send's last layer, awaited by the prefill side's
     /// write stream before it records the send's `sent` (one event, re-recorded per send).
     arrived: Option<EventId>,
-    /// Notifications, when modelled: their generator, the loss rate and the longest delay.
-    notify: Option<(Rng, f64, u64)>,
+    /// Notifications, when modelled.
+    notify: Option<Notifications>,
     /// Per send in flight (keyed by its `sent` event, which is reused after the transfer is
-    /// over: each send overwrites its entry), the delay of its message; `None`: lost.
-    notes: BTreeMap<EventId, Option<u64>>,
+    /// over: each send overwrites its entry), its message.
+    notes: BTreeMap<EventId, Note>,
+}
+
+/// How the link's notifications behave (`Scenario::notify_loss_rate`, `notify_late_ns_max`).
+struct Notifications {
+    /// Their own generator: the layer orders stay as they were without them.
+    rng: Rng,
+    loss_rate: f64,
+    late_ns_max: u64,
+}
+
+/// The message of one send: sent once its last layer arrived on the decode side (each layer's
+/// `received`), `delay_ns` later; `None`: lost.
+struct Note {
+    received: Vec<EventId>,
+    delay_ns: Option<u64>,
 }
 
 impl SimLink {
@@ -35,10 +50,14 @@ impl SimLink {
     }
 
     /// A link whose notifications are lost with probability `loss_rate` and come at most
-    /// `late_ns` after the send's completion; with 0 and 0 it sends none (`SimLink::new`).
-    pub fn with_notifications(seed: u64, loss_rate: f64, late_ns: u64) -> SimLink {
-        let notify = (loss_rate > 0.0 || late_ns > 0)
-            .then(|| (Rng::new(seed ^ 0x4E07_1F1E), loss_rate, late_ns));
+    /// `late_ns_max` after the send's last layer arrived; with 0 and 0 it sends none
+    /// (`SimLink::new`).
+    pub fn with_notifications(seed: u64, loss_rate: f64, late_ns_max: u64) -> SimLink {
+        let notify = (loss_rate > 0.0 || late_ns_max > 0).then(|| Notifications {
+            rng: Rng::new(seed ^ 0x4E07_1F1E),
+            loss_rate,
+            late_ns_max,
+        });
         SimLink {
             rng: Rng::new(seed ^ 0x004C_1A4B),
             arrived: None,
@@ -47,12 +66,18 @@ impl SimLink {
         }
     }
 
-    /// When the decode side hears of the send of `sent`: its completion time plus the
-    /// message's delay; `None` while it is not complete, or when the message is lost.
+    /// When the decode side hears of the send of `sent`: when its last layer arrived, plus the
+    /// message's delay; `None` while a layer has not arrived (or failed: the transfer fails
+    /// anyway), or when the message is lost.
     fn heard_at(&self, decode: &SimDevice, sent: EventId) -> Option<u64> {
-        let delay = (*self.notes.get(&sent)?)?;
-        let done = sim_side(decode).gpu.borrow().record_done_at(sent)?;
-        Some(done.saturating_add(delay))
+        let note = self.notes.get(&sent)?;
+        let delay = note.delay_ns?;
+        let g = sim_side(decode).gpu.borrow();
+        let mut last = 0;
+        for &ev in &note.received {
+            last = last.max(g.record_done_at(ev)?);
+        }
+        Some(last.saturating_add(delay))
     }
 }
 
@@ -90,11 +115,15 @@ impl KvLink<SimDevice> for SimLink {
                 .arrived
                 .insert(call_recovering(decode, |d| d.new_event())?),
         };
-        if let Some((rng, loss, late)) = &mut self.notify {
-            let lost = rng.chance(*loss);
-            let delay = rng.range(0, *late + 1);
+        if let Some(n) = &mut self.notify {
+            let lost = n.rng.chance(n.loss_rate);
+            let delay = n.rng.range(0, n.late_ns_max);
             crate::probes::hit_if(crate::probes::SimProbe::PdNotificationLost, lost);
-            self.notes.insert(sent, (!lost).then_some(delay));
+            let note = Note {
+                received: layers.iter().map(|l| l.received).collect(),
+                delay_ns: (!lost).then_some(delay),
+            };
+            self.notes.insert(sent, note);
         }
         let r = PeerLink.send(prefill, decode, after, pairs, &order, arrived);
         if matches!(r, Ok(()) | Err(LinkError::Refused(_))) {

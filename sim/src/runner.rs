@@ -554,7 +554,8 @@ fn start_engine(
                     return Err(failed(OracleKind::Engine, message));
                 }
             }
-            let link = SimLink::with_notifications(sc.seed, sc.notify_loss_rate, sc.notify_late_ns);
+            let link =
+                SimLink::with_notifications(sc.seed, sc.notify_loss_rate, sc.notify_late_ns_max);
             let pair = PdPair::new(
                 cfg.clone(),
                 decode,

@@ -195,10 +195,10 @@ pub struct Scenario {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub notify_loss_rate: f64,
     /// Prefill/decode: the message comes a uniform delay of at most this many ns after the
-    /// send completed on the prefill side. With `notify_loss_rate`, 0 and 0 mean the link
-    /// sends no message (the decode side acts on the receive events alone, as before).
+    /// send's last layer arrived on the decode side. With `notify_loss_rate`, 0 and 0 mean the
+    /// link sends no message (the decode side acts on the receive events alone, as before).
     #[serde(default, skip_serializing_if = "is_zero_u64")]
-    pub notify_late_ns: u64,
+    pub notify_late_ns_max: u64,
     /// The model's weights change (`Engine::update_weights`, to version 1) at this virtual time,
     /// or at the first moment after it that the engine is idle; 0: never. Not under `pd`. (Left
     /// out of the JSON when 0, so that scenarios from before it keep their fingerprints.)
@@ -367,7 +367,11 @@ impl Scenario {
         rate("host_pages_refused_rate", self.host_pages_refused_rate)?;
         rate("evict_rate", self.evict_rate)?;
         rate("notify_loss_rate", self.notify_loss_rate)?;
-        at_most("notify_late_ns", self.notify_late_ns, limits::TIME_NS_MAX)?;
+        at_most(
+            "notify_late_ns_max",
+            self.notify_late_ns_max,
+            limits::TIME_NS_MAX,
+        )?;
         at_most(
             "weights_update_ns",
             self.weights_update_ns,
@@ -380,12 +384,14 @@ impl Scenario {
                 "a prefill/decode pair's weights are not updated (both engines would have to agree)",
             ));
         }
-        if (self.notify_loss_rate > 0.0 || self.notify_late_ns > 0) && self.profile != "pd" {
-            return Err(bad(
-                "notify_loss_rate",
-                self.notify_loss_rate,
-                "a link's notifications exist only in a prefill/decode pair (`pd`)",
-            ));
+        if self.profile != "pd" {
+            let only_pd = "a link's notifications exist only in a prefill/decode pair (`pd`)";
+            if self.notify_loss_rate > 0.0 {
+                return Err(bad("notify_loss_rate", self.notify_loss_rate, only_pd));
+            }
+            if self.notify_late_ns_max > 0 {
+                return Err(bad("notify_late_ns_max", self.notify_late_ns_max, only_pd));
+            }
         }
         if self.steps_max == 0 {
             return Err(bad("steps_max", 0, "must be at least 1"));
@@ -584,12 +590,12 @@ impl Scenario {
             if self.overlap { "one step ahead" } else { "in order" },
             match self.weights_update_ns {
                 0 => String::new(),
-                t => format!(" | weights updated at {:.3} ms", t as f64 / 1e6),
+                t => format!(" | weights update at {:.3} ms if idle then, or later", t as f64 / 1e6),
             },
-            if self.notify_loss_rate > 0.0 || self.notify_late_ns > 0 {
+            if self.notify_loss_rate > 0.0 || self.notify_late_ns_max > 0 {
                 format!(
                     " | notifications lost {:.2}, late ≤{} ns",
-                    self.notify_loss_rate, self.notify_late_ns
+                    self.notify_loss_rate, self.notify_late_ns_max
                 )
             } else {
                 String::new()
@@ -680,7 +686,7 @@ pub fn draw(
     // as it was); half the pd seeds model them, some lost and some later than the decode
     // side's deadline (`pd::NOTIFICATION_DEADLINE_NS`, 10 ms).
     let mut nr = rng.fork(7);
-    let (notify_loss_rate, notify_late_ns) = if profile == "pd" && nr.chance(0.5) {
+    let (notify_loss_rate, notify_late_ns_max) = if profile == "pd" && nr.chance(0.5) {
         (
             *nr.pick(&[0.0, 0.02, 0.1]),
             *nr.pick(&[0, 20_000, 2_000_000, 15_000_000]),
@@ -718,7 +724,7 @@ pub fn draw(
         workload,
         overlap,
         notify_loss_rate,
-        notify_late_ns,
+        notify_late_ns_max,
         weights_update_ns,
         steps_max: 2_000 + 200 * requests,
         mutant: None,

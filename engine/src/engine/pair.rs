@@ -536,92 +536,10 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             .map(|(&id, _)| id)
             .collect();
         if wait {
-            // The oldest send: its `sent`, and its receives (which may finish later).
-            let oldest = ids
-                .first()
-                .and_then(|id| match &self.requests[id].stage {
-                    Stage::Sending(s) => Some((s.sent, s.received.clone(), Some(s.sent_at_ns))),
-                    _ => None,
-                })
-                .or_else(|| self.draining.first().map(|d| (d.sent, Vec::new(), None)));
-            if let Some((sent, received, sent_at)) = oldest {
-                let mut arrived = self.prefill_sync(sent) == EventState::Done;
-                for ev in received {
-                    arrived &= self.decode_sync(ev) == EventState::Done;
-                }
-                // Every copy of a send in transfer arrived: its notification is waited for,
-                // until its deadline (mutant 41 has none, and waits no longer than a look).
-                if let (true, Some(at), Some(deadline)) = (
-                    arrived,
-                    sent_at,
-                    self.mutants
-                        .pd_notification_deadline_ns(NOTIFICATION_DEADLINE_NS),
-                ) {
-                    self.link.wait_notified(
-                        &mut self.decode.dev,
-                        sent,
-                        at.saturating_add(deadline),
-                    );
-                }
-            }
+            self.wait_oldest();
         }
         for id in ids {
-            let r = &self.requests[&id];
-            let Stage::Sending(s) = &r.stage else {
-                unreachable!("filtered");
-            };
-            // Decode admits once the receive of every layer completed (mutant 17: the first).
-            let awaited = self.mutants.pd_layers_awaited(s.received.len());
-            let admissible = !r.aborted && !s.refused;
-            let (all, sent, refused) = (s.received.clone(), s.sent, s.refused);
-            let received = &all[..awaited];
-            let sent_at = s.sent_at_ns;
-            if admissible && self.all_done(received) && self.notified(sent) {
-                self.admit(id);
-                any = true;
-                continue;
-            }
-            // Not admitted: the transfer is over only when the send and every receive are (a
-            // send may complete on the prefill side before its receive on the decode side, as
-            // NCCL's does, and the decode pages must not go back while a receive writes them).
-            // `sent` is the prefill side's event. (Mutant 39 gives up at the first failure.)
-            let gave_up = self.mutants.pd_gives_up_at_first_failure()
-                && (refused
-                    || all
-                        .iter()
-                        .any(|&ev| self.decode_query(ev) == EventState::Failed));
-            if !gave_up
-                && (self.prefill_query(sent) == EventState::Pending
-                    || all
-                        .iter()
-                        .any(|&ev| self.decode_query(ev) == EventState::Pending))
-            {
-                continue;
-            }
-            // Every layer may have arrived since the look above.
-            let mut timed_out = false;
-            if admissible && self.all_done(received) {
-                if self.notified(sent) {
-                    any = true;
-                    self.admit(id);
-                    continue;
-                }
-                // Every copy arrived, and the decode side was not told: it waits for the
-                // notification until its deadline (mutant 41: forever).
-                probe::hit(Probe::PdNotificationAwaited);
-                let now = self.decode.clock.now_ns();
-                match self
-                    .mutants
-                    .pd_notification_deadline_ns(NOTIFICATION_DEADLINE_NS)
-                {
-                    Some(d) if now >= sent_at.saturating_add(d) => timed_out = true,
-                    _ => continue,
-                }
-            }
-            any = true;
-            // The send is over and the request was not admitted: it failed, timed out, or was
-            // aborted.
-            self.fail_transfer(id, timed_out)?;
+            any |= self.poll_transfer(id)?;
         }
         let mut i = 0;
         while i < self.draining.len() {
@@ -657,6 +575,100 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             self.recover_both()?;
         }
         Ok(any)
+    }
+
+    /// Waits for the oldest send: its `sent` and its receives (which may finish later), then,
+    /// if every layer of an admissible send arrived, for its notification until its deadline
+    /// (mutant 41 has none, and waits no longer than a look).
+    fn wait_oldest(&mut self) {
+        let oldest = self
+            .requests
+            .values()
+            .find_map(|r| match &r.stage {
+                Stage::Sending(s) => {
+                    let admissible = !r.aborted && !s.refused;
+                    Some((
+                        s.sent,
+                        s.received.clone(),
+                        admissible.then_some(s.sent_at_ns),
+                    ))
+                }
+                _ => None,
+            })
+            .or_else(|| self.draining.first().map(|d| (d.sent, Vec::new(), None)));
+        let Some((sent, received, sent_at)) = oldest else {
+            return;
+        };
+        self.prefill_sync(sent);
+        let mut arrived = true;
+        for ev in received {
+            arrived &= self.decode_sync(ev) == EventState::Done;
+        }
+        let deadline = self
+            .mutants
+            .pd_notification_deadline_ns(NOTIFICATION_DEADLINE_NS);
+        if let (true, Some(at), Some(d)) = (arrived, sent_at, deadline) {
+            self.link
+                .wait_notified(&mut self.decode.dev, sent, at.saturating_add(d));
+        }
+    }
+
+    /// Moves the transfer of `id` on: admits it once every awaited layer arrived and the link
+    /// told the decode side; fails it (to be sent again, or ended) once every copy of it is
+    /// over without that — a copy failed or was refused, its notification did not come by its
+    /// deadline, or it was aborted. Whether it moved.
+    fn poll_transfer(&mut self, id: u64) -> Result<bool, PdError> {
+        let r = &self.requests[&id];
+        let Stage::Sending(s) = &r.stage else {
+            unreachable!("polling a request not in transfer");
+        };
+        // Decode admits once the receive of every layer completed (mutant 17: the first).
+        let awaited = self.mutants.pd_layers_awaited(s.received.len());
+        let admissible = !r.aborted && !s.refused;
+        let (all, sent, refused, sent_at) = (s.received.clone(), s.sent, s.refused, s.sent_at_ns);
+        let received = &all[..awaited];
+        if admissible && self.all_done(received) && self.notified(sent) {
+            self.admit(id);
+            return Ok(true);
+        }
+        // Not admitted: the transfer is over only when the send and every receive are (a send
+        // may complete on the prefill side before its receive on the decode side, as NCCL's
+        // does, and the decode pages must not go back while a receive writes them). `sent` is
+        // the prefill side's event. (Mutant 39 gives up at the first failure or refusal.)
+        let gave_up = self.mutants.pd_gives_up_at_first_failure()
+            && (refused
+                || all
+                    .iter()
+                    .any(|&ev| self.decode_query(ev) == EventState::Failed));
+        if !gave_up
+            && (self.prefill_query(sent) == EventState::Pending
+                || all
+                    .iter()
+                    .any(|&ev| self.decode_query(ev) == EventState::Pending))
+        {
+            return Ok(false);
+        }
+        let mut timed_out = false;
+        // Every layer may have arrived since the look above.
+        if admissible && self.all_done(received) {
+            if self.notified(sent) {
+                self.admit(id);
+                return Ok(true);
+            }
+            // Every copy arrived, and the decode side was not told: it waits for the
+            // notification until its deadline (mutant 41: forever).
+            probe::hit(Probe::PdNotificationAwaited);
+            let now = self.decode.clock.now_ns();
+            match self
+                .mutants
+                .pd_notification_deadline_ns(NOTIFICATION_DEADLINE_NS)
+            {
+                Some(d) if now >= sent_at.saturating_add(d) => timed_out = true,
+                _ => return Ok(false),
+            }
+        }
+        self.fail_transfer(id, timed_out)?;
+        Ok(true)
     }
 
     /// A transfer's event answered `Failed`, or a transfer was refused: both sides' errors are

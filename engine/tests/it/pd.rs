@@ -225,3 +225,105 @@ fn intake_checks_the_decode_side_limits() {
         "{e}"
     );
 }
+
+/// A clock the test and its link share.
+#[derive(Clone, Default)]
+struct SharedClock(Rc<std::cell::Cell<u64>>);
+
+impl tierkv_engine::device::Clock for SharedClock {
+    fn now_ns(&self) -> u64 {
+        self.0.get()
+    }
+}
+
+/// The peer link, with every notification lost: a wait for one sleeps to its deadline.
+struct Mute {
+    clock: SharedClock,
+    waits: u32,
+}
+
+impl tierkv_engine::pd::KvLink<SharedDevice<InOrderDevice>> for Mute {
+    fn send(
+        &mut self,
+        prefill: &mut SharedDevice<InOrderDevice>,
+        decode: &mut SharedDevice<InOrderDevice>,
+        after: tierkv_engine::device::EventId,
+        pairs: &[(tierkv_engine::layout::PageId, tierkv_engine::layout::PageId)],
+        layers: &[tierkv_engine::pd::LayerSend],
+        sent: tierkv_engine::device::EventId,
+    ) -> Result<(), tierkv_engine::pd::LinkError> {
+        PeerLink.send(prefill, decode, after, pairs, layers, sent)
+    }
+    fn notified(
+        &mut self,
+        _decode: &mut SharedDevice<InOrderDevice>,
+        _sent: tierkv_engine::device::EventId,
+    ) -> bool {
+        false
+    }
+    fn wait_notified(
+        &mut self,
+        _decode: &mut SharedDevice<InOrderDevice>,
+        _sent: tierkv_engine::device::EventId,
+        until_ns: u64,
+    ) -> bool {
+        self.waits += 1;
+        self.clock.0.set(self.clock.0.get().max(until_ns));
+        false
+    }
+}
+
+/// Every notification lost: each send's layers arrive, the decode side waits for the message
+/// until its deadline, gives the transfer up and sends it again; after the last try the request
+/// ends with `TransferTimedOut`, and nothing is left on either side.
+#[test]
+fn a_transfer_whose_notification_never_comes_times_out() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let dev = SharedDevice(Rc::new(RefCell::new(InOrderDevice::new())));
+    let clock = SharedClock::default();
+    let link = Mute {
+        clock: clock.clone(),
+        waits: 0,
+    };
+    let mut p = PdPair::new(
+        cfg.clone(),
+        cfg,
+        dev.clone(),
+        dev,
+        clock.clone(),
+        clock.clone(),
+        link,
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let s = Synth::new(0);
+    let id = p
+        .submit(RequestSpec {
+            prompt: (0..100).map(|i| s.token(1, i)).collect(),
+            max_new_tokens: 4,
+        })
+        .unwrap();
+    let mut ended = None;
+    for _ in 0..1_000 {
+        let r = p.step().expect("pair step");
+        p.check_invariants();
+        for o in p.drain_outputs() {
+            if let Output::TransferTimedOut { request, tries } = o {
+                ended = Some((request, tries));
+            }
+        }
+        if r.idle {
+            break;
+        }
+    }
+    let tries = tierkv_engine::engine::pair::TRANSFER_TRIES_MAX;
+    assert_eq!(ended, Some((id, tries)));
+    assert_eq!(p.stats.transfers_timed_out, tries as u64);
+    p.check_quiescent().expect("quiescent");
+    let deadline = tierkv_engine::pd::NOTIFICATION_DEADLINE_NS;
+    assert!(
+        clock.0.get() >= tries as u64 * deadline,
+        "{} ns",
+        clock.0.get()
+    );
+}

@@ -13,9 +13,10 @@
 //!   token), as the engine files it.
 
 use crate::oracles::content::ContentOracle;
+use crate::oracles::content::WEIGHTS_SHIFT;
 use crate::report::{Finding, OracleKind};
 use std::collections::BTreeMap;
-use tierkv_engine::cache::{NodeId, MODEL_TAG_SHIFT, ROOT};
+use tierkv_engine::cache::{NodeId, ROOT};
 use tierkv_engine::cpu_device::Memory;
 use tierkv_engine::device::{BufferId, BufferRole};
 use tierkv_engine::layout::{BufferKind, LayerId, PageId, PAGE_TOKENS};
@@ -125,8 +126,15 @@ where
         while cache.node(top).parent != ROOT {
             top = cache.node(top).parent;
         }
-        let weights = cache.node(top).key[0] >> MODEL_TAG_SHIFT;
-        let untag = (1u32 << MODEL_TAG_SHIFT) - 1;
+        let weights = cache.node(top).key[0] >> WEIGHTS_SHIFT;
+        let tagged = if top == id { 1 } else { 0 };
+        if let Some(t) = n.key[tagged..].iter().find(|&&t| t >> WEIGHTS_SHIFT != 0) {
+            return found(format!(
+                "node {id}'s key holds {t:#x}, above every token, where only a prefix's first \
+                 key word carries the weights' version"
+            ));
+        }
+        let untag = (1u32 << WEIGHTS_SHIFT) - 1;
         let tokens: Vec<u32> = n
             .key
             .iter()

@@ -83,16 +83,23 @@ fn hash_bytes(parts: &[&[u8]]) -> u64 {
 }
 
 /// Where a row function's `token` argument carries its request's weights' version
-/// (`ContentOracle::model_token`).
-const WEIGHTS_SHIFT: u32 = 16;
+/// (`ContentOracle::model_token`); the simulator's own constant, which reads the engine's
+/// prefix keys too (the engine's `cache::MODEL_TAG_SHIFT`: a test holds the two equal).
+pub const WEIGHTS_SHIFT: u32 = 16;
 
 /// A tagged token (`ContentOracle::model_token`): the token, and the weights' version.
 fn split(token: u32) -> (u32, u32) {
     (token & ((1 << WEIGHTS_SHIFT) - 1), token >> WEIGHTS_SHIFT)
 }
 
+/// What [`ContentOracle::model_token`] makes of a token that does not fit below the version.
+pub const OUT_OF_VOCABULARY: u32 = u32::MAX;
+
 /// A tagged token for a message: `17`, or `17 (weights 1)`.
 fn show(token: u32) -> String {
+    if token == OUT_OF_VOCABULARY {
+        return "out of the vocabulary".to_string();
+    }
     match split(token) {
         (t, 0) => t.to_string(),
         (t, v) => format!("{t} (weights {v})"),
@@ -205,11 +212,15 @@ impl ContentOracle {
     /// The engine's weights change to version `version` (`Engine::update_weights`): requests
     /// submitted from now on are judged by that version's rows.
     pub fn set_weights(&mut self, version: u32) {
-        assert!(version < 1 << WEIGHTS_SHIFT, "weights version {version}");
+        assert!(
+            version < (1 << (32 - WEIGHTS_SHIFT)) - 1,
+            "weights version {version}: the runner updates to version 1"
+        );
         self.weights = version;
     }
 
-    /// The weights' version `request` was submitted under.
+    /// The weights' version `request` was submitted under (0 for a request the oracle was
+    /// never told of: it has no tokens either, and every look at its rows reports that).
     pub fn weights_of(&self, request: u64) -> u32 {
         self.request_weights.get(&request).copied().unwrap_or(0)
     }
@@ -220,9 +231,13 @@ impl ContentOracle {
     }
 
     /// `token` of a request of weights `version`, as the row functions below take it: the
-    /// version above the token id (`VOCAB` < 2^16), the token alone for version 0.
+    /// version above the token id (`VOCAB` < 2^16), the token alone for version 0. A token
+    /// that does not fit below the version (an engine's or a device's garbage) becomes
+    /// [`OUT_OF_VOCABULARY`], whose rows no request holds: judged, it is a finding.
     pub fn model_token(token: u32, version: u32) -> u32 {
-        assert!(token < 1 << WEIGHTS_SHIFT, "token {token}");
+        if token >= 1 << WEIGHTS_SHIFT {
+            return OUT_OF_VOCABULARY;
+        }
         token | version << WEIGHTS_SHIFT
     }
 

@@ -58,9 +58,10 @@
 //! when eviction could have made room is not a finding). Page ownership of KV stores is checked
 //! by the runner (`stores_within_ownership`); reads and copies are not followed by it.
 
+use crate::oracles::content::WEIGHTS_SHIFT;
 use crate::report::{Finding, OracleKind};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use tierkv_engine::cache::{NodeId, PrefixCache, MODEL_TAG_SHIFT, ROOT};
+use tierkv_engine::cache::{NodeId, PrefixCache, ROOT};
 use tierkv_engine::config::WritePolicy;
 
 /// Tokens per page, as the specification's byte format states it.
@@ -144,11 +145,11 @@ fn chain_start(weights: u32) -> u64 {
 
 /// The chained key of a page of the engine's prefix cache directly under its root: the
 /// engine's node key carries the weights' version above its first token
-/// (`cache::model_page_keys`).
+/// (`cache::model_page_keys`; [`WEIGHTS_SHIFT`] is the simulator's own constant for it).
 fn top_key(key: &[u32]) -> u64 {
-    let untag = (1u32 << MODEL_TAG_SHIFT) - 1;
+    let untag = (1u32 << WEIGHTS_SHIFT) - 1;
     let tokens: Vec<u32> = key.iter().map(|&t| t & untag).collect();
-    chain(chain_start(key[0] >> MODEL_TAG_SHIFT), &tokens)
+    chain(chain_start(key[0] >> WEIGHTS_SHIFT), &tokens)
 }
 
 /// The chained keys of the first `pages` full pages of `tokens`.

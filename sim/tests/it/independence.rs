@@ -73,3 +73,27 @@ fn the_specification_owns_its_layout() {
         assert!(!calls_a_function, "spec.rs calls a reference: {line}");
     }
 }
+
+/// The oracles that read the engine's prefix keys (conservation, policy) read the weights'
+/// version in them with the simulator's own constant, never the engine's; the two must agree,
+/// and both must leave every token id below them.
+#[test]
+fn the_weights_tag_is_the_simulators_own_and_agrees_with_the_engines() {
+    use tierkv_sim::oracles::content::WEIGHTS_SHIFT;
+    assert_eq!(WEIGHTS_SHIFT, tierkv_engine::cache::MODEL_TAG_SHIFT);
+    assert!(tierkv_engine::synth::VOCAB <= 1 << WEIGHTS_SHIFT);
+    for file in [
+        "sim/src/oracles/conservation.rs",
+        "sim/src/oracles/policy.rs",
+        "sim/src/oracles/content.rs",
+    ] {
+        let found = uses(
+            &source(file),
+            &["MODEL_TAG_SHIFT", "cache::model_page_keys"],
+        );
+        assert!(
+            found.is_empty(),
+            "{file} uses the engine's key tag: {found:?}"
+        );
+    }
+}
