@@ -137,9 +137,10 @@ pub enum Mutant {
     LoadOkAtIssue,
     /// 39. Field (vllm-project/vllm#52234: a receive that fails open, a stale reference into
     ///     reused blocks; vllm#55900 defers a failed receive's report until the transfers
-    ///     beside it finished), prefill/decode: a transfer is given up as soon as one of its events
-    ///     answers `Failed` (or a copy of it was refused), and its decode pages go back to the allocator while the other
-    ///     layers' copies of that failed attempt still write them.
+    ///     beside it finished), prefill/decode: a transfer is given up as soon as one of its
+    ///     events answers `Failed` (or a copy of it was refused), and its pages go back (the
+    ///     decode side's at once, the prefill side's when the request ends) while the other
+    ///     layers' copies of that failed attempt still read and write them.
     PdRetryBeforeStaleCopies,
     /// 40. Field (kvcache-ai/Mooncake#850: an object evicted during a slow read, its lease
     ///     expired): a load holds its host copies from eviction by a lease of fixed length
@@ -364,7 +365,7 @@ impl Mutant {
                 "a load's success decided when it is issued: a failed copy's pages are published"
             }
             Mutant::PdRetryBeforeStaleCopies => {
-                "a failed transfer's decode pages given back while its other layers' copies still write them"
+                "a failed transfer given up at its first failure: its pages reused under its other copies"
             }
             Mutant::HostLeaseExpires => {
                 "a load's host copies kept from eviction by a 20 us lease, not until the copy ended"

@@ -10,7 +10,7 @@ use tierkv_engine::mutants::Mutant;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ZooArgs {
-    /// Seeds per mutant: `0..N`.
+    /// Seeds per mutant, N: each runs seeds `0..N` (a count, not a range).
     #[arg(long, default_value_t = 100)]
     pub seeds: u64,
     /// Worker threads.
@@ -156,7 +156,7 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
         // What it re-creates: an incident's link, or the mistake it plants; for an incident of
         // another serving stack, its mechanism too.
         match m.field_mechanism() {
-            Some(how) => println!("{:<4} field: {}: {how}", "", m.incident()),
+            Some(how) => println!("{:<4} field: {} — {how}", "", m.incident()),
             None => println!("{:<4} {}", "", m.incident()),
         }
     }
@@ -175,12 +175,16 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
             truncate(&r.message, 110)
         );
     }
+    let clean = if args.no_clean {
+        "not run (--no-clean)".to_string()
+    } else {
+        format!("{clean_failures} findings")
+    };
     println!(
-        "caught {}/{} mutants within {} seeds; clean engine: {} findings",
+        "caught {}/{} mutants within {} seeds; clean engine: {clean}",
         mutants.len() - missed,
         mutants.len(),
         args.seeds,
-        clean_failures
     );
     if missed > 0 || clean_failures > 0 {
         1
