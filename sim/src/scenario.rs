@@ -538,6 +538,18 @@ impl Scenario {
         Ok(())
     }
 
+    /// The scenario's fingerprint, which a schedule file carries: a hash of its JSON with the
+    /// mutant left out (the mutant changes the engine under test, not the scenario, and
+    /// `--mutant` may replace it on a replay).
+    pub fn fingerprint(&self) -> u64 {
+        let mut plain = self.clone();
+        plain.mutant = None;
+        let json = serde_json::to_string(&plain).expect("a scenario serialises");
+        json.bytes().fold(0x7363_6865_6475_6C65, |h, b| {
+            tierkv_kernels::cpu::numerics::mix64(h ^ b as u64)
+        })
+    }
+
     /// One line describing the drawn configuration.
     pub fn summary(&self) -> String {
         let c = self.engine_config();

@@ -25,9 +25,7 @@
 
 use crate::probes::{self, SimProbe};
 use crate::rng::Rng;
-use crate::scenario::Scenario;
 use serde::{Deserialize, Serialize};
-use tierkv_kernels::cpu::numerics::mix64;
 
 /// The largest decision: a hold of `DECISION_MAX / 4` jitters.
 pub const DECISION_MAX: u8 = 11;
@@ -97,32 +95,22 @@ pub enum ScheduleError {
     },
 }
 
-/// A scenario's fingerprint: a hash of its JSON with the mutant left out (the mutant changes the
-/// engine under test, not the scenario, and `--mutant` may replace it on a replay).
-pub fn fingerprint(sc: &Scenario) -> u64 {
-    let mut plain = sc.clone();
-    plain.mutant = None;
-    let json = serde_json::to_string(&plain).expect("a scenario serialises");
-    json.bytes()
-        .fold(0x7363_6865_6475_6C65, |h, b| mix64(h ^ b as u64))
-}
-
 impl Schedule {
-    /// Whether the schedule is well-formed and belongs to `sc`.
-    pub fn check_for(&self, sc: &Scenario) -> Result<(), ScheduleError> {
+    /// Whether the schedule is well-formed and belongs to the scenario of `seed` whose
+    /// fingerprint is `fingerprint` (`Scenario::fingerprint`).
+    pub fn check_for(&self, seed: u64, fingerprint: u64) -> Result<(), ScheduleError> {
         self.validate()?;
-        if self.seed != sc.seed {
+        if self.seed != seed {
             return Err(ScheduleError::OtherSeed {
                 schedule: self.seed,
-                scenario: sc.seed,
+                scenario: seed,
             });
         }
-        let own = fingerprint(sc);
-        if self.scenario != own {
+        if self.scenario != fingerprint {
             return Err(ScheduleError::OtherScenario {
-                seed: sc.seed,
+                seed,
                 schedule: self.scenario,
-                scenario: own,
+                scenario: fingerprint,
             });
         }
         Ok(())

@@ -8,7 +8,7 @@ use crate::probes::SimProbe;
 use crate::report::Finding;
 use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
 use crate::scenario::{Scenario, PROFILES};
-use crate::schedule::{explore_policy, fingerprint, Policy, Schedule, Source};
+use crate::schedule::{explore_policy, Policy, Schedule, Source};
 use crate::shard::ShardResult;
 use crate::shrink::{shrink, shrink_schedule, shrink_under, Budget};
 use crate::trace_out::chrome_trace;
@@ -253,7 +253,7 @@ fn under(opts: RunOptions, decisions: &[u8]) -> RunOptions {
 fn write_schedule(file: &Path, sc: &Scenario, s: &Sched, decisions: &[u8]) -> Result<(), String> {
     let schedule = Schedule {
         seed: sc.seed,
-        scenario: fingerprint(sc),
+        scenario: sc.fingerprint(),
         index: s.index,
         policy: s.policy,
         decisions: decisions.to_vec(),
@@ -886,7 +886,8 @@ fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, Usage> {
     }
     let s: Schedule =
         serde_json::from_str(&text).map_err(|e| fail(format!("not a schedule: {e}")))?;
-    s.check_for(sc).map_err(|e| fail(e.to_string()))?;
+    s.check_for(sc.seed, sc.fingerprint())
+        .map_err(|e| fail(e.to_string()))?;
     Ok(s)
 }
 

@@ -80,27 +80,27 @@ fn a_schedule_belongs_to_its_scenario() {
     let sc = crate::scenario::draw(3, "swarm", None);
     let mut s = Schedule {
         seed: 3,
-        scenario: fingerprint(&sc),
+        scenario: sc.fingerprint(),
         index: 1,
         policy: Policy::RandomWalk,
         decisions: vec![1, 2],
     };
-    assert_eq!(s.check_for(&sc), Ok(()));
+    assert_eq!(s.check_for(sc.seed, sc.fingerprint()), Ok(()));
     let mut mutated = sc.clone();
     mutated.mutant = Some("anything".into());
     assert_eq!(
-        s.check_for(&mutated),
+        s.check_for(mutated.seed, mutated.fingerprint()),
         Ok(()),
         "the mutant is not the scenario"
     );
     let other = crate::scenario::draw(3, "quick", None);
     assert!(matches!(
-        s.check_for(&other),
+        s.check_for(other.seed, other.fingerprint()),
         Err(ScheduleError::OtherScenario { .. })
     ));
     s.seed = 4;
     assert!(matches!(
-        s.check_for(&sc),
+        s.check_for(sc.seed, sc.fingerprint()),
         Err(ScheduleError::OtherSeed { .. })
     ));
 }
