@@ -97,3 +97,20 @@ fn the_weights_tag_is_the_simulators_own_and_agrees_with_the_engines() {
         );
     }
 }
+
+/// The schedule imports neither the scenario nor the simulated GPU (issue 30's `gpu → schedule
+/// → scenario → gpu` cycle stays broken): the GPU asks it for decisions, a scenario names its
+/// policy, and a schedule names its scenario by seed and fingerprint alone.
+#[test]
+fn the_schedule_imports_neither_the_scenario_nor_the_gpu() {
+    let found = uses(
+        &source("sim/src/schedule.rs"),
+        &[
+            "crate::scenario",
+            "crate::gpu",
+            "crate::driver",
+            "crate::runner",
+        ],
+    );
+    assert!(found.is_empty(), "sim/src/schedule.rs: {found:?}");
+}
