@@ -8,6 +8,11 @@ fn prompt(synth: &Synth, shared: usize, own: usize, stream: u64) -> Vec<u32> {
     p
 }
 
+/// An engine of `cfg` on the in-order CPU device.
+fn engine(cfg: Config, options: EngineOptions) -> Engine<InOrderDevice, ManualClock> {
+    Engine::new(cfg, InOrderDevice::new(), ManualClock::default(), options).unwrap()
+}
+
 fn run_to_idle(e: &mut Engine<InOrderDevice, ManualClock>) -> Vec<Output> {
     let mut out = Vec::new();
     for _ in 0..10_000 {
@@ -24,13 +29,7 @@ fn run_to_idle(e: &mut Engine<InOrderDevice, ManualClock>) -> Vec<Output> {
 #[test]
 fn requests_finish_and_share_their_prefix() {
     let cfg = Config::preset("sim-small").unwrap();
-    let mut e = Engine::new(
-        cfg,
-        InOrderDevice::new(),
-        ManualClock::default(),
-        EngineOptions::default(),
-    )
-    .unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
     let s = e.synth;
     let a = e
         .submit(RequestSpec {
@@ -121,13 +120,7 @@ fn same_inputs_same_outputs() {
 fn over_limit_intake_is_rejected_and_the_queue_stays_bounded() {
     let mut cfg = Config::preset("sim-small").unwrap();
     cfg.scheduler.queued_requests_max = 3;
-    let mut e = Engine::new(
-        cfg,
-        InOrderDevice::new(),
-        ManualClock::default(),
-        EngineOptions::default(),
-    )
-    .unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
     let s = e.synth;
     for i in 0..3 {
         e.submit(RequestSpec {
@@ -271,13 +264,7 @@ fn running_ahead_computes_what_the_in_order_engine_does() {
 fn write_back_eviction_keeps_the_prefix_on_the_host() {
     let mut cfg = Config::preset("sim-small").unwrap();
     cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
-    let mut e = Engine::new(
-        cfg,
-        InOrderDevice::new(),
-        ManualClock::default(),
-        EngineOptions::default(),
-    )
-    .unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
     let s = e.synth;
     // 4 full pages and a part: all 4 can be matched again.
     let spec = || RequestSpec {
@@ -333,7 +320,7 @@ fn write_back_eviction_drops_what_it_cannot_back_up() {
         },
         ..EngineOptions::default()
     };
-    let mut e = Engine::new(cfg, InOrderDevice::new(), ManualClock::default(), options).unwrap();
+    let mut e = engine(cfg, options);
     let s = e.synth;
     e.submit(RequestSpec {
         prompt: prompt(&s, 256, 32, 1),
@@ -357,13 +344,7 @@ fn write_back_eviction_drops_what_it_cannot_back_up() {
 #[test]
 fn a_weight_update_leaves_the_old_weights_kv_unmatched() {
     let cfg = Config::preset("sim-small").unwrap();
-    let mut e = Engine::new(
-        cfg,
-        InOrderDevice::new(),
-        ManualClock::default(),
-        EngineOptions::default(),
-    )
-    .unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
     let s = e.synth;
     let spec = || RequestSpec {
         prompt: prompt(&s, 256, 40, 1),
