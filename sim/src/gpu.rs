@@ -23,8 +23,7 @@ use crate::oracles::content::ContentOracle;
 use crate::probes::{self, SimProbe};
 use crate::race::{join, Accessor, Race, RaceDetector, Vc, HOST};
 use crate::report::{Finding, OracleKind};
-use crate::rng::Rng;
-use crate::schedule::{Decider, Source};
+use crate::schedule::{Decider, Kind, Source, DECISION_MAX};
 use crate::undeclared;
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
@@ -174,6 +173,9 @@ const KEY_HANGS: u64 = 3;
 const KEY_LAUNCH_REFUSED: u64 = 4;
 const KEY_TORN: u64 = 5;
 const KEY_ENQUEUE_REFUSED: u64 = 6;
+const KEY_DURATION: u64 = 7;
+const KEY_SLOW: u64 = 8;
+const KEY_GARBAGE: u64 = 9;
 /// Driver calls' own faults: this plus the call's kind (`driver.rs`).
 const KEY_DRIVER_CALL: u64 = 0x100;
 
@@ -254,6 +256,8 @@ struct OpRec {
     hung: bool,
     duration: u64,
     enq_ns: u64,
+    /// Its key on its stream (`push_op`): what its keyed draws are drawn for.
+    key: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -335,7 +339,6 @@ pub struct GpuStats {
 pub struct SimGpu {
     pub mem: Memory,
     opts: GpuOptions,
-    rng: Rng,
     streams: [StreamState; STREAMS],
     /// The side whose streams the device calls address now (`SimSide` sets it per call).
     side: usize,
@@ -426,13 +429,11 @@ impl SimGpu {
     /// A simulated GPU; with `opts.cuda`, its ops run on the machine's real GPU (an error when
     /// there is none, or the build has no CUDA).
     pub fn new(seed: u64, opts: GpuOptions) -> Result<SimGpu, DeviceError> {
-        let rng = Rng::new(seed ^ 0x6770_7500);
         let sched = Decider::new(seed, opts.schedule.clone(), opts.ops_guess);
         let cuda = opts.cuda;
         let mut g = SimGpu {
             mem: Memory::default(),
             opts,
-            rng,
             streams: Default::default(),
             side: 0,
             events: Vec::new(),
@@ -492,9 +493,15 @@ impl SimGpu {
     /// keyed by the call's identity rather than taken in sequence, so that a schedule which
     /// reorders calls across streams draws the same fault for the same call.
     fn keyed(&self, what: u64, s: usize, n: u64) -> f64 {
+        (self.keyed_bits(what, s, n) >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn keyed_bits(&self, what: u64, s: usize, n: u64) -> u64 {
         use tierkv_kernels::cpu::numerics::mix64;
-        let h = mix64(mix64(mix64(self.fault_key ^ what) ^ s as u64) ^ n);
-        (h >> 11) as f64 / (1u64 << 53) as f64
+        mix64(mix64(mix64(self.fault_key ^ what) ^ s as u64) ^ n)
+    }
+    /// A keyed draw uniform in `0..=max`.
+    fn keyed_below(&self, what: u64, s: usize, n: u64, max: u64) -> u64 {
+        ((self.keyed(what, s, n) * (max + 1) as f64) as u64).min(max)
     }
 
     /// The calls of a side in error fail (`GpuOptions::context_faults`, a hang). The device
@@ -642,8 +649,10 @@ impl SimGpu {
             OpClass::PageCopy | OpClass::LinearCopy => {
                 let base = self.opts.copy_latency_ns
                     + (bytes as f64 / 2.0 / self.opts.copy_bytes_per_ns) as u64;
-                let mut d = base + self.rng.below(base / 4 + 1);
-                if self.opts.slow_copy_rate > 0.0 && self.rng.chance(self.opts.slow_copy_rate) {
+                let mut d = base + self.keyed_below(KEY_DURATION, s, n, base / 4);
+                if self.opts.slow_copy_rate > 0.0
+                    && self.keyed(KEY_SLOW, s, n) < self.opts.slow_copy_rate
+                {
                     probes::hit(SimProbe::FaultCopySlow);
                     d *= self.opts.slow_copy_factor;
                 }
@@ -656,7 +665,7 @@ impl SimGpu {
             OpClass::Kernel => {
                 let base =
                     self.opts.kernel_ns + (bytes as f64 / self.opts.kernel_bytes_per_ns) as u64;
-                let d = base + self.rng.below(base / 2 + 1);
+                let d = base + self.keyed_below(KEY_DURATION, s, n, base / 2);
                 let fail = self.opts.failed_kernel_rate > 0.0
                     && self.keyed(KEY_KERNEL_FAILS, s, n) < self.opts.failed_kernel_rate;
                 (d, fail)
@@ -673,6 +682,16 @@ impl SimGpu {
     /// The decisions made so far: the run's schedule.
     pub fn take_schedule(&mut self) -> Vec<u8> {
         self.sched.take_recorded()
+    }
+
+    /// The kind of each decision of the run's schedule.
+    pub fn take_decision_kinds(&mut self) -> Vec<Kind> {
+        self.sched.take_kinds()
+    }
+
+    /// How many decisions of each kind the run made so far.
+    pub fn decision_counts(&self) -> crate::schedule::Counts {
+        self.sched.counts()
     }
 
     /// Runs the stream's queue from time `t` as far as it can go without waiting for time.
@@ -782,16 +801,69 @@ impl SimGpu {
         }
     }
 
-    /// When the host callback of a record of stream `s` completed at `t` runs: at once, or after
-    /// a drawn delay for load-stream records, never before the stream's previous callback.
+    /// When the host callback of a record of stream `s` completed at `t` runs: at once, or, for
+    /// load-stream records, after a delay the schedule decides (a callback decision, in twelfths
+    /// of `completion_delay_ns`), never before the stream's previous callback.
     fn seen_at(&mut self, s: usize, t: u64) -> u64 {
         let max = self.opts.completion_delay_ns;
         if max == 0 || s % 3 != StreamKind::Load.index() {
             return t;
         }
-        let at = (t + self.rng.below(max + 1)).max(self.streams[s].last_seen);
+        let d = self.sched.point(Kind::Callback, s) as u64;
+        let at = (t + max / DECISION_MAX as u64 * d).max(self.streams[s].last_seen);
         self.streams[s].last_seen = at;
         at
+    }
+
+    /// A query of record `rec` at `now` in the window before it (the record is the next entry
+    /// of its stream, behind an op that started and would end within one jitter): the schedule
+    /// decides whether that op ends now, so that the query answers Done.
+    /// Returns whether it did.
+    fn query_early(&mut self, rec: u64, now: u64) -> bool {
+        let r = self.records[&rec];
+        if r.done_at.is_some() {
+            return false;
+        }
+        let s = r.stream;
+        let st = &self.streams[s];
+        let Some((start, end)) = st.running.as_ref().map(|(_, a, b)| (*a, *b)) else {
+            return false;
+        };
+        let next = matches!(st.queue.front(), Some(Entry::Record(x)) if *x == rec);
+        if !next || start > now || end <= now || end - now > self.opts.jitter_ns {
+            return false;
+        }
+        if self.sched.point(Kind::QueryEarly, s) == 0 {
+            return false;
+        }
+        probes::hit(SimProbe::QueryAnsweredEarly);
+        // The op ends now: its queue entry goes, and it completes as if it had been drawn this
+        // long. (The heap holds at most one entry per stream, its running op's.)
+        self.heap.retain(|Reverse((_, _, o))| *o != s);
+        if let Some(run) = self.streams[s].running.as_mut() {
+            run.2 = now;
+        }
+        self.log(&[17, s as u64, rec, now]);
+        self.complete(s, now);
+        self.pump(now);
+        assert_eq!(
+            self.records[&rec].done_at,
+            Some(now),
+            "record {rec} is passed once the op before it ends"
+        );
+        true
+    }
+
+    /// A query of record `rec`, completed at `at`, at `now` in the window after it (within one
+    /// jitter, and nothing the host has seen orders the host after it): whether the schedule
+    /// has the host look before it is passed (answer Pending).
+    fn query_late(&mut self, rec: u64, at: u64, now: u64) -> bool {
+        let r = self.records[&rec];
+        let seen = (0..crate::race::ENTITIES).all(|e| r.vc[e] <= self.host_vc[e]);
+        if seen || now - at >= self.opts.jitter_ns {
+            return false;
+        }
+        self.sched.point(Kind::QueryLate, r.stream) != 0
     }
 
     /// The host observed record `rec` of another stream complete at `now`: a load-stream record
@@ -986,8 +1058,14 @@ impl SimGpu {
     fn fail_copy(&mut self, s: usize, rec: &OpRec) {
         self.stats.failed_copies += 1;
         self.streams[s].failed_since_record = true;
-        for a in rec.op.accesses().into_iter().filter(|a| a.write) {
-            let garbage = self.rng.next_u64();
+        for (j, a) in rec
+            .op
+            .accesses()
+            .into_iter()
+            .filter(|a| a.write)
+            .enumerate()
+        {
+            let garbage = self.keyed_bits(KEY_GARBAGE, s, rec.key.wrapping_mul(64) ^ j as u64);
             for (i, b) in self.mem.range_mut(a.range).iter_mut().enumerate() {
                 *b = (garbage >> ((i % 8) * 8)) as u8 ^ i as u8;
             }
@@ -1214,6 +1292,7 @@ impl SimGpu {
             hung,
             duration,
             enq_ns: now,
+            key,
         })));
         self.pump(now);
         self.advance_stream(s, now);
@@ -1695,8 +1774,13 @@ impl Device for SimGpu {
         let state = match self.events[ev.0 as usize] {
             None => EventState::Done,
             Some(rec) => {
+                let early = self.query_early(rec, now);
                 let r = self.records[&rec];
                 match r.done_at {
+                    Some(at) if at <= now && !early && self.query_late(rec, at, now) => {
+                        probes::hit(SimProbe::QueryAnsweredLate);
+                        EventState::Pending
+                    }
                     Some(at) if at <= now => {
                         join(&mut self.host_vc, &r.vc);
                         self.observed(rec, now);

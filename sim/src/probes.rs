@@ -18,6 +18,10 @@ pub enum SimProbe {
     StreamsOverlap,
     /// A host query found an event still pending.
     QueryPending,
+    /// The schedule ended the op before a queried record now: the query answered Done early.
+    QueryAnsweredEarly,
+    /// The schedule had the host query a just-passed record before it saw it: Pending late.
+    QueryAnsweredLate,
     /// A record completed carrying a failed copy or launch.
     RecordFailed,
     /// A PCT change point demoted the highest-priority stream.
@@ -108,6 +112,8 @@ impl SimProbe {
         SimProbe::RecordWhileAwaited,
         SimProbe::StreamsOverlap,
         SimProbe::QueryPending,
+        SimProbe::QueryAnsweredEarly,
+        SimProbe::QueryAnsweredLate,
         SimProbe::RecordFailed,
         SimProbe::PctChangePoint,
         SimProbe::FaultCopyFailed,
@@ -154,6 +160,8 @@ impl SimProbe {
             SimProbe::RecordWhileAwaited => "gpu.record_while_awaited",
             SimProbe::StreamsOverlap => "gpu.streams_overlap",
             SimProbe::QueryPending => "gpu.query_pending",
+            SimProbe::QueryAnsweredEarly => "sched.query_answered_early",
+            SimProbe::QueryAnsweredLate => "sched.query_answered_late",
             SimProbe::RecordFailed => "gpu.record_reports_failure",
             SimProbe::PctChangePoint => "gpu.pct_change_point",
             SimProbe::FaultCopyFailed => "fault.copy_failed",

@@ -133,8 +133,11 @@ pub struct RunOutcome {
     pub probes: BTreeMap<&'static str, u64>,
     /// A campaign ran it twice for the determinism oracle.
     pub rerun: bool,
-    /// The schedule it ran under: one decision per op start (`schedule`).
+    /// The schedule it ran under: every decision, in the order made (`schedule`).
     pub decisions: Vec<u8>,
+    /// How many decisions of each kind it made, and the kind of each (`decisions` order).
+    pub decision_counts: crate::schedule::Counts,
+    pub decision_kinds: Vec<crate::schedule::Kind>,
     /// Which schedule of the seed a campaign ran (0: the scenario's own; `--schedules`), and
     /// the policy that drew it (`None`: the scenario's own).
     pub schedule: u64,
@@ -470,6 +473,8 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 probes: tierkv_engine::probe::take(),
                 rerun: false,
                 decisions: Vec::new(),
+                decision_counts: Default::default(),
+                decision_kinds: Vec::new(),
                 schedule: 0,
                 policy: None,
             }
@@ -1720,6 +1725,8 @@ impl<'a> Run<'a> {
             racing_ops: gpu.racing_ops.clone(),
             probes: tierkv_engine::probe::take(),
             rerun: false,
+            decision_counts: gpu.decision_counts(),
+            decision_kinds: gpu.take_decision_kinds(),
             decisions: gpu.take_schedule(),
             schedule: 0,
             policy: None,

@@ -1,27 +1,44 @@
 //! Schedules: the simulated GPU's scheduling decisions, kept apart from the scenario.
 //!
 //! A scenario fixes the configuration, the workload, the timing and fault models (latencies,
-//! bandwidths, fault rates) and the seeds of their generators. A schedule fixes the holds: every
-//! time an op could start on a stream (its stream is free and the waits before it are
-//! satisfied), the scheduler makes one decision, how many quarter-steps of the scenario's jitter
-//! it holds the op back (0 = start now). Ops' data effects happen at their completion, so the
-//! holds, with the drawn durations, order one stream's effects against another's and against
-//! the host. Durations and faults are drawn from the GPU's generator in the order ops are
-//! enqueued and records complete, so a different schedule, which changes what the engine
-//! enqueues and when, also moves which op draws which duration and fault: two schedules of one
-//! scenario are two fault sequences, not one.
+//! bandwidths, fault rates) and the seeds of their generators. A schedule fixes every decision
+//! the simulator leaves open, of four kinds ([`Kind`]):
+//! - **hold**: every time an op could start on a stream (its stream is free and the waits
+//!   before it are satisfied), how many quarter-steps of the scenario's jitter it is held back
+//!   (0 = start now);
+//! - **query early**: the host queries an event whose record is the next entry of its stream,
+//!   behind an op that has started and would end within one jitter: 1 = that op ends now and the
+//!   query answers Done (the device was a little faster than drawn), 0 = Pending, as the clock
+//!   says;
+//! - **query late**: the host queries an event whose record completed within the last jitter and
+//!   which nothing the host has seen orders it after: 1 = Pending (the host looked a little
+//!   early), 0 = Done, as the clock says;
+//! - **callback**: when the host callback of a load-stream record runs, in twelfths of the
+//!   scenario's largest callback delay after the record (only when that delay is not 0).
 //!
-//! A schedule is drawn by a policy — a random walk, or holds after PCT (Burckhardt et al.): the
-//! three stream kinds (compute, load, write; a prefill/decode pair's two sides share them) get a
-//! random priority order, and an op that could start is held `4 · priority + U{0..3}`
-//! quarter-jitters, so a lower kind's ops start later, but not strictly after; at each of
-//! `depth - 1` change points, drawn independently and uniformly over the op starts of schedule 0
-//! (or an estimate of them), the kind with the highest priority drops to the lowest and the
-//! others move up. Priorities are holds, not a strict order, so PCT's probability bound is a
-//! guide rather than a guarantee. A schedule is recorded as the list of decisions, one per op
-//! start, in the order the ops started. Replaying the list reproduces the run exactly; a
-//! shortened or edited list is still a valid schedule (decisions past its end are 0), which is
-//! how a failing schedule shrinks on its own.
+//! Ops' data effects happen at their completion, so these decisions, with the drawn durations,
+//! order one stream's effects against another's and against the host. Durations and faults are
+//! not drawn in sequence: each is keyed by the identity of the call (its stream and its call
+//! number there), so a schedule that reorders calls across streams keeps each call's duration
+//! and fault. (A schedule that changes what the engine enqueues on a stream still changes which
+//! call is which there.)
+//!
+//! A schedule is drawn by a policy — a random walk, or PCT (Burckhardt et al., ASPLOS 2010) over
+//! five entities: the three stream kinds (compute, load, write; a prefill/decode pair's two sides
+//! share them), the host thread and the callback thread. PCT gives them a random priority order;
+//! an op that could start is held `4 · r + U{0..3}` quarter-jitters, where `r` is its stream
+//! kind's rank among the three stream kinds, so a lower kind's ops start later, but not strictly
+//! after (holds are bounded delays in a timed simulation, not a strict order, so PCT's
+//! probability bound is a guide rather than a guarantee); a query in a window answers as the
+//! higher of the host and the record's stream kind would have it (the stream ahead: Done early;
+//! the host ahead: Pending late); a callback is delayed in proportion to the callback thread's
+//! rank among all five. At each of `depth - 1` change points, drawn independently and uniformly
+//! over the decisions of schedule 0 (or an estimate of them), the entity with the highest
+//! priority drops to the lowest and the others move up. A schedule is recorded as the list of
+//! decisions of all kinds in the order they were made. Replaying the list reproduces the run
+//! exactly; a shortened or edited list is still a valid schedule (decisions past its end are 0:
+//! every op starts as soon as it can, every query answers as the clock says, every callback
+//! runs with its record), which is how a failing schedule shrinks on its own.
 
 use crate::probes::{self, SimProbe};
 use crate::rng::Rng;
@@ -31,20 +48,93 @@ use serde::{Deserialize, Serialize};
 pub const DECISION_MAX: u8 = 11;
 /// Most decisions a schedule file may hold (a run starts fewer ops than its step limit allows).
 pub const DECISIONS_MAX: usize = 1 << 24;
+/// The schedule file format this build writes and replays. Format 2 added the host's decisions
+/// (queries and callbacks) to the list; a format-1 file (no `format` field) holds op holds only,
+/// so its decisions would land on other decision points.
+pub const FORMAT: u32 = 2;
+
+/// What a decision is about (the module header says what each value means).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Hold,
+    QueryEarly,
+    QueryLate,
+    Callback,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 4] = [
+        Kind::Hold,
+        Kind::QueryEarly,
+        Kind::QueryLate,
+        Kind::Callback,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Hold => "op holds",
+            Kind::QueryEarly => "queries before a record",
+            Kind::QueryLate => "queries after a record",
+            Kind::Callback => "callbacks",
+        }
+    }
+    /// What a decision of this kind other than 0 did, for the summary.
+    pub fn taken(self) -> &'static str {
+        match self {
+            Kind::Hold => "held",
+            Kind::QueryEarly => "answered Done early",
+            Kind::QueryLate => "answered Pending late",
+            Kind::Callback => "delayed",
+        }
+    }
+    /// The largest value of this kind (a replayed value above it counts as this).
+    fn max(self) -> u8 {
+        match self {
+            Kind::Hold | Kind::Callback => DECISION_MAX,
+            Kind::QueryEarly | Kind::QueryLate => 1,
+        }
+    }
+}
+
+/// How many decisions of each kind a run made, and how many of them were not 0 (`Kind::ALL`
+/// order).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counts {
+    pub made: [u64; 4],
+    pub taken: [u64; 4],
+}
+
+impl std::fmt::Display for Counts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, k) in Kind::ALL.into_iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(
+                f,
+                "{} {} ({} {})",
+                self.made[i],
+                k.name(),
+                self.taken[i],
+                k.taken()
+            )?;
+        }
+        Ok(())
+    }
+}
 
 /// How a schedule is drawn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Policy {
-    /// Each decision uniform in 0..=4: a hold of up to one jitter.
+    /// Each hold uniform in 0..=4 (up to one jitter); each query in a window answered against
+    /// the clock with probability 1/4; each callback delay uniform in 0..=`DECISION_MAX`.
     RandomWalk,
-    /// PCT-like holds of `depth`: the stream kinds in a random priority order hold their ops by
-    /// priority (0, 4 or 8 quarter-jitters, plus 0..=3); at `depth - 1` op starts drawn
-    /// uniformly in `1..ops`, the kind with the highest priority drops to the lowest and the
-    /// others move up. `ops` is schedule 0's op-start count,
-    /// measured by an earlier run of the same scenario (`--schedules`); 0 when unknown, then
-    /// estimated from the workload (`GpuOptions::ops_guess`), so some change points may fall
-    /// past the run's end.
+    /// PCT of `depth` over the five entities (the module header): at `depth - 1` decisions
+    /// drawn uniformly in `1..ops`, the entity with the highest priority drops to the lowest and
+    /// the others move up. `ops` is schedule 0's decision count (the name is older than the
+    /// host's decisions: it counted op starts), measured by an earlier run of the same scenario
+    /// (`--schedules`); 0 when unknown, then estimated from the workload
+    /// (`GpuOptions::ops_guess`), so some change points may fall past the run's end.
     Pct { depth: u32, ops: u64 },
 }
 
@@ -52,8 +142,8 @@ impl std::fmt::Display for Policy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
             Policy::RandomWalk => write!(f, "random walk"),
-            Policy::Pct { depth, ops: 0 } => write!(f, "pct d={depth} over estimated op starts"),
-            Policy::Pct { depth, ops } => write!(f, "pct d={depth} over {ops} op starts"),
+            Policy::Pct { depth, ops: 0 } => write!(f, "pct d={depth} over estimated decisions"),
+            Policy::Pct { depth, ops } => write!(f, "pct d={depth} over {ops} decisions"),
         }
     }
 }
@@ -62,6 +152,9 @@ impl std::fmt::Display for Policy {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Schedule {
+    /// The file format (`FORMAT`); files written before it had one are format 1.
+    #[serde(default = "format_1")]
+    pub format: u32,
     /// The scenario seed it was drawn for, and which schedule of that seed (0: the scenario's
     /// own; `--schedules N` explores 0..N).
     pub seed: u64,
@@ -71,13 +164,23 @@ pub struct Schedule {
     pub index: u64,
     /// The policy that drew it (informative: a replay follows `decisions` only).
     pub policy: Policy,
-    /// One decision per op start, in start order.
+    /// Every decision, of every kind, in the order the run made them.
     pub decisions: Vec<u8>,
+}
+
+fn format_1() -> u32 {
+    1
 }
 
 /// A schedule that cannot be replayed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ScheduleError {
+    #[error(
+        "schedule file format {format} is not this build's ({FORMAT}): format 1 files hold op \
+         holds only, so their decisions would land on other decision points; record the \
+         schedule again with this build"
+    )]
+    OtherFormat { format: u32 },
     #[error("schedule decision {at} is {value}, over the largest decision {DECISION_MAX}")]
     DecisionTooLarge { at: usize, value: u8 },
     #[error("schedule has {len} decisions, over the limit of {DECISIONS_MAX}")]
@@ -117,6 +220,11 @@ impl Schedule {
     }
 
     pub fn validate(&self) -> Result<(), ScheduleError> {
+        if self.format != FORMAT {
+            return Err(ScheduleError::OtherFormat {
+                format: self.format,
+            });
+        }
         if self.decisions.len() > DECISIONS_MAX {
             return Err(ScheduleError::TooLong {
                 len: self.decisions.len(),
@@ -150,27 +258,36 @@ impl Default for Source {
     }
 }
 
+/// The entities PCT orders: the three stream kinds, then the host and the callback thread.
+const ENTITIES: usize = 5;
+const HOST: usize = 3;
+const CALLBACKS: usize = 4;
+
 /// The scheduler inside the simulated GPU: makes (or replays) each decision and records it.
 #[derive(Clone, Debug)]
 pub struct Decider {
     source: Source,
     rng: Rng,
-    /// PCT: stream priorities (0 = highest) and the remaining change points, ascending.
-    priorities: [u8; 3],
+    /// PCT: the entities' priorities (0 = highest; `ENTITIES` order) and the remaining change
+    /// points, ascending.
+    priorities: [u8; ENTITIES],
     change_points: Vec<u64>,
     recorded: Vec<u8>,
+    /// The kind of each recorded decision.
+    kinds: Vec<Kind>,
+    counts: Counts,
 }
 
 impl Decider {
-    /// `ops_guess` stands in for an unknown op count under PCT.
+    /// `ops_guess` stands in for an unknown decision count under PCT.
     pub fn new(seed: u64, source: Source, ops_guess: u64) -> Decider {
         let index = match source {
             Source::Draw { index, .. } => index,
             Source::Replay(_) => 0,
         };
         let mut rng = Rng::new(seed ^ 0x5C4E_D000 ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut priorities = [0u8, 1, 2];
-        for i in (1..3).rev() {
+        let mut priorities = [0u8, 1, 2, 3, 4];
+        for i in (1..ENTITIES).rev() {
             let j = rng.below(i as u64 + 1) as usize;
             priorities.swap(i, j);
         }
@@ -192,21 +309,30 @@ impl Decider {
             priorities,
             change_points,
             recorded: Vec::new(),
+            kinds: Vec::new(),
+            counts: Counts::default(),
         }
     }
 
     /// The decision for the op about to start on `stream`: quarter-jitters to hold it.
     pub fn decide(&mut self, stream: usize) -> u8 {
+        self.point(Kind::Hold, stream)
+    }
+
+    /// A decision of `kind` about stream `stream` (for a callback, the stream whose record it
+    /// follows): 0 is what the clock says.
+    pub fn point(&mut self, kind: Kind, stream: usize) -> u8 {
         let at = self.recorded.len();
         let d = match &self.source {
-            Source::Replay(list) => match list.get(at) {
-                Some(&d) => d,
-                None => 0,
-            },
+            Source::Replay(list) => list.get(at).map_or(0, |&d| d.min(kind.max())),
             Source::Draw {
                 policy: Policy::RandomWalk,
                 ..
-            } => self.rng.below(5) as u8,
+            } => match kind {
+                Kind::Hold => self.rng.below(5) as u8,
+                Kind::QueryEarly | Kind::QueryLate => (self.rng.below(4) == 0) as u8,
+                Kind::Callback => self.rng.below(DECISION_MAX as u64 + 1) as u8,
+            },
             Source::Draw {
                 policy: Policy::Pct { .. },
                 ..
@@ -218,24 +344,43 @@ impl Decider {
                 {
                     probes::hit(SimProbe::PctChangePoint);
                     self.change_points.remove(0);
-                    let top = (0..3)
-                        .min_by_key(|&s| self.priorities[s])
-                        .expect("3 streams");
+                    let top = (0..ENTITIES)
+                        .min_by_key(|&e| self.priorities[e])
+                        .expect("entities");
                     for p in self.priorities.iter_mut() {
                         *p = p.saturating_sub(1);
                     }
-                    self.priorities[top] = 2;
+                    self.priorities[top] = ENTITIES as u8 - 1;
                 }
                 // A pair's decode streams share the priorities of their kinds.
-                self.priorities[stream % 3] * 4 + self.rng.below(4) as u8
+                let kind_of = stream % 3;
+                match kind {
+                    Kind::Hold => {
+                        let rank = (0..3)
+                            .filter(|&k| self.priorities[k] < self.priorities[kind_of])
+                            .count() as u8;
+                        rank * 4 + self.rng.below(4) as u8
+                    }
+                    // The stream ahead of the host: its record is passed before the host looks.
+                    Kind::QueryEarly => (self.priorities[kind_of] < self.priorities[HOST]) as u8,
+                    // The host ahead of the stream: it looks before the record is passed.
+                    Kind::QueryLate => (self.priorities[HOST] < self.priorities[kind_of]) as u8,
+                    Kind::Callback => {
+                        self.priorities[CALLBACKS] * DECISION_MAX / (ENTITIES as u8 - 1)
+                    }
+                }
             }
         };
-        assert!(d <= DECISION_MAX, "decision {d} over {DECISION_MAX}");
+        assert!(d <= kind.max(), "{kind:?} decision {d} over {}", kind.max());
         self.recorded.push(d);
+        self.kinds.push(kind);
+        let k = kind as usize;
+        self.counts.made[k] += 1;
+        self.counts.taken[k] += (d != 0) as u64;
         d
     }
 
-    /// The decisions made so far, in op-start order.
+    /// The decisions made so far, in the order they were made.
     pub fn recorded(&self) -> &[u8] {
         &self.recorded
     }
@@ -243,11 +388,21 @@ impl Decider {
     pub fn take_recorded(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.recorded)
     }
+
+    /// The kind of each decision made so far, in the order made.
+    pub fn take_kinds(&mut self) -> Vec<Kind> {
+        std::mem::take(&mut self.kinds)
+    }
+
+    /// How many decisions of each kind were made so far.
+    pub fn counts(&self) -> Counts {
+        self.counts
+    }
 }
 
 /// The policy of schedule `index` when `--schedules` explores a scenario: schedule 0 is the
-/// scenario's own; then PCT of depth 1, 2, 3 and a random walk in turn, PCT over `ops` (the op
-/// starts of schedule 0).
+/// scenario's own; then PCT of depth 1, 2, 3 and a random walk in turn, PCT over `ops` (the
+/// decisions of schedule 0).
 pub fn explore_policy(index: u64, own: Policy, ops: u64) -> Policy {
     match index {
         0 => own,

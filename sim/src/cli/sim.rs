@@ -252,6 +252,7 @@ fn under(opts: RunOptions, decisions: &[u8]) -> RunOptions {
 /// Writes a schedule artifact.
 fn write_schedule(file: &Path, sc: &Scenario, s: &Sched, decisions: &[u8]) -> Result<(), String> {
     let schedule = Schedule {
+        format: crate::schedule::FORMAT,
         seed: sc.seed,
         scenario: sc.fingerprint(),
         index: s.index,
@@ -909,6 +910,7 @@ fn print_run(out: &RunOutcome) {
         hits(Probe::FaultHostPagesRefused.name()),
         hits(SimProbe::EvictedOnDemand.name()),
     );
+    println!("decisions: {}", out.decision_counts);
     println!(
         "{} digests held to the specification's ({} queries held to the specification's logits), {} rows compared, {} cache decisions held to the policy model, {} ops, {} events; simulated {:.3} ms in {:.1} ms; event-log hash {:#018x}",
         s.digests_checked,

@@ -49,14 +49,73 @@ fn pct_holds_streams_by_priority_with_depth_minus_one_changes() {
         s.decide(i % 3);
         let mut p = s.priorities;
         p.sort_unstable();
-        assert_eq!(p, [0, 1, 2], "priorities stay a permutation");
+        assert_eq!(p, [0, 1, 2, 3, 4], "priorities stay a permutation");
     }
     assert!(s.change_points.is_empty(), "both change points fired");
+}
+
+/// A replayed host decision above its kind's largest value counts as that value; every
+/// decision's kind is recorded and counted.
+#[test]
+fn replayed_host_decisions_are_clamped_and_counted() {
+    let mut r = Decider::new(7, Source::Replay(vec![9, 9, 0, 11]), 0);
+    assert_eq!(r.point(Kind::Hold, 0), 9);
+    assert_eq!(r.point(Kind::QueryEarly, 1), 1);
+    assert_eq!(r.point(Kind::QueryLate, 1), 0);
+    assert_eq!(r.point(Kind::Callback, 1), 11);
+    assert_eq!(
+        r.point(Kind::QueryLate, 2),
+        0,
+        "past the end: the clock's answer"
+    );
+    assert_eq!(r.recorded(), &[9, 1, 0, 11, 0]);
+    let c = r.counts();
+    assert_eq!(c.made, [1, 1, 2, 1]);
+    assert_eq!(c.taken, [1, 1, 0, 1]);
+    assert_eq!(
+        r.take_kinds(),
+        [
+            Kind::Hold,
+            Kind::QueryEarly,
+            Kind::QueryLate,
+            Kind::Callback,
+            Kind::QueryLate
+        ]
+    );
+}
+
+/// PCT of depth 1 answers every query in a window by one fixed order of the host and the
+/// record's stream kind: the early and late answers of one stream kind are never both taken,
+/// and they do not change during the run.
+#[test]
+fn pct_answers_queries_by_the_host_and_stream_priorities() {
+    for index in 0..12 {
+        let policy = Policy::Pct { depth: 1, ops: 90 };
+        let mut s = Decider::new(11, Source::Draw { index, policy }, 0);
+        for stream in 0..3 {
+            let e = s.point(Kind::QueryEarly, stream);
+            let l = s.point(Kind::QueryLate, stream);
+            assert_eq!(
+                e + l,
+                1,
+                "schedule {index}, stream {stream}: one of host and stream leads"
+            );
+            for _ in 0..10 {
+                assert_eq!(
+                    s.point(Kind::QueryEarly, stream + 3),
+                    e,
+                    "a pair's side shares it"
+                );
+                assert_eq!(s.point(Kind::QueryLate, stream), l);
+            }
+        }
+    }
 }
 
 #[test]
 fn bad_schedules_are_typed_errors() {
     let mut s = Schedule {
+        format: FORMAT,
         seed: 1,
         scenario: 0,
         index: 0,
@@ -72,6 +131,15 @@ fn bad_schedules_are_typed_errors() {
     );
     s.decisions.pop();
     assert_eq!(s.validate(), Ok(()));
+    // A file written before the host's decisions has no `format`: format 1, refused.
+    let old: Schedule = serde_json::from_str(
+        r#"{"seed":1,"scenario":0,"index":0,"policy":"random_walk","decisions":[0,3]}"#,
+    )
+    .expect("a format-1 file parses");
+    assert_eq!(
+        old.validate(),
+        Err(ScheduleError::OtherFormat { format: 1 })
+    );
 }
 
 /// A schedule replays only on the scenario it was recorded on: same seed, same fingerprint.
@@ -79,6 +147,7 @@ fn bad_schedules_are_typed_errors() {
 fn a_schedule_belongs_to_its_scenario() {
     let sc = crate::scenario::draw(3, "swarm", None);
     let mut s = Schedule {
+        format: FORMAT,
         seed: 3,
         scenario: sc.fingerprint(),
         index: 1,

@@ -606,3 +606,69 @@ fn drawn_scenarios_are_valid() {
         }
     }
 }
+
+/// The host's decisions (`schedule::Kind`): a query of a record that the running op before it
+/// would pass within a jitter answers Done when the schedule says so (that op ends at once) and
+/// Pending otherwise; a query just after a record passed answers Pending when the schedule says
+/// so, and Done with no decision once a jitter has gone by; a record the host has seen is never
+/// answered Pending again.
+#[test]
+fn queries_in_a_window_answer_as_the_schedule_decides() {
+    use tierkv_engine::device::{Clock, Device, EventState, StreamKind};
+    use tierkv_sim::gpu::{GpuOptions, SimGpu};
+    use tierkv_sim::schedule::{Kind, Source};
+    let early = Kind::QueryEarly as usize;
+    let late = Kind::QueryLate as usize;
+    for (list, first) in [
+        (vec![0, 1], EventState::Done),
+        (vec![0, 0, 1], EventState::Pending),
+        (vec![0, 0, 0], EventState::Pending),
+    ] {
+        let opts = GpuOptions {
+            schedule: Source::Replay(list.clone()),
+            ..Default::default()
+        };
+        let mut gpu = SimGpu::new(5, opts).expect("a simulated GPU");
+        let clock = gpu.clock();
+        let topk = one_row_topk(&mut gpu);
+        let ev = gpu.new_event().expect("an event");
+        gpu.enqueue(StreamKind::Compute, topk).expect("enqueued");
+        gpu.record(StreamKind::Compute, ev).expect("recorded");
+        assert_eq!(gpu.query(ev), first, "{list:?}");
+        let c = gpu.decision_counts();
+        assert_eq!(
+            (c.made[early], c.taken[early]),
+            (1, list[1] as u64),
+            "{list:?}"
+        );
+        if first == EventState::Done {
+            // Seen: no later query is in a window.
+            gpu.advance_host_to(clock.now_ns() + 1_000);
+            assert_eq!(gpu.query(ev), EventState::Done);
+            assert_eq!(gpu.decision_counts().made[late], 0);
+            continue;
+        }
+        // The op (about 4 to 6 µs) has ended 10 µs on, within the 20 µs jitter.
+        gpu.advance_host_to(clock.now_ns() + 10_000);
+        let want = if list[2] == 1 {
+            EventState::Pending
+        } else {
+            EventState::Done
+        };
+        assert_eq!(gpu.query(ev), want, "{list:?}");
+        let c = gpu.decision_counts();
+        assert_eq!(
+            (c.made[late], c.taken[late]),
+            (1, list[2] as u64),
+            "{list:?}"
+        );
+        gpu.advance_host_to(clock.now_ns() + 20_000);
+        assert_eq!(gpu.query(ev), EventState::Done, "{list:?}");
+        assert_eq!(
+            gpu.decision_counts().made[late],
+            1,
+            "no decision past the window"
+        );
+        assert_eq!(gpu.take_schedule(), list);
+    }
+}
