@@ -4,7 +4,7 @@
 //! completion ring's host callbacks — runs under the simulator's schedules, faults and race
 //! detector.
 //!
-//! Each driver call becomes a call of one side of the simulated GPU (`gpu.rs`):
+//! Each driver call becomes a call of one side of the simulated GPU (`gpu/`):
 //! - allocations are its buffers (a stream-ordered free returns the buffer to a pool that a
 //!   later allocation on the same stream reuses, as CUDA's pool may without any event);
 //! - pinned writes and reads are the host's accesses, which the race detector checks against
