@@ -26,10 +26,10 @@
 //! A schedule is drawn by a policy — a random walk, or PCT (Burckhardt et al., ASPLOS 2010) over
 //! five entities: the three stream kinds (compute, load, write; a prefill/decode pair's two sides
 //! share them), the host thread and the callback thread. PCT gives them a random priority order;
-//! an op that could start is held `4 · r + U{0..3}` quarter-jitters, where `r` is its stream
-//! kind's rank among the three stream kinds, so a lower kind's ops start later, but not strictly
-//! after (holds are bounded delays in a timed simulation, not a strict order, so PCT's
-//! probability bound is a guide rather than a guarantee); a query in a window answers as the
+//! an op that could start is held 0 quarter-jitters when its stream kind ranks first among the
+//! three stream kinds, and `4 · r + U{0..3}` when it ranks `r` = 1 or 2, so a lower kind's ops
+//! start later, but not strictly after (holds are bounded delays in a timed simulation, not a
+//! strict order, so PCT's probability bound is a guide rather than a guarantee); a query in a window answers as the
 //! higher of the host and the record's stream kind would have it (the stream ahead: Done early;
 //! the host ahead: Pending late); a callback is delayed in proportion to the callback thread's
 //! rank among all five. At each of `depth - 1` change points, drawn independently and uniformly
@@ -359,7 +359,12 @@ impl Decider {
                         let rank = (0..3)
                             .filter(|&k| self.priorities[k] < self.priorities[kind_of])
                             .count() as u8;
-                        rank * 4 + self.rng.below(4) as u8
+                        // The highest stream kind starts its ops as soon as it can (PCT's
+                        // strict priority); the others are held by rank, with some spread.
+                        match rank {
+                            0 => 0,
+                            r => r * 4 + self.rng.below(4) as u8,
+                        }
                     }
                     // The stream ahead of the host: its record is passed before the host looks.
                     Kind::QueryEarly => (self.priorities[kind_of] < self.priorities[HOST]) as u8,

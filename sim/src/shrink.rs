@@ -229,10 +229,9 @@ pub fn shrink_under(
     }
 }
 
-/// Shrinks the schedule `decisions` under which `sc` fails with `oracle`, within `budget`:
-/// shorter lists first (decisions past the end are 0: ops start as soon as they can), then runs
-/// of decisions set to 0, halving the run length down to single decisions. Returns the smallest
-/// failing list and the runs it took.
+/// Shrinks the schedule `decisions` under which `sc` fails with `oracle`, within `budget`
+/// (`shrink_decisions`, each candidate run on `sc`). Returns the smallest failing list and the
+/// runs it took.
 pub fn shrink_schedule(
     sc: &Scenario,
     base: &RunOptions,
@@ -240,15 +239,32 @@ pub fn shrink_schedule(
     oracle: OracleKind,
     budget: Budget,
 ) -> (Vec<u8>, u32) {
-    let meter = Meter::new(budget);
-    let mut best = decisions.to_vec();
     let mut runs = 0;
-    let fails = |d: &[u8], runs: &mut u32| {
+    let best = shrink_decisions(decisions, budget, |d| {
         let opts = RunOptions {
             schedule: Some(Source::Replay(d.to_vec())),
             ..base.clone()
         };
-        fails_with(sc, &opts, oracle, runs)
+        fails_with(sc, &opts, oracle, &mut runs)
+    });
+    (best, runs)
+}
+
+/// Shrinks a list of schedule decisions under which `fails` holds, within `budget` (counted
+/// in calls of `fails`): shorter lists first (decisions past the end are 0: every op starts as
+/// soon as it can, every query answers as the clock says), then runs of decisions set to 0,
+/// halving the run length down to single decisions. Returns the smallest list found.
+pub fn shrink_decisions(
+    decisions: &[u8],
+    budget: Budget,
+    mut fails: impl FnMut(&[u8]) -> bool,
+) -> Vec<u8> {
+    let meter = Meter::new(budget);
+    let mut best = decisions.to_vec();
+    let mut runs = 0;
+    let mut fails = |d: &[u8], runs: &mut u32| {
+        *runs += 1;
+        fails(d)
     };
     // Shorter: keep the first half, quarter, ... while it still fails.
     let mut keep = best.len() / 2;
@@ -260,7 +276,7 @@ pub fn shrink_schedule(
             break;
         }
     }
-    // Runs of held ops released, coarse to fine (ddmin's complement step, on a list).
+    // Runs of decisions set to 0, coarse to fine (ddmin's complement step, on a list).
     let mut chunk = best.len().max(1).next_power_of_two() / 2;
     while chunk >= 1 && !meter.spent(runs) {
         let mut at = 0;
@@ -280,5 +296,5 @@ pub fn shrink_schedule(
     while best.last() == Some(&0) {
         best.pop();
     }
-    (best, runs)
+    best
 }

@@ -209,3 +209,126 @@ fn a_schedule_is_explored_replayed_and_shrunk() {
         Some(OracleKind::Race)
     );
 }
+
+/// A race that needs a query to answer Done inside its window, at the `Device` seam. The host
+/// program below has a check-then-act bug of a common kind: it polls the compute stream's event
+/// once and, when the compute stream is done, reads the pinned buffer that a load-stream copy
+/// writes, as if the whole device were idle; when it is not, it synchronises the copy first
+/// (correct). At the poll the kernel (4 to 6 µs, started 3.75 µs earlier) is still running by
+/// the clock, so the clock's answers (every decision 0) never take the buggy path; a schedule
+/// whose query-early decision ends the kernel at the poll does, and the race detector reports
+/// the host's read against the copy's write. The race is found by exploring schedules as
+/// `--schedules` does, replayed exactly from its recorded decisions, and shrunk
+/// (`shrink_decisions`) to a list whose one query-early decision it needs.
+#[test]
+fn a_race_that_needs_a_query_answered_early_is_found_replayed_and_shrunk() {
+    use tierkv_engine::device::{
+        BufferDesc, BufferRole, Device, EventState, LinearCopy, MemoryTier, Op, Region, StreamKind,
+        TopK,
+    };
+    use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+    use tierkv_sim::gpu::{GpuOptions, SimGpu};
+    use tierkv_sim::schedule::{Kind, Policy};
+    use tierkv_sim::shrink::shrink_decisions;
+
+    struct Ran {
+        race: bool,
+        hash: u64,
+        decisions: Vec<u8>,
+        kinds: Vec<Kind>,
+    }
+    let program = |schedule: Source| -> Ran {
+        let opts = GpuOptions {
+            schedule,
+            ..Default::default()
+        };
+        let mut gpu = SimGpu::new(9, opts).expect("a simulated GPU");
+        let mut buffer = |tier: MemoryTier, bytes: u64| {
+            let buffer = gpu
+                .alloc(BufferDesc {
+                    role: BufferRole::Scratch { name: "acceptance" },
+                    tier,
+                    bytes: Bytes(bytes),
+                    fingerprint: LayoutFingerprint::unpaged(bytes),
+                })
+                .expect("a buffer");
+            Region {
+                buffer,
+                offset: Bytes::ZERO,
+                bytes: Bytes(bytes),
+            }
+        };
+        let (src, pinned) = (
+            buffer(MemoryTier::Device, 4096),
+            buffer(MemoryTier::PinnedHost, 4096),
+        );
+        let (logits, out) = (
+            buffer(MemoryTier::Device, 64 * 4),
+            buffer(MemoryTier::Device, 8 * 4),
+        );
+        let topk = Op::TopK(TopK {
+            k: 8,
+            logits,
+            stride: 64,
+            context_lens: vec![64],
+            page_table: vec![0],
+            pt_stride: 1,
+            out,
+        });
+        let loaded = gpu.new_event().expect("an event");
+        let computed = gpu.new_event().expect("an event");
+        gpu.enqueue(StreamKind::Load, Op::Copy(LinearCopy { src, dst: pinned }))
+            .expect("a copy");
+        gpu.record(StreamKind::Load, loaded).expect("a record");
+        gpu.enqueue(StreamKind::Compute, topk).expect("a kernel");
+        gpu.record(StreamKind::Compute, computed).expect("a record");
+        // The bug: the compute stream being done says nothing of the load stream.
+        if gpu.query(computed) != EventState::Done {
+            gpu.synchronize(loaded);
+        }
+        let mut bytes = vec![0u8; 4096];
+        gpu.host_read(pinned.buffer, Bytes::ZERO, &mut bytes)
+            .expect("a host read");
+        gpu.drain();
+        Ran {
+            race: gpu.findings.iter().any(|f| f.oracle == OracleKind::Race),
+            hash: gpu.log_hash(),
+            decisions: gpu.take_schedule(),
+            kinds: gpu.take_decision_kinds(),
+        }
+    };
+
+    let clock = program(Source::Replay(Vec::new()));
+    assert!(!clock.race, "the clock's answers take the correct path");
+    let ops = clock.decisions.len() as u64;
+    let found = (1..=16)
+        .map(|index| {
+            let policy = explore_policy(index, Policy::RandomWalk, ops);
+            program(Source::Draw { index, policy })
+        })
+        .find(|r| r.race)
+        .expect("one of schedules 1..=16 finds the race");
+
+    let again = program(Source::Replay(found.decisions.clone()));
+    assert!(again.race);
+    assert_eq!(
+        again.hash, found.hash,
+        "a recorded schedule replays exactly"
+    );
+
+    let small = shrink_decisions(&found.decisions, Budget::Runs(100), |d| {
+        program(Source::Replay(d.to_vec())).race
+    });
+    let shrunk = program(Source::Replay(small.clone()));
+    assert!(shrunk.race, "{small:?}");
+    let early: Vec<usize> = (0..small.len())
+        .filter(|&i| small[i] != 0 && shrunk.kinds[i] == Kind::QueryEarly)
+        .collect();
+    assert_eq!(early.len(), 1, "{small:?} {:?}", shrunk.kinds);
+    let mut without = small.clone();
+    without[early[0]] = 0;
+    assert!(
+        !program(Source::Replay(without)).race,
+        "the race needs its query answered early"
+    );
+}
