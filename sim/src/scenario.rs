@@ -236,8 +236,8 @@ pub struct ScenarioError {
 /// and time (the simulator runs every op on real bytes).
 pub mod limits {
     /// Device pools, step scratch and host mirror together, in bytes: 4 GiB, which the
-    /// scenarios `drawn_scenarios_are_valid` (`sim/tests/it/main.rs`) draws all fit (the
-    /// production profile's go over 1 GiB, the limit before).
+    /// scenarios `drawn_scenarios_are_valid_and_read_back_exactly` (`sim/tests/it/main.rs`)
+    /// draws all fit (the production profile's go over 1 GiB, the limit before).
     pub const SIM_MEMORY_BYTES_MAX: u64 = 4 << 30;
     pub const PCT_DEPTH_MAX: u32 = 64;
     pub const JITTER_NS_MAX: u64 = 1_000_000_000;

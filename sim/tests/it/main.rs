@@ -589,7 +589,7 @@ fn without_context_faults_a_fault_stays_on_its_stream() {
 /// which stopped any campaign over it, and production seed 15 drew pools over the simulator's
 /// memory limit of then, so that its saved scenario could not be replayed.)
 #[test]
-fn drawn_scenarios_are_valid() {
+fn drawn_scenarios_are_valid_and_read_back_exactly() {
     for (profile, seeds) in [
         ("swarm", 20_000),
         ("sessions", 2_000),
@@ -602,6 +602,20 @@ fn drawn_scenarios_are_valid() {
             let sc = tierkv_sim::scenario::draw(seed, profile, None);
             if let Err(e) = sc.validate() {
                 panic!("{profile} seed {seed} drew an invalid scenario: {e}");
+            }
+            // A scenario file replays the scenario it was written from: every rate and every
+            // other number reads back exactly, so the fingerprint a schedule names still
+            // matches (serde_json's `float_roundtrip`; without it, sessions seed 24's
+            // failed_kernel_rate read back one ulp off).
+            if seed % 8 == 0 {
+                let text = serde_json::to_string_pretty(&sc).expect("a scenario serialises");
+                let back: tierkv_sim::scenario::Scenario =
+                    serde_json::from_str(&text).expect("a scenario reads back");
+                assert_eq!(
+                    back.fingerprint(),
+                    sc.fingerprint(),
+                    "{profile} seed {seed} does not read back as written"
+                );
             }
         }
     }
