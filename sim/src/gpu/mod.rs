@@ -4,11 +4,11 @@
 //! What it guarantees is exactly what CUDA guarantees: ops of one stream run in order; across
 //! streams only events order them (a wait waits for the event's most recent record at the time of
 //! the wait call; an event never recorded is complete). Everything else is chosen: how long an op
-//! that could start is held is the schedule's decision (see `schedule`); how long it runs
-//! (latency and bandwidth models, slow copies) and whether a copy or a kernel launch fails are
-//! drawn from the GPU's seeded generator with the scenario's rates, in the order ops are
-//! enqueued and records complete (so they move with the schedule). An op's data effect — its reads and its writes —
-//! happens at its completion, so an op that a missing wait leaves unordered really reads stale
+//! that could start is held, whether a host query inside a jitter's window answers early or late,
+//! and when a load-stream callback runs are the schedule's decisions (see `schedule`); how long
+//! an op runs (latency and bandwidth models, slow copies) and whether it fails, hangs or tears are
+//! drawn with the scenario's rates for the call's identity (`timing.rs`). An op's data effect —
+//! its reads and its writes — happens at its completion, so an op that a missing wait leaves unordered really reads stale
 //! bytes in the schedules where it completes first.
 //!
 //! Checks made here: the race detector at every enqueue and host access; the layout check of
