@@ -437,7 +437,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
             out.findings
                 .extend(determinism::rerun(&sc, &ropts, out.log_hash));
         }
-        // More schedules of the same scenario, PCT over schedule 0's op starts.
+        // More schedules of the same scenario, PCT over schedule 0's decisions.
         let ops = out.decisions.len() as u64;
         let mut failed = out.failed();
         if tx.send((out, thread_cpu().saturating_sub(began))).is_err() {

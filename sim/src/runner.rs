@@ -135,9 +135,8 @@ pub struct RunOutcome {
     pub rerun: bool,
     /// The schedule it ran under: every decision, in the order made (`schedule`).
     pub decisions: Vec<u8>,
-    /// How many decisions of each kind it made, and the kind of each (`decisions` order).
+    /// How many decisions of each kind it made.
     pub decision_counts: crate::schedule::Counts,
-    pub decision_kinds: Vec<crate::schedule::Kind>,
     /// Which schedule of the seed a campaign ran (0: the scenario's own; `--schedules`), and
     /// the policy that drew it (`None`: the scenario's own).
     pub schedule: u64,
@@ -474,7 +473,6 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 rerun: false,
                 decisions: Vec::new(),
                 decision_counts: Default::default(),
-                decision_kinds: Vec::new(),
                 schedule: 0,
                 policy: None,
             }
@@ -524,7 +522,8 @@ fn start_engine(
         if let Some(s) = &opts.schedule {
             o.schedule = s.clone();
         }
-        // PCT over an unknown op count: about 40 op starts per request and layer.
+        // PCT over an unknown decision count: about 40 op starts (each a hold decision) per
+        // request and layer.
         o.ops_guess = (sc.workload.requests() as u64 * cfg.model.layers as u64 * 40).max(1);
         let mut gpu = SimGpu::new(sc.seed, o)
             .map_err(|e| failed(OracleKind::Engine, format!("simulated GPU: {e}")))?;
@@ -1726,7 +1725,6 @@ impl<'a> Run<'a> {
             probes: tierkv_engine::probe::take(),
             rerun: false,
             decision_counts: gpu.decision_counts(),
-            decision_kinds: gpu.take_decision_kinds(),
             decisions: gpu.take_schedule(),
             schedule: 0,
             policy: None,

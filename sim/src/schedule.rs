@@ -13,8 +13,9 @@
 //! - **query late**: the host queries an event whose record completed within the last jitter and
 //!   which nothing the host has seen orders it after: 1 = Pending (the host looked a little
 //!   early), 0 = Done, as the clock says;
-//! - **callback**: when the host callback of a load-stream record runs, in twelfths of the
-//!   scenario's largest callback delay after the record (only when that delay is not 0).
+//! - **callback**: when the host callback of a load-stream record runs (if it has one), `d`
+//!   elevenths of the scenario's largest callback delay after the record (`d` in 0..=11; only
+//!   when that delay is not 0; one decision per load-stream record).
 //!
 //! Ops' data effects happen at their completion, so these decisions, with the drawn durations,
 //! order one stream's effects against another's and against the host. Durations and faults are
@@ -97,7 +98,7 @@ impl Kind {
 
 /// How many decisions of each kind a run made, and how many of them were not 0 (`Kind::ALL`
 /// order).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts {
     pub made: [u64; 4],
     pub taken: [u64; 4],
@@ -159,7 +160,7 @@ pub struct Schedule {
     /// own; `--schedules N` explores 0..N).
     pub seed: u64,
     /// The fingerprint of the scenario it was recorded on (`fingerprint`): its decisions belong
-    /// to that scenario's op starts.
+    /// to that scenario's decision points.
     pub scenario: u64,
     pub index: u64,
     /// The policy that drew it (informative: a replay follows `decisions` only).
@@ -176,9 +177,9 @@ fn format_1() -> u32 {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ScheduleError {
     #[error(
-        "schedule file format {format} is not this build's ({FORMAT}): format 1 files hold op \
-         holds only, so their decisions would land on other decision points; record the \
-         schedule again with this build"
+        "schedule file format {format} is not this build's ({FORMAT}): its decisions would land \
+         on other decision points (a format-1 file, with no `format` field, holds op holds \
+         only); record the schedule again with this build"
     )]
     OtherFormat { format: u32 },
     #[error("schedule decision {at} is {value}, over the largest decision {DECISION_MAX}")]

@@ -200,7 +200,8 @@ pub fn shrink(sc: &Scenario, oracle: OracleKind, budget: Budget) -> Shrunk {
 }
 
 /// Shrinks `sc`, which fails with `oracle` when run with `opts` (its schedule fixed there: as
-/// the scenario shrinks, each recorded decision applies to whichever op starts at its place).
+/// the scenario shrinks, each recorded decision applies to whichever decision point comes at
+/// its place).
 pub fn shrink_under(
     sc: &Scenario,
     opts: &RunOptions,

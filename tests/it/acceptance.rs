@@ -151,7 +151,7 @@ fn the_same_seed_gives_the_same_event_log() {
 
 /// A schedule is an input of its own. Seed 3 of the sessions profile with the layer wait removed
 /// passes under the scenario's own schedule and fails under one of the next few schedules (PCT
-/// and random walks, PCT over schedule 0's op starts); the failing run's recorded decisions
+/// and random walks, PCT over schedule 0's decisions); the failing run's recorded decisions
 /// replay it exactly, and a shrunk list of them still fails.
 #[test]
 fn a_schedule_is_explored_replayed_and_shrunk() {
@@ -214,7 +214,7 @@ fn a_schedule_is_explored_replayed_and_shrunk() {
 /// program below has a check-then-act bug of a common kind: it polls the compute stream's event
 /// once and, when the compute stream is done, reads the pinned buffer that a load-stream copy
 /// writes, as if the whole device were idle; when it is not, it synchronises the copy first
-/// (correct). At the poll the kernel (4 to 6 µs, started 3.75 µs earlier) is still running by
+/// (correct). At the poll the kernel (4 to 6 µs, started 0.75 µs earlier) is still running by
 /// the clock, so the clock's answers (every decision 0) never take the buggy path; a schedule
 /// whose query-early decision ends the kernel at the poll does, and the race detector reports
 /// the host's read against the copy's write. The race is found by exploring schedules as

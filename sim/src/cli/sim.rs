@@ -75,7 +75,7 @@ pub struct SimArgs {
     #[arg(long, conflicts_with = "shrink_secs")]
     pub shrink_runs: Option<u32>,
     /// Schedules to run per seed, 1..=4096: the scenario's own, then PCT of depth 1, 2 and 3 and
-    /// a random walk in turn (PCT's change points spread over the first schedule's op starts).
+    /// a random walk in turn (PCT's change points spread over the first schedule's decisions).
     #[arg(long, default_value_t = 1)]
     pub schedules: u64,
     /// Replay a recorded schedule (the JSON a failure writes) on `--seed` or `--replay`.
@@ -355,7 +355,7 @@ fn shrink_and_report(
             let base = run_options(args, false);
             let (d, runs) = shrink_schedule(sc, &base, &out.decisions, oracle, budget.half());
             println!(
-                "  schedule shrunk in {runs} runs from {} to {} decisions ({} ops held)",
+                "  schedule shrunk in {runs} runs from {} to {} decisions ({} not 0)",
                 out.decisions.len(),
                 d.len(),
                 d.iter().filter(|&&x| x != 0).count()

@@ -8,8 +8,8 @@
 //! and when a load-stream callback runs are the schedule's decisions (see `schedule`); how long
 //! an op runs (latency and bandwidth models, slow copies) and whether it fails, hangs or tears are
 //! drawn with the scenario's rates for the call's identity (`timing.rs`). An op's data effect —
-//! its reads and its writes — happens at its completion, so an op that a missing wait leaves unordered really reads stale
-//! bytes in the schedules where it completes first.
+//! its reads and its writes — happens at its completion, so an op that a missing wait leaves
+//! unordered really reads stale bytes in the schedules where it completes first.
 //!
 //! Checks made here: the race detector at every enqueue and host access; the layout check of
 //! every op at enqueue (buffer descriptors never change after allocation, so it is not made
@@ -51,7 +51,7 @@ use tierkv_kernels::cpu::{row_hash, KeyBlock, PageKeys};
 pub struct GpuOptions {
     /// Where the scheduling decisions come from (`schedule`).
     pub schedule: Source,
-    /// The op-start count PCT spreads its change points over when its policy does not know it.
+    /// The decision count PCT spreads its change points over when its policy does not know it.
     pub ops_guess: u64,
     /// Host cost of one API call (launch overhead), ns.
     pub launch_ns: u64,
@@ -61,7 +61,8 @@ pub struct GpuOptions {
     /// Copy time model (PCIe): latency plus bytes / bandwidth.
     pub copy_latency_ns: u64,
     pub copy_bytes_per_ns: f64,
-    /// The scheduler's unit of hold: a decision `d` holds a ready op `d / 4` of it, ns.
+    /// The scheduler's unit of hold (a hold decision `d` holds a ready op `d / 4` of it) and
+    /// the width of a query's windows (`schedule::Kind::QueryEarly`, `QueryLate`), ns.
     pub jitter_ns: u64,
     /// Probability that a copy is slow, and how much slower.
     pub slow_copy_rate: f64,
@@ -107,12 +108,14 @@ pub struct GpuOptions {
     pub torn_copy_rate: f64,
     /// The longest delay between a load-stream record's completion and its host callback, ns
     /// (0: at once). The production runtime queues a host callback after a record on the load
-    /// stream (when the event's ring slot is free), which signals the completion ring; the simulated driver (`driver.rs`) runs
-    /// it at the drawn time, in order (CUDA runs a stream's callbacks in order) but late
-    /// against the other streams' completions, which the host can observe first. A record whose
-    /// slot's previous callback has not run gets no ticket: `query` asks the driver, and
-    /// `query` and `synchronize` stay exact, as `cuEventQuery` is. (Engines on the simulated GPU
-    /// directly have no callbacks: the delay only orders the `observed` probe.)
+    /// stream (when the event's ring slot is free), which signals the completion ring; the
+    /// simulated driver (`driver.rs`) runs it when the schedule's callback decision says, in
+    /// order (CUDA runs a stream's callbacks in order) but late against the other streams'
+    /// completions, which the host can observe first. A record whose slot's previous callback
+    /// has not run gets no ticket: `query` asks the driver. `synchronize` stays exact, as
+    /// `cuEventSynchronize` is; `query` answers by the clock except inside a jitter's windows,
+    /// where the schedule decides (`schedule::Kind`). (Engines on the simulated GPU directly
+    /// have no callbacks: the delay only orders the `observed` probe.)
     pub completion_delay_ns: u64,
     /// Probability that a call of the simulated driver (`driver.rs`) is refused by a fault of
     /// its own, once the engine is built (`SimGpu::arm_driver_faults`): allocations and event

@@ -112,16 +112,18 @@ impl SimGpu {
         }
     }
 
-    /// When the host callback of a record of stream `s` completed at `t` runs: at once, or, for
-    /// load-stream records, after a delay the schedule decides (a callback decision, in twelfths
-    /// of `completion_delay_ns`), never before the stream's previous callback.
+    /// When the host callback of a record of stream `s` completed at `t` runs (if it has one): at
+    /// once, or, for load-stream records, after a delay the schedule decides (a callback
+    /// decision `d` in 0..=`DECISION_MAX`: `d / DECISION_MAX` of `completion_delay_ns`), never
+    /// before the stream's previous callback. The decision is made for every load-stream
+    /// record, whether or not a host callback follows it.
     pub(super) fn seen_at(&mut self, s: usize, t: u64) -> u64 {
         let max = self.opts.completion_delay_ns;
         if max == 0 || s % 3 != StreamKind::Load.index() {
             return t;
         }
         let d = self.sched.point(Kind::Callback, s) as u64;
-        let at = (t + max / DECISION_MAX as u64 * d).max(self.streams[s].last_seen);
+        let at = (t + max * d / DECISION_MAX as u64).max(self.streams[s].last_seen);
         self.streams[s].last_seen = at;
         at
     }
@@ -137,11 +139,13 @@ impl SimGpu {
         }
         let s = r.stream;
         let st = &self.streams[s];
-        let Some((start, end)) = st.running.as_ref().map(|(_, a, b)| (*a, *b)) else {
+        let Some((start, end, hung)) = st.running.as_ref().map(|(o, a, b)| (*a, *b, o.hung)) else {
             return false;
         };
+        // A hung op ends when the watchdog gives up on it, a timer the device's speed does not
+        // move.
         let next = matches!(st.queue.front(), Some(Entry::Record(x)) if *x == rec);
-        if !next || start > now || end <= now || end - now > self.opts.jitter_ns {
+        if hung || !next || start > now || end <= now || end - now > self.opts.jitter_ns {
             return false;
         }
         if self.sched.point(Kind::QueryEarly, s) == 0 {
@@ -149,12 +153,16 @@ impl SimGpu {
         }
         probes::hit(SimProbe::QueryAnsweredEarly);
         // The op ends now: its queue entry goes, and it completes as if it had been drawn this
-        // long. (The heap holds at most one entry per stream, its running op's.)
+        // long. The heap holds one entry per running op (`advance_stream` pushes it).
+        let before = self.heap.len();
         self.heap.retain(|Reverse((_, _, o))| *o != s);
-        if let Some(run) = self.streams[s].running.as_mut() {
-            run.2 = now;
-        }
-        self.log(&[17, s as u64, rec, now]);
+        assert_eq!(
+            self.heap.len() + 1,
+            before,
+            "stream {s}'s running op has one heap entry"
+        );
+        self.streams[s].running.as_mut().expect("checked above").2 = now;
+        self.log(&[18, s as u64, rec, now]);
         self.complete(s, now);
         self.pump(now);
         assert_eq!(

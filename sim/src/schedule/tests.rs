@@ -36,11 +36,21 @@ fn indices_draw_independent_schedules() {
 #[test]
 fn pct_holds_streams_by_priority_with_depth_minus_one_changes() {
     let d = draw(Policy::Pct { depth: 1, ops: 90 }, 5, 90);
+    let mut first = 0;
     for s in 0..3 {
         let bands: std::collections::BTreeSet<u8> =
             d.iter().skip(s).step_by(3).map(|x| x / 4).collect();
         assert_eq!(bands.len(), 1, "stream {s}: {d:?}");
+        // The highest stream kind's ops start as soon as they can.
+        if bands.contains(&0) {
+            assert!(
+                d.iter().skip(s).step_by(3).all(|&x| x == 0),
+                "stream {s}: {d:?}"
+            );
+            first += 1;
+        }
     }
+    assert_eq!(first, 1, "one stream kind ranks first: {d:?}");
     let policy = Policy::Pct { depth: 3, ops: 90 };
     let mut s = Decider::new(9, Source::Draw { index: 2, policy }, 0);
     assert_eq!(s.change_points.len(), 2);
