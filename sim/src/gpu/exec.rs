@@ -214,7 +214,9 @@ impl SimGpu {
             }
             self.bump_generations(a.range);
         }
-        for (buf, page, rows) in rec.op.spec().full_rows() {
+        // `full_rows`, not the op's own: a linear copy into a paged buffer (one run of a page
+        // copy, `CopyStrategy::MemcpyRuns`) leaves its pages garbage too.
+        for (buf, page, rows) in self.full_rows(&rec.op) {
             *self.tainted.entry((buf, page)).or_default() |= rows;
         }
     }

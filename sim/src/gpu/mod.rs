@@ -542,7 +542,8 @@ impl SimGpu {
     pub(crate) fn note_refused(&mut self, stream: StreamKind, op: &Op) {
         let s = stream_index(self.side, stream);
         self.record_log.refused_after[s].push(self.record_log.made[s]);
-        for (buf, page, rows) in op.spec().full_rows() {
+        // `full_rows`: a refused run of a page copy (a linear copy) leaves its pages too.
+        for (buf, page, rows) in self.full_rows(op) {
             *self.tainted.entry((buf, page)).or_default() |= rows;
         }
     }
