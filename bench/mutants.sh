@@ -5,10 +5,12 @@
 #
 # Stage 1 tests every mutant of the shard with the engine's own tests (its unit tests and
 # engine/tests/it): a mutant there takes about 10 s on a 2-core box. Stage 2 takes the mutants
-# stage 1 missed, by name, and tests them with the simulator's unit tests (every test under a
-# `tests::` module), its default test campaign (`fixed_seeds_have_no_findings`: 24 swarm seeds,
-# and every coverage probe hit) and the prefill/decode pairs' campaign
-# (`pd_pairs_have_no_findings`). A mutant is caught when either
+# stage 1 missed, by name, and tests them with the simulator's unit tests and every test of its
+# `tests/it` (the default test campaign `fixed_seeds_have_no_findings`, the pairs' campaign,
+# the fault, schedule and command-line tests; not yet timed as a stage). Shards 0 and
+# 1 (2026-12-04/05) ran a narrower stage 2 (the `tests::` modules and the two campaigns only),
+# which left out the fault, schedule, bad-input and command-line tests.
+# A mutant is caught when either
 # stage's tests fail; both are part of the README's test command. A stage-1 timeout (the
 # engine's tests never end) is a catch too and is not tested again.
 #
@@ -41,7 +43,7 @@ done
 if [ ${#re[@]} -gt 0 ]; then
     cargo mutants -p tierkv-engine "${re[@]}" --build-timeout 900 -o "$out/stage2" \
         --test-package tierkv-sim --timeout 300 \
-        -- --lib --test it -- "tests::" fixed_seeds_have_no_findings pd_pairs_have_no_findings || true
+        -- --lib --test it || true
 fi
 for stage in stage1 stage2; do
     [ -d "$out/$stage/mutants.out" ] || continue
