@@ -1,8 +1,9 @@
 //! Schedules: the simulated GPU's scheduling decisions, kept apart from the scenario.
 //!
 //! A scenario fixes the configuration, the workload, the timing and fault models (latencies,
-//! bandwidths, fault rates) and the seeds of their generators. A schedule fixes every decision
-//! the simulator leaves open, of four kinds ([`Kind`]):
+//! bandwidths, fault rates) and the seeds of their generators. A schedule fixes the decisions
+//! the simulated GPU leaves open, of four kinds ([`Kind`]; arrivals and aborts are the
+//! runner's, not the schedule's):
 //! - **hold**: every time an op could start on a stream (its stream is free and the waits
 //!   before it are satisfied), how many quarter-steps of the scenario's jitter it is held back
 //!   (0 = start now);

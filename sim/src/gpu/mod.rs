@@ -480,6 +480,21 @@ impl SimGpu {
         self.sched.take_kinds()
     }
 
+    /// The host saw record `rec` (of event `ev`) complete at `now`, by a query or a
+    /// synchronisation: it is ordered after the record, and a failure it reports is seen.
+    fn host_saw(&mut self, rec: u64, ev: EventId, now: u64) -> EventState {
+        let r = self.records[&rec];
+        join(&mut self.host_vc, &r.vc);
+        self.observed(rec, now);
+        if !r.failed {
+            return EventState::Done;
+        }
+        if r.counted {
+            self.failure_seen(r.stream, ev);
+        }
+        EventState::Failed
+    }
+
     /// How many decisions of each kind the run made so far.
     pub fn decision_counts(&self) -> crate::schedule::Counts {
         self.sched.counts()
@@ -746,18 +761,7 @@ impl Device for SimGpu {
                         probes::hit(SimProbe::QueryAnsweredLate);
                         EventState::Pending
                     }
-                    Some(at) if at <= now => {
-                        join(&mut self.host_vc, &r.vc);
-                        self.observed(rec, now);
-                        if r.failed {
-                            if r.counted {
-                                self.failure_seen(r.stream, ev);
-                            }
-                            EventState::Failed
-                        } else {
-                            EventState::Done
-                        }
-                    }
+                    Some(at) if at <= now => self.host_saw(rec, ev, now),
                     _ => EventState::Pending,
                 }
             }
@@ -785,18 +789,8 @@ impl Device for SimGpu {
                 if at > self.host.get() {
                     self.host.set(at);
                 }
-                let r = self.records[&rec];
-                join(&mut self.host_vc, &r.vc);
                 let now = self.host.get();
-                self.observed(rec, now);
-                if r.failed {
-                    if r.counted {
-                        self.failure_seen(r.stream, ev);
-                    }
-                    EventState::Failed
-                } else {
-                    EventState::Done
-                }
+                self.host_saw(rec, ev, now)
             }
         };
         let now = self.host.get();
