@@ -22,6 +22,10 @@ pub enum SimProbe {
     QueryAnsweredEarly,
     /// The schedule had the host query a just-passed record before it saw it: Pending late.
     QueryAnsweredLate,
+    /// The schedule had the host resume from a synchronize later than the record it waited for.
+    SyncReturnedLate,
+    /// The schedule had an arrival or abort reach the engine after the step it was due before.
+    ArrivalDeferred,
     /// A record completed carrying a failed copy or launch.
     RecordFailed,
     /// A PCT change point demoted the highest-priority stream.
@@ -114,6 +118,8 @@ impl SimProbe {
         SimProbe::QueryPending,
         SimProbe::QueryAnsweredEarly,
         SimProbe::QueryAnsweredLate,
+        SimProbe::SyncReturnedLate,
+        SimProbe::ArrivalDeferred,
         SimProbe::RecordFailed,
         SimProbe::PctChangePoint,
         SimProbe::FaultCopyFailed,
@@ -162,6 +168,8 @@ impl SimProbe {
             SimProbe::QueryPending => "gpu.query_pending",
             SimProbe::QueryAnsweredEarly => "sched.query_answered_early",
             SimProbe::QueryAnsweredLate => "sched.query_answered_late",
+            SimProbe::SyncReturnedLate => "sched.sync_returned_late",
+            SimProbe::ArrivalDeferred => "sched.arrival_deferred",
             SimProbe::RecordFailed => "gpu.record_reports_failure",
             SimProbe::PctChangePoint => "gpu.pct_change_point",
             SimProbe::FaultCopyFailed => "fault.copy_failed",

@@ -282,6 +282,19 @@ struct SessionState {
     inflight: Option<u64>,
     done: bool,
     appended: u64,
+    /// Its next turn is due and deferred (in `Run::deferred`).
+    deferred: bool,
+}
+
+/// An arrival or abort that reaches the engine a step after it was due.
+#[derive(Clone, Copy, Debug)]
+enum Deferred {
+    /// A one-shot request (workload index) on its `tries`-th try.
+    OneShot { index: usize, tries: u32 },
+    /// A session's next turn.
+    Turn(usize),
+    /// An abort of a request.
+    Abort(u64),
 }
 
 fn engine_error_kind(e: &EngineError) -> OracleKind {
@@ -421,6 +434,9 @@ struct Run<'a> {
     /// One-shots refused by admission control, to be sent again: (due time, index into the
     /// workload, tries so far).
     retries: BTreeSet<(u64, usize, u32)>,
+    /// Arrivals and aborts the schedule deferred to after the step they were due before
+    /// (`schedule::Kind::Arrival`): delivered, in order, before the next step.
+    deferred: Vec<Deferred>,
     /// The scenario's weight update happened (`Scenario::weights_update_ns`).
     weights_updated: bool,
     owners: BTreeMap<u64, Owner>,
@@ -715,6 +731,7 @@ impl<'a> Run<'a> {
                 inflight: None,
                 done: s.turns.is_empty(),
                 appended: 0,
+                deferred: false,
             })
             .collect();
         let mut oneshots: Vec<(u64, usize)> = sc
@@ -739,6 +756,7 @@ impl<'a> Run<'a> {
             oneshots,
             next_oneshot: 0,
             retries: BTreeSet::new(),
+            deferred: Vec::new(),
             weights_updated: false,
             owners: BTreeMap::new(),
             specs: BTreeMap::new(),
@@ -766,6 +784,7 @@ impl<'a> Run<'a> {
     /// per-step oracles, and idle time.
     fn iteration(&mut self) -> Result<(), Stop> {
         let now = self.gpu.borrow().now();
+        self.deferred_arrivals(now)?;
         self.session_arrivals(now)?;
         self.oneshot_arrivals(now)?;
         // Admission control keeps the queue bounded, bursts or not.
@@ -779,41 +798,84 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    /// Session turns that are due: each submits its history plus the turn's appended tokens. A
-    /// turn past the context is still sent (the engine must refuse it) and ends the session.
+    /// What the schedule deferred at the previous step reaches the engine now, in the order it
+    /// was due (no decision is made for it again).
+    fn deferred_arrivals(&mut self, now: u64) -> Result<(), Stop> {
+        for d in std::mem::take(&mut self.deferred) {
+            match d {
+                Deferred::OneShot { index, tries } => self.send_oneshot(now, index, tries)?,
+                Deferred::Turn(i) => {
+                    self.sessions[i].deferred = false;
+                    self.send_turn(now, i)?;
+                }
+                // The request may have ended meanwhile: the abort still reaches the engine, as
+                // a client's abort that crossed its last token would.
+                Deferred::Abort(victim) => self.abort(victim)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the schedule has an arrival or abort due now reach the engine after the coming
+    /// step; if so it is kept in `deferred`.
+    fn defer(&mut self, d: Deferred) -> bool {
+        let later = self.gpu.borrow_mut().arrival_deferred();
+        if later {
+            self.deferred.push(d);
+        }
+        later
+    }
+
+    /// Session turns that are due: each submits its history plus the turn's appended tokens
+    /// (now or, as the schedule decides, after the coming step).
     fn session_arrivals(&mut self, now: u64) -> Result<(), Stop> {
         for i in 0..self.sessions.len() {
-            let st = &mut self.sessions[i];
-            if st.done || st.inflight.is_some() || st.wait_until > now {
+            let st = &self.sessions[i];
+            if st.done || st.inflight.is_some() || st.deferred || st.wait_until > now {
                 continue;
             }
-            let Some(turn) = self.sc.workload.sessions[i].turns.get(st.next_turn) else {
-                st.done = true;
+            if self.sc.workload.sessions[i].turns.len() <= st.next_turn {
+                self.sessions[i].done = true;
                 continue;
-            };
-            let mut prompt = st.history.clone();
-            let stream = 100_000 + i as u64;
-            let appended = st.appended;
-            prompt.extend(
-                (0..turn.append_tokens as u64).map(|k| self.synth.token(stream, appended + k)),
-            );
-            let (generate, append) = (turn.generate, turn.append_tokens as u64);
-            match self.submit(prompt.clone(), generate, Owner::Session(i))? {
-                Ok(id) => {
-                    let st = &mut self.sessions[i];
-                    st.appended += append;
-                    st.history = prompt;
-                    st.inflight = Some(id);
-                }
-                Err(Rejection::Invalid { .. }) => {
-                    // Refused as the runner expected (else `submit` stopped the run).
-                    probes::hit(SimProbe::SessionReachedContext);
-                    self.sessions[i].done = true;
-                }
-                Err(_) => {
-                    probes::hit(SimProbe::ClientRetried);
-                    self.sessions[i].wait_until = now + 500_000;
-                }
+            }
+            if self.defer(Deferred::Turn(i)) {
+                self.sessions[i].deferred = true;
+                continue;
+            }
+            self.send_turn(now, i)?;
+        }
+        Ok(())
+    }
+
+    /// Session `i`'s next turn, which is due. A turn past the context is still sent (the engine
+    /// must refuse it) and ends the session.
+    fn send_turn(&mut self, now: u64, i: usize) -> Result<(), Stop> {
+        let st = &mut self.sessions[i];
+        let Some(turn) = self.sc.workload.sessions[i].turns.get(st.next_turn) else {
+            st.done = true;
+            return Ok(());
+        };
+        let mut prompt = st.history.clone();
+        let stream = 100_000 + i as u64;
+        let appended = st.appended;
+        prompt
+            .extend((0..turn.append_tokens as u64).map(|k| self.synth.token(stream, appended + k)));
+        let (generate, append) = (turn.generate, turn.append_tokens as u64);
+        match self.submit(prompt.clone(), generate, Owner::Session(i))? {
+            Ok(id) => {
+                let st = &mut self.sessions[i];
+                st.appended += append;
+                st.history = prompt;
+                st.inflight = Some(id);
+            }
+            Err(Rejection::Invalid { .. }) => {
+                // Refused as the runner expected (else `submit` stopped the run).
+                probes::hit(SimProbe::SessionReachedContext);
+                self.sessions[i].done = true;
+            }
+            Err(_) => {
+                probes::hit(SimProbe::ClientRetried);
+                self.sessions[i].wait_until = now + 500_000;
             }
         }
         Ok(())
@@ -826,7 +888,9 @@ impl<'a> Run<'a> {
         while self.next_oneshot < self.oneshots.len() && self.oneshots[self.next_oneshot].0 <= now {
             let index = self.oneshots[self.next_oneshot].1;
             self.next_oneshot += 1;
-            self.send_oneshot(now, index, 1)?;
+            if !self.defer(Deferred::OneShot { index, tries: 1 }) {
+                self.send_oneshot(now, index, 1)?;
+            }
         }
         while let Some(&(due, index, tries)) = self.retries.first() {
             if due > now {
@@ -834,7 +898,10 @@ impl<'a> Run<'a> {
             }
             self.retries.pop_first();
             probes::hit(SimProbe::ClientRetried);
-            self.send_oneshot(now, index, tries + 1)?;
+            let tries = tries + 1;
+            if !self.defer(Deferred::OneShot { index, tries }) {
+                self.send_oneshot(now, index, tries)?;
+            }
         }
         Ok(())
     }
@@ -953,6 +1020,7 @@ impl<'a> Run<'a> {
     fn faults(&mut self) -> Result<(), Stop> {
         let arrivals_left = self.next_oneshot < self.oneshots.len()
             || !self.retries.is_empty()
+            || !self.deferred.is_empty()
             || self.sessions.iter().any(|s| !s.done);
         if self.faults_on && !arrivals_left {
             probes::hit_if(
@@ -976,7 +1044,9 @@ impl<'a> Run<'a> {
                 .collect();
             if !loading.is_empty() {
                 let victim = *self.rng.pick(&loading);
-                self.abort(victim)?;
+                if !self.defer(Deferred::Abort(victim)) {
+                    self.abort(victim)?;
+                }
             }
         }
         if self.sc.abort_rate > 0.0
@@ -985,7 +1055,9 @@ impl<'a> Run<'a> {
         {
             let ids: Vec<u64> = self.owners.keys().copied().collect();
             let victim = *self.rng.pick(&ids);
-            self.abort(victim)?;
+            if !self.defer(Deferred::Abort(victim)) {
+                self.abort(victim)?;
+            }
         }
         if self.sc.evict_rate > 0.0 && self.rng.chance(self.sc.evict_rate) {
             let device_pages = self.engine.intake().pools().device_pages.capacity() as u64;
@@ -1599,10 +1671,13 @@ impl<'a> Run<'a> {
             .min();
         let next_shot = self.oneshots.get(self.next_oneshot).map(|o| o.0);
         let next_retry = self.retries.first().map(|r| r.0);
+        // What the schedule deferred is due at the next step.
+        let next_deferred = (!self.deferred.is_empty()).then_some(0);
         match next_session
             .into_iter()
             .chain(next_shot)
             .chain(next_retry)
+            .chain(next_deferred)
             .min()
         {
             Some(t) => {

@@ -1,9 +1,8 @@
-//! Schedules: the simulated GPU's scheduling decisions, kept apart from the scenario.
+//! Schedules: the decisions a run leaves open, kept apart from the scenario.
 //!
 //! A scenario fixes the configuration, the workload, the timing and fault models (latencies,
 //! bandwidths, fault rates) and the seeds of their generators. A schedule fixes the decisions
-//! the simulated GPU leaves open, of four kinds ([`Kind`]; arrivals and aborts are the
-//! runner's, not the schedule's):
+//! of six kinds ([`Kind`]) that the simulated GPU and the runner leave open:
 //! - **hold**: every time an op could start on a stream (its stream is free and the waits
 //!   before it are satisfied), how many quarter-steps of the scenario's jitter it is held back
 //!   (0 = start now);
@@ -16,31 +15,42 @@
 //!   early), 0 = Done, as the clock says;
 //! - **callback**: when the host callback of a load-stream record runs (if it has one), `d`
 //!   elevenths of the scenario's largest callback delay after the record (`d` in 0..=11; only
-//!   when that delay is not 0; one decision per load-stream record).
+//!   when that delay is not 0; one decision per load-stream record);
+//! - **synchronize**: when the host blocked in `synchronize` on a record resumes: `d`
+//!   quarter-jitters after the record completed (0 = at once);
+//! - **arrival**: whether a request's arrival (a one-shot request, a client's retry or a
+//!   session's next turn) or an abort that is due when the runner is about to step the engine
+//!   reaches the engine before that step (0) or just after it (1: at the next step), as a
+//!   message that lands in the engine's queue just after the engine drained it would. A
+//!   deferred arrival or abort is delivered at the next step without another decision.
 //!
 //! Ops' data effects happen at their completion, so these decisions, with the drawn durations,
 //! order one stream's effects against another's and against the host. Durations and faults are
 //! not drawn in sequence: each is keyed by the identity of the call (its stream and its call
 //! number there), so a schedule that reorders calls across streams keeps each call's duration
 //! and fault. (A schedule that changes what the engine enqueues on a stream still changes which
-//! call is which there.)
+//! call is which there. The runner's own draws — which request an abort picks, when the
+//! operator asks for device memory back — are drawn in sequence, one set per step.)
 //!
 //! A schedule is drawn by a policy — a random walk, or PCT (Burckhardt et al., ASPLOS 2010) over
-//! five entities: the three stream kinds (compute, load, write; a prefill/decode pair's two sides
-//! share them), the host thread and the callback thread. PCT gives them a random priority order;
-//! an op that could start is held 0 quarter-jitters when its stream kind ranks first among the
-//! three stream kinds, and `4 · r + U{0..3}` when it ranks `r` = 1 or 2, so a lower kind's ops
-//! start later, but not strictly after (holds are bounded delays in a timed simulation, not a
-//! strict order, so PCT's probability bound is a guide rather than a guarantee); a query in a window answers as the
-//! higher of the host and the record's stream kind would have it (the stream ahead: Done early;
-//! the host ahead: Pending late); a callback is delayed in proportion to the callback thread's
-//! rank among all five. At each of `depth - 1` change points, drawn independently and uniformly
-//! over the decisions of schedule 0 (or an estimate of them), the entity with the highest
-//! priority drops to the lowest and the others move up. A schedule is recorded as the list of
-//! decisions of all kinds in the order they were made. Replaying the list reproduces the run
-//! exactly; a shortened or edited list is still a valid schedule (decisions past its end are 0:
-//! every op starts as soon as it can, every query answers as the clock says, every callback
-//! runs with its record), which is how a failing schedule shrinks on its own.
+//! six entities: the three stream kinds (compute, load, write; a prefill/decode pair's two sides
+//! share them), the host thread, the callback thread and the clients. PCT gives them a random
+//! priority order; an op that could start is held 0 quarter-jitters when its stream kind ranks
+//! first among the three stream kinds, and `4 · r + U{0..3}` when it ranks `r` = 1 or 2, so a
+//! lower kind's ops start later, but not strictly after (holds are bounded delays in a timed
+//! simulation, not a strict order, so PCT's probability bound is a guide rather than a
+//! guarantee); a query in a window answers as the higher of the host and the record's stream
+//! kind would have it (the stream ahead: Done early; the host ahead: Pending late); a callback
+//! is delayed, and a synchronize resumes late, in proportion to the callback thread's (the
+//! host's) rank among all six; an arrival or abort is deferred when the host ranks above the
+//! clients. At each of `depth - 1` change points, drawn independently and uniformly over the
+//! decisions of schedule 0 (or an estimate of them), the entity with the highest priority drops
+//! to the lowest and the others move up. A schedule is recorded as the list of decisions of all
+//! kinds in the order they were made. Replaying the list reproduces the run exactly; a
+//! shortened or edited list is still a valid schedule (decisions past its end are 0: every op
+//! starts as soon as it can, every query answers as the clock says, every callback runs with
+//! its record, every synchronize returns at once, every arrival and abort lands before the
+//! step), which is how a failing schedule shrinks on its own.
 
 use crate::probes::{self, SimProbe};
 use crate::rng::Rng;
@@ -51,9 +61,10 @@ pub const DECISION_MAX: u8 = 11;
 /// Most decisions a schedule file may hold (a run starts fewer ops than its step limit allows).
 pub const DECISIONS_MAX: usize = 1 << 24;
 /// The schedule file format this build writes and replays. Format 2 added the host's decisions
-/// (queries and callbacks) to the list; a format-1 file (no `format` field) holds op holds only,
-/// so its decisions would land on other decision points.
-pub const FORMAT: u32 = 2;
+/// (queries and callbacks) to the list, format 3 the synchronize and arrival decisions; a file
+/// of another format would have its decisions land on other decision points (a format-1 file,
+/// with no `format` field, holds op holds only).
+pub const FORMAT: u32 = 3;
 
 /// What a decision is about (the module header says what each value means).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,14 +73,21 @@ pub enum Kind {
     QueryEarly,
     QueryLate,
     Callback,
+    Sync,
+    Arrival,
 }
 
+/// How many kinds of decision there are.
+pub const KINDS: usize = 6;
+
 impl Kind {
-    pub const ALL: [Kind; 4] = [
+    pub const ALL: [Kind; KINDS] = [
         Kind::Hold,
         Kind::QueryEarly,
         Kind::QueryLate,
         Kind::Callback,
+        Kind::Sync,
+        Kind::Arrival,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -77,6 +95,8 @@ impl Kind {
             Kind::QueryEarly => "queries before a record",
             Kind::QueryLate => "queries after a record",
             Kind::Callback => "callbacks",
+            Kind::Sync => "synchronizes",
+            Kind::Arrival => "arrivals and aborts",
         }
     }
     /// What a decision of this kind other than 0 did, for the summary.
@@ -86,13 +106,15 @@ impl Kind {
             Kind::QueryEarly => "answered Done early",
             Kind::QueryLate => "answered Pending late",
             Kind::Callback => "delayed",
+            Kind::Sync => "returned late",
+            Kind::Arrival => "after the step",
         }
     }
     /// The largest value of this kind (a replayed value above it counts as this).
     fn max(self) -> u8 {
         match self {
-            Kind::Hold | Kind::Callback => DECISION_MAX,
-            Kind::QueryEarly | Kind::QueryLate => 1,
+            Kind::Hold | Kind::Callback | Kind::Sync => DECISION_MAX,
+            Kind::QueryEarly | Kind::QueryLate | Kind::Arrival => 1,
         }
     }
 }
@@ -101,8 +123,8 @@ impl Kind {
 /// order).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts {
-    pub made: [u64; 4],
-    pub taken: [u64; 4],
+    pub made: [u64; KINDS],
+    pub taken: [u64; KINDS],
 }
 
 impl std::fmt::Display for Counts {
@@ -128,10 +150,11 @@ impl std::fmt::Display for Counts {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Policy {
-    /// Each hold uniform in 0..=4 (up to one jitter); each query in a window answered against
-    /// the clock with probability 1/4; each callback delay uniform in 0..=`DECISION_MAX`.
+    /// Each hold, and each synchronize's lateness, uniform in 0..=4 (up to one jitter); each
+    /// query in a window answered against the clock, and each arrival or abort deferred, with
+    /// probability 1/4; each callback delay uniform in 0..=`DECISION_MAX`.
     RandomWalk,
-    /// PCT of `depth` over the five entities (the module header): at `depth - 1` decisions
+    /// PCT of `depth` over the six entities (the module header): at `depth - 1` decisions
     /// drawn uniformly in `1..ops`, the entity with the highest priority drops to the lowest and
     /// the others move up. `ops` is schedule 0's decision count (the name is older than the
     /// host's decisions: it counted op starts), measured by an earlier run of the same scenario
@@ -260,10 +283,12 @@ impl Default for Source {
     }
 }
 
-/// The entities PCT orders: the three stream kinds, then the host and the callback thread.
-const ENTITIES: usize = 5;
+/// The entities PCT orders: the three stream kinds, then the host, the callback thread and the
+/// clients.
+const ENTITIES: usize = 6;
 const HOST: usize = 3;
 const CALLBACKS: usize = 4;
+const CLIENTS: usize = 5;
 
 /// The scheduler inside the simulated GPU: makes (or replays) each decision and records it.
 #[derive(Clone, Debug)]
@@ -288,7 +313,7 @@ impl Decider {
             Source::Replay(_) => 0,
         };
         let mut rng = Rng::new(seed ^ 0x5C4E_D000 ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut priorities = [0u8, 1, 2, 3, 4];
+        let mut priorities = [0u8, 1, 2, 3, 4, 5];
         for i in (1..ENTITIES).rev() {
             let j = rng.below(i as u64 + 1) as usize;
             priorities.swap(i, j);
@@ -322,7 +347,8 @@ impl Decider {
     }
 
     /// A decision of `kind` about stream `stream` (for a callback, the stream whose record it
-    /// follows): 0 is what the clock says.
+    /// follows; for a synchronize, the stream of the record waited for; ignored for an
+    /// arrival): 0 is what the clock says.
     pub fn point(&mut self, kind: Kind, stream: usize) -> u8 {
         let at = self.recorded.len();
         let d = match &self.source {
@@ -334,6 +360,8 @@ impl Decider {
                 Kind::Hold => self.rng.below(5) as u8,
                 Kind::QueryEarly | Kind::QueryLate => (self.rng.below(4) == 0) as u8,
                 Kind::Callback => self.rng.below(DECISION_MAX as u64 + 1) as u8,
+                Kind::Sync => self.rng.below(5) as u8,
+                Kind::Arrival => (self.rng.below(4) == 0) as u8,
             },
             Source::Draw {
                 policy: Policy::Pct { .. },
@@ -375,6 +403,9 @@ impl Decider {
                     Kind::Callback => {
                         self.priorities[CALLBACKS] * DECISION_MAX / (ENTITIES as u8 - 1)
                     }
+                    Kind::Sync => self.priorities[HOST] * DECISION_MAX / (ENTITIES as u8 - 1),
+                    // The host ahead of the clients: it drains its queue before they send.
+                    Kind::Arrival => (self.priorities[HOST] < self.priorities[CLIENTS]) as u8,
                 }
             }
         };

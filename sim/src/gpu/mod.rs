@@ -495,6 +495,15 @@ impl SimGpu {
         EventState::Failed
     }
 
+    /// Whether an arrival or abort due now reaches the engine after its next step (a schedule
+    /// decision, `schedule::Kind::Arrival`) rather than before it.
+    pub fn arrival_deferred(&mut self) -> bool {
+        probes::hit_if(
+            SimProbe::ArrivalDeferred,
+            self.sched.point(Kind::Arrival, 0) != 0,
+        )
+    }
+
     /// How many decisions of each kind the run made so far.
     pub fn decision_counts(&self) -> crate::schedule::Counts {
         self.sched.counts()
@@ -787,7 +796,10 @@ impl Device for SimGpu {
             Some(rec) => {
                 let at = self.run_until_record(rec);
                 if at > self.host.get() {
-                    self.host.set(at);
+                    // The host blocked: when it resumes after the record is the schedule's.
+                    let late = self.sched.point(Kind::Sync, self.records[&rec].stream) as u64;
+                    probes::hit_if(SimProbe::SyncReturnedLate, late > 0);
+                    self.host.set(at + late * self.opts.jitter_ns / 4);
                 }
                 let now = self.host.get();
                 self.host_saw(rec, ev, now)

@@ -59,7 +59,7 @@ fn pct_holds_streams_by_priority_with_depth_minus_one_changes() {
         s.decide(i % 3);
         let mut p = s.priorities;
         p.sort_unstable();
-        assert_eq!(p, [0, 1, 2, 3, 4], "priorities stay a permutation");
+        assert_eq!(p, [0, 1, 2, 3, 4, 5], "priorities stay a permutation");
     }
     assert!(s.change_points.is_empty(), "both change points fired");
 }
@@ -68,20 +68,22 @@ fn pct_holds_streams_by_priority_with_depth_minus_one_changes() {
 /// decision's kind is recorded and counted.
 #[test]
 fn replayed_host_decisions_are_clamped_and_counted() {
-    let mut r = Decider::new(7, Source::Replay(vec![9, 9, 0, 11]), 0);
+    let mut r = Decider::new(7, Source::Replay(vec![9, 9, 0, 11, 7, 5]), 0);
     assert_eq!(r.point(Kind::Hold, 0), 9);
     assert_eq!(r.point(Kind::QueryEarly, 1), 1);
     assert_eq!(r.point(Kind::QueryLate, 1), 0);
     assert_eq!(r.point(Kind::Callback, 1), 11);
+    assert_eq!(r.point(Kind::Sync, 1), 7);
+    assert_eq!(r.point(Kind::Arrival, 0), 1);
     assert_eq!(
         r.point(Kind::QueryLate, 2),
         0,
         "past the end: the clock's answer"
     );
-    assert_eq!(r.recorded(), &[9, 1, 0, 11, 0]);
+    assert_eq!(r.recorded(), &[9, 1, 0, 11, 7, 1, 0]);
     let c = r.counts();
-    assert_eq!(c.made, [1, 1, 2, 1]);
-    assert_eq!(c.taken, [1, 1, 0, 1]);
+    assert_eq!(c.made, [1, 1, 2, 1, 1, 1]);
+    assert_eq!(c.taken, [1, 1, 0, 1, 1, 1]);
     assert_eq!(
         r.take_kinds(),
         [
@@ -89,6 +91,8 @@ fn replayed_host_decisions_are_clamped_and_counted() {
             Kind::QueryEarly,
             Kind::QueryLate,
             Kind::Callback,
+            Kind::Sync,
+            Kind::Arrival,
             Kind::QueryLate
         ]
     );
@@ -182,4 +186,35 @@ fn a_schedule_belongs_to_its_scenario() {
         s.check_for(sc.seed, sc.fingerprint()),
         Err(ScheduleError::OtherSeed { .. })
     ));
+}
+
+/// PCT of depth 1 defers every arrival or abort or none (the host ahead of the clients, or
+/// behind them), and a synchronize returns late by the host's rank, the same all run; the
+/// random walk defers some and not others.
+#[test]
+fn pct_orders_the_clients_and_the_host() {
+    let (mut deferred, mut on_time) = (0, 0);
+    for index in 0..24 {
+        let policy = Policy::Pct { depth: 1, ops: 90 };
+        let mut s = Decider::new(13, Source::Draw { index, policy }, 0);
+        let a = s.point(Kind::Arrival, 0);
+        let sync = s.point(Kind::Sync, 1);
+        for _ in 0..20 {
+            assert_eq!(s.point(Kind::Arrival, 0), a, "schedule {index}");
+            assert_eq!(s.point(Kind::Sync, 2), sync, "schedule {index}");
+        }
+        if a == 1 {
+            deferred += 1;
+        } else {
+            on_time += 1;
+        }
+    }
+    assert!(deferred > 0 && on_time > 0, "{deferred} {on_time}");
+    let walk = Source::Draw {
+        index: 1,
+        policy: Policy::RandomWalk,
+    };
+    let mut w = Decider::new(13, walk, 0);
+    let taken: u32 = (0..200).map(|_| w.point(Kind::Arrival, 0) as u32).sum();
+    assert!((20..100).contains(&taken), "about 1 in 4 deferred: {taken}");
 }
