@@ -128,17 +128,66 @@ impl RowHashes {
     }
 }
 
-pub(super) struct PageView<'a> {
-    tainted: &'a crate::fasthash::FastMap<(BufferId, u64), u64>,
-    gen: &'a crate::fasthash::FastMap<(BufferId, u64), u64>,
+/// What the simulator knows the bytes of paged buffers hold, beside the bytes: the token rows
+/// a failed, skipped or refused op left garbage in, each page's write generation (the content
+/// oracle's cache key), and the tokens buffers a skipped `next_tokens` left stale.
+#[derive(Default)]
+pub(super) struct PageMarks {
+    /// Token rows (bit `t` of a page's mask) that hold garbage.
+    tainted: crate::fasthash::FastMap<(BufferId, u64), u64>,
+    /// Writes per paged-buffer page.
+    generation: crate::fasthash::FastMap<(BufferId, u64), u64>,
+    /// Tokens buffers whose last `next_tokens` was skipped (a failed step): what they hold is
+    /// not the tokens of any step.
+    stale_tokens: std::collections::BTreeSet<BufferId>,
 }
 
-impl crate::oracles::content::PageState for PageView<'_> {
+impl PageMarks {
+    /// Rows `rows` (a mask of token rows) of `page` hold garbage.
+    pub(super) fn taint(&mut self, buf: BufferId, page: u64, rows: u64) {
+        *self.tainted.entry((buf, page)).or_default() |= rows;
+    }
+
+    /// Rows `rows` of `page` were written whole: they hold good bytes again.
+    pub(super) fn clean(&mut self, buf: BufferId, page: u64, rows: u64) {
+        if let Some(m) = self.tainted.get_mut(&(buf, page)) {
+            *m &= !rows;
+            if *m == 0 {
+                self.tainted.remove(&(buf, page));
+            }
+        }
+    }
+
+    /// Whether any token row of `page` holds garbage.
+    pub(super) fn any_tainted(&self, buf: BufferId, page: u64) -> bool {
+        self.tainted.contains_key(&(buf, page))
+    }
+
+    /// `page` was written (by any op): its generation moves on.
+    pub(super) fn written(&mut self, buf: BufferId, page: u64) {
+        *self.generation.entry((buf, page)).or_default() += 1;
+    }
+
+    /// A skipped `next_tokens` left `buf` stale (true), or one that ran made it data (false).
+    pub(super) fn set_stale_tokens(&mut self, buf: BufferId, stale: bool) {
+        if stale {
+            self.stale_tokens.insert(buf);
+        } else {
+            self.stale_tokens.remove(&buf);
+        }
+    }
+
+    pub(super) fn stale_tokens(&self, buf: BufferId) -> bool {
+        self.stale_tokens.contains(&buf)
+    }
+}
+
+impl crate::oracles::content::PageState for PageMarks {
     fn tainted_rows(&self, buf: BufferId, page: u64) -> u64 {
         self.tainted.get(&(buf, page)).copied().unwrap_or(0)
     }
     fn generation(&self, buf: BufferId, page: u64) -> u64 {
-        self.gen.get(&(buf, page)).copied().unwrap_or(0)
+        self.generation.get(&(buf, page)).copied().unwrap_or(0)
     }
 }
 
@@ -183,11 +232,9 @@ impl SimGpu {
         let Some(c) = self.content.clone() else {
             return;
         };
-        let view = PageView {
-            tainted: &self.tainted,
-            gen: &self.page_gen,
-        };
-        let found = c.borrow_mut().check_reads(&rec.op, &self.mem, &view);
+        let found = c
+            .borrow_mut()
+            .check_reads(&rec.op, &self.mem, &self.page_marks);
         for (oracle, msg) in found {
             self.finding(
                 oracle,
@@ -208,7 +255,9 @@ impl SimGpu {
             .filter(|a| a.write)
             .enumerate()
         {
-            let garbage = self.keyed_bits(KEY_GARBAGE, s, rec.key.wrapping_mul(64) ^ j as u64);
+            let garbage =
+                self.faults
+                    .keyed_bits(KEY_GARBAGE, s, rec.key.wrapping_mul(64) ^ j as u64);
             for (i, b) in self.mem.range_mut(a.range).iter_mut().enumerate() {
                 *b = (garbage >> ((i % 8) * 8)) as u8 ^ i as u8;
             }
@@ -217,7 +266,7 @@ impl SimGpu {
         // `full_rows`, not the op's own: a linear copy into a paged buffer (one run of a page
         // copy, `CopyStrategy::MemcpyRuns`) leaves its pages garbage too.
         for (buf, page, rows) in self.full_rows(&rec.op) {
-            *self.tainted.entry((buf, page)).or_default() |= rows;
+            self.page_marks.taint(buf, page, rows);
         }
     }
 
@@ -283,12 +332,7 @@ impl SimGpu {
             self.bump_generations(r);
         }
         for (buf, page, rows) in self.full_rows(&rec.op) {
-            if let Some(m) = self.tainted.get_mut(&(buf, page)) {
-                *m &= !rows;
-                if *m == 0 {
-                    self.tainted.remove(&(buf, page));
-                }
-            }
+            self.page_marks.clean(buf, page, rows);
         }
         self.pending_tokens(&rec.op);
         if let Op::PageCopy(_) = rec.op {
@@ -304,7 +348,7 @@ impl SimGpu {
     pub(super) fn pending_tokens(&mut self, op: &Op) {
         let drawn = match op {
             Op::NextTokens(o) => {
-                self.stale_tokens.remove(&o.out.buffer);
+                self.page_marks.set_stale_tokens(o.out.buffer, false);
                 if let Some(c) = &self.content {
                     let got = tierkv_kernels::cpu::numerics::le_u32s(self.mem.region(o.out));
                     let mut c = c.borrow_mut();
@@ -321,14 +365,14 @@ impl SimGpu {
         let Some(t) = drawn.tokens else {
             return;
         };
-        if !self.stale_tokens.contains(&t.buffer) {
+        if !self.page_marks.stale_tokens(t.buffer) {
             return;
         }
         probes::hit(SimProbe::StaleTokensDrawn);
         // A store's full rows are one per slot, in the drawn rows' order.
         for (row, (buf, page, bit)) in drawn.rows.iter().zip(op.spec().full_rows()) {
             if row.pending_index().is_some() {
-                *self.tainted.entry((buf, page)).or_default() |= bit;
+                self.page_marks.taint(buf, page, bit);
             }
         }
     }
@@ -360,7 +404,7 @@ impl SimGpu {
         }
         let pb = desc.fingerprint.page_bytes.max(1);
         for p in r.start.0 / pb..r.end.0.div_ceil(pb) {
-            *self.page_gen.entry((r.buffer, p)).or_default() += 1;
+            self.page_marks.written(r.buffer, p);
         }
     }
 }

@@ -23,7 +23,7 @@ mod streams;
 mod timing;
 mod trace;
 
-use exec::Executor;
+use exec::{Executor, PageMarks};
 use timing::*;
 pub use trace::{entity_name, op_detail, Mark, Slice};
 
@@ -323,13 +323,9 @@ pub struct SimGpu {
     host_vc: Vc,
     host_actions: u64,
     race: RaceDetector,
-    /// Token rows (bit `t` of a page's mask) that a failed copy left garbage in.
-    tainted: crate::fasthash::FastMap<(BufferId, u64), u64>,
-    /// Tokens buffers whose last `next_tokens` was skipped (a failed step): what they hold is
-    /// not the tokens of any step.
-    stale_tokens: std::collections::BTreeSet<BufferId>,
-    /// Writes per paged-buffer page (the content oracle's cache key).
-    page_gen: crate::fasthash::FastMap<(BufferId, u64), u64>,
+    /// What the bytes hold beside the bytes: garbage rows, write generations, stale tokens
+    /// (`exec.rs`).
+    page_marks: PageMarks,
     sched: Decider,
     pub findings: Vec<Finding>,
     pub races: Vec<Race>,
@@ -366,10 +362,8 @@ pub struct SimGpu {
     /// Per side, the fault that left the whole side in error (`GpuOptions::context_faults`,
     /// a hang), until the engine recovers it.
     in_error: [Option<DeviceFault>; 2],
-    /// The seed of the keyed fault draws.
-    fault_key: u64,
-    /// The simulated driver's own faults are drawn (`arm_driver_faults`).
-    driver_armed: bool,
+    /// The fault and timing model (`timing.rs`).
+    faults: FaultModel,
 }
 
 /// The engine's clock inside the simulation: the host's virtual time.
@@ -387,6 +381,7 @@ impl SimGpu {
     /// there is none, or the build has no CUDA).
     pub fn new(seed: u64, opts: GpuOptions) -> Result<SimGpu, DeviceError> {
         let sched = Decider::new(seed, opts.schedule.clone(), opts.ops_guess);
+        let faults = FaultModel::new(seed, &opts);
         let cuda = opts.cuda;
         let mut g = SimGpu {
             mem: Memory::default(),
@@ -404,9 +399,7 @@ impl SimGpu {
             host_vc: [0; crate::race::ENTITIES],
             host_actions: 0,
             race: RaceDetector::default(),
-            tainted: Default::default(),
-            stale_tokens: Default::default(),
-            page_gen: Default::default(),
+            page_marks: PageMarks::default(),
             sched,
             findings: Vec::new(),
             races: Vec::new(),
@@ -427,8 +420,7 @@ impl SimGpu {
             shadow_arena: Vec::new(),
             exec: Executor::Cpu(Box::default()),
             in_error: [None; 2],
-            fault_key: tierkv_kernels::cpu::numerics::mix64(seed ^ 0xFA17_0000),
-            driver_armed: false,
+            faults,
         };
         if cuda {
             g.exec = Executor::cuda()?;
@@ -568,7 +560,7 @@ impl SimGpu {
         self.record_log.refused_after[s].push(self.record_log.made[s]);
         // `full_rows`: a refused run of a page copy (a linear copy) leaves its pages too.
         for (buf, page, rows) in self.full_rows(op) {
-            *self.tainted.entry((buf, page)).or_default() |= rows;
+            self.page_marks.taint(buf, page, rows);
         }
     }
 
@@ -656,7 +648,7 @@ impl SimGpu {
 
     /// Whether any token row of this page holds bytes from a failed copy.
     pub fn is_tainted(&self, b: BufferId, page: PageId) -> bool {
-        self.tainted.contains_key(&(b, page.0 as u64))
+        self.page_marks.any_tainted(b, page.0 as u64)
     }
 }
 
@@ -884,7 +876,7 @@ impl SimGpu {
             );
             return Err(e);
         }
-        if self.opts.context_faults || self.opts.hang_rate > 0.0 {
+        if self.opts.context_faults || self.faults.hangs() {
             let now = self.host.get();
             self.pump(now);
         }
@@ -909,10 +901,7 @@ impl SimGpu {
         if class != OpClass::PageCopy {
             self.refuse_in_error(18)?;
         }
-        if class == OpClass::Kernel
-            && self.opts.refused_launch_rate > 0.0
-            && self.keyed(KEY_LAUNCH_REFUSED, s, n) < self.opts.refused_launch_rate
-        {
+        if class == OpClass::Kernel && self.faults.launch_refused(s, n) {
             probes::hit(SimProbe::FaultLaunchRefused);
             self.log(&[19, s as u64, n]);
             return Err(DeviceError::OutOfMemory {
@@ -931,11 +920,7 @@ impl SimGpu {
             self.note_asked(stream, &op);
         }
         let in_error = class == OpClass::PageCopy && self.refuse_in_error(20).is_err();
-        if in_error
-            || (class == OpClass::PageCopy
-                && self.opts.failed_enqueue_rate > 0.0
-                && self.keyed(KEY_ENQUEUE_REFUSED, s, n) < self.opts.failed_enqueue_rate)
-        {
+        if in_error || (class == OpClass::PageCopy && self.faults.enqueue_refused(s, n)) {
             probes::hit_if(SimProbe::FaultEnqueueFailed, !in_error);
             self.log(&[12, s as u64]);
             if !launch {
@@ -950,7 +935,7 @@ impl SimGpu {
         }
         // Each op's fault draws are keyed by its enqueue call's number and its half (a torn
         // copy's two ops), so a torn copy does not move the draws of the ops after it.
-        match self.tear(&op, s, n) {
+        match self.faults.tear(&op, s, n) {
             Some((first, second)) => {
                 self.push_op(s, first, 2 * n, args.clone());
                 self.push_op(s, second, 2 * n + 1, args);

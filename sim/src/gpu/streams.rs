@@ -254,7 +254,7 @@ impl SimGpu {
             self.streams[s].skipping = true;
             // Tokens a skipped `next_tokens` should have written are stale.
             if let Op::NextTokens(o) = &rec.op {
-                self.stale_tokens.insert(o.out.buffer);
+                self.page_marks.set_stale_tokens(o.out.buffer, true);
             }
             // What a skipped copy should have written holds whatever was there: garbage; and
             // so does a skipped store's, for an engine running ahead (`ahead`).
@@ -262,7 +262,7 @@ impl SimGpu {
                 || matches!(&rec.op, Op::Copy(c) if self.mem.desc(c.dst.buffer).fingerprint.is_paged());
             if pages_copied || self.ahead {
                 for (buf, page, rows) in self.full_rows(&rec.op) {
-                    *self.tainted.entry((buf, page)).or_default() |= rows;
+                    self.page_marks.taint(buf, page, rows);
                 }
             }
         } else {
@@ -351,7 +351,7 @@ impl SimGpu {
                 self.report_races(races);
             }
         }
-        let (duration, fail, hung) = self.duration(&op, s, key);
+        let (duration, fail, hung) = self.faults.duration(&op, s, key);
         self.log(&[9, s as u64, id, duration, fail as u64]);
         let now = self.host.get();
         self.streams[s].queue.push_back(Entry::Op(Box::new(OpRec {
