@@ -7,7 +7,7 @@ use crate::probes::Coverage;
 use crate::report::{Finding, OracleKind};
 use crate::runner::{run, RunOptions, RunOutcome, RunStats};
 use crate::scenario::{draw, Scenario};
-use crate::schedule::{explore_policy, Policy, Source};
+use crate::schedule::{explore_policy, Kind, Policy, Source};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -437,8 +437,8 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
             out.findings
                 .extend(determinism::rerun(&sc, &ropts, out.log_hash));
         }
-        // More schedules of the same scenario, PCT over schedule 0's decisions.
-        let ops = out.decisions.len() as u64;
+        // More schedules of the same scenario, PCT over schedule 0's op starts.
+        let ops = out.decision_counts.made[Kind::Hold as usize];
         let mut failed = out.failed();
         if tx.send((out, thread_cpu().saturating_sub(began))).is_err() {
             return;

@@ -538,7 +538,7 @@ fn start_engine(
         if let Some(s) = &opts.schedule {
             o.schedule = s.clone();
         }
-        // PCT over an unknown decision count: about 40 op starts (each a hold decision) per
+        // PCT over an unknown op-start count: about 40 op starts (each a hold decision) per
         // request and layer.
         o.ops_guess = (sc.workload.requests() as u64 * cfg.model.layers as u64 * 40).max(1);
         let mut gpu = SimGpu::new(sc.seed, o)

@@ -43,9 +43,10 @@
 //! kind would have it (the stream ahead: Done early; the host ahead: Pending late); a callback
 //! is delayed, and a synchronize resumes late, in proportion to the callback thread's (the
 //! host's) rank among all six; an arrival or abort is deferred when the host ranks above the
-//! clients. At each of `depth - 1` change points, drawn independently and uniformly over the
-//! decisions of schedule 0 (or an estimate of them), the entity with the highest priority drops
-//! to the lowest and the others move up. A schedule is recorded as the list of decisions of all
+//! clients. At each of `depth - 1` change points, drawn independently and uniformly over the op
+//! starts of schedule 0 (its hold decisions, or an estimate of them: the host's decisions vary
+//! far more between scenarios, with how often clients are refused and retry), the entity with
+//! the highest priority drops to the lowest and the others move up. A schedule is recorded as the list of decisions of all
 //! kinds in the order they were made. Replaying the list reproduces the run exactly; a
 //! shortened or edited list is still a valid schedule (decisions past its end are 0: every op
 //! starts as soon as it can, every query answers as the clock says, every callback runs with
@@ -154,12 +155,12 @@ pub enum Policy {
     /// query in a window answered against the clock, and each arrival or abort deferred, with
     /// probability 1/4; each callback delay uniform in 0..=`DECISION_MAX`.
     RandomWalk,
-    /// PCT of `depth` over the six entities (the module header): at `depth - 1` decisions
-    /// drawn uniformly in `1..ops`, the entity with the highest priority drops to the lowest and
-    /// the others move up. `ops` is schedule 0's decision count (the name is older than the
-    /// host's decisions: it counted op starts), measured by an earlier run of the same scenario
-    /// (`--schedules`); 0 when unknown, then estimated from the workload
-    /// (`GpuOptions::ops_guess`), so some change points may fall past the run's end.
+    /// PCT of `depth` over the six entities (the module header): when the run has started a
+    /// number of ops drawn uniformly in `1..ops`, `depth - 1` times, the entity with the highest
+    /// priority drops to the lowest and the others move up. `ops` is schedule 0's op starts (its
+    /// hold decisions), measured by an earlier run of the same scenario (`--schedules`); 0 when
+    /// unknown, then estimated from the workload (`GpuOptions::ops_guess`), so some change
+    /// points may fall past the run's end.
     Pct { depth: u32, ops: u64 },
 }
 
@@ -167,8 +168,8 @@ impl std::fmt::Display for Policy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
             Policy::RandomWalk => write!(f, "random walk"),
-            Policy::Pct { depth, ops: 0 } => write!(f, "pct d={depth} over estimated decisions"),
-            Policy::Pct { depth, ops } => write!(f, "pct d={depth} over {ops} decisions"),
+            Policy::Pct { depth, ops: 0 } => write!(f, "pct d={depth} over estimated op starts"),
+            Policy::Pct { depth, ops } => write!(f, "pct d={depth} over {ops} op starts"),
         }
     }
 }
@@ -296,7 +297,7 @@ pub struct Decider {
     source: Source,
     rng: Rng,
     /// PCT: the entities' priorities (0 = highest; `ENTITIES` order) and the remaining change
-    /// points, ascending.
+    /// points (op-start counts), ascending.
     priorities: [u8; ENTITIES],
     change_points: Vec<u64>,
     recorded: Vec<u8>,
@@ -306,7 +307,7 @@ pub struct Decider {
 }
 
 impl Decider {
-    /// `ops_guess` stands in for an unknown decision count under PCT.
+    /// `ops_guess` stands in for an unknown op-start count under PCT.
     pub fn new(seed: u64, source: Source, ops_guess: u64) -> Decider {
         let index = match source {
             Source::Draw { index, .. } => index,
@@ -367,11 +368,9 @@ impl Decider {
                 policy: Policy::Pct { .. },
                 ..
             } => {
-                while self
-                    .change_points
-                    .first()
-                    .is_some_and(|&cp| cp <= at as u64)
-                {
+                // Change points count op starts (hold decisions made before this one).
+                let starts = self.counts.made[Kind::Hold as usize];
+                while self.change_points.first().is_some_and(|&cp| cp <= starts) {
                     probes::hit(SimProbe::PctChangePoint);
                     self.change_points.remove(0);
                     let top = (0..ENTITIES)
@@ -440,7 +439,7 @@ impl Decider {
 
 /// The policy of schedule `index` when `--schedules` explores a scenario: schedule 0 is the
 /// scenario's own; then PCT of depth 1, 2, 3 and a random walk in turn, PCT over `ops` (the
-/// decisions of schedule 0).
+/// op starts of schedule 0).
 pub fn explore_policy(index: u64, own: Policy, ops: u64) -> Policy {
     match index {
         0 => own,

@@ -151,7 +151,7 @@ fn the_same_seed_gives_the_same_event_log() {
 
 /// A schedule is an input of its own. Seed 3 of the sessions profile with the layer wait removed
 /// passes under the scenario's own schedule and fails under one of the next few schedules (PCT
-/// and random walks, PCT over schedule 0's decisions); the failing run's recorded decisions
+/// and random walks, PCT over schedule 0's op starts); the failing run's recorded decisions
 /// replay it exactly, and a shrunk list of them still fails.
 #[test]
 fn a_schedule_is_explored_replayed_and_shrunk() {
@@ -163,7 +163,7 @@ fn a_schedule_is_explored_replayed_and_shrunk() {
     sc.gpu.runtime_staging_bytes = 0;
     let own = run(&sc, &RunOptions::default());
     assert!(!own.failed(), "{:?}", own.findings.first());
-    let ops = own.decisions.len() as u64;
+    let ops = own.decision_counts.made[tierkv_sim::schedule::Kind::Hold as usize];
     let found = (1..=8)
         .map(|index| {
             let policy = explore_policy(index, sc.gpu.schedule_policy(), ops);
@@ -300,7 +300,7 @@ fn a_race_that_needs_a_query_answered_early_is_found_replayed_and_shrunk() {
 
     let clock = program(Source::Replay(Vec::new()));
     assert!(!clock.race, "the clock's answers take the correct path");
-    let ops = clock.decisions.len() as u64;
+    let ops = clock.kinds.iter().filter(|&&k| k == Kind::Hold).count() as u64;
     let found = (1..=16)
         .map(|index| {
             let policy = explore_policy(index, Policy::RandomWalk, ops);

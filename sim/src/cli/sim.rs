@@ -8,7 +8,7 @@ use crate::probes::SimProbe;
 use crate::report::Finding;
 use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
 use crate::scenario::{Scenario, PROFILES};
-use crate::schedule::{explore_policy, Policy, Schedule, Source};
+use crate::schedule::{explore_policy, Kind, Policy, Schedule, Source};
 use crate::shard::ShardResult;
 use crate::shrink::{shrink, shrink_schedule, shrink_under, Budget};
 use crate::trace_out::chrome_trace;
@@ -75,7 +75,7 @@ pub struct SimArgs {
     #[arg(long, conflicts_with = "shrink_secs")]
     pub shrink_runs: Option<u32>,
     /// Schedules to run per seed, 1..=4096: the scenario's own, then PCT of depth 1, 2 and 3 and
-    /// a random walk in turn (PCT's change points spread over the first schedule's decisions).
+    /// a random walk in turn (PCT's change points spread over the first schedule's op starts).
     #[arg(long, default_value_t = 1)]
     pub schedules: u64,
     /// Replay a recorded schedule (the JSON a failure writes) on `--seed` or `--replay`.
@@ -823,7 +823,7 @@ fn single(
     print_run(&out);
     // `--schedules N`: the others, until one fails.
     let mut out = out;
-    let ops = out.decisions.len() as u64;
+    let ops = out.decision_counts.made[Kind::Hold as usize];
     for index in 1..args.schedules {
         if out.failed() {
             break;

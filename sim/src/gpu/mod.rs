@@ -51,7 +51,7 @@ use tierkv_kernels::cpu::{row_hash, KeyBlock, PageKeys};
 pub struct GpuOptions {
     /// Where the scheduling decisions come from (`schedule`).
     pub schedule: Source,
-    /// The decision count PCT spreads its change points over when its policy does not know it.
+    /// The op starts PCT spreads its change points over when its policy does not know them.
     pub ops_guess: u64,
     /// Host cost of one API call (launch overhead), ns.
     pub launch_ns: u64,
