@@ -28,7 +28,7 @@ pub enum SimProbe {
     ArrivalDeferred,
     /// A record completed carrying a failed copy or launch.
     RecordFailed,
-    /// A PCT change point demoted the highest-priority stream.
+    /// A PCT change point demoted the highest-priority entity.
     PctChangePoint,
     /// Fault: a copy failed (garbage written, its event reports failure).
     FaultCopyFailed,

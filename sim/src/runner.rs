@@ -798,13 +798,18 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    /// What the schedule deferred at the previous step reaches the engine now, in the order it
-    /// was due (no decision is made for it again).
+    /// What the schedule deferred at the previous step reaches the engine now, in the order the
+    /// schedule deferred it (no decision is made for it again).
     fn deferred_arrivals(&mut self, now: u64) -> Result<(), Stop> {
         for d in std::mem::take(&mut self.deferred) {
             match d {
                 Deferred::OneShot { index, tries } => self.send_oneshot(now, index, tries)?,
                 Deferred::Turn(i) => {
+                    let st = &self.sessions[i];
+                    assert!(
+                        st.deferred && st.inflight.is_none() && !st.done,
+                        "session {i}'s deferred turn is its next one"
+                    );
                     self.sessions[i].deferred = false;
                     self.send_turn(now, i)?;
                 }
@@ -1042,11 +1047,11 @@ impl<'a> Run<'a> {
                 .copied()
                 .filter(|id| self.engine.request(*id).is_some_and(|r| r.load.is_some()))
                 .collect();
+            // Not deferred: this fault is an abort that lands while the load is in flight (a
+            // client's abort that lands after the step is `abort_rate`'s).
             if !loading.is_empty() {
                 let victim = *self.rng.pick(&loading);
-                if !self.defer(Deferred::Abort(victim)) {
-                    self.abort(victim)?;
-                }
+                self.abort(victim)?;
             }
         }
         if self.sc.abort_rate > 0.0
@@ -1692,7 +1697,13 @@ impl<'a> Run<'a> {
                 self.gpu.borrow_mut().advance_host_to(at);
                 Ok(())
             }
-            None => Err(Stop),
+            None => {
+                assert!(
+                    self.deferred.is_empty(),
+                    "a deferred arrival is due at the next step"
+                );
+                Err(Stop)
+            }
         }
     }
 

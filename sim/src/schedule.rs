@@ -1,4 +1,5 @@
-//! Schedules: the decisions a run leaves open, kept apart from the scenario.
+//! Schedules: the decisions the simulated GPU and the runner's clients leave open, kept apart
+//! from the scenario.
 //!
 //! A scenario fixes the configuration, the workload, the timing and fault models (latencies,
 //! bandwidths, fault rates) and the seeds of their generators. A schedule fixes the decisions
@@ -29,8 +30,9 @@
 //! not drawn in sequence: each is keyed by the identity of the call (its stream and its call
 //! number there), so a schedule that reorders calls across streams keeps each call's duration
 //! and fault. (A schedule that changes what the engine enqueues on a stream still changes which
-//! call is which there. The runner's own draws — which request an abort picks, when the
-//! operator asks for device memory back — are drawn in sequence, one set per step.)
+//! call is which there. The runner's own draws — whether an abort happens and which request it
+//! picks, when the operator asks for device memory back — are drawn in sequence, one set per
+//! step; an abort of a request whose load is in flight, a fault of its own, is never deferred.)
 //!
 //! A schedule is drawn by a policy — a random walk, or PCT (Burckhardt et al., ASPLOS 2010) over
 //! six entities: the three stream kinds (compute, load, write; a prefill/decode pair's two sides
@@ -44,9 +46,10 @@
 //! is delayed, and a synchronize resumes late, in proportion to the callback thread's (the
 //! host's) rank among all six; an arrival or abort is deferred when the host ranks above the
 //! clients. At each of `depth - 1` change points, drawn independently and uniformly over the op
-//! starts of schedule 0 (its hold decisions, or an estimate of them: the host's decisions vary
-//! far more between scenarios, with how often clients are refused and retry), the entity with
-//! the highest priority drops to the lowest and the others move up. A schedule is recorded as the list of decisions of all
+//! starts of schedule 0 (its hold decisions, or an estimate of them), the entity with the
+//! highest priority drops to the lowest and the others move up. Change points count op starts,
+//! not every decision, because the host's decisions vary far more between scenarios, with how
+//! often clients are refused and retry. A schedule is recorded as the list of decisions of all
 //! kinds in the order they were made. Replaying the list reproduces the run exactly; a
 //! shortened or edited list is still a valid schedule (decisions past its end are 0: every op
 //! starts as soon as it can, every query answers as the clock says, every callback runs with
@@ -80,6 +83,10 @@ pub enum Kind {
 
 /// How many kinds of decision there are.
 pub const KINDS: usize = 6;
+const _: () = assert!(
+    Kind::Arrival as usize + 1 == KINDS,
+    "Kind::ALL lists every kind"
+);
 
 impl Kind {
     pub const ALL: [Kind; KINDS] = [

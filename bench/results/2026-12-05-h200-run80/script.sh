@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run 80 (kernels/GPU.md): CPU only, on the GPU machine's 16 cores, at ba0dcd1 (arrivals, aborts
-# and synchronize returns as schedule decisions). Staged by bench/stage.sh, plus
+# Run 80 (kernels/GPU.md): CPU only, on the GPU machine's 16 cores, at 6297523 (arrivals, aborts
+# and synchronize returns as schedule decisions, PCT over op starts). Staged by bench/stage.sh, plus
 # .gpu/bin/tierkv-zoo (`--features mutants`). Run from the checkout with .gpu/ beside it.
 set -u
 G=.gpu

@@ -256,7 +256,7 @@ struct StreamState {
     /// When the host callback of the stream's latest completed record runs (in order).
     last_seen: u64,
     /// Enqueue calls made for the stream: each call's number keys its fault draws
-    /// (`SimGpu::keyed`), and those of the ops it pushes.
+    /// (`FaultModel::keyed`), and those of the ops it pushes.
     calls: u64,
     /// Race-detector clock of the stream's enqueue point.
     vc: Vc,

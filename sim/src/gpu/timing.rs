@@ -1,11 +1,13 @@
 //! The fault and timing model (`FaultModel`): how long each op runs and whether it is slow,
 //! fails, hangs, tears or is refused, each drawn for the call's identity (its stream and call
-//! number there, `FaultModel::keyed`) rather than in sequence, and the driver's own refusals;
-//! and the `SimGpu` calls that consult it: how long the schedule holds an op, a side in error.
+//! number there, `FaultModel::keyed`) rather than in sequence, and the driver's own refusals
+//! (keyed by the call's kind, its stream or entity, and its number among such calls); and the
+//! `SimGpu` calls around it: a side in error, the faults' end, how long the schedule holds an op
+//! (the `Decider`'s decision, in jitters).
 
 use super::*;
 
-/// What each keyed draw decides (`SimGpu::keyed`).
+/// What each keyed draw decides (`FaultModel::keyed`).
 pub(super) const KEY_COPY_FAILS: u64 = 1;
 
 pub(super) const KEY_KERNEL_FAILS: u64 = 2;
@@ -239,10 +241,8 @@ impl SimGpu {
     }
 
     /// Whether the simulated driver's call number `n` of kind `call` by entity `e` (the
-    /// driver's own numbering of a side's streams and its calls of no stream) is refused by a fault of its own
-    /// (`GpuOptions::driver_fault_rate`, times `factor`, at most one call in four: the engine
-    /// repeats a refused call a few times, and a call refused every time would stop it).
-    /// Logged when it is.
+    /// driver's own numbering of a side's streams and its calls of no stream) is refused by a
+    /// fault of its own (`FaultModel::driver_refuses`). Logged when it is.
     pub(crate) fn driver_refuses(&mut self, call: u64, e: usize, n: u64, factor: f64) -> bool {
         let refused = self.faults.driver_refuses(call, e, n, factor);
         if refused {

@@ -218,3 +218,26 @@ fn pct_orders_the_clients_and_the_host() {
     let taken: u32 = (0..200).map(|_| w.point(Kind::Arrival, 0) as u32).sum();
     assert!((20..100).contains(&taken), "about 1 in 4 deferred: {taken}");
 }
+
+/// PCT's change points count op starts: decisions of other kinds, however many, move none,
+/// and the op starts reach it.
+#[test]
+fn pct_change_points_count_op_starts_only() {
+    let policy = Policy::Pct { depth: 2, ops: 10 };
+    let mut s = Decider::new(5, Source::Draw { index: 1, policy }, 0);
+    let before = s.priorities;
+    assert_eq!(s.change_points.len(), 1);
+    for _ in 0..1000 {
+        s.point(Kind::Arrival, 0);
+        s.point(Kind::Sync, 1);
+        s.point(Kind::QueryLate, 2);
+    }
+    assert_eq!(s.priorities, before, "no op started");
+    assert_eq!(s.change_points.len(), 1);
+    for i in 0..10 {
+        s.decide(i % 3);
+    }
+    s.point(Kind::Arrival, 0);
+    assert!(s.change_points.is_empty(), "within 10 op starts");
+    assert_ne!(s.priorities, before);
+}
