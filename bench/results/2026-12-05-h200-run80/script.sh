@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run 80 (kernels/GPU.md): CPU only, on the GPU machine's 16 cores, at 6297523 (arrivals, aborts
+# Run 80 (kernels/GPU.md): CPU only, on the GPU machine's 16 cores, at d5626af (arrivals, aborts
 # and synchronize returns as schedule decisions, PCT over op starts). Staged by bench/stage.sh, plus
 # .gpu/bin/tierkv-zoo (`--features mutants`). Run from the checkout with .gpu/ beside it.
 set -u
