@@ -639,6 +639,47 @@ fn drawn_scenarios_are_valid_and_read_back_exactly() {
     }
 }
 
+/// A host blocked in `synchronize` resumes when the schedule says (`schedule::Kind::Sync`): `d`
+/// quarter-jitters after the record completed; a synchronize that does not block makes no
+/// decision.
+#[test]
+fn a_synchronize_returns_as_the_schedule_decides() {
+    use tierkv_engine::device::{Clock, Device, EventState, StreamKind};
+    use tierkv_sim::gpu::{GpuOptions, SimGpu};
+    use tierkv_sim::schedule::{Kind, Source};
+    let sync = Kind::Sync as usize;
+    let mut resumed = Vec::new();
+    for d in [0u8, 3, 11] {
+        // Decision 0 holds the op (0: it starts at once), decision 1 is the synchronize's.
+        let opts = GpuOptions {
+            schedule: Source::Replay(vec![0, d]),
+            ..Default::default()
+        };
+        let jitter = opts.jitter_ns;
+        let mut gpu = SimGpu::new(5, opts).expect("a simulated GPU");
+        let clock = gpu.clock();
+        let topk = one_row_topk(&mut gpu);
+        let ev = gpu.new_event().expect("an event");
+        gpu.enqueue(StreamKind::Compute, topk).expect("enqueued");
+        gpu.record(StreamKind::Compute, ev).expect("recorded");
+        assert_eq!(gpu.synchronize(ev), EventState::Done);
+        let c = gpu.decision_counts();
+        assert_eq!(
+            (c.made[sync], c.taken[sync]),
+            (1, (d > 0) as u64),
+            "d = {d}"
+        );
+        resumed.push((d, clock.now_ns(), jitter));
+        // The record is done and the host past it: no block, no decision.
+        assert_eq!(gpu.synchronize(ev), EventState::Done);
+        assert_eq!(gpu.decision_counts().made[sync], 1, "d = {d}");
+    }
+    let (_, at_once, _) = resumed[0];
+    for &(d, at, jitter) in &resumed[1..] {
+        assert_eq!(at - at_once, d as u64 * jitter / 4, "d = {d}");
+    }
+}
+
 /// The host's decisions (`schedule::Kind`): a query of a record that the running op before it
 /// would pass within a jitter answers Done when the schedule says so (that op ends at once) and
 /// Pending otherwise; a query just after a record passed answers Pending when the schedule says
