@@ -5,7 +5,8 @@
 //! streams only events order them (a wait waits for the event's most recent record at the time of
 //! the wait call; an event never recorded is complete). Everything else is chosen: how long an op
 //! that could start is held, whether a host query inside a jitter's window answers early or late,
-//! and when a load-stream callback runs are the schedule's decisions (see `schedule`); how long
+//! when a load-stream callback runs and when a host blocked in `synchronize` resumes are the
+//! schedule's decisions (see `schedule`); how long
 //! an op runs (latency and bandwidth models, slow copies) and whether it fails, hangs or tears are
 //! drawn with the scenario's rates for the call's identity (`timing.rs`). An op's data effect —
 //! its reads and its writes — happens at its completion, so an op that a missing wait leaves
