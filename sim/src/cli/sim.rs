@@ -400,7 +400,7 @@ fn shrink_and_report(
         with_schedule = format!(" --schedule {}", sfile.display());
     }
     println!(
-        "  replay the minimal case: {}{with_schedule}",
+        "  replay the shrunk case: {}{with_schedule}",
         replay_file_command(&s.scenario, &file)
     );
     Ok(())
