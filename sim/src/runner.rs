@@ -852,14 +852,15 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    /// Session `i`'s next turn, which is due. A turn past the context is still sent (the engine
-    /// must refuse it) and ends the session.
+    /// Session `i`'s next turn, which is due (`session_arrivals` marks a session with none left
+    /// done first). A turn past the context is still sent (the engine must refuse it) and ends
+    /// the session.
     fn send_turn(&mut self, now: u64, i: usize) -> Result<(), Stop> {
         let st = &mut self.sessions[i];
-        let Some(turn) = self.sc.workload.sessions[i].turns.get(st.next_turn) else {
-            st.done = true;
-            return Ok(());
-        };
+        let turn = self.sc.workload.sessions[i]
+            .turns
+            .get(st.next_turn)
+            .expect("a session with no turn left is done before its turn is due");
         let mut prompt = st.history.clone();
         let stream = 100_000 + i as u64;
         let appended = st.appended;

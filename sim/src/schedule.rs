@@ -85,7 +85,7 @@ pub enum Kind {
 pub const KINDS: usize = 6;
 const _: () = assert!(
     Kind::Arrival as usize + 1 == KINDS,
-    "Kind::ALL lists every kind"
+    "KINDS counts the kinds up to the last, Arrival"
 );
 
 impl Kind {

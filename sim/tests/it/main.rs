@@ -639,29 +639,38 @@ fn drawn_scenarios_are_valid_and_read_back_exactly() {
     }
 }
 
+/// A simulated GPU replaying `decisions`, with `one_row_topk` enqueued on its compute stream
+/// and an event recorded behind it.
+fn one_row_topk_recorded(
+    decisions: Vec<u8>,
+) -> (tierkv_sim::gpu::SimGpu, tierkv_engine::device::EventId) {
+    use tierkv_engine::device::{Device, StreamKind};
+    let opts = tierkv_sim::gpu::GpuOptions {
+        schedule: tierkv_sim::schedule::Source::Replay(decisions),
+        ..Default::default()
+    };
+    let mut gpu = tierkv_sim::gpu::SimGpu::new(5, opts).expect("a simulated GPU");
+    let topk = one_row_topk(&mut gpu);
+    let ev = gpu.new_event().expect("an event");
+    gpu.enqueue(StreamKind::Compute, topk).expect("enqueued");
+    gpu.record(StreamKind::Compute, ev).expect("recorded");
+    (gpu, ev)
+}
+
 /// A host blocked in `synchronize` resumes when the schedule says (`schedule::Kind::Sync`): `d`
 /// quarter-jitters after the record completed; a synchronize that does not block makes no
 /// decision.
 #[test]
 fn a_synchronize_returns_as_the_schedule_decides() {
-    use tierkv_engine::device::{Clock, Device, EventState, StreamKind};
-    use tierkv_sim::gpu::{GpuOptions, SimGpu};
-    use tierkv_sim::schedule::{Kind, Source};
+    use tierkv_engine::device::{Clock, Device, EventState};
+    use tierkv_sim::gpu::GpuOptions;
+    use tierkv_sim::schedule::Kind;
     let sync = Kind::Sync as usize;
     let mut resumed = Vec::new();
     for d in [0u8, 3, 11] {
         // Decision 0 holds the op (0: it starts at once), decision 1 is the synchronize's.
-        let opts = GpuOptions {
-            schedule: Source::Replay(vec![0, d]),
-            ..Default::default()
-        };
-        let jitter = opts.jitter_ns;
-        let mut gpu = SimGpu::new(5, opts).expect("a simulated GPU");
-        let clock = gpu.clock();
-        let topk = one_row_topk(&mut gpu);
-        let ev = gpu.new_event().expect("an event");
-        gpu.enqueue(StreamKind::Compute, topk).expect("enqueued");
-        gpu.record(StreamKind::Compute, ev).expect("recorded");
+        let (mut gpu, ev) = one_row_topk_recorded(vec![0, d]);
+        let (clock, jitter) = (gpu.clock(), GpuOptions::default().jitter_ns);
         assert_eq!(gpu.synchronize(ev), EventState::Done);
         let c = gpu.decision_counts();
         assert_eq!(
@@ -687,9 +696,8 @@ fn a_synchronize_returns_as_the_schedule_decides() {
 /// answered Pending again.
 #[test]
 fn queries_in_a_window_answer_as_the_schedule_decides() {
-    use tierkv_engine::device::{Clock, Device, EventState, StreamKind};
-    use tierkv_sim::gpu::{GpuOptions, SimGpu};
-    use tierkv_sim::schedule::{Kind, Source};
+    use tierkv_engine::device::{Clock, Device, EventState};
+    use tierkv_sim::schedule::Kind;
     let early = Kind::QueryEarly as usize;
     let late = Kind::QueryLate as usize;
     for (list, first) in [
@@ -697,16 +705,8 @@ fn queries_in_a_window_answer_as_the_schedule_decides() {
         (vec![0, 0, 1], EventState::Pending),
         (vec![0, 0, 0], EventState::Pending),
     ] {
-        let opts = GpuOptions {
-            schedule: Source::Replay(list.clone()),
-            ..Default::default()
-        };
-        let mut gpu = SimGpu::new(5, opts).expect("a simulated GPU");
+        let (mut gpu, ev) = one_row_topk_recorded(list.clone());
         let clock = gpu.clock();
-        let topk = one_row_topk(&mut gpu);
-        let ev = gpu.new_event().expect("an event");
-        gpu.enqueue(StreamKind::Compute, topk).expect("enqueued");
-        gpu.record(StreamKind::Compute, ev).expect("recorded");
         assert_eq!(gpu.query(ev), first, "{list:?}");
         let c = gpu.decision_counts();
         assert_eq!(
