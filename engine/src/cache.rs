@@ -824,6 +824,46 @@ impl PrefixCache {
         out
     }
 
+    /// The device lost what it held (its context was recreated): every node drops its device
+    /// page, and a node left without a host copy or children goes (children first, so a path
+    /// backed up on the host stays whole). Returns the device pages to free. Nothing may be
+    /// locked, loading, backing up or marked for write-back: the caller released all of it.
+    pub fn forget_device(&mut self) -> Vec<PageId> {
+        assert!(
+            self.evict_after_backup.is_empty(),
+            "device memory forgotten with write-back evictions pending"
+        );
+        let depth = |c: &Self, mut id: NodeId| {
+            let mut d = 0usize;
+            while id != ROOT {
+                id = c.node(id).parent;
+                d += 1;
+            }
+            d
+        };
+        let mut order: Vec<(usize, NodeId)> = self
+            .live_nodes()
+            .map(|id| (depth(self, id), id))
+            .collect();
+        order.sort_unstable_by(|a, b| b.cmp(a));
+        let mut freed = Vec::new();
+        for (_, id) in order {
+            let n = self.node(id);
+            assert!(
+                n.lock == 0 && n.loading.is_none() && n.backing_up.is_none(),
+                "node {id} in use when the device's memory was lost"
+            );
+            let mut p = None;
+            self.update(id, |n| p = n.device.take());
+            freed.extend(p);
+            let n = self.node(id);
+            if n.host.is_none() && n.children.is_empty() {
+                self.delete(id);
+            }
+        }
+        freed
+    }
+
     /// Frees up to `want` host pages by LRU over backed-up nodes without backed-up children whose
     /// host page no load is reading: a resident node drops its host copy, a host-only one goes.
     /// `keep` (and, through it, its ancestors) is spared: it is the parent of a path about to be

@@ -116,6 +116,17 @@ pub(crate) struct Io<'a, D, C, T> {
 }
 
 /// The worse of two event states (Failed > Pending > Done).
+/// How a backup ended, as the engine counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    Done,
+    /// Its copy failed, or could not be enqueued.
+    Failed,
+    /// Its event did not report a failure, but the device's memory was lost under it (its
+    /// context recreated) before the engine acknowledged it (`CacheController::fail_all`).
+    Lost,
+}
+
 fn worse(a: EventState, b: EventState) -> EventState {
     use EventState::*;
     match (a, b) {
@@ -388,6 +399,47 @@ impl CacheController {
         io: &mut Io<'_, D, C, T>,
         id: LoadId,
     ) -> Option<LoadAck> {
+        self.ack_as(io, id, false)
+    }
+
+    /// The device lost its memory (its context was recreated): every load and backup in flight
+    /// failed, whatever its events answer (a load's pages hold garbage now; a backup is not
+    /// known to have finished reading its pages before they went), and the backups waiting for
+    /// an ancestor's are dropped. Each is waited for first: one issued after the recreation
+    /// still runs, and its pages go back only once it is over. Returns the loads'
+    /// acknowledgements.
+    pub(crate) fn fail_all<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+    ) -> Vec<LoadAck> {
+        let ids: Vec<LoadId> = self.loads.keys().copied().collect();
+        let mut acks = Vec::new();
+        for id in ids {
+            // Its layers' copies are in order on the load stream: all over with the last.
+            io.dev.synchronize(self.finish_event(id));
+            acks.extend(self.ack_as(io, id, true));
+        }
+        for b in std::mem::take(&mut self.backups) {
+            let outcome = match io.dev.synchronize(b.event) {
+                EventState::Failed => {
+                    self.recover(io);
+                    Outcome::Failed
+                }
+                _ => Outcome::Lost,
+            };
+            self.finish_backup(io, b, outcome);
+        }
+        self.deferred.clear();
+        acks
+    }
+
+    /// [`CacheController::ack`]; with `lost`, the load failed whatever its events answer.
+    fn ack_as<D: Device, C: Clock, T: Transfer>(
+        &mut self,
+        io: &mut Io<'_, D, C, T>,
+        id: LoadId,
+        lost: bool,
+    ) -> Option<LoadAck> {
         let load = self.loads.remove(&id)?;
         assert_eq!(
             self.ring.holder[load.slot],
@@ -407,8 +459,9 @@ impl CacheController {
         }
         // Pending only under the mutants that ack without waiting: the copy is then taken as done.
         // Mutant 38 took the load's success for granted when it issued it.
-        let ok =
-            io.mutants.load_ok_at_issue() || (state != EventState::Failed && !load.enqueue_failed);
+        let ok = !lost
+            && (io.mutants.load_ok_at_issue()
+                || (state != EventState::Failed && !load.enqueue_failed));
         let unpublished = if io.mutants.load_publishes_at_issue() {
             io.cache.unpin(&load.nodes);
             Vec::new()
@@ -420,7 +473,10 @@ impl CacheController {
         io.metrics
             .load_latency
             .observe(io.clock.now_ns().saturating_sub(load.issued_ns));
-        if !ok {
+        if !ok && lost && state == EventState::Done && !load.enqueue_failed {
+            // Its copy completed, into memory the device lost since.
+            io.metrics.loads_lost += 1;
+        } else if !ok {
             io.metrics.load_failures += 1;
             probe::hit(Probe::LoadFailed);
         }
@@ -557,7 +613,7 @@ impl CacheController {
             if io.dev.synchronize(event) == EventState::Failed {
                 self.recover(io);
             }
-            self.finish_backup(io, b, false);
+            self.finish_backup(io, b, Outcome::Failed);
         } else {
             self.backups.push(b);
         }
@@ -591,17 +647,22 @@ impl CacheController {
         &mut self,
         io: &mut Io<'_, D, C, T>,
         b: Backup,
-        ok: bool,
+        outcome: Outcome,
     ) {
+        let ok = outcome == Outcome::Done;
         let (host_free, dev_free) = io.cache.finish_backup(&b.nodes, ok);
         io.pools.host_pages.free(&host_free);
         io.pools.device_pages.free(&dev_free);
         io.metrics
             .backup_latency
             .observe(io.clock.now_ns().saturating_sub(b.issued_ns));
-        if !ok {
-            io.metrics.backup_failures += 1;
-            probe::hit(Probe::BackupFailed);
+        match outcome {
+            Outcome::Done => {}
+            Outcome::Failed => {
+                io.metrics.backup_failures += 1;
+                probe::hit(Probe::BackupFailed);
+            }
+            Outcome::Lost => io.metrics.backups_lost += 1,
         }
         self.free_events.push(b.event);
     }
@@ -646,7 +707,12 @@ impl CacheController {
                 self.recover(io);
             }
             let b = self.backups.remove(i);
-            self.finish_backup(io, b, state == EventState::Done);
+            let outcome = if state == EventState::Done {
+                Outcome::Done
+            } else {
+                Outcome::Failed
+            };
+            self.finish_backup(io, b, outcome);
         }
     }
 

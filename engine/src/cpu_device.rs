@@ -413,6 +413,9 @@ impl Device for InOrderDevice {
         // A failure here is the failed copy's alone (`fail_next_copies`): nothing stays broken.
         Ok(())
     }
+    fn context_generation(&self) -> u64 {
+        0 // its faults are the failed copy's alone: nothing is ever recreated
+    }
     fn query(&mut self, ev: EventId) -> EventState {
         self.events[ev.0 as usize]
     }

@@ -103,6 +103,9 @@ pub struct Engine<D: Device, C: Clock, T: Transfer = PageRuns> {
     in_flight: Option<InFlight>,
     /// The weights' version (`update_weights`), carried by every prefix key.
     weights: u32,
+    /// The device's `context_generation` when the engine last dropped what the device held: a
+    /// newer one means the device's memory was lost since ([`Engine::after_recreation`]).
+    context_generation: u64,
 }
 
 /// A request whose prompt the prefill engine computed, as the decode engine admits it once its
@@ -170,6 +173,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             step_done.push(dev.new_event()?);
         }
         let synth = Synth::new(opts.seed);
+        let context_generation = dev.context_generation();
         let metrics = Metrics {
             device_pages_total: layout.device_pages() as u64,
             host_tokens_capacity: pools.host_layout().host_tokens().0,
@@ -196,6 +200,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             import_held: 0,
             in_flight: None,
             weights: 0,
+            context_generation,
         })
     }
 
@@ -290,6 +295,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             && self.ctl.is_idle()
             && self.exports.is_empty()
             && self.import_held == 0
+            && !self.recreation_pending()
     }
 
     /// Makes this engine one side of a prefill/decode pair. A prefill engine holds each request
@@ -504,6 +510,16 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
         let t0 = self.clock.now_ns();
         let admitted = self.before_step()?;
+        if self.recreation_pending() {
+            // Recreated by a recovery within admission: the device pages the batch would read
+            // are lost. The next step drops them, before it admits.
+            let mut report = StepReport {
+                admitted,
+                ..StepReport::default()
+            };
+            self.end_step(&mut report);
+            return Ok(report);
+        }
         let ahead = self.in_flight.as_ref().map(|f| f.rows.as_slice());
         let rows = self.sched.build_batch(self.model.rows_max(), ahead);
         let mut report = StepReport {
@@ -558,6 +574,15 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         for req in self.sched.take_detached() {
             self.release_aborted(req);
         }
+        // A context recreated while the step was enqueued or ran: what it read is not known to
+        // be what was stored. It is dropped unrecorded; the next step drops the rest (the step
+        // after it, if any, with what the device held) before it admits.
+        if digests.is_some() && self.recreation_pending() {
+            self.metrics.steps_discarded += 1;
+            report.idle = self.is_idle();
+            self.end_step(&mut report);
+            return Ok(report);
+        }
         let Some(digests) = digests else {
             if let Some(next) = self.in_flight.take() {
                 probe::hit(Probe::AheadDiscarded);
@@ -591,6 +616,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// Every iteration's start: acknowledge finished copies, retry deferred backups, admit
     /// queued requests. Returns how many were admitted.
     fn before_step(&mut self) -> Result<usize, EngineError> {
+        // A recreation since the last step (an abort's or an eviction's device calls) is handled
+        // before any copy is acknowledged: a backup issued after it copied garbage.
+        self.after_faults()?;
         let after = self.model.step_done();
         let acks = {
             let (ctl, mut io) = self.split();
@@ -599,7 +627,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             ctl.poll_loads(&mut io)
         };
         self.apply(&acks);
-        self.device_lost()?;
+        self.after_faults()?;
         let admitted = self.admit()?;
         self.device_lost()?;
         Ok(admitted)
@@ -649,6 +677,84 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             Some(e) => Err(EngineError::Device(e)),
             None => Ok(()),
         }
+    }
+
+    /// At a step's start, before any copy is acknowledged or request admitted: a device that
+    /// could not recover from a fault stops the engine; one whose recovery recreated its context
+    /// since the engine last looked is handled ([`Engine::after_recreation`]). Elsewhere the
+    /// engine only notices a recreation ([`Engine::recreation_pending`]) and ends the step
+    /// early, so every requeue comes before the step's admissions.
+    fn after_faults(&mut self) -> Result<(), EngineError> {
+        self.device_lost()?;
+        self.after_recreation()?;
+        Ok(())
+    }
+
+    /// Whether the device's context was recreated since the engine last dropped what the device
+    /// held: nothing may read the device tier until the next step's start handles it.
+    fn recreation_pending(&self) -> bool {
+        self.dev.context_generation() != self.context_generation
+    }
+
+    /// When the device's context was recreated since the engine last looked (by any recovery:
+    /// a failed step's, a copy's, a repeated call's), everything the device held is gone, and
+    /// the engine drops what it kept there: the step in flight is discarded; every load and
+    /// backup in flight fails (their pages held nothing the host can trust); every running
+    /// request goes back to the head of the queue in running order, holding no page, to
+    /// recompute its KV through admission (its prefix may hit the host tier, which is host
+    /// memory and survives); the prefix cache drops every device page, keeping host copies.
+    /// Afterwards the device tier is empty. Returns whether it did this. A prefill/decode
+    /// pair's engine cannot yet: its exports and imports hold device pages of transfers across
+    /// two devices, and it stops with a typed error.
+    fn after_recreation(&mut self) -> Result<bool, EngineError> {
+        if !self.recreation_pending() {
+            return Ok(false);
+        }
+        self.context_generation = self.dev.context_generation();
+        if self.role.is_some() {
+            return Err(EngineError::Device(
+                crate::device::DeviceError::Backend {
+                    detail: "the device's context was recreated under a prefill/decode pair's \
+                             engine, which cannot recompute its transfers"
+                        .into(),
+                },
+            ));
+        }
+        probe::hit(Probe::DeviceContextRecreated);
+        self.metrics.context_recreations += 1;
+        if let Some(f) = self.in_flight.take() {
+            // Whatever it answers, it may have read what the device lost; a failure of its own
+            // counts as one.
+            let ev = self.model.slot_event(f.slot);
+            if self.dev.synchronize(ev) == EventState::Failed {
+                self.metrics.steps_failed += 1;
+            } else {
+                self.metrics.steps_discarded += 1;
+            }
+        }
+        for req in self.sched.take_detached() {
+            self.release_aborted(req);
+        }
+        let acks = {
+            let (ctl, mut io) = self.split();
+            ctl.fail_all(&mut io)
+        };
+        self.apply(&acks);
+        for (locked, owned) in self.sched.requeue_running() {
+            self.cache.unlock(&locked);
+            self.pools.device_pages.free(&owned);
+            self.metrics.requests_requeued += 1;
+        }
+        let freed = self.cache.forget_device();
+        self.pools.device_pages.free(&freed);
+        assert_eq!(
+            self.pools.device_pages.used_count(),
+            0,
+            "device pages still in use after the device's memory was lost"
+        );
+        self.steps_failed_in_a_row = 0;
+        self.refresh_gauges();
+        Ok(true)
     }
 
     /// Nothing to compute: waits for the oldest copy in flight, so the next step can progress.

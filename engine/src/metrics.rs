@@ -66,10 +66,15 @@ pub struct Metrics {
     pub prefix_pages_host_hit: u64,
     pub loads: u64,
     pub load_failures: u64,
+    /// Loads whose copy completed, dropped because the device's memory was lost before their
+    /// acknowledgement (not failures: no copy failed).
+    pub loads_lost: u64,
     pub load_bytes: u64,
     pub load_latency: Latency,
     pub backups: u64,
     pub backup_failures: u64,
+    /// Backups dropped because the device's memory was lost under them, their copies unfailed.
+    pub backups_lost: u64,
     pub backup_bytes: u64,
     pub backup_latency: Latency,
     pub steps: u64,
@@ -78,6 +83,10 @@ pub struct Metrics {
     /// Steps an engine running one step ahead dropped, unfailed, because the step they were
     /// built on failed (run again as well).
     pub steps_discarded: u64,
+    /// Times the device's context was recreated under the engine (its device tier dropped).
+    pub context_recreations: u64,
+    /// Running requests sent back to the queue to recompute their KV after a recreation.
+    pub requests_requeued: u64,
     pub prefill_tokens: u64,
     pub generated_tokens: u64,
     pub step_latency: Latency,
@@ -98,7 +107,7 @@ impl Metrics {
     }
 
     /// The plain series: (name, type, help, value).
-    fn series(&self) -> [(&'static str, &'static str, &'static str, u64); 22] {
+    fn series(&self) -> [(&'static str, &'static str, &'static str, u64); 26] {
         [
             (
                 "queue_depth",
@@ -214,6 +223,30 @@ impl Metrics {
                 "counter",
                 "Steps dropped unfailed because the step they were built on (running one step ahead) failed.",
                 self.steps_discarded,
+            ),
+            (
+                "loads_lost_total",
+                "counter",
+                "Loads whose copy completed, dropped because the device memory was lost before their acknowledgement.",
+                self.loads_lost,
+            ),
+            (
+                "backups_lost_total",
+                "counter",
+                "Backups dropped unfailed because the device memory was lost under them.",
+                self.backups_lost,
+            ),
+            (
+                "context_recreations_total",
+                "counter",
+                "Times the device context was recreated under the engine, its device tier dropped.",
+                self.context_recreations,
+            ),
+            (
+                "requests_requeued_total",
+                "counter",
+                "Running requests sent back to the queue to recompute their KV after a context recreation.",
+                self.requests_requeued,
             ),
             (
                 "prefill_tokens_total",

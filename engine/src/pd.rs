@@ -408,6 +408,10 @@ impl<D: Device> Device for SharedDevice<D> {
     fn recover(&mut self) -> Result<(), DeviceError> {
         self.0.borrow_mut().recover()
     }
+    /// The one device's: a recreation by either engine's `recover` loses both engines' memory.
+    fn context_generation(&self) -> u64 {
+        self.0.borrow().context_generation()
+    }
     /// The one device's timing, taken by whichever of the two engines asks first.
     fn take_timing(&mut self) -> Option<crate::device::DeviceTiming> {
         self.0.borrow_mut().take_timing()

@@ -90,6 +90,8 @@ probes! {
     PageTableFull = "admit.page_table_full",
     /// A prefill was cut to the step's prefill budget (chunked prefill).
     BatchPrefillChunked = "batch.prefill_chunked",
+    /// A requeued request recomputed tokens it had generated, in a chunk like its prompt.
+    BatchRecomputesGenerated = "batch.recomputes_generated",
     /// A batch mixes prefill and decode rows.
     BatchMixed = "batch.mixed",
     /// A query's context is no longer than `index_topk`: the selection takes every token.
@@ -120,6 +122,12 @@ probes! {
     StepDeviceFailed = "step.device_failed",
     /// The engine cleared a device fault it had seen (a failed step, load or backup).
     DeviceRecovered = "device.recovered",
+    /// Recovering the device recreated its context (`Device::context_generation` moved): the
+    /// engine dropped the device tier and requeued its running requests.
+    DeviceContextRecreated = "device.context_recreated",
+    /// A running request went back to the head of the queue to recompute its KV (its context was
+    /// recreated under it).
+    RequestRequeued = "request.requeued",
     /// A device call (an event's creation, record or wait, an op's enqueue) failed transiently
     /// and was made again after recovering the device (`device::call_recovering`).
     DeviceCallRepeated = "device.call_repeated",

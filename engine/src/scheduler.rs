@@ -67,6 +67,13 @@ pub enum Output {
         request: u64,
         tokens: u32,
     },
+    /// The device lost its memory (its context was recreated): the running request went back to
+    /// the head of the queue, ahead of every queued one and in running order, and is admitted
+    /// again to recompute its KV from its tokens. What it emitted stands; digests of positions
+    /// it recomputes are emitted again, equal.
+    Requeued {
+        request: u64,
+    },
     /// Prefill/decode: the request's KV could not be moved to the decode engine (each of `tries`
     /// sends reported a failed copy); it ends here, and no page of it is left on either side.
     TransferFailed {
@@ -202,6 +209,11 @@ pub struct Scheduler {
     /// [`detach`]: Scheduler::detach
     detached: BTreeMap<u64, Request>,
     running: Vec<u64>,
+    /// Queued requests that came back from the running batch ([`requeue_running`]), not
+    /// through intake: the queue's limits hold for the rest.
+    ///
+    /// [`requeue_running`]: Scheduler::requeue_running
+    requeued: std::collections::BTreeSet<u64>,
     next_request: u64,
     /// Prompt tokens of the queued requests (the admission-control bound).
     queued_tokens: u64,
@@ -221,6 +233,7 @@ impl Scheduler {
             requests: BTreeMap::new(),
             detached: BTreeMap::new(),
             running: Vec::new(),
+            requeued: Default::default(),
             next_request: 0,
             queued_tokens: 0,
             outputs: Vec::new(),
@@ -348,6 +361,7 @@ impl Scheduler {
             RequestState::Queued => {
                 self.queue.retain(|&q| q != id);
                 self.queued_tokens -= req.prompt_len as u64;
+                self.requeued.remove(&id);
             }
             RequestState::Running => self.running.retain(|&r| r != id),
         }
@@ -380,6 +394,7 @@ impl Scheduler {
                 break;
             };
             self.queue.remove(at);
+            self.requeued.remove(&id);
             let r = self.requests.get_mut(&id).expect("queued request exists");
             let whole = grant.cached == r.cacheable_pages();
             probe::hit_if(Probe::AdmitWholePromptCached, whole && grant.cached > 0);
@@ -470,6 +485,35 @@ impl Scheduler {
         }
     }
 
+    /// Sends every running request back to the head of the queue, in running order, to recompute
+    /// its KV (the device lost it): each holds no page, lock or load afterwards. Returns, per
+    /// request, the tree nodes it had locked and the device pages it owned, for the caller to
+    /// unlock and free. Its load, if any, must be acknowledged first.
+    pub(crate) fn requeue_running(&mut self) -> Vec<(Vec<NodeId>, Vec<PageId>)> {
+        let running = std::mem::take(&mut self.running);
+        let mut held = Vec::with_capacity(running.len());
+        for &id in running.iter().rev() {
+            let r = self.requests.get_mut(&id).expect("running request exists");
+            assert!(
+                r.load.is_none(),
+                "request {id} requeued with its load unacknowledged"
+            );
+            let pages = std::mem::take(&mut r.pages);
+            held.push((std::mem::take(&mut r.locked), pages[r.owned_from..].to_vec()));
+            r.owned_from = 0;
+            r.computed = 0;
+            r.state = RequestState::Queued;
+            self.queued_tokens += r.prompt_len as u64;
+            self.queue.push_front(id);
+            self.requeued.insert(id);
+        }
+        for &id in &running {
+            probe::hit(Probe::RequestRequeued);
+            self.outputs.push(Output::Requeued { request: id });
+        }
+        held
+    }
+
     /// Keeps an aborted running request (out of the running set) until its row in the step in
     /// flight is recorded: its load's acknowledgement still applies to it, and its memory goes
     /// back after ([`take_detached`](Self::take_detached)).
@@ -547,9 +591,15 @@ impl Scheduler {
                     )
                 }
             };
-            let row = if computed < r.prompt_len {
-                let n = (r.prompt_len - computed).min(budget);
-                probe::hit_if(Probe::BatchPrefillChunked, n < r.prompt_len - computed);
+            // Positions whose tokens are known are computed in chunks: the prompt, and after a
+            // requeue (`requeue_running`) the tokens it had generated too, the last of which
+            // generates the next.
+            let chunked = computed < r.prompt_len || computed + 1 < r.tokens.len();
+            let row = if chunked {
+                let known = r.prompt_len.max(r.tokens.len());
+                let n = (known - computed).min(budget);
+                probe::hit_if(Probe::BatchPrefillChunked, n < known - computed);
+                probe::hit_if(Probe::BatchRecomputesGenerated, computed >= r.prompt_len);
                 if n == 0 {
                     continue;
                 }
@@ -586,7 +636,7 @@ impl Scheduler {
                 "batch of {} query rows over the scratch's {rows_max}",
                 query_rows + row.queries.len()
             );
-            if computed < r.prompt_len {
+            if chunked {
                 budget = self.mutants.prefill_budget_left(budget, row.to - row.from);
             }
             query_rows += row.queries.len();
@@ -721,12 +771,25 @@ impl Scheduler {
     pub(crate) fn check_invariants(&self) {
         let bounded = !self.mutants.no_admission_control();
         let s = &self.limits.sched;
+        let requeued_tokens: u64 = self
+            .requeued
+            .iter()
+            .map(|id| {
+                let r = &self.requests[id];
+                assert_eq!(r.state, RequestState::Queued, "requeued request {id} queued");
+                r.prompt_len as u64
+            })
+            .sum();
         assert!(
-            self.queue.len() <= s.queued_requests_max as usize || !bounded,
+            self.requeued.len() <= s.running_requests_max as usize,
+            "more requests requeued than a running batch holds"
+        );
+        assert!(
+            self.queue.len() - self.requeued.len() <= s.queued_requests_max as usize || !bounded,
             "queue over its limit"
         );
         assert!(
-            self.queued_tokens <= s.pending_tokens_max || !bounded,
+            self.queued_tokens - requeued_tokens <= s.pending_tokens_max || !bounded,
             "queued tokens over their limit"
         );
         let queued: u64 = self

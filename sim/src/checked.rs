@@ -87,6 +87,9 @@ impl Device for CheckedInOrder {
     fn recover(&mut self) -> Result<(), DeviceError> {
         self.inner.recover()
     }
+    fn context_generation(&self) -> u64 {
+        self.inner.context_generation()
+    }
     fn take_timing(&mut self) -> Option<tierkv_engine::device::DeviceTiming> {
         self.inner.take_timing()
     }

@@ -810,6 +810,11 @@ impl Driver for SimDriver {
         self.deliver();
         self.side.at().recover()
     }
+    /// The side's: its recreation keeps every allocation, event and stream valid (the
+    /// simulated GPU keeps them), so this driver has nothing of its own to make again.
+    fn context_generation(&self) -> u64 {
+        self.side.context_generation()
+    }
     fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
         self.deliver();
         self.side.at().refuse(29)?;
@@ -939,6 +944,12 @@ impl Device for SimDevice {
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
         self.dev().recover()
+    }
+    fn context_generation(&self) -> u64 {
+        match self {
+            SimDevice::Direct(d) => d.context_generation(),
+            SimDevice::Runtime(d) => d.context_generation(),
+        }
     }
     fn take_timing(&mut self) -> Option<DeviceTiming> {
         self.dev().take_timing()

@@ -45,6 +45,9 @@ pub enum SimProbe {
     FaultSticky,
     /// The engine recovered a device whose stream was in error.
     FaultStickyRecovered,
+    /// The engine recovered a side in error for the whole context: the context was recreated
+    /// and the side's device memory lost.
+    FaultContextRecreated,
     /// Fault: a failed or hung op left its whole side in error (CUDA's context-wide sticky
     /// errors).
     FaultContextInError,
@@ -129,6 +132,7 @@ impl SimProbe {
         SimProbe::FaultKernelFailed,
         SimProbe::FaultSticky,
         SimProbe::FaultStickyRecovered,
+        SimProbe::FaultContextRecreated,
         SimProbe::FaultContextInError,
         SimProbe::FaultCallInError,
         SimProbe::FaultLaunchRefused,
@@ -179,6 +183,7 @@ impl SimProbe {
             SimProbe::FaultKernelFailed => "fault.kernel_failed",
             SimProbe::FaultSticky => "fault.sticky",
             SimProbe::FaultStickyRecovered => "fault.sticky_recovered",
+            SimProbe::FaultContextRecreated => "fault.context_recreated",
             SimProbe::FaultContextInError => "fault.context_in_error",
             SimProbe::FaultCallInError => "fault.call_in_error",
             SimProbe::FaultLaunchRefused => "fault.launch_refused",

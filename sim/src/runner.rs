@@ -52,6 +52,10 @@ pub struct RunStats {
     pub rejected: u64,
     pub aborted: u64,
     pub recomputed: u64,
+    /// Running requests the engine sent back to the queue after its device's context was
+    /// recreated (`Output::Requeued`).
+    #[serde(default)]
+    pub requeued: u64,
     pub digests_checked: u64,
     pub rows_checked: u64,
     /// Rows whose page was compared earlier and not written since (not compared again).
@@ -96,6 +100,7 @@ impl RunStats {
             rejected: sum("rejected", self.rejected, s.rejected)?,
             aborted: sum("aborted", self.aborted, s.aborted)?,
             recomputed: sum("recomputed", self.recomputed, s.recomputed)?,
+            requeued: sum("requeued", self.requeued, s.requeued)?,
             digests_checked: sum("digests_checked", self.digests_checked, s.digests_checked)?,
             rows_checked: sum("rows_checked", self.rows_checked, s.rows_checked)?,
             rows_cached: sum("rows_cached", self.rows_cached, s.rows_cached)?,
@@ -454,6 +459,9 @@ struct Run<'a> {
     admission_queue: std::collections::VecDeque<u64>,
     /// The requests admitted that have not finished or been aborted (the runner's own count).
     running_model: BTreeSet<u64>,
+    /// Requests the engine ever sent back to the queue (`Output::Requeued`): one in the queue
+    /// returned there without intake (`oracles::bounds`).
+    requeued: BTreeSet<u64>,
     /// The reference model of the cache's policies (one engine; `oracles::policy`).
     policy: Option<PolicyModel>,
 }
@@ -535,6 +543,9 @@ fn start_engine(
         }
         let mut o = knobs.options(opts.trace);
         o.cuda = opts.cuda;
+        // A pair's engines stop when their context is recreated (`Engine::step`): its faults
+        // recover in place.
+        o.recreate_context = sc.profile != "pd";
         if let Some(s) = &opts.schedule {
             o.schedule = s.clone();
         }
@@ -767,6 +778,7 @@ impl<'a> Run<'a> {
             counted: metrics::Counted::default(),
             admission_queue: Default::default(),
             running_model: BTreeSet::new(),
+            requeued: BTreeSet::new(),
             policy: one_engine.then(|| PolicyModel::new(cfg_policy)),
         })
     }
@@ -1114,6 +1126,7 @@ impl<'a> Run<'a> {
                 ended: &[],
                 tried: &[],
                 faulty: false,
+                requeued: &[],
                 refusals: false,
                 hit_growth: None,
                 now_ns: now,
@@ -1168,10 +1181,26 @@ impl<'a> Run<'a> {
         let stored = std::mem::take(&mut self.gpu.borrow_mut().stored);
         let loaded = std::mem::take(&mut self.gpu.borrow_mut().loaded);
         let stored_pages = std::mem::take(&mut self.gpu.borrow_mut().stored_pages);
-        // Admission is the only way out of the queue within a step (`reported`), in the order
-        // the clients submitted.
-        let left: Vec<u64> = queued_before
+        let outputs = self.engine.drain_outputs();
+        // A step whose device lost its memory sends the running requests back to the head of
+        // the queue, in order, before it admits (`Engine::step`).
+        let requeued: Vec<u64> = outputs
             .iter()
+            .filter_map(|o| match o {
+                Output::Requeued { request } => Some(*request),
+                _ => None,
+            })
+            .collect();
+        for &id in requeued.iter().rev() {
+            self.running_model.remove(&id);
+            self.admission_queue.push_front(id);
+            self.requeued.insert(id);
+        }
+        // Admission is the only way out of the queue within a step (`reported`), in the order
+        // the clients submitted (the requeued first).
+        let left: Vec<u64> = requeued
+            .iter()
+            .chain(&queued_before)
             .copied()
             .filter(|&id| self.engine.request(id).is_none_or(|r| r.state != queued))
             .collect();
@@ -1202,7 +1231,7 @@ impl<'a> Run<'a> {
             return Err(Stop);
         }
         let (mut inserted, mut ended, mut recomputed) = (Vec::new(), Vec::new(), false);
-        for o in self.engine.drain_outputs() {
+        for o in outputs {
             self.out_hash = mix64(self.out_hash ^ format!("{o:?}").len() as u64 ^ output_key(&o));
             match &o {
                 Output::Finished { request, generated } => {
@@ -1226,7 +1255,8 @@ impl<'a> Run<'a> {
                 finished: &inserted,
                 ended: &ended,
                 tried: &tried,
-                faulty: recomputed,
+                faulty: recomputed || !requeued.is_empty(),
+                requeued: &requeued,
                 refusals: false,
                 hit_growth: None,
                 now_ns: now,
@@ -1247,7 +1277,11 @@ impl<'a> Run<'a> {
     fn policy_counters(e: &Eng) -> Counters {
         let m = &e.metrics;
         Counters {
-            failures: m.load_failures + m.backup_failures + m.steps_failed + m.steps_discarded,
+            failures: m.load_failures
+                + m.backup_failures
+                + m.steps_failed
+                + m.steps_discarded
+                + m.context_recreations,
             device_hit: m.prefix_pages_device_hit,
             host_hit: m.prefix_pages_host_hit,
         }
@@ -1473,6 +1507,8 @@ impl<'a> Run<'a> {
                 }
             }
             Output::Recompute { .. } => self.stats.recomputed += 1,
+            // Back in the queue model already (`step`), before the step's admissions.
+            Output::Requeued { .. } => self.stats.requeued += 1,
             Output::TransferFailed { request, .. } | Output::TransferTimedOut { request, .. } => {
                 // The pair gave up on moving its KV: the request ended, as an aborted one.
                 self.running_model.remove(&request);
@@ -1611,11 +1647,17 @@ impl<'a> Run<'a> {
     fn bounds(&mut self) -> Result<(), Stop> {
         let now = self.gpu.borrow().now();
         for (i, e) in self.engine.engines().into_iter().enumerate() {
+            let requeued = self
+                .admission_queue
+                .iter()
+                .filter(|id| i == 0 && self.requeued.contains(id))
+                .fold((0, 0), |(n, t), id| (n + 1, t + self.specs[id].0 as u64));
             let held = bounds::Held {
                 queued: e.queue_len(),
                 queued_tokens: e.queued_tokens(),
                 running: e.running_len(),
                 loads: e.loads_in_flight(),
+                requeued,
             };
             if let Some(f) = bounds::check(e.config(), &held, now) {
                 self.findings.push(f);
@@ -1838,6 +1880,7 @@ fn output_key(o: &Output) -> u64 {
             .fold(*request, |a, t| a.wrapping_mul(31) ^ *t as u64),
         Output::Aborted { request } => request.wrapping_mul(7),
         Output::Recompute { request, tokens } => request ^ ((*tokens as u64) << 40),
+        Output::Requeued { request } => request ^ (1 << 62),
         Output::TransferFailed { request, tries } => request ^ ((*tries as u64) << 44) ^ 0x7D,
         Output::TransferTimedOut { request, tries } => request ^ ((*tries as u64) << 44) ^ 0x7E,
     }

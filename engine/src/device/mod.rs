@@ -284,10 +284,17 @@ pub trait Device {
     fn host_write(&mut self, buf: BufferId, offset: Bytes, data: &[u8]) -> Result<(), DeviceError>;
     /// The host saw a failed event: clears the device's error so that later work runs. A fault
     /// may be sticky: after it the faulted stream skips its work, and its records report
-    /// `Failed`, until this is called (the simulator's per-stream, recoverable model). An error
-    /// here means the device cannot go on — a CUDA context with an asynchronous error is lost
-    /// for good — and the engine stops with it.
+    /// `Failed`, until this is called (the simulator's per-stream, recoverable model). A fault
+    /// sticky for the whole device (a CUDA context's asynchronous error) cannot be cleared in
+    /// place: recovering recreates the device's context, which loses what device memory held
+    /// (every `BufferId` stays valid, its device bytes are undefined; pinned host buffers keep
+    /// theirs) and bumps [`Device::context_generation`]. An error here means the device cannot
+    /// go on, and the engine stops with it.
     fn recover(&mut self) -> Result<(), DeviceError>;
+    /// How many times [`Device::recover`] recreated this device's context. Work enqueued before
+    /// a recreation never completes as `Done` after it, and device memory written before it
+    /// holds garbage: an engine that sees the number move drops what it kept on the device.
+    fn context_generation(&self) -> u64;
     /// What the device measured of its compute stream since the last call, for work the host
     /// has already waited for. A device that does not time its work (the CPU and simulated
     /// devices, and CUDA unless `CudaDevice::set_timing` turned it on) answers `None`.

@@ -581,10 +581,15 @@ impl Driver for CudaDriver {
     fn recover(&mut self) -> Result<(), DeviceError> {
         // An error from asynchronous work is sticky in CUDA: the context is lost and every later
         // call fails with it, so nothing can be recovered in place. A context that still
-        // synchronises had no such error (an event's failure was its own): go on.
+        // synchronises had no such error (an event's failure was its own): go on. Recreating a
+        // lost context (a primary-context reset, every allocation made again) is not built
+        // here: the engine stops with this error.
         self.ctx
             .synchronize()
             .map_err(backend("the CUDA context did not survive a device fault"))
+    }
+    fn context_generation(&self) -> u64 {
+        0 // never recreated: see `recover`
     }
     fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
         let data = Box::into_raw(Box::new(cb));

@@ -84,6 +84,9 @@ struct RopeTable {
     rope: Rope,
     rows: u32,
     table: Mem,
+    /// The context was recreated since it was uploaded: the allocation stands, its bytes are
+    /// lost, and the next launch that needs it uploads them again.
+    lost: bool,
 }
 
 /// Timing of the compute stream (see [`DrivenDevice::set_timing`]): a pair of timing events
@@ -464,6 +467,15 @@ impl<D: Driver> DrivenDevice<D> {
         rope: &Rope,
         max: u32,
     ) -> Result<(Ptr, u32), DeviceError> {
+        if let Some(t) = self.rope.as_mut().filter(|t| t.lost) {
+            let host = t.rope.rows(0..t.rows);
+            let data = bytes_of(&host);
+            let to = Ptr::whole(t.table, Bytes(data.len() as u64));
+            self.driver
+                .copy_pageable(s, to, data)
+                .and_then(|()| self.driver.context_synchronize())?;
+            t.lost = false;
+        }
         if !self
             .rope
             .as_ref()
@@ -498,6 +510,7 @@ impl<D: Driver> DrivenDevice<D> {
                 rope: *rope,
                 rows,
                 table,
+                lost: false,
             });
             if let Some(old) = old {
                 self.driver.free(old.table)?;
@@ -842,13 +855,24 @@ impl<D: Driver> Device for DrivenDevice<D> {
         Some(out)
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
+        let generation = self.driver.context_generation();
         self.driver.recover()?;
         // The callbacks queued before the fault may never run (CUDA drops them after an
         // error): their slots start again in a new ring. A late one signals the old ring, which
         // nobody reads.
         self.ring = Arc::new(CompletionRing::new(RING_SLOTS));
         self.tickets.clear();
+        if self.driver.context_generation() != generation {
+            // A recreated context lost the device's bytes: the RoPE table is uploaded again
+            // into its allocation when next needed.
+            if let Some(t) = self.rope.as_mut() {
+                t.lost = true;
+            }
+        }
         Ok(())
+    }
+    fn context_generation(&self) -> u64 {
+        self.driver.context_generation()
     }
     fn query(&mut self, ev: EventId) -> EventState {
         if let Some(&t) = self.tickets.get(&ev) {

@@ -291,11 +291,15 @@ pub trait Driver {
     fn stream_synchronize(&mut self, s: StreamKind) -> Result<(), DeviceError>;
     /// Blocks until everything queued on every stream completed.
     fn context_synchronize(&mut self) -> Result<(), DeviceError>;
-    /// Brings the context back into use after a fault (`Device::recover`). CUDA cannot recover
-    /// a context in place: the production driver synchronises it and fails if it is lost. (The
-    /// simulated driver clears its side's error and keeps the memory, as the simulated device
-    /// does; recreating a lost context is not built.)
+    /// Brings the context back into use after a fault (`Device::recover`). CUDA cannot clear a
+    /// context's asynchronous error in place: a driver that can recreates the context, with
+    /// every allocation made again at the same address (the device bytes lost, pinned host
+    /// memory kept) and every event and stream valid, and bumps its
+    /// [`Driver::context_generation`]. The simulated driver does; the production driver does
+    /// not yet (it synchronises the context and fails if it is lost, and the engine stops).
     fn recover(&mut self) -> Result<(), DeviceError>;
+    /// How many times `recover` recreated the context.
+    fn context_generation(&self) -> u64;
     /// Queues `cb` on `s`: it runs on the callback thread once the work before it completed.
     /// On an error the callback never runs (it is dropped). CUDA does not run it either when
     /// the context is in error by then.

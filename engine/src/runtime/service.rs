@@ -334,7 +334,8 @@ fn answer(outputs: Vec<Output>, pending: &mut BTreeMap<u64, Pending>) {
                         .send(Err(ServiceError::TransferTimedOut { request, tries }));
                 }
             }
-            Output::Digests { .. } | Output::Recompute { .. } => {}
+            // A requeued request is still pending: its completion comes later.
+            Output::Digests { .. } | Output::Recompute { .. } | Output::Requeued { .. } => {}
         }
     }
 }

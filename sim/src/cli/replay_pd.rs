@@ -60,7 +60,8 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Emitted>) {
                 seen.entry(request).or_default().ended_otherwise =
                     Some(format!("transfer timed out ({tries} tries)"))
             }
-            Output::Recompute { .. } => {}
+            // A pair's engine stops rather than requeue (`Engine::step`).
+            Output::Recompute { .. } | Output::Requeued { .. } => {}
         }
     }
 }

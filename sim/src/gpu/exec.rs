@@ -395,6 +395,41 @@ impl SimGpu {
             .collect()
     }
 
+    /// The current side's context was recreated: every device buffer it allocated holds garbage
+    /// (keyed by the side, its new generation and the buffer), every page of its paged buffers
+    /// is garbage in all rows and written anew, and its unpaged buffers hold no step's tokens.
+    /// Pinned host buffers keep their bytes (the host tier is host memory).
+    pub(super) fn lose_device_memory(&mut self) {
+        let side = self.side;
+        self.generation[side] += 1;
+        let generation = self.generation[side];
+        probes::hit(SimProbe::FaultContextRecreated);
+        self.log(&[15, 3, side as u64, generation]);
+        for b in 0..self.mem.descs.len() {
+            let buf = BufferId(b as u32);
+            let desc = self.mem.desc(buf);
+            if self.buffer_side[b] as usize != side || desc.tier != MemoryTier::Device {
+                continue;
+            }
+            let garbage = self
+                .faults
+                .keyed_bits(KEY_GARBAGE, side, (generation << 32) ^ b as u64 ^ 1 << 63)
+                .to_le_bytes();
+            for word in self.mem.bufs[b].chunks_mut(8) {
+                word.copy_from_slice(&garbage[..word.len()]);
+            }
+            if desc.fingerprint.is_paged() {
+                let pb = desc.fingerprint.page_bytes.max(1);
+                for p in 0..desc.bytes.0 / pb {
+                    self.page_marks.taint(buf, p, u64::MAX);
+                    self.page_marks.written(buf, p);
+                }
+            } else {
+                self.page_marks.set_stale_tokens(buf, true);
+            }
+        }
+    }
+
     /// Every paged-buffer page an op writes gets a new write generation (the content oracle's
     /// cache key).
     pub(super) fn bump_generations(&mut self, r: ByteRange) {

@@ -89,9 +89,15 @@ pub struct GpuOptions {
     /// A fault is sticky for the whole device, as CUDA's asynchronous errors are for a context:
     /// a failed launch or copy leaves every stream of its side in error, and every call (an
     /// event's creation, record or wait, an op's enqueue) fails with `DeviceError::InError`
-    /// until `Device::recover` (kinder than CUDA in one way: recovering keeps the memory, where
-    /// CUDA must recreate the context).
+    /// until `Device::recover`, which recreates the side's context (`recreate_context`).
     pub context_faults: bool,
+    /// Recovering a side in error for the whole context (`context_faults`, a hang) recreates
+    /// its context, as CUDA must: every device buffer the side allocated holds garbage
+    /// afterwards (its pages count as garbage for the content oracle), pinned host buffers keep
+    /// their bytes, and `Device::context_generation` moves on. Off, the side keeps its memory
+    /// (kinder than CUDA): the runner turns it off for a prefill/decode pair, whose engines
+    /// cannot yet recompute transfers after a recreation.
+    pub recreate_context: bool,
     /// Probability that a kernel's enqueue is refused with out-of-memory: a failure of the call
     /// alone, nothing is enqueued and the device stays usable. (The production device reports a
     /// failed launch as `DeviceError::Kernel` instead, which the engine does not repeat: this
@@ -156,6 +162,7 @@ impl Default for GpuOptions {
             sticky_faults: false,
             recover_fails: false,
             context_faults: false,
+            recreate_context: true,
             refused_launch_rate: 0.0,
             hang_rate: 0.0,
             driver_fault_rate: 0.0,
@@ -363,6 +370,10 @@ pub struct SimGpu {
     /// Per side, the fault that left the whole side in error (`GpuOptions::context_faults`,
     /// a hang), until the engine recovers it.
     in_error: [Option<DeviceFault>; 2],
+    /// Per side, how many times recovering it recreated its context (`Device::context_generation`).
+    generation: [u64; 2],
+    /// The side each buffer was allocated by (a recreated context loses its own side's alone).
+    buffer_side: Vec<u8>,
     /// The fault and timing model (`timing.rs`).
     faults: FaultModel,
 }
@@ -421,6 +432,8 @@ impl SimGpu {
             shadow_arena: Vec::new(),
             exec: Executor::Cpu(Box::default()),
             in_error: [None; 2],
+            generation: [0; 2],
+            buffer_side: Vec::new(),
             faults,
         };
         if cuda {
@@ -676,6 +689,7 @@ impl Device for SimGpu {
             }
         }
         let id = self.mem.alloc(desc);
+        self.buffer_side.push(self.side as u8);
         let cell = if desc.fingerprint.is_paged() {
             desc.fingerprint.page_bytes
         } else {
@@ -855,6 +869,9 @@ impl Device for SimGpu {
     fn recover(&mut self) -> Result<(), DeviceError> {
         self.recover_side()
     }
+    fn context_generation(&self) -> u64 {
+        self.generation[self.side]
+    }
 }
 
 impl SimGpu {
@@ -960,7 +977,13 @@ impl SimGpu {
         // Each side is its own device: recovering one clears its streams alone. Work a stream
         // in error still holds was queued in the failed context: it never runs (the stream
         // skips to its next record, which reports the failure).
-        let mut was = self.in_error[self.side].take().is_some();
+        let context_wide = self.in_error[self.side].take().is_some();
+        if context_wide && self.opts.recreate_context {
+            // CUDA cannot clear a context's error in place: the context is recreated, with the
+            // same allocations, and what the device held is gone.
+            self.lose_device_memory();
+        }
+        let mut was = context_wide;
         for st in &mut self.streams[self.side * 3..self.side * 3 + 3] {
             if st.sticky && (st.running.is_some() || !st.queue.is_empty()) {
                 st.skipping = true;
@@ -1031,5 +1054,8 @@ impl Device for SimSide {
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
         self.at().recover()
+    }
+    fn context_generation(&self) -> u64 {
+        self.gpu.borrow().generation[self.side]
     }
 }

@@ -17,23 +17,34 @@ pub struct Held {
     pub queued_tokens: u64,
     pub running: usize,
     pub loads: usize,
+    /// Of the queued, the requests the engine sent back from its running batch when its
+    /// device's context was recreated, and their prompt tokens, as the runner saw them
+    /// (`Output::Requeued`): they were admitted once and return without intake, so the
+    /// queue's bounds hold for the rest, and they are at most a running batch.
+    pub requeued: (usize, u64),
 }
 
 /// The first bound `held` breaks, as a finding.
 pub fn check(cfg: &Config, held: &Held, time_ns: u64) -> Option<Finding> {
     let s = &cfg.scheduler;
-    let bounds: [(&str, u64, u64, &str); 4] = [
+    let bounds: [(&str, u64, u64, &str); 5] = [
         (
-            "queued requests",
-            held.queued as u64,
+            "queued requests (besides the requeued)",
+            held.queued.saturating_sub(held.requeued.0) as u64,
             s.queued_requests_max as u64,
             "scheduler.queued_requests_max",
         ),
         (
-            "queued prompt tokens",
-            held.queued_tokens,
+            "queued prompt tokens (besides the requeued)",
+            held.queued_tokens.saturating_sub(held.requeued.1),
             s.pending_tokens_max,
             "scheduler.pending_tokens_max",
+        ),
+        (
+            "requeued requests in the queue",
+            held.requeued.0 as u64,
+            s.running_requests_max as u64,
+            "scheduler.running_requests_max",
         ),
         (
             "running requests",

@@ -199,6 +199,9 @@ pub struct Call<'a> {
     pub tried: &'a [u64],
     /// A copy or a step failed, or a load was recomputed, during the call.
     pub faulty: bool,
+    /// Running requests the call sent back to the queue, before its admissions (the device's
+    /// context was recreated): their locks went then.
+    pub requeued: &'a [u64],
     /// The host pool refuses allocations by injection now.
     pub refusals: bool,
     /// The counters' growth during the call (device hits, host hits); `None` for a call that
@@ -338,6 +341,9 @@ impl PolicyModel {
         // unused, which the trigger checks would take for a skipped backup.
         let triggers = !call.faulty && !call.refusals;
         let locked_before = self.locked();
+        for &r in call.requeued {
+            self.release(r);
+        }
         let mut touched: HashSet<NodeRef> = HashSet::new();
         let hits = self.admissions(before, after, call, triggers, &mut touched, &mut found);
         if call.faulty {
@@ -514,13 +520,18 @@ impl PolicyModel {
     fn end_requests(&mut self, call: &Call) {
         let calls = self.calls;
         self.releasing.retain(|(until, _)| *until >= calls);
-        for r in call.ended {
-            if let Some(nodes) = self.locks.remove(r) {
-                // Releasing a lock is a use, at a time the model does not see (the abort call,
-                // or within a step for a request aborted while its row was in flight).
-                self.unknown.extend(nodes.iter().copied());
-                self.releasing.push((calls + 2, nodes));
-            }
+        for &r in call.ended {
+            self.release(r);
+        }
+    }
+
+    /// Request `r` released its locks. Releasing a lock is a use, at a time the model does not
+    /// see (the abort call, within a step for a request aborted while its row was in flight, or
+    /// a requeue).
+    fn release(&mut self, r: u64) {
+        if let Some(nodes) = self.locks.remove(&r) {
+            self.unknown.extend(nodes.iter().copied());
+            self.releasing.push((self.calls + 2, nodes));
         }
     }
 
@@ -863,6 +874,7 @@ mod tests {
             ended: &[],
             tried: &[],
             faulty: false,
+            requeued: &[],
             refusals: false,
             hit_growth: None,
             now_ns: 0,
