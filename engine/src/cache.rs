@@ -841,10 +841,8 @@ impl PrefixCache {
             }
             d
         };
-        let mut order: Vec<(usize, NodeId)> = self
-            .live_nodes()
-            .map(|id| (depth(self, id), id))
-            .collect();
+        let mut order: Vec<(usize, NodeId)> =
+            self.live_nodes().map(|id| (depth(self, id), id)).collect();
         order.sort_unstable_by(|a, b| b.cmp(a));
         let mut freed = Vec::new();
         for (_, id) in order {

@@ -711,14 +711,15 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             return Ok(false);
         }
         self.context_generation = self.dev.context_generation();
+        if self.mutants.recreation_keeps_device_tier() {
+            return Ok(false);
+        }
         if self.role.is_some() {
-            return Err(EngineError::Device(
-                crate::device::DeviceError::Backend {
-                    detail: "the device's context was recreated under a prefill/decode pair's \
+            return Err(EngineError::Device(crate::device::DeviceError::Backend {
+                detail: "the device's context was recreated under a prefill/decode pair's \
                              engine, which cannot recompute its transfers"
-                        .into(),
-                },
-            ));
+                    .into(),
+            }));
         }
         probe::hit(Probe::DeviceContextRecreated);
         self.metrics.context_recreations += 1;

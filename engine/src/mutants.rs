@@ -155,6 +155,11 @@ pub enum Mutant {
     ///     ignore the model's weights): prefix keys leave the weights' version out, so after a
     ///     weight update a request matches KV its prefix had under the old weights.
     PrefixKeysIgnoreWeights,
+    /// 43. Runtime: after a fault sticky for the whole context (CUDA's asynchronous errors),
+    ///     recovering recreates the context and its device memory is lost, but the engine keeps
+    ///     its prefix cache's device pages and its running requests' KV as if they survived
+    ///     (it acknowledges the new context generation and carries on).
+    RecreationKeepsDeviceTier,
 }
 
 /// The lease of mutant 40: how long a load's host copies are kept from eviction (simulated
@@ -162,7 +167,7 @@ pub enum Mutant {
 pub const HOST_LEASE_NS: u64 = 20_000;
 
 impl Mutant {
-    pub const ALL: [Mutant; 42] = [
+    pub const ALL: [Mutant; 43] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -205,6 +210,7 @@ impl Mutant {
         Mutant::HostLeaseExpires,
         Mutant::PdNoNotificationDeadline,
         Mutant::PrefixKeysIgnoreWeights,
+        Mutant::RecreationKeepsDeviceTier,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -285,6 +291,7 @@ impl Mutant {
             Mutant::HostLeaseExpires => "host-lease-expires",
             Mutant::PdNoNotificationDeadline => "pd-no-notification-deadline",
             Mutant::PrefixKeysIgnoreWeights => "prefix-keys-ignore-weights",
+            Mutant::RecreationKeepsDeviceTier => "recreation-keeps-device-tier",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -333,6 +340,9 @@ impl Mutant {
             Mutant::HostLeaseExpires => "kvcache-ai/Mooncake#850",
             Mutant::PdNoNotificationDeadline => "vllm-project/vllm#50754",
             Mutant::PrefixKeysIgnoreWeights => "vllm-project/vllm: vllm/v1/kv_offload/spec.py",
+            Mutant::RecreationKeepsDeviceTier => {
+                "runtime: device memory taken as kept across a context recreation"
+            }
         }
     }
     /// The mechanism of an incident of another serving stack (the field zoo), in one line:
@@ -507,6 +517,10 @@ impl Mutants {
         } else {
             pool
         }
+    }
+    /// Mutant 43: a recreated context's loss of device memory is ignored.
+    pub fn recreation_keeps_device_tier(&self) -> bool {
+        self.on(Mutant::RecreationKeepsDeviceTier)
     }
     /// Mutant 38: whether a load is taken as successful whatever its copy did. Clean: `false`,
     /// success is read from the copy's events when the load is acknowledged.

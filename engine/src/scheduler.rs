@@ -499,7 +499,10 @@ impl Scheduler {
                 "request {id} requeued with its load unacknowledged"
             );
             let pages = std::mem::take(&mut r.pages);
-            held.push((std::mem::take(&mut r.locked), pages[r.owned_from..].to_vec()));
+            held.push((
+                std::mem::take(&mut r.locked),
+                pages[r.owned_from..].to_vec(),
+            ));
             r.owned_from = 0;
             r.computed = 0;
             r.state = RequestState::Queued;
@@ -776,7 +779,11 @@ impl Scheduler {
             .iter()
             .map(|id| {
                 let r = &self.requests[id];
-                assert_eq!(r.state, RequestState::Queued, "requeued request {id} queued");
+                assert_eq!(
+                    r.state,
+                    RequestState::Queued,
+                    "requeued request {id} queued"
+                );
                 r.prompt_len as u64
             })
             .sum();

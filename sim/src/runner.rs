@@ -1523,7 +1523,8 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// A query's digests: none may come from rows a failed copy left garbage in, and each must
+    /// A query's digests: none may come from rows that hold garbage (a failed copy's, or memory
+    /// a recreated context lost), and each must
     /// equal the oracles' recomputation.
     fn digests(&mut self, request: u64, position: u32, digests: Vec<u64>) {
         let layer_base = self.cfg.model.layer_base;
@@ -1553,7 +1554,7 @@ impl<'a> Run<'a> {
             self.found(
                 OracleKind::Content,
                 format!(
-                    "request {request} position {position}: the engine emitted digests computed from rows a failed copy left garbage in"
+                    "request {request} position {position}: the engine emitted digests computed from rows that hold garbage (a failed copy's, or memory a recreated context lost)"
                 ),
             );
         }

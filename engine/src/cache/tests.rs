@@ -269,6 +269,36 @@ mod policy {
         assert!(!c.backup_deferred(a.nodes[1]), "its parent is backed up");
     }
 
+    /// A lost device: every device page comes back, the backed-up prefix stays (host-only), the
+    /// rest of the tree goes, and a match then finds the host copies alone.
+    #[test]
+    fn forgetting_the_device_keeps_the_host_copies_alone() {
+        let mut c = PrefixCache::new();
+        let a = c.insert(
+            &[key(1), key(2), key(3)],
+            &[PageId(0), PageId(1), PageId(2)],
+        );
+        let b = c.insert(&[key(1), key(4)], &[PageId(0), PageId(3)]);
+        backed_up(&mut c, &a.nodes[..2], 100);
+        let mut freed = c.forget_device();
+        freed.sort();
+        assert_eq!(freed, vec![PageId(0), PageId(1), PageId(2), PageId(3)]);
+        assert!(c.device_pages().is_empty());
+        assert!(!c.is_live(a.nodes[2]) && !c.is_live(b.nodes[1]));
+        assert_eq!(c.host_pages(), vec![PageId(100), PageId(101)]);
+        let m = c.match_prefix(&[key(1), key(2), key(3)]);
+        assert_eq!((m.device, m.host), (0, 2));
+        c.check_invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "in use when the device's memory was lost")]
+    fn forgetting_the_device_under_a_lock_is_a_broken_invariant() {
+        let (mut c, nodes) = with_pages(&[1]);
+        c.lock(&nodes);
+        c.forget_device();
+    }
+
     #[test]
     #[should_panic(expected = "is resident but its parent")]
     fn the_invariants_catch_a_resident_node_under_a_dropped_parent() {

@@ -288,3 +288,54 @@ fn a_batch_built_ahead_continues_from_the_rows_in_flight() {
     assert_eq!(s.requests[&c].computed, 5 * PAGE_TOKENS as usize + 10);
     s.check_invariants();
 }
+
+/// A requeue sends the running batch to the head of the queue in running order, holding
+/// nothing; on readmission a request recomputes its generated tokens in one chunk with its
+/// prompt, and the chunk's last query generates its next token.
+#[test]
+fn a_requeued_request_recomputes_what_it_generated_and_goes_on() {
+    let mut s = scheduler(512, PrefillIndexer::LastToken);
+    let a = submit(&mut s, 100, 4);
+    let b = submit(&mut s, 80, 4);
+    // One page of each prompt cached (and locked).
+    admit_all(&mut s, 1, false);
+    let c = submit(&mut s, 30, 4);
+    // Two steps: the prompts, then one decode each; two tokens generated each.
+    for _ in 0..2 {
+        let rows = s.build_batch(1024, None);
+        forward(&mut s, &rows);
+    }
+    assert_eq!(s.requests[&a].generated, 2);
+    s.drain_outputs();
+    let held = s.requeue_running();
+    assert_eq!(held.len(), 2);
+    assert!(held
+        .iter()
+        .all(|(locked, own)| locked.len() == 1 && !own.is_empty()));
+    assert_eq!(s.queue.iter().copied().collect::<Vec<_>>(), [a, b, c]);
+    assert_eq!(
+        s.drain_outputs(),
+        [
+            Output::Requeued { request: a },
+            Output::Requeued { request: b }
+        ]
+    );
+    let r = &s.requests[&a];
+    assert_eq!(
+        (r.computed, r.owned_from, r.pages.len(), r.state),
+        (0, 0, 0, RequestState::Queued)
+    );
+    s.check_invariants();
+    // Readmitted with nothing cached: the prompt and both generated tokens in one chunk, whose
+    // last query yields the third token.
+    admit_all(&mut s, 0, false);
+    let rows = s.build_batch(1024, None);
+    let row_a = rows.iter().find(|r| r.request == a).expect("a row for a");
+    assert_eq!(
+        (row_a.from, row_a.to, row_a.queries.clone()),
+        (0, 102, vec![101])
+    );
+    forward(&mut s, &rows);
+    assert_eq!(s.requests[&a].generated, 3);
+    s.check_invariants();
+}

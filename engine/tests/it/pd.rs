@@ -89,6 +89,9 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Seen>) {
                 seen.entry(request).or_default().transfer_failed = true
             }
             Output::Recompute { .. } => {}
+            Output::Requeued { request } => {
+                panic!("request {request} requeued: a pair's engine never requeues")
+            }
         }
     }
 }

@@ -156,7 +156,7 @@ pub struct ContentOracle {
     /// Query rows whose logits and selection were recomputed by the specification.
     pub queries_recomputed: u64,
     /// For each (request, query position, global layer): whether the latest forward of that query
-    /// read rows a failed copy left garbage in. Those rows are not compared — the engine must
+    /// read rows that hold garbage (a failed copy's, or memory a recreated context lost). Those rows are not compared — the engine must
     /// discard what it computed from them, and the runner checks that no output it emits comes
     /// from such a forward.
     pub tainted_reads: BTreeMap<(u64, u32, u32), bool>,
@@ -167,8 +167,9 @@ pub struct ContentOracle {
     verified: FastMap<(BufferId, u64), (u64, u64)>,
 }
 
-/// What the GPU knows about a page: which token rows a failed copy left garbage in (bit `t`),
-/// and how many times the page has been written.
+/// What the GPU knows about a page: which token rows hold garbage (bit `t`: a failed copy left
+/// it, or the page's context was recreated since it was written), and how many times the page
+/// has been written.
 pub trait PageState {
     fn tainted_rows(&self, buf: BufferId, page: u64) -> u64;
     fn generation(&self, buf: BufferId, page: u64) -> u64;
