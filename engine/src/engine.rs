@@ -288,7 +288,8 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     pub fn pools(&self) -> &Pools {
         &self.pools
     }
-    /// Nothing queued, running, loading or backing up (nor, in a pair, held for a transfer).
+    /// Nothing queued, running, loading or backing up (nor, in a pair, held for a transfer), and
+    /// no recreated context left for the next step to handle (its device tier to drop).
     pub fn is_idle(&self) -> bool {
         self.in_flight.is_none()
             && self.sched.is_idle()
@@ -699,7 +700,8 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// When the device's context was recreated since the engine last looked (by any recovery:
     /// a failed step's, a copy's, a repeated call's), everything the device held is gone, and
     /// the engine drops what it kept there: the step in flight is discarded; every load and
-    /// backup in flight fails (their pages held nothing the host can trust); every running
+    /// backup in flight is waited for and fails (a load's pages hold garbage now; a backup's
+    /// copy may have read them after they went); every running
     /// request goes back to the head of the queue in running order, holding no page, to
     /// recompute its KV through admission (its prefix may hit the host tier, which is host
     /// memory and survives); the prefix cache drops every device page, keeping host copies.

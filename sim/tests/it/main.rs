@@ -48,6 +48,10 @@ fn fixed_seeds_have_no_findings() {
         "the seeds exercise loads and backups"
     );
     assert!(s.totals.digests_checked > 0 && s.totals.rows_checked > 0);
+    assert!(
+        s.totals.requeued > 0,
+        "the seeds exercise a recreated context (running requests requeued)"
+    );
     if n == DEFAULT_TEST_SEEDS {
         every_probe_is_hit(&s.coverage);
     }
@@ -500,6 +504,8 @@ fn one_row_topk(gpu: &mut tierkv_sim::gpu::SimGpu) -> tierkv_engine::device::Op 
 /// in error, and a hung one (`hang_rate`) fails when the watchdog gives up on it, one virtual
 /// second after it started; then every call — event creation, record, wait, enqueue — fails
 /// with `DeviceError::InError` naming the fault, until `recover`, after which calls succeed.
+/// Recovering recreates the context: the device memory is lost (garbage), pinned host memory
+/// keeps its bytes, and the context's generation moves on.
 #[test]
 fn a_fault_leaves_the_side_in_error_until_it_is_recovered() {
     use tierkv_engine::device::{Device, DeviceError, DeviceFault, EventState, StreamKind};
@@ -514,6 +520,25 @@ fn a_fault_leaves_the_side_in_error_until_it_is_recovered() {
         let mut gpu = SimGpu::new(5, opts).expect("a simulated GPU");
         let clock = gpu.clock();
         let topk = one_row_topk(&mut gpu);
+        let kept = |gpu: &mut SimGpu, tier| {
+            use tierkv_engine::device::{BufferDesc, BufferRole};
+            use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+            let b = gpu
+                .alloc(BufferDesc {
+                    role: BufferRole::Scratch { name: "kept" },
+                    tier,
+                    bytes: Bytes(64),
+                    fingerprint: LayoutFingerprint::unpaged(64),
+                })
+                .expect("a buffer");
+            gpu.mem.bufs[b.0 as usize] = (0..64).collect();
+            b
+        };
+        use tierkv_engine::device::MemoryTier;
+        let (dev, host) = (
+            kept(&mut gpu, MemoryTier::Device),
+            kept(&mut gpu, MemoryTier::PinnedHost),
+        );
         let ev = gpu.new_event().expect("a device not in error");
         let start = tierkv_engine::device::Clock::now_ns(&clock);
         gpu.enqueue(StreamKind::Compute, topk.clone())
@@ -551,7 +576,16 @@ fn a_fault_leaves_the_side_in_error_until_it_is_recovered() {
             cause
         );
         // Recovered, and with no more faults, the same work runs and its event completes.
+        assert_eq!(gpu.context_generation(), 0);
         gpu.recover().expect("recovered");
+        assert_eq!(gpu.context_generation(), 1, "hang {hang}: recreated");
+        let pattern: Vec<u8> = (0..64).collect();
+        assert_ne!(
+            gpu.mem.bytes(dev),
+            &pattern[..],
+            "the device's bytes are lost"
+        );
+        assert_eq!(gpu.mem.bytes(host), &pattern[..], "the host's are kept");
         gpu.stop_faults();
         let ev2 = gpu.new_event().expect("calls succeed after recover");
         gpu.wait(StreamKind::Write, ev)
@@ -595,6 +629,7 @@ fn without_context_faults_a_fault_stays_on_its_stream() {
     assert_eq!(gpu.synchronize(load), EventState::Done);
     assert_eq!(gpu.synchronize(compute), EventState::Failed);
     gpu.recover().expect("recovered");
+    assert_eq!(gpu.context_generation(), 0, "recovered in place");
     gpu.record(StreamKind::Compute, compute)
         .expect("a record after recover");
     assert_eq!(gpu.synchronize(compute), EventState::Done);
