@@ -115,7 +115,6 @@ pub(crate) struct Io<'a, D, C, T> {
     pub mutants: Mutants,
 }
 
-/// The worse of two event states (Failed > Pending > Done).
 /// How a backup ended, as the engine counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Outcome {
@@ -127,6 +126,7 @@ enum Outcome {
     Lost,
 }
 
+/// The worse of two event states (Failed > Pending > Done).
 fn worse(a: EventState, b: EventState) -> EventState {
     use EventState::*;
     match (a, b) {
@@ -147,6 +147,10 @@ pub(crate) struct CacheController {
     free_events: Vec<EventId>,
     /// The device could not recover from a fault it reported: the engine stops with this.
     lost: Option<DeviceError>,
+    /// The device's `context_generation` when the controller last failed what was in flight
+    /// ([`CacheController::fail_all`]). While the device's is newer, no backup is acknowledged
+    /// as done: it may have copied memory the recreation lost (`poll_backups`).
+    context_generation: u64,
 }
 
 impl CacheController {
@@ -173,6 +177,7 @@ impl CacheController {
             deferred: Vec::new(),
             free_events: Vec::new(),
             lost: None,
+            context_generation: dev.context_generation(),
         })
     }
 
@@ -412,6 +417,7 @@ impl CacheController {
         &mut self,
         io: &mut Io<'_, D, C, T>,
     ) -> Vec<LoadAck> {
+        self.context_generation = io.dev.context_generation();
         let ids: Vec<LoadId> = self.loads.keys().copied().collect();
         let mut acks = Vec::new();
         for id in ids {
@@ -699,7 +705,11 @@ impl CacheController {
         let mut i = 0;
         while i < self.backups.len() {
             let state = io.dev.query(self.backups[i].event);
-            if state == EventState::Pending {
+            // A context recreated since the controller last failed what was in flight (by the
+            // recovery just above, say): whatever this backup's event says, it may have read
+            // memory that was lost. `fail_all` fails it at the next step's start.
+            let recreated = io.dev.context_generation() != self.context_generation;
+            if state == EventState::Pending || (state == EventState::Done && recreated) {
                 i += 1;
                 continue;
             }

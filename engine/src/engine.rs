@@ -617,8 +617,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// Every iteration's start: acknowledge finished copies, retry deferred backups, admit
     /// queued requests. Returns how many were admitted.
     fn before_step(&mut self) -> Result<usize, EngineError> {
-        // A recreation since the last step (an abort's or an eviction's device calls) is handled
-        // before any copy is acknowledged: a backup issued after it copied garbage.
+        // A recreation since the last step's admission (by its failed step's recovery, its
+        // acknowledgements', a completed request's backup, an eviction's) is handled before any
+        // copy is acknowledged: a backup issued after it copied garbage.
         self.after_faults()?;
         let after = self.model.step_done();
         let acks = {
@@ -680,11 +681,11 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         }
     }
 
-    /// At a step's start, before any copy is acknowledged or request admitted: a device that
-    /// could not recover from a fault stops the engine; one whose recovery recreated its context
-    /// since the engine last looked is handled ([`Engine::after_recreation`]). Elsewhere the
-    /// engine only notices a recreation ([`Engine::recreation_pending`]) and ends the step
-    /// early, so every requeue comes before the step's admissions.
+    /// Before a step admits (at its start, and after its copies are acknowledged): a device
+    /// that could not recover from a fault stops the engine; one whose recovery recreated its
+    /// context since the engine last looked is handled ([`Engine::after_recreation`]).
+    /// Elsewhere the engine only notices a recreation ([`Engine::recreation_pending`]) and ends
+    /// the step early, so every requeue comes before the step's admissions.
     fn after_faults(&mut self) -> Result<(), EngineError> {
         self.device_lost()?;
         self.after_recreation()?;
@@ -705,23 +706,21 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// request goes back to the head of the queue in running order, holding no page, to
     /// recompute its KV through admission (its prefix may hit the host tier, which is host
     /// memory and survives); the prefix cache drops every device page, keeping host copies.
-    /// Afterwards the device tier is empty. Returns whether it did this. A prefill/decode
-    /// pair's engine cannot yet: its exports and imports hold device pages of transfers across
-    /// two devices, and it stops with a typed error.
-    fn after_recreation(&mut self) -> Result<bool, EngineError> {
+    /// Afterwards the device tier is empty. A prefill/decode pair's engine cannot do this yet:
+    /// its exports and imports hold device pages of transfers across two devices, and it stops
+    /// with a typed error.
+    fn after_recreation(&mut self) -> Result<(), EngineError> {
         if !self.recreation_pending() {
-            return Ok(false);
+            return Ok(());
         }
         self.context_generation = self.dev.context_generation();
         if self.mutants.recreation_keeps_device_tier() {
-            return Ok(false);
+            return Ok(());
         }
         if self.role.is_some() {
-            return Err(EngineError::Device(crate::device::DeviceError::Backend {
-                detail: "the device's context was recreated under a prefill/decode pair's \
-                             engine, which cannot recompute its transfers"
-                    .into(),
-            }));
+            return Err(EngineError::RecreatedUnderPair {
+                generation: self.context_generation,
+            });
         }
         probe::hit(Probe::DeviceContextRecreated);
         self.metrics.context_recreations += 1;
@@ -755,9 +754,8 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             0,
             "device pages still in use after the device's memory was lost"
         );
-        self.steps_failed_in_a_row = 0;
         self.refresh_gauges();
-        Ok(true)
+        Ok(())
     }
 
     /// Nothing to compute: waits for the oldest copy in flight, so the next step can progress.

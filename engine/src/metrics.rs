@@ -80,8 +80,9 @@ pub struct Metrics {
     pub steps: u64,
     /// Steps whose work the device failed (dropped and run again).
     pub steps_failed: u64,
-    /// Steps an engine running one step ahead dropped, unfailed, because the step they were
-    /// built on failed (run again as well).
+    /// Steps dropped unfailed: running one step ahead, because the step they were built on
+    /// failed (run again as well); and any step in flight when the device's context was
+    /// recreated (its requests recompute).
     pub steps_discarded: u64,
     /// Times the device's context was recreated under the engine (its device tier dropped).
     pub context_recreations: u64,
@@ -221,7 +222,7 @@ impl Metrics {
             (
                 "steps_discarded_total",
                 "counter",
-                "Steps dropped unfailed because the step they were built on (running one step ahead) failed.",
+                "Steps dropped unfailed: built on a failed step (running one step ahead), or in flight when the device context was recreated.",
                 self.steps_discarded,
             ),
             (

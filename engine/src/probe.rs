@@ -90,7 +90,7 @@ probes! {
     PageTableFull = "admit.page_table_full",
     /// A prefill was cut to the step's prefill budget (chunked prefill).
     BatchPrefillChunked = "batch.prefill_chunked",
-    /// A requeued request recomputed tokens it had generated, in a chunk like its prompt.
+    /// A requeued request recomputed tokens it had generated, in a chunk like its prompt's.
     BatchRecomputesGenerated = "batch.recomputes_generated",
     /// A batch mixes prefill and decode rows.
     BatchMixed = "batch.mixed",

@@ -602,7 +602,7 @@ impl Scheduler {
                 let known = r.prompt_len.max(r.tokens.len());
                 let n = (known - computed).min(budget);
                 probe::hit_if(Probe::BatchPrefillChunked, n < known - computed);
-                probe::hit_if(Probe::BatchRecomputesGenerated, computed >= r.prompt_len);
+                probe::hit_if(Probe::BatchRecomputesGenerated, computed + n > r.prompt_len);
                 if n == 0 {
                     continue;
                 }
@@ -737,9 +737,9 @@ impl Scheduler {
                     token,
                 });
             }
-            if row.to <= self.requests[&row.request].prompt_len {
-                counts.prefill_tokens += (row.to - row.from) as u64;
-            }
+            // The prompt tokens of the row (a requeued request's chunk may run past its prompt).
+            let prompt = self.requests[&row.request].prompt_len;
+            counts.prefill_tokens += row.to.min(prompt).saturating_sub(row.from) as u64;
         }
         counts
     }

@@ -543,8 +543,8 @@ fn start_engine(
         }
         let mut o = knobs.options(opts.trace);
         o.cuda = opts.cuda;
-        // A pair's engines stop when their context is recreated (`Engine::step`): its faults
-        // recover in place.
+        // A pair's engines stop when their context is recreated (`EngineError::RecreatedUnderPair`):
+        // its faults recover in place.
         o.recreate_context = sc.profile != "pd";
         if let Some(s) = &opts.schedule {
             o.schedule = s.clone();

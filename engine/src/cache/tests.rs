@@ -292,14 +292,6 @@ mod policy {
     }
 
     #[test]
-    #[should_panic(expected = "in use when the device's memory was lost")]
-    fn forgetting_the_device_under_a_lock_is_a_broken_invariant() {
-        let (mut c, nodes) = with_pages(&[1]);
-        c.lock(&nodes);
-        c.forget_device();
-    }
-
-    #[test]
     #[should_panic(expected = "is resident but its parent")]
     fn the_invariants_catch_a_resident_node_under_a_dropped_parent() {
         let mut c = PrefixCache::new();

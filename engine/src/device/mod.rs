@@ -291,9 +291,11 @@ pub trait Device {
     /// theirs) and bumps [`Device::context_generation`]. An error here means the device cannot
     /// go on, and the engine stops with it.
     fn recover(&mut self) -> Result<(), DeviceError>;
-    /// How many times [`Device::recover`] recreated this device's context. Work enqueued before
-    /// a recreation never completes as `Done` after it, and device memory written before it
-    /// holds garbage: an engine that sees the number move drops what it kept on the device.
+    /// How many times [`Device::recover`] recreated this device's context. Device memory
+    /// written before a recreation holds garbage after it, and work in flight across it may
+    /// still answer `Done` (it completed before the fault, or ran in the new context on lost
+    /// bytes): an engine that sees the number move trusts no copy or step in flight across it
+    /// and drops what it kept on the device.
     fn context_generation(&self) -> u64;
     /// What the device measured of its compute stream since the last call, for work the host
     /// has already waited for. A device that does not time its work (the CPU and simulated

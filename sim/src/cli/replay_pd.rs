@@ -60,7 +60,7 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Emitted>) {
                 seen.entry(request).or_default().ended_otherwise =
                     Some(format!("transfer timed out ({tries} tries)"))
             }
-            // A pair's engine stops rather than requeue (`Engine::step`).
+            // A pair's engine stops rather than requeue (`EngineError::RecreatedUnderPair`).
             Output::Recompute { .. } | Output::Requeued { .. } => {}
         }
     }

@@ -89,7 +89,8 @@ pub struct GpuOptions {
     /// A fault is sticky for the whole device, as CUDA's asynchronous errors are for a context:
     /// a failed launch or copy leaves every stream of its side in error, and every call (an
     /// event's creation, record or wait, an op's enqueue) fails with `DeviceError::InError`
-    /// until `Device::recover`, which recreates the side's context (`recreate_context`).
+    /// until `Device::recover`, which with `recreate_context` recreates the side's context (its
+    /// device memory lost) and otherwise clears the error in place.
     pub context_faults: bool,
     /// Recovering a side in error for the whole context (`context_faults`, a hang) recreates
     /// its context, as CUDA must: every device buffer the side allocated holds garbage

@@ -27,6 +27,12 @@
 //!   admitted it), against each admitted request's cached pages (its first stored position)
 //!   split into those the load stream filled for it and the rest (`policy.rs`).
 //! - No oracle yet, and why: `steps_discarded_total` apart from the sum above (a discarded step records like any other);
+//!   `loads_lost_total` and `backups_lost_total` (copies whose events reported no failure,
+//!   dropped because the device's context was recreated before their acknowledgement: the
+//!   device sees nothing of that; the content oracle and the conservation audit judge what the
+//!   engine did with their pages), `context_recreations_total` and `requests_requeued_total`
+//!   (the runner follows each requeue from `Output::Requeued`, and the gauges after every step
+//!   hold the queue it moves them to, but nothing counts the recreations apart from the engine);
 //!   `prefill_tokens_total` (a failed step's prompt tokens are stored again, so the stores
 //!   over-count it); `device_kv_pages_used` and `host_tokens_used` (the allocators' own counts;
 //!   the conservation audit judges the pages the prefix cache holds, not their number);

@@ -42,8 +42,8 @@
 //! - **Prefix-hit counters.** `prefix_pages_device_hit` and `prefix_pages_host_hit` grow in a
 //!   step by the admitted requests' cached pages that were on the device and that were loaded.
 //!
-//! Where a check does not apply, and why: a call in which a copy failed, a step failed or a
-//! load was recomputed (recovery drops state without a policy decision; what such a call's
+//! Where a check does not apply, and why: a call in which a copy failed, a step failed, a
+//! load was recomputed or the device's context was recreated (recovery drops state without a policy decision; what such a call's
 //! admissions touched is forgotten); the trigger checks and the host order while the host pool
 //! refuses allocations by injection (a refusal leaves room unused, and a backup refused after
 //! host eviction made room leaves no trace of what that eviction spared); the trigger checks
@@ -197,7 +197,8 @@ pub struct Call<'a> {
     /// The chained prompt keys of the request left at the head of the queue: admission tried
     /// it and found no room, and its match stayed locked while it evicted for itself.
     pub tried: &'a [u64],
-    /// A copy or a step failed, or a load was recomputed, during the call.
+    /// A copy or a step failed, a load was recomputed, or the device's context was recreated
+    /// (its device tier dropped, running requests requeued), during the call.
     pub faulty: bool,
     /// Running requests the call sent back to the queue, before its admissions (the device's
     /// context was recreated): their locks went then.
