@@ -1033,14 +1033,18 @@ impl<'a> Run<'a> {
         Ok(answer)
     }
 
-    /// Faults stop once the workload is in (the liveness phase); until then, aborts mid-load
-    /// and anywhere, and the operator's requests to hand back device memory.
+    /// Faults stop once the workload is in, or once half the run's step budget is spent (the
+    /// liveness phase); until then, aborts mid-load and anywhere, and the operator's requests to
+    /// hand back device memory. (The budget's bound: under a fault rate that recreates the
+    /// context every few steps, a prompt longer than those steps can compute restarts forever,
+    /// and the session behind it never sends its next turn.)
     fn faults(&mut self) -> Result<(), Stop> {
         let arrivals_left = self.next_oneshot < self.oneshots.len()
             || !self.retries.is_empty()
             || !self.deferred.is_empty()
             || self.sessions.iter().any(|s| !s.done);
-        if self.faults_on && !arrivals_left {
+        let budget_spent = self.stats.steps >= self.sc.steps_max / 2;
+        if self.faults_on && (!arrivals_left || budget_spent) {
             probes::hit_if(
                 SimProbe::FaultsStoppedWithWork,
                 self.engine.queue_len() + self.engine.running_len() > 0,

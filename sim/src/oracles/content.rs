@@ -156,9 +156,9 @@ pub struct ContentOracle {
     /// Query rows whose logits and selection were recomputed by the specification.
     pub queries_recomputed: u64,
     /// For each (request, query position, global layer): whether the latest forward of that query
-    /// read rows that hold garbage (a failed copy's, or memory a recreated context lost). Those rows are not compared — the engine must
-    /// discard what it computed from them, and the runner checks that no output it emits comes
-    /// from such a forward.
+    /// read rows that hold garbage (a failed copy's, or memory a recreated context lost). Those
+    /// rows are not compared — the engine must discard what it computed from them, and the
+    /// runner checks that no output it emits comes from such a forward.
     pub tainted_reads: BTreeMap<(u64, u32, u32), bool>,
     layer_base: u32,
     /// Pages already compared: (buffer, page) → (write generation, hash of what was expected).
