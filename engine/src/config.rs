@@ -18,7 +18,7 @@ pub const QUERY_ROWS_PER_LAUNCH: u32 = 64;
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::fmt;
-use tierkv_kernels::rope::RopeParams;
+use tierkv_kernels::rope::{RopeParams, YarnRule};
 
 /// A key of the configuration, spelled once: its name in its section and its full path.
 #[derive(Clone, Copy, Debug)]
@@ -78,10 +78,11 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("model.kv_lora_rank", "MLA latent values per KV row. Must be 512 (the KV row layout fixes it)."),
     ("model.qk_rope_head_dim", "MLA RoPE values per KV row. Must be 64."),
     ("model.rope_theta", "RoPE base: frequency i of the 32 is rope_theta^(-2i/64) before YaRN. A finite number above 1; default 10000.0 (DeepSeek-V3.2)."),
-    ("model.rope_factor", "YaRN's scaling factor: the low frequencies are divided by it. YaRN applies, as in DeepSeek's precompute_freqs_cis, only when model.context_tokens_max exceeds model.rope_original_seq_len (the indexer takes no YaRN attention scale: DeepSeek applies mscale to MLA only). A finite number, at least 1; default 40.0 (DeepSeek-V3.2)."),
+    ("model.rope_factor", "YaRN's scaling factor: the low frequencies are divided by it, when YaRN applies (model.rope_yarn says when; the indexer takes no YaRN attention scale: DeepSeek applies mscale to MLA only). A finite number, at least 1 (1: no YaRN); default 40.0 (DeepSeek-V3.2)."),
     ("model.rope_original_seq_len", "The context the model was pre-trained at (YaRN's original_seq_len), in tokens. Range 1..=1048576; default 4096 (DeepSeek-V3.2)."),
     ("model.rope_beta_fast", "YaRN's beta_fast: frequencies turning more often than this over rope_original_seq_len keep their value. A finite number above rope_beta_slow; default 32.0 (DeepSeek-V3.2)."),
     ("model.rope_beta_slow", "YaRN's beta_slow: frequencies turning less often than this over rope_original_seq_len are divided by rope_factor. A finite number above 0; default 1.0 (DeepSeek-V3.2)."),
+    ("model.rope_yarn", "When YaRN applies: \"configured\" (whenever rope_factor is above 1, whatever the context, as SGLang and vLLM apply it to a DeepSeek model whose configuration carries rope_scaling) or \"context_above_original\" (only when model.context_tokens_max exceeds model.rope_original_seq_len, as DeepSeek's reference precompute_freqs_cis does). Default configured."),
     ("model.index_n_heads", "Indexer query heads. Range 1..=64 (DeepSeek-V3.2: 64)."),
     ("model.index_head_dim", "Values per index key and query head. Must be 128 (the Hadamard transform and the page layout fix it)."),
     ("model.index_topk", "Positions the indexer selects per query, honoured everywhere. Range 1..=2048 (DeepSeek-V3.2: 2048)."),
@@ -127,6 +128,40 @@ impl PrefillIndexer {
         [PrefillIndexer::EveryToken, PrefillIndexer::LastToken]
             .into_iter()
             .find(|v| v.name() == s)
+    }
+}
+
+/// When YaRN applies to the indexer's RoPE (`model.rope_yarn`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeYarn {
+    /// Whenever `rope_factor` is above 1, whatever the context: as SGLang and vLLM apply it to a
+    /// DeepSeek model whose configuration carries `rope_scaling`. The default.
+    Configured,
+    /// Only when `context_tokens_max` is above `rope_original_seq_len`: DeepSeek's reference
+    /// `precompute_freqs_cis`.
+    ContextAboveOriginal,
+}
+
+impl RopeYarn {
+    pub const NAMES: &'static [&'static str] = &["configured", "context_above_original"];
+    pub fn name(self) -> &'static str {
+        match self {
+            RopeYarn::Configured => "configured",
+            RopeYarn::ContextAboveOriginal => "context_above_original",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        [RopeYarn::Configured, RopeYarn::ContextAboveOriginal]
+            .into_iter()
+            .find(|v| v.name() == s)
+    }
+    /// The kernels' rule of the same meaning.
+    pub fn rule(self) -> YarnRule {
+        match self {
+            RopeYarn::Configured => YarnRule::Configured,
+            RopeYarn::ContextAboveOriginal => YarnRule::ContextAboveOriginal,
+        }
     }
 }
 
@@ -211,7 +246,7 @@ pub struct ModelConfig {
     pub qk_rope_head_dim: u32,
     /// RoPE's base (before YaRN).
     pub rope_theta: f64,
-    /// YaRN's factor; YaRN applies when `context_tokens_max > rope_original_seq_len`.
+    /// YaRN's factor; when YaRN applies, `rope_yarn` says.
     pub rope_factor: f64,
     /// The context the model was pre-trained at.
     pub rope_original_seq_len: u32,
@@ -219,6 +254,9 @@ pub struct ModelConfig {
     pub rope_beta_fast: f64,
     /// YaRN's `beta_slow` (rotations below which a frequency is divided by the factor).
     pub rope_beta_slow: f64,
+    /// When YaRN applies: whenever configured (the servers' rule) or only above the original
+    /// length (the reference's).
+    pub rope_yarn: RopeYarn,
     pub index_n_heads: u32,
     pub index_head_dim: u32,
     /// Positions the indexer selects per query; honoured everywhere (DESIGN §1 incident 3).
@@ -402,6 +440,7 @@ impl Config {
                     rope_original_seq_len: V32_ROPE.original_seq_len,
                     rope_beta_fast: V32_ROPE.beta_fast,
                     rope_beta_slow: V32_ROPE.beta_slow,
+                    rope_yarn: RopeYarn::Configured,
                     index_n_heads: 64,
                     index_head_dim: INDEX_HEAD_DIM,
                     index_topk: 2048,
@@ -446,10 +485,8 @@ impl Config {
                 m.scale_fmt = ScaleFmt::Ue8m0;
                 c
             }
-            // The simulator's default: few layers and heads, tiny pools that force eviction.
-            // DeepSeek-V3.2's RoPE settings: at its 2048-token context the reference's formula
-            // gives plain RoPE (YaRN starts above 4096 tokens), which swarm seeds with longer
-            // contexts then exercise.
+            // The simulator's default: few layers and heads, tiny pools that force eviction;
+            // DeepSeek-V3.2's RoPE (swarm seeds draw both YaRN rules).
             "sim-small" => Config {
                 name: name.into(),
                 model: ModelConfig {
@@ -462,6 +499,7 @@ impl Config {
                     rope_original_seq_len: V32_ROPE.original_seq_len,
                     rope_beta_fast: V32_ROPE.beta_fast,
                     rope_beta_slow: V32_ROPE.beta_slow,
+                    rope_yarn: RopeYarn::Configured,
                     index_n_heads: 2,
                     index_head_dim: INDEX_HEAD_DIM,
                     index_topk: 64,
@@ -577,6 +615,7 @@ impl Config {
             beta_fast: m.rope_beta_fast,
             beta_slow: m.rope_beta_slow,
             max_seq_len: m.context_tokens_max,
+            yarn_rule: m.rope_yarn.rule(),
         }
     }
 
@@ -1155,7 +1194,7 @@ impl Config {
         format!(
             "name = \"{}\"\n\n[model]\nlayers = {}\nlayer_base = {}\nkv_lora_rank = {}\nqk_rope_head_dim = {}\n\
              rope_theta = {:?}\nrope_factor = {:?}\nrope_original_seq_len = {}\nrope_beta_fast = {:?}\n\
-             rope_beta_slow = {:?}\n\
+             rope_beta_slow = {:?}\nrope_yarn = \"{}\"\n\
              index_n_heads = {}\nindex_head_dim = {}\nindex_topk = {}\npage_size = {}\nkv_dtype = \"{}\"\n\
              index_k_dtype = \"{}\"\nscale_fmt = \"{}\"\ncontext_tokens_max = {}\nprefill_indexer = \"{}\"\n\n\
              [cache]\ndevice_pages = {}\n{}\nhost_layout = \"{}\"\nwrite_policy = \"{}\"\nload_slots = {}\n\n\
@@ -1171,6 +1210,7 @@ impl Config {
             m.rope_original_seq_len,
             m.rope_beta_fast,
             m.rope_beta_slow,
+            m.rope_yarn.name(),
             m.index_n_heads,
             m.index_head_dim,
             m.index_topk,
@@ -1331,6 +1371,7 @@ fn model_section(m: &Fields, b: Option<&Config>) -> ConfigResult<ModelConfig> {
         )?,
         rope_beta_fast: field!(m, b, model.rope_beta_fast, f64, or V32_ROPE.beta_fast)?,
         rope_beta_slow: field!(m, b, model.rope_beta_slow, f64, or V32_ROPE.beta_slow)?,
+        rope_yarn: field!(m, b, model.rope_yarn, named RopeYarn, or RopeYarn::Configured)?,
         index_n_heads: field!(m, b, model.index_n_heads, u32)?,
         index_head_dim: field!(m, b, model.index_head_dim, u32, or INDEX_HEAD_DIM)?,
         index_topk: field!(m, b, model.index_topk, u32)?,

@@ -24,6 +24,7 @@ use crate::cache::{NodeId, PageKey, PrefixCache};
 use crate::config::WritePolicy;
 use crate::device::{call_recovering, Clock, Device, DeviceError, EventId, EventState, StreamKind};
 use crate::error::EngineError;
+use crate::exchange::{Grant, LoadAck, LoadId};
 use crate::layout::{BufferKind, HostLayout, IndexKDtype, LayerId, Layout, PageId};
 use crate::metrics::Metrics;
 use crate::mutants::Mutants;
@@ -31,45 +32,6 @@ use crate::pools::Pools;
 use crate::probe::{self, Probe};
 use crate::transfer::{Transfer, TransferError};
 use std::collections::BTreeMap;
-use std::fmt;
-
-/// A load's id: sequential, never reused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct LoadId(pub u64);
-
-impl fmt::Display for LoadId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "load{}", self.0)
-    }
-}
-
-/// What acknowledging a load means for its request, for the engine to apply.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LoadAck {
-    pub load: LoadId,
-    pub request: u64,
-    /// The copy finished and the nodes are published; otherwise nothing was, the nodes' locks
-    /// are released, and the request must recompute their tokens.
-    pub ok: bool,
-    /// Nodes the load covered (the tail of the request's matched prefix).
-    pub nodes: usize,
-    /// Its request was aborted meanwhile: the controller already released what it held.
-    pub orphaned: bool,
-}
-
-/// What admission holds for a request: its cached prefix (locked, the host-only part being
-/// loaded) and its own device pages.
-#[derive(Clone, Debug)]
-pub struct Grant {
-    /// The page table: the resident prefix's pages, then the request's own.
-    pub pages: Vec<PageId>,
-    /// The matched nodes, locked for the request.
-    pub locked: Vec<NodeId>,
-    /// Matched pages (resident or being loaded): the request owns `pages[cached..]`.
-    pub cached: usize,
-    /// The load of the host-only part of the prefix.
-    pub load: Option<LoadId>,
-}
 
 /// A load in flight.
 #[derive(Clone, Debug)]

@@ -13,6 +13,7 @@ pub mod cpu_device;
 pub mod device;
 pub mod engine;
 pub mod error;
+mod exchange;
 mod gate;
 pub mod metrics;
 pub mod model;

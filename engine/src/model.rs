@@ -15,6 +15,7 @@ use crate::device::{
     Region, RowTag, RowTags, SparseRead, StreamKind, TokenAt, TopK,
 };
 use crate::error::EngineError;
+use crate::exchange::Row;
 use crate::gate::LayerGate;
 use crate::layout::{
     slot, u32_bytes, Bytes, IndexKDtype, KvDtype, LayerId, LayoutFingerprint, ScratchBuffer,
@@ -23,7 +24,6 @@ use crate::layout::{
 use crate::mutants::Mutants;
 use crate::pools::Pools;
 use crate::probe::{self, Probe};
-use crate::scheduler::Row;
 use crate::synth::{LnParams, Synth};
 use tierkv_kernels::cpu::numerics::le_u64s;
 use tierkv_kernels::rope::Rope;

@@ -7,9 +7,10 @@
 //! side holds only in its mirror), the fp8 scale format of the index keys (when either side
 //! stores them in fp8; KV tiles always carry fp32 scales), and the RoPE frequencies the stored
 //! index keys were rotated with: decode's queries are rotated with its own, and a key rotated with
-//! other frequencies scores against them as garbage. The frequencies follow DeepSeek's reference,
-//! where YaRN applies only when `model.context_tokens_max` exceeds `model.rope_original_seq_len`,
-//! so two engines of one model whose contexts fall on either side of that length disagree. Each
+//! other frequencies scores against them as garbage. Where `model.rope_yarn` follows DeepSeek's
+//! reference, YaRN applies only when `model.context_tokens_max` exceeds
+//! `model.rope_original_seq_len`, so two engines of one model whose contexts fall on either side
+//! of that length disagree (under the servers' rule, the default, they agree). Each
 //! side announces a [`PdLayout`]; the [`handshake`] compares them and refuses any difference with
 //! a [`HandshakeError`] that names every differing field and both sides' values. tierkv converts
 //! no layout in transfer (a bf16 index-K on one side and an fp8 one on the other is refused,
@@ -94,18 +95,24 @@ impl PdLayout {
             rope_inv_freq: rope.inv_freq().map(f64::to_bits),
             rope: if params.yarn() {
                 format!(
-                    "theta {}, YaRN factor {} over {} tokens (beta {}/{}) for a {}-token context",
+                    "theta {}, YaRN factor {} over {} tokens (beta {}/{}; rope_yarn {}) for a \
+                     {}-token context",
                     params.theta,
                     params.factor,
                     params.original_seq_len,
                     params.beta_fast,
                     params.beta_slow,
+                    m.rope_yarn.name(),
                     params.max_seq_len
                 )
             } else {
                 format!(
-                    "theta {}, no YaRN (a {}-token context within {})",
-                    params.theta, params.max_seq_len, params.original_seq_len
+                    "theta {}, no YaRN (rope_yarn {}, factor {}, a {}-token context, {} original)",
+                    params.theta,
+                    m.rope_yarn.name(),
+                    params.factor,
+                    params.max_seq_len,
+                    params.original_seq_len
                 )
             },
         }
@@ -421,6 +428,7 @@ impl<D: Device> Device for SharedDevice<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::RopeYarn;
 
     /// Refusals and reports name the pair's roles.
     #[test]
@@ -568,19 +576,48 @@ mod tests {
 
     #[test]
     fn yarn_on_one_side_only_is_refused() {
-        let (p, d) = pair(|d| d.model.context_tokens_max = 2 * d.model.rope_original_seq_len);
+        // One rule on each side: YaRN by the servers' rule, plain RoPE by the reference's at
+        // sim-small's 2048 tokens.
+        let (p, d) = pair(|d| d.model.rope_yarn = RopeYarn::ContextAboveOriginal);
         let e = handshake(&p, &d).unwrap_err().to_string();
         assert!(
-            e.contains("RoPE frequencies of the index keys (prefill: theta"),
+            e.contains("RoPE frequencies of the index keys (prefill: theta 10000, YaRN factor"),
             "{e}"
         );
+        assert!(
+            e.contains("decode: theta 10000, no YaRN (rope_yarn context_above_original"),
+            "{e}"
+        );
+        // The reference's rule on both sides, contexts on either side of the original length.
+        let reference = |c: &mut Config| c.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+        let mut pc = Config::preset("sim-small").unwrap();
+        reference(&mut pc);
+        let mut dc = pc.clone();
+        dc.model.context_tokens_max = 2 * dc.model.rope_original_seq_len;
+        let e = handshake(
+            &PdLayout::of(&pc, Role::Prefill),
+            &PdLayout::of(&dc, Role::Decode),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("prefill: theta 10000, no YaRN"), "{e}");
         assert!(e.contains("decode: theta 10000, YaRN factor"), "{e}");
     }
 
     #[test]
-    fn a_longer_context_within_the_original_length_keeps_the_frequencies() {
-        // No YaRN on either side: the frequencies are equal, so the pair agrees.
-        let (p, d) = pair(|d| d.model.context_tokens_max = d.model.rope_original_seq_len);
+    fn a_longer_context_keeps_the_frequencies_where_the_rule_allows() {
+        // The servers' rule: YaRN on both sides whatever the context, so the frequencies agree.
+        let (p, d) = pair(|d| d.model.context_tokens_max = 2 * d.model.rope_original_seq_len);
         assert_eq!(handshake(&p, &d), Ok(()));
+        // The reference's: no YaRN on either side within the original length.
+        let (p, d) = pair(|d| {
+            d.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+            d.model.context_tokens_max = d.model.rope_original_seq_len;
+        });
+        let mut pc = Config::preset("sim-small").unwrap();
+        pc.model.index_k_dtype = IndexKDtype::Fp8;
+        pc.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+        assert_eq!(handshake(&PdLayout::of(&pc, Role::Prefill), &d), Ok(()));
+        assert!(handshake(&p, &d).is_err(), "the default prefill has YaRN");
     }
 }

@@ -9,9 +9,9 @@
 
 use crate::cache::NodeId;
 use crate::config::{Config, PrefillIndexer, SchedulerConfig};
-use crate::controller::{Grant, LoadAck, LoadId};
 use crate::device::TokenAt;
 use crate::error::EngineError;
+use crate::exchange::{Grant, LoadAck, LoadId, Row};
 use crate::layout::{PageId, PAGE_TOKENS};
 use crate::mutants::Mutants;
 use crate::probe::{self, Probe};
@@ -143,31 +143,6 @@ impl Request {
     /// because its query yields the first token.
     pub fn cacheable_pages(&self) -> usize {
         (self.prompt_len - 1) / PAGE_TOKENS as usize
-    }
-}
-
-/// One request's part of a batch: store positions `from..to`, run the indexer at `queries`
-/// (positions within `from..to`). It carries what the forward needs of its request: the tokens
-/// at `from..to` and the page table.
-#[derive(Clone, Debug)]
-pub struct Row {
-    pub request: u64,
-    pub from: usize,
-    pub to: usize,
-    pub queries: Vec<u32>,
-    /// The tokens of positions `from..to`; a row run ahead holds, at `from`, the pending token
-    /// (`TokenAt::pending`'s encoding) that the device reads from the previous step's tokens.
-    pub tokens: Vec<u32>,
-    pub pages: Vec<PageId>,
-    /// Run one step ahead: the token at `from` is the one the previous step's query row of
-    /// this index generates, which the host does not know yet.
-    pub pending: Option<u32>,
-}
-
-impl Row {
-    /// The token at position `pos` of the request (within the row).
-    pub fn token(&self, pos: usize) -> u32 {
-        self.tokens[pos - self.from]
     }
 }
 

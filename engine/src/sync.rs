@@ -8,8 +8,19 @@
 //! its own loom mode, which does not build outside tokio's tests.
 //!
 //! ```text
-//! RUSTFLAGS="--cfg tierkv_loom" cargo test -p tierkv-engine --lib --release loom
+//! RUSTFLAGS="--cfg tierkv_loom" cargo test -p tierkv-engine --lib loom
 //! ```
+//!
+//! The models run only with debug assertions (the dev profile, as above): a release build drops
+//! the arithmetic overflow checks and any `debug_assert!` of the code under the model, so a
+//! model could report a pass that the dev profile would stop. A loom build without debug
+//! assertions does not compile.
+
+#[cfg(all(tierkv_loom, not(debug_assertions)))]
+compile_error!(
+    "the loom models need debug assertions: run them in the dev profile \
+     (RUSTFLAGS=\"--cfg tierkv_loom\" cargo test -p tierkv-engine --lib loom), not --release"
+);
 
 #[cfg(not(tierkv_loom))]
 pub use std::sync::{

@@ -3,8 +3,11 @@
 //! data, so CPU and CUDA rotate by bit-identical angles (the GPU never evaluates a transcendental).
 //!
 //! The frequencies are DeepSeek's (DeepSeek-V3.2-Exp `inference/model.py`,
-//! `precompute_freqs_cis`): the plain `theta^(-2i/64)`, blended with YaRN when the longest
-//! sequence served exceeds the length the model was pre-trained at. Frequencies that rotate more
+//! `precompute_freqs_cis`): the plain `theta^(-2i/64)`, blended with YaRN when
+//! [`RopeParams::yarn`] says so: by default whenever a YaRN factor above 1 is configured, as
+//! SGLang and vLLM apply it, or, under [`YarnRule::ContextAboveOriginal`], only when the longest
+//! sequence served exceeds the length the model was pre-trained at, as the reference does.
+//! Frequencies that rotate more
 //! than `beta_fast` times over that length keep their value, those that rotate fewer than
 //! `beta_slow` times are divided by `factor`, and a linear ramp over the dimension index joins the
 //! two (the correction dims are `floor` of the fast one and `ceil` of the slow one, clamped to
@@ -46,14 +49,29 @@ pub struct RopeParams {
     pub beta_fast: f64,
     /// Rotations over `original_seq_len` below which a frequency is divided (`beta_slow`).
     pub beta_slow: f64,
-    /// The longest sequence served (the reference's `max_seq_len`): YaRN applies only when it is
-    /// above `original_seq_len`, as in the reference.
+    /// The longest sequence served (the reference's `max_seq_len`): under
+    /// [`YarnRule::ContextAboveOriginal`], YaRN applies only when it is above `original_seq_len`.
     pub max_seq_len: u32,
+    /// When YaRN applies.
+    pub yarn_rule: YarnRule,
+}
+
+/// When YaRN changes the frequencies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum YarnRule {
+    /// Whenever the model is configured with a YaRN factor above 1, whatever the context served:
+    /// what SGLang and vLLM do for a DeepSeek model whose configuration carries `rope_scaling`
+    /// (their rotary embedding is built from the scaling block alone).
+    Configured,
+    /// Only when the longest sequence served is above the length the model was pre-trained at:
+    /// DeepSeek's reference `precompute_freqs_cis` (`if seqlen > args.original_seq_len`).
+    ContextAboveOriginal,
 }
 
 impl RopeParams {
     /// DeepSeek-V3.2's settings (the reference's `ModelArgs` defaults, which
-    /// `config_671B_v3.2.json` does not override) for sequences of up to `max_seq_len` tokens.
+    /// `config_671B_v3.2.json` does not override) for sequences of up to `max_seq_len` tokens,
+    /// with YaRN applied as the servers apply it ([`YarnRule::Configured`]).
     pub const fn deepseek_v32(max_seq_len: u32) -> RopeParams {
         RopeParams {
             theta: ROPE_THETA,
@@ -62,12 +80,16 @@ impl RopeParams {
             beta_fast: 32.0,
             beta_slow: 1.0,
             max_seq_len,
+            yarn_rule: YarnRule::Configured,
         }
     }
 
-    /// Whether YaRN changes the frequencies (the reference's `seqlen > args.original_seq_len`).
+    /// Whether YaRN changes the frequencies, by [`RopeParams::yarn_rule`].
     pub fn yarn(&self) -> bool {
-        self.max_seq_len > self.original_seq_len
+        match self.yarn_rule {
+            YarnRule::Configured => self.factor > 1.0,
+            YarnRule::ContextAboveOriginal => self.max_seq_len > self.original_seq_len,
+        }
     }
 }
 

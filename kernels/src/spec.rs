@@ -126,14 +126,19 @@ use format::{HEAD_DIM, PAGE_TOKENS};
 
 /// DeepSeek's rotary frequencies, from the formula of `precompute_freqs_cis` (DeepSeek-V3.2-Exp,
 /// `inference/model.py`), apart from the `rope` module the engine builds its rows with:
-/// frequency `i` of 32 is `θ^(-2i/64)`; when the longest sequence served is above the length
-/// the model was trained at, YaRN divides the low frequencies by `factor`, keeps the high ones,
-/// and blends linearly between the dimension indices where a frequency turns `beta_fast` and
+/// frequency `i` of 32 is `θ^(-2i/64)`; when YaRN applies (under the servers' rule, whenever
+/// its factor is above 1; under the reference's, when the longest sequence served is above the
+/// length the model was trained at), it divides the low frequencies by `factor`, keeps the high
+/// ones, and blends linearly between the dimension indices where a frequency turns `beta_fast` and
 /// `beta_slow` times over the trained length (`64 · ln(L / (2π·rotations)) / (2 ln θ)`, floored
 /// and ceiled, clamped to `0..=63`, 0.001 apart at least).
 pub fn rope_inv_freq(p: &crate::rope::RopeParams) -> [f64; 32] {
     let plain: [f64; 32] = std::array::from_fn(|i| 1.0 / p.theta.powf(2.0 * i as f64 / 64.0));
-    if p.max_seq_len <= p.original_seq_len {
+    let yarn = match p.yarn_rule {
+        crate::rope::YarnRule::Configured => p.factor > 1.0,
+        crate::rope::YarnRule::ContextAboveOriginal => p.max_seq_len > p.original_seq_len,
+    };
+    if !yarn {
         return plain;
     }
     let turns_at = |rotations: f64| {

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tierkv_engine::trace::TraceRecord;
 
@@ -405,12 +405,28 @@ struct Shared {
     order: Option<Vec<u64>>,
     next: AtomicU64,
     stop: AtomicBool,
+    /// Opened once every worker is started (or one could not be): no seed runs before, so a
+    /// campaign refused for its `--jobs` has run nothing.
+    gate: (Mutex<bool>, Condvar),
+}
+
+impl Shared {
+    fn open_gate(&self) {
+        *self.gate.0.lock().expect("the gate's lock") = true;
+        self.gate.1.notify_all();
+    }
 }
 
 /// One worker: takes seeds until none is left or the campaign stops, runs each (and its other
 /// schedules) and sends every outcome with the CPU time it took on this thread.
 fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
     let opts = &sh.opts;
+    drop(
+        sh.gate
+            .1
+            .wait_while(sh.gate.0.lock().expect("the gate's lock"), |open| !*open)
+            .expect("the gate's lock"),
+    );
     loop {
         if sh.stop.load(Ordering::Relaxed) {
             return;
@@ -491,14 +507,63 @@ fn thread_cpu() -> Duration {
     Duration::ZERO
 }
 
+/// Starts `jobs` workers held at the gate; if the operating system refuses one, stops and
+/// joins those started and answers why (no seed has run).
+fn start_workers(
+    shared: &Arc<Shared>,
+    tx: &mpsc::Sender<(RunOutcome, Duration)>,
+    jobs: usize,
+) -> Result<Vec<std::thread::JoinHandle<()>>, CampaignError> {
+    let mut workers = Vec::with_capacity(jobs);
+    for n in 0..jobs {
+        let (sh, tx) = (Arc::clone(shared), tx.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("tierkv-worker-{n}"))
+            .spawn(move || worker(&sh, tx));
+        match spawned {
+            Ok(w) => workers.push(w),
+            Err(source) => {
+                shared.stop.store(true, Ordering::Relaxed);
+                shared.open_gate();
+                for w in workers {
+                    if let Err(panic) = w.join() {
+                        std::panic::resume_unwind(panic);
+                    }
+                }
+                return Err(CampaignError::Spawn {
+                    started: n,
+                    jobs,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(workers)
+}
+
 /// How often the campaign's main thread looks for an interrupt and a due progress line while
 /// no run ends.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
 
+/// Why a campaign could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum CampaignError {
+    /// The operating system refused a worker thread (its stack could not be had: too many
+    /// `--jobs` for the memory or thread limit). The workers already started were stopped.
+    #[error("could not start worker thread {started} of {jobs} ({source}); run with fewer --jobs")]
+    Spawn {
+        started: usize,
+        jobs: usize,
+        source: std::io::Error,
+    },
+}
+
+/// Runs the campaign `opts` describes on `opts.jobs` worker threads, calling `on_done` with
+/// each run as it ends.
 pub fn run_campaign(
     opts: &CampaignOptions,
     mut on_done: impl FnMut(&RunOutcome),
-) -> CampaignSummary {
+) -> Result<CampaignSummary, CampaignError> {
     let seeds = opts.seeds();
     let total = seeds.len();
     let mut progress = Progress::new(opts.progress, total);
@@ -526,15 +591,12 @@ pub fn run_campaign(
         order,
         next: AtomicU64::new(0),
         stop: AtomicBool::new(false),
+        gate: (Mutex::new(false), Condvar::new()),
     });
     let (tx, rx) = mpsc::channel::<(RunOutcome, Duration)>();
-    let workers: Vec<std::thread::JoinHandle<()>> = (0..(opts.jobs.max(1) as u64)
-        .min(total.max(1)))
-        .map(|_| {
-            let (sh, tx) = (Arc::clone(&shared), tx.clone());
-            std::thread::spawn(move || worker(&sh, tx))
-        })
-        .collect();
+    let jobs = (opts.jobs.max(1) as u64).min(total.max(1)) as usize;
+    let workers = start_workers(&shared, &tx, jobs)?;
+    shared.open_gate();
     drop(tx);
     loop {
         match rx.recv_timeout(POLL_INTERVAL) {
@@ -576,7 +638,7 @@ pub fn run_campaign(
     progress.finish(&summary, start);
     summary.wall = start.elapsed();
     summary.failures.sort_by_key(|f| (f.seed, f.schedule));
-    summary
+    Ok(summary)
 }
 
 /// A campaign's progress on stderr: a bar on a terminal; elsewhere (a CI log, a file) a plain

@@ -8,7 +8,7 @@ use crate::rng::Rng;
 use crate::schedule::{Policy, Source};
 use serde::{Deserialize, Serialize};
 use tierkv_engine::config::{
-    CacheConfig, Config, HostCapacity, PrefillIndexer, ScaleFmt, WritePolicy,
+    CacheConfig, Config, HostCapacity, PrefillIndexer, RopeYarn, ScaleFmt, WritePolicy,
 };
 use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
 use tierkv_engine::mutants::HARDCODED_TOPK;
@@ -818,6 +818,18 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     let dp = c.device_pages as f64;
     c.host = HostCapacity::Ratio(ratio.max((dp + 1.5) / dp));
     draw_cache_policies(cr, c);
+    draw_scheduler(cr, &mut cfg);
+    // Drawn last, so that adding it left every other draw as it was: a third of the seeds
+    // follow DeepSeek's reference rule, under which contexts within 4096 tokens get plain RoPE.
+    if cr.chance(0.3) {
+        cfg.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+    }
+    cfg
+}
+
+/// The scheduler's limits, from the model and cache already drawn.
+fn draw_scheduler(cr: &mut Rng, cfg: &mut Config) {
+    let ctx = cfg.model.context_tokens_max;
     let s = &mut cfg.scheduler;
     s.queued_requests_max = cr.range(8, 64) as u32;
     // Half the seeds have a pending-token bound a few contexts deep, which bursts go over; one in
@@ -839,7 +851,6 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
         *cr.pick(&[64, 128, 256, 512])
     };
     s.output_tokens_max = out_max;
-    cfg
 }
 
 /// The host mirror's order, the write policy and the load ring's slots.

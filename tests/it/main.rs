@@ -2,4 +2,5 @@
 
 mod acceptance;
 mod scenarios;
+mod tidy;
 mod zoo;

@@ -10,7 +10,7 @@ fn every_mutant_is_caught_within_100_seeds() {
     for m in Mutant::ALL {
         // The prefill/decode mutants under the `pd` profile, the others under the default.
         let profile = if m.is_pd() { "pd" } else { "swarm" };
-        let r = zoo_row(Some(m), 100, 2, profile, None);
+        let r = zoo_row(Some(m), 100, 2, profile, None).expect("the workers start");
         assert!(
             r.caught,
             "mutant {} was not caught within 100 seeds",
@@ -24,9 +24,9 @@ fn every_mutant_is_caught_within_100_seeds() {
             r.oracle.unwrap()
         );
     }
-    let clean = zoo_row(None, worst, 2, "swarm", None);
+    let clean = zoo_row(None, worst, 2, "swarm", None).expect("the workers start");
     assert!(!clean.caught, "the clean engine failed: {}", clean.message);
-    let clean = zoo_row(None, worst.min(12), 2, "pd", None);
+    let clean = zoo_row(None, worst.min(12), 2, "pd", None).expect("the workers start");
     assert!(!clean.caught, "the clean pair failed: {}", clean.message);
 }
 

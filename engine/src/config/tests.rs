@@ -43,8 +43,14 @@ fn presets_carry_the_published_model_values() {
     );
     assert!(c.rope().yarn());
     assert!(c.unconfirmed("deepseek-v3.2").is_empty());
-    // sim-small keeps plain RoPE: its context is within the original 4096 tokens.
-    assert!(!Config::preset("sim-small").unwrap().rope().yarn());
+    // sim-small has YaRN by the servers' rule, and plain RoPE by the reference's (its context
+    // is within the original 4096 tokens).
+    let mut small = Config::preset("sim-small").unwrap();
+    assert!(small.rope().yarn());
+    small.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+    assert!(!small.rope().yarn());
+    let text = format!("preset = \"sim-small\"\n[model]\nrope_yarn = \"context_above_original\"\n");
+    assert_eq!(Config::from_toml(&text).unwrap(), small);
     // Every preset says where its values come from.
     for name in Config::PRESETS {
         assert!(Config::preset_source(name).is_some(), "{name}");

@@ -43,6 +43,9 @@ pub enum ServiceError {
     ShuttingDown,
     #[error("the engine stopped: {0}")]
     EngineFailed(String),
+    /// The operating system refused the engine's thread (out of memory or threads).
+    #[error("the engine thread could not be started: {0}")]
+    Spawn(String),
 }
 
 struct Submission {
@@ -149,8 +152,8 @@ pub struct Service {
 
 impl Service {
     /// Starts the engine thread; `make` builds the engine on that thread (so the device never
-    /// has to cross threads).
-    pub fn start<D, C, T, F>(make: F) -> Service
+    /// has to cross threads). Fails, typed, when the operating system cannot start the thread.
+    pub fn start<D, C, T, F>(make: F) -> Result<Service, ServiceError>
     where
         D: Device + 'static,
         C: Clock + 'static,
@@ -163,12 +166,12 @@ impl Service {
         let engine_thread = std::thread::Builder::new()
             .name("tierkv-engine".into())
             .spawn(move || engine_loop(make, &i2, &p2))
-            .expect("spawn the engine thread");
-        Service {
+            .map_err(|e| ServiceError::Spawn(e.to_string()))?;
+        Ok(Service {
             intake,
             published,
             engine_thread: Some(engine_thread),
-        }
+        })
     }
 
     pub fn client(&self) -> Client {

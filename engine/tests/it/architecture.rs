@@ -170,6 +170,31 @@ fn module_edges(
     edges
 }
 
+/// The owners of a step sit side by side: the model step, the scheduler and the cache
+/// controller import none of each other; the types they exchange live in `exchange`.
+#[test]
+fn the_owners_import_none_of_each_other() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&root, &mut files);
+    let edges = module_edges(&root, &files);
+    let owners = ["model", "scheduler", "controller"];
+    let mut bad = Vec::new();
+    for a in owners {
+        assert!(
+            edges.contains_key(a),
+            "found no imports of `{a}`: {edges:?}"
+        );
+        for b in owners {
+            if edges[a].contains(b) {
+                bad.push(format!("{a} imports crate::{b}"));
+            }
+        }
+    }
+    assert!(edges["scheduler"].contains("exchange"), "{edges:?}");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
 #[test]
 fn engine_modules_have_no_import_cycle() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");

@@ -25,7 +25,8 @@ fn requests_complete_rejections_are_typed_and_metrics_answer() {
             MonotonicClock::new(),
             EngineOptions::default(),
         )
-    });
+    })
+    .expect("the engine thread starts");
     let client = service.client();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -102,7 +103,8 @@ fn shutdown_drains_accepted_requests() {
             MonotonicClock::new(),
             EngineOptions::default(),
         )
-    });
+    })
+    .expect("the engine thread starts");
     let client = service.client();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

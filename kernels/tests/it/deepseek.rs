@@ -20,7 +20,7 @@ use half::bf16;
 use tierkv_kernels::cpu::numerics::{fp8_scale, INV_SQRT_128};
 use tierkv_kernels::cpu::q_prep::{folded_weight, head_weight_scale};
 use tierkv_kernels::cpu::{self};
-use tierkv_kernels::rope::{Rope, RopeParams, ROPE_THETA};
+use tierkv_kernels::rope::{Rope, RopeParams, YarnRule, ROPE_THETA};
 use tierkv_kernels::spec;
 
 fn close(got: f64, want: f64, rel: f64) -> bool {
@@ -61,15 +61,29 @@ fn yarn_frequencies_are_deepseeks() {
 }
 
 /// The reference applies YaRN only when the longest sequence exceeds `original_seq_len`: at 4096
-/// tokens or fewer the frequencies are plain RoPE's.
+/// tokens or fewer the frequencies are plain RoPE's. The servers' rule (the default) applies it
+/// at every length, with the same frequencies.
 #[test]
-fn yarn_is_off_up_to_the_original_length() {
+fn yarn_is_off_up_to_the_original_length_by_the_reference_rule_only() {
+    let reference = |max| RopeParams {
+        yarn_rule: YarnRule::ContextAboveOriginal,
+        ..RopeParams::deepseek_v32(max)
+    };
+    let long = Rope::new(&RopeParams::deepseek_v32(131_072));
     for max in [1, 2048, 4096] {
-        let rope = Rope::new(&RopeParams::deepseek_v32(max));
+        let rope = Rope::new(&reference(max));
         assert_eq!(rope, Rope::plain(ROPE_THETA), "max_seq_len {max}");
+        let servers = Rope::new(&RopeParams::deepseek_v32(max));
+        assert_eq!(servers, long, "max_seq_len {max}");
     }
-    assert!(!RopeParams::deepseek_v32(4096).yarn());
-    assert!(RopeParams::deepseek_v32(4097).yarn());
+    assert!(!reference(4096).yarn());
+    assert!(reference(4097).yarn());
+    assert!(RopeParams::deepseek_v32(1).yarn());
+    let no_factor = RopeParams {
+        factor: 1.0,
+        ..RopeParams::deepseek_v32(131_072)
+    };
+    assert!(!no_factor.yarn());
 }
 
 /// Rows: 32 cosines then 32 sines of `position * f(i)`, each rounded once to f32.

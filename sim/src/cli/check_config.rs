@@ -114,25 +114,10 @@ pub fn run(file: Option<&PathBuf>, preset: Option<&str>, emit_toml: bool) -> i32
         "model: {} layers (global {}..{}), index_n_heads {}, index_head_dim {}, index_topk {}, page_size {}",
         m.layers, m.layer_base, m.layer_base + m.layers, m.index_n_heads, m.index_head_dim, m.index_topk, m.page_size
     );
-    let rope = cfg.rope();
     println!(
         "rope: theta {}, {}; scale_fmt {}",
         m.rope_theta,
-        if rope.yarn() {
-            format!(
-                "YaRN factor {} (original_seq_len {} < context {}, beta_fast {}, beta_slow {})",
-                m.rope_factor,
-                m.rope_original_seq_len,
-                m.context_tokens_max,
-                m.rope_beta_fast,
-                m.rope_beta_slow
-            )
-        } else {
-            format!(
-                "no YaRN (context {} <= original_seq_len {})",
-                m.context_tokens_max, m.rope_original_seq_len
-            )
-        },
+        yarn_line(&cfg),
         m.scale_fmt.name()
     );
     print_provenance(&cfg, file, preset);
@@ -195,5 +180,30 @@ fn print_provenance(cfg: &Config, file: Option<&PathBuf>, preset: Option<&str>) 
     println!("preset {base}: {}", src.source);
     for (key, value, why) in cfg.unconfirmed(&base) {
         println!("  unconfirmed: {key} = {value}: {why}");
+    }
+}
+
+/// Whether YaRN applies to `cfg`'s RoPE, and why.
+fn yarn_line(cfg: &Config) -> String {
+    let m = &cfg.model;
+    if cfg.rope().yarn() {
+        format!(
+            "YaRN factor {} (rope_yarn {}; original_seq_len {}, context {}, beta_fast {}, \
+             beta_slow {})",
+            m.rope_factor,
+            m.rope_yarn.name(),
+            m.rope_original_seq_len,
+            m.context_tokens_max,
+            m.rope_beta_fast,
+            m.rope_beta_slow
+        )
+    } else {
+        format!(
+            "no YaRN (rope_yarn {}: factor {}, context {}, original_seq_len {})",
+            m.rope_yarn.name(),
+            m.rope_factor,
+            m.context_tokens_max,
+            m.rope_original_seq_len
+        )
     }
 }

@@ -188,14 +188,21 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
     let service = match a.device.as_str() {
         "cpu" => {
             let cfg = cfg.clone();
-            Service::start(move || {
+            let started = Service::start(move || {
                 Engine::new(
                     cfg,
                     tierkv_engine::cpu_device::InOrderDevice::new(),
                     MonotonicClock::new(),
                     options,
                 )
-            })
+            });
+            match started {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("replay: {e}");
+                    return 1;
+                }
+            }
         }
         _ => match start_cuda(
             cfg.clone(),
@@ -633,12 +640,19 @@ fn start_cuda(
     } else {
         CopyStrategy::Gather
     };
-    Some(Service::start(move || {
+    let started = Service::start(move || {
         let mut dev = CudaDevice::new(strategy)?;
         dev.driver.logits = logits;
         dev.set_timing(timing);
         Engine::new(cfg, dev, MonotonicClock::new(), options)
-    }))
+    });
+    match started {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!("replay: {e}");
+            None
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

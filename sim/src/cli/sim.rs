@@ -708,6 +708,13 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
             eprintln!("seed {}{schedule}: {} -> {verdict}", out.seed, sc.summary());
         }
     });
+    let summary = match summary {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
     summary.print(&args.profile);
     if args.coverage {
         print!("{}", summary.coverage.table());

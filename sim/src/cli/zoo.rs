@@ -2,7 +2,7 @@
 //! the same seeds. Prints, per mutant: caught or not, seeds to the first catch, wall time, which
 //! oracle fired.
 
-use crate::campaign::{run_campaign, CampaignOptions};
+use crate::campaign::{run_campaign, CampaignError, CampaignOptions};
 use crate::report::OracleKind;
 use crate::scenario::PROFILES;
 use std::time::Instant;
@@ -51,7 +51,7 @@ pub fn zoo_row(
     jobs: usize,
     profile: &str,
     overlap: Option<bool>,
-) -> ZooRow {
+) -> Result<ZooRow, CampaignError> {
     let t = Instant::now();
     let opts = CampaignOptions {
         first: 0,
@@ -68,9 +68,9 @@ pub fn zoo_row(
         overlap,
         exhaustive: false,
     };
-    let s = run_campaign(&opts, |_| {});
+    let s = run_campaign(&opts, |_| {})?;
     let first = s.failures.first().cloned();
-    ZooRow {
+    Ok(ZooRow {
         mutant,
         caught: first.is_some(),
         seeds: first.as_ref().map_or(s.seeds_run, |f| f.seed + 1),
@@ -78,7 +78,7 @@ pub fn zoo_row(
         wall_s: t.elapsed().as_secs_f64(),
         oracle: first.as_ref().map(|f| f.finding.oracle),
         message: first.map(|f| f.finding.message).unwrap_or_default(),
-    }
+    })
 }
 
 /// The zoo's workers and mutants, every argument checked (the message names a bad one).
@@ -138,7 +138,13 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
         } else {
             args.profile.as_str()
         };
-        let r = zoo_row(Some(*m), args.seeds, jobs, profile, overlap);
+        let r = match zoo_row(Some(*m), args.seeds, jobs, profile, overlap) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("{e}");
+                return 2;
+            }
+        };
         if !r.caught {
             missed += 1;
         }
@@ -162,7 +168,13 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
     }
     let mut clean_failures = 0;
     if !args.no_clean {
-        let r = zoo_row(None, args.seeds, jobs, &args.profile, overlap);
+        let r = match zoo_row(None, args.seeds, jobs, &args.profile, overlap) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("{e}");
+                return 2;
+            }
+        };
         clean_failures = if r.caught { 1 } else { 0 };
         println!(
             "{:<4} {:<28} {:<8} {:>6} {:>8.2}  {:<12} {}",

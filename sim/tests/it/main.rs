@@ -40,7 +40,7 @@ fn fixed_seeds_have_no_findings() {
             Err(std::env::VarError::NotPresent) => DEFAULT_TEST_SEEDS,
             Err(e) => panic!("TIERKV_SIM_SEEDS: {e}"),
         };
-    let s = run_campaign(&campaign("swarm", 0, n), |_| {});
+    let s = run_campaign(&campaign("swarm", 0, n), |_| {}).expect("the workers start");
     assert_eq!(s.seeds_run, n);
     assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
     assert!(
@@ -70,7 +70,8 @@ const REGRESSIONS: &[(&str, u64, &str)] = &[(
 #[test]
 fn seeds_that_once_failed_have_no_findings() {
     for &(profile, seed, what) in REGRESSIONS {
-        let s = run_campaign(&campaign(profile, seed, seed + 1), |_| {});
+        let s =
+            run_campaign(&campaign(profile, seed, seed + 1), |_| {}).expect("the workers start");
         assert_eq!(s.seeds_run, 1);
         assert!(
             s.failures.is_empty(),
@@ -113,7 +114,7 @@ fn every_probe_is_hit(c: &tierkv_sim::probes::Coverage) {
 /// order.
 #[test]
 fn pd_pairs_have_no_findings() {
-    let s = run_campaign(&campaign("pd", 0, 6), |_| {});
+    let s = run_campaign(&campaign("pd", 0, 6), |_| {}).expect("the workers start");
     assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
     assert!(s.totals.finished > 0 && s.totals.digests_checked > 0);
     for probe in [
@@ -137,7 +138,7 @@ fn pd_pairs_have_no_findings() {
 /// a layer range of the 61 layers), with a load-back in some seeds.
 #[test]
 fn production_shapes_have_no_findings() {
-    let s = run_campaign(&campaign("production", 0, 3), |_| {});
+    let s = run_campaign(&campaign("production", 0, 3), |_| {}).expect("the workers start");
     assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
     assert_eq!(s.totals.finished, 12);
 }
@@ -145,14 +146,14 @@ fn production_shapes_have_no_findings() {
 /// 60+ concurrent tool-call sessions sharing a system prompt.
 #[test]
 fn sixty_concurrent_sessions_have_no_findings() {
-    let s = run_campaign(&campaign("sessions", 0, 2), |_| {});
+    let s = run_campaign(&campaign("sessions", 0, 2), |_| {}).expect("the workers start");
     assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
     assert!(s.totals.finished >= 60);
 }
 
 #[test]
 fn needle_workloads_have_no_findings() {
-    let s = run_campaign(&campaign("needle", 0, 4), |_| {});
+    let s = run_campaign(&campaign("needle", 0, 4), |_| {}).expect("the workers start");
     assert!(s.failures.is_empty(), "failures: {:#?}", s.failures);
     // ... and they ran: requests finished, their reads and digests were judged, and some of
     // their queries were held to the specification's logits.
@@ -237,7 +238,7 @@ fn check_config_names_unconfirmed_preset_values() {
     let (code, out, _) = tierkv(&["check-config"]);
     assert_eq!(code, 0);
     assert!(
-        out.contains("no YaRN (context 2048 <= original_seq_len 4096)"),
+        out.contains("YaRN factor 40 (rope_yarn configured; original_seq_len 4096, context 2048"),
         "{out}"
     );
 }
