@@ -420,6 +420,17 @@ impl Target {
 /// Why a run ends early: its findings are in `Run::findings`.
 struct Stop;
 
+/// What a runner's draw decides (the key of its generator, with the iteration).
+#[derive(Clone, Copy, Debug)]
+enum Draw {
+    /// Whether a request with a load in flight is aborted, and which.
+    AbortMidLoad = 1,
+    /// Whether a client aborts a request, and which.
+    Abort = 2,
+    /// Whether the operator asks for device pages back, and how many.
+    Evict = 3,
+}
+
 /// One run in progress: the engine, the oracles, the workload's state and what was found.
 struct Run<'a> {
     sc: &'a Scenario,
@@ -430,7 +441,12 @@ struct Run<'a> {
     gpu: Rc<RefCell<SimGpu>>,
     content: Rc<RefCell<ContentOracle>>,
     digest: DigestOracle,
-    rng: Rng,
+    /// The key of the runner's own draws (aborts, the operator's evictions): each is keyed by
+    /// what it decides and the iteration it decides it in ([`Run::keyed`]), so no draw moves
+    /// another.
+    draw_key: u64,
+    /// Iterations of the run loop so far.
+    iterations: u64,
     stats: RunStats,
     sessions: Vec<SessionState>,
     /// One-shot arrivals by time: (time, index into the workload).
@@ -761,7 +777,8 @@ impl<'a> Run<'a> {
             gpu,
             content,
             digest,
-            rng: Rng::new(sc.seed ^ 0x000A_B047),
+            draw_key: mix64(sc.seed ^ 0x000A_B047),
+            iterations: 0,
             stats: RunStats::default(),
             sessions,
             oneshots,
@@ -795,6 +812,7 @@ impl<'a> Run<'a> {
     /// One iteration of the run loop: arrivals, faults, one engine step and its outputs, the
     /// per-step oracles, and idle time.
     fn iteration(&mut self) -> Result<(), Stop> {
+        self.iterations += 1;
         let now = self.gpu.borrow().now();
         self.deferred_arrivals(now)?;
         self.session_arrivals(now)?;
@@ -1033,6 +1051,12 @@ impl<'a> Run<'a> {
         Ok(answer)
     }
 
+    /// The generator of draw `what` in this iteration of the run loop: keyed by both, so whether
+    /// one fault happened (or how many draws it took) moves no other draw.
+    fn keyed(&self, what: Draw) -> Rng {
+        Rng::new(mix64(mix64(self.draw_key ^ what as u64) ^ self.iterations))
+    }
+
     /// Faults stop once the workload is in, or once half the run's step budget is spent (the
     /// liveness phase); until then, aborts mid-load and anywhere, and the operator's requests to
     /// hand back device memory. (The budget's bound: under a fault rate that recreates the
@@ -1056,7 +1080,8 @@ impl<'a> Run<'a> {
         if !self.faults_on {
             return Ok(());
         }
-        if self.sc.abort_mid_load_rate > 0.0 && self.rng.chance(self.sc.abort_mid_load_rate) {
+        let mut mid_load = self.keyed(Draw::AbortMidLoad);
+        if self.sc.abort_mid_load_rate > 0.0 && mid_load.chance(self.sc.abort_mid_load_rate) {
             // Abort mid-load: a request whose load-back is still in flight.
             let loading: Vec<u64> = self
                 .owners
@@ -1067,24 +1092,24 @@ impl<'a> Run<'a> {
             // Not deferred: this fault is an abort that lands while the load is in flight (a
             // client's abort that lands after the step is `abort_rate`'s).
             if !loading.is_empty() {
-                let victim = *self.rng.pick(&loading);
+                let victim = *mid_load.pick(&loading);
                 self.abort(victim)?;
             }
         }
-        if self.sc.abort_rate > 0.0
-            && !self.owners.is_empty()
-            && self.rng.chance(self.sc.abort_rate)
+        let mut abort = self.keyed(Draw::Abort);
+        if self.sc.abort_rate > 0.0 && !self.owners.is_empty() && abort.chance(self.sc.abort_rate)
         {
             let ids: Vec<u64> = self.owners.keys().copied().collect();
-            let victim = *self.rng.pick(&ids);
+            let victim = *abort.pick(&ids);
             if !self.defer(Deferred::Abort(victim)) {
                 self.abort(victim)?;
             }
         }
-        if self.sc.evict_rate > 0.0 && self.rng.chance(self.sc.evict_rate) {
+        let mut evict = self.keyed(Draw::Evict);
+        if self.sc.evict_rate > 0.0 && evict.chance(self.sc.evict_rate) {
             let device_pages = self.engine.intake().pools().device_pages.capacity() as u64;
             // 1..=capacity + 1: one more than the tier holds is a request the engine must take.
-            let pages = self.rng.range(1, device_pages + 1) as usize;
+            let pages = evict.range(1, device_pages + 1) as usize;
             self.evict(pages)?;
         }
         Ok(())
