@@ -420,6 +420,34 @@ impl Target {
 /// Why a run ends early: its findings are in `Run::findings`.
 struct Stop;
 
+/// How many times each arrival of a workload ended (taken by the engine, refused for good, or
+/// given up after its last try). An arrival the schedule deferred is delivered once, later: a
+/// second end is a simulator bug, and so is an arrival that never ended once nothing is left to
+/// arrive. Both panic.
+#[derive(Debug)]
+struct Ends(Vec<u32>);
+
+impl Ends {
+    fn new(arrivals: usize) -> Ends {
+        Ends(vec![0; arrivals])
+    }
+    fn end(&mut self, index: usize) {
+        let n = &mut self.0[index];
+        *n += 1;
+        assert_eq!(
+            *n, 1,
+            "arrival {index} ended twice (delivered more than once)"
+        );
+    }
+    fn check_all_ended(&self) {
+        let never: Vec<usize> = (0..self.0.len()).filter(|&i| self.0[i] == 0).collect();
+        assert!(
+            never.is_empty(),
+            "arrivals {never:?} never ended though nothing is left to arrive"
+        );
+    }
+}
+
 /// What a runner's draw decides (the key of its generator, with the iteration).
 #[derive(Clone, Copy, Debug)]
 enum Draw {
@@ -452,6 +480,8 @@ struct Run<'a> {
     /// One-shot arrivals by time: (time, index into the workload).
     oneshots: Vec<(u64, usize)>,
     next_oneshot: usize,
+    /// How each one-shot ended: exactly once each, whether deferred by the schedule or not.
+    oneshot_ends: Ends,
     /// One-shots refused by admission control, to be sent again: (due time, index into the
     /// workload, tries so far).
     retries: BTreeSet<(u64, usize, u32)>,
@@ -783,6 +813,7 @@ impl<'a> Run<'a> {
             sessions,
             oneshots,
             next_oneshot: 0,
+            oneshot_ends: Ends::new(sc.workload.oneshots.len()),
             retries: BTreeSet::new(),
             deferred: Vec::new(),
             weights_updated: false,
@@ -887,6 +918,11 @@ impl<'a> Run<'a> {
     /// the session.
     fn send_turn(&mut self, now: u64, i: usize) -> Result<(), Stop> {
         let st = &mut self.sessions[i];
+        assert!(
+            st.inflight.is_none() && !st.done,
+            "session {i}'s turn {} is sent while its previous one is in flight or it is done",
+            st.next_turn
+        );
         let turn = self.sc.workload.sessions[i]
             .turns
             .get(st.next_turn)
@@ -956,11 +992,13 @@ impl<'a> Run<'a> {
             .flat_map(|&(stream, n)| (0..n as u64).map(move |k| synth.token(stream, k)))
             .collect();
         let answer = self.submit(prompt, o.generate, Owner::OneShot)?;
-        if let Err(r) = answer {
-            if !matches!(r, Rejection::Invalid { .. }) && tries < ONESHOT_TRIES {
+        match answer {
+            Err(r) if !matches!(r, Rejection::Invalid { .. }) && tries < ONESHOT_TRIES => {
                 let due = now + (BACKOFF_NS << (tries - 1)).min(BACKOFF_MAX_NS);
                 self.retries.insert((due, index, tries));
             }
+            // Taken, refused as invalid, or refused at its last try: it ends here.
+            _ => self.oneshot_ends.end(index),
         }
         Ok(())
     }
@@ -1097,8 +1135,7 @@ impl<'a> Run<'a> {
             }
         }
         let mut abort = self.keyed(Draw::Abort);
-        if self.sc.abort_rate > 0.0 && !self.owners.is_empty() && abort.chance(self.sc.abort_rate)
-        {
+        if self.sc.abort_rate > 0.0 && !self.owners.is_empty() && abort.chance(self.sc.abort_rate) {
             let ids: Vec<u64> = self.owners.keys().copied().collect();
             let victim = *abort.pick(&ids);
             if !self.defer(Deferred::Abort(victim)) {
@@ -1775,6 +1812,8 @@ impl<'a> Run<'a> {
                     self.deferred.is_empty(),
                     "a deferred arrival is due at the next step"
                 );
+                // Nothing is left to arrive: every one-shot was sent and ended.
+                self.oneshot_ends.check_all_ended();
                 Err(Stop)
             }
         }
@@ -1920,6 +1959,36 @@ fn output_key(o: &Output) -> u64 {
 mod tests {
     use super::*;
     use tierkv_engine::pd::{handshake, PdLayout, Role};
+
+    /// The arrivals' ledger: one end each passes; a second end, or none, panics.
+    #[test]
+    fn each_arrival_ends_exactly_once() {
+        let mut ends = Ends::new(3);
+        for i in [2, 0, 1] {
+            ends.end(i);
+        }
+        ends.check_all_ended();
+        let twice = std::panic::catch_unwind(move || {
+            let mut ends = Ends::new(2);
+            ends.end(1);
+            ends.end(1);
+        });
+        let message = *twice
+            .expect_err("a second end panics")
+            .downcast::<String>()
+            .unwrap();
+        assert!(message.contains("arrival 1 ended twice"), "{message}");
+        let never = std::panic::catch_unwind(|| {
+            let mut ends = Ends::new(3);
+            ends.end(1);
+            ends.check_all_ended();
+        });
+        let message = *never
+            .expect_err("a missing end panics")
+            .downcast::<String>()
+            .unwrap();
+        assert!(message.contains("arrivals [0, 2] never ended"), "{message}");
+    }
 
     /// Every drawn one-field-off decode configuration differs from its own in that field alone,
     /// as the handshake sees it; and every field is drawn.
