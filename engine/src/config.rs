@@ -622,7 +622,7 @@ impl Config {
     /// The preset a configuration file starts from (its top-level `preset`), if it names one
     /// and can be read.
     pub fn base_preset_of(path: &std::path::Path) -> Option<String> {
-        let text = std::fs::read_to_string(path).ok()?;
+        let text = crate::input::read_text(path, crate::input::CONFIG_BYTES_MAX).ok()?;
         let v: Value = if path.extension().is_some_and(|e| e == "json") {
             serde_json::from_str(&text).ok()?
         } else {
@@ -656,11 +656,14 @@ impl Config {
         Config::from_value(&v)
     }
 
-    /// Reads a `.json` file as JSON and anything else as TOML.
+    /// Reads a `.json` file as JSON and anything else as TOML: a regular file of at most
+    /// [`crate::input::CONFIG_BYTES_MAX`] bytes.
     pub fn from_file(path: &std::path::Path) -> ConfigResult<Config> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
-            path: path.display().to_string(),
-            reason: e.to_string(),
+        let text = crate::input::read_text(path, crate::input::CONFIG_BYTES_MAX).map_err(|e| {
+            ConfigError::Io {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            }
         })?;
         if path.extension().is_some_and(|e| e == "json") {
             Config::from_json(&text)

@@ -15,6 +15,7 @@ pub mod engine;
 pub mod error;
 mod exchange;
 mod gate;
+pub mod input;
 pub mod metrics;
 pub mod model;
 pub mod mutants;

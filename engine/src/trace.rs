@@ -167,11 +167,14 @@ pub fn parse_jsonl(text: &str) -> Result<Vec<TraceRecord>, TraceError> {
     Ok(out)
 }
 
-/// Reads a trace file; one without any request is an error.
+/// Reads a trace file (a regular file of at most [`crate::input::TRACE_BYTES_MAX`] bytes); one
+/// without any request is an error.
 pub fn read_trace(path: &std::path::Path) -> Result<Vec<TraceRecord>, TraceError> {
-    let text = std::fs::read_to_string(path).map_err(|e| TraceError::Io {
-        path: path.display().to_string(),
-        reason: e.to_string(),
+    let text = crate::input::read_text(path, crate::input::TRACE_BYTES_MAX).map_err(|e| {
+        TraceError::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        }
     })?;
     let recs = parse_jsonl(&text).map_err(|e| TraceError::InFile {
         path: path.display().to_string(),

@@ -315,20 +315,16 @@ impl ShardResult {
 
     /// Reads and checks one result file (bounded in size; every field checked).
     pub fn read(file: &Path) -> Result<ShardResult, MergeError> {
-        use std::io::Read;
-        let unreadable = |e: std::io::Error| MergeError::Unreadable {
-            file: file.to_path_buf(),
-            why: e.to_string(),
-        };
-        let mut text = String::new();
-        std::fs::File::open(file)
-            .and_then(|f| f.take(FILE_BYTES_MAX + 1).read_to_string(&mut text))
-            .map_err(unreadable)?;
-        if text.len() as u64 > FILE_BYTES_MAX {
-            return Err(MergeError::TooLarge {
+        use tierkv_engine::input::{read_text, InputError};
+        let text = read_text(file, FILE_BYTES_MAX).map_err(|e| match e {
+            InputError::TooLarge { .. } => MergeError::TooLarge {
                 file: file.to_path_buf(),
-            });
-        }
+            },
+            e => MergeError::Unreadable {
+                file: file.to_path_buf(),
+                why: e.to_string(),
+            },
+        })?;
         Self::parse(&text, file)
     }
 

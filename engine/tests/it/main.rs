@@ -6,6 +6,7 @@ mod config_docs;
 mod cuda_device;
 mod device_calls;
 mod engine_smoke;
+mod input;
 mod pd;
 mod service;
 mod trace;

@@ -952,12 +952,14 @@ mod imp {
         /// operation.
         fn table(&self, name: &str, a: &BenchArgs) -> R<String> {
             let torch: BTreeMap<String, f64> = match &a.torch_json {
-                Some(p) => std::fs::read_to_string(p)
-                    .map_err(e)?
-                    .lines()
-                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                    .filter_map(|v| Some((v["name"].as_str()?.to_string(), v["ms"].as_f64()?)))
-                    .collect(),
+                Some(p) => {
+                    tierkv_engine::input::read_text(p, tierkv_engine::input::TRACE_BYTES_MAX)
+                        .map_err(e)?
+                        .lines()
+                        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                        .filter_map(|v| Some((v["name"].as_str()?.to_string(), v["ms"].as_f64()?)))
+                        .collect()
+                }
                 None => BTreeMap::new(),
             };
             let mut md = format!(

@@ -664,10 +664,15 @@ pub fn run_sim(args: SimArgs) -> i32 {
     campaign(&copts, &args)
 }
 
-/// A saved scenario, checked field by field.
+/// The largest scenario file `--replay` reads (a drawn scenario is tens of kilobytes).
+const SCENARIO_FILE_BYTES_MAX: u64 = 16 << 20;
+
+/// A saved scenario (a regular file of at most `SCENARIO_FILE_BYTES_MAX` bytes), checked field
+/// by field.
 fn read_scenario(file: &Path) -> Result<Scenario, Usage> {
     let name = file.display();
-    let text = std::fs::read_to_string(file).map_err(|e| Usage(format!("{name}: {e}")))?;
+    let text = tierkv_engine::input::read_text(file, SCENARIO_FILE_BYTES_MAX)
+        .map_err(|e| Usage(format!("{name}: {e}")))?;
     parse_scenario(&text).map_err(|e| Usage(format!("{name}: {e}")))
 }
 
@@ -877,21 +882,13 @@ fn recorded_schedule(args: &SimArgs, sc: &Scenario) -> Result<Option<(PathBuf, S
 
 /// A recorded schedule for `sc`, checked: size, form, and that it was recorded on `sc`.
 fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, Usage> {
-    use std::io::Read;
+    use tierkv_engine::input::{read_text, InputError};
     let name = file.display();
     let fail = |e: String| Usage(format!("--schedule {name}: {e}"));
-    let mut text = String::new();
-    std::fs::File::open(file)
-        .and_then(|f| {
-            f.take(SCHEDULE_FILE_BYTES_MAX + 1)
-                .read_to_string(&mut text)
-        })
-        .map_err(|e| fail(e.to_string()))?;
-    if text.len() as u64 > SCHEDULE_FILE_BYTES_MAX {
-        return Err(fail(format!(
-            "larger than {SCHEDULE_FILE_BYTES_MAX} bytes: not a schedule"
-        )));
-    }
+    let text = read_text(file, SCHEDULE_FILE_BYTES_MAX).map_err(|e| match e {
+        InputError::TooLarge { max } => fail(format!("larger than {max} bytes: not a schedule")),
+        e => fail(e.to_string()),
+    })?;
     let s: Schedule =
         serde_json::from_str(&text).map_err(|e| fail(format!("not a schedule: {e}")))?;
     s.check_for(sc.seed, sc.fingerprint())

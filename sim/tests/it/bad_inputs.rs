@@ -4,8 +4,9 @@
 //! echo of a huge input.
 //!
 //! A case file holds one `key: value` per line: `args` (split at spaces; `{dir}` is the corpus
-//! folder, `{tmp}` a fresh scratch folder, which is also the working directory), `exit`, and
-//! `stderr` or `stdout` (a fragment the stream must contain).
+//! folder, `{tmp}` a fresh scratch folder, which is also the working directory, `{fifo}` a FIFO
+//! in it that nobody writes to), `exit`, and `stderr` or `stdout` (a fragment the stream must
+//! contain).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -41,6 +42,7 @@ fn parse(path: &Path, dir: &Path, tmp: &Path) -> Case {
     let subst = |s: &str| {
         s.replace("{dir}", &dir.display().to_string())
             .replace("{tmp}", &tmp.display().to_string())
+            .replace("{fifo}", &tmp.join("fifo").display().to_string())
     };
     let (stream, fragment) = match (field("stderr"), field("stdout")) {
         (Some(f), None) => ("stderr".to_string(), f),
@@ -141,6 +143,11 @@ fn every_bad_input_gets_a_clear_error() {
         ));
         std::fs::create_dir_all(&tmp).unwrap();
         let case = parse(f, &dir, &tmp);
+        let fifo = tmp.join("fifo").display().to_string();
+        if case.args.iter().any(|a| a.contains(&fifo)) {
+            let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+            assert!(made.success(), "mkfifo {fifo}");
+        }
         failures.extend(check(&case, &tmp));
         let _ = std::fs::remove_dir_all(&tmp);
     }
