@@ -127,6 +127,9 @@ struct Batch {
     queries: Vec<Query>,
     /// Each query's page-table row.
     tables: Vec<Vec<i32>>,
+    /// The device's context generation when the step began: once a recovery within the step
+    /// recreated the context, the rest of the step is not enqueued ([`enqueue`]).
+    generation: u64,
 }
 
 impl Batch {
@@ -281,7 +284,8 @@ impl ModelStep {
         slot: Slot,
     ) -> Result<usize, EngineError> {
         assert!(slot < self.step_done.len(), "step slot {slot}");
-        let batch = self.gather(rows);
+        let mut batch = self.gather(rows);
+        batch.generation = dev.context_generation();
         assert!(
             batch.queries.len() <= self.rows_max(),
             "batch over the scratch rows"
@@ -316,6 +320,7 @@ impl ModelStep {
             slots: Vec::new(),
             queries: Vec::new(),
             tables: Vec::new(),
+            generation: 0,
         };
         let pt_stride = self.scratch.layout.pt_stride as usize;
         for row in rows {
@@ -365,7 +370,7 @@ impl ModelStep {
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };
-        enqueue(dev, Op::IndexKStore(store))?;
+        enqueue(dev, batch.generation, Op::IndexKStore(store))?;
         for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
             self.indexer_launch(dev, synth, ik, batch, base, chunk, lg)?;
         }
@@ -407,7 +412,7 @@ impl ModelStep {
             q_out: q,
             w_out: w,
         };
-        enqueue(dev, Op::QPrep(prep))?;
+        enqueue(dev, batch.generation, Op::QPrep(prep))?;
         let page_table = batch.page_table(base, chunk.len());
         let logits = s.region(ScratchBuffer::Logits, (Bytes::ZERO, s.layout.logits(n)));
         let scores = IndexLogits {
@@ -423,7 +428,7 @@ impl ModelStep {
             out_stride: s.layout.out_stride(),
             tags: query_tags(lg, chunk),
         };
-        enqueue(dev, Op::IndexLogits(scores))?;
+        enqueue(dev, batch.generation, Op::IndexLogits(scores))?;
         for c in chunk {
             let covered = c.position < sh.topk;
             probe::hit_if(Probe::TopkCoversContext, covered);
@@ -441,7 +446,7 @@ impl ModelStep {
                 s.layout.selections(base as u32, n),
             ),
         };
-        enqueue(dev, Op::TopK(topk))
+        enqueue(dev, batch.generation, Op::TopK(topk))
     }
 
     /// Layer `l`'s KV store and, for every launch of query rows, the `sparse_read` of its
@@ -465,7 +470,7 @@ impl ModelStep {
             slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };
-        enqueue(dev, Op::KvStore(store))?;
+        enqueue(dev, batch.generation, Op::KvStore(store))?;
         for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
             let n = chunk.len() as u32;
             let read = SparseRead {
@@ -485,7 +490,7 @@ impl ModelStep {
                 ),
                 tags: query_tags(lg, chunk),
             };
-            enqueue(dev, Op::SparseRead(read))?;
+            enqueue(dev, batch.generation, Op::SparseRead(read))?;
         }
         Ok(())
     }
@@ -545,13 +550,13 @@ impl ModelStep {
                         .collect(),
                 },
             };
-            enqueue(dev, Op::NextTokens(next))?;
+            enqueue(dev, batch.generation, Op::NextTokens(next))?;
         }
         let copy = LinearCopy {
             src: s.region(ScratchBuffer::Digests, (Bytes::ZERO, bytes)),
             dst: s.region(self.readback(slot), (Bytes::ZERO, bytes)),
         };
-        enqueue(dev, Op::Copy(copy))?;
+        enqueue(dev, batch.generation, Op::Copy(copy))?;
         // The step's only record on the compute stream: a failure anywhere in the step's work
         // is reported by it (a device reports a failed op at its stream's next record), so no
         // other record may be placed on the compute stream inside a step.
@@ -592,10 +597,20 @@ impl ModelStep {
     }
 }
 
-/// Enqueues `op` on the compute stream; a transient failure is recovered and the op enqueued
-/// again (`call_recovering`; each try takes its own copy of the op, since a device takes the op
-/// it is given).
-fn enqueue<D: Device>(dev: &mut D, op: Op) -> Result<(), DeviceError> {
+/// Enqueues `op` of a step that began at context generation `since` on the compute stream; a
+/// transient failure is recovered and the op enqueued again (`call_recovering`; each try takes
+/// its own copy of the op, since a device takes the op it is given). Once a recovery has
+/// recreated the context (the generation moved), the op is not enqueued: what the step computed
+/// before (a selection, a query) is lost, an op reading it would read garbage (on CUDA, a
+/// selection of garbage slots is an illegal address), and the engine discards the step anyway.
+/// The step's end record is still made, so that its event tells when the device got there.
+fn enqueue<D: Device>(dev: &mut D, since: u64, op: Op) -> Result<(), DeviceError> {
+    if probe::hit_if(
+        Probe::StepCutByRecreation,
+        dev.context_generation() != since,
+    ) {
+        return Ok(());
+    }
     call_recovering(dev, |d| d.enqueue(StreamKind::Compute, op.clone()))
 }
 

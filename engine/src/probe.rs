@@ -125,6 +125,9 @@ probes! {
     /// Recovering the device recreated its context (`Device::context_generation` moved): the
     /// engine dropped the device tier and requeued its running requests.
     DeviceContextRecreated = "device.context_recreated",
+    /// A step's context was recreated by a recovery while it was enqueued: the rest of its ops
+    /// were not enqueued (they would read what the recreation lost).
+    StepCutByRecreation = "step.cut_by_recreation",
     /// A running request went back to the head of the queue to recompute its KV (its context was
     /// recreated under it).
     RequestRequeued = "request.requeued",
