@@ -348,6 +348,10 @@ pub struct InOrderDevice {
     /// `recover` calls made, and whether they fail (a lost device, for tests).
     pub recoveries: u32,
     pub recover_fails: bool,
+    /// For tests: each recovery moves `context_generation` on, as a recreated context's would
+    /// (the memory is kept: the generation alone says it was lost).
+    pub recover_recreates: bool,
+    generation: u64,
 }
 
 impl InOrderDevice {
@@ -410,11 +414,15 @@ impl Device for InOrderDevice {
                 detail: "injected: the device is lost".into(),
             });
         }
+        if self.recover_recreates {
+            self.generation += 1;
+        }
         // A failure here is the failed copy's alone (`fail_next_copies`): nothing stays broken.
         Ok(())
     }
     fn context_generation(&self) -> u64 {
-        0 // its faults are the failed copy's alone: nothing is ever recreated
+        // Its faults are the failed copy's alone: nothing is recreated unless a test says so.
+        self.generation
     }
     fn query(&mut self, ev: EventId) -> EventState {
         self.events[ev.0 as usize]

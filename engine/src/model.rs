@@ -10,9 +10,9 @@
 
 use crate::config::Config;
 use crate::device::{
-    call_recovering, BufferDesc, BufferId, BufferRole, Device, DeviceError, Drawn, EventId,
-    EventState, IndexKStore, IndexLogits, KvStore, LinearCopy, MemoryTier, NextTokens, Op, QPrep,
-    Region, RowTag, RowTags, SparseRead, StreamKind, TokenAt, TopK,
+    call_recovering, call_recovering_since, BufferDesc, BufferId, BufferRole, Device, DeviceError,
+    Drawn, EventId, EventState, IndexKStore, IndexLogits, KvStore, LinearCopy, MemoryTier,
+    NextTokens, Op, QPrep, Region, RowTag, RowTags, SparseRead, StreamKind, TokenAt, TopK,
 };
 use crate::error::EngineError;
 use crate::exchange::Row;
@@ -598,20 +598,18 @@ impl ModelStep {
 }
 
 /// Enqueues `op` of a step that began at context generation `since` on the compute stream; a
-/// transient failure is recovered and the op enqueued again (`call_recovering`; each try takes
-/// its own copy of the op, since a device takes the op it is given). Once a recovery has
-/// recreated the context (the generation moved), the op is not enqueued: what the step computed
-/// before (a selection, a query) is lost, an op reading it would read garbage (on CUDA, a
-/// selection of garbage slots is an illegal address), and the engine discards the step anyway.
-/// The step's end record is still made, so that its event tells when the device got there.
+/// transient failure is recovered and the op enqueued again (`call_recovering_since`; each try
+/// takes its own copy of the op, since a device takes the op it is given). Once a recovery has
+/// recreated the context (the generation moved), the op is not enqueued, neither before its
+/// first try nor after the recovery that recreated it: what the step computed before (a
+/// selection, a query) and the pages it reads are lost, an op reading them would read garbage
+/// (on CUDA, a selection of garbage slots is an illegal address), and the engine discards the
+/// step anyway. The step's end record is still made, so that its event tells when the device
+/// got there.
 fn enqueue<D: Device>(dev: &mut D, since: u64, op: Op) -> Result<(), DeviceError> {
-    if probe::hit_if(
-        Probe::StepCutByRecreation,
-        dev.context_generation() != since,
-    ) {
-        return Ok(());
-    }
-    call_recovering(dev, |d| d.enqueue(StreamKind::Compute, op.clone()))
+    let made = call_recovering_since(dev, since, |d| d.enqueue(StreamKind::Compute, op.clone()))?;
+    probe::hit_if(Probe::StepCutByRecreation, made.is_none());
+    Ok(())
 }
 
 /// Scratch buffers allocated for a model step that is not built yet (the engine allocates them

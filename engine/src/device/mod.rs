@@ -229,10 +229,35 @@ pub const CALL_TRIES_MAX: u32 = 8;
 /// the device is lost.
 pub fn call_recovering<D: Device + ?Sized, R>(
     dev: &mut D,
-    mut call: impl FnMut(&mut D) -> Result<R, DeviceError>,
+    call: impl FnMut(&mut D) -> Result<R, DeviceError>,
 ) -> Result<R, DeviceError> {
+    let made = call_loop(dev, None, call)?;
+    Ok(made.expect("a call not bound to a context generation is always made"))
+}
+
+/// [`call_recovering`] for a call that reads what the device held at context generation
+/// `since` (an op of a step that began then): it is not made while the generation differs, nor
+/// again after a recovery that recreated the context — what it would read is lost. `None`
+/// answers that it was not made.
+pub fn call_recovering_since<D: Device + ?Sized, R>(
+    dev: &mut D,
+    since: u64,
+    call: impl FnMut(&mut D) -> Result<R, DeviceError>,
+) -> Result<Option<R>, DeviceError> {
+    call_loop(dev, Some(since), call)
+}
+
+fn call_loop<D: Device + ?Sized, R>(
+    dev: &mut D,
+    since: Option<u64>,
+    mut call: impl FnMut(&mut D) -> Result<R, DeviceError>,
+) -> Result<Option<R>, DeviceError> {
+    let lost = |dev: &D| since.is_some_and(|g| dev.context_generation() != g);
     let mut tries = 1;
     loop {
+        if lost(dev) {
+            return Ok(None);
+        }
         match call(dev) {
             Err(e) if e.is_transient() && tries < CALL_TRIES_MAX => {
                 if matches!(e, DeviceError::InError { .. }) {
@@ -241,7 +266,7 @@ pub fn call_recovering<D: Device + ?Sized, R>(
                 crate::probe::hit(crate::probe::Probe::DeviceCallRepeated);
                 tries += 1;
             }
-            r => return r,
+            r => return r.map(Some),
         }
     }
 }

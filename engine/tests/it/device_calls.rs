@@ -2,7 +2,8 @@
 
 use tierkv_engine::cpu_device::InOrderDevice;
 use tierkv_engine::device::{
-    call_recovering, DeviceError, DeviceFault, StreamKind, CALL_TRIES_MAX,
+    call_recovering, call_recovering_since, Device, DeviceError, DeviceFault, StreamKind,
+    CALL_TRIES_MAX,
 };
 
 /// Calls `call_recovering` with a call that fails `errors` times with `error`, then succeeds;
@@ -76,4 +77,48 @@ fn call_recovering_stops_when_the_device_cannot_recover() {
         other => panic!("expected the recovery's error, got {other:?}"),
     }
     assert_eq!((calls, dev.recoveries), (1, 1));
+}
+
+/// A call bound to a context generation (an op of a step) is not made again after a recovery
+/// that recreated the context, nor made at all once the generation moved; a call bound to none
+/// is repeated as before (swarm seed 1916: a sparse_read repeated after the recreation read a
+/// selection the recreation had lost).
+#[test]
+fn a_call_of_a_lost_generation_is_not_repeated() {
+    let in_error = DeviceError::InError {
+        cause: DeviceFault::Hung {
+            op: "copy",
+            stream: StreamKind::Compute,
+            after_ns: 1_000_000_000,
+        },
+    };
+    let mut dev = InOrderDevice::new();
+    dev.recover_recreates = true;
+    let since = dev.context_generation();
+    let mut calls = 0;
+    let made = call_recovering_since(&mut dev, since, |_| {
+        calls += 1;
+        Err::<(), _>(in_error.clone())
+    });
+    assert_eq!(made, Ok(None), "not made again after the recreation");
+    assert_eq!((calls, dev.recoveries), (1, 1));
+    // The generation moved: a later call of the same step is not made at all.
+    let made = call_recovering_since(&mut dev, since, |_| {
+        calls += 1;
+        Ok(())
+    });
+    assert_eq!((made, calls), (Ok(None), 1));
+    // One of the new generation is, and so is one bound to none after a recreation.
+    let now = dev.context_generation();
+    assert_eq!(call_recovering_since(&mut dev, now, |_| Ok(7)), Ok(Some(7)));
+    let mut tries = 0;
+    let r = call_recovering(&mut dev, |_| {
+        tries += 1;
+        if tries == 1 {
+            Err(in_error.clone())
+        } else {
+            Ok(tries)
+        }
+    });
+    assert_eq!((r, dev.recoveries), (Ok(2), 2));
 }
