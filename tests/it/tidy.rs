@@ -97,7 +97,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 /// The name of the function a line declares, if it declares one (`fn name`, after any
 /// visibility and qualifiers).
 fn declared_fn(line: &str) -> Option<String> {
-    let mut words = line.trim_start().split_whitespace();
+    let mut words = line.split_whitespace();
     loop {
         let w = words.next()?;
         match w {

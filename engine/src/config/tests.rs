@@ -49,8 +49,8 @@ fn presets_carry_the_published_model_values() {
     assert!(small.rope().yarn());
     small.model.rope_yarn = RopeYarn::ContextAboveOriginal;
     assert!(!small.rope().yarn());
-    let text = format!("preset = \"sim-small\"\n[model]\nrope_yarn = \"context_above_original\"\n");
-    assert_eq!(Config::from_toml(&text).unwrap(), small);
+    let text = "preset = \"sim-small\"\n[model]\nrope_yarn = \"context_above_original\"\n";
+    assert_eq!(Config::from_toml(text).unwrap(), small);
     // Every preset says where its values come from.
     for name in Config::PRESETS {
         assert!(Config::preset_source(name).is_some(), "{name}");
