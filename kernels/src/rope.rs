@@ -64,7 +64,8 @@ pub enum YarnRule {
     /// (their rotary embedding is built from the scaling block alone).
     Configured,
     /// Only when the longest sequence served is above the length the model was pre-trained at:
-    /// DeepSeek's reference `precompute_freqs_cis` (`if seqlen > args.original_seq_len`).
+    /// DeepSeek's reference `precompute_freqs_cis` (`if seqlen > args.original_seq_len`), with a
+    /// factor above 1.
     ContextAboveOriginal,
 }
 
@@ -84,12 +85,14 @@ impl RopeParams {
         }
     }
 
-    /// Whether YaRN changes the frequencies, by [`RopeParams::yarn_rule`].
+    /// Whether YaRN changes the frequencies, by [`RopeParams::yarn_rule`]; a factor of 1 means
+    /// none under either rule.
     pub fn yarn(&self) -> bool {
-        match self.yarn_rule {
-            YarnRule::Configured => self.factor > 1.0,
-            YarnRule::ContextAboveOriginal => self.max_seq_len > self.original_seq_len,
-        }
+        self.factor > 1.0
+            && match self.yarn_rule {
+                YarnRule::Configured => true,
+                YarnRule::ContextAboveOriginal => self.max_seq_len > self.original_seq_len,
+            }
     }
 }
 

@@ -134,10 +134,12 @@ use format::{HEAD_DIM, PAGE_TOKENS};
 /// and ceiled, clamped to `0..=63`, 0.001 apart at least).
 pub fn rope_inv_freq(p: &crate::rope::RopeParams) -> [f64; 32] {
     let plain: [f64; 32] = std::array::from_fn(|i| 1.0 / p.theta.powf(2.0 * i as f64 / 64.0));
-    let yarn = match p.yarn_rule {
-        crate::rope::YarnRule::Configured => p.factor > 1.0,
-        crate::rope::YarnRule::ContextAboveOriginal => p.max_seq_len > p.original_seq_len,
-    };
+    // A factor of 1 divides nothing: no YaRN under either rule.
+    let yarn = p.factor > 1.0
+        && match p.yarn_rule {
+            crate::rope::YarnRule::Configured => true,
+            crate::rope::YarnRule::ContextAboveOriginal => p.max_seq_len > p.original_seq_len,
+        };
     if !yarn {
         return plain;
     }

@@ -507,8 +507,12 @@ fn thread_cpu() -> Duration {
     Duration::ZERO
 }
 
+/// Each worker thread's stack, in bytes: named, so that whether `--jobs` threads fit a memory
+/// limit does not depend on `RUST_MIN_STACK`.
+pub const WORKER_STACK_BYTES: usize = 2 << 20;
+
 /// Starts `jobs` workers held at the gate; if the operating system refuses one, stops and
-/// joins those started and answers why (no seed has run).
+/// joins those started and answers why (none has run a seed).
 fn start_workers(
     shared: &Arc<Shared>,
     tx: &mpsc::Sender<(RunOutcome, Duration)>,
@@ -519,6 +523,7 @@ fn start_workers(
         let (sh, tx) = (Arc::clone(shared), tx.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("tierkv-worker-{n}"))
+            .stack_size(WORKER_STACK_BYTES)
             .spawn(move || worker(&sh, tx));
         match spawned {
             Ok(w) => workers.push(w),
@@ -548,9 +553,13 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
 /// Why a campaign could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum CampaignError {
-    /// The operating system refused a worker thread (its stack could not be had: too many
-    /// `--jobs` for the memory or thread limit). The workers already started were stopped.
-    #[error("could not start worker thread {started} of {jobs} ({source}); run with fewer --jobs")]
+    /// The operating system refused a worker thread (its stack, `WORKER_STACK_BYTES`, could
+    /// not be had: too many `--jobs` for the memory or thread limit). The workers already
+    /// started were stopped before any ran a seed of the campaign.
+    #[error(
+        "started {started} of {jobs} worker threads, and the system refused the next ({source}); \
+         run with fewer --jobs"
+    )]
     Spawn {
         started: usize,
         jobs: usize,

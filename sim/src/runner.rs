@@ -56,6 +56,13 @@ pub struct RunStats {
     /// recreated (`Output::Requeued`).
     #[serde(default)]
     pub requeued: u64,
+    /// One-shot arrivals (first tries and retries) the schedule deferred past a step.
+    #[serde(default)]
+    pub oneshots_deferred: u64,
+    /// Runs that ended with nothing left to arrive, where every one-shot was checked to have
+    /// ended exactly once (the runner's ledger, `Ends`).
+    #[serde(default)]
+    pub arrivals_checked: u64,
     pub digests_checked: u64,
     pub rows_checked: u64,
     /// Rows whose page was compared earlier and not written since (not compared again).
@@ -101,6 +108,16 @@ impl RunStats {
             aborted: sum("aborted", self.aborted, s.aborted)?,
             recomputed: sum("recomputed", self.recomputed, s.recomputed)?,
             requeued: sum("requeued", self.requeued, s.requeued)?,
+            oneshots_deferred: sum(
+                "oneshots_deferred",
+                self.oneshots_deferred,
+                s.oneshots_deferred,
+            )?,
+            arrivals_checked: sum(
+                "arrivals_checked",
+                self.arrivals_checked,
+                s.arrivals_checked,
+            )?,
             digests_checked: sum("digests_checked", self.digests_checked, s.digests_checked)?,
             rows_checked: sum("rows_checked", self.rows_checked, s.rows_checked)?,
             rows_cached: sum("rows_cached", self.rows_cached, s.rows_cached)?,
@@ -960,7 +977,9 @@ impl<'a> Run<'a> {
         while self.next_oneshot < self.oneshots.len() && self.oneshots[self.next_oneshot].0 <= now {
             let index = self.oneshots[self.next_oneshot].1;
             self.next_oneshot += 1;
-            if !self.defer(Deferred::OneShot { index, tries: 1 }) {
+            if self.defer(Deferred::OneShot { index, tries: 1 }) {
+                self.stats.oneshots_deferred += 1;
+            } else {
                 self.send_oneshot(now, index, 1)?;
             }
         }
@@ -971,7 +990,9 @@ impl<'a> Run<'a> {
             self.retries.pop_first();
             probes::hit(SimProbe::ClientRetried);
             let tries = tries + 1;
-            if !self.defer(Deferred::OneShot { index, tries }) {
+            if self.defer(Deferred::OneShot { index, tries }) {
+                self.stats.oneshots_deferred += 1;
+            } else {
                 self.send_oneshot(now, index, tries)?;
             }
         }
@@ -1814,6 +1835,7 @@ impl<'a> Run<'a> {
                 );
                 // Nothing is left to arrive: every one-shot was sent and ended.
                 self.oneshot_ends.check_all_ended();
+                self.stats.arrivals_checked += 1;
                 Err(Stop)
             }
         }

@@ -15,8 +15,12 @@ use std::path::{Path, PathBuf};
 /// The longest a production function may be, in lines.
 const LINES_MAX: usize = 70;
 
+/// How many functions `LONGER` may list: lowered as entries leave, never raised.
+const LONGER_COUNT_MAX: usize = 50;
+
 /// `(file under the workspace root, function name, its length when the ratchet came in)`. Where
-/// a file has several functions of one name, the length is the longest of them.
+/// a file has several functions of one name, the length is the longest of them, and each of
+/// them may grow to it (a loophole: `runner.rs`'s short `step` could).
 const LONGER: &[(&str, &str, usize)] = &[
     ("engine/src/cache.rs", "check_invariants", 117),
     ("engine/src/config.rs", "preset", 111),
@@ -40,7 +44,7 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("sim/src/cli/bench.rs", "store", 105),
     ("sim/src/cli/bench.rs", "topk", 88),
     ("sim/src/cli/campaign.rs", "run_merge", 103),
-    ("sim/src/cli/check_config.rs", "run", 88),
+    ("sim/src/cli/check_config.rs", "run", 73),
     ("sim/src/cli/replay.rs", "drive", 73),
     ("sim/src/cli/replay.rs", "run_replay", 83),
     ("sim/src/cli/replay.rs", "step_breakdown", 71),
@@ -225,6 +229,11 @@ fn no_production_function_grows_past_70_lines() {
         listed.len(),
         LONGER.len(),
         "an entry of LONGER is listed twice"
+    );
+    assert!(
+        LONGER.len() <= LONGER_COUNT_MAX,
+        "LONGER lists {} functions, more than the {LONGER_COUNT_MAX} it may: split the new one",
+        LONGER.len()
     );
     let mut bad = Vec::new();
     for (&(file, name), f) in &longest {

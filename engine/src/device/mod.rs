@@ -263,6 +263,9 @@ fn call_loop<D: Device + ?Sized, R>(
                 if matches!(e, DeviceError::InError { .. }) {
                     dev.recover()?;
                 }
+                if lost(dev) {
+                    return Ok(None);
+                }
                 crate::probe::hit(crate::probe::Probe::DeviceCallRepeated);
                 tries += 1;
             }

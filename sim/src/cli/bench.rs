@@ -951,15 +951,15 @@ mod imp {
         /// The results table, with PyTorch beside it where the script measured the same
         /// operation.
         fn table(&self, name: &str, a: &BenchArgs) -> R<String> {
+            // The largest `--torch-json` read, in bytes (the script writes a line per operation).
+            const TORCH_JSON_BYTES_MAX: u64 = 1 << 20;
             let torch: BTreeMap<String, f64> = match &a.torch_json {
-                Some(p) => {
-                    tierkv_engine::input::read_text(p, tierkv_engine::input::TRACE_BYTES_MAX)
-                        .map_err(e)?
-                        .lines()
-                        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                        .filter_map(|v| Some((v["name"].as_str()?.to_string(), v["ms"].as_f64()?)))
-                        .collect()
-                }
+                Some(p) => tierkv_engine::input::read_text(p, TORCH_JSON_BYTES_MAX)
+                    .map_err(e)?
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    .filter_map(|v| Some((v["name"].as_str()?.to_string(), v["ms"].as_f64()?)))
+                    .collect(),
                 None => BTreeMap::new(),
             };
             let mut md = format!(

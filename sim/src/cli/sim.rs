@@ -679,7 +679,9 @@ fn read_scenario(file: &Path) -> Result<Scenario, Usage> {
 /// A scenario file's text as `--replay` reads it: JSON, every field checked, a mutant only in a
 /// build that has the bug zoo.
 pub fn parse_scenario(text: &str) -> Result<Scenario, String> {
-    let sc: Scenario = serde_json::from_str(text).map_err(|e| format!("not a scenario: {e}"))?;
+    let mut sc: Scenario =
+        serde_json::from_str(text).map_err(|e| format!("not a scenario: {e}"))?;
+    sc.keep_yarn_rule_of_its_time();
     sc.validate()
         .map_err(|e| format!("invalid scenario: {e}"))?;
     mutants_of(sc.mutant.as_deref())?;
@@ -886,7 +888,9 @@ fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, Usage> {
     let name = file.display();
     let fail = |e: String| Usage(format!("--schedule {name}: {e}"));
     let text = read_text(file, SCHEDULE_FILE_BYTES_MAX).map_err(|e| match e {
-        InputError::TooLarge { max } => fail(format!("larger than {max} bytes: not a schedule")),
+        InputError::TooLarge { bytes_max } => {
+            fail(format!("larger than {bytes_max} bytes: not a schedule"))
+        }
         e => fail(e.to_string()),
     })?;
     let s: Schedule =

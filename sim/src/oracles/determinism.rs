@@ -30,12 +30,14 @@ pub fn check(sc: &Scenario, opts: &RunOptions) -> Option<Finding> {
 
 /// Runs `sc` again, on a fresh thread (nothing the first run left in its thread's state, such as
 /// the CPU device's RoPE rows or the probe counts, is there), and compares its event-log hash
-/// with `first`, the first run's.
+/// with `first`, the first run's. If the system refuses the thread, the rerun runs on this one
+/// (sharing its state: a weaker check, never a panic).
 pub fn rerun(sc: &Scenario, opts: &RunOptions, first: u64) -> Option<Finding> {
     let again = std::thread::scope(|s| {
-        s.spawn(|| run(sc, opts).log_hash)
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        match std::thread::Builder::new().spawn_scoped(s, || run(sc, opts).log_hash) {
+            Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            Err(_) => run(sc, opts).log_hash,
+        }
     });
     (again != first).then(|| Finding {
         oracle: OracleKind::Determinism,
