@@ -18,7 +18,8 @@ pub const QUERY_ROWS_PER_LAUNCH: u32 = 64;
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::fmt;
-use tierkv_kernels::rope::{RopeParams, YarnRule};
+use tierkv_kernels::rope::RopeParams;
+pub use tierkv_kernels::rope::YarnRule;
 
 /// A key of the configuration, spelled once: its name in its section and its full path.
 #[derive(Clone, Copy, Debug)]
@@ -131,40 +132,6 @@ impl PrefillIndexer {
     }
 }
 
-/// When YaRN applies to the indexer's RoPE (`model.rope_yarn`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RopeYarn {
-    /// Whenever `rope_factor` is above 1, whatever the context: as SGLang and vLLM apply it to a
-    /// DeepSeek model whose configuration carries `rope_scaling`. The default.
-    Configured,
-    /// Only when `context_tokens_max` is above `rope_original_seq_len`: DeepSeek's reference
-    /// `precompute_freqs_cis`.
-    ContextAboveOriginal,
-}
-
-impl RopeYarn {
-    pub const NAMES: &'static [&'static str] = &["configured", "context_above_original"];
-    pub fn name(self) -> &'static str {
-        match self {
-            RopeYarn::Configured => "configured",
-            RopeYarn::ContextAboveOriginal => "context_above_original",
-        }
-    }
-    fn parse(s: &str) -> Option<Self> {
-        [RopeYarn::Configured, RopeYarn::ContextAboveOriginal]
-            .into_iter()
-            .find(|v| v.name() == s)
-    }
-    /// The kernels' rule of the same meaning.
-    pub fn rule(self) -> YarnRule {
-        match self {
-            RopeYarn::Configured => YarnRule::Configured,
-            RopeYarn::ContextAboveOriginal => YarnRule::ContextAboveOriginal,
-        }
-    }
-}
-
 /// The format of the indexer's fp8 scales (DeepSeek's `scale_fmt`). One setting for the queries
 /// and the index keys, because the reference quantizes both with the same
 /// `act_quant(.., self.scale_fmt)` (DeepSeek-V3.2-Exp `Indexer.forward`).
@@ -256,7 +223,7 @@ pub struct ModelConfig {
     pub rope_beta_slow: f64,
     /// When YaRN applies: whenever configured (the servers' rule) or only above the original
     /// length (the reference's).
-    pub rope_yarn: RopeYarn,
+    pub rope_yarn: YarnRule,
     pub index_n_heads: u32,
     pub index_head_dim: u32,
     /// Positions the indexer selects per query; honoured everywhere (DESIGN §1 incident 3).
@@ -440,7 +407,7 @@ impl Config {
                     rope_original_seq_len: V32_ROPE.original_seq_len,
                     rope_beta_fast: V32_ROPE.beta_fast,
                     rope_beta_slow: V32_ROPE.beta_slow,
-                    rope_yarn: RopeYarn::Configured,
+                    rope_yarn: YarnRule::Configured,
                     index_n_heads: 64,
                     index_head_dim: INDEX_HEAD_DIM,
                     index_topk: 2048,
@@ -499,7 +466,7 @@ impl Config {
                     rope_original_seq_len: V32_ROPE.original_seq_len,
                     rope_beta_fast: V32_ROPE.beta_fast,
                     rope_beta_slow: V32_ROPE.beta_slow,
-                    rope_yarn: RopeYarn::Configured,
+                    rope_yarn: YarnRule::Configured,
                     index_n_heads: 2,
                     index_head_dim: INDEX_HEAD_DIM,
                     index_topk: 64,
@@ -615,7 +582,7 @@ impl Config {
             beta_fast: m.rope_beta_fast,
             beta_slow: m.rope_beta_slow,
             max_seq_len: m.context_tokens_max,
-            yarn_rule: m.rope_yarn.rule(),
+            yarn_rule: m.rope_yarn,
         }
     }
 
@@ -1374,7 +1341,7 @@ fn model_section(m: &Fields, b: Option<&Config>) -> ConfigResult<ModelConfig> {
         )?,
         rope_beta_fast: field!(m, b, model.rope_beta_fast, f64, or V32_ROPE.beta_fast)?,
         rope_beta_slow: field!(m, b, model.rope_beta_slow, f64, or V32_ROPE.beta_slow)?,
-        rope_yarn: field!(m, b, model.rope_yarn, named RopeYarn, or RopeYarn::Configured)?,
+        rope_yarn: field!(m, b, model.rope_yarn, named YarnRule, or YarnRule::Configured)?,
         index_n_heads: field!(m, b, model.index_n_heads, u32)?,
         index_head_dim: field!(m, b, model.index_head_dim, u32, or INDEX_HEAD_DIM)?,
         index_topk: field!(m, b, model.index_topk, u32)?,

@@ -428,7 +428,7 @@ impl<D: Device> Device for SharedDevice<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::RopeYarn;
+    use crate::config::YarnRule;
 
     /// Refusals and reports name the pair's roles.
     #[test]
@@ -578,7 +578,7 @@ mod tests {
     fn yarn_on_one_side_only_is_refused() {
         // One rule on each side: YaRN by the servers' rule, plain RoPE by the reference's at
         // sim-small's 2048 tokens.
-        let (p, d) = pair(|d| d.model.rope_yarn = RopeYarn::ContextAboveOriginal);
+        let (p, d) = pair(|d| d.model.rope_yarn = YarnRule::ContextAboveOriginal);
         let e = handshake(&p, &d).unwrap_err().to_string();
         assert!(
             e.contains("RoPE frequencies of the index keys (prefill: theta 10000, YaRN factor"),
@@ -589,7 +589,7 @@ mod tests {
             "{e}"
         );
         // The reference's rule on both sides, contexts on either side of the original length.
-        let reference = |c: &mut Config| c.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+        let reference = |c: &mut Config| c.model.rope_yarn = YarnRule::ContextAboveOriginal;
         let mut pc = Config::preset("sim-small").unwrap();
         reference(&mut pc);
         let mut dc = pc.clone();
@@ -611,12 +611,12 @@ mod tests {
         assert_eq!(handshake(&p, &d), Ok(()));
         // The reference's: no YaRN on either side within the original length.
         let (p, d) = pair(|d| {
-            d.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+            d.model.rope_yarn = YarnRule::ContextAboveOriginal;
             d.model.context_tokens_max = d.model.rope_original_seq_len;
         });
         let mut pc = Config::preset("sim-small").unwrap();
         pc.model.index_k_dtype = IndexKDtype::Fp8;
-        pc.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+        pc.model.rope_yarn = YarnRule::ContextAboveOriginal;
         assert_eq!(handshake(&PdLayout::of(&pc, Role::Prefill), &d), Ok(()));
         assert!(handshake(&p, &d).is_err(), "the default prefill has YaRN");
     }

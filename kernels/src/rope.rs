@@ -56,8 +56,9 @@ pub struct RopeParams {
     pub yarn_rule: YarnRule,
 }
 
-/// When YaRN changes the frequencies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// When YaRN changes the frequencies (the configuration's `model.rope_yarn`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum YarnRule {
     /// Whenever the model is configured with a YaRN factor above 1, whatever the context served:
     /// what SGLang and vLLM do for a DeepSeek model whose configuration carries `rope_scaling`
@@ -67,6 +68,23 @@ pub enum YarnRule {
     /// DeepSeek's reference `precompute_freqs_cis` (`if seqlen > args.original_seq_len`), with a
     /// factor above 1.
     ContextAboveOriginal,
+}
+
+impl YarnRule {
+    /// The configuration's names of the rules, in declaration order.
+    pub const NAMES: &'static [&'static str] = &["configured", "context_above_original"];
+    pub fn name(self) -> &'static str {
+        match self {
+            YarnRule::Configured => "configured",
+            YarnRule::ContextAboveOriginal => "context_above_original",
+        }
+    }
+    /// The rule a configuration names.
+    pub fn parse(s: &str) -> Option<Self> {
+        [YarnRule::Configured, YarnRule::ContextAboveOriginal]
+            .into_iter()
+            .find(|v| v.name() == s)
+    }
 }
 
 impl RopeParams {

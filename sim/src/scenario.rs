@@ -8,7 +8,7 @@ use crate::rng::Rng;
 use crate::schedule::{Policy, Source};
 use serde::{Deserialize, Serialize};
 use tierkv_engine::config::{
-    CacheConfig, Config, HostCapacity, PrefillIndexer, RopeYarn, ScaleFmt, WritePolicy,
+    CacheConfig, Config, HostCapacity, PrefillIndexer, ScaleFmt, WritePolicy, YarnRule,
 };
 use tierkv_engine::layout::{HostLayout, IndexKDtype, KvDtype};
 use tierkv_engine::mutants::HARDCODED_TOPK;
@@ -840,7 +840,7 @@ fn draw_config(cr: &mut Rng, seed: u64, profile: &str) -> Config {
     // profile but `production`, whose presets keep the default) follow DeepSeek's reference
     // rule, under which contexts within 4096 tokens get plain RoPE.
     if cr.chance(0.3) {
-        cfg.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+        cfg.model.rope_yarn = YarnRule::ContextAboveOriginal;
     }
     cfg
 }

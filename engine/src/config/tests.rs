@@ -47,7 +47,7 @@ fn presets_carry_the_published_model_values() {
     // is within the original 4096 tokens).
     let mut small = Config::preset("sim-small").unwrap();
     assert!(small.rope().yarn());
-    small.model.rope_yarn = RopeYarn::ContextAboveOriginal;
+    small.model.rope_yarn = YarnRule::ContextAboveOriginal;
     assert!(!small.rope().yarn());
     let text = "preset = \"sim-small\"\n[model]\nrope_yarn = \"context_above_original\"\n";
     assert_eq!(Config::from_toml(text).unwrap(), small);

@@ -701,19 +701,15 @@ fn drawn_scenarios_are_valid_and_read_back_exactly() {
 /// reference's), not the new default; one that names the key keeps it.
 #[test]
 fn a_scenario_without_the_yarn_rule_keeps_the_reference_one() {
-    use tierkv_engine::config::RopeYarn;
+    use tierkv_engine::config::YarnRule;
     use tierkv_sim::cli::sim::parse_scenario;
+    let read_back = |sc: &tierkv_sim::scenario::Scenario| {
+        let text = serde_json::to_string(sc).expect("a scenario serialises");
+        let back = parse_scenario(&text).expect("a saved scenario reads back");
+        back.engine_config().model.rope_yarn
+    };
     let sc = tierkv_sim::scenario::draw(1, "swarm", None);
-    let text = serde_json::to_string(&sc).expect("a scenario serialises");
-    let drawn = sc.engine_config().model.rope_yarn;
-    assert_eq!(
-        parse_scenario(&text)
-            .unwrap()
-            .engine_config()
-            .model
-            .rope_yarn,
-        drawn
-    );
+    assert_eq!(read_back(&sc), sc.engine_config().model.rope_yarn);
     let mut old = sc.clone();
     old.config = old
         .config
@@ -721,15 +717,7 @@ fn a_scenario_without_the_yarn_rule_keeps_the_reference_one() {
         .filter(|l| !l.starts_with("rope_yarn"))
         .map(|l| format!("{l}\n"))
         .collect();
-    let text = serde_json::to_string(&old).expect("a scenario serialises");
-    assert_eq!(
-        parse_scenario(&text)
-            .unwrap()
-            .engine_config()
-            .model
-            .rope_yarn,
-        RopeYarn::ContextAboveOriginal
-    );
+    assert_eq!(read_back(&old), YarnRule::ContextAboveOriginal);
 }
 
 /// A simulated GPU replaying `decisions`, with `one_row_topk` enqueued on its compute stream
