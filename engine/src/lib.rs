@@ -19,6 +19,7 @@ pub mod input;
 pub mod metrics;
 pub mod model;
 pub mod mutants;
+pub mod offload;
 pub mod pd;
 pub mod pools;
 pub mod probe;
