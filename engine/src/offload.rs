@@ -19,7 +19,7 @@
 //! Misuse (completing a load that was not prepared, loading a key that is not ready, a key too
 //! long) is a typed [`OffloadError`] naming the key, and leaves the index unchanged.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::config::WritePolicy;
 
@@ -101,7 +101,12 @@ pub fn key_text(key: &[u8]) -> String {
     if key.len() <= 20 {
         hex(key)
     } else {
-        format!("{}…{} ({} bytes)", hex(&key[..16]), hex(&key[key.len() - 4..]), key.len())
+        format!(
+            "{}…{} ({} bytes)",
+            hex(&key[..16]),
+            hex(&key[key.len() - 4..]),
+            key.len()
+        )
     }
 }
 
@@ -123,7 +128,7 @@ struct Entry {
 pub struct OffloadIndex {
     capacity: u32,
     policy: WritePolicy,
-    entries: HashMap<Key, Entry>,
+    entries: BTreeMap<Key, Entry>,
     /// The key each reserved or held chunk belongs to (`None`: free or never used).
     chunk_keys: Vec<Option<Key>>,
     /// Chunks freed, reused before a fresh one.
@@ -134,8 +139,8 @@ pub struct OffloadIndex {
     /// Selective write policy: the keys offered once and not stored (at most
     /// [`OFFERS_REMEMBERED_MAX`]), and the order they were offered in, oldest first. The order
     /// may still list keys stored since (they are skipped when the oldest is forgotten, and
-    /// dropped when it grows past twice the bound), so admitting a key costs O(1).
-    offered_set: HashSet<Key>,
+    /// dropped when it grows past twice the bound), so admitting a key never scans the order.
+    offered_set: BTreeSet<Key>,
     offered: VecDeque<Key>,
     pending: u32,
     events: Option<Vec<Event>>,
@@ -149,21 +154,26 @@ impl OffloadIndex {
     /// [`OffloadIndex::take_events`] hands out. Nothing is allocated per chunk until it is used.
     pub fn new(chunks: u64, policy: WritePolicy, events: bool) -> Result<Self, OffloadError> {
         if chunks > Self::CHUNKS_MAX {
-            return Err(OffloadError::Capacity { chunks, max: Self::CHUNKS_MAX });
+            return Err(OffloadError::Capacity {
+                chunks,
+                max: Self::CHUNKS_MAX,
+            });
         }
         if policy == WritePolicy::WriteBack {
-            return Err(OffloadError::Policy { policy: policy.name() });
+            return Err(OffloadError::Policy {
+                policy: policy.name(),
+            });
         }
         Ok(OffloadIndex {
             capacity: chunks as u32,
             policy,
-            entries: HashMap::new(),
+            entries: BTreeMap::new(),
             chunk_keys: Vec::new(),
             free: Vec::new(),
             candidates: BTreeSet::new(),
             tick: 0,
             offered: VecDeque::new(),
-            offered_set: HashSet::new(),
+            offered_set: BTreeSet::new(),
             pending: 0,
             events: events.then(Vec::new),
         })
@@ -221,9 +231,10 @@ impl OffloadIndex {
         for key in keys {
             match self.entries.get(*key) {
                 None => return Err(OffloadError::NotHeld { key: key_text(key) }),
-                Some(Entry { state: State::Pending, .. }) => {
-                    return Err(OffloadError::NotReady { key: key_text(key) })
-                }
+                Some(Entry {
+                    state: State::Pending,
+                    ..
+                }) => return Err(OffloadError::NotReady { key: key_text(key) }),
                 Some(_) => {}
             }
         }
@@ -231,7 +242,9 @@ impl OffloadIndex {
         for key in keys {
             let tick = self.next_tick();
             let e = self.entries.get_mut(*key).expect("checked above");
-            let State::Ready { pins } = &mut e.state else { unreachable!("checked above") };
+            let State::Ready { pins } = &mut e.state else {
+                unreachable!("checked above")
+            };
             if *pins == 0 {
                 let was = self.candidates.remove(&(e.last_use, e.chunk));
                 assert!(was, "an unpinned ready chunk is a candidate");
@@ -255,7 +268,9 @@ impl OffloadIndex {
         }
         for key in keys {
             let e = self.entries.get_mut(*key).expect("checked above");
-            let State::Ready { pins } = &mut e.state else { unreachable!("checked above") };
+            let State::Ready { pins } = &mut e.state else {
+                unreachable!("checked above")
+            };
             *pins -= 1;
             if *pins == 0 {
                 self.candidates.insert((e.last_use, e.chunk));
@@ -271,34 +286,68 @@ impl OffloadIndex {
     /// a use.
     pub fn prepare_store(&mut self, keys: &[&[u8]]) -> Result<Option<Store>, OffloadError> {
         check_keys(keys)?;
-        let wanted: Vec<&[u8]> =
-            keys.iter().copied().filter(|k| !self.entries.contains_key(*k)).collect();
+        let wanted: Vec<&[u8]> = keys
+            .iter()
+            .copied()
+            .filter(|k| !self.entries.contains_key(*k))
+            .collect();
         let admitted: Vec<&[u8]> = match self.policy {
             WritePolicy::WriteThrough => wanted.clone(),
-            WritePolicy::WriteThroughSelective => {
-                wanted.iter().copied().filter(|k| self.offered_set.contains(*k)).collect()
-            }
+            WritePolicy::WriteThroughSelective => wanted
+                .iter()
+                .copied()
+                .filter(|k| self.offered_set.contains(*k))
+                .collect(),
             WritePolicy::WriteBack => unreachable!("refused at construction"),
         };
-        let need = admitted.len() as u64;
-        let free = self.free_chunks();
-        let evict = need.saturating_sub(free);
-        let offered: HashSet<&[u8]> = keys.iter().copied().collect();
-        // The candidates eviction would take, oldest first, passing over offered keys.
+        let evict = (admitted.len() as u64).saturating_sub(self.free_chunks());
+        let Some(victims) = self.victims(keys, evict) else {
+            return Ok(None);
+        };
+        self.touch_ready(keys);
+        let evicted = self.evict(&victims);
+        let mut store = Store {
+            keys: Vec::with_capacity(admitted.len()),
+            chunks: Vec::with_capacity(admitted.len()),
+            evicted,
+        };
+        for key in &admitted {
+            let (key, chunk) = self.reserve(key);
+            store.keys.push(key);
+            store.chunks.push(chunk);
+        }
+        // The selective policy remembers the keys it did not admit yet.
+        if self.policy == WritePolicy::WriteThroughSelective {
+            for key in &wanted {
+                if !self.entries.contains_key(*key) {
+                    self.remember_offer(key);
+                }
+            }
+        }
+        Ok(Some(store))
+    }
+
+    /// The `evict` candidates eviction takes, oldest first, passing over the offered `keys`;
+    /// `None` when there are fewer.
+    fn victims(&self, keys: &[&[u8]], evict: u64) -> Option<Vec<(u64, u32)>> {
+        let offered: BTreeSet<&[u8]> = keys.iter().copied().collect();
         let victims: Vec<(u64, u32)> = self
             .candidates
             .iter()
             .filter(|&&(_, chunk)| {
-                let key = self.chunk_keys[chunk as usize].as_deref().expect("a candidate has a key");
+                let key = self.chunk_keys[chunk as usize]
+                    .as_deref()
+                    .expect("a candidate has a key");
                 !offered.contains(key)
             })
             .take(evict as usize)
             .copied()
             .collect();
-        if (victims.len() as u64) < evict {
-            return Ok(None);
-        }
-        // A re-offer of a ready key is a use.
+        (victims.len() as u64 == evict).then_some(victims)
+    }
+
+    /// A re-offer of a ready key is a use.
+    fn touch_ready(&mut self, keys: &[&[u8]]) {
         for key in keys {
             let tick = self.next_tick();
             if let Some(e) = self.entries.get_mut(*key) {
@@ -311,48 +360,61 @@ impl OffloadIndex {
                 }
             }
         }
+    }
+
+    /// Frees the victims' chunks and forgets their keys, which it returns (and records as an
+    /// event).
+    fn evict(&mut self, victims: &[(u64, u32)]) -> Vec<Key> {
         let mut evicted = Vec::with_capacity(victims.len());
-        for victim in &victims {
+        for victim in victims {
             self.candidates.remove(victim);
-            let key = self.chunk_keys[victim.1 as usize].take().expect("a candidate has a key");
+            let key = self.chunk_keys[victim.1 as usize]
+                .take()
+                .expect("a candidate has a key");
             self.entries.remove(&key);
             self.free.push(victim.1);
             evicted.push(key);
         }
         if !evicted.is_empty() {
             if let Some(events) = &mut self.events {
-                events.push(Event { keys: evicted.clone(), removed: true, store_failed: false });
+                events.push(Event {
+                    keys: evicted.clone(),
+                    removed: true,
+                    store_failed: false,
+                });
             }
         }
-        let mut store = Store { keys: Vec::new(), chunks: Vec::new(), evicted };
-        for key in &admitted {
-            let chunk = match self.free.pop() {
-                Some(c) => c,
-                None => {
-                    let c = self.chunk_keys.len() as u32;
-                    assert!(u64::from(c) < u64::from(self.capacity), "a chunk beyond capacity");
-                    self.chunk_keys.push(None);
-                    c
-                }
-            };
-            let key: Key = Box::from(*key);
-            self.chunk_keys[chunk as usize] = Some(key.clone());
-            let last_use = self.next_tick();
-            self.entries.insert(key.clone(), Entry { chunk, state: State::Pending, last_use });
-            self.offered_set.remove(&key);
-            store.keys.push(key);
-            store.chunks.push(chunk);
-        }
-        self.pending += admitted.len() as u32;
-        // The selective policy remembers the keys it did not admit yet.
-        if self.policy == WritePolicy::WriteThroughSelective {
-            for key in &wanted {
-                if !self.entries.contains_key(*key) {
-                    self.remember_offer(key);
-                }
+        evicted
+    }
+
+    /// A free chunk (a freed one first, else a fresh one) reserved for `key`, pending.
+    fn reserve(&mut self, key: &[u8]) -> (Key, u32) {
+        let chunk = match self.free.pop() {
+            Some(c) => c,
+            None => {
+                let c = self.chunk_keys.len() as u32;
+                assert!(
+                    u64::from(c) < u64::from(self.capacity),
+                    "a chunk beyond capacity"
+                );
+                self.chunk_keys.push(None);
+                c
             }
-        }
-        Ok(Some(store))
+        };
+        let key: Key = Box::from(key);
+        self.chunk_keys[chunk as usize] = Some(key.clone());
+        let last_use = self.next_tick();
+        self.entries.insert(
+            key.clone(),
+            Entry {
+                chunk,
+                state: State::Pending,
+                last_use,
+            },
+        );
+        self.offered_set.remove(&key);
+        self.pending += 1;
+        (key, chunk)
     }
 
     /// The next use's time: every key a call touches gets its own, in the call's order, so
@@ -369,7 +431,10 @@ impl OffloadIndex {
         }
         self.offered.push_back(Box::from(key));
         while self.offered_set.len() > OFFERS_REMEMBERED_MAX {
-            let oldest = self.offered.pop_front().expect("the order lists every remembered key");
+            let oldest = self
+                .offered
+                .pop_front()
+                .expect("the order lists every remembered key");
             self.offered_set.remove(&oldest);
         }
         if self.offered.len() > 2 * OFFERS_REMEMBERED_MAX {
@@ -385,7 +450,9 @@ impl OffloadIndex {
         check_keys(keys)?;
         let mut done = Vec::new();
         for key in keys {
-            let Some(e) = self.entries.get_mut(*key) else { continue };
+            let Some(e) = self.entries.get_mut(*key) else {
+                continue;
+            };
             if e.state != State::Pending {
                 continue;
             }
@@ -403,7 +470,11 @@ impl OffloadIndex {
         }
         if !done.is_empty() {
             if let Some(events) = &mut self.events {
-                events.push(Event { keys: done, removed: !ok, store_failed: !ok });
+                events.push(Event {
+                    keys: done,
+                    removed: !ok,
+                    store_failed: !ok,
+                });
             }
         }
         Ok(())
@@ -430,11 +501,20 @@ impl OffloadIndex {
         let mut pending = 0;
         let mut candidates = 0;
         for (key, e) in &self.entries {
-            assert_eq!(self.chunk_keys[e.chunk as usize].as_deref(), Some(&**key), "chunk {}'s key", e.chunk);
+            assert_eq!(
+                self.chunk_keys[e.chunk as usize].as_deref(),
+                Some(&**key),
+                "chunk {}'s key",
+                e.chunk
+            );
             match e.state {
                 State::Pending => pending += 1,
                 State::Ready { pins: 0 } => {
-                    assert!(self.candidates.contains(&(e.last_use, e.chunk)), "ready chunk {} not a candidate", e.chunk);
+                    assert!(
+                        self.candidates.contains(&(e.last_use, e.chunk)),
+                        "ready chunk {} not a candidate",
+                        e.chunk
+                    );
                     candidates += 1;
                 }
                 State::Ready { .. } => {}
@@ -445,26 +525,47 @@ impl OffloadIndex {
         let used = self.chunk_keys.iter().filter(|k| k.is_some()).count();
         assert_eq!(used, self.entries.len(), "chunks in use");
         assert_eq!(used + self.free.len(), self.chunk_keys.len(), "free list");
-        assert!(self.chunk_keys.len() as u64 <= u64::from(self.capacity), "chunks beyond capacity");
+        assert!(
+            self.chunk_keys.len() as u64 <= u64::from(self.capacity),
+            "chunks beyond capacity"
+        );
         for &c in &self.free {
-            assert!(self.chunk_keys[c as usize].is_none(), "free chunk {c} has a key");
+            assert!(
+                self.chunk_keys[c as usize].is_none(),
+                "free chunk {c} has a key"
+            );
         }
-        assert!(self.offered_set.len() <= OFFERS_REMEMBERED_MAX, "offers remembered");
-        assert!(self.offered.len() <= 2 * OFFERS_REMEMBERED_MAX, "offer order");
-        let ordered: HashSet<&Key> = self.offered.iter().collect();
-        assert!(self.offered_set.iter().all(|k| ordered.contains(k)), "a remembered offer out of order");
+        assert!(
+            self.offered_set.len() <= OFFERS_REMEMBERED_MAX,
+            "offers remembered"
+        );
+        assert!(
+            self.offered.len() <= 2 * OFFERS_REMEMBERED_MAX,
+            "offer order"
+        );
+        let ordered: BTreeSet<&Key> = self.offered.iter().collect();
+        assert!(
+            self.offered_set.iter().all(|k| ordered.contains(k)),
+            "a remembered offer out of order"
+        );
     }
 }
 
 /// Refuses empty, over-long and repeated keys.
 fn check_keys(keys: &[&[u8]]) -> Result<(), OffloadError> {
-    let mut seen = HashSet::with_capacity(keys.len());
+    let mut seen = BTreeSet::new();
     for key in keys {
         if key.is_empty() {
-            return Err(OffloadError::EmptyKey { key: String::from("(empty)") });
+            return Err(OffloadError::EmptyKey {
+                key: String::from("(empty)"),
+            });
         }
         if key.len() > KEY_BYTES_MAX {
-            return Err(OffloadError::KeyTooLong { key: key_text(key), len: key.len(), max: KEY_BYTES_MAX });
+            return Err(OffloadError::KeyTooLong {
+                key: key_text(key),
+                len: key.len(),
+                max: KEY_BYTES_MAX,
+            });
         }
         if !seen.insert(*key) {
             return Err(OffloadError::Repeated { key: key_text(key) });

@@ -188,7 +188,7 @@ fn functions(file: &str, text: &str) -> Vec<Function> {
 fn workspace_functions() -> Vec<Function> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    for krate in ["engine", "kernels", "sim"] {
+    for krate in ["engine", "kernels", "sim", "python"] {
         rust_files(&root.join(krate).join("src"), &mut files);
     }
     files.sort();

@@ -54,6 +54,8 @@ pub enum RegisterError {
     UnknownFormat(String, String),
     #[error("no cache tensors registered")]
     NoTensors,
+    #[error("no KV groups registered")]
+    NoGroups,
     #[error("cache tensor {tensor}: {what}")]
     Tensor { tensor: usize, what: String },
     #[error("group {group}: {what}")]
@@ -63,9 +65,20 @@ pub enum RegisterError {
          of {formats} are {expected} bytes: the cache's layout is not the configured one \
          (a host tier sized for the configured pages would cut or overrun these)"
     )]
-    Layout { group: usize, layer: usize, ref_bytes: u64, tokens: u64, formats: String, expected: String },
+    Layout {
+        group: usize,
+        layer: usize,
+        ref_bytes: u64,
+        tokens: u64,
+        formats: String,
+        expected: String,
+    },
     #[error("format {format} is configured but no layer's pages have its size ({bytes} bytes at {tokens} tokens a block): its cache would never be offloaded")]
-    FormatUnused { format: String, bytes: String, tokens: String },
+    FormatUnused {
+        format: String,
+        bytes: String,
+        tokens: String,
+    },
     #[error("blocks_per_chunk is 0")]
     NoBlocksPerChunk,
     #[error("the host tier would hold {0} bytes or more, above the {max} accepted", max = HOST_BYTES_MAX)]
@@ -80,11 +93,30 @@ pub enum PlanError {
     #[error("group {group}: the job gives {got} layer references, the registration has {want}")]
     Refs { group: usize, got: u64, want: usize },
     #[error("the job has {ptrs} device addresses and {sizes} sizes, its groups need {need}")]
-    Addresses { ptrs: usize, sizes: usize, need: u64 },
+    Addresses {
+        ptrs: usize,
+        sizes: usize,
+        need: u64,
+    },
     #[error("group {group}, layer reference {layer}, block {block}: size {size}, the reference copies {want} bytes a page")]
-    Size { group: usize, layer: usize, block: u64, size: u64, want: u64 },
+    Size {
+        group: usize,
+        layer: usize,
+        block: u64,
+        size: u64,
+        want: u64,
+    },
     #[error("group {group}, layer reference {layer}, block {block}: address {addr:#x} is not the start of a page of cache tensor {tensor} ({blocks} pages {stride} bytes apart from {base:#x})")]
-    Address { group: usize, layer: usize, block: u64, addr: u64, tensor: usize, base: u64, blocks: u64, stride: u64 },
+    Address {
+        group: usize,
+        layer: usize,
+        block: u64,
+        addr: u64,
+        tensor: usize,
+        base: u64,
+        blocks: u64,
+        stride: u64,
+    },
     #[error("the job's groups need {need} host chunks, it names {got}")]
     Chunks { need: u64, got: usize },
     #[error("host chunk {chunk} is out of range (the tier has {chunks})")]
@@ -182,87 +214,42 @@ impl Registration {
         if tensors.is_empty() {
             return Err(RegisterError::NoTensors);
         }
+        if groups.is_empty() {
+            return Err(RegisterError::NoGroups);
+        }
         if blocks_per_chunk == 0 {
             return Err(RegisterError::NoBlocksPerChunk);
         }
         for (i, t) in tensors.iter().enumerate() {
-            let what = if t.page_bytes == 0 {
-                Some("pages of 0 bytes".to_string())
-            } else if t.stride < t.page_bytes {
-                Some(format!("pages of {} bytes only {} bytes apart", t.page_bytes, t.stride))
-            } else if t.blocks.checked_mul(t.stride).and_then(|b| t.base.checked_add(b)).is_none() {
-                Some(format!("{} pages {} bytes apart from {:#x} overflow the address space", t.blocks, t.stride, t.base))
-            } else {
-                None
-            };
-            if let Some(what) = what {
+            if let Some(what) = tensor_fault(t) {
                 return Err(RegisterError::Tensor { tensor: i, what });
             }
         }
         let mut used = vec![false; formats.len()];
         for (g, group) in groups.iter().enumerate() {
-            if group.refs.is_empty() {
-                return Err(RegisterError::Group { group: g, what: "no layer references".into() });
-            }
-            if group.tokens_per_block == 0 {
-                return Err(RegisterError::Group { group: g, what: "0 tokens per block".into() });
-            }
-            for (l, r) in group.refs.iter().enumerate() {
-                let Some(t) = tensors.get(r.tensor) else {
-                    return Err(RegisterError::Group {
-                        group: g,
-                        what: format!("layer reference {l} names tensor {}, only {} are registered", r.tensor, tensors.len()),
-                    });
-                };
-                if r.ref_bytes == 0 || r.ref_bytes > t.page_bytes {
-                    return Err(RegisterError::Group {
-                        group: g,
-                        what: format!(
-                            "layer reference {l} copies {} bytes of tensor {}'s {}-byte pages",
-                            r.ref_bytes, r.tensor, t.page_bytes
-                        ),
-                    });
-                }
-                let matching = formats
-                    .iter()
-                    .position(|f| group.tokens_per_block.checked_mul(f.token_bytes()) == Some(r.ref_bytes));
-                match matching {
-                    Some(i) => used[i] = true,
-                    None => {
-                        let expected: Vec<String> = formats
-                            .iter()
-                            .map(|f| group.tokens_per_block.saturating_mul(f.token_bytes()).to_string())
-                            .collect();
-                        return Err(RegisterError::Layout {
-                            group: g,
-                            layer: l,
-                            ref_bytes: r.ref_bytes,
-                            tokens: group.tokens_per_block,
-                            formats: Listed(formats).to_string(),
-                            expected: expected.join(" or "),
-                        });
-                    }
-                }
-            }
+            check_group(g, group, &tensors, formats, &mut used)?;
         }
         if let Some(i) = used.iter().position(|u| !u) {
-            let tokens: Vec<String> = groups.iter().map(|g| g.tokens_per_block.to_string()).collect();
-            let bytes: Vec<String> = groups
-                .iter()
-                .map(|g| g.tokens_per_block.saturating_mul(formats[i].token_bytes()).to_string())
-                .collect();
+            let sizes = |f: &dyn Fn(&Group) -> u64| -> String {
+                let v: Vec<String> = groups.iter().map(|g| f(g).to_string()).collect();
+                v.join(" or ")
+            };
             return Err(RegisterError::FormatUnused {
                 format: formats[i].to_string(),
-                bytes: bytes.join(" or "),
-                tokens: tokens.join(" or "),
+                bytes: sizes(&|g| g.tokens_per_block.saturating_mul(formats[i].token_bytes())),
+                tokens: sizes(&|g| g.tokens_per_block),
             });
         }
-        let reg = Registration { tensors, groups, formats: formats.to_vec(), blocks_per_chunk, chunks };
-        let mut total: u64 = 0;
-        for t in 0..reg.tensors.len() {
-            let bytes = reg.host_bytes_checked(t).unwrap_or(u64::MAX);
-            total = total.saturating_add(bytes);
-        }
+        let reg = Registration {
+            tensors,
+            groups,
+            formats: formats.to_vec(),
+            blocks_per_chunk,
+            chunks,
+        };
+        let total = (0..reg.tensors.len()).fold(0u64, |sum, t| {
+            sum.saturating_add(reg.host_bytes_checked(t).unwrap_or(u64::MAX))
+        });
         if total > HOST_BYTES_MAX {
             return Err(RegisterError::HostTooLarge(total));
         }
@@ -295,7 +282,10 @@ impl Registration {
     }
 
     fn host_bytes_checked(&self, t: usize) -> Option<u64> {
-        self.tensors[t].page_bytes.checked_mul(self.blocks_per_chunk)?.checked_mul(self.chunks)
+        self.tensors[t]
+            .page_bytes
+            .checked_mul(self.blocks_per_chunk)?
+            .checked_mul(self.chunks)
     }
 
     /// Bytes of tensor `t`'s host buffer (checked at registration to fit).
@@ -305,34 +295,7 @@ impl Registration {
 
     /// Turns a job into checked, coalesced runs. Nothing is copied here.
     pub fn plan(&self, job: &Job<'_>) -> Result<Plan, PlanError> {
-        let n = self.groups.len();
-        if job.group_blocks.len() != n || job.group_refs.len() != n || job.block_indices.len() != n {
-            let got = job.group_blocks.len().max(job.group_refs.len()).max(job.block_indices.len());
-            return Err(PlanError::Groups { got, want: n });
-        }
-        let mut need: u64 = 0;
-        let mut need_chunks: u64 = 0;
-        for g in 0..n {
-            let blocks = job.group_blocks[g];
-            if blocks == 0 {
-                continue;
-            }
-            if job.group_refs[g] != self.groups[g].refs.len() as u64 {
-                return Err(PlanError::Refs { group: g, got: job.group_refs[g], want: self.groups[g].refs.len() });
-            }
-            need = need.saturating_add(blocks.saturating_mul(job.group_refs[g]));
-            let skip = job.block_indices[g] % self.blocks_per_chunk;
-            need_chunks = need_chunks.saturating_add(blocks.saturating_add(skip).div_ceil(self.blocks_per_chunk));
-        }
-        if job.ptrs.len() as u64 != need || job.sizes.len() as u64 != need {
-            return Err(PlanError::Addresses { ptrs: job.ptrs.len(), sizes: job.sizes.len(), need });
-        }
-        if job.chunks.len() as u64 != need_chunks {
-            return Err(PlanError::Chunks { need: need_chunks, got: job.chunks.len() });
-        }
-        if let Some(&chunk) = job.chunks.iter().find(|&&c| c >= self.chunks) {
-            return Err(PlanError::Chunk { chunk, chunks: self.chunks });
-        }
+        self.check_shape(job)?;
         let mut plan = Plan::default();
         let mut op = 0usize;
         let mut chunk_at = 0usize;
@@ -344,37 +307,211 @@ impl Registration {
             let skip = job.block_indices[g] % self.blocks_per_chunk;
             let chunks = &job.chunks[chunk_at..];
             for (l, r) in group.refs.iter().enumerate() {
-                let t = &self.tensors[r.tensor];
                 for b in 0..blocks {
-                    let (addr, size) = (job.ptrs[op], job.sizes[op]);
+                    let at = Page {
+                        group: g,
+                        layer: l,
+                        block: b,
+                    };
+                    let host = |slot: u64| {
+                        let chunk = chunks[(slot / self.blocks_per_chunk) as usize];
+                        chunk * self.chunk_bytes(r.tensor)
+                            + (slot % self.blocks_per_chunk) * self.tensors[r.tensor].page_bytes
+                    };
+                    let run = self.page_run(at, r, job.ptrs[op], job.sizes[op], host(skip + b))?;
+                    plan.push(run);
                     op += 1;
-                    if size != r.ref_bytes {
-                        return Err(PlanError::Size { group: g, layer: l, block: b, size, want: r.ref_bytes });
-                    }
-                    let off = addr.wrapping_sub(t.base);
-                    if addr < t.base || off % t.stride != 0 || off / t.stride >= t.blocks {
-                        return Err(PlanError::Address {
-                            group: g,
-                            layer: l,
-                            block: b,
-                            addr,
-                            tensor: r.tensor,
-                            base: t.base,
-                            blocks: t.blocks,
-                            stride: t.stride,
-                        });
-                    }
-                    let slot = skip + b;
-                    let chunk = chunks[(slot / self.blocks_per_chunk) as usize];
-                    let host = chunk * self.chunk_bytes(r.tensor) + (slot % self.blocks_per_chunk) * t.page_bytes;
-                    plan.push(Run { tensor: r.tensor, device: addr, host, bytes: size });
                 }
             }
             chunk_at += blocks.saturating_add(skip).div_ceil(self.blocks_per_chunk) as usize;
         }
-        debug_assert_eq!(op as u64, need);
+        debug_assert_eq!(op, job.ptrs.len());
         Ok(plan)
     }
+
+    /// Checks a job's counts against the registration: its groups, layer references, addresses
+    /// and chunks (each chunk in range).
+    fn check_shape(&self, job: &Job<'_>) -> Result<(), PlanError> {
+        let n = self.groups.len();
+        if job.group_blocks.len() != n || job.group_refs.len() != n || job.block_indices.len() != n
+        {
+            let got = job
+                .group_blocks
+                .len()
+                .max(job.group_refs.len())
+                .max(job.block_indices.len());
+            return Err(PlanError::Groups { got, want: n });
+        }
+        let mut need: u64 = 0;
+        let mut need_chunks: u64 = 0;
+        for g in 0..n {
+            let blocks = job.group_blocks[g];
+            if blocks == 0 {
+                continue;
+            }
+            if job.group_refs[g] != self.groups[g].refs.len() as u64 {
+                return Err(PlanError::Refs {
+                    group: g,
+                    got: job.group_refs[g],
+                    want: self.groups[g].refs.len(),
+                });
+            }
+            need = need.saturating_add(blocks.saturating_mul(job.group_refs[g]));
+            let skip = job.block_indices[g] % self.blocks_per_chunk;
+            need_chunks = need_chunks
+                .saturating_add(blocks.saturating_add(skip).div_ceil(self.blocks_per_chunk));
+        }
+        if job.ptrs.len() as u64 != need || job.sizes.len() as u64 != need {
+            let (ptrs, sizes) = (job.ptrs.len(), job.sizes.len());
+            return Err(PlanError::Addresses { ptrs, sizes, need });
+        }
+        if job.chunks.len() as u64 != need_chunks {
+            let got = job.chunks.len();
+            return Err(PlanError::Chunks {
+                need: need_chunks,
+                got,
+            });
+        }
+        match job.chunks.iter().find(|&&c| c >= self.chunks) {
+            Some(&chunk) => Err(PlanError::Chunk {
+                chunk,
+                chunks: self.chunks,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// One page's copy, its size and address checked against reference `r`'s tensor.
+    fn page_run(
+        &self,
+        at: Page,
+        r: &LayerRef,
+        addr: u64,
+        size: u64,
+        host: u64,
+    ) -> Result<Run, PlanError> {
+        let Page {
+            group,
+            layer,
+            block,
+        } = at;
+        if size != r.ref_bytes {
+            let want = r.ref_bytes;
+            return Err(PlanError::Size {
+                group,
+                layer,
+                block,
+                size,
+                want,
+            });
+        }
+        let t = &self.tensors[r.tensor];
+        let off = addr.wrapping_sub(t.base);
+        if addr < t.base || off % t.stride != 0 || off / t.stride >= t.blocks {
+            return Err(PlanError::Address {
+                group,
+                layer,
+                block,
+                addr,
+                tensor: r.tensor,
+                base: t.base,
+                blocks: t.blocks,
+                stride: t.stride,
+            });
+        }
+        Ok(Run {
+            tensor: r.tensor,
+            device: addr,
+            host,
+            bytes: size,
+        })
+    }
+}
+
+/// Where a page copy is in its job: the group, the layer reference and the block.
+#[derive(Clone, Copy)]
+struct Page {
+    group: usize,
+    layer: usize,
+    block: u64,
+}
+
+/// What is wrong with a registered tensor, if anything.
+fn tensor_fault(t: &CacheTensor) -> Option<String> {
+    if t.page_bytes == 0 {
+        Some("pages of 0 bytes".to_string())
+    } else if t.stride < t.page_bytes {
+        Some(format!(
+            "pages of {} bytes only {} bytes apart",
+            t.page_bytes, t.stride
+        ))
+    } else if t
+        .blocks
+        .checked_mul(t.stride)
+        .and_then(|b| t.base.checked_add(b))
+        .is_none()
+    {
+        Some(format!(
+            "{} pages {} bytes apart from {:#x} overflow the address space",
+            t.blocks, t.stride, t.base
+        ))
+    } else {
+        None
+    }
+}
+
+/// Checks group `g`'s references, marking in `used` the formats they match.
+fn check_group(
+    g: usize,
+    group: &Group,
+    tensors: &[CacheTensor],
+    formats: &[PageFormat],
+    used: &mut [bool],
+) -> Result<(), RegisterError> {
+    let fault = |what: String| RegisterError::Group { group: g, what };
+    if group.refs.is_empty() {
+        return Err(fault("no layer references".into()));
+    }
+    if group.tokens_per_block == 0 {
+        return Err(fault("0 tokens per block".into()));
+    }
+    for (l, r) in group.refs.iter().enumerate() {
+        let Some(t) = tensors.get(r.tensor) else {
+            return Err(fault(format!(
+                "layer reference {l} names tensor {}, only {} are registered",
+                r.tensor,
+                tensors.len()
+            )));
+        };
+        if r.ref_bytes == 0 || r.ref_bytes > t.page_bytes {
+            return Err(fault(format!(
+                "layer reference {l} copies {} bytes of tensor {}'s {}-byte pages",
+                r.ref_bytes, r.tensor, t.page_bytes
+            )));
+        }
+        let bytes_of = |f: &PageFormat| group.tokens_per_block.checked_mul(f.token_bytes());
+        match formats
+            .iter()
+            .position(|f| bytes_of(f) == Some(r.ref_bytes))
+        {
+            Some(i) => used[i] = true,
+            None => {
+                let expected: Vec<String> = formats
+                    .iter()
+                    .map(|f| bytes_of(f).unwrap_or(u64::MAX).to_string())
+                    .collect();
+                return Err(RegisterError::Layout {
+                    group: g,
+                    layer: l,
+                    ref_bytes: r.ref_bytes,
+                    tokens: group.tokens_per_block,
+                    formats: Listed(formats).to_string(),
+                    expected: expected.join(" or "),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Plan {

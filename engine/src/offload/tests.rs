@@ -26,7 +26,9 @@ fn a_store_then_a_load_round_trip() {
     assert_eq!(ix.lookup(&k(1)), Lookup::Pending);
     assert_eq!(
         ix.prepare_load(&refs(&keys)),
-        Err(OffloadError::NotReady { key: key_text(&k(1)) })
+        Err(OffloadError::NotReady {
+            key: key_text(&k(1))
+        })
     );
     ix.complete_store(&refs(&keys), true).unwrap();
     assert_eq!(ix.lookup(&k(2)), Lookup::Hit);
@@ -37,7 +39,9 @@ fn a_store_then_a_load_round_trip() {
     assert_eq!(ix.evictable(), 2);
     assert_eq!(
         ix.complete_load(&refs(&keys[..1])),
-        Err(OffloadError::NotLoading { key: key_text(&k(1)) })
+        Err(OffloadError::NotLoading {
+            key: key_text(&k(1))
+        })
     );
     let events = ix.take_events();
     assert_eq!(events.len(), 1);
@@ -94,7 +98,9 @@ fn the_selective_policy_stores_on_the_second_offer() {
 fn write_back_and_oversized_pools_and_keys_are_refused() {
     assert!(matches!(
         OffloadIndex::new(4, WritePolicy::WriteBack, false),
-        Err(OffloadError::Policy { policy: "write_back" })
+        Err(OffloadError::Policy {
+            policy: "write_back"
+        })
     ));
     assert!(matches!(
         OffloadIndex::new(1 << 40, WritePolicy::WriteThrough, false),
@@ -102,10 +108,22 @@ fn write_back_and_oversized_pools_and_keys_are_refused() {
     ));
     let mut ix = OffloadIndex::new(4, WritePolicy::WriteThrough, false).unwrap();
     let long = vec![7u8; KEY_BYTES_MAX + 1];
-    assert!(matches!(ix.prepare_store(&[&long]), Err(OffloadError::KeyTooLong { .. })));
-    assert!(matches!(ix.prepare_store(&[&[]]), Err(OffloadError::EmptyKey { .. })));
-    assert!(matches!(ix.prepare_store(&[&k(1), &k(1)]), Err(OffloadError::Repeated { .. })));
-    assert!(matches!(ix.prepare_load(&[&k(1)]), Err(OffloadError::NotHeld { .. })));
+    assert!(matches!(
+        ix.prepare_store(&[&long]),
+        Err(OffloadError::KeyTooLong { .. })
+    ));
+    assert!(matches!(
+        ix.prepare_store(&[&[]]),
+        Err(OffloadError::EmptyKey { .. })
+    ));
+    assert!(matches!(
+        ix.prepare_store(&[&k(1), &k(1)]),
+        Err(OffloadError::Repeated { .. })
+    ));
+    assert!(matches!(
+        ix.prepare_load(&[&k(1)]),
+        Err(OffloadError::NotHeld { .. })
+    ));
     assert!(ix.is_empty());
     ix.check_invariants();
 }
@@ -125,6 +143,8 @@ fn the_selective_policys_memory_is_bounded() {
     assert_eq!(ix.prepare_store(&[&recent]).unwrap().unwrap().keys.len(), 1);
     ix.check_invariants();
 }
+
+type Keys = Vec<Vec<u8>>;
 
 /// The reference: each held key with its state and last use, in a plain list.
 #[derive(Default, Debug)]
@@ -148,7 +168,10 @@ impl Model {
         }
     }
     fn prepare_load(&mut self, keys: &[Vec<u8>]) -> bool {
-        if keys.iter().any(|k| !matches!(self.find(k).map(|i| self.held[i].1), Some(Some(_)))) {
+        if keys
+            .iter()
+            .any(|k| !matches!(self.find(k).map(|i| self.held[i].1), Some(Some(_))))
+        {
             return false;
         }
         for key in keys {
@@ -160,7 +183,10 @@ impl Model {
         true
     }
     fn complete_load(&mut self, keys: &[Vec<u8>]) -> bool {
-        if keys.iter().any(|k| !matches!(self.find(k).map(|i| self.held[i].1), Some(Some(p)) if p > 0)) {
+        if keys
+            .iter()
+            .any(|k| !matches!(self.find(k).map(|i| self.held[i].1), Some(Some(p)) if p > 0))
+        {
             return false;
         }
         for key in keys {
@@ -169,10 +195,19 @@ impl Model {
         }
         true
     }
-    fn prepare_store(&mut self, keys: &[Vec<u8>]) -> Option<(Vec<Vec<u8>>, Vec<Vec<u8>>)> {
-        let wanted: Vec<Vec<u8>> = keys.iter().filter(|k| self.find(k).is_none()).cloned().collect();
+    /// The keys stored and the keys evicted, or `None`.
+    fn prepare_store(&mut self, keys: &[Vec<u8>]) -> Option<(Keys, Keys)> {
+        let wanted: Vec<Vec<u8>> = keys
+            .iter()
+            .filter(|k| self.find(k).is_none())
+            .cloned()
+            .collect();
         let admitted: Vec<Vec<u8>> = if self.selective {
-            wanted.iter().filter(|k| self.offered.contains(k)).cloned().collect()
+            wanted
+                .iter()
+                .filter(|k| self.offered.contains(k))
+                .cloned()
+                .collect()
         } else {
             wanted.clone()
         };
@@ -238,7 +273,10 @@ enum Call {
 }
 
 fn call() -> impl Strategy<Value = Call> {
-    let keys = || proptest::collection::btree_set(0u8..12, 1..5).prop_map(|s| s.into_iter().collect::<Vec<u8>>());
+    let keys = || {
+        proptest::collection::btree_set(0u8..12, 1..5)
+            .prop_map(|s| s.into_iter().collect::<Vec<u8>>())
+    };
     prop_oneof![
         1 => (0u8..12).prop_map(Call::Lookup),
         1 => keys().prop_map(Call::Load),

@@ -1,0 +1,65 @@
+//! `tierkv._core`: the Python module. It binds two parts of tierkv-engine for a server's
+//! offloading interface (vLLM's, through the Python package's `tierkv.vllm`):
+//! - [`index::PyOffloadIndex`]: the host tier's index keyed by the server's block keys
+//!   (`tierkv_engine::offload::OffloadIndex`), for the scheduler side;
+//! - [`host::HostTier`]: host chunks of the registered caches and the copies of a job's plan
+//!   (`tierkv_engine::offload::plan`), for the worker side. This build copies between host
+//!   memory only (caches given as arrays with `__array_interface__`); caches in GPU memory are
+//!   refused with a typed error until the CUDA build exists.
+//!
+//! Refusals are Python exceptions derived from `ValueError`: `OffloadError` (the index),
+//! `RegisterError` (a registration), `PlanError` (a job), `HostMemoryError` (host memory not
+//! allocated). Each names what was wrong.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+mod host;
+mod index;
+
+create_exception!(
+    _core,
+    OffloadError,
+    PyValueError,
+    "A call the offload index refused."
+);
+create_exception!(
+    _core,
+    RegisterError,
+    PyValueError,
+    "A registration of caches refused."
+);
+create_exception!(
+    _core,
+    PlanError,
+    PyValueError,
+    "A transfer job refused before any copy."
+);
+create_exception!(
+    _core,
+    HostMemoryError,
+    pyo3::exceptions::PyMemoryError,
+    "The host tier's memory could not be allocated."
+);
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // What this build can do: "cpu" copies between host arrays.
+    m.add("BACKENDS", vec!["cpu"])?;
+    m.add("OffloadError", py.get_type::<OffloadError>())?;
+    m.add("RegisterError", py.get_type::<RegisterError>())?;
+    m.add("PlanError", py.get_type::<PlanError>())?;
+    m.add("HostMemoryError", py.get_type::<HostMemoryError>())?;
+    m.add("KEY_BYTES_MAX", tierkv_engine::offload::KEY_BYTES_MAX)?;
+    m.add(
+        "HOST_BYTES_MAX",
+        tierkv_engine::offload::plan::HOST_BYTES_MAX,
+    )?;
+    m.add("FORMATS", tierkv_engine::offload::plan::format_names())?;
+    m.add_class::<index::PyOffloadIndex>()?;
+    m.add_class::<host::HostTier>()?;
+    Ok(())
+}

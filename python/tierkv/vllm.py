@@ -1,0 +1,229 @@
+"""tierkv's offloading spec for vLLM's native KV offloading (``OffloadingConnector``).
+
+Written and tested against vLLM 0.34.0's ``vllm.v1.kv_offload`` interface (``OffloadingSpec``,
+``OffloadingManager``, ``OffloadingWorker``). vLLM loads it by name::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "TierkvOffloadingSpec",
+        "spec_module_path": "tierkv.vllm", "cpu_bytes_to_use": 68719476736,
+        "tierkv_formats": ["kv/fp8_packed", "index_k/fp8"]}}'
+
+``kv_connector_extra_config`` keys read here:
+
+- ``cpu_bytes_to_use`` (required): host bytes for all workers together.
+- ``tierkv_formats`` (required): the page formats of the model's layers (``tierkv.FORMATS``).
+  Every layer's cache must have the page bytes of one of them at its group's block size, and
+  every format must be some layer's; otherwise registration raises ``RegisterError`` naming the
+  group and layer (a bf16 index-K cache where fp8 is configured, say).
+- ``write_policy``: ``"write_through"`` (default: store every block vLLM offers) or
+  ``"write_through_selective"`` (store a block the second time it is offered).
+
+The scheduler side (``TierkvOffloadingManager``) keeps ``tierkv.OffloadIndex``; the worker side
+(``TierkvOffloadingWorker``) keeps ``tierkv.HostTier``. This build's host tier copies host
+memory only: caches in GPU memory are refused at registration until the CUDA build exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    DevicePointers,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from . import HostTier, OffloadIndex, PlanError, RegisterError
+
+logger = logging.getLogger(__name__)
+
+_LOOKUP = {"miss": LookupResult.MISS, "hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING}
+
+
+class TierkvOffloadingManager(OffloadingManager):
+    """The scheduler side: which blocks the host tier holds, in which chunk, and what to evict.
+
+    Single-threaded (the default no-op ``lock``), like vLLM's CPU manager. Misuse by the caller
+    (completing a load that was never prepared, loading a block that is not ready) raises
+    ``tierkv.OffloadError`` naming the key, where vLLM's CPU manager asserts.
+    """
+
+    def __init__(self, num_chunks: int, write_policy: str = "write_through", enable_events: bool = False):
+        self._index = OffloadIndex(num_chunks, write_policy, events=enable_events)
+
+    @property
+    def index(self) -> OffloadIndex:
+        return self._index
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _LOOKUP[self._index.lookup(key)]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        return CPULoadStoreSpec(self._index.prepare_load(list(keys)))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._index.complete_load(list(keys))
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        out = self._index.prepare_store(list(keys))
+        if out is None:
+            return None
+        to_store, chunks, evicted = out
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in to_store],
+            store_spec=CPULoadStoreSpec(chunks),
+            evicted_keys=[OffloadKey(k) for k in evicted],
+        )
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        self._index.complete_store(list(keys), success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def reset_cache(self) -> None:
+        self._index.reset()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for keys, removed, store_failed in self._index.take_events():
+            if store_failed:
+                # A failed store's keys were never announced; a retry may hold them again.
+                keys = [k for k in keys if self._index.lookup(k) == "miss"]
+                if not keys:
+                    continue
+            yield OffloadingEvent(
+                keys=[OffloadKey(k) for k in keys],
+                medium=Medium.CPU,
+                removed=removed,
+                removal_expected=not removed,
+                metadata_only=store_failed,
+            )
+
+
+class TierkvOffloadingWorker(OffloadingWorker):
+    """The worker side: the host tier's chunks for this worker's caches, and the copies.
+
+    A job the host tier refuses (an address outside the registered caches, a chunk out of
+    range) is reported by ``get_finished`` as failed, so vLLM recomputes those blocks; the
+    refusal is logged with what was wrong. ``submit_*`` itself never raises for a job.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, tokens_per_block: Collection[int], formats: list[str], blocks_per_chunk: int, num_chunks: int):
+        tokens_per_block = list(tokens_per_block)
+        if len(tokens_per_block) != len(kv_caches.group_data_refs):
+            raise RegisterError(
+                f"the offloading config has {len(tokens_per_block)} KV groups, the caches "
+                f"{len(kv_caches.group_data_refs)}"
+            )
+        arrays = [_host_array(t.tensor) for t in kv_caches.tensors]
+        groups = [
+            (tpb, [(ref.tensor_idx, ref.page_size_bytes) for ref in refs])
+            for tpb, refs in zip(tokens_per_block, kv_caches.group_data_refs)
+        ]
+        self._tier = HostTier(arrays, groups, list(formats), blocks_per_chunk, num_chunks)
+        self._refused: list[TransferResult] = []
+
+    @property
+    def tier(self) -> HostTier:
+        return self._tier
+
+    def _submit(self, store: bool, job_id: int, device_ptrs: DevicePointers, spec: LoadStoreSpec) -> bool:
+        chunks = np.asarray(spec.block_ids)
+        args = (
+            job_id,
+            np.ascontiguousarray(device_ptrs.ptrs, dtype=np.uint64).tobytes(),
+            np.ascontiguousarray(device_ptrs.sizes, dtype=np.uint64).tobytes(),
+            [int(x) for x in device_ptrs.group_block_counts],
+            [int(x) for x in device_ptrs.group_data_ref_counts],
+            [int(x) for x in device_ptrs.block_indices],
+            np.ascontiguousarray(chunks, dtype=np.uint64).tobytes() if chunks.min(initial=0) >= 0 else b"\xff" * 8 * len(chunks),
+        )
+        try:
+            (self._tier.store if store else self._tier.load)(*args)
+        except PlanError:
+            logger.exception("tierkv: %s job %d refused", "store" if store else "load", job_id)
+            self._refused.append(TransferResult(job_id=job_id, success=False))
+        return True
+
+    def submit_store(self, job_id: int, device_ptrs: DevicePointers, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(True, job_id, device_ptrs, dst_spec)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, device_ptrs: DevicePointers, expedited: bool = False) -> bool:
+        return self._submit(False, job_id, device_ptrs, src_spec)
+
+    def get_finished(self) -> list[TransferResult]:
+        done = [
+            TransferResult(job_id=j, success=ok, transfer_size=n, transfer_time=s)
+            for j, ok, n, s in self._tier.get_finished()
+        ]
+        done += self._refused
+        self._refused = []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        self._tier.wait(sorted(job_ids))
+
+
+def _host_array(tensor):
+    """A cache tensor as the host tier takes it: CPU tensors as numpy views of their memory;
+    anything else as it is (the host tier refuses GPU memory in this build, saying so)."""
+    device = getattr(tensor, "device", None)
+    if getattr(device, "type", None) == "cpu" and hasattr(tensor, "numpy"):
+        return tensor.numpy()
+    return tensor
+
+
+class TierkvOffloadingSpec(OffloadingSpec):
+    """vLLM's entry point: see the module's docstring for the configuration."""
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        extra = self.extra_config
+        cpu_bytes = extra.get("cpu_bytes_to_use")
+        if not cpu_bytes or int(cpu_bytes) <= 0:
+            raise RegisterError("tierkv: kv_connector_extra_config needs cpu_bytes_to_use (host bytes for all workers)")
+        formats = extra.get("tierkv_formats")
+        if not formats or isinstance(formats, str):
+            raise RegisterError(
+                "tierkv: kv_connector_extra_config needs tierkv_formats, the page formats of the "
+                "model's layers (a list, e.g. [\"kv/fp8_packed\", \"index_k/fp8\"])"
+            )
+        self.formats = [str(f) for f in formats]
+        self.write_policy = str(extra.get("write_policy", "write_through"))
+        per_chunk = config.worker_kv_bytes_per_block * max(config.parallel.world_size, 1) * self.blocks_per_chunk
+        self.num_chunks = int(cpu_bytes) // per_chunk if per_chunk > 0 else 0
+        self._manager: TierkvOffloadingManager | None = None
+        self._worker: TierkvOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = TierkvOffloadingManager(
+                self.num_chunks, self.write_policy, self.kv_events_config.enable_kv_cache_events
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = TierkvOffloadingWorker(
+                kv_caches, self.tokens_per_block, self.formats, self.blocks_per_chunk, self.num_chunks
+            )
+        return self._worker
