@@ -378,7 +378,7 @@ impl InOrderDevice {
             .map(BufferId)
             .filter(|b| match self.mem.desc(*b).role {
                 BufferRole::Pool { kind: k, .. } | BufferRole::Mirror { kind: k } => k == kind,
-                BufferRole::Scratch { .. } => false,
+                BufferRole::Scratch { .. } | BufferRole::OffloadHost { .. } => false,
             })
             .collect()
     }

@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use crate::config::WritePolicy;
 
 pub mod plan;
+pub mod transfer;
 
 /// The longest key accepted, in bytes: a block hash of up to 1,020 bytes and a 4-byte group
 /// index. vLLM's keys are 36 bytes (SHA-256 and the group).

@@ -1,24 +1,31 @@
-//! `tierkv._core.HostTier`: the worker side's host chunks and copies, in host memory.
+//! `tierkv._core.HostTier`: the worker side's host chunks and copies.
 //!
-//! The registered caches are arrays exporting `__array_interface__` (numpy arrays, CPU torch
-//! tensors through `.numpy()`): two-dimensional, one-byte elements, rows of `page_bytes` at a
-//! row stride of at least that, writable. The tier keeps a reference to each, so their memory
-//! outlives it. Every address a job names is checked by the plan to be the start of a page of a
-//! registered array before anything is copied; so no job can make this code touch memory
-//! outside the arrays it was given and its own host buffers.
+//! The registered caches are arrays of one-byte elements, two-dimensional (`blocks` rows of
+//! `page_bytes`, at a row stride of at least that), writable, exported either by
+//! `__array_interface__` (host memory: numpy arrays, CPU tensors through `.numpy()`) or, in a
+//! build with the `cuda` feature, by `__cuda_array_interface__` (GPU memory: CUDA torch
+//! tensors). All caches of a tier are in the same kind of memory. The tier keeps a reference to
+//! each, so their memory outlives it. Every address a job names is checked by the plan to be
+//! the start of a page of a registered array before anything is copied.
 //!
-//! Copies run on the calling thread (without the GIL) when a job is submitted; a job's result is
-//! handed out by the next `get_finished`. Arrays in GPU memory (`__cuda_array_interface__`) are
-//! refused: this build has no CUDA backend yet.
+//! Host memory: copies run on the calling thread (without the GIL) when a job is submitted, and
+//! a job's result is handed out by the next `get_finished`. GPU memory: the engine's offload
+//! transfers (`tierkv_engine::offload::transfer`) on cudarc's driver, in GPU order after the
+//! caller's stream; `get_finished` reports the jobs whose copies completed.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::time::Instant;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 use tierkv_engine::offload::plan::{
     parse_format, CacheTensor, Group, Job, LayerRef, Plan, Registration,
 };
+
+#[cfg(feature = "cuda")]
+use tierkv_engine::offload::transfer::{TransferMutant, Transfers};
+#[cfg(feature = "cuda")]
+use tierkv_engine::runtime::cuda::CudaDriver;
 
 use crate::{HostMemoryError, PlanError, RegisterError};
 
@@ -74,6 +81,16 @@ impl Drop for HostBuffer {
 /// A job's result: `(job_id, success, bytes, seconds)`.
 type Finished = (u64, bool, u64, f64);
 
+/// Where a tier's host chunks are and who copies them.
+enum Backend {
+    /// Host caches: host buffers from the allocator, copied on the calling thread.
+    Host(Vec<HostBuffer>),
+    /// GPU caches: pinned host chunks and copies queued on the GPU (behind a mutex only because
+    /// a pyclass must be `Sync`: pyo3 already serialises `&mut self` calls).
+    #[cfg(feature = "cuda")]
+    Cuda(Box<std::sync::Mutex<Transfers<CudaDriver>>>),
+}
+
 /// The host tier of a worker: host chunks for each registered cache array, and the copies of
 /// each job between them.
 #[pyclass(module = "tierkv._core")]
@@ -81,30 +98,40 @@ pub struct HostTier {
     registration: Registration,
     /// The cache arrays, kept alive for the addresses registered from them.
     _arrays: Vec<Py<PyAny>>,
-    host: Vec<HostBuffer>,
+    backend: Backend,
+    /// Host backend: the jobs done and not yet handed out.
     finished: Vec<Finished>,
     pages: u64,
     runs: u64,
 }
 
-/// What `__array_interface__` says of a cache array: `(address, blocks, page_bytes, stride)`.
-fn array_of(i: usize, array: &Bound<'_, PyAny>) -> PyResult<CacheTensor> {
+/// What a cache array's interface says of it, and whether it is in GPU memory.
+fn array_of(i: usize, array: &Bound<'_, PyAny>) -> PyResult<(CacheTensor, bool)> {
     let refuse = |what: String| RegisterError::new_err(format!("cache tensor {i}: {what}"));
-    let Ok(face) = array.getattr("__array_interface__") else {
-        if array.hasattr("__cuda_array_interface__")? {
-            return Err(refuse("it is in GPU memory, and this build of tierkv copies host memory only (no CUDA backend yet)".into()));
+    let (face, gpu) = if let Ok(face) = array.getattr("__array_interface__") {
+        (face, false)
+    } else if let Ok(face) = array.getattr("__cuda_array_interface__") {
+        if !cfg!(feature = "cuda") {
+            return Err(refuse(
+                "it is in GPU memory, and this build of tierkv has no CUDA backend (build the \
+                 wheel with --features cuda)"
+                    .into(),
+            ));
         }
+        (face, true)
+    } else {
         return Err(refuse(
-            "it exports no __array_interface__ (give a numpy array or a CPU tensor's .numpy())"
+            "it exports neither __array_interface__ nor __cuda_array_interface__ (give a numpy \
+             array, a CPU tensor's .numpy() or a CUDA tensor)"
                 .into(),
         ));
     };
     let face = face
         .cast_into::<PyDict>()
-        .map_err(|_| refuse("__array_interface__ is not a dict".into()))?;
+        .map_err(|_| refuse("its array interface is not a dict".into()))?;
     let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
         face.get_item(k)?
-            .ok_or_else(|| refuse(format!("__array_interface__ has no {k:?}")))
+            .ok_or_else(|| refuse(format!("its array interface has no {k:?}")))
     };
     let typestr: String = get("typestr")?.extract()?;
     if !matches!(typestr.as_str(), "|i1" | "|u1") {
@@ -121,7 +148,7 @@ fn array_of(i: usize, array: &Bound<'_, PyAny>) -> PyResult<CacheTensor> {
     let data = get("data")?;
     let data = data
         .cast::<PyTuple>()
-        .map_err(|_| refuse("__array_interface__'s data is not (address, read_only)".into()))?;
+        .map_err(|_| refuse("its array interface's data is not (address, read_only)".into()))?;
     let (base, read_only): (u64, bool) = data.extract()?;
     if read_only {
         return Err(refuse("it is read-only, and loads write into it".into()));
@@ -140,12 +167,15 @@ fn array_of(i: usize, array: &Bound<'_, PyAny>) -> PyResult<CacheTensor> {
         }
         _ => page_bytes,
     };
-    Ok(CacheTensor {
-        base,
-        blocks,
-        page_bytes,
-        stride,
-    })
+    Ok((
+        CacheTensor {
+            base,
+            blocks,
+            page_bytes,
+            stride,
+        },
+        gpu,
+    ))
 }
 
 /// Reads a bytes object of native-endian `u64`s (numpy's `astype(np.uint64).tobytes()`).
@@ -167,21 +197,36 @@ impl HostTier {
     /// `caches`: the cache arrays; `groups`: per KV group, `(tokens_per_block, [(cache index,
     /// bytes copied per page), ...])` one pair per layer; `formats`: the page formats the model's
     /// layers use (`tierkv._core.FORMATS`); `chunks` host chunks of `blocks_per_chunk` blocks.
+    /// GPU caches: `device` is their GPU's ordinal (default 0); `mutant` plants a mistake for
+    /// the tests that show a check matters (`"store-without-event"`: stores do not wait for the
+    /// caller's stream).
     #[new]
+    #[pyo3(signature = (caches, groups, formats, blocks_per_chunk, chunks, device = 0, mutant = None))]
     fn new(
         caches: Vec<Bound<'_, PyAny>>,
         groups: Vec<(u64, Vec<(usize, u64)>)>,
         formats: Vec<String>,
         blocks_per_chunk: u64,
         chunks: u64,
+        device: usize,
+        mutant: Option<&str>,
     ) -> PyResult<Self> {
         let register =
             |e: tierkv_engine::offload::plan::RegisterError| RegisterError::new_err(e.to_string());
-        let tensors = caches
+        let arrays = caches
             .iter()
             .enumerate()
             .map(|(i, a)| array_of(i, a))
             .collect::<PyResult<Vec<_>>>()?;
+        let gpu = arrays.first().is_some_and(|a| a.1);
+        if let Some(i) = arrays.iter().position(|a| a.1 != gpu) {
+            return Err(RegisterError::new_err(format!(
+                "cache tensor {i}: in {} memory, cache tensor 0 in {}: a tier's caches are all \
+                 in one kind of memory",
+                if gpu { "host" } else { "GPU" },
+                if gpu { "GPU" } else { "host" },
+            )));
+        }
         let groups = groups
             .into_iter()
             .map(|(tokens_per_block, refs)| Group {
@@ -197,15 +242,14 @@ impl HostTier {
             .map(|f| parse_format(f))
             .collect::<Result<Vec<_>, _>>()
             .map_err(register)?;
+        let tensors = arrays.into_iter().map(|a| a.0).collect();
         let registration = Registration::new(tensors, groups, &formats, blocks_per_chunk, chunks)
             .map_err(register)?;
-        let host = (0..registration.tensors().len())
-            .map(|t| HostBuffer::new(registration.host_bytes(t), t))
-            .collect::<PyResult<Vec<_>>>()?;
+        let backend = backend(&registration, gpu, device, mutant)?;
         Ok(HostTier {
             registration,
             _arrays: caches.into_iter().map(Bound::unbind).collect(),
-            host,
+            backend,
             finished: Vec::new(),
             pages: 0,
             runs: 0,
@@ -213,10 +257,14 @@ impl HostTier {
     }
 
     /// Copies a job's device pages into host chunks (device → host). The arguments are vLLM's
-    /// `DevicePointers` (`ptrs`, `sizes` as uint64 bytes, and the three per-group tuples) and the
-    /// host chunk numbers (uint64 bytes). Raises `PlanError` (nothing copied) for a job outside
-    /// the registration.
+    /// `DevicePointers` (`ptrs`, `sizes` as uint64 bytes, and the three per-group lists), the
+    /// host chunk numbers (uint64 bytes), and for GPU caches the caller's stream (its
+    /// `CUstream` handle, PyTorch's `torch.cuda.current_stream().cuda_stream`): the copies start
+    /// after the work queued on it so far. Raises `PlanError` (nothing copied) for a job outside
+    /// the registration, `RuntimeError` when the GPU refused a call (the job is then reported
+    /// failed by `get_finished`).
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (job_id, ptrs, sizes, group_blocks, group_refs, block_indices, chunks, stream = 0))]
     fn store(
         &mut self,
         py: Python<'_>,
@@ -227,20 +275,16 @@ impl HostTier {
         group_refs: Vec<u64>,
         block_indices: Vec<u64>,
         chunks: &[u8],
+        stream: u64,
     ) -> PyResult<()> {
-        self.transfer(
-            py,
-            true,
-            job_id,
-            ptrs,
-            sizes,
-            (group_blocks, group_refs, block_indices),
-            chunks,
-        )
+        let groups = (group_blocks, group_refs, block_indices);
+        self.transfer(py, true, job_id, (ptrs, sizes, chunks), groups, stream)
     }
 
-    /// The other way: host chunks into device pages (host → device).
+    /// The other way: host chunks into device pages (host → device), after the work queued so
+    /// far on `stream`.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (job_id, ptrs, sizes, group_blocks, group_refs, block_indices, chunks, stream = 0))]
     fn load(
         &mut self,
         py: Python<'_>,
@@ -251,54 +295,82 @@ impl HostTier {
         group_refs: Vec<u64>,
         block_indices: Vec<u64>,
         chunks: &[u8],
+        stream: u64,
     ) -> PyResult<()> {
-        self.transfer(
-            py,
-            false,
-            job_id,
-            ptrs,
-            sizes,
-            (group_blocks, group_refs, block_indices),
-            chunks,
-        )
+        let groups = (group_blocks, group_refs, block_indices);
+        self.transfer(py, false, job_id, (ptrs, sizes, chunks), groups, stream)
     }
 
-    /// The jobs done since the last call, in submission order: `(job_id, success, bytes,
-    /// seconds)`.
+    /// The jobs done since the last call: `(job_id, success, bytes, seconds)`, stores and loads
+    /// each in submission order.
     fn get_finished(&mut self) -> Vec<Finished> {
-        std::mem::take(&mut self.finished)
+        match &mut self.backend {
+            Backend::Host(_) => std::mem::take(&mut self.finished),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(t) => lock(t).finished(),
+        }
     }
 
-    /// Returns when the named jobs are done (at once here: copies run at submission).
-    fn wait(&self, job_ids: Vec<u64>) {
-        let _ = job_ids;
+    /// Returns when the named jobs are done (at once for host caches: copies run at
+    /// submission).
+    fn wait(&mut self, py: Python<'_>, job_ids: Vec<u64>) {
+        match &mut self.backend {
+            Backend::Host(_) => {}
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(t) => py.detach(|| lock(t).wait(&job_ids)),
+        }
+        let _ = (py, job_ids);
     }
 
-    /// The bytes of host chunk `chunk` of cache `tensor` (for tests and debugging).
+    /// The bytes of host chunk `chunk` of cache `tensor` (for tests and debugging; with GPU
+    /// caches, wait for the jobs writing it first).
     fn read_host<'py>(
-        &self,
+        &mut self,
         py: Python<'py>,
         tensor: usize,
         chunk: u64,
-    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-        if tensor >= self.host.len() || chunk >= self.registration.chunks() {
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        if tensor >= self.registration.tensors().len() || chunk >= self.registration.chunks() {
             return Err(PlanError::new_err(format!(
                 "read_host: chunk {chunk} of cache {tensor} does not exist ({} caches, {} chunks)",
-                self.host.len(),
+                self.registration.tensors().len(),
                 self.registration.chunks()
             )));
         }
         let n = self.registration.chunk_bytes(tensor) as usize;
-        let at = chunk as usize * n;
-        // SAFETY: `at + n` is within the buffer (chunk < chunks, buffer = chunks * n).
-        let bytes = unsafe { std::slice::from_raw_parts(self.host[tensor].ptr.add(at), n) };
-        Ok(pyo3::types::PyBytes::new(py, bytes))
+        match &mut self.backend {
+            Backend::Host(host) => {
+                let at = chunk as usize * n;
+                // SAFETY: `at + n` is within the buffer (chunk < chunks, buffer = chunks * n).
+                let bytes = unsafe { std::slice::from_raw_parts(host[tensor].ptr.add(at), n) };
+                Ok(PyBytes::new(py, bytes))
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(t) => {
+                let bytes = lock(t).read_host(tensor, chunk).map_err(device_error)?;
+                Ok(PyBytes::new(py, &bytes))
+            }
+        }
     }
 
     /// Host bytes held in all.
     #[getter]
     fn host_bytes(&self) -> u64 {
-        self.host.iter().map(|b| b.len as u64).sum()
+        match &self.backend {
+            Backend::Host(host) => host.iter().map(|b| b.len as u64).sum(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(t) => lock(t).host_bytes(),
+        }
+    }
+
+    /// `"host"` or `"cuda"`: where the caches are and who copies.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        match &self.backend {
+            Backend::Host(_) => "host",
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => "cuda",
+        }
     }
 
     /// Page copies asked for, and the runs they were coalesced into, since construction.
@@ -308,17 +380,70 @@ impl HostTier {
     }
 }
 
+/// The backend for a checked registration.
+fn backend(
+    registration: &Registration,
+    gpu: bool,
+    device: usize,
+    mutant: Option<&str>,
+) -> PyResult<Backend> {
+    let mutant = match mutant {
+        None => None,
+        Some("store-without-event") => Some(()),
+        Some(other) => {
+            return Err(RegisterError::new_err(format!(
+                "unknown mutant {other:?} (known: store-without-event)"
+            )))
+        }
+    };
+    if !gpu {
+        if mutant.is_some() {
+            return Err(RegisterError::new_err(
+                "mutant store-without-event needs GPU caches",
+            ));
+        }
+        let host = (0..registration.tensors().len())
+            .map(|t| HostBuffer::new(registration.host_bytes(t), t))
+            .collect::<PyResult<Vec<_>>>()?;
+        return Ok(Backend::Host(host));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let driver = CudaDriver::copies_on(device).map_err(device_error)?;
+        let mut t = Transfers::new(driver, registration.clone()).map_err(device_error)?;
+        t.plant(mutant.map(|()| TransferMutant::StoreWithoutEvent));
+        Ok(Backend::Cuda(Box::new(std::sync::Mutex::new(t))))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        unreachable!("GPU caches are refused by array_of without the cuda feature")
+    }
+}
+
+/// The transfers. A lock poisoned by a panic (a tierkv bug, already raised to Python as
+/// `PanicException`) is taken over as it is.
+#[cfg(feature = "cuda")]
+fn lock(
+    t: &std::sync::Mutex<Transfers<CudaDriver>>,
+) -> std::sync::MutexGuard<'_, Transfers<CudaDriver>> {
+    t.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(feature = "cuda")]
+fn device_error(e: tierkv_engine::device::DeviceError) -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(format!("tierkv host tier: {e}"))
+}
+
 impl HostTier {
-    #[allow(clippy::too_many_arguments)]
     fn transfer(
         &mut self,
         py: Python<'_>,
         store: bool,
         job_id: u64,
-        ptrs: &[u8],
-        sizes: &[u8],
+        (ptrs, sizes, chunks): (&[u8], &[u8], &[u8]),
         groups: (Vec<u64>, Vec<u64>, Vec<u64>),
-        chunks: &[u8],
+        stream: u64,
     ) -> PyResult<()> {
         let (ptrs, sizes, chunks) = (
             words("ptrs", ptrs)?,
@@ -337,14 +462,24 @@ impl HostTier {
             .registration
             .plan(&job)
             .map_err(|e| PlanError::new_err(format!("job {job_id}: {e}")))?;
-        let started = Instant::now();
-        let host: Vec<(usize, usize)> = self.host.iter().map(|b| (b.ptr as usize, b.len)).collect();
-        py.detach(|| copy(&plan, &host, store));
         self.pages += plan.pages;
         self.runs += plan.runs.len() as u64;
-        self.finished
-            .push((job_id, true, plan.bytes, started.elapsed().as_secs_f64()));
-        Ok(())
+        match &mut self.backend {
+            Backend::Host(host) => {
+                let started = Instant::now();
+                let host: Vec<(usize, usize)> =
+                    host.iter().map(|b| (b.ptr as usize, b.len)).collect();
+                py.detach(|| copy(&plan, &host, store));
+                self.finished
+                    .push((job_id, true, plan.bytes, started.elapsed().as_secs_f64()));
+                let _ = stream;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(t) => lock(t)
+                .submit(store, job_id, &plan, stream)
+                .map_err(device_error),
+        }
     }
 }
 

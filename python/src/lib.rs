@@ -3,9 +3,9 @@
 //! - [`index::PyOffloadIndex`]: the host tier's index keyed by the server's block keys
 //!   (`tierkv_engine::offload::OffloadIndex`), for the scheduler side;
 //! - [`host::HostTier`]: host chunks of the registered caches and the copies of a job's plan
-//!   (`tierkv_engine::offload::plan`), for the worker side. This build copies between host
-//!   memory only (caches given as arrays with `__array_interface__`); caches in GPU memory are
-//!   refused with a typed error until the CUDA build exists.
+//!   (`tierkv_engine::offload::plan`), for the worker side: between host arrays, or (feature
+//!   `cuda`) between GPU caches and pinned host chunks on the GPU's copy streams
+//!   (`tierkv_engine::offload::transfer`).
 //!
 //! Refusals are Python exceptions derived from `ValueError`: `OffloadError` (the index),
 //! `RegisterError` (a registration), `PlanError` (a job), `HostMemoryError` (host memory not
@@ -47,8 +47,13 @@ create_exception!(
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    // What this build can do: "cpu" copies between host arrays.
-    m.add("BACKENDS", vec!["cpu"])?;
+    // What this build can do: "host" copies between host arrays; "cuda" between GPU caches and
+    // pinned host chunks.
+    let mut backends = vec!["host"];
+    if cfg!(feature = "cuda") {
+        backends.push("cuda");
+    }
+    m.add("BACKENDS", backends)?;
     m.add("OffloadError", py.get_type::<OffloadError>())?;
     m.add("RegisterError", py.get_type::<RegisterError>())?;
     m.add("PlanError", py.get_type::<PlanError>())?;

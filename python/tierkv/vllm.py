@@ -19,8 +19,9 @@ Written and tested against vLLM 0.34.0's ``vllm.v1.kv_offload`` interface (``Off
   ``"write_through_selective"`` (store a block the second time it is offered).
 
 The scheduler side (``TierkvOffloadingManager``) keeps ``tierkv.OffloadIndex``; the worker side
-(``TierkvOffloadingWorker``) keeps ``tierkv.HostTier``. This build's host tier copies host
-memory only: caches in GPU memory are refused at registration until the CUDA build exists.
+(``TierkvOffloadingWorker``) keeps ``tierkv.HostTier``. GPU caches need a wheel built with the
+``cuda`` feature (``tierkv.BACKENDS`` lists ``"cuda"``); there each job's copies start after the
+work queued so far on PyTorch's current stream.
 """
 
 from __future__ import annotations
@@ -135,11 +136,15 @@ class TierkvOffloadingWorker(OffloadingWorker):
                 f"{len(kv_caches.group_data_refs)}"
             )
         arrays = [_host_array(t.tensor) for t in kv_caches.tensors]
+        first = kv_caches.tensors[0].tensor if kv_caches.tensors else None
+        self._cuda = getattr(getattr(first, "device", None), "type", None) == "cuda"
+        device = (first.device.index or 0) if self._cuda else 0
         groups = [
             (tpb, [(ref.tensor_idx, ref.page_size_bytes) for ref in refs])
             for tpb, refs in zip(tokens_per_block, kv_caches.group_data_refs)
         ]
-        self._tier = HostTier(arrays, groups, list(formats), blocks_per_chunk, num_chunks)
+        self._tier = HostTier(arrays, groups, list(formats), blocks_per_chunk, num_chunks, device=device)
+        self._device = device
         self._refused: list[TransferResult] = []
 
     @property
@@ -157,11 +162,19 @@ class TierkvOffloadingWorker(OffloadingWorker):
             [int(x) for x in device_ptrs.block_indices],
             np.ascontiguousarray(chunks, dtype=np.uint64).tobytes() if chunks.min(initial=0) >= 0 else b"\xff" * 8 * len(chunks),
         )
+        stream = 0
+        if self._cuda:
+            import torch
+
+            stream = torch.cuda.current_stream(self._device).cuda_stream
         try:
-            (self._tier.store if store else self._tier.load)(*args)
+            (self._tier.store if store else self._tier.load)(*args, stream=stream)
         except PlanError:
             logger.exception("tierkv: %s job %d refused", "store" if store else "load", job_id)
             self._refused.append(TransferResult(job_id=job_id, success=False))
+        except RuntimeError:
+            # The GPU refused a call: get_finished reports the job failed.
+            logger.exception("tierkv: %s job %d failed on the GPU", "store" if store else "load", job_id)
         return True
 
     def submit_store(self, job_id: int, device_ptrs: DevicePointers, dst_spec: LoadStoreSpec) -> bool:
@@ -185,7 +198,7 @@ class TierkvOffloadingWorker(OffloadingWorker):
 
 def _host_array(tensor):
     """A cache tensor as the host tier takes it: CPU tensors as numpy views of their memory;
-    anything else as it is (the host tier refuses GPU memory in this build, saying so)."""
+    anything else as it is (CUDA tensors export ``__cuda_array_interface__``)."""
     device = getattr(tensor, "device", None)
     if getattr(device, "type", None) == "cpu" and hasattr(tensor, "numpy"):
         return tensor.numpy()

@@ -85,6 +85,9 @@ pub enum BufferRole {
     Mirror { kind: BufferKind },
     /// Step scratch (queries, logits, selections, digests, readback).
     Scratch { name: &'static str },
+    /// The host tier of a server's offloading (`crate::offload`): segment `segment` of the
+    /// host chunks of the server's cache `cache`.
+    OffloadHost { cache: u32, segment: u32 },
 }
 
 impl fmt::Display for BufferRole {
@@ -93,6 +96,9 @@ impl fmt::Display for BufferRole {
             BufferRole::Pool { kind, layer } => write!(f, "device {} layer {}", kind.name(), layer),
             BufferRole::Mirror { kind } => write!(f, "host {} mirror", kind.name()),
             BufferRole::Scratch { name } => write!(f, "scratch {name}"),
+            BufferRole::OffloadHost { cache, segment } => {
+                write!(f, "offload host tier of cache {cache}, segment {segment}")
+            }
         }
     }
 }

@@ -116,13 +116,18 @@ enum Alloc {
     Async {
         ptr: sys::CUdeviceptr,
     },
+    /// A server's memory ([`Driver::import`]): never freed here.
+    Foreign {
+        ptr: sys::CUdeviceptr,
+    },
 }
 
 /// cudarc's driver calls on one GPU: its context, three streams, the kernels, and every
 /// allocation and event the runtime made.
 pub struct CudaDriver {
     pub ctx: Arc<CudaContext>,
-    pub kernels: &'static Kernels,
+    /// The kernels; `None` for a driver made for copies only ([`CudaDriver::copies_on`]).
+    pub kernels: Option<&'static Kernels>,
     /// Which `index_logits` kernel runs: the tensor cores by default (production); the
     /// simulator's CUDA executor sets [`LogitsKernel::Exact`], because its oracles compare
     /// digests bit for bit against the CPU reference.
@@ -150,7 +155,25 @@ impl CudaDriver {
         let streams = [mk()?, mk()?, mk()?];
         Ok(CudaDriver {
             ctx,
-            kernels,
+            kernels: Some(kernels),
+            logits: LogitsKernel::default(),
+            tuning: LogitsTuning::default(),
+            streams,
+            mems: MemTable::default(),
+            events: Vec::new(),
+        })
+    }
+
+    /// A driver on GPU `ordinal`'s primary context (the one PyTorch uses) for copies only: its
+    /// three streams, no kernels compiled (a launch is refused). The host tier of a server's
+    /// offloading runs on it (`crate::offload::transfer`).
+    pub fn copies_on(ordinal: usize) -> Result<CudaDriver, DeviceError> {
+        let ctx = CudaContext::new(ordinal).map_err(backend("cuDevicePrimaryCtxRetain"))?;
+        let mk = || ctx.new_stream().map_err(backend("cuStreamCreate"));
+        let streams = [mk()?, mk()?, mk()?];
+        Ok(CudaDriver {
+            ctx,
+            kernels: None,
             logits: LogitsKernel::default(),
             tuning: LogitsTuning::default(),
             streams,
@@ -166,7 +189,7 @@ impl CudaDriver {
     /// An allocation's device address (pinned host memory is mapped).
     fn base(&self, m: Mem) -> u64 {
         match self.mems.get(m) {
-            Alloc::Device { ptr } | Alloc::Async { ptr } => *ptr,
+            Alloc::Device { ptr } | Alloc::Async { ptr } | Alloc::Foreign { ptr } => *ptr,
             Alloc::Pinned(h) => h.dev,
         }
     }
@@ -216,6 +239,7 @@ impl Drop for CudaDriver {
                     let _ = cudarc::driver::result::free_sync(ptr);
                 },
                 Alloc::Pinned(h) => drop(h),
+                Alloc::Foreign { .. } => {}
             }
         }
     }
@@ -265,6 +289,7 @@ impl Driver for CudaDriver {
                 drop(h);
                 Ok(())
             }
+            Alloc::Foreign { .. } => Ok(()),
         }
     }
     fn alloc_async(&mut self, s: StreamKind, bytes: u64) -> Result<Mem, DeviceError> {
@@ -368,7 +393,11 @@ impl Driver for CudaDriver {
     }
     fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
         let st = &self.streams[s.index()];
-        let k = self.kernels;
+        let Some(k) = self.kernels else {
+            return Err(DeviceError::Backend {
+                detail: "a kernel launch on a driver made for copies only".into(),
+            });
+        };
         let p = |x: Ptr| self.dev_ptr(x);
         match *l {
             Launch::ResolvePending {
@@ -590,6 +619,34 @@ impl Driver for CudaDriver {
     }
     fn context_generation(&self) -> u64 {
         0 // never recreated: see `recover`
+    }
+    fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError> {
+        self.bind()?;
+        let mut start: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: out-pointers to locals; the driver only reads `base`.
+        check(
+            unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) },
+            "cuMemGetAddressRange (is the server's memory on this driver's GPU?)",
+        )?;
+        if base + bytes > start + size as u64 {
+            return Err(DeviceError::Backend {
+                detail: format!(
+                    "import: {bytes} bytes at {base:#x} run past the allocation holding it \
+                     ({size} bytes at {start:#x})"
+                ),
+            });
+        }
+        Ok(self.mems.insert(Alloc::Foreign { ptr: base }))
+    }
+    fn event_record_foreign(&mut self, stream: u64, e: DrvEvent) -> Result<(), DeviceError> {
+        self.bind()?;
+        let ev = self.events[e.0 as usize].cu_event();
+        // SAFETY: `stream` is the caller's live CUstream of this context (0: the legacy default).
+        check(
+            unsafe { sys::cuEventRecord(ev, stream as sys::CUstream) },
+            "cuEventRecord on the server's stream",
+        )
     }
     fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
         let data = Box::into_raw(Box::new(cb));

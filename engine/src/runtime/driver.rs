@@ -304,6 +304,26 @@ pub trait Driver {
     /// On an error the callback never runs (it is dropped). CUDA does not run it either when
     /// the context is in error by then.
     fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError>;
+    /// Device memory this driver did not allocate — a server's cache, `bytes` bytes at device
+    /// address `base` in this driver's context — as an allocation copies may read and write.
+    /// [`Driver::free`] forgets it without freeing it; the caller keeps the memory alive while
+    /// work that uses it is queued. A driver that cannot reach a server's memory refuses
+    /// (the default: the simulated driver does not model a server yet).
+    fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError> {
+        let _ = (base, bytes);
+        Err(DeviceError::Backend {
+            detail: "this driver cannot import a server's device memory".into(),
+        })
+    }
+    /// Captures in `e` the work queued so far on a stream this driver did not create (a
+    /// server's compute stream, by its `CUstream` handle; 0 is the legacy default stream). A
+    /// driver without a server's streams refuses (the default).
+    fn event_record_foreign(&mut self, stream: u64, e: DrvEvent) -> Result<(), DeviceError> {
+        let _ = (stream, e);
+        Err(DeviceError::Backend {
+            detail: "this driver cannot record an event on a server's stream".into(),
+        })
+    }
     /// The host learned from a host callback (the completion ring), not from a driver call,
     /// that `e`'s latest record completed. CUDA has no such call and the production driver does
     /// nothing; a simulated driver orders the host after the record's work here, as the ring's

@@ -109,7 +109,7 @@ impl SimGpu {
                     BufferRole::Pool { .. } | BufferRole::Mirror { .. } => {
                         format!("page {}", r.cell)
                     }
-                    BufferRole::Scratch { .. } => {
+                    BufferRole::Scratch { .. } | BufferRole::OffloadHost { .. } => {
                         format!("bytes {}..{}", r.cell * cb, (r.cell + 1) * cb)
                     }
                 };

@@ -1,0 +1,277 @@
+//! The host tier's copies on a GPU, through the runtime's driver seam
+//! ([`crate::runtime::driver::Driver`]): pinned host chunks for each cache a server registered,
+//! and each job's checked [`Plan`] queued as asynchronous copies.
+//!
+//! Ordering, per job: an event is recorded on the server's stream (the one its kernels write
+//! the caches on: PyTorch's current stream) and the copy stream waits for it before the job's
+//! first copy. So a store reads a block only after the kernels queued before it wrote it (the
+//! store racing the compute stream, vllm#45704), and a load writes a block only after the
+//! kernels queued before it stopped reading it (vllm#47282). Stores run on the driver's write
+//! stream and loads on its load stream, each in submission order; a job is finished when the
+//! event recorded after its last copy has completed.
+//!
+//! Host memory is allocated in segments of at most [`SEGMENT_BYTES_MAX`] (whole chunks each),
+//! so no single pinned registration approaches a driver's limit (vllm#51080: 512 GiB); a run
+//! that crosses a segment boundary is split there.
+
+use std::collections::VecDeque;
+
+use super::plan::{Plan, Registration};
+use crate::device::{BufferDesc, BufferRole, DeviceError, EventState, MemoryTier, StreamKind};
+use crate::layout::{Bytes, LayoutFingerprint};
+use crate::runtime::driver::{Driver, DrvEvent, EventUse, Mem, Ptr};
+
+/// The largest pinned allocation the host tier makes (1 GiB), unless one chunk is larger.
+pub const SEGMENT_BYTES_MAX: u64 = 1 << 30;
+
+/// A job's result: `(job_id, success, bytes, seconds)`.
+pub type Finished = (u64, bool, u64, f64);
+
+/// A planted mistake of this layer, for the tests that show a check matters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferMutant {
+    /// Stores start without waiting for the server's stream (vllm#45704's bug).
+    StoreWithoutEvent,
+}
+
+struct Inflight {
+    id: u64,
+    start: DrvEvent,
+    end: DrvEvent,
+    ready: DrvEvent,
+    bytes: u64,
+    /// A call failed while the job was queued: it is reported failed.
+    failed: bool,
+}
+
+/// One cache's host chunks: `segments[i]` holds chunks `i * seg_chunks ..`.
+struct HostCache {
+    segments: Vec<(Mem, u64)>,
+    seg_chunks: u64,
+    chunk_bytes: u64,
+}
+
+/// The host tier's transfers over driver `D`.
+pub struct Transfers<D: Driver> {
+    driver: D,
+    registration: Registration,
+    caches: Vec<Mem>,
+    host: Vec<HostCache>,
+    queues: [VecDeque<Inflight>; 2],
+    events: Vec<DrvEvent>,
+    /// Jobs whose queueing failed before anything marked their end.
+    failed_at_once: Vec<Finished>,
+    mutant: Option<TransferMutant>,
+}
+
+fn queue_of(store: bool) -> (usize, StreamKind) {
+    if store {
+        (0, StreamKind::Write)
+    } else {
+        (1, StreamKind::Load)
+    }
+}
+
+impl<D: Driver> Transfers<D> {
+    /// Imports the registered caches and allocates their host chunks (zeroed).
+    pub fn new(mut driver: D, registration: Registration) -> Result<Self, DeviceError> {
+        driver.bind()?;
+        let mut caches = Vec::new();
+        let mut host = Vec::new();
+        for (i, t) in registration.tensors().iter().enumerate() {
+            let span = (t.blocks.saturating_sub(1)) * t.stride + t.page_bytes;
+            caches.push(driver.import(t.base, span)?);
+            let chunk_bytes = registration.chunk_bytes(i);
+            let seg_chunks = (SEGMENT_BYTES_MAX / chunk_bytes).max(1);
+            let mut segments = Vec::new();
+            let mut left = registration.chunks();
+            while left > 0 {
+                let n = left.min(seg_chunks);
+                let bytes = n * chunk_bytes;
+                let desc = BufferDesc {
+                    role: BufferRole::OffloadHost {
+                        cache: i as u32,
+                        segment: segments.len() as u32,
+                    },
+                    tier: MemoryTier::PinnedHost,
+                    bytes: Bytes(bytes),
+                    fingerprint: LayoutFingerprint::unpaged(bytes),
+                };
+                segments.push((driver.alloc(&desc)?, bytes));
+                left -= n;
+            }
+            host.push(HostCache {
+                segments,
+                seg_chunks,
+                chunk_bytes,
+            });
+        }
+        Ok(Transfers {
+            driver,
+            registration,
+            caches,
+            host,
+            queues: [VecDeque::new(), VecDeque::new()],
+            events: Vec::new(),
+            failed_at_once: Vec::new(),
+            mutant: None,
+        })
+    }
+
+    /// Plants `mutant` (tests only).
+    pub fn plant(&mut self, mutant: Option<TransferMutant>) {
+        self.mutant = mutant;
+    }
+
+    pub fn registration(&self) -> &Registration {
+        &self.registration
+    }
+
+    pub fn driver(&mut self) -> &mut D {
+        &mut self.driver
+    }
+
+    /// An event from the pool, or a new one. All are timing events, so any can mark a job's
+    /// start or end.
+    fn event(&mut self) -> Result<DrvEvent, DeviceError> {
+        match self.events.pop() {
+            Some(e) => Ok(e),
+            None => self.driver.event_create(EventUse::Timing),
+        }
+    }
+
+    /// Queues a job's copies after the work queued so far on the server's stream `stream`. An
+    /// error of a driver call is returned, and the job is reported failed by
+    /// [`Transfers::finished`] (once, whatever was queued of it).
+    pub fn submit(
+        &mut self,
+        store: bool,
+        id: u64,
+        plan: &Plan,
+        stream: u64,
+    ) -> Result<(), DeviceError> {
+        let (q, s) = queue_of(store);
+        let (ready, start, end) = (self.event()?, self.event()?, self.event()?);
+        let mut job = Inflight {
+            id,
+            start,
+            end,
+            ready,
+            bytes: plan.bytes,
+            failed: false,
+        };
+        let queued = self.enqueue(store, s, plan, stream, &job);
+        if queued.is_err() {
+            // The end event still marks where the job's work stops, so later jobs complete in
+            // order; if even that record fails, the job is reported failed at once.
+            if self.driver.event_record(s, end).is_err() {
+                self.events.extend([ready, start, end]);
+                self.failed_at_once.push((id, false, 0, 0.0));
+                return queued;
+            }
+            job.failed = true;
+        }
+        self.queues[q].push_back(job);
+        queued
+    }
+
+    fn enqueue(
+        &mut self,
+        store: bool,
+        s: StreamKind,
+        plan: &Plan,
+        stream: u64,
+        job: &Inflight,
+    ) -> Result<(), DeviceError> {
+        let skip_wait = store && self.mutant == Some(TransferMutant::StoreWithoutEvent);
+        if !skip_wait {
+            self.driver.event_record_foreign(stream, job.ready)?;
+            self.driver.stream_wait(s, job.ready)?;
+        }
+        self.driver.event_record(s, job.start)?;
+        for run in &plan.runs {
+            let cache = &self.host[run.tensor];
+            let mut at = run.host;
+            let mut device = run.device - self.registration.tensors()[run.tensor].base;
+            let mut left = run.bytes;
+            while left > 0 {
+                let seg_bytes = cache.seg_chunks * cache.chunk_bytes;
+                let (seg, off) = ((at / seg_bytes) as usize, at % seg_bytes);
+                let (mem, len) = cache.segments[seg];
+                let n = left.min(len - off);
+                let h = Ptr {
+                    mem,
+                    offset: Bytes(off),
+                    bytes: Bytes(n),
+                };
+                let d = Ptr {
+                    mem: self.caches[run.tensor],
+                    offset: Bytes(device),
+                    bytes: Bytes(n),
+                };
+                let (dst, src) = if store { (h, d) } else { (d, h) };
+                self.driver.copy_async(s, dst, src)?;
+                at += n;
+                device += n;
+                left -= n;
+            }
+        }
+        self.driver.event_record(s, job.end)
+    }
+
+    /// The jobs finished since the last call, each queue in submission order.
+    pub fn finished(&mut self) -> Vec<Finished> {
+        let mut out = std::mem::take(&mut self.failed_at_once);
+        for q in 0..2 {
+            while let Some(job) = self.queues[q].front() {
+                let state = self.driver.event_query(job.end);
+                if state == EventState::Pending {
+                    break;
+                }
+                let job = self.queues[q].pop_front().expect("front exists");
+                let ok = state == EventState::Done && !job.failed;
+                let secs = if ok {
+                    self.driver
+                        .event_elapsed_ns(job.start, job.end)
+                        .map_or(0.0, |ns| ns as f64 * 1e-9)
+                } else {
+                    0.0
+                };
+                out.push((job.id, ok, if ok { job.bytes } else { 0 }, secs));
+                self.events.extend([job.ready, job.start, job.end]);
+            }
+        }
+        out
+    }
+
+    /// Blocks until the named jobs (those still queued) are done.
+    pub fn wait(&mut self, ids: &[u64]) {
+        for q in &self.queues {
+            for job in q.iter().filter(|j| ids.contains(&j.id)) {
+                let _ = self.driver.event_synchronize(job.end);
+            }
+        }
+    }
+
+    /// Host chunk `chunk` of cache `cache` (read on the host: wait for the jobs writing it
+    /// first).
+    pub fn read_host(&mut self, cache: usize, chunk: u64) -> Result<Vec<u8>, DeviceError> {
+        let c = &self.host[cache];
+        let (seg, off) = (
+            (chunk / c.seg_chunks) as usize,
+            (chunk % c.seg_chunks) * c.chunk_bytes,
+        );
+        let mut out = vec![0u8; c.chunk_bytes as usize];
+        self.driver
+            .read_pinned(c.segments[seg].0, Bytes(off), &mut out)?;
+        Ok(out)
+    }
+
+    /// Pinned host bytes held in all.
+    pub fn host_bytes(&self) -> u64 {
+        self.host
+            .iter()
+            .flat_map(|c| c.segments.iter().map(|s| s.1))
+            .sum()
+    }
+}

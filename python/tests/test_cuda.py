@@ -1,0 +1,127 @@
+"""tierkv.HostTier on a GPU (skipped without a CUDA build of tierkv, torch or a GPU): random
+block mappings both ways against a pure-torch reference; a store issued right after a kernel
+wrote its blocks on the current stream (vllm#45704's pattern), clean with the event and caught
+without it; and the refusals of mixed or foreign memory."""
+
+import os
+
+import numpy as np
+import pytest
+
+import tierkv
+
+torch = pytest.importorskip("torch")
+if "cuda" not in tierkv.BACKENDS or not torch.cuda.is_available():
+    pytest.skip("needs tierkv built with --features cuda, and a GPU", allow_module_level=True)
+
+KV = 64 * 656
+IK = 64 * 132
+FORMATS = ["kv/fp8_packed", "index_k/fp8"]
+GROUPS = [(64, [(0, KV)]), (64, [(1, IK)])]
+
+
+def caches(blocks, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv = torch.randint(-128, 128, (blocks, KV), dtype=torch.int8, device="cuda", generator=g)
+    ik = torch.randint(-128, 128, (blocks, IK), dtype=torch.int8, device="cuda", generator=g)
+    return kv, ik
+
+
+def pointers(tensors, block_ids):
+    """vLLM's DevicePointers for two one-layer groups with the same blocks."""
+    ptrs, sizes = [], []
+    for t, page in zip(tensors, (KV, IK)):
+        for b in block_ids:
+            ptrs.append(t.data_ptr() + int(b) * t.stride(0))
+            sizes.append(page)
+    return np.array(ptrs, np.uint64).tobytes(), np.array(sizes, np.uint64).tobytes()
+
+
+def stream():
+    return torch.cuda.current_stream().cuda_stream
+
+
+def drain(tier, ids):
+    tier.wait(list(ids))
+    done = tier.get_finished()
+    assert sorted(j for j, *_ in done) == sorted(ids), done
+    assert all(ok for _, ok, _, _ in done), done
+    return done
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_random_mappings_both_ways_match_a_torch_reference(blocks_per_chunk):
+    rng = np.random.default_rng(blocks_per_chunk)
+    blocks, chunks = 64, 32
+    kv, ik = caches(blocks, 1)
+    tier = tierkv.HostTier([kv, ik], GROUPS, FORMATS, blocks_per_chunk, chunks)
+    assert tier.backend == "cuda"
+    host = [torch.zeros((chunks * blocks_per_chunk, KV), dtype=torch.int8), torch.zeros((chunks * blocks_per_chunk, IK), dtype=torch.int8)]
+    for job in range(60):
+        n = int(rng.integers(1, 12))
+        skip = int(rng.integers(0, blocks_per_chunk))
+        n_chunks = -(-(n + skip) // blocks_per_chunk)
+        chunk_ids = rng.choice(chunks, size=n_chunks, replace=False).astype(np.uint64)
+        block_ids = rng.choice(blocks, size=n, replace=False)
+        slots = [int(chunk_ids[(skip + j) // blocks_per_chunk]) * blocks_per_chunk + (skip + j) % blocks_per_chunk for j in range(n)]
+        ptrs, sizes = pointers((kv, ik), block_ids)
+        both = np.concatenate([chunk_ids, chunk_ids]).tobytes()
+        before = (kv.clone(), ik.clone())
+        store = job % 2 == 0
+        (tier.store if store else tier.load)(job, ptrs, sizes, [n, n], [1, 1], [skip, skip], both, stream=stream())
+        drain(tier, [job])
+        for t, (dev, ref) in enumerate(zip((kv, ik), before)):
+            for j, b in enumerate(block_ids):
+                if store:
+                    host[t][slots[j]] = ref[b].cpu()
+                else:
+                    ref[b] = host[t][slots[j]].cuda()
+            assert torch.equal(dev, ref), f"job {job} cache {t}"
+        for c in range(chunks):
+            for t in range(2):
+                got = torch.frombuffer(bytearray(tier.read_host(t, c)), dtype=torch.int8)
+                want = host[t][c * blocks_per_chunk:(c + 1) * blocks_per_chunk].reshape(-1)
+                assert torch.equal(got, want), f"job {job} chunk {c} cache {t}"
+
+
+def store_right_after_a_write(mutant, iterations):
+    """A kernel on the current stream writes a block's bytes; the store is issued at once.
+    Returns how many stores read bytes other than the kernel's."""
+    blocks = 8
+    kv, ik = caches(blocks, 2)
+    tier = tierkv.HostTier([kv, ik], GROUPS, FORMATS, 1, blocks, mutant=mutant)
+    ptrs, sizes = pointers((kv, ik), range(blocks))
+    chunks = np.concatenate([np.arange(blocks), np.arange(blocks)]).astype(np.uint64).tobytes()
+    corrupt = 0
+    for i in range(iterations):
+        value = (i % 250) - 125
+        # Keep the current stream busy a little, then write every block: the store must wait.
+        torch.cuda._sleep(200_000)
+        kv.fill_(value)
+        ik.fill_(value)
+        tier.store(i, ptrs, sizes, [blocks, blocks], [1, 1], [0, 0], chunks, stream=stream())
+        tier.wait([i])
+        (done,) = tier.get_finished()
+        assert done[0] == i and done[1]
+        for t in (0, 1):
+            got = np.frombuffer(tier.read_host(t, blocks - 1), np.int8)
+            corrupt += int((got != value).any())
+    return corrupt
+
+
+def test_a_store_issued_right_after_a_kernel_reads_what_the_kernel_wrote():
+    iterations = int(os.environ.get("TIERKV_STORE_ITERATIONS", "10000"))
+    assert store_right_after_a_write(None, iterations) == 0
+
+
+def test_without_the_event_the_same_store_reads_stale_bytes():
+    assert store_right_after_a_write("store-without-event", 200) > 0
+
+
+def test_mixed_memory_and_unknown_mutants_are_refused():
+    kv, _ = caches(4, 3)
+    ik = np.zeros((4, IK), np.int8)
+    with pytest.raises(tierkv.RegisterError, match="one kind of memory"):
+        tierkv.HostTier([kv, ik], GROUPS, FORMATS, 1, 4)
+    with pytest.raises(tierkv.RegisterError, match="unknown mutant"):
+        tierkv.HostTier([kv, torch.zeros((4, IK), dtype=torch.int8, device="cuda")], GROUPS, FORMATS, 1, 4, mutant="x")
