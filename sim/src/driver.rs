@@ -70,7 +70,14 @@ struct SimMem {
     pooled: bool,
     /// The buffer's bytes (at least the allocation's).
     cap: u64,
+    /// Where the allocation starts in its buffer: 0, but for an import of part of an allocation
+    /// ([`Driver::import`]).
+    at: u64,
 }
+
+/// The simulated address space of the driver's allocations: allocation `m` starts at
+/// `(m + 1) << ADDRESS_SHIFT` (each is far smaller than 2⁴⁰ bytes).
+const ADDRESS_SHIFT: u32 = 40;
 
 /// A launch that the consumer of its output absorbs (see the module doc).
 #[derive(Clone, Debug, Default)]
@@ -251,9 +258,20 @@ impl SimDriver {
         *self.mems.get(m)
     }
 
+    /// The device address of allocation `mem` in the simulated address space (what a server's
+    /// tensor would report as its data pointer), for [`Driver::import`].
+    pub fn address(&self, mem: Mem) -> u64 {
+        let m = self.mem(mem);
+        ((u64::from(mem.0) + 1) << ADDRESS_SHIFT) + m.at
+    }
+
     /// The simulator's bytes of a range.
     fn range(&self, p: Ptr) -> ByteRange {
         let m = self.mem(p.mem);
+        let p = Ptr {
+            offset: Bytes(p.offset.0 + m.at),
+            ..p
+        };
         assert!(
             p.offset.0 + p.bytes.0 <= m.cap,
             "range {}+{} past allocation {} of {} bytes",
@@ -266,9 +284,10 @@ impl SimDriver {
     }
 
     fn region(&self, p: Ptr) -> Region {
+        let m = self.mem(p.mem);
         Region {
-            buffer: self.mem(p.mem).buf,
-            offset: p.offset,
+            buffer: m.buf,
+            offset: Bytes(p.offset.0 + m.at),
             bytes: p.bytes,
         }
     }
@@ -512,6 +531,10 @@ impl Driver for SimDriver {
             BufferRole::Scratch { .. } if desc.tier == MemoryTier::PinnedHost => {
                 self.side.at().alloc_cells(*desc, DRIVER_CELL_BYTES)?
             }
+            // The host tier's chunks: two jobs' chunks never share a cell.
+            BufferRole::OffloadHost { .. } => {
+                self.side.at().alloc_cells(*desc, DRIVER_CELL_BYTES)?
+            }
             BufferRole::Scratch { .. } if !desc.fingerprint.is_paged() => {
                 self.side.at().alloc_cells(*desc, cap)?
             }
@@ -521,6 +544,7 @@ impl Driver for SimDriver {
             buf,
             pooled: false,
             cap,
+            at: 0,
         }))
     }
     fn free(&mut self, mem: Mem) -> Result<(), DeviceError> {
@@ -570,6 +594,7 @@ impl Driver for SimDriver {
             buf,
             pooled: true,
             cap,
+            at: 0,
         }))
     }
     fn trim_pool(&mut self) -> Result<(), DeviceError> {
@@ -743,7 +768,9 @@ impl Driver for SimDriver {
         }
         let e = match purpose {
             EventUse::Engine => self.side.at().new_event()?,
-            EventUse::Staging | EventUse::Timing => self.side.at().new_internal_event()?,
+            EventUse::Staging | EventUse::Timing | EventUse::Transfer => {
+                self.side.at().new_internal_event()?
+            }
         };
         self.events.push(e);
         self.timing.push(purpose == EventUse::Timing);
@@ -844,6 +871,33 @@ impl Driver for SimDriver {
     }
     /// The host is ordered after `e`'s latest record if the callback that ran came behind that
     /// record; a callback queued anywhere else orders nothing (the runtime misplaced it).
+    /// A simulated server's memory is an allocation of this driver, named by its simulated
+    /// address ([`SimDriver::address`]); the import is an alias of the same buffer.
+    fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError> {
+        let id = (base >> ADDRESS_SHIFT).checked_sub(1);
+        let at = base & ((1 << ADDRESS_SHIFT) - 1);
+        let found = id
+            .and_then(|id| u32::try_from(id).ok())
+            .and_then(|id| self.mems.try_get(Mem(id)).copied());
+        match found {
+            Some(m) if m.at + at + bytes <= m.cap => Ok(self.mems.insert(SimMem {
+                buf: m.buf,
+                pooled: false,
+                cap: m.cap,
+                at: m.at + at,
+            })),
+            _ => Err(DeviceError::Backend {
+                detail: format!(
+                    "import: {bytes} bytes at {base:#x} are no allocation of this driver"
+                ),
+            }),
+        }
+    }
+    /// The simulated server runs its kernels on the compute stream: any handle names it.
+    fn event_record_foreign(&mut self, stream: u64, e: DrvEvent) -> Result<(), DeviceError> {
+        let _ = stream;
+        self.event_record(StreamKind::Compute, e)
+    }
     fn observed_by_callback(&mut self, e: DrvEvent) {
         let ev = self.events[e.0 as usize];
         let mut g = self.side.at();

@@ -58,7 +58,9 @@ pub struct Transfers<D: Driver> {
     caches: Vec<Mem>,
     host: Vec<HostCache>,
     queues: [VecDeque<Inflight>; 2],
+    /// Events free for a job's ready and end marks, and for its start marks.
     events: Vec<DrvEvent>,
+    timing_events: Vec<DrvEvent>,
     /// Jobs whose queueing failed before anything marked their end.
     failed_at_once: Vec<Finished>,
     mutant: Option<TransferMutant>,
@@ -113,6 +115,7 @@ impl<D: Driver> Transfers<D> {
             host,
             queues: [VecDeque::new(), VecDeque::new()],
             events: Vec::new(),
+            timing_events: Vec::new(),
             failed_at_once: Vec::new(),
             mutant: None,
         })
@@ -131,13 +134,24 @@ impl<D: Driver> Transfers<D> {
         &mut self.driver
     }
 
-    /// An event from the pool, or a new one. All are timing events, so any can mark a job's
-    /// start or end.
-    fn event(&mut self) -> Result<DrvEvent, DeviceError> {
-        match self.events.pop() {
+    /// An event from the pool of `purpose` (`Transfer`: ready and end marks; `Timing`: start
+    /// marks), or a new one.
+    fn event(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError> {
+        let pool = if purpose == EventUse::Timing {
+            &mut self.timing_events
+        } else {
+            &mut self.events
+        };
+        match pool.pop() {
             Some(e) => Ok(e),
-            None => self.driver.event_create(EventUse::Timing),
+            None => self.driver.event_create(purpose),
         }
+    }
+
+    /// Gives a job's events back to their pools.
+    fn recycle(&mut self, ready: DrvEvent, start: DrvEvent, end: DrvEvent) {
+        self.events.extend([ready, end]);
+        self.timing_events.push(start);
     }
 
     /// Queues a job's copies after the work queued so far on the server's stream `stream`. An
@@ -151,7 +165,9 @@ impl<D: Driver> Transfers<D> {
         stream: u64,
     ) -> Result<(), DeviceError> {
         let (q, s) = queue_of(store);
-        let (ready, start, end) = (self.event()?, self.event()?, self.event()?);
+        let ready = self.event(EventUse::Transfer)?;
+        let start = self.event(EventUse::Timing)?;
+        let end = self.event(EventUse::Transfer)?;
         let mut job = Inflight {
             id,
             start,
@@ -165,7 +181,7 @@ impl<D: Driver> Transfers<D> {
             // The end event still marks where the job's work stops, so later jobs complete in
             // order; if even that record fails, the job is reported failed at once.
             if self.driver.event_record(s, end).is_err() {
-                self.events.extend([ready, start, end]);
+                self.recycle(ready, start, end);
                 self.failed_at_once.push((id, false, 0, 0.0));
                 return queued;
             }
@@ -238,7 +254,7 @@ impl<D: Driver> Transfers<D> {
                     0.0
                 };
                 out.push((job.id, ok, if ok { job.bytes } else { 0 }, secs));
-                self.events.extend([job.ready, job.start, job.end]);
+                self.recycle(job.ready, job.start, job.end);
             }
         }
         out

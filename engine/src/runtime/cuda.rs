@@ -563,7 +563,7 @@ impl Driver for CudaDriver {
         .map_err(kernel)
     }
     fn event_create(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError> {
-        let timing = purpose == EventUse::Timing;
+        let timing = matches!(purpose, EventUse::Timing | EventUse::Transfer);
         let flags = timing.then_some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let ev = self
             .ctx

@@ -92,6 +92,10 @@ impl<T> MemTable<T> {
             .as_ref()
             .unwrap_or_else(|| panic!("allocation {} used after its free", m.0))
     }
+    /// The allocation of id `m`, if it is live.
+    pub fn try_get(&self, m: Mem) -> Option<&T> {
+        self.slots.get(m.0 as usize).and_then(Option::as_ref)
+    }
     pub fn get_mut(&mut self, m: Mem) -> &mut T {
         self.slots[m.0 as usize]
             .as_mut()
@@ -127,6 +131,10 @@ pub enum EventUse {
     Staging,
     /// The runtime's: a timing mark of the compute stream.
     Timing,
+    /// The host tier's (`crate::offload::transfer`): where a job may start on the server's
+    /// stream, and where its copies end. The host synchronises on it, and the time between a
+    /// job's start mark and its end can be measured.
+    Transfer,
 }
 
 /// Runs on the driver's callback thread when a stream reaches it. It may make no driver call.

@@ -4,6 +4,7 @@
 mod bad_inputs;
 mod driver_faults;
 mod independence;
+mod offload;
 mod shards;
 
 use std::process::Command;

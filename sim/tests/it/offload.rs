@@ -1,0 +1,235 @@
+//! The host tier's transfers for a server (`tierkv_engine::offload::transfer`) on the simulated
+//! driver, under the race detector: a server's kernel writes its cache pages on the compute
+//! stream and a store of them is issued at once (vllm#45704's pattern). The store waits for an
+//! event recorded on the server's stream, so the detector finds it ordered after the write and
+//! the host chunks hold what the kernel wrote; planted without that event, the detector finds
+//! the race in every seed. Loads write the pages back.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use tierkv_engine::device::{BufferDesc, BufferRole, MemoryTier, StreamKind};
+use tierkv_engine::layout::{Bytes, LayoutFingerprint};
+use tierkv_engine::offload::plan::{parse_format, CacheTensor, Group, Job, LayerRef, Registration};
+use tierkv_engine::offload::transfer::{TransferMutant, Transfers};
+use tierkv_engine::runtime::driver::{Driver, Mem, Ptr};
+use tierkv_sim::driver::SimDriver;
+use tierkv_sim::gpu::{GpuOptions, SimGpu, SimSide};
+
+const KV: u64 = 64 * 656;
+const IK: u64 = 64 * 132;
+const BLOCKS: u64 = 6;
+
+fn buffer(driver: &mut SimDriver, name: &'static str, tier: MemoryTier, bytes: u64) -> Mem {
+    let desc = BufferDesc {
+        role: BufferRole::Scratch { name },
+        tier,
+        bytes: Bytes(bytes),
+        fingerprint: LayoutFingerprint::unpaged(bytes),
+    };
+    driver.alloc(&desc).expect("an allocation")
+}
+
+struct Server {
+    gpu: Rc<RefCell<SimGpu>>,
+    tier: Transfers<SimDriver>,
+    caches: [(Mem, u64); 2],
+    staging: [Mem; 2],
+}
+
+/// A simulated server with a KV and an index-K cache of `BLOCKS` pages each, and the host tier
+/// of `BLOCKS` chunks over them.
+fn server(seed: u64, mutant: Option<TransferMutant>) -> Server {
+    let gpu = Rc::new(RefCell::new(
+        SimGpu::new(seed, GpuOptions::default()).expect("a simulated GPU"),
+    ));
+    let mut driver = SimDriver::new(SimSide {
+        gpu: gpu.clone(),
+        side: 0,
+    });
+    let kv = buffer(
+        &mut driver,
+        "server kv cache",
+        MemoryTier::Device,
+        BLOCKS * KV,
+    );
+    let ik = buffer(
+        &mut driver,
+        "server index-k cache",
+        MemoryTier::Device,
+        BLOCKS * IK,
+    );
+    let staging = [
+        buffer(
+            &mut driver,
+            "server kv source",
+            MemoryTier::PinnedHost,
+            BLOCKS * KV,
+        ),
+        buffer(
+            &mut driver,
+            "server index-k source",
+            MemoryTier::PinnedHost,
+            BLOCKS * IK,
+        ),
+    ];
+    let caches = [(kv, driver.address(kv)), (ik, driver.address(ik))];
+    let tensors = vec![
+        CacheTensor {
+            base: caches[0].1,
+            blocks: BLOCKS,
+            page_bytes: KV,
+            stride: KV,
+        },
+        CacheTensor {
+            base: caches[1].1,
+            blocks: BLOCKS,
+            page_bytes: IK,
+            stride: IK,
+        },
+    ];
+    let groups = vec![
+        Group {
+            tokens_per_block: 64,
+            refs: vec![LayerRef {
+                tensor: 0,
+                ref_bytes: KV,
+            }],
+        },
+        Group {
+            tokens_per_block: 64,
+            refs: vec![LayerRef {
+                tensor: 1,
+                ref_bytes: IK,
+            }],
+        },
+    ];
+    let formats = [
+        parse_format("kv/fp8_packed").unwrap(),
+        parse_format("index_k/fp8").unwrap(),
+    ];
+    let registration = Registration::new(tensors, groups, &formats, 1, BLOCKS).expect("registered");
+    let mut tier = Transfers::new(driver, registration).expect("a host tier");
+    tier.plant(mutant);
+    Server {
+        gpu,
+        tier,
+        caches,
+        staging,
+    }
+}
+
+impl Server {
+    /// The server's kernel: fills every page of both caches with `value`, on the compute stream.
+    fn write_caches(&mut self, value: u8) {
+        for (i, &(cache, _)) in self.caches.iter().enumerate() {
+            let bytes = BLOCKS * if i == 0 { KV } else { IK };
+            let d = self.tier.driver();
+            d.write_pinned(self.staging[i], Bytes(0), &vec![value; bytes as usize])
+                .expect("a host write");
+            let whole = |m| Ptr::whole(m, Bytes(bytes));
+            d.copy_async(StreamKind::Compute, whole(cache), whole(self.staging[i]))
+                .expect("the kernel queued");
+        }
+    }
+
+    /// A job of `blocks` (their pages of both caches) to or from chunks `chunks`.
+    fn transfer(&mut self, store: bool, id: u64, blocks: &[u64], chunks: &[u64]) {
+        let mut ptrs = Vec::new();
+        let mut sizes = Vec::new();
+        for (i, &(_, base)) in self.caches.iter().enumerate() {
+            let page = if i == 0 { KV } else { IK };
+            ptrs.extend(blocks.iter().map(|b| base + b * page));
+            sizes.extend(blocks.iter().map(|_| page));
+        }
+        let n = blocks.len() as u64;
+        let both: Vec<u64> = chunks.iter().chain(chunks).copied().collect();
+        let job = Job {
+            ptrs: &ptrs,
+            sizes: &sizes,
+            group_blocks: &[n, n],
+            group_refs: &[1, 1],
+            block_indices: &[0, 0],
+            chunks: &both,
+        };
+        let plan = self.tier.registration().plan(&job).expect("a plan");
+        self.tier.submit(store, id, &plan, 0).expect("queued");
+        self.tier.wait(&[id]);
+        let done = self.tier.finished();
+        assert_eq!(done.len(), 1, "{done:?}");
+        assert!(done[0].0 == id && done[0].1, "job {id}: {done:?}");
+    }
+
+    fn races(&self) -> usize {
+        self.gpu.borrow().races.len()
+    }
+}
+
+#[test]
+fn a_store_issued_right_after_a_kernel_is_ordered_after_it_and_stores_what_it_wrote() {
+    for seed in 0..8 {
+        let mut s = server(seed, None);
+        for round in 0..4u8 {
+            let value = 10 * round + seed as u8;
+            s.write_caches(value);
+            s.transfer(true, u64::from(round), &[1, 4], &[round as u64, 5]);
+            for cache in 0..2 {
+                let chunk = s
+                    .tier
+                    .read_host(cache, u64::from(round))
+                    .expect("a host chunk");
+                assert!(
+                    chunk.iter().all(|&b| b == value),
+                    "seed {seed} round {round} cache {cache}"
+                );
+            }
+        }
+        assert_eq!(
+            s.races(),
+            0,
+            "seed {seed}: {:?}",
+            s.gpu.borrow().races.first()
+        );
+        // Loads bring the chunks back into other pages.
+        s.write_caches(0);
+        s.transfer(false, 9, &[0, 2], &[3, 5]);
+        let mut page = vec![0u8; KV as usize];
+        let d = s.tier.driver();
+        let probe = buffer(d, "probe", MemoryTier::PinnedHost, KV);
+        d.copy_async(
+            StreamKind::Compute,
+            Ptr::whole(probe, Bytes(KV)),
+            Ptr {
+                mem: s.caches[0].0,
+                offset: Bytes(0),
+                bytes: Bytes(KV),
+            },
+        )
+        .unwrap();
+        d.stream_synchronize(StreamKind::Compute).unwrap();
+        d.read_pinned(probe, Bytes(0), &mut page).unwrap();
+        assert!(
+            page.iter().all(|&b| b == 30 + seed as u8),
+            "seed {seed}: block 0 holds chunk 3's bytes"
+        );
+        assert_eq!(
+            s.races(),
+            0,
+            "seed {seed}: {:?}",
+            s.gpu.borrow().races.first()
+        );
+    }
+}
+
+#[test]
+fn without_the_event_the_race_detector_finds_the_store_racing_the_kernel() {
+    for seed in 0..8 {
+        let mut s = server(seed, Some(TransferMutant::StoreWithoutEvent));
+        s.write_caches(7);
+        s.transfer(true, 0, &[1], &[0]);
+        assert!(
+            s.races() > 0,
+            "seed {seed}: the unordered store went unseen"
+        );
+    }
+}
