@@ -205,6 +205,7 @@ impl<D: Driver> Transfers<D> {
             self.driver.stream_wait(s, job.ready)?;
         }
         self.driver.event_record(s, job.start)?;
+        let mut copies = Vec::with_capacity(plan.runs.len());
         for run in &plan.runs {
             let cache = &self.host[run.tensor];
             let mut at = run.host;
@@ -225,13 +226,13 @@ impl<D: Driver> Transfers<D> {
                     offset: Bytes(device),
                     bytes: Bytes(n),
                 };
-                let (dst, src) = if store { (h, d) } else { (d, h) };
-                self.driver.copy_async(s, dst, src)?;
+                copies.push(if store { (h, d) } else { (d, h) });
                 at += n;
                 device += n;
                 left -= n;
             }
         }
+        self.driver.copy_batch_async(s, &copies)?;
         self.driver.event_record(s, job.end)
     }
 

@@ -353,6 +353,63 @@ impl Driver for CudaDriver {
             "cuMemcpyAsync",
         )
     }
+    /// One `cuMemcpyBatchAsync` per 4,096 copies, each source read in stream order; a batch the
+    /// driver refuses is queued copy by copy instead (the error of that is the call's).
+    fn copy_batch_async(
+        &mut self,
+        s: StreamKind,
+        copies: &[(Ptr, Ptr)],
+    ) -> Result<(), DeviceError> {
+        const BATCH: usize = 4096;
+        let stream = self.streams[s.index()].cu_stream();
+        for part in copies.chunks(BATCH) {
+            let mut dsts: Vec<sys::CUdeviceptr> = Vec::with_capacity(part.len());
+            let mut srcs: Vec<sys::CUdeviceptr> = Vec::with_capacity(part.len());
+            let mut sizes: Vec<usize> = Vec::with_capacity(part.len());
+            for &(dst, src) in part {
+                assert_eq!(
+                    src.bytes, dst.bytes,
+                    "a copy between ranges of different sizes"
+                );
+                dsts.push(self.dev_ptr(dst).ptr);
+                srcs.push(self.dev_ptr(src).ptr);
+                sizes.push(src.bytes.usize());
+            }
+            // Location hints apply to managed memory only; these ranges are device and pinned
+            // host memory, so the hints are ignored.
+            let hint = sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 0,
+            };
+            let mut attrs = [sys::CUmemcpyAttributes {
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: hint,
+                dstLocHint: hint,
+                flags: 0,
+            }];
+            let mut attr_at = [0usize];
+            // SAFETY: every range lies inside a live allocation (the caller checked them); the
+            // arrays outlive the call, which reads them before it returns.
+            let r = unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    part.len(),
+                    attrs.as_mut_ptr(),
+                    attr_at.as_mut_ptr(),
+                    1,
+                    stream,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                for &(dst, src) in part {
+                    self.copy_async(s, dst, src)?;
+                }
+            }
+        }
+        Ok(())
+    }
     fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError> {
         let copy = sys::CUDA_MEMCPY2D {
             srcXInBytes: 0,

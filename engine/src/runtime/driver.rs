@@ -274,6 +274,18 @@ pub trait Driver {
     /// Queues a copy of `src.bytes` bytes from `src` to `dst` on `s` (`cuMemcpyAsync`; either
     /// side may be device or pinned host memory).
     fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError>;
+    /// Queues `copies` (`(dst, src)` each) on `s`, in order, as one batch where the driver has
+    /// one (`cuMemcpyBatchAsync`); by default each as a [`Driver::copy_async`].
+    fn copy_batch_async(
+        &mut self,
+        s: StreamKind,
+        copies: &[(Ptr, Ptr)],
+    ) -> Result<(), DeviceError> {
+        for &(dst, src) in copies {
+            self.copy_async(s, dst, src)?;
+        }
+        Ok(())
+    }
     /// Queues a pitched copy on `s` (`cuMemcpy2DAsync`).
     fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError>;
     /// Copies `data` from pageable host memory to `dst` on `s` (`cuMemcpyHtoDAsync` from
