@@ -105,27 +105,31 @@ pub struct HostTier {
     runs: u64,
 }
 
-/// What a cache array's interface says of it, and whether it is in GPU memory.
-fn array_of(i: usize, array: &Bound<'_, PyAny>) -> PyResult<(CacheTensor, bool)> {
-    let refuse = |what: String| RegisterError::new_err(format!("cache tensor {i}: {what}"));
-    let (face, gpu) = if let Ok(face) = array.getattr("__array_interface__") {
-        (face, false)
+/// A cache array's interface, and whether it is in GPU memory.
+fn interface_of<'py>(i: usize, array: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, bool)> {
+    let refuse = |what: &str| RegisterError::new_err(format!("cache tensor {i}: {what}"));
+    if let Ok(face) = array.getattr("__array_interface__") {
+        Ok((face, false))
     } else if let Ok(face) = array.getattr("__cuda_array_interface__") {
         if !cfg!(feature = "cuda") {
             return Err(refuse(
                 "it is in GPU memory, and this build of tierkv has no CUDA backend (build the \
-                 wheel with --features cuda)"
-                    .into(),
+                 wheel with --features cuda)",
             ));
         }
-        (face, true)
+        Ok((face, true))
     } else {
-        return Err(refuse(
+        Err(refuse(
             "it exports neither __array_interface__ nor __cuda_array_interface__ (give a numpy \
-             array, a CPU tensor's .numpy() or a CUDA tensor)"
-                .into(),
-        ));
-    };
+             array, a CPU tensor's .numpy() or a CUDA tensor)",
+        ))
+    }
+}
+
+/// What a cache array's interface says of it, and whether it is in GPU memory.
+fn array_of(i: usize, array: &Bound<'_, PyAny>) -> PyResult<(CacheTensor, bool)> {
+    let refuse = |what: String| RegisterError::new_err(format!("cache tensor {i}: {what}"));
+    let (face, gpu) = interface_of(i, array)?;
     let face = face
         .cast_into::<PyDict>()
         .map_err(|_| refuse("its array interface is not a dict".into()))?;

@@ -1,8 +1,8 @@
 //! `tierkv._core`: the Python module. It binds two parts of tierkv-engine for a server's
 //! offloading interface (vLLM's, through the Python package's `tierkv.vllm`):
-//! - [`index::PyOffloadIndex`]: the host tier's index keyed by the server's block keys
+//! - `index::PyOffloadIndex`: the host tier's index keyed by the server's block keys
 //!   (`tierkv_engine::offload::OffloadIndex`), for the scheduler side;
-//! - [`host::HostTier`]: host chunks of the registered caches and the copies of a job's plan
+//! - `host::HostTier`: host chunks of the registered caches and the copies of a job's plan
 //!   (`tierkv_engine::offload::plan`), for the worker side: between host arrays, or (feature
 //!   `cuda`) between GPU caches and pinned host chunks on the GPU's copy streams
 //!   (`tierkv_engine::offload::transfer`).

@@ -15,6 +15,7 @@ pub mod fasthash;
 pub mod fuzz;
 pub mod gpu;
 pub mod link;
+pub mod offload;
 pub mod oracles;
 pub mod probes;
 pub mod race;

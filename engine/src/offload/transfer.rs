@@ -32,6 +32,9 @@ pub type Finished = (u64, bool, u64, f64);
 pub enum TransferMutant {
     /// Stores start without waiting for the server's stream (vllm#45704's bug).
     StoreWithoutEvent,
+    /// Loads start without waiting for the server's stream: a load may overwrite a block
+    /// the server's kernels still read (vllm#47282's bug).
+    LoadWithoutEvent,
 }
 
 struct Inflight {
@@ -148,6 +151,26 @@ impl<D: Driver> Transfers<D> {
         }
     }
 
+    /// A job's ready, start and end events; on a refusal, those taken go back to their pools.
+    fn events_of_a_job(&mut self) -> Result<(DrvEvent, DrvEvent, DrvEvent), DeviceError> {
+        let ready = self.event(EventUse::Transfer)?;
+        let start = match self.event(EventUse::Timing) {
+            Ok(e) => e,
+            Err(e) => {
+                self.events.push(ready);
+                return Err(e);
+            }
+        };
+        match self.event(EventUse::Transfer) {
+            Ok(end) => Ok((ready, start, end)),
+            Err(e) => {
+                self.events.push(ready);
+                self.timing_events.push(start);
+                Err(e)
+            }
+        }
+    }
+
     /// Gives a job's events back to their pools.
     fn recycle(&mut self, ready: DrvEvent, start: DrvEvent, end: DrvEvent) {
         self.events.extend([ready, end]);
@@ -165,9 +188,14 @@ impl<D: Driver> Transfers<D> {
         stream: u64,
     ) -> Result<(), DeviceError> {
         let (q, s) = queue_of(store);
-        let ready = self.event(EventUse::Transfer)?;
-        let start = self.event(EventUse::Timing)?;
-        let end = self.event(EventUse::Transfer)?;
+        let (ready, start, end) = match self.events_of_a_job() {
+            Ok(e) => e,
+            Err(e) => {
+                // Nothing was queued: the job is reported failed at the next `finished`.
+                self.failed_at_once.push((id, false, 0, 0.0));
+                return Err(e);
+            }
+        };
         let mut job = Inflight {
             id,
             start,
@@ -178,9 +206,11 @@ impl<D: Driver> Transfers<D> {
         };
         let queued = self.enqueue(store, s, plan, stream, &job);
         if queued.is_err() {
-            // The end event still marks where the job's work stops, so later jobs complete in
-            // order; if even that record fails, the job is reported failed at once.
+            // The end event still marks where the job's work stops, so the job is reported
+            // only once the copies it queued are done (its chunks may be reused then). If even
+            // that record fails, the stream is drained before the job is reported failed.
             if self.driver.event_record(s, end).is_err() {
+                let _ = self.driver.stream_synchronize(s);
                 self.recycle(ready, start, end);
                 self.failed_at_once.push((id, false, 0, 0.0));
                 return queued;
@@ -199,7 +229,11 @@ impl<D: Driver> Transfers<D> {
         stream: u64,
         job: &Inflight,
     ) -> Result<(), DeviceError> {
-        let skip_wait = store && self.mutant == Some(TransferMutant::StoreWithoutEvent);
+        let skip_wait = match self.mutant {
+            Some(TransferMutant::StoreWithoutEvent) => store,
+            Some(TransferMutant::LoadWithoutEvent) => !store,
+            None => false,
+        };
         if !skip_wait {
             self.driver.event_record_foreign(stream, job.ready)?;
             self.driver.stream_wait(s, job.ready)?;

@@ -182,6 +182,13 @@ impl CudaDriver {
         })
     }
 
+    /// The kernels, or a refusal on a driver made for copies only.
+    fn kernels(&self) -> Result<&'static Kernels, DeviceError> {
+        self.kernels.ok_or_else(|| DeviceError::Backend {
+            detail: "a kernel launch on a driver made for copies only".into(),
+        })
+    }
+
     pub fn stream(&self, k: StreamKind) -> &Arc<CudaStream> {
         &self.streams[k.index()]
     }
@@ -450,11 +457,7 @@ impl Driver for CudaDriver {
     }
     fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
         let st = &self.streams[s.index()];
-        let Some(k) = self.kernels else {
-            return Err(DeviceError::Backend {
-                detail: "a kernel launch on a driver made for copies only".into(),
-            });
-        };
+        let k = self.kernels()?;
         let p = |x: Ptr| self.dev_ptr(x);
         match *l {
             Launch::ResolvePending {

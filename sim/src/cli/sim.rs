@@ -39,7 +39,9 @@ pub struct SimArgs {
     /// Scenario profile: swarm (default), sessions (60+ concurrent tool-call sessions), needle,
     /// trace (a Mooncake trace replayed by timestamp), quick, production (DeepSeek-V3.2's shapes:
     /// 64 indexer heads, top-2048, 16K-128K contexts, one or two of its 61 layers), pd (a
-    /// prefill/decode pair on two simulated GPUs joined by a KV link).
+    /// prefill/decode pair on two simulated GPUs joined by a KV link), vllm (the host tier of
+    /// vLLM's offloading interface driven by a seeded vLLM-like server; takes --seed, --seeds
+    /// and --mutant store-without-event|load-without-event only).
     #[arg(long, default_value = "swarm")]
     pub profile: String,
     /// Write the Chrome/Perfetto trace of the run (one seed; with `--schedules`, of the last
@@ -504,7 +506,7 @@ fn pd_mutant_of(args: &SimArgs) -> Option<tierkv_engine::mutants::Mutant> {
 fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
     if !PROFILES.contains(&args.profile.as_str()) {
         return Err(Usage(format!(
-            "unknown profile `{}`; profiles are: {}",
+            "unknown profile `{}`; profiles are: {}, vllm",
             args.profile,
             PROFILES.join(", ")
         )));
@@ -609,6 +611,9 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
 }
 
 pub fn run_sim(args: SimArgs) -> i32 {
+    if args.profile == "vllm" {
+        return run_vllm(&args);
+    }
     let copts = match setup(&args) {
         Ok(c) => c,
         Err(Usage(m)) => {
@@ -931,4 +936,66 @@ fn print_run(out: &RunOutcome) {
         s.wall_ns as f64 / 1e6,
         out.log_hash
     );
+}
+
+/// `--profile vllm`: the host tier of vLLM's offloading interface (`crate::offload`), seed by
+/// seed on this thread. Exit 0 when no seed has a finding, 1 otherwise, 2 for bad arguments.
+fn run_vllm(args: &SimArgs) -> i32 {
+    let unsupported = [
+        ("--shard", args.shard.is_some()),
+        ("--replay", args.replay.is_some()),
+        ("--schedule", args.schedule.is_some()),
+        ("--schedules", args.schedules != 1),
+        ("--trace-out", args.trace_out.is_some()),
+        ("--save-scenario", args.save_scenario.is_some()),
+        ("--mooncake", args.mooncake.is_some()),
+        ("--overlap", args.overlap.is_some()),
+        ("--check-determinism", args.check_determinism),
+        ("--exhaustive", args.exhaustive),
+        ("--coverage", args.coverage),
+        ("--json", args.json.is_some()),
+        ("--device", args.device != "cpu"),
+    ];
+    if let Some((flag, _)) = unsupported.iter().find(|f| f.1) {
+        eprintln!("{flag}: --profile vllm takes --seed, --seeds and --mutant only (not built yet)");
+        return 2;
+    }
+    let mutant = match args.mutant.as_deref() {
+        None => None,
+        Some(name) => match crate::offload::MUTANTS.iter().find(|(n, _)| *n == name) {
+            Some(&(_, m)) => Some(m),
+            None => {
+                let known: Vec<&str> = crate::offload::MUTANTS.iter().map(|m| m.0).collect();
+                eprintln!("--mutant {name}: --profile vllm knows {}", known.join(", "));
+                return 2;
+            }
+        },
+    };
+    let (first, end) = match (args.seed, args.seeds) {
+        (Some(s), _) => (s, s.saturating_add(1)),
+        (None, Some(r)) => r,
+        (None, None) => (0, 150),
+    };
+    let (mut failed, mut stores, mut loads, mut hits, mut failed_jobs, mut refused) =
+        (0u64, 0, 0, 0, 0, 0);
+    for seed in first..end {
+        let out = crate::offload::run(seed, mutant);
+        stores += out.stores;
+        loads += out.loads;
+        hits += out.hits;
+        failed_jobs += out.failed_jobs;
+        refused += out.refused_calls;
+        if !out.findings.is_empty() {
+            failed += 1;
+            if failed <= 5 {
+                println!("seed {seed}: {}", out.findings.join("; "));
+            }
+        }
+    }
+    println!(
+        "== tierkv sim summary (profile vllm{})\nseeds run: {}   failures: {failed}\nchecked: {stores} stores, {loads} loads ({hits} hits), {failed_jobs} jobs failed by the driver's faults, {refused} of the server's own calls refused and retried",
+        mutant.map_or(String::new(), |_| format!(", mutant {}", args.mutant.as_deref().unwrap_or(""))),
+        end - first,
+    );
+    i32::from(failed > 0)
 }

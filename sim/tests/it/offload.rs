@@ -233,3 +233,28 @@ fn without_the_event_the_race_detector_finds_the_store_racing_the_kernel() {
         );
     }
 }
+
+/// `tierkv sim --profile vllm`'s seeds: the clean host tier has no finding, with and without the
+/// driver's faults, and moves blocks both ways; each planted mistake of the layer is caught.
+#[test]
+fn the_vllm_profile_is_clean_and_catches_each_mutant() {
+    use tierkv_sim::offload::{run, MUTANTS};
+    let (mut stores, mut loads, mut failed, mut hits) = (0, 0, 0, 0);
+    for seed in 0..40 {
+        let out = run(seed, None);
+        assert!(out.findings.is_empty(), "seed {seed}: {:?}", out.findings);
+        stores += out.stores;
+        loads += out.loads;
+        failed += out.failed_jobs;
+        hits += out.hits;
+    }
+    assert!(
+        stores > 100 && loads > 20 && hits > 20,
+        "stores {stores}, loads {loads}, hits {hits}"
+    );
+    assert!(failed > 0, "no job failed by a driver fault in 40 seeds");
+    for (name, mutant) in MUTANTS {
+        let caught = (0..100).find(|&seed| !run(seed, Some(mutant)).findings.is_empty());
+        assert!(caught.is_some(), "mutant {name} not caught in seeds 0..100");
+    }
+}
