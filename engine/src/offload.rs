@@ -19,7 +19,7 @@
 //! Misuse (completing a load that was not prepared, loading a key that is not ready, a key too
 //! long) is a typed [`OffloadError`] naming the key, and leaves the index unchanged.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::config::WritePolicy;
 
@@ -138,11 +138,11 @@ pub struct OffloadIndex {
     candidates: BTreeSet<(u64, u32)>,
     tick: u64,
     /// Selective write policy: the keys offered once and not stored (at most
-    /// [`OFFERS_REMEMBERED_MAX`]), and the order they were offered in, oldest first. The order
-    /// may still list keys stored since (they are skipped when the oldest is forgotten, and
-    /// dropped when it grows past twice the bound), so admitting a key never scans the order.
-    offered_set: BTreeSet<Key>,
-    offered: VecDeque<Key>,
+    /// [`OFFERS_REMEMBERED_MAX`]), each with the number of its offer, and the same by offer
+    /// number, so that the oldest is forgotten first.
+    offered_set: BTreeMap<Key, u64>,
+    offered: BTreeMap<u64, Key>,
+    offers: u64,
     pending: u32,
     events: Option<Vec<Event>>,
 }
@@ -173,8 +173,9 @@ impl OffloadIndex {
             free: Vec::new(),
             candidates: BTreeSet::new(),
             tick: 0,
-            offered: VecDeque::new(),
-            offered_set: BTreeSet::new(),
+            offered: BTreeMap::new(),
+            offered_set: BTreeMap::new(),
+            offers: 0,
             pending: 0,
             events: events.then(Vec::new),
         })
@@ -297,7 +298,7 @@ impl OffloadIndex {
             WritePolicy::WriteThroughSelective => wanted
                 .iter()
                 .copied()
-                .filter(|k| self.offered_set.contains(*k))
+                .filter(|k| self.offered_set.contains_key(*k))
                 .collect(),
             WritePolicy::WriteBack => unreachable!("refused at construction"),
         };
@@ -413,7 +414,9 @@ impl OffloadIndex {
                 last_use,
             },
         );
-        self.offered_set.remove(&key);
+        if let Some(n) = self.offered_set.remove(&key) {
+            self.offered.remove(&n);
+        }
         self.pending += 1;
         (key, chunk)
     }
@@ -427,20 +430,15 @@ impl OffloadIndex {
 
     /// The selective policy's memory of a key offered and not stored.
     fn remember_offer(&mut self, key: &[u8]) {
-        if !self.offered_set.insert(Box::from(key)) {
+        if self.offered_set.contains_key(key) {
             return;
         }
-        self.offered.push_back(Box::from(key));
-        while self.offered_set.len() > OFFERS_REMEMBERED_MAX {
-            let oldest = self
-                .offered
-                .pop_front()
-                .expect("the order lists every remembered key");
+        self.offers += 1;
+        self.offered_set.insert(Box::from(key), self.offers);
+        self.offered.insert(self.offers, Box::from(key));
+        if self.offered.len() > OFFERS_REMEMBERED_MAX {
+            let (_, oldest) = self.offered.pop_first().expect("not empty");
             self.offered_set.remove(&oldest);
-        }
-        if self.offered.len() > 2 * OFFERS_REMEMBERED_MAX {
-            let set = &self.offered_set;
-            self.offered.retain(|k| set.contains(k));
         }
     }
 
@@ -537,18 +535,17 @@ impl OffloadIndex {
             );
         }
         assert!(
-            self.offered_set.len() <= OFFERS_REMEMBERED_MAX,
+            self.offered.len() <= OFFERS_REMEMBERED_MAX,
             "offers remembered"
         );
-        assert!(
-            self.offered.len() <= 2 * OFFERS_REMEMBERED_MAX,
-            "offer order"
-        );
-        let ordered: BTreeSet<&Key> = self.offered.iter().collect();
-        assert!(
-            self.offered_set.iter().all(|k| ordered.contains(k)),
-            "a remembered offer out of order"
-        );
+        assert_eq!(self.offered.len(), self.offered_set.len(), "offer maps");
+        for (n, k) in &self.offered {
+            assert_eq!(self.offered_set.get(k), Some(n), "offer {n} of a key");
+            assert!(
+                !self.entries.contains_key(k),
+                "a held key remembered as offered"
+            );
+        }
     }
 }
 

@@ -1,10 +1,10 @@
 //! `tierkv._core.HostTier`: the worker side's host chunks and copies.
 //!
 //! The registered caches are arrays of one-byte elements, two-dimensional (`blocks` rows of
-//! `page_bytes`, at a row stride of at least that), writable, exported either by
-//! `__array_interface__` (host memory: numpy arrays, CPU tensors through `.numpy()`) or, in a
-//! build with the `cuda` feature, by `__cuda_array_interface__` (GPU memory: CUDA torch
-//! tensors). All caches of a tier are in the same kind of memory. The tier keeps a reference to
+//! `page_bytes`, at a row stride of at least that), writable: numpy arrays (host memory; CPU
+//! tensors through `.numpy()`) or, in a build with the `cuda` feature, CUDA torch tensors (GPU
+//! memory), each read through its base class's own array interface. All caches of a tier are
+//! in the same kind of memory. The tier keeps a reference to
 //! each, so their memory outlives it. Every address a job names is checked by the plan to be
 //! the start of a page of a registered array before anything is copied.
 //!
@@ -96,34 +96,59 @@ enum Backend {
 #[pyclass(module = "tierkv._core")]
 pub struct HostTier {
     registration: Registration,
+    /// Declared before the arrays so that it drops first: the CUDA backend waits for its
+    /// copies before the caches they touch may go.
+    backend: Backend,
     /// The cache arrays, kept alive for the addresses registered from them.
     _arrays: Vec<Py<PyAny>>,
-    backend: Backend,
     /// Host backend: the jobs done and not yet handed out.
     finished: Vec<Finished>,
     pages: u64,
     runs: u64,
 }
 
-/// A cache array's interface, and whether it is in GPU memory.
+/// A cache array's interface, and whether it is in GPU memory. Only a numpy array (host
+/// memory) or, in the CUDA build, a torch tensor (GPU memory) is taken, and its interface is
+/// read through the base class's own descriptor: an object cannot name memory it does not hold,
+/// so the reference the tier keeps to it keeps that memory alive.
 fn interface_of<'py>(i: usize, array: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, bool)> {
-    let refuse = |what: &str| RegisterError::new_err(format!("cache tensor {i}: {what}"));
-    if let Ok(face) = array.getattr("__array_interface__") {
-        Ok((face, false))
-    } else if let Ok(face) = array.getattr("__cuda_array_interface__") {
-        if !cfg!(feature = "cuda") {
-            return Err(refuse(
-                "it is in GPU memory, and this build of tierkv has no CUDA backend (build the \
-                 wheel with --features cuda)",
-            ));
-        }
-        Ok((face, true))
-    } else {
-        Err(refuse(
-            "it exports neither __array_interface__ nor __cuda_array_interface__ (give a numpy \
-             array, a CPU tensor's .numpy() or a CUDA tensor)",
-        ))
+    let py = array.py();
+    let refuse = |what: String| RegisterError::new_err(format!("cache tensor {i}: {what}"));
+    let ndarray = py.import("numpy")?.getattr("ndarray")?;
+    if array.is_instance(&ndarray)? {
+        let face = ndarray
+            .getattr("__array_interface__")?
+            .call_method1("__get__", (array, &ndarray))
+            .map_err(|e| refuse(format!("its array interface: {e}")))?;
+        return Ok((face, false));
     }
+    if cfg!(feature = "cuda") {
+        if let Ok(torch) = py.import("torch") {
+            let tensor = torch.getattr("Tensor")?;
+            if array.is_instance(&tensor)? {
+                let face = tensor
+                    .getattr("__cuda_array_interface__")?
+                    .call_method1("__get__", (array, &tensor))
+                    .map_err(|e| refuse(format!("its CUDA array interface: {e}")))?;
+                return Ok((face, true));
+            }
+        }
+    } else if array.hasattr("__cuda_array_interface__").unwrap_or(false) {
+        return Err(refuse(
+            "it is in GPU memory, and this build of tierkv has no CUDA backend (build the wheel \
+             with --features cuda)"
+                .into(),
+        ));
+    }
+    Err(refuse(format!(
+        "a {} is not a cache array: give a numpy array (a CPU tensor's .numpy()){}",
+        array.get_type().name()?,
+        if cfg!(feature = "cuda") {
+            " or a CUDA torch tensor"
+        } else {
+            ""
+        }
+    )))
 }
 
 /// What a cache array's interface says of it, and whether it is in GPU memory.
@@ -252,8 +277,8 @@ impl HostTier {
         let backend = backend(&registration, gpu, device, mutant)?;
         Ok(HostTier {
             registration,
-            _arrays: caches.into_iter().map(Bound::unbind).collect(),
             backend,
+            _arrays: caches.into_iter().map(Bound::unbind).collect(),
             finished: Vec::new(),
             pages: 0,
             runs: 0,

@@ -110,12 +110,32 @@ def test_bad_registrations_are_refused():
     class OnTheGpu:
         __cuda_array_interface__ = {"data": (0x7F0000000000, False), "shape": (4, KV), "typestr": "|i1", "version": 3}
 
-    # Without the CUDA backend GPU memory is refused as such; with it, beside host memory.
-    refusal = "one kind of memory" if "cuda" in tierkv.BACKENDS else "GPU memory.*no CUDA backend"
+    # Without the CUDA backend GPU memory is refused as such; with it, anything but a torch
+    # tensor is.
+    refusal = "not a cache array" if "cuda" in tierkv.BACKENDS else "GPU memory.*no CUDA backend"
     with pytest.raises(tierkv.RegisterError, match=refusal):
         tierkv.HostTier([OnTheGpu(), ik], groups, FORMATS, 1, 4)
-    with pytest.raises(tierkv.RegisterError, match="neither __array_interface__"):
+    with pytest.raises(tierkv.RegisterError, match="an? object is not a cache array"):
         tierkv.HostTier([object(), ik], groups, FORMATS, 1, 4)
+
+    # An object that names memory it does not hold is refused: only numpy arrays are taken,
+    # through numpy's own interface.
+    class Liar:
+        __array_interface__ = {"data": (0x1000, False), "shape": (4, KV), "typestr": "|i1", "version": 3}
+
+    with pytest.raises(tierkv.RegisterError, match="Liar is not a cache array"):
+        tierkv.HostTier([Liar(), ik], groups, FORMATS, 1, 4)
+
+    class Subclass(np.ndarray):
+        @property
+        def __array_interface__(self):
+            return {"data": (0x1000, False), "shape": (4, KV), "typestr": "|i1", "version": 3}
+
+    sub = kv.view(Subclass)
+    tier = tierkv.HostTier([sub, ik], groups, FORMATS, 1, 4)  # numpy's own address, not 0x1000
+    ptrs = np.array([kv.ctypes.data, ik.ctypes.data], np.uint64).tobytes()
+    tier.store(1, ptrs, np.array([KV, IK], np.uint64).tobytes(), [1], [2], [0], np.array([0], np.uint64).tobytes())
+    assert tier.get_finished()[0][1] is True
     with pytest.raises(tierkv.RegisterError, match="above the"):
         tierkv.HostTier([kv, ik], groups, FORMATS, 1 << 20, 1 << 30)
 

@@ -78,6 +78,8 @@ def test_a_spec_without_formats_or_host_bytes_is_refused():
         TierkvOffloadingSpec(config({**EXTRA, "tierkv_formats": None}))
     with pytest.raises(tierkv.RegisterError, match="cpu_bytes_to_use"):
         TierkvOffloadingSpec(config({**EXTRA, "cpu_bytes_to_use": 0}))
+    with pytest.raises(tierkv.RegisterError, match="holds no chunk"):
+        TierkvOffloadingSpec(config({**EXTRA, "cpu_bytes_to_use": 64}))
 
 
 def key(i, group=0):
@@ -198,10 +200,14 @@ def test_a_job_the_tier_refuses_is_reported_failed_so_vllm_recomputes():
     worker = spec.get_worker(caches)
     gpu = GPULoadStoreSpec([1, 1], group_sizes=[1, 1], block_indices=[0, 0])
     ptrs = resolve_device_pointers(gpu, caches)
-    # A host chunk beyond the tier.
+    # A host chunk beyond the tier; a negative one; a negative block index.
     assert worker.submit_store(3, ptrs, CPULoadStoreSpec([spec.num_chunks, 0]))
-    (done,) = worker.get_finished()
-    assert done.job_id == 3 and not done.success
+    assert worker.submit_store(4, ptrs, CPULoadStoreSpec([-1, 0]))
+    bad = resolve_device_pointers(gpu, caches)
+    bad.block_indices = (-1, 0)
+    assert worker.submit_load(5, CPULoadStoreSpec([0, 0]), bad)
+    done = worker.get_finished()
+    assert [(d.job_id, d.success) for d in done] == [(3, False), (4, False), (5, False)]
 
 
 def test_a_bf16_index_k_cache_behind_fp8_formats_is_refused_at_registration():

@@ -152,29 +152,34 @@ class TierkvOffloadingWorker(OffloadingWorker):
         return self._tier
 
     def _submit(self, store: bool, job_id: int, device_ptrs: DevicePointers, spec: LoadStoreSpec) -> bool:
-        chunks = np.asarray(spec.block_ids)
-        args = (
-            job_id,
-            np.ascontiguousarray(device_ptrs.ptrs, dtype=np.uint64).tobytes(),
-            np.ascontiguousarray(device_ptrs.sizes, dtype=np.uint64).tobytes(),
-            [int(x) for x in device_ptrs.group_block_counts],
-            [int(x) for x in device_ptrs.group_data_ref_counts],
-            [int(x) for x in device_ptrs.block_indices],
-            np.ascontiguousarray(chunks, dtype=np.uint64).tobytes() if chunks.min(initial=0) >= 0 else b"\xff" * 8 * len(chunks),
-        )
-        stream = 0
-        if self._cuda:
-            import torch
-
-            stream = torch.cuda.current_stream(self._device).cuda_stream
+        what = "store" if store else "load"
         try:
+            chunks = np.asarray(spec.block_ids)
+            if chunks.size and chunks.min() < 0:
+                raise PlanError(f"job {job_id}: a negative host chunk number")
+            args = (
+                job_id,
+                np.ascontiguousarray(device_ptrs.ptrs, dtype=np.uint64).tobytes(),
+                np.ascontiguousarray(device_ptrs.sizes, dtype=np.uint64).tobytes(),
+                [int(x) for x in device_ptrs.group_block_counts],
+                [int(x) for x in device_ptrs.group_data_ref_counts],
+                [int(x) for x in device_ptrs.block_indices],
+                np.ascontiguousarray(chunks, dtype=np.uint64).tobytes(),
+            )
+            stream = 0
+            if self._cuda:
+                import torch
+
+                stream = torch.cuda.current_stream(self._device).cuda_stream
             (self._tier.store if store else self._tier.load)(*args, stream=stream)
-        except PlanError:
-            logger.exception("tierkv: %s job %d refused", "store" if store else "load", job_id)
+        except (PlanError, TypeError, ValueError, OverflowError):
+            # A job tierkv cannot take (an address outside the caches, a chunk or block index
+            # out of range): nothing was copied; vLLM recomputes its blocks.
+            logger.exception("tierkv: %s job %d refused", what, job_id)
             self._refused.append(TransferResult(job_id=job_id, success=False))
         except RuntimeError:
             # The GPU refused a call: get_finished reports the job failed.
-            logger.exception("tierkv: %s job %d failed on the GPU", "store" if store else "load", job_id)
+            logger.exception("tierkv: %s job %d failed on the GPU", what, job_id)
         return True
 
     def submit_store(self, job_id: int, device_ptrs: DevicePointers, dst_spec: LoadStoreSpec) -> bool:
@@ -224,6 +229,12 @@ class TierkvOffloadingSpec(OffloadingSpec):
         self.write_policy = str(extra.get("write_policy", "write_through"))
         per_chunk = config.worker_kv_bytes_per_block * max(config.parallel.world_size, 1) * self.blocks_per_chunk
         self.num_chunks = int(cpu_bytes) // per_chunk if per_chunk > 0 else 0
+        if self.num_chunks < 1:
+            raise RegisterError(
+                f"tierkv: cpu_bytes_to_use ({int(cpu_bytes)}) holds no chunk of {per_chunk} bytes "
+                f"({config.worker_kv_bytes_per_block} KV bytes a block, {config.parallel.world_size} "
+                f"workers, {self.blocks_per_chunk} blocks a chunk)"
+            )
         self._manager: TierkvOffloadingManager | None = None
         self._worker: TierkvOffloadingWorker | None = None
 

@@ -869,8 +869,6 @@ impl Driver for SimDriver {
         });
         Ok(())
     }
-    /// The host is ordered after `e`'s latest record if the callback that ran came behind that
-    /// record; a callback queued anywhere else orders nothing (the runtime misplaced it).
     /// A simulated server's memory is an allocation of this driver, named by its simulated
     /// address ([`SimDriver::address`]); the import is an alias of the same buffer.
     fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError> {
@@ -898,6 +896,8 @@ impl Driver for SimDriver {
         let _ = stream;
         self.event_record(StreamKind::Compute, e)
     }
+    /// The host is ordered after `e`'s latest record if the callback that ran came behind that
+    /// record; a callback queued anywhere else orders nothing (the runtime misplaced it).
     fn observed_by_callback(&mut self, e: DrvEvent) {
         let ev = self.events[e.0 as usize];
         let mut g = self.side.at();

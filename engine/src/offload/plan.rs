@@ -52,6 +52,8 @@ pub enum RegisterError {
     NoFormats,
     #[error("unknown page format {0:?}: expected one of {1}")]
     UnknownFormat(String, String),
+    #[error("format {0} is configured twice")]
+    RepeatedFormat(String),
     #[error("no cache tensors registered")]
     NoTensors,
     #[error("no KV groups registered")]
@@ -210,6 +212,9 @@ impl Registration {
     ) -> Result<Self, RegisterError> {
         if formats.is_empty() {
             return Err(RegisterError::NoFormats);
+        }
+        if let Some(i) = (1..formats.len()).find(|&i| formats[..i].contains(&formats[i])) {
+            return Err(RegisterError::RepeatedFormat(formats[i].to_string()));
         }
         if tensors.is_empty() {
             return Err(RegisterError::NoTensors);
@@ -438,7 +443,9 @@ struct Page {
 
 /// What is wrong with a registered tensor, if anything.
 fn tensor_fault(t: &CacheTensor) -> Option<String> {
-    if t.page_bytes == 0 {
+    if t.blocks == 0 {
+        Some("no pages".to_string())
+    } else if t.page_bytes == 0 {
         Some("pages of 0 bytes".to_string())
     } else if t.stride < t.page_bytes {
         Some(format!(

@@ -37,11 +37,19 @@ pub enum TransferMutant {
     LoadWithoutEvent,
 }
 
-struct Inflight {
-    id: u64,
+/// A job's events: where it may start on the server's stream, its start and its end.
+#[derive(Clone, Copy)]
+struct Marks {
+    ready: DrvEvent,
     start: DrvEvent,
     end: DrvEvent,
-    ready: DrvEvent,
+}
+
+struct Inflight {
+    id: u64,
+    /// `None`: the job failed before anything of it was queued (or after its copies were
+    /// drained); it is reported when it reaches the front of its queue.
+    marks: Option<Marks>,
     bytes: u64,
     /// A call failed while the job was queued: it is reported failed.
     failed: bool,
@@ -64,8 +72,9 @@ pub struct Transfers<D: Driver> {
     /// Events free for a job's ready and end marks, and for its start marks.
     events: Vec<DrvEvent>,
     timing_events: Vec<DrvEvent>,
-    /// Jobs whose queueing failed before anything marked their end.
-    failed_at_once: Vec<Finished>,
+    /// Why the tier refuses every job, once a failure left it unable to tell when a job's copies
+    /// are done.
+    broken: Option<String>,
     mutant: Option<TransferMutant>,
 }
 
@@ -78,8 +87,19 @@ fn queue_of(store: bool) -> (usize, StreamKind) {
 }
 
 impl<D: Driver> Transfers<D> {
-    /// Imports the registered caches and allocates their host chunks (zeroed).
-    pub fn new(mut driver: D, registration: Registration) -> Result<Self, DeviceError> {
+    /// Imports the registered caches and allocates their host chunks (zeroed), in pinned
+    /// segments of at most [`SEGMENT_BYTES_MAX`] (whole chunks; one chunk if it is larger).
+    pub fn new(driver: D, registration: Registration) -> Result<Self, DeviceError> {
+        Self::with_segments(driver, registration, SEGMENT_BYTES_MAX)
+    }
+
+    /// [`Transfers::new`] with segments of at most `segment_bytes` (tests use small ones, so that
+    /// runs cross segment boundaries).
+    pub fn with_segments(
+        mut driver: D,
+        registration: Registration,
+        segment_bytes: u64,
+    ) -> Result<Self, DeviceError> {
         driver.bind()?;
         let mut caches = Vec::new();
         let mut host = Vec::new();
@@ -87,7 +107,7 @@ impl<D: Driver> Transfers<D> {
             let span = (t.blocks.saturating_sub(1)) * t.stride + t.page_bytes;
             caches.push(driver.import(t.base, span)?);
             let chunk_bytes = registration.chunk_bytes(i);
-            let seg_chunks = (SEGMENT_BYTES_MAX / chunk_bytes).max(1);
+            let seg_chunks = (segment_bytes / chunk_bytes).max(1);
             let mut segments = Vec::new();
             let mut left = registration.chunks();
             while left > 0 {
@@ -119,7 +139,7 @@ impl<D: Driver> Transfers<D> {
             queues: [VecDeque::new(), VecDeque::new()],
             events: Vec::new(),
             timing_events: Vec::new(),
-            failed_at_once: Vec::new(),
+            broken: None,
             mutant: None,
         })
     }
@@ -172,9 +192,9 @@ impl<D: Driver> Transfers<D> {
     }
 
     /// Gives a job's events back to their pools.
-    fn recycle(&mut self, ready: DrvEvent, start: DrvEvent, end: DrvEvent) {
-        self.events.extend([ready, end]);
-        self.timing_events.push(start);
+    fn recycle(&mut self, m: Marks) {
+        self.events.extend([m.ready, m.end]);
+        self.timing_events.push(m.start);
     }
 
     /// Queues a job's copies after the work queued so far on the server's stream `stream`. An
@@ -188,31 +208,47 @@ impl<D: Driver> Transfers<D> {
         stream: u64,
     ) -> Result<(), DeviceError> {
         let (q, s) = queue_of(store);
+        let failed = |id| Inflight {
+            id,
+            marks: None,
+            bytes: 0,
+            failed: true,
+        };
+        if let Some(why) = &self.broken {
+            let e = DeviceError::Backend {
+                detail: format!("the host tier stopped: {why}"),
+            };
+            self.queues[q].push_back(failed(id));
+            return Err(e);
+        }
         let (ready, start, end) = match self.events_of_a_job() {
             Ok(e) => e,
             Err(e) => {
-                // Nothing was queued: the job is reported failed at the next `finished`.
-                self.failed_at_once.push((id, false, 0, 0.0));
+                // Nothing was queued: the job is reported failed in its turn.
+                self.queues[q].push_back(failed(id));
                 return Err(e);
             }
         };
+        let marks = Marks { ready, start, end };
         let mut job = Inflight {
             id,
-            start,
-            end,
-            ready,
+            marks: Some(marks),
             bytes: plan.bytes,
             failed: false,
         };
-        let queued = self.enqueue(store, s, plan, stream, &job);
+        let queued = self.enqueue(store, s, plan, stream, marks);
         if queued.is_err() {
             // The end event still marks where the job's work stops, so the job is reported
             // only once the copies it queued are done (its chunks may be reused then). If even
-            // that record fails, the stream is drained before the job is reported failed.
+            // that record fails, the stream is drained before the job is reported failed; if
+            // that fails too, nothing tells when its copies end: the tier stops.
             if self.driver.event_record(s, end).is_err() {
-                let _ = self.driver.stream_synchronize(s);
-                self.recycle(ready, start, end);
-                self.failed_at_once.push((id, false, 0, 0.0));
+                if let Err(e) = self.driver.stream_synchronize(s) {
+                    self.broken =
+                        Some(format!("the {} stream could not be drained: {e}", s.name()));
+                }
+                self.recycle(marks);
+                self.queues[q].push_back(failed(id));
                 return queued;
             }
             job.failed = true;
@@ -227,7 +263,7 @@ impl<D: Driver> Transfers<D> {
         s: StreamKind,
         plan: &Plan,
         stream: u64,
-        job: &Inflight,
+        job: Marks,
     ) -> Result<(), DeviceError> {
         let skip_wait = match self.mutant {
             Some(TransferMutant::StoreWithoutEvent) => store,
@@ -272,10 +308,15 @@ impl<D: Driver> Transfers<D> {
 
     /// The jobs finished since the last call, each queue in submission order.
     pub fn finished(&mut self) -> Vec<Finished> {
-        let mut out = std::mem::take(&mut self.failed_at_once);
+        let mut out = Vec::new();
         for q in 0..2 {
             while let Some(job) = self.queues[q].front() {
-                let state = self.driver.event_query(job.end);
+                let Some(m) = job.marks else {
+                    let job = self.queues[q].pop_front().expect("front exists");
+                    out.push((job.id, false, 0, 0.0));
+                    continue;
+                };
+                let state = self.driver.event_query(m.end);
                 if state == EventState::Pending {
                     break;
                 }
@@ -283,13 +324,13 @@ impl<D: Driver> Transfers<D> {
                 let ok = state == EventState::Done && !job.failed;
                 let secs = if ok {
                     self.driver
-                        .event_elapsed_ns(job.start, job.end)
+                        .event_elapsed_ns(m.start, m.end)
                         .map_or(0.0, |ns| ns as f64 * 1e-9)
                 } else {
                     0.0
                 };
                 out.push((job.id, ok, if ok { job.bytes } else { 0 }, secs));
-                self.recycle(job.ready, job.start, job.end);
+                self.recycle(m);
             }
         }
         out
@@ -299,7 +340,9 @@ impl<D: Driver> Transfers<D> {
     pub fn wait(&mut self, ids: &[u64]) {
         for q in &self.queues {
             for job in q.iter().filter(|j| ids.contains(&j.id)) {
-                let _ = self.driver.event_synchronize(job.end);
+                if let Some(m) = job.marks {
+                    let _ = self.driver.event_synchronize(m.end);
+                }
             }
         }
     }

@@ -119,6 +119,7 @@ enum Alloc {
     /// A server's memory ([`Driver::import`]): never freed here.
     Foreign {
         ptr: sys::CUdeviceptr,
+        bytes: u64,
     },
 }
 
@@ -137,6 +138,18 @@ pub struct CudaDriver {
     streams: [Arc<CudaStream>; 3],
     mems: MemTable<Alloc>,
     events: Vec<CudaEvent>,
+}
+
+/// Whether the driver has `cuMemcpyBatchAsync_v2` (CUDA 13.0 and newer). Asked once; cudarc's
+/// loader panics on a symbol the driver lacks, so nothing calls it before this says yes.
+fn batch_copies_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: an out-pointer to a local.
+        let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+        r == sys::CUresult::CUDA_SUCCESS && v >= 13000
+    })
 }
 
 /// Runs a [`HostCallback`] on CUDA's callback thread.
@@ -196,13 +209,19 @@ impl CudaDriver {
     /// An allocation's device address (pinned host memory is mapped).
     fn base(&self, m: Mem) -> u64 {
         match self.mems.get(m) {
-            Alloc::Device { ptr } | Alloc::Async { ptr } | Alloc::Foreign { ptr } => *ptr,
+            Alloc::Device { ptr } | Alloc::Async { ptr } | Alloc::Foreign { ptr, .. } => *ptr,
             Alloc::Pinned(h) => h.dev,
         }
     }
 
     /// A range's device address and size, for the launchers.
     pub fn dev_ptr(&self, p: Ptr) -> DevPtr {
+        if let Alloc::Foreign { bytes, .. } = self.mems.get(p.mem) {
+            assert!(
+                p.offset.0 + p.bytes.0 <= *bytes,
+                "a range past the {bytes} bytes imported"
+            );
+        }
         DevPtr {
             ptr: self.base(p.mem) + p.offset.0,
             bytes: p.bytes,
@@ -368,6 +387,11 @@ impl Driver for CudaDriver {
         copies: &[(Ptr, Ptr)],
     ) -> Result<(), DeviceError> {
         const BATCH: usize = 4096;
+        if !batch_copies_available() {
+            return copies
+                .iter()
+                .try_for_each(|&(d, sp)| self.copy_async(s, d, sp));
+        }
         let stream = self.streams[s.index()].cu_stream();
         for part in copies.chunks(BATCH) {
             let mut dsts: Vec<sys::CUdeviceptr> = Vec::with_capacity(part.len());
@@ -697,10 +721,24 @@ impl Driver for CudaDriver {
                 ),
             });
         }
-        Ok(self.mems.insert(Alloc::Foreign { ptr: base }))
+        Ok(self.mems.insert(Alloc::Foreign { ptr: base, bytes }))
     }
     fn event_record_foreign(&mut self, stream: u64, e: DrvEvent) -> Result<(), DeviceError> {
         self.bind()?;
+        // 0, 1 and 2 are CUDA's special handles (the legacy default stream, CU_STREAM_LEGACY,
+        // CU_STREAM_PER_THREAD); any other must be a stream of this driver's context.
+        if stream > 2 {
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: an out-pointer to a local; the driver validates the handle.
+            let r = unsafe { sys::cuStreamGetCtx(stream as sys::CUstream, &mut ctx) };
+            if r != sys::CUresult::CUDA_SUCCESS || ctx != self.ctx.cu_ctx() {
+                return Err(DeviceError::Backend {
+                    detail: format!(
+                        "stream {stream:#x} is not a stream of this GPU's primary context ({r:?})"
+                    ),
+                });
+            }
+        }
         let ev = self.events[e.0 as usize].cu_event();
         // SAFETY: `stream` is the caller's live CUstream of this context (0: the legacy default).
         check(

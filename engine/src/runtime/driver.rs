@@ -327,8 +327,8 @@ pub trait Driver {
     /// Device memory this driver did not allocate — a server's cache, `bytes` bytes at device
     /// address `base` in this driver's context — as an allocation copies may read and write.
     /// [`Driver::free`] forgets it without freeing it; the caller keeps the memory alive while
-    /// work that uses it is queued. A driver that cannot reach a server's memory refuses
-    /// (the default: the simulated driver does not model a server yet).
+    /// work that uses it is queued. A driver that cannot reach a server's memory refuses (the
+    /// default); the simulated driver takes a simulated address of its own allocations.
     fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError> {
         let _ = (base, bytes);
         Err(DeviceError::Backend {

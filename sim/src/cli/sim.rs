@@ -941,22 +941,7 @@ fn print_run(out: &RunOutcome) {
 /// `--profile vllm`: the host tier of vLLM's offloading interface (`crate::offload`), seed by
 /// seed on this thread. Exit 0 when no seed has a finding, 1 otherwise, 2 for bad arguments.
 fn run_vllm(args: &SimArgs) -> i32 {
-    let unsupported = [
-        ("--shard", args.shard.is_some()),
-        ("--replay", args.replay.is_some()),
-        ("--schedule", args.schedule.is_some()),
-        ("--schedules", args.schedules != 1),
-        ("--trace-out", args.trace_out.is_some()),
-        ("--save-scenario", args.save_scenario.is_some()),
-        ("--mooncake", args.mooncake.is_some()),
-        ("--overlap", args.overlap.is_some()),
-        ("--check-determinism", args.check_determinism),
-        ("--exhaustive", args.exhaustive),
-        ("--coverage", args.coverage),
-        ("--json", args.json.is_some()),
-        ("--device", args.device != "cpu"),
-    ];
-    if let Some((flag, _)) = unsupported.iter().find(|f| f.1) {
+    if let Some(flag) = vllm_unsupported(args) {
         eprintln!("{flag}: --profile vllm takes --seed, --seeds and --mutant only (not built yet)");
         return 2;
     }
@@ -971,31 +956,79 @@ fn run_vllm(args: &SimArgs) -> i32 {
             }
         },
     };
-    let (first, end) = match (args.seed, args.seeds) {
-        (Some(s), _) => (s, s.saturating_add(1)),
-        (None, Some(r)) => r,
-        (None, None) => (0, 150),
+    let seeds: Vec<u64> = match (args.seed, args.seeds) {
+        (Some(s), _) => vec![s],
+        (None, Some((a, b))) => (a..b).collect(),
+        (None, None) => (0..150).collect(),
     };
-    let (mut failed, mut stores, mut loads, mut hits, mut failed_jobs, mut refused) =
-        (0u64, 0, 0, 0, 0, 0);
-    for seed in first..end {
+    let mutant_arg = args
+        .mutant
+        .as_ref()
+        .map_or(String::new(), |m| format!(" --mutant {m}"));
+    const SHOWN: u64 = 5;
+    let mut total = crate::offload::Outcome::default();
+    let mut failed = 0u64;
+    for &seed in &seeds {
         let out = crate::offload::run(seed, mutant);
-        stores += out.stores;
-        loads += out.loads;
-        hits += out.hits;
-        failed_jobs += out.failed_jobs;
-        refused += out.refused_calls;
-        if !out.findings.is_empty() {
+        total.stores += out.stores;
+        total.loads += out.loads;
+        total.hits += out.hits;
+        total.failed_jobs += out.failed_jobs;
+        total.refused_calls += out.refused_calls;
+        if let Some(first) = out.findings.first() {
             failed += 1;
-            if failed <= 5 {
-                println!("seed {seed}: {}", out.findings.join("; "));
+            if failed <= SHOWN {
+                let mut line: String = first.chars().take(300).collect();
+                if line.len() < first.len() {
+                    line.push_str(" …");
+                }
+                println!("seed {seed}: {line} ({} findings)", out.findings.len());
+                println!("  replay: tierkv sim --profile vllm --seed {seed}{mutant_arg}");
             }
         }
     }
+    if failed > SHOWN {
+        println!("({} more failing seeds not shown)", failed - SHOWN);
+    }
     println!(
-        "== tierkv sim summary (profile vllm{})\nseeds run: {}   failures: {failed}\nchecked: {stores} stores, {loads} loads ({hits} hits), {failed_jobs} jobs failed by the driver's faults, {refused} of the server's own calls refused and retried",
-        mutant.map_or(String::new(), |_| format!(", mutant {}", args.mutant.as_deref().unwrap_or(""))),
-        end - first,
+        "== tierkv sim summary (profile vllm{})\nseeds run: {}   failures: {failed}\nchecked: {} stores, {} loads ({} hits), {} jobs failed by the driver's faults, {} of the server's own calls refused and retried",
+        if mutant_arg.is_empty() { String::new() } else { format!(",{mutant_arg}") },
+        seeds.len(),
+        total.stores,
+        total.loads,
+        total.hits,
+        total.failed_jobs,
+        total.refused_calls,
     );
     i32::from(failed > 0)
+}
+
+/// The first flag given that `--profile vllm` does not take.
+fn vllm_unsupported(args: &SimArgs) -> Option<&'static str> {
+    let given = [
+        ("--shard", args.shard.is_some()),
+        ("--replay", args.replay.is_some()),
+        ("--schedule", args.schedule.is_some()),
+        ("--schedules", args.schedules != 1),
+        ("--trace-out", args.trace_out.is_some()),
+        ("--save-scenario", args.save_scenario.is_some()),
+        ("--mooncake", args.mooncake.is_some()),
+        ("--overlap", args.overlap.is_some()),
+        ("--check-determinism", args.check_determinism),
+        ("--exhaustive", args.exhaustive),
+        ("--coverage", args.coverage),
+        ("--json", args.json.is_some()),
+        ("--device", args.device != "cpu"),
+        ("--jobs", args.jobs.is_some()),
+        ("--no-shrink", args.no_shrink),
+        ("--shrink-runs", args.shrink_runs.is_some()),
+        ("--shrink-secs", args.shrink_secs != 60),
+        ("--keep-going", args.keep_going),
+        ("--verbose", args.verbose),
+        (
+            "--out-dir",
+            args.out_dir != std::path::Path::new("target/tierkv"),
+        ),
+    ];
+    given.iter().find(|f| f.1).map(|f| f.0)
 }

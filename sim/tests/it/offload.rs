@@ -258,3 +258,99 @@ fn the_vllm_profile_is_clean_and_catches_each_mutant() {
         assert!(caught.is_some(), "mutant {name} not caught in seeds 0..100");
     }
 }
+
+/// Chunks of two blocks, jobs that start inside a chunk, and host segments of three chunks, so
+/// that runs cross segment boundaries: every block comes back from the host tier as it went.
+#[test]
+fn runs_split_at_segment_boundaries_and_chunks_hold_two_blocks() {
+    let gpu = Rc::new(RefCell::new(
+        SimGpu::new(3, GpuOptions::default()).expect("a simulated GPU"),
+    ));
+    let mut driver = SimDriver::new(SimSide {
+        gpu: gpu.clone(),
+        side: 0,
+    });
+    let blocks = 12u64;
+    let kv = buffer(
+        &mut driver,
+        "server kv cache",
+        MemoryTier::Device,
+        blocks * KV,
+    );
+    let source = buffer(&mut driver, "source", MemoryTier::PinnedHost, blocks * KV);
+    let probe = buffer(&mut driver, "probe", MemoryTier::PinnedHost, blocks * KV);
+    let bytes: Vec<u8> = (0..blocks * KV).map(|i| (i / 997 % 251) as u8).collect();
+    driver.write_pinned(source, Bytes(0), &bytes).unwrap();
+    let whole = |m| Ptr::whole(m, Bytes(blocks * KV));
+    driver
+        .copy_async(StreamKind::Compute, whole(kv), whole(source))
+        .unwrap();
+    let base = driver.address(kv);
+    let tensors = vec![CacheTensor {
+        base,
+        blocks,
+        page_bytes: KV,
+        stride: KV,
+    }];
+    let groups = vec![Group {
+        tokens_per_block: 64,
+        refs: vec![LayerRef {
+            tensor: 0,
+            ref_bytes: KV,
+        }],
+    }];
+    let formats = [parse_format("kv/fp8_packed").unwrap()];
+    let reg = Registration::new(tensors, groups, &formats, 2, 8).expect("registered");
+    // Segments of three two-block chunks.
+    let mut tier = Transfers::with_segments(driver, reg, 3 * 2 * KV).expect("a host tier");
+    assert_eq!(tier.host_bytes(), 8 * 2 * KV);
+    // Blocks 0..9, the request's first block at its chunk's second slot: chunks 1..6, whose
+    // slots 3..13 cross the segment boundary after chunk 2.
+    let ptrs: Vec<u64> = (0..9).map(|b| base + b * KV).collect();
+    let sizes = vec![KV; 9];
+    let chunks = [1u64, 2, 3, 4, 5];
+    let job = Job {
+        ptrs: &ptrs,
+        sizes: &sizes,
+        group_blocks: &[9],
+        group_refs: &[1],
+        block_indices: &[1],
+        chunks: &chunks,
+    };
+    let plan = tier.registration().plan(&job).expect("a plan");
+    // One coalesced run, host bytes 3..12 pages: the transfers split it at the segment
+    // boundaries (6 and 12 pages).
+    assert_eq!(plan.runs.len(), 1, "{:?}", plan.runs);
+    assert_eq!((plan.runs[0].host, plan.runs[0].bytes), (3 * KV, 9 * KV));
+    tier.submit(true, 1, &plan, 0).unwrap();
+    tier.wait(&[1]);
+    assert!(tier.finished()[0].1);
+    // Wipe the cache, load the same blocks back into 3..12.
+    tier.driver()
+        .write_pinned(source, Bytes(0), &vec![0; (blocks * KV) as usize])
+        .unwrap();
+    tier.driver()
+        .copy_async(StreamKind::Compute, whole(kv), whole(source))
+        .unwrap();
+    let back: Vec<u64> = (3..12).map(|b| base + b * KV).collect();
+    let job = Job { ptrs: &back, ..job };
+    let plan = tier.registration().plan(&job).expect("a plan");
+    tier.submit(false, 2, &plan, 0).unwrap();
+    tier.wait(&[2]);
+    assert!(tier.finished()[0].1);
+    let d = tier.driver();
+    d.copy_async(StreamKind::Compute, whole(probe), whole(kv))
+        .unwrap();
+    d.stream_synchronize(StreamKind::Compute).unwrap();
+    let mut got = vec![0u8; (blocks * KV) as usize];
+    d.read_pinned(probe, Bytes(0), &mut got).unwrap();
+    let kv_bytes = KV as usize;
+    assert_eq!(&got[3 * kv_bytes..12 * kv_bytes], &bytes[..9 * kv_bytes]);
+    assert!(got[..3 * kv_bytes].iter().all(|&b| b == 0));
+    assert_eq!(
+        gpu.borrow().races.len(),
+        0,
+        "{:?}",
+        gpu.borrow().races.first()
+    );
+}

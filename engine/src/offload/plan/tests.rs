@@ -303,6 +303,21 @@ fn bad_registrations_are_refused() {
         parse_format("index_k/fp4"),
         Err(RegisterError::UnknownFormat(..))
     ));
+    let empty = vec![CacheTensor {
+        base: 0x1000,
+        blocks: 0,
+        page_bytes: KV,
+        stride: KV,
+    }];
+    assert!(matches!(
+        Registration::new(empty, g(0, KV), &kv, 1, 4),
+        Err(RegisterError::Tensor { tensor: 0, .. })
+    ));
+    let twice = [kv[0], kv[0]];
+    assert!(matches!(
+        Registration::new(t(KV), g(0, KV), &twice, 1, 4),
+        Err(RegisterError::RepeatedFormat(_))
+    ));
     let squeezed = vec![CacheTensor {
         base: 0x1000,
         blocks: 4,
