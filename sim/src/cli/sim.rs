@@ -48,7 +48,8 @@ pub struct SimArgs {
     /// schedule run) or of the first failure here.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
-    /// Switch on a bug-zoo mutant (in the `tierkv-zoo` binary, built with `--features mutants`).
+    /// Switch on a bug-zoo mutant (in the `tierkv-zoo` binary, built with `--features mutants`;
+    /// with `--profile vllm`, store-without-event or load-without-event, in any build).
     #[arg(long)]
     pub mutant: Option<String>,
     /// `on`: the engine runs one step ahead in every drawn seed (overlap scheduling: step n+1 is
