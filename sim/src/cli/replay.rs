@@ -211,8 +211,8 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
             !a.no_device_timing,
             options,
         ) {
-            Some(s) => s,
-            None => return 2,
+            Ok(s) => s,
+            Err(code) => return code,
         },
     };
     let started = Instant::now();
@@ -617,6 +617,8 @@ async fn fetch_metrics(addr: std::net::SocketAddr) -> Result<String, String> {
     Ok(body.split("\r\n\r\n").nth(1).unwrap_or("").to_string())
 }
 
+/// The service on the GPU, or the replay's exit code: 2 when no GPU is usable (or the build has
+/// no CUDA), 1 when the engine refused to start.
 #[cfg(feature = "cuda")]
 fn start_cuda(
     cfg: Config,
@@ -624,11 +626,11 @@ fn start_cuda(
     logits: &str,
     timing: bool,
     options: EngineOptions,
-) -> Option<Service> {
+) -> Result<Service, i32> {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
     if let Err(e) = tierkv_kernels::cuda::launch::Kernels::global() {
         eprintln!("--device cuda: no usable CUDA device: {e}");
-        return None;
+        return Err(2);
     }
     let logits = if logits == "exact" {
         LogitsKernel::Exact
@@ -646,17 +648,16 @@ fn start_cuda(
         dev.set_timing(timing);
         Engine::new(cfg, dev, MonotonicClock::new(), options)
     });
-    match started {
-        Ok(s) => Some(s),
-        Err(e) => {
-            eprintln!("replay: {e}");
-            None
-        }
-    }
+    // An engine that refuses to start is the replay's failure (exit 1), as on the CPU; no
+    // usable device above is the environment's (exit 2).
+    started.map_err(|e| {
+        eprintln!("replay: {e}");
+        1
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
-fn start_cuda(_: Config, _: &str, _: &str, _: bool, _: EngineOptions) -> Option<Service> {
+fn start_cuda(_: Config, _: &str, _: &str, _: bool, _: EngineOptions) -> Result<Service, i32> {
     eprintln!("--device cuda needs a build with `--features cuda`");
-    None
+    Err(2)
 }
