@@ -283,6 +283,11 @@ impl PageFormat {
     pub const fn page_bytes(self) -> u64 {
         self.token_bytes() * PAGE_TOKENS as u64
     }
+    /// Bytes of `tokens` token rows (a server's block of another size than tierkv's page), or
+    /// `None` past `u64`.
+    pub const fn rows_bytes(self, tokens: u64) -> Option<u64> {
+        tokens.checked_mul(self.token_bytes())
+    }
     pub fn fingerprint(self) -> LayoutFingerprint {
         LayoutFingerprint {
             format: self,

@@ -161,7 +161,6 @@ pub struct Job<'a> {
 pub struct Registration {
     tensors: Vec<CacheTensor>,
     groups: Vec<Group>,
-    formats: Vec<PageFormat>,
     blocks_per_chunk: u64,
     chunks: u64,
 }
@@ -241,14 +240,17 @@ impl Registration {
             };
             return Err(RegisterError::FormatUnused {
                 format: formats[i].to_string(),
-                bytes: sizes(&|g| g.tokens_per_block.saturating_mul(formats[i].token_bytes())),
+                bytes: sizes(&|g| {
+                    formats[i]
+                        .rows_bytes(g.tokens_per_block)
+                        .unwrap_or(u64::MAX)
+                }),
                 tokens: sizes(&|g| g.tokens_per_block),
             });
         }
         let reg = Registration {
             tensors,
             groups,
-            formats: formats.to_vec(),
             blocks_per_chunk,
             chunks,
         };
@@ -263,18 +265,6 @@ impl Registration {
 
     pub fn tensors(&self) -> &[CacheTensor] {
         &self.tensors
-    }
-
-    pub fn groups(&self) -> &[Group] {
-        &self.groups
-    }
-
-    pub fn formats(&self) -> &[PageFormat] {
-        &self.formats
-    }
-
-    pub fn blocks_per_chunk(&self) -> u64 {
-        self.blocks_per_chunk
     }
 
     pub fn chunks(&self) -> u64 {
@@ -496,7 +486,7 @@ fn check_group(
                 r.ref_bytes, r.tensor, t.page_bytes
             )));
         }
-        let bytes_of = |f: &PageFormat| group.tokens_per_block.checked_mul(f.token_bytes());
+        let bytes_of = |f: &PageFormat| f.rows_bytes(group.tokens_per_block);
         match formats
             .iter()
             .position(|f| bytes_of(f) == Some(r.ref_bytes))
