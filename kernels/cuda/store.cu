@@ -15,8 +15,10 @@
 // - LayerNorm's sums reduce the 32 four-value partials by warp_sum's butterfly, offsets 16, 8, 4,
 //   2, 1 = index bits b6 (xor 2), b5 (in lane), b4 (xor 1), b3, b2 (in lane).
 // Each lane reads its 64 key bytes and its rope values with 16-byte loads and writes its row bytes
-// with 16-byte stores. A slot outside the pool traps: the launcher checked every slot on the host,
-// so one here means the device copy of the slots is not the host's.
+// with 16-byte stores. A slot of -1 marks a padding token (vLLM's slot mapping): the token is
+// computed and not stored. Any other slot outside the pool traps: the launcher checked every slot
+// on the host (or guard_slots replaced it by -1), so one here means the device copy of the slots
+// is not the one checked.
 #define IKS_THREADS 256
 
 // Eight bf16 (one 16-byte load) to floats.
@@ -174,7 +176,8 @@ extern "C" __global__ void __launch_bounds__(IKS_THREADS, 3) index_k_store(
 #pragma unroll
         for (int t = 0; t < 16; t++) v[c][t] = v[c][t] * tkv_inv_sqrt_128();
 
-    if ((u32)slot >= slots_max) __trap();
+    if (slot != -1 && (u32)slot >= slots_max) __trap();
+    const bool put = live && slot != -1;
     const int page = slot / TKV_PAGE_TOKENS, t = slot % TKV_PAGE_TOKENS;
     if (dtype == 0) {
         float amax = 0.0f;
@@ -189,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(IKS_THREADS, 3) index_k_store(
         // one rounding of the same real number); otherwise divide, as the reference does.
         const float inv = 1.0f / scale;
         u8* pg = dst + (size_t)page * TKV_IK_FP8_PAGE_BYTES;
-        if (live) {
+        if (put) {
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 u32 w[4];
@@ -212,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(IKS_THREADS, 3) index_k_store(
             }
             if (q == 0) *reinterpret_cast<float*>(pg + TKV_IK_FP8_SCALES + 4 * t) = scale;
         }
-    } else if (live) {
+    } else if (put) {
         u8* row = dst + (size_t)page * TKV_IK_BF16_PAGE_BYTES + t * TKV_IK_BF16_ROW_BYTES;
 #pragma unroll
         for (int c = 0; c < 2; c++) {

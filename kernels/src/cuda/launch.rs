@@ -21,7 +21,12 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
+mod guarded;
+
 pub use super::DrawKind;
+pub use guarded::{
+    GuardFinding, GuardStatus, GuardedIndexKStore, GuardedIndexLogits, GuardedPageCopy, GuardedTopK,
+};
 
 /// Blocks per row of `sparse_read`: one per 128 ranks (16 at k = 2048), so that a few rows still
 /// spread over the GPU (one block per row read 2,048 scattered KV rows with 8 warps).
@@ -143,8 +148,16 @@ impl IndexKStoreLaunch<'_> {
     /// Every buffer is large enough and aligned for the kernel's 16-byte accesses, the pool is
     /// whole pages of the dtype's format, and every slot lies in it.
     pub fn check(&self) -> Result<CheckedIndexKStore> {
+        let checked = self.check_buffers(self.slots.len())?;
+        slots_in("index_k_store", self.slots, checked.slots_max as u64)?;
+        Ok(checked)
+    }
+
+    /// [`Self::check`] for `n` tokens without walking the host slots: every check but the slots'
+    /// range (which the guarded launch leaves to the device, `guard.cu`).
+    fn check_buffers(&self, n: usize) -> Result<CheckedIndexKStore> {
         const OP: &str = "index_k_store";
-        let n = self.slots.len() as u64;
+        let n = n as u64;
         if n > (i32::MAX / 4) as u64 {
             return Err(bad(OP, "slots", format!("{n} tokens in one launch")));
         }
@@ -167,7 +180,6 @@ impl IndexKStoreLaunch<'_> {
         }
         let pages = paged(OP, PageFormat::IndexK(self.dtype), self.dst, self.dst_fp)?;
         let slots_max = pages * PAGE_TOKENS as u64;
-        slots_in(OP, self.slots, slots_max)?;
         Ok(CheckedIndexKStore {
             dtype: self.dtype,
             ue8m0: self.ue8m0,
@@ -335,29 +347,11 @@ impl IndexLogitsLaunch<'_> {
     /// [`CheckedIndexLogits`]).
     pub fn check(&self) -> Result<CheckedIndexLogits> {
         const OP: &str = "index_logits";
-        let (rows, pt_stride, out_stride) = (self.rows(), self.pt_stride, self.out_stride);
-        if self.heads == 0 || self.heads > INDEX_HEADS_MAX as usize {
-            return Err(bad(
-                OP,
-                "heads",
-                format!("{} outside 1..={INDEX_HEADS_MAX}", self.heads),
-            ));
-        }
-        let rh = (rows * self.heads) as u64;
-        need(OP, "q", self.q, fp8_bytes(rh * INDEX_HEAD_DIM as u64))?;
-        need(OP, "w", self.w, f32_bytes(rh))?;
-        need(
-            OP,
-            "page_table",
-            self.pt_dev,
-            i32_bytes((rows * pt_stride) as u64),
-        )?;
-        need(OP, "context_lens", self.lens_dev, i32_bytes(rows as u64))?;
-        need(OP, "out", self.out, f32_bytes((rows * out_stride) as u64))?;
-        if self.page_table.len() != rows * pt_stride {
+        let (checked, pages) = self.check_buffers(self.rows())?;
+        let (pt_stride, out_stride) = (self.pt_stride, self.out_stride);
+        if self.page_table.len() != checked.rows * pt_stride {
             return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
         }
-        let pages = paged(OP, PageFormat::IndexK(self.dtype), self.k, self.k_fp)?;
         for (r, &len) in self.context_lens.iter().enumerate() {
             if len < 0
                 || len as usize > out_stride
@@ -377,7 +371,34 @@ impl IndexLogitsLaunch<'_> {
                 pages,
             )?;
         }
-        Ok(CheckedIndexLogits {
+        Ok(checked)
+    }
+
+    /// [`Self::check`] for `rows` rows without walking the host page table and context lengths;
+    /// also answers the pool's pages.
+    fn check_buffers(&self, rows: usize) -> Result<(CheckedIndexLogits, u64)> {
+        const OP: &str = "index_logits";
+        let (pt_stride, out_stride) = (self.pt_stride, self.out_stride);
+        if self.heads == 0 || self.heads > INDEX_HEADS_MAX as usize {
+            return Err(bad(
+                OP,
+                "heads",
+                format!("{} outside 1..={INDEX_HEADS_MAX}", self.heads),
+            ));
+        }
+        let rh = (rows * self.heads) as u64;
+        need(OP, "q", self.q, fp8_bytes(rh * INDEX_HEAD_DIM as u64))?;
+        need(OP, "w", self.w, f32_bytes(rh))?;
+        need(
+            OP,
+            "page_table",
+            self.pt_dev,
+            i32_bytes((rows * pt_stride) as u64),
+        )?;
+        need(OP, "context_lens", self.lens_dev, i32_bytes(rows as u64))?;
+        need(OP, "out", self.out, f32_bytes((rows * out_stride) as u64))?;
+        let pages = paged(OP, PageFormat::IndexK(self.dtype), self.k, self.k_fp)?;
+        let checked = CheckedIndexLogits {
             dtype: self.dtype,
             heads: self.heads,
             q: self.q,
@@ -389,7 +410,8 @@ impl IndexLogitsLaunch<'_> {
             out: self.out,
             out_stride,
             rows,
-        })
+        };
+        Ok((checked, pages))
     }
 }
 

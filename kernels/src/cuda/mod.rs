@@ -110,6 +110,12 @@ pub const SOURCES: &[Source] = &[
         arch: ARCH,
     },
     Source {
+        file: "guard.cu",
+        text: include_str!("../../cuda/guard.cu"),
+        kernels: &["guard_slots", "guard_rows", "guard_pairs", "guard_iota"],
+        arch: ARCH,
+    },
+    Source {
         file: "rope.cu",
         text: include_str!("../../cuda/rope.cu"),
         kernels: &["rope_rows"],
@@ -331,6 +337,58 @@ pub fn compile_options_for(arch: &'static str) -> CompileOptions {
     }
 }
 
+/// What a guard kernel (`guard.cu`) refused: the code it writes into word 0 of its status record
+/// (`TKV_GUARD_*` in the kernels, generated from this enum by [`layout_prelude`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum GuardRefusal {
+    /// A slot outside the pool that is not -1.
+    Slot = 1,
+    /// A row's context length outside `0..=` the row's capacity.
+    ContextLen = 2,
+    /// A page-table entry a row's context uses, outside the pool.
+    Page = 3,
+    /// A source page number outside the source pool.
+    SrcPage = 4,
+    /// A destination page number outside the destination pool.
+    DstPage = 5,
+}
+
+impl GuardRefusal {
+    pub const ALL: [GuardRefusal; 5] = [
+        GuardRefusal::Slot,
+        GuardRefusal::ContextLen,
+        GuardRefusal::Page,
+        GuardRefusal::SrcPage,
+        GuardRefusal::DstPage,
+    ];
+
+    pub fn from_code(code: u64) -> Option<GuardRefusal> {
+        GuardRefusal::ALL.into_iter().find(|g| *g as u64 == code)
+    }
+
+    fn define(self) -> &'static str {
+        match self {
+            GuardRefusal::Slot => "TKV_GUARD_SLOT",
+            GuardRefusal::ContextLen => "TKV_GUARD_CONTEXT_LEN",
+            GuardRefusal::Page => "TKV_GUARD_PAGE",
+            GuardRefusal::SrcPage => "TKV_GUARD_SRC_PAGE",
+            GuardRefusal::DstPage => "TKV_GUARD_DST_PAGE",
+        }
+    }
+
+    /// The entry a refusal names, in words.
+    pub fn entry(self) -> &'static str {
+        match self {
+            GuardRefusal::Slot => "slot",
+            GuardRefusal::ContextLen => "context length",
+            GuardRefusal::Page => "page-table entry",
+            GuardRefusal::SrcPage => "source page",
+            GuardRefusal::DstPage => "destination page",
+        }
+    }
+}
+
 /// The byte sizes and offsets the kernels address, as C macros generated from the layout module
 /// (the one place that computes them), so no `.cu` file writes a layout number of its own; and
 /// the synthetic model's stream codes (`cpu::draw::Stream`), which `draw.cu` draws from.
@@ -377,10 +435,12 @@ pub fn layout_prelude() -> String {
         ("TKV_VOCAB", crate::cpu::draw::VOCAB as u64),
         ("TKV_NEXT_TOKEN_SALT", crate::cpu::draw::NEXT_TOKEN_SALT),
     ];
+    let guard = GuardRefusal::ALL.map(|g| (g.define(), g as u64));
     let layout = defs
         .iter()
         .chain(&topk)
         .chain(&draw)
+        .chain(&guard)
         .map(|(name, v)| format!("#define {name} {v}\n"));
     let streams = crate::cpu::draw::STREAM_DEFINES
         .iter()

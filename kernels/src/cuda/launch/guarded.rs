@@ -1,0 +1,510 @@
+//! Guarded launches: the kernels on index arrays that stay on the device.
+//!
+//! The checked launchers walk a host copy of every slot, page-table entry and context length
+//! before they launch. A caller whose index arrays live only on the GPU (a torch op: vLLM's slot
+//! mapping, DeepGEMM-style block tables) would have to copy them back and synchronise its stream
+//! for that. A guarded launch instead checks on the host everything the host knows (sizes,
+//! dtypes, alignment, the pool's format) and runs a guard kernel (`guard.cu`) on the launch's
+//! stream before the work kernel: it writes a copy of the index array in which every entry the
+//! work kernel must not follow is replaced by one the kernel skips (a slot or page pair of -1, a
+//! row's length of 0), and records the first replaced entry in a [`GuardStatus`] (mapped pinned
+//! host memory). No kernel reads or writes outside its buffers, whatever the arrays hold; the
+//! refusal reaches the host later, when it reads the status ([`GuardStatus::take`]), the way a
+//! CUDA launch's asynchronous error does.
+//!
+//! The scratch arrays are allocated on the launch's stream (`cuMemAllocAsync`) and freed on it
+//! after the work kernel (`cuMemFreeAsync`), so they live exactly as long as the work that reads
+//! them.
+
+use super::{aligned, bad, cuda, need, CheckedIndexLogits, IndexKStoreLaunch, IndexLogitsLaunch};
+use super::{i32_bytes, DevPtr, Kernels, LogitsKernel, LogitsTuning};
+use crate::cuda::{
+    topk_cluster, GuardRefusal, TOPK_BUCKET_WORDS, TOPK_KERNELS, TOPK_STAGED_MAX, TOPK_THREADS,
+};
+use crate::error::Result;
+use crate::layout::{f32_bytes, IndexKDtype, LayoutFingerprint, INDEX_TOPK_MAX, PAGE_TOKENS};
+use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
+use cudarc::driver::PushKernelArg;
+use cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
+use std::sync::Arc;
+
+/// Words of a status record: what, index, value, limit, claim (`guard.cu`).
+const STATUS_WORDS: usize = 5;
+
+/// Threads of a guard kernel's block.
+const GUARD_THREADS: u32 = 256;
+
+/// Where the guard kernels record the first entry they refused: five words of mapped pinned host
+/// memory (`cuMemHostAlloc`, portable and mapped), read by the host without synchronising.
+pub struct GuardStatus {
+    host: *mut u64,
+    device: u64,
+    /// Keeps the context (and so the allocation) alive.
+    _ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the record is plain words in pinned memory, read and written with volatile accesses;
+// the kernels write it through `device`, the host through `host`.
+unsafe impl Send for GuardStatus {}
+unsafe impl Sync for GuardStatus {}
+
+/// The first entry a guard kernel refused since the last [`GuardStatus::take`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuardFinding {
+    pub refusal: GuardRefusal,
+    /// The entry's index in its array (a row for a page-table entry or a context length).
+    pub index: i64,
+    pub value: i64,
+    /// The bound it broke: the entry must lie in `0..limit` (`0..=limit` for a context length).
+    pub limit: u64,
+}
+
+impl std::fmt::Display for GuardFinding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (what, index, value, limit) =
+            (self.refusal.entry(), self.index, self.value, self.limit);
+        match self.refusal {
+            GuardRefusal::ContextLen => write!(
+                f,
+                "row {index}'s {what} {value} is outside 0..={limit}; the row was left empty"
+            ),
+            GuardRefusal::Page => write!(
+                f,
+                "row {index} names page {value}, outside the pool's {limit} pages; the row was \
+                 left empty"
+            ),
+            GuardRefusal::Slot => write!(
+                f,
+                "{what} {value} of token {index} is outside the pool's {limit} slots (and not \
+                 -1); the token was not stored"
+            ),
+            GuardRefusal::SrcPage | GuardRefusal::DstPage => write!(
+                f,
+                "{what} {value} of pair {index} is outside its pool's {limit} pages; the pair \
+                 was not copied"
+            ),
+        }
+    }
+}
+
+impl GuardStatus {
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<GuardStatus> {
+        ctx.bind_to_thread().map_err(cuda("guard status"))?;
+        let bytes = STATUS_WORDS * std::mem::size_of::<u64>();
+        // SAFETY: a fresh allocation of `bytes`; zeroed before any kernel can see it.
+        let host = unsafe {
+            result::malloc_host(bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE)
+        }
+        .map_err(cuda("guard status: cuMemHostAlloc"))? as *mut u64;
+        for i in 0..STATUS_WORDS {
+            // SAFETY: inside the allocation.
+            unsafe { host.add(i).write_volatile(0) };
+        }
+        let mut device = 0;
+        // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP in this context.
+        let got = unsafe {
+            cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0)
+        };
+        if got != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: allocated just now, not handed out.
+            unsafe { result::free_host(host.cast()) }.ok();
+            return Err(crate::error::KernelError::Cuda {
+                op: "guard status: cuMemHostGetDevicePointer",
+                detail: format!("{got:?}"),
+            });
+        }
+        Ok(GuardStatus {
+            host,
+            device,
+            _ctx: ctx.clone(),
+        })
+    }
+
+    fn word(&self, i: usize) -> u64 {
+        assert!(i < STATUS_WORDS);
+        // SAFETY: inside the allocation; volatile because the GPU writes it.
+        unsafe { self.host.add(i).read_volatile() }
+    }
+
+    /// The first refusal recorded since the last call, if one is visible yet, and clears the
+    /// record. Without synchronising, a refusal of work still in flight may show up only at a
+    /// later call; after the launch's stream was synchronised it is visible.
+    pub fn take(&self) -> Option<GuardFinding> {
+        let code = self.word(0);
+        if code == 0 {
+            return None;
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        let refusal = GuardRefusal::from_code(code)
+            .unwrap_or_else(|| panic!("guard status: unknown refusal code {code}"));
+        let finding = GuardFinding {
+            refusal,
+            index: self.word(1) as i64,
+            value: self.word(2) as i64,
+            limit: self.word(3),
+        };
+        for i in [0, 1, 2, 3, 4] {
+            // SAFETY: inside the allocation. The claim word (4) is cleared last, so a kernel
+            // reporting meanwhile either finds it taken or writes a whole new record.
+            unsafe { self.host.add(i).write_volatile(0) };
+        }
+        Some(finding)
+    }
+}
+
+impl Drop for GuardStatus {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc in `new`; the caller drops the status only after
+        // the launches that write it (it lives as long as the ops that hold it).
+        unsafe { result::free_host(self.host.cast()) }.ok();
+    }
+}
+
+fn blocks(n: usize) -> u32 {
+    (n as u32).div_ceil(GUARD_THREADS).max(1)
+}
+
+fn scratch(s: &Arc<CudaStream>, op: &'static str, n: usize) -> Result<CudaSlice<i32>> {
+    // SAFETY: every element is written by the guard kernel before the work kernel reads it.
+    unsafe { s.alloc::<i32>(n.max(1)) }.map_err(cuda(op))
+}
+
+fn dev(slice: &CudaSlice<i32>, s: &Arc<CudaStream>) -> DevPtr {
+    let (ptr, _sync) = slice.device_ptr(s);
+    DevPtr {
+        ptr,
+        bytes: i32_bytes(slice.len() as u64),
+    }
+}
+
+/// An `index_k_store` whose `n` slots (`i32`, on the device) are checked by `guard_slots`: a
+/// slot of -1 is a padding token, computed and not stored.
+#[derive(Clone, Copy, Debug)]
+pub struct GuardedIndexKStore {
+    pub dtype: IndexKDtype,
+    pub ue8m0: bool,
+    pub keys: DevPtr,
+    pub gamma: DevPtr,
+    pub beta: DevPtr,
+    pub rope: DevPtr,
+    pub slots: DevPtr,
+    pub n: usize,
+    pub dst: DevPtr,
+    pub dst_fp: LayoutFingerprint,
+}
+
+/// An `index_logits` whose page table and context lengths (`i32`, on the device) are checked
+/// by `guard_rows`: a refused row is scored as an empty context (every logit -inf).
+#[derive(Clone, Copy, Debug)]
+pub struct GuardedIndexLogits {
+    pub dtype: IndexKDtype,
+    pub heads: usize,
+    pub rows: usize,
+    pub q: DevPtr,
+    pub w: DevPtr,
+    pub page_table: DevPtr,
+    pub pt_stride: usize,
+    pub context_lens: DevPtr,
+    pub k: DevPtr,
+    pub k_fp: LayoutFingerprint,
+    pub out: DevPtr,
+    pub out_stride: usize,
+}
+
+/// A `topk` over `rows` rows whose context lengths (on the device) are checked by `guard_rows`
+/// (a refused row selects nothing: -1 everywhere). `page_table` maps positions to slots as in
+/// [`super::TopKLaunch`]; `None` selects positions (an identity table, made on the device).
+#[derive(Clone, Copy, Debug)]
+pub struct GuardedTopK {
+    pub k: usize,
+    pub rows: usize,
+    pub logits: DevPtr,
+    pub stride: usize,
+    pub context_lens: DevPtr,
+    pub page_table: Option<(DevPtr, usize)>,
+    pub out: DevPtr,
+}
+
+/// Whole pages from `src` to `dst` (`page_bytes` each, pages back to back from each pointer):
+/// pair `i` copies page `src_pages_dev[i]` to page `dst_pages_dev[i]`, both checked by
+/// `guard_pairs` (a refused pair is not copied). Either side may be mapped pinned host memory.
+#[derive(Clone, Copy, Debug)]
+pub struct GuardedPageCopy {
+    pub src: DevPtr,
+    pub dst: DevPtr,
+    pub page_bytes: u64,
+    pub src_pages: DevPtr,
+    pub dst_pages: DevPtr,
+    pub n: usize,
+}
+
+impl Kernels {
+    fn guard_launch<'a>(
+        &'a self,
+        s: &'a Arc<CudaStream>,
+        name: &'static str,
+        grid: u32,
+        args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
+    ) -> Result<()> {
+        let mut b = s.launch_builder(self.f(name));
+        args(&mut b);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (GUARD_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the callers checked every buffer the guard kernel reads or writes.
+        unsafe { b.launch(cfg) }.map_err(cuda(name))?;
+        Ok(())
+    }
+
+    /// `index_k_store` of a guarded launch (see the module's doc).
+    pub fn index_k_store_guarded(
+        &self,
+        s: &Arc<CudaStream>,
+        g: &GuardStatus,
+        a: &GuardedIndexKStore,
+    ) -> Result<()> {
+        const OP: &str = "index_k_store";
+        let launch = IndexKStoreLaunch {
+            dtype: a.dtype,
+            ue8m0: a.ue8m0,
+            keys: a.keys,
+            gamma: a.gamma,
+            beta: a.beta,
+            rope: a.rope,
+            slots: &[],
+            slots_dev: a.slots,
+            dst: a.dst,
+            dst_fp: a.dst_fp,
+        };
+        let mut checked = launch.check_buffers(a.n)?;
+        if a.n == 0 {
+            return Ok(());
+        }
+        let clean = scratch(s, OP, a.n)?;
+        let (n32, slots_max, out) = (a.n as i32, checked.slots_max, dev(&clean, s).ptr);
+        self.guard_launch(s, "guard_slots", blocks(a.n), |b| {
+            b.arg(&a.slots.ptr)
+                .arg(&n32)
+                .arg(&slots_max)
+                .arg(&out)
+                .arg(&g.device);
+        })?;
+        checked.slots_dev = out;
+        self.index_k_store_checked(s, &checked)
+    }
+
+    /// `index_logits` of a guarded launch (see the module's doc).
+    pub fn index_logits_guarded(
+        &self,
+        kind: LogitsKernel,
+        tuning: LogitsTuning,
+        s: &Arc<CudaStream>,
+        g: &GuardStatus,
+        a: &GuardedIndexLogits,
+    ) -> Result<()> {
+        const OP: &str = "index_logits";
+        let launch = IndexLogitsLaunch {
+            dtype: a.dtype,
+            heads: a.heads,
+            q: a.q,
+            w: a.w,
+            page_table: &[],
+            pt_stride: a.pt_stride,
+            pt_dev: a.page_table,
+            context_lens: &[],
+            lens_dev: a.context_lens,
+            k: a.k,
+            k_fp: a.k_fp,
+            out: a.out,
+            out_stride: a.out_stride,
+        };
+        let (mut checked, pages): (CheckedIndexLogits, u64) = launch.check_buffers(a.rows)?;
+        if a.rows == 0 || a.out_stride == 0 {
+            return Ok(());
+        }
+        let len_max = a.out_stride.min(a.pt_stride * PAGE_TOKENS as usize);
+        let lens = self.guard_rows(
+            s,
+            g,
+            OP,
+            a.rows,
+            a.page_table,
+            a.pt_stride,
+            a.context_lens,
+            len_max,
+            pages,
+        )?;
+        checked.lens_dev = dev(&lens, s);
+        // SAFETY: `guard_rows` left every row's length within its table and output row, and
+        // every page the row uses inside the pool, in the array the kernel reads (in stream
+        // order after the guard); the page table itself must not be written meanwhile, which
+        // is the caller's contract for any launch on it.
+        unsafe { self.index_logits_checked(kind, tuning, s, &checked) }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn guard_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        g: &GuardStatus,
+        op: &'static str,
+        rows: usize,
+        page_table: DevPtr,
+        pt_stride: usize,
+        lens: DevPtr,
+        len_max: usize,
+        pages: u64,
+    ) -> Result<CudaSlice<i32>> {
+        need(op, "context_lens", lens, i32_bytes(rows as u64))?;
+        aligned(op, "context_lens", lens, 4)?;
+        aligned(op, "page_table", page_table, 4)?;
+        if rows > i32::MAX as usize || len_max > i32::MAX as usize || pt_stride > i32::MAX as usize
+        {
+            return Err(bad(op, "rows", "a count above i32::MAX"));
+        }
+        let clean = scratch(s, op, rows)?;
+        let out = dev(&clean, s).ptr;
+        let (pts, r32, lm, pg) = (
+            pt_stride as i32,
+            rows as i32,
+            len_max as i32,
+            pages.min(u32::MAX as u64) as u32,
+        );
+        self.guard_launch(s, "guard_rows", rows as u32, |b| {
+            b.arg(&page_table.ptr).arg(&pts).arg(&lens.ptr).arg(&r32);
+            b.arg(&lm).arg(&pg).arg(&out).arg(&g.device);
+        })?;
+        Ok(clean)
+    }
+
+    /// `topk` of a guarded launch (see the module's doc), in [`topk_cluster`]'s shape for rows
+    /// as long as `stride` (the lengths are on the device).
+    pub fn topk_guarded(
+        &self,
+        s: &Arc<CudaStream>,
+        g: &GuardStatus,
+        a: &GuardedTopK,
+    ) -> Result<()> {
+        const OP: &str = "topk";
+        let (k, rows, stride) = (a.k, a.rows, a.stride);
+        if k == 0 || k > INDEX_TOPK_MAX as usize {
+            return Err(bad(OP, "k", format!("{k} is outside 1..={INDEX_TOPK_MAX}")));
+        }
+        if stride > i32::MAX as usize {
+            return Err(bad(OP, "stride", "a row stride above i32::MAX"));
+        }
+        need(OP, "logits", a.logits, f32_bytes((rows * stride) as u64))?;
+        need(OP, "out", a.out, i32_bytes((rows * k) as u64))?;
+        aligned(OP, "logits", a.logits, 4)?;
+        aligned(OP, "out", a.out, 4)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        // Positions: one identity row that every row shares (a table stride of 0).
+        let pages_max = stride.div_ceil(PAGE_TOKENS as usize);
+        let identity;
+        let (pt, pt_stride, len_max) = match a.page_table {
+            Some((pt, pts)) => {
+                need(OP, "page_table", pt, i32_bytes((rows * pts) as u64))?;
+                (pt, pts, stride.min(pts * PAGE_TOKENS as usize))
+            }
+            None => {
+                identity = scratch(s, OP, pages_max)?;
+                let (out, n) = (dev(&identity, s).ptr, pages_max as i32);
+                self.guard_launch(s, "guard_iota", blocks(pages_max), |b| {
+                    b.arg(&out).arg(&n);
+                })?;
+                (dev(&identity, s), 0, stride)
+            }
+        };
+        // A table's entries are only mapped to slots, never dereferenced: any page but -1 goes.
+        let lens = self.guard_rows(
+            s,
+            g,
+            OP,
+            rows,
+            pt,
+            pt_stride,
+            a.context_lens,
+            len_max,
+            u32::MAX as u64,
+        )?;
+        let cluster = topk_cluster(rows, stride, self.sms);
+        let Some(&(_, name)) = TOPK_KERNELS.iter().find(|(c, _)| *c == cluster) else {
+            unreachable!("topk_cluster answers 1, 2, 4 or 8, not {cluster}")
+        };
+        if rows as u64 * cluster as u64 > i32::MAX as u64 {
+            return Err(bad(OP, "rows", format!("{rows} rows in one launch")));
+        }
+        let cap = stride.div_ceil(cluster as usize).min(TOPK_STAGED_MAX);
+        let (st, k32, pts, cap32) = (stride as i32, k as i32, pt_stride as i32, cap as i32);
+        let lens_ptr = dev(&lens, s).ptr;
+        let mut b = s.launch_builder(self.f(name));
+        b.arg(&a.logits.ptr).arg(&st).arg(&lens_ptr).arg(&pt.ptr);
+        b.arg(&pts).arg(&k32).arg(&a.out.ptr).arg(&cap32);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32 * cluster, 1, 1),
+            block_dim: (TOPK_THREADS, 1, 1),
+            shared_mem_bytes: i32_bytes((cap + TOPK_BUCKET_WORDS) as u64).0 as u32,
+        };
+        // SAFETY: sizes checked above; every row's length is within its logits row and table
+        // (`guard_rows`, in stream order before this launch).
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+
+    /// Whole pages of a guarded launch (see the module's doc), one CTA per pair.
+    pub fn page_copy_guarded(
+        &self,
+        s: &Arc<CudaStream>,
+        g: &GuardStatus,
+        a: &GuardedPageCopy,
+    ) -> Result<()> {
+        const OP: &str = "page_copy";
+        let pb = a.page_bytes;
+        if pb == 0 || pb % 16 != 0 {
+            return Err(bad(
+                OP,
+                "page_bytes",
+                format!("{pb} is not a positive multiple of 16"),
+            ));
+        }
+        for (name, p) in [("src", a.src), ("dst", a.dst)] {
+            aligned(OP, name, p, 16)?;
+        }
+        for (name, p) in [("src_pages", a.src_pages), ("dst_pages", a.dst_pages)] {
+            need(OP, name, p, i32_bytes(a.n as u64))?;
+            aligned(OP, name, p, 4)?;
+        }
+        if a.n > i32::MAX as usize / 2 {
+            return Err(bad(OP, "pages", format!("{} pairs in one launch", a.n)));
+        }
+        if a.n == 0 {
+            return Ok(());
+        }
+        let pages = |p: DevPtr| (p.bytes.0 / pb).min(u32::MAX as u64) as u32;
+        let (src_pages, dst_pages) = (pages(a.src), pages(a.dst));
+        let pairs = scratch(s, OP, 2 * a.n)?;
+        let (out, n32) = (dev(&pairs, s).ptr, a.n as i32);
+        self.guard_launch(s, "guard_pairs", blocks(a.n), |b| {
+            b.arg(&a.src_pages.ptr).arg(&a.dst_pages.ptr).arg(&n32);
+            b.arg(&src_pages).arg(&dst_pages).arg(&out).arg(&g.device);
+        })?;
+        let zero = 0u64;
+        let mut b = s.launch_builder(self.f("page_gather"));
+        b.arg(&a.src.ptr).arg(&zero).arg(&pb);
+        b.arg(&a.dst.ptr).arg(&zero).arg(&pb);
+        b.arg(&out).arg(&n32).arg(&pb);
+        let cfg = LaunchConfig {
+            grid_dim: (a.n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every pair is inside both buffers or (-1, -1), which the kernel skips
+        // (`guard_pairs`, in stream order before this launch).
+        unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
+        Ok(())
+    }
+}
