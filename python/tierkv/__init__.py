@@ -4,11 +4,15 @@
   (least-recently-used eviction in O(log n), write-through or selective write policy).
 - ``HostTier``: host chunks for the server's cache arrays, and each transfer job's copies
   between them, every address checked against the registered caches first.
+- ``tierkv.ops``: the indexer's kernels (index-K store, paged MQA logits, top-k, page copies)
+  as ops on torch tensors or numpy arrays: the CPU references on host arrays, the CUDA kernels
+  on CUDA tensors.
 - ``tierkv.vllm``: vLLM's offloading spec on top of both (import it only where vLLM is
   installed).
 
 Refusals raise ``OffloadError``, ``RegisterError``, ``PlanError`` (all ``ValueError``) or
-``HostMemoryError`` (a ``MemoryError``), each naming what was wrong.
+``HostMemoryError`` (a ``MemoryError``), each naming what was wrong; the ops raise ``OpError``
+(a ``ValueError``) and ``DeviceIndexError``.
 """
 
 from ._core import (
@@ -24,6 +28,7 @@ from ._core import (
     RegisterError,
     __version__,
 )
+from . import ops
 
 __all__ = [
     "BACKENDS",
@@ -37,4 +42,5 @@ __all__ = [
     "PlanError",
     "RegisterError",
     "__version__",
+    "ops",
 ]

@@ -1,0 +1,157 @@
+"""The indexer's kernels as array ops: torch tensors (CPU or CUDA) or numpy arrays, via DLPack.
+
+Host arrays run tierkv's CPU references; CUDA tensors (a build whose ``tierkv.BACKENDS``
+contains ``"cuda"``) run its CUDA kernels on tierkv's own stream, ordered after the caller's
+current stream by an event and with the caller's stream made to wait for the result: use them
+as if they ran on ``torch.cuda.current_stream()``. Nothing synchronises the device.
+
+- ``index_k_store``: raw index keys -> LayerNorm -> RoPE -> Hadamard -> fp8 (+ scale) or bf16
+  rows, into the slots of a paged index-K cache (slot -1: skip the token).
+- ``paged_mqa_logits``: the indexer's logits over paged keys, DeepGEMM's
+  ``fp8_paged_mqa_logits`` signature (differences in docs/TORCH.md).
+- ``topk``: each row's k largest logits (any k up to 2048), positions or slots, -1 padded.
+- ``copy_pages``: whole blocks between (or within) arrays: gather and scatter.
+
+Arguments are checked before anything runs (shapes, element types, contiguity, alignment, the
+cache's page format): ``OpError``. Index entries (slots, block tables, context lengths, page
+numbers) are checked on the host for host arrays (``OpError``, nothing written); for CUDA tensors
+they stay on the GPU and are checked there: a bad entry is skipped and raised as
+``DeviceIndexError`` by the next op on that device or by ``check()``.
+"""
+
+from . import _core
+
+OpError = _core.OpError
+DeviceIndexError = _core.DeviceIndexError
+
+__all__ = [
+    "DeviceIndexError",
+    "OpError",
+    "check",
+    "copy_pages",
+    "index_k_store",
+    "paged_mqa_logits",
+    "topk",
+]
+
+_DL_CUDA = 2
+
+
+def _array(op, name, x):
+    """``x`` itself, refused unless it is a DLPack array (the wrapper reads its shape)."""
+    if not (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")):
+        raise OpError(f"tierkv.ops.{op}: `{name}` is not a DLPack array ({type(x).__name__})")
+    return x
+
+
+def _cuda(x):
+    """The CUDA ordinal of a DLPack array, or None for host memory."""
+    kind, ordinal = x.__dlpack_device__()
+    return ordinal if kind == _DL_CUDA else None
+
+
+def _is_torch(x):
+    return type(x).__module__.startswith("torch")
+
+
+def _stream(x):
+    """The caller's current stream handle on ``x``'s device (0 for host arrays)."""
+    ordinal = _cuda(x)
+    if ordinal is None:
+        return 0
+    import torch
+
+    return torch.cuda.current_stream(ordinal).cuda_stream
+
+
+def _bytes_view(x):
+    """fp8 torch tensors as uint8 (DLPack export of float8 types varies across torch versions)."""
+    if _is_torch(x) and x.element_size() == 1 and x.dtype.is_floating_point:
+        import torch
+
+        return x.view(torch.uint8)
+    return x
+
+
+def _empty(like, shape, kind):
+    """An uninitialised array of ``kind`` ("float32" or "int32") beside ``like``."""
+    if _is_torch(like):
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, kind), device=like.device)
+    import numpy
+
+    return numpy.empty(shape, dtype=kind)
+
+
+def index_k_store(keys, kv_cache, slot_mapping, gamma, beta, rope, *, dtype="fp8", ue8m0=False):
+    """Stores ``keys`` (bf16 ``[n, 128]``) into ``kv_cache`` at ``slot_mapping`` (int32 ``[n]``).
+
+    ``gamma``/``beta``: the LayerNorm's f32 ``[128]``; ``rope``: f32 ``[n, 64]`` (each token's 32
+    cosines then 32 sines). ``kv_cache``: ``[num_blocks, ...]``, each block one index-K page of
+    ``dtype`` ("fp8": 64 x 128 fp8 values then 64 f32 scales, 8448 bytes; "bf16": 64 x 128
+    bf16, 16384 bytes); any other block size is refused. ``ue8m0``: fp8 scales rounded up to
+    powers of two.
+    """
+    _core.ops_index_k_store(
+        keys, kv_cache, slot_mapping, gamma, beta, rope,
+        dtype=dtype, ue8m0=ue8m0, stream=_stream(_array("index_k_store", "keys", keys)),
+    )
+
+
+def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len,
+                     *, dtype="fp8", kernel="tensor_core", out=None):
+    """The indexer's logits: ``[rows, max_context_len]`` float32, -inf past each context.
+
+    ``q``: fp8 ``[rows, heads, 128]`` or ``[batch, 1, heads, 128]``; ``weights``: f32
+    ``[rows, heads]``; ``context_lens``: int32 ``[rows]``; ``block_table``: int32
+    ``[rows, max_blocks]`` (64 tokens a block). ``kernel``: "tensor_core" (default), "mma" or
+    "exact" (bit-exact with the CPU reference). ``out``: an output array to fill instead.
+    """
+    q = _bytes_view(_array("paged_mqa_logits", "q", q))
+    rows = q.shape[0]
+    if out is None:
+        out = _empty(q, (rows, max_context_len), "float32")
+    _core.ops_paged_mqa_logits(
+        q, kv_cache, weights, context_lens, block_table, out,
+        dtype=dtype, kernel=kernel, stream=_stream(q),
+    )
+    return out
+
+
+def topk(logits, context_lens, k, *, block_table=None, out=None):
+    """Each row's ``k`` largest logits among its first ``context_lens[r]``: int32 ``[rows, k]``.
+
+    Best first (a larger logit first, equal logits by lower position), as positions or as slots
+    through ``block_table`` (``block_table[r][n // 64] * 64 + n % 64``); -1 past the selection
+    (a row shorter than ``k`` selects all of it).
+    """
+    _array("topk", "logits", logits)
+    if out is None:
+        out = _empty(logits, (logits.shape[0], k), "int32")
+    _core.ops_topk(logits, context_lens, out, block_table=block_table, stream=_stream(logits))
+    return out
+
+
+def copy_pages(src, dst, src_pages, dst_pages):
+    """Copies block ``src_pages[i]`` of ``src`` to block ``dst_pages[i]`` of ``dst`` (int32)."""
+    _core.ops_copy_pages(
+        _bytes_view(_array("copy_pages", "src", src)), _bytes_view(dst), src_pages, dst_pages,
+        stream=_stream(src),
+    )
+
+
+def check(device=0, *, synchronize=True):
+    """Raises ``DeviceIndexError`` for an index entry refused on CUDA ``device``.
+
+    With ``synchronize`` (the default) the caller's current stream is synchronised first, so
+    every op queued before this call has been checked; without it, only refusals already
+    visible are raised.
+    """
+    if synchronize:
+        import torch
+
+        torch.cuda.current_stream(device).synchronize()
+    found = _core.ops_take_refusal(device)
+    if found is not None:
+        raise DeviceIndexError(f"tierkv.ops: {found}")
