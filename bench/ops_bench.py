@@ -1,0 +1,115 @@
+"""tierkv.ops called from Python, timed on the shapes `tierkv bench` times its kernels on.
+
+    python3 bench/ops_bench.py OUT.jsonl
+
+Each line of OUT is {"name": ..., "ms": median milliseconds over 10 timed calls}, under the
+names `bench/torch_bench.py` uses, so that `tierkv bench --torch-json OUT` prints these beside
+the kernels it launches itself (its "torch" column then holds tierkv.ops' times: the same
+kernels plus the guard kernel, two events and the Python call). Lines with "what" are the ops'
+fixed cost per call: host time of a call, and GPU time per call of a tiny op.
+Needs a CUDA build of tierkv (PYTHONPATH to the unzipped wheel), torch and a GPU.
+"""
+import json
+import sys
+import time
+
+import torch
+
+import tierkv
+from tierkv import ops
+
+dev = "cuda"
+REPS = 10
+out = open(sys.argv[1] if len(sys.argv) > 1 else "/dev/null", "w")
+
+
+def timeit(f):
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(REPS):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        f()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def emit(name, ms):
+    out.write(json.dumps({"name": name, "ms": ms}) + "\n")
+    out.flush()
+    print(f"tierkv.ops {name}: {ms:.3f} ms", flush=True)
+
+
+def record(**kw):
+    out.write(json.dumps(kw) + "\n")
+    out.flush()
+    print(json.dumps(kw), flush=True)
+
+
+g = torch.Generator(device=dev).manual_seed(1)
+
+# index_k_store, 1M tokens into a pool of exactly those slots (tierkv bench's shape).
+n = 1 << 20
+keys = ((torch.rand(n, 128, device=dev, generator=g) * 8) - 4).bfloat16()
+gamma = torch.ones(128, device=dev)
+beta = torch.zeros(128, device=dev)
+ang = torch.rand(n, 32, device=dev, generator=g) * 6.28
+rope = torch.cat([ang.cos(), ang.sin()], dim=1).contiguous()
+slots = torch.arange(n, dtype=torch.int32, device=dev)
+for dtype, page in (("fp8", 64 * 132), ("bf16", 64 * 256)):
+    pool = torch.empty(n // 64, page, dtype=torch.uint8, device=dev)
+    emit(f"index_k_store {dtype}",
+         timeit(lambda: ops.index_k_store(keys, pool, slots, gamma, beta, rope, dtype=dtype)))
+    del pool
+del keys, rope, ang, slots
+
+# paged_mqa_logits: 64 rows x 64K context, 64 heads, every page its own (tierkv bench's shape).
+B, C, H = 64, 65536, 64
+P = C // 64
+table = torch.randperm(B * P, device=dev, generator=g).int().view(B, P)
+lens = torch.full((B,), C, dtype=torch.int32, device=dev)
+q = torch.randint(0, 256, (B, H, 128), dtype=torch.uint8, device=dev, generator=g)
+q[(q & 0x7F) == 0x7F] = 0
+w = torch.rand(B, H, device=dev, generator=g) * 0.01
+logits = None
+for dtype, page in (("fp8", 64 * 132), ("bf16", 64 * 256)):
+    cache = torch.randint(0, 256, (B * P, page), dtype=torch.uint8, device=dev, generator=g)
+    if dtype == "fp8":
+        cache[:, :8192][(cache[:, :8192] & 0x7F) == 0x7F] = 0
+        cache[:, 8192:] = (torch.rand(B * P, 64, device=dev, generator=g) + 0.5).view(torch.uint8).view(B * P, 256)
+    else:
+        cache.copy_(torch.randn(B * P, page // 2, device=dev, generator=g).bfloat16().view(torch.uint8))
+    emit(f"index_logits {dtype}",
+         timeit(lambda: ops.paged_mqa_logits(q, cache, w, lens, table, C, dtype=dtype)))
+    if dtype == "fp8":
+        logits = ops.paged_mqa_logits(q, cache, w, lens, table, C, dtype=dtype)
+    del cache
+
+for k in (512, 2048):
+    emit(f"topk {k}", timeit(lambda: ops.topk(logits, lens, k)))
+row, row_len = logits[:1].contiguous(), lens[:1].contiguous()
+emit("topk 2048 batch1", timeit(lambda: ops.topk(row, row_len, 2048)))
+
+# The fixed cost of a call: a top-k of one 64-position row, 1,000 times.
+tiny, tiny_len = logits[:1, :64].contiguous(), torch.full((1,), 64, dtype=torch.int32, device=dev)
+tiny_out = torch.empty(1, 8, dtype=torch.int32, device=dev)
+for _ in range(100):
+    ops.topk(tiny, tiny_len, 8, out=tiny_out)
+torch.cuda.synchronize()
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+a.record()
+t0 = time.perf_counter()
+for _ in range(1000):
+    ops.topk(tiny, tiny_len, 8, out=tiny_out)
+host_us = (time.perf_counter() - t0) * 1e3
+b.record()
+b.synchronize()
+record(what="host time per call (topk, 1 x 64, k=8)", us=host_us)
+record(what="GPU time per call, back to back (topk, 1 x 64, k=8)", us=a.elapsed_time(b))
+ops.check()
