@@ -13,3 +13,26 @@ extern "C" __global__ void page_gather(const u8* __restrict__ src, u64 src_base,
     u64 vecs = page_bytes / 16;
     for (u64 i = threadIdx.x; i < vecs; i += blockDim.x) d[i] = s[i];
 }
+
+// copy_list: n copies of any sizes between device and mapped pinned host memory, one CTA per
+// copy (a grid-stride loop over them). desc[3i] is copy i's destination address, desc[3i + 1] its
+// source, desc[3i + 2] its bytes; every address and size is a multiple of 16 (the launcher
+// checks, and falls back to the copy engines otherwise). The copies may run in any order: the
+// launcher sends only copies whose destinations overlap nothing else of the list. Four 16-byte
+// loads are in flight per thread, so a CTA keeps 16 KB of reads moving over PCIe.
+extern "C" __global__ void copy_list(const u64* __restrict__ desc, int n) {
+    for (int c = blockIdx.x; c < n; c += gridDim.x) {
+        uint4* d = reinterpret_cast<uint4*>(desc[3 * c]);
+        const uint4* s = reinterpret_cast<const uint4*>(desc[3 * c + 1]);
+        const u64 vecs = desc[3 * c + 2] / 16;
+        u64 i = threadIdx.x;
+        for (; i + 3 * blockDim.x < vecs; i += 4 * blockDim.x) {
+            uint4 a = s[i], b = s[i + blockDim.x], e = s[i + 2 * blockDim.x], f = s[i + 3 * blockDim.x];
+            d[i] = a;
+            d[i + blockDim.x] = b;
+            d[i + 2 * blockDim.x] = e;
+            d[i + 3 * blockDim.x] = f;
+        }
+        for (; i < vecs; i += blockDim.x) d[i] = s[i];
+    }
+}

@@ -52,13 +52,15 @@ def drain(tier, ids):
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 def test_random_mappings_both_ways_match_a_torch_reference(blocks_per_chunk):
     rng = np.random.default_rng(blocks_per_chunk)
-    blocks, chunks = 64, 32
+    blocks, chunks = 128, 64
     kv, ik = caches(blocks, 1)
     tier = tierkv.HostTier([kv, ik], GROUPS, FORMATS, blocks_per_chunk, chunks)
     assert tier.backend == "cuda"
     host = [torch.zeros((chunks * blocks_per_chunk, KV), dtype=torch.int8), torch.zeros((chunks * blocks_per_chunk, IK), dtype=torch.int8)]
     for job in range(60):
-        n = int(rng.integers(1, 12))
+        # Up to 40 scattered blocks: jobs of fewer than 16 page copies go to the copy engines,
+        # larger ones to the copy kernel (KERNEL_COPIES_MIN in the CUDA driver).
+        n = int(rng.integers(1, 41))
         skip = int(rng.integers(0, blocks_per_chunk))
         n_chunks = -(-(n + skip) // blocks_per_chunk)
         chunk_ids = rng.choice(chunks, size=n_chunks, replace=False).astype(np.uint64)
@@ -84,13 +86,15 @@ def test_random_mappings_both_ways_match_a_torch_reference(blocks_per_chunk):
                 assert torch.equal(got, want), f"job {job} chunk {c} cache {t}"
 
 
-def store_right_after_a_write(mutant, iterations):
+def store_right_after_a_write(mutant, iterations, scattered):
     """A kernel on the current stream writes a block's bytes; the store is issued at once.
-    Returns how many stores read bytes other than the kernel's."""
+    Returns how many stores read bytes other than the kernel's. `scattered`: the blocks in
+    reverse order, so no two pages coalesce (16 page copies: the copy kernel); else in order
+    (one run per cache: the copy engines)."""
     blocks = 8
     kv, ik = caches(blocks, 2)
     tier = tierkv.HostTier([kv, ik], GROUPS, FORMATS, 1, blocks, mutant=mutant)
-    ptrs, sizes = pointers((kv, ik), range(blocks))
+    ptrs, sizes = pointers((kv, ik), range(blocks)[::-1] if scattered else range(blocks))
     chunks = np.concatenate([np.arange(blocks), np.arange(blocks)]).astype(np.uint64).tobytes()
     corrupt = 0
     for i in range(iterations):
@@ -109,13 +113,15 @@ def store_right_after_a_write(mutant, iterations):
     return corrupt
 
 
-def test_a_store_issued_right_after_a_kernel_reads_what_the_kernel_wrote():
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_store_issued_right_after_a_kernel_reads_what_the_kernel_wrote(scattered):
     iterations = int(os.environ.get("TIERKV_STORE_ITERATIONS", "10000"))
-    assert store_right_after_a_write(None, iterations) == 0
+    assert store_right_after_a_write(None, iterations, scattered) == 0
 
 
-def test_without_the_event_the_same_store_reads_stale_bytes():
-    assert store_right_after_a_write("store-without-event", 200) > 0
+@pytest.mark.parametrize("scattered", [False, True])
+def test_without_the_event_the_same_store_reads_stale_bytes(scattered):
+    assert store_right_after_a_write("store-without-event", 200, scattered) > 0
 
 
 def test_mixed_memory_and_unknown_mutants_are_refused():

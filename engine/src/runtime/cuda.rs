@@ -13,7 +13,9 @@ use super::driven::DrivenDevice;
 use super::driver::{Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, MemTable, Ptr};
 use crate::device::*;
 use crate::layout::Bytes;
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
+};
 use std::sync::Arc;
 use tierkv_kernels::cuda::launch::{DevPtr, IndexLogitsLaunch, Kernels};
 pub use tierkv_kernels::cuda::launch::{LogitsKernel, LogitsTuning};
@@ -138,7 +140,20 @@ pub struct CudaDriver {
     streams: [Arc<CudaStream>; 3],
     mems: MemTable<Alloc>,
     events: Vec<CudaEvent>,
+    /// `copy_list` (`page_copy.cu`), compiled on the first batch large enough for it: `None`
+    /// before, `Some(None)` where it could not be compiled or loaded (the batch then goes to the
+    /// copy engines).
+    copy_kernel: Option<Option<CudaFunction>>,
 }
+
+/// The fewest copies of one [`Driver::copy_batch_async`] that go to the copy kernel
+/// (`copy_list`) rather than the copy engines: the engines cost about 1 us of host time per
+/// copy (runs 81-82), the kernel one launch and one upload of 24 bytes per copy.
+pub const KERNEL_COPIES_MIN: usize = 16;
+
+/// The largest mean copy size of a batch the copy kernel takes: larger copies are few per byte,
+/// and the copy engines move them at the link's rate without an SM.
+pub const KERNEL_COPY_MEAN_BYTES_MAX: u64 = 1 << 20;
 
 /// Whether the driver has `cuMemcpyBatchAsync_v2` (CUDA 13.0 and newer). Asked once; cudarc's
 /// loader panics on a symbol the driver lacks, so nothing calls it before this says yes.
@@ -174,6 +189,7 @@ impl CudaDriver {
             streams,
             mems: MemTable::default(),
             events: Vec::new(),
+            copy_kernel: None,
         })
     }
 
@@ -192,7 +208,83 @@ impl CudaDriver {
             streams,
             mems: MemTable::default(),
             events: Vec::new(),
+            copy_kernel: None,
         })
+    }
+
+    /// `copy_list`, compiled and loaded into this driver's context on first use.
+    fn copy_kernel(&mut self) -> Option<&CudaFunction> {
+        if self.copy_kernel.is_none() {
+            let src = tierkv_kernels::cuda::SOURCES
+                .iter()
+                .find(|s| s.file == "page_copy.cu")
+                .expect("page_copy.cu is a kernel source");
+            let loaded = tierkv_kernels::cuda::compile(src)
+                .ok()
+                .and_then(|ptx| self.ctx.load_module(ptx).ok())
+                .and_then(|m| m.load_function("copy_list").ok());
+            self.copy_kernel = Some(loaded);
+        }
+        self.copy_kernel.as_ref().and_then(|f| f.as_ref())
+    }
+
+    /// `copies` as one `copy_list` launch on `s`, where every range is 16-byte aligned, the mean
+    /// copy is at most [`KERNEL_COPY_MEAN_BYTES_MAX`], no destination overlaps another range of
+    /// the batch (the kernel runs the copies in any order) and the kernel is available; `false`
+    /// (nothing queued) otherwise.
+    fn copy_by_kernel(
+        &mut self,
+        s: StreamKind,
+        copies: &[(Ptr, Ptr)],
+    ) -> Result<bool, DeviceError> {
+        let mut desc: Vec<u64> = Vec::with_capacity(3 * copies.len());
+        for &(dst, src) in copies {
+            assert_eq!(
+                src.bytes, dst.bytes,
+                "a copy between ranges of different sizes"
+            );
+            let (d, sp, b) = (self.dev_ptr(dst).ptr, self.dev_ptr(src).ptr, src.bytes.0);
+            if (d | sp | b) % 16 != 0 {
+                return Ok(false);
+            }
+            desc.extend([d, sp, b]);
+        }
+        let total: u64 = desc.chunks_exact(3).map(|c| c[2]).sum();
+        if total / copies.len() as u64 > KERNEL_COPY_MEAN_BYTES_MAX
+            || copies.len() > i32::MAX as usize
+            || !super::driver::destinations_apart(&desc)
+        {
+            return Ok(false);
+        }
+        let Some(f) = self.copy_kernel().cloned() else {
+            return Ok(false);
+        };
+        let stream = self.streams[s.index()].clone();
+        let bytes = desc.len() * std::mem::size_of::<u64>();
+        // SAFETY: stream-ordered: the upload below fills it before the kernel reads it.
+        let table =
+            unsafe { stream.alloc::<u64>(desc.len()) }.map_err(backend("cuMemAllocAsync"))?;
+        let (at, _sync) = cudarc::driver::DevicePtr::device_ptr(&table, &stream);
+        // SAFETY: `desc` is pageable host memory of `bytes`: the driver stages it before it
+        // returns (so it may be dropped at once); `at` holds `bytes`.
+        check(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(at, desc.as_ptr().cast(), bytes, stream.cu_stream())
+            },
+            "cuMemcpyHtoDAsync (the copy list)",
+        )?;
+        let n = copies.len() as i32;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&at).arg(&n);
+        let cfg = LaunchConfig {
+            grid_dim: (copies.len().min(65_535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every range lies inside a live allocation (the caller checked them) and is
+        // 16-byte aligned; the list is in `table`, freed on this stream after the kernel.
+        unsafe { b.launch(cfg) }.map_err(backend("copy_list launch"))?;
+        Ok(true)
     }
 
     /// The kernels, or a refusal on a driver made for copies only.
@@ -387,6 +479,9 @@ impl Driver for CudaDriver {
         copies: &[(Ptr, Ptr)],
     ) -> Result<(), DeviceError> {
         const BATCH: usize = 4096;
+        if copies.len() >= KERNEL_COPIES_MIN && self.copy_by_kernel(s, copies)? {
+            return Ok(());
+        }
         if !batch_copies_available() {
             return copies
                 .iter()

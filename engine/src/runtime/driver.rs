@@ -275,7 +275,9 @@ pub trait Driver {
     /// side may be device or pinned host memory).
     fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError>;
     /// Queues `copies` (`(dst, src)` each) on `s`, in order, as one batch where the driver has
-    /// one (`cuMemcpyBatchAsync`); by default each as a [`Driver::copy_async`].
+    /// one (`cuMemcpyBatchAsync`, or the CUDA driver's copy kernel for a batch whose
+    /// destinations overlap no other range of it, where order cannot matter); by default each
+    /// as a [`Driver::copy_async`].
     fn copy_batch_async(
         &mut self,
         s: StreamKind,
@@ -349,4 +351,49 @@ pub trait Driver {
     /// nothing; a simulated driver orders the host after the record's work here, as the ring's
     /// acquire does.
     fn observed_by_callback(&mut self, _e: DrvEvent) {}
+}
+
+/// Whether no destination range of a copy list (`[dst, src, bytes]` triples) overlaps any other
+/// range of it, source or destination: then its copies may run in any order.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn destinations_apart(desc: &[u64]) -> bool {
+    let mut ranges: Vec<(u64, u64, bool)> = desc
+        .chunks_exact(3)
+        .flat_map(|c| [(c[0], c[0] + c[2], true), (c[1], c[1] + c[2], false)])
+        .filter(|r| r.1 > r.0)
+        .collect();
+    ranges.sort_unstable();
+    let (mut end, mut has_dst) = (0u64, false);
+    for (i, &(lo, hi, dst)) in ranges.iter().enumerate() {
+        if i > 0 && lo < end {
+            if dst || has_dst {
+                return false;
+            }
+            end = end.max(hi);
+        } else {
+            (end, has_dst) = (hi, dst);
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod copy_list_tests {
+    use super::destinations_apart;
+
+    #[test]
+    fn only_lists_whose_destinations_overlap_nothing_may_run_in_any_order() {
+        // [dst, src, bytes] triples.
+        assert!(destinations_apart(&[0, 1000, 16, 16, 1016, 16]));
+        // Two sources may overlap (both only read).
+        assert!(destinations_apart(&[0, 1000, 32, 100, 1016, 32]));
+        // Two destinations overlap.
+        assert!(!destinations_apart(&[0, 1000, 32, 16, 2000, 32]));
+        // A destination overlaps another copy's source (order would matter).
+        assert!(!destinations_apart(&[0, 1000, 32, 2000, 16, 32]));
+        // A copy onto its own source.
+        assert!(!destinations_apart(&[0, 16, 32]));
+        // Adjacent ranges touch but do not overlap; empty copies are ignored.
+        assert!(destinations_apart(&[0, 100, 16, 16, 116, 16, 5, 5, 0]));
+    }
 }

@@ -106,7 +106,7 @@ pub const SOURCES: &[Source] = &[
     Source {
         file: "page_copy.cu",
         text: include_str!("../../cuda/page_copy.cu"),
-        kernels: &["page_gather"],
+        kernels: &["page_gather", "copy_list"],
         arch: ARCH,
     },
     Source {
