@@ -118,19 +118,7 @@ impl<'py> Arr<'py> {
         obj: &Bound<'py, PyAny>,
         elem: Elem,
     ) -> PyResult<Self> {
-        let not_array = |e: PyErr| err(op, format!("`{name}` is not a DLPack array ({e})"));
-        let (dev_type, _id): (i32, i32) = obj
-            .call_method0("__dlpack_device__")
-            .and_then(|d| d.extract())
-            .map_err(not_array)?;
-        let capsule = if dev_type == DL_CUDA {
-            let kw = PyDict::new(obj.py());
-            kw.set_item("stream", -1)?;
-            obj.call_method("__dlpack__", (), Some(&kw))
-        } else {
-            obj.call_method0("__dlpack__")
-        }
-        .map_err(not_array)?;
+        let capsule = export(op, name, obj)?;
         // SAFETY: a "dltensor" capsule holds a DLManagedTensor, whose first field is the
         // DLTensor; GetPointer checks the name (a versioned or used capsule answers null).
         let managed =
@@ -168,16 +156,7 @@ impl<'py> Arr<'py> {
                 ),
             ));
         }
-        let ndim = usize::try_from(t.ndim)
-            .map_err(|_| err(op, format!("`{name}` has {} dimensions", t.ndim)))?;
-        // SAFETY: DLPack's shape (and strides, when not null) hold `ndim` entries.
-        let shape_raw = unsafe { std::slice::from_raw_parts(t.shape, ndim) };
-        let shape: Vec<usize> = shape_raw.iter().map(|&d| d.max(0) as usize).collect();
-        if !t.strides.is_null() {
-            // SAFETY: as above.
-            let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
-            check_contiguous(op, name, &shape, strides)?;
-        }
+        let shape = shape_of(op, name, t)?;
         let ptr = (t.data as u64)
             .checked_add(t.byte_offset)
             .ok_or_else(|| err(op, format!("`{name}`'s address overflows")))?;
@@ -304,6 +283,42 @@ impl<'py> Arr<'py> {
         // SAFETY: as `host_mut`.
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.bytes() as usize) }
     }
+}
+
+/// `obj.__dlpack__()`, without synchronisation for a CUDA array (`stream=-1`).
+fn export<'py>(op: &str, name: &str, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let not_array = |e: PyErr| err(op, format!("`{name}` is not a DLPack array ({e})"));
+    let (dev_type, _id): (i32, i32) = obj
+        .call_method0("__dlpack_device__")
+        .and_then(|d| d.extract())
+        .map_err(not_array)?;
+    if dev_type == DL_CUDA {
+        let kw = PyDict::new(obj.py());
+        kw.set_item("stream", -1)?;
+        obj.call_method("__dlpack__", (), Some(&kw))
+    } else {
+        obj.call_method0("__dlpack__")
+    }
+    .map_err(not_array)
+}
+
+/// The shape of a DLPack tensor, checked to be C-contiguous.
+fn shape_of(op: &str, name: &str, t: &DlTensor) -> PyResult<Vec<usize>> {
+    let ndim = usize::try_from(t.ndim)
+        .map_err(|_| err(op, format!("`{name}` has {} dimensions", t.ndim)))?;
+    if ndim == 0 {
+        // A scalar: its shape pointer may be null.
+        return Ok(Vec::new());
+    }
+    // SAFETY: DLPack's shape (and strides, when not null) hold `ndim` entries.
+    let shape_raw = unsafe { std::slice::from_raw_parts(t.shape, ndim) };
+    let shape: Vec<usize> = shape_raw.iter().map(|&d| d.max(0) as usize).collect();
+    if !t.strides.is_null() {
+        // SAFETY: as above.
+        let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
+        check_contiguous(op, name, &shape, strides)?;
+    }
+    Ok(shape)
 }
 
 /// C-contiguous, in elements; a dimension of extent 1 may have any stride (torch and numpy give

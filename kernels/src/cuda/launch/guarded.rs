@@ -402,8 +402,6 @@ impl Kernels {
         if rows == 0 {
             return Ok(());
         }
-        // Positions: one identity row that every row shares (a table stride of 0).
-        let pages_max = stride.div_ceil(PAGE_TOKENS as usize);
         let identity;
         let (pt, pt_stride, len_max) = match a.page_table {
             Some((pt, pts)) => {
@@ -411,11 +409,7 @@ impl Kernels {
                 (pt, pts, stride.min(pts * PAGE_TOKENS as usize))
             }
             None => {
-                identity = scratch(s, OP, pages_max)?;
-                let (out, n) = (dev(&identity, s).ptr, pages_max as i32);
-                self.guard_launch(s, "guard_iota", blocks(pages_max), |b| {
-                    b.arg(&out).arg(&n);
-                })?;
+                identity = self.positions_table(s, stride)?;
                 (dev(&identity, s), 0, stride)
             }
         };
@@ -453,6 +447,18 @@ impl Kernels {
         // (`guard_rows`, in stream order before this launch).
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
+    }
+
+    /// The page table of a top-k over positions: one identity row (page i is page i) that
+    /// every row shares at a table stride of 0, made on the device.
+    fn positions_table(&self, s: &Arc<CudaStream>, stride: usize) -> Result<CudaSlice<i32>> {
+        let pages = stride.div_ceil(PAGE_TOKENS as usize);
+        let table = scratch(s, "topk", pages)?;
+        let (out, n) = (dev(&table, s).ptr, pages as i32);
+        self.guard_launch(s, "guard_iota", blocks(pages), |b| {
+            b.arg(&out).arg(&n);
+        })?;
+        Ok(table)
     }
 
     /// Whole pages of a guarded launch (see the module's doc), one CTA per pair.
