@@ -6,12 +6,15 @@
 // length of 0), and records the first entry it replaced in a status record of mapped pinned
 // host memory, which the host reads without synchronising. The work kernel reads the copy.
 
-// status[0]: what was refused (0 = nothing; TKV_GUARD_*, generated from the Rust enum
-// `GuardRefusal`), [1] the entry's index, [2] its value, [3] the limit it broke, [4] the claim
-// word (the first reporter writes the record).
+// status (mapped pinned host memory)[0]: what was refused (0 = nothing; TKV_GUARD_*, generated
+// from the Rust enum `GuardRefusal`), [1] the entry's index, [2] its value, [3] the limit it
+// broke. claim (device memory, where atomics are always atomic; atomics on mapped host memory
+// need the platform's PCIe atomics): 0 until the first reporter takes it and writes the record;
+// the host clears it on its stream after reading a record.
 
-__device__ void guard_report(u64* status, int what, long long index, long long value, u64 limit) {
-    if (atomicCAS(&status[4], 0ull, 1ull) != 0ull) return;
+__device__ void guard_report(u64* status, u64* claim, int what, long long index,
+                             long long value, u64 limit) {
+    if (atomicCAS(claim, 0ull, 1ull) != 0ull) return;
     status[1] = (u64)index;
     status[2] = (u64)value;
     status[3] = limit;
@@ -21,13 +24,13 @@ __device__ void guard_report(u64* status, int what, long long index, long long v
 
 // Slots: -1 (a padding token) passes; any other entry outside 0..slots_max becomes -1.
 extern "C" __global__ void guard_slots(const int* __restrict__ slots, int n, u32 slots_max,
-                                       int* __restrict__ out, u64* status) {
+                                       int* __restrict__ out, u64* status, u64* claim) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int s = slots[i];
     const bool ok = s == -1 || (u32)s < slots_max;
     out[i] = ok ? s : -1;
-    if (!ok) guard_report(status, TKV_GUARD_SLOT, i, s, slots_max);
+    if (!ok) guard_report(status, claim, TKV_GUARD_SLOT, i, s, slots_max);
 }
 
 // One block per row: a row whose length is outside 0..=len_max, or one of whose first
@@ -35,7 +38,7 @@ extern "C" __global__ void guard_slots(const int* __restrict__ slots, int n, u32
 // no page of it and write their empty-row result). pages = 0xffffffff checks only for -1.
 extern "C" __global__ void guard_rows(const int* __restrict__ page_table, int pt_stride,
                                       const int* __restrict__ lens, int rows, int len_max,
-                                      u32 pages, int* __restrict__ lens_out, u64* status) {
+                                      u32 pages, int* __restrict__ lens_out, u64* status, u64* claim) {
     const int row = blockIdx.x;
     if (row >= rows) return;
     const int len = lens[row];
@@ -47,12 +50,12 @@ extern "C" __global__ void guard_rows(const int* __restrict__ page_table, int pt
         const int p = pt[j];
         if ((u32)p >= pages) {
             bad = 1;
-            guard_report(status, TKV_GUARD_PAGE, row, p, pages);
+            guard_report(status, claim, TKV_GUARD_PAGE, row, p, pages);
         }
     }
     bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) {
-        if (!len_ok) guard_report(status, TKV_GUARD_CONTEXT_LEN, row, len, (u64)len_max);
+        if (!len_ok) guard_report(status, claim, TKV_GUARD_CONTEXT_LEN, row, len, (u64)len_max);
         lens_out[row] = len_ok && !bad ? len : 0;
     }
 }
@@ -61,15 +64,15 @@ extern "C" __global__ void guard_rows(const int* __restrict__ page_table, int pt
 // (-1, -1), which page_gather skips.
 extern "C" __global__ void guard_pairs(const int* __restrict__ src, const int* __restrict__ dst,
                                        int n, u32 src_pages, u32 dst_pages,
-                                       int* __restrict__ pairs, u64* status) {
+                                       int* __restrict__ pairs, u64* status, u64* claim) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int s = src[i], d = dst[i];
     const bool s_ok = (u32)s < src_pages, d_ok = (u32)d < dst_pages;
     pairs[2 * i] = s_ok && d_ok ? s : -1;
     pairs[2 * i + 1] = s_ok && d_ok ? d : -1;
-    if (!s_ok) guard_report(status, TKV_GUARD_SRC_PAGE, i, s, src_pages);
-    else if (!d_ok) guard_report(status, TKV_GUARD_DST_PAGE, i, d, dst_pages);
+    if (!s_ok) guard_report(status, claim, TKV_GUARD_SRC_PAGE, i, s, src_pages);
+    else if (!d_ok) guard_report(status, claim, TKV_GUARD_DST_PAGE, i, d, dst_pages);
 }
 
 // out[i] = i for i < n: the identity page table of a top-k over positions (the row's page i is

@@ -14,16 +14,16 @@ use crate::{DeviceIndexError, OpError};
 struct Gpu {
     kernels: &'static Kernels,
     stream: Arc<CudaStream>,
-    status: GuardStatus,
     /// Recorded on the caller's stream; tierkv's stream waits for it.
     before: sys::CUevent,
     /// Recorded on tierkv's stream after the op; the caller's stream waits for it.
     after: sys::CUevent,
-    /// One op at a time per device: the events are re-recorded by each.
-    lock: Mutex<()>,
+    /// The guard kernels' record. Its lock is held for a whole op: one op at a time per device
+    /// (the events are re-recorded by each).
+    status: Mutex<GuardStatus>,
 }
 
-// SAFETY: the events are driver handles used under `lock`; everything else is Send + Sync.
+// SAFETY: the events are driver handles used under `status`'s lock; the rest is Send + Sync.
 unsafe impl Send for Gpu {}
 unsafe impl Sync for Gpu {}
 
@@ -36,7 +36,7 @@ fn start(ordinal: usize) -> Result<Gpu, String> {
         .ctx
         .new_stream()
         .map_err(|e| format!("new stream: {e}"))?;
-    let status = GuardStatus::new(&kernels.ctx).map_err(|e| e.to_string())?;
+    let status = GuardStatus::new(&kernels.ctx, &stream).map_err(|e| e.to_string())?;
     let event = || {
         cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| format!("cuEventCreate: {e}"))
@@ -44,10 +44,9 @@ fn start(ordinal: usize) -> Result<Gpu, String> {
     Ok(Gpu {
         kernels,
         stream,
-        status,
         before: event()?,
         after: event()?,
-        lock: Mutex::new(()),
+        status: Mutex::new(status),
     })
 }
 
@@ -83,30 +82,17 @@ pub fn run(
     work: impl FnOnce(&Kernels, &Arc<CudaStream>, &GuardStatus) -> tierkv_kernels::Result<()>,
 ) -> PyResult<()> {
     let g = gpu(op, ordinal)?;
-    let _one = g.lock.lock().unwrap_or_else(|p| p.into_inner());
-    g.kernels
-        .ctx
-        .bind_to_thread()
-        .map_err(|e| OpError::new_err(format!("tierkv.ops.{op}: {e}")))?;
-    if let Some(found) = g.status.take() {
+    let mut status = g.status.lock().unwrap_or_else(|p| p.into_inner());
+    let fail = |e: &dyn std::fmt::Display| OpError::new_err(format!("tierkv.ops.{op}: {e}"));
+    g.kernels.ctx.bind_to_thread().map_err(|e| fail(&e))?;
+    if let Some(found) = status.take(&g.stream).map_err(|e| fail(&e))? {
         return Err(DeviceIndexError::new_err(format!(
             "tierkv.ops.{op}: not run: an earlier op on cuda:{ordinal} refused an index entry: {found}"
         )));
     }
-    let caller = caller as sys::CUstream;
-    if caller as u64 > 2 {
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: an out-pointer to a local; the driver validates the handle.
-        let r = unsafe { sys::cuStreamGetCtx(caller, &mut ctx) };
-        if r != sys::CUresult::CUDA_SUCCESS || ctx != g.kernels.ctx.cu_ctx() {
-            return Err(OpError::new_err(format!(
-                "tierkv.ops.{op}: stream {:#x} is not a stream of cuda:{ordinal}'s primary context ({r:?})",
-                caller as u64
-            )));
-        }
-    }
+    let caller = caller_stream(op, ordinal, g, caller)?;
     let ours = g.stream.cu_stream();
-    // SAFETY: live events of this context; `caller` was checked above (or is a special handle).
+    // SAFETY: live events of this context; `caller` was checked (or is a special handle).
     unsafe {
         check(
             sys::cuEventRecord(g.before, caller),
@@ -119,8 +105,7 @@ pub fn run(
             "cuStreamWaitEvent",
         )?;
     }
-    work(g.kernels, &g.stream, &g.status)
-        .map_err(|e| OpError::new_err(format!("tierkv.ops.{op}: {e}")))?;
+    work(g.kernels, &g.stream, &status).map_err(|e| fail(&e))?;
     // SAFETY: as above.
     unsafe {
         check(
@@ -137,9 +122,31 @@ pub fn run(
     Ok(())
 }
 
+/// The caller's stream handle, checked: 0, 1 and 2 are CUDA's special handles (the legacy
+/// default stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD); any other must be a stream of the
+/// device's primary context.
+fn caller_stream(op: &str, ordinal: i32, g: &Gpu, caller: u64) -> PyResult<sys::CUstream> {
+    let stream = caller as sys::CUstream;
+    if caller > 2 {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; the driver validates the handle.
+        let r = unsafe { sys::cuStreamGetCtx(stream, &mut ctx) };
+        if r != sys::CUresult::CUDA_SUCCESS || ctx != g.kernels.ctx.cu_ctx() {
+            return Err(OpError::new_err(format!(
+                "tierkv.ops.{op}: stream {caller:#x} is not a stream of cuda:{ordinal}'s primary context ({r:?})"
+            )));
+        }
+    }
+    Ok(stream)
+}
+
 /// The pending refusal of device `ordinal`, as a message, cleared.
 pub fn take(ordinal: i32) -> PyResult<Option<String>> {
     let g = gpu("take_refusal", ordinal)?;
-    let _one = g.lock.lock().unwrap_or_else(|p| p.into_inner());
-    Ok(g.status.take().map(|f| format!("cuda:{ordinal}: {f}")))
+    let mut status = g.status.lock().unwrap_or_else(|p| p.into_inner());
+    let fail =
+        |e: &dyn std::fmt::Display| OpError::new_err(format!("tierkv.ops.take_refusal: {e}"));
+    g.kernels.ctx.bind_to_thread().map_err(|e| fail(&e))?;
+    let found = status.take(&g.stream).map_err(|e| fail(&e))?;
+    Ok(found.map(|f| format!("cuda:{ordinal}: {f}")))
 }

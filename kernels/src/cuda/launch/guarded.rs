@@ -28,17 +28,20 @@ use cudarc::driver::PushKernelArg;
 use cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use std::sync::Arc;
 
-/// Words of a status record: what, index, value, limit, claim (`guard.cu`).
-const STATUS_WORDS: usize = 5;
+/// Words of a status record: what, index, value, limit (`guard.cu`).
+const STATUS_WORDS: usize = 4;
 
 /// Threads of a guard kernel's block.
 const GUARD_THREADS: u32 = 256;
 
-/// Where the guard kernels record the first entry they refused: five words of mapped pinned host
-/// memory (`cuMemHostAlloc`, portable and mapped), read by the host without synchronising.
+/// Where the guard kernels record the first entry they refused: four words of mapped pinned host
+/// memory (`cuMemHostAlloc`, portable and mapped), read by the host without synchronising, and a
+/// claim word in device memory (the first reporter's atomic).
 pub struct GuardStatus {
     host: *mut u64,
     device: u64,
+    claim: CudaSlice<u64>,
+    claim_ptr: u64,
     /// Keeps the context (and so the allocation) alive.
     _ctx: Arc<CudaContext>,
 }
@@ -88,8 +91,14 @@ impl std::fmt::Display for GuardFinding {
 }
 
 impl GuardStatus {
-    pub fn new(ctx: &Arc<CudaContext>) -> Result<GuardStatus> {
+    /// The record, its claim word allocated and cleared on `s` (the stream the guarded launches
+    /// and [`GuardStatus::take`] use).
+    pub fn new(ctx: &Arc<CudaContext>, s: &Arc<CudaStream>) -> Result<GuardStatus> {
         ctx.bind_to_thread().map_err(cuda("guard status"))?;
+        let claim = s
+            .alloc_zeros::<u64>(1)
+            .map_err(cuda("guard status: claim word"))?;
+        let claim_ptr = claim.device_ptr(s).0;
         let bytes = STATUS_WORDS * std::mem::size_of::<u64>();
         // SAFETY: a fresh allocation of `bytes`; zeroed before any kernel can see it.
         let host = unsafe {
@@ -116,6 +125,8 @@ impl GuardStatus {
         Ok(GuardStatus {
             host,
             device,
+            claim,
+            claim_ptr,
             _ctx: ctx.clone(),
         })
     }
@@ -127,12 +138,13 @@ impl GuardStatus {
     }
 
     /// The first refusal recorded since the last call, if one is visible yet, and clears the
-    /// record. Without synchronising, a refusal of work still in flight may show up only at a
-    /// later call; after the launch's stream was synchronised it is visible.
-    pub fn take(&self) -> Option<GuardFinding> {
+    /// record (its claim word on `s`, in order after the launches queued there). Without
+    /// synchronising, a refusal of work still in flight may show up only at a later call; after
+    /// the launch's stream was synchronised it is visible.
+    pub fn take(&mut self, s: &Arc<CudaStream>) -> Result<Option<GuardFinding>> {
         let code = self.word(0);
         if code == 0 {
-            return None;
+            return Ok(None);
         }
         std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
         let refusal = GuardRefusal::from_code(code)
@@ -143,12 +155,14 @@ impl GuardStatus {
             value: self.word(2) as i64,
             limit: self.word(3),
         };
-        for i in [0, 1, 2, 3, 4] {
-            // SAFETY: inside the allocation. The claim word (4) is cleared last, so a kernel
-            // reporting meanwhile either finds it taken or writes a whole new record.
+        for i in 0..STATUS_WORDS {
+            // SAFETY: inside the allocation. Only the claim's holder writes the record, and the
+            // claim stays taken until the memset below runs on `s`.
             unsafe { self.host.add(i).write_volatile(0) };
         }
-        Some(finding)
+        s.memset_zeros(&mut self.claim)
+            .map_err(cuda("guard status: clear the claim"))?;
+        Ok(Some(finding))
     }
 }
 
@@ -289,7 +303,8 @@ impl Kernels {
                 .arg(&n32)
                 .arg(&slots_max)
                 .arg(&out)
-                .arg(&g.device);
+                .arg(&g.device)
+                .arg(&g.claim_ptr);
         })?;
         checked.slots_dev = out;
         self.index_k_store_checked(s, &checked)
@@ -374,7 +389,11 @@ impl Kernels {
         );
         self.guard_launch(s, "guard_rows", rows as u32, |b| {
             b.arg(&page_table.ptr).arg(&pts).arg(&lens.ptr).arg(&r32);
-            b.arg(&lm).arg(&pg).arg(&out).arg(&g.device);
+            b.arg(&lm)
+                .arg(&pg)
+                .arg(&out)
+                .arg(&g.device)
+                .arg(&g.claim_ptr);
         })?;
         Ok(clean)
     }
@@ -496,7 +515,11 @@ impl Kernels {
         let (out, n32) = (dev(&pairs, s).ptr, a.n as i32);
         self.guard_launch(s, "guard_pairs", blocks(a.n), |b| {
             b.arg(&a.src_pages.ptr).arg(&a.dst_pages.ptr).arg(&n32);
-            b.arg(&src_pages).arg(&dst_pages).arg(&out).arg(&g.device);
+            b.arg(&src_pages)
+                .arg(&dst_pages)
+                .arg(&out)
+                .arg(&g.device)
+                .arg(&g.claim_ptr);
         })?;
         let zero = 0u64;
         let mut b = s.launch_builder(self.f("page_gather"));
