@@ -7,6 +7,7 @@
 //! their work after the caller's stream themselves, `ops.rs`).
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyDict;
 use std::ffi::c_void;
 
@@ -285,9 +286,25 @@ impl<'py> Arr<'py> {
     }
 }
 
-/// `obj.__dlpack__()`, without synchronisation for a CUDA array (`stream=-1`).
+/// torch's C export of a tensor's DLPack capsule (`torch.utils.dlpack.to_dlpack`).
+static TORCH_TO_DLPACK: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// `obj`'s DLPack capsule, without synchronisation for a CUDA array: a `torch.Tensor` through
+/// `torch.utils.dlpack.to_dlpack` (the capsule `Tensor.__dlpack__` returns, without its
+/// Python-level checks, which cost about 10 us a tensor with `__dlpack_device__`), any other
+/// array through `__dlpack__` (`stream=-1` for a CUDA one).
 fn export<'py>(op: &str, name: &str, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let not_array = |e: PyErr| err(op, format!("`{name}` is not a DLPack array ({e})"));
+    let ty = obj.get_type();
+    if ty.name().is_ok_and(|n| n == "Tensor") && ty.module().is_ok_and(|m| m == "torch") {
+        let py = obj.py();
+        let to_dlpack = TORCH_TO_DLPACK.get_or_try_init(py, || {
+            py.import("torch.utils.dlpack")?
+                .getattr("to_dlpack")
+                .map(Bound::unbind)
+        })?;
+        return to_dlpack.bind(py).call1((obj,)).map_err(not_array);
+    }
     let (dev_type, _id): (i32, i32) = obj
         .call_method0("__dlpack_device__")
         .and_then(|d| d.extract())

@@ -79,7 +79,7 @@ pub fn run(
     op: &str,
     ordinal: i32,
     caller: u64,
-    work: impl FnOnce(&Kernels, &Arc<CudaStream>, &GuardStatus) -> tierkv_kernels::Result<()>,
+    work: impl FnOnce(&Kernels, &Arc<CudaStream>, &mut GuardStatus) -> tierkv_kernels::Result<()>,
 ) -> PyResult<()> {
     let g = gpu(op, ordinal)?;
     let mut status = g.status.lock().unwrap_or_else(|p| p.into_inner());
@@ -105,7 +105,7 @@ pub fn run(
             "cuStreamWaitEvent",
         )?;
     }
-    work(g.kernels, &g.stream, &status).map_err(|e| fail(&e))?;
+    work(g.kernels, &g.stream, &mut status).map_err(|e| fail(&e))?;
     // SAFETY: as above.
     unsafe {
         check(

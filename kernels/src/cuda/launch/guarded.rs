@@ -37,11 +37,21 @@ const GUARD_THREADS: u32 = 256;
 /// Where the guard kernels record the first entry they refused: four words of mapped pinned host
 /// memory (`cuMemHostAlloc`, portable and mapped), read by the host without synchronising, and a
 /// claim word in device memory (the first reporter's atomic).
+///
+/// It also holds the guard kernels' output arrays and the positions' page table, reused by every
+/// launch: all of them run on the one stream it was made for, so each launch's work kernel has
+/// read them before the next launch's guard kernel writes them.
 pub struct GuardStatus {
     host: *mut u64,
     device: u64,
     claim: CudaSlice<u64>,
     claim_ptr: u64,
+    /// The stream every guarded launch with this status runs on.
+    stream: Arc<CudaStream>,
+    /// The guard kernels' outputs (a launch uses at most one), grown to a power of two.
+    scratch: Option<CudaSlice<i32>>,
+    /// `identity[i] = i`: the page table of a top-k over positions, grown to a power of two.
+    identity: Option<CudaSlice<i32>>,
     /// Keeps the context (and so the allocation) alive.
     _ctx: Arc<CudaContext>,
 }
@@ -127,8 +137,37 @@ impl GuardStatus {
             device,
             claim,
             claim_ptr,
+            stream: s.clone(),
+            scratch: None,
+            identity: None,
             _ctx: ctx.clone(),
         })
+    }
+
+    /// The stream the guarded launches with this status must use.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn on_its_stream(&self, s: &Arc<CudaStream>) {
+        assert_eq!(
+            s.cu_stream(),
+            self.stream.cu_stream(),
+            "a guarded launch on another stream than its guard status's"
+        );
+    }
+
+    /// The guard kernel's output array of at least `n` entries.
+    fn buffer(&mut self, op: &'static str, n: usize) -> Result<DevPtr> {
+        let s = self.stream.clone();
+        if self.scratch.as_ref().is_none_or(|b| b.len() < n.max(1)) {
+            // The old array is freed on the stream, after the work that read it.
+            self.scratch = None;
+            // SAFETY: every entry a launch reads is written by its guard kernel first.
+            self.scratch =
+                Some(unsafe { s.alloc::<i32>(n.max(1).next_power_of_two()) }.map_err(cuda(op))?);
+        }
+        Ok(dev(self.scratch.as_ref().expect("allocated above"), &s))
     }
 
     fn word(&self, i: usize) -> u64 {
@@ -176,11 +215,6 @@ impl Drop for GuardStatus {
 
 fn blocks(n: usize) -> u32 {
     (n as u32).div_ceil(GUARD_THREADS).max(1)
-}
-
-fn scratch(s: &Arc<CudaStream>, op: &'static str, n: usize) -> Result<CudaSlice<i32>> {
-    // SAFETY: every element is written by the guard kernel before the work kernel reads it.
-    unsafe { s.alloc::<i32>(n.max(1)) }.map_err(cuda(op))
 }
 
 fn dev(slice: &CudaSlice<i32>, s: &Arc<CudaStream>) -> DevPtr {
@@ -276,7 +310,7 @@ impl Kernels {
     pub fn index_k_store_guarded(
         &self,
         s: &Arc<CudaStream>,
-        g: &GuardStatus,
+        g: &mut GuardStatus,
         a: &GuardedIndexKStore,
     ) -> Result<()> {
         const OP: &str = "index_k_store";
@@ -296,8 +330,9 @@ impl Kernels {
         if a.n == 0 {
             return Ok(());
         }
-        let clean = scratch(s, OP, a.n)?;
-        let (n32, slots_max, out) = (a.n as i32, checked.slots_max, dev(&clean, s).ptr);
+        g.on_its_stream(s);
+        let out = g.buffer(OP, a.n)?.ptr;
+        let (n32, slots_max) = (a.n as i32, checked.slots_max);
         self.guard_launch(s, "guard_slots", blocks(a.n), |b| {
             b.arg(&a.slots.ptr)
                 .arg(&n32)
@@ -316,7 +351,7 @@ impl Kernels {
         kind: LogitsKernel,
         tuning: LogitsTuning,
         s: &Arc<CudaStream>,
-        g: &GuardStatus,
+        g: &mut GuardStatus,
         a: &GuardedIndexLogits,
     ) -> Result<()> {
         const OP: &str = "index_logits";
@@ -351,7 +386,7 @@ impl Kernels {
             len_max,
             pages,
         )?;
-        checked.lens_dev = dev(&lens, s);
+        checked.lens_dev = lens;
         // SAFETY: `guard_rows` left every row's length within its table and output row, and
         // every page the row uses inside the pool, in the array the kernel reads (in stream
         // order after the guard); the page table itself must not be written meanwhile, which
@@ -363,7 +398,7 @@ impl Kernels {
     fn guard_rows(
         &self,
         s: &Arc<CudaStream>,
-        g: &GuardStatus,
+        g: &mut GuardStatus,
         op: &'static str,
         rows: usize,
         page_table: DevPtr,
@@ -371,7 +406,7 @@ impl Kernels {
         lens: DevPtr,
         len_max: usize,
         pages: u64,
-    ) -> Result<CudaSlice<i32>> {
+    ) -> Result<DevPtr> {
         need(op, "context_lens", lens, i32_bytes(rows as u64))?;
         aligned(op, "context_lens", lens, 4)?;
         aligned(op, "page_table", page_table, 4)?;
@@ -379,8 +414,8 @@ impl Kernels {
         {
             return Err(bad(op, "rows", "a count above i32::MAX"));
         }
-        let clean = scratch(s, op, rows)?;
-        let out = dev(&clean, s).ptr;
+        let clean = g.buffer(op, rows)?;
+        let out = clean.ptr;
         let (pts, r32, lm, pg) = (
             pt_stride as i32,
             rows as i32,
@@ -403,7 +438,7 @@ impl Kernels {
     pub fn topk_guarded(
         &self,
         s: &Arc<CudaStream>,
-        g: &GuardStatus,
+        g: &mut GuardStatus,
         a: &GuardedTopK,
     ) -> Result<()> {
         const OP: &str = "topk";
@@ -421,16 +456,13 @@ impl Kernels {
         if rows == 0 {
             return Ok(());
         }
-        let identity;
+        g.on_its_stream(s);
         let (pt, pt_stride, len_max) = match a.page_table {
             Some((pt, pts)) => {
                 need(OP, "page_table", pt, i32_bytes((rows * pts) as u64))?;
                 (pt, pts, stride.min(pts * PAGE_TOKENS as usize))
             }
-            None => {
-                identity = self.positions_table(s, stride)?;
-                (dev(&identity, s), 0, stride)
-            }
+            None => (self.positions_table(g, stride)?, 0, stride),
         };
         // A table's entries are only mapped to slots, never dereferenced: any page but -1 goes.
         let lens = self.guard_rows(
@@ -453,7 +485,7 @@ impl Kernels {
         }
         let cap = stride.div_ceil(cluster as usize).min(TOPK_STAGED_MAX);
         let (st, k32, pts, cap32) = (stride as i32, k as i32, pt_stride as i32, cap as i32);
-        let lens_ptr = dev(&lens, s).ptr;
+        let lens_ptr = lens.ptr;
         let mut b = s.launch_builder(self.f(name));
         b.arg(&a.logits.ptr).arg(&st).arg(&lens_ptr).arg(&pt.ptr);
         b.arg(&pts).arg(&k32).arg(&a.out.ptr).arg(&cap32);
@@ -470,21 +502,29 @@ impl Kernels {
 
     /// The page table of a top-k over positions: one identity row (page i is page i) that
     /// every row shares at a table stride of 0, made on the device.
-    fn positions_table(&self, s: &Arc<CudaStream>, stride: usize) -> Result<CudaSlice<i32>> {
-        let pages = stride.div_ceil(PAGE_TOKENS as usize);
-        let table = scratch(s, "topk", pages)?;
-        let (out, n) = (dev(&table, s).ptr, pages as i32);
-        self.guard_launch(s, "guard_iota", blocks(pages), |b| {
-            b.arg(&out).arg(&n);
-        })?;
-        Ok(table)
+    /// (Made once, and again only for a longer row.)
+    fn positions_table(&self, g: &mut GuardStatus, stride: usize) -> Result<DevPtr> {
+        let pages = stride.div_ceil(PAGE_TOKENS as usize).max(1);
+        let s = g.stream.clone();
+        if g.identity.as_ref().is_none_or(|t| t.len() < pages) {
+            let len = pages.next_power_of_two();
+            g.identity = None;
+            // SAFETY: every entry is written by guard_iota below, before any reader on `s`.
+            let table = unsafe { s.alloc::<i32>(len) }.map_err(cuda("topk"))?;
+            let (out, n) = (dev(&table, &s).ptr, len as i32);
+            self.guard_launch(&s, "guard_iota", blocks(len), |b| {
+                b.arg(&out).arg(&n);
+            })?;
+            g.identity = Some(table);
+        }
+        Ok(dev(g.identity.as_ref().expect("made above"), &s))
     }
 
     /// Whole pages of a guarded launch (see the module's doc), one CTA per pair.
     pub fn page_copy_guarded(
         &self,
         s: &Arc<CudaStream>,
-        g: &GuardStatus,
+        g: &mut GuardStatus,
         a: &GuardedPageCopy,
     ) -> Result<()> {
         const OP: &str = "page_copy";
@@ -511,8 +551,8 @@ impl Kernels {
         }
         let pages = |p: DevPtr| (p.bytes.0 / pb).min(u32::MAX as u64) as u32;
         let (src_pages, dst_pages) = (pages(a.src), pages(a.dst));
-        let pairs = scratch(s, OP, 2 * a.n)?;
-        let (out, n32) = (dev(&pairs, s).ptr, a.n as i32);
+        g.on_its_stream(s);
+        let (out, n32) = (g.buffer(OP, 2 * a.n)?.ptr, a.n as i32);
         self.guard_launch(s, "guard_pairs", blocks(a.n), |b| {
             b.arg(&a.src_pages.ptr).arg(&a.dst_pages.ptr).arg(&n32);
             b.arg(&src_pages)
