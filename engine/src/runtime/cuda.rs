@@ -260,7 +260,7 @@ impl CudaDriver {
             return Ok(false);
         };
         let stream = self.streams[s.index()].clone();
-        let bytes = desc.len() * std::mem::size_of::<u64>();
+        let bytes = crate::layout::u64_bytes(desc.len() as u64).usize();
         // SAFETY: stream-ordered: the upload below fills it before the kernel reads it.
         let table =
             unsafe { stream.alloc::<u64>(desc.len()) }.map_err(backend("cuMemAllocAsync"))?;
