@@ -155,6 +155,10 @@ pub const KERNEL_COPIES_MIN: usize = 16;
 /// and the copy engines move them at the link's rate without an SM.
 pub const KERNEL_COPY_MEAN_BYTES_MAX: u64 = 1 << 20;
 
+/// Copies per `copy_list` launch: a batch goes as slices of this many, so that the GPU starts on
+/// the first while the host lists (and checks) the next.
+pub const KERNEL_SLICE_COPIES: usize = 16_384;
+
 /// Whether the driver has `cuMemcpyBatchAsync_v2` (CUDA 13.0 and newer). Asked once; cudarc's
 /// loader panics on a symbol the driver lacks, so nothing calls it before this says yes.
 fn batch_copies_available() -> bool {
@@ -210,6 +214,65 @@ impl CudaDriver {
             events: Vec::new(),
             copy_kernel: None,
         })
+    }
+
+    /// `copies` on the copy engines: one `cuMemcpyBatchAsync` per 4,096 (copy by copy where
+    /// the driver has no batch call or refuses one).
+    fn copy_by_engines(&mut self, s: StreamKind, copies: &[(Ptr, Ptr)]) -> Result<(), DeviceError> {
+        const BATCH: usize = 4096;
+        if !batch_copies_available() {
+            return copies
+                .iter()
+                .try_for_each(|&(d, sp)| self.copy_async(s, d, sp));
+        }
+        let stream = self.streams[s.index()].cu_stream();
+        for part in copies.chunks(BATCH) {
+            let mut dsts: Vec<sys::CUdeviceptr> = Vec::with_capacity(part.len());
+            let mut srcs: Vec<sys::CUdeviceptr> = Vec::with_capacity(part.len());
+            let mut sizes: Vec<usize> = Vec::with_capacity(part.len());
+            for &(dst, src) in part {
+                assert_eq!(
+                    src.bytes, dst.bytes,
+                    "a copy between ranges of different sizes"
+                );
+                dsts.push(self.dev_ptr(dst).ptr);
+                srcs.push(self.dev_ptr(src).ptr);
+                sizes.push(src.bytes.usize());
+            }
+            // Location hints apply to managed memory only; these ranges are device and pinned
+            // host memory, so the hints are ignored.
+            let hint = sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 0,
+            };
+            let mut attrs = [sys::CUmemcpyAttributes {
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: hint,
+                dstLocHint: hint,
+                flags: 0,
+            }];
+            let mut attr_at = [0usize];
+            // SAFETY: every range lies inside a live allocation (the caller checked them); the
+            // arrays outlive the call, which reads them before it returns.
+            let r = unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    part.len(),
+                    attrs.as_mut_ptr(),
+                    attr_at.as_mut_ptr(),
+                    1,
+                    stream,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                for &(dst, src) in part {
+                    self.copy_async(s, dst, src)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `copy_list`, compiled and loaded into this driver's context on first use.
@@ -478,63 +541,18 @@ impl Driver for CudaDriver {
         s: StreamKind,
         copies: &[(Ptr, Ptr)],
     ) -> Result<(), DeviceError> {
-        const BATCH: usize = 4096;
-        if copies.len() >= KERNEL_COPIES_MIN && self.copy_by_kernel(s, copies)? {
-            return Ok(());
-        }
-        if !batch_copies_available() {
-            return copies
-                .iter()
-                .try_for_each(|&(d, sp)| self.copy_async(s, d, sp));
-        }
-        let stream = self.streams[s.index()].cu_stream();
-        for part in copies.chunks(BATCH) {
-            let mut dsts: Vec<sys::CUdeviceptr> = Vec::with_capacity(part.len());
-            let mut srcs: Vec<sys::CUdeviceptr> = Vec::with_capacity(part.len());
-            let mut sizes: Vec<usize> = Vec::with_capacity(part.len());
-            for &(dst, src) in part {
-                assert_eq!(
-                    src.bytes, dst.bytes,
-                    "a copy between ranges of different sizes"
-                );
-                dsts.push(self.dev_ptr(dst).ptr);
-                srcs.push(self.dev_ptr(src).ptr);
-                sizes.push(src.bytes.usize());
-            }
-            // Location hints apply to managed memory only; these ranges are device and pinned
-            // host memory, so the hints are ignored.
-            let hint = sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: 0,
-            };
-            let mut attrs = [sys::CUmemcpyAttributes {
-                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                srcLocHint: hint,
-                dstLocHint: hint,
-                flags: 0,
-            }];
-            let mut attr_at = [0usize];
-            // SAFETY: every range lies inside a live allocation (the caller checked them); the
-            // arrays outlive the call, which reads them before it returns.
-            let r = unsafe {
-                sys::cuMemcpyBatchAsync_v2(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    part.len(),
-                    attrs.as_mut_ptr(),
-                    attr_at.as_mut_ptr(),
-                    1,
-                    stream,
-                )
-            };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                for &(dst, src) in part {
-                    self.copy_async(s, dst, src)?;
+        if copies.len() >= KERNEL_COPIES_MIN {
+            // Slices in stream order, each by the kernel where it qualifies: the first slice's
+            // copies start while the host still lists the next, and copies of different slices
+            // stay in the list's order whatever the ranges.
+            for part in copies.chunks(KERNEL_SLICE_COPIES) {
+                if part.len() < KERNEL_COPIES_MIN || !self.copy_by_kernel(s, part)? {
+                    self.copy_by_engines(s, part)?;
                 }
             }
+            return Ok(());
         }
-        Ok(())
+        self.copy_by_engines(s, copies)
     }
     fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError> {
         let copy = sys::CUDA_MEMCPY2D {
