@@ -21,7 +21,7 @@ extern "C" __global__ void page_gather(const u8* __restrict__ src, u64 src_base,
 // launcher sends only copies whose destinations overlap nothing else of the list. Four 16-byte
 // loads are in flight per thread, so a CTA keeps 16 KB of reads moving over PCIe.
 extern "C" __global__ void copy_list(const u64* __restrict__ desc, int n) {
-    for (int c = blockIdx.x; c < n; c += gridDim.x) {
+    for (u64 c = blockIdx.x; c < (u64)n; c += gridDim.x) {
         uint4* d = reinterpret_cast<uint4*>(desc[3 * c]);
         const uint4* s = reinterpret_cast<const uint4*>(desc[3 * c + 1]);
         const u64 vecs = desc[3 * c + 2] / 16;

@@ -266,6 +266,33 @@ impl<'py> Arr<'py> {
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len()) }
     }
 
+    /// The array's bytes, for an array in host memory (any element type).
+    ///
+    /// # Safety
+    /// As [`Arr::host`].
+    pub unsafe fn host_bytes(&self) -> &[u8] {
+        assert_eq!(
+            self.device,
+            Device::Cpu,
+            "{}: host_bytes() of a device array",
+            self.name
+        );
+        if self.len() == 0 {
+            return &[];
+        }
+        // SAFETY: as `host`.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.bytes() as usize) }
+    }
+
+    /// Whether this array's bytes and `other`'s share an address.
+    pub fn overlaps(&self, other: &Arr) -> bool {
+        self.device == other.device
+            && self.bytes() > 0
+            && other.bytes() > 0
+            && self.ptr < other.ptr + other.bytes()
+            && other.ptr < self.ptr + self.bytes()
+    }
+
     /// The array's bytes, writable, for an array in host memory (any element type).
     ///
     /// # Safety
@@ -330,7 +357,8 @@ fn shape_of(op: &str, name: &str, t: &DlTensor) -> PyResult<Vec<usize>> {
     // SAFETY: DLPack's shape (and strides, when not null) hold `ndim` entries.
     let shape_raw = unsafe { std::slice::from_raw_parts(t.shape, ndim) };
     let shape: Vec<usize> = shape_raw.iter().map(|&d| d.max(0) as usize).collect();
-    if !t.strides.is_null() {
+    // An empty array has no element to misplace (numpy gives its dimensions any stride).
+    if !t.strides.is_null() && !shape.contains(&0) {
         // SAFETY: as above.
         let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
         check_contiguous(op, name, &shape, strides)?;

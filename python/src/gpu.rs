@@ -85,7 +85,7 @@ pub fn run(
     let mut status = g.status.lock().unwrap_or_else(|p| p.into_inner());
     let fail = |e: &dyn std::fmt::Display| OpError::new_err(format!("tierkv.ops.{op}: {e}"));
     g.kernels.ctx.bind_to_thread().map_err(|e| fail(&e))?;
-    if let Some(found) = status.take(&g.stream).map_err(|e| fail(&e))? {
+    if let Some(found) = status.take().map_err(|e| fail(&e))? {
         return Err(DeviceIndexError::new_err(format!(
             "tierkv.ops.{op}: not run: an earlier op on cuda:{ordinal} refused an index entry: {found}"
         )));
@@ -105,7 +105,9 @@ pub fn run(
             "cuStreamWaitEvent",
         )?;
     }
-    work(g.kernels, &g.stream, &mut status).map_err(|e| fail(&e))?;
+    // The caller's stream waits for whatever was queued, even when `work` failed part way (a
+    // guard kernel may still read the caller's index arrays).
+    let done = work(g.kernels, &g.stream, &mut status);
     // SAFETY: as above.
     unsafe {
         check(
@@ -119,7 +121,7 @@ pub fn run(
             "cuStreamWaitEvent on the caller's stream",
         )?;
     }
-    Ok(())
+    done.map_err(|e| fail(&e))
 }
 
 /// The caller's stream handle, checked: 0, 1 and 2 are CUDA's special handles (the legacy
@@ -147,6 +149,6 @@ pub fn take(ordinal: i32) -> PyResult<Option<String>> {
     let fail =
         |e: &dyn std::fmt::Display| OpError::new_err(format!("tierkv.ops.take_refusal: {e}"));
     g.kernels.ctx.bind_to_thread().map_err(|e| fail(&e))?;
-    let found = status.take(&g.stream).map_err(|e| fail(&e))?;
+    let found = status.take().map_err(|e| fail(&e))?;
     Ok(found.map(|f| format!("cuda:{ordinal}: {f}")))
 }

@@ -16,7 +16,9 @@
 
 use pyo3::prelude::*;
 use tierkv_kernels::cpu;
-use tierkv_kernels::layout::{IndexKDtype, PageFormat, INDEX_HEAD_DIM, PAGE_TOKENS, ROPE_DIM};
+use tierkv_kernels::layout::{
+    IndexKDtype, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM, PAGE_TOKENS, ROPE_DIM,
+};
 
 use crate::dlpack::{Arr, Device, Elem};
 use crate::OpError;
@@ -48,6 +50,20 @@ fn one_device(op: &str, arrs: &[&Arr]) -> PyResult<Device> {
         }
     }
     Ok(first)
+}
+
+/// `out`, the array an op writes, shares no byte with any array it reads.
+fn apart(op: &str, out: &Arr, inputs: &[&Arr]) -> PyResult<()> {
+    if let Some(a) = inputs.iter().find(|a| out.overlaps(a)) {
+        return Err(err(
+            op,
+            format!(
+            "`{}` shares memory with `{}`; the array an op writes must be apart from what it reads",
+            out.name, a.name
+        ),
+        ));
+    }
+    Ok(())
 }
 
 /// The index-K cache: blocks of exactly one page of `dtype`'s format each (the sglang#37534
@@ -115,6 +131,7 @@ pub fn ops_index_k_store(
     beta.expect_shape(OP, &[INDEX_HEAD_DIM as usize])?;
     rope.expect_shape(OP, &[n, ROPE_DIM as usize])?;
     let pages = index_k_cache(OP, &cache, dt)?;
+    apart(OP, &cache, &[&keys, &slots, &gamma, &beta, &rope])?;
     let a = StoreArgs {
         dt,
         ue8m0,
@@ -151,7 +168,8 @@ struct StoreArgs<'py> {
 
 fn store_cpu(a: &StoreArgs) -> PyResult<()> {
     const OP: &str = "index_k_store";
-    // SAFETY: host arrays, read under the GIL; the cache is the only one written.
+    // SAFETY: host arrays, read under the GIL; the cache is the only one written, and it shares
+    // no byte with the others (`apart`).
     let (keys, slots, gamma, beta, rope, dst) = unsafe {
         (
             a.keys.host::<half::bf16>(),
@@ -283,6 +301,19 @@ pub fn ops_paged_mqa_logits(
     a.table.expect_shape(OP, &[rows, a.table.shape[1]])?;
     a.out.expect_shape(OP, &[rows, a.out.shape[1]])?;
     index_k_cache(OP, &a.cache, dt)?;
+    apart(OP, &a.out, &[&a.q, &a.cache, &a.weights, &a.lens, &a.table])?;
+    if heads == 0 || heads > INDEX_HEADS_MAX as usize {
+        return Err(err(
+            OP,
+            format!("`q` has {heads} heads, outside 1..={INDEX_HEADS_MAX}"),
+        ));
+    }
+    if !["tensor_core", "mma", "exact"].contains(&kernel) {
+        return Err(err(
+            OP,
+            format!("kernel {kernel:?} is not \"tensor_core\", \"mma\" or \"exact\""),
+        ));
+    }
     match one_device(OP, &[&a.q, &a.cache, &a.weights, &a.lens, &a.table, &a.out])? {
         Device::Cpu => logits_cpu(&a),
         Device::Cuda(ordinal) => logits_cuda(&a, kernel, ordinal, stream),
@@ -291,7 +322,8 @@ pub fn ops_paged_mqa_logits(
 
 fn logits_cpu(a: &LogitsArgs) -> PyResult<()> {
     const OP: &str = "paged_mqa_logits";
-    // SAFETY: host arrays, read under the GIL; `out` is the only one written.
+    // SAFETY: host arrays, read under the GIL; `out` is the only one written, and it shares no
+    // byte with the others (`apart`).
     let (q, w, pt, lens, out, k) = unsafe {
         (
             a.q.host::<u8>(),
@@ -299,7 +331,7 @@ fn logits_cpu(a: &LogitsArgs) -> PyResult<()> {
             a.table.host::<i32>(),
             a.lens.host::<i32>(),
             a.out.host_mut::<f32>(),
-            a.cache.host_bytes_mut(),
+            a.cache.host_bytes(),
         )
     };
     let args = cpu::logits::IndexLogitsArgs {
@@ -385,6 +417,10 @@ pub fn ops_topk(
     }
     let mut all = vec![&logits, &lens, &out];
     all.extend(table.as_ref());
+    apart(OP, &out, &all[..2])?;
+    if let Some(t) = &table {
+        apart(OP, &out, &[t])?;
+    }
     let a = TopKArgs {
         rows,
         stride,
@@ -412,7 +448,8 @@ struct TopKArgs<'a, 'py> {
 
 fn topk_cpu(a: &TopKArgs) -> PyResult<()> {
     const OP: &str = "topk";
-    // SAFETY: host arrays, read under the GIL; `out` is the only one written.
+    // SAFETY: host arrays, read under the GIL; `out` is the only one written, and it shares no
+    // byte with the others (`apart`).
     let (logits, lens, out) = unsafe {
         (
             a.logits.host::<f32>(),
@@ -423,7 +460,11 @@ fn topk_cpu(a: &TopKArgs) -> PyResult<()> {
     let identity: Vec<i32>;
     let (table, pt_stride) = match a.table {
         // SAFETY: as above.
-        Some(t) => (unsafe { t.host::<i32>() }, t.shape[1]),
+        Some(t) => {
+            let (table, pts) = (unsafe { t.host::<i32>() }, t.shape[1]);
+            topk_table_in_range(table, pts, lens, a.stride)?;
+            (table, pts)
+        }
         None => {
             let pages = a.stride.div_ceil(PAGE_TOKENS as usize);
             identity = (0..a.rows).flat_map(|_| 0..pages as i32).collect();
@@ -440,6 +481,30 @@ fn topk_cpu(a: &TopKArgs) -> PyResult<()> {
     };
     cpu::topk::topk(&args, out).map_err(|e| err(OP, e))
 }
+
+/// Every block-table entry a row's context uses maps its positions to slots that are int32 and
+/// not negative: `0..=TOPK_TABLE_PAGE_MAX` (the GPU's guard refuses the same entries).
+fn topk_table_in_range(table: &[i32], pts: usize, lens: &[i32], stride: usize) -> PyResult<()> {
+    let cap = stride.min(pts * PAGE_TOKENS as usize);
+    for (r, &len) in lens.iter().enumerate() {
+        if len < 0 || len as usize > cap {
+            continue; // cpu::topk refuses the length itself
+        }
+        let used = (len as usize).div_ceil(PAGE_TOKENS as usize);
+        if let Some(&p) = table[r * pts..r * pts + used]
+            .iter()
+            .find(|&&p| p < 0 || p as u64 > TOPK_TABLE_PAGE_MAX)
+        {
+            return Err(err("topk", format!(
+                "`block_table` row {r} names page {p}, outside 0..={TOPK_TABLE_PAGE_MAX} (its slots would not be int32)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The largest page a top-k's block table may name: its slots (`page * 64 + offset`) are int32.
+pub const TOPK_TABLE_PAGE_MAX: u64 = (i32::MAX as u64 + 1) / PAGE_TOKENS as u64 - 1;
 
 #[cfg(feature = "cuda")]
 fn topk_cuda(a: &TopKArgs, ordinal: i32, stream: u64) -> PyResult<()> {

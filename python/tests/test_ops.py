@@ -290,3 +290,58 @@ def test_torch_cpu_tensors_bf16_and_fp8_dtypes():
     got = ops.paged_mqa_logits(tq, cache, torch.from_numpy(w), torch.from_numpy(lens),
                                torch.from_numpy(table), 128)
     assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), host)
+    # Another one-byte float type is refused, not read as e4m3.
+    with pytest.raises(ops.OpError, match="`q`"):
+        ops.paged_mqa_logits(torch.from_numpy(q).view(torch.float8_e5m2), cache, torch.from_numpy(w),
+                             torch.from_numpy(lens), torch.from_numpy(table), 128)
+
+
+def test_empty_arrays_run_and_bad_counts_are_refused():
+    keys, gamma, beta, rope = store_inputs(0)
+    cache = np.zeros((1, FP8_PAGE), dtype=np.uint8)
+    ops.index_k_store(keys, cache, np.zeros(0, np.int32), gamma, beta, rope)
+    assert not cache.any()
+    ops.copy_pages(cache, cache.copy(), np.zeros(0, np.int32), np.zeros(0, np.int32))
+    assert ops.topk(np.zeros((0, 10), np.float32), np.zeros(0, np.int32), 4).shape == (0, 4)
+    for k in (0, -1, 2.0, True):
+        with pytest.raises(ops.OpError, match="`k` is"):
+            ops.topk(np.zeros((1, 10), np.float32), np.full(1, 10, np.int32), k)
+    with pytest.raises(ops.OpError, match="`max_context_len` is -1"):
+        ops.paged_mqa_logits(np.zeros((1, 4, 128), np.uint8), cache, np.zeros((1, 4), np.float32),
+                             np.zeros(1, np.int32), np.zeros((1, 1), np.int32), -1)
+    with pytest.raises(ops.OpError, match=r"`q` has shape \[\]"):
+        ops.paged_mqa_logits(np.zeros((), np.uint8), cache, np.zeros((1, 4), np.float32),
+                             np.zeros(1, np.int32), np.zeros((1, 1), np.int32), 64)
+
+
+def test_outputs_are_checked_against_the_call():
+    logits = np.zeros((2, 10), np.float32)
+    lens = np.full(2, 10, np.int32)
+    with pytest.raises(ops.OpError, match=r"`out` has shape \[2, 5\], expected \[2, 4\]"):
+        ops.topk(logits, lens, 4, out=np.zeros((2, 5), np.int32))
+    # An output that shares memory with an input is refused.
+    with pytest.raises(ops.OpError, match="`out` shares memory with `logits`"):
+        ops.topk(logits, lens, 4, out=_alias(logits))
+    cache = np.zeros((1, FP8_PAGE), np.uint8)
+    q = np.zeros((1, 4, 128), np.uint8)
+    w = np.zeros((1, 4), np.float32)
+    with pytest.raises(ops.OpError, match="kernel"):
+        ops.paged_mqa_logits(q, cache, w, np.zeros(1, np.int32), np.zeros((1, 1), np.int32), 64,
+                             kernel="bogus")
+    with pytest.raises(ops.OpError, match="65 heads"):
+        ops.paged_mqa_logits(np.zeros((1, 65, 128), np.uint8), cache, np.zeros((1, 65), np.float32),
+                             np.zeros(1, np.int32), np.zeros((1, 1), np.int32), 64)
+
+
+def _alias(logits):
+    """An int32 [2, 4] array over the first bytes of ``logits``."""
+    return np.frombuffer(logits.data, dtype=np.int32, count=8).reshape(2, 4)
+
+
+def test_topk_block_table_entries_whose_slots_are_not_int32_are_refused():
+    logits = np.zeros((2, 100), np.float32)
+    lens = np.array([100, 100], np.int32)
+    for bad in (-1, 1 << 30):
+        table = np.array([[0, 1], [2, bad]], np.int32)
+        with pytest.raises(ops.OpError, match=f"row 1 names page {bad}"):
+            ops.topk(logits, lens, 4, block_table=table)

@@ -81,12 +81,35 @@ def _stream(x):
 
 
 def _bytes_view(x):
-    """fp8 torch tensors as uint8 (DLPack export of float8 types varies across torch versions)."""
-    if _is_torch(x) and x.element_size() == 1 and x.dtype.is_floating_point:
+    """e4m3 torch tensors as uint8 (DLPack export of float8 types varies across torch versions).
+    Other one-byte float types are left alone, so the op refuses them by their type code."""
+    if _is_torch(x) and str(x.dtype) == "torch.float8_e4m3fn":
         import torch
 
         return x.view(torch.uint8)
     return x
+
+
+def _count(op, name, value, low):
+    """A Python integer argument, at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise OpError(f"tierkv.ops.{op}: `{name}` is {value!r}, not an integer >= {low}")
+    return value
+
+
+def _rows(op, name, x, dims):
+    """``x``'s first dimension, refused unless ``x`` has ``dims`` or more dimensions."""
+    shape = tuple(x.shape)
+    if len(shape) < dims:
+        raise OpError(f"tierkv.ops.{op}: `{name}` has shape {list(shape)}, expected {dims} or more dimensions")
+    return shape[0]
+
+
+def _out(op, out, shape):
+    """An ``out=`` array must have the result's shape."""
+    if tuple(out.shape) != tuple(shape):
+        raise OpError(f"tierkv.ops.{op}: `out` has shape {list(out.shape)}, expected {list(shape)}")
+    return out
 
 
 def _empty(like, shape, kind):
@@ -124,10 +147,14 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_contex
     ``[rows, max_blocks]`` (64 tokens a block). ``kernel``: "tensor_core" (default), "mma" or
     "exact" (bit-exact with the CPU reference). ``out``: an output array to fill instead.
     """
-    q = _bytes_view(_array("paged_mqa_logits", "q", q))
-    rows = q.shape[0]
+    op = "paged_mqa_logits"
+    q = _bytes_view(_array(op, "q", q))
+    rows = _rows(op, "q", q, 3)
+    width = _count(op, "max_context_len", max_context_len, 0)
     if out is None:
-        out = _empty(q, (rows, max_context_len), "float32")
+        out = _empty(q, (rows, width), "float32")
+    else:
+        _out(op, _array(op, "out", out), (rows, width))
     _core.ops_paged_mqa_logits(
         q, kv_cache, weights, context_lens, block_table, out,
         dtype=dtype, kernel=kernel, stream=_stream(q),
@@ -142,9 +169,12 @@ def topk(logits, context_lens, k, *, block_table=None, out=None):
     through ``block_table`` (``block_table[r][n // 64] * 64 + n % 64``); -1 past the selection
     (a row shorter than ``k`` selects all of it).
     """
-    _array("topk", "logits", logits)
+    rows = _rows("topk", "logits", _array("topk", "logits", logits), 2)
+    k = _count("topk", "k", k, 1)
     if out is None:
-        out = _empty(logits, (logits.shape[0], k), "int32")
+        out = _empty(logits, (rows, k), "int32")
+    else:
+        _out("topk", _array("topk", "out", out), (rows, k))
     _core.ops_topk(logits, context_lens, out, block_table=block_table, stream=_stream(logits))
     return out
 
@@ -164,9 +194,13 @@ def check(device=0, *, synchronize=True):
     every op queued before this call has been checked; without it, only refusals already
     visible are raised.
     """
+    if "cuda" not in _core.BACKENDS:
+        raise OpError("tierkv.ops.check: this build of tierkv has no CUDA backend (tierkv.BACKENDS)")
     if synchronize:
-        import torch
-
+        try:
+            import torch
+        except ImportError as e:
+            raise OpError(f"tierkv.ops.check: synchronize=True needs torch ({e})") from e
         torch.cuda.current_stream(device).synchronize()
     found = _core.ops_take_refusal(device)
     if found is not None:

@@ -12,9 +12,10 @@
 //! refusal reaches the host later, when it reads the status ([`GuardStatus::take`]), the way a
 //! CUDA launch's asynchronous error does.
 //!
-//! The scratch arrays are allocated on the launch's stream (`cuMemAllocAsync`) and freed on it
-//! after the work kernel (`cuMemFreeAsync`), so they live exactly as long as the work that reads
-//! them.
+//! The guard kernels' output arrays belong to the [`GuardStatus`] and are reused by every launch
+//! on its one stream: each launch's work kernel reads them before the next launch's guard
+//! kernel writes them (stream order). A larger one replaces them, the old freed on that stream
+//! (`cuMemFreeAsync`) after the work that read it.
 
 use super::{aligned, bad, cuda, need, CheckedIndexLogits, IndexKStoreLaunch, IndexLogitsLaunch};
 use super::{i32_bytes, DevPtr, Kernels, LogitsKernel, LogitsTuning};
@@ -177,10 +178,12 @@ impl GuardStatus {
     }
 
     /// The first refusal recorded since the last call, if one is visible yet, and clears the
-    /// record (its claim word on `s`, in order after the launches queued there). Without
-    /// synchronising, a refusal of work still in flight may show up only at a later call; after
-    /// the launch's stream was synchronised it is visible.
-    pub fn take(&mut self, s: &Arc<CudaStream>) -> Result<Option<GuardFinding>> {
+    /// record (its claim word on the status's stream, in order after the launches queued
+    /// there). Without synchronising, a refusal of work still in flight may show up only at a
+    /// later call; after the launch's stream was synchronised it is visible. A refusal by a
+    /// launch queued before the clear, after the one recorded, is not recorded (its entry is
+    /// still skipped).
+    pub fn take(&mut self) -> Result<Option<GuardFinding>> {
         let code = self.word(0);
         if code == 0 {
             return Ok(None);
@@ -196,9 +199,10 @@ impl GuardStatus {
         };
         for i in 0..STATUS_WORDS {
             // SAFETY: inside the allocation. Only the claim's holder writes the record, and the
-            // claim stays taken until the memset below runs on `s`.
+            // claim stays taken until the memset below runs on the stream.
             unsafe { self.host.add(i).write_volatile(0) };
         }
+        let s = self.stream.clone();
         s.memset_zeros(&mut self.claim)
             .map_err(cuda("guard status: clear the claim"))?;
         Ok(Some(finding))
@@ -464,7 +468,8 @@ impl Kernels {
             }
             None => (self.positions_table(g, stride)?, 0, stride),
         };
-        // A table's entries are only mapped to slots, never dereferenced: any page but -1 goes.
+        // A table's entries are only mapped to slots, never dereferenced: any page whose slots
+        // are int32 and not negative goes.
         let lens = self.guard_rows(
             s,
             g,
@@ -474,7 +479,7 @@ impl Kernels {
             pt_stride,
             a.context_lens,
             len_max,
-            u32::MAX as u64,
+            (i32::MAX as u64 + 1) / PAGE_TOKENS as u64,
         )?;
         let cluster = topk_cluster(rows, stride, self.sms);
         let Some(&(_, name)) = TOPK_KERNELS.iter().find(|(c, _)| *c == cluster) else {
