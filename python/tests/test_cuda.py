@@ -99,8 +99,10 @@ def store_right_after_a_write(mutant, iterations, scattered):
     corrupt = 0
     for i in range(iterations):
         value = (i % 250) - 125
-        # Keep the current stream busy a little, then write every block: the store must wait.
-        torch.cuda._sleep(200_000)
+        # Keep the current stream busy (about a millisecond: longer than the store takes to be
+        # queued on either path, so a store that does not wait reads the old bytes), then write
+        # every block: the store must wait.
+        torch.cuda._sleep(2_000_000)
         kv.fill_(value)
         ik.fill_(value)
         tier.store(i, ptrs, sizes, [blocks, blocks], [1, 1], [0, 0], chunks, stream=stream())
