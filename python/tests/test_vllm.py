@@ -2,6 +2,9 @@
 vLLM 0.34.0): the spec loaded by name as vLLM's factory loads it, the manager beside vLLM's CPU
 manager on the same calls, and the worker on device pointers resolved by vLLM's own code."""
 
+import json
+import os
+import pathlib
 import random
 
 import numpy as np
@@ -220,3 +223,93 @@ def test_a_bf16_index_k_cache_behind_fp8_formats_is_refused_at_registration():
     )
     with pytest.raises(tierkv.RegisterError, match="group 1"):
         spec.get_worker(caches)
+
+
+FIXTURE = pathlib.Path(__file__).resolve().parents[2] / "sim" / "tests" / "data" / "vllm-0.34-calls.jsonl"
+
+
+def record_a_server(path, steps=40, blocks=16, seed=7):
+    """A small vLLM-like server on vLLM's own classes and tierkv's spec, with ``record_calls``.
+    As vLLM 0.34's connector does, a block has one key per KV group (``make_offload_key(hash,
+    group)``), each key its own host chunk, and a job moves one request block of the groups
+    whose keys were accepted. Each step a request wants 1-3 blocks: those whose keys all hit are
+    loaded into blocks it frees, the rest computed and offered for storing; finished jobs are
+    completed as the connector does."""
+    spec = TierkvOffloadingSpec(config({**EXTRA, "cpu_bytes_to_use": 24 * (KV + IK), "record_calls": str(path)}))
+    kv, ik, caches = canonical(blocks)
+    worker, manager = spec.get_worker(caches), spec.get_manager()
+    ctx, rng = ReqContext(req_id="r"), random.Random(seed)
+    free, held, jobs = list(range(blocks)), {}, {}
+
+    def take():
+        if free:
+            return free.pop()
+        busy = {b for (_, _, bl) in jobs.values() for b in bl}
+        candidates = sorted(b for b in held if b not in busy)
+        if not candidates:
+            return None
+        b = rng.choice(candidates)
+        del held[b]
+        return b
+
+    def submit(store, keys, block, groups, host_spec):
+        job = submit.next
+        submit.next += 1
+        gpu = GPULoadStoreSpec([block] * len(groups), group_sizes=[int(g in groups) for g in (0, 1)], block_indices=[0, 0])
+        ptrs = resolve_device_pointers(gpu, caches)
+        (worker.submit_store(job, ptrs, host_spec) if store else worker.submit_load(job, host_spec, ptrs))
+        jobs[job] = (store, list(keys), [block])
+    submit.next = 1
+
+    def finish():
+        for d in worker.get_finished():
+            store, keys, blks = jobs.pop(d.job_id)
+            if store:
+                manager.complete_store(keys, ctx, d.success)
+            else:
+                manager.complete_load(keys, ctx)
+                held[blks[0]] = keys[0][:32]
+
+    for _ in range(steps):
+        for h in dict.fromkeys(rng.randrange(30).to_bytes(32, "big") for _ in range(rng.randint(1, 3))):
+            if h in held.values():
+                continue
+            keys = [make_offload_key(h, g) for g in (0, 1)]
+            block = take()
+            if block is None:
+                break
+            if all(manager.lookup(k, ctx) == LookupResult.HIT for k in keys):
+                submit(False, keys, block, (0, 1), manager.prepare_load(keys, ctx))
+                continue
+            held[block] = h  # computed by the request's forward pass
+            out = manager.prepare_store(keys, ctx)
+            if out is not None and out.keys_to_store:
+                groups = tuple(g for g, k in enumerate(keys) if k in out.keys_to_store)
+                submit(True, out.keys_to_store, block, groups, out.store_spec)
+        if rng.random() < 0.3:
+            worker.wait(set(jobs))
+        finish()
+    worker.wait(set(jobs))
+    finish()
+    spec.recorder.close()
+
+
+def test_the_recorded_call_sequence_is_the_simulators_fixture(tmp_path):
+    """sim/tests/data/vllm-0.34-calls.jsonl is what the recorder writes for this server (kept
+    for the simulator's replay, not built yet): recorded again here (TIERKV_WRITE_FIXTURE=1
+    rewrites it) and compared; every job the tier was given succeeded."""
+    path = tmp_path / "calls.jsonl"
+    record_a_server(path)
+    got = path.read_text()
+    if os.environ.get("TIERKV_WRITE_FIXTURE"):
+        FIXTURE.parent.mkdir(parents=True, exist_ok=True)
+        FIXTURE.write_text(got)
+    assert got == FIXTURE.read_text()
+    lines = [json.loads(line) for line in got.splitlines()]
+    calls = [c["call"] for c in lines]
+    assert calls[0] == "register"
+    done = [ok for c in lines if c["call"] == "get_finished" for _, ok in c["done"]]
+    assert done and all(done)
+    assert all(k for c in lines if c["call"].startswith("submit") for g in c["groups"] for k in g["keys"])
+    for c in ("lookup", "prepare_store", "submit_store", "prepare_load", "submit_load", "get_finished", "complete_load"):
+        assert c in calls, c

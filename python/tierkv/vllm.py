@@ -17,6 +17,10 @@ Written and tested against vLLM 0.34.0's ``vllm.v1.kv_offload`` interface (``Off
   group and layer (a bf16 index-K cache where fp8 is configured, say).
 - ``write_policy``: ``"write_through"`` (default: store every block vLLM offers) or
   ``"write_through_selective"`` (store a block the second time it is offered).
+- ``record_calls``: a file to which every call vLLM makes on the manager and the worker is
+  appended as a JSON line (keys as hex; a job as, per KV group, its device blocks, host chunks
+  and their keys). Meant as input for the simulator: replaying such a file through
+  ``tierkv sim`` is not built yet (``docs/VLLM.md``).
 
 The scheduler side (``TierkvOffloadingManager``) keeps ``tierkv.OffloadIndex``; the worker side
 (``TierkvOffloadingWorker``) keeps ``tierkv.HostTier``. GPU caches need a wheel built with the
@@ -26,6 +30,7 @@ work queued so far on PyTorch's current stream.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Collection, Iterable
 
@@ -57,6 +62,59 @@ logger = logging.getLogger(__name__)
 _LOOKUP = {"miss": LookupResult.MISS, "hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING}
 
 
+class CallRecorder:
+    """Appends vLLM's calls on the manager and the worker to a JSON-lines file (``record_calls``).
+
+    Host chunks link the two sides: the manager's answers say which key each chunk holds, so a
+    job is recorded, per KV group, as its device blocks, its host chunks and their keys (with one
+    block a chunk; with more, a chunk's key is the last one the manager placed there). Keys are
+    hex; the worker's first call writes the registration.
+    """
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed with the spec)
+        self._chunk_key: dict[int, str] = {}
+        self._bases: list[tuple[int, int]] = []
+
+    def close(self) -> None:
+        self._file.close()
+
+    def write(self, **line) -> None:
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def chunks(self, keys, chunks) -> None:
+        for k, c in zip(keys, chunks):
+            self._chunk_key[int(c)] = bytes(k).hex()
+
+    def register(self, kv_caches, blocks_per_chunk: int, num_chunks: int, formats, policy: str) -> None:
+        """Each group's first cache tensor: its address and block stride, to name a job's blocks."""
+        self._bases = []
+        for refs in kv_caches.group_data_refs:
+            t = kv_caches.tensors[refs[0].tensor_idx].tensor if refs else None
+            self._bases.append((int(t.data_ptr()), int(t.stride(0)) * t.element_size()) if t is not None else (0, 1))
+        self.write(call="register", blocks=int(kv_caches.tensors[0].tensor.shape[0]), chunks=num_chunks,
+                   blocks_per_chunk=blocks_per_chunk, formats=list(formats), write_policy=policy)
+
+    def job(self, store: bool, job_id: int, device_ptrs, spec) -> None:
+        """A job as, per group, its device blocks, its host chunks and the keys those hold."""
+        ptrs, chunks = list(device_ptrs.ptrs), [int(c) for c in spec.block_ids]
+        groups, at, chunk_at = [], 0, 0
+        for g, (n, refs) in enumerate(zip(device_ptrs.group_block_counts, device_ptrs.group_data_ref_counts)):
+            n, refs = int(n), int(refs)
+            base, stride = self._bases[g] if g < len(self._bases) else (0, 1)
+            blocks = [(int(p) - base) // stride for p in ptrs[at:at + n]]
+            used = chunks[chunk_at:chunk_at + n]
+            groups.append({"blocks": blocks, "chunks": used, "keys": [self._chunk_key.get(c, "") for c in used]})
+            at += n * refs
+            chunk_at += n
+        self.write(call="submit_store" if store else "submit_load", job=job_id, groups=groups)
+
+
+def _hex(keys):
+    return [bytes(k).hex() for k in keys]
+
+
 class TierkvOffloadingManager(OffloadingManager):
     """The scheduler side: which blocks the host tier holds, in which chunk, and what to evict.
 
@@ -65,30 +123,47 @@ class TierkvOffloadingManager(OffloadingManager):
     ``tierkv.OffloadError`` naming the key, where vLLM's CPU manager asserts.
     """
 
-    def __init__(self, num_chunks: int, write_policy: str = "write_through", enable_events: bool = False):
+    def __init__(self, num_chunks: int, write_policy: str = "write_through", enable_events: bool = False,
+                 recorder: CallRecorder | None = None):
         self._index = OffloadIndex(num_chunks, write_policy, events=enable_events)
+        self._rec = recorder
 
     @property
     def index(self) -> OffloadIndex:
         return self._index
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self._index.lookup(key)]
+        found = self._index.lookup(key)
+        if self._rec:
+            self._rec.write(call="lookup", key=bytes(key).hex(), found=found)
+        return _LOOKUP[found]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return CPULoadStoreSpec(self._index.prepare_load(list(keys)))
+        keys = list(keys)
+        chunks = self._index.prepare_load(keys)
+        if self._rec:
+            self._rec.chunks(keys, chunks)
+            self._rec.write(call="prepare_load", keys=_hex(keys))
+        return CPULoadStoreSpec(chunks)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._rec:
+            self._rec.write(call="complete_load", keys=_hex(keys))
         self._index.complete_load(list(keys))
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        out = self._index.prepare_store(list(keys))
+        keys = list(keys)
+        out = self._index.prepare_store(keys)
+        if self._rec:
+            self._rec.write(call="prepare_store", keys=_hex(keys), stored=None if out is None else _hex(out[0]))
         if out is None:
             return None
         to_store, chunks, evicted = out
+        if self._rec:
+            self._rec.chunks(to_store, chunks)
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in to_store],
             store_spec=CPULoadStoreSpec(chunks),
@@ -96,6 +171,8 @@ class TierkvOffloadingManager(OffloadingManager):
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        if self._rec:
+            self._rec.write(call="complete_store", keys=_hex(keys), success=bool(success))
         self._index.complete_store(list(keys), success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -128,7 +205,8 @@ class TierkvOffloadingWorker(OffloadingWorker):
     refusal is logged with what was wrong. ``submit_*`` itself never raises for a job.
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, tokens_per_block: Collection[int], formats: list[str], blocks_per_chunk: int, num_chunks: int):
+    def __init__(self, kv_caches: CanonicalKVCaches, tokens_per_block: Collection[int], formats: list[str], blocks_per_chunk: int, num_chunks: int,
+                 recorder: CallRecorder | None = None, write_policy: str = "write_through"):
         tokens_per_block = list(tokens_per_block)
         if len(tokens_per_block) != len(kv_caches.group_data_refs):
             raise RegisterError(
@@ -146,6 +224,9 @@ class TierkvOffloadingWorker(OffloadingWorker):
         self._tier = HostTier(arrays, groups, list(formats), blocks_per_chunk, num_chunks, device=device)
         self._device = device
         self._refused: list[TransferResult] = []
+        self._rec = recorder
+        if recorder:
+            recorder.register(kv_caches, blocks_per_chunk, num_chunks, formats, write_policy)
 
     @property
     def tier(self) -> HostTier:
@@ -153,6 +234,8 @@ class TierkvOffloadingWorker(OffloadingWorker):
 
     def _submit(self, store: bool, job_id: int, device_ptrs: DevicePointers, spec: LoadStoreSpec) -> bool:
         what = "store" if store else "load"
+        if self._rec:
+            self._rec.job(store, job_id, device_ptrs, spec)
         try:
             chunks = np.asarray(spec.block_ids)
             if chunks.size and chunks.min() < 0:
@@ -195,9 +278,13 @@ class TierkvOffloadingWorker(OffloadingWorker):
         ]
         done += self._refused
         self._refused = []
+        if self._rec:
+            self._rec.write(call="get_finished", done=[[d.job_id, bool(d.success)] for d in done])
         return done
 
     def wait(self, job_ids: set[int]) -> None:
+        if self._rec:
+            self._rec.write(call="wait", jobs=sorted(int(j) for j in job_ids))
         self._tier.wait(sorted(job_ids))
 
 
@@ -237,17 +324,21 @@ class TierkvOffloadingSpec(OffloadingSpec):
             )
         self._manager: TierkvOffloadingManager | None = None
         self._worker: TierkvOffloadingWorker | None = None
+        path = extra.get("record_calls")
+        self.recorder = CallRecorder(str(path)) if path else None
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = TierkvOffloadingManager(
-                self.num_chunks, self.write_policy, self.kv_events_config.enable_kv_cache_events
+                self.num_chunks, self.write_policy, self.kv_events_config.enable_kv_cache_events,
+                recorder=self.recorder,
             )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             self._worker = TierkvOffloadingWorker(
-                kv_caches, self.tokens_per_block, self.formats, self.blocks_per_chunk, self.num_chunks
+                kv_caches, self.tokens_per_block, self.formats, self.blocks_per_chunk, self.num_chunks,
+                recorder=self.recorder, write_policy=self.write_policy,
             )
         return self._worker
