@@ -35,6 +35,8 @@ use crate::gpu::{GpuOptions, SimGpu, SimSide};
 use crate::rng::Rng;
 use crate::schedule::{Policy, Source};
 
+pub mod replay;
+
 /// The two caches' page formats (DeepSeek's fp8 MLA rows, fp8 index-K rows) and the bytes of
 /// their pages (64 tokens).
 const FORMATS: [PageFormat; 2] = [
@@ -88,6 +90,9 @@ pub struct Outcome {
     pub refused_calls: u64,
     pub hits: u64,
     pub evictions: u64,
+    /// A replay's recorded answers its own index did not give (`replay`): expected where the
+    /// driver's faults failed jobs the recording completed.
+    pub divergences: u64,
 }
 
 struct PendingJob {

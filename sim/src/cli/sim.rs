@@ -40,10 +40,16 @@ pub struct SimArgs {
     /// trace (a Mooncake trace replayed by timestamp), quick, production (DeepSeek-V3.2's shapes:
     /// 64 indexer heads, top-2048, 16K-128K contexts, one or two of its 61 layers), pd (a
     /// prefill/decode pair on two simulated GPUs joined by a KV link), vllm (the host tier of
-    /// vLLM's offloading interface driven by a seeded vLLM-like server; takes --seed, --seeds
-    /// and --mutant store-without-event|load-without-event only).
+    /// vLLM's offloading interface driven by a seeded vLLM-like server, or by a recorded call
+    /// file with --calls; takes --seed, --seeds, --calls and --mutant
+    /// store-without-event|load-without-event only).
     #[arg(long, default_value = "swarm")]
     pub profile: String,
+    /// With `--profile vllm`: replay this recording of vLLM's calls (`record_calls` of
+    /// `tierkv.vllm`, JSON lines) instead of drawing a server, each seed its own schedule and
+    /// driver faults.
+    #[arg(long)]
+    pub calls: Option<PathBuf>,
     /// Write the Chrome/Perfetto trace of the run (one seed; with `--schedules`, of the last
     /// schedule run) or of the first failure here.
     #[arg(long)]
@@ -612,6 +618,10 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
 }
 
 pub fn run_sim(args: SimArgs) -> i32 {
+    if args.calls.is_some() && args.profile != "vllm" {
+        eprintln!("--calls: a recording of vLLM's calls replays under --profile vllm only");
+        return 2;
+    }
     if args.profile == "vllm" {
         return run_vllm(&args);
     }
@@ -943,34 +953,45 @@ fn print_run(out: &RunOutcome) {
 /// seed on this thread. Exit 0 when no seed has a finding, 1 otherwise, 2 for bad arguments.
 fn run_vllm(args: &SimArgs) -> i32 {
     if let Some(flag) = vllm_unsupported(args) {
-        eprintln!("{flag}: --profile vllm takes --seed, --seeds and --mutant only (not built yet)");
+        eprintln!("{flag}: --profile vllm takes --seed, --seeds, --calls and --mutant only (not built yet)");
         return 2;
     }
-    let mutant = match args.mutant.as_deref() {
-        None => None,
-        Some(name) => match crate::offload::MUTANTS.iter().find(|(n, _)| *n == name) {
-            Some(&(_, m)) => Some(m),
-            None => {
-                let known: Vec<&str> = crate::offload::MUTANTS.iter().map(|m| m.0).collect();
-                eprintln!("--mutant {name}: --profile vllm knows {}", known.join(", "));
-                return 2;
-            }
-        },
+    let Ok(mutant) = vllm_mutant(args) else {
+        return 2;
     };
     let seeds: Vec<u64> = match (args.seed, args.seeds) {
         (Some(s), _) => vec![s],
         (None, Some((a, b))) => (a..b).collect(),
         (None, None) => (0..150).collect(),
     };
-    let mutant_arg = args
+    let calls = match args
+        .calls
+        .as_deref()
+        .map(crate::offload::replay::parse)
+        .transpose()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("--calls {e}");
+            return 2;
+        }
+    };
+    let mut mutant_arg = args
         .mutant
         .as_ref()
         .map_or(String::new(), |m| format!(" --mutant {m}"));
+    if let Some(p) = &args.calls {
+        mutant_arg.push_str(&format!(" --calls {}", p.display()));
+    }
     const SHOWN: u64 = 5;
     let mut total = crate::offload::Outcome::default();
     let mut failed = 0u64;
     for &seed in &seeds {
-        let out = crate::offload::run(seed, mutant);
+        let out = match &calls {
+            Some(c) => crate::offload::replay::run(seed, c, mutant),
+            None => crate::offload::run(seed, mutant),
+        };
+        total.divergences += out.divergences;
         total.stores += out.stores;
         total.loads += out.loads;
         total.hits += out.hits;
@@ -991,17 +1012,50 @@ fn run_vllm(args: &SimArgs) -> i32 {
     if failed > SHOWN {
         println!("({} more failing seeds not shown)", failed - SHOWN);
     }
+    print_vllm_summary(&mutant_arg, seeds.len(), failed, &total, calls.as_ref());
+    i32::from(failed > 0)
+}
+
+/// `--mutant` under `--profile vllm`: one of this layer's planted races (`Err`, said on stderr,
+/// for a name it does not know).
+fn vllm_mutant(
+    args: &SimArgs,
+) -> Result<Option<tierkv_engine::offload::transfer::TransferMutant>, ()> {
+    let Some(name) = args.mutant.as_deref() else {
+        return Ok(None);
+    };
+    match crate::offload::MUTANTS.iter().find(|(n, _)| *n == name) {
+        Some(&(_, m)) => Ok(Some(m)),
+        None => {
+            let known: Vec<&str> = crate::offload::MUTANTS.iter().map(|m| m.0).collect();
+            eprintln!("--mutant {name}: --profile vllm knows {}", known.join(", "));
+            Err(())
+        }
+    }
+}
+
+/// The summary of a `--profile vllm` run.
+fn print_vllm_summary(
+    mutant_arg: &str,
+    seeds: usize,
+    failed: u64,
+    total: &crate::offload::Outcome,
+    calls: Option<&crate::offload::replay::Calls>,
+) {
     println!(
-        "== tierkv sim summary (profile vllm{})\nseeds run: {}   failures: {failed}\nchecked: {} stores, {} loads ({} hits), {} jobs failed by the driver's faults, {} of the server's own calls refused and retried",
+        "== tierkv sim summary (profile vllm{})\nseeds run: {}   failures: {failed}\nchecked: {} stores, {} loads ({} hits), {} jobs failed by the driver's faults, {} of the server's own calls refused and retried{}",
         if mutant_arg.is_empty() { String::new() } else { format!(",{mutant_arg}") },
-        seeds.len(),
+        seeds,
         total.stores,
         total.loads,
         total.hits,
         total.failed_jobs,
         total.refused_calls,
+        match calls {
+            Some(c) => format!("\nreplayed: {} recorded calls a seed; {} recorded answers the replay's own index did not give (after jobs the faults failed)", c.calls.len(), total.divergences),
+            None => String::new(),
+        },
     );
-    i32::from(failed > 0)
 }
 
 /// The first flag given that `--profile vllm` does not take.

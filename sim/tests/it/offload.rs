@@ -354,3 +354,64 @@ fn runs_split_at_segment_boundaries_and_chunks_hold_two_blocks() {
         gpu.borrow().races.first()
     );
 }
+
+/// The recording `python/tests/test_vllm.py` makes of a small server on vLLM 0.34's own classes.
+fn recorded_calls() -> tierkv_sim::offload::replay::Calls {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/vllm-0.34-calls.jsonl");
+    tierkv_sim::offload::replay::parse(&path).expect("the recorded fixture parses")
+}
+
+#[test]
+fn the_recorded_vllm_calls_replay_clean_and_each_planted_race_is_caught() {
+    let calls = recorded_calls();
+    assert!(
+        calls.calls.len() > 200 && calls.keys > 20,
+        "{} calls",
+        calls.calls.len()
+    );
+    let (mut stores, mut loads) = (0, 0);
+    for seed in 0..40 {
+        let out = tierkv_sim::offload::replay::run(seed, &calls, None);
+        assert!(out.findings.is_empty(), "seed {seed}: {:?}", out.findings);
+        stores += out.stores;
+        loads += out.loads;
+    }
+    assert!(
+        stores > 1000 && loads > 100,
+        "{stores} stores, {loads} loads"
+    );
+    for (name, mutant) in tierkv_sim::offload::MUTANTS {
+        let first = (0..100).find(|&s| {
+            !tierkv_sim::offload::replay::run(s, &calls, Some(mutant))
+                .findings
+                .is_empty()
+        });
+        assert!(
+            first.is_some(),
+            "{name}: not caught in 100 seeds of the recording"
+        );
+    }
+}
+
+#[test]
+fn a_bad_call_file_is_refused_naming_the_line() {
+    let dir = std::env::temp_dir().join(format!("tierkv-calls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let register = r#"{"call":"register","blocks":4,"chunks":4,"blocks_per_chunk":1,"formats":["kv/fp8_packed","index_k/fp8"],"write_policy":"write_through"}"#;
+    for (text, want) in [
+        ("", "an empty file"),
+        (r#"{"call":"lookup","key":"aa"}"#, "line 1: the first line must be the registration"),
+        (&format!("{register}\n{{\"call\":\"submit_load\",\"job\":1,\"groups\":[{{\"blocks\":[4],\"keys\":[\"aa\"]}},{{\"blocks\":[],\"keys\":[]}}]}}"), "line 2: group 0: block 4 is not one of the 4 registered"),
+        (&format!("{register}\n{{\"call\":\"fly\"}}"), "line 2: unknown call `fly`"),
+        (&format!("{register}\nnot json"), "line 2: expected"),
+        (&register.replace("\"blocks_per_chunk\":1", "\"blocks_per_chunk\":2"), "`blocks_per_chunk` must be"),
+        (&register.replace("index_k/fp8", "index_k/bf16"), "`formats`"),
+    ] {
+        let path = dir.join("calls.jsonl");
+        std::fs::write(&path, text).expect("written");
+        let err = tierkv_sim::offload::replay::parse(&path).expect_err(want).to_string();
+        assert!(err.contains(want), "{err:?} does not say {want:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
