@@ -295,8 +295,8 @@ def record_a_server(path, steps=40, blocks=16, seed=7):
 
 
 def test_the_recorded_call_sequence_is_the_simulators_fixture(tmp_path):
-    """sim/tests/data/vllm-0.34-calls.jsonl is what the recorder writes for this server (kept
-    for the simulator's replay, not built yet): recorded again here (TIERKV_WRITE_FIXTURE=1
+    """sim/tests/data/vllm-0.34-calls.jsonl, which `tierkv sim --profile vllm --calls` replays,
+    is what the recorder writes for this server: recorded again here (TIERKV_WRITE_FIXTURE=1
     rewrites it) and compared; every job the tier was given succeeded."""
     path = tmp_path / "calls.jsonl"
     record_a_server(path)

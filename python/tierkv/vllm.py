@@ -19,8 +19,8 @@ Written and tested against vLLM 0.34.0's ``vllm.v1.kv_offload`` interface (``Off
   ``"write_through_selective"`` (store a block the second time it is offered).
 - ``record_calls``: a file to which every call vLLM makes on the manager and the worker is
   appended as a JSON line (keys as hex; a job as, per KV group, its device blocks, host chunks
-  and their keys). Meant as input for the simulator: replaying such a file through
-  ``tierkv sim`` is not built yet (``docs/VLLM.md``).
+  and their keys). ``tierkv sim --profile vllm --calls FILE`` replays it through the host tier
+  under the simulator's schedules and driver faults.
 
 The scheduler side (``TierkvOffloadingManager``) keeps ``tierkv.OffloadIndex``; the worker side
 (``TierkvOffloadingWorker``) keeps ``tierkv.HostTier``. GPU caches need a wheel built with the
