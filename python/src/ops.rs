@@ -334,6 +334,9 @@ fn logits_cpu(a: &LogitsArgs) -> PyResult<()> {
             a.cache.host_bytes(),
         )
     };
+    let (pts, out_stride) = (a.table.shape[1], a.out.shape[1]);
+    let len_max = out_stride.min(pts * PAGE_TOKENS as usize);
+    rows_in_range(OP, lens, pt, pts, len_max, Some(a.cache.shape[0] as u64))?;
     let args = cpu::logits::IndexLogitsArgs {
         dtype: a.dt,
         heads: a.heads,
@@ -471,6 +474,14 @@ fn topk_cpu(a: &TopKArgs) -> PyResult<()> {
             (identity.as_slice(), pages)
         }
     };
+    rows_in_range(
+        OP,
+        lens,
+        table,
+        pt_stride,
+        a.stride.min(pt_stride * PAGE_TOKENS as usize),
+        None,
+    )?;
     let args = cpu::topk::TopKArgs {
         k: a.k,
         logits,
@@ -480,6 +491,39 @@ fn topk_cpu(a: &TopKArgs) -> PyResult<()> {
         pt_stride,
     };
     cpu::topk::topk(&args, out).map_err(|e| err(OP, e))
+}
+
+/// Every row's context length within `0..=len_max` and, where `pages` is given, every block of
+/// it in `0..pages`: the host half of `guard_rows`, with messages naming the argument.
+fn rows_in_range(
+    op: &str,
+    lens: &[i32],
+    table: &[i32],
+    pts: usize,
+    len_max: usize,
+    pages: Option<u64>,
+) -> PyResult<()> {
+    for (r, &len) in lens.iter().enumerate() {
+        if len < 0 || len as usize > len_max {
+            return Err(err(
+                op,
+                format!(
+                    "`context_lens` row {r} is {len}, outside 0..={len_max}; nothing was written"
+                ),
+            ));
+        }
+        let used = (len as usize).div_ceil(PAGE_TOKENS as usize);
+        let Some(pages) = pages else { continue };
+        if let Some(&p) = table[r * pts..r * pts + used]
+            .iter()
+            .find(|&&p| p < 0 || p as u64 >= pages)
+        {
+            return Err(err(op, format!(
+                "`block_table` row {r} names block {p}, outside the cache's {pages} blocks; nothing was written"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Every block-table entry a row's context uses maps its positions to slots that are int32 and
