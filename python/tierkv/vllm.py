@@ -65,13 +65,18 @@ _LOOKUP = {"miss": LookupResult.MISS, "hit": LookupResult.HIT, "pending": Lookup
 class CallRecorder:
     """Appends vLLM's calls on the manager and the worker to a JSON-lines file (``record_calls``).
 
-    Host chunks link the two sides: the manager's answers say which key each chunk holds, so a
-    job is recorded, per KV group, as its device blocks, its host chunks and their keys (with one
-    block a chunk; with more, a chunk's key is the last one the manager placed there). Keys are
-    hex; the worker's first call writes the registration.
+    Host chunks link the two sides: the manager's lines carry the chunks its answers gave each
+    key, and a job is recorded, per KV group, as its device blocks and host chunks (and the keys
+    those hold where this recorder saw the manager's answers: in vLLM the scheduler's and the
+    worker's specs are separate objects, in separate processes, each with its own recorder
+    appending to the file). Keys are hex; the worker's creation writes the registration. Not
+    recorded: ``get_load_source``, ``on_new_request``, ``take_events``, ``reset_cache`` and the
+    spec's other hooks, which move no block.
     """
 
     def __init__(self, path: str):
+        # Appended, a whole line per write: two processes (vLLM's scheduler and worker) may share
+        # the file.
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed with the spec)
         self._chunk_key: dict[int, str] = {}
         self._bases: list[tuple[int, int]] = []
@@ -105,7 +110,10 @@ class CallRecorder:
             base, stride = self._bases[g] if g < len(self._bases) else (0, 1)
             blocks = [(int(p) - base) // stride for p in ptrs[at:at + n]]
             used = chunks[chunk_at:chunk_at + n]
-            groups.append({"blocks": blocks, "chunks": used, "keys": [self._chunk_key.get(c, "") for c in used]})
+            group = {"blocks": blocks, "chunks": used}
+            if all(c in self._chunk_key for c in used):
+                group["keys"] = [self._chunk_key[c] for c in used]
+            groups.append(group)
             at += n * refs
             chunk_at += n
         self.write(call="submit_store" if store else "submit_load", job=job_id, groups=groups)
@@ -146,7 +154,7 @@ class TierkvOffloadingManager(OffloadingManager):
         chunks = self._index.prepare_load(keys)
         if self._rec:
             self._rec.chunks(keys, chunks)
-            self._rec.write(call="prepare_load", keys=_hex(keys))
+            self._rec.write(call="prepare_load", keys=_hex(keys), chunks=[int(c) for c in chunks])
         return CPULoadStoreSpec(chunks)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -158,7 +166,8 @@ class TierkvOffloadingManager(OffloadingManager):
         keys = list(keys)
         out = self._index.prepare_store(keys)
         if self._rec:
-            self._rec.write(call="prepare_store", keys=_hex(keys), stored=None if out is None else _hex(out[0]))
+            stored, chunks = (None, None) if out is None else (_hex(out[0]), [int(c) for c in out[1]])
+            self._rec.write(call="prepare_store", keys=_hex(keys), stored=stored, chunks=chunks)
         if out is None:
             return None
         to_store, chunks, evicted = out

@@ -395,22 +395,96 @@ fn the_recorded_vllm_calls_replay_clean_and_each_planted_race_is_caught() {
 }
 
 #[test]
+fn a_recorded_answer_the_replay_does_not_give_is_a_finding_before_any_fault() {
+    // The recording's first lookup answered "miss"; claim it answered "hit".
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/vllm-0.34-calls.jsonl");
+    let text = std::fs::read_to_string(&path).expect("the fixture");
+    let tampered = text.replacen("\"found\":\"miss\"", "\"found\":\"hit\"", 1);
+    assert_ne!(tampered, text);
+    let dir = std::env::temp_dir().join(format!("tierkv-tampered-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let file = dir.join("calls.jsonl");
+    std::fs::write(&file, tampered).expect("written");
+    let calls = tierkv_sim::offload::replay::parse(&file).expect("it parses");
+    let out = tierkv_sim::offload::replay::run(0, &calls, None);
+    assert!(
+        out.findings
+            .iter()
+            .any(|f| f.contains("lookup of key 0 answered Miss, recorded Some(Hit)")),
+        "{:?}",
+        out.findings
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn a_bad_call_file_is_refused_naming_the_line() {
     let dir = std::env::temp_dir().join(format!("tierkv-calls-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     let register = r#"{"call":"register","blocks":4,"chunks":4,"blocks_per_chunk":1,"formats":["kv/fp8_packed","index_k/fp8"],"write_policy":"write_through"}"#;
+    let store =
+        r#"{"call":"prepare_store","keys":["aa","ab"],"stored":["aa","ab"],"chunks":[0,1]}"#;
+    let job = |j: u32, b: u32| {
+        format!(
+            r#"{{"call":"submit_store","job":{j},"groups":[{{"blocks":[{b}],"chunks":[0]}},{{"blocks":[{b}],"chunks":[1]}}]}}"#
+        )
+    };
     for (text, want) in [
-        ("", "an empty file"),
-        (r#"{"call":"lookup","key":"aa"}"#, "line 1: the first line must be the registration"),
-        (&format!("{register}\n{{\"call\":\"submit_load\",\"job\":1,\"groups\":[{{\"blocks\":[4],\"keys\":[\"aa\"]}},{{\"blocks\":[],\"keys\":[]}}]}}"), "line 2: group 0: block 4 is not one of the 4 registered"),
-        (&format!("{register}\n{{\"call\":\"fly\"}}"), "line 2: unknown call `fly`"),
-        (&format!("{register}\nnot json"), "line 2: expected"),
-        (&register.replace("\"blocks_per_chunk\":1", "\"blocks_per_chunk\":2"), "`blocks_per_chunk` must be"),
-        (&register.replace("index_k/fp8", "index_k/bf16"), "`formats`"),
+        (String::new(), "no registration line"),
+        (
+            r#"{"call":"lookup","key":"aa"}"#.to_string(),
+            "no registration line",
+        ),
+        (
+            format!("{store}\n{}", job(1, 0)),
+            "line 2: a job before the registration line",
+        ),
+        (
+            format!("{register}\n{store}\n{}", job(1, 4)),
+            "line 3: group 0: block 4 is not one of the 4 registered",
+        ),
+        (
+            format!("{register}\n{store}\n{}\n{}", job(1, 0), job(2, 0)),
+            "line 4: job 2 names block 0 of group 0, which job 1 still moves",
+        ),
+        (
+            format!("{register}\n{}", job(1, 0)),
+            "line 2: group 0: host chunk 0 was given to no key",
+        ),
+        (
+            format!("{register}\n{{\"call\":\"complete_load\",\"keys\":[\"aa\"]}}"),
+            "line 2: complete_load of key 0, which no earlier prepare left pending",
+        ),
+        (
+            format!("{register}\n{{\"call\":\"lookup\",\"key\":\"xyz\"}}"),
+            "not the hex of",
+        ),
+        (
+            format!("{register}\n{{\"call\":\"fly\"}}"),
+            "line 2: unknown call `fly`",
+        ),
+        (format!("{register}\nnot json"), "line 2: expected"),
+        (
+            format!("{register}\n{register}"),
+            "line 2: a second registration",
+        ),
+        (
+            register.replace("\"blocks\":4", "\"blocks\":65536"),
+            "`blocks` must be an integer in 1..=1024",
+        ),
+        (
+            register.replace("\"blocks_per_chunk\":1", "\"blocks_per_chunk\":2"),
+            "`blocks_per_chunk` must be",
+        ),
+        (register.replace("index_k/fp8", "index_k/bf16"), "`formats`"),
+        (register.replace("\"write_through\"", "7"), "`write_policy`"),
     ] {
         let path = dir.join("calls.jsonl");
-        std::fs::write(&path, text).expect("written");
-        let err = tierkv_sim::offload::replay::parse(&path).expect_err(want).to_string();
+        std::fs::write(&path, &text).expect("written");
+        let err = tierkv_sim::offload::replay::parse(&path)
+            .expect_err(want)
+            .to_string();
         assert!(err.contains(want), "{err:?} does not say {want:?}");
     }
     std::fs::remove_dir_all(&dir).ok();
