@@ -17,10 +17,11 @@ Written and tested against vLLM 0.34.0's ``vllm.v1.kv_offload`` interface (``Off
   group and layer (a bf16 index-K cache where fp8 is configured, say).
 - ``write_policy``: ``"write_through"`` (default: store every block vLLM offers) or
   ``"write_through_selective"`` (store a block the second time it is offered).
-- ``record_calls``: a file to which every call vLLM makes on the manager and the worker is
-  appended as a JSON line (keys as hex; a job as, per KV group, its device blocks, host chunks
-  and their keys). ``tierkv sim --profile vllm --calls FILE`` replays it through the host tier
-  under the simulator's schedules and driver faults.
+- ``record_calls``: a file to which the calls vLLM makes on the manager and the worker that
+  move or place blocks are appended, a JSON line each (keys as hex; the manager's lines with the
+  chunks it gave; a job as, per KV group, its device blocks and host chunks).
+  ``tierkv sim --profile vllm --calls FILE`` replays it through the host tier under the
+  simulator's schedules and driver faults.
 
 The scheduler side (``TierkvOffloadingManager``) keeps ``tierkv.OffloadIndex``; the worker side
 (``TierkvOffloadingWorker``) keeps ``tierkv.HostTier``. GPU caches need a wheel built with the

@@ -2,21 +2,26 @@
 //! interface (`record_calls` of `tierkv.vllm`, JSON lines) replayed through the same host tier
 //! as the drawn server of the parent module, under each seed's schedule and driver faults.
 //!
-//! The recording fixes what vLLM asked (lookups, offers, loads, the device blocks and keys of
-//! every job, when it polled and waited); each seed decides how the GPU interleaves it and
-//! which driver calls fail. Keys are the recording's (hex), numbered in order of first
-//! appearance; a KV group's key lives in that group's cache only (vLLM keys each group's
-//! block apart). The server's forward pass is modelled as in the drawn profile: it writes a
-//! block's keys' bytes on the compute stream just before the block is offered for storing (the
-//! store right after the compute of vllm#45704), and reads every block it holds at each poll;
-//! a block it loads into is one it stopped reading only then (vllm#47282's pattern).
+//! The recording fixes what vLLM asked (lookups, offers, loads, the device blocks and host
+//! chunks of every job, when it polled and which jobs each poll reported done, what it waited
+//! for); each seed decides how the GPU interleaves it and which driver calls fail. Keys are the
+//! recording's (hex), numbered in order of first appearance; a job's chunks name its keys
+//! through the manager's lines; a KV group's key lives in that group's cache only (vLLM keys
+//! each group's block apart). The server's forward pass is modelled as in the drawn profile:
+//! it writes a block's keys' bytes on the compute stream just before the block is offered for
+//! storing (the store right after the compute of vllm#45704), and reads every block it holds at
+//! each poll; a block it loads into is one it stops reading only then (vllm#47282's pattern).
 //!
-//! The replay keeps its own index: where a fault failed a store, a later load of those keys
-//! is refused by the index and skipped, and a recorded answer the replay's index does not
-//! give is counted as a divergence, not a finding.
+//! The replay keeps its own index and completes each job at the poll where the recording
+//! reported it (waiting for it there), so that its index moves in step with the recorded one.
+//! Where a fault failed a job, the indexes part (a failed store frees its chunk, a later load
+//! of the key is refused and skipped); a recorded answer the replay's index does not give is
+//! counted then, and is a finding before any job failed.
 //!
-//! Oracles: the race detector, the contents of every stored chunk and loaded block, the
-//! index's invariants, every job reported exactly once.
+//! Oracles: the race detector, the contents of every stored chunk (the one the job was planned
+//! with) and loaded block, the index's invariants, every job reported exactly once, and the
+//! recorded answers until a job fails. A recording that contradicts itself (a block two jobs
+//! move at once, a completion nothing prepared) is refused when parsed, not blamed on the tier.
 
 use std::collections::BTreeMap;
 
