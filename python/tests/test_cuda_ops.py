@@ -3,8 +3,6 @@ equal to the same op on host arrays (the CPU references; bit for bit, except the
 logits, held to 1e-5 of each logit's magnitude), ordered after the caller's stream and before
 its next work without synchronising, and index entries refused on the GPU (DeviceIndexError)."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -166,12 +164,11 @@ def test_ops_do_not_synchronise():
     ops.topk(logits, lens, 2048)  # the first call loads the kernels
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the current stream
-    t0 = time.perf_counter()
     out = ops.topk(logits, lens, 2048)
-    host_s = time.perf_counter() - t0
+    # Had the call synchronised, the sleep before it would have ended.
     done = torch.cuda.current_stream().query()
     torch.cuda.synchronize()
-    assert not done and host_s < 0.1, (done, host_s)
+    assert not done
     assert np.array_equal(host(out), ops.topk(host(logits), host(lens), 2048))
 
 
