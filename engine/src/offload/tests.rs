@@ -350,3 +350,32 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_key_of_exactly_the_longest_length_is_taken() {
+    let mut ix = OffloadIndex::new(2, WritePolicy::WriteThrough, false).unwrap();
+    let longest = vec![7u8; KEY_BYTES_MAX];
+    assert_eq!(
+        ix.prepare_store(&[&longest]).unwrap().unwrap().keys.len(),
+        1
+    );
+    let longer = vec![7u8; KEY_BYTES_MAX + 1];
+    assert!(ix.prepare_store(&[&longer]).is_err());
+}
+
+#[test]
+fn the_selective_policy_remembers_exactly_its_bound() {
+    let mut ix = OffloadIndex::new(1, WritePolicy::WriteThroughSelective, false).unwrap();
+    for i in 0..OFFERS_REMEMBERED_MAX as u32 {
+        ix.prepare_store(&[&i.to_le_bytes()]).unwrap().unwrap();
+    }
+    // OFFERS_REMEMBERED_MAX offers are all remembered: the oldest one's second offer stores it.
+    assert_eq!(
+        ix.prepare_store(&[&0u32.to_le_bytes()])
+            .unwrap()
+            .unwrap()
+            .keys
+            .len(),
+        1
+    );
+}

@@ -439,3 +439,58 @@ fn jobs_outside_the_registration_are_refused() {
         Err(PlanError::Groups { got: 2, want: 1 })
     ));
 }
+
+/// vLLM's layout for DeepSeek: one KV group per cache, each with its own keys and chunks.
+fn two_groups() -> Registration {
+    let tensors = vec![
+        CacheTensor {
+            base: 0x10_0000,
+            blocks: 16,
+            page_bytes: KV,
+            stride: KV,
+        },
+        CacheTensor {
+            base: 0x90_0000,
+            blocks: 16,
+            page_bytes: IK,
+            stride: IK,
+        },
+    ];
+    let group = |tensor, ref_bytes| Group {
+        tokens_per_block: 64,
+        refs: vec![LayerRef { tensor, ref_bytes }],
+    };
+    Registration::new(tensors, vec![group(0, KV), group(1, IK)], &formats(), 1, 8).unwrap()
+}
+
+#[test]
+fn each_groups_blocks_take_their_own_chunks_in_order() {
+    let reg = two_groups();
+    // Block 2 of both caches: group 0's key in chunk 3, group 1's in chunk 5.
+    let ptrs = [0x10_0000 + 2 * KV, 0x90_0000 + 2 * IK];
+    let job = Job {
+        ptrs: &ptrs,
+        sizes: &[KV, IK],
+        group_blocks: &[1, 1],
+        group_refs: &[1, 1],
+        block_indices: &[0, 0],
+        chunks: &[3, 5],
+    };
+    let plan = reg.plan(&job).unwrap();
+    let hosts: Vec<(usize, u64)> = plan.runs.iter().map(|r| (r.tensor, r.host)).collect();
+    assert_eq!(hosts, vec![(0, 3 * KV), (1, 5 * IK)]);
+    // Any one of the per-group arrays of the wrong length is refused.
+    for (blocks, refs, indices) in [
+        (&[1u64][..], &[1u64, 1][..], &[0u64, 0][..]),
+        (&[1, 1], &[1], &[0, 0]),
+        (&[1, 1], &[1, 1], &[0]),
+    ] {
+        let bad = Job {
+            group_blocks: blocks,
+            group_refs: refs,
+            block_indices: indices,
+            ..job
+        };
+        assert!(reg.plan(&bad).is_err(), "{blocks:?} {refs:?} {indices:?}");
+    }
+}
