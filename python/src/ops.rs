@@ -5,7 +5,8 @@
 //! On the GPU an op runs on tierkv's own stream of the device, ordered after the caller's stream
 //! (`stream`, torch's `current_stream().cuda_stream`) by an event recorded on it, and the
 //! caller's stream is made to wait for the op's result by a second event: the caller sees the
-//! op as if it had run on its stream, and nothing synchronises the device. The index arrays
+//! op as if it had run on its stream, and no call after a device's first (which compiles the
+//! kernels and allocates pinned memory) synchronises the device. The index arrays
 //! (slots, block tables, context lengths, page numbers) stay on the GPU, so their entries are
 //! checked there (guard kernels): an entry outside its pool is skipped (a row scored as empty,
 //! a token not stored, a pair not copied) and recorded; the next op on that device, or

@@ -3,7 +3,8 @@
 Host arrays run tierkv's CPU references; CUDA tensors (a build whose ``tierkv.BACKENDS``
 contains ``"cuda"``) run its CUDA kernels on tierkv's own stream, ordered after the caller's
 current stream by an event and with the caller's stream made to wait for the result: use them
-as if they ran on ``torch.cuda.current_stream()``. Nothing synchronises the device.
+as if they ran on ``torch.cuda.current_stream()``. No call after the first on a device (which
+compiles the kernels and allocates pinned memory) synchronises the device.
 
 - ``index_k_store``: raw index keys -> LayerNorm -> RoPE -> Hadamard -> fp8 (+ scale) or bf16
   rows, into the slots of a paged index-K cache (slot -1: skip the token).
