@@ -239,7 +239,7 @@ impl CacheController {
         events: Option<&[EventId]>,
     ) -> Result<bool, EngineError> {
         let mut enqueue_failed = false;
-        let p = io.layout.params;
+        let p = io.layout.params();
         match p.host_layout {
             HostLayout::LayerFirst => probe::hit(Probe::CopyLayerFirst),
             HostLayout::PageFirst => {

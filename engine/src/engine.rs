@@ -386,7 +386,6 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             "admitting pages never reserved"
         );
         self.import_held -= t.pages.len();
-        let now = self.clock.now_ns();
         self.sched.admit_transferred(Request {
             id: t.id,
             prompt_len: t.prompt_len,
@@ -399,8 +398,6 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             owned_from: 0,
             load: None,
             state: RequestState::Running,
-            submitted_ns: now,
-            first_token_ns: Some(now),
         });
         self.refresh_gauges();
     }
@@ -428,8 +425,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 reason: "a decode engine takes requests only from its prefill engine".into(),
             });
         }
-        let now = self.clock.now_ns();
-        let r = self.sched.submit(spec, now);
+        let r = self.sched.submit(spec);
         match &r {
             Ok(_) => self.metrics.requests_submitted += 1,
             Err(Rejection::Invalid { .. }) => {
@@ -810,10 +806,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 }
             }
         }
-        let now = self.clock.now_ns();
-        let done = self
-            .sched
-            .record_forward(rows, digests, &failed, &self.synth, now);
+        let done = self.sched.record_forward(rows, digests, &failed, &self.synth);
         self.metrics.generated_tokens += done.generated_tokens;
         self.metrics.prefill_tokens += done.prefill_tokens;
         while let Some(r) = self.sched.next_finished() {

@@ -322,7 +322,7 @@ impl ModelStep {
             tables: Vec::new(),
             generation: 0,
         };
-        let pt_stride = self.scratch.layout.pt_stride as usize;
+        let pt_stride = self.scratch.layout.pt_stride() as usize;
         for row in rows {
             for pos in row.from..row.to {
                 let page = row.pages[pos / PAGE_TOKENS as usize];
@@ -422,7 +422,7 @@ impl ModelStep {
             w,
             k: ik,
             page_table: page_table.clone(),
-            pt_stride: s.layout.pt_stride,
+            pt_stride: s.layout.pt_stride(),
             context_lens: context_lens(chunk),
             out: logits,
             out_stride: s.layout.out_stride(),
@@ -440,7 +440,7 @@ impl ModelStep {
             stride: s.layout.out_stride(),
             context_lens: context_lens(chunk),
             page_table,
-            pt_stride: s.layout.pt_stride,
+            pt_stride: s.layout.pt_stride(),
             out: s.region(
                 ScratchBuffer::Selections,
                 s.layout.selections(base as u32, n),
@@ -482,7 +482,7 @@ impl ModelStep {
                 ),
                 kv,
                 page_table: batch.page_table(base, chunk.len()),
-                pt_stride: s.layout.pt_stride,
+                pt_stride: s.layout.pt_stride(),
                 context_lens: context_lens(chunk),
                 out: s.region(
                     ScratchBuffer::Digests,

@@ -445,14 +445,14 @@ impl Mutants {
 impl Mutants {
     /// Mutants 1 and 4: the layout the host mirror is built from. Clean: the device's layout.
     pub fn host_layout(&self, device: Layout) -> Layout {
-        let mut p = device.params;
+        let mut p = device.params();
         if self.on(Mutant::HostIndexKFromFp8Defaults) {
             p.index_k_dtype = IndexKDtype::Fp8;
         }
         if self.on(Mutant::HostKvRow576) && p.kv_dtype == KvDtype::Fp8Packed {
             p.kv_dtype = KvDtype::Fp8Unpacked;
         }
-        if p == device.params {
+        if p == device.params() {
             return device;
         }
         Layout::new(p).expect("a mirror with smaller rows than a valid layout fits")

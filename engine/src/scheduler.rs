@@ -99,28 +99,54 @@ pub enum RequestState {
 /// One request inside the engine.
 #[derive(Clone, Debug)]
 pub struct Request {
-    pub id: u64,
-    pub prompt_len: usize,
+    pub(crate) id: u64,
+    pub(crate) prompt_len: usize,
     /// Prompt, then generated tokens.
-    pub tokens: Vec<u32>,
-    pub max_new: u32,
-    pub generated: u32,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) max_new: u32,
+    pub(crate) generated: u32,
     /// Positions whose KV and index-K are stored (or being loaded).
-    pub computed: usize,
+    pub(crate) computed: usize,
     /// The page table: `pages[i]` holds positions `64i .. 64i + 64`.
-    pub pages: Vec<PageId>,
+    pub(crate) pages: Vec<PageId>,
     /// Tree nodes this request locked (matched, or loaded for it).
-    pub locked: Vec<NodeId>,
+    pub(crate) locked: Vec<NodeId>,
     /// `pages[owned_from..]` belong to the request (inserted or freed when it ends).
-    pub owned_from: usize,
+    pub(crate) owned_from: usize,
     /// The load this request's forward must wait for, until it is acknowledged.
-    pub load: Option<LoadId>,
-    pub state: RequestState,
-    pub submitted_ns: u64,
-    pub first_token_ns: Option<u64>,
+    pub(crate) load: Option<LoadId>,
+    pub(crate) state: RequestState,
 }
 
 impl Request {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+    /// Prompt, then generated tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    pub fn generated(&self) -> u32 {
+        self.generated
+    }
+    /// Positions whose KV and index-K are stored (or being loaded).
+    pub fn computed(&self) -> usize {
+        self.computed
+    }
+    /// The page table: `pages()[i]` holds positions `64i .. 64i + 64`.
+    pub fn pages(&self) -> &[PageId] {
+        &self.pages
+    }
+    /// The load this request's forward waits for, until it is acknowledged.
+    pub fn load(&self) -> Option<LoadId> {
+        self.load
+    }
+    pub fn state(&self) -> RequestState {
+        self.state
+    }
     pub fn in_prefill(&self) -> bool {
         self.computed < self.prompt_len
     }
@@ -293,7 +319,7 @@ impl Scheduler {
     }
 
     /// Intake: queues `spec` as a new request, or rejects it with a typed reason.
-    pub(crate) fn submit(&mut self, spec: RequestSpec, now_ns: u64) -> Result<u64, Rejection> {
+    pub(crate) fn submit(&mut self, spec: RequestSpec) -> Result<u64, Rejection> {
         if let Some(reason) = self.invalid(&spec) {
             return Err(Rejection::Invalid { reason });
         }
@@ -320,8 +346,6 @@ impl Scheduler {
             owned_from: 0,
             load: None,
             state: RequestState::Queued,
-            submitted_ns: now_ns,
-            first_token_ns: None,
         };
         let prev = self.requests.insert(id, r);
         assert!(prev.is_none(), "request id {id} handed out twice");
@@ -647,7 +671,6 @@ impl Scheduler {
         digests: &[Vec<u64>],
         failed: &[u64],
         synth: &Synth,
-        now_ns: u64,
     ) -> Recorded {
         let mut counts = Recorded::default();
         let mut qi = 0usize;
@@ -699,7 +722,6 @@ impl Scheduler {
                 let token = synth.next_token(row_digests.last().expect("digests"));
                 r.tokens.push(token);
                 r.generated += 1;
-                r.first_token_ns.get_or_insert(now_ns);
                 counts.generated_tokens += 1;
                 let index = r.generated - 1;
                 probe::hit_if(

@@ -457,7 +457,7 @@ pub enum LayoutError {
 /// Every byte size and offset of one engine's buffers. Built once; see the module comment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Layout {
-    pub params: LayoutParams,
+    params: LayoutParams,
     device_kv_layer_bytes: u64,
     device_index_k_layer_bytes: u64,
     host_kv_bytes: u64,
@@ -469,6 +469,10 @@ fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, LayoutError> {
 }
 
 impl Layout {
+    /// The parameters it was built from (validated by [`Layout::new`]).
+    pub fn params(&self) -> LayoutParams {
+        self.params
+    }
     pub fn new(params: LayoutParams) -> Result<Layout, LayoutError> {
         if params.layers == 0 {
             return Err(LayoutError::Zero { field: "layers" });
@@ -759,12 +763,20 @@ pub struct ScratchParams {
 /// checked for overflow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScratchLayout {
-    pub params: ScratchParams,
+    params: ScratchParams,
     /// Page-table entries per row.
-    pub pt_stride: u32,
+    pt_stride: u32,
 }
 
 impl ScratchLayout {
+    /// The parameters it was built from (validated by [`ScratchLayout::new`]).
+    pub fn params(&self) -> ScratchParams {
+        self.params
+    }
+    /// Page-table entries per row.
+    pub fn pt_stride(&self) -> u32 {
+        self.pt_stride
+    }
     pub fn new(params: ScratchParams) -> Result<ScratchLayout, LayoutError> {
         for (field, v) in [
             ("heads", params.heads),

@@ -1146,7 +1146,7 @@ impl<'a> Run<'a> {
                 .owners
                 .keys()
                 .copied()
-                .filter(|id| self.engine.request(*id).is_some_and(|r| r.load.is_some()))
+                .filter(|id| self.engine.request(*id).is_some_and(|r| r.load().is_some()))
                 .collect();
             // Not deferred: this fault is an abort that lands while the load is in flight (a
             // client's abort that lands after the step is `abort_rate`'s).
@@ -1260,7 +1260,7 @@ impl<'a> Run<'a> {
             .owners
             .keys()
             .copied()
-            .filter(|&id| self.engine.request(id).is_some_and(|r| r.state == queued))
+            .filter(|&id| self.engine.request(id).is_some_and(|r| r.state() == queued))
             .collect();
         let policy_before = self.policy_observe_start();
         let report = self.engine_call("engine step", |e| e.step())?;
@@ -1289,7 +1289,7 @@ impl<'a> Run<'a> {
             .iter()
             .chain(&queued_before)
             .copied()
-            .filter(|&id| self.engine.request(id).is_none_or(|r| r.state != queued))
+            .filter(|&id| self.engine.request(id).is_none_or(|r| r.state() != queued))
             .collect();
         let now = self.gpu.borrow().now();
         let found = reported::admitted(report.admitted, left.len(), now)
@@ -1442,10 +1442,10 @@ impl<'a> Run<'a> {
             .map(|s| s.1 as usize)
             .min();
         let cached = self.engine.request(id).map(|r| {
-            let at = first.unwrap_or(r.computed);
+            let at = first.unwrap_or(r.computed());
             let pages = at / page;
             let mut filled = 0;
-            for p in &r.pages[..pages.min(r.pages.len())] {
+            for p in &r.pages()[..pages.min(r.pages().len())] {
                 let before = loaded.len();
                 loaded.retain(|&l| l != p.0);
                 filled += (loaded.len() < before) as usize;
@@ -1514,7 +1514,7 @@ impl<'a> Run<'a> {
         let mut holders: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
         for &id in &self.running_model {
             if let Some(r) = e.request(id) {
-                for p in &r.pages {
+                for p in r.pages() {
                     holders.entry(p.0).or_default().push(id);
                 }
             }
@@ -1524,7 +1524,7 @@ impl<'a> Run<'a> {
             let others: Vec<u64> = held.iter().copied().filter(|&h| h != request).collect();
             let own = e
                 .request(request)
-                .is_none_or(|r| r.pages.iter().any(|p| p.0 == page));
+                .is_none_or(|r| r.pages().iter().any(|p| p.0 == page));
             if !others.is_empty() || !own {
                 return Some(Finding {
                     oracle: OracleKind::Conservation,
@@ -1715,7 +1715,7 @@ impl<'a> Run<'a> {
         let queued = tierkv_engine::scheduler::RequestState::Queued;
         self.owners
             .keys()
-            .filter(|&&id| self.engine.request(id).is_some_and(|r| r.state == queued))
+            .filter(|&&id| self.engine.request(id).is_some_and(|r| r.state() == queued))
             .fold((0, 0), |(n, t), id| (n + 1, t + self.specs[id].0 as u64))
     }
 
@@ -1725,7 +1725,7 @@ impl<'a> Run<'a> {
         let loads: BTreeSet<_> = self
             .owners
             .keys()
-            .filter_map(|&id| e.request(id).and_then(|r| r.load))
+            .filter_map(|&id| e.request(id).and_then(|r| r.load()))
             .collect();
         loads.len()
     }

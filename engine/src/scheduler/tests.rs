@@ -11,7 +11,7 @@ fn with_one_queued() -> Scheduler {
         prompt: vec![7; 100],
         max_new_tokens: 4,
     };
-    s.submit(spec, 0).expect("a valid request");
+    s.submit(spec).expect("a valid request");
     s.check_invariants();
     s
 }
@@ -76,7 +76,7 @@ fn submit(s: &mut Scheduler, prompt_len: usize, max_new_tokens: u32) -> u64 {
         prompt: vec![7; prompt_len],
         max_new_tokens,
     };
-    s.submit(spec, 0).expect("a valid request")
+    s.submit(spec).expect("a valid request")
 }
 
 fn admit_all(s: &mut Scheduler, cached: usize, loading: bool) -> usize {
@@ -93,7 +93,7 @@ fn admit_all(s: &mut Scheduler, cached: usize, loading: bool) -> usize {
 fn forward(s: &mut Scheduler, rows: &[Row]) -> Recorded {
     let queries: usize = rows.iter().map(|r| r.queries.len()).sum();
     let digests = vec![vec![0u64; 2]; queries];
-    s.record_forward(rows, &digests, &[], &Synth::new(1), 0)
+    s.record_forward(rows, &digests, &[], &Synth::new(1))
 }
 
 fn probe_hits(p: Probe) -> u64 {
