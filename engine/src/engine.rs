@@ -806,7 +806,9 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
                 }
             }
         }
-        let done = self.sched.record_forward(rows, digests, &failed, &self.synth);
+        let done = self
+            .sched
+            .record_forward(rows, digests, &failed, &self.synth);
         self.metrics.generated_tokens += done.generated_tokens;
         self.metrics.prefill_tokens += done.prefill_tokens;
         while let Some(r) = self.sched.next_finished() {

@@ -4,14 +4,17 @@
 //! feature — typed launchers (the `launch` module) that check sizes and fingerprints before any launch.
 //!
 //! NVRTC is loaded dynamically, so this module builds everywhere and CI (no GPU) can still compile
-//! every kernel to PTX; without the `cuda` feature the launch entry points answer
-//! [`KernelError::BuiltWithoutCuda`].
+//! every kernel to PTX; without the `cuda` feature `launch` is a stand-in (`absent.rs`) whose
+//! entry points (`Kernels::global`, `Kernels::on`) answer [`KernelError::BuiltWithoutCuda`].
 
 use crate::error::{KernelError, Result};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use std::path::PathBuf;
 
 #[cfg(feature = "cuda")]
+pub mod launch;
+#[cfg(not(feature = "cuda"))]
+#[path = "absent.rs"]
 pub mod launch;
 
 /// Which of the synthetic model's inputs `Kernels::draw` draws (`cpu::draw`).

@@ -1595,11 +1595,19 @@ mod cuda {
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn without_cuda_the_entry_points_answer_a_typed_error() {
-    let e = tierkv_kernels::cuda::built_without_cuda("index_logits");
-    assert!(matches!(
+    use tierkv_kernels::cuda::launch::Kernels;
+    use tierkv_kernels::KernelError;
+    let e = Kernels::global().expect_err("no kernels without CUDA");
+    assert_eq!(
         e,
-        tierkv_kernels::KernelError::BuiltWithoutCuda { op: "index_logits" }
-    ));
+        KernelError::BuiltWithoutCuda {
+            op: "Kernels::global"
+        }
+    );
     assert!(e.to_string().contains("--features cuda"), "{e}");
+    assert_eq!(
+        Kernels::on(1).expect_err("no kernels without CUDA"),
+        KernelError::BuiltWithoutCuda { op: "Kernels::on" }
+    );
     const { assert!(!tierkv_kernels::cuda::ENABLED) };
 }

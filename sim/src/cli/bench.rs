@@ -7,6 +7,8 @@
 //! Every time is the median of repeated runs between CUDA events, after warm-up. Bytes moved count
 //! each input read once and each output written once.
 
+use super::error::CliError;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Results of `bench/torch_bench.py` (JSON lines) to compare with.
@@ -71,8 +73,7 @@ fn emit(report: &str, out: Option<&std::path::Path>) -> i32 {
     print!("{report}");
     if let Some(out) = out {
         if let Err(e) = std::fs::write(out, report) {
-            eprintln!("--out {}: {e}", out.display());
-            return 3;
+            return CliError::output("--out", out, e).report();
         }
     }
     0
@@ -87,45 +88,42 @@ fn run_cache_bench(args: &BenchArgs) -> i32 {
     };
     match super::bench_cache::run(&plan) {
         Ok(report) => emit(&report, args.out.as_deref()),
-        Err(e) => {
-            eprintln!("cache bench: {e}");
-            2
-        }
+        Err(e) => CliError::Arguments(format!("cache bench: {e}")).report(),
     }
 }
 
-/// `--campaign`: the simulator's speed, this build against `--baseline`.
-fn run_campaign_bench(args: &BenchArgs) -> i32 {
-    let jobs = match super::sim::worker_count(args.jobs) {
-        Ok(j) => j,
-        Err(e) => {
-            eprintln!("{e}");
-            return 2;
-        }
-    };
+/// `--campaign`'s arguments, checked.
+fn campaign_plan(args: &BenchArgs) -> Result<super::bench_campaign::Plan, CliError> {
+    let jobs = super::sim::worker_count(args.jobs).map_err(CliError::Arguments)?;
     if !crate::scenario::PROFILES.contains(&args.profile.as_str()) || args.profile == "trace" {
-        eprintln!(
+        return Err(CliError::Arguments(format!(
             "--profile {}: the campaign bench takes one of {} but trace",
             args.profile,
             crate::scenario::PROFILES.join(", ")
-        );
-        return 2;
+        )));
     }
     if !(1..=20).contains(&args.repeat) {
-        eprintln!("--repeat {}: give 1..=20 runs", args.repeat);
-        return 2;
+        return Err(CliError::Arguments(format!(
+            "--repeat {}: give 1..=20 runs",
+            args.repeat
+        )));
     }
-    if let Some(b) = &args.baseline {
-        if !b.is_file() {
-            eprintln!("--baseline {}: not a file", b.display());
-            return 2;
-        }
+    if let Some(b) = args.baseline.as_ref().filter(|b| !b.is_file()) {
+        return Err(CliError::input("--baseline", b, "not a file"));
     }
-    let plan = super::bench_campaign::Plan {
+    Ok(super::bench_campaign::Plan {
         first: args.seeds.0,
         end: args.seeds.1,
         jobs,
         profile: args.profile.clone(),
+    })
+}
+
+/// `--campaign`: the simulator's speed, this build against `--baseline`.
+fn run_campaign_bench(args: &BenchArgs) -> i32 {
+    let plan = match campaign_plan(args) {
+        Ok(p) => p,
+        Err(e) => return e.report(),
     };
     match super::bench_campaign::run(&plan, args.baseline.as_ref(), args.repeat) {
         Ok(report) => emit(&report, args.out.as_deref()),
@@ -144,8 +142,11 @@ pub fn run_bench(args: BenchArgs) -> i32 {
     if args.cache {
         return run_cache_bench(&args);
     }
-    eprintln!("tierkv bench needs a GPU build: cargo run --release -p tierkv-sim --features cuda -- bench");
-    2
+    CliError::NotBuilt {
+        flag: "tierkv bench (the kernels and transfers on the GPU)",
+        feature: "cuda",
+    }
+    .report()
 }
 
 #[cfg(feature = "cuda")]

@@ -2,7 +2,8 @@
 //! one coverage table (see `shard`). Exit codes: 0 no failure; 1 failures; 2 the results could
 //! not be read or do not belong together; 3 the merged result could not be written.
 
-use crate::shard::{merge, shown_list as missing_list, ShardResult, LIST_SHOWN_MAX};
+use super::error::CliError;
+use crate::shard::{merge, shown_list as missing_list, Merged, ShardResult, LIST_SHOWN_MAX};
 use std::path::PathBuf;
 
 #[derive(clap::Subcommand, Debug, Clone)]
@@ -38,25 +39,36 @@ pub fn run_campaign_command(cmd: CampaignCommand) -> i32 {
 }
 
 fn run_merge(args: &MergeArgs) -> i32 {
+    merge_files(args).unwrap_or_else(CliError::report)
+}
+
+/// `campaign merge`: the exit code of the merged campaign, or why the results were refused.
+fn merge_files(args: &MergeArgs) -> Result<i32, CliError> {
     let mut results = Vec::with_capacity(args.files.len());
     for file in &args.files {
-        match ShardResult::read(file) {
-            Ok(r) => results.push((file.clone(), r)),
-            Err(e) => {
-                eprintln!("tierkv campaign merge: {e}");
-                return 2;
-            }
-        }
+        results.push((file.clone(), ShardResult::read(file)?));
     }
-    let merged = match merge(&results, args.partial) {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("tierkv campaign merge: {e}");
-            return 2;
-        }
-    };
+    let merged = merge(&results, args.partial)?;
+    print_merged(&merged, results[0].1.shard_count, args.coverage);
     let r = &merged.result;
-    let count = results[0].1.shard_count;
+    if let Some(file) = &args.json {
+        let text = serde_json::to_string_pretty(r).expect("a shard result serialises");
+        std::fs::write(file, text).map_err(|e| {
+            CliError::output(
+                "--json",
+                file,
+                format!("could not write the merged result: {e}"),
+            )
+        })?;
+        println!("merged result: {}", file.display());
+    }
+    Ok(i32::from(!r.failures.is_empty()))
+}
+
+/// Prints what a merge found: the campaign, what is missing or cut, the cross-run determinism
+/// check, the summary and the first failures.
+fn print_merged(merged: &Merged, count: u64, coverage: bool) {
+    let r = &merged.result;
     println!(
         "== tierkv campaign merge: {} of {count} shards of seeds {}..{} (profile {}{}{})",
         merged.shards,
@@ -113,7 +125,7 @@ fn run_merge(args: &MergeArgs) -> i32 {
     summary.print_counts();
     summary.print_throughput(r.wall_s, Some((merged.shards as usize, r.held_s())));
     summary.print_checks();
-    if args.coverage {
+    if coverage {
         print!("{}", summary.coverage.table());
     }
     for f in r.failures.iter().take(20) {
@@ -122,21 +134,5 @@ fn run_merge(args: &MergeArgs) -> i32 {
     }
     if r.failures.len() > 20 {
         println!("... and {} more failures", r.failures.len() - 20);
-    }
-    if let Some(file) = &args.json {
-        let text = serde_json::to_string_pretty(r).expect("a shard result serialises");
-        if let Err(e) = std::fs::write(file, text) {
-            eprintln!(
-                "--json {}: could not write the merged result: {e}",
-                file.display()
-            );
-            return 3;
-        }
-        println!("merged result: {}", file.display());
-    }
-    if r.failures.is_empty() {
-        0
-    } else {
-        1
     }
 }

@@ -1,5 +1,6 @@
 //! `tierkv check-config`: the derived layout of a configuration, or its validation error.
 
+use super::error::CliError;
 use std::path::PathBuf;
 use tierkv_engine::config::Config;
 use tierkv_engine::layout::BufferKind;
@@ -27,11 +28,11 @@ pub fn run_pd(file: Option<&PathBuf>, preset: Option<&str>, decode: &PathBuf) ->
         (Some(f), _) => f.display().to_string(),
         (None, Some(p)) => format!("preset {p}"),
         (None, None) => {
-            eprintln!(
+            return CliError::Arguments(format!(
                 "--pd-decode {}: give the prefill engine's configuration too (a FILE or --preset)",
                 decode.display()
-            );
-            return 2;
+            ))
+            .report();
         }
     };
     let decode_name = decode.display().to_string();
@@ -92,10 +93,7 @@ pub fn run_pd(file: Option<&PathBuf>, preset: Option<&str>, decode: &PathBuf) ->
 pub fn run(file: Option<&PathBuf>, preset: Option<&str>, emit_toml: bool) -> i32 {
     let cfg = match super::load_config(file, preset) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return 2;
-        }
+        Err(e) => return e.report(),
     };
     if emit_toml {
         print!("{}", cfg.to_documented_toml());
@@ -103,10 +101,7 @@ pub fn run(file: Option<&PathBuf>, preset: Option<&str>, emit_toml: bool) -> i32
     }
     let l = match cfg.layout() {
         Ok(l) => l,
-        Err(e) => {
-            eprintln!("invalid configuration: {e}");
-            return 2;
-        }
+        Err(e) => return CliError::Config(format!("invalid configuration: {e}")).report(),
     };
     let m = &cfg.model;
     println!("config {}: valid", cfg.name);

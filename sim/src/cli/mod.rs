@@ -6,6 +6,7 @@
 //! campaign stopped by SIGINT or SIGTERM, after printing and writing what ended.
 
 use clap::{Parser, Subcommand};
+use error::CliError;
 use std::path::PathBuf;
 use tierkv_engine::config::Config;
 
@@ -15,6 +16,7 @@ pub mod bench_campaign;
 pub mod campaign;
 mod check_config;
 pub mod data;
+pub mod error;
 pub mod replay;
 pub mod replay_pd;
 pub mod sim;
@@ -74,15 +76,16 @@ pub enum Command {
 }
 
 /// Loads a configuration from a file or a preset (the default preset when neither is given).
-pub fn load_config(file: Option<&PathBuf>, preset: Option<&str>) -> Result<Config, String> {
-    match (file, preset) {
+pub fn load_config(file: Option<&PathBuf>, preset: Option<&str>) -> Result<Config, CliError> {
+    let loaded = match (file, preset) {
         (Some(f), _) => Config::from_file(f).map_err(|e| match e {
             tierkv_engine::ConfigError::Io { .. } => e.to_string(),
             _ => format!("invalid configuration {}: {e}", f.display()),
         }),
         (None, Some(p)) => Config::preset(p).map_err(|e| e.to_string()),
         (None, None) => Config::preset(Config::DEFAULT_PRESET).map_err(|e| e.to_string()),
-    }
+    };
+    loaded.map_err(CliError::Config)
 }
 
 /// Restores the default action of SIGPIPE, which the Rust runtime ignores: output into a closed

@@ -9,6 +9,7 @@
 //! chunk's last token (`prefill_indexer = last_token`; every-token indexing of 8K-token prompts is
 //! beyond a replay's budget), and the model has `--layers` layers of DeepSeek-V3.2's shapes.
 
+use super::error::CliError;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tierkv_engine::config::{Config, HostCapacity, PrefillIndexer, WritePolicy};
@@ -32,8 +33,9 @@ pub struct ReplayArgs {
     /// Replay the first N requests (at least 1).
     #[arg(long, default_value_t = 200)]
     pub requests: usize,
-    /// Divide the trace's inter-arrival times by this.
-    #[arg(long, default_value_t = 10.0)]
+    /// Divide the trace's inter-arrival times by this (not with `--pd`, which has no arrival
+    /// times).
+    #[arg(long, default_value_t = 10.0, conflicts_with = "pd")]
     pub time_scale: f64,
     /// Model layers (DeepSeek-V3.2 shapes otherwise).
     #[arg(long, default_value_t = 4)]
@@ -44,8 +46,9 @@ pub struct ReplayArgs {
     /// Device pool pages.
     #[arg(long, default_value_t = 4096)]
     pub device_pages: u32,
-    /// Serve /metrics on this loopback port (0: any free port).
-    #[arg(long, default_value_t = 0)]
+    /// Serve /metrics on this loopback port (0: any free port; a port in use is refused before
+    /// the engine starts). Not with `--pd`, which serves no /metrics.
+    #[arg(long, default_value_t = 0, conflicts_with = "pd")]
     pub metrics_port: u16,
     /// Host tier size as a multiple of the device tier.
     #[arg(long, default_value_t = 4.0)]
@@ -72,7 +75,7 @@ pub struct ReplayArgs {
     pub overlap: bool,
     /// Prefill/decode disaggregation: run the requests through a prefill engine and a decode
     /// engine joined by the peer link (both on the one device), and through one engine, and
-    /// compare their outputs digest for digest (no arrival times; `--metrics-port` unused).
+    /// compare their outputs digest for digest (no arrival times, no /metrics).
     #[arg(long)]
     pub pd: bool,
     /// With `--pd --device cuda`: 1 (both engines on GPU 0, the peer link) or 2 (prefill on GPU
@@ -105,15 +108,22 @@ const REPLAY_SPAN_MAX: Duration = Duration::from_secs(24 * 3600);
 
 /// The trace's first `--requests` records, the configuration and the timed requests; a usage
 /// error names what was wrong. Everything `tierkv replay` checks before it starts the service.
-pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>), String> {
+pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>), CliError> {
     if a.requests == 0 {
-        return Err("--requests 0: nothing to replay".into());
+        return Err(CliError::Arguments(
+            "--requests 0: nothing to replay".into(),
+        ));
     }
     if a.output_max == 0 {
-        return Err("--output-max 0: every request generates at least one token".into());
+        return Err(CliError::Arguments(
+            "--output-max 0: every request generates at least one token".into(),
+        ));
     }
     if a.device == "cuda" && !cfg!(feature = "cuda") {
-        return Err("--device cuda needs a build with `--features cuda`".into());
+        return Err(CliError::NotBuilt {
+            flag: "--device cuda",
+            feature: "cuda",
+        });
     }
     // Flags that choose how the GPU runs do nothing on the CPU device: refused, not ignored.
     if a.device != "cuda" {
@@ -124,27 +134,30 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
             ("--pd-gpus", a.pd_gpus != 1),
         ];
         if let Some((flag, _)) = gpu_only.iter().find(|f| f.1) {
-            return Err(format!(
+            return Err(CliError::Arguments(format!(
                 "{flag} chooses how the GPU runs: add --device cuda, or drop {flag}"
-            ));
+            )));
         }
     }
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
-        return Err(format!(
+        return Err(CliError::Arguments(format!(
             "--time-scale {}: must be a finite number above 0 (arrivals are divided by it)",
             a.time_scale
-        ));
+        )));
     }
     let recs = match &a.trace {
-        Some(p) => read_trace(p),
-        None => super::data::mooncake_excerpt(),
-    }
-    .map_err(|e| e.to_string())?;
+        Some(p) => read_trace(p).map_err(|e| CliError::input("--trace", p, e))?,
+        None => super::data::mooncake_excerpt()
+            .map_err(|e| CliError::Arguments(format!("the built-in excerpt: {e}")))?,
+    };
     let recs: Vec<_> = recs.into_iter().take(a.requests).collect();
-    let cfg = replay_config(a).map_err(|e| format!("replay configuration: {e}"))?;
-    let work = workload(&recs, &cfg, a)?;
+    let cfg =
+        replay_config(a).map_err(|e| CliError::Config(format!("replay configuration: {e}")))?;
+    let work = workload(&recs, &cfg, a).map_err(CliError::Arguments)?;
     if work.is_empty() {
-        return Err("the trace's requests all have empty prompts: nothing to replay".into());
+        return Err(CliError::Arguments(
+            "the trace's requests all have empty prompts: nothing to replay".into(),
+        ));
     }
     Ok((cfg, work))
 }
@@ -153,16 +166,23 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
     if a.pd {
         return super::replay_pd::run_replay_pd(&a);
     }
-    let (cfg, work) = match prepare(&a).and_then(|p| {
-        check_memory(&p.0, &a, memory_available())?;
-        Ok(p)
-    }) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("{e}");
-            return 2;
-        }
-    };
+    replay(&a).unwrap_or_else(CliError::report)
+}
+
+/// `tierkv replay` without `--pd`: the exit code of the replay, or why it could not start.
+fn replay(a: &ReplayArgs) -> Result<i32, CliError> {
+    let (cfg, work) = prepare(a)?;
+    check_memory(&cfg, a, memory_available())?;
+    // The port is taken before the engine starts: a port in use is the machine's refusal.
+    let listener = std::net::TcpListener::bind(("127.0.0.1", a.metrics_port))
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .map_err(|e| {
+            CliError::Resources(format!(
+                "--metrics-port {}: cannot serve /metrics on 127.0.0.1:{} ({e}); choose another \
+                 port, or 0 for any free one",
+                a.metrics_port, a.metrics_port
+            ))
+        })?;
     let tokens: usize = work.iter().map(|w| w.1.prompt.len()).sum();
     println!(
         "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}; the engine {}",
@@ -181,56 +201,30 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
             "in order"
         }
     );
-    let options = EngineOptions {
-        overlap: a.overlap,
-        ..EngineOptions::default()
-    };
-    let service = match a.device.as_str() {
-        "cpu" => {
-            let cfg = cfg.clone();
-            let started = Service::start(move || {
-                Engine::new(
-                    cfg,
-                    tierkv_engine::cpu_device::InOrderDevice::new(),
-                    MonotonicClock::new(),
-                    options,
-                )
-            });
-            match started {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("replay: {e}");
-                    return 1;
-                }
-            }
+    let service = match start_service(&cfg, a)? {
+        Ok(s) => s,
+        Err(e) => {
+            // An engine that refuses to start is the replay's failure (on either device).
+            eprintln!("replay: {e}");
+            return Ok(1);
         }
-        _ => match start_cuda(
-            cfg.clone(),
-            a.copy.as_deref().unwrap_or("gather"),
-            a.logits.as_deref().unwrap_or("tensor-core"),
-            !a.no_device_timing,
-            options,
-        ) {
-            Ok(s) => s,
-            Err(code) => return code,
-        },
     };
     let started = Instant::now();
-    let seen = match drive(&service, work, a.metrics_port, started) {
+    let seen = match drive(&service, work, listener, started) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("replay failed: {e}");
-            return 1;
+            return Ok(1);
         }
     };
     let wall = started.elapsed();
     let published = service.published.clone();
     if let Err(e) = service.shutdown() {
         eprintln!("engine: {e}");
-        return 1;
+        return Ok(1);
     }
     let p = published.lock().expect("published");
-    report(&p.metrics, &p.steps, seen, wall)
+    Ok(report(&p.metrics, &p.steps, seen, wall))
 }
 
 /// DeepSeek-V3.2's shapes with the replay's layers, pools, host tier and write policy.
@@ -238,10 +232,10 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
 /// engine's host mirror and readback buffer (pinned host memory), and on the CPU device its
 /// device tier and scratch too. `--pd` on the CPU holds three engines at once (the pair and
 /// the single engine it is compared with); on CUDA the pair's device tiers are on the GPU.
-fn resident_bytes(cfg: &Config, a: &ReplayArgs) -> Result<u64, String> {
+fn resident_bytes(cfg: &Config, a: &ReplayArgs) -> Result<u64, CliError> {
     let fp = cfg
         .footprint(cfg.model.index_topk)
-        .map_err(|e| format!("replay configuration: {e}"))?;
+        .map_err(|e| CliError::Config(format!("replay configuration: {e}")))?;
     let per_engine = match a.device.as_str() {
         "cuda" => fp.host.0,
         _ => fp.host.0.saturating_add(fp.device.0),
@@ -304,7 +298,7 @@ pub fn check_memory(
     cfg: &Config,
     a: &ReplayArgs,
     available: Option<(u64, &'static str)>,
-) -> Result<(), String> {
+) -> Result<(), CliError> {
     let need = resident_bytes(cfg, a)?;
     let Some((have, what)) = available else {
         return Ok(());
@@ -312,7 +306,7 @@ pub fn check_memory(
     if need as f64 <= MEMORY_SHARE_MAX * have as f64 {
         return Ok(());
     }
-    Err(format!(
+    Err(CliError::Resources(format!(
         "the replay would hold {:.2} GB ({}{} pages x {} layers on the device tier \
          (--device-pages, --layers){}, a host mirror {}x as large (--host-ratio)), over 90% of \
          {what}, {:.2} GB: lower --device-pages, --layers or --host-ratio",
@@ -327,7 +321,7 @@ pub fn check_memory(
         },
         a.host_ratio,
         have as f64 / 1e9
-    ))
+    )))
 }
 
 fn replay_config(a: &ReplayArgs) -> Result<Config, tierkv_engine::ConfigError> {
@@ -385,12 +379,41 @@ fn workload(
     Ok(out)
 }
 
+/// The service on the device `a` names: a refusal of the command line when the build or the
+/// machine has no such device, else whether the engine started.
+fn start_service(cfg: &Config, a: &ReplayArgs) -> Result<Result<Service, ServiceError>, CliError> {
+    let options = EngineOptions {
+        overlap: a.overlap,
+        ..EngineOptions::default()
+    };
+    match a.device.as_str() {
+        "cpu" => {
+            let cfg = cfg.clone();
+            Ok(Service::start(move || {
+                Engine::new(
+                    cfg,
+                    tierkv_engine::cpu_device::InOrderDevice::new(),
+                    MonotonicClock::new(),
+                    options,
+                )
+            }))
+        }
+        _ => start_cuda(
+            cfg.clone(),
+            a.copy.as_deref().unwrap_or("gather"),
+            a.logits.as_deref().unwrap_or("tensor-core"),
+            !a.no_device_timing,
+            options,
+        ),
+    }
+}
+
 /// Serves /metrics, submits every request at its arrival time through the service's client,
 /// probes /metrics while they run, and waits for every answer.
 fn drive(
     service: &Service,
     work: Vec<(Duration, RequestSpec)>,
-    metrics_port: u16,
+    listener: std::net::TcpListener,
     started: Instant,
 ) -> Result<Seen, String> {
     let client = service.client();
@@ -401,9 +424,7 @@ fn drive(
         .build()
         .map_err(|e| format!("tokio: {e}"))?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", metrics_port))
-            .await
-            .map_err(|e| e.to_string())?;
+        let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         println!("/metrics on http://{addr}/metrics");
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -626,12 +647,9 @@ fn start_cuda(
     logits: &str,
     timing: bool,
     options: EngineOptions,
-) -> Result<Service, i32> {
+) -> Result<Result<Service, ServiceError>, CliError> {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
-    if let Err(e) = tierkv_kernels::cuda::launch::Kernels::global() {
-        eprintln!("--device cuda: no usable CUDA device: {e}");
-        return Err(2);
-    }
+    CliError::cuda_kernels("--device cuda")?;
     let logits = if logits == "exact" {
         LogitsKernel::Exact
     } else {
@@ -648,16 +666,21 @@ fn start_cuda(
         dev.set_timing(timing);
         Engine::new(cfg, dev, MonotonicClock::new(), options)
     });
-    // An engine that refuses to start is the replay's failure (exit 1), as on the CPU; no
-    // usable device above is the environment's (exit 2).
-    started.map_err(|e| {
-        eprintln!("replay: {e}");
-        1
-    })
+    // No usable device above is the environment's refusal (exit 2); an engine that refuses to
+    // start is the replay's failure (the caller's exit 1, as on the CPU).
+    Ok(started)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn start_cuda(_: Config, _: &str, _: &str, _: bool, _: EngineOptions) -> Result<Service, i32> {
-    eprintln!("--device cuda needs a build with `--features cuda`");
-    Err(2)
+fn start_cuda(
+    _: Config,
+    _: &str,
+    _: &str,
+    _: bool,
+    _: EngineOptions,
+) -> Result<Result<Service, ServiceError>, CliError> {
+    Err(CliError::NotBuilt {
+        flag: "--device cuda",
+        feature: "cuda",
+    })
 }

@@ -10,6 +10,7 @@
 //! engine runs on GPU 0 and the decode engine on GPU 1, joined by NCCL
 //! (`runtime::nccl::NcclLink`), and the link is then timed against a peer copy.
 
+use super::error::CliError;
 use super::replay::{prepare, ReplayArgs};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -254,15 +255,19 @@ fn compare_with<D: Device, P: Device, L: KvLink<P>>(
 }
 
 pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
-    let (cfg, work) = match prepare(a).and_then(|p| {
+    let ready = prepare(a).and_then(|p| {
         super::replay::check_memory(&p.0, a, super::replay::memory_available())?;
         Ok(p)
-    }) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("{e}");
-            return 2;
+    });
+    let ready = ready.and_then(|p| {
+        if a.device == "cuda" {
+            CliError::cuda_kernels("--device cuda")?;
         }
+        Ok(p)
+    });
+    let (cfg, work) = match ready {
+        Ok(p) => p,
+        Err(e) => return e.report(),
     };
     let work: Vec<RequestSpec> = work.into_iter().map(|(_, s)| s).collect();
     println!(
@@ -291,8 +296,6 @@ pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
 #[cfg(feature = "cuda")]
 fn cuda(cfg: &Config, work: &[RequestSpec], a: &ReplayArgs) -> Result<bool, String> {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
-    tierkv_kernels::cuda::launch::Kernels::global()
-        .map_err(|e| format!("--device cuda: no usable CUDA device: {e}"))?;
     let logits = if a.logits.as_deref() == Some("exact") {
         LogitsKernel::Exact
     } else {

@@ -3,6 +3,7 @@
 //! Every argument is checked before anything runs: a bad one is a usage error (exit code 2) that
 //! names it. A run with findings exits 1; a clean one 0.
 
+use super::error::{CliError, ScenarioFileError};
 use crate::campaign::{run_campaign, CampaignOptions, SeedSet};
 use crate::probes::SimProbe;
 use crate::report::Finding;
@@ -153,9 +154,6 @@ enum Origin {
     Seed,
     File(PathBuf),
 }
-
-/// A bad argument: its message, printed with exit code 2.
-struct Usage(String);
 
 /// The one-line command that replays `sc`'s seed (with `--overlap` when the scenario's engine
 /// mode is not the one its seed draws).
@@ -482,23 +480,27 @@ fn write_artifact(path: &Path, contents: &str) -> std::io::Result<()> {
 }
 
 /// The trace of `--profile trace`: `--mooncake FILE` or the built-in excerpt.
-fn trace_records(args: &SimArgs) -> Result<Option<Vec<TraceRecord>>, Usage> {
+fn trace_records(args: &SimArgs) -> Result<Option<Vec<TraceRecord>>, CliError> {
     if args.profile != "trace" {
         return Ok(None);
     }
+    let refused = |e: String| match &args.mooncake {
+        Some(p) => CliError::input("--mooncake", p, e),
+        None => CliError::Arguments(format!("--profile trace: the built-in excerpt: {e}")),
+    };
     let recs = match &args.mooncake {
         Some(p) => tierkv_engine::trace::read_trace(p),
         None => super::data::mooncake_excerpt(),
     };
-    let recs = recs.map_err(|e| Usage(format!("--profile trace: {e}")))?;
-    crate::scenario::check_trace(&recs).map_err(|e| Usage(format!("--profile trace: {e}")))?;
+    let recs = recs.map_err(|e| refused(e.to_string()))?;
+    crate::scenario::check_trace(&recs).map_err(refused)?;
     Ok(Some(recs))
 }
 
 /// The checks `tierkv sim` makes before it runs anything (the `cli_numbers` fuzz target's
 /// entry): the campaign the arguments describe, or the usage error.
-pub fn check_args(args: &SimArgs) -> Result<CampaignOptions, String> {
-    setup(args).map_err(|Usage(m)| m)
+pub fn check_args(args: &SimArgs) -> Result<CampaignOptions, CliError> {
+    setup(args)
 }
 
 /// The `--mutant`, when it is one that acts only in a prefill/decode pair.
@@ -510,36 +512,29 @@ fn pd_mutant_of(args: &SimArgs) -> Option<tierkv_engine::mutants::Mutant> {
 }
 
 /// Everything the arguments ask for, checked.
-fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
+fn setup(args: &SimArgs) -> Result<CampaignOptions, CliError> {
     if !PROFILES.contains(&args.profile.as_str()) {
-        return Err(Usage(format!(
+        return Err(CliError::Arguments(format!(
             "unknown profile `{}`; profiles are: {}, vllm",
             args.profile,
             PROFILES.join(", ")
         )));
     }
-    if args.device == "cuda" && !cfg!(feature = "cuda") {
-        return Err(Usage(
-            "--device cuda needs a build with `--features cuda`".into(),
-        ));
-    }
-    #[cfg(feature = "cuda")]
     if args.device == "cuda" {
         // Every seed builds its executor on the process's one CUDA context: find out now, with
         // a clear message, whether there is one.
-        tierkv_kernels::cuda::launch::Kernels::global()
-            .map_err(|e| Usage(format!("--device cuda: no usable CUDA device: {e}")))?;
+        CliError::cuda_kernels("--device cuda")?;
     }
     // Flags that would do nothing here are refused, not ignored.
     let single = args.seed.is_some() || args.replay.is_some();
     if args.coverage && single {
-        return Err(Usage(
+        return Err(CliError::Arguments(
             "--coverage prints a campaign's coverage table: give --seeds A..B, or drop --coverage"
                 .into(),
         ));
     }
     if args.overlap.as_deref() == Some("on") && args.profile == "pd" {
-        return Err(Usage(
+        return Err(CliError::Arguments(
             "--overlap on: a prefill/decode pair never runs one step ahead (the `pd` profile \
              draws no overlap); drop --overlap, or choose another profile"
                 .into(),
@@ -548,47 +543,50 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
     if let Some(m) = pd_mutant_of(args) {
         // A replayed scenario carries its own profile: checked when it is read.
         if args.profile != "pd" && args.replay.is_none() {
-            return Err(Usage(format!(
+            return Err(CliError::Arguments(format!(
                 "--mutant {}: acts only in a prefill/decode pair, which only `--profile pd` \
                  builds; add --profile pd",
                 m.name()
             )));
         }
     }
-    mutants_of(args.mutant.as_deref()).map_err(Usage)?;
+    mutants_of(args.mutant.as_deref()).map_err(CliError::Arguments)?;
     if args.save_scenario.is_some() && args.seed.is_none() {
-        return Err(Usage(
+        return Err(CliError::Arguments(
             "--save-scenario writes the scenario of one seed: add --seed".into(),
         ));
     }
     if args.seed.is_some() && args.shard.is_some() {
-        return Err(Usage(
+        return Err(CliError::Arguments(
             "--shard selects seeds of a campaign, not of --seed".into(),
         ));
     }
-    check_output_dir(&args.out_dir).map_err(|e| Usage(format!("--out-dir: {e}")))?;
+    check_output_dir(&args.out_dir).map_err(|e| CliError::Arguments(format!("--out-dir: {e}")))?;
     if let Some(p) = &args.trace_out {
-        check_output_file(p).map_err(|e| Usage(format!("--trace-out {}: {e}", p.display())))?;
+        check_output_file(p)
+            .map_err(|e| CliError::Arguments(format!("--trace-out {}: {e}", p.display())))?;
     }
     if let Some(p) = &args.save_scenario {
-        check_output_file(p).map_err(|e| Usage(format!("--save-scenario {}: {e}", p.display())))?;
+        check_output_file(p)
+            .map_err(|e| CliError::Arguments(format!("--save-scenario {}: {e}", p.display())))?;
     }
     if let Some(p) = &args.json {
-        check_output_file(p).map_err(|e| Usage(format!("--json {}: {e}", p.display())))?;
+        check_output_file(p)
+            .map_err(|e| CliError::Arguments(format!("--json {}: {e}", p.display())))?;
     }
     if args.mooncake.is_some() && args.profile != "trace" {
-        return Err(Usage(
+        return Err(CliError::Arguments(
             "--mooncake gives the trace of `--profile trace`; add it, or drop --mooncake".into(),
         ));
     }
     if args.schedules == 0 || args.schedules > SCHEDULES_MAX {
-        return Err(Usage(format!(
+        return Err(CliError::Arguments(format!(
             "--schedules {}: give 1..={SCHEDULES_MAX} schedules per seed",
             args.schedules
         )));
     }
     if args.schedule.is_some() && args.seed.is_none() && args.replay.is_none() {
-        return Err(Usage(
+        return Err(CliError::Arguments(
             "--schedule replays a schedule of one scenario: add --seed or --replay".into(),
         ));
     }
@@ -596,14 +594,14 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
     let seeds = SeedSet::new(first, end, args.shard);
     if seeds.is_empty() && args.seed.is_none() && args.replay.is_none() {
         let (i, n) = args.shard.unwrap_or((0, 1));
-        return Err(Usage(format!(
+        return Err(CliError::Arguments(format!(
             "no seed to run: seeds {first}..{end} hold none with seed % {n} == {i}"
         )));
     }
     Ok(CampaignOptions {
         first,
         end,
-        jobs: worker_count(args.jobs).map_err(Usage)?,
+        jobs: worker_count(args.jobs).map_err(CliError::Arguments)?,
         shard: args.shard,
         profile: args.profile.clone(),
         mutant: args.mutant.clone(),
@@ -618,66 +616,49 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, Usage> {
 }
 
 pub fn run_sim(args: SimArgs) -> i32 {
+    sim(&args).unwrap_or_else(CliError::report)
+}
+
+/// `tierkv sim`: the exit code of what ran, or why nothing could.
+fn sim(args: &SimArgs) -> Result<i32, CliError> {
     if args.calls.is_some() && args.profile != "vllm" {
-        eprintln!("--calls: a recording of vLLM's calls replays under --profile vllm only");
-        return 2;
+        return Err(CliError::Arguments(
+            "--calls: a recording of vLLM's calls replays under --profile vllm only".into(),
+        ));
     }
     if args.profile == "vllm" {
-        return run_vllm(&args);
+        return run_vllm(args);
     }
-    let copts = match setup(&args) {
-        Ok(c) => c,
-        Err(Usage(m)) => {
-            eprintln!("{m}");
-            return 2;
-        }
-    };
+    let copts = setup(args)?;
     if let Some(file) = &args.replay {
-        let ready = read_scenario(file).and_then(|mut sc| {
-            if let Some(m) = pd_mutant_of(&args).filter(|_| sc.profile != "pd") {
-                return Err(Usage(format!(
-                    "--mutant {}: acts only in a prefill/decode pair; {} is a scenario of profile \
-                     `{}`, which builds none",
-                    m.name(),
-                    file.display(),
-                    sc.profile
-                )));
-            }
-            if args.mutant.is_some() {
-                sc.mutant = args.mutant.clone();
-            }
-            let schedule = recorded_schedule(&args, &sc)?;
-            Ok((sc, schedule))
-        });
-        return match ready {
-            Ok((sc, schedule)) => single(&sc, &args, &Origin::File(file.clone()), schedule),
-            Err(Usage(m)) => {
-                eprintln!("{m}");
-                2
-            }
-        };
+        let mut sc = read_scenario(file)?;
+        if let Some(m) = pd_mutant_of(args).filter(|_| sc.profile != "pd") {
+            return Err(CliError::Arguments(format!(
+                "--mutant {}: acts only in a prefill/decode pair; {} is a scenario of profile \
+                 `{}`, which builds none",
+                m.name(),
+                file.display(),
+                sc.profile
+            )));
+        }
+        if args.mutant.is_some() {
+            sc.mutant = args.mutant.clone();
+        }
+        let schedule = recorded_schedule(args, &sc)?;
+        return Ok(single(&sc, args, &Origin::File(file.clone()), schedule));
     }
     if let Some(seed) = args.seed {
         let sc = copts.scenario(seed);
         // Every argument is checked before anything is written or run.
-        let schedule = match recorded_schedule(&args, &sc) {
-            Ok(s) => s,
-            Err(Usage(m)) => {
-                eprintln!("{m}");
-                return 2;
-            }
-        };
+        let schedule = recorded_schedule(args, &sc)?;
         if let Some(p) = &args.save_scenario {
             let text = serde_json::to_string_pretty(&sc).expect("a scenario serialises");
-            if let Err(e) = std::fs::write(p, text) {
-                eprintln!("--save-scenario {}: {e}", p.display());
-                return 3;
-            }
+            std::fs::write(p, text).map_err(|e| CliError::output("--save-scenario", p, e))?;
             println!("scenario written to {}", p.display());
         }
-        return single(&sc, &args, &Origin::Seed, schedule);
+        return Ok(single(&sc, args, &Origin::Seed, schedule));
     }
-    campaign(&copts, &args)
+    campaign(&copts, args)
 }
 
 /// The largest scenario file `--replay` reads (a drawn scenario is tens of kilobytes).
@@ -685,26 +666,23 @@ const SCENARIO_FILE_BYTES_MAX: u64 = 16 << 20;
 
 /// A saved scenario (a regular file of at most `SCENARIO_FILE_BYTES_MAX` bytes), checked field
 /// by field.
-fn read_scenario(file: &Path) -> Result<Scenario, Usage> {
-    let name = file.display();
+fn read_scenario(file: &Path) -> Result<Scenario, CliError> {
     let text = tierkv_engine::input::read_text(file, SCENARIO_FILE_BYTES_MAX)
-        .map_err(|e| Usage(format!("{name}: {e}")))?;
-    parse_scenario(&text).map_err(|e| Usage(format!("{name}: {e}")))
+        .map_err(|e| CliError::input("--replay", file, e))?;
+    parse_scenario(&text).map_err(|e| CliError::input("--replay", file, e))
 }
 
 /// A scenario file's text as `--replay` reads it: JSON, every field checked, a mutant only in a
 /// build that has the bug zoo.
-pub fn parse_scenario(text: &str) -> Result<Scenario, String> {
-    let mut sc: Scenario =
-        serde_json::from_str(text).map_err(|e| format!("not a scenario: {e}"))?;
+pub fn parse_scenario(text: &str) -> Result<Scenario, ScenarioFileError> {
+    let mut sc: Scenario = serde_json::from_str(text).map_err(ScenarioFileError::NotJson)?;
     sc.keep_yarn_rule_of_its_time();
-    sc.validate()
-        .map_err(|e| format!("invalid scenario: {e}"))?;
-    mutants_of(sc.mutant.as_deref())?;
+    sc.validate().map_err(ScenarioFileError::Invalid)?;
+    mutants_of(sc.mutant.as_deref()).map_err(ScenarioFileError::Mutant)?;
     Ok(sc)
 }
 
-fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
+fn campaign(copts: &CampaignOptions, args: &SimArgs) -> Result<i32, CliError> {
     // From here until the results are written, SIGINT and SIGTERM end the campaign, not the
     // process (see `catch_interrupts`).
     crate::campaign::catch_interrupts();
@@ -714,7 +692,7 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
             .first()
             .expect("checked: the campaign has seeds");
         if let Some(code) = determinism(&copts.scenario(first), args) {
-            return code;
+            return Ok(code);
         }
     }
     let summary = run_campaign(copts, |out| {
@@ -731,13 +709,7 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
             eprintln!("seed {}{schedule}: {} -> {verdict}", out.seed, sc.summary());
         }
     });
-    let summary = match summary {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("{e}");
-            return 2;
-        }
-    };
+    let summary = summary.map_err(|e| CliError::Resources(e.to_string()))?;
     summary.print(&args.profile);
     if args.coverage {
         print!("{}", summary.coverage.table());
@@ -747,13 +719,10 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
             failure_replay(&copts.scenario(f.seed), f.schedule)
         });
         let text = serde_json::to_string_pretty(&result).expect("a shard result serialises");
-        match write_artifact(file, &text) {
-            Ok(()) => println!("result: {}", file.display()),
-            Err(e) => {
-                eprintln!("--json {}: could not write the result: {e}", file.display());
-                return 3;
-            }
-        }
+        write_artifact(file, &text).map_err(|e| {
+            CliError::output("--json", file, format!("could not write the result: {e}"))
+        })?;
+        println!("result: {}", file.display());
     }
     // What ended is printed and written: a signal from now on ends the process (the failure's
     // replay and shrinking can take minutes), and one that came after the last run ended still
@@ -769,7 +738,7 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
                 failure_replay(&copts.scenario(f.seed), f.schedule)
             );
         }
-        return 128 + sig;
+        return Ok(128 + sig);
     }
     if let Some(seed) = summary.first_failure {
         let sc = copts.scenario(seed);
@@ -790,9 +759,9 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> i32 {
             }
         };
         report_failure(&sc, &out, args, &Origin::Seed, sched.as_ref());
-        return 1;
+        return Ok(1);
     }
-    0
+    Ok(0)
 }
 
 /// Runs `sc` twice; `Some(1)` when the event-log hashes differ.
@@ -891,7 +860,10 @@ fn single(
 }
 
 /// `--schedule`'s file, read and checked against `sc` (`None` without the flag).
-fn recorded_schedule(args: &SimArgs, sc: &Scenario) -> Result<Option<(PathBuf, Schedule)>, Usage> {
+fn recorded_schedule(
+    args: &SimArgs,
+    sc: &Scenario,
+) -> Result<Option<(PathBuf, Schedule)>, CliError> {
     match &args.schedule {
         Some(file) => Ok(Some((file.clone(), read_schedule(file, sc)?))),
         None => Ok(None),
@@ -899,10 +871,9 @@ fn recorded_schedule(args: &SimArgs, sc: &Scenario) -> Result<Option<(PathBuf, S
 }
 
 /// A recorded schedule for `sc`, checked: size, form, and that it was recorded on `sc`.
-fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, Usage> {
+fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, CliError> {
     use tierkv_engine::input::{read_text, InputError};
-    let name = file.display();
-    let fail = |e: String| Usage(format!("--schedule {name}: {e}"));
+    let fail = |e: String| CliError::input("--schedule", file, e);
     let text = read_text(file, SCHEDULE_FILE_BYTES_MAX).map_err(|e| match e {
         InputError::TooLarge { bytes_max } => {
             fail(format!("larger than {bytes_max} bytes: not a schedule"))
@@ -951,31 +922,24 @@ fn print_run(out: &RunOutcome) {
 
 /// `--profile vllm`: the host tier of vLLM's offloading interface (`crate::offload`), seed by
 /// seed on this thread. Exit 0 when no seed has a finding, 1 otherwise, 2 for bad arguments.
-fn run_vllm(args: &SimArgs) -> i32 {
+fn run_vllm(args: &SimArgs) -> Result<i32, CliError> {
     if let Some(flag) = vllm_unsupported(args) {
-        eprintln!("{flag}: --profile vllm takes --seed, --seeds, --calls and --mutant only (not built yet)");
-        return 2;
+        return Err(CliError::Arguments(format!(
+            "{flag}: --profile vllm takes --seed, --seeds, --calls and --mutant only (not built yet)"
+        )));
     }
-    let Ok(mutant) = vllm_mutant(args) else {
-        return 2;
-    };
+    let mutant = vllm_mutant(args)?;
     let seeds: Vec<u64> = match (args.seed, args.seeds) {
         (Some(s), _) => vec![s],
         (None, Some((a, b))) => (a..b).collect(),
         (None, None) => (0..150).collect(),
     };
-    let calls = match args
+    let calls = args
         .calls
         .as_deref()
         .map(crate::offload::replay::parse)
         .transpose()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("--calls {e}");
-            return 2;
-        }
-    };
+        .map_err(|e| CliError::Arguments(format!("--calls {e}")))?;
     let mut mutant_arg = args
         .mutant
         .as_ref()
@@ -1013,14 +977,14 @@ fn run_vllm(args: &SimArgs) -> i32 {
         println!("({} more failing seeds not shown)", failed - SHOWN);
     }
     print_vllm_summary(&mutant_arg, seeds.len(), failed, &total, calls.as_ref());
-    i32::from(failed > 0)
+    Ok(i32::from(failed > 0))
 }
 
 /// `--mutant` under `--profile vllm`: one of this layer's planted races (`Err`, said on stderr,
 /// for a name it does not know).
 fn vllm_mutant(
     args: &SimArgs,
-) -> Result<Option<tierkv_engine::offload::transfer::TransferMutant>, ()> {
+) -> Result<Option<tierkv_engine::offload::transfer::TransferMutant>, CliError> {
     let Some(name) = args.mutant.as_deref() else {
         return Ok(None);
     };
@@ -1028,8 +992,10 @@ fn vllm_mutant(
         Some(&(_, m)) => Ok(Some(m)),
         None => {
             let known: Vec<&str> = crate::offload::MUTANTS.iter().map(|m| m.0).collect();
-            eprintln!("--mutant {name}: --profile vllm knows {}", known.join(", "));
-            Err(())
+            Err(CliError::Arguments(format!(
+                "--mutant {name}: --profile vllm knows {}",
+                known.join(", ")
+            )))
         }
     }
 }

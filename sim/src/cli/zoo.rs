@@ -2,6 +2,7 @@
 //! the same seeds. Prints, per mutant: caught or not, seeds to the first catch, wall time, which
 //! oracle fired.
 
+use super::error::CliError;
 use crate::campaign::{run_campaign, CampaignError, CampaignOptions};
 use crate::report::OracleKind;
 use crate::scenario::PROFILES;
@@ -120,10 +121,7 @@ fn setup(args: &ZooArgs) -> Result<(usize, Vec<Mutant>), String> {
 pub fn run_zoo(args: ZooArgs) -> i32 {
     let (jobs, mutants) = match setup(&args) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("{e}");
-            return 2;
-        }
+        Err(e) => return CliError::Arguments(e).report(),
     };
     let overlap = args.overlap.as_deref().map(|o| o == "on");
     println!(
@@ -140,10 +138,7 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
         };
         let r = match zoo_row(Some(*m), args.seeds, jobs, profile, overlap) {
             Ok(r) => r,
-            Err(e) => {
-                eprintln!("{e}");
-                return 2;
-            }
+            Err(e) => return CliError::Resources(e.to_string()).report(),
         };
         if !r.caught {
             missed += 1;
@@ -170,10 +165,7 @@ pub fn run_zoo(args: ZooArgs) -> i32 {
     if !args.no_clean {
         let r = match zoo_row(None, args.seeds, jobs, &args.profile, overlap) {
             Ok(r) => r,
-            Err(e) => {
-                eprintln!("{e}");
-                return 2;
-            }
+            Err(e) => return CliError::Resources(e.to_string()).report(),
         };
         clean_failures = if r.caught { 1 } else { 0 };
         println!(

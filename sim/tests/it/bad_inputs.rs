@@ -5,8 +5,8 @@
 //!
 //! A case file holds one `key: value` per line: `args` (split at spaces; `{dir}` is the corpus
 //! folder, `{tmp}` a fresh scratch folder, which is also the working directory, `{fifo}` a FIFO
-//! in it that nobody writes to), `exit`, and `stderr` or `stdout` (a fragment the stream must
-//! contain).
+//! in it that nobody writes to, `{busy_port}` a loopback TCP port the test holds open), `exit`,
+//! and `stderr` or `stdout` (a fragment the stream must contain).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -32,7 +32,7 @@ struct Case {
     fragment: String,
 }
 
-fn parse(path: &Path, dir: &Path, tmp: &Path) -> Case {
+fn parse(path: &Path, dir: &Path, tmp: &Path, busy_port: u16) -> Case {
     let text = std::fs::read_to_string(path).unwrap();
     let field = |key: &str| {
         text.lines()
@@ -43,6 +43,7 @@ fn parse(path: &Path, dir: &Path, tmp: &Path) -> Case {
         s.replace("{dir}", &dir.display().to_string())
             .replace("{tmp}", &tmp.display().to_string())
             .replace("{fifo}", &tmp.join("fifo").display().to_string())
+            .replace("{busy_port}", &busy_port.to_string())
     };
     let (stream, fragment) = match (field("stderr"), field("stdout")) {
         (Some(f), None) => ("stderr".to_string(), f),
@@ -58,7 +59,7 @@ fn parse(path: &Path, dir: &Path, tmp: &Path) -> Case {
             .collect(),
         exit: field("exit").expect("exit").parse().expect("an exit code"),
         stream,
-        fragment,
+        fragment: subst(&fragment),
     }
 }
 
@@ -135,6 +136,9 @@ fn every_bad_input_gets_a_clear_error() {
     files.sort();
     assert!(files.len() >= 40, "found the corpus in {}", dir.display());
     let mut failures = Vec::new();
+    // Held until every case has run: the port a case gives as one in use.
+    let busy = std::net::TcpListener::bind(("127.0.0.1", 0)).expect("a loopback port");
+    let busy_port = busy.local_addr().expect("its address").port();
     for f in &files {
         let tmp = std::env::temp_dir().join(format!(
             "tierkv-bad-input-{}-{}",
@@ -142,7 +146,7 @@ fn every_bad_input_gets_a_clear_error() {
             f.file_stem().unwrap().to_string_lossy()
         ));
         std::fs::create_dir_all(&tmp).unwrap();
-        let case = parse(f, &dir, &tmp);
+        let case = parse(f, &dir, &tmp, busy_port);
         let fifo = tmp.join("fifo").display().to_string();
         if case.args.iter().any(|a| a.contains(&fifo)) {
             let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
