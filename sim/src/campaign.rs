@@ -442,10 +442,9 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
         let began = thread_cpu();
         let sc = opts.scenario(seed);
         let ropts = RunOptions {
-            trace: false,
             cuda: opts.cuda,
-            schedule: None,
             exhaustive: opts.exhaustive,
+            ..RunOptions::default()
         };
         let mut out = run(&sc, &ropts);
         if determinism::sampled(seed, out.failed()) {

@@ -41,6 +41,10 @@ pub struct RunOptions {
     /// Hold every query row to the specification's logits and top-k (`--exhaustive`), not a
     /// sampled one in `SAMPLE_EVERY`.
     pub exhaustive: bool,
+    /// Print a progress line on stderr at this interval of wall time while the run lasts (a
+    /// long single seed would otherwise be silent for minutes). What the run does is the same
+    /// with or without it.
+    pub progress: Option<std::time::Duration>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -565,7 +569,15 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
             }
         }
     };
-    while r.iteration().is_ok() {}
+    let mut note_at = opts.progress.map(|every| (every, wall + every));
+    while r.iteration().is_ok() {
+        if let Some((every, at)) = &mut note_at {
+            if std::time::Instant::now() >= *at {
+                eprintln!("{}", r.progress_line(wall));
+                *at += *every;
+            }
+        }
+    }
     r.finish(wall)
 }
 
@@ -1673,6 +1685,20 @@ impl<'a> Run<'a> {
     }
 
     /// A finished request generated exactly the tokens it emitted; its session moves on.
+    /// Where the run is, for a person waiting on a long one.
+    fn progress_line(&self, wall: std::time::Instant) -> String {
+        let s = &self.stats;
+        format!(
+            "seed {}: {} steps, {} of {} submitted requests finished, {:.1} ms simulated, {:.0} s",
+            self.sc.seed,
+            s.steps,
+            s.finished,
+            s.submitted,
+            self.gpu.borrow().now() as f64 / 1e6,
+            wall.elapsed().as_secs_f64()
+        )
+    }
+
     fn finished(&mut self, request: u64, generated: Vec<u32>) {
         self.stats.finished += 1;
         if let Some(Owner::Session(i)) = self.owners.remove(&request) {

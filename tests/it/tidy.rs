@@ -43,7 +43,6 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("sim/src/cli/bench.rs", "logits", 177),
     ("sim/src/cli/bench.rs", "store", 105),
     ("sim/src/cli/bench.rs", "topk", 88),
-    ("sim/src/cli/replay.rs", "drive", 73),
     ("sim/src/cli/replay.rs", "step_breakdown", 71),
     ("sim/src/cli/replay_pd.rs", "compare_with", 121),
     ("sim/src/cli/sim.rs", "campaign", 90),

@@ -59,11 +59,41 @@ fn children_cpu_s() -> f64 {
     cpu_s(libc::RUSAGE_CHILDREN)
 }
 
+/// Makes the child `cmd` starts receive SIGTERM when this process ends (Linux's
+/// `PR_SET_PDEATHSIG`): a bench stopped by SIGTERM, SIGINT or SIGKILL leaves no campaign
+/// running; the child writes what it finished, as any campaign does on SIGTERM. Elsewhere the
+/// child outlives a killed bench.
+fn ends_with_this_process(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: between fork and exec the closure calls only async-signal-safe functions
+        // (prctl, getppid, kill, getpid) and allocates nothing.
+        let parent = unsafe { libc::getpid() };
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have ended before the prctl took hold: end now, as it asks.
+                if libc::getppid() != parent {
+                    libc::kill(libc::getpid(), libc::SIGTERM);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
 /// Runs `bin`'s campaign and measures it.
 pub fn measure(bin: &Path, plan: &Plan) -> Result<Measured, String> {
     let cpu0 = children_cpu_s();
     let t0 = Instant::now();
-    let out = Command::new(bin)
+    let mut cmd = Command::new(bin);
+    ends_with_this_process(&mut cmd);
+    let out = cmd
         .args(["sim", "--profile", &plan.profile, "--seeds"])
         .arg(format!("{}..{}", plan.first, plan.end))
         .args(["--jobs", &plan.jobs.to_string()])

@@ -429,16 +429,9 @@ fn drive(
         println!("/metrics on http://{addr}/metrics");
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let server = tokio::spawn(serve_metrics(listener, published, stop_rx));
-        let handles: Vec<_> = work
-            .into_iter()
-            .map(|(at, spec)| {
-                let c = client.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep_until(tokio::time::Instant::from_std(started + at)).await;
-                    c.generate(spec).await
-                })
-            })
-            .collect();
+        let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let ticker = tokio::spawn(progress(answered.clone(), work.len(), started));
+        let handles = submit_at_arrivals(&client, work, started, &answered);
         // Probe /metrics while the replay runs, once the engine has published a snapshot (a
         // large configuration takes a while to start: its pools are allocated and pinned first).
         let mut probe = Err("the engine published no metrics while the replay ran".to_string());
@@ -476,10 +469,56 @@ fn drive(
                 }
             }
         }
+        ticker.abort();
         let _ = stop_tx.send(true);
         let _ = server.await;
         Ok(seen)
     })
+}
+
+/// One task per request: it submits the request at its arrival time and counts its answer in
+/// `answered`.
+fn submit_at_arrivals(
+    client: &tierkv_engine::runtime::service::Client,
+    work: Vec<(Duration, RequestSpec)>,
+    started: Instant,
+    answered: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> Vec<tokio::task::JoinHandle<Result<tierkv_engine::runtime::service::Completion, ServiceError>>>
+{
+    work.into_iter()
+        .map(|(at, spec)| {
+            let c = client.clone();
+            let answered = answered.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(started + at)).await;
+                let r = c.generate(spec).await;
+                answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                r
+            })
+        })
+        .collect()
+}
+
+/// How often a replay says how many requests were answered (a long replay is otherwise silent
+/// until its report).
+const PROGRESS_EVERY: Duration = Duration::from_secs(30);
+
+/// Prints `answered` of `total` every [`PROGRESS_EVERY`] until aborted.
+async fn progress(
+    answered: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    total: usize,
+    started: Instant,
+) {
+    let mut every = tokio::time::interval(PROGRESS_EVERY);
+    every.tick().await; // The first tick is at once.
+    loop {
+        every.tick().await;
+        println!(
+            "replay: {} of {total} requests answered, {:.0} s",
+            answered.load(std::sync::atomic::Ordering::Relaxed),
+            started.elapsed().as_secs_f64()
+        );
+    }
 }
 
 /// Prints what the replay measured; the exit code says whether every request was answered and

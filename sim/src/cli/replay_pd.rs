@@ -15,7 +15,7 @@ use super::replay::{prepare, ReplayArgs};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tierkv_engine::cpu_device::ManualClock;
 use tierkv_engine::device::Device;
 use tierkv_engine::pd::{KvLink, PeerLink, SharedDevice};
@@ -70,8 +70,41 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Emitted>) {
 /// A step budget: far more than any replay of this size needs.
 const STEPS_MAX: u64 = 10_000_000;
 
-/// Submits `work` in order (stepping while admission control refuses) and steps to idle.
+/// How often a replay of `--pd` says where it is (the engines step on this thread for minutes
+/// at DeepSeek's sizes).
+const PROGRESS_EVERY: Duration = Duration::from_secs(30);
+
+/// Prints a progress line of the engine called `what` once `PROGRESS_EVERY` has passed since
+/// the last one.
+struct Progress<'a> {
+    what: &'a str,
+    started: Instant,
+    next: Instant,
+}
+
+impl Progress<'_> {
+    fn note(&mut self, steps: u64, submitted: usize, seen: &BTreeMap<u64, Emitted>) {
+        let now = Instant::now();
+        if now < self.next {
+            return;
+        }
+        self.next = now + PROGRESS_EVERY;
+        let ended = seen
+            .values()
+            .filter(|e| e.finished.is_some() || e.ended_otherwise.is_some())
+            .count();
+        println!(
+            "replay --pd: {}: {steps} steps, {submitted} requests submitted, {ended} ended, {:.0} s",
+            self.what,
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// Submits `work` in order (stepping while admission control refuses) and steps to idle,
+/// printing a progress line every `PROGRESS_EVERY` under the name `what`.
 fn drive<S, E>(
+    what: &str,
     work: &[RequestSpec],
     mut submit: S,
     mut step: E,
@@ -81,6 +114,12 @@ where
     S: FnMut(RequestSpec) -> Result<u64, Rejection>,
     E: FnMut(&mut BTreeMap<u64, Emitted>) -> Result<bool, String>,
 {
+    let started = Instant::now();
+    let mut progress = Progress {
+        what,
+        started,
+        next: started + PROGRESS_EVERY,
+    };
     let mut steps = 0u64;
     for (i, spec) in work.iter().enumerate() {
         loop {
@@ -93,17 +132,49 @@ where
                 Err(_) => {
                     step(seen)?;
                     steps += 1;
+                    progress.note(steps, i, seen);
                 }
             }
         }
     }
     while !step(seen)? {
         steps += 1;
+        progress.note(steps, work.len(), seen);
         if steps > STEPS_MAX {
             return Err(format!("not idle after {STEPS_MAX} steps"));
         }
     }
     Ok(steps)
+}
+
+/// Runs `work` through one engine on `device`: its steps and what each request emitted.
+fn run_single<D: Device>(
+    cfg: &Config,
+    work: &[RequestSpec],
+    device: D,
+) -> Result<(u64, BTreeMap<u64, Emitted>), String> {
+    let mut one = Engine::new(
+        cfg.clone(),
+        device,
+        ManualClock::default(),
+        EngineOptions::default(),
+    )
+    .map_err(|e| format!("single engine: {e}"))?;
+    let mut seen = BTreeMap::new();
+    let one = RefCell::new(&mut one);
+    let steps = drive(
+        "single engine",
+        work,
+        |s| one.borrow_mut().submit(s),
+        |seen| {
+            let mut e = one.borrow_mut();
+            let r = e.step().map_err(|e| format!("single engine: {e}"))?;
+            collect(e.drain_outputs(), seen);
+            Ok(r.idle)
+        },
+        &mut seen,
+    )?;
+    Ok((steps, seen))
 }
 
 /// Runs the single engine and the pair on devices made by `device`, both engines of the pair on
@@ -138,25 +209,8 @@ fn compare_with<D: Device, P: Device, L: KvLink<P>>(
     single: D,
     pair: impl FnOnce() -> Result<PdPair<P, ManualClock, L>, String>,
 ) -> Result<(bool, PdPair<P, ManualClock, L>), String> {
-    let opts = EngineOptions::default();
     let started = Instant::now();
-    let mut one = Engine::new(cfg.clone(), single, ManualClock::default(), opts)
-        .map_err(|e| format!("single engine: {e}"))?;
-    let mut single = BTreeMap::new();
-    let one_steps = {
-        let one = RefCell::new(&mut one);
-        drive(
-            work,
-            |s| one.borrow_mut().submit(s),
-            |seen| {
-                let mut e = one.borrow_mut();
-                let r = e.step().map_err(|e| format!("single engine: {e}"))?;
-                collect(e.drain_outputs(), seen);
-                Ok(r.idle)
-            },
-            &mut single,
-        )?
-    };
+    let (one_steps, single) = run_single(cfg, work, single)?;
     let one_wall = started.elapsed();
     let mut pair = pair()?;
     let started = Instant::now();
@@ -164,6 +218,7 @@ fn compare_with<D: Device, P: Device, L: KvLink<P>>(
     let pair_steps = {
         let pair = RefCell::new(&mut pair);
         drive(
+            "pair",
             work,
             |s| pair.borrow_mut().submit(s),
             |seen| {

@@ -227,12 +227,16 @@ fn print_finding(f: &Finding) {
     println!("  finding: {f}");
 }
 
+/// How often a single run prints where it is (on stderr): the campaign's progress interval.
+const RUN_PROGRESS_EVERY: Duration = Duration::from_secs(30);
+
 fn run_options(args: &SimArgs, trace: bool) -> RunOptions {
     RunOptions {
         trace,
         cuda: args.device == "cuda",
         schedule: None,
         exhaustive: args.exhaustive,
+        progress: Some(RUN_PROGRESS_EVERY),
     }
 }
 

@@ -8,6 +8,8 @@ mod offload;
 mod shards;
 
 use std::process::Command;
+#[cfg(target_os = "linux")]
+use std::time::{Duration, Instant};
 use tierkv_sim::campaign::{run_campaign, CampaignOptions};
 
 fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
@@ -825,5 +827,76 @@ fn queries_in_a_window_answer_as_the_schedule_decides() {
             "no decision past the window"
         );
         assert_eq!(gpu.take_schedule(), list);
+    }
+}
+
+/// The children of process `pid` (from /proc), with their states.
+#[cfg(target_os = "linux")]
+fn children_of(pid: u32) -> Vec<(u32, char)> {
+    let mut kids = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`; comm may hold spaces, so read after the last ')'.
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let mut f = rest.split_whitespace();
+        let (Some(state), Some(ppid)) = (f.next(), f.next()) else {
+            continue;
+        };
+        if ppid.parse() == Ok(pid) {
+            let id = head.split_whitespace().next().and_then(|p| p.parse().ok());
+            kids.extend(id.map(|id| (id, state.chars().next().unwrap_or('?'))));
+        }
+    }
+    kids
+}
+
+/// Whether process `pid` is still running (not gone, not a zombie awaiting its reaper).
+#[cfg(target_os = "linux")]
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+        .is_some_and(|zombie| !zombie)
+}
+
+/// SIGTERM to `tierkv bench --campaign` ends the campaign it started too (issue: a stopped
+/// bench left its child campaign running). The waits below only guard against a hang: the test
+/// polls for what it needs and has no time budget of its own.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_stopped_campaign_bench_leaves_no_campaign_running() {
+    const HANG: Duration = Duration::from_secs(600);
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+        .args(["bench", "--campaign", "--seeds", "0..100000", "--jobs", "1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run tierkv bench");
+    let t = Instant::now();
+    let child = loop {
+        if let Some(&(pid, _)) = children_of(bench.id()).first() {
+            break pid;
+        }
+        assert!(t.elapsed() < HANG, "the bench started no campaign");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // SAFETY: sends a signal to the bench, a child of this process not yet waited for.
+    assert_eq!(unsafe { libc::kill(bench.id() as i32, libc::SIGTERM) }, 0);
+    let status = bench.wait().expect("the bench ends");
+    assert_eq!(status.code(), None, "ended by the signal: {status:?}");
+    let t = Instant::now();
+    while running(child) {
+        assert!(
+            t.elapsed() < HANG,
+            "campaign {child} still running after the bench ended"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
