@@ -172,7 +172,7 @@ pub fn run_replay(a: ReplayArgs) -> i32 {
 /// `tierkv replay` without `--pd`: the exit code of the replay, or why it could not start.
 fn replay(a: &ReplayArgs) -> Result<i32, CliError> {
     let (cfg, work) = prepare(a)?;
-    check_memory(&cfg, a, memory_available())?;
+    let held = check_memory(&cfg, a, memory_available())?;
     // The port is taken before the engine starts: a port in use is the machine's refusal.
     let listener = std::net::TcpListener::bind(("127.0.0.1", a.metrics_port))
         .and_then(|l| l.set_nonblocking(true).map(|()| l))
@@ -185,7 +185,7 @@ fn replay(a: &ReplayArgs) -> Result<i32, CliError> {
         })?;
     let tokens: usize = work.iter().map(|w| w.1.prompt.len()).sum();
     println!(
-        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}; the engine {}",
+        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}; the engine {}; about {:.2} GB of host memory held",
         work.len(),
         tokens,
         a.trace.as_ref().map_or(super::data::MOONCAKE_EXCERPT_NAME.to_string(), |p| p.display().to_string()),
@@ -199,7 +199,8 @@ fn replay(a: &ReplayArgs) -> Result<i32, CliError> {
             "one step ahead (--overlap)"
         } else {
             "in order"
-        }
+        },
+        held as f64 / 1e9
     );
     let service = match start_service(&cfg, a)? {
         Ok(s) => s,
@@ -298,13 +299,13 @@ pub fn check_memory(
     cfg: &Config,
     a: &ReplayArgs,
     available: Option<(u64, &'static str)>,
-) -> Result<(), CliError> {
+) -> Result<u64, CliError> {
     let need = resident_bytes(cfg, a)?;
     let Some((have, what)) = available else {
-        return Ok(());
+        return Ok(need);
     };
     if need as f64 <= MEMORY_SHARE_MAX * have as f64 {
-        return Ok(());
+        return Ok(need);
     }
     Err(CliError::Resources(format!(
         "the replay would hold {:.2} GB ({}{} pages x {} layers on the device tier \

@@ -310,27 +310,25 @@ fn compare_with<D: Device, P: Device, L: KvLink<P>>(
 }
 
 pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
-    let ready = prepare(a).and_then(|p| {
-        super::replay::check_memory(&p.0, a, super::replay::memory_available())?;
-        Ok(p)
-    });
-    let ready = ready.and_then(|p| {
+    let ready = prepare(a).and_then(|(cfg, work)| {
+        let held = super::replay::check_memory(&cfg, a, super::replay::memory_available())?;
         if a.device == "cuda" {
             CliError::cuda_kernels("--device cuda")?;
         }
-        Ok(p)
+        Ok((cfg, work, held))
     });
-    let (cfg, work) = match ready {
+    let (cfg, work, held) = match ready {
         Ok(p) => p,
         Err(e) => return e.report(),
     };
     let work: Vec<RequestSpec> = work.into_iter().map(|(_, s)| s).collect();
     println!(
-        "replaying {} requests through a prefill/decode pair and through one engine, on {}; {} layers, device {} pages each",
+        "replaying {} requests through a prefill/decode pair and through one engine, on {}; {} layers, device {} pages each; about {:.2} GB of host memory held",
         work.len(),
         a.device,
         a.layers,
-        a.device_pages
+        a.device_pages,
+        held as f64 / 1e9
     );
     let result = match a.device.as_str() {
         "cpu" => compare(&cfg, &work, || {
