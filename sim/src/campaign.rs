@@ -650,7 +650,7 @@ pub fn run_campaign(
 }
 
 /// A campaign's progress on stderr: a bar on a terminal; elsewhere (a CI log, a file) a plain
-/// line every `LINE_EVERY`, whether or not a seed ended, and one at the end, never a redrawn
+/// line every `PROGRESS_EVERY`, whether or not a seed ended, and one at the end, never a redrawn
 /// line. The time left is extrapolated from the predicted work of the seeds done and left
 /// (`Scenario::work_estimate`) when the campaign is ordered by it, else from the seeds.
 struct Progress {
@@ -672,8 +672,8 @@ enum Mode {
     },
 }
 
-/// How often the plain progress line is printed.
-const LINE_EVERY: Duration = Duration::from_secs(30);
+/// How often a plain progress line is printed: a campaign's, a single run's, a replay's.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(30);
 
 impl Progress {
     fn new(on: bool, total: u64) -> Progress {
@@ -752,7 +752,7 @@ impl Progress {
                 ));
             }
             Mode::Lines { last, printed } => {
-                if last.elapsed() >= LINE_EVERY {
+                if last.elapsed() >= PROGRESS_EVERY {
                     *last = Instant::now();
                     *printed = Some(s.seeds_run);
                     eprintln!("{}", progress_line(s, total, fraction, start));

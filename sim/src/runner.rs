@@ -572,9 +572,10 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
     let mut note_at = opts.progress.map(|every| (every, wall + every));
     while r.iteration().is_ok() {
         if let Some((every, at)) = &mut note_at {
-            if std::time::Instant::now() >= *at {
+            let now = std::time::Instant::now();
+            if now >= *at {
                 eprintln!("{}", r.progress_line(wall));
-                *at += *every;
+                *at = now + *every;
             }
         }
     }
@@ -1684,7 +1685,6 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// A finished request generated exactly the tokens it emitted; its session moves on.
     /// Where the run is, for a person waiting on a long one.
     fn progress_line(&self, wall: std::time::Instant) -> String {
         let s = &self.stats;
@@ -1699,6 +1699,7 @@ impl<'a> Run<'a> {
         )
     }
 
+    /// A finished request generated exactly the tokens it emitted; its session moves on.
     fn finished(&mut self, request: u64, generated: Vec<u32>) {
         self.stats.finished += 1;
         if let Some(Owner::Session(i)) = self.owners.remove(&request) {

@@ -1,8 +1,9 @@
 //! The 70-line ratchet (TigerBeetle's tidy habit): no production function of the workspace grows
 //! past `LINES_MAX` lines, counted from its `fn` line to its closing brace, both included. The
 //! functions that were longer when the ratchet came in are listed in `LONGER`, each with the
-//! length it had then: it may shrink, never grow, and an entry whose function is back within the
-//! limit (or gone) must leave the list, so the list only ever shrinks.
+//! length it had then: it may shrink, never grow; an entry whose function shrank is lowered to
+//! its new length (the test says so), and one whose function is back within the limit (or gone)
+//! must leave the list, so the list only ever shrinks.
 //!
 //! Production code is every `.rs` file under `engine/src`, `kernels/src` and `sim/src`, except
 //! files named `tests.rs`, files under a `tests/` folder, and a file's `#[cfg(test)]` modules.
@@ -16,9 +17,10 @@ use std::path::{Path, PathBuf};
 const LINES_MAX: usize = 70;
 
 /// How many functions `LONGER` may list: lowered as entries leave, never raised.
-const LONGER_COUNT_MAX: usize = 50;
+const LONGER_COUNT_MAX: usize = 46;
 
-/// `(file under the workspace root, function name, its length when the ratchet came in)`. Where
+/// `(file under the workspace root, function name, its length: the one it had when the ratchet
+/// came in, lowered each time it shrank)`. Where
 /// a file has several functions of one name, the length is the longest of them, and each of
 /// them may grow to it (a loophole: `runner.rs`'s short `step` could).
 const LONGER: &[(&str, &str, usize)] = &[
@@ -35,7 +37,7 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("engine/src/runtime/driven.rs", "run", 108),
     ("engine/src/runtime/nccl.rs", "measure", 108),
     ("engine/src/scheduler.rs", "build_batch", 93),
-    ("engine/src/scheduler.rs", "record_forward", 77),
+    ("engine/src/scheduler.rs", "record_forward", 75),
     ("engine/src/trace/cache_replay.rs", "request", 75),
     ("kernels/src/layout.rs", "fuzz_layout_copy", 71),
     ("kernels/src/spec.rs", "check_q_head", 73),
@@ -44,12 +46,12 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("sim/src/cli/bench.rs", "store", 105),
     ("sim/src/cli/bench.rs", "topk", 88),
     ("sim/src/cli/replay.rs", "step_breakdown", 71),
-    ("sim/src/cli/replay_pd.rs", "compare_with", 121),
-    ("sim/src/cli/sim.rs", "campaign", 90),
-    ("sim/src/cli/sim.rs", "setup", 106),
+    ("sim/src/cli/replay_pd.rs", "compare_with", 105),
+    ("sim/src/cli/sim.rs", "campaign", 81),
+    ("sim/src/cli/sim.rs", "setup", 102),
     ("sim/src/cli/sim.rs", "shrink_and_report", 73),
-    ("sim/src/cli/sim.rs", "single", 77),
-    ("sim/src/cli/zoo.rs", "run_zoo", 87),
+    ("sim/src/cli/sim.rs", "single", 76),
+    ("sim/src/cli/zoo.rs", "run_zoo", 78),
     ("sim/src/driver.rs", "sim_op", 119),
     ("sim/src/gpu/mod.rs", "enqueue_with", 86),
     ("sim/src/gpu/streams.rs", "advance_stream", 94),
@@ -242,6 +244,11 @@ fn no_production_function_grows_past_70_lines() {
                 "{file}:{}: `fn {name}` has {} lines, more than the {was} it had when the \
                  ratchet came in: it may only shrink",
                 f.line, f.lines
+            )),
+            Some(&was) if f.lines > LINES_MAX && f.lines < was => bad.push(format!(
+                "{file}:{}: `fn {name}` has {} lines, fewer than the {was} listed: lower its \
+                 entry in LONGER to {} (the ratchet turns)",
+                f.line, f.lines, f.lines
             )),
             Some(_) if f.lines <= LINES_MAX => bad.push(format!(
                 "{file}:{}: `fn {name}` is within {LINES_MAX} lines now ({}): remove it from LONGER",

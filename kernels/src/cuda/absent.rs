@@ -1,7 +1,11 @@
 //! The `launch` module of a build without the `cuda` feature (candle's dummy-backend habit): the
-//! same entry points to the GPU, each answering [`KernelError::BuiltWithoutCuda`], so that a
-//! caller asks for a GPU the same way in every build and gets a typed refusal instead of a
-//! `cfg` branch of its own. A [`Kernels`] cannot exist in this build: nothing can launch.
+//! entry points that hand out the kernels (`Kernels::global`, `Kernels::on`) answer
+//! [`KernelError::BuiltWithoutCuda`], so that a caller asks for a GPU the same way in every
+//! build and gets a typed refusal instead of a `cfg` branch of its own. Every launch is a method
+//! of `Kernels`, which cannot exist in this build (an uninhabited field): the launchers, and the
+//! other items of the real module (`LogitsKernel`, `DevPtr`, ...), are not here.
+//!
+//! [`KernelError::BuiltWithoutCuda`]: crate::KernelError::BuiltWithoutCuda
 
 use crate::error::Result;
 

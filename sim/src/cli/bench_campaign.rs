@@ -59,20 +59,22 @@ fn children_cpu_s() -> f64 {
     cpu_s(libc::RUSAGE_CHILDREN)
 }
 
-/// Makes the child `cmd` starts receive SIGTERM when this process ends (Linux's
-/// `PR_SET_PDEATHSIG`): a bench stopped by SIGTERM, SIGINT or SIGKILL leaves no campaign
-/// running; the child writes what it finished, as any campaign does on SIGTERM. Elsewhere the
-/// child outlives a killed bench.
+/// Makes the child `cmd` starts receive SIGTERM when the thread that starts it ends (Linux's
+/// `PR_SET_PDEATHSIG` follows the parent thread). `measure` starts it on the bench's main thread
+/// and blocks there until it ends, so a bench stopped by SIGTERM, SIGINT or SIGKILL leaves no
+/// campaign running; the child writes what it finished, as any campaign does on SIGTERM.
+/// Elsewhere than Linux the child outlives a killed bench.
 fn ends_with_this_process(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;
+        // SAFETY: getpid has no preconditions.
+        let parent = unsafe { libc::getpid() };
         // SAFETY: between fork and exec the closure calls only async-signal-safe functions
         // (prctl, getppid, kill, getpid) and allocates nothing.
-        let parent = unsafe { libc::getpid() };
         unsafe {
             cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 // The parent may have ended before the prctl took hold: end now, as it asks.

@@ -38,16 +38,15 @@ pub fn run_pd(file: Option<&PathBuf>, preset: Option<&str>, decode: &PathBuf) ->
     let decode_name = decode.display().to_string();
     let p = super::load_config(file, preset);
     let d = super::load_config(Some(decode), None);
-    let mut bad = false;
-    for (side, r) in [("prefill", &p), ("decode", &d)] {
-        if let Err(e) = r {
-            eprintln!("the {side} engine's configuration: {e}");
-            bad = true;
+    let (p, d) = match (p, d) {
+        (Ok(p), Ok(d)) => (p, d),
+        (p, d) => {
+            let said: Vec<String> = [("prefill", p.err()), ("decode", d.err())]
+                .into_iter()
+                .filter_map(|(side, e)| Some(format!("the {side} engine's configuration: {}", e?)))
+                .collect();
+            return CliError::Config(said.join("\n")).report();
         }
-    }
-    let (Ok(p), Ok(d)) = (p, d) else {
-        debug_assert!(bad);
-        return 2;
     };
     let (pl, dl) = (
         PdLayout::of(&p, Role::Prefill),
@@ -73,20 +72,20 @@ pub fn run_pd(file: Option<&PathBuf>, preset: Option<&str>, decode: &PathBuf) ->
             0
         }
         Err(tierkv_engine::pd::HandshakeError::Layout { mismatches, .. }) => {
-            eprintln!(
+            let mut text = format!(
                 "pd handshake refused: the prefill engine ({prefill_name}) and the decode engine \
                  ({decode_name}) disagree on the KV they would exchange, and tierkv converts no \
                  layout in transfer:"
             );
             for m in mismatches {
-                eprintln!("  {}: prefill {}; decode {}", m.field, m.prefill, m.decode);
+                text += &format!(
+                    "\n  {}: prefill {}; decode {}",
+                    m.field, m.prefill, m.decode
+                );
             }
-            2
+            CliError::Config(text).report()
         }
-        Err(e) => {
-            eprintln!("pd handshake refused: {e}");
-            2
-        }
+        Err(e) => CliError::Config(format!("pd handshake refused: {e}")).report(),
     }
 }
 

@@ -12,7 +12,7 @@ use crate::shard::MergeError;
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     /// Arguments that are out of range, conflict with each other, or would do nothing here.
-    /// The text names each flag involved and what to do instead.
+    /// The text names the flag or value involved and, where there is one, what to do instead.
     #[error("{0}")]
     Arguments(String),
     /// A flag this build cannot honour: it needs a cargo feature the binary was built without.
@@ -75,6 +75,20 @@ impl CliError {
         }
     }
 
+    /// A trace `flag` names refused: `flag path: detail`, the path said once (the trace reader's
+    /// texts carry it too).
+    pub fn trace(flag: &'static str, path: &Path, e: tierkv_engine::trace::TraceError) -> CliError {
+        use tierkv_engine::trace::TraceError;
+        match e {
+            TraceError::InFile { error, .. } => CliError::input(flag, path, error),
+            TraceError::Empty { .. } => CliError::input(flag, path, "the trace holds no request"),
+            TraceError::Io { reason, .. } => {
+                CliError::input(flag, path, format!("could not read it: {reason}"))
+            }
+            e => CliError::input(flag, path, e),
+        }
+    }
+
     /// An output not written: `flag path: detail`.
     pub fn output(flag: &'static str, path: &Path, detail: impl std::fmt::Display) -> CliError {
         CliError::Output {
@@ -82,25 +96,6 @@ impl CliError {
             path: path.display().to_string(),
             detail: detail.to_string(),
         }
-    }
-
-    /// The kernels on GPU 0, or why `flag` cannot have them: [`CliError::NotBuilt`] in a build
-    /// without CUDA (the kernels' stand-in answers so), [`CliError::NoDevice`] on a machine
-    /// without a usable device.
-    pub fn cuda_kernels(
-        flag: &'static str,
-    ) -> Result<&'static tierkv_kernels::cuda::launch::Kernels, CliError> {
-        use tierkv_kernels::KernelError;
-        tierkv_kernels::cuda::launch::Kernels::global().map_err(|e| match e {
-            KernelError::BuiltWithoutCuda { .. } => CliError::NotBuilt {
-                flag,
-                feature: "cuda",
-            },
-            e => CliError::NoDevice {
-                flag,
-                detail: e.to_string(),
-            },
-        })
     }
 
     /// Prints the error on stderr and answers its exit code.

@@ -1,8 +1,9 @@
 //! The `tierkv` CLI: `check-config`, the simulator's campaigns and their merge, the zoo, the
 //! GPU bench and the trace replay.
 //!
-//! Exit codes: 0 success; 1 a campaign found failures; 2 bad input (configuration, arguments);
-//! 3 the output could not be written (a full disk, a closed file); 128 + the signal (130, 143) a
+//! Exit codes ([`EXIT_CODES`]; the kinds of refusal in [`error::CliError`]): 0 success; 1 a
+//! campaign found failures, or a replay or bench failed once started; 2 refused before any work;
+//! 3 an output could not be written once the work was done; 128 + the signal (130, 143) a
 //! campaign stopped by SIGINT or SIGTERM, after printing and writing what ended.
 
 use clap::{Parser, Subcommand};
@@ -23,7 +24,7 @@ pub mod sim;
 pub mod zoo;
 
 /// The exit codes, as `--help` prints them.
-pub const EXIT_CODES: &str = "Exit codes:\n  0  success (a campaign or seed: no findings)\n  1  a campaign or seed found failures\n  2  bad input: arguments, a configuration, a trace, a scenario or a result file\n  3  an output could not be written (a full disk, a closed stream)\n  130, 143  a campaign stopped by SIGINT or SIGTERM, after printing and writing (--json) the seeds that ended";
+pub const EXIT_CODES: &str = "Exit codes:\n  0  success (a campaign or seed: no findings)\n  1  a campaign or seed found failures, or a replay or bench failed once started\n  2  refused before any work: arguments, a configuration, an input file (trace, scenario,\n     schedule, result, recording), a feature this build lacks, no usable GPU, not enough\n     memory, a port in use, an output path that cannot be written\n  3  an output could not be written once the work was done (a full disk, a closed stream)\n  130, 143  a campaign stopped by SIGINT or SIGTERM, after printing and writing (--json) the seeds that ended";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -86,6 +87,26 @@ pub fn load_config(file: Option<&PathBuf>, preset: Option<&str>) -> Result<Confi
         (None, None) => Config::preset(Config::DEFAULT_PRESET).map_err(|e| e.to_string()),
     };
     loaded.map_err(CliError::Config)
+}
+
+/// The kernels on GPU `ordinal`, or why `flag` cannot have them: [`CliError::NotBuilt`] in a
+/// build without CUDA (the kernels' stand-in answers so), [`CliError::NoDevice`] on a machine
+/// without a usable device of that number. The one place the command line asks for a GPU.
+pub fn cuda_kernels(
+    flag: &'static str,
+    ordinal: usize,
+) -> Result<&'static tierkv_kernels::cuda::launch::Kernels, CliError> {
+    use tierkv_kernels::KernelError;
+    tierkv_kernels::cuda::launch::Kernels::on(ordinal).map_err(|e| match e {
+        KernelError::BuiltWithoutCuda { .. } => CliError::NotBuilt {
+            flag,
+            feature: "cuda",
+        },
+        e => CliError::NoDevice {
+            flag,
+            detail: format!("GPU {ordinal}: {e}"),
+        },
+    })
 }
 
 /// Restores the default action of SIGPIPE, which the Rust runtime ignores: output into a closed

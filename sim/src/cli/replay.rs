@@ -119,12 +119,6 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
             "--output-max 0: every request generates at least one token".into(),
         ));
     }
-    if a.device == "cuda" && !cfg!(feature = "cuda") {
-        return Err(CliError::NotBuilt {
-            flag: "--device cuda",
-            feature: "cuda",
-        });
-    }
     // Flags that choose how the GPU runs do nothing on the CPU device: refused, not ignored.
     if a.device != "cuda" {
         let gpu_only = [
@@ -145,10 +139,21 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
             a.time_scale
         )));
     }
+    if a.device == "cuda" {
+        super::cuda_kernels("--device cuda", 0)?;
+        if a.pd_gpus == 2 {
+            if !cfg!(feature = "nccl") {
+                return Err(CliError::NotBuilt {
+                    flag: "--pd-gpus 2",
+                    feature: "nccl",
+                });
+            }
+            super::cuda_kernels("--pd-gpus 2", 1)?;
+        }
+    }
     let recs = match &a.trace {
-        Some(p) => read_trace(p).map_err(|e| CliError::input("--trace", p, e))?,
-        None => super::data::mooncake_excerpt()
-            .map_err(|e| CliError::Arguments(format!("the built-in excerpt: {e}")))?,
+        Some(p) => read_trace(p).map_err(|e| CliError::trace("--trace", p, e))?,
+        None => super::data::mooncake_excerpt().expect("the built-in excerpt is a trace"),
     };
     let recs: Vec<_> = recs.into_iter().take(a.requests).collect();
     let cfg =
@@ -185,7 +190,7 @@ fn replay(a: &ReplayArgs) -> Result<i32, CliError> {
         })?;
     let tokens: usize = work.iter().map(|w| w.1.prompt.len()).sum();
     println!(
-        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}; the engine {}; about {:.2} GB of host memory held",
+        "replaying {} requests ({} prompt tokens) of {} on {}, arrivals /{}; {} layers, device {} pages, host {}x, {}; the engine {}; it will hold about {:.2} GB of host memory",
         work.len(),
         tokens,
         a.trace.as_ref().map_or(super::data::MOONCAKE_EXCERPT_NAME.to_string(), |p| p.display().to_string()),
@@ -292,9 +297,10 @@ pub fn memory_available() -> Option<(u64, &'static str)> {
 /// program, its threads and its other allocations too).
 pub const MEMORY_SHARE_MAX: f64 = 0.9;
 
-/// Refuses a replay that would hold more than [`MEMORY_SHARE_MAX`] of `available` (what
-/// [`memory_available`] found), naming the figure and the flags that set it. Apart from
-/// [`prepare`], whose verdict depends on the arguments alone.
+/// The bytes the replay will hold (sized before anything is allocated), or a refusal when that
+/// is more than [`MEMORY_SHARE_MAX`] of `available` (what [`memory_available`] found), naming the
+/// figure and the flags that set it. Apart from [`prepare`], whose verdict depends on the
+/// arguments alone.
 pub fn check_memory(
     cfg: &Config,
     a: &ReplayArgs,
@@ -500,21 +506,18 @@ fn submit_at_arrivals(
         .collect()
 }
 
-/// How often a replay says how many requests were answered (a long replay is otherwise silent
-/// until its report).
-const PROGRESS_EVERY: Duration = Duration::from_secs(30);
-
-/// Prints `answered` of `total` every [`PROGRESS_EVERY`] until aborted.
+/// Prints `answered` of `total` on stderr every `PROGRESS_EVERY` (the campaign's interval)
+/// until aborted: a long replay is otherwise silent until its report.
 async fn progress(
     answered: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     total: usize,
     started: Instant,
 ) {
-    let mut every = tokio::time::interval(PROGRESS_EVERY);
+    let mut every = tokio::time::interval(crate::campaign::PROGRESS_EVERY);
     every.tick().await; // The first tick is at once.
     loop {
         every.tick().await;
-        println!(
+        eprintln!(
             "replay: {} of {total} requests answered, {:.0} s",
             answered.load(std::sync::atomic::Ordering::Relaxed),
             started.elapsed().as_secs_f64()
@@ -689,7 +692,6 @@ fn start_cuda(
     options: EngineOptions,
 ) -> Result<Result<Service, ServiceError>, CliError> {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
-    CliError::cuda_kernels("--device cuda")?;
     let logits = if logits == "exact" {
         LogitsKernel::Exact
     } else {
@@ -719,8 +721,5 @@ fn start_cuda(
     _: bool,
     _: EngineOptions,
 ) -> Result<Result<Service, ServiceError>, CliError> {
-    Err(CliError::NotBuilt {
-        flag: "--device cuda",
-        feature: "cuda",
-    })
+    unreachable!("`prepare` refuses --device cuda in a build without CUDA")
 }

@@ -10,12 +10,12 @@
 //! engine runs on GPU 0 and the decode engine on GPU 1, joined by NCCL
 //! (`runtime::nccl::NcclLink`), and the link is then timed against a peer copy.
 
-use super::error::CliError;
 use super::replay::{prepare, ReplayArgs};
+use crate::campaign::PROGRESS_EVERY;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tierkv_engine::cpu_device::ManualClock;
 use tierkv_engine::device::Device;
 use tierkv_engine::pd::{KvLink, PeerLink, SharedDevice};
@@ -70,12 +70,9 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Emitted>) {
 /// A step budget: far more than any replay of this size needs.
 const STEPS_MAX: u64 = 10_000_000;
 
-/// How often a replay of `--pd` says where it is (the engines step on this thread for minutes
-/// at DeepSeek's sizes).
-const PROGRESS_EVERY: Duration = Duration::from_secs(30);
-
-/// Prints a progress line of the engine called `what` once `PROGRESS_EVERY` has passed since
-/// the last one.
+/// Prints a progress line (on stderr) of the engine called `what` once `PROGRESS_EVERY` (the
+/// campaign's interval) has passed since the last one: the engines step on this thread for
+/// minutes at DeepSeek's sizes.
 struct Progress<'a> {
     what: &'a str,
     started: Instant,
@@ -93,7 +90,7 @@ impl Progress<'_> {
             .values()
             .filter(|e| e.finished.is_some() || e.ended_otherwise.is_some())
             .count();
-        println!(
+        eprintln!(
             "replay --pd: {}: {steps} steps, {submitted} requests submitted, {ended} ended, {:.0} s",
             self.what,
             self.started.elapsed().as_secs_f64()
@@ -312,9 +309,6 @@ fn compare_with<D: Device, P: Device, L: KvLink<P>>(
 pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
     let ready = prepare(a).and_then(|(cfg, work)| {
         let held = super::replay::check_memory(&cfg, a, super::replay::memory_available())?;
-        if a.device == "cuda" {
-            CliError::cuda_kernels("--device cuda")?;
-        }
         Ok((cfg, work, held))
     });
     let (cfg, work, held) = match ready {
@@ -323,7 +317,7 @@ pub fn run_replay_pd(a: &ReplayArgs) -> i32 {
     };
     let work: Vec<RequestSpec> = work.into_iter().map(|(_, s)| s).collect();
     println!(
-        "replaying {} requests through a prefill/decode pair and through one engine, on {}; {} layers, device {} pages each; about {:.2} GB of host memory held",
+        "replaying {} requests through a prefill/decode pair and through one engine, on {}; {} layers, device {} pages each; they will hold about {:.2} GB of host memory",
         work.len(),
         a.device,
         a.layers,
@@ -425,10 +419,10 @@ fn two_gpus(
     _: tierkv_engine::runtime::cuda::CudaDevice,
     _: tierkv_engine::runtime::cuda::CudaDevice,
 ) -> Result<bool, String> {
-    Err("--pd-gpus 2 needs a build with `--features nccl`".into())
+    unreachable!("`prepare` refuses --pd-gpus 2 in a build without NCCL")
 }
 
 #[cfg(not(feature = "cuda"))]
 fn cuda(_: &Config, _: &[RequestSpec], _: &ReplayArgs) -> Result<bool, String> {
-    Err("--device cuda needs a build with `--features cuda`".into())
+    unreachable!("`prepare` refuses --device cuda in a build without CUDA")
 }

@@ -209,12 +209,18 @@ fn features(sc: &Scenario) -> &'static str {
     }
 }
 
-fn write_trace(path: &Path, out: &RunOutcome, title: &str) -> Result<(), String> {
+fn write_trace(path: &Path, out: &RunOutcome, title: &str) -> Result<(), CliError> {
     write_artifact(
         path,
         &chrome_trace(&out.trace, &out.marks, &out.racing_ops, title),
     )
-    .map_err(|e| format!("could not write the trace {}: {e}", path.display()))?;
+    .map_err(|e| {
+        CliError::output(
+            "--trace-out",
+            path,
+            format!("could not write the trace: {e}"),
+        )
+    })?;
     println!(
         "  trace: {} ({} ops; open it in https://ui.perfetto.dev)",
         path.display(),
@@ -227,16 +233,13 @@ fn print_finding(f: &Finding) {
     println!("  finding: {f}");
 }
 
-/// How often a single run prints where it is (on stderr): the campaign's progress interval.
-const RUN_PROGRESS_EVERY: Duration = Duration::from_secs(30);
-
 fn run_options(args: &SimArgs, trace: bool) -> RunOptions {
     RunOptions {
         trace,
         cuda: args.device == "cuda",
         schedule: None,
         exhaustive: args.exhaustive,
-        progress: Some(RUN_PROGRESS_EVERY),
+        progress: Some(crate::campaign::PROGRESS_EVERY),
     }
 }
 
@@ -488,16 +491,14 @@ fn trace_records(args: &SimArgs) -> Result<Option<Vec<TraceRecord>>, CliError> {
     if args.profile != "trace" {
         return Ok(None);
     }
-    let refused = |e: String| match &args.mooncake {
-        Some(p) => CliError::input("--mooncake", p, e),
-        None => CliError::Arguments(format!("--profile trace: the built-in excerpt: {e}")),
+    let Some(p) = &args.mooncake else {
+        let recs = super::data::mooncake_excerpt().expect("the built-in excerpt is a trace");
+        crate::scenario::check_trace(&recs).expect("the built-in excerpt fits the clock");
+        return Ok(Some(recs));
     };
-    let recs = match &args.mooncake {
-        Some(p) => tierkv_engine::trace::read_trace(p),
-        None => super::data::mooncake_excerpt(),
-    };
-    let recs = recs.map_err(|e| refused(e.to_string()))?;
-    crate::scenario::check_trace(&recs).map_err(refused)?;
+    let recs =
+        tierkv_engine::trace::read_trace(p).map_err(|e| CliError::trace("--mooncake", p, e))?;
+    crate::scenario::check_trace(&recs).map_err(|e| CliError::input("--mooncake", p, e))?;
     Ok(Some(recs))
 }
 
@@ -527,7 +528,7 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, CliError> {
     if args.device == "cuda" {
         // Every seed builds its executor on the process's one CUDA context: find out now, with
         // a clear message, whether there is one.
-        CliError::cuda_kernels("--device cuda")?;
+        super::cuda_kernels("--device cuda", 0)?;
     }
     // Flags that would do nothing here are refused, not ignored.
     let single = args.seed.is_some() || args.replay.is_some();
@@ -851,8 +852,7 @@ fn single(
     }
     if let Some(p) = &args.trace_out {
         if let Err(e) = write_trace(p, &out, &format!("tierkv seed {}", sc.seed)) {
-            eprintln!("{e}");
-            return 3;
+            return e.report();
         }
     }
     if args.schedules > 1 {
@@ -943,7 +943,14 @@ fn run_vllm(args: &SimArgs) -> Result<i32, CliError> {
         .as_deref()
         .map(crate::offload::replay::parse)
         .transpose()
-        .map_err(|e| CliError::Arguments(format!("--calls {e}")))?;
+        .map_err(|e| CliError::Input {
+            flag: "--calls",
+            detail: match e.line {
+                0 => e.detail,
+                line => format!("line {line}: {}", e.detail),
+            },
+            path: e.path,
+        })?;
     let mut mutant_arg = args
         .mutant
         .as_ref()
@@ -984,8 +991,8 @@ fn run_vllm(args: &SimArgs) -> Result<i32, CliError> {
     Ok(i32::from(failed > 0))
 }
 
-/// `--mutant` under `--profile vllm`: one of this layer's planted races (`Err`, said on stderr,
-/// for a name it does not know).
+/// `--mutant` under `--profile vllm`: one of this layer's planted races (an `Arguments` refusal
+/// naming the known ones, for a name it does not know).
 fn vllm_mutant(
     args: &SimArgs,
 ) -> Result<Option<tierkv_engine::offload::transfer::TransferMutant>, CliError> {

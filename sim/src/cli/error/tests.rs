@@ -113,6 +113,17 @@ fn input() {
 }
 
 #[test]
+fn input_trace_names_its_path_once() {
+    let real = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/bad_inputs/data/decreasing.jsonl");
+    let e = tierkv_engine::trace::read_trace(&real).expect_err("refused");
+    check(
+        &CliError::trace("--trace", std::path::Path::new("decreasing.jsonl"), e),
+        expect!["exit 2: --trace decreasing.jsonl: line 3: timestamp 20 ms is earlier than line 2's 50 ms (a trace lists its requests in arrival order)"],
+    );
+}
+
+#[test]
 fn resources() {
     let a = replay_args(&[]);
     let (cfg, _) = crate::cli::replay::prepare(&a).expect("the defaults replay");
