@@ -67,6 +67,15 @@ pub struct BenchArgs {
     pub host_pages: Option<u32>,
 }
 
+/// `--out` can be written (checked before the bench runs).
+fn check_out(args: &BenchArgs) -> Result<(), CliError> {
+    match &args.out {
+        Some(p) => super::sim::check_output_file(p)
+            .map_err(|e| CliError::Arguments(format!("--out {}: {e}", p.display()))),
+        None => Ok(()),
+    }
+}
+
 /// Prints a bench's report and writes it to `--out` too; the exit code (3 when `--out` could not
 /// be written).
 fn emit(report: &str, out: Option<&std::path::Path>) -> i32 {
@@ -136,6 +145,9 @@ fn run_campaign_bench(args: &BenchArgs) -> i32 {
 
 #[cfg(not(feature = "cuda"))]
 pub fn run_bench(args: BenchArgs) -> i32 {
+    if let Err(e) = check_out(&args) {
+        return e.report();
+    }
     if args.campaign {
         return run_campaign_bench(&args);
     }
@@ -151,6 +163,9 @@ pub fn run_bench(args: BenchArgs) -> i32 {
 
 #[cfg(feature = "cuda")]
 pub fn run_bench(args: BenchArgs) -> i32 {
+    if let Err(e) = check_out(&args) {
+        return e.report();
+    }
     if args.campaign {
         return run_campaign_bench(&args);
     }

@@ -44,6 +44,10 @@ fn run_merge(args: &MergeArgs) -> i32 {
 
 /// `campaign merge`: the exit code of the merged campaign, or why the results were refused.
 fn merge_files(args: &MergeArgs) -> Result<i32, CliError> {
+    if let Some(p) = &args.json {
+        super::sim::check_output_file(p)
+            .map_err(|e| CliError::Arguments(format!("--json {}: {e}", p.display())))?;
+    }
     let mut results = Vec::with_capacity(args.files.len());
     for file in &args.files {
         results.push((file.clone(), ShardResult::read(file)?));

@@ -31,8 +31,9 @@ pub struct SimArgs {
     /// A range of seeds, `A..B` (B excluded). Default: 0..150.
     #[arg(long, value_parser = parse_range)]
     pub seeds: Option<(u64, u64)>,
-    /// Worker threads, 1..=1024 (default: the machine's cores).
-    #[arg(long)]
+    /// Worker threads, 1..=1024 (default: the machine's cores). A campaign's: not with
+    /// `--seed` or `--replay`, which run on this thread.
+    #[arg(long, conflicts_with_all = ["seed", "replay"])]
     pub jobs: Option<usize>,
     /// Run only shard I of N (`I/N`): seeds with seed % N == I.
     #[arg(long, value_parser = parse_shard)]
@@ -78,11 +79,11 @@ pub struct SimArgs {
     #[arg(long)]
     pub no_shrink: bool,
     /// Wall-time budget for shrinking one failure, seconds.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, conflicts_with = "no_shrink")]
     pub shrink_secs: u64,
     /// Budget shrinking by runs instead of wall time (`--shrink-secs` is then unused), so that
     /// the shrunk case depends on the input alone, however loaded the machine is.
-    #[arg(long, conflicts_with = "shrink_secs")]
+    #[arg(long, conflicts_with_all = ["shrink_secs", "no_shrink"])]
     pub shrink_runs: Option<u32>,
     /// Schedules to run per seed, 1..=4096: the scenario's own, then PCT of depth 1, 2 and 3 and
     /// a random walk in turn (PCT's change points spread over the first schedule's op starts).
@@ -98,11 +99,12 @@ pub struct SimArgs {
     /// (slower; the digest of every query is checked either way).
     #[arg(long)]
     pub exhaustive: bool,
-    /// Keep going after the first failure.
-    #[arg(long)]
+    /// Keep going after the first failure (a campaign's: not with `--seed` or `--replay`).
+    #[arg(long, conflicts_with_all = ["seed", "replay"])]
     pub keep_going: bool,
-    /// Print every seed's drawn configuration and outcome as the campaign goes.
-    #[arg(long)]
+    /// Print every seed's drawn configuration and outcome as the campaign goes (not with
+    /// `--seed` or `--replay`, which print their one run's anyway).
+    #[arg(long, conflicts_with_all = ["seed", "replay"])]
     pub verbose: bool,
     /// Print the coverage table: each probe's hits and the share of seeds that hit it.
     #[arg(long)]
@@ -462,9 +464,23 @@ pub fn check_output_dir(dir: &Path) -> Result<(), String> {
 
 /// Whether `file` can be written, checked without touching it: its folder exists and is
 /// writable, and it is not a directory.
-fn check_output_file(file: &Path) -> Result<(), String> {
+pub fn check_output_file(file: &Path) -> Result<(), String> {
     if file.is_dir() {
         return Err(format!("{} is a directory", file.display()));
+    }
+    // A FIFO or a socket would block the write until a reader comes, past any signal.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if let Ok(m) = std::fs::metadata(file) {
+            let t = m.file_type();
+            if t.is_fifo() || t.is_socket() {
+                return Err(format!(
+                    "{} is a FIFO or a socket: give a regular file",
+                    file.display()
+                ));
+            }
+        }
     }
     let parent = match file.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -514,6 +530,33 @@ fn pd_mutant_of(args: &SimArgs) -> Option<tierkv_engine::mutants::Mutant> {
         .as_deref()
         .and_then(tierkv_engine::mutants::Mutant::parse)
         .filter(|m| m.is_pd())
+}
+
+/// Every output the arguments name can be written (checked before anything runs), and no two
+/// name the same file.
+fn check_outputs(args: &SimArgs) -> Result<(), CliError> {
+    check_output_dir(&args.out_dir).map_err(|e| CliError::Arguments(format!("--out-dir: {e}")))?;
+    if let Some(p) = &args.trace_out {
+        check_output_file(p)
+            .map_err(|e| CliError::Arguments(format!("--trace-out {}: {e}", p.display())))?;
+    }
+    if let Some(p) = &args.save_scenario {
+        check_output_file(p)
+            .map_err(|e| CliError::Arguments(format!("--save-scenario {}: {e}", p.display())))?;
+    }
+    if let Some(p) = &args.json {
+        check_output_file(p)
+            .map_err(|e| CliError::Arguments(format!("--json {}: {e}", p.display())))?;
+    }
+    if let (Some(a), Some(b)) = (&args.save_scenario, &args.trace_out) {
+        if a == b {
+            return Err(CliError::Arguments(format!(
+                "--save-scenario and --trace-out both name {}: give each its own file",
+                a.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Everything the arguments ask for, checked.
@@ -566,19 +609,7 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, CliError> {
             "--shard selects seeds of a campaign, not of --seed".into(),
         ));
     }
-    check_output_dir(&args.out_dir).map_err(|e| CliError::Arguments(format!("--out-dir: {e}")))?;
-    if let Some(p) = &args.trace_out {
-        check_output_file(p)
-            .map_err(|e| CliError::Arguments(format!("--trace-out {}: {e}", p.display())))?;
-    }
-    if let Some(p) = &args.save_scenario {
-        check_output_file(p)
-            .map_err(|e| CliError::Arguments(format!("--save-scenario {}: {e}", p.display())))?;
-    }
-    if let Some(p) = &args.json {
-        check_output_file(p)
-            .map_err(|e| CliError::Arguments(format!("--json {}: {e}", p.display())))?;
-    }
+    check_outputs(args)?;
     if args.mooncake.is_some() && args.profile != "trace" {
         return Err(CliError::Arguments(
             "--mooncake gives the trace of `--profile trace`; add it, or drop --mooncake".into(),
@@ -933,10 +964,13 @@ fn run_vllm(args: &SimArgs) -> Result<i32, CliError> {
         )));
     }
     let mutant = vllm_mutant(args)?;
-    let seeds: Vec<u64> = match (args.seed, args.seeds) {
-        (Some(s), _) => vec![s],
-        (None, Some((a, b))) => (a..b).collect(),
-        (None, None) => (0..150).collect(),
+    // A range, never a list: `--seeds 0..18446744073709551615` runs until stopped, as a
+    // campaign of another profile would, without first holding every seed.
+    let seeds = match (args.seed, args.seeds) {
+        (Some(s), _) => s..=s,
+        // `parse_range` refuses an empty range: `b > a`.
+        (None, Some((a, b))) => a..=b - 1,
+        (None, None) => 0..=149,
     };
     let calls = args
         .calls
@@ -961,7 +995,7 @@ fn run_vllm(args: &SimArgs) -> Result<i32, CliError> {
     const SHOWN: u64 = 5;
     let mut total = crate::offload::Outcome::default();
     let mut failed = 0u64;
-    for &seed in &seeds {
+    for seed in seeds.clone() {
         let out = match &calls {
             Some(c) => crate::offload::replay::run(seed, c, mutant),
             None => crate::offload::run(seed, mutant),
@@ -987,7 +1021,8 @@ fn run_vllm(args: &SimArgs) -> Result<i32, CliError> {
     if failed > SHOWN {
         println!("({} more failing seeds not shown)", failed - SHOWN);
     }
-    print_vllm_summary(&mutant_arg, seeds.len(), failed, &total, calls.as_ref());
+    let count = seeds.end() - seeds.start() + 1;
+    print_vllm_summary(&mutant_arg, count, failed, &total, calls.as_ref());
     Ok(i32::from(failed > 0))
 }
 
@@ -1014,7 +1049,7 @@ fn vllm_mutant(
 /// The summary of a `--profile vllm` run.
 fn print_vllm_summary(
     mutant_arg: &str,
-    seeds: usize,
+    seeds: u64,
     failed: u64,
     total: &crate::offload::Outcome,
     calls: Option<&crate::offload::replay::Calls>,
