@@ -48,7 +48,7 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("sim/src/cli/replay.rs", "step_breakdown", 71),
     ("sim/src/cli/replay_pd.rs", "compare_with", 105),
     ("sim/src/cli/sim.rs", "campaign", 81),
-    ("sim/src/cli/sim.rs", "setup", 102),
+    ("sim/src/cli/sim.rs", "setup", 90),
     ("sim/src/cli/sim.rs", "shrink_and_report", 73),
     ("sim/src/cli/sim.rs", "single", 76),
     ("sim/src/cli/zoo.rs", "run_zoo", 78),
