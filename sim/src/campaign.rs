@@ -517,6 +517,12 @@ fn start_workers(
     tx: &mpsc::Sender<(RunOutcome, Duration)>,
     jobs: usize,
 ) -> Result<Vec<std::thread::JoinHandle<()>>, CampaignError> {
+    if let Some(limit) = address_space_limit() {
+        let need = (jobs as u64).saturating_mul(WORKER_STACK_BYTES as u64);
+        if need > limit / 2 {
+            return Err(CampaignError::AddressSpace { jobs, need, limit });
+        }
+    }
     let mut workers = Vec::with_capacity(jobs);
     for n in 0..jobs {
         let (sh, tx) = (Arc::clone(shared), tx.clone());
@@ -545,6 +551,22 @@ fn start_workers(
     Ok(workers)
 }
 
+/// The address-space limit (`ulimit -v`) in bytes, when one is set.
+pub(crate) fn address_space_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one rlimit into `r`.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0;
+        (ok && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+    }
+    #[cfg(not(unix))]
+    None
+}
+
 /// How often the campaign's main thread looks for an interrupt and a due progress line while
 /// no run ends.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
@@ -564,6 +586,14 @@ pub enum CampaignError {
         jobs: usize,
         source: std::io::Error,
     },
+    /// The workers' stacks alone would take more than half of the address-space limit: refused
+    /// before any worker starts (past it, the threads' stacks and their allocators' arenas leave
+    /// the process no room, and an allocation aborts it where a refused thread would not).
+    #[error(
+        "{jobs} worker threads' stacks ({need} B) would take more than half of the address-space \
+         limit (ulimit -v: {limit} B); run with fewer --jobs"
+    )]
+    AddressSpace { jobs: usize, need: u64, limit: u64 },
 }
 
 /// Runs the campaign `opts` describes on `opts.jobs` worker threads, calling `on_done` with

@@ -169,6 +169,87 @@ pub struct ShardResult {
     pub interrupted: bool,
 }
 
+/// Two runs of one shard (files `a` and `b`): every seed both ran gave the same event log, and
+/// the same failure under its own schedule or none; two complete runs without failures hold
+/// the same counts. Answers how many seeds both ran.
+fn compare_runs(
+    (a, ra): (&PathBuf, &ShardResult),
+    (b, rb): (&PathBuf, &ShardResult),
+) -> Result<u64, MergeError> {
+    let common: Vec<(u64, u64, u64)> = ra
+        .log_hashes
+        .iter()
+        .filter_map(|(&seed, &h)| rb.log_hashes.get(&seed).map(|&h2| (seed, h, h2)))
+        .collect();
+    let differ: Vec<_> = common.iter().filter(|(_, h, h2)| h != h2).collect();
+    if let Some(&&(seed, hash_a, hash_b)) = differ.first() {
+        return Err(MergeError::Nondeterministic {
+            index: rb.shard_index,
+            count: rb.shard_count,
+            a: a.clone(),
+            b: b.clone(),
+            seed,
+            hash_a,
+            hash_b,
+            more: match differ.len() {
+                1 => String::new(),
+                n => format!(" (and {} more seeds)", n - 1),
+            },
+        });
+    }
+    let own_failure = |r: &ShardResult, seed: u64| {
+        r.failures
+            .iter()
+            .find(|f| f.seed == seed && f.schedule == 0)
+            .map(|f| f.finding.oracle)
+    };
+    let disagree = |what: String| MergeError::Disagree {
+        index: rb.shard_index,
+        count: rb.shard_count,
+        a: a.clone(),
+        b: b.clone(),
+        what,
+    };
+    for &(seed, _, _) in &common {
+        let (fa, fb) = (own_failure(ra, seed), own_failure(rb, seed));
+        if fa != fb {
+            return Err(disagree(format!(
+                "seed {seed} failed in one ({fa:?} against {fb:?}) with the same event log"
+            )));
+        }
+    }
+    let complete = |r: &ShardResult| !r.interrupted && r.failures.is_empty();
+    if complete(ra) && complete(rb) {
+        let counts = |r: &ShardResult| {
+            let mut t = r.totals;
+            t.wall_ns = 0;
+            (r.seeds_run, r.runs, t, r.coverage.clone())
+        };
+        if counts(ra) != counts(rb) {
+            return Err(disagree(
+                "both ran every seed without a failure, yet their counts (seeds, runs, totals or \
+                 coverage) differ"
+                    .into(),
+            ));
+        }
+    }
+    Ok(common.len() as u64)
+}
+
+/// Whether `replay` is a line a person may paste to replay `seed`: a `sim --seed SEED` command
+/// (as `tierkv sim` writes it), with no control character and no shell metacharacter.
+fn replay_line_of(replay: &str, seed: u64) -> bool {
+    let seeded = replay
+        .split(" sim --seed ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .is_some_and(|s| s == seed.to_string());
+    seeded
+        && !replay
+            .chars()
+            .any(|c| c.is_control() || ";|&$`<>()\\'\"*?!{}".contains(c))
+}
+
 /// Why shard results could not be read or merged. Each names the file and the value at fault.
 #[derive(Debug, PartialEq, thiserror::Error)]
 pub enum MergeError {
@@ -228,6 +309,17 @@ pub enum MergeError {
         hash_a: u64,
         hash_b: u64,
         more: String,
+    },
+    #[error(
+        "shard {index}/{count} ran twice ({a} and {b}) and the two results disagree: {what} \
+         (a file edited by hand or corrupted?)"
+    )]
+    Disagree {
+        index: u64,
+        count: u64,
+        a: PathBuf,
+        b: PathBuf,
+        what: String,
     },
     #[error(
         "the merged {what} overflows a 64-bit count: these results cannot all be true \
@@ -361,6 +453,111 @@ impl ShardResult {
         Ok(r)
     }
 
+    /// The failures: each a run of this shard, none twice, no more than the runs, each with a
+    /// replay line a person may paste.
+    fn check_failures(&self, file: &Path) -> Result<(), MergeError> {
+        let inconsistent = |what, why: String| MergeError::Inconsistent {
+            file: file.to_path_buf(),
+            what,
+            why,
+        };
+        let outside = self.failures.iter().find(|f| {
+            f.seed < self.first
+                || f.seed >= self.end
+                || f.seed % self.shard_count != self.shard_index
+                || f.schedule >= self.schedules
+        });
+        if let Some(f) = outside {
+            return Err(inconsistent(
+                "failures",
+                format!(
+                    "seed {} (schedule {}) is not a run of this shard",
+                    f.seed, f.schedule
+                ),
+            ));
+        }
+        let distinct: std::collections::BTreeSet<(u64, u64)> =
+            self.failures.iter().map(|f| (f.seed, f.schedule)).collect();
+        let runs_max = self.seeds_run.saturating_mul(self.schedules);
+        if distinct.len() < self.failures.len() || self.failures.len() as u64 > runs_max {
+            return Err(inconsistent(
+                "failures",
+                format!(
+                    "{} failures, {} of them distinct runs, for {} seeds of {} schedules",
+                    self.failures.len(),
+                    distinct.len(),
+                    self.seeds_run,
+                    self.schedules
+                ),
+            ));
+        }
+        if let Some(f) = self
+            .failures
+            .iter()
+            .find(|f| !replay_line_of(&f.replay, f.seed))
+        {
+            return Err(inconsistent(
+                "failures",
+                format!(
+                    "seed {}'s replay line is not a `sim --seed {}` command: {:?}",
+                    f.seed, f.seed, f.replay
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The per-seed records against the counts: failures, log hashes, coverage, wall time and
+    /// the replay lines (which `merge` prints for a person to paste). `seeds` is how many seeds
+    /// the shard holds.
+    fn check_records(&self, file: &Path, seeds: u64) -> Result<(), MergeError> {
+        let inconsistent = |what, why: String| MergeError::Inconsistent {
+            file: file.to_path_buf(),
+            what,
+            why,
+        };
+        self.check_failures(file)?;
+        // A single shard's result (a merged one holds `held_s`) that was neither interrupted nor
+        // stopped at a failure ran every seed of its shard.
+        let complete = !self.interrupted && self.failures.is_empty() && self.held_s.is_none();
+        if complete && self.seeds_run != seeds {
+            return Err(inconsistent(
+                "seeds",
+                format!(
+                    "{} seeds run of the shard's {seeds}, neither interrupted nor stopped at a \
+                     failure",
+                    self.seeds_run
+                ),
+            ));
+        }
+        if self.log_hashes.len() as u64 != self.seeds_run {
+            return Err(inconsistent(
+                "log hashes",
+                format!(
+                    "{} for {} seeds run (every seed run has one)",
+                    self.log_hashes.len(),
+                    self.seeds_run
+                ),
+            ));
+        }
+        if let Some((p, c)) = self.coverage.iter().find(|(_, c)| c.hits < c.seeds) {
+            return Err(inconsistent(
+                "coverage",
+                format!("probe {p} hit {} times in {} seeds", c.hits, c.seeds),
+            ));
+        }
+        if self.seeds_run > 0 && self.wall_s <= 0.0 {
+            return Err(inconsistent(
+                "times",
+                format!(
+                    "{} seeds run in {} s of wall time",
+                    self.seeds_run, self.wall_s
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn check(&self, file: &Path) -> Result<(), MergeError> {
         let here = || file.to_path_buf();
         if self.shard_count == 0
@@ -440,21 +637,7 @@ impl ShardResult {
                 ),
             ));
         }
-        let outside = self.failures.iter().find(|f| {
-            f.seed < self.first
-                || f.seed >= self.end
-                || f.seed % self.shard_count != self.shard_index
-                || f.schedule >= self.schedules
-        });
-        if let Some(f) = outside {
-            return Err(inconsistent(
-                "failures",
-                format!(
-                    "seed {} (schedule {}) is not a run of this shard",
-                    f.seed, f.schedule
-                ),
-            ));
-        }
+        self.check_records(file, set.len())?;
         if self.log_hashes.len() as u64 > self.seeds_run {
             return Err(inconsistent(
                 "log hashes",
@@ -648,28 +831,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
             // The same shard run twice (on two machines, or again after a preemption): every
             // seed both ran must have given the same event log. The first is kept.
             Some(&(a, ra)) => {
-                let common: Vec<(u64, u64, u64)> = ra
-                    .log_hashes
-                    .iter()
-                    .filter_map(|(&seed, &h)| r.log_hashes.get(&seed).map(|&h2| (seed, h, h2)))
-                    .collect();
-                let differ: Vec<_> = common.iter().filter(|(_, h, h2)| h != h2).collect();
-                if let Some(&&(seed, hash_a, hash_b)) = differ.first() {
-                    return Err(MergeError::Nondeterministic {
-                        index: r.shard_index,
-                        count: r.shard_count,
-                        a: a.clone(),
-                        b: file.clone(),
-                        seed,
-                        hash_a,
-                        hash_b,
-                        more: match differ.len() {
-                            1 => String::new(),
-                            n => format!(" (and {} more seeds)", n - 1),
-                        },
-                    });
-                }
-                cross_checked += common.len() as u64;
+                cross_checked += compare_runs((a, ra), (file, r))?;
                 // A complete run of the shard is kept over an interrupted one.
                 if ra.interrupted && !r.interrupted {
                     repeated.push(a.clone());
@@ -823,6 +985,72 @@ mod tests {
             log_hashes: (0..10).filter(|s| s % 2 == i).map(|s| (s, s * 7)).collect(),
             interrupted: false,
         }
+    }
+
+    #[test]
+    fn records_that_cannot_be_true_are_refused() {
+        let what = |mut r: ShardResult, edit: fn(&mut ShardResult)| {
+            edit(&mut r);
+            match ShardResult::parse(&serde_json::to_string(&r).unwrap(), Path::new("bad")) {
+                Err(MergeError::Inconsistent { what, .. }) => what,
+                other => panic!("not refused as inconsistent: {other:?}"),
+            }
+        };
+        // A complete shard (not interrupted, no failure) that ran fewer seeds than it holds.
+        assert_eq!(
+            what(result(0, &[]), |r| {
+                r.seeds_run = 4;
+                r.runs = 4;
+                r.log_hashes.pop_first();
+            }),
+            "seeds"
+        );
+        assert_eq!(what(result(1, &[3, 3]), |_| {}), "failures");
+        assert_eq!(
+            what(result(1, &[3]), |r| r.failures[0].replay =
+                "rm -rf /".into()),
+            "failures"
+        );
+        assert_eq!(
+            what(result(1, &[3]), |r| r.failures[0].replay =
+                "tierkv sim --seed 3; rm -rf /".into()),
+            "failures"
+        );
+        assert_eq!(
+            what(result(1, &[3]), |r| {
+                r.log_hashes.clear();
+            }),
+            "log hashes"
+        );
+        assert_eq!(
+            what(result(1, &[3]), |r| r
+                .coverage
+                .get_mut("load.issued")
+                .unwrap()
+                .hits = 1),
+            "coverage"
+        );
+        assert_eq!(what(result(1, &[3]), |r| r.wall_s = 0.0), "times");
+    }
+
+    #[test]
+    fn two_runs_of_a_shard_that_disagree_are_refused() {
+        let twice = |a: ShardResult, b: ShardResult| {
+            merge(&[(PathBuf::from("a"), a), (PathBuf::from("b"), b)], true)
+        };
+        let mut more = result(0, &[]);
+        more.totals.ops += 1;
+        assert!(matches!(
+            twice(result(0, &[]), more),
+            Err(MergeError::Disagree { index: 0, .. })
+        ));
+        // Seed 3 ran in both with the same event log; it failed in one only.
+        assert!(matches!(
+            twice(result(1, &[3]), result(1, &[])),
+            Err(MergeError::Disagree { index: 1, .. })
+        ));
+        // The same run twice merges (as a determinism check).
+        assert!(twice(result(1, &[3]), result(1, &[3])).is_ok());
     }
 
     #[test]

@@ -66,8 +66,8 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("sim/src/scenario.rs", "add_production_shapes", 71),
     ("sim/src/scenario.rs", "draw", 106),
     ("sim/src/scenario.rs", "validate", 94),
-    ("sim/src/shard.rs", "check", 168),
-    ("sim/src/shard.rs", "merge", 181),
+    ("sim/src/shard.rs", "check", 154),
+    ("sim/src/shard.rs", "merge", 160),
     ("sim/src/shrink.rs", "candidates", 125),
     ("sim/src/trace_out.rs", "chrome_trace", 106),
 ];

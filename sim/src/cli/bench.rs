@@ -17,8 +17,8 @@ pub struct BenchArgs {
     /// Write the results table (markdown) here too.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
-    /// Timed repetitions per measurement.
-    #[arg(long, default_value_t = 10)]
+    /// Timed repetitions per measurement (of the GPU bench: not with `--campaign` or `--cache`).
+    #[arg(long, default_value_t = 10, conflicts_with_all = ["campaign", "cache"])]
     pub reps: usize,
     /// Measure the simulator's campaign speed instead (no GPU needed): seeds/s, ops/s, checked
     /// reads per wall and CPU second, and each probe's reach, for this build and `--baseline`.
@@ -117,8 +117,21 @@ fn campaign_plan(args: &BenchArgs) -> Result<super::bench_campaign::Plan, CliErr
             args.repeat
         )));
     }
-    if let Some(b) = args.baseline.as_ref().filter(|b| !b.is_file()) {
-        return Err(CliError::input("--baseline", b, "not a file"));
+    if let Some(b) = &args.baseline {
+        #[cfg(unix)]
+        let runnable = {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::metadata(b).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        };
+        #[cfg(not(unix))]
+        let runnable = b.is_file();
+        if !runnable {
+            return Err(CliError::input(
+                "--baseline",
+                b,
+                "not an executable file (give another build's `tierkv` binary)",
+            ));
+        }
     }
     Ok(super::bench_campaign::Plan {
         first: args.seeds.0,

@@ -17,6 +17,7 @@
 //! leaves its probes as they were, so any fall is a change in what the seeds do.
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -89,21 +90,45 @@ fn ends_with_this_process(cmd: &mut Command) {
     let _ = cmd;
 }
 
+/// The most a campaign's output may hold (its summary, coverage table and failures are tens of
+/// kilobytes).
+const SUMMARY_BYTES_MAX: u64 = 16 << 20;
+
 /// Runs `bin`'s campaign and measures it.
 pub fn measure(bin: &Path, plan: &Plan) -> Result<Measured, String> {
     let cpu0 = children_cpu_s();
     let t0 = Instant::now();
     let mut cmd = Command::new(bin);
     ends_with_this_process(&mut cmd);
-    let out = cmd
+    let mut child = cmd
         .args(["sim", "--profile", &plan.profile, "--seeds"])
         .arg(format!("{}..{}", plan.first, plan.end))
         .args(["--jobs", &plan.jobs.to_string()])
         .args(["--coverage", "--keep-going", "--no-shrink"])
         .stdin(Stdio::null())
         .stderr(Stdio::null())
-        .output()
+        .stdout(Stdio::piped())
+        .spawn()
         .map_err(|e| format!("{}: could not run it: {e}", bin.display()))?;
+    // Read at most SUMMARY_BYTES_MAX: a binary that prints without end is stopped, not held.
+    let mut stdout = Vec::new();
+    let read = child
+        .stdout
+        .take()
+        .expect("stdout is piped")
+        .take(SUMMARY_BYTES_MAX)
+        .read_to_end(&mut stdout);
+    if read.is_err() || stdout.len() as u64 >= SUMMARY_BYTES_MAX {
+        let _ = child.kill();
+    }
+    let status = child
+        .wait()
+        .map_err(|e| format!("{}: could not wait for it: {e}", bin.display()))?;
+    let out = std::process::Output {
+        status,
+        stdout,
+        stderr: Vec::new(),
+    };
     let wall_s = t0.elapsed().as_secs_f64();
     let cpu_s = children_cpu_s() - cpu0;
     let text = String::from_utf8_lossy(&out.stdout);

@@ -132,11 +132,27 @@ fn print_merged(merged: &Merged, count: u64, coverage: bool) {
     if coverage {
         print!("{}", summary.coverage.table());
     }
-    for f in r.failures.iter().take(20) {
-        println!("FAIL seed {} {}", f.seed, f.finding);
+    print_failures(&r.failures);
+}
+
+/// The first 20 failures of a merged result, each with its replay line (checked by `merge` to be
+/// a `sim --seed` command); a result file is input, so its text reaches the terminal with
+/// control characters shown escaped, never raw.
+fn print_failures(failures: &[crate::shard::FailureRecord]) {
+    for f in failures.iter().take(20) {
+        let shown: String = f
+            .finding
+            .to_string()
+            .chars()
+            .map(|c| match c.is_control() {
+                true => c.escape_default().to_string(),
+                false => c.to_string(),
+            })
+            .collect();
+        println!("FAIL seed {} {shown}", f.seed);
         println!("  replay: {}", f.replay);
     }
-    if r.failures.len() > 20 {
-        println!("... and {} more failures", r.failures.len() - 20);
+    if failures.len() > 20 {
+        println!("... and {} more failures", failures.len() - 20);
     }
 }

@@ -24,7 +24,7 @@ pub mod sim;
 pub mod zoo;
 
 /// The exit codes, as `--help` prints them.
-pub const EXIT_CODES: &str = "Exit codes:\n  0  success (a campaign or seed: no findings)\n  1  a campaign or seed found failures, or a replay or bench failed once started\n  2  refused before any work: arguments, a configuration, an input file (trace, scenario,\n     schedule, result, recording), a feature this build lacks, no usable GPU, not enough\n     memory, a port in use, an output path that cannot be written\n  3  an output could not be written once the work was done (a full disk, a closed stream)\n  130, 143  a campaign stopped by SIGINT or SIGTERM, after printing and writing (--json) the seeds that ended";
+pub const EXIT_CODES: &str = "Exit codes:\n  0  success (a campaign or seed: no findings)\n  1  a campaign or seed found failures, or a replay or bench failed once started\n  2  refused before any work: arguments, a configuration, an input file (trace, scenario,\n     schedule, result, recording), a feature this build lacks, no usable GPU, not enough\n     memory, a port in use, an output path that cannot be written\n  3  an output could not be written once the work was done (a full disk; output into a closed\n     pipe ends the process by SIGPIPE instead, as any Unix tool's)\n  130, 143  a campaign stopped by SIGINT or SIGTERM, after printing and writing (--json) the seeds that ended";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -120,9 +120,11 @@ fn default_sigpipe() {
     }
 }
 
-/// A full disk or a closed output makes `println!` (or `eprintln!`) panic: that becomes a
-/// one-line error (none when stderr is what failed) and exit code 3, not a panic report. Every
-/// other panic reports as usual.
+/// A full disk makes `println!` (or `eprintln!`) panic: that becomes a one-line error (none
+/// when stderr is what failed) and exit code 3, not a panic report. (A standard stream closed
+/// before the start, `>&-`, is one Rust's standard library writes nothing to without an error;
+/// a closed pipe ends the process by SIGPIPE, see `default_sigpipe`.) Every other panic reports
+/// as usual.
 fn output_errors_exit() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {

@@ -274,19 +274,8 @@ pub fn memory_available() -> Option<(u64, &'static str)> {
                 )
             })
     });
-    #[cfg(unix)]
-    let limit = {
-        let mut r = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit writes one rlimit into `r`.
-        let ok = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0;
-        (ok && r.rlim_cur != libc::RLIM_INFINITY)
-            .then_some((r.rlim_cur, "the address-space limit (ulimit -v)"))
-    };
-    #[cfg(not(unix))]
-    let limit = None;
+    let limit =
+        crate::campaign::address_space_limit().map(|b| (b, "the address-space limit (ulimit -v)"));
     [meminfo, cgroup, limit]
         .into_iter()
         .flatten()

@@ -169,8 +169,13 @@ impl Parser {
             if chunks.len() != keys.len() {
                 return Err(format!("{} chunks for {} keys", chunks.len(), keys.len()));
             }
+            let registered = self.register.map(|r| r.1);
             for (k, c) in keys.iter().zip(chunks) {
-                self.chunk_key.insert(number(c, "a chunk")?, *k);
+                let c = number(c, "a chunk")?;
+                if let Some(n) = registered.filter(|&n| c >= n) {
+                    return Err(format!("host chunk {c} is not one of the {n} registered"));
+                }
+                self.chunk_key.insert(c, *k);
             }
         }
         Ok(keys)
@@ -181,7 +186,7 @@ impl Parser {
     /// manager line gave a key, no key twice, no block twice in a group, and no block that a
     /// job the recording has not reported done still moves (vLLM fences those).
     fn job(&mut self, v: &Value, job: u64) -> Result<[Vec<(u64, u64)>; 2], String> {
-        let (blocks, _, _) = self.register.ok_or("a job before the registration line")?;
+        let (blocks, chunks_max, _) = self.register.ok_or("a job before the registration line")?;
         let groups = list(v, "groups")?;
         if groups.len() != 2 {
             return Err(format!(
@@ -207,7 +212,11 @@ impl Parser {
                         "group {g}: block {b} is not one of the {blocks} registered"
                     ))
                 })?;
-                let c = number(c, "a chunk")?;
+                let c = number(c, "a chunk").and_then(|c| {
+                    (c < chunks_max).then_some(c).ok_or(format!(
+                        "group {g}: host chunk {c} is not one of the {chunks_max} registered"
+                    ))
+                })?;
                 let key = *self.chunk_key.get(&c).ok_or_else(|| {
                     format!("group {g}: host chunk {c} was given to no key by an earlier prepare_store or prepare_load line")
                 })?;
