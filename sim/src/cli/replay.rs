@@ -135,7 +135,7 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
     }
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
         return Err(CliError::Arguments(format!(
-            "--time-scale {}: must be a finite number above 0 (arrivals are divided by it)",
+            "--time-scale {:?}: must be a finite number above 0 (arrivals are divided by it)",
             a.time_scale
         )));
     }
@@ -356,7 +356,7 @@ fn workload(
             .filter(|d| *d <= REPLAY_SPAN_MAX)
             .ok_or_else(|| {
                 format!(
-                    "--time-scale {}: line {}'s arrival would come {secs:.3e} s after the first, over a replay of at most {} s",
+                    "--time-scale {:?}: line {}'s arrival would come {secs:.3e} s after the first, over a replay of at most {} s",
                     a.time_scale,
                     r.line,
                     REPLAY_SPAN_MAX.as_secs()

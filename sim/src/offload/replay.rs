@@ -359,15 +359,17 @@ fn register(v: &Value) -> Result<(u64, u64, bool), String> {
     let names: Vec<Option<&str>> = formats.iter().map(Value::as_str).collect();
     if names != [Some("kv/fp8_packed"), Some("index_k/fp8")] {
         return Err(format!(
-            "`formats` {formats:?}: the replay's server has [\"kv/fp8_packed\", \"index_k/fp8\"]"
+            "`formats` {}: the replay's server has [\"kv/fp8_packed\", \"index_k/fp8\"]",
+            Value::Array(formats.clone())
         ));
     }
     let selective = match v.get("write_policy").map(Value::as_str) {
         None | Some(Some("write_through")) => false,
         Some(Some("write_through_selective")) => true,
-        Some(other) => {
+        Some(_) => {
             return Err(format!(
-                "`write_policy` {other:?} is not \"write_through\" or \"write_through_selective\""
+                "`write_policy` {} is not \"write_through\" or \"write_through_selective\"",
+                v["write_policy"]
             ))
         }
     };
