@@ -229,6 +229,10 @@ pub enum ScheduleError {
         schedule: u64,
         scenario: u64,
     },
+    /// The schedule's index or policy is none a campaign draws (the replay follows the
+    /// decisions alone, but it prints them as the schedule's).
+    #[error("schedule {field}: {why}")]
+    Described { field: &'static str, why: String },
 }
 
 impl Schedule {
@@ -263,12 +267,42 @@ impl Schedule {
                 len: self.decisions.len(),
             });
         }
-        match self.decisions.iter().position(|&d| d > DECISION_MAX) {
-            Some(at) => Err(ScheduleError::DecisionTooLarge {
+        if let Some(at) = self.decisions.iter().position(|&d| d > DECISION_MAX) {
+            return Err(ScheduleError::DecisionTooLarge {
                 at,
                 value: self.decisions[at],
-            }),
-            None => Ok(()),
+            });
+        }
+        self.check_described()
+    }
+
+    /// The index and the policy as a campaign draws them: an index under `SCHEDULES_MAX`, a PCT
+    /// depth in `1..=PCT_DEPTH_MAX` over no more op starts than a schedule may hold decisions.
+    fn check_described(&self) -> Result<(), ScheduleError> {
+        use crate::scenario::limits::PCT_DEPTH_MAX;
+        let described = |field, why: String| Err(ScheduleError::Described { field, why });
+        if self.index >= crate::campaign::SCHEDULES_MAX {
+            return described(
+                "index",
+                format!(
+                    "{} (a seed has schedules 0..{})",
+                    self.index,
+                    crate::campaign::SCHEDULES_MAX
+                ),
+            );
+        }
+        match self.policy {
+            Policy::Pct { depth, .. } if !(1..=PCT_DEPTH_MAX).contains(&depth) => described(
+                "policy",
+                format!("PCT depth {depth} (a campaign draws 1..={PCT_DEPTH_MAX})"),
+            ),
+            Policy::Pct { ops, .. } if ops > DECISIONS_MAX as u64 => described(
+                "policy",
+                format!(
+                    "PCT over {ops} op starts, more than a schedule's {DECISIONS_MAX} decisions"
+                ),
+            ),
+            _ => Ok(()),
         }
     }
 }
