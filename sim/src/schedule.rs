@@ -273,13 +273,14 @@ impl Schedule {
                 value: self.decisions[at],
             });
         }
-        self.check_described()
+        Ok(())
     }
 
     /// The index and the policy as a campaign draws them: an index under `SCHEDULES_MAX`, a PCT
-    /// depth in `1..=PCT_DEPTH_MAX` over no more op starts than a schedule may hold decisions.
-    fn check_described(&self) -> Result<(), ScheduleError> {
-        use crate::scenario::limits::PCT_DEPTH_MAX;
+    /// depth in `1..=depth_max` (the scenario's limit, which the caller passes: this module
+    /// imports nothing of the scenario) over no more op starts than a schedule may hold
+    /// decisions.
+    pub fn check_described(&self, depth_max: u32) -> Result<(), ScheduleError> {
         let described = |field, why: String| Err(ScheduleError::Described { field, why });
         if self.index >= crate::campaign::SCHEDULES_MAX {
             return described(
@@ -292,9 +293,9 @@ impl Schedule {
             );
         }
         match self.policy {
-            Policy::Pct { depth, .. } if !(1..=PCT_DEPTH_MAX).contains(&depth) => described(
+            Policy::Pct { depth, .. } if !(1..=depth_max).contains(&depth) => described(
                 "policy",
-                format!("PCT depth {depth} (a campaign draws 1..={PCT_DEPTH_MAX})"),
+                format!("PCT depth {depth} (a campaign draws 1..={depth_max})"),
             ),
             Policy::Pct { ops, .. } if ops > DECISIONS_MAX as u64 => described(
                 "policy",

@@ -917,7 +917,8 @@ fn read_schedule(file: &Path, sc: &Scenario) -> Result<Schedule, CliError> {
     })?;
     let s: Schedule =
         serde_json::from_str(&text).map_err(|e| fail(format!("not a schedule: {e}")))?;
-    s.check_for(sc.seed, sc.fingerprint())
+    s.check_described(crate::scenario::limits::PCT_DEPTH_MAX)
+        .and_then(|()| s.check_for(sc.seed, sc.fingerprint()))
         .map_err(|e| fail(e.to_string()))?;
     Ok(s)
 }
