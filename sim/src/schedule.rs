@@ -6,7 +6,8 @@
 //! of six kinds ([`Kind`]) that the simulated GPU and the runner leave open:
 //! - **hold**: every time an op could start on a stream (its stream is free and the waits
 //!   before it are satisfied), how many quarter-steps of the scenario's jitter it is held back
-//!   (0 = start now);
+//!   (0 = start now; up to `DELAY_MAX`), or (`BEHIND + j`) that it waits until the op running
+//!   on stream `j` then ends (at once when none runs there);
 //! - **query early**: the host queries an event whose record is the next entry of its stream,
 //!   behind an op that has started and would end within one jitter: 1 = that op ends now and the
 //!   query answers Done (the device was a little faster than drawn), 0 = Pending, as the clock
@@ -15,7 +16,7 @@
 //!   which nothing the host has seen orders it after: 1 = Pending (the host looked a little
 //!   early), 0 = Done, as the clock says;
 //! - **callback**: when the host callback of a load-stream record runs (if it has one), `d`
-//!   elevenths of the scenario's largest callback delay after the record (`d` in 0..=11; only
+//!   elevenths of the scenario's largest callback delay after the record (`d` in 0..=`DELAY_MAX`; only
 //!   when that delay is not 0; one decision per load-stream record);
 //! - **synchronize**: when the host blocked in `synchronize` on a record resumes: `d`
 //!   quarter-jitters after the record completed (0 = at once);
@@ -37,15 +38,26 @@
 //! A schedule is drawn by a policy — a random walk, or PCT (Burckhardt et al., ASPLOS 2010) over
 //! six entities: the three stream kinds (compute, load, write; a prefill/decode pair's two sides
 //! share them), the host thread, the callback thread and the clients. PCT gives them a random
-//! priority order; an op that could start is held 0 quarter-jitters when its stream kind ranks
-//! first among the three stream kinds, and `4 · r + U{0..3}` when it ranks `r` = 1 or 2, so a
-//! lower kind's ops start later, but not strictly after (holds are bounded delays in a timed
-//! simulation, not a strict order, so PCT's probability bound is a guide rather than a
-//! guarantee); a query in a window answers as the higher of the host and the record's stream
-//! kind would have it (the stream ahead: Done early; the host ahead: Pending late); a callback
-//! is delayed, and a synchronize resumes late, in proportion to the callback thread's (the
-//! host's) rank among all six; an arrival or abort is deferred when the host ranks above the
-//! clients. At each of `depth - 1` change points, drawn independently and uniformly over the op
+//! priority order, and each decision goes the way of the higher of the entities it is between:
+//! - an op that could start on a stream is held behind every op running then on a stream of a
+//!   kind that ranks above its own, that is, until the last of them ends (a hold decision
+//!   `BEHIND + j`: behind stream `j`'s running op); an op of the highest kind, or one with no
+//!   such op running, starts at once. The order is strict for the ops running when an op could
+//!   start, and not preemptive: an op of a higher kind that becomes ready while a lower one runs
+//!   starts beside it, as GPU streams run at once; a hung op (ended only by the watchdog) is
+//!   not waited for; and the end waited for is the one drawn then (a query that has an op end
+//!   early does not start the ops held behind it sooner);
+//! - a query in a window answers as the higher of the host and the record's stream kind would
+//!   have it (the stream ahead: Done early; the host ahead: Pending late);
+//! - a synchronize returns at once when the host ranks above the stream kind of the record it
+//!   waited for, and as late as it may (`DELAY_MAX` quarter-jitters) when that stream runs ahead;
+//! - a load-stream record's callback runs with its record when the callback thread ranks above
+//!   the host, and as late as it may (`DELAY_MAX`) when the host runs ahead;
+//! - an arrival or abort is deferred when the host ranks above the clients.
+//!
+//! PCT's probability bound is for threads that interleave one step at a time; here ops run side
+//! by side in virtual time and the host's waits are bounded, so it is a guide, not a guarantee.
+//! At each of `depth - 1` change points, drawn independently and uniformly over the op
 //! starts of schedule 0 (its hold decisions, or an estimate of them), the entity with the
 //! highest priority drops to the lowest and the others move up. Change points count op starts,
 //! not every decision, because the host's decisions vary far more between scenarios, with how
@@ -60,14 +72,24 @@ use crate::probes::{self, SimProbe};
 use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
 
-/// The largest decision: a hold of `DECISION_MAX / 4` jitters.
-pub const DECISION_MAX: u8 = 11;
+/// The longest delay a decision gives: a hold of `DELAY_MAX / 4` jitters, a callback or a
+/// synchronize late by the whole of its bound.
+pub const DELAY_MAX: u8 = 11;
+/// A hold decision `BEHIND + j` holds an op until the op running on stream `j` ends.
+pub const BEHIND: u8 = DELAY_MAX + 1;
+/// The streams a hold may wait behind: both sides of the simulated GPU (`gpu::STREAMS`, which
+/// asserts it is this).
+pub const STREAMS: u8 = 6;
+/// The largest decision: a hold behind the last stream.
+pub const DECISION_MAX: u8 = BEHIND + STREAMS - 1;
 /// Most decisions a schedule file may hold (a run starts fewer ops than its step limit allows).
 pub const DECISIONS_MAX: usize = 1 << 24;
 /// The schedule file format this build writes and replays. Format 2 added the host's decisions
 /// (queries and callbacks) to the list, format 3 the synchronize and arrival decisions; a file
 /// of another format would have its decisions land on other decision points (a format-1 file,
-/// with no `format` field, holds op holds only).
+/// with no `format` field, holds op holds only). Hold decisions `BEHIND..=DECISION_MAX` came
+/// later within format 3: every earlier file keeps its meaning, and a build from before them
+/// refuses a file that holds one (`DecisionTooLarge`).
 pub const FORMAT: u32 = 3;
 
 /// What a decision is about (the module header says what each value means).
@@ -121,7 +143,8 @@ impl Kind {
     /// The largest value of this kind (a replayed value above it counts as this).
     fn max(self) -> u8 {
         match self {
-            Kind::Hold | Kind::Callback | Kind::Sync => DECISION_MAX,
+            Kind::Hold => DECISION_MAX,
+            Kind::Callback | Kind::Sync => DELAY_MAX,
             Kind::QueryEarly | Kind::QueryLate | Kind::Arrival => 1,
         }
     }
@@ -160,7 +183,7 @@ impl std::fmt::Display for Counts {
 pub enum Policy {
     /// Each hold, and each synchronize's lateness, uniform in 0..=4 (up to one jitter); each
     /// query in a window answered against the clock, and each arrival or abort deferred, with
-    /// probability 1/4; each callback delay uniform in 0..=`DECISION_MAX`.
+    /// probability 1/4; each callback delay uniform in 0..=`DELAY_MAX`.
     RandomWalk,
     /// PCT of `depth` over the six entities (the module header): when the run has started a
     /// number of ops drawn uniformly in `1..ops`, `depth - 1` times, the entity with the highest
@@ -384,15 +407,21 @@ impl Decider {
         }
     }
 
-    /// The decision for the op about to start on `stream`: quarter-jitters to hold it.
-    pub fn decide(&mut self, stream: usize) -> u8 {
-        self.point(Kind::Hold, stream)
+    /// The hold decision for the op that could start on `stream`, with `running` the other
+    /// streams' ops running then that may be waited for (each stream and its op's end): `d` in
+    /// `0..=DELAY_MAX` quarter-jitters, or `BEHIND + j` (see [`hold`]).
+    pub fn decide(&mut self, stream: usize, running: &[(usize, u64)]) -> u8 {
+        self.make(Kind::Hold, stream, running)
     }
 
     /// A decision of `kind` about stream `stream` (for a callback, the stream whose record it
     /// follows; for a synchronize, the stream of the record waited for; ignored for an
-    /// arrival): 0 is what the clock says.
+    /// arrival): 0 is what the clock says. A hold made here waits behind no stream.
     pub fn point(&mut self, kind: Kind, stream: usize) -> u8 {
+        self.make(kind, stream, &[])
+    }
+
+    fn make(&mut self, kind: Kind, stream: usize, running: &[(usize, u64)]) -> u8 {
         let at = self.recorded.len();
         let d = match &self.source {
             Source::Replay(list) => list.get(at).map_or(0, |&d| d.min(kind.max())),
@@ -402,53 +431,14 @@ impl Decider {
             } => match kind {
                 Kind::Hold => self.rng.below(5) as u8,
                 Kind::QueryEarly | Kind::QueryLate => (self.rng.below(4) == 0) as u8,
-                Kind::Callback => self.rng.below(DECISION_MAX as u64 + 1) as u8,
+                Kind::Callback => self.rng.below(DELAY_MAX as u64 + 1) as u8,
                 Kind::Sync => self.rng.below(5) as u8,
                 Kind::Arrival => (self.rng.below(4) == 0) as u8,
             },
             Source::Draw {
                 policy: Policy::Pct { .. },
                 ..
-            } => {
-                // Change points count op starts (hold decisions made before this one).
-                let starts = self.counts.made[Kind::Hold as usize];
-                while self.change_points.first().is_some_and(|&cp| cp <= starts) {
-                    probes::hit(SimProbe::PctChangePoint);
-                    self.change_points.remove(0);
-                    let top = (0..ENTITIES)
-                        .min_by_key(|&e| self.priorities[e])
-                        .expect("entities");
-                    for p in self.priorities.iter_mut() {
-                        *p = p.saturating_sub(1);
-                    }
-                    self.priorities[top] = ENTITIES as u8 - 1;
-                }
-                // A pair's decode streams share the priorities of their kinds.
-                let kind_of = stream % 3;
-                match kind {
-                    Kind::Hold => {
-                        let rank = (0..3)
-                            .filter(|&k| self.priorities[k] < self.priorities[kind_of])
-                            .count() as u8;
-                        // The highest stream kind starts its ops as soon as it can (PCT's
-                        // strict priority); the others are held by rank, with some spread.
-                        match rank {
-                            0 => 0,
-                            r => r * 4 + self.rng.below(4) as u8,
-                        }
-                    }
-                    // The stream ahead of the host: its record is passed before the host looks.
-                    Kind::QueryEarly => (self.priorities[kind_of] < self.priorities[HOST]) as u8,
-                    // The host ahead of the stream: it looks before the record is passed.
-                    Kind::QueryLate => (self.priorities[HOST] < self.priorities[kind_of]) as u8,
-                    Kind::Callback => {
-                        self.priorities[CALLBACKS] * DECISION_MAX / (ENTITIES as u8 - 1)
-                    }
-                    Kind::Sync => self.priorities[HOST] * DECISION_MAX / (ENTITIES as u8 - 1),
-                    // The host ahead of the clients: it drains its queue before they send.
-                    Kind::Arrival => (self.priorities[HOST] < self.priorities[CLIENTS]) as u8,
-                }
-            }
+            } => self.pct(kind, stream, running),
         };
         assert!(d <= kind.max(), "{kind:?} decision {d} over {}", kind.max());
         self.recorded.push(d);
@@ -457,6 +447,49 @@ impl Decider {
         self.counts.made[k] += 1;
         self.counts.taken[k] += (d != 0) as u64;
         d
+    }
+
+    /// PCT's decision (the module header): the higher-ranked of the entities it is between has
+    /// its way.
+    fn pct(&mut self, kind: Kind, stream: usize, running: &[(usize, u64)]) -> u8 {
+        // Change points count op starts (hold decisions made before this one).
+        let starts = self.counts.made[Kind::Hold as usize];
+        while self.change_points.first().is_some_and(|&cp| cp <= starts) {
+            probes::hit(SimProbe::PctChangePoint);
+            self.change_points.remove(0);
+            let top = (0..ENTITIES)
+                .min_by_key(|&e| self.priorities[e])
+                .expect("entities");
+            for p in self.priorities.iter_mut() {
+                *p = p.saturating_sub(1);
+            }
+            self.priorities[top] = ENTITIES as u8 - 1;
+        }
+        // A pair's decode streams share the priorities of their kinds.
+        let rank = |e: usize| self.priorities[e];
+        let of = |s: usize| rank(s % 3);
+        let ahead = |a: u8, b: u8| (a < b) as u8 * DELAY_MAX;
+        match kind {
+            // Behind the op, of those running on a higher-ranked stream kind, that ends last.
+            Kind::Hold => running
+                .iter()
+                .filter(|&&(j, _)| of(j) < of(stream))
+                .max_by_key(|&&(j, end)| (end, std::cmp::Reverse(j)))
+                .map_or(0, |&(j, _)| {
+                    assert!(j < STREAMS as usize, "stream {j} of {STREAMS}");
+                    BEHIND + j as u8
+                }),
+            // The stream ahead of the host: its record is passed before the host looks.
+            Kind::QueryEarly => (of(stream) < rank(HOST)) as u8,
+            // The host ahead of the stream: it looks before the record is passed.
+            Kind::QueryLate => (rank(HOST) < of(stream)) as u8,
+            // The host ahead of the callback thread: it runs on before the callback does.
+            Kind::Callback => ahead(rank(HOST), rank(CALLBACKS)),
+            // The stream ahead of the host: it runs on before the host resumes.
+            Kind::Sync => ahead(of(stream), rank(HOST)),
+            // The host ahead of the clients: it drains its queue before they send.
+            Kind::Arrival => (rank(HOST) < rank(CLIENTS)) as u8,
+        }
     }
 
     /// The decisions made so far, in the order they were made.
@@ -476,6 +509,25 @@ impl Decider {
     /// How many decisions of each kind were made so far.
     pub fn counts(&self) -> Counts {
         self.counts
+    }
+}
+
+/// What a hold decision asks of the op that could start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hold {
+    /// Held this many quarter-jitters (0: it starts as soon as it can).
+    Quarters(u8),
+    /// Held until the op running on this stream when it could start ends (not held when none
+    /// runs there).
+    Behind(usize),
+}
+
+/// The meaning of hold decision `d` (at most `DECISION_MAX`, as `Decider` makes them).
+pub fn hold(d: u8) -> Hold {
+    assert!(d <= DECISION_MAX, "hold decision {d} over {DECISION_MAX}");
+    match d.checked_sub(BEHIND) {
+        Some(j) => Hold::Behind(j as usize),
+        None => Hold::Quarters(d),
     }
 }
 

@@ -33,7 +33,7 @@ use crate::oracles::content::ContentOracle;
 use crate::probes::{self, SimProbe};
 use crate::race::{join, Accessor, Race, RaceDetector, Vc, HOST};
 use crate::report::{Finding, OracleKind};
-use crate::schedule::{Decider, Kind, Source, DECISION_MAX};
+use crate::schedule::{self, Decider, Hold, Kind, Source};
 use crate::undeclared;
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
@@ -181,6 +181,10 @@ impl Default for GpuOptions {
 /// engine), side 1 a prefill/decode pair's decode engine ([`SimSide`]): two GPUs of one executor,
 /// one host, one race detector and one content oracle.
 pub const STREAMS: usize = 6;
+const _: () = assert!(
+    STREAMS == schedule::STREAMS as usize,
+    "a hold decision can name every stream"
+);
 
 /// How long the simulated device's watchdog lets an op run before it gives up on it
 /// (`GpuOptions::hang_rate`), ns of virtual time: a second, far above any op the timing model

@@ -83,7 +83,7 @@ impl SimGpu {
                     let Some(Entry::Op(rec)) = self.streams[s].queue.pop_front() else {
                         unreachable!()
                     };
-                    let start = t.max(rec.enq_ns) + self.start_delay(s);
+                    let start = self.start_at(s, t.max(rec.enq_ns));
                     let end = start + rec.duration;
                     probes::hit_if(
                         SimProbe::StreamsOverlap,
@@ -114,7 +114,7 @@ impl SimGpu {
 
     /// When the host callback of a record of stream `s` completed at `t` runs (if it has one): at
     /// once, or, for load-stream records, after a delay the schedule decides (a callback
-    /// decision `d` in 0..=`DECISION_MAX`: `d / DECISION_MAX` of `completion_delay_ns`), never
+    /// decision `d` in 0..=`DELAY_MAX`: `d / DELAY_MAX` of `completion_delay_ns`), never
     /// before the stream's previous callback. The decision is made for every load-stream
     /// record, whether or not a host callback follows it.
     pub(super) fn seen_at(&mut self, s: usize, t: u64) -> u64 {
@@ -123,7 +123,7 @@ impl SimGpu {
             return t;
         }
         let d = self.sched.point(Kind::Callback, s) as u64;
-        let at = (t + max * d / DECISION_MAX as u64).max(self.streams[s].last_seen);
+        let at = (t + max * d / schedule::DELAY_MAX as u64).max(self.streams[s].last_seen);
         self.streams[s].last_seen = at;
         at
     }

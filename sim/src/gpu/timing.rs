@@ -221,9 +221,27 @@ impl SimGpu {
         }
     }
 
-    /// How long the op that could start on `stream` now is held: the schedule's decision.
-    pub(super) fn start_delay(&mut self, stream: usize) -> u64 {
-        self.sched.decide(stream) as u64 * self.opts.jitter_ns / 4
+    /// When the op that could start on `stream` at `at` starts: when the schedule's decision
+    /// holds it to, made knowing the ops running then on the other streams that it may wait
+    /// behind (not a hung one, which only the watchdog ends).
+    pub(super) fn start_at(&mut self, stream: usize, at: u64) -> u64 {
+        let mut running = [(0, 0); STREAMS];
+        let mut n = 0;
+        for (j, st) in self.streams.iter().enumerate() {
+            if let Some((op, _, end)) = &st.running {
+                if j != stream && !op.hung && *end > at {
+                    running[n] = (j, *end);
+                    n += 1;
+                }
+            }
+        }
+        match schedule::hold(self.sched.decide(stream, &running[..n])) {
+            Hold::Quarters(q) => at + q as u64 * self.opts.jitter_ns / 4,
+            Hold::Behind(j) => self.streams[j]
+                .running
+                .as_ref()
+                .map_or(at, |(_, _, end)| at.max(*end)),
+        }
     }
 
     /// Faults stop (the liveness phase of a run): no more slow, torn or failed copies, failed

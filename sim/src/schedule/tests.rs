@@ -4,7 +4,7 @@ use super::*;
 
 fn draw(policy: Policy, index: u64, n: usize) -> Vec<u8> {
     let mut s = Decider::new(7, Source::Draw { index, policy }, 1000);
-    (0..n).map(|i| s.decide(i % 3)).collect()
+    (0..n).map(|i| s.decide(i % 3, &[])).collect()
 }
 
 /// A replayed list gives back exactly its decisions, then zeros.
@@ -12,7 +12,7 @@ fn draw(policy: Policy, index: u64, n: usize) -> Vec<u8> {
 fn replay_follows_the_list_then_zero() {
     let list = draw(Policy::RandomWalk, 3, 50);
     let mut r = Decider::new(7, Source::Replay(list.clone()), 0);
-    let got: Vec<u8> = (0..60).map(|i| r.decide(i % 3)).collect();
+    let got: Vec<u8> = (0..60).map(|i| r.decide(i % 3, &[])).collect();
     assert_eq!(&got[..50], &list[..]);
     assert!(got[50..].iter().all(|&d| d == 0));
     assert_eq!(r.recorded(), &got[..]);
@@ -31,32 +31,51 @@ fn indices_draw_independent_schedules() {
     );
 }
 
-/// PCT of depth 1 never changes priorities: each stream keeps one priority band all run.
-/// Depth 3 has two change points, both within the op count it is given.
+/// PCT holds an op behind the running op, of those on stream kinds ranked above its own, that
+/// ends last; an op of the top kind, or with no such op running, starts at once. Depth 1 never
+/// changes the order; depth 3 changes it twice, within the op count it is given.
 #[test]
-fn pct_holds_streams_by_priority_with_depth_minus_one_changes() {
-    let d = draw(Policy::Pct { depth: 1, ops: 90 }, 5, 90);
-    let mut first = 0;
-    for s in 0..3 {
-        let bands: std::collections::BTreeSet<u8> =
-            d.iter().skip(s).step_by(3).map(|x| x / 4).collect();
-        assert_eq!(bands.len(), 1, "stream {s}: {d:?}");
-        // The highest stream kind's ops start as soon as they can.
-        if bands.contains(&0) {
-            assert!(
-                d.iter().skip(s).step_by(3).all(|&x| x == 0),
-                "stream {s}: {d:?}"
+fn pct_holds_an_op_behind_the_higher_ranked_streams_running() {
+    for index in 0..12 {
+        let policy = Policy::Pct { depth: 1, ops: 90 };
+        let mut s = Decider::new(5, Source::Draw { index, policy }, 0);
+        let mut kinds = [0usize, 1, 2];
+        kinds.sort_by_key(|&k| s.priorities[k]);
+        let [top, second, third] = kinds;
+        for _ in 0..5 {
+            // Every other stream of both sides running; stream 5 ends last.
+            let others = |me: usize| -> Vec<(usize, u64)> {
+                (0..6)
+                    .filter(|&j| j != me)
+                    .map(|j| (j, 100 + j as u64))
+                    .collect()
+            };
+            assert_eq!(s.decide(top, &others(top)), 0, "schedule {index}");
+            assert_eq!(s.decide(top + 3, &others(top + 3)), 0, "schedule {index}");
+            // Behind the top kind's later stream (its decode side's).
+            assert_eq!(
+                s.decide(second, &others(second)),
+                BEHIND + top as u8 + 3,
+                "schedule {index}"
             );
-            first += 1;
+            let last = top.max(second) + 3;
+            assert_eq!(s.decide(third, &others(third)), BEHIND + last as u8);
+            // Only its own kind's other side running: not held; no stream running: not held.
+            assert_eq!(s.decide(third, &[(third + 3, 500)]), 0);
+            assert_eq!(s.decide(third, &[]), 0);
+            // Of two higher streams, the one whose op ends last.
+            assert_eq!(
+                s.decide(third, &[(top, 900), (second, 400)]),
+                BEHIND + top as u8
+            );
         }
     }
-    assert_eq!(first, 1, "one stream kind ranks first: {d:?}");
     let policy = Policy::Pct { depth: 3, ops: 90 };
     let mut s = Decider::new(9, Source::Draw { index: 2, policy }, 0);
     assert_eq!(s.change_points.len(), 2);
     assert!(s.change_points.iter().all(|&c| (1..90).contains(&c)));
     for i in 0..90 {
-        s.decide(i % 3);
+        s.decide(i % 3, &[]);
         let mut p = s.priorities;
         p.sort_unstable();
         assert_eq!(p, [0, 1, 2, 3, 4, 5], "priorities stay a permutation");
@@ -64,23 +83,36 @@ fn pct_holds_streams_by_priority_with_depth_minus_one_changes() {
     assert!(s.change_points.is_empty(), "both change points fired");
 }
 
+/// A hold decision is quarter-jitters up to `DELAY_MAX` and a stream to wait behind above it.
+#[test]
+fn hold_decisions_name_quarters_or_a_stream() {
+    assert_eq!(hold(0), Hold::Quarters(0));
+    assert_eq!(hold(DELAY_MAX), Hold::Quarters(DELAY_MAX));
+    assert_eq!(hold(BEHIND), Hold::Behind(0));
+    assert_eq!(hold(DECISION_MAX), Hold::Behind(STREAMS as usize - 1));
+    // Replayed as recorded; past the largest, the largest.
+    let mut r = Decider::new(7, Source::Replay(vec![BEHIND + 2, 200]), 0);
+    assert_eq!(r.decide(0, &[]), BEHIND + 2);
+    assert_eq!(r.decide(1, &[]), DECISION_MAX);
+}
+
 /// A replayed host decision above its kind's largest value counts as that value; every
 /// decision's kind is recorded and counted.
 #[test]
 fn replayed_host_decisions_are_clamped_and_counted() {
-    let mut r = Decider::new(7, Source::Replay(vec![9, 9, 0, 11, 7, 5]), 0);
+    let mut r = Decider::new(7, Source::Replay(vec![9, 9, 0, 15, 13, 5]), 0);
     assert_eq!(r.point(Kind::Hold, 0), 9);
     assert_eq!(r.point(Kind::QueryEarly, 1), 1);
     assert_eq!(r.point(Kind::QueryLate, 1), 0);
-    assert_eq!(r.point(Kind::Callback, 1), 11);
-    assert_eq!(r.point(Kind::Sync, 1), 7);
+    assert_eq!(r.point(Kind::Callback, 1), DELAY_MAX);
+    assert_eq!(r.point(Kind::Sync, 1), DELAY_MAX);
     assert_eq!(r.point(Kind::Arrival, 0), 1);
     assert_eq!(
         r.point(Kind::QueryLate, 2),
         0,
         "past the end: the clock's answer"
     );
-    assert_eq!(r.recorded(), &[9, 1, 0, 11, 7, 1, 0]);
+    assert_eq!(r.recorded(), &[9, 1, 0, 11, 11, 1, 0]);
     let c = r.counts();
     assert_eq!(c.made, [1, 1, 2, 1, 1, 1]);
     assert_eq!(c.taken, [1, 1, 0, 1, 1, 1]);
@@ -189,27 +221,41 @@ fn a_schedule_belongs_to_its_scenario() {
 }
 
 /// PCT of depth 1 defers every arrival or abort or none (the host ahead of the clients, or
-/// behind them), and a synchronize returns late by the host's rank, the same all run; the
-/// random walk defers some and not others.
+/// behind them); a synchronize returns at once or as late as it may by the host's rank against
+/// the stream kind waited for, and a callback by the callback thread's against the host's, the
+/// same all run; the random walk defers some arrivals and not others.
 #[test]
 fn pct_orders_the_clients_and_the_host() {
-    let (mut deferred, mut on_time) = (0, 0);
+    let (mut deferred, mut on_time, mut late_syncs, mut late_callbacks) = (0, 0, 0, 0);
     for index in 0..24 {
         let policy = Policy::Pct { depth: 1, ops: 90 };
         let mut s = Decider::new(13, Source::Draw { index, policy }, 0);
         let a = s.point(Kind::Arrival, 0);
-        let sync = s.point(Kind::Sync, 1);
+        let sync: Vec<u8> = (0..3).map(|k| s.point(Kind::Sync, k)).collect();
+        let callback = s.point(Kind::Callback, 1);
+        assert!([0, DELAY_MAX].contains(&callback), "{callback}");
+        for (k, &d) in sync.iter().enumerate() {
+            let host_ahead = s.priorities[HOST] < s.priorities[k];
+            assert_eq!(d, (!host_ahead) as u8 * DELAY_MAX, "schedule {index}");
+        }
         for _ in 0..20 {
             assert_eq!(s.point(Kind::Arrival, 0), a, "schedule {index}");
-            assert_eq!(s.point(Kind::Sync, 2), sync, "schedule {index}");
+            for (k, &d) in sync.iter().enumerate() {
+                assert_eq!(s.point(Kind::Sync, k + 3), d, "a pair's side shares it");
+            }
+            assert_eq!(s.point(Kind::Callback, 4), callback);
         }
         if a == 1 {
             deferred += 1;
         } else {
             on_time += 1;
         }
+        late_syncs += sync.iter().filter(|&&d| d > 0).count();
+        late_callbacks += (callback > 0) as usize;
     }
     assert!(deferred > 0 && on_time > 0, "{deferred} {on_time}");
+    assert!((1..72).contains(&late_syncs), "{late_syncs}");
+    assert!((1..24).contains(&late_callbacks), "{late_callbacks}");
     let walk = Source::Draw {
         index: 1,
         policy: Policy::RandomWalk,
@@ -235,9 +281,31 @@ fn pct_change_points_count_op_starts_only() {
     assert_eq!(s.priorities, before, "no op started");
     assert_eq!(s.change_points.len(), 1);
     for i in 0..10 {
-        s.decide(i % 3);
+        s.decide(i % 3, &[]);
     }
     s.point(Kind::Arrival, 0);
     assert!(s.change_points.is_empty(), "within 10 op starts");
     assert_ne!(s.priorities, before);
+}
+
+/// The random walk draws every kind within its own range: callbacks and synchronizes up to
+/// `DELAY_MAX`, holds in quarter-jitters only (never behind a stream).
+#[test]
+fn the_random_walk_stays_within_each_kind() {
+    let walk = Source::Draw {
+        index: 3,
+        policy: Policy::RandomWalk,
+    };
+    let mut w = Decider::new(17, walk, 0);
+    let mut seen = [0u8; KINDS];
+    for _ in 0..500 {
+        for k in Kind::ALL {
+            let d = match k {
+                Kind::Hold => w.decide(1, &[(0, 50)]),
+                k => w.point(k, 1),
+            };
+            seen[k as usize] = seen[k as usize].max(d);
+        }
+    }
+    assert_eq!(seen, [4, 1, 1, DELAY_MAX, 4, 1], "the largest of each kind");
 }
