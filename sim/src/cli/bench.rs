@@ -1,7 +1,8 @@
 //! `tierkv bench` (feature `cuda`): times the kernels and page transfers on the GPU against the
 //! device-copy bandwidth measured in the same run and, given `--torch-json`, against the PyTorch
 //! implementations of `bench/torch_bench.py` run on the same machine just before.
-//! `tierkv bench --campaign` (any build) measures the simulator instead (`bench_campaign`), and
+//! `tierkv bench --campaign` (any build) measures the simulator instead (`bench_campaign`),
+//! `tierkv-zoo bench --catch` how soon its campaigns find the zoo's bugs (`bench_catch`), and
 //! `tierkv bench --cache` the prefix cache's logic over a trace (`bench_cache`).
 //!
 //! Every time is the median of repeated runs between CUDA events, after warm-up. Bytes moved count
@@ -10,6 +11,7 @@
 use super::error::CliError;
 
 #[derive(clap::Args, Debug, Clone)]
+#[command(group(clap::ArgGroup::new("sim_bench").args(["campaign", "catch"])))]
 pub struct BenchArgs {
     /// Results of `bench/torch_bench.py` (JSON lines) to compare with.
     #[arg(long)]
@@ -18,42 +20,50 @@ pub struct BenchArgs {
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
     /// Timed repetitions per measurement (of the GPU bench: not with `--campaign` or `--cache`).
-    #[arg(long, default_value_t = 10, conflicts_with_all = ["campaign", "cache"])]
+    #[arg(long, default_value_t = 10, conflicts_with_all = ["campaign", "catch", "cache"])]
     pub reps: usize,
     /// Measure the simulator's campaign speed instead (no GPU needed): seeds/s, ops/s, checked
     /// reads per wall and CPU second, and each probe's reach, for this build and `--baseline`.
-    #[arg(long, conflicts_with = "torch_json")]
+    #[arg(long, conflicts_with_all = ["torch_json", "catch"])]
     pub campaign: bool,
-    /// With --campaign: another `tierkv` binary (an earlier build) measured the same way in the
-    /// same run.
-    #[arg(long, requires = "campaign", conflicts_with = "cache")]
+    /// Measure how soon campaigns catch each mutant of the bug zoo instead (no GPU needed; in
+    /// `tierkv-zoo`, the build with the mutants): CPU-seconds and seeds to the first catch per
+    /// mutant, and over the zoo, for this build and `--baseline`.
+    #[arg(long, conflicts_with = "torch_json")]
+    pub catch: bool,
+    /// With --campaign or --catch: another build's binary (`tierkv`, or `tierkv-zoo` for
+    /// --catch) measured the same way in the same run.
+    #[arg(long, requires = "sim_bench", conflicts_with = "cache")]
     pub baseline: Option<std::path::PathBuf>,
-    /// With --campaign: the seeds, `A..B`.
-    #[arg(long, requires = "campaign", conflicts_with = "cache", default_value = "0..60", value_parser = super::sim::parse_range)]
-    pub seeds: (u64, u64),
-    /// With --campaign: worker threads (default: the machine's cores).
-    #[arg(long, requires = "campaign", conflicts_with = "cache")]
+    /// With --campaign: the seeds, `A..B` (default 0..60). With --catch: the seeds of each
+    /// mutant's first campaign (default 0..100); repeat `r` runs the next `r`-th window of the
+    /// same width.
+    #[arg(long, requires = "sim_bench", conflicts_with = "cache", value_parser = super::sim::parse_range)]
+    pub seeds: Option<(u64, u64)>,
+    /// With --campaign: worker threads; with --catch: campaigns at once, each on one thread
+    /// (default: the machine's cores).
+    #[arg(long, requires = "sim_bench", conflicts_with = "cache")]
     pub jobs: Option<usize>,
-    /// With --campaign: the scenario profile.
+    /// With --campaign: the scenario profile; with --catch: the profile of every mutant but the
+    /// prefill/decode ones, which run under `pd`.
     #[arg(
         long,
-        requires = "campaign",
+        requires = "sim_bench",
         conflicts_with = "cache",
         default_value = "swarm"
     )]
     pub profile: String,
-    /// With --campaign: runs of each build, alternating (1..=20); the report keeps each build's
-    /// run of median CPU time and lists every run's.
-    #[arg(
-        long,
-        requires = "campaign",
-        conflicts_with = "cache",
-        default_value_t = 1
-    )]
-    pub repeat: usize,
+    /// With --campaign: runs of each build, alternating (1..=20, default 1); the report keeps
+    /// each build's run of median CPU time and lists every run's. With --catch: campaigns of
+    /// each mutant and build, each on its own seeds (1..=20, default 3).
+    #[arg(long, requires = "sim_bench", conflicts_with = "cache")]
+    pub repeat: Option<usize>,
+    /// With --catch: only these mutants (comma-separated names).
+    #[arg(long, requires = "catch", value_delimiter = ',')]
+    pub only: Vec<String>,
     /// Measure the prefix cache's logic over a whole trace instead, on one core (no GPU needed):
     /// match, lock, device and host eviction, insert and write-through backup per request.
-    #[arg(long, conflicts_with_all = ["torch_json", "campaign"])]
+    #[arg(long, conflicts_with_all = ["torch_json", "campaign", "catch"])]
     pub cache: bool,
     /// With --cache: a Mooncake-format trace (JSON lines); default: the built-in excerpt.
     #[arg(long, requires = "cache", conflicts_with = "campaign")]
@@ -101,6 +111,39 @@ fn run_cache_bench(args: &BenchArgs) -> i32 {
     }
 }
 
+/// `--baseline` is an executable file (checked before any campaign runs).
+fn check_baseline(args: &BenchArgs, which: &str) -> Result<(), CliError> {
+    let Some(b) = &args.baseline else {
+        return Ok(());
+    };
+    #[cfg(unix)]
+    let runnable = {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(b).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    #[cfg(not(unix))]
+    let runnable = b.is_file();
+    if runnable {
+        return Ok(());
+    }
+    Err(CliError::input(
+        "--baseline",
+        b,
+        format!("not an executable file (give another build's `{which}` binary)"),
+    ))
+}
+
+/// `--repeat` within 1..=20 (`default` when not given).
+fn repeat(args: &BenchArgs, default: usize) -> Result<usize, CliError> {
+    let r = args.repeat.unwrap_or(default);
+    if !(1..=20).contains(&r) {
+        return Err(CliError::Arguments(format!(
+            "--repeat {r}: give 1..=20 runs"
+        )));
+    }
+    Ok(r)
+}
+
 /// `--campaign`'s arguments, checked.
 fn campaign_plan(args: &BenchArgs) -> Result<super::bench_campaign::Plan, CliError> {
     let jobs = super::sim::worker_count(args.jobs).map_err(CliError::Arguments)?;
@@ -111,31 +154,12 @@ fn campaign_plan(args: &BenchArgs) -> Result<super::bench_campaign::Plan, CliErr
             crate::scenario::PROFILES.join(", ")
         )));
     }
-    if !(1..=20).contains(&args.repeat) {
-        return Err(CliError::Arguments(format!(
-            "--repeat {}: give 1..=20 runs",
-            args.repeat
-        )));
-    }
-    if let Some(b) = &args.baseline {
-        #[cfg(unix)]
-        let runnable = {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::metadata(b).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        };
-        #[cfg(not(unix))]
-        let runnable = b.is_file();
-        if !runnable {
-            return Err(CliError::input(
-                "--baseline",
-                b,
-                "not an executable file (give another build's `tierkv` binary)",
-            ));
-        }
-    }
+    repeat(args, 1)?;
+    check_baseline(args, "tierkv")?;
+    let (first, end) = args.seeds.unwrap_or((0, 60));
     Ok(super::bench_campaign::Plan {
-        first: args.seeds.0,
-        end: args.seeds.1,
+        first,
+        end,
         jobs,
         profile: args.profile.clone(),
     })
@@ -147,10 +171,116 @@ fn run_campaign_bench(args: &BenchArgs) -> i32 {
         Ok(p) => p,
         Err(e) => return e.report(),
     };
-    match super::bench_campaign::run(&plan, args.baseline.as_ref(), args.repeat) {
+    let repeat = args.repeat.unwrap_or(1);
+    match super::bench_campaign::run(&plan, args.baseline.as_ref(), repeat) {
         Ok(report) => emit(&report, args.out.as_deref()),
         Err(e) => {
             eprintln!("campaign bench: {e}");
+            1
+        }
+    }
+}
+
+/// `--only`'s mutants, or the whole zoo.
+fn catch_mutants(only: &[String]) -> Result<Vec<tierkv_engine::mutants::Mutant>, CliError> {
+    use tierkv_engine::mutants::Mutant;
+    if only.is_empty() {
+        return Ok(Mutant::ALL.to_vec());
+    }
+    let unknown = |n: &String| {
+        CliError::Arguments(format!(
+            "--only: unknown mutant `{n}`; mutants are: {}",
+            Mutant::ALL.map(|m| m.name()).join(", ")
+        ))
+    };
+    only.iter()
+        .map(|n| Mutant::parse(n).ok_or_else(|| unknown(n)))
+        .collect()
+}
+
+/// `--catch`'s arguments, checked: the mutants (all of the zoo, or `--only`), each with its
+/// profile.
+fn catch_plan(args: &BenchArgs) -> Result<super::bench_catch::Plan, CliError> {
+    let jobs = super::sim::worker_count(args.jobs).map_err(CliError::Arguments)?;
+    let profiles: Vec<&str> = crate::scenario::PROFILES
+        .iter()
+        .copied()
+        .filter(|&p| !["trace", "vllm", "pd"].contains(&p))
+        .collect();
+    if !profiles.contains(&args.profile.as_str()) {
+        return Err(CliError::Arguments(format!(
+            "--profile {}: the catch bench runs the zoo under one of {}",
+            args.profile,
+            profiles.join(", ")
+        )));
+    }
+    let repeat = repeat(args, 3)?;
+    check_baseline(args, "tierkv-zoo")?;
+    let (first, end) = args.seeds.unwrap_or((0, 100));
+    let mutants = catch_mutants(&args.only)?;
+    let width = end - first;
+    if width
+        .checked_mul(repeat as u64)
+        .and_then(|w| first.checked_add(w))
+        .is_none()
+    {
+        return Err(CliError::Arguments(format!(
+            "--seeds {first}..{end} with --repeat {repeat}: the last repeat's seeds pass the largest seed"
+        )));
+    }
+    // Checked last, so that a build without the mutants still checks the other arguments.
+    if !cfg!(feature = "mutants") {
+        return Err(CliError::NotBuilt {
+            flag: "bench --catch (run the zoo's binary, tierkv-zoo)",
+            feature: "mutants",
+        });
+    }
+    let out_dir = std::env::temp_dir().join(format!("tierkv-catch-{}", std::process::id()));
+    Ok(super::bench_catch::Plan {
+        targets: mutants
+            .into_iter()
+            .map(|m| super::bench_catch::Target {
+                name: m.name().to_string(),
+                profile: if m.is_pd() {
+                    "pd".into()
+                } else {
+                    args.profile.clone()
+                },
+            })
+            .collect(),
+        first,
+        width,
+        repeat,
+        jobs,
+        out_dir,
+    })
+}
+
+/// `--catch`: CPU-seconds to the first catch of each zoo mutant, this build against
+/// `--baseline`.
+fn run_catch_bench(args: &BenchArgs) -> i32 {
+    let plan = match catch_plan(args) {
+        Ok(p) => p,
+        Err(e) => return e.report(),
+    };
+    if let Err(e) = std::fs::create_dir_all(&plan.out_dir) {
+        return CliError::output("the campaigns' folder", &plan.out_dir, e).report();
+    }
+    let me = match std::env::current_exe() {
+        Ok(me) => me,
+        Err(e) => return CliError::Resources(format!("this executable: {e}")).report(),
+    };
+    let mut bins = vec![me];
+    bins.extend(args.baseline.clone());
+    let outcome = super::bench_catch::run_all(&bins, &plan);
+    let _ = std::fs::remove_dir_all(&plan.out_dir);
+    match outcome {
+        Ok(out) => emit(
+            &super::bench_catch::report(&plan, &bins, &out),
+            args.out.as_deref(),
+        ),
+        Err(e) => {
+            eprintln!("catch bench: {e}");
             1
         }
     }
@@ -163,6 +293,9 @@ pub fn run_bench(args: BenchArgs) -> i32 {
     }
     if args.campaign {
         return run_campaign_bench(&args);
+    }
+    if args.catch {
+        return run_catch_bench(&args);
     }
     if args.cache {
         return run_cache_bench(&args);
@@ -181,6 +314,9 @@ pub fn run_bench(args: BenchArgs) -> i32 {
     }
     if args.campaign {
         return run_campaign_bench(&args);
+    }
+    if args.catch {
+        return run_catch_bench(&args);
     }
     if args.cache {
         return run_cache_bench(&args);

@@ -65,7 +65,7 @@ fn children_cpu_s() -> f64 {
 /// and blocks there until it ends, so a bench stopped by SIGTERM, SIGINT or SIGKILL leaves no
 /// campaign running; the child writes what it finished, as any campaign does on SIGTERM.
 /// Elsewhere than Linux the child outlives a killed bench.
-fn ends_with_this_process(cmd: &mut Command) {
+pub(super) fn ends_with_this_process(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;

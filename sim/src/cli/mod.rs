@@ -14,6 +14,7 @@ use tierkv_engine::config::Config;
 pub mod bench;
 pub mod bench_cache;
 pub mod bench_campaign;
+pub mod bench_catch;
 pub mod campaign;
 mod check_config;
 pub mod data;

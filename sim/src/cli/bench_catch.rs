@@ -1,0 +1,456 @@
+//! `tierkv-zoo bench --catch`: how soon a campaign finds each bug of the zoo, in CPU-seconds and
+//! seeds, for this build and, with `--baseline BIN`, another `tierkv-zoo` binary in the same run
+//! (the measure of issue "find bugs sooner per CPU-second": a change to the simulator that runs
+//! seeds faster but finds bugs later is no gain).
+//!
+//! Each campaign is one child process, `BIN sim --mutant M --seeds A..B --jobs 1 --no-shrink`
+//! (under the `pd` profile for the prefill/decode mutants, as the zoo runs them), which stops at
+//! its first failure. Its CPU time is the kernel's accounting of that child (`wait4`), so it does
+//! not depend on what the build reports about itself; it includes everything the campaign does up
+//! to its end: drawing each scenario, the seeds before the catch, the catching seed, and the
+//! rerun of the failing seed that every campaign makes to check determinism. The seed of the
+//! catch is read from the campaign's `FAIL seed N` line. A campaign that catches nothing within
+//! its seeds counts its whole CPU time, marked `>` (a lower bound of the time to catch).
+//!
+//! Repeat `r` runs the seeds `A + r·W .. A + (r+1)·W` (`W` = the width of `--seeds`), so the
+//! repeats are independent samples of how soon a campaign catches a mutant, not the same seeds
+//! timed again. Campaigns run `--jobs` at a time, alternating the builds, so both meet the same
+//! machine load. The report gives per mutant the median over the repeats; over the zoo, the
+//! geometric mean and the median of those medians, the geometric mean over the slowest quarter
+//! (by the baseline's time, or this build's without one), and the geometric mean of each repeat
+//! alone (the spread). The mutants of the host tier for vLLM (`--profile vllm`) are not in it:
+//! that profile takes other flags, and its whole 100-seed campaign takes about 2 s.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// One zoo mutant to catch: its name and the profile it runs under.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub name: String,
+    pub profile: String,
+}
+
+pub struct Plan {
+    pub targets: Vec<Target>,
+    /// The seeds of repeat 0, `first..first + width`.
+    pub first: u64,
+    pub width: u64,
+    pub repeat: usize,
+    /// Campaigns run at once (each on one worker thread).
+    pub jobs: usize,
+    /// Where the campaigns write their failure artifacts and their stderr.
+    pub out_dir: PathBuf,
+}
+
+impl Plan {
+    fn seeds(&self, repeat: usize) -> (u64, u64) {
+        let a = self.first + repeat as u64 * self.width;
+        (a, a + self.width)
+    }
+}
+
+/// One campaign's outcome.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Catch {
+    /// Seeds run up to and including the first failing one; `None`: none failed.
+    pub seeds: Option<u64>,
+    pub cpu_s: f64,
+}
+
+/// What a campaign printed that says where it caught the mutant: the `FAIL seed N` line.
+pub fn caught_at(stdout: &str) -> Option<u64> {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("FAIL seed ")?.trim().parse().ok())
+}
+
+/// The most a campaign's stdout may hold here (a summary and one failure: tens of kilobytes).
+const STDOUT_BYTES_MAX: u64 = 4 << 20;
+
+/// Runs one campaign of `bin` and measures it.
+fn campaign(bin: &Path, t: &Target, seeds: (u64, u64), out_dir: &Path) -> Result<Catch, String> {
+    let stderr_path = out_dir.join(format!("{}-{}.stderr", t.name, seeds.0));
+    let stderr = std::fs::File::create(&stderr_path)
+        .map_err(|e| format!("{}: {e}", stderr_path.display()))?;
+    let mut cmd = Command::new(bin);
+    super::bench_campaign::ends_with_this_process(&mut cmd);
+    let mut child = cmd
+        .args([
+            "sim",
+            "--profile",
+            &t.profile,
+            "--mutant",
+            &t.name,
+            "--seeds",
+        ])
+        .arg(format!("{}..{}", seeds.0, seeds.1))
+        .args(["--jobs", "1", "--no-shrink", "--out-dir"])
+        .arg(out_dir)
+        .stdin(Stdio::null())
+        .stderr(stderr)
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{}: could not run it: {e}", bin.display()))?;
+    let mut stdout = Vec::new();
+    let read = child
+        .stdout
+        .take()
+        .expect("stdout is piped")
+        .take(STDOUT_BYTES_MAX)
+        .read_to_end(&mut stdout);
+    if read.is_err() || stdout.len() as u64 >= STDOUT_BYTES_MAX {
+        let _ = child.kill();
+    }
+    let (code, cpu_s) = wait_measured(child.id())?;
+    let text = String::from_utf8_lossy(&stdout);
+    let what = || {
+        format!(
+            "{} sim --mutant {} --seeds {}..{}",
+            bin.display(),
+            t.name,
+            seeds.0,
+            seeds.1
+        )
+    };
+    match (code, caught_at(&text)) {
+        (Some(1), Some(seed)) if (seeds.0..seeds.1).contains(&seed) => Ok(Catch {
+            seeds: Some(seed - seeds.0 + 1),
+            cpu_s,
+        }),
+        (Some(0), None) => Ok(Catch { seeds: None, cpu_s }),
+        _ => {
+            let err = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+            let last = err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
+            Err(format!(
+                "{}: ended with {} and no caught seed in its output{}",
+                what(),
+                code.map_or("a signal".to_string(), |c| format!("exit {c}")),
+                if last.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {last}")
+                }
+            ))
+        }
+    }
+}
+
+/// Waits for child `pid` and takes its exit code (`None`: a signal ended it) and CPU seconds
+/// (user + system) from the kernel.
+fn wait_measured(pid: u32) -> Result<(Option<i32>, f64), String> {
+    let mut status: libc::c_int = 0;
+    // SAFETY: `rusage` is plain integers, for which all-zero bytes are a valid value.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: wait4 writes one status and one `rusage` we own; `pid` is our own child,
+        // not waited for elsewhere (its `Child` is dropped without a wait).
+        let rc = unsafe { libc::wait4(pid as libc::pid_t, &mut status, 0, &mut u) };
+        if rc == pid as libc::pid_t {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(format!("waiting for campaign process {pid}: {e}"));
+        }
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+    Ok((code, t(u.ru_utime) + t(u.ru_stime)))
+}
+
+/// Every campaign's outcome: `[build][target][repeat]`.
+pub type Outcomes = Vec<Vec<Vec<Catch>>>;
+
+/// Runs every campaign of every build, `plan.jobs` at a time.
+pub fn run_all(bins: &[PathBuf], plan: &Plan) -> Result<Outcomes, String> {
+    let mut tasks = Vec::new();
+    for r in 0..plan.repeat {
+        for t in 0..plan.targets.len() {
+            for b in 0..bins.len() {
+                tasks.push((b, t, r));
+            }
+        }
+    }
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<Catch, String>>>> = Mutex::new(vec![None; tasks.len()]);
+    std::thread::scope(|s| {
+        for _ in 0..plan.jobs.clamp(1, tasks.len().max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(b, t, r)) = tasks.get(i) else {
+                    break;
+                };
+                let out = campaign(&bins[b], &plan.targets[t], plan.seeds(r), &plan.out_dir);
+                let failed = out.is_err();
+                results.lock().expect("no worker panics holding it")[i] = Some(out);
+                if failed {
+                    // The others finish the campaign they run; none starts another.
+                    next.store(tasks.len(), Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    let results = results.into_inner().expect("no worker panics holding it");
+    let mut out = vec![vec![Vec::with_capacity(plan.repeat); plan.targets.len()]; bins.len()];
+    for (&(b, t, _), r) in tasks.iter().zip(results) {
+        match r {
+            Some(Ok(c)) => out[b][t].push(c),
+            Some(Err(e)) => return Err(e),
+            None => {}
+        }
+    }
+    if out.iter().flatten().any(|runs| runs.len() != plan.repeat) {
+        return Err("a campaign failed to run, so the others were stopped".into());
+    }
+    Ok(out)
+}
+
+fn geomean(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let (mut sum, mut n) = (0.0, 0);
+    for x in xs {
+        sum += x.max(1e-9).ln();
+        n += 1;
+    }
+    if n == 0 {
+        0.0
+    } else {
+        (sum / n as f64).exp()
+    }
+}
+
+/// The median of `xs` (the mean of the middle two of an even count).
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => xs[n / 2],
+        _ => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
+    }
+}
+
+/// One build's campaigns of one mutant, summed up: the median CPU time over the repeats, and
+/// whether every repeat caught it.
+fn per_mutant(runs: &[Catch]) -> (f64, bool) {
+    (
+        median(runs.iter().map(|c| c.cpu_s).collect()),
+        runs.iter().all(|c| c.seeds.is_some()),
+    )
+}
+
+fn cell(runs: &[Catch]) -> String {
+    let each: Vec<String> = runs
+        .iter()
+        .map(|c| match c.seeds {
+            Some(n) => format!("{n} seeds {:.1} s", c.cpu_s),
+            None => format!("not caught >{:.1} s", c.cpu_s),
+        })
+        .collect();
+    each.join("; ")
+}
+
+/// The report: a row per mutant, then the zoo's figures for each build and their ratios.
+pub fn report(plan: &Plan, bins: &[PathBuf], out: &Outcomes) -> String {
+    let (a, b) = (plan.seeds(0), plan.seeds(plan.repeat - 1));
+    let mut s = format!(
+        "catch bench: {} mutants, {} repeat{} (seeds {}..{} to {}..{}), {} campaign{} at once; CPU-seconds of each campaign to its first failure (the kernel's count, with the failing seed's determinism rerun)\n\n",
+        plan.targets.len(),
+        plan.repeat,
+        if plan.repeat == 1 { "" } else { "s" },
+        a.0, a.1, b.0, b.1,
+        plan.jobs,
+        if plan.jobs == 1 { "" } else { "s" },
+    );
+    let names: Vec<String> = bins
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if i == 0 {
+                "this build".to_string()
+            } else {
+                format!("baseline `{}`", p.display())
+            }
+        })
+        .collect();
+    s += "| mutant | profile |";
+    for n in &names {
+        s += &format!(" {n}: each repeat | median CPU s |");
+    }
+    s += "\n|---|---|";
+    s += &"---|---|".repeat(bins.len());
+    s.push('\n');
+    for (t, target) in plan.targets.iter().enumerate() {
+        s += &format!("| {} | {} |", target.name, target.profile);
+        for build in out {
+            let (m, all) = per_mutant(&build[t]);
+            s += &format!(
+                " {} | {}{m:.2} |",
+                cell(&build[t]),
+                if all { "" } else { ">" }
+            );
+        }
+        s.push('\n');
+    }
+    s.push('\n');
+    s += &summary(plan, &names, out);
+    s
+}
+
+/// The zoo's figures per build: geometric mean and median of the per-mutant medians, the
+/// slowest quarter's geometric mean, each repeat's geometric mean, and against the baseline the
+/// ratios and every mutant caught more than twice as late.
+fn summary(plan: &Plan, names: &[String], out: &Outcomes) -> String {
+    let medians: Vec<Vec<f64>> = out
+        .iter()
+        .map(|build| build.iter().map(|runs| per_mutant(runs).0).collect())
+        .collect();
+    // The slowest quarter by the baseline's time (the last build), or this build's alone.
+    let by = medians.last().expect("one build at least");
+    let mut order: Vec<usize> = (0..by.len()).collect();
+    order.sort_by(|&x, &y| by[y].total_cmp(&by[x]));
+    let slow: Vec<usize> = order[..by.len().div_ceil(4)].to_vec();
+    let mut s = String::new();
+    let mut figures = Vec::new();
+    for (i, build) in out.iter().enumerate() {
+        let m = &medians[i];
+        let caught: usize = build.iter().flatten().filter(|c| c.seeds.is_some()).count();
+        let geo = geomean(m.iter().copied());
+        let slow_geo = geomean(slow.iter().map(|&t| m[t]));
+        let per_repeat: Vec<String> = (0..plan.repeat)
+            .map(|r| format!("{:.2}", geomean(build.iter().map(|runs| runs[r].cpu_s))))
+            .collect();
+        s += &format!(
+            "{}: caught in {caught} of {} campaigns; CPU-seconds to the first catch, over the mutants' medians: geometric mean {geo:.2}, median {:.2}, slowest quarter ({} mutants) geometric mean {slow_geo:.2}; geometric mean of each repeat: {}\n",
+            names[i],
+            build.len() * plan.repeat,
+            median(m.clone()),
+            slow.len(),
+            per_repeat.join(", "),
+        );
+        figures.push((geo, slow_geo));
+    }
+    if out.len() == 2 {
+        let ((g0, s0), (g1, s1)) = (figures[0], figures[1]);
+        s += &format!(
+            "baseline / this build: geometric mean {:.2}x, slowest quarter {:.2}x (above 1: this build catches sooner)\n",
+            g1 / g0.max(1e-9),
+            s1 / s0.max(1e-9)
+        );
+        let later: Vec<String> = plan
+            .targets
+            .iter()
+            .enumerate()
+            .filter(|&(t, _)| medians[0][t] > 2.0 * medians[1][t])
+            .map(|(t, target)| {
+                format!(
+                    "{} ({:.2} s, baseline {:.2} s)",
+                    target.name, medians[0][t], medians[1][t]
+                )
+            })
+            .collect();
+        s += &if later.is_empty() {
+            "no mutant is caught more than twice as late as in the baseline\n".to_string()
+        } else {
+            format!(
+                "caught more than twice as late as in the baseline: {}\n",
+                later.join(", ")
+            )
+        };
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_caught_seed_is_read_from_the_fail_line() {
+        let out = "== tierkv sim summary (profile swarm)\nseeds run: 4   failures: 1\nFAIL seed 2\n  finding: [race] ...\n";
+        assert_eq!(caught_at(out), Some(2));
+        assert_eq!(caught_at("seeds run: 4   failures: 0\n"), None);
+        assert_eq!(caught_at("FAIL seed x\n"), None);
+    }
+
+    #[test]
+    fn the_zoo_figures_and_the_ratios() {
+        let plan = Plan {
+            targets: ["a", "b", "c", "d"]
+                .map(|n| Target {
+                    name: n.into(),
+                    profile: "swarm".into(),
+                })
+                .to_vec(),
+            first: 0,
+            width: 100,
+            repeat: 3,
+            jobs: 2,
+            out_dir: PathBuf::from("x"),
+        };
+        let c = |cpu_s: f64| Catch {
+            seeds: Some(1),
+            cpu_s,
+        };
+        let runs = |x: [f64; 3]| x.map(c).to_vec();
+        // This build: a, b, c as in the baseline halved; d four times as late, once not caught.
+        let this = vec![
+            runs([1.0, 2.0, 3.0]),
+            runs([2.0, 2.0, 2.0]),
+            runs([4.0, 4.0, 4.0]),
+            vec![
+                c(8.0),
+                c(8.0),
+                Catch {
+                    seeds: None,
+                    cpu_s: 8.0,
+                },
+            ],
+        ];
+        let base = vec![
+            runs([4.0, 4.0, 4.0]),
+            runs([4.0, 4.0, 4.0]),
+            runs([8.0, 8.0, 8.0]),
+            runs([2.0, 2.0, 2.0]),
+        ];
+        let bins = [PathBuf::from("me"), PathBuf::from("old")];
+        let r = report(&plan, &bins, &vec![this, base]);
+        // Medians 2, 2, 4, 8 against 4, 4, 8, 2: geometric means 3.36 and 4.0; the slowest
+        // quarter by the baseline is c (4 against 8).
+        assert!(
+            r.contains("this build: caught in 11 of 12 campaigns"),
+            "{r}"
+        );
+        assert!(
+            r.contains(
+                "geometric mean 3.36, median 3.00, slowest quarter (1 mutants) geometric mean 4.00"
+            ),
+            "{r}"
+        );
+        assert!(
+            r.contains(
+                "geometric mean 4.00, median 4.00, slowest quarter (1 mutants) geometric mean 8.00"
+            ),
+            "{r}"
+        );
+        assert!(
+            r.contains("baseline / this build: geometric mean 1.19x, slowest quarter 2.00x"),
+            "{r}"
+        );
+        assert!(
+            r.contains("twice as late as in the baseline: d (8.00 s, baseline 2.00 s)"),
+            "{r}"
+        );
+        assert!(
+            r.contains("| d | swarm | 1 seeds 8.0 s; 1 seeds 8.0 s; not caught >8.0 s | >8.00 |"),
+            "{r}"
+        );
+        assert!(
+            r.contains("geometric mean of each repeat: 2.83, 3.36, 3.72"),
+            "{r}"
+        );
+    }
+}
