@@ -16,8 +16,8 @@
 //!   which nothing the host has seen orders it after: 1 = Pending (the host looked a little
 //!   early), 0 = Done, as the clock says;
 //! - **callback**: when the host callback of a load-stream record runs (if it has one), `d`
-//!   elevenths of the scenario's largest callback delay after the record (`d` in 0..=`DELAY_MAX`; only
-//!   when that delay is not 0; one decision per load-stream record);
+//!   elevenths of the scenario's largest callback delay after the record (`d` in
+//!   0..=`DELAY_MAX`; only when that delay is not 0; one decision per load-stream record);
 //! - **synchronize**: when the host blocked in `synchronize` on a record resumes: `d`
 //!   quarter-jitters after the record completed (0 = at once);
 //! - **arrival**: whether a request's arrival (a one-shot request, a client's retry or a
@@ -45,8 +45,11 @@
 //!   such op running, starts at once. The order is strict for the ops running when an op could
 //!   start, and not preemptive: an op of a higher kind that becomes ready while a lower one runs
 //!   starts beside it, as GPU streams run at once; a hung op (ended only by the watchdog) is
-//!   not waited for; and the end waited for is the one drawn then (a query that has an op end
-//!   early does not start the ops held behind it sooner);
+//!   not waited for (nor by a replayed hold that names it); the end waited for is the one drawn
+//!   then (a query that has an op end early does not start the ops held behind it sooner); an
+//!   op held but not started yet counts as running; and streams that become free at the same
+//!   instant decide in stream order, so an op of a lower kind on an earlier stream may start
+//!   beside an op of a higher kind readied at that instant;
 //! - a query in a window answers as the higher of the host and the record's stream kind would
 //!   have it (the stream ahead: Done early; the host ahead: Pending late);
 //! - a synchronize returns at once when the host ranks above the stream kind of the record it
@@ -72,8 +75,8 @@ use crate::probes::{self, SimProbe};
 use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
 
-/// The longest delay a decision gives: a hold of `DELAY_MAX / 4` jitters, a callback or a
-/// synchronize late by the whole of its bound.
+/// The longest timed delay a decision gives: a hold of `DELAY_MAX / 4` jitters, a callback or
+/// a synchronize late by the whole of its bound (a hold behind a stream may wait longer).
 pub const DELAY_MAX: u8 = 11;
 /// A hold decision `BEHIND + j` holds an op until the op running on stream `j` ends.
 pub const BEHIND: u8 = DELAY_MAX + 1;

@@ -279,10 +279,8 @@ fn run_catch_bench(args: &BenchArgs) -> i32 {
             &super::bench_catch::report(&plan, &bins, &out),
             args.out.as_deref(),
         ),
-        Err(e) => {
-            eprintln!("catch bench: {e}");
-            1
-        }
+        // A campaign that could not run, or ended without an outcome: not a finding.
+        Err(e) => CliError::Resources(format!("catch bench: {e}")).report(),
     }
 }
 

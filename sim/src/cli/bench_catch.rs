@@ -7,10 +7,14 @@
 //! (under the `pd` profile for the prefill/decode mutants, as the zoo runs them), which stops at
 //! its first failure. Its CPU time is the kernel's accounting of that child (`wait4`), so it does
 //! not depend on what the build reports about itself; it includes everything the campaign does up
-//! to its end: drawing each scenario, the seeds before the catch, the catching seed, and the
-//! rerun of the failing seed that every campaign makes to check determinism. The seed of the
-//! catch is read from the campaign's `FAIL seed N` line. A campaign that catches nothing within
-//! its seeds counts its whole CPU time, marked `>` (a lower bound of the time to catch).
+//! to its end: drawing each scenario, the seeds before the catch (with the one in 16 that a
+//! campaign runs twice to check determinism), and the failing seed four times — the catch, the
+//! determinism rerun every failing seed gets, the rerun that prints the report and the traced
+//! run that writes its trace. (A campaign that stops at the catch itself is not built yet: the
+//! figures are an upper bound of the time to catch, by the same rule for every build.) The seed
+//! of the catch is read from the campaign's `FAIL seed N` line. A campaign that catches nothing
+//! within its seeds counts its whole CPU time, marked `>` (a lower bound of the time to catch).
+//! A campaign that never ends holds the bench: it sets no time limit of its own.
 //!
 //! Repeat `r` runs the seeds `A + r·W .. A + (r+1)·W` (`W` = the width of `--seeds`), so the
 //! repeats are independent samples of how soon a campaign catches a mutant, not the same seeds
@@ -71,25 +75,38 @@ pub fn caught_at(stdout: &str) -> Option<u64> {
 /// The most a campaign's stdout may hold here (a summary and one failure: tens of kilobytes).
 const STDOUT_BYTES_MAX: u64 = 4 << 20;
 
-/// Runs one campaign of `bin` and measures it.
-fn campaign(bin: &Path, t: &Target, seeds: (u64, u64), out_dir: &Path) -> Result<Catch, String> {
-    let stderr_path = out_dir.join(format!("{}-{}.stderr", t.name, seeds.0));
+/// Runs one campaign of build `build` (`bin`) and measures it; its artifacts and stderr go to a
+/// folder of its own under `out_dir`.
+fn campaign(
+    (build, bin): (usize, &Path),
+    t: &Target,
+    seeds: (u64, u64),
+    out_dir: &Path,
+) -> Result<Catch, String> {
+    let dir = out_dir.join(format!("build{build}-{}-{}", t.name, seeds.0));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let stderr_path = dir.join("stderr");
     let stderr = std::fs::File::create(&stderr_path)
         .map_err(|e| format!("{}: {e}", stderr_path.display()))?;
+    let range = format!("{}..{}", seeds.0, seeds.1);
+    let args = [
+        "sim",
+        "--profile",
+        &t.profile,
+        "--mutant",
+        &t.name,
+        "--seeds",
+        &range,
+        "--jobs",
+        "1",
+        "--no-shrink",
+        "--out-dir",
+    ];
     let mut cmd = Command::new(bin);
     super::bench_campaign::ends_with_this_process(&mut cmd);
     let mut child = cmd
-        .args([
-            "sim",
-            "--profile",
-            &t.profile,
-            "--mutant",
-            &t.name,
-            "--seeds",
-        ])
-        .arg(format!("{}..{}", seeds.0, seeds.1))
-        .args(["--jobs", "1", "--no-shrink", "--out-dir"])
-        .arg(out_dir)
+        .args(args)
+        .arg(&dir)
         .stdin(Stdio::null())
         .stderr(stderr)
         .stdout(Stdio::piped())
@@ -107,15 +124,7 @@ fn campaign(bin: &Path, t: &Target, seeds: (u64, u64), out_dir: &Path) -> Result
     }
     let (code, cpu_s) = wait_measured(child.id())?;
     let text = String::from_utf8_lossy(&stdout);
-    let what = || {
-        format!(
-            "{} sim --mutant {} --seeds {}..{}",
-            bin.display(),
-            t.name,
-            seeds.0,
-            seeds.1
-        )
-    };
+    let what = || format!("{} {} {}", bin.display(), args.join(" "), dir.display());
     match (code, caught_at(&text)) {
         (Some(1), Some(seed)) if (seeds.0..seeds.1).contains(&seed) => Ok(Catch {
             seeds: Some(seed - seeds.0 + 1),
@@ -184,7 +193,12 @@ pub fn run_all(bins: &[PathBuf], plan: &Plan) -> Result<Outcomes, String> {
                 let Some(&(b, t, r)) = tasks.get(i) else {
                     break;
                 };
-                let out = campaign(&bins[b], &plan.targets[t], plan.seeds(r), &plan.out_dir);
+                let out = campaign(
+                    (b, &bins[b]),
+                    &plan.targets[t],
+                    plan.seeds(r),
+                    &plan.out_dir,
+                );
                 let failed = out.is_err();
                 results.lock().expect("no worker panics holding it")[i] = Some(out);
                 if failed {
@@ -257,7 +271,7 @@ fn cell(runs: &[Catch]) -> String {
 pub fn report(plan: &Plan, bins: &[PathBuf], out: &Outcomes) -> String {
     let (a, b) = (plan.seeds(0), plan.seeds(plan.repeat - 1));
     let mut s = format!(
-        "catch bench: {} mutants, {} repeat{} (seeds {}..{} to {}..{}), {} campaign{} at once; CPU-seconds of each campaign to its first failure (the kernel's count, with the failing seed's determinism rerun)\n\n",
+        "catch bench: {} mutants, {} repeat{} (seeds {}..{} to {}..{}), {} campaign{} at once; CPU-seconds of each campaign, which ends at its first failure (the kernel's count: the seeds before it and the failing seed's four runs)\n\n",
         plan.targets.len(),
         plan.repeat,
         if plan.repeat == 1 { "" } else { "s" },

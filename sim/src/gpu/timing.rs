@@ -237,10 +237,11 @@ impl SimGpu {
         }
         match schedule::hold(self.sched.decide(stream, &running[..n])) {
             Hold::Quarters(q) => at + q as u64 * self.opts.jitter_ns / 4,
-            Hold::Behind(j) => self.streams[j]
-                .running
-                .as_ref()
-                .map_or(at, |(_, _, end)| at.max(*end)),
+            // Not a hung op, as above: only a replayed hold can name one.
+            Hold::Behind(j) => match &self.streams[j].running {
+                Some((op, _, end)) if !op.hung => at.max(*end),
+                _ => at,
+            },
         }
     }
 
