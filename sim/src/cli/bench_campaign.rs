@@ -51,8 +51,29 @@ pub fn cpu_s(who: libc::c_int) -> f64 {
     // SAFETY: getrusage writes one `rusage` we own; the callers pass a valid target.
     let rc = unsafe { libc::getrusage(who, &mut u) };
     assert_eq!(rc, 0, "getrusage({who}) failed");
+    rusage_cpu_s(&u)
+}
+
+/// The CPU time (user + system) a `rusage` counts, seconds.
+pub(super) fn rusage_cpu_s(u: &libc::rusage) -> f64 {
     let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
     t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// The child's stdout, read to its end or to `max` bytes: a binary that prints without end, or
+/// whose output cannot be read, is killed rather than held (the caller still waits for it).
+pub(super) fn read_stdout(child: &mut std::process::Child, max: u64) -> Vec<u8> {
+    let mut stdout = Vec::new();
+    let read = child
+        .stdout
+        .take()
+        .expect("stdout is piped")
+        .take(max)
+        .read_to_end(&mut stdout);
+    if read.is_err() || stdout.len() as u64 >= max {
+        let _ = child.kill();
+    }
+    stdout
 }
 
 /// CPU time of the waited-for children of this process, seconds.
@@ -110,17 +131,7 @@ pub fn measure(bin: &Path, plan: &Plan) -> Result<Measured, String> {
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("{}: could not run it: {e}", bin.display()))?;
-    // Read at most SUMMARY_BYTES_MAX: a binary that prints without end is stopped, not held.
-    let mut stdout = Vec::new();
-    let read = child
-        .stdout
-        .take()
-        .expect("stdout is piped")
-        .take(SUMMARY_BYTES_MAX)
-        .read_to_end(&mut stdout);
-    if read.is_err() || stdout.len() as u64 >= SUMMARY_BYTES_MAX {
-        let _ = child.kill();
-    }
+    let stdout = read_stdout(&mut child, SUMMARY_BYTES_MAX);
     let status = child
         .wait()
         .map_err(|e| format!("{}: could not wait for it: {e}", bin.display()))?;

@@ -16,16 +16,15 @@
 //! within its seeds counts its whole CPU time, marked `>` (a lower bound of the time to catch).
 //! A campaign that never ends holds the bench: it sets no time limit of its own.
 //!
-//! Repeat `r` runs the seeds `A + r·W .. A + (r+1)·W` (`W` = the width of `--seeds`), so the
-//! repeats are independent samples of how soon a campaign catches a mutant, not the same seeds
-//! timed again. Campaigns run `--jobs` at a time, alternating the builds, so both meet the same
+//! Repeat `r` runs the seeds `A + r·W .. A + (r+1)·W` (`W` = the width of `--seeds`), so each
+//! repeat samples how soon a campaign catches a mutant on seeds no other repeat runs, not the
+//! same seeds timed again. Campaigns run `--jobs` at a time, alternating the builds, so both meet the same
 //! machine load. The report gives per mutant the median over the repeats; over the zoo, the
 //! geometric mean and the median of those medians, the geometric mean over the slowest quarter
 //! (by the baseline's time, or this build's without one), and the geometric mean of each repeat
 //! alone (the spread). The mutants of the host tier for vLLM (`--profile vllm`) are not in it:
 //! that profile takes other flags, and its whole 100-seed campaign takes about 2 s.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -112,16 +111,7 @@ fn campaign(
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("{}: could not run it: {e}", bin.display()))?;
-    let mut stdout = Vec::new();
-    let read = child
-        .stdout
-        .take()
-        .expect("stdout is piped")
-        .take(STDOUT_BYTES_MAX)
-        .read_to_end(&mut stdout);
-    if read.is_err() || stdout.len() as u64 >= STDOUT_BYTES_MAX {
-        let _ = child.kill();
-    }
+    let stdout = super::bench_campaign::read_stdout(&mut child, STDOUT_BYTES_MAX);
     let (code, cpu_s) = wait_measured(child.id())?;
     let text = String::from_utf8_lossy(&stdout);
     let what = || format!("{} {} {}", bin.display(), args.join(" "), dir.display());
@@ -166,9 +156,8 @@ fn wait_measured(pid: u32) -> Result<(Option<i32>, f64), String> {
             return Err(format!("waiting for campaign process {pid}: {e}"));
         }
     }
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
     let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
-    Ok((code, t(u.ru_utime) + t(u.ru_stime)))
+    Ok((code, super::bench_campaign::rusage_cpu_s(&u)))
 }
 
 /// Every campaign's outcome: `[build][target][repeat]`.
