@@ -6,7 +6,8 @@ Each line of OUT is {"name": ..., "ms": median milliseconds over 10 timed calls}
 names `bench/torch_bench.py` uses, so that `tierkv bench --torch-json OUT` prints these beside
 the kernels it launches itself (its "torch" column then holds tierkv.ops' times: the same
 kernels plus the guard kernel, two events and the Python call). Lines with "what" are the ops'
-fixed cost per call: host time of a call, and GPU time per call of a tiny op.
+fixed cost per call: host time of a call, and GPU time per call of a tiny op; and each op's
+time per call with 8 calls queued back to back, and with 8 calls replayed from a CUDA graph.
 Needs a CUDA build of tierkv (PYTHONPATH to the unzipped wheel), torch and a GPU.
 """
 import json
@@ -59,6 +60,36 @@ def queued(f, n=8):
     return ts[len(ts) // 2]
 
 
+def graphed(f, n=8):
+    """Per call, n calls captured once in a torch CUDA graph and replayed (no host work per
+    call: the GPU's own time per call, as in a server that replays its decode step)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            f()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(REPS):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / n)
+    ts.sort()
+    del graph
+    return ts[len(ts) // 2]
+
+
 def emit(name, ms, f=None):
     out.write(json.dumps({"name": name, "ms": ms}) + "\n")
     out.flush()
@@ -67,6 +98,9 @@ def emit(name, ms, f=None):
         q = queued(f)
         out.write(json.dumps({"what": f"{name}, 8 queued back to back", "ms_per_call": q}) + "\n")
         line += f"; 8 queued back to back: {q:.4f} ms per call"
+        gr = graphed(f)
+        out.write(json.dumps({"what": f"{name}, 8 replayed from a CUDA graph", "ms_per_call": gr}) + "\n")
+        line += f"; 8 replayed from a CUDA graph: {gr:.4f} ms per call"
     print(line, flush=True)
 
 

@@ -172,6 +172,58 @@ def test_ops_do_not_synchronise():
     assert np.array_equal(host(out), ops.topk(host(logits), host(lens), 2048))
 
 
+def test_ops_replay_inside_a_cuda_graph():
+    """The four ops captured once in a torch CUDA graph, in a chain (a store into an index-K
+    cache, the logits over that cache, their top-k, a gather of the cache's blocks), then
+    replayed three times over new keys and queries written in place: every replay equals the
+    same ops called eagerly on those inputs. One eager call of each op comes first (it loads the
+    kernels and sizes tierkv's scratch: nothing may be allocated inside a capture)."""
+    rows, pages, heads = 4, 16, 64
+    blocks, ctx = rows * pages, pages * 64
+    g = gen(7)
+    keys, gamma, beta, rope = store_inputs(blocks * 64, 8)
+    slots = torch.randperm(blocks * 64, device="cuda", generator=g).int()
+    table = torch.randperm(blocks, device="cuda", generator=g).int().view(rows, pages)
+    lens = torch.tensor([ctx, 700, 64, 1], dtype=torch.int32, device="cuda")
+    q = fp8_codes((rows, heads, 128), g)
+    w = torch.randn(rows, heads, device="cuda", generator=g)
+    src_pages = torch.randperm(blocks, device="cuda", generator=g)[:20].int()
+    dst_pages = torch.arange(20, dtype=torch.int32, device="cuda")
+
+    def chain(cache, gathered):
+        ops.index_k_store(keys, cache, slots, gamma, beta, rope)
+        logits = ops.paged_mqa_logits(q, cache, w, lens, table, ctx, kernel="exact")
+        by_slot = ops.topk(logits, lens, 256, block_table=table)
+        by_position = ops.topk(logits, lens, 100)
+        ops.copy_pages(cache, gathered, src_pages, dst_pages)
+        return logits, by_slot, by_position
+
+    cache = torch.zeros(blocks, FP8_PAGE, dtype=torch.uint8, device="cuda")
+    gathered = torch.zeros(20, FP8_PAGE, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(cache, gathered)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(cache, gathered)
+    for round in range(3):
+        fresh = store_inputs(blocks * 64, 20 + round)[0]
+        keys.copy_(fresh)
+        q.copy_(fp8_codes((rows, heads, 128), gen(30 + round)))
+        graph.replay()
+        want_cache = torch.zeros_like(cache)
+        want_gathered = torch.zeros_like(gathered)
+        want = chain(want_cache, want_gathered)
+        torch.cuda.synchronize()
+        assert torch.equal(cache, want_cache), round
+        assert torch.equal(gathered, want_gathered), round
+        for got, expected, what in zip(captured, want, ("logits", "topk by slot", "topk by position")):
+            assert torch.equal(got, expected), (round, what)
+    ops.check()
+
+
 def test_bad_index_entries_are_skipped_and_raised_after():
     ops.check()
     keys, gamma, beta, rope = store_inputs(8, 7)

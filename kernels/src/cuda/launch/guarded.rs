@@ -53,6 +53,11 @@ pub struct GuardStatus {
     scratch: Option<CudaSlice<i32>>,
     /// `identity[i] = i`: the page table of a top-k over positions, grown to a power of two.
     identity: Option<CudaSlice<i32>>,
+    /// The arrays `scratch` and `identity` outgrew, kept until the status is dropped: a CUDA
+    /// graph captured over guarded launches holds their addresses, and its replays may come
+    /// after a larger launch grew the array. Each growth at least doubles, so these hold less
+    /// than the live arrays do.
+    retired: Vec<CudaSlice<i32>>,
     /// Keeps the context (and so the allocation) alive.
     _ctx: Arc<CudaContext>,
 }
@@ -141,6 +146,7 @@ impl GuardStatus {
             stream: s.clone(),
             scratch: None,
             identity: None,
+            retired: Vec::new(),
             _ctx: ctx.clone(),
         })
     }
@@ -162,8 +168,8 @@ impl GuardStatus {
     fn buffer(&mut self, op: &'static str, n: usize) -> Result<DevPtr> {
         let s = self.stream.clone();
         if self.scratch.as_ref().is_none_or(|b| b.len() < n.max(1)) {
-            // The old array is freed on the stream, after the work that read it.
-            self.scratch = None;
+            // The old array is kept (`retired`): a captured graph may still name it.
+            self.retired.extend(self.scratch.take());
             // SAFETY: every entry a launch reads is written by its guard kernel first.
             self.scratch =
                 Some(unsafe { s.alloc::<i32>(n.max(1).next_power_of_two()) }.map_err(cuda(op))?);
@@ -513,7 +519,7 @@ impl Kernels {
         let s = g.stream.clone();
         if g.identity.as_ref().is_none_or(|t| t.len() < pages) {
             let len = pages.next_power_of_two();
-            g.identity = None;
+            g.retired.extend(g.identity.take()); // a captured graph may still name it
             // SAFETY: every entry is written by guard_iota below, before any reader on `s`.
             let table = unsafe { s.alloc::<i32>(len) }.map_err(cuda("topk"))?;
             let (out, n) = (dev(&table, &s).ptr, len as i32);
