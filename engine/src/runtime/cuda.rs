@@ -144,7 +144,18 @@ pub struct CudaDriver {
     /// before, `Some(None)` where it could not be compiled or loaded (the batch then goes to the
     /// copy engines).
     copy_kernel: Option<Option<CudaFunction>>,
+    /// Pinned staging for `copy_list`'s copy lists, used in turn ([`COPY_LISTS`] of
+    /// [`KERNEL_SLICE_COPIES`] entries, made on the first kernel copy), each with the event
+    /// recorded after its upload: the host reuses one only after that event. From pageable
+    /// memory an upload would wait for the stream's earlier work before it starts (CUDA's rule
+    /// for pageable host-to-device copies), so the host could not list the next slice while the
+    /// GPU copies this one.
+    lists: Vec<(PinnedHost, CudaEvent)>,
+    next_list: usize,
 }
+
+/// How many copy lists are staged at once: the host may run this many slices ahead of the GPU.
+const COPY_LISTS: usize = 4;
 
 /// The fewest copies of one [`Driver::copy_batch_async`] that go to the copy kernel
 /// (`copy_list`) rather than the copy engines: the engines cost about 1 us of host time per
@@ -194,6 +205,8 @@ impl CudaDriver {
             mems: MemTable::default(),
             events: Vec::new(),
             copy_kernel: None,
+            lists: Vec::new(),
+            next_list: 0,
         })
     }
 
@@ -213,6 +226,8 @@ impl CudaDriver {
             mems: MemTable::default(),
             events: Vec::new(),
             copy_kernel: None,
+            lists: Vec::new(),
+            next_list: 0,
         })
     }
 
@@ -276,6 +291,30 @@ impl CudaDriver {
     }
 
     /// `copy_list`, compiled and loaded into this driver's context on first use.
+    /// The next pinned copy-list buffer, free to write: made on first use (all
+    /// [`COPY_LISTS`]), and waited for when its last upload may still be reading it.
+    fn copy_list_staging(&mut self, bytes: usize) -> Result<usize, DeviceError> {
+        let capacity = 3 * 8 * KERNEL_SLICE_COPIES;
+        assert!(bytes <= capacity, "a copy list longer than a slice");
+        if self.lists.is_empty() {
+            for _ in 0..COPY_LISTS {
+                let event = self
+                    .ctx
+                    .new_event(None)
+                    .map_err(backend("cuEventCreate (a copy list)"))?;
+                self.lists.push((PinnedHost::new(&self.ctx, capacity)?, event));
+            }
+        }
+        let i = self.next_list;
+        self.next_list = (i + 1) % COPY_LISTS;
+        // An event never recorded is complete.
+        self.lists[i]
+            .1
+            .synchronize()
+            .map_err(backend("cuEventSynchronize (a copy list)"))?;
+        Ok(i)
+    }
+
     fn copy_kernel(&mut self) -> Option<&CudaFunction> {
         if self.copy_kernel.is_none() {
             let src = tierkv_kernels::cuda::SOURCES
@@ -328,14 +367,22 @@ impl CudaDriver {
         let table =
             unsafe { stream.alloc::<u64>(desc.len()) }.map_err(backend("cuMemAllocAsync"))?;
         let (at, _sync) = cudarc::driver::DevicePtr::device_ptr(&table, &stream);
-        // SAFETY: `desc` is pageable host memory of `bytes`: the driver stages it before it
-        // returns (so it may be dropped at once); `at` holds `bytes`.
+        let list = self.copy_list_staging(bytes)?;
+        let (pinned, uploaded) = &mut self.lists[list];
+        for (to, word) in pinned.slice_mut().chunks_exact_mut(8).zip(&desc) {
+            to.copy_from_slice(&word.to_ne_bytes());
+        }
+        // SAFETY: `bytes` bytes of pinned memory that no queued upload still reads (its event
+        // completed); `at` holds `bytes`.
         check(
             unsafe {
-                sys::cuMemcpyHtoDAsync_v2(at, desc.as_ptr().cast(), bytes, stream.cu_stream())
+                sys::cuMemcpyHtoDAsync_v2(at, pinned.host as *const _, bytes, stream.cu_stream())
             },
             "cuMemcpyHtoDAsync (the copy list)",
         )?;
+        uploaded
+            .record(&stream)
+            .map_err(backend("cuEventRecord (the copy list)"))?;
         let n = copies.len() as i32;
         let mut b = stream.launch_builder(&f);
         b.arg(&at).arg(&n);
