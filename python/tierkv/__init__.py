@@ -6,7 +6,8 @@
   between them, every address checked against the registered caches first.
 - ``tierkv.ops``: the indexer's kernels (index-K store, paged MQA logits, top-k, page copies)
   as ops on torch tensors or numpy arrays: the CPU references on host arrays, the CUDA kernels
-  on CUDA tensors.
+  on CUDA tensors. ``import tierkv.torch_ops`` (needs torch) registers them as
+  ``torch.ops.tierkv.*`` for ``torch.compile``.
 - ``tierkv.vllm``: vLLM's offloading spec on top of both (import it only where vLLM is
   installed).
 
