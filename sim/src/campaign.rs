@@ -162,9 +162,29 @@ pub struct CampaignSummary {
     /// The signal that stopped the campaign early (see [`catch_interrupts`]): the summary then
     /// holds only the runs that ended before it.
     pub interrupted: Option<i32>,
+    /// The workers' CPU time up to the first failing run's verdict: every run that ended before
+    /// it and that run itself, each counted from drawing its scenario to its verdict (not its
+    /// determinism rerun, nor what the command does after the campaign). Runs in the order they
+    /// ended: exact with one worker; with more, runs still in flight on other workers at that
+    /// moment are not counted. `None` when no run failed.
+    pub cpu_to_first_failure: Option<Duration>,
+    /// The verdict CPU time of the runs that ended so far, while no run has failed.
+    pub(crate) cpu_before_failure: Duration,
 }
 
 impl CampaignSummary {
+    /// Counts a run that ended: `to_verdict` is its CPU time up to its verdict.
+    fn add_timed(&mut self, o: &RunOutcome, t: RunCpu) {
+        self.add(o);
+        self.worker += t.total;
+        if self.cpu_to_first_failure.is_none() {
+            self.cpu_before_failure += t.to_verdict;
+            if o.failed() {
+                self.cpu_to_first_failure = Some(self.cpu_before_failure);
+            }
+        }
+    }
+
     fn add(&mut self, o: &RunOutcome) {
         self.runs += 1;
         self.seeds_run += (o.schedule == 0) as u64;
@@ -204,6 +224,13 @@ impl CampaignSummary {
             );
         }
         self.print_counts();
+        if let Some(cpu) = self.cpu_to_first_failure {
+            println!(
+                "first failure after {:.3} CPU-seconds of runs (the workers' time from each run's scenario to its verdict, the failing run's included, in the order runs ended{})",
+                cpu.as_secs_f64(),
+                if self.jobs > 1 { "; runs in flight on other workers not counted" } else { "" }
+            );
+        }
         self.print_throughput(self.wall.as_secs_f64(), None);
         self.print_checks();
     }
@@ -419,7 +446,7 @@ impl Shared {
 
 /// One worker: takes seeds until none is left or the campaign stops, runs each (and its other
 /// schedules) and sends every outcome with the CPU time it took on this thread.
-fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
+fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, RunCpu)>) {
     let opts = &sh.opts;
     drop(
         sh.gate
@@ -447,6 +474,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
             ..RunOptions::default()
         };
         let mut out = run(&sc, &ropts);
+        let to_verdict = thread_cpu().saturating_sub(began);
         if determinism::sampled(seed, out.failed()) {
             out.rerun = true;
             out.findings
@@ -455,7 +483,8 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
         // More schedules of the same scenario, PCT over schedule 0's op starts.
         let ops = out.decision_counts.made[Kind::Hold as usize];
         let mut failed = out.failed();
-        if tx.send((out, thread_cpu().saturating_sub(began))).is_err() {
+        let total = thread_cpu().saturating_sub(began);
+        if tx.send((out, RunCpu { total, to_verdict })).is_err() {
             return;
         }
         for index in 1..opts.schedules {
@@ -469,6 +498,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
             };
             let began = thread_cpu();
             let mut out = run(&sc, &sopts);
+            let to_verdict = thread_cpu().saturating_sub(began);
             out.schedule = index;
             out.policy = Some(policy);
             failed = out.failed();
@@ -482,11 +512,20 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, Duration)>) {
                 out.findings
                     .extend(determinism::rerun(&sc, &again, out.log_hash));
             }
-            if tx.send((out, thread_cpu().saturating_sub(began))).is_err() {
+            let total = thread_cpu().saturating_sub(began);
+            if tx.send((out, RunCpu { total, to_verdict })).is_err() {
                 return;
             }
         }
     }
+}
+
+/// A run's CPU time on its worker thread: in all (with its determinism rerun), and up to its
+/// verdict (from drawing its scenario to the end of its first run).
+#[derive(Clone, Copy, Debug)]
+struct RunCpu {
+    total: Duration,
+    to_verdict: Duration,
 }
 
 /// This thread's CPU time so far (`CLOCK_THREAD_CPUTIME_ID`; elsewhere than Unix, zero).
@@ -514,7 +553,7 @@ pub const WORKER_STACK_BYTES: usize = 2 << 20;
 /// joins those started and answers why (none has run a seed).
 fn start_workers(
     shared: &Arc<Shared>,
-    tx: &mpsc::Sender<(RunOutcome, Duration)>,
+    tx: &mpsc::Sender<(RunOutcome, RunCpu)>,
     jobs: usize,
 ) -> Result<Vec<std::thread::JoinHandle<()>>, CampaignError> {
     if let Some(limit) = address_space_limit() {
@@ -631,7 +670,7 @@ pub fn run_campaign(
         stop: AtomicBool::new(false),
         gate: (Mutex::new(false), Condvar::new()),
     });
-    let (tx, rx) = mpsc::channel::<(RunOutcome, Duration)>();
+    let (tx, rx) = mpsc::channel::<(RunOutcome, RunCpu)>();
     let jobs = (opts.jobs.max(1) as u64).min(total.max(1)) as usize;
     let workers = start_workers(&shared, &tx, jobs)?;
     shared.open_gate();
@@ -639,8 +678,7 @@ pub fn run_campaign(
     loop {
         match rx.recv_timeout(POLL_INTERVAL) {
             Ok((out, took)) => {
-                summary.add(&out);
-                summary.worker += took;
+                summary.add_timed(&out, took);
                 if out.failed() && opts.stop_at_first {
                     shared.stop.store(true, Ordering::Relaxed);
                 }
@@ -656,8 +694,7 @@ pub fn run_campaign(
             // that ended and wait in the channel count.
             shared.stop.store(true, Ordering::Relaxed);
             for (out, took) in rx.try_iter() {
-                summary.add(&out);
-                summary.worker += took;
+                summary.add_timed(&out, took);
                 progress.done(out.seed, out.schedule);
                 progress.suspend(|| on_done(&out));
             }

@@ -5,16 +5,17 @@
 //!
 //! Each campaign is one child process, `BIN sim --mutant M --seeds A..B --jobs 1 --no-shrink`
 //! (under the `pd` profile for the prefill/decode mutants, as the zoo runs them), which stops at
-//! its first failure. Its CPU time is the kernel's accounting of that child (`wait4`), so it does
-//! not depend on what the build reports about itself; it includes everything the campaign does up
-//! to its end: drawing each scenario, the seeds before the catch (with the one in 16 that a
-//! campaign runs twice to check determinism), and the failing seed four times — the catch, the
-//! determinism rerun every failing seed gets, the rerun that prints the report and the traced
-//! run that writes its trace. (A campaign that stops at the catch itself is not built yet: the
-//! figures are an upper bound of the time to catch, by the same rule for every build.) The seed
-//! of the catch is read from the campaign's `FAIL seed N` line. A campaign that catches nothing
-//! within its seeds counts its whole CPU time, marked `>` (a lower bound of the time to catch).
-//! A campaign that never ends holds the bench: it sets no time limit of its own.
+//! its first failure. The figure of a catch is the CPU time the campaign counts up to its first
+//! failing run's verdict (its `first failure after X CPU-seconds` line: from each run's scenario
+//! to its verdict, on its one worker thread, the failing run included): what a campaign spends to
+//! find the bug, without what it does after (the determinism rerun every failing seed gets, the
+//! rerun that prints the report and the traced run that writes its trace). A build that does not
+//! print that line (one from before it) is measured by the kernel's count of the whole child
+//! (`wait4`), an upper bound of its time to catch; the report says how many campaigns were
+//! measured each way, and warns when a comparison mixes them. The seed of the catch is read from
+//! the campaign's `FAIL seed N` line. A campaign that catches nothing within its seeds counts its
+//! whole CPU time (`wait4`), marked `>` (a lower bound of the time to catch). A campaign that
+//! never ends holds the bench: it sets no time limit of its own.
 //!
 //! Repeat `r` runs the seeds `A + r·W .. A + (r+1)·W` (`W` = the width of `--seeds`), so each
 //! repeat samples how soon a campaign catches a mutant on seeds no other repeat runs, not the
@@ -61,7 +62,12 @@ impl Plan {
 pub struct Catch {
     /// Seeds run up to and including the first failing one; `None`: none failed.
     pub seeds: Option<u64>,
+    /// CPU-seconds to the catch (see the module's doc), or the whole campaign's when nothing
+    /// was caught.
     pub cpu_s: f64,
+    /// Whether `cpu_s` is the campaign's own count to the verdict (`false`: the whole child's,
+    /// an upper bound of a catch's time).
+    pub exact: bool,
 }
 
 /// What a campaign printed that says where it caught the mutant: the `FAIL seed N` line.
@@ -69,6 +75,18 @@ pub fn caught_at(stdout: &str) -> Option<u64> {
     stdout
         .lines()
         .find_map(|l| l.strip_prefix("FAIL seed ")?.trim().parse().ok())
+}
+
+/// The CPU-seconds to the first failure a campaign counted itself (its `first failure after X
+/// CPU-seconds` line), where the build prints it.
+pub fn cpu_to_catch(stdout: &str) -> Option<f64> {
+    stdout.lines().find_map(|l| {
+        l.strip_prefix("first failure after ")?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
 }
 
 /// The most a campaign's stdout may hold here (a summary and one failure: tens of kilobytes).
@@ -116,11 +134,19 @@ fn campaign(
     let text = String::from_utf8_lossy(&stdout);
     let what = || format!("{} {} {}", bin.display(), args.join(" "), dir.display());
     match (code, caught_at(&text)) {
-        (Some(1), Some(seed)) if (seeds.0..seeds.1).contains(&seed) => Ok(Catch {
-            seeds: Some(seed - seeds.0 + 1),
+        (Some(1), Some(seed)) if (seeds.0..seeds.1).contains(&seed) => {
+            let own = cpu_to_catch(&text);
+            Ok(Catch {
+                seeds: Some(seed - seeds.0 + 1),
+                cpu_s: own.unwrap_or(cpu_s),
+                exact: own.is_some(),
+            })
+        }
+        (Some(0), None) => Ok(Catch {
+            seeds: None,
             cpu_s,
+            exact: false,
         }),
-        (Some(0), None) => Ok(Catch { seeds: None, cpu_s }),
         _ => {
             let err = std::fs::read_to_string(&stderr_path).unwrap_or_default();
             let last = err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
@@ -256,17 +282,35 @@ fn cell(runs: &[Catch]) -> String {
     each.join("; ")
 }
 
+/// How the catches were measured: how many by the campaign's own count to the verdict, how
+/// many by the whole child's CPU time (a build that does not count it), and a warning when
+/// both kinds are compared.
+fn measured(out: &Outcomes) -> String {
+    let caught: Vec<&Catch> = out.iter().flatten().flatten().filter(|c| c.seeds.is_some()).collect();
+    let exact = caught.iter().filter(|c| c.exact).count();
+    let whole = caught.len() - exact;
+    let mut s = format!(
+        "{exact} catch{} measured by the campaign's CPU time to the failing run's verdict, {whole} by the whole campaign's (the kernel's count, an upper bound: a build that does not count the first)",
+        if exact == 1 { "" } else { "es" }
+    );
+    if exact > 0 && whole > 0 {
+        s += "; WARNING: the two measures are compared here, which favours the exact one";
+    }
+    s
+}
+
 /// The report: a row per mutant, then the zoo's figures for each build and their ratios.
 pub fn report(plan: &Plan, bins: &[PathBuf], out: &Outcomes) -> String {
     let (a, b) = (plan.seeds(0), plan.seeds(plan.repeat - 1));
     let mut s = format!(
-        "catch bench: {} mutants, {} repeat{} (seeds {}..{} to {}..{}), {} campaign{} at once; CPU-seconds of each campaign, which ends at its first failure (the kernel's count: the seeds before it and the failing seed's four runs)\n\n",
+        "catch bench: {} mutants, {} repeat{} (seeds {}..{} to {}..{}), {} campaign{} at once; CPU-seconds of each campaign, which ends at its first failure: {}\n\n",
         plan.targets.len(),
         plan.repeat,
         if plan.repeat == 1 { "" } else { "s" },
         a.0, a.1, b.0, b.1,
         plan.jobs,
         if plan.jobs == 1 { "" } else { "s" },
+        measured(out),
     );
     let names: Vec<String> = bins
         .iter()
@@ -380,6 +424,14 @@ mod tests {
     }
 
     #[test]
+    fn the_time_to_the_catch_is_read_from_the_campaigns_own_line() {
+        let out = "seeds run: 3   failures: 1\nfirst failure after 1.729 CPU-seconds of runs (the workers' time ...)\nwall time: 3.3 s\n";
+        assert_eq!(cpu_to_catch(out), Some(1.729));
+        assert_eq!(cpu_to_catch("seeds run: 3   failures: 0\n"), None);
+        assert_eq!(cpu_to_catch("first failure after x CPU-seconds\n"), None);
+    }
+
+    #[test]
     fn the_zoo_figures_and_the_ratios() {
         let plan = Plan {
             targets: ["a", "b", "c", "d"]
@@ -397,6 +449,7 @@ mod tests {
         let c = |cpu_s: f64| Catch {
             seeds: Some(1),
             cpu_s,
+            exact: true,
         };
         let runs = |x: [f64; 3]| x.map(c).to_vec();
         // This build: a, b, c as in the baseline halved; d four times as late, once not caught.
@@ -410,6 +463,7 @@ mod tests {
                 Catch {
                     seeds: None,
                     cpu_s: 8.0,
+                    exact: false,
                 },
             ],
         ];
@@ -420,7 +474,14 @@ mod tests {
             runs([2.0, 2.0, 2.0]),
         ];
         let bins = [PathBuf::from("me"), PathBuf::from("old")];
-        let r = report(&plan, &bins, &vec![this, base]);
+        let r = report(&plan, &bins, &vec![this, base.clone()]);
+        assert!(r.contains("23 catches measured by the campaign's CPU time to the failing run's verdict, 0 by the whole campaign's"), "{r}");
+        assert!(!r.contains("WARNING"), "{r}");
+        let mut older = base;
+        older[0][0].exact = false;
+        let mixed = report(&plan, &bins, &vec![older.clone(), older]);
+        assert!(mixed.contains("22 catches measured by the campaign's CPU time to the failing run's verdict, 2 by the whole campaign's"), "{mixed}");
+        assert!(mixed.contains("WARNING: the two measures are compared here"), "{mixed}");
         // Medians 2, 2, 4, 8 against 4, 4, 8, 2: geometric means 3.36 and 4.0; the slowest
         // quarter by the baseline is c (4 against 8).
         assert!(
