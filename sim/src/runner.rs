@@ -1278,9 +1278,11 @@ impl<'a> Run<'a> {
         let policy_before = self.policy_observe_start();
         let report = self.engine_call("engine step", |e| e.step())?;
         self.stats.steps += 1;
-        let stored = std::mem::take(&mut self.gpu.borrow_mut().stored);
-        let loaded = std::mem::take(&mut self.gpu.borrow_mut().loaded);
-        let stored_pages = std::mem::take(&mut self.gpu.borrow_mut().stored_pages);
+        let super::gpu::Asked {
+            stored,
+            loaded,
+            stored_pages,
+        } = std::mem::take(&mut self.gpu.borrow_mut().asked);
         let outputs = self.engine.drain_outputs();
         // A step whose device lost its memory sends the running requests back to the head of
         // the queue, in order, before it admits (`Engine::step`).
@@ -1963,12 +1965,12 @@ impl<'a> Run<'a> {
             stats,
             log_hash: mix64(gpu.log_hash() ^ self.out_hash),
             trace: {
-                let mut t = std::mem::take(&mut gpu.trace);
+                let mut t = std::mem::take(&mut gpu.trace.slices);
                 t.extend(gpu.unrun_slices());
                 t
             },
-            marks: std::mem::take(&mut gpu.marks),
-            racing_ops: gpu.racing_ops.clone(),
+            marks: std::mem::take(&mut gpu.trace.marks),
+            racing_ops: gpu.trace.racing_ops.clone(),
             probes: tierkv_engine::probe::take(),
             rerun: false,
             decision_counts: gpu.decision_counts(),

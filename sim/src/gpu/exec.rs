@@ -405,14 +405,14 @@ impl SimGpu {
     /// Pinned host buffers keep their bytes (the host tier is host memory).
     pub(super) fn lose_device_memory(&mut self) {
         let side = self.side;
-        self.generation[side] += 1;
-        let generation = self.generation[side];
+        self.contexts.generation[side] += 1;
+        let generation = self.contexts.generation[side];
         probes::hit(SimProbe::FaultContextRecreated);
         self.log(&[15, 3, side as u64, generation]);
         for b in 0..self.mem.descs.len() {
             let buf = BufferId(b as u32);
             let desc = self.mem.desc(buf);
-            if self.buffer_side[b] as usize != side || desc.tier != MemoryTier::Device {
+            if self.contexts.buffer_side[b] as usize != side || desc.tier != MemoryTier::Device {
                 continue;
             }
             let garbage = self

@@ -26,7 +26,7 @@ mod trace;
 
 use exec::{Executor, PageMarks};
 use timing::*;
-pub use trace::{entity_name, op_detail, Mark, Slice};
+pub use trace::{entity_name, op_detail, Mark, Slice, TraceLog};
 
 use crate::fasthash::FastMap;
 use crate::oracles::content::ContentOracle;
@@ -347,22 +347,12 @@ pub struct SimGpu {
     /// on a failed one reads them before the engine discards it). In order, no step may read
     /// them before the rerun rewrites them, so a read is still compared, and a finding.
     pub ahead: bool,
-    pub trace: Vec<Slice>,
-    /// Records, waits and host calls, for the trace (`GpuOptions::trace`).
-    pub marks: Vec<Mark>,
-    /// Op ids involved in the first race (marked in the trace).
-    pub racing_ops: Vec<u64>,
+    /// The run's trace, kept with `GpuOptions::trace` (`trace.rs`).
+    pub trace: TraceLog,
     pub stats: GpuStats,
     pub record_log: RecordLog,
-    /// The tokens whose KV rows side 0 was asked to store since the runner last took them
-    /// (request, position): what a step computed, for the per-step promises.
-    pub stored: Vec<(u64, u32)>,
-    /// The device pages side 0's load stream was asked to fill from the host since the runner
-    /// last took them: the loads a step issued, for the prefix-hit recount (`oracles::policy`).
-    pub loaded: Vec<u32>,
-    /// The device pages side 0's KV stores wrote since the runner last took them, with the
-    /// request each row belongs to: the page-ownership check's input.
-    pub stored_pages: Vec<(u64, u32)>,
+    /// What side 0 was asked to do since the runner last took it (the per-step oracles' input).
+    pub asked: Asked,
     log_hash: u64,
     host_allocs: u32,
     allocs: u32,
@@ -372,15 +362,37 @@ pub struct SimGpu {
     /// op (as large as the largest buffer a whole-buffer check copied).
     shadow_arena: Vec<u8>,
     exec: Executor,
+    /// Each side's context: in error or not, recreated how often, and whose buffers are whose.
+    contexts: Contexts,
+    /// The fault and timing model (`timing.rs`).
+    faults: FaultModel,
+}
+
+/// What side 0 was asked to do since the runner last took it ([`SimGpu::asked`]): what a step
+/// computed and loaded, for the per-step oracles.
+#[derive(Debug, Default)]
+pub struct Asked {
+    /// The tokens whose KV rows were to be stored (request, position): the per-step promises.
+    pub stored: Vec<(u64, u32)>,
+    /// The device pages the load stream was to fill from the host: the loads a step issued, for
+    /// the prefix-hit recount (`oracles::policy`).
+    pub loaded: Vec<u32>,
+    /// The device pages KV stores wrote, with the request each row belongs to: the
+    /// page-ownership check's input.
+    pub stored_pages: Vec<(u64, u32)>,
+}
+
+/// Each side's context ([`SimGpu::contexts`]).
+#[derive(Debug, Default)]
+struct Contexts {
     /// Per side, the fault that left the whole side in error (`GpuOptions::context_faults`,
     /// a hang), until the engine recovers it.
     in_error: [Option<DeviceFault>; 2],
-    /// Per side, how many times recovering it recreated its context (`Device::context_generation`).
+    /// Per side, how many times recovering it recreated its context
+    /// (`Device::context_generation`).
     generation: [u64; 2],
     /// The side each buffer was allocated by (a recreated context loses its own side's alone).
     buffer_side: Vec<u8>,
-    /// The fault and timing model (`timing.rs`).
-    faults: FaultModel,
 }
 
 /// The engine's clock inside the simulation: the host's virtual time.
@@ -422,23 +434,17 @@ impl SimGpu {
             races: Vec::new(),
             content: None,
             ahead: false,
-            trace: Vec::new(),
-            marks: Vec::new(),
-            racing_ops: Vec::new(),
+            trace: TraceLog::default(),
             stats: GpuStats::default(),
             record_log: RecordLog::default(),
-            stored: Vec::new(),
-            loaded: Vec::new(),
-            stored_pages: Vec::new(),
+            asked: Asked::default(),
             log_hash: 0xC0FF_EE00,
             host_allocs: 0,
             allocs: 0,
             read_probes: BTreeMap::new(),
             shadow_arena: Vec::new(),
             exec: Executor::Cpu(Box::default()),
-            in_error: [None; 2],
-            generation: [0; 2],
-            buffer_side: Vec::new(),
+            contexts: Contexts::default(),
             faults,
         };
         if cuda {
@@ -541,10 +547,10 @@ impl SimGpu {
     pub(crate) fn note_asked(&mut self, stream: StreamKind, op: &Op) {
         let s = stream_index(self.side, stream);
         if let (Op::KvStore(o), 0) = (op, self.side) {
-            self.stored
+            self.asked.stored
                 .extend(o.tags.rows.iter().map(|t| (t.request, t.position)));
             let page = tierkv_kernels::spec::format::PAGE_TOKENS as i32;
-            self.stored_pages.extend(
+            self.asked.stored_pages.extend(
                 o.tags
                     .rows
                     .iter()
@@ -554,7 +560,7 @@ impl SimGpu {
             );
         }
         if let (Op::PageCopy(c), StreamKind::Load, 0) = (op, stream, self.side) {
-            self.loaded.extend(
+            self.asked.loaded.extend(
                 c.runs
                     .iter()
                     .flat_map(|r| (0..r.count).map(move |i| r.dst.0 + i)),
@@ -662,7 +668,7 @@ impl SimGpu {
 
     /// Whether the current side is in error (its calls fail, CUDA drops its callbacks).
     pub(crate) fn side_in_error(&self) -> bool {
-        self.in_error[self.side].is_some()
+        self.contexts.in_error[self.side].is_some()
     }
 
     /// Whether any token row of this page holds bytes from a failed copy.
@@ -694,7 +700,7 @@ impl Device for SimGpu {
             }
         }
         let id = self.mem.alloc(desc);
-        self.buffer_side.push(self.side as u8);
+        self.contexts.buffer_side.push(self.side as u8);
         let cell = if desc.fingerprint.is_paged() {
             desc.fingerprint.page_bytes
         } else {
@@ -875,7 +881,7 @@ impl Device for SimGpu {
         self.recover_side()
     }
     fn context_generation(&self) -> u64 {
-        self.generation[self.side]
+        self.contexts.generation[self.side]
     }
 }
 
@@ -904,7 +910,7 @@ impl SimGpu {
             self.pump(now);
         }
         // A side in error refuses the op below: the recovery oracle judges the per-stream model.
-        if let (Some(ev), None) = (self.streams[s].failure_seen, self.in_error[self.side]) {
+        if let (Some(ev), None) = (self.streams[s].failure_seen, self.contexts.in_error[self.side]) {
             self.finding(
                 OracleKind::Recovery,
                 format!(
@@ -949,7 +955,7 @@ impl SimGpu {
             if !launch {
                 self.note_refused(stream, &op);
             }
-            if let (true, Some(cause)) = (in_error, self.in_error[self.side]) {
+            if let (true, Some(cause)) = (in_error, self.contexts.in_error[self.side]) {
                 return Err(DeviceError::InError { cause });
             }
             return Err(DeviceError::Backend {
@@ -982,7 +988,7 @@ impl SimGpu {
         // Each side is its own device: recovering one clears its streams alone. Work a stream
         // in error still holds was queued in the failed context: it never runs (the stream
         // skips to its next record, which reports the failure).
-        let context_wide = self.in_error[self.side].take().is_some();
+        let context_wide = self.contexts.in_error[self.side].take().is_some();
         if context_wide && self.opts.recreate_context {
             // CUDA cannot clear a context's error in place: the context is recreated, with the
             // same allocations, and what the device held is gone.
@@ -1061,6 +1067,6 @@ impl Device for SimSide {
         self.at().recover()
     }
     fn context_generation(&self) -> u64 {
-        self.gpu.borrow().generation[self.side]
+        self.gpu.borrow().contexts.generation[self.side]
     }
 }

@@ -280,10 +280,10 @@ impl SimGpu {
         if rec.fail && (rec.hung || self.opts.context_faults) {
             // The whole side is in error: its streams skip their work and every call fails.
             let side = s / 3;
-            if self.in_error[side].is_none() {
+            if self.contexts.in_error[side].is_none() {
                 let stream = StreamKind::ALL[s % 3];
                 let op = rec.op.name();
-                self.in_error[side] = Some(if rec.hung {
+                self.contexts.in_error[side] = Some(if rec.hung {
                     DeviceFault::Hung {
                         op,
                         stream,
@@ -304,7 +304,7 @@ impl SimGpu {
             self.log(&[14, s as u64, rec.id]);
         }
         if self.opts.trace {
-            self.trace.push(Slice {
+            self.trace.slices.push(Slice {
                 op_id: rec.id,
                 stream: s,
                 name: rec.op.name(),

@@ -211,7 +211,7 @@ impl SimGpu {
             let now = self.host.get();
             self.pump(now);
         }
-        match self.in_error[self.side] {
+        match self.contexts.in_error[self.side] {
             Some(cause) => {
                 probes::hit(SimProbe::FaultCallInError);
                 self.log(&[16, self.side as u64, what]);

@@ -35,6 +35,17 @@ pub enum Mark {
     },
 }
 
+/// The run's trace ([`SimGpu::trace`]), kept with `GpuOptions::trace`.
+#[derive(Debug, Default)]
+pub struct TraceLog {
+    /// Each op that ran.
+    pub slices: Vec<Slice>,
+    /// Records, waits and host calls.
+    pub marks: Vec<Mark>,
+    /// Op ids involved in the first race (marked in the trace).
+    pub racing_ops: Vec<u64>,
+}
+
 /// A stream's or the host's name in reports (side 1's streams are a pair's decode engine's).
 pub fn entity_name(e: usize) -> &'static str {
     const NAMES: [&str; STREAMS] = [
@@ -93,15 +104,15 @@ impl SimGpu {
 
     pub(super) fn mark(&mut self, m: Mark) {
         if self.opts.trace {
-            self.marks.push(m);
+            self.trace.marks.push(m);
         }
     }
 
     pub(super) fn report_races(&mut self, races: Vec<Race>) {
         for r in races {
             if self.races.len() < 16 {
-                if self.racing_ops.is_empty() {
-                    self.racing_ops = vec![r.earlier.id, r.later.id];
+                if self.trace.racing_ops.is_empty() {
+                    self.trace.racing_ops = vec![r.earlier.id, r.later.id];
                 }
                 let role = self.mem.desc(r.buffer).role;
                 let cb = self.race.cell_bytes(r.buffer);

@@ -799,7 +799,7 @@ fn a_hold_behind_a_stream_waits_for_its_running_op() {
         gpu.record(StreamKind::Load, ev).expect("recorded");
         assert_eq!(gpu.synchronize(ev), EventState::Done);
         let slice = |stream: usize| {
-            let s = gpu.trace.iter().find(|s| s.stream == stream);
+            let s = gpu.trace.slices.iter().find(|s| s.stream == stream);
             s.expect("the op ran").clone()
         };
         let (a, b) = (slice(compute), slice(StreamKind::Load.index()));
