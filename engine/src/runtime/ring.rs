@@ -56,10 +56,6 @@ impl CompletionRing {
         }
     }
 
-    pub fn slots(&self) -> usize {
-        self.slots.len()
-    }
-
     /// Engine thread: the next ticket of `slot`. Panics if the slot's previous ticket has not
     /// completed (reusing it early is the ring-reuse bug).
     pub fn issue(&self, slot: usize) -> Ticket {
