@@ -442,6 +442,18 @@ impl Shared {
         *self.gate.0.lock().expect("the gate's lock") = true;
         self.gate.1.notify_all();
     }
+
+    /// The next seed a worker takes, `None` once none is left or the campaign stops.
+    fn next_seed(&self) -> Option<u64> {
+        if self.stop.load(Ordering::Relaxed) {
+            return None;
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        match &self.order {
+            Some(order) => order.get(i as usize).copied(),
+            None => self.seeds.nth(i),
+        }
+    }
 }
 
 /// One worker: takes seeds until none is left or the campaign stops, runs each (and its other
@@ -454,18 +466,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, RunCpu)>) {
             .wait_while(sh.gate.0.lock().expect("the gate's lock"), |open| !*open)
             .expect("the gate's lock"),
     );
-    loop {
-        if sh.stop.load(Ordering::Relaxed) {
-            return;
-        }
-        let i = sh.next.fetch_add(1, Ordering::Relaxed);
-        let seed = match &sh.order {
-            Some(order) => order.get(i as usize).copied(),
-            None => sh.seeds.nth(i),
-        };
-        let Some(seed) = seed else {
-            return;
-        };
+    while let Some(seed) = sh.next_seed() {
         let began = thread_cpu();
         let sc = opts.scenario(seed);
         let ropts = RunOptions {

@@ -1278,11 +1278,7 @@ impl<'a> Run<'a> {
         let policy_before = self.policy_observe_start();
         let report = self.engine_call("engine step", |e| e.step())?;
         self.stats.steps += 1;
-        let super::gpu::Asked {
-            stored,
-            loaded,
-            stored_pages,
-        } = std::mem::take(&mut self.gpu.borrow_mut().asked);
+        let asked = std::mem::take(&mut self.gpu.borrow_mut().asked);
         let outputs = self.engine.drain_outputs();
         // A step whose device lost its memory sends the running requests back to the head of
         // the queue, in order, before it admits (`Engine::step`).
@@ -1309,17 +1305,17 @@ impl<'a> Run<'a> {
         let now = self.gpu.borrow().now();
         let found = reported::admitted(report.admitted, left.len(), now)
             .or_else(|| reported::admitted_in_order(&self.admission_queue, &left, now))
-            .or_else(|| self.prefill_within_budget(&stored, now))
-            .or_else(|| self.stores_within_ownership(&stored_pages, now));
+            .or_else(|| self.prefill_within_budget(&asked.stored, now))
+            .or_else(|| self.stores_within_ownership(&asked.stored_pages, now));
         // In admission order (the queue's, which `admitted_in_order` holds the engine to).
         // A page loaded for one request and published within the step is a device hit of the
         // requests admitted after it: each loaded page counts for the first that holds it.
-        let mut unclaimed = loaded;
+        let mut unclaimed = asked.loaded;
         let admitted: Vec<policy::Admitted> = self
             .admission_queue
             .iter()
             .filter(|id| left.contains(id))
-            .map(|&id| self.admitted_as_seen(id, &stored, &mut unclaimed))
+            .map(|&id| self.admitted_as_seen(id, &asked.stored, &mut unclaimed))
             .collect();
         self.admission_queue.retain(|id| !left.contains(id));
         self.running_model.extend(&left);
