@@ -31,6 +31,15 @@ pub enum KernelError {
         value: i64,
         limit: u64,
     },
+    #[error(
+        "{op}: this call needs a larger {what} than tierkv holds, and its stream is being \
+         captured into a CUDA graph, where growing it would put an allocation into the graph: \
+         call the op once without capture, at its largest shape, before capturing"
+    )]
+    GrowsInCapture {
+        op: &'static str,
+        what: &'static str,
+    },
     #[error("{op}: built without CUDA; rebuild with `--features cuda` to run it on a GPU")]
     BuiltWithoutCuda { op: &'static str },
     #[error("{op}: CUDA error: {detail}")]

@@ -177,7 +177,9 @@ def test_ops_replay_inside_a_cuda_graph():
     cache, the logits over that cache, their top-k, a gather of the cache's blocks), then
     replayed three times over new keys and queries written in place: every replay equals the
     same ops called eagerly on those inputs. One eager call of each op comes first (it loads the
-    kernels and sizes tierkv's scratch: nothing may be allocated inside a capture)."""
+    kernels and sizes tierkv's scratch: nothing may be allocated inside a capture); a call that
+    would grow the scratch inside a capture is refused, and one outside grows it without
+    breaking the graph."""
     rows, pages, heads = 4, 16, 64
     blocks, ctx = rows * pages, pages * 64
     g = gen(7)
@@ -208,6 +210,17 @@ def test_ops_replay_inside_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = chain(cache, gathered)
+    # A call that would grow tierkv's guard array inside a capture is refused; outside one it
+    # grows it, and the graph captured over the old array still replays right.
+    rows_max = 1 << 20
+    many = torch.zeros(rows_max, 8, device="cuda")
+    many_lens = torch.full((rows_max,), 8, dtype=torch.int32, device="cuda")
+    refused = torch.cuda.CUDAGraph()
+    with pytest.raises(ops.OpError, match="captured into a CUDA graph"):
+        with torch.cuda.graph(refused):
+            ops.topk(many, many_lens, 4)
+    del refused
+    ops.topk(many, many_lens, 4)
     for round in range(3):
         fresh = store_inputs(blocks * 64, 20 + round)[0]
         keys.copy_(fresh)

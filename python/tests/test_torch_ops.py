@@ -117,5 +117,17 @@ def test_a_refusal_comes_through_the_dispatcher():
         torch.ops.tierkv.index_k_store(x["keys"], cache, bad, x["gamma"], x["beta"], x["rope"])
     assert not cache.any()
     # The plain ops' numpy path is not taken: the registered ops take tensors only.
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor'"):
         torch.ops.tierkv.topk(np.zeros((1, 4), dtype=np.float32), x["lens"][:1], 2)
+
+
+def test_a_bad_count_is_refused_when_compiling_too():
+    x = inputs("cpu")
+    logits = torch.zeros(2, 8)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def compiled(logits, lens, k):
+        return torch.ops.tierkv.topk(logits, lens, k)
+
+    with pytest.raises(Exception, match="`k` is 0, not an integer >= 1"):
+        compiled(logits, x["lens"], 0)

@@ -13,11 +13,18 @@ calling the op of the same name in :mod:`tierkv.ops` on the caller's current str
   mutated), returns nothing.
 
 Each has a fake implementation (output shapes and types only), so ``torch.compile`` traces
-through the ops without a graph break, and ``torch.library.opcheck`` holds for them
-(``python/tests/test_torch_ops.py``). Arguments, refusals and stream semantics are those of
+through the ops without a graph break, and ``torch.library.opcheck`` holds for them with an fp8
+``q`` given as ``torch.uint8`` bytes (``python/tests/test_torch_ops.py``; with a
+``torch.float8_e4m3fn`` ``q``, opcheck's schema check fails inside torch's own comparison of
+fp8 tensors, while the op itself runs). Arguments, refusals and stream semantics are those of
 :mod:`tierkv.ops`; the registered ops take no ``out=`` (a custom op returns fresh tensors). The
-dispatcher adds host time to each call: in eager code the plain ``tierkv.ops`` functions are
-cheaper; inside a compiled region or a CUDA graph that cost is paid once.
+dispatcher adds host time to every call, compiled code included (a compiled region still calls
+each op's Python implementation): the plain ``tierkv.ops`` functions are cheaper. Only a CUDA
+graph's replay runs the ops without host work.
+
+Under ``torch.compile``, ``copy_pages`` with a destination that is also its source reads the
+source as it was before the call (functionalisation), where an eager host call copies pairs in
+order; on the GPU such pairs have no defined order either way.
 
 Tensors only (no numpy arrays); an fp8 ``q`` may be ``torch.float8_e4m3fn`` or its bytes as
 ``torch.uint8``.
@@ -69,6 +76,10 @@ def paged_mqa_logits(
 
 @paged_mqa_logits.register_fake
 def _(q, kv_cache, weights, context_lens, block_table, max_context_len, dtype="fp8", kernel="tensor_core"):
+    if max_context_len < 0:
+        raise ops.OpError(
+            f"tierkv.ops.paged_mqa_logits: `max_context_len` is {max_context_len}, not an integer >= 0"
+        )
     return q.new_empty((q.shape[0], max_context_len), dtype=torch.float32)
 
 
@@ -84,6 +95,8 @@ def topk(
 
 @topk.register_fake
 def _(logits, context_lens, k, block_table=None):
+    if k < 1:
+        raise ops.OpError(f"tierkv.ops.topk: `k` is {k}, not an integer >= 1")
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
 
 

@@ -162,23 +162,30 @@ pub struct CampaignSummary {
     /// The signal that stopped the campaign early (see [`catch_interrupts`]): the summary then
     /// holds only the runs that ended before it.
     pub interrupted: Option<i32>,
-    /// The workers' CPU time up to the first failing run's verdict: every run that ended before
-    /// it and that run itself, each counted from drawing its scenario to its verdict (not its
-    /// determinism rerun, nor what the command does after the campaign). Runs in the order they
-    /// ended: exact with one worker; with more, runs still in flight on other workers at that
-    /// moment are not counted. `None` when no run failed.
+    /// The workers' CPU time up to the first failing run's verdict: every run whose result
+    /// reached the campaign before it, in full (its determinism rerun included: work the
+    /// campaign did before the catch), and the failing run to its verdict (from drawing its
+    /// scenario, or for schedules after the first from the run's start, to the end of the run
+    /// that failed, or of its rerun when only the rerun failed; not what the command does after
+    /// the campaign). Exact with one worker; with more, runs in flight on other workers are left
+    /// out and runs that ended while the failing one was rerun may be counted. `None` when no
+    /// run failed.
     pub cpu_to_first_failure: Option<Duration>,
-    /// The verdict CPU time of the runs that ended so far, while no run has failed.
+    /// The CPU time of the runs counted so far, while no run has failed.
     pub(crate) cpu_before_failure: Duration,
 }
 
+/// How a campaign's summary starts the line of [`CampaignSummary::cpu_to_first_failure`]
+/// (`bench --catch` reads it).
+pub const FIRST_FAILURE_AFTER: &str = "first failure after ";
+
 impl CampaignSummary {
-    /// Counts a run that ended: `to_verdict` is its CPU time up to its verdict.
+    /// Counts a run that ended, with its CPU time.
     fn add_timed(&mut self, o: &RunOutcome, t: RunCpu) {
         self.add(o);
         self.worker += t.total;
         if self.cpu_to_first_failure.is_none() {
-            self.cpu_before_failure += t.to_verdict;
+            self.cpu_before_failure += if o.failed() { t.to_verdict } else { t.total };
             if o.failed() {
                 self.cpu_to_first_failure = Some(self.cpu_before_failure);
             }
@@ -224,15 +231,25 @@ impl CampaignSummary {
             );
         }
         self.print_counts();
-        if let Some(cpu) = self.cpu_to_first_failure {
-            println!(
-                "first failure after {:.3} CPU-seconds of runs (the workers' time from each run's scenario to its verdict, the failing run's included, in the order runs ended{})",
-                cpu.as_secs_f64(),
-                if self.jobs > 1 { "; runs in flight on other workers not counted" } else { "" }
-            );
+        if let Some(line) = self.first_failure_line() {
+            println!("{line}");
         }
         self.print_throughput(self.wall.as_secs_f64(), None);
         self.print_checks();
+    }
+
+    /// The line that gives [`CampaignSummary::cpu_to_first_failure`], if a run failed.
+    pub fn first_failure_line(&self) -> Option<String> {
+        let cpu = self.cpu_to_first_failure?;
+        Some(format!(
+            "{FIRST_FAILURE_AFTER}{:.3} CPU-seconds of runs (the workers' time: each run counted before the failing one in full, the failing one to its verdict{})",
+            cpu.as_secs_f64(),
+            if self.jobs > 1 {
+                "; with several workers, in the order results arrived: approximate"
+            } else {
+                ""
+            }
+        ))
     }
 
     /// Seeds, failures by oracle, and what was checked.
@@ -475,11 +492,15 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, RunCpu)>) {
             ..RunOptions::default()
         };
         let mut out = run(&sc, &ropts);
-        let to_verdict = thread_cpu().saturating_sub(began);
+        let mut to_verdict = thread_cpu().saturating_sub(began);
         if determinism::sampled(seed, out.failed()) {
+            let first_failed = out.failed();
             out.rerun = true;
             out.findings
                 .extend(determinism::rerun(&sc, &ropts, out.log_hash));
+            if !first_failed {
+                to_verdict = thread_cpu().saturating_sub(began); // only the rerun failed
+            }
         }
         // More schedules of the same scenario, PCT over schedule 0's op starts.
         let ops = out.decision_counts.made[Kind::Hold as usize];
@@ -522,7 +543,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, RunCpu)>) {
 }
 
 /// A run's CPU time on its worker thread: in all (with its determinism rerun), and up to its
-/// verdict (from drawing its scenario to the end of its first run).
+/// verdict (to the end of its first run, or of its rerun when only the rerun failed).
 #[derive(Clone, Copy, Debug)]
 struct RunCpu {
     total: Duration,

@@ -146,10 +146,11 @@ pub struct CudaDriver {
     copy_kernel: Option<Option<CudaFunction>>,
     /// Pinned staging for `copy_list`'s copy lists, used in turn ([`COPY_LISTS`] of
     /// [`KERNEL_SLICE_COPIES`] entries, made on the first kernel copy), each with the event
-    /// recorded after its upload: the host reuses one only after that event. From pageable
-    /// memory an upload would wait for the stream's earlier work before it starts (CUDA's rule
-    /// for pageable host-to-device copies), so the host could not list the next slice while the
-    /// GPU copies this one.
+    /// recorded after its upload: the host reuses one only after that event. An upload from
+    /// pageable memory may be synchronous (CUDA's documentation allows the driver to wait),
+    /// while one from pinned memory is queued and returns: the host can list the next slice
+    /// while the GPU copies this one. (Whether this changed a measured transfer is for the
+    /// first GPU run after it, kernels/GPU.md.)
     lists: Vec<(PinnedHost, CudaEvent)>,
     next_list: usize,
 }
@@ -290,20 +291,22 @@ impl CudaDriver {
         Ok(())
     }
 
-    /// `copy_list`, compiled and loaded into this driver's context on first use.
     /// The next pinned copy-list buffer, free to write: made on first use (all
-    /// [`COPY_LISTS`]), and waited for when its last upload may still be reading it.
+    /// [`COPY_LISTS`] at once, or none), and waited for when its last upload may still be
+    /// reading it.
     fn copy_list_staging(&mut self, bytes: usize) -> Result<usize, DeviceError> {
-        let capacity = 3 * 8 * KERNEL_SLICE_COPIES;
+        let capacity = crate::layout::u64_bytes(3 * KERNEL_SLICE_COPIES as u64).usize();
         assert!(bytes <= capacity, "a copy list longer than a slice");
         if self.lists.is_empty() {
+            let mut lists = Vec::with_capacity(COPY_LISTS);
             for _ in 0..COPY_LISTS {
                 let event = self
                     .ctx
                     .new_event(None)
                     .map_err(backend("cuEventCreate (a copy list)"))?;
-                self.lists.push((PinnedHost::new(&self.ctx, capacity)?, event));
+                lists.push((PinnedHost::new(&self.ctx, capacity)?, event));
             }
+            self.lists = lists;
         }
         let i = self.next_list;
         self.next_list = (i + 1) % COPY_LISTS;
@@ -315,6 +318,7 @@ impl CudaDriver {
         Ok(i)
     }
 
+    /// `copy_list`, compiled and loaded into this driver's context on first use.
     fn copy_kernel(&mut self) -> Option<&CudaFunction> {
         if self.copy_kernel.is_none() {
             let src = tierkv_kernels::cuda::SOURCES
@@ -369,8 +373,9 @@ impl CudaDriver {
         let (at, _sync) = cudarc::driver::DevicePtr::device_ptr(&table, &stream);
         let list = self.copy_list_staging(bytes)?;
         let (pinned, uploaded) = &mut self.lists[list];
-        for (to, word) in pinned.slice_mut().chunks_exact_mut(8).zip(&desc) {
-            to.copy_from_slice(&word.to_ne_bytes());
+        let word = std::mem::size_of::<u64>();
+        for (to, w) in pinned.slice_mut().chunks_exact_mut(word).zip(&desc) {
+            to.copy_from_slice(&w.to_ne_bytes());
         }
         // SAFETY: `bytes` bytes of pinned memory that no queued upload still reads (its event
         // completed); `at` holds `bytes`.
@@ -380,9 +385,12 @@ impl CudaDriver {
             },
             "cuMemcpyHtoDAsync (the copy list)",
         )?;
-        uploaded
-            .record(&stream)
-            .map_err(backend("cuEventRecord (the copy list)"))?;
+        if let Err(e) = uploaded.record(&stream) {
+            // The buffer's event still holds an older record: wait for the upload queued just
+            // now before the buffer can be handed out again.
+            let _ = stream.synchronize();
+            return Err(backend("cuEventRecord (the copy list)")(e));
+        }
         let n = copies.len() as i32;
         let mut b = stream.launch_builder(&f);
         b.arg(&at).arg(&n);

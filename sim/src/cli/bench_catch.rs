@@ -6,8 +6,9 @@
 //! Each campaign is one child process, `BIN sim --mutant M --seeds A..B --jobs 1 --no-shrink`
 //! (under the `pd` profile for the prefill/decode mutants, as the zoo runs them), which stops at
 //! its first failure. The figure of a catch is the CPU time the campaign counts up to its first
-//! failing run's verdict (its `first failure after X CPU-seconds` line: from each run's scenario
-//! to its verdict, on its one worker thread, the failing run included): what a campaign spends to
+//! failing run's verdict (its `first failure after X CPU-seconds` line, on its one worker
+//! thread: every seed before the failing one in full, with the one in 16 that a campaign runs
+//! twice to check determinism, and the failing seed to its verdict): what a campaign spends to
 //! find the bug, without what it does after (the determinism rerun every failing seed gets, the
 //! rerun that prints the report and the traced run that writes its trace). A build that does not
 //! print that line (one from before it) is measured by the kernel's count of the whole child
@@ -81,11 +82,13 @@ pub fn caught_at(stdout: &str) -> Option<u64> {
 /// CPU-seconds` line), where the build prints it.
 pub fn cpu_to_catch(stdout: &str) -> Option<f64> {
     stdout.lines().find_map(|l| {
-        l.strip_prefix("first failure after ")?
+        let s: f64 = l
+            .strip_prefix(crate::campaign::FIRST_FAILURE_AFTER)?
             .split_whitespace()
             .next()?
             .parse()
-            .ok()
+            .ok()?;
+        (s.is_finite() && s >= 0.0).then_some(s)
     })
 }
 
@@ -286,7 +289,12 @@ fn cell(runs: &[Catch]) -> String {
 /// many by the whole child's CPU time (a build that does not count it), and a warning when
 /// both kinds are compared.
 fn measured(out: &Outcomes) -> String {
-    let caught: Vec<&Catch> = out.iter().flatten().flatten().filter(|c| c.seeds.is_some()).collect();
+    let caught: Vec<&Catch> = out
+        .iter()
+        .flatten()
+        .flatten()
+        .filter(|c| c.seeds.is_some())
+        .collect();
     let exact = caught.iter().filter(|c| c.exact).count();
     let whole = caught.len() - exact;
     let mut s = format!(
@@ -429,6 +437,15 @@ mod tests {
         assert_eq!(cpu_to_catch(out), Some(1.729));
         assert_eq!(cpu_to_catch("seeds run: 3   failures: 0\n"), None);
         assert_eq!(cpu_to_catch("first failure after x CPU-seconds\n"), None);
+        assert_eq!(cpu_to_catch("first failure after NaN CPU-seconds\n"), None);
+        assert_eq!(cpu_to_catch("first failure after inf CPU-seconds\n"), None);
+        // The line a campaign prints is the line read.
+        let summary = crate::campaign::CampaignSummary {
+            cpu_to_first_failure: Some(std::time::Duration::from_millis(1500)),
+            ..Default::default()
+        };
+        let line = summary.first_failure_line().expect("a failure's line");
+        assert_eq!(cpu_to_catch(&format!("seeds run: 2\n{line}\n")), Some(1.5));
     }
 
     #[test]
@@ -481,7 +498,10 @@ mod tests {
         older[0][0].exact = false;
         let mixed = report(&plan, &bins, &vec![older.clone(), older]);
         assert!(mixed.contains("22 catches measured by the campaign's CPU time to the failing run's verdict, 2 by the whole campaign's"), "{mixed}");
-        assert!(mixed.contains("WARNING: the two measures are compared here"), "{mixed}");
+        assert!(
+            mixed.contains("WARNING: the two measures are compared here"),
+            "{mixed}"
+        );
         // Medians 2, 2, 4, 8 against 4, 4, 8, 2: geometric means 3.36 and 4.0; the slowest
         // quarter by the baseline is c (4 against 8).
         assert!(

@@ -347,7 +347,8 @@ pub struct SimGpu {
     /// on a failed one reads them before the engine discards it). In order, no step may read
     /// them before the rerun rewrites them, so a read is still compared, and a finding.
     pub ahead: bool,
-    /// The run's trace, kept with `GpuOptions::trace` (`trace.rs`).
+    /// The run's trace (`trace.rs`): slices and marks kept with `GpuOptions::trace`, the first
+    /// race's ops always.
     pub trace: TraceLog,
     pub stats: GpuStats,
     pub record_log: RecordLog,
@@ -547,7 +548,8 @@ impl SimGpu {
     pub(crate) fn note_asked(&mut self, stream: StreamKind, op: &Op) {
         let s = stream_index(self.side, stream);
         if let (Op::KvStore(o), 0) = (op, self.side) {
-            self.asked.stored
+            self.asked
+                .stored
                 .extend(o.tags.rows.iter().map(|t| (t.request, t.position)));
             let page = tierkv_kernels::spec::format::PAGE_TOKENS as i32;
             self.asked.stored_pages.extend(
@@ -664,6 +666,11 @@ impl SimGpu {
             .range_mut(ByteRange::new(buf, offset, Bytes(data.len() as u64)))
             .copy_from_slice(data);
         self.log(&[25, buf.0 as u64, offset.0]);
+    }
+
+    /// The fault that left the current side in error, if it is.
+    fn side_fault(&self) -> Option<DeviceFault> {
+        self.contexts.in_error[self.side]
     }
 
     /// Whether the current side is in error (its calls fail, CUDA drops its callbacks).
@@ -910,7 +917,7 @@ impl SimGpu {
             self.pump(now);
         }
         // A side in error refuses the op below: the recovery oracle judges the per-stream model.
-        if let (Some(ev), None) = (self.streams[s].failure_seen, self.contexts.in_error[self.side]) {
+        if let (Some(ev), None) = (self.streams[s].failure_seen, self.side_fault()) {
             self.finding(
                 OracleKind::Recovery,
                 format!(
@@ -955,7 +962,7 @@ impl SimGpu {
             if !launch {
                 self.note_refused(stream, &op);
             }
-            if let (true, Some(cause)) = (in_error, self.contexts.in_error[self.side]) {
+            if let (true, Some(cause)) = (in_error, self.side_fault()) {
                 return Err(DeviceError::InError { cause });
             }
             return Err(DeviceError::Backend {

@@ -35,7 +35,8 @@ pub enum Mark {
     },
 }
 
-/// The run's trace ([`SimGpu::trace`]), kept with `GpuOptions::trace`.
+/// The run's trace ([`SimGpu::trace`]): slices and marks kept with `GpuOptions::trace`, the
+/// first race's ops always.
 #[derive(Debug, Default)]
 pub struct TraceLog {
     /// Each op that ran.

@@ -14,8 +14,11 @@
 //!
 //! The guard kernels' output arrays belong to the [`GuardStatus`] and are reused by every launch
 //! on its one stream: each launch's work kernel reads them before the next launch's guard
-//! kernel writes them (stream order). A larger one replaces them, the old freed on that stream
-//! (`cuMemFreeAsync`) after the work that read it.
+//! kernel writes them (stream order). A larger one replaces them; the old is kept as long as the
+//! status lives (for the Python module's static status, the process), because a CUDA graph
+//! captured over earlier launches still names it. An array never grows while its stream is
+//! being captured ([`crate::KernelError::GrowsInCapture`]): that would put an allocation into
+//! the caller's graph.
 
 use super::{aligned, bad, cuda, need, CheckedIndexLogits, IndexKStoreLaunch, IndexLogitsLaunch};
 use super::{i32_bytes, DevPtr, Kernels, LogitsKernel, LogitsTuning};
@@ -106,6 +109,24 @@ impl std::fmt::Display for GuardFinding {
     }
 }
 
+/// Refuses to grow `what` while `s` is being captured into a CUDA graph.
+fn not_capturing(s: &CudaStream, op: &'static str, what: &'static str) -> Result<()> {
+    let mut status = cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a live stream of this context; an out-pointer to a local.
+    let r = unsafe { cudarc::driver::sys::cuStreamIsCapturing(s.cu_stream(), &mut status) };
+    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(crate::error::KernelError::Cuda {
+            op,
+            detail: format!("cuStreamIsCapturing: {r:?}"),
+        });
+    }
+    if status == cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        Ok(())
+    } else {
+        Err(crate::error::KernelError::GrowsInCapture { op, what })
+    }
+}
+
 impl GuardStatus {
     /// The record, its claim word allocated and cleared on `s` (the stream the guarded launches
     /// and [`GuardStatus::take`] use).
@@ -168,6 +189,7 @@ impl GuardStatus {
     fn buffer(&mut self, op: &'static str, n: usize) -> Result<DevPtr> {
         let s = self.stream.clone();
         if self.scratch.as_ref().is_none_or(|b| b.len() < n.max(1)) {
+            not_capturing(&s, op, "guard array")?;
             // The old array is kept (`retired`): a captured graph may still name it.
             self.retired.extend(self.scratch.take());
             // SAFETY: every entry a launch reads is written by its guard kernel first.
@@ -518,8 +540,10 @@ impl Kernels {
         let pages = stride.div_ceil(PAGE_TOKENS as usize).max(1);
         let s = g.stream.clone();
         if g.identity.as_ref().is_none_or(|t| t.len() < pages) {
+            not_capturing(&s, "topk", "positions table")?;
             let len = pages.next_power_of_two();
-            g.retired.extend(g.identity.take()); // a captured graph may still name it
+            // A captured graph may still name the old one.
+            g.retired.extend(g.identity.take());
             // SAFETY: every entry is written by guard_iota below, before any reader on `s`.
             let table = unsafe { s.alloc::<i32>(len) }.map_err(cuda("topk"))?;
             let (out, n) = (dev(&table, &s).ptr, len as i32);
