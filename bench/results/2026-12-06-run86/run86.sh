@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run 86 (kernels/GPU.md): issue 30's GPU acceptance at cb03e28 (strict PCT holds; copy lists from pinned memory), whether CUDA
+# Run 86 (kernels/GPU.md): issue 30's GPU acceptance at a40d594 (strict PCT holds; copy lists from pinned memory), whether CUDA
 # lets a context in a sticky error be recreated (sticky.py), and issue 32's ops and transfers.
 # Staged by bench/stage.sh, the CUDA wheel in .gpu/wheels, and .gpu/bin/tierkv-old built at
 # 305dbaa (before the driver seam) for the replay comparison; the builds alternate. Two calls:
