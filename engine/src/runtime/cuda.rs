@@ -373,7 +373,7 @@ impl CudaDriver {
         let (at, _sync) = cudarc::driver::DevicePtr::device_ptr(&table, &stream);
         let list = self.copy_list_staging(bytes)?;
         let (pinned, uploaded) = &mut self.lists[list];
-        let word = std::mem::size_of::<u64>();
+        let word = crate::layout::u64_bytes(1).usize();
         for (to, w) in pinned.slice_mut().chunks_exact_mut(word).zip(&desc) {
             to.copy_from_slice(&w.to_ne_bytes());
         }
