@@ -6,7 +6,8 @@
 # `run86.sh a`, then `run86.sh b`; or, where the device time left allows one call only,
 # `run86.sh c`: the new parts first (sticky.py, the GPU tests, the ops against `tierkv bench`,
 # the transfers), then the GPU items of issue 30 with one replay of each build. Run from the
-# checkout with .gpu/ beside it.
+# checkout with .gpu/ beside it. `run86.sh d`: sticky.py and the CUDA-graph and registered-op
+# tests only (for a device budget almost spent).
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export CUDA_INCLUDE_DIR=/usr/local/cuda/include CUDA_HOME=/usr/local/cuda
@@ -112,4 +113,14 @@ for run in new old; do
   timeout 55 "$bin" replay --device cuda --trace "$G/data/trace.jsonl" --requests 60 --layers 61 --time-scale 5 > "$OUT/replay-61-$run.log" 2>&1; echo "rc=$?"
   grep -E "^finished|step latency|computing steps" "$OUT/replay-61-$run.log" | head -4
 done
+fi
+if [ "$part" = d ]; then
+echo "=== a sticky error and a context recreated (sticky.py)"
+timeout 30 python3 $R/sticky.py > "$OUT/sticky.log" 2>&1; echo "rc=$?"; cat "$OUT/sticky.log"
+PY=/tmp/tierkv-py; rm -rf "$PY"; mkdir -p "$PY"
+python3 -m zipfile -e "$G"/wheels/tierkv-*.whl "$PY"
+export PYTHONPATH=$PY
+echo "=== pytest: CUDA graphs, the registered ops"
+timeout 80 python3 -m pytest -q -p no:cacheprovider python/tests/test_cuda_ops.py python/tests/test_torch_ops.py -rs > "$OUT/pytest.log" 2>&1; echo "rc=$?"
+grep -E "passed|failed|FAILED|Error" "$OUT/pytest.log" | tail -12
 fi
