@@ -1,5 +1,6 @@
 """tierkv.HostTier on a GPU (skipped without a CUDA build of tierkv, torch or a GPU): random
-block mappings both ways against a pure-torch reference; a store issued right after a kernel
+block mappings both ways against a pure-torch reference; a job of more copy-kernel slices than
+the driver has pinned copy lists, behind a busy stream; a store issued right after a kernel
 wrote its blocks on the current stream (vllm#45704's pattern), clean with the event and caught
 without it; and the refusals of mixed or foreign memory."""
 
@@ -84,6 +85,34 @@ def test_random_mappings_both_ways_match_a_torch_reference(blocks_per_chunk):
                 got = torch.frombuffer(bytearray(tier.read_host(t, c)), dtype=torch.int8)
                 want = host[t][c * blocks_per_chunk:(c + 1) * blocks_per_chunk].reshape(-1)
                 assert torch.equal(got, want), f"job {job} chunk {c} cache {t}"
+
+
+def test_a_job_of_more_slices_than_copy_lists_round_trips_behind_a_busy_stream():
+    """A store and a load of 36,000 scattered blocks (72,000 page copies: five slices of the
+    copy kernel, more than the driver's four pinned copy lists), each issued behind about a
+    millisecond of GPU work and a write on the current stream: the fifth slice's list reuses
+    the first's buffer while that upload may still wait behind the work. The bytes round-trip."""
+    blocks = 36_000
+    kv, ik = caches(blocks, 3)
+    want = (kv.clone(), ik.clone())
+    tier = tierkv.HostTier([kv, ik], GROUPS, FORMATS, 1, blocks)
+    order = np.arange(blocks)[::-1]  # reversed: no two pages coalesce
+    ptrs, sizes = pointers((kv, ik), order)
+    chunks = np.concatenate([np.arange(blocks), np.arange(blocks)]).astype(np.uint64).tobytes()
+    torch.cuda._sleep(2_000_000)
+    kv.copy_(want[0])
+    ik.copy_(want[1])
+    tier.store(0, ptrs, sizes, [blocks, blocks], [1, 1], [0, 0], chunks, stream=stream())
+    drain(tier, [0])
+    for c in (0, 1, blocks // 2, blocks - 1):
+        got = np.frombuffer(tier.read_host(0, c), np.int8)
+        assert np.array_equal(got, want[0][order[c]].cpu().numpy()), c
+    torch.cuda._sleep(2_000_000)
+    kv.zero_()
+    ik.zero_()
+    tier.load(1, ptrs, sizes, [blocks, blocks], [1, 1], [0, 0], chunks, stream=stream())
+    drain(tier, [1])
+    assert torch.equal(kv, want[0]) and torch.equal(ik, want[1])
 
 
 def store_right_after_a_write(mutant, iterations, scattered):
