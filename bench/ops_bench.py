@@ -24,40 +24,35 @@ REPS = 10
 out = open(sys.argv[1] if len(sys.argv) > 1 else "/dev/null", "w")
 
 
-def timeit(f):
+def median_ms(run, per=1):
+    """Median milliseconds of `run` over REPS timed calls (after 3 untimed), divided by `per`."""
     for _ in range(3):
-        f()
+        run()
     torch.cuda.synchronize()
     ts = []
     for _ in range(REPS):
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
         a.record()
-        f()
+        run()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b))
+        ts.append(a.elapsed_time(b) / per)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def timeit(f):
+    return median_ms(f)
 
 
 def queued(f, n=8):
     """Per call, n calls queued back to back (the GPU's time per call once the host is ahead)."""
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPS):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
+    def batch():
         for _ in range(n):
             f()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / n)
-    ts.sort()
-    return ts[len(ts) // 2]
+
+    return median_ms(batch, n)
 
 
 def graphed(f, n=8):
@@ -73,21 +68,9 @@ def graphed(f, n=8):
     with torch.cuda.graph(graph):
         for _ in range(n):
             f()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPS):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / n)
-    ts.sort()
+    ms = median_ms(graph.replay, n)
     del graph
-    return ts[len(ts) // 2]
+    return ms
 
 
 def emit(name, ms, f=None):

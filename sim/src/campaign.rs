@@ -185,8 +185,9 @@ impl CampaignSummary {
         self.add(o);
         self.worker += t.total;
         if self.cpu_to_first_failure.is_none() {
-            self.cpu_before_failure += if o.failed() { t.to_verdict } else { t.total };
-            if o.failed() {
+            let failed = o.failed();
+            self.cpu_before_failure += if failed { t.to_verdict } else { t.total };
+            if failed {
                 self.cpu_to_first_failure = Some(self.cpu_before_failure);
             }
         }

@@ -373,10 +373,7 @@ impl CudaDriver {
         let (at, _sync) = cudarc::driver::DevicePtr::device_ptr(&table, &stream);
         let list = self.copy_list_staging(bytes)?;
         let (pinned, uploaded) = &mut self.lists[list];
-        let word = crate::layout::u64_bytes(1).usize();
-        for (to, w) in pinned.slice_mut().chunks_exact_mut(word).zip(&desc) {
-            to.copy_from_slice(&w.to_ne_bytes());
-        }
+        pinned.slice_mut()[..bytes].copy_from_slice(super::driven::bytes_of(&desc));
         // SAFETY: `bytes` bytes of pinned memory that no queued upload still reads (its event
         // completed); `at` holds `bytes`.
         check(

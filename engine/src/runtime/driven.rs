@@ -101,8 +101,8 @@ struct ComputeTiming {
     enqueue_ns: [u64; Op::KINDS],
 }
 
-fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
-    // SAFETY: plain-old-data slices (f32, i32, u32, u16, TokenAt) viewed as bytes.
+pub(crate) fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: plain-old-data slices (f32, i32, u32, u64, u16, TokenAt) viewed as bytes.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
