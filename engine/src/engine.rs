@@ -333,6 +333,18 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
         self.refresh_gauges();
         Ok(true)
     }
+    /// Prefill side, after the device's context was recreated: export `id`, whose KV the decode
+    /// side received before, is dropped: its pages are freed, not cached (they hold garbage).
+    /// The caller has seen every copy that reads them end. `false` when `id` is not held.
+    pub(crate) fn drop_export(&mut self, id: u64) -> bool {
+        let Some(r) = self.exports.remove(&id) else {
+            return false;
+        };
+        self.cache.unlock(&r.locked);
+        self.pools.device_pages.free(&r.pages[r.owned_from..]);
+        self.refresh_gauges();
+        true
+    }
     /// Prefill side, zoo mutant 14 only: takes running request `id` out as an export however
     /// much of its prompt is computed. `false` when it is not running or waits for a load.
     pub(crate) fn export_unfinished(&mut self, id: u64) -> bool {
@@ -703,21 +715,28 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
     /// request goes back to the head of the queue in running order, holding no page, to
     /// recompute its KV through admission (its prefix may hit the host tier, which is host
     /// memory and survives); the prefix cache drops every device page, keeping host copies.
-    /// Afterwards the device tier is empty. A prefill/decode pair's engine cannot do this yet:
-    /// its exports and imports hold device pages of transfers across two devices, and it stops
-    /// with a typed error.
+    /// Afterwards the device tier is empty. A prefill/decode pair's engine does this only when
+    /// the pair calls it (`PdPair::after_recreations`), after the pair ended its transfers
+    /// (every import given back, the exports decode admitted dropped); the exports left go back
+    /// to the queue behind the running requests, to recompute their KV. Until then the
+    /// recreation stays pending, and the engine's steps end early.
     fn after_recreation(&mut self) -> Result<(), EngineError> {
+        if self.role.is_some() && self.recreation_pending() {
+            probe::hit(Probe::PdRecreationDeferred);
+            return Ok(());
+        }
+        self.drop_device_tier()
+    }
+
+    /// [`Engine::after_recreation`]'s work, for a pair's engine called by the pair.
+    pub(crate) fn drop_device_tier(&mut self) -> Result<(), EngineError> {
         if !self.recreation_pending() {
             return Ok(());
         }
+        assert_eq!(self.import_held, 0, "imports held over a recreated context");
         self.context_generation = self.dev.context_generation();
         if self.mutants.recreation_keeps_device_tier() {
             return Ok(());
-        }
-        if self.role.is_some() {
-            return Err(EngineError::RecreatedUnderPair {
-                generation: self.context_generation,
-            });
         }
         probe::hit(Probe::DeviceContextRecreated);
         self.metrics.context_recreations += 1;
@@ -739,7 +758,13 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             ctl.fail_all(&mut io)
         };
         self.apply(&acks);
-        for (locked, owned) in self.sched.requeue_running() {
+        let mut held = self.sched.requeue_running();
+        let running = held.len();
+        for (k, r) in std::mem::take(&mut self.exports).into_values().enumerate() {
+            probe::hit(Probe::PdExportRequeued);
+            held.push(self.sched.requeue_export(r, running + k));
+        }
+        for (locked, owned) in held {
             self.cache.unlock(&locked);
             self.pools.device_pages.free(&owned);
             self.metrics.requests_requeued += 1;

@@ -34,13 +34,6 @@ pub enum EngineError {
         max = crate::cache::WEIGHTS_VERSION_MAX
     )]
     WeightsVersion(u32),
-    /// The device's context was recreated (its memory lost) under a prefill/decode pair's
-    /// engine, which cannot recompute its transfers (not built): the pair stops.
-    #[error(
-        "the device's context was recreated (generation {generation}) under a prefill/decode \
-         pair's engine, which cannot recompute its transfers"
-    )]
-    RecreatedUnderPair { generation: u64 },
 }
 
 impl From<TransferError> for EngineError {

@@ -197,6 +197,15 @@ probes! {
     /// Prefill/decode: a transfer's notification did not come by its deadline; it counts as
     /// failed.
     PdNotificationTimedOut = "pd.notification_timed_out",
+    /// Prefill/decode: a side's context was recreated (its device memory lost); the pair
+    /// dropped what its transfers held there (`PdPair::after_recreations`).
+    PdContextRecreated = "pd.context_recreated",
+    /// Prefill/decode: a prefill export lost its KV with its side's context and went back to
+    /// the queue to recompute it.
+    PdExportRequeued = "pd.export_requeued",
+    /// Prefill/decode: an engine saw its context recreated while the pair still held its
+    /// exports or imports; it waits for the pair before it drops its device tier.
+    PdRecreationDeferred = "pd.recreation_deferred",
     /// One step ahead: a step was enqueued while the step before it was still in flight.
     AheadStep = "ahead.step",
     /// One step ahead: a row's token is pending (the step in flight generates it on the device).

@@ -153,6 +153,24 @@ impl Request {
     pub fn finished(&self) -> bool {
         self.generated >= self.max_new
     }
+    /// Finished, and the KV of every token before its last computed: a request requeued after
+    /// it finished (a pair's export whose device memory was lost, `Scheduler::requeue_export`)
+    /// recomputes it before it is done again.
+    fn done(&self) -> bool {
+        self.finished() && self.computed + 1 >= self.tokens.len()
+    }
+    /// Where a chunk of positions whose tokens are known ends: positions are computed in chunks
+    /// up to the prompt's end, and after a requeue (`Scheduler::requeue_running`) up to the end
+    /// of the tokens it had generated too, the last of which generates the next. A finished
+    /// request back to recompute (`Scheduler::requeue_export`) stops before its last token, as
+    /// it was when it finished.
+    fn chunk_end(&self) -> usize {
+        if self.finished() {
+            self.tokens.len() - 1
+        } else {
+            self.prompt_len.max(self.tokens.len())
+        }
+    }
     /// The batch row that stores positions `from..to` and queries `queries`.
     fn row(&self, from: usize, to: usize, queries: Vec<u32>) -> Row {
         Row {
@@ -215,6 +233,12 @@ pub struct Scheduler {
     ///
     /// [`requeue_running`]: Scheduler::requeue_running
     requeued: std::collections::BTreeSet<u64>,
+    /// Queued requests that had finished and come back to recompute their KV
+    /// ([`requeue_export`]): a prefill engine's exports, as many as its pages held, outside
+    /// the queue's limits too.
+    ///
+    /// [`requeue_export`]: Scheduler::requeue_export
+    requeued_exports: std::collections::BTreeSet<u64>,
     next_request: u64,
     /// Prompt tokens of the queued requests (the admission-control bound).
     queued_tokens: u64,
@@ -235,6 +259,7 @@ impl Scheduler {
             detached: BTreeMap::new(),
             running: Vec::new(),
             requeued: Default::default(),
+            requeued_exports: Default::default(),
             next_request: 0,
             queued_tokens: 0,
             outputs: Vec::new(),
@@ -361,6 +386,7 @@ impl Scheduler {
                 self.queue.retain(|&q| q != id);
                 self.queued_tokens -= req.prompt_len as u64;
                 self.requeued.remove(&id);
+                self.requeued_exports.remove(&id);
             }
             RequestState::Running => self.running.retain(|&r| r != id),
         }
@@ -394,6 +420,7 @@ impl Scheduler {
             };
             self.queue.remove(at);
             self.requeued.remove(&id);
+            self.requeued_exports.remove(&id);
             let r = self.requests.get_mut(&id).expect("queued request exists");
             let whole = grant.cached == r.cacheable_pages();
             probe::hit_if(Probe::AdmitWholePromptCached, whole && grant.cached > 0);
@@ -516,6 +543,39 @@ impl Scheduler {
         held
     }
 
+    /// Sends a finished request taken out earlier (a prefill engine's export, whose KV the device
+    /// lost) back to position `at` of the queue to recompute its KV; it finishes again once that
+    /// is computed, generating nothing. Returns the tree nodes it had locked and the device
+    /// pages it owned, for the caller to unlock and free.
+    pub(crate) fn requeue_export(
+        &mut self,
+        mut r: Request,
+        at: usize,
+    ) -> (Vec<NodeId>, Vec<PageId>) {
+        let id = r.id;
+        assert!(
+            r.finished(),
+            "request {id} requeued as an export, unfinished"
+        );
+        assert!(r.load.is_none(), "export {id} with a load");
+        let pages = std::mem::take(&mut r.pages);
+        let held = (
+            std::mem::take(&mut r.locked),
+            pages[r.owned_from..].to_vec(),
+        );
+        r.owned_from = 0;
+        r.computed = 0;
+        r.state = RequestState::Queued;
+        self.queued_tokens += r.prompt_len as u64;
+        let prev = self.requests.insert(id, r);
+        assert!(prev.is_none(), "export {id} requeued while held");
+        self.queue.insert(at, id);
+        self.requeued_exports.insert(id);
+        probe::hit(Probe::RequestRequeued);
+        self.outputs.push(Output::Requeued { request: id });
+        held
+    }
+
     /// Keeps an aborted running request (out of the running set) until its row in the step in
     /// flight is recorded: its load's acknowledgement still applies to it, and its memory goes
     /// back after ([`take_detached`](Self::take_detached)).
@@ -593,12 +653,9 @@ impl Scheduler {
                     )
                 }
             };
-            // Positions whose tokens are known are computed in chunks: the prompt, and after a
-            // requeue (`requeue_running`) the tokens it had generated too, the last of which
-            // generates the next.
             let chunked = computed < r.prompt_len || computed + 1 < r.tokens.len();
             let row = if chunked {
-                let known = r.prompt_len.max(r.tokens.len());
+                let known = r.chunk_end();
                 let n = (known - computed).min(budget);
                 probe::hit_if(Probe::BatchPrefillChunked, n < known - computed);
                 probe::hit_if(Probe::BatchRecomputesGenerated, computed + n > r.prompt_len);
@@ -746,7 +803,7 @@ impl Scheduler {
         let at = self
             .running
             .iter()
-            .position(|id| self.requests[id].finished())?;
+            .position(|id| self.requests[id].done())?;
         let id = self.running.remove(at);
         let r = self.requests.remove(&id).expect("finished request exists");
         assert!(
@@ -774,6 +831,7 @@ impl Scheduler {
         let requeued_tokens: u64 = self
             .requeued
             .iter()
+            .chain(&self.requeued_exports)
             .map(|id| {
                 let r = &self.requests[id];
                 assert_eq!(
@@ -789,7 +847,9 @@ impl Scheduler {
             "more requests requeued than a running batch holds"
         );
         assert!(
-            self.queue.len() - self.requeued.len() <= s.queued_requests_max as usize || !bounded,
+            self.queue.len() - self.requeued.len() - self.requeued_exports.len()
+                <= s.queued_requests_max as usize
+                || !bounded,
             "queue over its limit"
         );
         assert!(

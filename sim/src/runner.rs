@@ -619,9 +619,6 @@ fn start_engine(
         }
         let mut o = knobs.options(opts.trace);
         o.cuda = opts.cuda;
-        // A pair's engines stop when their context is recreated (`EngineError::RecreatedUnderPair`):
-        // its faults recover in place.
-        o.recreate_context = sc.profile != "pd";
         if let Some(s) = &opts.schedule {
             o.schedule = s.clone();
         }
@@ -1273,7 +1270,7 @@ impl<'a> Run<'a> {
             .owners
             .keys()
             .copied()
-            .filter(|&id| self.engine.request(id).is_some_and(|r| r.state() == queued))
+            .filter(|&id| (self.engine.intake().request(id)).is_some_and(|r| r.state() == queued))
             .collect();
         let policy_before = self.policy_observe_start();
         let report = self.engine_call("engine step", |e| e.step())?;
@@ -1738,9 +1735,10 @@ impl<'a> Run<'a> {
     /// the lengths the clients sent.
     fn queued_recount(&self) -> (usize, u64) {
         let queued = tierkv_engine::scheduler::RequestState::Queued;
+        let intake = self.engine.intake();
         self.owners
             .keys()
-            .filter(|&&id| self.engine.request(id).is_some_and(|r| r.state() == queued))
+            .filter(|&&id| intake.request(id).is_some_and(|r| r.state() == queued))
             .fold((0, 0), |(n, t), id| (n + 1, t + self.specs[id].0 as u64))
     }
 
@@ -1760,17 +1758,26 @@ impl<'a> Run<'a> {
     fn bounds(&mut self) -> Result<(), Stop> {
         let now = self.gpu.borrow().now();
         for (i, e) in self.engine.engines().into_iter().enumerate() {
-            let requeued = self
-                .admission_queue
-                .iter()
-                .filter(|id| i == 0 && self.requeued.contains(id))
-                .fold((0, 0), |(n, t), id| (n + 1, t + self.specs[id].0 as u64));
+            // A pair's decode engine takes no intake: every request in its queue came back.
+            let requeued = if i == 0 {
+                self.admission_queue
+                    .iter()
+                    .filter(|id| self.requeued.contains(id))
+                    .fold((0, 0), |(n, t), id| (n + 1, t + self.specs[id].0 as u64))
+            } else {
+                (e.queue_len(), e.queued_tokens())
+            };
+            let exports_max = match (&self.engine, i) {
+                (Target::Pair(_), 0) => e.config().cache.device_pages as u64,
+                _ => 0,
+            };
             let held = bounds::Held {
                 queued: e.queue_len(),
                 queued_tokens: e.queued_tokens(),
                 running: e.running_len(),
                 loads: e.loads_in_flight(),
                 requeued,
+                exports_max,
             };
             if let Some(f) = bounds::check(e.config(), &held, now) {
                 self.findings.push(f);

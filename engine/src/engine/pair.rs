@@ -15,6 +15,13 @@
 //! An aborted request is never published to decode: in prefill it is aborted there; in transfer
 //! it waits for its copies to complete, then both sides' pages are released.
 //!
+//! When a side's device context is recreated (its device memory lost), the pair ends every
+//! transfer in flight once its copies are over and gives its decode pages back; the request is
+//! sent again, or, when the prefill side lost its pages, recomputed there first (every export
+//! goes back to the prefill queue, keeping its first token). The decode side recomputes its
+//! running requests' KV itself. The engines drop their device tiers when the pair tells them,
+//! after it ended its transfers (`PdPair::after_recreations`).
+//!
 //! The pair speaks in the prefill engine's request ids: the decode engine admits each request
 //! under the same id, and the outputs of both engines come out as one stream (the prefill
 //! engine's internal `Finished` of an export is not passed on).
@@ -35,6 +42,10 @@ use std::collections::BTreeMap;
 /// Sends of one request before it ends with `Output::TransferFailed`.
 pub const TRANSFER_TRIES_MAX: u32 = 3;
 
+/// Context recreations one look of [`PdPair`] handles in a row (each may fail a copy it waits
+/// for, whose recovery may recreate a context again) before the pair stops.
+pub const RECREATIONS_IN_A_ROW_MAX: u32 = 4;
+
 /// Why a pair could not be built or could not go on.
 #[derive(Debug, thiserror::Error)]
 pub enum PdError {
@@ -46,6 +57,10 @@ pub enum PdError {
     Link(#[from] LinkError),
     #[error("`overlap`: a prefill/decode pair's engines do not run one step ahead (not built)")]
     Overlap,
+    /// Dropping what a recreated context lost recreated a context again, this many times in a
+    /// row: the devices do not recover.
+    #[error("the pair's device contexts were recreated {0} times in a row")]
+    Recreations(u32),
 }
 
 impl PdError {
@@ -122,6 +137,11 @@ pub struct PdStats {
     pub requests_failed: u64,
     /// Pages sent, counted per layer (a page of every layer counts `layers` times).
     pub layer_pages_sent: u64,
+    /// Transfers in flight when a side's context was recreated: ended, not counted as failed
+    /// (the request is sent again, or recomputed first when the prefill side lost it).
+    pub transfers_lost: u64,
+    /// Exports the prefill side recomputed after its context was recreated.
+    pub exports_requeued: u64,
 }
 
 pub struct PdPair<D: Device, C: Clock, L: KvLink<D>> {
@@ -142,6 +162,9 @@ pub struct PdPair<D: Device, C: Clock, L: KvLink<D>> {
     /// is in error, and nothing may be enqueued on it before the devices are recovered (at the
     /// end of `poll_transfers`).
     failure_seen: bool,
+    /// Each side's `context_generation` when the pair last dropped what its transfers held
+    /// there (prefill, decode).
+    generations: [u64; 2],
     pub stats: PdStats,
 }
 
@@ -171,6 +194,10 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             Engine::new(decode_cfg, decode_dev, decode_clock, opts).map_err(PdError::decode)?;
         prefill.set_role(Role::Prefill);
         decode.set_role(Role::Decode);
+        let generations = [
+            prefill.dev.context_generation(),
+            decode.dev.context_generation(),
+        ];
         Ok(PdPair {
             prefill,
             decode,
@@ -182,6 +209,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             free_received: Vec::new(),
             free_sent: Vec::new(),
             failure_seen: false,
+            generations,
             stats: PdStats::default(),
         })
     }
@@ -252,8 +280,12 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
     /// prefilled in this step is sent in the next, after its first token went out with this
     /// step's outputs (the decode engine computes from that token).
     pub fn step(&mut self) -> Result<StepReport, PdError> {
+        self.after_recreations()?;
         self.start_transfers()?;
         let polled = self.poll_transfers(false)?;
+        // A recovery while polling may have recreated a context: handled before either engine
+        // steps.
+        self.after_recreations()?;
         let p = self.prefill.step().map_err(PdError::prefill)?;
         self.take_prefill_outputs()?;
         let d = self.decode.step().map_err(PdError::decode)?;
@@ -402,10 +434,17 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         }
     }
 
+    /// The decode engine's outputs, less its requeues: a request the decode side recomputes
+    /// after its context was recreated stays with it, and does not go back to the pair's intake
+    /// (its engine's `requests_requeued` counts it).
     fn take_decode_outputs(&mut self) {
         for o in self.decode.drain_outputs() {
-            if let Output::Finished { request, .. } | Output::Aborted { request } = o {
-                self.requests.remove(&request);
+            match o {
+                Output::Requeued { .. } => continue,
+                Output::Finished { request, .. } | Output::Aborted { request } => {
+                    self.requests.remove(&request);
+                }
+                _ => {}
             }
             self.outputs.push(o);
         }
@@ -428,14 +467,10 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             .map(|(&id, _)| id)
             .collect();
         let running_max = self.decode.config().scheduler.running_requests_max as usize;
-        let sending = self
-            .requests
-            .values()
-            .filter(|r| matches!(r.stage, Stage::Sending(_)))
-            .count();
+        let held = self.decode_held();
         // Each transfer started below adds one to those in flight.
         for (started, id) in ids.into_iter().enumerate() {
-            if self.decode.running_len() + sending + started >= running_max {
+            if held + started >= running_max {
                 probe::hit(Probe::PdDecodeFull);
                 break;
             }
@@ -521,6 +556,17 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             });
         }
         Ok(())
+    }
+
+    /// The requests the decode side runs or will: its running set, its queue (the requests it
+    /// recomputes after its context was recreated) and the transfers in flight.
+    fn decode_held(&self) -> usize {
+        let sending = self
+            .requests
+            .values()
+            .filter(|r| matches!(r.stage, Stage::Sending(_)))
+            .count();
+        self.decode.running_len() + self.decode.queue_len() + sending
     }
 
     /// Moves transfers on (with `wait`: waits for the oldest send first). A request joins the
@@ -618,6 +664,11 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
     /// over without that — a copy failed or was refused, its notification did not come by its
     /// deadline, or it was aborted. Whether it moved.
     fn poll_transfer(&mut self, id: u64) -> Result<bool, PdError> {
+        if self.recreation_pending() {
+            // A side's memory was lost since the pair last looked: what arrived may be garbage.
+            // The transfer is ended by `after_recreations`.
+            return Ok(false);
+        }
         let r = &self.requests[&id];
         let Stage::Sending(s) = &r.stage else {
             unreachable!("polling a request not in transfer");
@@ -669,6 +720,133 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         }
         self.fail_transfer(id, timed_out)?;
         Ok(true)
+    }
+
+    /// Whether a side's context was recreated since the pair last dropped what it held there.
+    fn recreation_pending(&self) -> bool {
+        self.generations
+            != [
+                self.prefill.dev.context_generation(),
+                self.decode.dev.context_generation(),
+            ]
+    }
+
+    /// When a side's context was recreated since the pair last looked (by any recovery), its
+    /// device memory is gone. The pair drops what its transfers held there, then has each
+    /// engine drop its device tier (`Engine::drop_device_tier`; an engine of a pair never does
+    /// on its own):
+    /// - every transfer in flight ends once its copies did (a recreated context's queued work
+    ///   never runs; a copy that ran before may still read or write), and its decode pages go
+    ///   back: the request is sent again from the prefill side's pages, or, when the prefill
+    ///   side lost them, recomputed there first;
+    /// - when the prefill side lost its memory, the exports of requests decode admitted already
+    ///   are dropped once their sends are over (`Engine::drop_export`), and every other export
+    ///   goes back to the prefill queue, behind the running requests, to recompute its KV;
+    /// - the decode side's running requests recompute their KV there, as a single engine's do.
+    ///
+    /// Waiting for the copies may answer `Failed`, and recovering from that may recreate a
+    /// context again: the pair looks again, up to `RECREATIONS_IN_A_ROW_MAX` times.
+    fn after_recreations(&mut self) -> Result<(), PdError> {
+        for _ in 0..RECREATIONS_IN_A_ROW_MAX {
+            if !self.recreation_pending() {
+                return Ok(());
+            }
+            let prefill_lost = self.prefill.dev.context_generation() != self.generations[0];
+            self.generations = [
+                self.prefill.dev.context_generation(),
+                self.decode.dev.context_generation(),
+            ];
+            probe::hit(Probe::PdContextRecreated);
+            let sending: Vec<u64> = self
+                .requests
+                .iter()
+                .filter(|(_, r)| matches!(r.stage, Stage::Sending(_)))
+                .map(|(&id, _)| id)
+                .collect();
+            for id in sending {
+                self.end_lost_transfer(id, prefill_lost)?;
+            }
+            if prefill_lost {
+                self.drop_admitted_exports();
+            }
+            self.prefill.drop_device_tier().map_err(PdError::prefill)?;
+            self.decode.drop_device_tier().map_err(PdError::decode)?;
+            // The prefill side requeued its exports (to recompute their KV).
+            for (&id, r) in self.requests.iter_mut() {
+                if matches!(r.stage, Stage::Exported) && self.prefill.export(id).is_none() {
+                    r.stage = Stage::Prefill;
+                    self.stats.exports_requeued += 1;
+                }
+            }
+            if self.failure_seen {
+                self.recover_both()?;
+            }
+        }
+        Err(PdError::Recreations(RECREATIONS_IN_A_ROW_MAX))
+    }
+
+    /// Ends the transfer of `id` after a side's context was recreated, once every copy of it is
+    /// over: its decode pages go back; the request is sent again, recomputed (`prefill_lost`),
+    /// or ends (aborted; or its prefill pages gone with mutant 15).
+    fn end_lost_transfer(&mut self, id: u64, prefill_lost: bool) -> Result<(), PdError> {
+        let r = self.requests.get_mut(&id).expect("in transfer");
+        let Stage::Sending(s) = std::mem::replace(&mut r.stage, Stage::Exported) else {
+            unreachable!("in transfer");
+        };
+        let aborted = r.aborted;
+        self.prefill_sync(s.sent);
+        for &ev in &s.received {
+            self.decode_sync(ev);
+        }
+        self.free_received.extend_from_slice(&s.received);
+        self.free_sent.push(s.sent);
+        self.decode.cancel_import(&s.request.pages);
+        self.stats.transfers_lost += 1;
+        let end = if aborted {
+            Some(Output::Aborted { request: id })
+        } else if s.released {
+            self.stats.requests_failed += 1;
+            let tries = self.requests[&id].tries;
+            Some(Output::TransferFailed { request: id, tries })
+        } else {
+            None
+        };
+        if let Some(o) = end {
+            self.requests.remove(&id);
+            self.outputs.push(o);
+            if !s.released {
+                self.end_export(id, prefill_lost)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The prefill side's export `id` is over: cached as any finished request, or, when the
+    /// prefill side lost its memory, dropped.
+    fn end_export(&mut self, id: u64, prefill_lost: bool) -> Result<(), PdError> {
+        let held = if prefill_lost {
+            self.prefill.drop_export(id)
+        } else {
+            let held = self.prefill.release_export(id).map_err(PdError::prefill)?;
+            self.take_prefill_outputs()?;
+            held
+        };
+        assert!(held, "request {id}: its export was released twice");
+        Ok(())
+    }
+
+    /// The prefill side lost its memory: the exports of the requests decode admitted are dropped
+    /// once their sends are over (the decode side has their KV).
+    fn drop_admitted_exports(&mut self) {
+        for d in std::mem::take(&mut self.draining) {
+            self.prefill_sync(d.sent);
+            self.free_received.extend_from_slice(&d.received);
+            self.free_sent.push(d.sent);
+            if !d.released {
+                let held = self.prefill.drop_export(d.id);
+                assert!(held, "request {}: its export was released twice", d.id);
+            }
+        }
     }
 
     /// A transfer's event answered `Failed`, or a transfer was refused: both sides' errors are

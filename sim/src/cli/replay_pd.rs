@@ -61,7 +61,7 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Emitted>) {
                 seen.entry(request).or_default().ended_otherwise =
                     Some(format!("transfer timed out ({tries} tries)"))
             }
-            // A pair's engine stops rather than requeue (`EngineError::RecreatedUnderPair`).
+            // Recomputed after a recreated context; the request's tokens come later.
             Output::Recompute { .. } | Output::Requeued { .. } => {}
         }
     }

@@ -96,8 +96,7 @@ pub struct GpuOptions {
     /// its context, as CUDA must: every device buffer the side allocated holds garbage
     /// afterwards (its pages count as garbage for the content oracle), pinned host buffers keep
     /// their bytes, and `Device::context_generation` moves on. Off, the side keeps its memory
-    /// (kinder than CUDA): the runner turns it off for a prefill/decode pair, whose engines
-    /// cannot yet recompute transfers after a recreation.
+    /// (kinder than CUDA).
     pub recreate_context: bool,
     /// Probability that a kernel's enqueue is refused with out-of-memory: a failure of the call
     /// alone, nothing is enqueued and the device stays usable. (The production device reports a

@@ -20,8 +20,13 @@ pub struct Held {
     /// Of the queued, the requests the engine sent back from its running batch when its
     /// device's context was recreated, and their prompt tokens, as the runner saw them
     /// (`Output::Requeued`): they were admitted once and return without intake, so the
-    /// queue's bounds hold for the rest, and they are at most a running batch.
+    /// queue's bounds hold for the rest, and they are at most a running batch (and, for a
+    /// pair's prefill engine, its exports: `exports_max`).
     pub requeued: (usize, u64),
+    /// How many exports a pair's prefill engine may send back to its queue with the running
+    /// batch: each holds a device page at least, so at most the device tier's pages (0 for
+    /// any other engine).
+    pub exports_max: u64,
 }
 
 /// The first bound `held` breaks, as a finding.
@@ -43,8 +48,12 @@ pub fn check(cfg: &Config, held: &Held, time_ns: u64) -> Option<Finding> {
         (
             "requeued requests in the queue",
             held.requeued.0 as u64,
-            s.running_requests_max as u64,
-            "scheduler.running_requests_max",
+            s.running_requests_max as u64 + held.exports_max,
+            if held.exports_max == 0 {
+                "scheduler.running_requests_max"
+            } else {
+                "scheduler.running_requests_max + cache.device_pages (a prefill engine's exports)"
+            },
         ),
         (
             "running requests",

@@ -118,7 +118,8 @@ fn every_probe_is_hit(c: &tierkv_sim::probes::Coverage) {
 
 /// Prefill/decode pairs (the `pd` profile): no findings, and the pair's transfers happen —
 /// every request crosses the link, some transfers fail and are sent again, layers go out of
-/// order.
+/// order, and a side's context is recreated under transfers in flight, its exports
+/// recomputed.
 #[test]
 fn pd_pairs_have_no_findings() {
     let s = run_campaign(&campaign("pd", 0, 6), |_| {}).expect("the workers start");
@@ -129,6 +130,8 @@ fn pd_pairs_have_no_findings() {
         "pd.layers_reordered",
         "pd.transfer_failed",
         "pd.decode_full",
+        "pd.context_recreated",
+        "pd.export_requeued",
     ] {
         assert!(
             s.coverage
