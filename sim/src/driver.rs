@@ -896,6 +896,19 @@ impl Driver for SimDriver {
         let _ = stream;
         self.event_record(StreamKind::Compute, e)
     }
+    /// Each copy as a [`Driver::copy_async`], in order: the CUDA driver's copy kernel runs a
+    /// batch unordered only when no destination overlaps another range of it, where order
+    /// cannot matter.
+    fn copy_batch_async(
+        &mut self,
+        s: StreamKind,
+        copies: &[(Ptr, Ptr)],
+    ) -> Result<(), DeviceError> {
+        for &(dst, src) in copies {
+            self.copy_async(s, dst, src)?;
+        }
+        Ok(())
+    }
     /// The host is ordered after `e`'s latest record if the callback that ran came behind that
     /// record; a callback queued anywhere else orders nothing (the runtime misplaced it).
     fn observed_by_callback(&mut self, e: DrvEvent) {

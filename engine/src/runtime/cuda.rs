@@ -924,6 +924,8 @@ impl Driver for CudaDriver {
         }
         check(r, "cuLaunchHostFunc")
     }
+    /// CUDA has no such call: the ring's acquire in `runtime::ring` orders the host.
+    fn observed_by_callback(&mut self, _e: DrvEvent) {}
 }
 
 /// The production `Device` on one GPU: the runtime over cudarc's driver.

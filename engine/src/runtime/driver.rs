@@ -274,20 +274,11 @@ pub trait Driver {
     /// Queues a copy of `src.bytes` bytes from `src` to `dst` on `s` (`cuMemcpyAsync`; either
     /// side may be device or pinned host memory).
     fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError>;
-    /// Queues `copies` (`(dst, src)` each) on `s`, in order, as one batch where the driver has
-    /// one (`cuMemcpyBatchAsync`, or the CUDA driver's copy kernel for a batch whose
-    /// destinations overlap no other range of it, where order cannot matter); by default each
-    /// as a [`Driver::copy_async`].
-    fn copy_batch_async(
-        &mut self,
-        s: StreamKind,
-        copies: &[(Ptr, Ptr)],
-    ) -> Result<(), DeviceError> {
-        for &(dst, src) in copies {
-            self.copy_async(s, dst, src)?;
-        }
-        Ok(())
-    }
+    /// Queues `copies` (`(dst, src)` each) on `s`, as one batch where the driver has one (the
+    /// CUDA driver's copy kernel for a batch whose destinations overlap no other range of it,
+    /// where order cannot matter; otherwise each in order, as a [`Driver::copy_async`]).
+    fn copy_batch_async(&mut self, s: StreamKind, copies: &[(Ptr, Ptr)])
+        -> Result<(), DeviceError>;
     /// Queues a pitched copy on `s` (`cuMemcpy2DAsync`).
     fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError>;
     /// Copies `data` from pageable host memory to `dst` on `s` (`cuMemcpyHtoDAsync` from
@@ -331,28 +322,18 @@ pub trait Driver {
     /// Device memory this driver did not allocate — a server's cache, `bytes` bytes at device
     /// address `base` in this driver's context — as an allocation copies may read and write.
     /// [`Driver::free`] forgets it without freeing it; the caller keeps the memory alive while
-    /// work that uses it is queued. A driver that cannot reach a server's memory refuses (the
-    /// default); the simulated driver takes a simulated address of its own allocations.
-    fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError> {
-        let _ = (base, bytes);
-        Err(DeviceError::Backend {
-            detail: "this driver cannot import a server's device memory".into(),
-        })
-    }
+    /// work that uses it is queued. A driver that cannot reach a server's memory refuses; the
+    /// simulated driver takes a simulated address of its own allocations.
+    fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError>;
     /// Captures in `e` the work queued so far on a stream this driver did not create (a
     /// server's compute stream, by its `CUstream` handle; 0 is the legacy default stream). A
-    /// driver without a server's streams refuses (the default).
-    fn event_record_foreign(&mut self, stream: u64, e: DrvEvent) -> Result<(), DeviceError> {
-        let _ = (stream, e);
-        Err(DeviceError::Backend {
-            detail: "this driver cannot record an event on a server's stream".into(),
-        })
-    }
+    /// driver without a server's streams refuses.
+    fn event_record_foreign(&mut self, stream: u64, e: DrvEvent) -> Result<(), DeviceError>;
     /// The host learned from a host callback (the completion ring), not from a driver call,
     /// that `e`'s latest record completed. CUDA has no such call and the production driver does
     /// nothing; a simulated driver orders the host after the record's work here, as the ring's
     /// acquire does.
-    fn observed_by_callback(&mut self, _e: DrvEvent) {}
+    fn observed_by_callback(&mut self, e: DrvEvent);
 }
 
 /// Whether no destination range of a copy list (`[dst, src, bytes]` triples) overlaps any other
