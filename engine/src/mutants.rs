@@ -160,6 +160,11 @@ pub enum Mutant {
     ///     its prefix cache's device pages and its running requests' KV as if they survived
     ///     (it acknowledges the new context generation and carries on).
     RecreationKeepsDeviceTier,
+    /// 44. Runtime, prefill/decode: after a side's context was recreated, a transfer in flight
+    ///     whose every receive event answered `Done` is admitted as arrived, though its copies
+    ///     may have read the prefill side's memory after it was lost (the clean pair ends every
+    ///     transfer in flight and sends it again).
+    PdAdmitsAcrossRecreation,
 }
 
 /// The lease of mutant 40: how long a load's host copies are kept from eviction (simulated
@@ -167,7 +172,7 @@ pub enum Mutant {
 pub const HOST_LEASE_NS: u64 = 20_000;
 
 impl Mutant {
-    pub const ALL: [Mutant; 43] = [
+    pub const ALL: [Mutant; 44] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -211,6 +216,7 @@ impl Mutant {
         Mutant::PdNoNotificationDeadline,
         Mutant::PrefixKeysIgnoreWeights,
         Mutant::RecreationKeepsDeviceTier,
+        Mutant::PdAdmitsAcrossRecreation,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -224,6 +230,7 @@ impl Mutant {
                 | Mutant::PdReceivesIntoLastPages
                 | Mutant::PdRetryBeforeStaleCopies
                 | Mutant::PdNoNotificationDeadline
+                | Mutant::PdAdmitsAcrossRecreation
         )
     }
     /// The mutants of the production runtime below the `Device` trait (`runtime::driven`): they
@@ -292,6 +299,7 @@ impl Mutant {
             Mutant::PdNoNotificationDeadline => "pd-no-notification-deadline",
             Mutant::PrefixKeysIgnoreWeights => "prefix-keys-ignore-weights",
             Mutant::RecreationKeepsDeviceTier => "recreation-keeps-device-tier",
+            Mutant::PdAdmitsAcrossRecreation => "pd-admits-across-recreation",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -342,6 +350,9 @@ impl Mutant {
             Mutant::PrefixKeysIgnoreWeights => "vllm-project/vllm: vllm/v1/kv_offload/spec.py",
             Mutant::RecreationKeepsDeviceTier => {
                 "runtime: device memory taken as kept across a context recreation"
+            }
+            Mutant::PdAdmitsAcrossRecreation => {
+                "runtime: a transfer taken as arrived across its sender's recreated context"
             }
         }
     }
@@ -541,6 +552,11 @@ impl Mutants {
     /// `deadline` (the pair's); the mutant: forever (`None`).
     pub fn pd_notification_deadline_ns(&self, deadline: u64) -> Option<u64> {
         (!self.on(Mutant::PdNoNotificationDeadline)).then_some(deadline)
+    }
+    /// Mutant 44: whether a transfer in flight over a recreated context is admitted when its
+    /// receive events answered `Done`. Clean: `false`, every one ends and is sent again.
+    pub fn pd_admits_across_recreation(&self) -> bool {
+        self.on(Mutant::PdAdmitsAcrossRecreation)
     }
     /// Mutant 42: the weights' version the prefix keys carry. Clean: `version`.
     pub fn key_weights(&self, version: u32) -> u32 {

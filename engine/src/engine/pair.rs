@@ -764,6 +764,10 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 .map(|(&id, _)| id)
                 .collect();
             for id in sending {
+                if self.mutants.pd_admits_across_recreation() && self.arrived(id) {
+                    self.admit(id); // mutant 44
+                    continue;
+                }
                 self.end_lost_transfer(id, prefill_lost)?;
             }
             if prefill_lost {
@@ -783,6 +787,16 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             }
         }
         Err(PdError::Recreations(RECREATIONS_IN_A_ROW_MAX))
+    }
+
+    /// Mutant 44's test: transfer `id` is admissible and every layer's receive answered `Done`.
+    fn arrived(&mut self, id: u64) -> bool {
+        let r = &self.requests[&id];
+        let Stage::Sending(s) = &r.stage else {
+            unreachable!("in transfer");
+        };
+        let (admissible, received) = (!r.aborted && !s.refused, s.received.clone());
+        admissible && self.all_done(&received)
     }
 
     /// Ends the transfer of `id` after a side's context was recreated, once every copy of it is
