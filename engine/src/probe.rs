@@ -203,8 +203,8 @@ probes! {
     /// Prefill/decode: a prefill export lost its KV with its side's context and went back to
     /// the queue to recompute it.
     PdExportRequeued = "pd.export_requeued",
-    /// Prefill/decode: an engine saw its context recreated while the pair still held its
-    /// exports or imports; it waits for the pair before it drops its device tier.
+    /// Prefill/decode: an engine saw its context recreated before the pair handled it; it waits
+    /// for the pair (`Engine::drop_device_tier`) and ends its step early.
     PdRecreationDeferred = "pd.recreation_deferred",
     /// One step ahead: a step was enqueued while the step before it was still in flight.
     AheadStep = "ahead.step",

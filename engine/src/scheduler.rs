@@ -155,8 +155,8 @@ impl Request {
     }
     /// Finished, and the KV of every token before its last computed: a request requeued after
     /// it finished (a pair's export whose device memory was lost, `Scheduler::requeue_export`)
-    /// recomputes it before it is done again.
-    fn done(&self) -> bool {
+    /// recomputes it before it leaves the running set again.
+    fn finished_with_kv(&self) -> bool {
         self.finished() && self.computed + 1 >= self.tokens.len()
     }
     /// Where a chunk of positions whose tokens are known ends: positions are computed in chunks
@@ -543,10 +543,11 @@ impl Scheduler {
         held
     }
 
-    /// Sends a finished request taken out earlier (a prefill engine's export, whose KV the device
-    /// lost) back to position `at` of the queue to recompute its KV; it finishes again once that
-    /// is computed, generating nothing. Returns the tree nodes it had locked and the device
-    /// pages it owned, for the caller to unlock and free.
+    /// Sends a request taken out earlier (a prefill engine's export, whose KV the device lost)
+    /// back to position `at` of the queue to recompute its KV; a finished one finishes again
+    /// once that is computed, generating nothing (zoo mutant 14's exports may be unfinished).
+    /// Returns the tree nodes it had locked and the device pages it owned, for the caller to
+    /// unlock and free.
     pub(crate) fn requeue_export(
         &mut self,
         mut r: Request,
@@ -803,7 +804,7 @@ impl Scheduler {
         let at = self
             .running
             .iter()
-            .position(|id| self.requests[id].done())?;
+            .position(|id| self.requests[id].finished_with_kv())?;
         let id = self.running.remove(at);
         let r = self.requests.remove(&id).expect("finished request exists");
         assert!(
@@ -842,6 +843,10 @@ impl Scheduler {
                 r.prompt_len as u64
             })
             .sum();
+        assert!(
+            self.requeued.is_disjoint(&self.requeued_exports),
+            "a request requeued both from the running set and as an export"
+        );
         assert!(
             self.requeued.len() <= s.running_requests_max as usize,
             "more requests requeued than a running batch holds"

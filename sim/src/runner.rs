@@ -1297,7 +1297,7 @@ impl<'a> Run<'a> {
             .iter()
             .chain(&queued_before)
             .copied()
-            .filter(|&id| self.engine.request(id).is_none_or(|r| r.state() != queued))
+            .filter(|&id| (self.engine.intake().request(id)).is_none_or(|r| r.state() != queued))
             .collect();
         let now = self.gpu.borrow().now();
         let found = reported::admitted(report.admitted, left.len(), now)
@@ -1758,7 +1758,9 @@ impl<'a> Run<'a> {
     fn bounds(&mut self) -> Result<(), Stop> {
         let now = self.gpu.borrow().now();
         for (i, e) in self.engine.engines().into_iter().enumerate() {
-            // A pair's decode engine takes no intake: every request in its queue came back.
+            // A pair's decode engine takes no intake: every request in its queue came back (the
+            // pair does not pass those requeues on), so its queue bounds are the requeued one
+            // alone, taken from the engine's own counts.
             let requeued = if i == 0 {
                 self.admission_queue
                     .iter()

@@ -18,7 +18,8 @@
 //! When a side's device context is recreated (its device memory lost), the pair ends every
 //! transfer in flight once its copies are over and gives its decode pages back; the request is
 //! sent again, or, when the prefill side lost its pages, recomputed there first (every export
-//! goes back to the prefill queue, keeping its first token). The decode side recomputes its
+//! not yet admitted by decode goes back to the prefill queue, keeping its first token; the
+//! exports of admitted requests are dropped). The decode side recomputes its
 //! running requests' KV itself. The engines drop their device tiers when the pair tells them,
 //! after it ended its transfers (`PdPair::after_recreations`).
 //!
@@ -194,10 +195,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             Engine::new(decode_cfg, decode_dev, decode_clock, opts).map_err(PdError::decode)?;
         prefill.set_role(Role::Prefill);
         decode.set_role(Role::Decode);
-        let generations = [
-            prefill.dev.context_generation(),
-            decode.dev.context_generation(),
-        ];
+        let generations = [prefill.context_generation, decode.context_generation];
         Ok(PdPair {
             prefill,
             decode,
@@ -561,12 +559,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
     /// The requests the decode side runs or will: its running set, its queue (the requests it
     /// recomputes after its context was recreated) and the transfers in flight.
     fn decode_held(&self) -> usize {
-        let sending = self
-            .requests
-            .values()
-            .filter(|r| matches!(r.stage, Stage::Sending(_)))
-            .count();
-        self.decode.running_len() + self.decode.queue_len() + sending
+        self.decode.running_len() + self.decode.queue_len() + self.ids_sending().len()
     }
 
     /// Moves transfers on (with `wait`: waits for the oldest send first). A request joins the
@@ -575,12 +568,7 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
     /// (`draining`). Whether anything moved.
     fn poll_transfers(&mut self, wait: bool) -> Result<bool, PdError> {
         let mut any = false;
-        let ids: Vec<u64> = self
-            .requests
-            .iter()
-            .filter(|(_, r)| matches!(r.stage, Stage::Sending(_)))
-            .map(|(&id, _)| id)
-            .collect();
+        let ids = self.ids_sending();
         if wait {
             self.wait_oldest();
         }
@@ -588,7 +576,8 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             any |= self.poll_transfer(id)?;
         }
         let mut i = 0;
-        while i < self.draining.len() {
+        // Not across a recreation: `after_recreations` drops what a lost prefill side held.
+        while i < self.draining.len() && !self.recreation_pending() {
             let sent = self.prefill_query(self.draining[i].sent);
             if sent == EventState::Pending {
                 probe::hit(Probe::PdSendDraining);
@@ -722,13 +711,26 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         Ok(true)
     }
 
+    /// Each side's context generation now (prefill, decode).
+    fn generations_now(&self) -> [u64; 2] {
+        [
+            self.prefill.dev.context_generation(),
+            self.decode.dev.context_generation(),
+        ]
+    }
+
     /// Whether a side's context was recreated since the pair last dropped what it held there.
     fn recreation_pending(&self) -> bool {
-        self.generations
-            != [
-                self.prefill.dev.context_generation(),
-                self.decode.dev.context_generation(),
-            ]
+        self.generations != self.generations_now()
+    }
+
+    /// The requests in transfer, by id.
+    fn ids_sending(&self) -> Vec<u64> {
+        self.requests
+            .iter()
+            .filter(|(_, r)| matches!(r.stage, Stage::Sending(_)))
+            .map(|(&id, _)| id)
+            .collect()
     }
 
     /// When a side's context was recreated since the pair last looked (by any recovery), its
@@ -751,24 +753,17 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
             if !self.recreation_pending() {
                 return Ok(());
             }
-            let prefill_lost = self.prefill.dev.context_generation() != self.generations[0];
-            self.generations = [
-                self.prefill.dev.context_generation(),
-                self.decode.dev.context_generation(),
-            ];
+            self.generations = self.generations_now();
             probe::hit(Probe::PdContextRecreated);
-            let sending: Vec<u64> = self
-                .requests
-                .iter()
-                .filter(|(_, r)| matches!(r.stage, Stage::Sending(_)))
-                .map(|(&id, _)| id)
-                .collect();
-            for id in sending {
+            // Nothing below recovers a device before `recover_both`: the prefill engine's
+            // pending recreation is the one the pass began with.
+            let prefill_lost = self.prefill.recreation_pending();
+            for id in self.ids_sending() {
                 if self.mutants.pd_admits_across_recreation() && self.arrived(id) {
                     self.admit(id); // mutant 44
                     continue;
                 }
-                self.end_lost_transfer(id, prefill_lost)?;
+                self.end_lost_transfer(id);
             }
             if prefill_lost {
                 self.drop_admitted_exports();
@@ -786,6 +781,9 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
                 self.recover_both()?;
             }
         }
+        if !self.recreation_pending() {
+            return Ok(());
+        }
         Err(PdError::Recreations(RECREATIONS_IN_A_ROW_MAX))
     }
 
@@ -800,14 +798,16 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
     }
 
     /// Ends the transfer of `id` after a side's context was recreated, once every copy of it is
-    /// over: its decode pages go back; the request is sent again, recomputed (`prefill_lost`),
-    /// or ends (aborted; or its prefill pages gone with mutant 15).
-    fn end_lost_transfer(&mut self, id: u64, prefill_lost: bool) -> Result<(), PdError> {
+    /// over: its decode pages go back; the request is sent again (recomputed first when the
+    /// prefill side lost its pages, `after_recreations`), or ends: aborted (its export dropped, not cached: caching it could enqueue a backup
+    /// before the devices recovered), or with its prefill pages gone (mutant 15). It makes no
+    /// call that recovers a device.
+    fn end_lost_transfer(&mut self, id: u64) {
         let r = self.requests.get_mut(&id).expect("in transfer");
         let Stage::Sending(s) = std::mem::replace(&mut r.stage, Stage::Exported) else {
             unreachable!("in transfer");
         };
-        let aborted = r.aborted;
+        let (aborted, tries) = (r.aborted, r.tries);
         self.prefill_sync(s.sent);
         for &ev in &s.received {
             self.decode_sync(ev);
@@ -817,36 +817,19 @@ impl<D: Device, C: Clock, L: KvLink<D>> PdPair<D, C, L> {
         self.decode.cancel_import(&s.request.pages);
         self.stats.transfers_lost += 1;
         let end = if aborted {
-            Some(Output::Aborted { request: id })
+            Output::Aborted { request: id }
         } else if s.released {
             self.stats.requests_failed += 1;
-            let tries = self.requests[&id].tries;
-            Some(Output::TransferFailed { request: id, tries })
+            Output::TransferFailed { request: id, tries }
         } else {
-            None
+            return;
         };
-        if let Some(o) = end {
-            self.requests.remove(&id);
-            self.outputs.push(o);
-            if !s.released {
-                self.end_export(id, prefill_lost)?;
-            }
+        self.requests.remove(&id);
+        self.outputs.push(end);
+        if !s.released {
+            let held = self.prefill.drop_export(id);
+            assert!(held, "request {id}: its export was released twice");
         }
-        Ok(())
-    }
-
-    /// The prefill side's export `id` is over: cached as any finished request, or, when the
-    /// prefill side lost its memory, dropped.
-    fn end_export(&mut self, id: u64, prefill_lost: bool) -> Result<(), PdError> {
-        let held = if prefill_lost {
-            self.prefill.drop_export(id)
-        } else {
-            let held = self.prefill.release_export(id).map_err(PdError::prefill)?;
-            self.take_prefill_outputs()?;
-            held
-        };
-        assert!(held, "request {id}: its export was released twice");
-        Ok(())
     }
 
     /// The prefill side lost its memory: the exports of the requests decode admitted are dropped

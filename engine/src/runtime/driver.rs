@@ -275,8 +275,9 @@ pub trait Driver {
     /// side may be device or pinned host memory).
     fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError>;
     /// Queues `copies` (`(dst, src)` each) on `s`, as one batch where the driver has one (the
-    /// CUDA driver's copy kernel for a batch whose destinations overlap no other range of it,
-    /// where order cannot matter; otherwise each in order, as a [`Driver::copy_async`]).
+    /// CUDA driver: its copy kernel for a slice whose destinations overlap no other range of
+    /// it, where order cannot matter, otherwise `cuMemcpyBatchAsync` where the driver has it;
+    /// the simulated driver: each in order, as a [`Driver::copy_async`]).
     fn copy_batch_async(&mut self, s: StreamKind, copies: &[(Ptr, Ptr)])
         -> Result<(), DeviceError>;
     /// Queues a pitched copy on `s` (`cuMemcpy2DAsync`).

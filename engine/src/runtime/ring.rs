@@ -1,5 +1,5 @@
 //! The completion ring: slots that a completion-callback thread signals and the engine thread
-//! polls or waits on. The CUDA device enqueues a host callback (`cuLaunchHostFunc`) after each
+//! polls (it never blocks on the ring: to wait, it synchronises on the event itself). The CUDA device enqueues a host callback (`cuLaunchHostFunc`) after each
 //! event it records on the load stream; CUDA runs the callback on its own thread when the stream
 //! reaches it, and the callback publishes "done, with this status" into the event's slot. The
 //! engine thread then learns that a layer of a load finished without a driver call.
@@ -11,7 +11,7 @@
 //! weaker ordering (`Relaxed`) is rejected.
 
 use crate::sync::cell::UnsafeCell;
-use crate::sync::{AtomicU64, Condvar, Mutex, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 /// One unit of signalled work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,8 +31,6 @@ struct Slot {
 
 pub struct CompletionRing {
     slots: Vec<Slot>,
-    lock: Mutex<()>,
-    cv: Condvar,
 }
 
 // SAFETY: `status` is written only by the callback of the slot's current ticket, before `done`
@@ -51,8 +49,6 @@ impl CompletionRing {
                     status: UnsafeCell::new(0),
                 })
                 .collect(),
-            lock: Mutex::new(()),
-            cv: Condvar::new(),
         }
     }
 
@@ -89,8 +85,6 @@ impl CompletionRing {
         // SAFETY: see the `Sync` impl: only this ticket's callback writes now.
         s.status.with_mut(|p| unsafe { *p = status });
         s.done.store(t.seq, order);
-        let _g = self.lock.lock().expect("ring lock");
-        self.cv.notify_all();
     }
 
     /// Engine thread: the status once `t` completed.
@@ -107,20 +101,6 @@ impl CompletionRing {
             None
         }
     }
-
-    /// Engine thread: blocks until `t` completed.
-    pub fn wait(&self, t: Ticket) -> u32 {
-        if let Some(v) = self.poll(t) {
-            return v;
-        }
-        let mut g = self.lock.lock().expect("ring lock");
-        loop {
-            if let Some(v) = self.poll(t) {
-                return v;
-            }
-            g = self.cv.wait(g).expect("ring lock");
-        }
-    }
 }
 
 #[cfg(all(test, tierkv_loom))]
@@ -129,8 +109,9 @@ mod loom_tests {
     use loom::sync::Arc;
     use loom::thread;
 
-    /// The callback thread signals two layers of one load; the engine thread waits the first
-    /// and polls the second; statuses arrive intact, and the slot can then be re-issued.
+    /// The callback thread signals two layers of one load; the engine thread polls the first
+    /// until it completed, then the second; statuses arrive intact, and the slot can then be
+    /// re-issued.
     #[test]
     fn loom_ring_signals_are_seen_with_their_status() {
         loom::model(|| {
@@ -141,7 +122,13 @@ mod loom_tests {
                 r2.signal(a, 7);
                 r2.signal(b, 9);
             });
-            assert_eq!(ring.wait(a), 7);
+            let first = loop {
+                match ring.poll(a) {
+                    Some(v) => break v,
+                    None => thread::yield_now(),
+                }
+            };
+            assert_eq!(first, 7);
             let second = ring.poll(b);
             assert!(second.is_none() || second == Some(9));
             cb.join().unwrap();

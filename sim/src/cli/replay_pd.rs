@@ -61,7 +61,8 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Emitted>) {
                 seen.entry(request).or_default().ended_otherwise =
                     Some(format!("transfer timed out ({tries} tries)"))
             }
-            // Recomputed after a recreated context; the request's tokens come later.
+            // A failed host-tier load recomputed, or a request requeued after its side's context
+            // was recreated: its tokens come later.
             Output::Recompute { .. } | Output::Requeued { .. } => {}
         }
     }
