@@ -860,10 +860,10 @@ impl Driver for CudaDriver {
         // An error from asynchronous work is sticky in CUDA: the context is lost and every later
         // call fails with it, so nothing can be recovered in place. A context that still
         // synchronises had no such error (an event's failure was its own): go on. A lost
-        // context is not recreated: on an H200 (kernels/GPU.md, run 87) a primary-context reset
-        // after a `trap` left the retain refused (`CUDA_ERROR_LAUNCH_FAILED`) and allocations
-        // refused (`CUDA_ERROR_INVALID_CONTEXT`). The engine stops with this error, and the
-        // process must be restarted.
+        // context is not recreated: after a `trap`, a primary-context reset (with or without a
+        // release first) and `cuCtxCreate` each left the context refused
+        // (`CUDA_ERROR_LAUNCH_FAILED`, then `CUDA_ERROR_INVALID_CONTEXT`; kernels/GPU.md, runs
+        // 87-88). The engine stops with this error, and the process must be restarted.
         self.ctx
             .synchronize()
             .map_err(backend("the CUDA context did not survive a device fault"))

@@ -310,9 +310,9 @@ pub trait Driver {
     /// every allocation made again at the same address (the device bytes lost, pinned host
     /// memory kept) and every event and stream valid, and bumps its
     /// [`Driver::context_generation`]. The simulated driver does; the production driver does
-    /// not (it synchronises the context and fails if it is lost, and the engine stops): a
-    /// primary-context reset did not give a working context on an H200 (kernels/GPU.md, run
-    /// 87), so the process must be restarted.
+    /// not (it synchronises the context and fails if it is lost, and the engine stops): no way
+    /// tried gave a working context in the same process (kernels/GPU.md, runs 87-88), so the
+    /// process must be restarted.
     fn recover(&mut self) -> Result<(), DeviceError>;
     /// How many times `recover` recreated the context.
     fn context_generation(&self) -> u64;
