@@ -171,6 +171,19 @@ impl Request {
             self.prompt_len.max(self.tokens.len())
         }
     }
+    /// Queued again to recompute its KV, holding no page or lock: returns the tree nodes it had
+    /// locked and the device pages it owned, for the caller to unlock and free.
+    fn back_to_queue(&mut self) -> (Vec<NodeId>, Vec<PageId>) {
+        let pages = std::mem::take(&mut self.pages);
+        let held = (
+            std::mem::take(&mut self.locked),
+            pages[self.owned_from..].to_vec(),
+        );
+        self.owned_from = 0;
+        self.computed = 0;
+        self.state = RequestState::Queued;
+        held
+    }
     /// The batch row that stores positions `from..to` and queries `queries`.
     fn row(&self, from: usize, to: usize, queries: Vec<u32>) -> Row {
         Row {
@@ -524,14 +537,7 @@ impl Scheduler {
                 r.load.is_none(),
                 "request {id} requeued with its load unacknowledged"
             );
-            let pages = std::mem::take(&mut r.pages);
-            held.push((
-                std::mem::take(&mut r.locked),
-                pages[r.owned_from..].to_vec(),
-            ));
-            r.owned_from = 0;
-            r.computed = 0;
-            r.state = RequestState::Queued;
+            held.push(r.back_to_queue());
             self.queued_tokens += r.prompt_len as u64;
             self.queue.push_front(id);
             self.requeued.insert(id);
@@ -554,19 +560,8 @@ impl Scheduler {
         at: usize,
     ) -> (Vec<NodeId>, Vec<PageId>) {
         let id = r.id;
-        assert!(
-            r.finished(),
-            "request {id} requeued as an export, unfinished"
-        );
         assert!(r.load.is_none(), "export {id} with a load");
-        let pages = std::mem::take(&mut r.pages);
-        let held = (
-            std::mem::take(&mut r.locked),
-            pages[r.owned_from..].to_vec(),
-        );
-        r.owned_from = 0;
-        r.computed = 0;
-        r.state = RequestState::Queued;
+        let held = r.back_to_queue();
         self.queued_tokens += r.prompt_len as u64;
         let prev = self.requests.insert(id, r);
         assert!(prev.is_none(), "export {id} requeued while held");

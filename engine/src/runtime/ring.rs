@@ -1,6 +1,7 @@
 //! The completion ring: slots that a completion-callback thread signals and the engine thread
-//! polls (it never blocks on the ring: to wait, it synchronises on the event itself). The CUDA device enqueues a host callback (`cuLaunchHostFunc`) after each
-//! event it records on the load stream; CUDA runs the callback on its own thread when the stream
+//! polls (it never blocks on the ring: to wait, it synchronises on the event itself). The CUDA
+//! device enqueues a host callback (`cuLaunchHostFunc`) after each event it records on the load
+//! stream; CUDA runs the callback on its own thread when the stream
 //! reaches it, and the callback publishes "done, with this status" into the event's slot. The
 //! engine thread then learns that a layer of a load finished without a driver call.
 //!
