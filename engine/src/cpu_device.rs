@@ -5,7 +5,7 @@
 
 use crate::device::*;
 use crate::layout::{
-    f32_bytes, fp8_bytes, i32_bytes, u64_bytes, BufferKind, Bytes, INDEX_HEAD_DIM,
+    f32_bytes, fp8_bytes, i32_bytes, u32_count, u64_bytes, BufferKind, Bytes, INDEX_HEAD_DIM,
 };
 use std::borrow::Cow;
 use tierkv_kernels::cpu;
@@ -153,7 +153,7 @@ fn draw_args<'a>(d: &Drawn, rows: &'a [TokenAt]) -> draw::DrawArgs<'a> {
 
 fn next_tokens(o: &NextTokens, mem: &mut Memory) -> KResult {
     let digests = le_u64s(mem.region(o.digests));
-    let tokens = draw::next_tokens(o.seed, &digests, o.layers, o.rows_max, o.rows() as u32)?;
+    let tokens = draw::next_tokens(&o.args, &digests)?;
     put(mem.range_mut(o.out.range()), &tokens, u32::to_le_bytes);
     Ok(())
 }
@@ -163,46 +163,37 @@ fn index_k_store(o: &IndexKStore, mem: &mut Memory) -> KResult {
     let rows = resolved(&o.keys, mem)?;
     let keys = draw::index_keys(&draw_args(&o.keys, &rows));
     let rope = rope_rows(&o.rope, &o.keys);
-    let args = cpu::IndexKStoreArgs {
-        dtype: o.dtype,
-        ue8m0: o.ue8m0,
+    let x = cpu::IndexKStoreInputs {
         keys: &keys,
         gamma: &o.gamma,
         beta: &o.beta,
         rope: &rope,
-        slots: &o.slots,
     };
-    mem.with_mut(o.dst, |_, d| cpu::index_k_store(&args, d, fp))
+    mem.with_mut(o.dst, |_, d| cpu::index_k_store(&o.args, &x, d, fp))
 }
 
 fn kv_store(o: &KvStore, mem: &mut Memory) -> KResult {
     let fp = mem.desc(o.dst).fingerprint;
     let drawn = resolved(&o.rows, mem)?;
     let rows = draw::kv_rows(&draw_args(&o.rows, &drawn));
-    let args = cpu::KvStoreArgs {
-        dtype: o.dtype,
-        rows: &rows,
-        slots: &o.slots,
-    };
-    mem.with_mut(o.dst, |_, d| cpu::kv_store(&args, d, fp))
+    mem.with_mut(o.dst, |_, d| cpu::kv_store(&o.args, &rows, d, fp))
 }
 
 fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
-    let values = o.rows() as u64 * o.heads as u64;
+    let heads = o.args.heads;
+    let values = o.rows() as u64 * heads as u64;
     let mut qo = vec![0u8; fp8_bytes(values * INDEX_HEAD_DIM as u64).usize()];
     let mut wo = vec![0f32; values as usize];
     let rows = resolved(&o.inputs, mem)?;
     let a = draw_args(&o.inputs, &rows);
-    let (q, weights) = (draw::queries(&a, o.heads), draw::head_weights(&a, o.heads));
+    let (q, weights) = (draw::queries(&a, heads), draw::head_weights(&a, heads));
     let rope = rope_rows(&o.rope, &o.inputs);
-    let args = cpu::QPrepArgs {
-        heads: o.heads as usize,
-        ue8m0: o.ue8m0,
+    let x = cpu::QPrepInputs {
         q: &q,
         weights: &weights,
         rope: &rope,
     };
-    cpu::q_prep(&args, &mut qo, &mut wo)?;
+    cpu::q_prep(&o.args, &x, &mut qo, &mut wo)?;
     mem.head_mut(o.q_out, fp8_bytes(qo.len() as u64))
         .copy_from_slice(&qo);
     put(
@@ -232,25 +223,13 @@ fn index_logits_from_pages(
     mem: &mut Memory,
     keys: &mut dyn cpu::PageKeys,
 ) -> KResult {
-    let rows = o.context_lens.len() as u64;
-    let h = o.heads as u64;
-    let qb = mem
-        .head(o.q, fp8_bytes(rows * h * INDEX_HEAD_DIM as u64))
-        .to_vec();
-    let wv = le_f32s(mem.head(o.w, f32_bytes(rows * h)));
-    let args = cpu::IndexLogitsArgs {
-        dtype: o.dtype,
-        heads: h as usize,
-        q: &qb,
-        weights: &wv,
-        page_table: &o.page_table,
-        pt_stride: o.pt_stride as usize,
-        context_lens: &o.context_lens,
-        out_stride: o.out_stride as usize,
-    };
-    let mut out = vec![0f32; (rows * o.out_stride as u64) as usize];
+    let [(_, q), (_, w), _, _, (_, out)] = o.args.operands();
+    let qb = mem.head(o.q, q).to_vec();
+    let wv = le_f32s(mem.head(o.w, w));
+    let mut out = vec![0f32; u32_count(out) as usize];
     cpu::index_logits_from_pages(
-        &args,
+        &o.args,
+        (&qb, &wv),
         mem.bytes(o.k),
         mem.desc(o.k).fingerprint,
         &mut out,
@@ -265,18 +244,10 @@ fn index_logits_from_pages(
 }
 
 fn topk(o: &TopK, mem: &mut Memory) -> KResult {
-    let rows = o.context_lens.len() as u64;
-    let lv = le_f32s(mem.head(o.logits, f32_bytes(rows * o.stride as u64)));
-    let args = cpu::TopKArgs {
-        k: o.k as usize,
-        logits: &lv,
-        stride: o.stride as usize,
-        context_lens: &o.context_lens,
-        page_table: &o.page_table,
-        pt_stride: o.pt_stride as usize,
-    };
-    let mut out = vec![0i32; (rows * o.k as u64) as usize];
-    cpu::topk(&args, &mut out)?;
+    let [(_, logits), _, _, (_, out)] = o.args.operands();
+    let lv = le_f32s(mem.head(o.logits, logits));
+    let mut out = vec![0i32; u32_count(out) as usize];
+    cpu::topk(&o.args, &lv, &mut out)?;
     put(
         mem.head_mut(o.out, i32_bytes(out.len() as u64)),
         &out,
@@ -304,16 +275,13 @@ fn sparse_read_hashed(
     mem: &mut Memory,
     hash: &mut dyn FnMut(usize, &[u8]) -> u64,
 ) -> KResult {
-    let rows = o.context_lens.len() as u64;
-    let sv = le_i32s(mem.head(o.slots, i32_bytes(rows * o.k as u64)));
-    let args = cpu::SparseReadArgs {
-        dtype: o.dtype,
-        k: o.k as usize,
-        slots: &sv,
-    };
+    let [(_, slots), _] = o.args.operands();
+    let sv = le_i32s(mem.head(o.slots, slots));
+    let rows = o.args.rows as u64;
     let mut out = vec![0u64; rows as usize];
     cpu::sparse_read_hashed(
-        &args,
+        &o.args,
+        &sv,
         mem.bytes(o.kv),
         mem.desc(o.kv).fingerprint,
         &mut out,

@@ -10,9 +10,10 @@
 
 use crate::config::Config;
 use crate::device::{
-    call_recovering, call_recovering_since, BufferDesc, BufferId, BufferRole, Device, DeviceError,
-    Drawn, EventId, EventState, IndexKStore, IndexLogits, KvStore, LinearCopy, MemoryTier,
-    NextTokens, Op, QPrep, Region, RowTag, RowTags, SparseRead, StreamKind, TokenAt, TopK,
+    args, call_recovering, call_recovering_since, BufferDesc, BufferId, BufferRole, Device,
+    DeviceError, Drawn, EventId, EventState, IndexKStore, IndexLogits, KvStore, LinearCopy,
+    MemoryTier, NextTokens, Op, QPrep, Region, RowTag, RowTags, SparseRead, StreamKind, TokenAt,
+    TopK,
 };
 use crate::error::EngineError;
 use crate::exchange::Row;
@@ -183,6 +184,23 @@ fn query_tags(layer_global: u32, chunk: &[Query]) -> RowTags {
             .iter()
             .map(|c| RowTag {
                 request: c.request,
+                position: c.position,
+            })
+            .collect(),
+    }
+}
+
+/// The inputs a launch over query rows draws: each row's token (pending when the previous step
+/// generates it) and position, of layer `layer_global`.
+fn query_inputs(synth: &Synth, batch: &Batch, chunk: &[Query], layer_global: u32) -> Drawn {
+    Drawn {
+        seed: synth.seed,
+        layer: layer_global,
+        tokens: batch.tokens,
+        rows: chunk
+            .iter()
+            .map(|c| TokenAt {
+                token: c.token,
                 position: c.position,
             })
             .collect(),
@@ -361,13 +379,15 @@ impl ModelStep {
         let (gamma, beta) = self.ln[l].clone();
         let store = IndexKStore {
             dst: ik,
-            dtype: self.shape.store_ik_dtype,
-            ue8m0: self.mutants.store_ue8m0(self.shape.ue8m0),
+            args: args::IndexKStore {
+                dtype: self.shape.store_ik_dtype,
+                ue8m0: self.mutants.store_ue8m0(self.shape.ue8m0),
+                slots: batch.slots.clone().into(),
+            },
             keys: batch.drawn_store(synth, lg),
             gamma,
             beta,
             rope: self.shape.rope,
-            slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };
         enqueue(dev, batch.generation, Op::IndexKStore(store))?;
@@ -394,20 +414,12 @@ impl ModelStep {
         let q = s.region(ScratchBuffer::Queries, (Bytes::ZERO, s.layout.queries(n)));
         let w = s.region(ScratchBuffer::Weights, (Bytes::ZERO, s.layout.weights(n)));
         let prep = QPrep {
-            heads: sh.heads,
-            ue8m0: sh.ue8m0,
-            inputs: Drawn {
-                seed: synth.seed,
-                layer: lg,
-                tokens: batch.tokens,
-                rows: chunk
-                    .iter()
-                    .map(|c| TokenAt {
-                        token: c.token,
-                        position: c.position,
-                    })
-                    .collect(),
+            args: args::QPrep {
+                rows: n,
+                heads: sh.heads,
+                ue8m0: sh.ue8m0,
             },
+            inputs: query_inputs(synth, batch, chunk, lg),
             rope: sh.rope,
             q_out: q,
             w_out: w,
@@ -416,16 +428,18 @@ impl ModelStep {
         let page_table = batch.page_table(base, chunk.len());
         let logits = s.region(ScratchBuffer::Logits, (Bytes::ZERO, s.layout.logits(n)));
         let scores = IndexLogits {
-            dtype: sh.pool_ik_dtype,
-            heads: sh.heads,
+            args: args::IndexLogits {
+                dtype: sh.pool_ik_dtype,
+                heads: sh.heads,
+                page_table: page_table.clone().into(),
+                pt_stride: s.layout.pt_stride(),
+                context_lens: context_lens(chunk).into(),
+                out_stride: s.layout.out_stride(),
+            },
             q,
             w,
             k: ik,
-            page_table: page_table.clone(),
-            pt_stride: s.layout.pt_stride(),
-            context_lens: context_lens(chunk),
             out: logits,
-            out_stride: s.layout.out_stride(),
             tags: query_tags(lg, chunk),
         };
         enqueue(dev, batch.generation, Op::IndexLogits(scores))?;
@@ -435,12 +449,14 @@ impl ModelStep {
             probe::hit_if(Probe::TopkSelects, !covered);
         }
         let topk = TopK {
-            k: sh.topk,
+            args: args::TopK {
+                k: sh.topk,
+                stride: s.layout.out_stride(),
+                context_lens: context_lens(chunk).into(),
+                page_table: page_table.into(),
+                pt_stride: s.layout.pt_stride(),
+            },
             logits,
-            stride: s.layout.out_stride(),
-            context_lens: context_lens(chunk),
-            page_table,
-            pt_stride: s.layout.pt_stride(),
             out: s.region(
                 ScratchBuffer::Selections,
                 s.layout.selections(base as u32, n),
@@ -465,17 +481,22 @@ impl ModelStep {
         let kv = pools.gated(&gate.kv(dev)?);
         let store = KvStore {
             dst: kv,
-            dtype: sh.kv_dtype,
+            args: args::KvStore {
+                dtype: sh.kv_dtype,
+                slots: batch.slots.clone().into(),
+            },
             rows: batch.drawn_store(synth, lg),
-            slots: batch.slots.clone(),
             tags: batch.store_tags(lg),
         };
         enqueue(dev, batch.generation, Op::KvStore(store))?;
         for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
             let n = chunk.len() as u32;
             let read = SparseRead {
-                dtype: self.mutants.sparse_read_dtype(sh.kv_dtype),
-                k: sh.topk,
+                args: args::SparseRead {
+                    dtype: self.mutants.sparse_read_dtype(sh.kv_dtype),
+                    rows: n,
+                    k: sh.topk,
+                },
                 slots: s.region(
                     ScratchBuffer::Selections,
                     s.layout.selections(base as u32, n),
@@ -533,10 +554,13 @@ impl ModelStep {
         if self.ahead() {
             let n = batch.queries.len() as u64;
             let next = NextTokens {
-                seed: synth.seed,
+                args: args::NextTokens {
+                    seed: synth.seed,
+                    layers: self.shape.layers,
+                    rows_max: s.layout.rows_max(),
+                    rows: n as u32,
+                },
                 digests: s.region(ScratchBuffer::Digests, (Bytes::ZERO, bytes)),
-                layers: self.shape.layers,
-                rows_max: s.layout.rows_max(),
                 out: s.region(ScratchBuffer::Tokens, (Bytes::ZERO, u32_bytes(n))),
                 tags: RowTags {
                     layer_global: self.shape.layer_base,

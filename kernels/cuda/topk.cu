@@ -47,7 +47,7 @@
 #define TOPK_MAX TKV_TOPK_MAX
 #define TOPK_DIGIT TKV_TOPK_DIGIT
 #define TOPK_BINS (1 << TOPK_DIGIT)
-#define TOPK_BUCKET_MAX 64
+#define TOPK_BUCKET_MAX TKV_TOPK_BUCKET_MAX
 #define TOPK_FEW 16  // 2'': keys far above the rest that a second pass by value sets aside
 #define TOPK_SQUEEZED 8  // 2'': a threshold (and the rest's top) within the lowest 8 bins of 2048
 

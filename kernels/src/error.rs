@@ -50,24 +50,6 @@ pub enum KernelError {
 
 pub type Result<T, E = KernelError> = std::result::Result<T, E>;
 
-/// Checks an exact buffer length.
-pub(crate) fn expect_len(
-    op: &'static str,
-    buffer: &'static str,
-    found: usize,
-    needed: usize,
-) -> Result<()> {
-    if found != needed {
-        return Err(KernelError::BufferSize {
-            op,
-            buffer,
-            needed: needed as u64,
-            found: found as u64,
-        });
-    }
-    Ok(())
-}
-
 pub(crate) fn bad(op: &'static str, arg: &'static str, detail: impl Into<String>) -> KernelError {
     KernelError::BadArgument {
         op,

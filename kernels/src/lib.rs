@@ -6,6 +6,7 @@
 //! formats of its own. The [`layout`] module is where the engine, the references and the
 //! launchers take every byte size and offset from; the engine re-exports it.
 
+pub mod args;
 pub mod cpu;
 pub mod cuda;
 pub mod error;

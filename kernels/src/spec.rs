@@ -20,6 +20,7 @@
 //! fp8 KV row: a maximum, one division for the scale, one division per value) the specification
 //! computes those operations itself and the bytes must be equal.
 
+use crate::args;
 use crate::cpu;
 use crate::{IndexKDtype, KvDtype};
 use half::bf16;
@@ -633,7 +634,8 @@ fn untouched(
 /// pipeline's (fp8 codes and scale, or bf16, as [`check_index_k_row`] accepts), and nothing
 /// else changed.
 pub fn check_index_k_store(
-    a: &cpu::IndexKStoreArgs,
+    a: &args::IndexKStore,
+    x: &cpu::IndexKStoreInputs,
     before: &[u8],
     after: &[u8],
 ) -> Result<(), String> {
@@ -646,40 +648,51 @@ pub fn check_index_k_store(
         check_index_k_row(
             a.dtype,
             a.ue8m0,
-            &a.keys[i * 128..(i + 1) * 128],
-            a.gamma,
-            a.beta,
-            &f64s(&a.rope[i * 64..(i + 1) * 64]),
+            &x.keys[i * 128..(i + 1) * 128],
+            x.gamma,
+            x.beta,
+            &f64s(&x.rope[i * 64..(i + 1) * 64]),
             &page[at..at + len],
             scale,
         )
         .map_err(|e| format!("slot {s}: {e}"))?;
     }
     let row_of = |i: usize| (i / pb) * PAGE_TOKENS + format::index_k_token_of(a.dtype, i % pb);
-    untouched(before, after, row_of, a.slots)
+    untouched(before, after, row_of, &a.slots)
 }
 
 /// `kv_store` as specified: each slot's row is [`kv_row`]'s bytes, and nothing else changed.
-pub fn check_kv_store(a: &cpu::KvStoreArgs, before: &[u8], after: &[u8]) -> Result<(), String> {
+pub fn check_kv_store(
+    a: &args::KvStore,
+    rows: &[bf16],
+    before: &[u8],
+    after: &[u8],
+) -> Result<(), String> {
     let rb = format::kv_row_bytes(a.dtype);
     for (i, &s) in a.slots.iter().enumerate() {
-        let row = &a.rows[i * 576..(i + 1) * 576];
+        let row = &rows[i * 576..(i + 1) * 576];
         let out = &after[s as usize * rb..][..rb];
         check_kv_row(a.dtype, row, out).map_err(|e| format!("slot {s}: {e}"))?;
     }
-    untouched(before, after, |i| i / rb, a.slots)
+    untouched(before, after, |i| i / rb, &a.slots)
 }
 
 /// `q_prep` as specified: each (token, head) query as [`check_q_head`] accepts.
-pub fn check_q_prep(a: &cpu::QPrepArgs, q_out: &[u8], w_out: &[f32]) -> Result<(), String> {
-    for t in 0..a.rope.len() / 64 {
-        for h in 0..a.heads {
-            let i = t * a.heads + h;
+pub fn check_q_prep(
+    a: &args::QPrep,
+    x: &cpu::QPrepInputs,
+    q_out: &[u8],
+    w_out: &[f32],
+) -> Result<(), String> {
+    let heads = a.heads as usize;
+    for t in 0..a.rows as usize {
+        for h in 0..heads {
+            let i = t * heads + h;
             check_q_head(
-                &a.q[i * 128..(i + 1) * 128],
-                a.weights[i],
-                &f64s(&a.rope[t * 64..(t + 1) * 64]),
-                a.heads,
+                &x.q[i * 128..(i + 1) * 128],
+                x.weights[i],
+                &f64s(&x.rope[t * 64..(t + 1) * 64]),
+                heads,
                 a.ue8m0,
                 &q_out[i * 128..(i + 1) * 128],
                 w_out[i],
@@ -692,12 +705,13 @@ pub fn check_q_prep(a: &cpu::QPrepArgs, q_out: &[u8], w_out: &[f32]) -> Result<(
 
 /// `topk` by sorting: the `k` highest logits of each row's context (ties to the lower position,
 /// `-inf` last), as slots through the row's page table, `-1` padding.
-pub fn topk(a: &cpu::TopKArgs) -> Vec<i32> {
+pub fn topk(a: &args::TopK, logits: &[f32]) -> Vec<i32> {
     let mut out = Vec::new();
+    let k = a.k as usize;
     for (r, &len) in a.context_lens.iter().enumerate() {
-        let order = topk_order(&a.logits[r * a.stride..][..len as usize], a.k);
-        let pt = &a.page_table[r * a.pt_stride..];
-        for i in 0..a.k {
+        let order = topk_order(&logits[r * a.stride as usize..][..len as usize], k);
+        let pt = &a.page_table[r * a.pt_stride as usize..];
+        for i in 0..k {
             out.push(order.get(i).map_or(-1, |&n| {
                 pt[n as usize / PAGE_TOKENS] * PAGE_TOKENS as i32
                     + (n as usize % PAGE_TOKENS) as i32
@@ -778,12 +792,12 @@ pub fn check_topk_within(selection: &[u32], scores: &[(f64, f64)], k: usize) -> 
 }
 
 /// `sparse_read` from the digest's definition, rows addressed through [`format`](mod@format).
-pub fn sparse_read(a: &cpu::SparseReadArgs, kv: &[u8], rows: usize) -> Vec<u64> {
-    let rb = format::kv_row_bytes(a.dtype);
-    (0..rows)
+pub fn sparse_read(a: &args::SparseRead, slots: &[i32], kv: &[u8]) -> Vec<u64> {
+    let (rb, k) = (format::kv_row_bytes(a.dtype), a.k as usize);
+    (0..a.rows as usize)
         .map(|r| {
             digest(
-                a.slots[r * a.k..(r + 1) * a.k]
+                slots[r * k..(r + 1) * k]
                     .iter()
                     .map(|&s| (s >= 0).then(|| &kv[s as usize * rb..][..rb])),
             )
@@ -868,23 +882,32 @@ pub fn key_f64(dtype: IndexKDtype, page: &[u8], t: usize) -> ([f64; 128], f64) {
 /// `index_logits` in f64 from the definition, `kscale[n] · Σ_h w_h · relu(q_h · k_n)`, with each
 /// logit's error scale `|kscale| · Σ_h |w_h| · Σ_d |q_hd k_nd|`; `-inf` (and scale 0) at and past
 /// each row's context length. Both `[rows][out_stride]`.
-pub fn index_logits_f64(a: &cpu::IndexLogitsArgs, pool: &[u8]) -> (Vec<f64>, Vec<f64>) {
+pub fn index_logits_f64(
+    a: &args::IndexLogits,
+    (q_all, w_all): (&[u8], &[f32]),
+    pool: &[u8],
+) -> (Vec<f64>, Vec<f64>) {
     let pb = format::index_k_page_bytes(a.dtype);
     let rows = a.context_lens.len();
-    let mut value = vec![f64::NEG_INFINITY; rows * a.out_stride];
-    let mut magnitude = vec![0f64; rows * a.out_stride];
+    let (heads, pt_stride, out_stride) = (
+        a.heads as usize,
+        a.pt_stride as usize,
+        a.out_stride as usize,
+    );
+    let mut value = vec![f64::NEG_INFINITY; rows * out_stride];
+    let mut magnitude = vec![0f64; rows * out_stride];
     for r in 0..rows {
         let keys: Vec<([f64; 128], f64)> = (0..a.context_lens[r] as usize)
             .map(|n| {
-                let page = a.page_table[r * a.pt_stride + n / PAGE_TOKENS] as usize;
+                let page = a.page_table[r * pt_stride + n / PAGE_TOKENS] as usize;
                 key_f64(a.dtype, &pool[page * pb..][..pb], n % PAGE_TOKENS)
             })
             .collect();
-        let q = &a.q[r * a.heads * 128..][..a.heads * 128];
-        let w = &a.weights[r * a.heads..][..a.heads];
+        let q = &q_all[r * heads * 128..][..heads * 128];
+        let w = &w_all[r * heads..][..heads];
         for (n, (v, m)) in logits_f64(q, w, &keys).into_iter().enumerate() {
-            value[r * a.out_stride + n] = v;
-            magnitude[r * a.out_stride + n] = m;
+            value[r * out_stride + n] = v;
+            magnitude[r * out_stride + n] = m;
         }
     }
     (value, magnitude)

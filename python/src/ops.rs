@@ -16,6 +16,7 @@
 //! on the host in both cases, before anything runs.
 
 use pyo3::prelude::*;
+use tierkv_kernels::args;
 use tierkv_kernels::cpu;
 use tierkv_kernels::layout::{
     IndexKDtype, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM, PAGE_TOKENS, ROPE_DIM,
@@ -23,6 +24,16 @@ use tierkv_kernels::layout::{
 
 use crate::dlpack::{Arr, Device, Elem};
 use crate::OpError;
+
+/// A tensor's row length as the kernels' records hold it (`u32`), or an error naming it.
+fn dim_u32(op: &str, tensor: &str, v: usize) -> PyResult<u32> {
+    u32::try_from(v).map_err(|_| {
+        err(
+            op,
+            format!("`{tensor}` has rows of {v} entries, more than a kernel indexes"),
+        )
+    })
+}
 
 fn err(op: &str, detail: impl std::fmt::Display) -> PyErr {
     OpError::new_err(format!("tierkv.ops.{op}: {detail}"))
@@ -202,16 +213,18 @@ fn store_cpu(a: &StoreArgs) -> PyResult<()> {
         .flat_map(|&i| rope[i * r..(i + 1) * r].iter().copied())
         .collect();
     let kept_slots: Vec<i32> = keep.iter().map(|&i| slots[i]).collect();
-    let args = cpu::store::IndexKStoreArgs {
+    let record = args::IndexKStore {
         dtype: a.dt,
         ue8m0: a.ue8m0,
+        slots: kept_slots.into(),
+    };
+    let x = cpu::store::IndexKStoreInputs {
         keys: &kept_keys,
         gamma,
         beta,
         rope: &kept_rope,
-        slots: &kept_slots,
     };
-    cpu::store::index_k_store(&args, dst, PageFormat::IndexK(a.dt).fingerprint())
+    cpu::store::index_k_store(&record, &x, dst, PageFormat::IndexK(a.dt).fingerprint())
         .map_err(|e| err(OP, e))
 }
 
@@ -338,18 +351,16 @@ fn logits_cpu(a: &LogitsArgs) -> PyResult<()> {
     let (pts, out_stride) = (a.table.shape[1], a.out.shape[1]);
     let len_max = out_stride.min(pts * PAGE_TOKENS as usize);
     rows_in_range(OP, lens, pt, pts, len_max, Some(a.cache.shape[0] as u64))?;
-    let args = cpu::logits::IndexLogitsArgs {
+    let record = args::IndexLogits {
         dtype: a.dt,
-        heads: a.heads,
-        q,
-        weights: w,
-        page_table: pt,
-        pt_stride: a.table.shape[1],
-        context_lens: lens,
-        out_stride: a.out.shape[1],
+        heads: a.heads as u32,
+        page_table: pt.into(),
+        pt_stride: dim_u32(OP, "block_table", pts)?,
+        context_lens: lens.into(),
+        out_stride: dim_u32(OP, "out", out_stride)?,
     };
-    cpu::logits::index_logits(&args, k, PageFormat::IndexK(a.dt).fingerprint(), out)
-        .map_err(|e| err(OP, e))
+    let fp = PageFormat::IndexK(a.dt).fingerprint();
+    cpu::logits::index_logits(&record, q, w, k, fp, out).map_err(|e| err(OP, e))
 }
 
 #[cfg(feature = "cuda")]
@@ -369,17 +380,17 @@ fn logits_cuda(a: &LogitsArgs, kernel: &str, ordinal: i32, stream: u64) -> PyRes
     };
     let launch = GuardedIndexLogits {
         dtype: a.dt,
-        heads: a.heads,
+        heads: a.heads as u32,
         rows: a.rows,
         q: dev(&a.q),
         w: dev(&a.weights),
         page_table: dev(&a.table),
-        pt_stride: a.table.shape[1],
+        pt_stride: dim_u32(OP, "block_table", a.table.shape[1])?,
         context_lens: dev(&a.lens),
         k: dev(&a.cache),
         k_fp: PageFormat::IndexK(a.dt).fingerprint(),
         out: dev(&a.out),
-        out_stride: a.out.shape[1],
+        out_stride: dim_u32(OP, "out", a.out.shape[1])?,
     };
     crate::gpu::run(OP, ordinal, stream, |k, s, g| {
         k.index_logits_guarded(kind, LogitsTuning::default(), s, g, &launch)
@@ -483,15 +494,14 @@ fn topk_cpu(a: &TopKArgs) -> PyResult<()> {
         a.stride.min(pt_stride * PAGE_TOKENS as usize),
         None,
     )?;
-    let args = cpu::topk::TopKArgs {
-        k: a.k,
-        logits,
-        stride: a.stride,
-        context_lens: lens,
-        page_table: table,
-        pt_stride,
+    let record = args::TopK {
+        k: dim_u32(OP, "out", a.k)?,
+        stride: dim_u32(OP, "logits", a.stride)?,
+        context_lens: lens.into(),
+        page_table: table.into(),
+        pt_stride: dim_u32(OP, "block_table", pt_stride)?,
     };
-    cpu::topk::topk(&args, out).map_err(|e| err(OP, e))
+    cpu::topk::topk(&record, logits, out).map_err(|e| err(OP, e))
 }
 
 /// Every row's context length within `0..=len_max` and, where `pages` is given, every block of
@@ -554,13 +564,18 @@ pub const TOPK_TABLE_PAGE_MAX: u64 = (i32::MAX as u64 + 1) / PAGE_TOKENS as u64 
 #[cfg(feature = "cuda")]
 fn topk_cuda(a: &TopKArgs, ordinal: i32, stream: u64) -> PyResult<()> {
     use tierkv_kernels::cuda::launch::GuardedTopK;
+    const OP: &str = "topk";
+    let page_table = match a.table {
+        Some(t) => Some((dev(t), dim_u32(OP, "block_table", t.shape[1])?)),
+        None => None,
+    };
     let launch = GuardedTopK {
-        k: a.k,
+        k: dim_u32(OP, "out", a.k)?,
         rows: a.rows,
         logits: dev(a.logits),
-        stride: a.stride,
+        stride: dim_u32(OP, "logits", a.stride)?,
         context_lens: dev(a.lens),
-        page_table: a.table.map(|t| (dev(t), t.shape[1])),
+        page_table,
         out: dev(a.out),
     };
     crate::gpu::run("topk", ordinal, stream, |k, s, g| {

@@ -267,12 +267,14 @@ fn a_race_that_needs_a_query_answered_early_is_found_replayed_and_shrunk() {
             buffer(MemoryTier::Device, 8 * 4),
         );
         let topk = Op::TopK(TopK {
-            k: 8,
+            args: tierkv_engine::device::args::TopK {
+                k: 8,
+                stride: 64,
+                context_lens: vec![64].into(),
+                page_table: vec![0].into(),
+                pt_stride: 1,
+            },
             logits,
-            stride: 64,
-            context_lens: vec![64],
-            page_table: vec![0],
-            pt_stride: 1,
             out,
         });
         let loaded = gpu.new_event().expect("an event");

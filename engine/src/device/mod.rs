@@ -498,12 +498,14 @@ mod tests {
         // Two rows of 64 positions, one page each.
         let topk = |k: u32, logits: u64, out: u64| {
             Op::TopK(TopK {
-                k,
+                args: args::TopK {
+                    k,
+                    stride: 64,
+                    context_lens: vec![64, 10].into(),
+                    page_table: vec![0, 1].into(),
+                    pt_stride: 1,
+                },
                 logits: region(logits),
-                stride: 64,
-                context_lens: vec![64, 10],
-                page_table: vec![0, 1],
-                pt_stride: 1,
                 out: region(out),
             })
         };
@@ -518,7 +520,8 @@ mod tests {
             other => panic!("expected a topk refusal, got {other:?}"),
         };
         assert_eq!(check_op(&topk(8, 2 * 64 * 4, 2 * 8 * 4), desc), Ok(()));
-        assert!(refusal(topk(0, 512, 0)).contains("k = 0"));
+        let detail = refusal(topk(0, 512, 0));
+        assert!(detail.contains("argument `k`: 0 is outside"), "{detail}");
         let over = INDEX_TOPK_MAX + 1;
         let detail = refusal(topk(over, 512, 2 * over as u64 * 4));
         assert!(
@@ -527,10 +530,13 @@ mod tests {
         );
         let detail = refusal(topk(8, 2 * 64 * 4, 8 * 4));
         assert!(
-            detail.contains("selection region of 32 B, expected 64 B"),
+            detail.contains("buffer `out` is 32 B but must be 64 B"),
             "{detail}"
         );
         let detail = refusal(topk(8, 64 * 4, 2 * 8 * 4));
-        assert!(detail.contains("logits region of 256 B"), "{detail}");
+        assert!(
+            detail.contains("buffer `logits` is 256 B but must be 512 B"),
+            "{detail}"
+        );
     }
 }

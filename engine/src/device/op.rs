@@ -12,13 +12,14 @@
 
 use super::{BufferId, BufferRole, DeviceError};
 use crate::layout::{
-    f32_bytes, i32_bytes, kv_row, slot_offset, slot_page, u32_bytes, u32_count, u64_bytes, Bytes,
-    IndexKDtype, KvDtype, LayoutFingerprint, PageFormat, PageId, PageRun, PagedView, SlotId,
-    INDEX_TOPK_MAX, PAGE_TOKENS,
+    kv_row, slot_offset, slot_page, u32_count, u64_bytes, Bytes, LayoutFingerprint, PageFormat,
+    PageId, PageRun, PagedView, SlotId, PAGE_TOKENS,
 };
 use std::sync::Arc;
+pub use tierkv_kernels::args;
 pub use tierkv_kernels::cpu::draw::TokenAt;
 pub use tierkv_kernels::rope::Rope;
+use tierkv_kernels::KernelError;
 
 /// Model inputs an op's device draws itself (`tierkv_kernels::cpu::draw`, and `draw.cu` on
 /// CUDA), as a model computes its keys, queries and KV rows on the device: the rows' tokens and
@@ -180,8 +181,8 @@ pub trait OpSpec {
 #[derive(Clone, Debug)]
 pub struct IndexKStore {
     pub dst: BufferId,
-    pub dtype: IndexKDtype,
-    pub ue8m0: bool,
+    /// The dtype, the scale format and each token's slot.
+    pub args: args::IndexKStore<'static>,
     /// The raw keys of the stored tokens, one row per slot.
     pub keys: Drawn,
     pub gamma: Arc<[f32]>,
@@ -189,7 +190,6 @@ pub struct IndexKStore {
     /// The model's RoPE frequencies: each stored token is rotated by its position's row (the
     /// CPU device computes it, the CUDA device gathers it from its table of the model's rows).
     pub rope: Rope,
-    pub slots: Vec<i32>,
     pub tags: RowTags,
 }
 
@@ -197,20 +197,21 @@ pub struct IndexKStore {
 #[derive(Clone, Debug)]
 pub struct KvStore {
     pub dst: BufferId,
-    pub dtype: KvDtype,
+    /// The dtype and each token's slot.
+    pub args: args::KvStore<'static>,
     /// The KV rows of the stored tokens, one per slot.
     pub rows: Drawn,
-    pub slots: Vec<i32>,
     pub tags: RowTags,
 }
 
-/// `q_prep` for `rope.len() / 64` query rows.
+/// `q_prep` of `args.rows` query rows.
 #[derive(Clone, Debug)]
 pub struct QPrep {
-    pub heads: u32,
-    /// Round each head's fp8 scale up to a power of two (the model's `scale_fmt = "ue8m0"`).
-    pub ue8m0: bool,
-    /// The query tokens: their raw queries (`heads × 128` each) and head weights are drawn.
+    /// Rows, heads and the scale format (`ue8m0`: each head's fp8 scale rounded up to a power
+    /// of two, the model's `scale_fmt = "ue8m0"`).
+    pub args: args::QPrep,
+    /// The query tokens, one per row: their raw queries (`heads × 128` each) and head weights
+    /// are drawn.
     pub inputs: Drawn,
     /// The model's RoPE frequencies, for each query token's position.
     pub rope: Rope,
@@ -223,11 +224,10 @@ pub struct QPrep {
 /// runs one step ahead never waits for a token on the host.
 #[derive(Clone, Debug)]
 pub struct NextTokens {
-    pub seed: u64,
+    /// The seed, the step's layers and rows, and the rows of the digests buffer.
+    pub args: args::NextTokens,
     /// The step's whole digests buffer, `[layers][rows_max]` u64.
     pub digests: Region,
-    pub layers: u32,
-    pub rows_max: u32,
     /// One u32 per query row.
     pub out: Region,
     /// Each query row (its request and position): entry `i` is the token after row `i`.
@@ -244,36 +244,29 @@ impl NextTokens {
 /// `index_logits` over one layer's index-K pool.
 #[derive(Clone, Debug)]
 pub struct IndexLogits {
-    pub dtype: IndexKDtype,
-    pub heads: u32,
+    /// The dtype, the heads, each row's page table and context length, the output stride.
+    pub args: args::IndexLogits<'static>,
     pub q: Region,
     pub w: Region,
     pub k: BufferId,
-    pub page_table: Vec<i32>,
-    pub pt_stride: u32,
-    pub context_lens: Vec<i32>,
     pub out: Region,
-    pub out_stride: u32,
     pub tags: RowTags,
 }
 
 /// `topk` with the configured `index_topk`.
 #[derive(Clone, Debug)]
 pub struct TopK {
-    pub k: u32,
+    /// `k`, the logits' stride, each row's context length and page table.
+    pub args: args::TopK<'static>,
     pub logits: Region,
-    pub stride: u32,
-    pub context_lens: Vec<i32>,
-    pub page_table: Vec<i32>,
-    pub pt_stride: u32,
     pub out: Region,
 }
 
 /// `sparse_read` of one layer's KV pool through `TopK`'s selection.
 #[derive(Clone, Debug)]
 pub struct SparseRead {
-    pub dtype: KvDtype,
-    pub k: u32,
+    /// The dtype, the rows and `k`.
+    pub args: args::SparseRead,
     pub slots: Region,
     pub kv: BufferId,
     /// Each row's page table and context length: the rows the selection may name, declared as
@@ -432,42 +425,25 @@ pub fn used_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> V
     pages
 }
 
-/// Each row's page table and context length agree: `rows x pt_stride` entries, every context
-/// within its table.
-fn check_rows(
-    op: &'static str,
-    page_table: &[i32],
-    pt_stride: u32,
-    context_lens: &[i32],
-    stride: u32,
-) -> Result<(), DeviceError> {
-    if page_table.len() != context_lens.len() * pt_stride as usize {
+/// An op's kernel record refused it.
+fn kernel(op: &'static str) -> impl Fn(KernelError) -> DeviceError {
+    move |e| bad(op, e.to_string())
+}
+
+/// An op's region holds exactly the bytes its record's operand needs.
+fn bind(op: &'static str, operand: args::Operand, r: &Region) -> Result<(), DeviceError> {
+    args::bind_exact(op, operand, r.bytes).map_err(kernel(op))
+}
+
+/// One drawn input row per token of the record.
+fn drawn_rows(op: &'static str, d: &Drawn, tokens: usize) -> Result<(), DeviceError> {
+    if d.rows.len() != tokens {
         return Err(bad(
             op,
-            format!(
-                "page table has {} entries, expected {} rows x {pt_stride}",
-                page_table.len(),
-                context_lens.len()
-            ),
+            format!("{} drawn rows for {tokens} tokens", d.rows.len()),
         ));
     }
-    for (r, &len) in context_lens.iter().enumerate() {
-        if len < 0 || len as u64 > pt_stride as u64 * PAGE_TOKENS as u64 {
-            return Err(bad(
-                op,
-                format!(
-                    "row {r}: context length {len} outside its page table of {pt_stride} pages"
-                ),
-            ));
-        }
-        if len as u32 > stride {
-            return Err(bad(
-                op,
-                format!("row {r}: context length {len} is longer than the row stride {stride}"),
-            ));
-        }
-    }
-    Ok(())
+    d.check(op)
 }
 
 /// One row per slot: `(buffer, page, bit of the token row)`.
@@ -483,15 +459,15 @@ fn slot_rows(dst: BufferId, slots: &[i32]) -> Vec<(BufferId, u64, u64)> {
 
 impl OpSpec for IndexKStore {
     fn name(&self) -> &'static str {
-        "index_k_store"
+        args::IndexKStore::OP
     }
     fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
-        vec![(self.dst, PageFormat::IndexK(self.dtype).fingerprint())]
+        vec![(self.dst, PageFormat::IndexK(self.args.dtype).fingerprint())]
     }
     fn accesses(&self, out: &mut Vec<Access>) {
         self.keys.accesses(out);
-        let fmt = PageFormat::IndexK(self.dtype);
-        for &s in &self.slots {
+        let fmt = PageFormat::IndexK(self.args.dtype);
+        for &s in self.args.slots.iter() {
             // The token's values and (fp8) scale both live in its page: declare the page.
             push_page(
                 out,
@@ -502,236 +478,234 @@ impl OpSpec for IndexKStore {
             );
         }
     }
+    /// The record, and one drawn key row per slot.
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        let n = self.slots.len();
-        if self.keys.rows.len() != n {
-            return Err(bad(self.name(), "keys/slots lengths disagree".into()));
-        }
-        self.keys.check(self.name())
+        let op = self.name();
+        self.args.check().map_err(kernel(op))?;
+        drawn_rows(op, &self.keys, self.args.tokens())
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)
     }
     fn full_rows(&self) -> Vec<(BufferId, u64, u64)> {
-        slot_rows(self.dst, &self.slots)
+        slot_rows(self.dst, &self.args.slots)
     }
     fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
-        format!("{} tokens into {}", self.slots.len(), role(self.dst))
+        format!("{} tokens into {}", self.args.tokens(), role(self.dst))
     }
 }
 
 impl OpSpec for KvStore {
     fn name(&self) -> &'static str {
-        "kv_store"
+        args::KvStore::OP
     }
     fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
-        vec![(self.dst, PageFormat::Kv(self.dtype).fingerprint())]
+        vec![(self.dst, PageFormat::Kv(self.args.dtype).fingerprint())]
     }
     fn accesses(&self, out: &mut Vec<Access>) {
         self.rows.accesses(out);
-        let tb = Bytes(PageFormat::Kv(self.dtype).token_bytes());
-        for &s in &self.slots {
-            let at = Bytes(kv_row::slot_offset(self.dtype, s.max(0) as u32) as u64);
+        let dtype = self.args.dtype;
+        let tb = Bytes(PageFormat::Kv(dtype).token_bytes());
+        for &s in self.args.slots.iter() {
+            let at = Bytes(kv_row::slot_offset(dtype, s.max(0) as u32) as u64);
             write(out, ByteRange::new(self.dst, at, tb));
         }
     }
+    /// The record, and one drawn KV row per slot.
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        if self.rows.rows.len() != self.slots.len() {
-            return Err(bad(self.name(), "rows/slots lengths disagree".into()));
-        }
-        self.rows.check(self.name())
+        let op = self.name();
+        self.args.check().map_err(kernel(op))?;
+        drawn_rows(op, &self.rows, self.args.tokens())
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)
     }
     fn full_rows(&self) -> Vec<(BufferId, u64, u64)> {
-        slot_rows(self.dst, &self.slots)
+        slot_rows(self.dst, &self.args.slots)
     }
     fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
-        format!("{} tokens into {}", self.slots.len(), role(self.dst))
+        format!("{} tokens into {}", self.args.tokens(), role(self.dst))
     }
 }
 
 impl QPrep {
     /// Query rows of the launch.
     pub fn rows(&self) -> usize {
-        self.inputs.rows.len()
+        self.args.rows as usize
     }
 }
 
 impl OpSpec for QPrep {
     fn name(&self) -> &'static str {
-        "q_prep"
+        args::QPrep::OP
     }
     fn accesses(&self, out: &mut Vec<Access>) {
         self.inputs.accesses(out);
         write(out, self.q_out.range());
         write(out, self.w_out.range());
     }
+    /// The record, one drawn input row per query row, and the output regions exactly as large
+    /// as the record's outputs.
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        self.inputs.check(self.name())
+        let op = self.name();
+        self.args.check().map_err(kernel(op))?;
+        drawn_rows(op, &self.inputs, self.rows())?;
+        let [_, _, _, q_out, w_out] = self.args.operands();
+        bind(op, q_out, &self.q_out)?;
+        bind(op, w_out, &self.w_out)
     }
     fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
-        format!("{} rows x {} heads", self.rows(), self.heads)
+        format!("{} rows x {} heads", self.rows(), self.args.heads)
     }
 }
 
 impl OpSpec for NextTokens {
     fn name(&self) -> &'static str {
-        "next_tokens"
+        args::NextTokens::OP
     }
     fn accesses(&self, out: &mut Vec<Access>) {
-        for l in 0..self.layers as u64 {
-            let at = self.digests.offset + u64_bytes(l * self.rows_max as u64);
+        let a = &self.args;
+        for l in 0..a.layers as u64 {
+            let at = self.digests.offset + u64_bytes(l * a.rows_max as u64);
             read(
                 out,
-                ByteRange::new(self.digests.buffer, at, u64_bytes(self.rows() as u64)),
+                ByteRange::new(self.digests.buffer, at, u64_bytes(a.rows as u64)),
             );
         }
         write(out, self.out.range());
     }
+    /// The record, one tag per row, and the regions exactly as large as the record's operands.
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        let rows = self.rows() as u64;
-        if rows > self.rows_max as u64 {
+        let op = self.name();
+        self.args.check().map_err(kernel(op))?;
+        if self.rows() != self.args.rows as usize {
             return Err(bad(
-                self.name(),
-                format!("{rows} rows of a step of {}", self.rows_max),
+                op,
+                format!("{} row tags for {} rows", self.rows(), self.args.rows),
             ));
         }
-        let digests = u64_bytes(self.layers as u64 * self.rows_max as u64);
-        if self.digests.bytes != digests {
-            return Err(bad(
-                self.name(),
-                format!(
-                    "digests region of {} B, expected {digests} ({} layers x {} rows)",
-                    self.digests.bytes, self.layers, self.rows_max
-                ),
-            ));
-        }
-        if self.out.bytes != u32_bytes(rows) {
-            return Err(bad(
-                self.name(),
-                format!("tokens region of {} B for {rows} rows", self.out.bytes),
-            ));
-        }
-        Ok(())
+        let [digests, out] = self.args.operands();
+        bind(op, digests, &self.digests)?;
+        bind(op, out, &self.out)
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)
     }
     fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
-        format!("{} rows x {} layers", self.rows(), self.layers)
+        format!("{} rows x {} layers", self.args.rows, self.args.layers)
     }
 }
 
 impl OpSpec for IndexLogits {
     fn name(&self) -> &'static str {
-        "index_logits"
+        args::IndexLogits::OP
     }
     fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
-        vec![(self.k, PageFormat::IndexK(self.dtype).fingerprint())]
+        vec![(self.k, PageFormat::IndexK(self.args.dtype).fingerprint())]
     }
     fn accesses(&self, out: &mut Vec<Access>) {
         read(out, self.q.range());
         read(out, self.w.range());
-        let fmt = PageFormat::IndexK(self.dtype);
-        for page in used_pages(&self.page_table, self.pt_stride, &self.context_lens) {
+        let fmt = PageFormat::IndexK(self.args.dtype);
+        let a = &self.args;
+        for page in used_pages(&a.page_table, a.pt_stride, &a.context_lens) {
             push_page(out, self.k, fmt, page, false);
         }
         write(out, self.out.range());
     }
+    /// The record, and the query, weight and logits regions exactly as large as its operands.
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        check_rows(
-            self.name(),
-            &self.page_table,
-            self.pt_stride,
-            &self.context_lens,
-            self.out_stride,
-        )
+        let op = self.name();
+        self.args.check().map_err(kernel(op))?;
+        let [q, w, _, _, out] = self.args.operands();
+        bind(op, q, &self.q)?;
+        bind(op, w, &self.w)?;
+        bind(op, out, &self.out)
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)
     }
     fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
-        format!("{} rows over {}", self.context_lens.len(), role(self.k))
+        format!("{} rows over {}", self.args.rows(), role(self.k))
     }
 }
 
 impl OpSpec for TopK {
     fn name(&self) -> &'static str {
-        "topk"
+        args::TopK::OP
     }
     fn accesses(&self, out: &mut Vec<Access>) {
         read(out, self.logits.range());
         write(out, self.out.range());
     }
-    /// Also its `k` (the configured `index_topk`, within what the kernels select) and the sizes
-    /// of its logits (`[rows][stride]` f32) and selection (`[rows][k]` slots) regions: an op
-    /// whose `k` and output disagree would write past its selection or leave part of it stale.
+    /// The record (its `k` included), and the logits and selection regions exactly as large as
+    /// its operands: an op whose `k` and selection disagree would write past its selection or
+    /// leave part of it stale.
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        if self.k == 0 || self.k > INDEX_TOPK_MAX {
-            return Err(bad(
-                self.name(),
-                format!("k = {} is outside 1..={INDEX_TOPK_MAX}", self.k),
-            ));
-        }
-        let rows = self.context_lens.len() as u64;
-        let logits = f32_bytes(rows * self.stride as u64);
-        if self.logits.bytes != logits {
-            return Err(bad(
-                self.name(),
-                format!(
-                    "logits region of {} B, expected {logits} B ({rows} rows x stride {})",
-                    self.logits.bytes, self.stride
-                ),
-            ));
-        }
-        let selection = i32_bytes(rows * self.k as u64);
-        if self.out.bytes != selection {
-            return Err(bad(
-                self.name(),
-                format!(
-                    "selection region of {} B, expected {selection} B ({rows} rows x k = {})",
-                    self.out.bytes, self.k
-                ),
-            ));
-        }
-        check_rows(
-            self.name(),
-            &self.page_table,
-            self.pt_stride,
-            &self.context_lens,
-            self.stride,
-        )
+        let op = self.name();
+        self.args.check().map_err(kernel(op))?;
+        let [logits, _, _, out] = self.args.operands();
+        bind(op, logits, &self.logits)?;
+        bind(op, out, &self.out)
     }
     fn detail(&self, _role: &dyn Fn(BufferId) -> BufferRole) -> String {
-        format!("{} rows, k = {}", self.context_lens.len(), self.k)
+        format!("{} rows, k = {}", self.args.rows(), self.args.k)
     }
 }
 
 impl OpSpec for SparseRead {
     fn name(&self) -> &'static str {
-        "sparse_read"
+        args::SparseRead::OP
     }
     fn formats(&self) -> Vec<(BufferId, LayoutFingerprint)> {
-        vec![(self.kv, PageFormat::Kv(self.dtype).fingerprint())]
+        vec![(self.kv, PageFormat::Kv(self.args.dtype).fingerprint())]
     }
     fn accesses(&self, out: &mut Vec<Access>) {
         read(out, self.slots.range());
-        let fmt = PageFormat::Kv(self.dtype);
+        let fmt = PageFormat::Kv(self.args.dtype);
         for page in used_pages(&self.page_table, self.pt_stride, &self.context_lens) {
             push_page(out, self.kv, fmt, page, false);
         }
         write(out, self.out.range());
     }
+    /// The record, its regions exactly as large as its operands, and the declared rows: one
+    /// page table and context length per row, every context within its table (the kernel never
+    /// sees these; they bound the pages the selection may name).
     fn check_shapes(&self) -> Result<(), DeviceError> {
-        check_rows(
-            self.name(),
-            &self.page_table,
-            self.pt_stride,
-            &self.context_lens,
-            self.pt_stride * PAGE_TOKENS,
-        )
+        let op = self.name();
+        self.args.check().map_err(kernel(op))?;
+        let [slots, out] = self.args.operands();
+        bind(op, slots, &self.slots)?;
+        bind(op, out, &self.out)?;
+        let rows = self.context_lens.len();
+        if rows != self.args.rows as usize
+            || self.page_table.len() != rows * self.pt_stride as usize
+        {
+            return Err(bad(
+                op,
+                format!(
+                    "declared {rows} context lengths and {} page-table entries for {} rows x {}",
+                    self.page_table.len(),
+                    self.args.rows,
+                    self.pt_stride
+                ),
+            ));
+        }
+        let cap = self.pt_stride as u64 * PAGE_TOKENS as u64;
+        match self
+            .context_lens
+            .iter()
+            .position(|&l| l < 0 || l as u64 > cap)
+        {
+            Some(r) => Err(bad(
+                op,
+                format!(
+                    "row {r}: context length {} outside its page table of {} pages",
+                    self.context_lens[r], self.pt_stride
+                ),
+            )),
+            None => Ok(()),
+        }
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)
@@ -739,8 +713,8 @@ impl OpSpec for SparseRead {
     fn detail(&self, role: &dyn Fn(BufferId) -> BufferRole) -> String {
         format!(
             "{} rows x top-{} of {}",
-            self.context_lens.len(),
-            self.k,
+            self.args.rows,
+            self.args.k,
             role(self.kv)
         )
     }

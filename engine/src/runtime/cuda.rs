@@ -17,7 +17,10 @@ use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
 };
 use std::sync::Arc;
-use tierkv_kernels::cuda::launch::{DevPtr, IndexLogitsLaunch, Kernels};
+use tierkv_kernels::cuda::launch::{
+    DevPtr, IndexKStorePtrs, IndexLogitsPtrs, Kernels, KvStorePtrs, QPrepPtrs, SparseReadPtrs,
+    TopKPtrs,
+};
 pub use tierkv_kernels::cuda::launch::{LogitsKernel, LogitsTuning};
 
 fn backend(what: &str) -> impl Fn(cudarc::driver::DriverError) -> DeviceError + '_ {
@@ -688,16 +691,16 @@ impl Driver for CudaDriver {
                 dst_fp,
             } => k.index_k_store(
                 st,
-                op.dtype,
-                op.ue8m0,
-                p(keys),
-                p(gamma),
-                p(beta),
-                p(rope),
-                &op.slots,
-                p(slots),
-                p(dst),
-                dst_fp,
+                &op.args,
+                &IndexKStorePtrs {
+                    keys: p(keys),
+                    gamma: p(gamma),
+                    beta: p(beta),
+                    rope: p(rope),
+                    slots: p(slots),
+                    dst: p(dst),
+                    dst_fp,
+                },
             ),
             Launch::KvStore {
                 op,
@@ -705,7 +708,16 @@ impl Driver for CudaDriver {
                 slots,
                 dst,
                 dst_fp,
-            } => k.kv_store(st, op.dtype, p(rows), &op.slots, p(slots), p(dst), dst_fp),
+            } => k.kv_store(
+                st,
+                &op.args,
+                &KvStorePtrs {
+                    rows: p(rows),
+                    slots: p(slots),
+                    dst: p(dst),
+                    dst_fp,
+                },
+            ),
             Launch::QPrep {
                 op,
                 q,
@@ -715,14 +727,14 @@ impl Driver for CudaDriver {
                 w_out,
             } => k.q_prep(
                 st,
-                op.rows(),
-                op.heads as usize,
-                op.ue8m0,
-                p(q),
-                p(w),
-                p(rope),
-                p(q_out),
-                p(w_out),
+                &op.args,
+                &QPrepPtrs {
+                    q: p(q),
+                    w: p(w),
+                    rope: p(rope),
+                    q_out: p(q_out),
+                    w_out: p(w_out),
+                },
             ),
             Launch::IndexLogits {
                 op,
@@ -734,22 +746,16 @@ impl Driver for CudaDriver {
                 k_fp,
                 out,
             } => {
-                let a = IndexLogitsLaunch {
-                    dtype: op.dtype,
-                    heads: op.heads as usize,
+                let ptrs = IndexLogitsPtrs {
                     q: p(q),
                     w: p(w),
-                    page_table: &op.page_table,
-                    pt_stride: op.pt_stride as usize,
-                    pt_dev: p(page_table),
-                    context_lens: &op.context_lens,
-                    lens_dev: p(context_lens),
+                    page_table: p(page_table),
+                    context_lens: p(context_lens),
                     k: p(keys),
                     k_fp,
                     out: p(out),
-                    out_stride: op.out_stride as usize,
                 };
-                k.index_logits_with(self.logits, self.tuning, st, &a)
+                k.index_logits_with(self.logits, self.tuning, st, &op.args, &ptrs)
             }
             Launch::TopK {
                 op,
@@ -759,15 +765,13 @@ impl Driver for CudaDriver {
                 out,
             } => k.topk(
                 st,
-                op.k as usize,
-                p(logits),
-                op.stride as usize,
-                &op.context_lens,
-                p(context_lens),
-                &op.page_table,
-                op.pt_stride as usize,
-                p(page_table),
-                p(out),
+                &op.args,
+                &TopKPtrs {
+                    logits: p(logits),
+                    context_lens: p(context_lens),
+                    page_table: p(page_table),
+                    out: p(out),
+                },
             ),
             Launch::SparseRead {
                 op,
@@ -777,23 +781,17 @@ impl Driver for CudaDriver {
                 out,
             } => k.sparse_read(
                 st,
-                op.dtype,
-                op.context_lens.len(),
-                op.k as usize,
-                p(slots),
-                p(kv),
-                kv_fp,
-                p(out),
+                &op.args,
+                &SparseReadPtrs {
+                    slots: p(slots),
+                    kv: p(kv),
+                    kv_fp,
+                    out: p(out),
+                },
             ),
-            Launch::NextTokens { op, digests, out } => k.next_tokens(
-                st,
-                op.seed,
-                p(digests),
-                op.layers,
-                op.rows_max,
-                op.rows() as u32,
-                p(out),
-            ),
+            Launch::NextTokens { op, digests, out } => {
+                k.next_tokens(st, &op.args, p(digests), p(out))
+            }
             Launch::PageGather {
                 op,
                 src,

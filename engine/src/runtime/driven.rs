@@ -599,7 +599,7 @@ impl<D: Driver> DrivenDevice<D> {
             Op::IndexKStore(o) => {
                 let kinds = [DrawKind::IndexKeys];
                 let plan = Self::plan_draws(&mut p, &o.keys, &kinds, true);
-                let (gamma, beta, slots) = (p.arg(&o.gamma), p.arg(&o.beta), p.arg(&o.slots));
+                let (gamma, beta, slots) = (p.arg(&o.gamma), p.arg(&o.beta), p.arg(&o.args.slots));
                 let max = plan.positions_host.iter().copied().max().unwrap_or(0);
                 let table = self.rope_table(s, &o.rope, max)?;
                 let st = self.stage(s, &p)?;
@@ -619,7 +619,7 @@ impl<D: Driver> DrivenDevice<D> {
             Op::KvStore(o) => {
                 let kinds = [DrawKind::KvRows];
                 let plan = Self::plan_draws(&mut p, &o.rows, &kinds, false);
-                let slots = p.arg(&o.slots);
+                let slots = p.arg(&o.args.slots);
                 let st = self.stage(s, &p)?;
                 self.draw(s, &o.rows, &kinds, &plan, &st, None)?;
                 let l = Launch::KvStore {
@@ -632,7 +632,7 @@ impl<D: Driver> DrivenDevice<D> {
                 self.driver.launch(s, &l)
             }
             Op::QPrep(o) => {
-                let heads = o.heads;
+                let heads = o.args.heads;
                 let kinds = [DrawKind::Queries { heads }, DrawKind::HeadWeights { heads }];
                 let plan = Self::plan_draws(&mut p, &o.inputs, &kinds, true);
                 let max = plan.positions_host.iter().copied().max().unwrap_or(0);
@@ -650,7 +650,7 @@ impl<D: Driver> DrivenDevice<D> {
                 self.driver.launch(s, &l)
             }
             Op::IndexLogits(o) => {
-                let (pt, lens) = (p.arg(&o.page_table), p.arg(&o.context_lens));
+                let (pt, lens) = (p.arg(&o.args.page_table), p.arg(&o.args.context_lens));
                 let st = self.stage(s, &p)?;
                 let l = Launch::IndexLogits {
                     op: o,
@@ -665,7 +665,7 @@ impl<D: Driver> DrivenDevice<D> {
                 self.driver.launch(s, &l)
             }
             Op::TopK(o) => {
-                let (pt, lens) = (p.arg(&o.page_table), p.arg(&o.context_lens));
+                let (pt, lens) = (p.arg(&o.args.page_table), p.arg(&o.args.context_lens));
                 let st = self.stage(s, &p)?;
                 let l = Launch::TopK {
                     op: o,

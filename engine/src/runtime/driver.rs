@@ -4,10 +4,10 @@
 //! transfer strategies, recovery) is the same code whichever driver runs below it: cudarc's
 //! ([`super::cuda::CudaDriver`], feature `cuda`) in production.
 //!
-//! A kernel launch is one [`Launch`] record: the engine op it belongs to (its scalars and the
-//! host copies of its arrays, which the launcher checks before it launches) and a [`Ptr`] for
-//! every argument the kernel reads or writes on the device (the uploaded copies of those arrays
-//! among them: the kernel reads those, not the host copies).
+//! A kernel launch is one [`Launch`] value: the engine op it belongs to, whose argument record
+//! (`tierkv_kernels::args`: its scalars and the host copies of its arrays) the launcher checks
+//! and reads, and a [`Ptr`] for every argument the kernel reads or writes on the device (the
+//! uploaded copies of those arrays among them: the kernel reads those, not the host copies).
 
 use crate::device::{
     BufferDesc, DeviceError, EventState, IndexKStore, IndexLogits, KvStore, NextTokens, PageCopy,
@@ -140,7 +140,8 @@ pub enum EventUse {
 /// Runs on the driver's callback thread when a stream reaches it. It may make no driver call.
 pub type HostCallback = Box<dyn FnOnce() + Send + 'static>;
 
-/// One kernel launch: the op's record and the device pointers of every argument.
+/// One kernel launch: the op (with its argument record) and the device pointers of every
+/// argument.
 #[derive(Clone, Copy, Debug)]
 pub enum Launch<'a> {
     /// Replaces each pending row's token in `rows_dev` (the uploaded `rows`) by entry

@@ -101,34 +101,13 @@ pub fn next_token(seed: u64, digests: impl IntoIterator<Item = u64>) -> u32 {
 /// The next token of each of a step's first `rows` query rows, from the step's digests laid
 /// out `[layers][rows_max]` (`ScratchLayout::digest_index`): the CPU reference of
 /// `draw.cu`'s `next_tokens`.
-pub fn next_tokens(
-    seed: u64,
-    digests: &[u64],
-    layers: u32,
-    rows_max: u32,
-    rows: u32,
-) -> crate::Result<Vec<u32>> {
-    const OP: &str = "next_tokens";
-    if rows > rows_max {
-        return Err(crate::error::bad(
-            OP,
-            "rows",
-            format!("{rows} rows of a step of {rows_max}"),
-        ));
-    }
-    crate::error::expect_len(
-        OP,
-        "digests",
-        digests.len(),
-        layers as usize * rows_max as usize,
-    )?;
-    Ok((0..rows as usize)
-        .map(|r| {
-            next_token(
-                seed,
-                (0..layers as usize).map(|l| digests[l * rows_max as usize + r]),
-            )
-        })
+pub fn next_tokens(a: &crate::args::NextTokens, digests: &[u64]) -> crate::Result<Vec<u32>> {
+    a.check()?;
+    let found = crate::layout::u64_bytes(digests.len() as u64);
+    crate::args::bind_exact(crate::args::NextTokens::OP, a.operands()[0], found)?;
+    let (layers, rows_max) = (a.layers as usize, a.rows_max as usize);
+    Ok((0..a.rows as usize)
+        .map(|r| next_token(a.seed, (0..layers).map(|l| digests[l * rows_max + r])))
         .collect())
 }
 
@@ -266,11 +245,17 @@ mod tests {
     fn next_tokens_fold_each_rows_layers_in_order() {
         // Hand-checked: two layers of two rows of a step of three.
         let d = [10u64, 11, 12, 20, 21, 22];
-        let got = next_tokens(9, &d, 2, 3, 2).unwrap();
+        let nt = |rows_max, rows| crate::args::NextTokens {
+            seed: 9,
+            layers: 2,
+            rows_max,
+            rows,
+        };
+        let got = next_tokens(&nt(3, 2), &d).unwrap();
         let want = |a: u64, b: u64| (mix64(mix64(9 ^ 0x7E57 ^ a) ^ b) % VOCAB as u64) as u32;
         assert_eq!(got, vec![want(10, 20), want(11, 21)]);
-        assert!(next_tokens(9, &d, 2, 3, 4).is_err(), "rows past the step");
-        assert!(next_tokens(9, &d[..5], 2, 3, 1).is_err(), "short digests");
+        assert!(next_tokens(&nt(3, 4), &d).is_err(), "rows past the step");
+        assert!(next_tokens(&nt(3, 1), &d[..5]).is_err(), "short digests");
     }
 
     #[test]

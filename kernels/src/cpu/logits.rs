@@ -9,56 +9,22 @@
 
 use super::numerics::{e4m3_decode, read_f32, read_u16, E4M3_DECODE};
 use super::store::check_paged_dst;
-use crate::error::{bad, expect_len, KernelError, Result};
+use crate::args::{self, bind_exact};
+use crate::error::{KernelError, Result};
 use crate::layout::{
-    index_k_page, IndexKDtype, LayoutFingerprint, PageFormat, INDEX_HEAD_DIM, PAGE_TOKENS,
+    f32_bytes, fp8_bytes, index_k_page, IndexKDtype, LayoutFingerprint, PageFormat, INDEX_HEAD_DIM,
+    PAGE_TOKENS,
 };
 use crate::mutants::KernelMutant;
 
-/// Arguments of `index_logits` for `rows` query rows.
-#[derive(Clone, Copy, Debug)]
-pub struct IndexLogitsArgs<'a> {
-    pub dtype: IndexKDtype,
-    pub heads: usize,
-    /// fp8 queries from `q_prep`, `[rows][heads][128]`.
-    pub q: &'a [u8],
-    /// Folded head weights from `q_prep`, `[rows][heads]`.
-    pub weights: &'a [f32],
-    /// Each row's page table, `[rows][pt_stride]`: position `n` lives in page `pt[n / 64]`.
-    pub page_table: &'a [i32],
-    pub pt_stride: usize,
-    /// Each row's context length (positions `0..len` are scored).
-    pub context_lens: &'a [i32],
-    /// Stride of an output row; at least every row's context length.
-    pub out_stride: usize,
-}
-
-impl IndexLogitsArgs<'_> {
-    pub fn rows(&self) -> usize {
-        self.context_lens.len()
-    }
-    pub fn check(&self) -> Result<()> {
-        const OP: &str = "index_logits";
-        let r = self.rows();
-        if self.heads == 0 {
-            return Err(bad(OP, "heads", "must be at least 1"));
-        }
-        expect_len(OP, "q", self.q.len(), r * self.heads * 128)?;
-        expect_len(OP, "weights", self.weights.len(), r * self.heads)?;
-        expect_len(OP, "page_table", self.page_table.len(), r * self.pt_stride)?;
-        for (i, &len) in self.context_lens.iter().enumerate() {
-            let cap = (self.pt_stride * PAGE_TOKENS as usize).min(self.out_stride);
-            if len < 0 || len as usize > cap {
-                return Err(KernelError::OutOfRange {
-                    op: OP,
-                    index: i,
-                    value: len as i64,
-                    limit: cap as u64,
-                });
-            }
-        }
-        Ok(())
-    }
+/// Binds `index_logits`' inputs and output to its record: fp8 queries `[rows][heads][128]`,
+/// folded head weights `[rows][heads]` and logits `[rows][out_stride]`.
+fn bind(a: &args::IndexLogits, q: &[u8], w: &[f32], out: usize) -> Result<()> {
+    a.check()?;
+    let [qo, wo, _, _, oo] = a.operands();
+    bind_exact(args::IndexLogits::OP, qo, fp8_bytes(q.len() as u64))?;
+    bind_exact(args::IndexLogits::OP, wo, f32_bytes(w.len() as u64))?;
+    bind_exact(args::IndexLogits::OP, oo, f32_bytes(out as u64))
 }
 
 /// Decodes token `t` of an index-K page into f32 values; returns its key scale (1 for bf16).
@@ -295,38 +261,46 @@ impl PageKeys for DecodeEach {
 
 /// The CPU reference of `index_logits`; `out` is `[rows][out_stride]`.
 pub fn index_logits(
-    a: &IndexLogitsArgs,
+    a: &args::IndexLogits,
+    q: &[u8],
+    w: &[f32],
     k_buf: &[u8],
     k_fp: LayoutFingerprint,
     out: &mut [f32],
 ) -> Result<()> {
-    index_logits_from_pages(a, k_buf, k_fp, out, &mut DecodeEach::default())
+    index_logits_from_pages(a, (q, w), k_buf, k_fp, out, &mut DecodeEach::default())
 }
 
 /// `index_logits` with each page's keys from `keys`, which may keep decoded pages (the simulator's
 /// executor does, checking that their bytes are unchanged); the result is the same bits.
+///
+/// `inputs` are the fp8 queries `[rows][heads][128]` and folded head weights `[rows][heads]`.
 pub fn index_logits_from_pages(
-    a: &IndexLogitsArgs,
+    a: &args::IndexLogits,
+    (q_all, w_all): (&[u8], &[f32]),
     k_buf: &[u8],
     k_fp: LayoutFingerprint,
     out: &mut [f32],
     keys: &mut dyn PageKeys,
 ) -> Result<()> {
-    const OP: &str = "index_logits";
-    a.check()?;
+    const OP: &str = args::IndexLogits::OP;
+    bind(a, q_all, w_all, out.len())?;
     let format = PageFormat::IndexK(a.dtype);
     let slots = check_paged_dst(OP, format, k_buf.len(), k_fp)?;
     let pages = slots / PAGE_TOKENS as u64;
-    expect_len(OP, "out", out.len(), a.rows() * a.out_stride)?;
     let pb = format.page_bytes() as usize;
-    let h = a.heads;
+    let (h, pt_stride, out_stride) = (
+        a.heads as usize,
+        a.pt_stride as usize,
+        a.out_stride as usize,
+    );
     let pt_tokens = PAGE_TOKENS as usize;
     for r in 0..a.rows() {
-        let q = decode_q(&a.q[r * h * 128..(r + 1) * h * 128]);
-        let w = &a.weights[r * h..(r + 1) * h];
-        let pt = &a.page_table[r * a.pt_stride..(r + 1) * a.pt_stride];
+        let q = decode_q(&q_all[r * h * 128..(r + 1) * h * 128]);
+        let w = &w_all[r * h..(r + 1) * h];
+        let pt = &a.page_table[r * pt_stride..(r + 1) * pt_stride];
         let len = a.context_lens[r] as usize;
-        let row = &mut out[r * a.out_stride..(r + 1) * a.out_stride];
+        let row = &mut out[r * out_stride..(r + 1) * out_stride];
         // Every page is checked first, so no row is half written when one is out of range.
         for j in 0..len.div_ceil(pt_tokens) {
             key_page(k_buf, pb, pt, j * pt_tokens, r, pages)?;
@@ -364,27 +338,32 @@ pub fn index_logits_from_pages(
 /// products, because the value itself can cancel to near zero (head weights have both signs).
 /// Masked positions have value `-inf` and magnitude 0. Both outputs are `[rows][out_stride]`.
 pub fn index_logits_f64(
-    a: &IndexLogitsArgs,
+    a: &args::IndexLogits,
+    (q_all, w_all): (&[u8], &[f32]),
     k_buf: &[u8],
     k_fp: LayoutFingerprint,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    const OP: &str = "index_logits";
-    a.check()?;
+    const OP: &str = args::IndexLogits::OP;
+    let (h, pt_stride, out_stride) = (
+        a.heads as usize,
+        a.pt_stride as usize,
+        a.out_stride as usize,
+    );
+    bind(a, q_all, w_all, a.rows() * out_stride)?;
     let format = PageFormat::IndexK(a.dtype);
     let slots = check_paged_dst(OP, format, k_buf.len(), k_fp)?;
     let pages = slots / PAGE_TOKENS as u64;
     let pb = format.page_bytes() as usize;
-    let h = a.heads;
-    let mut value = vec![f64::NEG_INFINITY; a.rows() * a.out_stride];
-    let mut magnitude = vec![0f64; a.rows() * a.out_stride];
+    let mut value = vec![f64::NEG_INFINITY; a.rows() * out_stride];
+    let mut magnitude = vec![0f64; a.rows() * out_stride];
     let mut k = [0f32; 128];
     for r in 0..a.rows() {
-        let q: Vec<f64> = decode_q(&a.q[r * h * 128..(r + 1) * h * 128])
+        let q: Vec<f64> = decode_q(&q_all[r * h * 128..(r + 1) * h * 128])
             .into_iter()
             .map(f64::from)
             .collect();
-        let w = &a.weights[r * h..(r + 1) * h];
-        let pt = &a.page_table[r * a.pt_stride..(r + 1) * a.pt_stride];
+        let w = &w_all[r * h..(r + 1) * h];
+        let pt = &a.page_table[r * pt_stride..(r + 1) * pt_stride];
         for n in 0..a.context_lens[r] as usize {
             let page = key_page(k_buf, pb, pt, n, r, pages)?;
             let ks = decode_key(a.dtype, page, (n % PAGE_TOKENS as usize) as u32, &mut k);
@@ -404,8 +383,8 @@ pub fn index_logits_f64(
                 s += f64::from(wh) * dot.max(0.0);
                 m += f64::from(wh).abs() * abs;
             }
-            value[r * a.out_stride + n] = ks * s;
-            magnitude[r * a.out_stride + n] = ks.abs() * m;
+            value[r * out_stride + n] = ks * s;
+            magnitude[r * out_stride + n] = ks.abs() * m;
         }
     }
     Ok((value, magnitude))
@@ -439,20 +418,18 @@ mod tests {
             .map(|_| (rnd() % 0xfe) as u8 & 0xf7)
             .collect();
         let w = [0.5f32, -0.25, 0.125];
-        let a = IndexLogitsArgs {
+        let a = args::IndexLogits {
             dtype,
             heads,
-            q: &q,
-            weights: &w,
-            page_table: &[0],
+            page_table: (&[0][..]).into(),
             pt_stride: 1,
-            context_lens: &[50],
+            context_lens: (&[50][..]).into(),
             out_stride: 64,
         };
         let fp = PageFormat::IndexK(dtype).fingerprint();
         let mut out = vec![0f32; 64];
-        index_logits(&a, &page, fp, &mut out).unwrap();
-        let (v, m) = index_logits_f64(&a, &page, fp).unwrap();
+        index_logits(&a, &q, &w, &page, fp, &mut out).unwrap();
+        let (v, m) = index_logits_f64(&a, (&q, &w), &page, fp).unwrap();
         for n in 0..64 {
             if n >= 50 {
                 assert_eq!(out[n], f32::NEG_INFINITY);

@@ -13,9 +13,9 @@ pub mod sparse_read;
 pub mod store;
 pub mod topk;
 
-pub use logits::{index_logits, index_logits_from_pages, IndexLogitsArgs, KeyBlock, PageKeys};
+pub use logits::{index_logits, index_logits_from_pages, KeyBlock, PageKeys};
 pub use page_copy::{check_page_copy, page_copy};
-pub use q_prep::{q_prep, QPrepArgs};
-pub use sparse_read::{row_hash, sparse_read, sparse_read_hashed, SparseReadArgs};
-pub use store::{index_k_store, kv_store, IndexKStoreArgs, KvStoreArgs};
-pub use topk::{topk, TopKArgs};
+pub use q_prep::{q_prep, QPrepInputs};
+pub use sparse_read::{row_hash, sparse_read, sparse_read_hashed};
+pub use store::{index_k_store, kv_store, IndexKStoreInputs};
+pub use topk::topk;

@@ -13,44 +13,20 @@
 //! (`index_n_heads`): a launch always holds every head of its tokens.
 
 use super::numerics::*;
-use crate::error::{bad, expect_len, Result};
-use crate::layout::{INDEX_HEADS_MAX, INDEX_HEAD_DIM, ROPE_DIM};
+use crate::args::{self, bind_exact};
+use crate::error::Result;
+use crate::layout::{bf16_bytes, f32_bytes, fp8_bytes};
 use half::bf16;
 
-/// Arguments of `q_prep` for `n` query tokens of `heads` heads.
+/// The inputs of `q_prep` for `n` query tokens, bound to its record by [`q_prep`].
 #[derive(Clone, Copy, Debug)]
-pub struct QPrepArgs<'a> {
-    pub heads: usize,
-    /// Round each head's scale up to a power of two (the model's `ue8m0` scale format).
-    pub ue8m0: bool,
+pub struct QPrepInputs<'a> {
     /// Raw queries, `[n][heads][128]`.
     pub q: &'a [bf16],
     /// Raw head weights, `[n][heads]`.
     pub weights: &'a [f32],
     /// Each token's RoPE row, `[n][64]`.
     pub rope: &'a [f32],
-}
-
-impl QPrepArgs<'_> {
-    pub fn tokens(&self) -> usize {
-        self.rope.len() / ROPE_DIM as usize
-    }
-    pub fn check(&self) -> Result<()> {
-        const OP: &str = "q_prep";
-        let n = self.tokens();
-        if self.heads == 0 || self.heads > INDEX_HEADS_MAX as usize {
-            return Err(bad(OP, "heads", format!("{} outside 1..=64", self.heads)));
-        }
-        expect_len(OP, "rope", self.rope.len(), n * ROPE_DIM as usize)?;
-        expect_len(
-            OP,
-            "q",
-            self.q.len(),
-            n * self.heads * INDEX_HEAD_DIM as usize,
-        )?;
-        expect_len(OP, "weights", self.weights.len(), n * self.heads)?;
-        Ok(())
-    }
 }
 
 /// `heads^-½` rounded once to f32: the reference's `n_heads ** -0.5` (a double, which torch
@@ -87,19 +63,24 @@ pub fn q_prep_head(
 }
 
 /// The CPU reference of `q_prep`: `q_out` is `[n][heads][128]` e4m3 codes, `w_out` `[n][heads]`.
-pub fn q_prep(a: &QPrepArgs, q_out: &mut [u8], w_out: &mut [f32]) -> Result<()> {
+pub fn q_prep(a: &args::QPrep, x: &QPrepInputs, q_out: &mut [u8], w_out: &mut [f32]) -> Result<()> {
+    const OP: &str = args::QPrep::OP;
     a.check()?;
-    let (n, h) = (a.tokens(), a.heads);
-    expect_len("q_prep", "q_out", q_out.len(), n * h * 128)?;
-    expect_len("q_prep", "w_out", w_out.len(), n * h)?;
+    let [qo, wo, ro, qoo, woo] = a.operands();
+    bind_exact(OP, qo, bf16_bytes(x.q.len() as u64))?;
+    bind_exact(OP, wo, f32_bytes(x.weights.len() as u64))?;
+    bind_exact(OP, ro, f32_bytes(x.rope.len() as u64))?;
+    bind_exact(OP, qoo, fp8_bytes(q_out.len() as u64))?;
+    bind_exact(OP, woo, f32_bytes(w_out.len() as u64))?;
+    let (n, h) = (a.rows as usize, a.heads as usize);
     let head_scale = head_weight_scale(h);
     for t in 0..n {
-        let rope = &a.rope[t * 64..(t + 1) * 64];
+        let rope = &x.rope[t * 64..(t + 1) * 64];
         for hd in 0..h {
             let i = t * h + hd;
             w_out[i] = q_prep_head(
-                &a.q[i * 128..(i + 1) * 128],
-                a.weights[i],
+                &x.q[i * 128..(i + 1) * 128],
+                x.weights[i],
                 rope,
                 a.ue8m0,
                 head_scale,

@@ -8,8 +8,9 @@
 
 use super::numerics::mix64;
 use super::store::{check_paged_dst, check_slot};
-use crate::error::{expect_len, Result};
-use crate::layout::{kv_row, KvDtype, LayoutFingerprint, PageFormat};
+use crate::args::{self, bind_exact};
+use crate::error::Result;
+use crate::layout::{i32_bytes, kv_row, u64_bytes, LayoutFingerprint, PageFormat};
 
 const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
 const PSI: u64 = 0xC2B2_AE3D_27D4_EB4F;
@@ -38,23 +39,15 @@ pub fn digest<'a>(rows: impl IntoIterator<Item = Option<&'a [u8]>>) -> u64 {
         })
 }
 
-/// Arguments of `sparse_read` over `rows` selections of `k` slots.
-#[derive(Clone, Copy, Debug)]
-pub struct SparseReadArgs<'a> {
-    pub dtype: KvDtype,
-    pub k: usize,
-    /// `[rows][k]` slots from `topk`, `-1` padding.
-    pub slots: &'a [i32],
-}
-
 /// The CPU reference of `sparse_read`: `out` is one digest per row.
 pub fn sparse_read(
-    a: &SparseReadArgs,
+    a: &args::SparseRead,
+    slots: &[i32],
     kv: &[u8],
     kv_fp: LayoutFingerprint,
     out: &mut [u64],
 ) -> Result<()> {
-    sparse_read_hashed(a, kv, kv_fp, out, &mut |_, row| row_hash(row))
+    sparse_read_hashed(a, slots, kv, kv_fp, out, &mut |_, row| row_hash(row))
 }
 
 /// `sparse_read` with each selected row's [`row_hash`] taken from `hash(offset, row)`, where
@@ -62,20 +55,23 @@ pub fn sparse_read(
 /// executor, which sees the same rows selected query after query) must return exactly
 /// `row_hash(row)`.
 pub fn sparse_read_hashed(
-    a: &SparseReadArgs,
+    a: &args::SparseRead,
+    selection: &[i32],
     kv: &[u8],
     kv_fp: LayoutFingerprint,
     out: &mut [u64],
     hash: &mut dyn FnMut(usize, &[u8]) -> u64,
 ) -> Result<()> {
-    const OP: &str = "sparse_read";
+    const OP: &str = args::SparseRead::OP;
+    a.check()?;
+    let [so, oo] = a.operands();
+    bind_exact(OP, so, i32_bytes(selection.len() as u64))?;
+    bind_exact(OP, oo, u64_bytes(out.len() as u64))?;
     let format = PageFormat::Kv(a.dtype);
     let slots = check_paged_dst(OP, format, kv.len(), kv_fp)?;
-    let rows = out.len();
-    expect_len(OP, "slots", a.slots.len(), rows * a.k)?;
-    let tb = format.token_bytes() as usize;
+    let (k, tb) = (a.k as usize, format.token_bytes() as usize);
     for (r, o) in out.iter_mut().enumerate() {
-        let sel = &a.slots[r * a.k..(r + 1) * a.k];
+        let sel = &selection[r * k..(r + 1) * k];
         let mut acc = 0u64;
         for (i, &s) in sel.iter().enumerate() {
             if s < 0 {

@@ -2,21 +2,17 @@
 //! paged slots.
 
 use super::numerics::*;
-use crate::error::{bad, expect_len, KernelError, Result};
+use crate::args::{self, bind_exact};
+use crate::error::{bad, KernelError, Result};
 use crate::layout::{
-    index_k_page, kv_row, IndexKDtype, KvDtype, LayoutFingerprint, PageFormat, INDEX_HEAD_DIM,
-    KV_LORA_RANK, KV_ROW_VALUES, PAGE_TOKENS, QUANT_BLOCK, ROPE_DIM,
+    bf16_bytes, f32_bytes, index_k_page, kv_row, IndexKDtype, KvDtype, LayoutFingerprint,
+    PageFormat, KV_LORA_RANK, KV_ROW_VALUES, PAGE_TOKENS, QUANT_BLOCK, ROPE_DIM,
 };
 use half::bf16;
 
-/// Arguments of `index_k_store` for `n` tokens.
+/// The inputs of `index_k_store` for `n` tokens, bound to its record by [`index_k_store`].
 #[derive(Clone, Copy, Debug)]
-pub struct IndexKStoreArgs<'a> {
-    /// The format the kernel writes. It must equal the destination pool's format: a store that writes
-    /// fp8 pages into a bf16 pool is DESIGN §1 incident 4.
-    pub dtype: IndexKDtype,
-    /// Round fp8 scales up to powers of two.
-    pub ue8m0: bool,
+pub struct IndexKStoreInputs<'a> {
     /// Raw index keys, `[n][128]`.
     pub keys: &'a [bf16],
     /// LayerNorm weight and bias, 128 each.
@@ -24,23 +20,6 @@ pub struct IndexKStoreArgs<'a> {
     pub beta: &'a [f32],
     /// Each token's RoPE row (32 cosines, 32 sines at its position), `[n][64]`.
     pub rope: &'a [f32],
-    /// Destination slot of each token, `[n]`.
-    pub slots: &'a [i32],
-}
-
-impl IndexKStoreArgs<'_> {
-    pub fn tokens(&self) -> usize {
-        self.slots.len()
-    }
-    pub fn check(&self) -> Result<()> {
-        const OP: &str = "index_k_store";
-        let n = self.slots.len();
-        expect_len(OP, "keys", self.keys.len(), n * INDEX_HEAD_DIM as usize)?;
-        expect_len(OP, "gamma", self.gamma.len(), INDEX_HEAD_DIM as usize)?;
-        expect_len(OP, "beta", self.beta.len(), INDEX_HEAD_DIM as usize)?;
-        expect_len(OP, "rope", self.rope.len(), n * ROPE_DIM as usize)?;
-        Ok(())
-    }
 }
 
 /// One token's index-K row: LayerNorm → RoPE → Hadamard → fp8 (values + scale) or bf16.
@@ -116,9 +95,19 @@ pub(crate) fn check_slot(op: &'static str, index: usize, slot: i32, slots: u64) 
 
 /// The CPU reference of `index_k_store`: writes each token's row and scale into its slot of the
 /// paged index-K buffer `dst` (one layer, `[page][8448 | 16384]`).
-pub fn index_k_store(a: &IndexKStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerprint) -> Result<()> {
-    const OP: &str = "index_k_store";
+pub fn index_k_store(
+    a: &args::IndexKStore,
+    x: &IndexKStoreInputs,
+    dst: &mut [u8],
+    dst_fp: LayoutFingerprint,
+) -> Result<()> {
+    const OP: &str = args::IndexKStore::OP;
     a.check()?;
+    let [ko, go, bo, ro, _] = a.operands();
+    bind_exact(OP, ko, bf16_bytes(x.keys.len() as u64))?;
+    bind_exact(OP, go, f32_bytes(x.gamma.len() as u64))?;
+    bind_exact(OP, bo, f32_bytes(x.beta.len() as u64))?;
+    bind_exact(OP, ro, f32_bytes(x.rope.len() as u64))?;
     let format = PageFormat::IndexK(a.dtype);
     let slots = check_paged_dst(OP, format, dst.len(), dst_fp)?;
     let pb = format.page_bytes() as usize;
@@ -127,14 +116,14 @@ pub fn index_k_store(a: &IndexKStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerpr
     for (i, &s) in a.slots.iter().enumerate() {
         let slot = check_slot(OP, i, s, slots)?;
         let (page, t) = ((slot / PAGE_TOKENS) as usize, slot % PAGE_TOKENS);
-        let key = &a.keys[i * 128..(i + 1) * 128];
-        let rope = &a.rope[i * 64..(i + 1) * 64];
+        let key = &x.keys[i * 128..(i + 1) * 128];
+        let rope = &x.rope[i * 64..(i + 1) * 64];
         let scale = index_k_token(
             a.dtype,
             a.ue8m0,
             key,
-            a.gamma,
-            a.beta,
+            x.gamma,
+            x.beta,
             rope,
             &mut values[..vb],
         );
@@ -146,26 +135,6 @@ pub fn index_k_store(a: &IndexKStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerpr
         }
     }
     Ok(())
-}
-
-/// Arguments of `kv_store` for `n` tokens.
-#[derive(Clone, Copy, Debug)]
-pub struct KvStoreArgs<'a> {
-    pub dtype: KvDtype,
-    /// MLA rows, `[n][576]`: 512 latent values then 64 RoPE values.
-    pub rows: &'a [bf16],
-    pub slots: &'a [i32],
-}
-
-impl KvStoreArgs<'_> {
-    pub fn check(&self) -> Result<()> {
-        expect_len(
-            "kv_store",
-            "rows",
-            self.rows.len(),
-            self.slots.len() * KV_ROW_VALUES as usize,
-        )
-    }
 }
 
 /// One token's KV row bytes (`out` is the format's token bytes long). bf16: the 576 values as is.
@@ -199,28 +168,24 @@ pub fn kv_token(dtype: KvDtype, row: &[bf16], out: &mut [u8]) {
     }
 }
 
-/// The CPU reference of `kv_store`: writes each token's KV row into its slot of `dst` (one layer).
-pub fn kv_store(a: &KvStoreArgs, dst: &mut [u8], dst_fp: LayoutFingerprint) -> Result<()> {
-    const OP: &str = "kv_store";
+/// The CPU reference of `kv_store`: writes each token's KV row (`rows` is `[n][576]`: 512 latent
+/// values, then 64 RoPE values) into its slot of `dst` (one layer).
+pub fn kv_store(
+    a: &args::KvStore,
+    rows: &[bf16],
+    dst: &mut [u8],
+    dst_fp: LayoutFingerprint,
+) -> Result<()> {
+    const OP: &str = args::KvStore::OP;
     a.check()?;
-    if a.dtype == KvDtype::Fp8Unpacked {
-        return Err(bad(
-            OP,
-            "dtype",
-            "fp8_unpacked rows are a foreign format tierkv does not store",
-        ));
-    }
+    bind_exact(OP, a.operands()[0], bf16_bytes(rows.len() as u64))?;
     let format = PageFormat::Kv(a.dtype);
     let slots = check_paged_dst(OP, format, dst.len(), dst_fp)?;
     let tb = format.token_bytes() as usize;
     let nv = KV_ROW_VALUES as usize;
     for (i, &s) in a.slots.iter().enumerate() {
         let at = kv_row::slot_offset(a.dtype, check_slot(OP, i, s, slots)?);
-        kv_token(
-            a.dtype,
-            &a.rows[i * nv..(i + 1) * nv],
-            &mut dst[at..at + tb],
-        );
+        kv_token(a.dtype, &rows[i * nv..(i + 1) * nv], &mut dst[at..at + tb]);
         if crate::mutants::on(crate::mutants::KernelMutant::KvStoreWritesNextRow)
             && at + 2 * tb <= dst.len()
         {

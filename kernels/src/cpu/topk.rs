@@ -6,8 +6,9 @@
 //! order-preserving integer image of the fp32 bits (so `-0.0` ranks just below `+0.0`), and between
 //! equal scores the lower position first.
 
-use crate::error::{bad, expect_len, KernelError, Result};
-use crate::layout::{kernel_slot, INDEX_TOPK_MAX, PAGE_TOKENS};
+use crate::args::{self, bind_exact};
+use crate::error::Result;
+use crate::layout::{f32_bytes, i32_bytes, kernel_slot, PAGE_TOKENS};
 
 /// The order-preserving integer image of an fp32: `a < b` as floats iff `key(a) < key(b)` (for
 /// non-NaN values; `-0.0` sorts below `+0.0`).
@@ -17,50 +18,6 @@ pub fn order_key(x: f32) -> u32 {
         !b
     } else {
         b | 0x8000_0000
-    }
-}
-
-/// Arguments of `topk` over `rows` logits rows.
-#[derive(Clone, Copy, Debug)]
-pub struct TopKArgs<'a> {
-    pub k: usize,
-    /// `[rows][stride]` logits.
-    pub logits: &'a [f32],
-    pub stride: usize,
-    pub context_lens: &'a [i32],
-    /// `[rows][pt_stride]` page tables mapping positions to slots.
-    pub page_table: &'a [i32],
-    pub pt_stride: usize,
-}
-
-impl TopKArgs<'_> {
-    pub fn rows(&self) -> usize {
-        self.context_lens.len()
-    }
-    pub fn check(&self) -> Result<()> {
-        const OP: &str = "topk";
-        if self.k == 0 || self.k > INDEX_TOPK_MAX as usize {
-            return Err(bad(
-                OP,
-                "k",
-                format!("{} is outside 1..={INDEX_TOPK_MAX}", self.k),
-            ));
-        }
-        let r = self.rows();
-        expect_len(OP, "logits", self.logits.len(), r * self.stride)?;
-        expect_len(OP, "page_table", self.page_table.len(), r * self.pt_stride)?;
-        for (i, &len) in self.context_lens.iter().enumerate() {
-            let cap = self.stride.min(self.pt_stride * PAGE_TOKENS as usize);
-            if len < 0 || len as usize > cap {
-                return Err(KernelError::OutOfRange {
-                    op: OP,
-                    index: i,
-                    value: len as i64,
-                    limit: cap as u64,
-                });
-            }
-        }
-        Ok(())
     }
 }
 
@@ -81,16 +38,19 @@ pub fn topk_positions(scores: &[f32], k: usize) -> Vec<u32> {
     keyed.into_iter().map(|(_, n)| n).collect()
 }
 
-/// The CPU reference of `topk`: `out` is `[rows][k]` slots.
-pub fn topk(a: &TopKArgs, out: &mut [i32]) -> Result<()> {
+/// The CPU reference of `topk`: `logits` is `[rows][stride]`, `out` is `[rows][k]` slots.
+pub fn topk(a: &args::TopK, logits: &[f32], out: &mut [i32]) -> Result<()> {
     a.check()?;
-    expect_len("topk", "out", out.len(), a.rows() * a.k)?;
+    let [lo, _, _, oo] = a.operands();
+    bind_exact(args::TopK::OP, lo, f32_bytes(logits.len() as u64))?;
+    bind_exact(args::TopK::OP, oo, i32_bytes(out.len() as u64))?;
+    let (k, stride, pt_stride) = (a.k as usize, a.stride as usize, a.pt_stride as usize);
     for r in 0..a.rows() {
         let len = a.context_lens[r] as usize;
-        let row = &a.logits[r * a.stride..r * a.stride + len];
-        let pt = &a.page_table[r * a.pt_stride..(r + 1) * a.pt_stride];
-        let o = &mut out[r * a.k..(r + 1) * a.k];
-        let best = topk_positions(row, a.k);
+        let row = &logits[r * stride..r * stride + len];
+        let pt = &a.page_table[r * pt_stride..(r + 1) * pt_stride];
+        let o = &mut out[r * k..(r + 1) * k];
+        let best = topk_positions(row, k);
         for (i, slot) in o.iter_mut().enumerate() {
             *slot = match best.get(i) {
                 Some(&n) => kernel_slot(pt[n as usize / PAGE_TOKENS as usize], n % PAGE_TOKENS),

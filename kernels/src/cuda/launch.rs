@@ -10,11 +10,11 @@ use super::{
     compile, logits_mma_kernel, logits_wgmma_kernel, logits_wgmma_launch, topk_cluster, SOURCES,
     TOPK_BUCKET_WORDS, TOPK_KERNELS, TOPK_STAGED_MAX, TOPK_THREADS,
 };
+use crate::args;
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
-    bf16_bytes, f32_bytes, fp8_bytes, i32_bytes, u32_bytes, u64_bytes, Bytes, IndexKDtype, KvDtype,
-    LayoutFingerprint, PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_ROW_VALUES,
-    PAGE_TOKENS, ROPE_DIM,
+    f32_bytes, i32_bytes, u32_bytes, u64_bytes, Bytes, IndexKDtype, KvDtype, LayoutFingerprint,
+    PageFormat, INDEX_HEADS_MAX, INDEX_HEAD_DIM, PAGE_TOKENS, ROPE_DIM,
 };
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
@@ -96,26 +96,6 @@ fn paged(op: &'static str, format: PageFormat, p: DevPtr, fp: LayoutFingerprint)
     Ok(p.bytes.0 / format.page_bytes())
 }
 
-fn slots_in(op: &'static str, slots: &[i32], limit: u64) -> Result<()> {
-    // A fold without an early exit compiles to SIMD: a negative slot is above any limit as a
-    // u32. Only a list that fails is walked again, for the first entry outside.
-    let max = slots.iter().fold(0u32, |m, &s| m.max(s as u32));
-    if (max as u64) < limit {
-        return Ok(());
-    }
-    for (i, &s) in slots.iter().enumerate() {
-        if s < 0 || s as u64 >= limit {
-            return Err(KernelError::OutOfRange {
-                op,
-                index: i,
-                value: s as i64,
-                limit,
-            });
-        }
-    }
-    unreachable!("{op}: the largest slot {max} is outside {limit}, so one entry is")
-}
-
 fn aligned(op: &'static str, buffer: &'static str, p: DevPtr, align: u64) -> Result<()> {
     if p.ptr % align != 0 {
         return Err(bad(
@@ -127,67 +107,61 @@ fn aligned(op: &'static str, buffer: &'static str, p: DevPtr, align: u64) -> Res
     Ok(())
 }
 
-/// The arguments of one `index_k_store` launch over `slots.len()` tokens: `slots` is the host
-/// copy (checked before the launch), `slots_dev` its device copy.
+/// Where the operands of an `index_k_store` ([`args::IndexKStore`]) lie on the device: its
+/// inputs, the device copy of its slots, and the pool with its registered fingerprint.
 #[derive(Clone, Copy, Debug)]
-pub struct IndexKStoreLaunch<'a> {
-    pub dtype: IndexKDtype,
-    /// Round fp8 scales up to powers of two.
-    pub ue8m0: bool,
+pub struct IndexKStorePtrs {
     pub keys: DevPtr,
     pub gamma: DevPtr,
     pub beta: DevPtr,
     pub rope: DevPtr,
-    pub slots: &'a [i32],
-    pub slots_dev: DevPtr,
+    pub slots: DevPtr,
     pub dst: DevPtr,
     pub dst_fp: LayoutFingerprint,
 }
 
-impl IndexKStoreLaunch<'_> {
-    /// Every buffer is large enough and aligned for the kernel's 16-byte accesses, the pool is
-    /// whole pages of the dtype's format, and every slot lies in it.
-    pub fn check(&self) -> Result<CheckedIndexKStore> {
-        let checked = self.check_buffers(self.slots.len())?;
-        slots_in("index_k_store", self.slots, checked.slots_max as u64)?;
-        Ok(checked)
-    }
+/// Checks a launch of `a` on `p`: the record, every operand large enough and aligned for the
+/// kernel's 16-byte accesses, the pool whole pages of the dtype's format, and every slot in it.
+pub fn check_index_k_store(
+    a: &args::IndexKStore,
+    p: &IndexKStorePtrs,
+) -> Result<CheckedIndexKStore> {
+    a.check()?;
+    let checked = p.bind(a.dtype, a.ue8m0, a.tokens())?;
+    a.slots_in(checked.slots_max as u64)?;
+    Ok(checked)
+}
 
-    /// [`Self::check`] for `n` tokens without walking the host slots: every check but the slots'
-    /// range (which the guarded launch leaves to the device, `guard.cu`).
-    fn check_buffers(&self, n: usize) -> Result<CheckedIndexKStore> {
-        const OP: &str = "index_k_store";
-        let n = n as u64;
-        if n > (i32::MAX / 4) as u64 {
-            return Err(bad(OP, "slots", format!("{n} tokens in one launch")));
-        }
-        need(OP, "keys", self.keys, bf16_bytes(n * INDEX_HEAD_DIM as u64))?;
-        need(OP, "gamma", self.gamma, f32_bytes(INDEX_HEAD_DIM as u64))?;
-        need(OP, "beta", self.beta, f32_bytes(INDEX_HEAD_DIM as u64))?;
-        need(OP, "rope", self.rope, f32_bytes(n * ROPE_DIM as u64))?;
-        need(OP, "slots", self.slots_dev, i32_bytes(n))?;
+impl IndexKStorePtrs {
+    /// Every check of [`check_index_k_store`] on `n` tokens but the slots' range (which the
+    /// guarded launch leaves to the device, `guard.cu`).
+    fn bind(&self, dtype: IndexKDtype, ue8m0: bool, n: usize) -> Result<CheckedIndexKStore> {
+        const OP: &str = args::IndexKStore::OP;
+        args::IndexKStore::check_tokens(n)?;
+        let [keys, gamma, beta, rope, slots] = args::IndexKStore::operands_of(n);
         // The kernel reads keys and rope rows and writes page rows 16 bytes at a time (a
         // misaligned access would be a sticky CUDA error, poisoning the context).
-        for (name, p, align) in [
-            ("keys", self.keys, 16u64),
-            ("rope", self.rope, 16),
-            ("dst", self.dst, 16),
-            ("gamma", self.gamma, 4),
-            ("beta", self.beta, 4),
-            ("slots", self.slots_dev, 4),
+        for (operand, p, align) in [
+            (keys, self.keys, 16u64),
+            (gamma, self.gamma, 4),
+            (beta, self.beta, 4),
+            (rope, self.rope, 16),
+            (slots, self.slots, 4),
         ] {
-            aligned(OP, name, p, align)?;
+            args::bind_at_least(OP, operand, p.bytes)?;
+            aligned(OP, operand.0, p, align)?;
         }
-        let pages = paged(OP, PageFormat::IndexK(self.dtype), self.dst, self.dst_fp)?;
+        aligned(OP, "dst", self.dst, 16)?;
+        let pages = paged(OP, PageFormat::IndexK(dtype), self.dst, self.dst_fp)?;
         let slots_max = pages * PAGE_TOKENS as u64;
         Ok(CheckedIndexKStore {
-            dtype: self.dtype,
-            ue8m0: self.ue8m0,
+            dtype,
+            ue8m0,
             keys: self.keys.ptr,
             gamma: self.gamma.ptr,
             beta: self.beta.ptr,
             rope: self.rope.ptr,
-            slots_dev: self.slots_dev.ptr,
+            slots_dev: self.slots.ptr,
             dst: self.dst.ptr,
             n: n as u32,
             // Slots are i32, so a larger pool only ever sees slots below i32::MAX.
@@ -197,7 +171,7 @@ impl IndexKStoreLaunch<'_> {
 }
 
 /// An `index_k_store` launch whose sizes, alignment and every slot were checked on the host:
-/// only [`IndexKStoreLaunch::check`] makes one, and [`Kernels::index_k_store_checked`] launches
+/// only [`check_index_k_store`] makes one, and [`Kernels::index_k_store_checked`] launches
 /// it without walking the slots again (the kernel traps on a slot outside the pool, the device
 /// half of the check). Its addresses must stay allocated while it is launched, as a
 /// [`DevPtr`]'s must.
@@ -221,61 +195,45 @@ impl CheckedIndexKStore {
     }
 }
 
-/// The arguments of one `topk` launch over `context_lens.len()` rows: `context_lens` and
-/// `page_table` are the host copies (checked before the launch), `lens_dev` and `pt_dev` their
-/// device copies.
+/// Where the operands of a `topk` ([`args::TopK`]) lie on the device: the logits, the device
+/// copies of the record's context lengths and page tables, and the selection.
 #[derive(Clone, Copy, Debug)]
-pub struct TopKLaunch<'a> {
-    /// Positions per row, 1..=`INDEX_TOPK_MAX`.
-    pub k: usize,
-    /// `[rows][stride]` logits.
+pub struct TopKPtrs {
     pub logits: DevPtr,
-    pub stride: usize,
-    pub context_lens: &'a [i32],
-    pub lens_dev: DevPtr,
-    /// `[rows][pt_stride]` page tables.
-    pub page_table: &'a [i32],
-    pub pt_stride: usize,
-    pub pt_dev: DevPtr,
-    /// `[rows][k]` slots.
+    pub context_lens: DevPtr,
+    pub page_table: DevPtr,
     pub out: DevPtr,
 }
 
-impl TopKLaunch<'_> {
-    fn check(&self) -> Result<()> {
-        const OP: &str = "topk";
-        let (k, stride, pt_stride) = (self.k, self.stride, self.pt_stride);
-        if k == 0 || k > INDEX_TOPK_MAX as usize {
-            return Err(bad(OP, "k", format!("{k} is outside 1..={INDEX_TOPK_MAX}")));
-        }
-        if stride > i32::MAX as usize || pt_stride > i32::MAX as usize {
-            return Err(bad(OP, "stride", "a row stride above i32::MAX"));
-        }
-        let rows = self.context_lens.len();
-        need(OP, "logits", self.logits, f32_bytes((rows * stride) as u64))?;
-        need(OP, "context_lens", self.lens_dev, i32_bytes(rows as u64))?;
-        need(
-            OP,
-            "page_table",
-            self.pt_dev,
-            i32_bytes((rows * pt_stride) as u64),
-        )?;
-        need(OP, "out", self.out, i32_bytes((rows * k) as u64))?;
-        if self.page_table.len() != rows * pt_stride {
-            return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
-        }
-        for (r, &len) in self.context_lens.iter().enumerate() {
-            if len < 0 || len as usize > stride || len as usize > pt_stride * PAGE_TOKENS as usize {
-                return Err(KernelError::OutOfRange {
-                    op: OP,
-                    index: r,
-                    value: len as i64,
-                    limit: stride as u64,
-                });
-            }
-        }
-        Ok(())
-    }
+/// Where the operands of a `kv_store` ([`args::KvStore`]) lie on the device: the rows, the
+/// device copy of the record's slots, and the pool with its registered fingerprint.
+#[derive(Clone, Copy, Debug)]
+pub struct KvStorePtrs {
+    pub rows: DevPtr,
+    pub slots: DevPtr,
+    pub dst: DevPtr,
+    pub dst_fp: LayoutFingerprint,
+}
+
+/// Where the operands of a `q_prep` ([`args::QPrep`]) lie on the device, in the order of
+/// [`args::QPrep::operands`].
+#[derive(Clone, Copy, Debug)]
+pub struct QPrepPtrs {
+    pub q: DevPtr,
+    pub w: DevPtr,
+    pub rope: DevPtr,
+    pub q_out: DevPtr,
+    pub w_out: DevPtr,
+}
+
+/// Where the operands of a `sparse_read` ([`args::SparseRead`]) lie on the device: the
+/// selection, the pool with its registered fingerprint, and the digests.
+#[derive(Clone, Copy, Debug)]
+pub struct SparseReadPtrs {
+    pub slots: DevPtr,
+    pub kv: DevPtr,
+    pub kv_fp: LayoutFingerprint,
+    pub out: DevPtr,
 }
 
 /// Which `index_logits` kernel runs.
@@ -317,98 +275,69 @@ impl Default for LogitsTuning {
 /// CTAs on the H200's 132 multiprocessors beat 1056 and matched 4224).
 pub const MMA_CTAS_PER_SM: usize = 16;
 
-/// The arguments of one `index_logits` launch over `context_lens.len()` rows: `page_table` and
-/// `context_lens` are the host copies (checked before the launch), `pt_dev` and `lens_dev` their
-/// device copies.
+/// Where the operands of an `index_logits` ([`args::IndexLogits`]) lie on the device: the
+/// queries and weights, the device copies of the record's page tables and context lengths, the
+/// pool with its registered fingerprint, and the logits.
 #[derive(Clone, Copy, Debug)]
-pub struct IndexLogitsLaunch<'a> {
-    pub dtype: IndexKDtype,
-    pub heads: usize,
+pub struct IndexLogitsPtrs {
     pub q: DevPtr,
     pub w: DevPtr,
-    pub page_table: &'a [i32],
-    pub pt_stride: usize,
-    pub pt_dev: DevPtr,
-    pub context_lens: &'a [i32],
-    pub lens_dev: DevPtr,
+    pub page_table: DevPtr,
+    pub context_lens: DevPtr,
     pub k: DevPtr,
     pub k_fp: LayoutFingerprint,
     pub out: DevPtr,
-    pub out_stride: usize,
 }
 
-impl IndexLogitsLaunch<'_> {
-    pub fn rows(&self) -> usize {
-        self.context_lens.len()
-    }
+/// Checks a launch of `a` on `p`: the record, every operand large enough, and every page a
+/// row's context names inside the pool (see [`CheckedIndexLogits`]).
+pub fn check_index_logits(
+    a: &args::IndexLogits,
+    p: &IndexLogitsPtrs,
+) -> Result<CheckedIndexLogits> {
+    a.check()?;
+    let (checked, pages) = p.bind(a.dtype, a.heads, a.rows(), a.pt_stride, a.out_stride)?;
+    a.pages_in(pages)?;
+    Ok(checked)
+}
 
-    /// Every buffer is large enough, every context fits its table and the output row, and every
-    /// page a row's context names lies in the pool: the launch, checked (see
-    /// [`CheckedIndexLogits`]).
-    pub fn check(&self) -> Result<CheckedIndexLogits> {
-        const OP: &str = "index_logits";
-        let (checked, pages) = self.check_buffers(self.rows())?;
-        let (pt_stride, out_stride) = (self.pt_stride, self.out_stride);
-        if self.page_table.len() != checked.rows * pt_stride {
-            return Err(bad(OP, "page_table", "length is not rows x pt_stride"));
+impl IndexLogitsPtrs {
+    /// Every check of [`check_index_logits`] on `rows` rows but the walk of the host page table
+    /// and context lengths; also answers the pool's pages.
+    fn bind(
+        &self,
+        dtype: IndexKDtype,
+        heads: u32,
+        rows: usize,
+        pt_stride: u32,
+        out_stride: u32,
+    ) -> Result<(CheckedIndexLogits, u64)> {
+        const OP: &str = args::IndexLogits::OP;
+        args::check_heads(OP, heads)?;
+        args::check_strides(OP, out_stride, pt_stride)?;
+        let [q, w, pt, lens, out] =
+            args::IndexLogits::operands_of(rows, heads, pt_stride, out_stride);
+        for (operand, p) in [
+            (q, self.q),
+            (w, self.w),
+            (pt, self.page_table),
+            (lens, self.context_lens),
+            (out, self.out),
+        ] {
+            args::bind_at_least(OP, operand, p.bytes)?;
         }
-        for (r, &len) in self.context_lens.iter().enumerate() {
-            if len < 0
-                || len as usize > out_stride
-                || len as usize > pt_stride * PAGE_TOKENS as usize
-            {
-                return Err(KernelError::OutOfRange {
-                    op: OP,
-                    index: r,
-                    value: len as i64,
-                    limit: out_stride as u64,
-                });
-            }
-            let used = (len as usize).div_ceil(PAGE_TOKENS as usize);
-            slots_in(
-                OP,
-                &self.page_table[r * pt_stride..r * pt_stride + used],
-                pages,
-            )?;
-        }
-        Ok(checked)
-    }
-
-    /// [`Self::check`] for `rows` rows without walking the host page table and context lengths;
-    /// also answers the pool's pages.
-    fn check_buffers(&self, rows: usize) -> Result<(CheckedIndexLogits, u64)> {
-        const OP: &str = "index_logits";
-        let (pt_stride, out_stride) = (self.pt_stride, self.out_stride);
-        if self.heads == 0 || self.heads > INDEX_HEADS_MAX as usize {
-            return Err(bad(
-                OP,
-                "heads",
-                format!("{} outside 1..={INDEX_HEADS_MAX}", self.heads),
-            ));
-        }
-        let rh = (rows * self.heads) as u64;
-        need(OP, "q", self.q, fp8_bytes(rh * INDEX_HEAD_DIM as u64))?;
-        need(OP, "w", self.w, f32_bytes(rh))?;
-        need(
-            OP,
-            "page_table",
-            self.pt_dev,
-            i32_bytes((rows * pt_stride) as u64),
-        )?;
-        need(OP, "context_lens", self.lens_dev, i32_bytes(rows as u64))?;
-        need(OP, "out", self.out, f32_bytes((rows * out_stride) as u64))?;
-        let pages = paged(OP, PageFormat::IndexK(self.dtype), self.k, self.k_fp)?;
+        let pages = paged(OP, PageFormat::IndexK(dtype), self.k, self.k_fp)?;
         let checked = CheckedIndexLogits {
-            dtype: self.dtype,
-            heads: self.heads,
+            dtype,
+            heads: heads as usize,
             q: self.q,
             w: self.w,
-            pt_dev: self.pt_dev,
-            pt_stride,
-            lens_dev: self.lens_dev,
+            pt_dev: self.page_table,
+            pt_stride: pt_stride as usize,
+            lens_dev: self.context_lens,
             k: self.k,
             out: self.out,
-            out_stride,
+            out_stride: out_stride as usize,
             rows,
         };
         Ok((checked, pages))
@@ -416,7 +345,7 @@ impl IndexLogitsLaunch<'_> {
 }
 
 /// An `index_logits` launch whose sizes, context lengths and every page its rows name were
-/// checked on the host: only [`IndexLogitsLaunch::check`] makes one, and
+/// checked on the host: only [`check_index_logits`] makes one, and
 /// [`Kernels::index_logits_checked`] launches it without walking the page table again. The
 /// logits kernels do not bounds-check pages themselves, so relaunching one is sound only while
 /// the device's page table and context lengths hold what was checked and its addresses stay
@@ -541,35 +470,14 @@ impl Kernels {
         &self.funcs[name]
     }
 
-    /// `index_k_store` of `n = slots.len()` tokens. `slots_dev` holds `slots` on the device.
-    #[allow(clippy::too_many_arguments)]
+    /// `index_k_store` of the record `a` on the device operands `p`.
     pub fn index_k_store(
         &self,
         s: &CudaStream,
-        dtype: IndexKDtype,
-        ue8m0: bool,
-        keys: DevPtr,
-        gamma: DevPtr,
-        beta: DevPtr,
-        rope: DevPtr,
-        slots: &[i32],
-        slots_dev: DevPtr,
-        dst: DevPtr,
-        dst_fp: LayoutFingerprint,
+        a: &args::IndexKStore,
+        p: &IndexKStorePtrs,
     ) -> Result<()> {
-        let launch = IndexKStoreLaunch {
-            dtype,
-            ue8m0,
-            keys,
-            gamma,
-            beta,
-            rope,
-            slots,
-            slots_dev,
-            dst,
-            dst_fp,
-        };
-        self.index_k_store_checked(s, &launch.check()?)
+        self.index_k_store_checked(s, &check_index_k_store(a, p)?)
     }
 
     /// `index_k_store` of a launch checked before (see [`CheckedIndexKStore`]).
@@ -602,39 +510,28 @@ impl Kernels {
         Ok(())
     }
 
-    /// `kv_store` of `slots.len()` rows.
-    #[allow(clippy::too_many_arguments)]
-    pub fn kv_store(
-        &self,
-        s: &CudaStream,
-        dtype: KvDtype,
-        rows: DevPtr,
-        slots: &[i32],
-        slots_dev: DevPtr,
-        dst: DevPtr,
-        dst_fp: LayoutFingerprint,
-    ) -> Result<()> {
-        const OP: &str = "kv_store";
-        let n = slots.len() as u64;
-        need(OP, "rows", rows, bf16_bytes(n * KV_ROW_VALUES as u64))?;
-        need(OP, "slots", slots_dev, i32_bytes(n))?;
-        let dt = match dtype {
-            KvDtype::Bf16 => 0i32,
-            KvDtype::Fp8Packed => 1,
-            KvDtype::Fp8Unpacked => return Err(bad(OP, "dtype", "fp8_unpacked is never stored")),
-        };
-        let pages = paged(OP, PageFormat::Kv(dtype), dst, dst_fp)?;
-        slots_in(OP, slots, pages * PAGE_TOKENS as u64)?;
+    /// `kv_store` of the record `a`: `rows` and `slots` (the device copy of `a.slots`) into the
+    /// pool `dst`.
+    pub fn kv_store(&self, s: &CudaStream, a: &args::KvStore, p: &KvStorePtrs) -> Result<()> {
+        const OP: &str = args::KvStore::OP;
+        a.check()?;
+        let [rows, slots] = a.operands();
+        args::bind_at_least(OP, rows, p.rows.bytes)?;
+        args::bind_at_least(OP, slots, p.slots.bytes)?;
+        let dt = (a.dtype == KvDtype::Fp8Packed) as i32;
+        let pages = paged(OP, PageFormat::Kv(a.dtype), p.dst, p.dst_fp)?;
+        a.slots_in(pages * PAGE_TOKENS as u64)?;
+        let n = a.tokens();
         if n == 0 {
             return Ok(());
         }
         let n32 = n as i32;
         let mut b = s.launch_builder(self.f("kv_store"));
-        b.arg(&rows.ptr)
-            .arg(&slots_dev.ptr)
+        b.arg(&p.rows.ptr)
+            .arg(&p.slots.ptr)
             .arg(&n32)
             .arg(&dt)
-            .arg(&dst.ptr);
+            .arg(&p.dst.ptr);
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (128, 1, 1),
@@ -645,51 +542,35 @@ impl Kernels {
         Ok(())
     }
 
-    /// `q_prep` of `n` tokens × `heads` (the model's indexer heads: the folded weight's
+    /// `q_prep` of the record `a` (its heads are the model's indexer heads: the folded weight's
     /// `heads^-½` is computed from it), each head's scale rounded up to a power of two under
     /// `ue8m0`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn q_prep(
-        &self,
-        s: &CudaStream,
-        n: usize,
-        heads: usize,
-        ue8m0: bool,
-        q: DevPtr,
-        w: DevPtr,
-        rope: DevPtr,
-        q_out: DevPtr,
-        w_out: DevPtr,
-    ) -> Result<()> {
-        const OP: &str = "q_prep";
-        if heads == 0 || heads > INDEX_HEADS_MAX as usize {
-            return Err(bad(
-                OP,
-                "heads",
-                format!("{heads} outside 1..={INDEX_HEADS_MAX}"),
-            ));
+    pub fn q_prep(&self, s: &CudaStream, a: &args::QPrep, p: &QPrepPtrs) -> Result<()> {
+        const OP: &str = args::QPrep::OP;
+        a.check()?;
+        for (operand, ptr) in a
+            .operands()
+            .into_iter()
+            .zip([p.q, p.w, p.rope, p.q_out, p.w_out])
+        {
+            args::bind_at_least(OP, operand, ptr.bytes)?;
         }
-        let nh = (n * heads) as u64;
-        need(OP, "q", q, bf16_bytes(nh * INDEX_HEAD_DIM as u64))?;
-        need(OP, "w", w, f32_bytes(nh))?;
-        need(OP, "rope", rope, f32_bytes(n as u64 * ROPE_DIM as u64))?;
-        need(OP, "q_out", q_out, fp8_bytes(nh * INDEX_HEAD_DIM as u64))?;
-        need(OP, "w_out", w_out, f32_bytes(nh))?;
+        let nh = a.rows as u64 * a.heads as u64;
         if nh == 0 {
             return Ok(());
         }
-        let (n32, h32, ue) = (n as i32, heads as i32, ue8m0 as i32);
-        let head_scale = crate::cpu::q_prep::head_weight_scale(heads);
+        let (n32, h32, ue) = (a.rows as i32, a.heads as i32, a.ue8m0 as i32);
+        let head_scale = crate::cpu::q_prep::head_weight_scale(a.heads as usize);
         let mut b = s.launch_builder(self.f("q_prep"));
-        b.arg(&q.ptr)
-            .arg(&w.ptr)
-            .arg(&rope.ptr)
+        b.arg(&p.q.ptr)
+            .arg(&p.w.ptr)
+            .arg(&p.rope.ptr)
             .arg(&n32)
             .arg(&h32)
             .arg(&ue)
             .arg(&head_scale)
-            .arg(&q_out.ptr)
-            .arg(&w_out.ptr);
+            .arg(&p.q_out.ptr)
+            .arg(&p.w_out.ptr);
         let cfg = LaunchConfig {
             grid_dim: ((nh as u32).div_ceil(4), 1, 1),
             block_dim: (128, 1, 1),
@@ -708,9 +589,10 @@ impl Kernels {
         kind: LogitsKernel,
         tuning: LogitsTuning,
         s: &CudaStream,
-        a: &IndexLogitsLaunch,
+        a: &args::IndexLogits,
+        p: &IndexLogitsPtrs,
     ) -> Result<()> {
-        let c = a.check()?;
+        let c = check_index_logits(a, p)?;
         // SAFETY: checked just now, against the host arrays the launch carries; that the
         // device arrays hold them is the caller's part, as it always was (`pt_dev`, `lens_dev`).
         unsafe { self.index_logits_checked(kind, tuning, s, &c) }
@@ -720,7 +602,7 @@ impl Kernels {
     ///
     /// # Safety
     /// From this call until the kernel finished, the device page table and context lengths `c`
-    /// names must equal the host arrays [`IndexLogitsLaunch::check`] walked (no write to them
+    /// names must equal the host arrays [`check_index_logits`] walked (no write to them
     /// may be queued on any stream meanwhile), and every buffer it names must stay allocated
     /// at its checked size: the kernels trust every page the table names.
     pub unsafe fn index_logits_checked(
@@ -753,7 +635,7 @@ impl Kernels {
             shared_mem_bytes: f32_bytes(a.heads as u64 * (INDEX_HEAD_DIM as u64 + 1)).0 as u32,
         };
         // SAFETY: sizes and every page the rows name were checked when `a` was made
-        // (`IndexLogitsLaunch::check`), and still hold (`index_logits_checked`'s contract).
+        // (`check_index_logits`), and still hold (`index_logits_checked`'s contract).
         unsafe { b.launch(cfg) }.map_err(cuda("index_logits"))?;
         Ok(())
     }
@@ -802,7 +684,7 @@ impl Kernels {
             shared_mem_bytes: 0,
         };
         // SAFETY: sizes and every page the rows name were checked when `a` was made
-        // (`IndexLogitsLaunch::check`), and still hold (`index_logits_checked`'s contract).
+        // (`check_index_logits`), and still hold (`index_logits_checked`'s contract).
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
     }
@@ -849,39 +731,28 @@ impl Kernels {
     }
 
     /// `topk` with any `k` in 1..=`INDEX_TOPK_MAX`, in the launch shape [`super::topk_cluster`] picks.
-    #[allow(clippy::too_many_arguments)]
-    pub fn topk(
-        &self,
-        s: &CudaStream,
-        k: usize,
-        logits: DevPtr,
-        stride: usize,
-        context_lens: &[i32],
-        lens_dev: DevPtr,
-        page_table: &[i32],
-        pt_stride: usize,
-        pt_dev: DevPtr,
-        out: DevPtr,
-    ) -> Result<()> {
-        let a = TopKLaunch {
-            k,
-            logits,
-            stride,
-            context_lens,
-            lens_dev,
-            page_table,
-            pt_stride,
-            pt_dev,
-            out,
-        };
-        self.topk_with(TopKTuning::default(), s, &a)
+    pub fn topk(&self, s: &CudaStream, a: &args::TopK, p: &TopKPtrs) -> Result<()> {
+        self.topk_with(TopKTuning::default(), s, a, p)
     }
 
     /// `topk` in a chosen launch shape.
-    pub fn topk_with(&self, tuning: TopKTuning, s: &CudaStream, a: &TopKLaunch) -> Result<()> {
-        const OP: &str = "topk";
+    pub fn topk_with(
+        &self,
+        tuning: TopKTuning,
+        s: &CudaStream,
+        a: &args::TopK,
+        p: &TopKPtrs,
+    ) -> Result<()> {
+        const OP: &str = args::TopK::OP;
         a.check()?;
-        let rows = a.context_lens.len();
+        for (operand, ptr) in
+            a.operands()
+                .into_iter()
+                .zip([p.logits, p.context_lens, p.page_table, p.out])
+        {
+            args::bind_at_least(OP, operand, ptr.bytes)?;
+        }
+        let rows = a.rows();
         if rows == 0 {
             return Ok(());
         }
@@ -905,20 +776,20 @@ impl Kernels {
         let cap = len_max.div_ceil(cluster as usize).min(TOPK_STAGED_MAX);
         let (st, k32, pts, cap32) = (a.stride as i32, a.k as i32, a.pt_stride as i32, cap as i32);
         let mut b = s.launch_builder(self.f(name));
-        b.arg(&a.logits.ptr)
+        b.arg(&p.logits.ptr)
             .arg(&st)
-            .arg(&a.lens_dev.ptr)
-            .arg(&a.pt_dev.ptr)
+            .arg(&p.context_lens.ptr)
+            .arg(&p.page_table.ptr)
             .arg(&pts)
             .arg(&k32)
-            .arg(&a.out.ptr)
+            .arg(&p.out.ptr)
             .arg(&cap32);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32 * cluster, 1, 1),
             block_dim: (TOPK_THREADS, 1, 1),
             shared_mem_bytes: i32_bytes((cap + TOPK_BUCKET_WORDS) as u64).0 as u32,
         };
-        // SAFETY: sizes checked by `a.check()`; the kernel's cluster size is compiled in and
+        // SAFETY: sizes checked above; the kernel's cluster size is compiled in and
         // divides the grid.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
@@ -1061,46 +932,32 @@ impl Kernels {
         Ok(())
     }
 
-    /// The next token of each of a step's first `rows` query rows into `out` (`rows` u32s), from
-    /// the step's digests (`[layers][rows_max]` u64), bit for bit as `cpu::draw::next_tokens`.
-    #[allow(clippy::too_many_arguments)]
+    /// The next token of each of a step's first `a.rows` query rows into `out` (u32s), from the
+    /// step's digests (`[layers][rows_max]` u64), bit for bit as `cpu::draw::next_tokens`.
     pub fn next_tokens(
         &self,
         s: &CudaStream,
-        seed: u64,
+        a: &args::NextTokens,
         digests: DevPtr,
-        layers: u32,
-        rows_max: u32,
-        rows: u32,
         out: DevPtr,
     ) -> Result<()> {
-        const OP: &str = "next_tokens";
-        if rows > rows_max {
-            return Err(bad(
-                OP,
-                "rows",
-                format!("{rows} rows of a step of {rows_max}"),
-            ));
-        }
-        need(
-            OP,
-            "digests",
-            digests,
-            u64_bytes(layers as u64 * rows_max as u64),
-        )?;
-        need(OP, "out", out, u32_bytes(rows as u64))?;
-        if rows == 0 {
+        const OP: &str = args::NextTokens::OP;
+        a.check()?;
+        let [d, o] = a.operands();
+        args::bind_at_least(OP, d, digests.bytes)?;
+        args::bind_at_least(OP, o, out.bytes)?;
+        if a.rows == 0 {
             return Ok(());
         }
         let mut b = s.launch_builder(self.f("next_tokens"));
-        b.arg(&seed)
+        b.arg(&a.seed)
             .arg(&digests.ptr)
-            .arg(&layers)
-            .arg(&rows_max)
-            .arg(&rows)
+            .arg(&a.layers)
+            .arg(&a.rows_max)
+            .arg(&a.rows)
             .arg(&out.ptr);
         let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(128), 1, 1),
+            grid_dim: (a.rows.div_ceil(128), 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -1110,29 +967,23 @@ impl Kernels {
         Ok(())
     }
 
-    /// `sparse_read` of `rows` selections of `k` slots. The selection is device data (from
-    /// `topk`), so the pool is bounds-checked by the caller's declared page tables.
-    #[allow(clippy::too_many_arguments)]
+    /// `sparse_read` of the record `a` (`a.rows` selections of `a.k` slots) from the pool `kv`.
+    /// The selection is device data (from `topk`), so the pool is bounds-checked by the
+    /// caller's declared page tables.
     pub fn sparse_read(
         &self,
         s: &CudaStream,
-        dtype: KvDtype,
-        rows: usize,
-        k: usize,
-        slots: DevPtr,
-        kv: DevPtr,
-        kv_fp: LayoutFingerprint,
-        out: DevPtr,
+        a: &args::SparseRead,
+        p: &SparseReadPtrs,
     ) -> Result<()> {
-        const OP: &str = "sparse_read";
-        need(OP, "slots", slots, i32_bytes((rows * k) as u64))?;
-        need(OP, "out", out, u64_bytes(rows as u64))?;
-        let dt = match dtype {
-            KvDtype::Bf16 => 0i32,
-            KvDtype::Fp8Packed => 1,
-            KvDtype::Fp8Unpacked => return Err(bad(OP, "dtype", "fp8_unpacked is never stored")),
-        };
-        paged(OP, PageFormat::Kv(dtype), kv, kv_fp)?;
+        const OP: &str = args::SparseRead::OP;
+        a.check()?;
+        let [slots, out] = a.operands();
+        args::bind_at_least(OP, slots, p.slots.bytes)?;
+        args::bind_at_least(OP, out, p.out.bytes)?;
+        let dt = (a.dtype == KvDtype::Fp8Packed) as i32;
+        paged(OP, PageFormat::Kv(a.dtype), p.kv, p.kv_fp)?;
+        let rows = a.rows as usize;
         if rows == 0 {
             return Ok(());
         }
@@ -1140,22 +991,22 @@ impl Kernels {
         // SAFETY: `out` holds the rows' digests (checked above).
         let bytes = u64_bytes(rows as u64).usize();
         let zeroed =
-            unsafe { cudarc::driver::sys::cuMemsetD8Async(out.ptr, 0, bytes, s.cu_stream()) };
+            unsafe { cudarc::driver::sys::cuMemsetD8Async(p.out.ptr, 0, bytes, s.cu_stream()) };
         if zeroed != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
             return Err(KernelError::Cuda {
                 op: OP,
                 detail: format!("cuMemsetD8Async: {zeroed:?}"),
             });
         }
-        let k32 = k as i32;
+        let k32 = a.k as i32;
         let mut b = s.launch_builder(self.f("sparse_read"));
-        b.arg(&slots.ptr)
+        b.arg(&p.slots.ptr)
             .arg(&k32)
             .arg(&dt)
-            .arg(&kv.ptr)
-            .arg(&out.ptr);
+            .arg(&p.kv.ptr)
+            .arg(&p.out.ptr);
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, sparse_read_shares(k), 1),
+            grid_dim: (rows as u32, sparse_read_shares(a.k as usize), 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -246,11 +246,22 @@ pub const TOPK_THREADS: u32 = 1024;
 /// CTA's first index, its fill and the cluster's count (`topk.cu`: 3 x TOPK_BINS).
 pub const TOPK_BUCKET_WORDS: usize = 3 << TOPK_DIGIT_BITS;
 
-/// The top-k kernels' static shared memory, as `ptxas -v` reports it for `topk.cu` (the
-/// histograms, the selection buffer and the reductions' words) at today's `INDEX_TOPK_MAX`,
-/// `TOPK_DIGIT_BITS` and `TOPK_THREADS`. Not derived from them: raising one makes this number,
-/// and the budget check below, stale until it is read off `ptxas` again.
-pub const TOPK_STATIC_SMEM_BYTES: usize = 33_712;
+/// Keys past `k` that a top-k CTA's selection buffer holds: the largest threshold bucket it
+/// gathers whole (`topk.cu`'s `TOPK_BUCKET_MAX`, generated from this).
+pub const TOPK_BUCKET_MAX: usize = 64;
+
+/// The top-k kernels' static shared memory, from the arrays `topk.cu` declares with the limits
+/// above: the two histograms (`2 × 2^TOPK_DIGIT_BITS` u32), the selection buffer
+/// (`INDEX_TOPK_MAX + TOPK_BUCKET_MAX` u64), three words per warp, and ten words of bounds, counts
+/// and results; 16 bytes of alignment allowed for each of the eight arrays. The PTX NVRTC makes
+/// is held to it (`topk_static_shared_memory_is_within_its_budget` in
+/// `kernels/tests/it/nvrtc.rs`: 33,704 bytes at today's limits).
+pub const TOPK_STATIC_SMEM_BYTES: usize = {
+    let hist = 2 * (1usize << TOPK_DIGIT_BITS) * 4;
+    let sel = (crate::layout::INDEX_TOPK_MAX as usize + TOPK_BUCKET_MAX) * 8;
+    let warps = 3 * (TOPK_THREADS as usize / 32) * 4;
+    hist + sel + warps + 10 * 4 + 8 * 16
+};
 
 // A CTA's dynamic and static shared memory within sm_90's 227 KB.
 const _: () =
@@ -424,14 +435,15 @@ pub fn layout_prelude() -> String {
         ("TKV_KV_FP8_SCALES", kv_row::FP8_SCALES_OFFSET as u64),
         ("TKV_KV_FP8_ROPE", kv_row::FP8_ROPE_OFFSET as u64),
     ];
-    // The top-k kernel's limits: the largest `k` it selects (its selection buffer is sized by
-    // it), its digit and its block size, so that raising a Rust limit cannot build a kernel
-    // whose buffers are smaller than what its launcher accepts (its static shared memory,
-    // `TOPK_STATIC_SMEM_BYTES`, is still a number read off ptxas).
+    // The top-k kernel's limits: the largest `k` it selects and the bucket it gathers (its
+    // selection buffer is sized by them), its digit and its block size, so that raising a Rust
+    // limit cannot build a kernel whose buffers are smaller than what its launcher accepts (and
+    // `TOPK_STATIC_SMEM_BYTES` follows them).
     let topk = [
         ("TKV_TOPK_MAX", crate::layout::INDEX_TOPK_MAX as u64),
         ("TKV_TOPK_DIGIT", TOPK_DIGIT_BITS as u64),
         ("TKV_TOPK_THREADS", TOPK_THREADS as u64),
+        ("TKV_TOPK_BUCKET_MAX", TOPK_BUCKET_MAX as u64),
     ];
     let draw = [
         ("TKV_PENDING_TOKEN", crate::cpu::draw::PENDING_TOKEN as u64),
@@ -542,6 +554,7 @@ mod tests {
             format!("#define TKV_TOPK_MAX {}\n", crate::layout::INDEX_TOPK_MAX),
             format!("#define TKV_TOPK_DIGIT {TOPK_DIGIT_BITS}\n"),
             format!("#define TKV_TOPK_THREADS {TOPK_THREADS}\n"),
+            format!("#define TKV_TOPK_BUCKET_MAX {TOPK_BUCKET_MAX}\n"),
         ] {
             assert!(prelude.contains(&line), "{line} missing from\n{prelude}");
         }
@@ -553,6 +566,7 @@ mod tests {
             ("TOPK_MAX", "TKV_TOPK_MAX"),
             ("TOPK_DIGIT", "TKV_TOPK_DIGIT"),
             ("TOPK_THREADS", "TKV_TOPK_THREADS"),
+            ("TOPK_BUCKET_MAX", "TKV_TOPK_BUCKET_MAX"),
         ] {
             let def = format!("#define {name} ");
             let lines: Vec<&str> = topk.text.lines().filter(|l| l.starts_with(&def)).collect();

@@ -7,6 +7,7 @@
 
 use crate::naive;
 use half::bf16;
+use tierkv_kernels::args;
 use tierkv_kernels::cpu::{self, numerics::mix64};
 use tierkv_kernels::layout::*;
 use tierkv_kernels::rope::{Rope, RopeParams};
@@ -28,23 +29,38 @@ pub trait Backend {
     }
     fn index_k_store(
         &self,
-        a: &cpu::IndexKStoreArgs,
+        a: &args::IndexKStore,
+        x: &cpu::IndexKStoreInputs,
         dst: &mut [u8],
         fp: LayoutFingerprint,
     ) -> Result<()>;
-    fn kv_store(&self, a: &cpu::KvStoreArgs, dst: &mut [u8], fp: LayoutFingerprint) -> Result<()>;
-    fn q_prep(&self, a: &cpu::QPrepArgs, q_out: &mut [u8], w_out: &mut [f32]) -> Result<()>;
+    fn kv_store(
+        &self,
+        a: &args::KvStore,
+        rows: &[bf16],
+        dst: &mut [u8],
+        fp: LayoutFingerprint,
+    ) -> Result<()>;
+    fn q_prep(
+        &self,
+        a: &args::QPrep,
+        x: &cpu::QPrepInputs,
+        q_out: &mut [u8],
+        w_out: &mut [f32],
+    ) -> Result<()>;
     fn index_logits(
         &self,
-        a: &cpu::IndexLogitsArgs,
+        a: &args::IndexLogits,
+        qw: (&[u8], &[f32]),
         k: &[u8],
         fp: LayoutFingerprint,
         out: &mut [f32],
     ) -> Result<()>;
-    fn topk(&self, a: &cpu::TopKArgs, out: &mut [i32]) -> Result<()>;
+    fn topk(&self, a: &args::TopK, logits: &[f32], out: &mut [i32]) -> Result<()>;
     fn sparse_read(
         &self,
-        a: &cpu::SparseReadArgs,
+        a: &args::SparseRead,
+        slots: &[i32],
         kv: &[u8],
         fp: LayoutFingerprint,
         out: &mut [u64],
@@ -66,38 +82,53 @@ impl Backend for Cpu {
     }
     fn index_k_store(
         &self,
-        a: &cpu::IndexKStoreArgs,
+        a: &args::IndexKStore,
+        x: &cpu::IndexKStoreInputs,
         dst: &mut [u8],
         fp: LayoutFingerprint,
     ) -> Result<()> {
-        cpu::index_k_store(a, dst, fp)
+        cpu::index_k_store(a, x, dst, fp)
     }
-    fn kv_store(&self, a: &cpu::KvStoreArgs, dst: &mut [u8], fp: LayoutFingerprint) -> Result<()> {
-        cpu::kv_store(a, dst, fp)
+    fn kv_store(
+        &self,
+        a: &args::KvStore,
+        rows: &[bf16],
+        dst: &mut [u8],
+        fp: LayoutFingerprint,
+    ) -> Result<()> {
+        cpu::kv_store(a, rows, dst, fp)
     }
-    fn q_prep(&self, a: &cpu::QPrepArgs, q_out: &mut [u8], w_out: &mut [f32]) -> Result<()> {
-        cpu::q_prep(a, q_out, w_out)
+    fn q_prep(
+        &self,
+        a: &args::QPrep,
+        x: &cpu::QPrepInputs,
+        q_out: &mut [u8],
+        w_out: &mut [f32],
+    ) -> Result<()> {
+        cpu::q_prep(a, x, q_out, w_out)
     }
     fn index_logits(
         &self,
-        a: &cpu::IndexLogitsArgs,
+        a: &args::IndexLogits,
+        (q, w): (&[u8], &[f32]),
         k: &[u8],
         fp: LayoutFingerprint,
         out: &mut [f32],
     ) -> Result<()> {
-        cpu::index_logits(a, k, fp, out)
+        cpu::index_logits(a, q, w, k, fp, out)
     }
-    fn topk(&self, a: &cpu::TopKArgs, out: &mut [i32]) -> Result<()> {
-        cpu::topk(a, out)
+    fn topk(&self, a: &args::TopK, logits: &[f32], out: &mut [i32]) -> Result<()> {
+        cpu::topk(a, logits, out)
     }
     fn sparse_read(
         &self,
-        a: &cpu::SparseReadArgs,
+        a: &args::SparseRead,
+        slots: &[i32],
         kv: &[u8],
         fp: LayoutFingerprint,
         out: &mut [u64],
     ) -> Result<()> {
-        cpu::sparse_read(a, kv, fp, out)
+        cpu::sparse_read(a, slots, kv, fp, out)
     }
     fn page_copy(
         &self,
@@ -204,26 +235,29 @@ pub fn store_body(b: &dyn Backend, expect: Expect) {
                 .flat_map(|_| rope_row(g.below(131_072) as u32))
                 .collect();
             let slots = g.slots(n, pages * 64);
-            let a = cpu::IndexKStoreArgs {
+            let a = args::IndexKStore {
                 dtype,
                 ue8m0,
+                slots: (&slots[..]).into(),
+            };
+            let x = cpu::IndexKStoreInputs {
                 keys: &keys,
                 gamma: &gamma,
                 beta: &beta,
                 rope: &rope,
-                slots: &slots,
             };
             let fmt = PageFormat::IndexK(dtype);
             let mut want = g.poison(pages * fmt.page_bytes() as usize);
             let before = want.clone();
             let mut got = want.clone();
-            b.index_k_store(&a, &mut got, fmt.fingerprint()).unwrap();
+            b.index_k_store(&a, &x, &mut got, fmt.fingerprint())
+                .unwrap();
             let what = format!("{} index_k_store {dtype:?} n={n}", b.name());
             if expect == Expect::Independent {
-                verdict(what, naive::check_index_k_store(&a, &before, &got));
+                verdict(what, naive::check_index_k_store(&a, &x, &before, &got));
                 continue;
             }
-            cpu::index_k_store(&a, &mut want, fmt.fingerprint()).unwrap();
+            cpu::index_k_store(&a, &x, &mut want, fmt.fingerprint()).unwrap();
             assert!(got == want, "{what}: {} bytes differ", diff(&got, &want));
         }
     }
@@ -232,22 +266,21 @@ pub fn store_body(b: &dyn Backend, expect: Expect) {
             let rows = g.bf16s(n * 576, 10.0);
             let pages = n.div_ceil(64) + 1;
             let slots = g.slots(n, pages * 64);
-            let a = cpu::KvStoreArgs {
+            let a = args::KvStore {
                 dtype,
-                rows: &rows,
-                slots: &slots,
+                slots: (&slots[..]).into(),
             };
             let fmt = PageFormat::Kv(dtype);
             let mut want = g.poison(pages * fmt.page_bytes() as usize);
             let before = want.clone();
             let mut got = want.clone();
-            b.kv_store(&a, &mut got, fmt.fingerprint()).unwrap();
+            b.kv_store(&a, &rows, &mut got, fmt.fingerprint()).unwrap();
             let what = format!("{} kv_store {dtype:?} n={n}", b.name());
             if expect == Expect::Independent {
-                verdict(what, naive::check_kv_store(&a, &before, &got));
+                verdict(what, naive::check_kv_store(&a, &rows, &before, &got));
                 continue;
             }
-            cpu::kv_store(&a, &mut want, fmt.fingerprint()).unwrap();
+            cpu::kv_store(&a, &rows, &mut want, fmt.fingerprint()).unwrap();
             assert!(got == want, "{what}: {} bytes differ", diff(&got, &want));
         }
     }
@@ -266,22 +299,25 @@ pub fn q_prep_body(b: &dyn Backend, expect: Expect) {
         let rope: Vec<f32> = (0..n)
             .flat_map(|_| rope_row(g.below(65_536) as u32))
             .collect();
-        let a = cpu::QPrepArgs {
-            heads,
+        let a = args::QPrep {
+            rows: n as u32,
+            heads: heads as u32,
             ue8m0,
+        };
+        let x = cpu::QPrepInputs {
             q: &q,
             weights: &w,
             rope: &rope,
         };
         let (mut qw, mut ww) = (g.poison(n * heads * 128), vec![f32::NAN; n * heads]);
         let (mut qg, mut wg) = (qw.clone(), ww.clone());
-        b.q_prep(&a, &mut qg, &mut wg).unwrap();
+        b.q_prep(&a, &x, &mut qg, &mut wg).unwrap();
         if expect == Expect::Independent {
             let what = format!("{} q_prep n={n} heads={heads} ue8m0={ue8m0}", b.name());
-            verdict(what, naive::check_q_prep(&a, &qg, &wg));
+            verdict(what, naive::check_q_prep(&a, &x, &qg, &wg));
             continue;
         }
-        cpu::q_prep(&a, &mut qw, &mut ww).unwrap();
+        cpu::q_prep(&a, &x, &mut qw, &mut ww).unwrap();
         assert!(
             qg == qw,
             "{} q_prep n={n} heads={heads} ue8m0={ue8m0}: q differs",
@@ -306,14 +342,16 @@ fn filled_pool(g: &mut Gen, dtype: IndexKDtype, pages: usize) -> Vec<u8> {
     let fmt = PageFormat::IndexK(dtype);
     let mut buf = vec![0u8; pages * fmt.page_bytes() as usize];
     cpu::index_k_store(
-        &cpu::IndexKStoreArgs {
+        &args::IndexKStore {
             dtype,
             ue8m0: false,
+            slots: slots.into(),
+        },
+        &cpu::IndexKStoreInputs {
             keys: &keys,
             gamma: &ones,
             beta: &zeros,
             rope: &rope,
-            slots: &slots,
         },
         &mut buf,
         fmt.fingerprint(),
@@ -362,23 +400,22 @@ pub fn logits_body_with(b: &dyn Backend, exact: bool) {
             let w: Vec<f32> = (0..rows * heads).map(|_| g.unit() * 0.01).collect();
             let ctx: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
             let out_stride = max + 5;
-            let a = cpu::IndexLogitsArgs {
+            let a = args::IndexLogits {
                 dtype,
-                heads,
-                q: &q,
-                weights: &w,
-                page_table: &page_table,
-                pt_stride,
-                context_lens: &ctx,
-                out_stride,
+                heads: heads as u32,
+                page_table: (&page_table[..]).into(),
+                pt_stride: pt_stride as u32,
+                context_lens: (&ctx[..]).into(),
+                out_stride: out_stride as u32,
             };
             let fp = PageFormat::IndexK(dtype).fingerprint();
             let mut want = vec![f32::NAN; rows * out_stride];
             let mut got = vec![f32::NAN; rows * out_stride];
-            cpu::index_logits(&a, &pool, fp, &mut want).unwrap();
-            b.index_logits(&a, &pool, fp, &mut got).unwrap();
+            cpu::index_logits(&a, &q, &w, &pool, fp, &mut want).unwrap();
+            b.index_logits(&a, (&q, &w), &pool, fp, &mut got).unwrap();
             if !exact {
-                check_logits_bound(b.name(), dtype, &lens, heads, &a, &pool, &got, &want);
+                let qw = (&q[..], &w[..]);
+                check_logits_bound(b.name(), dtype, &lens, &a, qw, &pool, &got, &want);
                 continue;
             }
             let mut exact = 0usize;
@@ -444,18 +481,16 @@ pub fn logits_probe_body(b: &dyn Backend) {
         let run = |rows: usize, q: &[u8], w: &[f32], pool: &[u8]| {
             let page_table = vec![0i32; rows];
             let ctx = vec![64i32; rows];
-            let a = cpu::IndexLogitsArgs {
+            let a = args::IndexLogits {
                 dtype,
                 heads: 64,
-                q,
-                weights: w,
-                page_table: &page_table,
+                page_table: (&page_table[..]).into(),
                 pt_stride: 1,
-                context_lens: &ctx,
+                context_lens: (&ctx[..]).into(),
                 out_stride: 64,
             };
             let mut out = vec![f32::NAN; rows * 64];
-            b.index_logits(&a, pool, fmt.fingerprint(), &mut out)
+            b.index_logits(&a, (q, w), pool, fmt.fingerprint(), &mut out)
                 .unwrap();
             out
         };
@@ -552,13 +587,14 @@ fn check_logits_bound(
     name: &str,
     dtype: IndexKDtype,
     lens: &[usize],
-    heads: usize,
-    a: &cpu::IndexLogitsArgs,
+    a: &args::IndexLogits,
+    qw: (&[u8], &[f32]),
     pool: &[u8],
     got: &[f32],
     reference: &[f32],
 ) {
-    let (value, magnitude) = naive::index_logits_f64(a, pool);
+    let heads = a.heads as usize;
+    let (value, magnitude) = naive::index_logits_f64(a, qw, pool);
     let (mut worst, mut worst_ref, mut exact, mut live) = (0f64, 0f64, 0usize, 0usize);
     let mut worst_at = None;
     for (i, ((&x, &r), (&v, &m))) in got
@@ -755,21 +791,20 @@ pub fn topk_body(b: &dyn Backend, expect: Expect) {
                 _ => {}
             }
         }
-        let a = cpu::TopKArgs {
-            k,
-            logits: &logits,
-            stride,
-            context_lens: &ctx,
-            page_table: &page_table,
-            pt_stride,
+        let a = args::TopK {
+            k: k as u32,
+            stride: stride as u32,
+            context_lens: (&ctx[..]).into(),
+            page_table: (&page_table[..]).into(),
+            pt_stride: pt_stride as u32,
         };
         let mut want = vec![i32::MIN; rows * k];
         let mut got = want.clone();
         match expect {
-            Expect::Reference => cpu::topk(&a, &mut want).unwrap(),
-            Expect::Independent => want = naive::topk(&a),
+            Expect::Reference => cpu::topk(&a, &logits, &mut want).unwrap(),
+            Expect::Independent => want = naive::topk(&a, &logits),
         }
-        b.topk(&a, &mut got).unwrap();
+        b.topk(&a, &logits, &mut got).unwrap();
         assert!(
             got == want,
             "{} topk rows {rows} len {len} k {k} {scores:?}: {} entries differ",
@@ -802,20 +837,21 @@ pub fn sparse_read_body(b: &dyn Backend, expect: Expect) {
                     }
                 })
                 .collect();
-            let a = cpu::SparseReadArgs {
+            let a = args::SparseRead {
                 dtype,
-                k,
-                slots: &slots,
+                rows: rows as u32,
+                k: k as u32,
             };
             let mut want = vec![0xDEAD_BEEFu64; rows];
             let mut got = want.clone();
             match expect {
                 Expect::Reference => {
-                    cpu::sparse_read(&a, &kv, fmt.fingerprint(), &mut want).unwrap()
+                    cpu::sparse_read(&a, &slots, &kv, fmt.fingerprint(), &mut want).unwrap()
                 }
-                Expect::Independent => want = naive::sparse_read(&a, &kv, rows),
+                Expect::Independent => want = naive::sparse_read(&a, &slots, &kv),
             }
-            b.sparse_read(&a, &kv, fmt.fingerprint(), &mut got).unwrap();
+            b.sparse_read(&a, &slots, &kv, fmt.fingerprint(), &mut got)
+                .unwrap();
             assert_eq!(
                 got,
                 want,
@@ -942,8 +978,8 @@ mod cuda {
     use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
     use std::sync::Arc;
     use tierkv_kernels::cuda::launch::{
-        DevPtr, IndexKStoreLaunch, IndexLogitsLaunch, Kernels, LogitsKernel, LogitsTuning,
-        TopKLaunch, TopKTuning,
+        check_index_k_store, DevPtr, IndexKStorePtrs, IndexLogitsPtrs, Kernels, KvStorePtrs,
+        LogitsKernel, LogitsTuning, QPrepPtrs, SparseReadPtrs, TopKPtrs, TopKTuning,
     };
     use tierkv_kernels::KernelError;
 
@@ -1031,112 +1067,135 @@ mod cuda {
         }
         fn index_k_store(
             &self,
-            a: &cpu::IndexKStoreArgs,
+            a: &args::IndexKStore,
+            x: &cpu::IndexKStoreInputs,
             dst: &mut [u8],
             fp: LayoutFingerprint,
         ) -> Result<()> {
-            let (_k, kp) = self.up(bytes(a.keys));
-            let (_g, gp) = self.up(bytes(a.gamma));
-            let (_b, bp) = self.up(bytes(a.beta));
-            let (_r, rp) = self.up(bytes(a.rope));
-            let (_s, sp) = self.up(bytes(a.slots));
+            let (_k, kp) = self.up(bytes(x.keys));
+            let (_g, gp) = self.up(bytes(x.gamma));
+            let (_b, bp) = self.up(bytes(x.beta));
+            let (_r, rp) = self.up(bytes(x.rope));
+            let (_s, sp) = self.up(bytes(&a.slots));
             let (d, dp) = self.up(dst);
-            self.k.index_k_store(
-                &self.s, a.dtype, a.ue8m0, kp, gp, bp, rp, a.slots, sp, dp, fp,
-            )?;
+            let p = IndexKStorePtrs {
+                keys: kp,
+                gamma: gp,
+                beta: bp,
+                rope: rp,
+                slots: sp,
+                dst: dp,
+                dst_fp: fp,
+            };
+            self.k.index_k_store(&self.s, a, &p)?;
             self.down(&d, dst);
             Ok(())
         }
         fn kv_store(
             &self,
-            a: &cpu::KvStoreArgs,
+            a: &args::KvStore,
+            rows: &[bf16],
             dst: &mut [u8],
             fp: LayoutFingerprint,
         ) -> Result<()> {
-            let (_r, rp) = self.up(bytes(a.rows));
-            let (_s, sp) = self.up(bytes(a.slots));
+            let (_r, rp) = self.up(bytes(rows));
+            let (_s, sp) = self.up(bytes(&a.slots));
             let (d, dp) = self.up(dst);
-            self.k.kv_store(&self.s, a.dtype, rp, a.slots, sp, dp, fp)?;
+            let p = KvStorePtrs {
+                rows: rp,
+                slots: sp,
+                dst: dp,
+                dst_fp: fp,
+            };
+            self.k.kv_store(&self.s, a, &p)?;
             self.down(&d, dst);
             Ok(())
         }
-        fn q_prep(&self, a: &cpu::QPrepArgs, q_out: &mut [u8], w_out: &mut [f32]) -> Result<()> {
-            let (_q, qp) = self.up(bytes(a.q));
-            let (_w, wp) = self.up(bytes(a.weights));
-            let (_r, rp) = self.up(bytes(a.rope));
+        fn q_prep(
+            &self,
+            a: &args::QPrep,
+            x: &cpu::QPrepInputs,
+            q_out: &mut [u8],
+            w_out: &mut [f32],
+        ) -> Result<()> {
+            let (_q, qp) = self.up(bytes(x.q));
+            let (_w, wp) = self.up(bytes(x.weights));
+            let (_r, rp) = self.up(bytes(x.rope));
             let (qo, qop) = self.up(q_out);
             let (wo, wop) = self.up(bytes(w_out));
-            self.k
-                .q_prep(&self.s, a.tokens(), a.heads, a.ue8m0, qp, wp, rp, qop, wop)?;
+            let p = QPrepPtrs {
+                q: qp,
+                w: wp,
+                rope: rp,
+                q_out: qop,
+                w_out: wop,
+            };
+            self.k.q_prep(&self.s, a, &p)?;
             self.down(&qo, q_out);
             self.down(&wo, bytes_mut(w_out));
             Ok(())
         }
         fn index_logits(
             &self,
-            a: &cpu::IndexLogitsArgs,
+            a: &args::IndexLogits,
+            (q, w): (&[u8], &[f32]),
             k: &[u8],
             fp: LayoutFingerprint,
             out: &mut [f32],
         ) -> Result<()> {
-            let (_q, qp) = self.up(a.q);
-            let (_w, wp) = self.up(bytes(a.weights));
-            let (_p, pp) = self.up(bytes(a.page_table));
-            let (_l, lp) = self.up(bytes(a.context_lens));
+            let (_q, qp) = self.up(q);
+            let (_w, wp) = self.up(bytes(w));
+            let (_p, pp) = self.up(bytes(&a.page_table));
+            let (_l, lp) = self.up(bytes(&a.context_lens));
             let (_k, kp) = self.up(k);
             let (o, op) = self.up(bytes(out));
-            let launch = IndexLogitsLaunch {
-                dtype: a.dtype,
-                heads: a.heads,
+            let p = IndexLogitsPtrs {
                 q: qp,
                 w: wp,
-                page_table: a.page_table,
-                pt_stride: a.pt_stride,
-                pt_dev: pp,
-                context_lens: a.context_lens,
-                lens_dev: lp,
+                page_table: pp,
+                context_lens: lp,
                 k: kp,
                 k_fp: fp,
                 out: op,
-                out_stride: a.out_stride,
             };
             self.k
-                .index_logits_with(self.logits, self.tuning, &self.s, &launch)?;
+                .index_logits_with(self.logits, self.tuning, &self.s, a, &p)?;
             self.down(&o, bytes_mut(out));
             Ok(())
         }
-        fn topk(&self, a: &cpu::TopKArgs, out: &mut [i32]) -> Result<()> {
-            let (_x, xp) = self.up(bytes(a.logits));
-            let (_l, lp) = self.up(bytes(a.context_lens));
-            let (_p, pp) = self.up(bytes(a.page_table));
+        fn topk(&self, a: &args::TopK, logits: &[f32], out: &mut [i32]) -> Result<()> {
+            let (_x, xp) = self.up(bytes(logits));
+            let (_l, lp) = self.up(bytes(&a.context_lens));
+            let (_p, pp) = self.up(bytes(&a.page_table));
             let (o, op) = self.up(bytes(out));
-            let launch = TopKLaunch {
-                k: a.k,
+            let p = TopKPtrs {
                 logits: xp,
-                stride: a.stride,
-                context_lens: a.context_lens,
-                lens_dev: lp,
-                page_table: a.page_table,
-                pt_stride: a.pt_stride,
-                pt_dev: pp,
+                context_lens: lp,
+                page_table: pp,
                 out: op,
             };
-            self.k.topk_with(self.topk, &self.s, &launch)?;
+            self.k.topk_with(self.topk, &self.s, a, &p)?;
             self.down(&o, bytes_mut(out));
             Ok(())
         }
         fn sparse_read(
             &self,
-            a: &cpu::SparseReadArgs,
+            a: &args::SparseRead,
+            slots: &[i32],
             kv: &[u8],
             fp: LayoutFingerprint,
             out: &mut [u64],
         ) -> Result<()> {
-            let (_s, sp) = self.up(bytes(a.slots));
+            let (_s, sp) = self.up(bytes(slots));
             let (_k, kp) = self.up(kv);
             let (o, op) = self.up(bytes(out));
-            self.k
-                .sparse_read(&self.s, a.dtype, out.len(), a.k, sp, kp, fp, op)?;
+            let p = SparseReadPtrs {
+                slots: sp,
+                kv: kp,
+                kv_fp: fp,
+                out: op,
+            };
+            self.k.sparse_read(&self.s, a, &p)?;
             self.down(&o, bytes_mut(out));
             Ok(())
         }
@@ -1268,26 +1327,28 @@ mod cuda {
         let (_s, sp) = c.up(bytes(&slots));
         let fmt = PageFormat::IndexK(IndexKDtype::Fp8);
         let (_d, dp) = c.up(&vec![0u8; 2 * fmt.page_bytes() as usize]);
-        let good = IndexKStoreLaunch {
+        let good = args::IndexKStore {
             dtype: IndexKDtype::Fp8,
             ue8m0: false,
+            slots: (&slots[..]).into(),
+        };
+        let ptrs = IndexKStorePtrs {
             keys: kp,
             gamma: gp,
             beta: gp,
             rope: rp,
-            slots: &slots,
-            slots_dev: sp,
+            slots: sp,
             dst: dp,
             dst_fp: fmt.fingerprint(),
         };
-        let checked = good.check().unwrap();
+        let checked = check_index_k_store(&good, &ptrs).unwrap();
         assert_eq!(checked.tokens(), n);
         // Keys 8 bytes off a 16-byte boundary.
-        let skewed = IndexKStoreLaunch {
+        let skewed = IndexKStorePtrs {
             keys: kp.offset(Bytes(8), Bytes(2 * 128 * n as u64)),
-            ..good
+            ..ptrs
         };
-        let err = skewed.check().unwrap_err();
+        let err = check_index_k_store(&good, &skewed).unwrap_err();
         assert!(
             matches!(err, KernelError::BadArgument { arg: "keys", .. }),
             "{err}"
@@ -1295,12 +1356,11 @@ mod cuda {
         // Slot 128 in a pool of 2 pages (128 slots), at entry 69.
         let mut far = slots.clone();
         far[69] = 128;
-        let err = IndexKStoreLaunch {
-            slots: &far,
-            ..good
-        }
-        .check()
-        .unwrap_err();
+        let far_record = args::IndexKStore {
+            slots: (&far[..]).into(),
+            ..good.clone()
+        };
+        let err = check_index_k_store(&far_record, &ptrs).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -1314,12 +1374,11 @@ mod cuda {
             "{err}"
         );
         far[69] = -1;
-        let err = IndexKStoreLaunch {
-            slots: &far,
+        let far_record = args::IndexKStore {
+            slots: (&far[..]).into(),
             ..good
-        }
-        .check()
-        .unwrap_err();
+        };
+        let err = check_index_k_store(&far_record, &ptrs).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -1338,26 +1397,29 @@ mod cuda {
         let (_p, pp) = c.up(bytes(&pt));
         let (_x, xp) = c.up(&[0u8; 256]);
         let (_o, op) = c.up(&vec![0u8; 4 * 2048]);
-        let launch = TopKLaunch {
+        let record = args::TopK {
             k: 8,
-            logits: xp,
             stride: 64,
-            context_lens: &lens,
-            lens_dev: lp,
-            page_table: &pt,
+            context_lens: (&lens[..]).into(),
+            page_table: (&pt[..]).into(),
             pt_stride: 1,
-            pt_dev: pp,
+        };
+        let ptrs = TopKPtrs {
+            logits: xp,
+            context_lens: lp,
+            page_table: pp,
             out: op,
         };
         let err =
-            c.k.topk_with(TopKTuning { cluster: Some(3) }, &c.s, &launch)
+            c.k.topk_with(TopKTuning { cluster: Some(3) }, &c.s, &record, &ptrs)
                 .unwrap_err();
         assert!(
             matches!(err, KernelError::BadArgument { arg: "cluster", .. }),
             "{err}"
         );
+        let k0 = args::TopK { k: 0, ..record };
         let err =
-            c.k.topk_with(TopKTuning::default(), &c.s, &TopKLaunch { k: 0, ..launch })
+            c.k.topk_with(TopKTuning::default(), &c.s, &k0, &ptrs)
                 .unwrap_err();
         assert!(
             matches!(err, KernelError::BadArgument { arg: "k", .. }),
@@ -1494,13 +1556,18 @@ mod cuda {
         for (layers, rows_max, rows) in [(1u32, 1u32, 1u32), (61, 300, 300), (4, 1000, 37)] {
             let digests: Vec<u64> = (0..layers * rows_max).map(|_| g.below(u64::MAX)).collect();
             let seed = g.below(u64::MAX);
-            let want = draw::next_tokens(seed, &digests, layers, rows_max, rows).unwrap();
+            let a = args::NextTokens {
+                seed,
+                layers,
+                rows_max,
+                rows,
+            };
+            let want = draw::next_tokens(&a, &digests).unwrap();
             let (_d, dp) = c.up(bytes(&digests));
             // Poisoned: every entry must be written.
             let mut got = vec![0xA5A5_A5A5u32; rows as usize];
             let (o, op) = c.up(bytes(&got));
-            c.k.next_tokens(&c.s, seed, dp, layers, rows_max, rows, op)
-                .unwrap();
+            c.k.next_tokens(&c.s, &a, dp, op).unwrap();
             let mut raw = vec![0u8; got.len() * 4];
             c.down(&o, &mut raw);
             for (t, b) in got.iter_mut().zip(raw.chunks_exact(4)) {
@@ -1573,16 +1640,15 @@ mod cuda {
                 rows.extend((0..64).map(|_| bf16::from_f32(g.unit())));
             }
             let slots: Vec<i32> = (0..n as i32).collect();
-            let a = cpu::KvStoreArgs {
+            let a = args::KvStore {
                 dtype: KvDtype::Fp8Packed,
-                rows: &rows,
-                slots: &slots,
+                slots: (&slots[..]).into(),
             };
             let fmt = PageFormat::Kv(KvDtype::Fp8Packed);
             let mut want = vec![0u8; (n / 64) * fmt.page_bytes() as usize];
             let mut got = want.clone();
-            cpu::kv_store(&a, &mut want, fmt.fingerprint()).unwrap();
-            c.kv_store(&a, &mut got, fmt.fingerprint()).unwrap();
+            cpu::kv_store(&a, &rows, &mut want, fmt.fingerprint()).unwrap();
+            c.kv_store(&a, &rows, &mut got, fmt.fingerprint()).unwrap();
             mismatches += diff(&got, &want);
         }
         assert_eq!(

@@ -144,20 +144,23 @@ fn ue8m0_rounds_the_query_scale_up_to_a_power_of_two() {
     let w = vec![1f32; 64];
     let rope = Rope::new(&RopeParams::deepseek_v32(131_072)).row(0);
     for (ue8m0, code, scale) in [(true, 0x7B, 2f32.powi(-9)), (false, 0x7E, amax / 448.0)] {
-        let a = cpu::QPrepArgs {
+        let a = tierkv_kernels::args::QPrep {
+            rows: 1,
             heads: 64,
             ue8m0,
+        };
+        let x = cpu::QPrepInputs {
             q: &q,
             weights: &w,
             rope: &rope,
         };
         let (mut codes, mut folded) = (vec![0u8; 64 * 128], vec![0f32; 64]);
-        cpu::q_prep(&a, &mut codes, &mut folded).unwrap();
+        cpu::q_prep(&a, &x, &mut codes, &mut folded).unwrap();
         assert!(codes.iter().all(|&c| c == code), "ue8m0 {ue8m0}: codes");
         // 64^-½ = 0.125 exactly, so the folded weight is ((1 · 0.125) · scale) · 128^-½.
         let want = ((0.125 * scale) * INV_SQRT_128).to_bits();
         assert!(folded.iter().all(|f| f.to_bits() == want), "ue8m0 {ue8m0}");
-        assert_eq!(spec::check_q_prep(&a, &codes, &folded), Ok(()));
+        assert_eq!(spec::check_q_prep(&a, &x, &codes, &folded), Ok(()));
     }
 }
 

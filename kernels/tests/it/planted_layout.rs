@@ -30,18 +30,20 @@ fn scales_placed_first_are_refused() {
     let slots = [0, 5, 70];
     let fmt = PageFormat::IndexK(IndexKDtype::Fp8);
     let before = vec![0x11u8; 2 * fmt.page_bytes() as usize];
-    let args = cpu::IndexKStoreArgs {
+    let a = tierkv_kernels::args::IndexKStore {
         dtype: IndexKDtype::Fp8,
         ue8m0: false,
+        slots: (&slots[..]).into(),
+    };
+    let x = cpu::IndexKStoreInputs {
         keys: &keys,
         gamma: &gamma,
         beta: &beta,
         rope: &rope,
-        slots: &slots,
     };
     let store = |bug: Option<KernelMutant>| {
         let mut page = before.clone();
-        let mut run = || cpu::index_k_store(&args, &mut page, fmt.fingerprint()).unwrap();
+        let mut run = || cpu::index_k_store(&a, &x, &mut page, fmt.fingerprint()).unwrap();
         match bug {
             Some(m) => planted(m, &mut run),
             None => run(),
@@ -49,10 +51,10 @@ fn scales_placed_first_are_refused() {
         page
     };
     let clean = store(None);
-    assert_eq!(naive::check_index_k_store(&args, &before, &clean), Ok(()));
+    assert_eq!(naive::check_index_k_store(&a, &x, &before, &clean), Ok(()));
     let swapped = store(Some(KernelMutant::IndexKScalesFirst));
     assert_ne!(clean, swapped, "the planted layout moved the bytes");
-    let verdict = naive::check_index_k_store(&args, &before, &swapped);
+    let verdict = naive::check_index_k_store(&a, &x, &before, &swapped);
     assert!(
         verdict.is_err(),
         "the specification took scales-first pages"

@@ -3,6 +3,7 @@
 use crate::naive;
 use half::bf16;
 use proptest::prelude::*;
+use tierkv_kernels::args;
 use tierkv_kernels::cpu::numerics::{self, e4m3_decode, hadamard_128, read_f32};
 use tierkv_kernels::cpu::{self, sparse_read, store, topk};
 use tierkv_kernels::layout::*;
@@ -74,11 +75,12 @@ proptest! {
         let fmt = PageFormat::IndexK(dtype);
         let before = vec![0xA5u8; (pages as u64 * fmt.page_bytes()) as usize];
         let mut dst = before.clone();
-        let args = cpu::IndexKStoreArgs { dtype, ue8m0, keys: &keys, gamma: &gamma, beta: &beta, rope: &rope, slots };
-        cpu::index_k_store(&args, &mut dst, fmt.fingerprint()).unwrap();
+        let a = args::IndexKStore { dtype, ue8m0, slots: slots.into() };
+        let x = cpu::IndexKStoreInputs { keys: &keys, gamma: &gamma, beta: &beta, rope: &rope };
+        cpu::index_k_store(&a, &x, &mut dst, fmt.fingerprint()).unwrap();
         // Each row the round-to-nearest-even codes of the f64 pipeline (within its f32 error
         // bound), its scale as specified, and nothing else written.
-        prop_assert_eq!(naive::check_index_k_store(&args, &before, &dst), Ok(()));
+        prop_assert_eq!(naive::check_index_k_store(&a, &x, &before, &dst), Ok(()));
     }
 
     #[test]
@@ -89,10 +91,11 @@ proptest! {
         let w = g.vec_f32(n * heads, 1.0);
         let rope: Vec<f32> = (0..n).flat_map(|_| rope_row(g.below(5000) as u32)).collect();
         let (mut qo, mut wo) = (vec![0u8; n * heads * 128], vec![0f32; n * heads]);
-        let args = cpu::QPrepArgs { heads, ue8m0, q: &q, weights: &w, rope: &rope };
-        cpu::q_prep(&args, &mut qo, &mut wo).unwrap();
+        let a = args::QPrep { rows: n as u32, heads: heads as u32, ue8m0 };
+        let x = cpu::QPrepInputs { q: &q, weights: &w, rope: &rope };
+        cpu::q_prep(&a, &x, &mut qo, &mut wo).unwrap();
         // The scale folded into each weight, each head's codes rounded to nearest even at it.
-        prop_assert_eq!(naive::check_q_prep(&args, &qo, &wo), Ok(()));
+        prop_assert_eq!(naive::check_q_prep(&a, &x, &qo, &wo), Ok(()));
     }
 
     #[test]
@@ -109,7 +112,8 @@ proptest! {
         let slots: Vec<i32> = (0..(pages * 64) as i32).collect();
         let ones = vec![1f32; 128];
         let zeros = vec![0f32; 128];
-        cpu::index_k_store(&cpu::IndexKStoreArgs { dtype, ue8m0: false, keys: &keys, gamma: &ones, beta: &zeros, rope: &rope, slots: &slots }, &mut kbuf, fmt.fingerprint()).unwrap();
+        let store = args::IndexKStore { dtype, ue8m0: false, slots: slots.into() };
+        cpu::index_k_store(&store, &cpu::IndexKStoreInputs { keys: &keys, gamma: &ones, beta: &zeros, rope: &rope }, &mut kbuf, fmt.fingerprint()).unwrap();
         let rows = lens.len();
         let pt_stride = 4usize;
         let page_table: Vec<i32> = (0..rows * pt_stride).map(|_| g.below(pages as u64) as i32).collect();
@@ -118,8 +122,8 @@ proptest! {
         let ctx: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
         let out_stride = 256;
         let mut out = vec![f32::NAN; rows * out_stride];
-        let args = cpu::IndexLogitsArgs { dtype, heads, q: &q, weights: &w, page_table: &page_table, pt_stride, context_lens: &ctx, out_stride };
-        cpu::index_logits(&args, &kbuf, fmt.fingerprint(), &mut out).unwrap();
+        let a = args::IndexLogits { dtype, heads: heads as u32, page_table: (&page_table[..]).into(), pt_stride: pt_stride as u32, context_lens: (&ctx[..]).into(), out_stride: out_stride as u32 };
+        cpu::index_logits(&a, &q, &w, &kbuf, fmt.fingerprint(), &mut out).unwrap();
         // Bit for bit the kernel's order key by key: a page scored as one block of 64 keys equals
         // each key scored alone.
         let pb = fmt.page_bytes() as usize;
@@ -133,7 +137,7 @@ proptest! {
                 prop_assert_eq!(out[r * out_stride + n].to_bits(), one.to_bits(), "row {} position {}", r, n);
             }
         }
-        let (want, mag) = naive::index_logits_f64(&args, &kbuf);
+        let (want, mag) = naive::index_logits_f64(&a, (&q, &w), &kbuf);
         for (i, (&got, (&w, &m))) in out.iter().zip(want.iter().zip(&mag)).enumerate() {
             if w == f64::NEG_INFINITY {
                 prop_assert_eq!(got, f32::NEG_INFINITY, "[{}]", i);
@@ -153,9 +157,9 @@ proptest! {
         let page_table: Vec<i32> = (0..7).map(|_| g.below(1000) as i32).collect();
         let ctx = [len as i32];
         let mut out = vec![7777i32; k];
-        let args = cpu::TopKArgs { k, logits: &logits, stride, context_lens: &ctx, page_table: &page_table, pt_stride: 7 };
-        cpu::topk(&args, &mut out).unwrap();
-        prop_assert_eq!(out, naive::topk(&args));
+        let a = args::TopK { k: k as u32, stride: stride as u32, context_lens: (&ctx[..]).into(), page_table: (&page_table[..]).into(), pt_stride: 7 };
+        cpu::topk(&a, &logits, &mut out).unwrap();
+        prop_assert_eq!(out, naive::topk(&a, &logits));
     }
 
     #[test]
@@ -232,18 +236,20 @@ fn store_refuses_a_pool_of_another_dtype() {
     let keys = vec![bf16::from_f32(1.0); 128];
     let rope = rope_row(3);
     let g = vec![1f32; 128];
-    let args = cpu::IndexKStoreArgs {
+    let a = args::IndexKStore {
         dtype: IndexKDtype::Fp8,
         ue8m0: false,
+        slots: (&[0][..]).into(),
+    };
+    let x = cpu::IndexKStoreInputs {
         keys: &keys,
         gamma: &g,
         beta: &g,
         rope: &rope,
-        slots: &[0],
     };
     let bf16_pool = PageFormat::IndexK(IndexKDtype::Bf16);
     let mut dst = vec![0u8; bf16_pool.page_bytes() as usize];
-    let err = cpu::index_k_store(&args, &mut dst, bf16_pool.fingerprint()).unwrap_err();
+    let err = cpu::index_k_store(&a, &x, &mut dst, bf16_pool.fingerprint()).unwrap_err();
     assert!(matches!(err, KernelError::LayoutMismatch { .. }), "{err}");
 }
 
@@ -254,14 +260,14 @@ fn sparse_read_digest_sees_every_selected_byte_and_nothing_else() {
         let fmt = PageFormat::Kv(dtype);
         let mut kv: Vec<u8> = (0..2 * fmt.page_bytes()).map(|_| g.next() as u8).collect();
         let slots = [5i32, 70, -1, 3];
-        let args = cpu::SparseReadArgs {
+        let a = args::SparseRead {
             dtype,
+            rows: 1,
             k: 4,
-            slots: &slots,
         };
         let digest = |kv: &[u8]| {
             let mut o = [0u64];
-            cpu::sparse_read(&args, kv, fmt.fingerprint(), &mut o).unwrap();
+            cpu::sparse_read(&a, &slots, kv, fmt.fingerprint(), &mut o).unwrap();
             o[0]
         };
         let base = digest(&kv);
@@ -284,19 +290,19 @@ fn sparse_read_digest_sees_every_selected_byte_and_nothing_else() {
         // The order of selection matters (ranks are part of the digest).
         let swapped = [70i32, 5, -1, 3];
         let mut o = [0u64];
-        cpu::sparse_read(
-            &cpu::SparseReadArgs {
-                dtype,
-                k: 4,
-                slots: &swapped,
-            },
-            &kv,
-            fmt.fingerprint(),
-            &mut o,
-        )
-        .unwrap();
+        cpu::sparse_read(&a, &swapped, &kv, fmt.fingerprint(), &mut o).unwrap();
         assert_ne!(o[0], base);
     }
+    // The foreign fp8_unpacked format is refused, as on CUDA, not read.
+    let fmt = PageFormat::Kv(KvDtype::Fp8Unpacked);
+    let kv = vec![0u8; fmt.page_bytes() as usize];
+    let unpacked = args::SparseRead {
+        dtype: KvDtype::Fp8Unpacked,
+        rows: 1,
+        k: 1,
+    };
+    let err = cpu::sparse_read(&unpacked, &[0], &kv, fmt.fingerprint(), &mut [0u64]).unwrap_err();
+    assert!(err.to_string().contains("fp8_unpacked"), "{err}");
 }
 
 #[test]

@@ -338,10 +338,11 @@ mod imp {
     use tierkv_engine::device::{BufferDesc, BufferId, BufferRole, MemoryTier, Op, PageCopy};
     use tierkv_engine::device::{Device, StreamKind};
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, PinnedHost};
+    use tierkv_kernels::args;
     use tierkv_kernels::cpu::numerics::{e4m3_encode, mix64};
     use tierkv_kernels::cuda::launch::{
-        CheckedIndexLogits, DevPtr, IndexKStoreLaunch, IndexLogitsLaunch, Kernels, LogitsKernel,
-        LogitsTuning, TopKLaunch, TopKTuning,
+        check_index_k_store, check_index_logits, CheckedIndexLogits, DevPtr, IndexKStorePtrs,
+        IndexLogitsPtrs, Kernels, LogitsKernel, LogitsTuning, TopKPtrs, TopKTuning,
     };
     use tierkv_kernels::layout::*;
     use tierkv_kernels::rope::{Rope, RopeParams};
@@ -476,6 +477,36 @@ mod imp {
         out: CudaSlice<u8>,
     }
 
+    impl Indexer {
+        /// The `index_logits` launch of every row over `pool`, in `dtype`.
+        fn logits_launch(
+            &self,
+            s: &Arc<CudaStream>,
+            dtype: IndexKDtype,
+            pool: &CudaSlice<u8>,
+        ) -> (args::IndexLogits<'_>, IndexLogitsPtrs) {
+            let [q, w, page_table, context_lens] = [0, 1, 2, 3].map(|i| ptr(s, &self.dev[i]));
+            let record = args::IndexLogits {
+                dtype,
+                heads: self.heads as u32,
+                page_table: (&self.page_table[..]).into(),
+                pt_stride: self.pt_stride as u32,
+                context_lens: (&self.lens[..]).into(),
+                out_stride: self.ctx as u32,
+            };
+            let ptrs = IndexLogitsPtrs {
+                q,
+                w,
+                page_table,
+                context_lens,
+                k: ptr(s, pool),
+                k_fp: PageFormat::IndexK(dtype).fingerprint(),
+                out: ptr(s, &self.out),
+            };
+            (record, ptrs)
+        }
+    }
+
     pub fn run(a: &BenchArgs) -> R<()> {
         let k = Kernels::global().map_err(e)?;
         let s = k.ctx.new_stream().map_err(e)?;
@@ -582,52 +613,37 @@ mod imp {
                 let fmt = PageFormat::IndexK(dtype);
                 let pool = c.buf((n / 64) * fmt.page_bytes() as usize)?;
                 let pp = ptr(s, &pool);
-                let launch = IndexKStoreLaunch {
+                let record = args::IndexKStore {
                     dtype,
                     ue8m0: false,
+                    slots: (&slots[..]).into(),
+                };
+                let ptrs = IndexKStorePtrs {
                     keys: kd,
                     gamma: gd,
                     beta: bd,
                     rope: rd,
-                    slots: &slots,
-                    slots_dev: sd,
+                    slots: sd,
                     dst: pp,
                     dst_fp: fmt.fingerprint(),
                 };
                 // The kernel alone (a launch checked once), then the launcher as the engine
                 // calls it: its host check of 1M slots runs between the events too.
-                let checked = launch.check().map_err(e)?;
+                let checked = check_index_k_store(&record, &ptrs).map_err(e)?;
                 let ms = c.time(|| k.index_k_store_checked(s, &checked).map_err(e))?;
-                let full_ms = c.time(|| {
-                    k.index_k_store(
-                        s,
-                        dtype,
-                        false,
-                        kd,
-                        gd,
-                        bd,
-                        rd,
-                        &slots,
-                        sd,
-                        pp,
-                        fmt.fingerprint(),
-                    )
-                    .map_err(e)
-                })?;
+                let full_ms = c.time(|| k.index_k_store(s, &record, &ptrs).map_err(e))?;
                 // The pool the timed runs wrote, against the CPU reference on the same inputs.
                 let mut got = vec![0u8; pool.len()];
                 s.memcpy_dtoh(&pool, &mut got).map_err(e)?;
                 s.synchronize().map_err(e)?;
                 let mut want = vec![0u8; pool.len()];
                 tierkv_kernels::cpu::index_k_store(
-                    &tierkv_kernels::cpu::IndexKStoreArgs {
-                        dtype,
-                        ue8m0: false,
+                    &record,
+                    &tierkv_kernels::cpu::IndexKStoreInputs {
                         keys: &keys,
                         gamma: &gamma,
                         beta: &beta,
                         rope: &rope,
-                        slots: &slots,
                     },
                     &mut want,
                     fmt.fingerprint(),
@@ -727,25 +743,18 @@ mod imp {
             let k = self.c.k;
             let fmt = PageFormat::IndexK(dtype);
             let pool = self.key_pool(dtype, ix.page_table.len())?;
-            let (kp, op) = (ptr(&s, &pool), ptr(&s, &ix.out));
-            let [qd, wd, ptd, ld] = [0, 1, 2, 3].map(|i| ptr(&s, &ix.dev[i]));
-            let launch = IndexLogitsLaunch {
-                dtype,
-                heads: ix.heads,
+            let (record, ptrs) = ix.logits_launch(&s, dtype, &pool);
+            let IndexLogitsPtrs {
                 q: qd,
                 w: wd,
-                page_table: &ix.page_table,
-                pt_stride: ix.pt_stride,
-                pt_dev: ptd,
-                context_lens: &ix.lens,
-                lens_dev: ld,
+                page_table: ptd,
                 k: kp,
-                k_fp: fmt.fingerprint(),
                 out: op,
-                out_stride: ix.ctx,
-            };
-            let run = |kind: LogitsKernel, tuning: LogitsTuning, l: &IndexLogitsLaunch| {
-                k.index_logits_with(kind, tuning, &s, l).map_err(e)
+                ..
+            } = ptrs;
+            let run = |kind: LogitsKernel, tuning: LogitsTuning| {
+                k.index_logits_with(kind, tuning, &s, &record, &ptrs)
+                    .map_err(e)
             };
             let bytes = kp.bytes.0 + ix.q_bytes + ix.w_bytes + ptd.bytes.0 + op.bytes.0;
             let flops = 2.0 * (ix.bsz * ix.ctx * ix.heads * 128) as f64;
@@ -753,7 +762,7 @@ mod imp {
             let def = LogitsTuning::default();
             // The page table checked once, as a caller that relaunches over the same table
             // would (the launcher's walk of the 64 x 1024 entries is its own row).
-            let checked = launch.check().map_err(e)?;
+            let checked = check_index_logits(&record, &ptrs).map_err(e)?;
             let run_checked = |kind: LogitsKernel, tuning: LogitsTuning, c: &CheckedIndexLogits| {
                 // SAFETY: the device page tables and context lengths are the ones the checks
                 // walked (uploaded from them), nothing writes them while the bench runs, and
@@ -784,7 +793,7 @@ mod imp {
                         tflops(ms)
                     ),
                 ));
-                let launcher = self.c.time(|| run(kind, def, &launch))?;
+                let launcher = self.c.time(|| run(kind, def))?;
                 rows.push((
                     format!(
                         "tensor-core ({label}) launcher (host check of the page table + launch),"
@@ -825,19 +834,22 @@ mod imp {
                 let pages = rows * ctx / 64;
                 let (qb, wb) = (ix.q_bytes / ix.bsz as u64, ix.w_bytes / ix.bsz as u64);
                 let out_bytes = f32_bytes((rows * ctx) as u64);
-                let small = IndexLogitsLaunch {
+                let small_record = args::IndexLogits {
+                    page_table: (&ix.page_table[..rows * ix.pt_stride]).into(),
+                    context_lens: (&lens[..]).into(),
+                    out_stride: ctx as u32,
+                    ..record.clone()
+                };
+                let small_ptrs = IndexLogitsPtrs {
                     q: qd.offset(Bytes(0), Bytes(qb * rows as u64)),
                     w: wd.offset(Bytes(0), Bytes(wb * rows as u64)),
-                    page_table: &ix.page_table[..rows * ix.pt_stride],
-                    pt_dev: ptd.offset(Bytes(0), i32_bytes((rows * ix.pt_stride) as u64)),
-                    context_lens: &lens,
-                    lens_dev: ptr(&s, &lens_dev),
+                    page_table: ptd.offset(Bytes(0), i32_bytes((rows * ix.pt_stride) as u64)),
+                    context_lens: ptr(&s, &lens_dev),
                     out: op.offset(Bytes(0), out_bytes),
-                    out_stride: ctx,
-                    ..launch
+                    ..ptrs
                 };
                 let n = rows * ctx;
-                let small = small.check().map_err(e)?;
+                let small = check_index_logits(&small_record, &small_ptrs).map_err(e)?;
                 let exact_ms = self
                     .c
                     .time(|| run_checked(LogitsKernel::Exact, def, &small))?;
@@ -927,30 +939,21 @@ mod imp {
                 let (lp, pp, lens_dev) = if rows == 1 { one } else { (op, ptd, ld) };
                 let sel = self.c.buf(i32_bytes((rows * topk) as u64).usize())?;
                 let sp = ptr(&self.c.s, &sel);
-                let launch = TopKLaunch {
-                    k: topk,
+                let record = args::TopK {
+                    k: topk as u32,
+                    stride: ix.ctx as u32,
+                    context_lens: (&ix.lens[..rows]).into(),
+                    page_table: (&ix.page_table[..rows * ix.pt_stride]).into(),
+                    pt_stride: ix.pt_stride as u32,
+                };
+                let ptrs = TopKPtrs {
                     logits: lp,
-                    stride: ix.ctx,
-                    context_lens: &ix.lens[..rows],
-                    lens_dev,
-                    page_table: &ix.page_table[..rows * ix.pt_stride],
-                    pt_stride: ix.pt_stride,
-                    pt_dev: pp,
+                    context_lens: lens_dev,
+                    page_table: pp,
                     out: sp,
                 };
                 let mut want = vec![0i32; rows * topk];
-                tierkv_kernels::cpu::topk(
-                    &tierkv_kernels::cpu::TopKArgs {
-                        k: topk,
-                        logits: &host[..rows * ix.ctx],
-                        stride: ix.ctx,
-                        context_lens: &ix.lens[..rows],
-                        page_table: &ix.page_table[..rows * ix.pt_stride],
-                        pt_stride: ix.pt_stride,
-                    },
-                    &mut want,
-                )
-                .map_err(e)?;
+                tierkv_kernels::cpu::topk(&record, &host[..rows * ix.ctx], &mut want).map_err(e)?;
                 let shapes = if topk == 2048 {
                     vec![None, Some(1), Some(2), Some(4), Some(8)]
                 } else {
@@ -961,10 +964,10 @@ mod imp {
                     let (k, s) = (self.c.k, self.c.s.clone());
                     let ms = self
                         .c
-                        .time(|| k.topk_with(tuning, &s, &launch).map_err(e))?;
+                        .time(|| k.topk_with(tuning, &s, &record, &ptrs).map_err(e))?;
                     let queued = self
                         .c
-                        .time_queued(|| k.topk_with(tuning, &s, &launch).map_err(e))?;
+                        .time_queued(|| k.topk_with(tuning, &s, &record, &ptrs).map_err(e))?;
                     let got = self.read_i32s(&sel)?;
                     let equal = got == want;
                     if !equal {

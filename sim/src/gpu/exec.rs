@@ -202,12 +202,12 @@ impl SimGpu {
             let bytes = self.mem.range(range);
             let word = |i: usize| u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
             let ints = match (field, &mut *op) {
-                (ArgField::Slots, Op::IndexKStore(o)) => &mut o.slots,
-                (ArgField::Slots, Op::KvStore(o)) => &mut o.slots,
-                (ArgField::PageTable, Op::IndexLogits(o)) => &mut o.page_table,
-                (ArgField::PageTable, Op::TopK(o)) => &mut o.page_table,
-                (ArgField::ContextLens, Op::IndexLogits(o)) => &mut o.context_lens,
-                (ArgField::ContextLens, Op::TopK(o)) => &mut o.context_lens,
+                (ArgField::Slots, Op::IndexKStore(o)) => o.args.slots.to_mut(),
+                (ArgField::Slots, Op::KvStore(o)) => o.args.slots.to_mut(),
+                (ArgField::PageTable, Op::IndexLogits(o)) => o.args.page_table.to_mut(),
+                (ArgField::PageTable, Op::TopK(o)) => o.args.page_table.to_mut(),
+                (ArgField::ContextLens, Op::IndexLogits(o)) => o.args.context_lens.to_mut(),
+                (ArgField::ContextLens, Op::TopK(o)) => o.args.context_lens.to_mut(),
                 (ArgField::Rows, o) => {
                     let rows = match o {
                         Op::IndexKStore(o) => &mut o.keys.rows,
@@ -451,6 +451,7 @@ impl SimGpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tierkv_engine::device::args;
     use tierkv_engine::layout::PageFormat;
 
     /// What the executor keeps is used only while its bytes are unchanged: a row or page whose
@@ -559,21 +560,26 @@ mod tests {
                 .map(|_| rng.below(pages) as i32)
                 .collect();
             let logits = Op::IndexLogits(IndexLogits {
-                dtype,
-                heads,
+                args: args::IndexLogits {
+                    dtype,
+                    heads,
+                    page_table: page_table.clone().into(),
+                    pt_stride,
+                    context_lens: vec![100, 300].into(),
+                    out_stride: 320,
+                },
                 q,
                 w,
                 k: ik,
-                page_table: page_table.clone(),
-                pt_stride,
-                context_lens: vec![100, 300],
                 out,
-                out_stride: 320,
                 tags: tags.clone(),
             });
             let read = Op::SparseRead(SparseRead {
-                dtype: KvDtype::Fp8Packed,
-                k: 16,
+                args: args::SparseRead {
+                    dtype: KvDtype::Fp8Packed,
+                    rows: 2,
+                    k: 16,
+                },
                 slots: sel,
                 kv,
                 page_table,

@@ -555,7 +555,7 @@ impl SimGpu {
                 o.tags
                     .rows
                     .iter()
-                    .zip(&o.slots)
+                    .zip(o.args.slots.iter())
                     .filter(|(_, &slot)| slot >= 0)
                     .map(|(t, &slot)| (t.request, (slot / page) as u32)),
             );

@@ -419,9 +419,14 @@ impl ContentOracle {
     pub fn check_reads(&mut self, op: &Op, mem: &Memory, pages: &dyn PageState) -> Vec<Verdict> {
         match op {
             Op::IndexLogits(o) => {
-                if let Some(e) =
-                    self.check_tags(op, o.k, BufferKind::IndexK, &o.context_lens, &o.tags, mem)
-                {
+                if let Some(e) = self.check_tags(
+                    op,
+                    o.k,
+                    BufferKind::IndexK,
+                    &o.args.context_lens,
+                    &o.tags,
+                    mem,
+                ) {
                     return vec![(OracleKind::Content, e)];
                 }
                 self.check_index_k(o, mem, pages)
@@ -484,12 +489,11 @@ impl ContentOracle {
     ) -> Vec<Verdict> {
         let dtype = self.ik_dtype;
         let pb = format::index_k_page_bytes(dtype);
-        let buf = mem.bytes(o.k);
-        let layer = o.tags.layer_global;
+        let (buf, a, layer) = (mem.bytes(o.k), &o.args, o.tags.layer_global);
         let content = |m: String| vec![(OracleKind::Content, m)];
         for (r, tag) in o.tags.rows.iter().enumerate() {
-            let ctx = o.context_lens[r] as u32;
-            let pt = &o.page_table[r * o.pt_stride as usize..][..ctx.div_ceil(64) as usize];
+            let ctx = a.context_lens[r] as u32;
+            let pt = &a.page_table[r * a.pt_stride as usize..][..ctx.div_ceil(64) as usize];
             let mut tainted_read = false;
             for (j, &page) in pt.iter().enumerate() {
                 let j = j as u32;
@@ -562,7 +566,7 @@ impl ContentOracle {
     fn recompute_query(&mut self, o: &IndexLogits, r: usize, mem: &Memory) -> Result<(), Verdict> {
         let tag = o.tags.rows[r];
         let layer = o.tags.layer_global;
-        let heads = o.heads as usize;
+        let heads = o.args.heads as usize;
         let codes = &mem.region(o.q)[r * heads * 128..][..heads * 128];
         let weights = &mem.region(o.w)[r * heads * 4..][..heads * 4];
         let Some(token) = self.token_of_model(tag.request, tag.position) else {
@@ -590,12 +594,12 @@ impl ContentOracle {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect();
-        let ctx = o.context_lens[r] as usize;
+        let ctx = o.args.context_lens[r] as usize;
         let pb = format::index_k_page_bytes(self.ik_dtype);
         let buf = mem.bytes(o.k);
         let mut scores = Vec::with_capacity(ctx);
         let mut keys = Vec::with_capacity(64);
-        for (j, &page) in o.page_table[r * o.pt_stride as usize..][..ctx.div_ceil(64)]
+        for (j, &page) in o.args.page_table[r * o.args.pt_stride as usize..][..ctx.div_ceil(64)]
             .iter()
             .enumerate()
         {
@@ -621,7 +625,7 @@ impl ContentOracle {
     ) -> Vec<Verdict> {
         let SparseRead {
             kv,
-            k,
+            args: tierkv_engine::device::args::SparseRead { k, .. },
             ref page_table,
             pt_stride,
             ref context_lens,

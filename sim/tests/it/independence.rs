@@ -45,9 +45,10 @@ fn the_oracles_share_no_code_with_the_references_or_the_layout() {
     }
 }
 
-/// The specification owns its byte formats and calls no reference: it may name the references'
-/// argument structs (`cpu::IndexKStoreArgs`, ...) and nothing else of `cpu`, and nothing of the
-/// layout module.
+/// The specification owns its byte formats and calls no reference: it may name the ops'
+/// argument records (`args::TopK`, ...) and the references' input structs
+/// (`cpu::IndexKStoreInputs`, ...), reading their fields, and call nothing of `args` or `cpu`
+/// (the records' operand sizes come from the layout module) and nothing of the layout module.
 #[test]
 fn the_specification_owns_its_layout() {
     let text = source("kernels/src/spec.rs");
@@ -65,13 +66,21 @@ fn the_specification_owns_its_layout() {
         "spec.rs uses the layout module:\n{}",
         found.join("\n")
     );
-    for line in uses(&text, &["cpu::"]) {
-        let calls_a_function = line
-            .split("cpu::")
-            .skip(1)
-            .any(|rest| rest.starts_with(|c: char| c.is_ascii_lowercase()));
-        assert!(!calls_a_function, "spec.rs calls a reference: {line}");
+    for module in ["cpu::", "args::"] {
+        for line in uses(&text, &[module]) {
+            let calls_a_function = line
+                .split(module)
+                .skip(1)
+                .any(|rest| rest.starts_with(|c: char| c.is_ascii_lowercase()));
+            assert!(!calls_a_function, "spec.rs calls {module}: {line}");
+        }
     }
+    let reads_sizes = uses(&text, &[".operands(", ".check("]);
+    assert!(
+        reads_sizes.is_empty(),
+        "spec.rs asks a record for its sizes or its check:\n{}",
+        reads_sizes.join("\n")
+    );
 }
 
 /// The oracles that read the engine's prefix keys (conservation, policy) read the weights'

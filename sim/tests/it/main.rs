@@ -523,12 +523,14 @@ fn one_row_topk(gpu: &mut tierkv_sim::gpu::SimGpu) -> tierkv_engine::device::Op 
     };
     let (logits, out) = (scratch(64 * 4), scratch(8 * 4));
     Op::TopK(TopK {
-        k: 8,
+        args: tierkv_engine::device::args::TopK {
+            k: 8,
+            stride: 64,
+            context_lens: vec![64].into(),
+            page_table: vec![0].into(),
+            pt_stride: 1,
+        },
         logits,
-        stride: 64,
-        context_lens: vec![64],
-        page_table: vec![0],
-        pt_stride: 1,
         out,
     })
 }

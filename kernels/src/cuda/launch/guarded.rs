@@ -20,13 +20,14 @@
 //! being captured ([`crate::KernelError::GrowsInCapture`]): that would put an allocation into
 //! the caller's graph.
 
-use super::{aligned, bad, cuda, need, CheckedIndexLogits, IndexKStoreLaunch, IndexLogitsLaunch};
+use super::{aligned, bad, cuda, need, CheckedIndexLogits, IndexKStorePtrs, IndexLogitsPtrs};
 use super::{i32_bytes, DevPtr, Kernels, LogitsKernel, LogitsTuning};
+use crate::args;
 use crate::cuda::{
     topk_cluster, GuardRefusal, TOPK_BUCKET_WORDS, TOPK_KERNELS, TOPK_STAGED_MAX, TOPK_THREADS,
 };
 use crate::error::Result;
-use crate::layout::{f32_bytes, IndexKDtype, LayoutFingerprint, INDEX_TOPK_MAX, PAGE_TOKENS};
+use crate::layout::{IndexKDtype, LayoutFingerprint, PAGE_TOKENS};
 use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
 use cudarc::driver::PushKernelArg;
 use cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
@@ -278,30 +279,31 @@ pub struct GuardedIndexKStore {
 #[derive(Clone, Copy, Debug)]
 pub struct GuardedIndexLogits {
     pub dtype: IndexKDtype,
-    pub heads: usize,
+    pub heads: u32,
     pub rows: usize,
     pub q: DevPtr,
     pub w: DevPtr,
     pub page_table: DevPtr,
-    pub pt_stride: usize,
+    pub pt_stride: u32,
     pub context_lens: DevPtr,
     pub k: DevPtr,
     pub k_fp: LayoutFingerprint,
     pub out: DevPtr,
-    pub out_stride: usize,
+    pub out_stride: u32,
 }
 
 /// A `topk` over `rows` rows whose context lengths (on the device) are checked by `guard_rows`
-/// (a refused row selects nothing: -1 everywhere). `page_table` maps positions to slots as in
-/// [`super::TopKLaunch`]; `None` selects positions (an identity table, made on the device).
+/// (a refused row selects nothing: -1 everywhere). `page_table` (with its stride) maps
+/// positions to slots as in [`crate::args::TopK`]; `None` selects positions (an identity table,
+/// made on the device).
 #[derive(Clone, Copy, Debug)]
 pub struct GuardedTopK {
-    pub k: usize,
+    pub k: u32,
     pub rows: usize,
     pub logits: DevPtr,
-    pub stride: usize,
+    pub stride: u32,
     pub context_lens: DevPtr,
-    pub page_table: Option<(DevPtr, usize)>,
+    pub page_table: Option<(DevPtr, u32)>,
     pub out: DevPtr,
 }
 
@@ -345,20 +347,17 @@ impl Kernels {
         g: &mut GuardStatus,
         a: &GuardedIndexKStore,
     ) -> Result<()> {
-        const OP: &str = "index_k_store";
-        let launch = IndexKStoreLaunch {
-            dtype: a.dtype,
-            ue8m0: a.ue8m0,
+        const OP: &str = args::IndexKStore::OP;
+        let ptrs = IndexKStorePtrs {
             keys: a.keys,
             gamma: a.gamma,
             beta: a.beta,
             rope: a.rope,
-            slots: &[],
-            slots_dev: a.slots,
+            slots: a.slots,
             dst: a.dst,
             dst_fp: a.dst_fp,
         };
-        let mut checked = launch.check_buffers(a.n)?;
+        let mut checked = ptrs.bind(a.dtype, a.ue8m0, a.n)?;
         if a.n == 0 {
             return Ok(());
         }
@@ -386,34 +385,29 @@ impl Kernels {
         g: &mut GuardStatus,
         a: &GuardedIndexLogits,
     ) -> Result<()> {
-        const OP: &str = "index_logits";
-        let launch = IndexLogitsLaunch {
-            dtype: a.dtype,
-            heads: a.heads,
+        const OP: &str = args::IndexLogits::OP;
+        let ptrs = IndexLogitsPtrs {
             q: a.q,
             w: a.w,
-            page_table: &[],
-            pt_stride: a.pt_stride,
-            pt_dev: a.page_table,
-            context_lens: &[],
-            lens_dev: a.context_lens,
+            page_table: a.page_table,
+            context_lens: a.context_lens,
             k: a.k,
             k_fp: a.k_fp,
             out: a.out,
-            out_stride: a.out_stride,
         };
-        let (mut checked, pages): (CheckedIndexLogits, u64) = launch.check_buffers(a.rows)?;
+        let (mut checked, pages): (CheckedIndexLogits, u64) =
+            ptrs.bind(a.dtype, a.heads, a.rows, a.pt_stride, a.out_stride)?;
         if a.rows == 0 || a.out_stride == 0 {
             return Ok(());
         }
-        let len_max = a.out_stride.min(a.pt_stride * PAGE_TOKENS as usize);
+        let len_max = (a.out_stride as usize).min(a.pt_stride as usize * PAGE_TOKENS as usize);
         let lens = self.guard_rows(
             s,
             g,
             OP,
             a.rows,
             a.page_table,
-            a.pt_stride,
+            a.pt_stride as usize,
             a.context_lens,
             len_max,
             pages,
@@ -473,16 +467,15 @@ impl Kernels {
         g: &mut GuardStatus,
         a: &GuardedTopK,
     ) -> Result<()> {
-        const OP: &str = "topk";
-        let (k, rows, stride) = (a.k, a.rows, a.stride);
-        if k == 0 || k > INDEX_TOPK_MAX as usize {
-            return Err(bad(OP, "k", format!("{k} is outside 1..={INDEX_TOPK_MAX}")));
-        }
-        if stride > i32::MAX as usize {
-            return Err(bad(OP, "stride", "a row stride above i32::MAX"));
-        }
-        need(OP, "logits", a.logits, f32_bytes((rows * stride) as u64))?;
-        need(OP, "out", a.out, i32_bytes((rows * k) as u64))?;
+        const OP: &str = args::TopK::OP;
+        let rows = a.rows;
+        args::check_k(OP, a.k)?;
+        let pt_stride = a.page_table.map_or(0, |(_, pts)| pts);
+        args::check_strides(OP, a.stride, pt_stride)?;
+        let [logits, _, pt_need, out] = args::TopK::operands_of(rows, a.k, a.stride, pt_stride);
+        args::bind_at_least(OP, logits, a.logits.bytes)?;
+        args::bind_at_least(OP, out, a.out.bytes)?;
+        let (k, stride) = (a.k as usize, a.stride as usize);
         aligned(OP, "logits", a.logits, 4)?;
         aligned(OP, "out", a.out, 4)?;
         if rows == 0 {
@@ -491,8 +484,12 @@ impl Kernels {
         g.on_its_stream(s);
         let (pt, pt_stride, len_max) = match a.page_table {
             Some((pt, pts)) => {
-                need(OP, "page_table", pt, i32_bytes((rows * pts) as u64))?;
-                (pt, pts, stride.min(pts * PAGE_TOKENS as usize))
+                args::bind_at_least(OP, pt_need, pt.bytes)?;
+                (
+                    pt,
+                    pts as usize,
+                    stride.min(pts as usize * PAGE_TOKENS as usize),
+                )
             }
             None => (self.positions_table(g, stride)?, 0, stride),
         };
