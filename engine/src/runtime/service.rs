@@ -114,6 +114,9 @@ pub struct StepSample {
 /// What the engine thread publishes for readers on other threads.
 #[derive(Default)]
 pub struct Published {
+    /// How long building the engine took on the engine thread (its device: a CUDA context, the
+    /// kernels, the pinned host mirror), once it is built.
+    pub built_in: Option<Duration>,
     pub metrics_text: String,
     /// The first `STEP_SAMPLES` steps.
     pub steps: Vec<StepSample>,
@@ -214,8 +217,12 @@ fn engine_loop<D: Device, C: Clock, T: Transfer>(
     intake: &Intake,
     published: &Mutex<Published>,
 ) -> Result<(), String> {
+    let t_make = Instant::now();
     let mut engine = match make() {
-        Ok(e) => e,
+        Ok(e) => {
+            published.lock().expect("published lock").built_in = Some(t_make.elapsed());
+            e
+        }
         Err(e) => {
             intake.close();
             for s in intake.drain() {

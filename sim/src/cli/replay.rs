@@ -230,6 +230,12 @@ fn replay(a: &ReplayArgs) -> Result<i32, CliError> {
         return Ok(1);
     }
     let p = published.lock().expect("published");
+    if let Some(b) = p.built_in {
+        println!(
+            "engine built in {:.2} s on its thread (device, kernels, host mirror), within the replay's time",
+            b.as_secs_f64()
+        );
+    }
     Ok(report(&p.metrics, &p.steps, seen, wall))
 }
 
