@@ -128,7 +128,8 @@ pub struct GpuOptions {
     /// its own, once the engine is built (`SimGpu::arm_driver_faults`): allocations and event
     /// creations with out-of-memory, copies, launches, records, waits and host callbacks with
     /// the driver's error. An allocation that takes new memory from the device meets
-    /// out-of-memory twenty times as often (`driver.rs`), at most one call in four. Each draw is
+    /// out-of-memory twenty times as often (a synchronous one forty times; `driver.rs`), at
+    /// most one call in four. Each draw is
     /// keyed by the call's kind, its stream and its number among the calls of that kind on
     /// that stream.
     pub driver_fault_rate: f64,
