@@ -4,9 +4,7 @@
 //! logic, not of its ordering (the simulator adds the interleavings).
 
 use crate::device::*;
-use crate::layout::{
-    f32_bytes, fp8_bytes, i32_bytes, u32_count, u64_bytes, BufferKind, Bytes, INDEX_HEAD_DIM,
-};
+use crate::layout::{f32_bytes, i32_bytes, u32_count, u64_bytes, BufferKind, Bytes};
 use std::borrow::Cow;
 use tierkv_kernels::cpu;
 use tierkv_kernels::cpu::draw;
@@ -181,9 +179,9 @@ fn kv_store(o: &KvStore, mem: &mut Memory) -> KResult {
 
 fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
     let heads = o.args.heads;
-    let values = o.rows() as u64 * heads as u64;
-    let mut qo = vec![0u8; fp8_bytes(values * INDEX_HEAD_DIM as u64).usize()];
-    let mut wo = vec![0f32; values as usize];
+    let [_, _, _, (_, q_out), (_, w_out)] = o.args.operands();
+    let mut qo = vec![0u8; q_out.usize()];
+    let mut wo = vec![0f32; u32_count(w_out) as usize];
     let rows = resolved(&o.inputs, mem)?;
     let a = draw_args(&o.inputs, &rows);
     let (q, weights) = (draw::queries(&a, heads), draw::head_weights(&a, heads));
@@ -194,13 +192,8 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
         rope: &rope,
     };
     cpu::q_prep(&o.args, &x, &mut qo, &mut wo)?;
-    mem.head_mut(o.q_out, fp8_bytes(qo.len() as u64))
-        .copy_from_slice(&qo);
-    put(
-        mem.head_mut(o.w_out, f32_bytes(values)),
-        &wo,
-        f32::to_le_bytes,
-    );
+    mem.head_mut(o.q_out, q_out).copy_from_slice(&qo);
+    put(mem.head_mut(o.w_out, w_out), &wo, f32::to_le_bytes);
     Ok(())
 }
 

@@ -1,16 +1,47 @@
 //! One argument record per kernel op: the scalars and the host-side index arrays (slots, page
 //! tables, context lengths) that say what a launch does, and the one [`check`](TopK::check) of
-//! the contract between them.
+//! the contract between them (scalar ranges, array lengths, context lengths within their tables
+//! and rows; the ranges of slots and pages in a pool, which need the pool, are `slots_in` and
+//! `pages_in`).
 //!
 //! The engine's op carries its record, the CPU reference reads it, the CUDA launcher reads it and
 //! the simulator reads it: a record never changes shape on its way to a kernel. What differs
-//! between backends is only how each names the buffers an op reads and writes (a region of a
+//! between backends is how each names the buffers an op reads and writes (a region of a
 //! simulated buffer, a slice in memory, a device address). Each record answers the bytes every
-//! such operand must hold ([`TopK::operands`]): the engine's regions must hold exactly that, a
-//! slice must be exactly that long, a device allocation at least that large. Each backend binds
-//! its operands to those sizes with [`bind_exact`] or [`bind_at_least`]; none restates a size.
+//! such operand must hold ([`TopK::operands`]; the paged pools an op reads or writes are not
+//! operands: their format and size are checked against their layout fingerprints). The engine's
+//! regions must hold exactly that, a slice must be exactly that long, a device allocation at
+//! least that large: each backend binds its operands to those sizes with [`bind_exact`] or
+//! [`bind_at_least`]. Operands are answered in a fixed order, which each record's
+//! `operands` doc states and its callers destructure.
+//!
+//! The guarded launches (`cuda::launch::guarded`), whose index arrays only the device holds,
+//! build no record: they use the count-keyed halves (`operands_of`, [`check_k`],
+//! [`check_heads`], [`check_strides`]) and check the arrays on the device.
 //!
 //! Index arrays are `Cow` slices: the engine's op owns them, a launch borrows them.
+//!
+//! ```
+//! use tierkv_kernels::args;
+//! // Two rows of 64 logits, one page each, their 8 best positions as slots.
+//! let a = args::TopK {
+//!     k: 8,
+//!     stride: 64,
+//!     context_lens: vec![64, 10].into(),
+//!     page_table: vec![3, 5].into(),
+//!     pt_stride: 1,
+//! };
+//! a.check().unwrap();
+//! let logits: Vec<f32> = (0..128).map(|i| i as f32).collect();
+//! let mut out = vec![0i32; 16];
+//! tierkv_kernels::cpu::topk(&a, &logits, &mut out).unwrap();
+//! assert_eq!(&out[..2], &[3 * 64 + 63, 3 * 64 + 62]);
+//! assert_eq!(&out[8..10], &[5 * 64 + 9, 5 * 64 + 8]);
+//! // A context longer than its row is refused, naming the row and its limit.
+//! let long = args::TopK { context_lens: vec![64, 65].into(), ..a };
+//! let e = long.check().unwrap_err().to_string();
+//! assert!(e.contains("`context_lens`: row 1: 65"), "{e}");
+//! ```
 
 use crate::error::{bad, KernelError, Result};
 use crate::layout::{
@@ -23,28 +54,29 @@ use std::borrow::Cow;
 pub type Operand = (&'static str, Bytes);
 
 /// `found` must be exactly `needed` bytes: an op's own region or slice.
-pub fn bind_exact(op: &'static str, (name, needed): Operand, found: Bytes) -> Result<()> {
+pub fn bind_exact(op: &'static str, (buffer, needed): Operand, found: Bytes) -> Result<()> {
     if found != needed {
-        return Err(size_error(op, name, needed, found));
+        return Err(KernelError::BufferSize {
+            op,
+            buffer,
+            needed: needed.0,
+            found: found.0,
+        });
     }
     Ok(())
 }
 
 /// `found` must hold at least `needed` bytes: an allocation the op uses the front of.
-pub fn bind_at_least(op: &'static str, (name, needed): Operand, found: Bytes) -> Result<()> {
+pub fn bind_at_least(op: &'static str, (buffer, needed): Operand, found: Bytes) -> Result<()> {
     if found < needed {
-        return Err(size_error(op, name, needed, found));
+        return Err(KernelError::BufferTooSmall {
+            op,
+            buffer,
+            needed: needed.0,
+            found: found.0,
+        });
     }
     Ok(())
-}
-
-fn size_error(op: &'static str, buffer: &'static str, needed: Bytes, found: Bytes) -> KernelError {
-    KernelError::BufferSize {
-        op,
-        buffer,
-        needed: needed.0,
-        found: found.0,
-    }
 }
 
 /// `top-k`'s `k`: the configured `index_topk`, within what the kernels select.
@@ -67,13 +99,14 @@ pub fn check_heads(op: &'static str, heads: u32) -> Result<()> {
     Ok(())
 }
 
-/// A stored KV format: `fp8_unpacked` is a foreign layout tierkv reads but never writes.
+/// A format of tierkv's device pools: `fp8_unpacked` is a foreign row layout (576 bytes) that
+/// no kernel stores or reads; tierkv only describes it (`layout.rs`).
 fn check_stored(op: &'static str, dtype: KvDtype) -> Result<()> {
     if dtype == KvDtype::Fp8Unpacked {
         return Err(bad(
             op,
             "dtype",
-            "fp8_unpacked rows are a foreign format tierkv does not store",
+            "fp8_unpacked is a foreign row layout no kernel stores or reads",
         ));
     }
     Ok(())
@@ -88,8 +121,9 @@ pub fn check_strides(op: &'static str, stride: u32, pt_stride: u32) -> Result<()
 }
 
 /// Rows of page tables and context lengths: `rows × pt_stride` entries, and each context within
-/// its table and its output row of `stride` positions.
-fn check_rows(
+/// its table and its row of `stride` positions (for rows with no other row, `stride` =
+/// `pt_stride × 64`).
+pub fn check_rows(
     op: &'static str,
     page_table: &[i32],
     pt_stride: u32,
@@ -108,18 +142,23 @@ fn check_rows(
             ),
         ));
     }
-    let cap = (pt_stride as u64 * PAGE_TOKENS as u64).min(stride as u64);
-    for (r, &len) in context_lens.iter().enumerate() {
-        if len < 0 || len as u64 > cap {
-            return Err(KernelError::OutOfRange {
-                op,
-                index: r,
-                value: len as i64,
-                limit: cap,
-            });
-        }
+    let table = pt_stride as u64 * PAGE_TOKENS as u64;
+    let cap = table.min(stride as u64);
+    match context_lens
+        .iter()
+        .position(|&len| len < 0 || len as u64 > cap)
+    {
+        Some(r) => Err(bad(
+            op,
+            "context_lens",
+            format!(
+                "row {r}: {} is outside 0..={cap} (its page table holds {table} positions, \
+                 its row {stride})",
+                context_lens[r]
+            ),
+        )),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Every slot lies in `0..limit`.
@@ -152,9 +191,18 @@ fn pages_in(
     pages: u64,
 ) -> Result<()> {
     for (r, &len) in context_lens.iter().enumerate() {
-        let used = (len.max(0) as u32).div_ceil(PAGE_TOKENS) as usize;
+        let used = ((len.max(0) as u32).div_ceil(PAGE_TOKENS)).min(pt_stride) as usize;
         let at = r * pt_stride as usize;
-        slots_in(op, &page_table[at..at + used], pages)?;
+        // A record its `check` would refuse (a table too short) is refused here too.
+        let Some(row) = page_table.get(at..at + used) else {
+            let n = page_table.len();
+            return Err(bad(
+                op,
+                "page_table",
+                format!("row {r} is past its {n} entries"),
+            ));
+        };
+        slots_in(op, row, pages)?;
     }
     Ok(())
 }
@@ -356,8 +404,11 @@ impl TopK<'_> {
     pub fn rows(&self) -> usize {
         self.context_lens.len()
     }
-    /// Also `k` and the sizes of the logits and the selection: an op whose `k` and selection
-    /// disagree would write past its selection or leave part of it stale.
+    /// `k` within what the kernels select, the page tables `rows × pt_stride` entries, every
+    /// context within its table and its logits row of `stride` positions. The logits' and the
+    /// selection's sizes follow from these ([`Self::operands`]), and each backend binds its
+    /// buffers to them: an op whose `k` and selection disagreed would write past its selection
+    /// or leave part of it stale.
     pub fn check(&self) -> Result<()> {
         check_k(Self::OP, self.k)?;
         check_rows(

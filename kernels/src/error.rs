@@ -18,6 +18,13 @@ pub enum KernelError {
         needed: u64,
         found: u64,
     },
+    #[error("{op}: buffer `{buffer}` is {found} B, less than the {needed} B it must hold")]
+    BufferTooSmall {
+        op: &'static str,
+        buffer: &'static str,
+        needed: u64,
+        found: u64,
+    },
     #[error("{op}: argument `{arg}`: {detail}")]
     BadArgument {
         op: &'static str,

@@ -425,9 +425,14 @@ pub fn used_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> V
     pages
 }
 
-/// An op's kernel record refused it.
+/// An op's kernel record refused it. (`DeviceError::Kernel` names the op; the kernel error's
+/// own text starts with it too, and is not repeated.)
 fn kernel(op: &'static str) -> impl Fn(KernelError) -> DeviceError {
-    move |e| bad(op, e.to_string())
+    move |e| {
+        let text = e.to_string();
+        let detail = text.strip_prefix(op).and_then(|t| t.strip_prefix(": "));
+        bad(op, detail.unwrap_or(&text).to_string())
+    }
 }
 
 /// An op's region holds exactly the bytes its record's operand needs.
@@ -678,34 +683,24 @@ impl OpSpec for SparseRead {
         bind(op, slots, &self.slots)?;
         bind(op, out, &self.out)?;
         let rows = self.context_lens.len();
-        if rows != self.args.rows as usize
-            || self.page_table.len() != rows * self.pt_stride as usize
-        {
+        if rows != self.args.rows as usize {
             return Err(bad(
                 op,
                 format!(
-                    "declared {rows} context lengths and {} page-table entries for {} rows x {}",
-                    self.page_table.len(),
-                    self.args.rows,
-                    self.pt_stride
+                    "{rows} declared context lengths for {} rows",
+                    self.args.rows
                 ),
             ));
         }
-        let cap = self.pt_stride as u64 * PAGE_TOKENS as u64;
-        match self
-            .context_lens
-            .iter()
-            .position(|&l| l < 0 || l as u64 > cap)
-        {
-            Some(r) => Err(bad(
-                op,
-                format!(
-                    "row {r}: context length {} outside its page table of {} pages",
-                    self.context_lens[r], self.pt_stride
-                ),
-            )),
-            None => Ok(()),
-        }
+        let table = self.pt_stride.saturating_mul(PAGE_TOKENS);
+        args::check_rows(
+            op,
+            &self.page_table,
+            self.pt_stride,
+            &self.context_lens,
+            table,
+        )
+        .map_err(kernel(op))
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)

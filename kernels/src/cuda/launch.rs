@@ -67,15 +67,7 @@ fn cuda(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError
 }
 
 fn need(op: &'static str, buffer: &'static str, p: DevPtr, bytes: Bytes) -> Result<()> {
-    if p.bytes < bytes {
-        return Err(KernelError::BufferSize {
-            op,
-            buffer,
-            needed: bytes.0,
-            found: p.bytes.0,
-        });
-    }
-    Ok(())
+    args::bind_at_least(op, (buffer, bytes), p.bytes)
 }
 
 fn paged(op: &'static str, format: PageFormat, p: DevPtr, fp: LayoutFingerprint) -> Result<u64> {
@@ -94,6 +86,16 @@ fn paged(op: &'static str, format: PageFormat, p: DevPtr, fp: LayoutFingerprint)
         ));
     }
     Ok(p.bytes.0 / format.page_bytes())
+}
+
+/// The KV dtype code `store.cu` and `sparse_read.cu` take. `fp8_unpacked` has none: the records'
+/// `check` refuses it before a launcher asks.
+fn kv_dtype_code(dtype: KvDtype) -> i32 {
+    match dtype {
+        KvDtype::Bf16 => 0,
+        KvDtype::Fp8Packed => 1,
+        KvDtype::Fp8Unpacked => unreachable!("the record's check refuses fp8_unpacked"),
+    }
 }
 
 fn aligned(op: &'static str, buffer: &'static str, p: DevPtr, align: u64) -> Result<()> {
@@ -518,7 +520,7 @@ impl Kernels {
         let [rows, slots] = a.operands();
         args::bind_at_least(OP, rows, p.rows.bytes)?;
         args::bind_at_least(OP, slots, p.slots.bytes)?;
-        let dt = (a.dtype == KvDtype::Fp8Packed) as i32;
+        let dt = kv_dtype_code(a.dtype);
         let pages = paged(OP, PageFormat::Kv(a.dtype), p.dst, p.dst_fp)?;
         a.slots_in(pages * PAGE_TOKENS as u64)?;
         let n = a.tokens();
@@ -981,7 +983,7 @@ impl Kernels {
         let [slots, out] = a.operands();
         args::bind_at_least(OP, slots, p.slots.bytes)?;
         args::bind_at_least(OP, out, p.out.bytes)?;
-        let dt = (a.dtype == KvDtype::Fp8Packed) as i32;
+        let dt = kv_dtype_code(a.dtype);
         paged(OP, PageFormat::Kv(a.dtype), p.kv, p.kv_fp)?;
         let rows = a.rows as usize;
         if rows == 0 {
