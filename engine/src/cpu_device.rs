@@ -3,8 +3,9 @@
 //! is enqueued — every stream is then trivially ordered, so it is for unit tests of the engine's
 //! logic, not of its ordering (the simulator adds the interleavings).
 
+use crate::device::op::kernel_refusal;
 use crate::device::*;
-use crate::layout::{f32_bytes, i32_bytes, u32_count, u64_bytes, BufferKind, Bytes};
+use crate::layout::{f32_bytes, f32_count, i32_bytes, i32_count, u64_bytes, BufferKind, Bytes};
 use std::borrow::Cow;
 use tierkv_kernels::cpu;
 use tierkv_kernels::cpu::draw;
@@ -67,13 +68,6 @@ fn put<const N: usize, T: Copy>(dst: &mut [u8], vals: &[T], to: impl Fn(T) -> [u
     }
 }
 
-fn kerr(op: &'static str) -> impl Fn(tierkv_kernels::KernelError) -> DeviceError {
-    move |e| DeviceError::Kernel {
-        op,
-        detail: e.to_string(),
-    }
-}
-
 /// Runs one op on `mem` with the CPU references. The caller has already checked it (`check_op`).
 pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
     let r = match op {
@@ -91,7 +85,7 @@ pub fn run_op(op: &Op, mem: &mut Memory) -> Result<(), DeviceError> {
         }
         Op::NextTokens(o) => next_tokens(o, mem),
     };
-    r.map_err(kerr(op.name()))
+    r.map_err(kernel_refusal(op.name()))
 }
 
 type KError = tierkv_kernels::KernelError;
@@ -181,7 +175,7 @@ fn q_prep(o: &QPrep, mem: &mut Memory) -> KResult {
     let heads = o.args.heads;
     let [_, _, _, (_, q_out), (_, w_out)] = o.args.operands();
     let mut qo = vec![0u8; q_out.usize()];
-    let mut wo = vec![0f32; u32_count(w_out) as usize];
+    let mut wo = vec![0f32; f32_count(w_out) as usize];
     let rows = resolved(&o.inputs, mem)?;
     let a = draw_args(&o.inputs, &rows);
     let (q, weights) = (draw::queries(&a, heads), draw::head_weights(&a, heads));
@@ -208,7 +202,7 @@ pub fn run_index_logits_from_pages(
     mem: &mut Memory,
     keys: &mut dyn cpu::PageKeys,
 ) -> Result<(), DeviceError> {
-    index_logits_from_pages(o, mem, keys).map_err(kerr("index_logits"))
+    index_logits_from_pages(o, mem, keys).map_err(kernel_refusal("index_logits"))
 }
 
 fn index_logits_from_pages(
@@ -219,7 +213,7 @@ fn index_logits_from_pages(
     let [(_, q), (_, w), _, _, (_, out)] = o.args.operands();
     let qb = mem.head(o.q, q).to_vec();
     let wv = le_f32s(mem.head(o.w, w));
-    let mut out = vec![0f32; u32_count(out) as usize];
+    let mut out = vec![0f32; f32_count(out) as usize];
     cpu::index_logits_from_pages(
         &o.args,
         (&qb, &wv),
@@ -239,7 +233,7 @@ fn index_logits_from_pages(
 fn topk(o: &TopK, mem: &mut Memory) -> KResult {
     let [(_, logits), _, _, (_, out)] = o.args.operands();
     let lv = le_f32s(mem.head(o.logits, logits));
-    let mut out = vec![0i32; u32_count(out) as usize];
+    let mut out = vec![0i32; i32_count(out) as usize];
     cpu::topk(&o.args, &lv, &mut out)?;
     put(
         mem.head_mut(o.out, i32_bytes(out.len() as u64)),
@@ -260,7 +254,7 @@ pub fn run_sparse_read_hashed(
     mem: &mut Memory,
     hash: &mut dyn FnMut(usize, &[u8]) -> u64,
 ) -> Result<(), DeviceError> {
-    sparse_read_hashed(o, mem, hash).map_err(kerr("sparse_read"))
+    sparse_read_hashed(o, mem, hash).map_err(kernel_refusal("sparse_read"))
 }
 
 fn sparse_read_hashed(

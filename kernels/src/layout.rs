@@ -223,9 +223,17 @@ pub const fn bf16_bytes(n: u64) -> Bytes {
 pub const fn f32_bytes(n: u64) -> Bytes {
     Bytes(n * FP32_BYTES)
 }
+/// How many f32 fit in `b`.
+pub const fn f32_count(b: Bytes) -> u64 {
+    b.0 / FP32_BYTES
+}
 /// `int32` elements: slots, page-table entries, context lengths.
 pub const fn i32_bytes(n: u64) -> Bytes {
     Bytes(n * 4)
+}
+/// How many int32 fit in `b`.
+pub const fn i32_count(b: Bytes) -> u64 {
+    b.0 / 4
 }
 /// Token ids (u32), and the inverse: how many fit in `b`.
 pub const fn u32_bytes(n: u64) -> Bytes {

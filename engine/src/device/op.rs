@@ -425,9 +425,10 @@ pub fn used_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> V
     pages
 }
 
-/// An op's kernel record refused it. (`DeviceError::Kernel` names the op; the kernel error's
-/// own text starts with it too, and is not repeated.)
-fn kernel(op: &'static str) -> impl Fn(KernelError) -> DeviceError {
+/// A kernel's refusal of op `op` (its record's check at enqueue, or the reference or launcher
+/// that ran it) as a device error. `DeviceError::Kernel` names the op; the kernel error's own
+/// text starts with it too, and is not repeated.
+pub(crate) fn kernel_refusal(op: &'static str) -> impl Fn(KernelError) -> DeviceError {
     move |e| {
         let text = e.to_string();
         let detail = text.strip_prefix(op).and_then(|t| t.strip_prefix(": "));
@@ -437,7 +438,7 @@ fn kernel(op: &'static str) -> impl Fn(KernelError) -> DeviceError {
 
 /// An op's region holds exactly the bytes its record's operand needs.
 fn bind(op: &'static str, operand: args::Operand, r: &Region) -> Result<(), DeviceError> {
-    args::bind_exact(op, operand, r.bytes).map_err(kernel(op))
+    args::bind_exact(op, operand, r.bytes).map_err(kernel_refusal(op))
 }
 
 /// One drawn input row per token of the record.
@@ -486,7 +487,7 @@ impl OpSpec for IndexKStore {
     /// The record, and one drawn key row per slot.
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let op = self.name();
-        self.args.check().map_err(kernel(op))?;
+        self.args.check().map_err(kernel_refusal(op))?;
         drawn_rows(op, &self.keys, self.args.tokens())
     }
     fn tags(&self) -> Option<&RowTags> {
@@ -519,7 +520,7 @@ impl OpSpec for KvStore {
     /// The record, and one drawn KV row per slot.
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let op = self.name();
-        self.args.check().map_err(kernel(op))?;
+        self.args.check().map_err(kernel_refusal(op))?;
         drawn_rows(op, &self.rows, self.args.tokens())
     }
     fn tags(&self) -> Option<&RowTags> {
@@ -553,7 +554,7 @@ impl OpSpec for QPrep {
     /// as the record's outputs.
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let op = self.name();
-        self.args.check().map_err(kernel(op))?;
+        self.args.check().map_err(kernel_refusal(op))?;
         drawn_rows(op, &self.inputs, self.rows())?;
         let [_, _, _, q_out, w_out] = self.args.operands();
         bind(op, q_out, &self.q_out)?;
@@ -582,7 +583,7 @@ impl OpSpec for NextTokens {
     /// The record, one tag per row, and the regions exactly as large as the record's operands.
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let op = self.name();
-        self.args.check().map_err(kernel(op))?;
+        self.args.check().map_err(kernel_refusal(op))?;
         if self.rows() != self.args.rows as usize {
             return Err(bad(
                 op,
@@ -621,7 +622,7 @@ impl OpSpec for IndexLogits {
     /// The record, and the query, weight and logits regions exactly as large as its operands.
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let op = self.name();
-        self.args.check().map_err(kernel(op))?;
+        self.args.check().map_err(kernel_refusal(op))?;
         let [q, w, _, _, out] = self.args.operands();
         bind(op, q, &self.q)?;
         bind(op, w, &self.w)?;
@@ -648,7 +649,7 @@ impl OpSpec for TopK {
     /// leave part of it stale.
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let op = self.name();
-        self.args.check().map_err(kernel(op))?;
+        self.args.check().map_err(kernel_refusal(op))?;
         let [logits, _, _, out] = self.args.operands();
         bind(op, logits, &self.logits)?;
         bind(op, out, &self.out)
@@ -678,7 +679,7 @@ impl OpSpec for SparseRead {
     /// sees these; they bound the pages the selection may name).
     fn check_shapes(&self) -> Result<(), DeviceError> {
         let op = self.name();
-        self.args.check().map_err(kernel(op))?;
+        self.args.check().map_err(kernel_refusal(op))?;
         let [slots, out] = self.args.operands();
         bind(op, slots, &self.slots)?;
         bind(op, out, &self.out)?;
@@ -700,7 +701,7 @@ impl OpSpec for SparseRead {
             &self.context_lens,
             table,
         )
-        .map_err(kernel(op))
+        .map_err(kernel_refusal(op))
     }
     fn tags(&self) -> Option<&RowTags> {
         Some(&self.tags)

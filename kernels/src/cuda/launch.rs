@@ -123,7 +123,8 @@ pub struct IndexKStorePtrs {
 }
 
 /// Checks a launch of `a` on `p`: the record, every operand large enough and aligned for the
-/// kernel's 16-byte accesses, the pool whole pages of the dtype's format, and every slot in it.
+/// kernel's accesses (16 bytes for the keys, the RoPE rows and the pool, 4 for the rest), the
+/// pool whole pages of the dtype's format, and every slot in it.
 pub fn check_index_k_store(
     a: &args::IndexKStore,
     p: &IndexKStorePtrs,
