@@ -340,6 +340,9 @@ impl CacheController {
         let events = self.ring.events[slot].clone();
         let enqueue_failed =
             Self::copy_all_layers(io, StreamKind::Load, false, &pairs, Some(&events))?;
+        if io.mutants.load_events_pooled_at_issue() {
+            self.free_events.extend(events.iter().copied());
+        }
         self.ring.holder[slot] = Some(id);
         probe::hit(Probe::LoadIssued);
         probe::hit_if(Probe::LoadEnqueueFailed, enqueue_failed);

@@ -165,6 +165,14 @@ pub enum Mutant {
     ///     may have read the prefill side's memory after it was lost (the clean pair ends every
     ///     transfer in flight and sends it again).
     PdAdmitsAcrossRecreation,
+    /// 45. Runtime: an event taken back into a pool while another stream still waits on it.
+    ///     The controller returns a load's layer events to its pool of free events (the one its
+    ///     backups record on the write stream) as soon as the load's copies and records are
+    ///     queued, as if a recorded event were free to reuse. A backup issued before the compute
+    ///     stream's wait on a layer is queued records that event again on the write stream, and
+    ///     CUDA's wait takes the event's latest record: the compute stream then waits for the
+    ///     backup, not for the load, and reads the layer while its copy may still run.
+    LoadEventPooledAtIssue,
 }
 
 /// The lease of mutant 40: how long a load's host copies are kept from eviction (simulated
@@ -172,7 +180,7 @@ pub enum Mutant {
 pub const HOST_LEASE_NS: u64 = 20_000;
 
 impl Mutant {
-    pub const ALL: [Mutant; 44] = [
+    pub const ALL: [Mutant; 45] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -217,6 +225,7 @@ impl Mutant {
         Mutant::PrefixKeysIgnoreWeights,
         Mutant::RecreationKeepsDeviceTier,
         Mutant::PdAdmitsAcrossRecreation,
+        Mutant::LoadEventPooledAtIssue,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -300,6 +309,7 @@ impl Mutant {
             Mutant::PrefixKeysIgnoreWeights => "prefix-keys-ignore-weights",
             Mutant::RecreationKeepsDeviceTier => "recreation-keeps-device-tier",
             Mutant::PdAdmitsAcrossRecreation => "pd-admits-across-recreation",
+            Mutant::LoadEventPooledAtIssue => "load-event-pooled-at-issue",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -353,6 +363,9 @@ impl Mutant {
             }
             Mutant::PdAdmitsAcrossRecreation => {
                 "runtime: a transfer taken as arrived across its sender's recreated context"
+            }
+            Mutant::LoadEventPooledAtIssue => {
+                "runtime: an event back in its pool while another stream still waits on it"
             }
         }
     }
@@ -628,6 +641,10 @@ impl Mutants {
     /// Mutant 11: a load slot is reused without waiting for its previous load's finish event.
     pub fn slot_reused_without_wait(&self) -> bool {
         self.on(Mutant::LoadSlotReusedEarly)
+    }
+    /// Mutant 45: a load's layer events go to the pool of free events once they are recorded.
+    pub fn load_events_pooled_at_issue(&self) -> bool {
+        self.on(Mutant::LoadEventPooledAtIssue)
     }
     /// Mutants 7 and 11: a load may be acknowledged before its copy finished (its layer waits
     /// were skipped, or its slot reclaimed without waiting). The clean engine never does.
