@@ -166,12 +166,12 @@ pub enum Mutant {
     ///     transfer in flight and sends it again).
     PdAdmitsAcrossRecreation,
     /// 45. Runtime: an event taken back into a pool while another stream still waits on it.
-    ///     The controller returns a load's layer events to its pool of free events (the one its
-    ///     backups record on the write stream) as soon as the load's copies and records are
-    ///     queued, as if a recorded event were free to reuse. A backup issued before the compute
-    ///     stream's wait on a layer is queued records that event again on the write stream, and
-    ///     CUDA's wait takes the event's latest record: the compute stream then waits for the
-    ///     backup, not for the load, and reads the layer while its copy may still run.
+    ///     The controller puts a load's layer events into its pool of free events (the one its
+    ///     backups record on the write stream) as soon as their records are queued, while they
+    ///     stay the load ring slot's events. A backup issued before the compute stream's wait on
+    ///     a layer is queued records that event again on the write stream, and CUDA's wait takes
+    ///     the event's latest record: the compute stream then waits for the backup, not for the
+    ///     load, and reads the layer while its copy may still run.
     LoadEventPooledAtIssue,
 }
 
@@ -642,7 +642,8 @@ impl Mutants {
     pub fn slot_reused_without_wait(&self) -> bool {
         self.on(Mutant::LoadSlotReusedEarly)
     }
-    /// Mutant 45: a load's layer events go to the pool of free events once they are recorded.
+    /// Mutant 45: a load's layer events go into the pool of free events once their records are
+    /// queued.
     pub fn load_events_pooled_at_issue(&self) -> bool {
         self.on(Mutant::LoadEventPooledAtIssue)
     }
