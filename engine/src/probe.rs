@@ -12,16 +12,41 @@
 //! report. A run of the simulator is one thread; in production the engine thread counts too, at
 //! the cost of one table update per probe hit.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 
 thread_local! {
     static HITS: RefCell<BTreeMap<&'static str, u64>> = const { RefCell::new(BTreeMap::new()) };
+    /// Where this thread's run is: a count its driver advances (the simulator: the schedule
+    /// decisions its run has made); 0 where nothing advances it, as in production.
+    static POSITION: Cell<u64> = const { Cell::new(0) };
+    /// The position of each probe's first hit since the last `take`.
+    static FIRST: RefCell<BTreeMap<&'static str, u64>> = const { RefCell::new(BTreeMap::new()) };
 }
 
 /// Counts one hit of the probe named `name` on this thread.
 pub fn hit_named(name: &'static str) {
-    HITS.with(|h| *h.borrow_mut().entry(name).or_default() += 1);
+    let first = HITS.with(|h| {
+        let mut h = h.borrow_mut();
+        let n = h.entry(name).or_default();
+        *n += 1;
+        *n == 1
+    });
+    if first {
+        FIRST.with(|f| f.borrow_mut().insert(name, POSITION.get()));
+    }
+}
+
+/// Sets this thread's position (see [`first_hits`]).
+pub fn set_position(at: u64) {
+    POSITION.set(at);
+}
+
+/// The position this thread was at when each probe hit since the last `take` was first hit
+/// (the simulator's count of schedule decisions made then: the prefix of its schedule that
+/// reached the probe). Call before [`take`], which empties this table too.
+pub fn first_hits() -> BTreeMap<&'static str, u64> {
+    FIRST.with(|f| f.borrow().clone())
 }
 
 /// Counts one hit of `p` on this thread.
@@ -39,6 +64,8 @@ pub fn hit_if(p: Probe, cond: bool) -> bool {
 
 /// This thread's counts since the last `take`, by probe name; the table starts empty again.
 pub fn take() -> BTreeMap<&'static str, u64> {
+    FIRST.with(|f| f.borrow_mut().clear());
+    POSITION.set(0);
     HITS.with(|h| std::mem::take(&mut *h.borrow_mut()))
 }
 

@@ -49,6 +49,8 @@ fn main() -> ExitCode {
         schedules: 1,
         overlap: None,
         exhaustive: false,
+        corpus: None,
+        branches: 0,
     };
     let results = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {

@@ -1,7 +1,9 @@
 //! Campaigns: many seeds over worker threads (`--jobs`), a slice of them per machine (`--shard`),
 //! a progress bar, and a summary with the throughput figures. Each seed's run is deterministic and
-//! independent, so the workers share nothing but a counter and a results channel.
+//! independent, so the workers share nothing but a counter, a results channel and, in a guided
+//! campaign (`--corpus`), the corpus it branches from (`corpus`).
 
+use crate::corpus::Corpus;
 use crate::oracles::determinism;
 use crate::probes::Coverage;
 use crate::report::{Finding, OracleKind};
@@ -45,6 +47,11 @@ pub struct CampaignOptions {
     pub overlap: Option<bool>,
     /// Hold every query row to the specification's logits (`--exhaustive`).
     pub exhaustive: bool,
+    /// The corpus the campaign branches from and grows (`--corpus`; `corpus`), shared by its
+    /// workers.
+    pub corpus: Option<Arc<Mutex<Corpus>>>,
+    /// Runs branched from the corpus before each fresh seed (`--branches`).
+    pub branches: u32,
 }
 
 /// The seeds of a campaign: `first..end`, and of those only `seed % n == i` under a shard
@@ -151,8 +158,11 @@ pub struct CampaignSummary {
     pub coverage: Coverage,
     /// Seeds run twice for the determinism oracle.
     pub reruns: u64,
-    /// Runs in all: seeds times the schedules each ran (a failing seed stops at its failure).
+    /// Runs in all: seeds times the schedules each ran (a failing seed stops at its failure),
+    /// and the branches from the corpus.
     pub runs: u64,
+    /// Of those, the runs branched from the corpus (`--corpus`).
+    pub branches: u64,
     /// The first failure's schedule: index, the policy that drew it (`None`: the scenario's
     /// own) and decisions (the schedule to replay it under).
     pub first_failure_schedule: Option<(u64, Option<Policy>, Vec<u8>)>,
@@ -195,6 +205,7 @@ impl CampaignSummary {
 
     fn add(&mut self, o: &RunOutcome) {
         self.runs += 1;
+        self.branches += crate::corpus::is_branch(o.schedule) as u64;
         self.seeds_run += (o.schedule == 0) as u64;
         self.reruns += o.rerun as u64;
         if o.schedule == 0 {
@@ -259,7 +270,12 @@ impl CampaignSummary {
         println!(
             "seeds run: {}{}   failures: {}{}",
             self.seeds_run,
-            if self.runs > self.seeds_run {
+            if self.branches > 0 {
+                format!(
+                    " ({} runs: schedules explored, {} branches from the corpus)",
+                    self.runs, self.branches
+                )
+            } else if self.runs > self.seeds_run {
                 format!(" ({} runs: schedules explored)", self.runs)
             } else {
                 String::new()
@@ -449,6 +465,8 @@ struct Shared {
     seeds: SeedSet,
     order: Option<Vec<u64>>,
     next: AtomicU64,
+    /// Runs branched from the corpus so far.
+    branched: AtomicU64,
     stop: AtomicBool,
     /// Opened once every worker is started (or one could not be): no seed runs before, so a
     /// campaign refused for its `--jobs` has run nothing.
@@ -456,6 +474,18 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(opts: &CampaignOptions, seeds: SeedSet, order: Option<Vec<u64>>) -> Arc<Shared> {
+        Arc::new(Shared {
+            opts: opts.clone(),
+            seeds,
+            order,
+            next: AtomicU64::new(0),
+            branched: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            gate: (Mutex::new(false), Condvar::new()),
+        })
+    }
+
     fn open_gate(&self) {
         *self.gate.0.lock().expect("the gate's lock") = true;
         self.gate.1.notify_all();
@@ -485,6 +515,9 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, RunCpu)>) {
             .expect("the gate's lock"),
     );
     while let Some(seed) = sh.next_seed() {
+        if !branches(sh, &tx) {
+            return;
+        }
         let began = thread_cpu();
         let sc = opts.scenario(seed);
         let ropts = RunOptions {
@@ -493,6 +526,7 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, RunCpu)>) {
             ..RunOptions::default()
         };
         let mut out = run(&sc, &ropts);
+        observe(opts, &out, sc.gpu.schedule_policy());
         let mut to_verdict = thread_cpu().saturating_sub(began);
         if determinism::sampled(seed, out.failed()) {
             let first_failed = out.failed();
@@ -515,31 +549,95 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, RunCpu)>) {
                 break;
             }
             let policy = explore_policy(index, sc.gpu.schedule_policy(), ops);
-            let sopts = RunOptions {
-                schedule: Some(Source::Draw { index, policy }),
-                ..ropts.clone()
-            };
-            let began = thread_cpu();
-            let mut out = run(&sc, &sopts);
-            let to_verdict = thread_cpu().saturating_sub(began);
-            out.schedule = index;
-            out.policy = Some(policy);
-            failed = out.failed();
-            if failed {
-                // Every failing run is run again: the same schedule, the same log.
-                out.rerun = true;
-                let again = RunOptions {
-                    schedule: Some(Source::Replay(out.decisions.clone())),
-                    ..ropts.clone()
-                };
-                out.findings
-                    .extend(determinism::rerun(&sc, &again, out.log_hash));
-            }
-            let total = thread_cpu().saturating_sub(began);
-            if tx.send((out, RunCpu { total, to_verdict })).is_err() {
-                return;
+            let source = Source::Draw { index, policy };
+            match run_schedule(opts, &sc, (source, index, policy), &tx) {
+                Some(f) => failed = f,
+                None => return,
             }
         }
+    }
+}
+
+/// Runs `sc` under one schedule other than its own (`source`, sent as schedule `index` drawn
+/// by `policy`), counts it into the corpus and sends it; a failing run is run again from its
+/// recorded decisions (the same schedule, the same log). Whether it failed; `None` when the
+/// campaign's receiver has gone.
+fn run_schedule(
+    opts: &CampaignOptions,
+    sc: &Scenario,
+    (source, index, policy): (Source, u64, Policy),
+    tx: &mpsc::Sender<(RunOutcome, RunCpu)>,
+) -> Option<bool> {
+    let ropts = RunOptions {
+        cuda: opts.cuda,
+        exhaustive: opts.exhaustive,
+        schedule: Some(source),
+        ..RunOptions::default()
+    };
+    let began = thread_cpu();
+    let mut out = run(sc, &ropts);
+    observe(opts, &out, policy);
+    let to_verdict = thread_cpu().saturating_sub(began);
+    out.schedule = index;
+    out.policy = Some(policy);
+    let failed = out.failed();
+    if failed {
+        out.rerun = true;
+        let again = RunOptions {
+            schedule: Some(Source::Replay(out.decisions.clone())),
+            ..ropts
+        };
+        out.findings
+            .extend(determinism::rerun(sc, &again, out.log_hash));
+    }
+    let total = thread_cpu().saturating_sub(began);
+    tx.send((out, RunCpu { total, to_verdict })).ok()?;
+    Some(failed)
+}
+
+/// The runs a worker branches from the corpus before its next fresh seed (`--branches`; none
+/// while the corpus is empty), each schedule `corpus::branch_index(n)` of its checkpoint's seed,
+/// its `n` the campaign's count of branches. `false` when the campaign stopped or its receiver
+/// has gone.
+fn branches(sh: &Shared, tx: &mpsc::Sender<(RunOutcome, RunCpu)>) -> bool {
+    let opts = &sh.opts;
+    for _ in 0..opts.branches {
+        let picked = opts.corpus.as_ref().and_then(|c| lock(c).pick());
+        let Some(cp) = picked else { break };
+        if sh.stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        let index = crate::corpus::branch_index(sh.branched.fetch_add(1, Ordering::Relaxed));
+        let source = Source::Branch {
+            prefix: cp.prefix,
+            index,
+            policy: cp.policy,
+        };
+        let sc = opts.scenario(cp.seed);
+        if run_schedule(opts, &sc, (source, index, cp.policy), tx).is_none() {
+            return false;
+        }
+    }
+    true
+}
+
+/// The corpus's lock (a worker that panicked while holding it left nothing half-written: every
+/// change under it is one push or one count).
+fn lock(c: &Mutex<Corpus>) -> std::sync::MutexGuard<'_, Corpus> {
+    c.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Counts a run into the campaign's corpus, if it has one (`Corpus::observe`).
+fn observe(opts: &CampaignOptions, out: &RunOutcome, policy: Policy) {
+    if let Some(c) = &opts.corpus {
+        lock(c).observe(
+            out.seed,
+            policy,
+            &out.decisions,
+            &out.probes,
+            &out.first_hits,
+            out.failed(),
+        );
     }
 }
 
@@ -685,14 +783,7 @@ pub fn run_campaign(
         ..CampaignSummary::default()
     };
     summary.coverage.pd = opts.profile == "pd";
-    let shared = Arc::new(Shared {
-        opts: opts.clone(),
-        seeds,
-        order,
-        next: AtomicU64::new(0),
-        stop: AtomicBool::new(false),
-        gate: (Mutex::new(false), Condvar::new()),
-    });
+    let shared = Shared::new(opts, seeds, order);
     let (tx, rx) = mpsc::channel::<(RunOutcome, RunCpu)>();
     let jobs = (opts.jobs.max(1) as u64).min(total.max(1)) as usize;
     let workers = start_workers(&shared, &tx, jobs)?;
@@ -923,6 +1014,8 @@ mod tests {
             schedules: 1,
             overlap: None,
             exhaustive: false,
+            corpus: None,
+            branches: 0,
         }
     }
 

@@ -8,6 +8,7 @@
 pub mod campaign;
 pub mod checked;
 pub mod cli;
+pub mod corpus;
 #[cfg(feature = "cuda")]
 pub mod cuda_exec;
 pub mod driver;

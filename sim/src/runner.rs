@@ -157,6 +157,9 @@ pub struct RunOutcome {
     pub racing_ops: Vec<u64>,
     /// How often the run hit each coverage probe (`probes`; absent: never).
     pub probes: BTreeMap<&'static str, u64>,
+    /// How many schedule decisions the run had made when it first hit each probe it hit
+    /// (`tierkv_engine::probe::first_hits`): the prefix of `decisions` that reached it.
+    pub first_hits: BTreeMap<&'static str, u64>,
     /// A campaign ran it twice for the determinism oracle.
     pub rerun: bool,
     /// The schedule it ran under: every decision, in the order made (`schedule`).
@@ -560,6 +563,7 @@ pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
                 trace: Vec::new(),
                 marks: Vec::new(),
                 racing_ops: Vec::new(),
+                first_hits: tierkv_engine::probe::first_hits(),
                 probes: tierkv_engine::probe::take(),
                 rerun: false,
                 decisions: Vec::new(),
@@ -1897,6 +1901,34 @@ impl<'a> Run<'a> {
 
     /// The end: the device drains; everything must be returned and every request must have
     /// ended. Then the outcome, with the run's figures.
+    /// The run's figures: the simulator's own, the engines' and the oracles' counts.
+    fn run_stats(&self, wall: std::time::Instant) -> RunStats {
+        let g = self.gpu.borrow().stats;
+        let mut stats = self.stats;
+        for e in self.engine.engines() {
+            let m = &e.metrics;
+            stats.loads += m.loads;
+            stats.backups += m.backups;
+            stats.steps_failed += m.steps_failed;
+        }
+        stats.ops = g.ops;
+        stats.events = g.events;
+        stats.copy_bytes = g.copy_bytes;
+        stats.failed_copies = g.failed_copies;
+        stats.failed_kernels = g.failed_kernels;
+        stats.digests_checked = self.digest.digests_checked;
+        stats.rows_checked = self.content.borrow().rows_checked;
+        stats.rows_cached = self.content.borrow().rows_cached;
+        stats.queries_recomputed = self.content.borrow().queries_recomputed;
+        if let Some(p) = &self.policy {
+            let c = p.counts;
+            stats.policy_judged = c.device_evictions + c.host_evictions + c.triggers + c.hit_steps;
+        }
+        stats.sim_ns = self.gpu.borrow().now();
+        stats.wall_ns = wall.elapsed().as_nanos() as u64;
+        stats
+    }
+
     fn finish(mut self, wall: std::time::Instant) -> RunOutcome {
         if self.findings.is_empty() {
             let drained = guarded(|| self.gpu.borrow_mut().drain());
@@ -1940,30 +1972,8 @@ impl<'a> Run<'a> {
                 self.findings.push(f);
             }
         }
-        let g = self.gpu.borrow().stats;
-        let mut stats = self.stats;
-        for e in self.engine.engines() {
-            let m = &e.metrics;
-            stats.loads += m.loads;
-            stats.backups += m.backups;
-            stats.steps_failed += m.steps_failed;
-        }
-        stats.ops = g.ops;
-        stats.events = g.events;
-        stats.copy_bytes = g.copy_bytes;
-        stats.failed_copies = g.failed_copies;
-        stats.failed_kernels = g.failed_kernels;
-        stats.digests_checked = self.digest.digests_checked;
-        stats.rows_checked = self.content.borrow().rows_checked;
-        stats.rows_cached = self.content.borrow().rows_cached;
-        stats.queries_recomputed = self.content.borrow().queries_recomputed;
-        if let Some(p) = &self.policy {
-            let c = p.counts;
-            stats.policy_judged = c.device_evictions + c.host_evictions + c.triggers + c.hit_steps;
-        }
+        let stats = self.run_stats(wall);
         let mut gpu = self.gpu.borrow_mut();
-        stats.sim_ns = gpu.now();
-        stats.wall_ns = wall.elapsed().as_nanos() as u64;
         RunOutcome {
             seed: self.sc.seed,
             findings: self.findings,
@@ -1976,6 +1986,7 @@ impl<'a> Run<'a> {
             },
             marks: std::mem::take(&mut gpu.trace.marks),
             racing_ops: gpu.trace.racing_ops.clone(),
+            first_hits: tierkv_engine::probe::first_hits(),
             probes: tierkv_engine::probe::take(),
             rerun: false,
             decision_counts: gpu.decision_counts(),

@@ -302,19 +302,22 @@ impl Schedule {
         Ok(())
     }
 
-    /// The index and the policy as a campaign draws them: an index under `SCHEDULES_MAX`, a PCT
+    /// The index and the policy as a campaign draws them: an index under `SCHEDULES_MAX` (or a
+    /// branch's, `corpus::is_branch`), a PCT
     /// depth in `1..=depth_max` (the scenario's limit, which the caller passes: this module
     /// imports nothing of the scenario) over no more op starts than a schedule may hold
     /// decisions.
     pub fn check_described(&self, depth_max: u32) -> Result<(), ScheduleError> {
         let described = |field, why: String| Err(ScheduleError::Described { field, why });
-        if self.index >= crate::campaign::SCHEDULES_MAX {
+        if self.index >= crate::campaign::SCHEDULES_MAX && !crate::corpus::is_branch(self.index) {
             return described(
                 "index",
                 format!(
-                    "{} (a seed has schedules 0..{})",
+                    "{} (a seed has schedules 0..{}, and branches from a corpus {}..{})",
                     self.index,
-                    crate::campaign::SCHEDULES_MAX
+                    crate::campaign::SCHEDULES_MAX,
+                    crate::corpus::BRANCH_FIRST,
+                    crate::corpus::BRANCH_FIRST + crate::corpus::BRANCHES_MAX
                 ),
             );
         }
@@ -341,6 +344,14 @@ pub enum Source {
     Draw { index: u64, policy: Policy },
     /// Replayed from a recorded list.
     Replay(Vec<u8>),
+    /// A branch from a checkpoint (`corpus`): the decisions of `prefix` replayed, then drawn by
+    /// `policy` as schedule `index` of the seed would draw them (its generator, its PCT change
+    /// points), so the run reaches the checkpoint's state and leaves it another way.
+    Branch {
+        prefix: Vec<u8>,
+        index: u64,
+        policy: Policy,
+    },
 }
 
 impl Default for Source {
@@ -378,7 +389,7 @@ impl Decider {
     /// `ops_guess` stands in for an unknown op-start count under PCT.
     pub fn new(seed: u64, source: Source, ops_guess: u64) -> Decider {
         let index = match source {
-            Source::Draw { index, .. } => index,
+            Source::Draw { index, .. } | Source::Branch { index, .. } => index,
             Source::Replay(_) => 0,
         };
         let mut rng = Rng::new(seed ^ 0x5C4E_D000 ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -389,6 +400,10 @@ impl Decider {
         }
         let change_points = match source {
             Source::Draw {
+                policy: Policy::Pct { depth, ops },
+                ..
+            }
+            | Source::Branch {
                 policy: Policy::Pct { depth, ops },
                 ..
             } => {
@@ -426,25 +441,26 @@ impl Decider {
 
     fn make(&mut self, kind: Kind, stream: usize, running: &[(usize, u64)]) -> u8 {
         let at = self.recorded.len();
-        let d = match &self.source {
-            Source::Replay(list) => list.get(at).map_or(0, |&d| d.min(kind.max())),
-            Source::Draw {
-                policy: Policy::RandomWalk,
-                ..
-            } => match kind {
+        let policy = match &self.source {
+            Source::Replay(list) => Err(list.get(at).map_or(0, |&d| d.min(kind.max()))),
+            Source::Branch { prefix, .. } if at < prefix.len() => Err(prefix[at].min(kind.max())),
+            Source::Draw { policy, .. } | Source::Branch { policy, .. } => Ok(*policy),
+        };
+        let d = match policy {
+            Err(replayed) => replayed,
+            Ok(Policy::RandomWalk) => match kind {
                 Kind::Hold => self.rng.below(5) as u8,
                 Kind::QueryEarly | Kind::QueryLate => (self.rng.below(4) == 0) as u8,
                 Kind::Callback => self.rng.below(DELAY_MAX as u64 + 1) as u8,
                 Kind::Sync => self.rng.below(5) as u8,
                 Kind::Arrival => (self.rng.below(4) == 0) as u8,
             },
-            Source::Draw {
-                policy: Policy::Pct { .. },
-                ..
-            } => self.pct(kind, stream, running),
+            Ok(Policy::Pct { .. }) => self.pct(kind, stream, running),
         };
         assert!(d <= kind.max(), "{kind:?} decision {d} over {}", kind.max());
         self.recorded.push(d);
+        // Probes hit from here on were reached by the decisions so far (`probe::first_hits`).
+        tierkv_engine::probe::set_position(self.recorded.len() as u64);
         self.kinds.push(kind);
         let k = kind as usize;
         self.counts.made[k] += 1;

@@ -29,6 +29,8 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         schedules: 1,
         overlap: None,
         exhaustive: false,
+        corpus: None,
+        branches: 0,
     };
     let sc = opts.scenario(0);
     let out = run(
@@ -131,6 +133,8 @@ fn the_same_seed_gives_the_same_event_log() {
         schedules: 1,
         overlap: None,
         exhaustive: false,
+        corpus: None,
+        branches: 0,
     };
     for seed in [3u64, 4, 13] {
         let sc = opts.scenario(seed);

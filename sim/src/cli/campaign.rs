@@ -1,8 +1,9 @@
 //! `tierkv campaign merge`: the results of a campaign's shards, combined into one summary and
-//! one coverage table (see `shard`). Exit codes: 0 no failure; 1 failures; 2 the results could
+//! one coverage table (see `shard`); `campaign merge-corpus`: corpus files combined (`corpus`). Exit codes: 0 no failure; 1 failures; 2 the results could
 //! not be read or do not belong together; 3 the merged result could not be written.
 
 use super::error::CliError;
+use crate::corpus::Corpus;
 use crate::shard::{merge, shown_list as missing_list, Merged, ShardResult, LIST_SHOWN_MAX};
 use std::path::PathBuf;
 
@@ -14,6 +15,20 @@ pub enum CampaignCommand {
     /// by an interrupted run. A shard given twice (run on two machines) is merged once, after every seed
     /// both runs hold is found to have the same event-log hash; else it is refused.
     Merge(MergeArgs),
+    /// Combine corpus files (`tierkv sim --corpus FILE`) of one profile into one: the runs and
+    /// probe counts added, the checkpoints of each file kept while a probe has fewer than four
+    /// and the corpus fewer than 4,096.
+    MergeCorpus(MergeCorpusArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct MergeCorpusArgs {
+    /// The corpus files.
+    #[arg(required = true)]
+    pub files: Vec<PathBuf>,
+    /// Write the merged corpus here.
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -35,7 +50,42 @@ pub struct MergeArgs {
 pub fn run_campaign_command(cmd: CampaignCommand) -> i32 {
     match cmd {
         CampaignCommand::Merge(args) => run_merge(&args),
+        CampaignCommand::MergeCorpus(args) => merge_corpus(&args).unwrap_or_else(CliError::report),
     }
+}
+
+/// `campaign merge-corpus`: 0 when the merged corpus was written, else why not.
+fn merge_corpus(args: &MergeCorpusArgs) -> Result<i32, CliError> {
+    super::sim::check_output_file(&args.out)
+        .map_err(|e| CliError::Arguments(format!("--out {}: {e}", args.out.display())))?;
+    let mut merged: Option<Corpus> = None;
+    for file in &args.files {
+        let text = tierkv_engine::input::read_text(file, crate::corpus::FILE_BYTES_MAX)
+            .map_err(|e| CliError::input("corpus", file, e))?;
+        let c = Corpus::parse(&text).map_err(|e| CliError::input("corpus", file, e))?;
+        match &mut merged {
+            None => merged = Some(c),
+            Some(m) => m
+                .merge(&c)
+                .map_err(|e| CliError::input("corpus", file, e))?,
+        }
+    }
+    let m = merged.expect("clap requires a file");
+    std::fs::write(&args.out, m.to_json()).map_err(|e| {
+        CliError::output(
+            "--out",
+            &args.out,
+            format!("could not write the corpus: {e}"),
+        )
+    })?;
+    println!(
+        "merged {} corpus files: {} checkpoints over {} runs counted, written to {}",
+        args.files.len(),
+        m.checkpoints.len(),
+        m.runs,
+        args.out.display()
+    );
+    Ok(0)
 }
 
 fn run_merge(args: &MergeArgs) -> i32 {

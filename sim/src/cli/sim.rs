@@ -5,6 +5,7 @@
 
 use super::error::{CliError, ScenarioFileError};
 use crate::campaign::{run_campaign, CampaignOptions, SeedSet};
+use crate::corpus::Corpus;
 use crate::probes::SimProbe;
 use crate::report::Finding;
 use crate::runner::{mutants_of, run, RunOptions, RunOutcome};
@@ -14,6 +15,7 @@ use crate::shard::ShardResult;
 use crate::shrink::{shrink, shrink_schedule, shrink_under, Budget};
 use crate::trace_out::chrome_trace;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tierkv_engine::probe::Probe;
 use tierkv_engine::trace::TraceRecord;
@@ -120,6 +122,14 @@ pub struct SimArgs {
     /// coverage, throughput, build id): one shard's result, for `tierkv campaign merge`.
     #[arg(long, conflicts_with_all = ["seed", "replay"])]
     pub json: Option<PathBuf>,
+    /// A guided campaign: branch from the checkpoints of this corpus file (a new one when it does
+    /// not exist), keep the checkpoints of rare probes the campaign reaches, and write the corpus
+    /// back when it ends. `tierkv campaign merge-corpus` combines corpus files.
+    #[arg(long, conflicts_with_all = ["seed", "replay"])]
+    pub corpus: Option<PathBuf>,
+    /// With `--corpus`: how many runs branch from the corpus before each fresh seed.
+    #[arg(long, default_value_t = 1, requires = "corpus", value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub branches: u32,
 }
 
 pub(crate) fn parse_range(s: &str) -> Result<(u64, u64), String> {
@@ -182,7 +192,11 @@ pub fn replay_command(sc: &Scenario) -> String {
 /// that failed (schedule `k` of a seed is drawn the same way each time).
 pub fn failure_replay(sc: &Scenario, schedule: u64) -> String {
     let mut cmd = replay_command(sc);
-    if schedule > 0 {
+    if crate::corpus::is_branch(schedule) {
+        // A branch's decisions depend on the corpus it was taken from: only its recorded
+        // schedule replays it.
+        cmd += " --schedule FILE (a branch from the corpus: the schedule file its failure report writes)";
+    } else if schedule > 0 {
         cmd += &format!(" --schedules {}", schedule + 1);
     }
     cmd
@@ -307,9 +321,16 @@ fn report_failure(
             .join(format!("tierkv-seed-{}.schedule-{}.json", sc.seed, s.index));
         match write_schedule(&file, sc, s, &out.decisions) {
             Ok(()) => {
+                let which = if crate::corpus::is_branch(s.index) {
+                    format!(
+                        "branch {} from the corpus",
+                        s.index - crate::corpus::BRANCH_FIRST
+                    )
+                } else {
+                    format!("{} of the seed", s.index)
+                };
                 println!(
-                    "  schedule: {} of the seed ({}), {} decisions, written to {}",
-                    s.index,
+                    "  schedule: {which} ({}), {} decisions, written to {}",
                     s.policy,
                     out.decisions.len(),
                     file.display()
@@ -574,13 +595,7 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, CliError> {
         super::cuda_kernels("--device cuda", 0)?;
     }
     // Flags that would do nothing here are refused, not ignored.
-    let single = args.seed.is_some() || args.replay.is_some();
-    if args.coverage && single {
-        return Err(CliError::Arguments(
-            "--coverage prints a campaign's coverage table: give --seeds A..B, or drop --coverage"
-                .into(),
-        ));
-    }
+    check_single_run_flags(args)?;
     if args.overlap.as_deref() == Some("on") && args.profile == "pd" {
         return Err(CliError::Arguments(
             "--overlap on: a prefill/decode pair never runs one step ahead (the `pd` profile \
@@ -599,16 +614,6 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, CliError> {
         }
     }
     mutants_of(args.mutant.as_deref()).map_err(CliError::Arguments)?;
-    if args.save_scenario.is_some() && args.seed.is_none() {
-        return Err(CliError::Arguments(
-            "--save-scenario writes the scenario of one seed: add --seed".into(),
-        ));
-    }
-    if args.seed.is_some() && args.shard.is_some() {
-        return Err(CliError::Arguments(
-            "--shard selects seeds of a campaign, not of --seed".into(),
-        ));
-    }
     check_outputs(args)?;
     if args.mooncake.is_some() && args.profile != "trace" {
         return Err(CliError::Arguments(
@@ -648,7 +653,84 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, CliError> {
         schedules: args.schedules,
         overlap: args.overlap.as_deref().map(|o| o == "on"),
         exhaustive: args.exhaustive,
+        corpus: read_corpus(args)?,
+        branches: args.branches,
     })
+}
+
+/// The flags of a campaign refused with one run (`--seed`, `--replay`) and those of one run
+/// refused with a campaign.
+fn check_single_run_flags(args: &SimArgs) -> Result<(), CliError> {
+    let single = args.seed.is_some() || args.replay.is_some();
+    if args.coverage && single {
+        return Err(CliError::Arguments(
+            "--coverage prints a campaign's coverage table: give --seeds A..B, or drop --coverage"
+                .into(),
+        ));
+    }
+    if args.save_scenario.is_some() && args.seed.is_none() {
+        return Err(CliError::Arguments(
+            "--save-scenario writes the scenario of one seed: add --seed".into(),
+        ));
+    }
+    if args.seed.is_some() && args.shard.is_some() {
+        return Err(CliError::Arguments(
+            "--shard selects seeds of a campaign, not of --seed".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The corpus of `--corpus`, shared by the campaign's workers.
+fn read_corpus(args: &SimArgs) -> Result<Option<Arc<Mutex<Corpus>>>, CliError> {
+    let Some(file) = &args.corpus else {
+        return Ok(None);
+    };
+    check_output_file(file)
+        .map_err(|e| CliError::Arguments(format!("--corpus {}: {e}", file.display())))?;
+    let c = Corpus::read_or_new(file, &args.profile)
+        .map_err(|e| CliError::input("--corpus", file, e))?;
+    Ok(Some(Arc::new(Mutex::new(c))))
+}
+
+/// Writes the campaign's result to `--json`, if asked: one shard's result.
+fn write_json(
+    copts: &CampaignOptions,
+    summary: &crate::campaign::CampaignSummary,
+    args: &SimArgs,
+) -> Result<(), CliError> {
+    let Some(file) = &args.json else {
+        return Ok(());
+    };
+    let result = ShardResult::of(copts, summary, |f| {
+        failure_replay(&copts.scenario(f.seed), f.schedule)
+    });
+    let text = serde_json::to_string_pretty(&result).expect("a shard result serialises");
+    write_artifact(file, &text).map_err(|e| {
+        CliError::output("--json", file, format!("could not write the result: {e}"))
+    })?;
+    println!("result: {}", file.display());
+    Ok(())
+}
+
+/// Writes the campaign's corpus back to `--corpus`, and says what it holds.
+fn write_corpus(copts: &CampaignOptions, args: &SimArgs) -> Result<(), CliError> {
+    let (Some(c), Some(file)) = (&copts.corpus, &args.corpus) else {
+        return Ok(());
+    };
+    let c = c.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    write_artifact(file, &c.to_json()).map_err(|e| {
+        CliError::output("--corpus", file, format!("could not write the corpus: {e}"))
+    })?;
+    let branched: u64 = c.checkpoints.iter().map(|k| k.branched).sum();
+    println!(
+        "corpus: {} checkpoints over {} runs counted ({} branches taken from it in all), written to {}",
+        c.checkpoints.len(),
+        c.runs,
+        branched,
+        file.display()
+    );
+    Ok(())
 }
 
 pub fn run_sim(args: SimArgs) -> i32 {
@@ -750,16 +832,8 @@ fn campaign(copts: &CampaignOptions, args: &SimArgs) -> Result<i32, CliError> {
     if args.coverage {
         print!("{}", summary.coverage.table());
     }
-    if let Some(file) = &args.json {
-        let result = ShardResult::of(copts, &summary, |f| {
-            failure_replay(&copts.scenario(f.seed), f.schedule)
-        });
-        let text = serde_json::to_string_pretty(&result).expect("a shard result serialises");
-        write_artifact(file, &text).map_err(|e| {
-            CliError::output("--json", file, format!("could not write the result: {e}"))
-        })?;
-        println!("result: {}", file.display());
-    }
+    write_json(copts, &summary, args)?;
+    write_corpus(copts, args)?;
     // What ended is printed and written: a signal from now on ends the process (the failure's
     // replay and shrinking can take minutes), and one that came after the last run ended still
     // sets the exit code.

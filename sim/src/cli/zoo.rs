@@ -68,6 +68,8 @@ pub fn zoo_row(
         schedules: 1,
         overlap,
         exhaustive: false,
+        corpus: None,
+        branches: 0,
     };
     let s = run_campaign(&opts, |_| {})?;
     let first = s.failures.first().cloned();

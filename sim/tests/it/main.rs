@@ -2,6 +2,7 @@
 //! `TIERKV_SIM_SEEDS=N`), the CLI's behaviour on good and bad input.
 
 mod bad_inputs;
+mod corpus;
 mod driver_faults;
 mod independence;
 mod offload;
@@ -27,6 +28,8 @@ fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
         schedules: 1,
         overlap: None,
         exhaustive: false,
+        corpus: None,
+        branches: 0,
     }
 }
 

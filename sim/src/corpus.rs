@@ -1,0 +1,275 @@
+//! The corpus of a guided campaign: checkpoints to branch from (`tierkv sim --corpus FILE`).
+//!
+//! A checkpoint is a seed and a prefix of one of its runs' schedules. A run is a function of its
+//! scenario and its decisions, so replaying the prefix on the seed's scenario brings a run back
+//! to the state it was in when it had made them; a branch replays it and draws the decisions
+//! after it afresh (`schedule::Source::Branch`), so the run leaves that state another way.
+//!
+//! What is kept: after each run that did not fail, for each probe the run hit while the probe was
+//! rare (hit by fewer than [`RARE_SHARE`] of the runs the corpus has counted, or by none), the
+//! prefix up to the probe's first hit in that run (`probe::first_hits`), at most
+//! [`PER_PROBE_MAX`] checkpoints a probe. A campaign with a corpus runs, before each fresh seed,
+//! `--branches` runs that branch from the checkpoints branched least so far (of equals, the one
+//! whose probe is rarest and whose run was shortest, [`Corpus::pick`]), and counts every run it
+//! makes into the corpus.
+//!
+//! Measured on the bug zoo, a guided campaign has so far been slower to a catch than the plain
+//! one (sim/CAMPAIGNS.md): the zoo's slow mutants need a scenario more than an interleaving, and
+//! a branch keeps its checkpoint's scenario. It is opt-in.
+//!
+//! Not yet kept (issue 33's items 3 and 5): pairs of probes, numeric watermarks, combination
+//! targets; nor is a checkpoint's worth measured by what its branches went on to find.
+//!
+//! The file is JSON, read and written whole; `campaign merge-corpus` combines files of one
+//! profile. Every field is checked when it is read ([`CorpusError`]).
+
+use crate::schedule::{Policy, DECISIONS_MAX, DECISION_MAX};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The corpus file format this build reads and writes.
+pub const FORMAT: u32 = 1;
+/// A probe is rare while fewer than this share of the counted runs hit it.
+pub const RARE_SHARE: f64 = 0.05;
+/// The most checkpoints kept for one probe.
+pub const PER_PROBE_MAX: usize = 4;
+/// The most checkpoints a corpus holds (a probe's checkpoints beyond it are not kept).
+pub const CHECKPOINTS_MAX: usize = 4096;
+/// The most bytes a corpus file may hold.
+pub const FILE_BYTES_MAX: u64 = 256 << 20;
+
+/// The schedule index of a campaign's first branch: branches are schedules
+/// `BRANCH_FIRST..BRANCH_FIRST + BRANCHES_MAX` of their seeds, apart from the schedules
+/// `--schedules` draws (`0..campaign::SCHEDULES_MAX`). The index keys the generator of the
+/// decisions drawn after the prefix.
+pub const BRANCH_FIRST: u64 = crate::campaign::SCHEDULES_MAX;
+/// How many branch indices there are (a campaign's `n`-th branch takes index `n` modulo it).
+pub const BRANCHES_MAX: u64 = 1 << 32;
+
+/// The schedule index of a campaign's `n`-th branch.
+pub fn branch_index(n: u64) -> u64 {
+    BRANCH_FIRST + n % BRANCHES_MAX
+}
+
+/// Whether schedule `index` of a seed is a branch from a corpus.
+pub fn is_branch(index: u64) -> bool {
+    (BRANCH_FIRST..BRANCH_FIRST + BRANCHES_MAX).contains(&index)
+}
+
+/// One checkpoint: the seed, and the decisions that brought its run to the first hit of `probe`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Checkpoint {
+    pub seed: u64,
+    /// The rare probe whose first hit the prefix reached.
+    pub probe: String,
+    /// The policy the run drew its schedule with: a branch draws the rest with it.
+    pub policy: Policy,
+    pub prefix: Vec<u8>,
+    /// How many decisions the whole run made: what a branch from it is expected to cost.
+    pub run_decisions: u64,
+    /// How many runs branched from it so far.
+    pub branched: u64,
+}
+
+/// A corpus: its checkpoints, and how many of the runs it counted hit each probe.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Corpus {
+    pub format: u32,
+    /// The scenario profile its seeds are drawn under (a checkpoint belongs to its scenario).
+    pub profile: String,
+    /// Runs counted.
+    pub runs: u64,
+    /// For each probe, how many of those runs hit it.
+    pub seen: BTreeMap<String, u64>,
+    pub checkpoints: Vec<Checkpoint>,
+}
+
+/// A corpus file that cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CorpusError {
+    #[error("could not read it: {0}")]
+    Read(String),
+    #[error("not a corpus (JSON as `tierkv sim --corpus` writes it): {0}")]
+    NotJson(String),
+    #[error("corpus format {0} is not this build's ({FORMAT})")]
+    OtherFormat(u32),
+    #[error("it is a corpus of profile `{file}`, this campaign's profile is `{want}`")]
+    OtherProfile { file: String, want: String },
+    #[error("it holds {0} checkpoints, over the limit of {CHECKPOINTS_MAX}")]
+    TooMany(usize),
+    #[error("checkpoint {at}: {why}")]
+    Checkpoint { at: usize, why: String },
+    #[error("probe `{probe}` was hit by {seen} runs of the {runs} counted")]
+    SeenPastRuns { probe: String, seen: u64, runs: u64 },
+    #[error("the merged counts overflow")]
+    Overflow,
+}
+
+impl Corpus {
+    pub fn new(profile: &str) -> Corpus {
+        Corpus {
+            format: FORMAT,
+            profile: profile.to_string(),
+            runs: 0,
+            seen: BTreeMap::new(),
+            checkpoints: Vec::new(),
+        }
+    }
+
+    /// The corpus in `file` for a campaign of `profile`; a new one when the file does not exist.
+    pub fn read_or_new(file: &Path, profile: &str) -> Result<Corpus, CorpusError> {
+        if !file.exists() {
+            return Ok(Corpus::new(profile));
+        }
+        let text = tierkv_engine::input::read_text(file, FILE_BYTES_MAX)
+            .map_err(|e| CorpusError::Read(e.to_string()))?;
+        let c = Corpus::parse(&text)?;
+        if c.profile != profile {
+            return Err(CorpusError::OtherProfile {
+                file: c.profile,
+                want: profile.to_string(),
+            });
+        }
+        Ok(c)
+    }
+
+    /// A corpus file's text, every field checked.
+    pub fn parse(text: &str) -> Result<Corpus, CorpusError> {
+        let c: Corpus =
+            serde_json::from_str(text).map_err(|e| CorpusError::NotJson(e.to_string()))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn validate(&self) -> Result<(), CorpusError> {
+        if self.format != FORMAT {
+            return Err(CorpusError::OtherFormat(self.format));
+        }
+        if self.checkpoints.len() > CHECKPOINTS_MAX {
+            return Err(CorpusError::TooMany(self.checkpoints.len()));
+        }
+        for (probe, &seen) in &self.seen {
+            if seen > self.runs {
+                return Err(CorpusError::SeenPastRuns {
+                    probe: probe.clone(),
+                    seen,
+                    runs: self.runs,
+                });
+            }
+        }
+        for (at, c) in self.checkpoints.iter().enumerate() {
+            let why = if c.prefix.len() > DECISIONS_MAX {
+                format!("{} decisions, over {DECISIONS_MAX}", c.prefix.len())
+            } else if let Some(d) = c.prefix.iter().find(|&&d| d > DECISION_MAX) {
+                format!("decision {d}, over the largest {DECISION_MAX}")
+            } else if !self.seen.contains_key(&c.probe) {
+                format!("probe `{}` was never counted as hit", c.probe)
+            } else {
+                continue;
+            };
+            return Err(CorpusError::Checkpoint { at, why });
+        }
+        Ok(())
+    }
+
+    /// Counts a run that ended: its seed, the policy its schedule was drawn with, its decisions,
+    /// the probes it hit (with their counts) and where each was first hit. Keeps checkpoints only
+    /// for a run that did not fail. Returns how many it kept.
+    pub fn observe(
+        &mut self,
+        seed: u64,
+        policy: Policy,
+        decisions: &[u8],
+        probes: &BTreeMap<&'static str, u64>,
+        first_hits: &BTreeMap<&'static str, u64>,
+        failed: bool,
+    ) -> usize {
+        let mut kept = 0;
+        for &probe in probes.keys() {
+            let seen = self.seen.get(probe).copied().unwrap_or(0);
+            let rare = (seen as f64) < RARE_SHARE * self.runs as f64 || seen == 0;
+            let held = self.checkpoints.iter().filter(|c| c.probe == probe).count();
+            if failed || !rare || held >= PER_PROBE_MAX {
+                continue;
+            }
+            if self.checkpoints.len() >= CHECKPOINTS_MAX {
+                break;
+            }
+            let at = first_hits.get(probe).copied().unwrap_or(0) as usize;
+            self.checkpoints.push(Checkpoint {
+                seed,
+                probe: probe.to_string(),
+                policy,
+                prefix: decisions[..at.min(decisions.len())].to_vec(),
+                run_decisions: decisions.len() as u64,
+                branched: 0,
+            });
+            kept += 1;
+        }
+        self.runs += 1;
+        for &probe in probes.keys() {
+            *self.seen.entry(probe.to_string()).or_default() += 1;
+        }
+        kept
+    }
+
+    /// The checkpoint to branch from next: the one branched least, of those the one whose
+    /// probe's count of runs that hit it times the decisions of its run is least (rare and
+    /// cheap first), then the first kept. Counts the branch.
+    pub fn pick(&mut self) -> Option<Checkpoint> {
+        let seen = &self.seen;
+        let at = (0..self.checkpoints.len()).min_by_key(|&i| {
+            let c = &self.checkpoints[i];
+            let rarity = seen.get(&c.probe).copied().unwrap_or(0);
+            (c.branched, rarity.saturating_mul(c.run_decisions.max(1)), i)
+        })?;
+        self.checkpoints[at].branched += 1;
+        Some(self.checkpoints[at].clone())
+    }
+
+    /// Adds `other`'s counts and checkpoints (those it holds that this one does not, while a
+    /// probe has fewer than [`PER_PROBE_MAX`] and the corpus fewer than [`CHECKPOINTS_MAX`]).
+    pub fn merge(&mut self, other: &Corpus) -> Result<(), CorpusError> {
+        if other.profile != self.profile {
+            return Err(CorpusError::OtherProfile {
+                file: other.profile.clone(),
+                want: self.profile.clone(),
+            });
+        }
+        self.runs = self
+            .runs
+            .checked_add(other.runs)
+            .ok_or(CorpusError::Overflow)?;
+        for (probe, &n) in &other.seen {
+            let s = self.seen.entry(probe.clone()).or_default();
+            *s = s.checked_add(n).ok_or(CorpusError::Overflow)?;
+        }
+        for c in &other.checkpoints {
+            let same = |k: &Checkpoint| k.seed == c.seed && k.prefix == c.prefix;
+            let held = self
+                .checkpoints
+                .iter()
+                .filter(|k| k.probe == c.probe)
+                .count();
+            if self.checkpoints.iter().any(same)
+                || held >= PER_PROBE_MAX
+                || self.checkpoints.len() >= CHECKPOINTS_MAX
+            {
+                continue;
+            }
+            self.checkpoints.push(c.clone());
+        }
+        Ok(())
+    }
+
+    /// The corpus as its file holds it.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("a corpus serialises")
+    }
+}
+
+#[cfg(test)]
+mod tests;
