@@ -205,7 +205,7 @@ impl CampaignSummary {
 
     fn add(&mut self, o: &RunOutcome) {
         self.runs += 1;
-        self.branches += crate::corpus::is_branch(o.schedule) as u64;
+        self.branches += crate::schedule::is_branch(o.schedule) as u64;
         self.seeds_run += (o.schedule == 0) as u64;
         self.reruns += o.rerun as u64;
         if o.schedule == 0 {
@@ -596,7 +596,7 @@ fn run_schedule(
 }
 
 /// The runs a worker branches from the corpus before its next fresh seed (`--branches`; none
-/// while the corpus is empty), each schedule `corpus::branch_index(n)` of its checkpoint's seed,
+/// while the corpus is empty), each schedule `schedule::branch_index(n)` of its checkpoint's seed,
 /// its `n` the campaign's count of branches. `false` when the campaign stopped or its receiver
 /// has gone.
 fn branches(sh: &Shared, tx: &mpsc::Sender<(RunOutcome, RunCpu)>) -> bool {
@@ -607,7 +607,7 @@ fn branches(sh: &Shared, tx: &mpsc::Sender<(RunOutcome, RunCpu)>) -> bool {
         if sh.stop.load(Ordering::Relaxed) {
             return false;
         }
-        let index = crate::corpus::branch_index(sh.branched.fetch_add(1, Ordering::Relaxed));
+        let index = crate::schedule::branch_index(sh.branched.fetch_add(1, Ordering::Relaxed));
         let source = Source::Branch {
             prefix: cp.prefix,
             index,

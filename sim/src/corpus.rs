@@ -39,24 +39,6 @@ pub const CHECKPOINTS_MAX: usize = 4096;
 /// The most bytes a corpus file may hold.
 pub const FILE_BYTES_MAX: u64 = 256 << 20;
 
-/// The schedule index of a campaign's first branch: branches are schedules
-/// `BRANCH_FIRST..BRANCH_FIRST + BRANCHES_MAX` of their seeds, apart from the schedules
-/// `--schedules` draws (`0..campaign::SCHEDULES_MAX`). The index keys the generator of the
-/// decisions drawn after the prefix.
-pub const BRANCH_FIRST: u64 = crate::campaign::SCHEDULES_MAX;
-/// How many branch indices there are (a campaign's `n`-th branch takes index `n` modulo it).
-pub const BRANCHES_MAX: u64 = 1 << 32;
-
-/// The schedule index of a campaign's `n`-th branch.
-pub fn branch_index(n: u64) -> u64 {
-    BRANCH_FIRST + n % BRANCHES_MAX
-}
-
-/// Whether schedule `index` of a seed is a branch from a corpus.
-pub fn is_branch(index: u64) -> bool {
-    (BRANCH_FIRST..BRANCH_FIRST + BRANCHES_MAX).contains(&index)
-}
-
 /// One checkpoint: the seed, and the decisions that brought its run to the first hit of `probe`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -180,6 +180,24 @@ impl std::fmt::Display for Counts {
     }
 }
 
+/// The schedule index of a campaign's first branch: branches are schedules
+/// `BRANCH_FIRST..BRANCH_FIRST + BRANCHES_MAX` of their seeds (`corpus`), apart from the schedules
+/// `--schedules` draws (`0..campaign::SCHEDULES_MAX`). The index keys the generator of the
+/// decisions drawn after the prefix.
+pub const BRANCH_FIRST: u64 = crate::campaign::SCHEDULES_MAX;
+/// How many branch indices there are (a campaign's `n`-th branch takes index `n` modulo it).
+pub const BRANCHES_MAX: u64 = 1 << 32;
+
+/// The schedule index of a campaign's `n`-th branch.
+pub fn branch_index(n: u64) -> u64 {
+    BRANCH_FIRST + n % BRANCHES_MAX
+}
+
+/// Whether schedule `index` of a seed is a branch from a corpus.
+pub fn is_branch(index: u64) -> bool {
+    (BRANCH_FIRST..BRANCH_FIRST + BRANCHES_MAX).contains(&index)
+}
+
 /// How a schedule is drawn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -303,21 +321,21 @@ impl Schedule {
     }
 
     /// The index and the policy as a campaign draws them: an index under `SCHEDULES_MAX` (or a
-    /// branch's, `corpus::is_branch`), a PCT
+    /// branch's, [`is_branch`]), a PCT
     /// depth in `1..=depth_max` (the scenario's limit, which the caller passes: this module
     /// imports nothing of the scenario) over no more op starts than a schedule may hold
     /// decisions.
     pub fn check_described(&self, depth_max: u32) -> Result<(), ScheduleError> {
         let described = |field, why: String| Err(ScheduleError::Described { field, why });
-        if self.index >= crate::campaign::SCHEDULES_MAX && !crate::corpus::is_branch(self.index) {
+        if self.index >= crate::campaign::SCHEDULES_MAX && !is_branch(self.index) {
             return described(
                 "index",
                 format!(
                     "{} (a seed has schedules 0..{}, and branches from a corpus {}..{})",
                     self.index,
                     crate::campaign::SCHEDULES_MAX,
-                    crate::corpus::BRANCH_FIRST,
-                    crate::corpus::BRANCH_FIRST + crate::corpus::BRANCHES_MAX
+                    BRANCH_FIRST,
+                    BRANCH_FIRST + BRANCHES_MAX
                 ),
             );
         }

@@ -192,7 +192,7 @@ pub fn replay_command(sc: &Scenario) -> String {
 /// that failed (schedule `k` of a seed is drawn the same way each time).
 pub fn failure_replay(sc: &Scenario, schedule: u64) -> String {
     let mut cmd = replay_command(sc);
-    if crate::corpus::is_branch(schedule) {
+    if crate::schedule::is_branch(schedule) {
         // A branch's decisions depend on the corpus it was taken from: only its recorded
         // schedule replays it.
         cmd += " --schedule FILE (a branch from the corpus: the schedule file its failure report writes)";
@@ -321,10 +321,10 @@ fn report_failure(
             .join(format!("tierkv-seed-{}.schedule-{}.json", sc.seed, s.index));
         match write_schedule(&file, sc, s, &out.decisions) {
             Ok(()) => {
-                let which = if crate::corpus::is_branch(s.index) {
+                let which = if crate::schedule::is_branch(s.index) {
                     format!(
                         "branch {} from the corpus",
-                        s.index - crate::corpus::BRANCH_FIRST
+                        s.index - crate::schedule::BRANCH_FIRST
                     )
                 } else {
                     format!("{} of the seed", s.index)

@@ -1,4 +1,5 @@
 use super::*;
+use crate::schedule::{branch_index, is_branch};
 use crate::schedule::{Decider, Kind, Source};
 
 fn probes(names: &[&'static str]) -> BTreeMap<&'static str, u64> {

@@ -3,9 +3,9 @@
 
 use std::sync::{Arc, Mutex};
 use tierkv_sim::campaign::{run_campaign, CampaignOptions};
-use tierkv_sim::corpus::{branch_index, Corpus};
+use tierkv_sim::corpus::Corpus;
 use tierkv_sim::runner::{run, RunOptions};
-use tierkv_sim::schedule::Source;
+use tierkv_sim::schedule::{branch_index, Source};
 
 #[test]
 fn a_guided_campaign_grows_its_corpus_and_its_branches_reach_their_checkpoints() {
