@@ -61,6 +61,11 @@ pub struct BenchArgs {
     /// With --catch: only these mutants (comma-separated names).
     #[arg(long, requires = "catch", value_delimiter = ',')]
     pub only: Vec<String>,
+    /// With --catch: measure a guided campaign of this build (`sim --corpus`, each campaign
+    /// starting from a fresh copy of this corpus file) against the plain one, in the same run.
+    /// Mutants of another profile than the corpus's run plain in both.
+    #[arg(long, requires = "catch", conflicts_with = "baseline")]
+    pub guided: Option<std::path::PathBuf>,
     /// Measure the prefix cache's logic over a whole trace instead, on one core (no GPU needed):
     /// match, lock, device and host eviction, insert and write-through backup per request.
     #[arg(long, conflicts_with_all = ["torch_json", "campaign", "catch"])]
@@ -228,6 +233,16 @@ fn catch_plan(args: &BenchArgs) -> Result<super::bench_catch::Plan, CliError> {
             "--seeds {first}..{end} with --repeat {repeat}: the last repeat's seeds pass the largest seed"
         )));
     }
+    let guided = match &args.guided {
+        Some(file) => {
+            let text = tierkv_engine::input::read_text(file, crate::corpus::FILE_BYTES_MAX)
+                .map_err(|e| CliError::input("--guided", file, e))?;
+            let corpus = crate::corpus::Corpus::parse(&text)
+                .map_err(|e| CliError::input("--guided", file, e))?;
+            Some((file.clone(), corpus.profile))
+        }
+        None => None,
+    };
     // Checked last, so that a build without the mutants still checks the other arguments.
     if !cfg!(feature = "mutants") {
         return Err(CliError::NotBuilt {
@@ -253,11 +268,39 @@ fn catch_plan(args: &BenchArgs) -> Result<super::bench_catch::Plan, CliError> {
         repeat,
         jobs,
         out_dir,
+        guided,
     })
 }
 
+/// The configurations `--catch` compares, the one compared against last: this build and
+/// `--baseline`, or this build guided by `--guided`'s corpus and plain.
+fn catch_configs(
+    me: std::path::PathBuf,
+    args: &BenchArgs,
+    plan: &super::bench_catch::Plan,
+) -> Vec<super::bench_catch::Config> {
+    use super::bench_catch::Config;
+    match &plan.guided {
+        Some((file, profile)) => vec![
+            Config {
+                bin: me.clone(),
+                name: format!("guided by `{}`", file.display()),
+                corpus: Some((file.clone(), profile.clone())),
+            },
+            Config::plain(me, "plain".into()),
+        ],
+        None => std::iter::once(Config::plain(me, "this build".into()))
+            .chain(
+                args.baseline
+                    .iter()
+                    .map(|b| Config::plain(b.clone(), format!("baseline `{}`", b.display()))),
+            )
+            .collect(),
+    }
+}
+
 /// `--catch`: CPU-seconds to the first catch of each zoo mutant, this build against
-/// `--baseline`.
+/// `--baseline`, or guided against plain (`--guided`).
 fn run_catch_bench(args: &BenchArgs) -> i32 {
     let plan = match catch_plan(args) {
         Ok(p) => p,
@@ -270,13 +313,12 @@ fn run_catch_bench(args: &BenchArgs) -> i32 {
         Ok(me) => me,
         Err(e) => return CliError::Resources(format!("this executable: {e}")).report(),
     };
-    let mut bins = vec![me];
-    bins.extend(args.baseline.clone());
-    let outcome = super::bench_catch::run_all(&bins, &plan);
+    let configs = catch_configs(me, args, &plan);
+    let outcome = super::bench_catch::run_all(&configs, &plan);
     let _ = std::fs::remove_dir_all(&plan.out_dir);
     match outcome {
         Ok(out) => emit(
-            &super::bench_catch::report(&plan, &bins, &out),
+            &super::bench_catch::report(&plan, &configs, &out),
             args.out.as_deref(),
         ),
         // A campaign that could not run, or ended without an outcome: not a finding.

@@ -49,12 +49,35 @@ pub struct Plan {
     pub jobs: usize,
     /// Where the campaigns write their failure artifacts and their stderr.
     pub out_dir: PathBuf,
+    /// `--guided`: the corpus file and the profile it holds.
+    pub guided: Option<(PathBuf, String)>,
 }
 
 impl Plan {
     fn seeds(&self, repeat: usize) -> (u64, u64) {
         let a = self.first + repeat as u64 * self.width;
         (a, a + self.width)
+    }
+}
+
+/// One configuration the bench measures: a binary and, for a guided campaign, the corpus file
+/// each campaign starts from a copy of and the profile it holds (its mutants of another profile
+/// run plain).
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub bin: PathBuf,
+    /// How the report names it.
+    pub name: String,
+    pub corpus: Option<(PathBuf, String)>,
+}
+
+impl Config {
+    pub fn plain(bin: PathBuf, name: String) -> Config {
+        Config {
+            bin,
+            name,
+            corpus: None,
+        }
     }
 }
 
@@ -95,16 +118,17 @@ pub fn cpu_to_catch(stdout: &str) -> Option<f64> {
 /// The most a campaign's stdout may hold here (a summary and one failure: tens of kilobytes).
 const STDOUT_BYTES_MAX: u64 = 4 << 20;
 
-/// Runs one campaign of build `build` (`bin`) and measures it; its artifacts and stderr go to a
-/// folder of its own under `out_dir`.
+/// Runs one campaign of configuration `build` and measures it; its artifacts, its copy of the
+/// corpus and its stderr go to a folder of its own under `out_dir`.
 fn campaign(
-    (build, bin): (usize, &Path),
+    (build, config): (usize, &Config),
     t: &Target,
     seeds: (u64, u64),
     out_dir: &Path,
 ) -> Result<Catch, String> {
+    let bin = config.bin.as_path();
     let dir = out_dir.join(format!("build{build}-{}-{}", t.name, seeds.0));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let corpus_args = prepare(config, t, &dir)?;
     let stderr_path = dir.join("stderr");
     let stderr = std::fs::File::create(&stderr_path)
         .map_err(|e| format!("{}: {e}", stderr_path.display()))?;
@@ -127,6 +151,7 @@ fn campaign(
     let mut child = cmd
         .args(args)
         .arg(&dir)
+        .args(&corpus_args)
         .stdin(Stdio::null())
         .stderr(stderr)
         .stdout(Stdio::piped())
@@ -150,21 +175,36 @@ fn campaign(
             cpu_s,
             exact: false,
         }),
-        _ => {
-            let err = std::fs::read_to_string(&stderr_path).unwrap_or_default();
-            let last = err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
-            Err(format!(
-                "{}: ended with {} and no caught seed in its output{}",
-                what(),
-                code.map_or("a signal".to_string(), |c| format!("exit {c}")),
-                if last.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {last}")
-                }
-            ))
-        }
+        _ => Err(no_outcome(&what(), code, &stderr_path)),
     }
+}
+
+/// Why a campaign `what` that ended with `code` has no outcome: the last line of its stderr.
+fn no_outcome(what: &str, code: Option<i32>, stderr_path: &Path) -> String {
+    let err = std::fs::read_to_string(stderr_path).unwrap_or_default();
+    let last = err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
+    format!(
+        "{what}: ended with {} and no caught seed in its output{}",
+        code.map_or("a signal".to_string(), |c| format!("exit {c}")),
+        if last.is_empty() {
+            String::new()
+        } else {
+            format!(": {last}")
+        }
+    )
+}
+
+/// Makes a campaign's folder `dir`, and returns the corpus arguments of a campaign of `t`: for
+/// a guided configuration a fresh copy of its corpus in `dir`; none for a plain one or a
+/// mutant of another profile than the corpus's.
+fn prepare(config: &Config, t: &Target, dir: &Path) -> Result<Vec<String>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let Some((file, _)) = config.corpus.as_ref().filter(|(_, p)| *p == t.profile) else {
+        return Ok(Vec::new());
+    };
+    let copy = dir.join("corpus.json");
+    std::fs::copy(file, &copy).map_err(|e| format!("{}: {e}", file.display()))?;
+    Ok(vec!["--corpus".to_string(), copy.display().to_string()])
 }
 
 /// Waits for child `pid` and takes its exit code (`None`: a signal ended it) and CPU seconds
@@ -192,8 +232,8 @@ fn wait_measured(pid: u32) -> Result<(Option<i32>, f64), String> {
 /// Every campaign's outcome: `[build][target][repeat]`.
 pub type Outcomes = Vec<Vec<Vec<Catch>>>;
 
-/// Runs every campaign of every build, `plan.jobs` at a time.
-pub fn run_all(bins: &[PathBuf], plan: &Plan) -> Result<Outcomes, String> {
+/// Runs every campaign of every configuration, `plan.jobs` at a time.
+pub fn run_all(bins: &[Config], plan: &Plan) -> Result<Outcomes, String> {
     let mut tasks = Vec::new();
     for r in 0..plan.repeat {
         for t in 0..plan.targets.len() {
@@ -307,8 +347,9 @@ fn measured(out: &Outcomes) -> String {
     s
 }
 
-/// The report: a row per mutant, then the zoo's figures for each build and their ratios.
-pub fn report(plan: &Plan, bins: &[PathBuf], out: &Outcomes) -> String {
+/// The report: a row per mutant, then the zoo's figures for each configuration and their
+/// ratios.
+pub fn report(plan: &Plan, bins: &[Config], out: &Outcomes) -> String {
     let (a, b) = (plan.seeds(0), plan.seeds(plan.repeat - 1));
     let mut s = format!(
         "catch bench: {} mutants, {} repeat{} (seeds {}..{} to {}..{}), {} campaign{} at once; CPU-seconds of each campaign, which ends at its first failure: {}\n\n",
@@ -320,17 +361,7 @@ pub fn report(plan: &Plan, bins: &[PathBuf], out: &Outcomes) -> String {
         if plan.jobs == 1 { "" } else { "s" },
         measured(out),
     );
-    let names: Vec<String> = bins
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            if i == 0 {
-                "this build".to_string()
-            } else {
-                format!("baseline `{}`", p.display())
-            }
-        })
-        .collect();
+    let names: Vec<String> = bins.iter().map(|c| c.name.clone()).collect();
     s += "| mutant | profile |";
     for n in &names {
         s += &format!(" {n}: each repeat | median CPU s |");
@@ -391,7 +422,9 @@ fn summary(plan: &Plan, names: &[String], out: &Outcomes) -> String {
     if out.len() == 2 {
         let ((g0, s0), (g1, s1)) = (figures[0], figures[1]);
         s += &format!(
-            "baseline / this build: geometric mean {:.2}x, slowest quarter {:.2}x (above 1: this build catches sooner)\n",
+            "{} / {}: geometric mean {:.2}x, slowest quarter {:.2}x (above 1: the second catches sooner)\n",
+            names[1],
+            names[0],
             g1 / g0.max(1e-9),
             s1 / s0.max(1e-9)
         );
@@ -402,16 +435,20 @@ fn summary(plan: &Plan, names: &[String], out: &Outcomes) -> String {
             .filter(|&(t, _)| medians[0][t] > 2.0 * medians[1][t])
             .map(|(t, target)| {
                 format!(
-                    "{} ({:.2} s, baseline {:.2} s)",
+                    "{} ({:.2} s against {:.2} s)",
                     target.name, medians[0][t], medians[1][t]
                 )
             })
             .collect();
         s += &if later.is_empty() {
-            "no mutant is caught more than twice as late as in the baseline\n".to_string()
+            format!(
+                "no mutant is caught more than twice as late as by {}\n",
+                names[1]
+            )
         } else {
             format!(
-                "caught more than twice as late as in the baseline: {}\n",
+                "caught more than twice as late as by {}: {}\n",
+                names[1],
                 later.join(", ")
             )
         };
@@ -462,6 +499,7 @@ mod tests {
             repeat: 3,
             jobs: 2,
             out_dir: PathBuf::from("x"),
+            guided: None,
         };
         let c = |cpu_s: f64| Catch {
             seeds: Some(1),
@@ -490,7 +528,10 @@ mod tests {
             runs([8.0, 8.0, 8.0]),
             runs([2.0, 2.0, 2.0]),
         ];
-        let bins = [PathBuf::from("me"), PathBuf::from("old")];
+        let bins = [
+            Config::plain(PathBuf::from("me"), "this build".into()),
+            Config::plain(PathBuf::from("old"), "baseline `old`".into()),
+        ];
         let r = report(&plan, &bins, &vec![this, base.clone()]);
         assert!(r.contains("23 catches measured by the campaign's CPU time to the failing run's verdict, 0 by the whole campaign's"), "{r}");
         assert!(!r.contains("WARNING"), "{r}");
@@ -521,11 +562,11 @@ mod tests {
             "{r}"
         );
         assert!(
-            r.contains("baseline / this build: geometric mean 1.19x, slowest quarter 2.00x"),
+            r.contains("baseline `old` / this build: geometric mean 1.19x, slowest quarter 2.00x"),
             "{r}"
         );
         assert!(
-            r.contains("twice as late as in the baseline: d (8.00 s, baseline 2.00 s)"),
+            r.contains("twice as late as by baseline `old`: d (8.00 s against 2.00 s)"),
             "{r}"
         );
         assert!(
