@@ -84,7 +84,9 @@ impl Config {
 /// One campaign's outcome.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Catch {
-    /// Seeds run up to and including the first failing one; `None`: none failed.
+    /// Seeds run up to and including the first failing one; `None`: none failed. For a guided
+    /// campaign, whose failing run may branch from a checkpoint of any seed, the fresh seeds it
+    /// ran (its `seeds run: N` line).
     pub seeds: Option<u64>,
     /// CPU-seconds to the catch (see the module's doc), or the whole campaign's when nothing
     /// was caught.
@@ -99,6 +101,17 @@ pub fn caught_at(stdout: &str) -> Option<u64> {
     stdout
         .lines()
         .find_map(|l| l.strip_prefix("FAIL seed ")?.trim().parse().ok())
+}
+
+/// The fresh seeds a campaign ran, from its summary's `seeds run: N` line.
+pub fn seeds_run(stdout: &str) -> Option<u64> {
+    stdout.lines().find_map(|l| {
+        l.strip_prefix("seeds run: ")?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
 }
 
 /// The CPU-seconds to the first failure a campaign counted itself (its `first failure after X
@@ -129,6 +142,7 @@ fn campaign(
     let bin = config.bin.as_path();
     let dir = out_dir.join(format!("build{build}-{}-{}", t.name, seeds.0));
     let corpus_args = prepare(config, t, &dir)?;
+    let guided = !corpus_args.is_empty();
     let stderr_path = dir.join("stderr");
     let stderr = std::fs::File::create(&stderr_path)
         .map_err(|e| format!("{}: {e}", stderr_path.display()))?;
@@ -162,10 +176,14 @@ fn campaign(
     let text = String::from_utf8_lossy(&stdout);
     let what = || format!("{} {} {}", bin.display(), args.join(" "), dir.display());
     match (code, caught_at(&text)) {
-        (Some(1), Some(seed)) if (seeds.0..seeds.1).contains(&seed) => {
+        (Some(1), Some(seed)) if (seeds.0..seeds.1).contains(&seed) || guided => {
             let own = cpu_to_catch(&text);
             Ok(Catch {
-                seeds: Some(seed - seeds.0 + 1),
+                seeds: Some(if guided {
+                    seeds_run(&text).unwrap_or(0)
+                } else {
+                    seed - seeds.0 + 1
+                }),
                 cpu_s: own.unwrap_or(cpu_s),
                 exact: own.is_some(),
             })
@@ -466,6 +484,12 @@ mod tests {
         assert_eq!(caught_at(out), Some(2));
         assert_eq!(caught_at("seeds run: 4   failures: 0\n"), None);
         assert_eq!(caught_at("FAIL seed x\n"), None);
+        assert_eq!(seeds_run(out), Some(4));
+        assert_eq!(
+            seeds_run("seeds run: 3 (6 runs: schedules explored, 3 branches from the corpus)"),
+            Some(3)
+        );
+        assert_eq!(seeds_run("FAIL seed 2\n"), None);
     }
 
     #[test]
