@@ -1,7 +1,10 @@
 //! Campaigns: many seeds over worker threads (`--jobs`), a slice of them per machine (`--shard`),
 //! a progress bar, and a summary with the throughput figures. Each seed's run is deterministic and
 //! independent, so the workers share nothing but a counter, a results channel and, in a guided
-//! campaign (`--corpus`), the corpus it branches from (`corpus`).
+//! campaign (`--corpus`), the corpus it branches from (`corpus`). A guided campaign with more
+//! than one worker is not reproducible as a whole: which checkpoints it keeps and which it
+//! branches from depend on the order its runs end (each run still replays from its recorded
+//! decisions).
 
 use crate::corpus::Corpus;
 use crate::oracles::determinism;
@@ -526,8 +529,8 @@ fn worker(sh: &Shared, tx: mpsc::Sender<(RunOutcome, RunCpu)>) {
             ..RunOptions::default()
         };
         let mut out = run(&sc, &ropts);
-        observe(opts, &out, sc.gpu.schedule_policy());
         let mut to_verdict = thread_cpu().saturating_sub(began);
+        observe(opts, &out, sc.gpu.schedule_policy());
         if determinism::sampled(seed, out.failed()) {
             let first_failed = out.failed();
             out.rerun = true;
@@ -576,8 +579,8 @@ fn run_schedule(
     };
     let began = thread_cpu();
     let mut out = run(sc, &ropts);
-    observe(opts, &out, policy);
     let to_verdict = thread_cpu().saturating_sub(began);
+    observe(opts, &out, policy);
     out.schedule = index;
     out.policy = Some(policy);
     let failed = out.failed();
@@ -602,11 +605,11 @@ fn run_schedule(
 fn branches(sh: &Shared, tx: &mpsc::Sender<(RunOutcome, RunCpu)>) -> bool {
     let opts = &sh.opts;
     for _ in 0..opts.branches {
-        let picked = opts.corpus.as_ref().and_then(|c| lock(c).pick());
-        let Some(cp) = picked else { break };
         if sh.stop.load(Ordering::Relaxed) {
             return false;
         }
+        let picked = opts.corpus.as_ref().and_then(|c| lock(c).pick());
+        let Some(cp) = picked else { break };
         let index = crate::schedule::branch_index(sh.branched.fetch_add(1, Ordering::Relaxed));
         let source = Source::Branch {
             prefix: cp.prefix,

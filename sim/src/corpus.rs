@@ -5,13 +5,17 @@
 //! to the state it was in when it had made them; a branch replays it and draws the decisions
 //! after it afresh (`schedule::Source::Branch`), so the run leaves that state another way.
 //!
-//! What is kept: after each run that did not fail, for each probe the run hit while the probe was
-//! rare (hit by fewer than [`RARE_SHARE`] of the runs the corpus has counted, or by none), the
-//! prefix up to the probe's first hit in that run (`probe::first_hits`), at most
-//! [`PER_PROBE_MAX`] checkpoints a probe. A campaign with a corpus runs, before each fresh seed,
-//! `--branches` runs that branch from the checkpoints branched least so far (of equals, the one
-//! whose probe is rarest and whose run was shortest, [`Corpus::pick`]), and counts every run it
-//! makes into the corpus.
+//! What is kept: after each run that did not fail, once the corpus has counted
+//! [`WARM_UP_RUNS`] runs, for each probe the run hit while the probe was rare (hit by fewer than
+//! [`RARE_SHARE`] of the runs counted), the prefix up to the probe's first hit in that run
+//! (`probe::first_hits`), at most [`PER_PROBE_MAX`] checkpoints a probe, [`CHECKPOINTS_MAX`] and
+//! [`PREFIX_DECISIONS_MAX`] decisions in all. A campaign with a corpus runs, before each fresh
+//! seed, `--branches` runs that branch from the checkpoints branched least so far (of equals,
+//! the one whose probe's count of runs times its run's decisions is least: rare and short
+//! first, [`Corpus::pick`]), and counts every run it makes into the corpus.
+//!
+//! A checkpoint names its seed, not its scenario: under another mutant, `--overlap` or build the
+//! seed's scenario may differ, and its prefix, still a valid schedule, may lead elsewhere.
 //!
 //! Measured on the bug zoo, a guided campaign has so far been slower to a catch than the plain
 //! one (sim/CAMPAIGNS.md): the zoo's slow mutants need a scenario more than an interleaving, and
@@ -36,6 +40,12 @@ pub const RARE_SHARE: f64 = 0.05;
 pub const PER_PROBE_MAX: usize = 4;
 /// The most checkpoints a corpus holds (a probe's checkpoints beyond it are not kept).
 pub const CHECKPOINTS_MAX: usize = 4096;
+/// Runs a corpus counts before it keeps any checkpoint: until then no share of runs says which
+/// probes are rare.
+pub const WARM_UP_RUNS: u64 = 20;
+/// The most decisions a corpus's prefixes hold together, so that the file it writes stays under
+/// [`FILE_BYTES_MAX`] (a decision is at most three digits and a comma).
+pub const PREFIX_DECISIONS_MAX: usize = 32 << 20;
 /// The most bytes a corpus file may hold.
 pub const FILE_BYTES_MAX: u64 = 256 << 20;
 
@@ -60,7 +70,7 @@ pub struct Checkpoint {
 #[serde(deny_unknown_fields)]
 pub struct Corpus {
     pub format: u32,
-    /// The scenario profile its seeds are drawn under (a checkpoint belongs to its scenario).
+    /// The scenario profile its seeds are drawn under.
     pub profile: String,
     /// Runs counted.
     pub runs: u64,
@@ -82,6 +92,8 @@ pub enum CorpusError {
     OtherProfile { file: String, want: String },
     #[error("it holds {0} checkpoints, over the limit of {CHECKPOINTS_MAX}")]
     TooMany(usize),
+    #[error("its prefixes hold {0} decisions, over the limit of {PREFIX_DECISIONS_MAX}")]
+    TooManyDecisions(usize),
     #[error("checkpoint {at}: {why}")]
     Checkpoint { at: usize, why: String },
     #[error("probe `{probe}` was hit by {seen} runs of the {runs} counted")]
@@ -142,8 +154,26 @@ impl Corpus {
                 });
             }
         }
+        let total: usize = self.checkpoints.iter().map(|c| c.prefix.len()).sum();
+        if total > PREFIX_DECISIONS_MAX {
+            return Err(CorpusError::TooManyDecisions(total));
+        }
         for (at, c) in self.checkpoints.iter().enumerate() {
-            let why = if c.prefix.len() > DECISIONS_MAX {
+            let depth_max = crate::scenario::limits::PCT_DEPTH_MAX;
+            let bad_policy = match c.policy {
+                Policy::Pct { depth, ops }
+                    if !(1..=depth_max).contains(&depth) || ops > DECISIONS_MAX as u64 =>
+                {
+                    Some((depth, ops))
+                }
+                _ => None,
+            };
+            let why = if let Some((depth, ops)) = bad_policy {
+                format!(
+                    "PCT of depth {depth} over {ops} op starts (a campaign draws depth \
+                     1..={depth_max} over at most {DECISIONS_MAX})"
+                )
+            } else if c.prefix.len() > DECISIONS_MAX {
                 format!("{} decisions, over {DECISIONS_MAX}", c.prefix.len())
             } else if let Some(d) = c.prefix.iter().find(|&&d| d > DECISION_MAX) {
                 format!("decision {d}, over the largest {DECISION_MAX}")
@@ -170,30 +200,39 @@ impl Corpus {
         failed: bool,
     ) -> usize {
         let mut kept = 0;
+        let mut held_decisions: usize = self.checkpoints.iter().map(|c| c.prefix.len()).sum();
         for &probe in probes.keys() {
             let seen = self.seen.get(probe).copied().unwrap_or(0);
-            let rare = (seen as f64) < RARE_SHARE * self.runs as f64 || seen == 0;
+            let rare = self.runs >= WARM_UP_RUNS && (seen as f64) < RARE_SHARE * self.runs as f64;
             let held = self.checkpoints.iter().filter(|c| c.probe == probe).count();
             if failed || !rare || held >= PER_PROBE_MAX {
                 continue;
             }
-            if self.checkpoints.len() >= CHECKPOINTS_MAX {
+            let at = *first_hits
+                .get(probe)
+                .expect("every probe hit has its first hit (probe::hit_named)")
+                as usize;
+            let at = at.min(decisions.len());
+            if self.checkpoints.len() >= CHECKPOINTS_MAX
+                || held_decisions + at > PREFIX_DECISIONS_MAX
+            {
                 break;
             }
-            let at = first_hits.get(probe).copied().unwrap_or(0) as usize;
+            held_decisions += at;
             self.checkpoints.push(Checkpoint {
                 seed,
                 probe: probe.to_string(),
                 policy,
-                prefix: decisions[..at.min(decisions.len())].to_vec(),
+                prefix: decisions[..at].to_vec(),
                 run_decisions: decisions.len() as u64,
                 branched: 0,
             });
             kept += 1;
         }
-        self.runs += 1;
+        self.runs = self.runs.saturating_add(1);
         for &probe in probes.keys() {
-            *self.seen.entry(probe.to_string()).or_default() += 1;
+            let n = self.seen.entry(probe.to_string()).or_default();
+            *n = n.saturating_add(1);
         }
         kept
     }
@@ -208,7 +247,7 @@ impl Corpus {
             let rarity = seen.get(&c.probe).copied().unwrap_or(0);
             (c.branched, rarity.saturating_mul(c.run_decisions.max(1)), i)
         })?;
-        self.checkpoints[at].branched += 1;
+        self.checkpoints[at].branched = self.checkpoints[at].branched.saturating_add(1);
         Some(self.checkpoints[at].clone())
     }
 
@@ -230,7 +269,8 @@ impl Corpus {
             *s = s.checked_add(n).ok_or(CorpusError::Overflow)?;
         }
         for c in &other.checkpoints {
-            let same = |k: &Checkpoint| k.seed == c.seed && k.prefix == c.prefix;
+            let same =
+                |k: &Checkpoint| k.seed == c.seed && k.probe == c.probe && k.prefix == c.prefix;
             let held = self
                 .checkpoints
                 .iter()

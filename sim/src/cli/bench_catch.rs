@@ -178,12 +178,14 @@ fn campaign(
     match (code, caught_at(&text)) {
         (Some(1), Some(seed)) if (seeds.0..seeds.1).contains(&seed) || guided => {
             let own = cpu_to_catch(&text);
+            let seeds_to_catch = match guided {
+                true => {
+                    seeds_run(&text).ok_or_else(|| format!("{}: no `seeds run` line", what()))?
+                }
+                false => seed - seeds.0 + 1,
+            };
             Ok(Catch {
-                seeds: Some(if guided {
-                    seeds_run(&text).unwrap_or(0)
-                } else {
-                    seed - seeds.0 + 1
-                }),
+                seeds: Some(seeds_to_catch),
                 cpu_s: own.unwrap_or(cpu_s),
                 exact: own.is_some(),
             })

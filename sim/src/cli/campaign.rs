@@ -1,6 +1,8 @@
 //! `tierkv campaign merge`: the results of a campaign's shards, combined into one summary and
-//! one coverage table (see `shard`); `campaign merge-corpus`: corpus files combined (`corpus`). Exit codes: 0 no failure; 1 failures; 2 the results could
-//! not be read or do not belong together; 3 the merged result could not be written.
+//! one coverage table (see `shard`); `campaign merge-corpus`: corpus files combined (`corpus`;
+//! a file given twice is counted twice). Exit codes: 0 no failure (or the corpus written); 1
+//! failures; 2 the inputs could not be read or do not belong together; 3 the merged result
+//! could not be written.
 
 use super::error::CliError;
 use crate::corpus::Corpus;

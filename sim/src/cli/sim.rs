@@ -125,10 +125,16 @@ pub struct SimArgs {
     /// A guided campaign: branch from the checkpoints of this corpus file (a new one when it does
     /// not exist), keep the checkpoints of rare probes the campaign reaches, and write the corpus
     /// back when it ends. `tierkv campaign merge-corpus` combines corpus files.
-    #[arg(long, conflicts_with_all = ["seed", "replay"])]
+    /// (Not with `--json`: a shard's result has no place for branch runs.)
+    #[arg(long, conflicts_with_all = ["seed", "replay", "json"])]
     pub corpus: Option<PathBuf>,
     /// With `--corpus`: how many runs branch from the corpus before each fresh seed.
-    #[arg(long, default_value_t = 1, requires = "corpus", value_parser = clap::value_parser!(u32).range(0..=64))]
+    #[arg(
+        long,
+        default_value_t = 1,
+        requires = "corpus",
+        value_parser = clap::value_parser!(u32).range(0..=64)
+    )]
     pub branches: u32,
 }
 
@@ -195,7 +201,8 @@ pub fn failure_replay(sc: &Scenario, schedule: u64) -> String {
     if crate::schedule::is_branch(schedule) {
         // A branch's decisions depend on the corpus it was taken from: only its recorded
         // schedule replays it.
-        cmd += " --schedule FILE (a branch from the corpus: the schedule file its failure report writes)";
+        cmd += " --schedule FILE (a branch from the corpus, not replayable from its seed: \
+                the report of a campaign's first failure writes FILE)";
     } else if schedule > 0 {
         cmd += &format!(" --schedules {}", schedule + 1);
     }
