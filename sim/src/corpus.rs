@@ -213,6 +213,12 @@ impl Corpus {
                 .expect("every probe hit has its first hit (probe::hit_named)")
                 as usize;
             let at = at.min(decisions.len());
+            let prefix = &decisions[..at];
+            // A branch that reaches its own checkpoint's probe at the same decision adds nothing.
+            let same = |k: &Checkpoint| k.seed == seed && k.probe == probe && k.prefix == prefix;
+            if self.checkpoints.iter().any(same) {
+                continue;
+            }
             if self.checkpoints.len() >= CHECKPOINTS_MAX
                 || held_decisions + at > PREFIX_DECISIONS_MAX
             {
@@ -223,7 +229,7 @@ impl Corpus {
                 seed,
                 probe: probe.to_string(),
                 policy,
-                prefix: decisions[..at].to_vec(),
+                prefix: prefix.to_vec(),
                 run_decisions: decisions.len() as u64,
                 branched: 0,
             });

@@ -60,6 +60,36 @@ fn rare_probes_keep_their_prefix() {
     assert_eq!((c.seen["z"], c.seen["b"], c.runs), (1, 3, 24));
 }
 
+/// A run that reaches a kept checkpoint's probe at the same decision (a branch from it) adds
+/// no checkpoint; up to `PER_PROBE_MAX` others of a rare probe are kept.
+#[test]
+fn a_checkpoint_is_kept_once_and_a_probe_at_most_per_probe_max_times() {
+    let mut c = warmed();
+    for _ in 0..80 {
+        c.observe(
+            1,
+            Policy::RandomWalk,
+            &[0],
+            &probes(&["w"]),
+            &first_at_1(&["w"]),
+            false,
+        );
+    }
+    let first = first_at_1(&["b"]);
+    let b = probes(&["b"]);
+    let walk = Policy::RandomWalk;
+    assert_eq!(c.observe(7, walk, &[1, 2], &b, &first, false), 1);
+    assert_eq!(
+        c.observe(7, walk, &[1, 2], &b, &first, false),
+        0,
+        "the same checkpoint"
+    );
+    let kept: usize = (8..20)
+        .map(|s| c.observe(s, walk, &[1, 2], &b, &first, false))
+        .sum();
+    assert_eq!(kept, PER_PROBE_MAX - 1, "{:?}", c.checkpoints);
+}
+
 /// The least-branched checkpoint first; of equals, the rarest probe's.
 #[test]
 fn pick_spreads_branches_rarest_first() {
