@@ -25,7 +25,7 @@
 //! targets; nor is a checkpoint's worth measured by what its branches went on to find.
 //!
 //! The file is JSON, read and written whole; `campaign merge-corpus` combines files of one
-//! profile. Every field is checked when it is read ([`CorpusError`]).
+//! profile. What would make a file unusable is refused when it is read ([`CorpusError`]).
 
 use crate::schedule::{Policy, DECISIONS_MAX, DECISION_MAX};
 use serde::{Deserialize, Serialize};
@@ -118,9 +118,7 @@ impl Corpus {
         if !file.exists() {
             return Ok(Corpus::new(profile));
         }
-        let text = tierkv_engine::input::read_text(file, FILE_BYTES_MAX)
-            .map_err(|e| CorpusError::Read(e.to_string()))?;
-        let c = Corpus::parse(&text)?;
+        let c = Corpus::read(file)?;
         if c.profile != profile {
             return Err(CorpusError::OtherProfile {
                 file: c.profile,
@@ -130,7 +128,14 @@ impl Corpus {
         Ok(c)
     }
 
-    /// A corpus file's text, every field checked.
+    /// The corpus in `file` (at most [`FILE_BYTES_MAX`] bytes), checked ([`Corpus::parse`]).
+    pub fn read(file: &Path) -> Result<Corpus, CorpusError> {
+        let text = tierkv_engine::input::read_text(file, FILE_BYTES_MAX)
+            .map_err(|e| CorpusError::Read(e.to_string()))?;
+        Corpus::parse(&text)
+    }
+
+    /// A corpus file's text, checked: what would make it unusable is refused.
     pub fn parse(text: &str) -> Result<Corpus, CorpusError> {
         let c: Corpus =
             serde_json::from_str(text).map_err(|e| CorpusError::NotJson(e.to_string()))?;
@@ -200,12 +205,10 @@ impl Corpus {
         failed: bool,
     ) -> usize {
         let mut kept = 0;
-        let mut held_decisions: usize = self.checkpoints.iter().map(|c| c.prefix.len()).sum();
         for &probe in probes.keys() {
             let seen = self.seen.get(probe).copied().unwrap_or(0);
             let rare = self.runs >= WARM_UP_RUNS && (seen as f64) < RARE_SHARE * self.runs as f64;
-            let held = self.checkpoints.iter().filter(|c| c.probe == probe).count();
-            if failed || !rare || held >= PER_PROBE_MAX {
+            if failed || !rare {
                 continue;
             }
             let at = *first_hits
@@ -214,17 +217,10 @@ impl Corpus {
                 as usize;
             let at = at.min(decisions.len());
             let prefix = &decisions[..at];
-            // A branch that reaches its own checkpoint's probe at the same decision adds nothing.
-            let same = |k: &Checkpoint| k.seed == seed && k.probe == probe && k.prefix == prefix;
-            if self.checkpoints.iter().any(same) {
+            // (A branch that reaches its own checkpoint's probe at the same decision adds nothing.)
+            if !self.has_room(seed, probe, prefix) {
                 continue;
             }
-            if self.checkpoints.len() >= CHECKPOINTS_MAX
-                || held_decisions + at > PREFIX_DECISIONS_MAX
-            {
-                break;
-            }
-            held_decisions += at;
             self.checkpoints.push(Checkpoint {
                 seed,
                 probe: probe.to_string(),
@@ -243,6 +239,23 @@ impl Corpus {
         kept
     }
 
+    /// Whether a checkpoint of `probe` with `prefix` on `seed` may be added: none like it is
+    /// held, its probe has fewer than [`PER_PROBE_MAX`], and the corpus stays within
+    /// [`CHECKPOINTS_MAX`] and [`PREFIX_DECISIONS_MAX`].
+    fn has_room(&self, seed: u64, probe: &str, prefix: &[u8]) -> bool {
+        let (mut held, mut decisions) = (0, prefix.len());
+        for k in &self.checkpoints {
+            if k.seed == seed && k.probe == probe && k.prefix == prefix {
+                return false;
+            }
+            held += (k.probe == probe) as usize;
+            decisions += k.prefix.len();
+        }
+        held < PER_PROBE_MAX
+            && self.checkpoints.len() < CHECKPOINTS_MAX
+            && decisions <= PREFIX_DECISIONS_MAX
+    }
+
     /// The checkpoint to branch from next: the one branched least, of those the one whose
     /// probe's count of runs that hit it times the decisions of its run is least (rare and
     /// cheap first), then the first kept. Counts the branch.
@@ -257,8 +270,8 @@ impl Corpus {
         Some(self.checkpoints[at].clone())
     }
 
-    /// Adds `other`'s counts and checkpoints (those it holds that this one does not, while a
-    /// probe has fewer than [`PER_PROBE_MAX`] and the corpus fewer than [`CHECKPOINTS_MAX`]).
+    /// Adds `other`'s counts and checkpoints (those it holds that this one does not, while
+    /// there is room: none like it held, under each limit).
     pub fn merge(&mut self, other: &Corpus) -> Result<(), CorpusError> {
         if other.profile != self.profile {
             return Err(CorpusError::OtherProfile {
@@ -275,20 +288,9 @@ impl Corpus {
             *s = s.checked_add(n).ok_or(CorpusError::Overflow)?;
         }
         for c in &other.checkpoints {
-            let same =
-                |k: &Checkpoint| k.seed == c.seed && k.probe == c.probe && k.prefix == c.prefix;
-            let held = self
-                .checkpoints
-                .iter()
-                .filter(|k| k.probe == c.probe)
-                .count();
-            if self.checkpoints.iter().any(same)
-                || held >= PER_PROBE_MAX
-                || self.checkpoints.len() >= CHECKPOINTS_MAX
-            {
-                continue;
+            if self.has_room(c.seed, &c.probe, &c.prefix) {
+                self.checkpoints.push(c.clone());
             }
-            self.checkpoints.push(c.clone());
         }
         Ok(())
     }

@@ -235,9 +235,7 @@ fn catch_plan(args: &BenchArgs) -> Result<super::bench_catch::Plan, CliError> {
     }
     let guided = match &args.guided {
         Some(file) => {
-            let text = tierkv_engine::input::read_text(file, crate::corpus::FILE_BYTES_MAX)
-                .map_err(|e| CliError::input("--guided", file, e))?;
-            let corpus = crate::corpus::Corpus::parse(&text)
+            let corpus = crate::corpus::Corpus::read(file)
                 .map_err(|e| CliError::input("--guided", file, e))?;
             Some((file.clone(), corpus.profile))
         }

@@ -62,9 +62,7 @@ fn merge_corpus(args: &MergeCorpusArgs) -> Result<i32, CliError> {
         .map_err(|e| CliError::Arguments(format!("--out {}: {e}", args.out.display())))?;
     let mut merged: Option<Corpus> = None;
     for file in &args.files {
-        let text = tierkv_engine::input::read_text(file, crate::corpus::FILE_BYTES_MAX)
-            .map_err(|e| CliError::input("corpus", file, e))?;
-        let c = Corpus::parse(&text).map_err(|e| CliError::input("corpus", file, e))?;
+        let c = Corpus::read(file).map_err(|e| CliError::input("corpus", file, e))?;
         match &mut merged {
             None => merged = Some(c),
             Some(m) => m
