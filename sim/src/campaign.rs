@@ -624,8 +624,8 @@ fn branches(sh: &Shared, tx: &mpsc::Sender<(RunOutcome, RunCpu)>) -> bool {
     true
 }
 
-/// The corpus's lock (a worker that panicked while holding it left nothing half-written: every
-/// change under it is one push or one count).
+/// The corpus's lock, taken even when poisoned: a worker panics under it only on a broken
+/// invariant (which its panic reports), and leaves at most that one run counted in part.
 fn lock(c: &Mutex<Corpus>) -> std::sync::MutexGuard<'_, Corpus> {
     c.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

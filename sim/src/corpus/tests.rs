@@ -135,7 +135,7 @@ fn a_branch_replays_its_prefix_then_draws() {
     assert!(!is_branch(crate::campaign::SCHEDULES_MAX - 1));
 }
 
-/// A corpus file round-trips; every bad field is refused with what was wrong.
+/// A corpus file round-trips; each bad field tried here is refused with what was wrong.
 #[test]
 fn corpus_files_are_checked() {
     let mut c = warmed();
