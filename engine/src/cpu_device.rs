@@ -119,7 +119,7 @@ fn rope_rows(rope: &Rope, d: &Drawn) -> Vec<f32> {
             rows.push(rope.row(p));
         }
         let mut out = Vec::with_capacity(d.rows.len() * 64);
-        for t in &d.rows {
+        for t in d.rows.iter() {
             out.extend_from_slice(&rows[t.position as usize]);
         }
         out

@@ -26,6 +26,7 @@ use crate::mutants::Mutants;
 use crate::pools::Pools;
 use crate::probe::{self, Probe};
 use crate::synth::{LnParams, Synth};
+use std::sync::Arc;
 use tierkv_kernels::cpu::numerics::le_u64s;
 use tierkv_kernels::rope::Rope;
 
@@ -118,19 +119,33 @@ struct Query {
     token: u32,
 }
 
-/// A batch made concrete: what to store, where, and which rows to query.
+/// A batch made concrete: what to store, where, and which rows to query. Its arrays are made
+/// once a step and shared by the ops of every layer (the runtime uploads each once).
 struct Batch {
     /// The tokens buffer, when a row's token is pending (the previous step generates it).
     tokens: Option<Region>,
-    /// (request, position, token) of each new token.
-    store: Vec<(u64, u32, u32)>,
-    slots: Vec<i32>,
+    /// Each new token's (token, position), its slot and its (request, position).
+    store_rows: Arc<[TokenAt]>,
+    slots: Arc<[i32]>,
+    store_tags: Arc<[RowTag]>,
     queries: Vec<Query>,
-    /// Each query's page-table row.
-    tables: Vec<Vec<i32>>,
+    /// The query rows in launches of at most `QUERY_ROWS_PER_LAUNCH`.
+    chunks: Vec<Chunk>,
     /// The device's context generation when the step began: once a recovery within the step
     /// recreated the context, the rest of the step is not enqueued ([`enqueue`]).
     generation: u64,
+}
+
+/// One launch's query rows (`base..base + rows`) and their arrays.
+struct Chunk {
+    base: usize,
+    rows: u32,
+    /// Each row's page-table row, `pt_stride` entries each.
+    page_table: Arc<[i32]>,
+    context_lens: Arc<[i32]>,
+    /// Each row's (token, position), for the device to draw its inputs.
+    inputs: Arc<[TokenAt]>,
+    tags: Arc<[RowTag]>,
 }
 
 impl Batch {
@@ -140,75 +155,37 @@ impl Batch {
             seed: synth.seed,
             layer,
             tokens: self.tokens,
-            rows: self
-                .store
-                .iter()
-                .map(|t| TokenAt {
-                    token: t.2,
-                    position: t.1,
-                })
-                .collect(),
+            rows: self.store_rows.clone(),
         }
     }
 
     fn store_tags(&self, layer_global: u32) -> RowTags {
         RowTags {
             layer_global,
-            rows: self
-                .store
-                .iter()
-                .map(|t| RowTag {
-                    request: t.0,
-                    position: t.1,
-                })
-                .collect(),
+            rows: self.store_tags.clone(),
         }
     }
-    /// Query rows `base..base + n` as one launch's rows.
-    fn chunks(&self, launch: usize) -> impl Iterator<Item = (usize, &[Query])> {
-        self.queries
-            .chunks(launch)
-            .enumerate()
-            .map(move |(i, c)| (i * launch, c))
-    }
-    fn page_table(&self, base: usize, n: usize) -> Vec<i32> {
-        self.tables[base..base + n].concat()
-    }
 }
 
-/// The oracles' view of a launch over query rows: whose query, at which position, in which layer.
-fn query_tags(layer_global: u32, chunk: &[Query]) -> RowTags {
-    RowTags {
-        layer_global,
-        rows: chunk
-            .iter()
-            .map(|c| RowTag {
-                request: c.request,
-                position: c.position,
-            })
-            .collect(),
+impl Chunk {
+    /// The oracles' view of the launch: whose query, at which position, in layer `layer_global`.
+    fn tags(&self, layer_global: u32) -> RowTags {
+        RowTags {
+            layer_global,
+            rows: self.tags.clone(),
+        }
     }
-}
 
-/// The inputs a launch over query rows draws: each row's token (pending when the previous step
-/// generates it) and position, of layer `layer_global`.
-fn query_inputs(synth: &Synth, batch: &Batch, chunk: &[Query], layer_global: u32) -> Drawn {
-    Drawn {
-        seed: synth.seed,
-        layer: layer_global,
-        tokens: batch.tokens,
-        rows: chunk
-            .iter()
-            .map(|c| TokenAt {
-                token: c.token,
-                position: c.position,
-            })
-            .collect(),
+    /// The inputs the launch draws: each row's token (pending when the previous step generates
+    /// it) and position, of layer `layer_global`.
+    fn inputs(&self, synth: &Synth, batch: &Batch, layer_global: u32) -> Drawn {
+        Drawn {
+            seed: synth.seed,
+            layer: layer_global,
+            tokens: batch.tokens,
+            rows: self.inputs.clone(),
+        }
     }
-}
-
-fn context_lens(chunk: &[Query]) -> Vec<i32> {
-    chunk.iter().map(|c| c.position as i32 + 1).collect()
 }
 
 impl ModelStep {
@@ -332,35 +309,70 @@ impl ModelStep {
             !pending || self.ahead(),
             "a pending token in an engine that does not run ahead"
         );
-        let mut b = Batch {
-            tokens: pending.then(|| self.tokens_region()),
-            store: Vec::new(),
-            slots: Vec::new(),
-            queries: Vec::new(),
-            tables: Vec::new(),
-            generation: 0,
-        };
+        let (mut store_rows, mut slots, mut store_tags) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut queries, mut tables) = (Vec::new(), Vec::new());
         let pt_stride = self.scratch.layout.pt_stride() as usize;
         for row in rows {
             for pos in row.from..row.to {
                 let page = row.pages[pos / PAGE_TOKENS as usize];
-                b.slots.push(slot(page, pos as u32 % PAGE_TOKENS).kernel());
-                b.store.push((row.request, pos as u32, row.token(pos)));
+                slots.push(slot(page, pos as u32 % PAGE_TOKENS).kernel());
+                store_rows.push(TokenAt {
+                    token: row.token(pos),
+                    position: pos as u32,
+                });
+                store_tags.push(RowTag {
+                    request: row.request,
+                    position: pos as u32,
+                });
             }
             let mut table = vec![-1i32; pt_stride];
             for (e, &p) in table.iter_mut().zip(&row.pages) {
                 *e = self.mutants.page_table_entry(p);
             }
             for &q in &row.queries {
-                b.queries.push(Query {
+                queries.push(Query {
                     request: row.request,
                     position: q,
                     token: row.token(q as usize),
                 });
-                b.tables.push(table.clone());
+                tables.push(table.clone());
             }
         }
-        b
+        let launch = QUERY_ROWS_PER_LAUNCH as usize;
+        let chunks = queries
+            .chunks(launch)
+            .zip(tables.chunks(launch))
+            .enumerate()
+            .map(|(i, (chunk, tables))| Chunk {
+                base: i * launch,
+                rows: chunk.len() as u32,
+                page_table: tables.concat().into(),
+                context_lens: chunk.iter().map(|c| c.position as i32 + 1).collect(),
+                inputs: chunk
+                    .iter()
+                    .map(|c| TokenAt {
+                        token: c.token,
+                        position: c.position,
+                    })
+                    .collect(),
+                tags: chunk
+                    .iter()
+                    .map(|c| RowTag {
+                        request: c.request,
+                        position: c.position,
+                    })
+                    .collect(),
+            })
+            .collect();
+        Batch {
+            tokens: pending.then(|| self.tokens_region()),
+            store_rows: store_rows.into(),
+            slots: slots.into(),
+            store_tags: store_tags.into(),
+            queries,
+            chunks,
+            generation: 0,
+        }
     }
 
     /// Layer `l`'s index-K store and, for every launch of query rows, `q_prep`, `index_logits`
@@ -391,26 +403,24 @@ impl ModelStep {
             tags: batch.store_tags(lg),
         };
         enqueue(dev, batch.generation, Op::IndexKStore(store))?;
-        for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
-            self.indexer_launch(dev, synth, ik, batch, base, chunk, lg)?;
+        for chunk in &batch.chunks {
+            self.indexer_launch(dev, synth, ik, batch, chunk, lg)?;
         }
         Ok(())
     }
 
-    /// One launch of the indexer over `chunk` (query rows `base..`) of layer `lg`.
-    #[allow(clippy::too_many_arguments)]
+    /// One launch of the indexer over `chunk` of layer `lg`.
     fn indexer_launch<D: Device>(
         &self,
         dev: &mut D,
         synth: &Synth,
         ik: BufferId,
         batch: &Batch,
-        base: usize,
-        chunk: &[Query],
+        chunk: &Chunk,
         lg: u32,
     ) -> Result<(), DeviceError> {
         let (s, sh) = (&self.scratch, &self.shape);
-        let n = chunk.len() as u32;
+        let n = chunk.rows;
         let q = s.region(ScratchBuffer::Queries, (Bytes::ZERO, s.layout.queries(n)));
         let w = s.region(ScratchBuffer::Weights, (Bytes::ZERO, s.layout.weights(n)));
         let prep = QPrep {
@@ -419,31 +429,30 @@ impl ModelStep {
                 heads: sh.heads,
                 ue8m0: sh.ue8m0,
             },
-            inputs: query_inputs(synth, batch, chunk, lg),
+            inputs: chunk.inputs(synth, batch, lg),
             rope: sh.rope,
             q_out: q,
             w_out: w,
         };
         enqueue(dev, batch.generation, Op::QPrep(prep))?;
-        let page_table = batch.page_table(base, chunk.len());
         let logits = s.region(ScratchBuffer::Logits, (Bytes::ZERO, s.layout.logits(n)));
         let scores = IndexLogits {
             args: args::IndexLogits {
                 dtype: sh.pool_ik_dtype,
                 heads: sh.heads,
-                page_table: page_table.clone().into(),
+                page_table: chunk.page_table.clone().into(),
                 pt_stride: s.layout.pt_stride(),
-                context_lens: context_lens(chunk).into(),
+                context_lens: chunk.context_lens.clone().into(),
                 out_stride: s.layout.out_stride(),
             },
             q,
             w,
             k: ik,
             out: logits,
-            tags: query_tags(lg, chunk),
+            tags: chunk.tags(lg),
         };
         enqueue(dev, batch.generation, Op::IndexLogits(scores))?;
-        for c in chunk {
+        for c in &batch.queries[chunk.base..][..n as usize] {
             let covered = c.position < sh.topk;
             probe::hit_if(Probe::TopkCoversContext, covered);
             probe::hit_if(Probe::TopkSelects, !covered);
@@ -452,14 +461,14 @@ impl ModelStep {
             args: args::TopK {
                 k: sh.topk,
                 stride: s.layout.out_stride(),
-                context_lens: context_lens(chunk).into(),
-                page_table: page_table.into(),
+                context_lens: chunk.context_lens.clone().into(),
+                page_table: chunk.page_table.clone().into(),
                 pt_stride: s.layout.pt_stride(),
             },
             logits,
             out: s.region(
                 ScratchBuffer::Selections,
-                s.layout.selections(base as u32, n),
+                s.layout.selections(chunk.base as u32, n),
             ),
         };
         enqueue(dev, batch.generation, Op::TopK(topk))
@@ -489,8 +498,8 @@ impl ModelStep {
             tags: batch.store_tags(lg),
         };
         enqueue(dev, batch.generation, Op::KvStore(store))?;
-        for (base, chunk) in batch.chunks(QUERY_ROWS_PER_LAUNCH as usize) {
-            let n = chunk.len() as u32;
+        for chunk in &batch.chunks {
+            let (base, n) = (chunk.base, chunk.rows);
             let read = SparseRead {
                 args: args::SparseRead {
                     dtype: self.mutants.sparse_read_dtype(sh.kv_dtype),
@@ -502,14 +511,14 @@ impl ModelStep {
                     s.layout.selections(base as u32, n),
                 ),
                 kv,
-                page_table: batch.page_table(base, chunk.len()),
+                page_table: chunk.page_table.clone(),
                 pt_stride: s.layout.pt_stride(),
-                context_lens: context_lens(chunk),
+                context_lens: chunk.context_lens.clone(),
                 out: s.region(
                     ScratchBuffer::Digests,
                     s.layout.digests(l as u32, base as u32, n),
                 ),
-                tags: query_tags(lg, chunk),
+                tags: chunk.tags(lg),
             };
             enqueue(dev, batch.generation, Op::SparseRead(read))?;
         }

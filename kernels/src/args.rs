@@ -19,7 +19,8 @@
 //! build no record: they use the count-keyed halves (`operands_of`, [`check_k`],
 //! [`check_heads`], [`check_strides`]) and check the arrays on the device.
 //!
-//! Index arrays are `Cow` slices: the engine's op owns them, a launch borrows them.
+//! Index arrays are [`Array`]s: a launch borrows them; the engine's ops share them, so that the
+//! ops of every layer of a step name one array (the runtime uploads it once a step).
 //!
 //! ```
 //! use tierkv_kernels::args;
@@ -48,7 +49,76 @@ use crate::layout::{
     bf16_bytes, f32_bytes, fp8_bytes, i32_bytes, u32_bytes, u64_bytes, Bytes, IndexKDtype, KvDtype,
     INDEX_HEADS_MAX, INDEX_HEAD_DIM, INDEX_TOPK_MAX, KV_ROW_VALUES, PAGE_TOKENS, ROPE_DIM,
 };
-use std::borrow::Cow;
+use std::sync::Arc;
+
+/// An index array of a record: borrowed (a launch's view), or shared (the engine's ops: cloning
+/// shares it, and [`Array::shared`] answers its identity, by which the runtime uploads one
+/// array once however many ops name it).
+#[derive(Clone, Debug)]
+pub enum Array<'a, T> {
+    Borrowed(&'a [T]),
+    Shared(Arc<[T]>),
+}
+
+impl<T> std::ops::Deref for Array<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Array::Borrowed(s) => s,
+            Array::Shared(a) => a,
+        }
+    }
+}
+
+impl<T: Clone> Array<'_, T> {
+    /// The elements to change in place: a borrowed or still shared array is copied first, so
+    /// that no other holder sees the change (its identity changes with it).
+    pub fn to_mut(&mut self) -> &mut [T] {
+        if let Array::Borrowed(s) = self {
+            *self = Array::Shared(s.to_vec().into());
+        }
+        match self {
+            Array::Shared(a) => Arc::make_mut(a),
+            Array::Borrowed(_) => unreachable!("made shared above"),
+        }
+    }
+}
+
+impl<T> Array<'_, T> {
+    /// The shared allocation, whose identity names the array while any holder keeps it.
+    pub fn shared(&self) -> Option<&Arc<[T]>> {
+        match self {
+            Array::Shared(a) => Some(a),
+            Array::Borrowed(_) => None,
+        }
+    }
+}
+
+impl<T: PartialEq> PartialEq for Array<'_, T> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl<T: Eq> Eq for Array<'_, T> {}
+
+impl<T> From<Vec<T>> for Array<'_, T> {
+    fn from(v: Vec<T>) -> Self {
+        Array::Shared(v.into())
+    }
+}
+
+impl<T> From<Arc<[T]>> for Array<'_, T> {
+    fn from(a: Arc<[T]>) -> Self {
+        Array::Shared(a)
+    }
+}
+
+impl<'a, T> From<&'a [T]> for Array<'a, T> {
+    fn from(s: &'a [T]) -> Self {
+        Array::Borrowed(s)
+    }
+}
 
 /// An operand's name and the bytes it must hold.
 pub type Operand = (&'static str, Bytes);
@@ -216,7 +286,7 @@ pub struct IndexKStore<'a> {
     /// Round fp8 scales up to powers of two (the model's `scale_fmt = "ue8m0"`).
     pub ue8m0: bool,
     /// Each token's destination slot.
-    pub slots: Cow<'a, [i32]>,
+    pub slots: Array<'a, i32>,
 }
 
 impl IndexKStore<'_> {
@@ -261,7 +331,7 @@ impl IndexKStore<'_> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvStore<'a> {
     pub dtype: KvDtype,
-    pub slots: Cow<'a, [i32]>,
+    pub slots: Array<'a, i32>,
 }
 
 impl KvStore<'_> {
@@ -334,10 +404,10 @@ pub struct IndexLogits<'a> {
     pub dtype: IndexKDtype,
     pub heads: u32,
     /// Each row's page table, `[rows][pt_stride]`: position `n` lives in page `pt[n / 64]`.
-    pub page_table: Cow<'a, [i32]>,
+    pub page_table: Array<'a, i32>,
     pub pt_stride: u32,
     /// Each row's context length: positions `0..len` are scored.
-    pub context_lens: Cow<'a, [i32]>,
+    pub context_lens: Array<'a, i32>,
     /// Positions per output row, at least every row's context length.
     pub out_stride: u32,
 }
@@ -393,9 +463,9 @@ pub struct TopK<'a> {
     pub k: u32,
     /// Positions per logits row.
     pub stride: u32,
-    pub context_lens: Cow<'a, [i32]>,
+    pub context_lens: Array<'a, i32>,
     /// `[rows][pt_stride]` page tables mapping positions to slots.
-    pub page_table: Cow<'a, [i32]>,
+    pub page_table: Array<'a, i32>,
     pub pt_stride: u32,
 }
 

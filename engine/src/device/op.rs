@@ -28,7 +28,8 @@ use tierkv_kernels::KernelError;
 pub struct Drawn {
     pub seed: u64,
     pub layer: u32,
-    pub rows: Vec<TokenAt>,
+    /// Shared by the ops of every layer of a step.
+    pub rows: Arc<[TokenAt]>,
     /// The tokens buffer that pending rows (`TokenAt::pending`) read their token from: the
     /// previous step's [`NextTokens`]. `None` when every row's token is known.
     pub tokens: Option<Region>,
@@ -105,8 +106,9 @@ pub struct Access {
 pub struct RowTags {
     /// Global id of the layer the op works on.
     pub layer_global: u32,
-    /// One tag per row (query row, or stored token).
-    pub rows: Vec<RowTag>,
+    /// One tag per row (query row, or stored token), shared by the ops of every layer of a
+    /// step.
+    pub rows: Arc<[RowTag]>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -271,9 +273,9 @@ pub struct SparseRead {
     pub kv: BufferId,
     /// Each row's page table and context length: the rows the selection may name, declared as
     /// this op's read set (the selection itself is device data).
-    pub page_table: Vec<i32>,
+    pub page_table: Arc<[i32]>,
     pub pt_stride: u32,
-    pub context_lens: Vec<i32>,
+    pub context_lens: Arc<[i32]>,
     pub out: Region,
     pub tags: RowTags,
 }

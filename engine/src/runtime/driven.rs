@@ -2,11 +2,14 @@
 //! on cudarc in production ([`super::cuda::CudaDevice`]) and on any other driver.
 //!
 //! [`DrivenDevice::enqueue`] turns one engine `Op` into kernel launches and copies on a stream.
-//! The arrays an op carries by value (slots, page tables, drawn rows, positions) are packed into
-//! one argument upload, staged through a pinned ring per stream (`staging.rs`) into a
-//! stream-ordered allocation; its drawn inputs and RoPE rows go into one stream-ordered output
-//! allocation; both are freed on the op's stream after its launches. An upload above a quarter
-//! of the ring is copied from pageable memory instead. The model's inputs are drawn on the
+//! The index arrays the ops of a step share (slots, page tables, context lengths: the engine
+//! makes each once a step and every layer's ops name it) are uploaded once to a stream and kept
+//! there while the engine holds the array, then freed on that stream (`SharedUpload`). The
+//! other arrays an op carries by value (drawn rows, positions, LayerNorm parameters) are packed
+//! into one argument upload per op. Every upload is staged through a pinned ring per stream
+//! (`staging.rs`) into a stream-ordered allocation; an op's drawn inputs and RoPE rows go into
+//! one stream-ordered output allocation; both are freed on the op's stream after its launches.
+//! An upload above a quarter of the ring is copied from pageable memory instead. The model's inputs are drawn on the
 //! device from each row's token and position, and RoPE rows gathered from a table of the model's
 //! rows (made again, after a context synchronisation, when a position lies past it). Each event recorded on the load stream also
 //! queues a host callback that signals the completion ring (`ring.rs`), which `query` reads
@@ -21,7 +24,7 @@ use super::ring::{CompletionRing, Ticket};
 use super::staging::{Copies, StagingRing};
 use crate::device::*;
 use crate::layout::{f32_bytes, u32_count, Bytes, LayoutFingerprint, ROPE_DIM};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 /// How page runs move between tiers. The default is the gather kernel: on the H200 it moves a
 /// scattered 128K-token layer at 88–92% of one large pinned copy, against 13–16% for one
@@ -141,18 +144,32 @@ impl Pack {
     }
 }
 
-/// An op's uploaded arguments and its outputs on the device.
+/// An index array the ops of a step share (slots, page tables, context lengths), uploaded once
+/// to a stream. It stays on the device while a holder of the array may still enqueue an op that
+/// names it; once none holds it (`array` has no strong count), it is freed on its stream, after
+/// every op that read it. The weak count keeps the array's address from being reused meanwhile.
+struct SharedUpload {
+    stream: StreamKind,
+    array: Weak<[i32]>,
+    ptr: Ptr,
+}
+
+/// An op's uploaded arguments and its outputs on the device (`None`: the op has none).
 struct Staged {
-    args: Ptr,
-    outs: Ptr,
+    args: Option<Ptr>,
+    outs: Option<Ptr>,
 }
 
 impl Staged {
     fn arg(&self, p: Packed) -> Ptr {
-        self.args.at(Bytes(p.0), Bytes(p.1))
+        self.args
+            .expect("packed arguments")
+            .at(Bytes(p.0), Bytes(p.1))
     }
     fn out(&self, p: Packed) -> Ptr {
-        self.outs.at(Bytes(p.0), Bytes(p.1))
+        self.outs
+            .expect("planned outputs")
+            .at(Bytes(p.0), Bytes(p.1))
     }
 }
 
@@ -182,6 +199,8 @@ pub struct DrivenDevice<D: Driver> {
     rope: Option<RopeTable>,
     /// Stream-ordered allocations of the op being enqueued, freed on its stream after it.
     scratch: Vec<Mem>,
+    /// The shared index arrays on the device (a handful a step).
+    shared: Vec<SharedUpload>,
     /// Load-stream events also signal this ring from a host callback; `query` reads it.
     ring: Arc<CompletionRing>,
     tickets: std::collections::BTreeMap<EventId, Ticket>,
@@ -223,6 +242,7 @@ impl<D: Driver> DrivenDevice<D> {
             staging_bytes,
             rope: None,
             scratch: Vec::new(),
+            shared: Vec::new(),
             ring: Arc::new(CompletionRing::new(RING_SLOTS)),
             tickets: std::collections::BTreeMap::new(),
             timing: None,
@@ -450,11 +470,65 @@ impl<D: Driver> DrivenDevice<D> {
     }
 
     /// Uploads the op's packed arguments and allocates its outputs: one staged copy and one
-    /// stream-ordered allocation for the whole op.
+    /// stream-ordered allocation for the whole op (none for an op with no such arguments or
+    /// outputs).
     fn stage(&mut self, s: StreamKind, p: &Pack) -> Result<Staged, DeviceError> {
-        let args = self.upload(s, &p.args)?;
-        let outs = self.scratch_alloc(s, Bytes(p.outs))?;
+        let args = match p.args.is_empty() {
+            true => None,
+            false => Some(self.upload(s, &p.args)?),
+        };
+        let outs = match p.outs {
+            0 => None,
+            n => Some(self.scratch_alloc(s, Bytes(n))?),
+        };
         Ok(Staged { args, outs })
+    }
+
+    /// The device copy on `s` of an index array: the one uploaded already when the array is
+    /// shared and still there, else uploaded now (kept for the next op that names it when the
+    /// array is shared, freed after the op when borrowed).
+    fn shared_arg(&mut self, s: StreamKind, a: &args::Array<'_, i32>) -> Result<Ptr, DeviceError> {
+        let Some(arc) = a.shared() else {
+            return self.upload(s, bytes_of(a));
+        };
+        let at = Arc::as_ptr(arc) as *const i32;
+        let held = self
+            .shared
+            .iter()
+            .find(|u| u.stream == s && u.array.as_ptr() as *const i32 == at);
+        if let Some(u) = held {
+            return Ok(u.ptr);
+        }
+        let ptr = self.upload(s, bytes_of(arc))?;
+        // The upload's allocation is the array's now, not the op's.
+        let mem = self.scratch.pop().expect("the upload's allocation");
+        assert_eq!(mem, ptr.mem, "the upload's allocation is the last one made");
+        self.shared.push(SharedUpload {
+            stream: s,
+            array: Arc::downgrade(arc),
+            ptr,
+        });
+        Ok(ptr)
+    }
+
+    /// Frees, each on its stream, the shared arrays no holder names any more (every op that
+    /// read one was queued before this). With `all`, every shared array (their bytes are not
+    /// to be trusted after a recovery).
+    fn retire_shared(&mut self, all: bool) -> Result<(), DeviceError> {
+        let mut first = Ok(());
+        let mut i = 0;
+        while i < self.shared.len() {
+            if !all && self.shared[i].array.strong_count() > 0 {
+                i += 1;
+                continue;
+            }
+            let u = self.shared.swap_remove(i);
+            let r = self.driver.free_async(u.stream, u.ptr.mem);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
     }
 
     /// Makes the device's RoPE table of `rope` hold row `max` (made, or doubled, on the host
@@ -599,9 +673,10 @@ impl<D: Driver> DrivenDevice<D> {
             Op::IndexKStore(o) => {
                 let kinds = [DrawKind::IndexKeys];
                 let plan = Self::plan_draws(&mut p, &o.keys, &kinds, true);
-                let (gamma, beta, slots) = (p.arg(&o.gamma), p.arg(&o.beta), p.arg(&o.args.slots));
+                let (gamma, beta) = (p.arg(&o.gamma), p.arg(&o.beta));
                 let max = plan.positions_host.iter().copied().max().unwrap_or(0);
                 let table = self.rope_table(s, &o.rope, max)?;
+                let slots = self.shared_arg(s, &o.args.slots)?;
                 let st = self.stage(s, &p)?;
                 self.draw(s, &o.keys, &kinds, &plan, &st, Some(table))?;
                 let l = Launch::IndexKStore {
@@ -610,7 +685,7 @@ impl<D: Driver> DrivenDevice<D> {
                     gamma: st.arg(gamma),
                     beta: st.arg(beta),
                     rope: st.out(plan.rope_out.expect("planned")),
-                    slots: st.arg(slots),
+                    slots,
                     dst: self.buffer(o.dst),
                     dst_fp: self.desc(o.dst).fingerprint,
                 };
@@ -619,13 +694,13 @@ impl<D: Driver> DrivenDevice<D> {
             Op::KvStore(o) => {
                 let kinds = [DrawKind::KvRows];
                 let plan = Self::plan_draws(&mut p, &o.rows, &kinds, false);
-                let slots = p.arg(&o.args.slots);
+                let slots = self.shared_arg(s, &o.args.slots)?;
                 let st = self.stage(s, &p)?;
                 self.draw(s, &o.rows, &kinds, &plan, &st, None)?;
                 let l = Launch::KvStore {
                     op: o,
                     rows: st.out(plan.outs[0]),
-                    slots: st.arg(slots),
+                    slots,
                     dst: self.buffer(o.dst),
                     dst_fp: self.desc(o.dst).fingerprint,
                 };
@@ -650,14 +725,14 @@ impl<D: Driver> DrivenDevice<D> {
                 self.driver.launch(s, &l)
             }
             Op::IndexLogits(o) => {
-                let (pt, lens) = (p.arg(&o.args.page_table), p.arg(&o.args.context_lens));
-                let st = self.stage(s, &p)?;
+                let page_table = self.shared_arg(s, &o.args.page_table)?;
+                let context_lens = self.shared_arg(s, &o.args.context_lens)?;
                 let l = Launch::IndexLogits {
                     op: o,
                     q: self.region(&o.q),
                     w: self.region(&o.w),
-                    page_table: st.arg(pt),
-                    context_lens: st.arg(lens),
+                    page_table,
+                    context_lens,
                     k: self.buffer(o.k),
                     k_fp: self.desc(o.k).fingerprint,
                     out: self.region(&o.out),
@@ -665,13 +740,13 @@ impl<D: Driver> DrivenDevice<D> {
                 self.driver.launch(s, &l)
             }
             Op::TopK(o) => {
-                let (pt, lens) = (p.arg(&o.args.page_table), p.arg(&o.args.context_lens));
-                let st = self.stage(s, &p)?;
+                let page_table = self.shared_arg(s, &o.args.page_table)?;
+                let context_lens = self.shared_arg(s, &o.args.context_lens)?;
                 let l = Launch::TopK {
                     op: o,
                     logits: self.region(&o.logits),
-                    context_lens: st.arg(lens),
-                    page_table: st.arg(pt),
+                    context_lens,
+                    page_table,
                     out: self.region(&o.out),
                 };
                 self.driver.launch(s, &l)
@@ -776,6 +851,7 @@ impl<D: Driver> Drop for DrivenDevice<D> {
     /// before the driver frees them.
     fn drop(&mut self) {
         let _ = self.driver.bind();
+        let _ = self.retire_shared(true);
         let _ = self.synchronize_all();
     }
 }
@@ -857,6 +933,9 @@ impl<D: Driver> Device for DrivenDevice<D> {
     fn recover(&mut self) -> Result<(), DeviceError> {
         let generation = self.driver.context_generation();
         self.driver.recover()?;
+        // What a shared array's upload holds after a fault is not known: each is uploaded
+        // again when next named.
+        self.retire_shared(true)?;
         // The callbacks queued before the fault may never run (CUDA drops them after an
         // error): their slots start again in a new ring. A late one signals the old ring, which
         // nobody reads.
@@ -892,6 +971,7 @@ impl<D: Driver> Device for DrivenDevice<D> {
         let t0 = self.timing.is_some().then(std::time::Instant::now);
         check_op(&op, |b| self.buffers[b.0 as usize].1)?;
         self.driver.bind()?;
+        self.retire_shared(false)?;
         let r = self.timed(stream, Some(op.kind()), |d| {
             let r = d.run(stream, &op);
             let freed = d.free_scratch(stream);

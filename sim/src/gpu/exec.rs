@@ -216,7 +216,8 @@ impl SimGpu {
                         o => panic!("{} has no drawn rows", o.name()),
                     };
                     assert!(bytes.len() >= 8 * rows.len(), "rows past their upload");
-                    for (i, r) in rows.iter_mut().enumerate() {
+                    // The op's own copy: the engine's other ops share the rows it holds.
+                    for (i, r) in std::sync::Arc::make_mut(rows).iter_mut().enumerate() {
                         r.token = word(2 * i);
                         r.position = word(2 * i + 1);
                     }
@@ -530,7 +531,8 @@ mod tests {
                     position: 0
                 };
                 2
-            ],
+            ]
+            .into(),
         };
         for dtype in [IndexKDtype::Fp8, IndexKDtype::Bf16] {
             let (heads, pages, pt_stride) = (3u32, 6u64, 5u32);
@@ -582,9 +584,9 @@ mod tests {
                 },
                 slots: sel,
                 kv,
-                page_table,
+                page_table: page_table.into(),
                 pt_stride,
-                context_lens: vec![100, 300],
+                context_lens: vec![100, 300].into(),
                 out: digests,
                 tags: tags.clone(),
             });
