@@ -161,6 +161,9 @@ probes! {
     /// A device call (an event's creation, record or wait, an op's enqueue) failed transiently
     /// and was made again after recovering the device (`device::call_recovering`).
     DeviceCallRepeated = "device.call_repeated",
+    /// A device took `check_op`'s verdict on an op from an op of the same key it checked
+    /// before (`device::memo::CheckMemo`: another layer of the same step).
+    DeviceCheckRemembered = "device.check_remembered",
     /// A page allocation was refused by an injected fault (`EngineFaults`), device tier.
     FaultDevicePagesRefused = "fault.device_pages_refused",
     /// A page allocation was refused by an injected fault, host tier.

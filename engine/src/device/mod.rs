@@ -15,6 +15,7 @@
 //! access of every op it runs; an op that reads device memory through indices produced by another kernel
 //! (`SparseRead` reads rows named by `TopK`'s output) declares the whole set it may read.
 
+pub mod memo;
 pub mod op;
 
 pub use op::*;

@@ -2,14 +2,15 @@
 //! on cudarc in production ([`super::cuda::CudaDevice`]) and on any other driver.
 //!
 //! [`DrivenDevice::enqueue`] turns one engine `Op` into kernel launches and copies on a stream.
-//! The index arrays the ops of a step share (slots, page tables, context lengths: the engine
-//! makes each once a step and every layer's ops name it) are uploaded once to a stream and kept
-//! there while the engine holds the array, then freed on that stream (`SharedUpload`). The
-//! other arrays an op carries by value (drawn rows, positions, LayerNorm parameters) are packed
-//! into one argument upload per op. Every upload is staged through a pinned ring per stream
-//! (`staging.rs`) into a stream-ordered allocation; an op's drawn inputs and RoPE rows go into
-//! one stream-ordered output allocation; both are freed on the op's stream after its launches.
-//! An upload above a quarter of the ring is copied from pageable memory instead. The model's inputs are drawn on the
+//! Every array an op carries (slots, page tables, context lengths, drawn rows and their
+//! positions, LayerNorm parameters) is shared by the ops of a step's layers (the engine makes
+//! each once a step, a layer's LayerNorm parameters once a model): it is uploaded once to a
+//! stream, kept there while the engine holds the array, and freed on that stream once it holds
+//! it no more (`SharedUpload`); an array an op borrows is uploaded for that op alone. Every
+//! upload is staged through a pinned ring per stream (`staging.rs`) into a stream-ordered
+//! allocation; an upload above a quarter of the ring is copied from pageable memory instead. An
+//! op's drawn inputs and RoPE rows go into one stream-ordered output allocation, freed on the
+//! op's stream after its launches. The model's inputs are drawn on the
 //! device from each row's token and position, and RoPE rows gathered from a table of the model's
 //! rows (made again, after a context synchronisation, when a position lies past it). Each event recorded on the load stream also
 //! queues a host callback that signals the completion ring (`ring.rs`), which `query` reads
@@ -109,63 +110,57 @@ pub(crate) fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
-/// Where each argument array and output of an op lies: its arrays packed for one upload, its
-/// outputs planned in one stream-ordered allocation. Each starts on a [`PACK_ALIGN_BYTES`]
-/// boundary (the kernels read their inputs and write their outputs 16 bytes at a time).
+/// Where each output of an op lies in its one stream-ordered allocation. Each starts on a
+/// [`PACK_ALIGN_BYTES`] boundary (the kernels write their outputs 16 bytes at a time).
 #[derive(Default)]
 struct Pack {
-    args: Vec<u8>,
     outs: u64,
 }
 
-/// Every packed array and output starts on a multiple of this.
-const PACK_ALIGN_BYTES: usize = 16;
+/// Every output starts on a multiple of this.
+const PACK_ALIGN_BYTES: u64 = 16;
 
-/// A range of a pack: `(offset, bytes)`; an empty array still owns one byte.
+/// A range of a pack: `(offset, bytes)`; an empty output still owns one byte.
 #[derive(Clone, Copy, Debug)]
 struct Packed(u64, u64);
 
 impl Pack {
-    fn arg<T: Copy>(&mut self, v: &[T]) -> Packed {
-        let at = self.args.len().next_multiple_of(PACK_ALIGN_BYTES);
-        let b = bytes_of(v);
-        self.args.resize(at, 0);
-        self.args.extend_from_slice(b);
-        if b.is_empty() {
-            self.args.push(0);
-        }
-        Packed(at as u64, b.len().max(1) as u64)
-    }
     fn out(&mut self, bytes: Bytes) -> Packed {
-        let at = self.outs.next_multiple_of(PACK_ALIGN_BYTES as u64);
+        let at = self.outs.next_multiple_of(PACK_ALIGN_BYTES);
         let n = bytes.0.max(1);
         self.outs = at + n;
         Packed(at, n)
     }
 }
 
-/// An index array the ops of a step share (slots, page tables, context lengths), uploaded once
-/// to a stream. It stays on the device while a holder of the array may still enqueue an op that
-/// names it; once none holds it (`array` has no strong count), it is freed on its stream, after
-/// every op that read it. The weak count keeps the array's address from being reused meanwhile.
+/// An array the ops of a step share (slots, page tables, context lengths, drawn rows and their
+/// positions, a layer's LayerNorm parameters), uploaded once to a stream. It stays on the
+/// device while a holder of the array may still enqueue an op that names it; once none holds
+/// it, it is freed on its stream, after every op that read it. Its weak reference keeps the
+/// array's address from being reused meanwhile.
 struct SharedUpload {
     stream: StreamKind,
-    array: Weak<[i32]>,
+    /// The array's address and length, and what was uploaded of it.
+    key: (usize, usize, Derived),
+    alive: Box<dyn Fn() -> bool + Send>,
     ptr: Ptr,
 }
 
-/// An op's uploaded arguments and its outputs on the device (`None`: the op has none).
+/// What of a shared array an upload holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Derived {
+    /// Its bytes.
+    Bytes,
+    /// Drawn rows' positions, one u32 a row.
+    Positions,
+}
+
+/// An op's outputs on the device (`None`: the op has none).
 struct Staged {
-    args: Option<Ptr>,
     outs: Option<Ptr>,
 }
 
 impl Staged {
-    fn arg(&self, p: Packed) -> Ptr {
-        self.args
-            .expect("packed arguments")
-            .at(Bytes(p.0), Bytes(p.1))
-    }
     fn out(&self, p: Packed) -> Ptr {
         self.outs
             .expect("planned outputs")
@@ -173,11 +168,12 @@ impl Staged {
     }
 }
 
-/// Where a drawn input's rows, outputs and RoPE rows lie in its op's pack.
+/// A drawn input's rows and positions on the device, and where its outputs and RoPE rows lie
+/// in its op's pack.
 struct DrawPlan {
-    rows: Packed,
+    rows: Ptr,
     outs: Vec<Packed>,
-    positions: Option<Packed>,
+    positions: Option<Ptr>,
     rope_out: Option<Packed>,
     positions_host: Vec<u32>,
 }
@@ -201,6 +197,8 @@ pub struct DrivenDevice<D: Driver> {
     scratch: Vec<Mem>,
     /// The shared index arrays on the device (a handful a step).
     shared: Vec<SharedUpload>,
+    /// The ops checked, by key: the other layers of a step take their verdict.
+    checked: crate::device::memo::CheckMemo,
     /// Load-stream events also signal this ring from a host callback; `query` reads it.
     ring: Arc<CompletionRing>,
     tickets: std::collections::BTreeMap<EventId, Ticket>,
@@ -243,6 +241,7 @@ impl<D: Driver> DrivenDevice<D> {
             rope: None,
             scratch: Vec::new(),
             shared: Vec::new(),
+            checked: Default::default(),
             ring: Arc::new(CompletionRing::new(RING_SLOTS)),
             tickets: std::collections::BTreeMap::new(),
             timing: None,
@@ -469,43 +468,58 @@ impl<D: Driver> DrivenDevice<D> {
         self.driver.copy_async(s, to, src)
     }
 
-    /// Uploads the op's packed arguments and allocates its outputs: one staged copy and one
-    /// stream-ordered allocation for the whole op (none for an op with no such arguments or
-    /// outputs).
+    /// Allocates the op's outputs: one stream-ordered allocation for the whole op (none for an
+    /// op without).
     fn stage(&mut self, s: StreamKind, p: &Pack) -> Result<Staged, DeviceError> {
-        let args = match p.args.is_empty() {
-            true => None,
-            false => Some(self.upload(s, &p.args)?),
-        };
         let outs = match p.outs {
             0 => None,
             n => Some(self.scratch_alloc(s, Bytes(n))?),
         };
-        Ok(Staged { args, outs })
+        Ok(Staged { outs })
     }
 
     /// The device copy on `s` of an index array: the one uploaded already when the array is
-    /// shared and still there, else uploaded now (kept for the next op that names it when the
-    /// array is shared, freed after the op when borrowed).
+    /// shared (and kept for the next op that names it), else uploaded now and freed after the
+    /// op.
     fn shared_arg(&mut self, s: StreamKind, a: &args::Array<'_, i32>) -> Result<Ptr, DeviceError> {
-        let Some(arc) = a.shared() else {
-            return self.upload(s, bytes_of(a));
-        };
-        let at = Arc::as_ptr(arc) as *const i32;
-        let held = self
-            .shared
-            .iter()
-            .find(|u| u.stream == s && u.array.as_ptr() as *const i32 == at);
-        if let Some(u) = held {
+        match a.shared() {
+            Some(arc) => self.shared(s, arc),
+            None => self.upload(s, bytes_of(a)),
+        }
+    }
+
+    /// The device copy on `s` of the shared array `a`: the one uploaded already, else uploaded
+    /// now and kept while `a` is held.
+    fn shared<T: Copy + Send + Sync + 'static>(
+        &mut self,
+        s: StreamKind,
+        a: &Arc<[T]>,
+    ) -> Result<Ptr, DeviceError> {
+        self.shared_as(s, a, Derived::Bytes, |a, d| d.upload(s, bytes_of(a)))
+    }
+
+    /// The device copy on `s` of `what` of the shared array `a`: the one uploaded already, else
+    /// uploaded now by `upload` and kept while `a` is held.
+    fn shared_as<T: Send + Sync + 'static>(
+        &mut self,
+        s: StreamKind,
+        a: &Arc<[T]>,
+        what: Derived,
+        upload: impl FnOnce(&[T], &mut Self) -> Result<Ptr, DeviceError>,
+    ) -> Result<Ptr, DeviceError> {
+        let key = (Arc::as_ptr(a) as *const T as usize, a.len(), what);
+        if let Some(u) = self.shared.iter().find(|u| u.stream == s && u.key == key) {
             return Ok(u.ptr);
         }
-        let ptr = self.upload(s, bytes_of(arc))?;
+        let ptr = upload(a, self)?;
         // The upload's allocation is the array's now, not the op's.
         let mem = self.scratch.pop().expect("the upload's allocation");
         assert_eq!(mem, ptr.mem, "the upload's allocation is the last one made");
+        let w: Weak<[T]> = Arc::downgrade(a);
         self.shared.push(SharedUpload {
             stream: s,
-            array: Arc::downgrade(arc),
+            key,
+            alive: Box::new(move || w.strong_count() > 0),
             ptr,
         });
         Ok(ptr)
@@ -518,7 +532,7 @@ impl<D: Driver> DrivenDevice<D> {
         let mut first = Ok(());
         let mut i = 0;
         while i < self.shared.len() {
-            if !all && self.shared[i].array.strong_count() > 0 {
+            if !all && (self.shared[i].alive)() {
                 i += 1;
                 continue;
             }
@@ -595,24 +609,40 @@ impl<D: Driver> DrivenDevice<D> {
         Ok((table, t.rows))
     }
 
-    /// Packs `d`'s rows (and for RoPE, their positions) and plans the outputs of `kinds` drawn
-    /// from them.
-    fn plan_draws(p: &mut Pack, d: &Drawn, kinds: &[DrawKind], rope: bool) -> DrawPlan {
+    /// Uploads `d`'s rows (and for RoPE, their positions) to `s`, shared by the ops of every
+    /// layer of the step, and plans the outputs of `kinds` drawn from them.
+    fn plan_draws(
+        &mut self,
+        s: StreamKind,
+        p: &mut Pack,
+        d: &Drawn,
+        kinds: &[DrawKind],
+        rope: bool,
+    ) -> Result<DrawPlan, DeviceError> {
         let rows = d.rows.len() as u64;
         let positions = rope.then(|| d.positions());
-        DrawPlan {
-            rows: p.arg(&d.rows),
+        let positions_dev = match rope {
+            true => Some(self.shared_as(s, &d.rows, Derived::Positions, |r, dev| {
+                let p: Vec<u32> = r.iter().map(|t| t.position).collect();
+                dev.upload(s, bytes_of(&p))
+            })?),
+            false => None,
+        };
+        Ok(DrawPlan {
+            rows: self.shared(s, &d.rows)?,
             outs: kinds.iter().map(|k| p.out(k.bytes(rows))).collect(),
-            positions: positions.as_ref().map(|v| p.arg(v)),
+            positions: positions_dev,
             rope_out: rope.then(|| p.out(f32_bytes(rows * ROPE_DIM as u64))),
             positions_host: positions.unwrap_or_default(),
-        }
+        })
     }
 
     /// Draws the synthetic model's inputs of `d`'s rows on stream `s` into the op's outputs (the
     /// host sends 8 bytes a row instead of the values; pending rows take their token from the
-    /// op's tokens region first, on the device), and gathers their RoPE rows from `rope` (the
-    /// table and its rows) when the plan has them.
+    /// op's tokens region first, on the device, in place in the rows' upload: the layers of a
+    /// step share that upload, the first layer's launch resolves the rows and the others' find
+    /// none pending, as no token id reads as pending), and gathers their RoPE rows from `rope`
+    /// (the table and its rows) when the plan has them.
     fn draw(
         &mut self,
         s: StreamKind,
@@ -622,7 +652,7 @@ impl<D: Driver> DrivenDevice<D> {
         st: &Staged,
         rope: Option<(Ptr, u32)>,
     ) -> Result<(), DeviceError> {
-        let rows_dev = st.arg(plan.rows);
+        let rows_dev = plan.rows;
         if let Some(t) = d.tokens {
             let tokens = self.region(&t);
             self.driver.launch(
@@ -657,7 +687,7 @@ impl<D: Driver> DrivenDevice<D> {
                     table,
                     table_rows,
                     positions: &plan.positions_host,
-                    positions_dev: st.arg(pos),
+                    positions_dev: pos,
                     out: st.out(out),
                 },
             )?;
@@ -672,8 +702,8 @@ impl<D: Driver> DrivenDevice<D> {
         match op {
             Op::IndexKStore(o) => {
                 let kinds = [DrawKind::IndexKeys];
-                let plan = Self::plan_draws(&mut p, &o.keys, &kinds, true);
-                let (gamma, beta) = (p.arg(&o.gamma), p.arg(&o.beta));
+                let plan = self.plan_draws(s, &mut p, &o.keys, &kinds, true)?;
+                let (gamma, beta) = (self.shared(s, &o.gamma)?, self.shared(s, &o.beta)?);
                 let max = plan.positions_host.iter().copied().max().unwrap_or(0);
                 let table = self.rope_table(s, &o.rope, max)?;
                 let slots = self.shared_arg(s, &o.args.slots)?;
@@ -682,8 +712,8 @@ impl<D: Driver> DrivenDevice<D> {
                 let l = Launch::IndexKStore {
                     op: o,
                     keys: st.out(plan.outs[0]),
-                    gamma: st.arg(gamma),
-                    beta: st.arg(beta),
+                    gamma,
+                    beta,
                     rope: st.out(plan.rope_out.expect("planned")),
                     slots,
                     dst: self.buffer(o.dst),
@@ -693,7 +723,7 @@ impl<D: Driver> DrivenDevice<D> {
             }
             Op::KvStore(o) => {
                 let kinds = [DrawKind::KvRows];
-                let plan = Self::plan_draws(&mut p, &o.rows, &kinds, false);
+                let plan = self.plan_draws(s, &mut p, &o.rows, &kinds, false)?;
                 let slots = self.shared_arg(s, &o.args.slots)?;
                 let st = self.stage(s, &p)?;
                 self.draw(s, &o.rows, &kinds, &plan, &st, None)?;
@@ -709,7 +739,7 @@ impl<D: Driver> DrivenDevice<D> {
             Op::QPrep(o) => {
                 let heads = o.args.heads;
                 let kinds = [DrawKind::Queries { heads }, DrawKind::HeadWeights { heads }];
-                let plan = Self::plan_draws(&mut p, &o.inputs, &kinds, true);
+                let plan = self.plan_draws(s, &mut p, &o.inputs, &kinds, true)?;
                 let max = plan.positions_host.iter().copied().max().unwrap_or(0);
                 let table = self.rope_table(s, &o.rope, max)?;
                 let st = self.stage(s, &p)?;
@@ -969,7 +999,8 @@ impl<D: Driver> Device for DrivenDevice<D> {
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
         // Real time only while timed: the runtime names no clock otherwise.
         let t0 = self.timing.is_some().then(std::time::Instant::now);
-        check_op(&op, |b| self.buffers[b.0 as usize].1)?;
+        let buffers = &self.buffers;
+        self.checked.check(&op, &|b| buffers[b.0 as usize].1)?;
         self.driver.bind()?;
         self.retire_shared(false)?;
         let r = self.timed(stream, Some(op.kind()), |d| {

@@ -1,0 +1,388 @@
+//! Checking the ops of a step's layers once: [`CheckKey`], what [`check_op`](super::check_op)'s
+//! verdict on an op depends on, and [`CheckMemo`], the keys of the ops a device has checked.
+//!
+//! The ops of one step's layers differ only in their layer (which pool buffer, which drawn
+//! layer) and share their index arrays (`args::Array`, made once a step). Walking a step's
+//! slots and page tables is most of what `check_op` costs, and it gives every layer the same
+//! answer: a device that keeps the keys of the ops it checked takes the verdict for an op whose
+//! key it holds instead of walking the arrays again. A key names an op's buffers by their size
+//! and format, not by id, and its index arrays by identity: the arrays of a shared allocation
+//! never change (`Array::to_mut` copies a shared one first), and a key holds each by a weak
+//! reference, so that its address is not reused while the key lives.
+//!
+//! Only the ops whose checks walk index arrays have keys; each key's fields are taken by
+//! exhaustive destructuring, so that a field added to an op does not compile until it is either
+//! in the key or said not to be read by any check.
+
+use super::op::{IndexKStore, IndexLogits, KvStore, Op, Region, SparseRead, TopK};
+use super::{args, BufferDesc, BufferId, Drawn};
+use crate::layout::{Bytes, LayoutFingerprint};
+use std::sync::{Arc, Weak};
+
+/// A shared array, by identity: its address and length (a weak reference keeps the address
+/// from being reused while the key lives), and whether someone still holds it.
+struct Identity {
+    at: (usize, usize),
+    alive: Box<dyn Fn() -> bool + Send>,
+}
+
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "array at {:#x} of {}", self.at.0, self.at.1)
+    }
+}
+
+impl Identity {
+    fn of<T: Send + Sync + 'static>(a: &Arc<[T]>) -> Identity {
+        let w: Weak<[T]> = Arc::downgrade(a);
+        Identity {
+            at: (Arc::as_ptr(a) as *const T as usize, a.len()),
+            alive: Box::new(move || w.strong_count() > 0),
+        }
+    }
+}
+
+/// What `check_op`'s verdict on one op depends on (see the module doc). Two ops with equal keys
+/// get the same verdict.
+#[derive(Debug)]
+pub struct CheckKey {
+    kind: usize,
+    /// The op's scalars, and each region's offset and size.
+    words: Vec<u64>,
+    /// Each buffer the op names (its regions' and its pools'), by size and format.
+    buffers: Vec<(Bytes, LayoutFingerprint)>,
+    arrays: Vec<Identity>,
+}
+
+impl PartialEq for CheckKey {
+    fn eq(&self, o: &CheckKey) -> bool {
+        self.kind == o.kind
+            && self.words == o.words
+            && self.buffers == o.buffers
+            && self.arrays.len() == o.arrays.len()
+            && self.arrays.iter().zip(&o.arrays).all(|(a, b)| a.at == b.at)
+    }
+}
+
+/// Builds one key; `None` once an array is not shared (a borrowed array has no identity).
+struct Builder<'a> {
+    desc: &'a dyn Fn(BufferId) -> BufferDesc,
+    key: CheckKey,
+    shared: bool,
+}
+
+impl Builder<'_> {
+    fn word(&mut self, w: u64) -> &mut Self {
+        self.key.words.push(w);
+        self
+    }
+    fn buffer(&mut self, b: BufferId) -> &mut Self {
+        let d = (self.desc)(b);
+        self.key.buffers.push((d.bytes, d.fingerprint));
+        self
+    }
+    fn region(&mut self, r: &Region) -> &mut Self {
+        let Region {
+            buffer,
+            offset,
+            bytes,
+        } = *r;
+        self.word(offset.0).word(bytes.0).buffer(buffer)
+    }
+    fn ints(&mut self, a: &args::Array<'_, i32>) -> &mut Self {
+        match a.shared() {
+            Some(a) => self.key.arrays.push(Identity::of(a)),
+            None => self.shared = false,
+        }
+        self
+    }
+    fn shared_ints(&mut self, a: &Arc<[i32]>) -> &mut Self {
+        self.key.arrays.push(Identity::of(a));
+        self
+    }
+    /// Drawn rows: their rows and the tokens region pending rows read. No check reads the
+    /// seed or the layer (they say what the device draws, not where it reads or writes).
+    fn drawn(&mut self, d: &Drawn) -> &mut Self {
+        let Drawn {
+            seed: _,
+            layer: _,
+            rows,
+            tokens,
+        } = d;
+        self.key.arrays.push(Identity::of(rows));
+        match tokens {
+            Some(t) => self.word(1).region(t),
+            None => self.word(0),
+        }
+    }
+}
+
+impl CheckKey {
+    /// The key of `op` over buffers described by `desc`, for the ops whose checks walk index
+    /// arrays; `None` for the others and for an op with a borrowed array. No check reads an
+    /// op's row tags (they are the oracles'), its RoPE frequencies or its LayerNorm parameters
+    /// (what the device computes with, which the launcher binds).
+    pub fn of(op: &Op, desc: &dyn Fn(BufferId) -> BufferDesc) -> Option<CheckKey> {
+        let mut b = Builder {
+            desc,
+            key: CheckKey {
+                kind: op.kind(),
+                words: Vec::new(),
+                buffers: Vec::new(),
+                arrays: Vec::new(),
+            },
+            shared: true,
+        };
+        match op {
+            Op::IndexKStore(IndexKStore {
+                dst,
+                args:
+                    args::IndexKStore {
+                        dtype,
+                        ue8m0,
+                        slots,
+                    },
+                keys,
+                gamma: _,
+                beta: _,
+                rope: _,
+                tags: _,
+            }) => {
+                b.buffer(*dst).word(*dtype as u64).word(*ue8m0 as u64);
+                b.ints(slots).drawn(keys);
+            }
+            Op::KvStore(KvStore {
+                dst,
+                args: args::KvStore { dtype, slots },
+                rows,
+                tags: _,
+            }) => {
+                b.buffer(*dst).word(*dtype as u64).ints(slots).drawn(rows);
+            }
+            Op::IndexLogits(IndexLogits {
+                args:
+                    args::IndexLogits {
+                        dtype,
+                        heads,
+                        page_table,
+                        pt_stride,
+                        context_lens,
+                        out_stride,
+                    },
+                q,
+                w,
+                k,
+                out,
+                tags: _,
+            }) => {
+                b.word(*dtype as u64)
+                    .word(*heads as u64)
+                    .word(*pt_stride as u64);
+                b.word(*out_stride as u64)
+                    .ints(page_table)
+                    .ints(context_lens);
+                b.region(q).region(w).buffer(*k).region(out);
+            }
+            Op::TopK(TopK {
+                args:
+                    args::TopK {
+                        k,
+                        stride,
+                        context_lens,
+                        page_table,
+                        pt_stride,
+                    },
+                logits,
+                out,
+            }) => {
+                b.word(*k as u64)
+                    .word(*stride as u64)
+                    .word(*pt_stride as u64);
+                b.ints(context_lens)
+                    .ints(page_table)
+                    .region(logits)
+                    .region(out);
+            }
+            Op::SparseRead(SparseRead {
+                args: args::SparseRead { dtype, rows, k },
+                slots,
+                kv,
+                page_table,
+                pt_stride,
+                context_lens,
+                out,
+                tags: _,
+            }) => {
+                b.word(*dtype as u64).word(*rows as u64).word(*k as u64);
+                b.region(slots).buffer(*kv).shared_ints(page_table);
+                b.word(*pt_stride as u64)
+                    .shared_ints(context_lens)
+                    .region(out);
+            }
+            Op::QPrep(_) | Op::PageCopy(_) | Op::NextTokens(_) | Op::Copy(_) => return None,
+        }
+        b.shared.then_some(b.key)
+    }
+
+    /// Every array it names is still held by someone (else the key can never match again).
+    fn alive(&self) -> bool {
+        self.arrays.iter().all(|a| (a.alive)())
+    }
+}
+
+/// The keys of the ops a device checked and found good, while their arrays live.
+#[derive(Debug, Default)]
+pub struct CheckMemo {
+    passed: Vec<CheckKey>,
+}
+
+/// Keys held at most: past it the memo starts again (a step's layers share a few dozen).
+const MEMO_KEYS_MAX: usize = 256;
+
+impl CheckMemo {
+    /// `check_op(op, desc)`, or the verdict of an op with the same key checked before.
+    pub fn check(
+        &mut self,
+        op: &Op,
+        desc: &dyn Fn(BufferId) -> BufferDesc,
+    ) -> Result<(), super::DeviceError> {
+        let key = CheckKey::of(op, desc);
+        if let Some(k) = &key {
+            if self.passed.contains(k) {
+                crate::probe::hit(crate::probe::Probe::DeviceCheckRemembered);
+                return Ok(());
+            }
+        }
+        super::check_op(op, desc)?;
+        if let Some(k) = key {
+            self.passed.retain(CheckKey::alive);
+            if self.passed.len() >= MEMO_KEYS_MAX {
+                self.passed.clear();
+            }
+            self.passed.push(k);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{BufferRole, MemoryTier, RowTags};
+    use crate::layout::{BufferKind, IndexKDtype, LayerId, PageFormat, PAGE_TOKENS};
+
+    /// Buffer 0 and 1: index-K pools of two layers, `pages` pages each for buffer 0 and
+    /// `pages_1` for buffer 1; buffers 2 and up: scratch of 1 MiB.
+    fn descs(pages_1: u64) -> impl Fn(BufferId) -> BufferDesc {
+        move |b: BufferId| {
+            let fmt = PageFormat::IndexK(IndexKDtype::Fp8);
+            let fp = fmt.fingerprint();
+            match b.0 {
+                0 | 1 => BufferDesc {
+                    role: BufferRole::Pool {
+                        kind: BufferKind::IndexK,
+                        layer: LayerId(b.0),
+                    },
+                    tier: MemoryTier::Device,
+                    bytes: Bytes(fp.page_bytes * if b.0 == 0 { 4 } else { pages_1 }),
+                    fingerprint: fp,
+                },
+                _ => BufferDesc {
+                    role: BufferRole::Scratch { name: "scratch" },
+                    tier: MemoryTier::Device,
+                    bytes: Bytes(1 << 20),
+                    fingerprint: LayoutFingerprint::unpaged(1 << 20),
+                },
+            }
+        }
+    }
+
+    fn region(buffer: u32, bytes: u64) -> Region {
+        Region {
+            buffer: BufferId(buffer),
+            offset: Bytes::ZERO,
+            bytes: Bytes(bytes),
+        }
+    }
+
+    /// `topk` of one row over pool pages `table` (a context of `len` tokens).
+    fn logits(k: u32, table: &Arc<[i32]>, lens: &Arc<[i32]>) -> Op {
+        let heads = 4;
+        Op::IndexLogits(IndexLogits {
+            args: args::IndexLogits {
+                dtype: IndexKDtype::Fp8,
+                heads,
+                page_table: table.clone().into(),
+                pt_stride: table.len() as u32,
+                context_lens: lens.clone().into(),
+                out_stride: table.len() as u32 * PAGE_TOKENS,
+            },
+            q: region(2, heads as u64 * 128),
+            w: region(3, heads as u64 * 4),
+            k: BufferId(k),
+            out: region(4, table.len() as u64 * PAGE_TOKENS as u64 * 4),
+            tags: RowTags {
+                layer_global: k,
+                rows: Arc::from([]),
+            },
+        })
+    }
+
+    /// The ops of two layers over one step's arrays share a key (their pools are alike); a
+    /// pool of another size, other arrays with the same contents, a borrowed array, another
+    /// scalar: each its own key.
+    #[test]
+    fn layers_of_a_step_share_a_key_and_nothing_else_does() {
+        let (table, lens): (Arc<[i32]>, Arc<[i32]>) = (Arc::from([0, 3]), Arc::from([100]));
+        let desc = descs(4);
+        let key = |op: &Op, desc: &dyn Fn(BufferId) -> BufferDesc| CheckKey::of(op, desc);
+        let first = key(&logits(0, &table, &lens), &desc).expect("shared arrays");
+        assert_eq!(Some(&first), key(&logits(1, &table, &lens), &desc).as_ref());
+        assert_ne!(
+            Some(&first),
+            key(&logits(1, &table, &lens), &descs(3)).as_ref()
+        );
+        let copy: Arc<[i32]> = Arc::from(&table[..]);
+        assert_ne!(Some(&first), key(&logits(0, &copy, &lens), &desc).as_ref());
+        let mut other = logits(0, &table, &lens);
+        if let Op::IndexLogits(o) = &mut other {
+            o.args.heads = 8;
+        }
+        assert_ne!(Some(&first), key(&other, &desc).as_ref());
+        if let Op::IndexLogits(o) = &mut other {
+            o.args.page_table = args::Array::Borrowed(&[0, 3]);
+        }
+        assert!(key(&other, &desc).is_none(), "a borrowed array has no key");
+    }
+
+    /// The memo takes a layer's verdict from an op of the same key and checks any other op: a
+    /// page past a smaller pool is refused although the same arrays passed over a larger one.
+    #[test]
+    fn the_memo_checks_what_it_has_not_seen() {
+        let (table, lens): (Arc<[i32]>, Arc<[i32]>) = (Arc::from([0, 3]), Arc::from([100]));
+        let mut memo = CheckMemo::default();
+        let desc = descs(3);
+        crate::probe::take();
+        memo.check(&logits(0, &table, &lens), &desc)
+            .expect("page 3 of 4");
+        memo.check(&logits(0, &table, &lens), &desc)
+            .expect("the same op");
+        let hits = crate::probe::take();
+        assert_eq!(hits.get("device.check_remembered"), Some(&1), "{hits:?}");
+        let e = memo.check(&logits(1, &table, &lens), &desc);
+        assert!(e.is_err(), "page 3 of a pool of 3 pages: {e:?}");
+    }
+
+    /// A key whose arrays nobody holds any more is dropped at the next insertion.
+    #[test]
+    fn keys_of_dropped_arrays_go() {
+        let mut memo = CheckMemo::default();
+        let desc = descs(4);
+        for _ in 0..3 {
+            let (table, lens): (Arc<[i32]>, Arc<[i32]>) = (Arc::from([0, 3]), Arc::from([100]));
+            memo.check(&logits(0, &table, &lens), &desc)
+                .expect("good op");
+        }
+        assert_eq!(memo.passed.len(), 1, "{:?}", memo.passed);
+    }
+}
