@@ -6,7 +6,9 @@
 //! slots and page tables is most of what `check_op` costs, and it gives every layer the same
 //! answer: a device that keeps the keys of the ops it checked takes the verdict for an op whose
 //! key it holds instead of walking the arrays again. A key names an op's buffers by their size
-//! and format, not by id, and its index arrays by identity: the arrays of a shared allocation
+//! and format, not by id, its regions by their size and whether they lie inside their buffer
+//! (not by offset: the checks read an offset only to bound the region), and its index arrays by
+//! identity: the arrays of a shared allocation
 //! never change (`Array::to_mut` copies a shared one first), and a key holds each by a weak
 //! reference, so that its address is not reused while the key lives.
 //!
@@ -47,7 +49,7 @@ impl Identity {
 #[derive(Debug)]
 pub struct CheckKey {
     kind: usize,
-    /// The op's scalars, and each region's offset and size.
+    /// The op's scalars, and each region's size and whether it lies inside its buffer.
     words: Vec<u64>,
     /// Each buffer the op names (its regions' and its pools'), by size and format.
     buffers: Vec<(Bytes, LayoutFingerprint)>,
@@ -81,13 +83,21 @@ impl Builder<'_> {
         self.key.buffers.push((d.bytes, d.fingerprint));
         self
     }
+    /// A region by its size, its buffer's size and format, and whether it lies inside its
+    /// buffer: the only way a check reads its offset (so that the layers' regions of one
+    /// step, at other offsets of one buffer, share a key).
     fn region(&mut self, r: &Region) -> &mut Self {
         let Region {
             buffer,
             offset,
             bytes,
         } = *r;
-        self.word(offset.0).word(bytes.0).buffer(buffer)
+        let size = (self.desc)(buffer).bytes;
+        let inside = offset
+            .0
+            .checked_add(bytes.0)
+            .is_some_and(|end| end <= size.0);
+        self.word(bytes.0).word(inside as u64).buffer(buffer)
     }
     fn ints(&mut self, a: &args::Array<'_, i32>) -> &mut Self {
         match a.shared() {
@@ -371,6 +381,31 @@ mod tests {
         assert_eq!(hits.get("device.check_remembered"), Some(&1), "{hits:?}");
         let e = memo.check(&logits(1, &table, &lens), &desc);
         assert!(e.is_err(), "page 3 of a pool of 3 pages: {e:?}");
+    }
+
+    /// Regions at other offsets of one buffer share a key while they lie inside it; one past
+    /// its end has its own key, and is refused.
+    #[test]
+    fn regions_are_keyed_by_size_and_whether_they_fit() {
+        let (table, lens): (Arc<[i32]>, Arc<[i32]>) = (Arc::from([0, 3]), Arc::from([100]));
+        let desc = descs(4);
+        let at = |offset: u64| {
+            let mut op = logits(0, &table, &lens);
+            if let Op::IndexLogits(o) = &mut op {
+                o.out.offset = Bytes(offset);
+            }
+            op
+        };
+        let key = |op: &Op| CheckKey::of(op, &desc).expect("shared arrays");
+        assert_eq!(key(&at(0)), key(&at(4096)));
+        let past = (1 << 20) - 256; // the output is 512 bytes
+        assert_ne!(key(&at(0)), key(&at(past)));
+        let mut memo = CheckMemo::default();
+        memo.check(&at(0), &desc).expect("inside");
+        assert!(
+            memo.check(&at(past), &desc).is_err(),
+            "past the buffer's end"
+        );
     }
 
     /// A key whose arrays nobody holds any more is dropped at the next insertion.

@@ -88,6 +88,9 @@ struct RopeTable {
     rope: Rope,
     rows: u32,
     table: Mem,
+    /// The table's rows on the host: a table made again for more positions computes only the
+    /// rows it adds.
+    host: Vec<f32>,
     /// The context was recreated since it was uploaded: the allocation stands, its bytes are
     /// lost, and the next launch that needs it uploads them again.
     lost: bool,
@@ -556,8 +559,7 @@ impl<D: Driver> DrivenDevice<D> {
         max: u32,
     ) -> Result<(Ptr, u32), DeviceError> {
         if let Some(t) = self.rope.as_mut().filter(|t| t.lost) {
-            let host = t.rope.rows(0..t.rows);
-            let data = bytes_of(&host);
+            let data = bytes_of(&t.host);
             let to = Ptr::whole(t.table, Bytes(data.len() as u64));
             self.driver
                 .copy_pageable(s, to, data)
@@ -577,7 +579,13 @@ impl<D: Driver> DrivenDevice<D> {
                     detail: format!("RoPE position {max} past any table"),
                 })?
                 .max(ROPE_TABLE_ROWS_MIN);
-            let host = rope.rows(0..rows);
+            // The rows of the table it replaces, when it is the same model's, are kept.
+            let mut host = match self.rope.as_ref().filter(|t| t.rope == *rope) {
+                Some(t) => t.host.clone(),
+                None => Vec::new(),
+            };
+            let had = (host.len() / ROPE_DIM as usize) as u32;
+            host.extend(rope.rows(had..rows));
             let data = bytes_of(&host);
             let table = self.driver.alloc(&BufferDesc {
                 role: BufferRole::Scratch { name: "RoPE table" },
@@ -598,6 +606,7 @@ impl<D: Driver> DrivenDevice<D> {
                 rope: *rope,
                 rows,
                 table,
+                host,
                 lost: false,
             });
             if let Some(old) = old {
