@@ -168,6 +168,37 @@ impl Batch {
 }
 
 impl Chunk {
+    /// The query rows (each with its page-table row) in launches of at most
+    /// `QUERY_ROWS_PER_LAUNCH`.
+    fn of(queries: &[Query], tables: &[Vec<i32>]) -> Vec<Chunk> {
+        let launch = QUERY_ROWS_PER_LAUNCH as usize;
+        queries
+            .chunks(launch)
+            .zip(tables.chunks(launch))
+            .enumerate()
+            .map(|(i, (chunk, tables))| Chunk {
+                base: i * launch,
+                rows: chunk.len() as u32,
+                page_table: tables.concat().into(),
+                context_lens: chunk.iter().map(|c| c.position as i32 + 1).collect(),
+                inputs: chunk
+                    .iter()
+                    .map(|c| TokenAt {
+                        token: c.token,
+                        position: c.position,
+                    })
+                    .collect(),
+                tags: chunk
+                    .iter()
+                    .map(|c| RowTag {
+                        request: c.request,
+                        position: c.position,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
     /// The oracles' view of the launch: whose query, at which position, in layer `layer_global`.
     fn tags(&self, layer_global: u32) -> RowTags {
         RowTags {
@@ -338,32 +369,7 @@ impl ModelStep {
                 tables.push(table.clone());
             }
         }
-        let launch = QUERY_ROWS_PER_LAUNCH as usize;
-        let chunks = queries
-            .chunks(launch)
-            .zip(tables.chunks(launch))
-            .enumerate()
-            .map(|(i, (chunk, tables))| Chunk {
-                base: i * launch,
-                rows: chunk.len() as u32,
-                page_table: tables.concat().into(),
-                context_lens: chunk.iter().map(|c| c.position as i32 + 1).collect(),
-                inputs: chunk
-                    .iter()
-                    .map(|c| TokenAt {
-                        token: c.token,
-                        position: c.position,
-                    })
-                    .collect(),
-                tags: chunk
-                    .iter()
-                    .map(|c| RowTag {
-                        request: c.request,
-                        position: c.position,
-                    })
-                    .collect(),
-            })
-            .collect();
+        let chunks = Chunk::of(&queries, &tables);
         Batch {
             tokens: pending.then(|| self.tokens_region()),
             store_rows: store_rows.into(),

@@ -252,6 +252,9 @@ probes! {
     /// The runtime (`runtime::driven`): a stream-ordered allocation met out of memory, and was
     /// made again after a context synchronisation and a trim of the driver's pool.
     RuntimePoolTrimmed = "runtime.pool_trimmed",
+    /// The runtime: an array the ops of a step shared was freed on its stream (nobody held it
+    /// any more, or a recovery forgot every upload).
+    RuntimeSharedRetired = "runtime.shared_retired",
     /// The runtime: a page copy failed after some of its runs were queued; the stream ran them
     /// out before the error returned, so nothing of the failed call is still queued.
     RuntimePartialCopyDrained = "runtime.partial_copy_drained",

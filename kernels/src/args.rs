@@ -72,7 +72,7 @@ impl<T> std::ops::Deref for Array<'_, T> {
 
 impl<T: Clone> Array<'_, T> {
     /// The elements to change in place: a borrowed or still shared array is copied first, so
-    /// that no other holder sees the change (its identity changes with it).
+    /// that no other holder sees the change (a copy is a new identity).
     pub fn to_mut(&mut self) -> &mut [T] {
         if let Array::Borrowed(s) = self {
             *self = Array::Shared(s.to_vec().into());

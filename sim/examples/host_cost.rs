@@ -1,11 +1,13 @@
 //! The host's own cost of enqueueing a step, without a GPU: the production runtime
 //! (`DrivenDevice`) over a driver whose every call returns at once and does nothing, so that
-//! what is left is the engine's and the runtime's own host time (checks, argument packing, op
-//! building), the part no GPU can take away. The replay's requests (the built-in excerpt) are
-//! submitted at once and the engine stepped until idle.
+//! what is left is the engine's and the runtime's own host time (building the step's ops, their
+//! checks, staging their arrays), the part no GPU can take away. The replay's requests (the
+//! built-in excerpt, `tierkv replay`'s configuration) are submitted at once and the engine
+//! stepped until idle.
 //!
 //! `cargo run --release -p tierkv-sim --example host_cost -- [LAYERS [REQUESTS [OVERLAP]]]`
-//! (defaults: 61 60 0). Prints the mean host time per computing step and per op.
+//! (defaults: 61 60 0). Prints the mean host time per computing step (inside the engine's
+//! enqueue phase, and the whole step) and the driver calls and launches a step.
 
 use clap::Parser;
 use std::process::ExitCode;

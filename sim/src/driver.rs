@@ -394,7 +394,8 @@ impl SimDriver {
         }
     }
 
-    /// The op a launch belongs to, on the simulator's buffers, with its device arguments.
+    /// The op a launch belongs to, on the simulator's buffers, with its device arguments (its
+    /// arrays its own: see [`detached`]).
     fn sim_op(&self, l: &Launch<'_>) -> (Op, LaunchArgs) {
         let mut a = LaunchArgs::default();
         let op = match *l {
@@ -512,8 +513,45 @@ impl SimDriver {
                 Op::PageCopy(o)
             }
         };
-        (op, a)
+        (detached(op), a)
     }
+}
+
+/// `op` with its own copy of every array the runtime uploads by the array's identity (slots,
+/// page tables, context lengths, drawn rows, LayerNorm parameters): a launch only borrows the
+/// engine's op, so the simulated op a launch queues must not keep the engine's arrays alive
+/// either, or the runtime would free their uploads only once every op that reads them ran,
+/// never while they are still queued as it does on CUDA.
+fn detached(mut op: Op) -> Op {
+    fn own<T: Clone>(a: &mut std::sync::Arc<[T]>) {
+        *a = a.iter().cloned().collect();
+    }
+    fn own_arg(a: &mut args::Array<'static, i32>) {
+        *a = a.to_vec().into();
+    }
+    match &mut op {
+        Op::IndexKStore(o) => {
+            own_arg(&mut o.args.slots);
+            own(&mut o.keys.rows);
+            own(&mut o.gamma);
+            own(&mut o.beta);
+        }
+        Op::KvStore(o) => {
+            own_arg(&mut o.args.slots);
+            own(&mut o.rows.rows);
+        }
+        Op::QPrep(o) => own(&mut o.inputs.rows),
+        Op::IndexLogits(o) => {
+            own_arg(&mut o.args.page_table);
+            own_arg(&mut o.args.context_lens);
+        }
+        Op::TopK(o) => {
+            own_arg(&mut o.args.page_table);
+            own_arg(&mut o.args.context_lens);
+        }
+        Op::SparseRead(_) | Op::PageCopy(_) | Op::NextTokens(_) | Op::Copy(_) => {}
+    }
+    op
 }
 
 impl Driver for SimDriver {
@@ -732,8 +770,12 @@ impl Driver for SimDriver {
                     .fused
                     .entry((rows_dev.mem, rows_dev.offset.0))
                     .or_default();
+                // The layers of a step resolve one shared upload of rows: each declares the
+                // tokens read once.
                 f.tokens = Some(tokens);
-                f.reads.push(tokens);
+                if !f.reads.contains(&tokens) {
+                    f.reads.push(tokens);
+                }
                 Ok(())
             }
             Launch::Draw { rows_dev, out, .. } => {

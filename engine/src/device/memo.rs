@@ -23,8 +23,9 @@ use std::sync::{Arc, Weak};
 
 /// A shared array, by identity: its address and length (a weak reference keeps the address
 /// from being reused while the key lives), and whether someone still holds it.
-struct Identity {
-    at: (usize, usize),
+pub(crate) struct Identity {
+    /// The allocation's address and length.
+    pub(crate) at: (usize, usize),
     alive: Box<dyn Fn() -> bool + Send>,
 }
 
@@ -35,12 +36,16 @@ impl std::fmt::Debug for Identity {
 }
 
 impl Identity {
-    fn of<T: Send + Sync + 'static>(a: &Arc<[T]>) -> Identity {
+    pub(crate) fn of<T: Send + Sync + 'static>(a: &Arc<[T]>) -> Identity {
         let w: Weak<[T]> = Arc::downgrade(a);
         Identity {
             at: (Arc::as_ptr(a) as *const T as usize, a.len()),
             alive: Box::new(move || w.strong_count() > 0),
         }
+    }
+    /// Someone still holds the array.
+    pub(crate) fn alive(&self) -> bool {
+        (self.alive)()
     }
 }
 
@@ -127,6 +132,103 @@ impl Builder<'_> {
     }
 }
 
+/// One method per op kind with a key: every field, destructured.
+impl Builder<'_> {
+    fn index_k_store(&mut self, o: &IndexKStore) {
+        let IndexKStore {
+            dst,
+            args:
+                args::IndexKStore {
+                    dtype,
+                    ue8m0,
+                    slots,
+                },
+            keys,
+            gamma: _,
+            beta: _,
+            rope: _,
+            tags: _,
+        } = o;
+        self.buffer(*dst).word(*dtype as u64).word(*ue8m0 as u64);
+        self.ints(slots).drawn(keys);
+    }
+    fn kv_store(&mut self, o: &KvStore) {
+        let KvStore {
+            dst,
+            args: args::KvStore { dtype, slots },
+            rows,
+            tags: _,
+        } = o;
+        self.buffer(*dst)
+            .word(*dtype as u64)
+            .ints(slots)
+            .drawn(rows);
+    }
+    fn index_logits(&mut self, o: &IndexLogits) {
+        let IndexLogits {
+            args:
+                args::IndexLogits {
+                    dtype,
+                    heads,
+                    page_table,
+                    pt_stride,
+                    context_lens,
+                    out_stride,
+                },
+            q,
+            w,
+            k,
+            out,
+            tags: _,
+        } = o;
+        self.word(*dtype as u64)
+            .word(*heads as u64)
+            .word(*pt_stride as u64);
+        self.word(*out_stride as u64)
+            .ints(page_table)
+            .ints(context_lens);
+        self.region(q).region(w).buffer(*k).region(out);
+    }
+    fn topk(&mut self, o: &TopK) {
+        let TopK {
+            args:
+                args::TopK {
+                    k,
+                    stride,
+                    context_lens,
+                    page_table,
+                    pt_stride,
+                },
+            logits,
+            out,
+        } = o;
+        self.word(*k as u64)
+            .word(*stride as u64)
+            .word(*pt_stride as u64);
+        self.ints(context_lens)
+            .ints(page_table)
+            .region(logits)
+            .region(out);
+    }
+    fn sparse_read(&mut self, o: &SparseRead) {
+        let SparseRead {
+            args: args::SparseRead { dtype, rows, k },
+            slots,
+            kv,
+            page_table,
+            pt_stride,
+            context_lens,
+            out,
+            tags: _,
+        } = o;
+        self.word(*dtype as u64).word(*rows as u64).word(*k as u64);
+        self.region(slots).buffer(*kv).shared_ints(page_table);
+        self.word(*pt_stride as u64)
+            .shared_ints(context_lens)
+            .region(out);
+    }
+}
+
 impl CheckKey {
     /// The key of `op` over buffers described by `desc`, for the ops whose checks walk index
     /// arrays; `None` for the others and for an op with a borrowed array. No check reads an
@@ -144,91 +246,11 @@ impl CheckKey {
             shared: true,
         };
         match op {
-            Op::IndexKStore(IndexKStore {
-                dst,
-                args:
-                    args::IndexKStore {
-                        dtype,
-                        ue8m0,
-                        slots,
-                    },
-                keys,
-                gamma: _,
-                beta: _,
-                rope: _,
-                tags: _,
-            }) => {
-                b.buffer(*dst).word(*dtype as u64).word(*ue8m0 as u64);
-                b.ints(slots).drawn(keys);
-            }
-            Op::KvStore(KvStore {
-                dst,
-                args: args::KvStore { dtype, slots },
-                rows,
-                tags: _,
-            }) => {
-                b.buffer(*dst).word(*dtype as u64).ints(slots).drawn(rows);
-            }
-            Op::IndexLogits(IndexLogits {
-                args:
-                    args::IndexLogits {
-                        dtype,
-                        heads,
-                        page_table,
-                        pt_stride,
-                        context_lens,
-                        out_stride,
-                    },
-                q,
-                w,
-                k,
-                out,
-                tags: _,
-            }) => {
-                b.word(*dtype as u64)
-                    .word(*heads as u64)
-                    .word(*pt_stride as u64);
-                b.word(*out_stride as u64)
-                    .ints(page_table)
-                    .ints(context_lens);
-                b.region(q).region(w).buffer(*k).region(out);
-            }
-            Op::TopK(TopK {
-                args:
-                    args::TopK {
-                        k,
-                        stride,
-                        context_lens,
-                        page_table,
-                        pt_stride,
-                    },
-                logits,
-                out,
-            }) => {
-                b.word(*k as u64)
-                    .word(*stride as u64)
-                    .word(*pt_stride as u64);
-                b.ints(context_lens)
-                    .ints(page_table)
-                    .region(logits)
-                    .region(out);
-            }
-            Op::SparseRead(SparseRead {
-                args: args::SparseRead { dtype, rows, k },
-                slots,
-                kv,
-                page_table,
-                pt_stride,
-                context_lens,
-                out,
-                tags: _,
-            }) => {
-                b.word(*dtype as u64).word(*rows as u64).word(*k as u64);
-                b.region(slots).buffer(*kv).shared_ints(page_table);
-                b.word(*pt_stride as u64)
-                    .shared_ints(context_lens)
-                    .region(out);
-            }
+            Op::IndexKStore(o) => b.index_k_store(o),
+            Op::KvStore(o) => b.kv_store(o),
+            Op::IndexLogits(o) => b.index_logits(o),
+            Op::TopK(o) => b.topk(o),
+            Op::SparseRead(o) => b.sparse_read(o),
             Op::QPrep(_) | Op::PageCopy(_) | Op::NextTokens(_) | Op::Copy(_) => return None,
         }
         b.shared.then_some(b.key)
@@ -236,7 +258,7 @@ impl CheckKey {
 
     /// Every array it names is still held by someone (else the key can never match again).
     fn alive(&self) -> bool {
-        self.arrays.iter().all(|a| (a.alive)())
+        self.arrays.iter().all(Identity::alive)
     }
 }
 
@@ -260,6 +282,12 @@ impl CheckMemo {
         if let Some(k) = &key {
             if self.passed.contains(k) {
                 crate::probe::hit(crate::probe::Probe::DeviceCheckRemembered);
+                // The paired assertion: the key holds everything a check reads (a check that
+                // came to read a field the key leaves out fails here, in every test build).
+                debug_assert!(
+                    super::check_op(op, desc).is_ok(),
+                    "a remembered verdict the check refuses: {k:?}"
+                );
                 return Ok(());
             }
         }

@@ -223,9 +223,10 @@ impl DeviceError {
 /// up to this many calls in all; then its error stands. Repeating a call is safe: a call of the
 /// simulated GPU has no effect when it fails; the runtime's enqueue (`runtime::driven`, the
 /// production device and the device of most simulated seeds) may have queued part of its work
-/// before it failed (an argument upload and launches that write only the op's own scratch, the
-/// first runs of a page copy, which it runs out before it returns), and the repeat enqueues the
-/// same bytes to the same places again.
+/// before it failed (argument uploads, launches that write only the op's own scratch, the
+/// resolution of pending tokens in place in the step's shared upload of rows, which resolving
+/// again leaves as it is, the first runs of a page copy, which it runs out before it returns),
+/// and the repeat enqueues the same bytes to the same places again.
 pub const CALL_TRIES_MAX: u32 = 8;
 
 /// Makes a device call (an event's creation, record or wait, an op's enqueue) and calls again
@@ -292,9 +293,11 @@ pub trait Device {
     /// Every call below that answers a `Result` has no effect when it fails: nothing is
     /// created, recorded, waited for or enqueued — but for `enqueue` on a runtime whose op is
     /// several driver calls (`runtime::driven`): the part it queued before the failing call
-    /// writes only the op's own scratch, or (runs of a page copy) the op's destination, and then
-    /// it has completed when the call returns. Nothing a failed call queued writes the op's
-    /// destination afterwards.
+    /// writes only the op's own scratch, the runtime's uploads of the op's arrays (kept for the
+    /// step's other ops: a drawn row's pending token resolved in place there, as every layer's
+    /// op resolves it), or (runs of a page copy) the op's destination, and then it has completed
+    /// when the call returns. Nothing a failed call queued writes the op's destination
+    /// afterwards.
     fn new_event(&mut self) -> Result<EventId, DeviceError>;
     /// Captures all work enqueued on `stream` so far.
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError>;

@@ -2,17 +2,20 @@
 //! on cudarc in production ([`super::cuda::CudaDevice`]) and on any other driver.
 //!
 //! [`DrivenDevice::enqueue`] turns one engine `Op` into kernel launches and copies on a stream.
-//! Every array an op carries (slots, page tables, context lengths, drawn rows and their
-//! positions, LayerNorm parameters) is shared by the ops of a step's layers (the engine makes
-//! each once a step, a layer's LayerNorm parameters once a model): it is uploaded once to a
-//! stream, kept there while the engine holds the array, and freed on that stream once it holds
-//! it no more (`SharedUpload`); an array an op borrows is uploaded for that op alone. Every
-//! upload is staged through a pinned ring per stream (`staging.rs`) into a stream-ordered
-//! allocation; an upload above a quarter of the ring is copied from pageable memory instead. An
-//! op's drawn inputs and RoPE rows go into one stream-ordered output allocation, freed on the
-//! op's stream after its launches. The model's inputs are drawn on the
-//! device from each row's token and position, and RoPE rows gathered from a table of the model's
-//! rows (made again, after a context synchronisation, when a position lies past it). Each event recorded on the load stream also
+//! The arrays a kernel op carries (slots, page tables, context lengths, drawn rows and their
+//! positions) are made once a step by the engine and shared by the ops of every layer; a
+//! layer's LayerNorm parameters are made once a model and shared by that layer's ops of every
+//! step. Each is uploaded once to a stream, kept there while the engine holds the array, and
+//! freed on that stream at the next enqueue, recovery or drop once it holds it no more
+//! (`SharedUpload`); an array an op borrows is uploaded for that op alone, and so are a gather
+//! copy's page pairs. Every upload is staged through a pinned ring per stream (`staging.rs`)
+//! into a stream-ordered allocation; an upload above a quarter of the ring is copied from
+//! pageable memory instead. An op's drawn inputs and RoPE rows go into one stream-ordered
+//! output allocation, freed on the op's stream after its launches. The model's inputs are drawn
+//! on the device from each row's token and position, and RoPE rows gathered from a table of the
+//! model's rows (made again, after a context synchronisation, when a position lies past it;
+//! only the rows it adds are computed). `check_op`'s verdict on the first layer's op of a step
+//! is taken for the others (`device::memo`). Each event recorded on the load stream also
 //! queues a host callback that signals the completion ring (`ring.rs`), which `query` reads
 //! before it asks the driver — when the event's ring slot is free (its previous callback ran;
 //! otherwise `query` asks the driver alone).
@@ -23,9 +26,10 @@
 use super::driver::{Copy2d, DrawKind, Driver, DrvEvent, EventUse, Launch, Mem, Ptr};
 use super::ring::{CompletionRing, Ticket};
 use super::staging::{Copies, StagingRing};
+use crate::device::memo::Identity;
 use crate::device::*;
 use crate::layout::{f32_bytes, u32_count, Bytes, LayoutFingerprint, ROPE_DIM};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 /// How page runs move between tiers. The default is the gather kernel: on the H200 it moves a
 /// scattered 128K-token layer at 88–92% of one large pinned copy, against 13–16% for one
@@ -137,15 +141,16 @@ impl Pack {
 }
 
 /// An array the ops of a step share (slots, page tables, context lengths, drawn rows and their
-/// positions, a layer's LayerNorm parameters), uploaded once to a stream. It stays on the
-/// device while a holder of the array may still enqueue an op that names it; once none holds
-/// it, it is freed on its stream, after every op that read it. Its weak reference keeps the
-/// array's address from being reused meanwhile.
+/// positions; a layer's LayerNorm parameters, shared by that layer's ops of every step),
+/// uploaded once to a stream. It stays on the device while a holder of the array may still
+/// enqueue an op that names it; once none holds it, it is freed on its stream (at the next
+/// enqueue, recovery or drop), after every op that read it. Its identity's weak reference
+/// keeps the array's address from being reused meanwhile.
 struct SharedUpload {
     stream: StreamKind,
-    /// The array's address and length, and what was uploaded of it.
-    key: (usize, usize, Derived),
-    alive: Box<dyn Fn() -> bool + Send>,
+    array: Identity,
+    /// What of the array was uploaded.
+    what: Derived,
     ptr: Ptr,
 }
 
@@ -179,6 +184,8 @@ struct DrawPlan {
     positions: Option<Ptr>,
     rope_out: Option<Packed>,
     positions_host: Vec<u32>,
+    /// The RoPE table and its rows, when the plan gathers RoPE rows.
+    table: Option<(Ptr, u32)>,
 }
 
 /// The production `Device` logic over a driver.
@@ -510,42 +517,74 @@ impl<D: Driver> DrivenDevice<D> {
         what: Derived,
         upload: impl FnOnce(&[T], &mut Self) -> Result<Ptr, DeviceError>,
     ) -> Result<Ptr, DeviceError> {
-        let key = (Arc::as_ptr(a) as *const T as usize, a.len(), what);
-        if let Some(u) = self.shared.iter().find(|u| u.stream == s && u.key == key) {
+        let at = (Arc::as_ptr(a) as *const T as usize, a.len());
+        let held = self.shared.iter();
+        if let Some(u) = held
+            .filter(|u| u.stream == s && u.what == what)
+            .find(|u| u.array.at == at)
+        {
             return Ok(u.ptr);
         }
         let ptr = upload(a, self)?;
         // The upload's allocation is the array's now, not the op's.
         let mem = self.scratch.pop().expect("the upload's allocation");
         assert_eq!(mem, ptr.mem, "the upload's allocation is the last one made");
-        let w: Weak<[T]> = Arc::downgrade(a);
         self.shared.push(SharedUpload {
             stream: s,
-            key,
-            alive: Box::new(move || w.strong_count() > 0),
+            array: Identity::of(a),
+            what,
             ptr,
         });
         Ok(ptr)
     }
 
     /// Frees, each on its stream, the shared arrays no holder names any more (every op that
-    /// read one was queued before this). With `all`, every shared array (their bytes are not
-    /// to be trusted after a recovery).
+    /// read one was queued before this, on that stream). With `all`, every shared array (their
+    /// bytes are not to be trusted after a recovery). Every one is forgotten; a free the driver
+    /// refuses (only a context in error refuses one) is the call's error, and its memory goes
+    /// with that context.
     fn retire_shared(&mut self, all: bool) -> Result<(), DeviceError> {
         let mut first = Ok(());
-        let mut i = 0;
-        while i < self.shared.len() {
-            if !all && (self.shared[i].alive)() {
-                i += 1;
-                continue;
-            }
-            let u = self.shared.swap_remove(i);
+        let before = self.shared.len();
+        let (gone, kept) = std::mem::take(&mut self.shared)
+            .into_iter()
+            .partition(|u| all || !u.array.alive());
+        self.shared = kept;
+        let gone: Vec<SharedUpload> = gone;
+        assert_eq!(
+            gone.len() + self.shared.len(),
+            before,
+            "every upload kept or freed"
+        );
+        for u in gone {
+            crate::probe::hit(crate::probe::Probe::RuntimeSharedRetired);
             let r = self.driver.free_async(u.stream, u.ptr.mem);
             if first.is_ok() {
                 first = r;
             }
         }
         first
+    }
+
+    /// A new device allocation holding `data`, copied from pageable memory after a context
+    /// synchronisation (freed again when the copy fails).
+    fn upload_table(&mut self, s: StreamKind, data: &[u8]) -> Result<Mem, DeviceError> {
+        let table = self.driver.alloc(&BufferDesc {
+            role: BufferRole::Scratch { name: "RoPE table" },
+            tier: MemoryTier::Device,
+            bytes: Bytes(data.len() as u64),
+            fingerprint: LayoutFingerprint::unpaged(data.len() as u64),
+        })?;
+        let copied = self
+            .driver
+            .copy_pageable(s, Ptr::whole(table, Bytes(data.len() as u64)), data)
+            .and_then(|()| self.driver.context_synchronize());
+        if let Err(e) = copied {
+            // The copy's error is the one to report, whatever the cleanup meets.
+            let _ = self.driver.free(table);
+            return Err(e);
+        }
+        Ok(table)
     }
 
     /// Makes the device's RoPE table of `rope` hold row `max` (made, or doubled, on the host
@@ -580,28 +619,23 @@ impl<D: Driver> DrivenDevice<D> {
                 })?
                 .max(ROPE_TABLE_ROWS_MIN);
             // The rows of the table it replaces, when it is the same model's, are kept.
-            let mut host = match self.rope.as_ref().filter(|t| t.rope == *rope) {
-                Some(t) => t.host.clone(),
+            let mut host = match self.rope.as_mut().filter(|t| t.rope == *rope) {
+                Some(t) => std::mem::take(&mut t.host),
                 None => Vec::new(),
             };
             let had = (host.len() / ROPE_DIM as usize) as u32;
             host.extend(rope.rows(had..rows));
-            let data = bytes_of(&host);
-            let table = self.driver.alloc(&BufferDesc {
-                role: BufferRole::Scratch { name: "RoPE table" },
-                tier: MemoryTier::Device,
-                bytes: Bytes(data.len() as u64),
-                fingerprint: LayoutFingerprint::unpaged(data.len() as u64),
-            })?;
-            let copied = self
-                .driver
-                .copy_pageable(s, Ptr::whole(table, Bytes(data.len() as u64)), data)
-                .and_then(|()| self.driver.context_synchronize());
-            if let Err(e) = copied {
-                // The copy's error is the one to report, whatever the cleanup meets.
-                let _ = self.driver.free(table);
-                return Err(e);
-            }
+            let table = match self.upload_table(s, bytes_of(&host)) {
+                Ok(table) => table,
+                Err(e) => {
+                    // The table it would have replaced keeps its rows.
+                    if let Some(t) = self.rope.as_mut().filter(|t| t.rope == *rope) {
+                        host.truncate(had as usize * ROPE_DIM as usize);
+                        t.host = host;
+                    }
+                    return Err(e);
+                }
+            };
             let old = self.rope.replace(RopeTable {
                 rope: *rope,
                 rows,
@@ -626,23 +660,29 @@ impl<D: Driver> DrivenDevice<D> {
         p: &mut Pack,
         d: &Drawn,
         kinds: &[DrawKind],
-        rope: bool,
+        rope: Option<&Rope>,
     ) -> Result<DrawPlan, DeviceError> {
         let rows = d.rows.len() as u64;
-        let positions = rope.then(|| d.positions());
-        let positions_dev = match rope {
-            true => Some(self.shared_as(s, &d.rows, Derived::Positions, |r, dev| {
-                let p: Vec<u32> = r.iter().map(|t| t.position).collect();
-                dev.upload(s, bytes_of(&p))
-            })?),
-            false => None,
+        let positions = rope.map(|_| d.positions());
+        let (positions_dev, table) = match rope {
+            Some(rope) => {
+                let max = d.rows.iter().map(|t| t.position).max().unwrap_or(0);
+                let table = self.rope_table(s, rope, max)?;
+                let dev = self.shared_as(s, &d.rows, Derived::Positions, |r, dev| {
+                    let p: Vec<u32> = r.iter().map(|t| t.position).collect();
+                    dev.upload(s, bytes_of(&p))
+                })?;
+                (Some(dev), Some(table))
+            }
+            None => (None, None),
         };
         Ok(DrawPlan {
             rows: self.shared(s, &d.rows)?,
             outs: kinds.iter().map(|k| p.out(k.bytes(rows))).collect(),
             positions: positions_dev,
-            rope_out: rope.then(|| p.out(f32_bytes(rows * ROPE_DIM as u64))),
+            rope_out: rope.map(|_| p.out(f32_bytes(rows * ROPE_DIM as u64))),
             positions_host: positions.unwrap_or_default(),
+            table,
         })
     }
 
@@ -659,7 +699,6 @@ impl<D: Driver> DrivenDevice<D> {
         kinds: &[DrawKind],
         plan: &DrawPlan,
         st: &Staged,
-        rope: Option<(Ptr, u32)>,
     ) -> Result<(), DeviceError> {
         let rows_dev = plan.rows;
         if let Some(t) = d.tokens {
@@ -688,7 +727,7 @@ impl<D: Driver> DrivenDevice<D> {
             )?;
         }
         if let (Some((table, table_rows)), Some(pos), Some(out)) =
-            (rope, plan.positions, plan.rope_out)
+            (plan.table, plan.positions, plan.rope_out)
         {
             self.driver.launch(
                 s,
@@ -711,13 +750,11 @@ impl<D: Driver> DrivenDevice<D> {
         match op {
             Op::IndexKStore(o) => {
                 let kinds = [DrawKind::IndexKeys];
-                let plan = self.plan_draws(s, &mut p, &o.keys, &kinds, true)?;
+                let plan = self.plan_draws(s, &mut p, &o.keys, &kinds, Some(&o.rope))?;
                 let (gamma, beta) = (self.shared(s, &o.gamma)?, self.shared(s, &o.beta)?);
-                let max = plan.positions_host.iter().copied().max().unwrap_or(0);
-                let table = self.rope_table(s, &o.rope, max)?;
                 let slots = self.shared_arg(s, &o.args.slots)?;
                 let st = self.stage(s, &p)?;
-                self.draw(s, &o.keys, &kinds, &plan, &st, Some(table))?;
+                self.draw(s, &o.keys, &kinds, &plan, &st)?;
                 let l = Launch::IndexKStore {
                     op: o,
                     keys: st.out(plan.outs[0]),
@@ -732,10 +769,10 @@ impl<D: Driver> DrivenDevice<D> {
             }
             Op::KvStore(o) => {
                 let kinds = [DrawKind::KvRows];
-                let plan = self.plan_draws(s, &mut p, &o.rows, &kinds, false)?;
+                let plan = self.plan_draws(s, &mut p, &o.rows, &kinds, None)?;
                 let slots = self.shared_arg(s, &o.args.slots)?;
                 let st = self.stage(s, &p)?;
-                self.draw(s, &o.rows, &kinds, &plan, &st, None)?;
+                self.draw(s, &o.rows, &kinds, &plan, &st)?;
                 let l = Launch::KvStore {
                     op: o,
                     rows: st.out(plan.outs[0]),
@@ -748,11 +785,9 @@ impl<D: Driver> DrivenDevice<D> {
             Op::QPrep(o) => {
                 let heads = o.args.heads;
                 let kinds = [DrawKind::Queries { heads }, DrawKind::HeadWeights { heads }];
-                let plan = self.plan_draws(s, &mut p, &o.inputs, &kinds, true)?;
-                let max = plan.positions_host.iter().copied().max().unwrap_or(0);
-                let table = self.rope_table(s, &o.rope, max)?;
+                let plan = self.plan_draws(s, &mut p, &o.inputs, &kinds, Some(&o.rope))?;
                 let st = self.stage(s, &p)?;
-                self.draw(s, &o.inputs, &kinds, &plan, &st, Some(table))?;
+                self.draw(s, &o.inputs, &kinds, &plan, &st)?;
                 let l = Launch::QPrep {
                     op: o,
                     q: st.out(plan.outs[0]),
@@ -972,9 +1007,6 @@ impl<D: Driver> Device for DrivenDevice<D> {
     fn recover(&mut self) -> Result<(), DeviceError> {
         let generation = self.driver.context_generation();
         self.driver.recover()?;
-        // What a shared array's upload holds after a fault is not known: each is uploaded
-        // again when next named.
-        self.retire_shared(true)?;
         // The callbacks queued before the fault may never run (CUDA drops them after an
         // error): their slots start again in a new ring. A late one signals the old ring, which
         // nobody reads.
@@ -987,7 +1019,9 @@ impl<D: Driver> Device for DrivenDevice<D> {
                 t.lost = true;
             }
         }
-        Ok(())
+        // What a shared array's upload holds after a fault is not known: each is uploaded
+        // again when next named.
+        self.retire_shared(true)
     }
     fn context_generation(&self) -> u64 {
         self.driver.context_generation()
