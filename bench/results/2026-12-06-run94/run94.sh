@@ -5,14 +5,17 @@
 # `tierkv sim --device cuda` over 48 seeds. `run94.sh replay`: `tierkv replay --device cuda`,
 # built-in excerpt, arrivals /5, one step ahead, at 61 layers (60 requests) and 4 layers (120
 # requests), the two builds alternated, two replays each; and `host_cost` (no GPU) on this
-# machine's CPU. Staged by bench/stage.sh. Run from the checkout, .gpu/ beside it.
+# machine's CPU. `run94.sh all`: one replay of each build at each depth, then the checks (one
+# call, when machines are scarce). Staged by bench/stage.sh. Run from the checkout, .gpu/
+# beside it.
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export CUDA_INCLUDE_DIR=/usr/local/cuda/include CUDA_HOME=/usr/local/cuda
 G=.gpu
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ "${1:-check}" = check ]; then
+MODE=${1:-check}
+checks() {
 echo "=== kernel conformance"
 timeout 90 "$G/bin/kernels_it" cuda --test-threads 1 > "$OUT/conformance.log" 2>&1; echo "rc=$?"
 grep -E "test result|panicked|FAILED" "$OUT/conformance.log" | head -24
@@ -22,13 +25,14 @@ grep -E "^test |test result|panicked|FAILED" "$OUT/engine_cuda.log" | head -8
 echo "=== sim --device cuda 0..48"
 timeout 200 "$G/bin/tierkv" sim --device cuda --seeds 0..48 --jobs 16 --no-shrink --keep-going > "$OUT/sim.log" 2>&1; echo "rc=$?"
 tr '\r' '\n' < "$OUT/sim.log" | grep -vE "^progress" | tail -8
-else
+}
+replays() {
 echo "=== host_cost (no GPU)"
 "$G/bin/host_cost" 61 60 1 | tee "$OUT/host_cost.log"
 "$G/bin/host_cost" 4 120 1 | tee -a "$OUT/host_cost.log"
 for layers in 61 4; do
   req=60; [ "$layers" = 4 ] && req=120
-  for i in 1 2; do
+  for i in $(seq 1 "$1"); do
     for b in tierkv-old tierkv; do
       f="$OUT/replay-$layers-$b-$i.log"
       timeout 150 "$G/bin/$b" replay --device cuda --trace "$G/data/trace.jsonl" --requests $req --layers $layers --time-scale 5 --overlap > "$f" 2>&1
@@ -37,4 +41,9 @@ for layers in 61 4; do
     done
   done
 done
-fi
+}
+case "$MODE" in
+  check) checks ;;
+  replay) replays 2 ;;
+  all) replays 1; checks ;;
+esac
