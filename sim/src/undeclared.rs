@@ -101,7 +101,9 @@ pub fn before(op: &Op, op_id: u64, mem: &Memory, arena: &mut Vec<u8>) -> Vec<Sha
                         .map(|r| {
                             let first = (r.start / pb).saturating_sub(1);
                             let last = r.end.div_ceil(pb) + 1;
-                            first * pb..(last * pb).min(len)
+                            // A write declared past the buffer (an op whose arrays the device
+                            // read as garbage) is the executor's to refuse, not this copy's.
+                            (first * pb).min(len)..(last * pb).min(len)
                         })
                         .collect(),
                 )
@@ -110,7 +112,8 @@ pub fn before(op: &Op, op_id: u64, mem: &Memory, arena: &mut Vec<u8>) -> Vec<Sha
                     allowed
                         .iter()
                         .map(|r| {
-                            r.start.saturating_sub(MARGIN_BYTES)..(r.end + MARGIN_BYTES).min(len)
+                            let end = r.end.saturating_add(MARGIN_BYTES).min(len);
+                            r.start.saturating_sub(MARGIN_BYTES).min(end)..end
                         })
                         .collect(),
                 )
@@ -220,6 +223,14 @@ impl ReadProbe {
     /// read nothing that has undeclared bytes beside it.
     pub fn before(op: &Op, mem: &Memory) -> Option<ReadProbe> {
         let accesses = op.accesses();
+        // An op declaring bytes past a buffer (its arrays read as garbage on the device) is the
+        // executor's to refuse; nothing is probed.
+        if accesses
+            .iter()
+            .any(|a| a.range.span().end > mem.bytes(a.range.buffer).len())
+        {
+            return None;
+        }
         let writes: Vec<(ByteRange, Vec<u8>)> = accesses
             .iter()
             .filter(|a| a.write)
