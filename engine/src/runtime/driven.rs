@@ -6,7 +6,7 @@
 //! positions) are made once a step by the engine and shared by the ops of every layer; a
 //! layer's LayerNorm parameters are made once a model and shared by that layer's ops of every
 //! step. Each is uploaded once to a stream, kept there while the engine holds the array, and
-//! freed on that stream at the next enqueue, recovery or drop once it holds it no more
+//! freed on that stream at the next event record, recovery or drop once it holds it no more
 //! (`SharedUpload`); an array an op borrows is uploaded for that op alone, and so are a gather
 //! copy's page pairs. Every upload is staged through a pinned ring per stream (`staging.rs`)
 //! into a stream-ordered allocation; an upload above a quarter of the ring is copied from
@@ -144,7 +144,7 @@ impl Pack {
 /// positions; a layer's LayerNorm parameters, shared by that layer's ops of every step),
 /// uploaded once to a stream. It stays on the device while a holder of the array may still
 /// enqueue an op that names it; once none holds it, it is freed on its stream (at the next
-/// enqueue, recovery or drop), after every op that read it. Its identity's weak reference
+/// event record, recovery or drop), after every op that read it. Its identity's weak reference
 /// keeps the array's address from being reused meanwhile.
 struct SharedUpload {
     stream: StreamKind,
@@ -946,6 +946,9 @@ impl<D: Driver> Device for DrivenDevice<D> {
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
         self.driver.bind()?;
+        // The arrays the engine dropped since the last record (a step ends with one) go now:
+        // once a record, not once an op, as there are a few dozen uploads to look at.
+        self.retire_shared(false)?;
         self.driver
             .event_record(stream, self.events[ev.0 as usize])?;
         // A slot whose previous callback has not run yet (late, or never: CUDA drops the
@@ -1045,7 +1048,6 @@ impl<D: Driver> Device for DrivenDevice<D> {
         let buffers = &self.buffers;
         self.checked.check(&op, &|b| buffers[b.0 as usize].1)?;
         self.driver.bind()?;
-        self.retire_shared(false)?;
         let r = self.timed(stream, Some(op.kind()), |d| {
             let r = d.run(stream, &op);
             let freed = d.free_scratch(stream);
