@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run 94 (kernels/GPU.md): issue 35's first part (`cefeae7`), the arrays of a step uploaded once and the
+# Run 94 (kernels/GPU.md): issue 35's first part (`19363e1`), the arrays of a step uploaded once and the
 # checks of a step's layers made once, against the build before it (`8424557`,
 # staged as .gpu/bin/tierkv-old). `run94.sh check`: kernel conformance, `engine_it cuda_device`,
 # `tierkv sim --device cuda` over 48 seeds. `run94.sh replay`: `tierkv replay --device cuda`,
