@@ -22,8 +22,8 @@ grep -E "test result|panicked|FAILED" "$OUT/conformance.log" | head -24
 echo "=== engine_it cuda_device"
 timeout 60 "$G/bin/engine_it" cuda_device --test-threads 1 > "$OUT/engine_cuda.log" 2>&1; echo "rc=$?"
 grep -E "^test |test result|panicked|FAILED" "$OUT/engine_cuda.log" | head -8
-echo "=== sim --device cuda 0..48"
-timeout 200 "$G/bin/tierkv" sim --device cuda --seeds 0..48 --jobs 16 --no-shrink --keep-going > "$OUT/sim.log" 2>&1; echo "rc=$?"
+echo "=== sim --device cuda 0..${SIM_SEEDS:-48}"
+timeout 200 "$G/bin/tierkv" sim --device cuda --seeds 0..${SIM_SEEDS:-48} --jobs 16 --no-shrink --keep-going > "$OUT/sim.log" 2>&1; echo "rc=$?"
 tr '\r' '\n' < "$OUT/sim.log" | grep -vE "^progress" | tail -8
 }
 replays() {
