@@ -6,7 +6,7 @@
 # built-in excerpt, arrivals /5, one step ahead, at 61 layers (60 requests) and 4 layers (120
 # requests), the two builds alternated, two replays each; and `host_cost` (no GPU) on this
 # machine's CPU. `run94.sh all`: one replay of each build at each depth, then the checks (one
-# call, when machines are scarce). Staged by bench/stage.sh. Run from the checkout, .gpu/
+# call, when machines are scarce); `run94.sh quick`: the replays and `engine_it cuda_device`. Staged by bench/stage.sh. Run from the checkout, .gpu/
 # beside it.
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -46,4 +46,8 @@ case "$MODE" in
   check) checks ;;
   replay) replays 2 ;;
   all) replays 1; checks ;;
+  quick) replays 1
+    echo "=== engine_it cuda_device"
+    timeout 60 "$G/bin/engine_it" cuda_device --test-threads 1 > "$OUT/engine_cuda.log" 2>&1; echo "rc=$?"
+    grep -E "^test |test result|panicked|FAILED" "$OUT/engine_cuda.log" | head -8 ;;
 esac
