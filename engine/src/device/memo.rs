@@ -283,7 +283,8 @@ impl CheckMemo {
             if self.passed.contains(k) {
                 crate::probe::hit(crate::probe::Probe::DeviceCheckRemembered);
                 // The paired assertion: the key holds everything a check reads (a check that
-                // came to read a field the key leaves out fails here, in every test build).
+                // came to read a field the key leaves out fails here, with debug assertions
+                // on, as in `cargo test`).
                 debug_assert!(
                     super::check_op(op, desc).is_ok(),
                     "a remembered verdict the check refuses: {k:?}"

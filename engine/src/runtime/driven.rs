@@ -666,7 +666,7 @@ impl<D: Driver> DrivenDevice<D> {
         let positions = rope.map(|_| d.positions());
         let (positions_dev, table) = match rope {
             Some(rope) => {
-                let max = d.rows.iter().map(|t| t.position).max().unwrap_or(0);
+                let max = positions.iter().flatten().copied().max().unwrap_or(0);
                 let table = self.rope_table(s, rope, max)?;
                 let dev = self.shared_as(s, &d.rows, Derived::Positions, |r, dev| {
                     let p: Vec<u32> = r.iter().map(|t| t.position).collect();
