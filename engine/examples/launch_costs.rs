@@ -81,7 +81,10 @@ fn main() {
     let st = stream.cu_stream();
     let ptx = cudarc::nvrtc::compile_ptx(KERNEL).expect("NVRTC compiles the kernel");
     let module = ctx.load_module(ptx).expect("module");
-    let f = module.load_function("touch").expect("function").cu_function();
+    let f = module
+        .load_function("touch")
+        .expect("function")
+        .cu_function();
     let buf = stream.alloc_zeros::<f32>(1024).expect("buffer");
     let base = {
         use cudarc::driver::DevicePtr;
@@ -97,7 +100,19 @@ fn main() {
         let mut a = params.array();
         // SAFETY: a live function and stream; the parameters match the kernel's.
         let r = unsafe {
-            sys::cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, st, a.as_mut_ptr(), std::ptr::null_mut())
+            sys::cuLaunchKernel(
+                f,
+                1,
+                1,
+                1,
+                32,
+                1,
+                1,
+                0,
+                st,
+                a.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
         };
         ok(r, "cuLaunchKernel");
     };
@@ -135,7 +150,12 @@ fn main() {
     );
     println!("cuEventRecord (timing): {timed_ns:.0} ns a call");
     let wait_ns = per_call(
-        |_| ok(unsafe { sys::cuStreamWaitEvent(st, ev, 0) }, "cuStreamWaitEvent"),
+        |_| {
+            ok(
+                unsafe { sys::cuStreamWaitEvent(st, ev, 0) },
+                "cuStreamWaitEvent",
+            )
+        },
         sync,
     );
     println!("cuStreamWaitEvent: {wait_ns:.0} ns a call");
@@ -145,7 +165,10 @@ fn main() {
         |_| {
             let mut p: sys::CUdeviceptr = 0;
             // SAFETY: a stream-ordered allocation, freed on the same stream at once.
-            ok(unsafe { sys::cuMemAllocAsync(&mut p, 4096, st) }, "cuMemAllocAsync");
+            ok(
+                unsafe { sys::cuMemAllocAsync(&mut p, 4096, st) },
+                "cuMemAllocAsync",
+            );
             ok(unsafe { sys::cuMemFreeAsync(p, st) }, "cuMemFreeAsync");
         },
         sync,
@@ -185,7 +208,10 @@ fn main() {
     let instantiate = |g: sys::CUgraph| -> sys::CUgraphExec {
         let mut e: sys::CUgraphExec = std::ptr::null_mut();
         // SAFETY: a complete graph.
-        ok(unsafe { sys::cuGraphInstantiateWithFlags(&mut e, g, 0) }, "instantiate");
+        ok(
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut e, g, 0) },
+            "instantiate",
+        );
         e
     };
     let t = Instant::now();
@@ -197,7 +223,10 @@ fn main() {
     for &g in &graphs[1..] {
         // SAFETY: graphs of the same topology as the exec's.
         let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
-        ok(unsafe { sys::cuGraphExecUpdate_v2(exec, g, &mut info) }, "update");
+        ok(
+            unsafe { sys::cuGraphExecUpdate_v2(exec, g, &mut info) },
+            "update",
+        );
     }
     let update_ns = t.elapsed().as_nanos() as f64 / (BATCH - 1) as f64;
     println!("cuGraphExecUpdate of {nodes} nodes: {update_ns:.0} ns a graph");
@@ -259,7 +288,10 @@ fn main() {
         ok(unsafe { sys::cuEventRecord(tev, st) }, "record");
         sync();
         let mut ms = 0f32;
-        ok(unsafe { sys::cuEventElapsedTime_v2(&mut ms, t0, tev) }, "elapsed");
+        ok(
+            unsafe { sys::cuEventElapsedTime_v2(&mut ms, t0, tev) },
+            "elapsed",
+        );
         ms as f64 * 1e3
     };
     let kernels = 4096usize;
