@@ -255,6 +255,12 @@ probes! {
     /// The runtime: an array the ops of a step shared was freed on its stream (nobody held it
     /// any more, or a recovery forgot every upload).
     RuntimeSharedRetired = "runtime.shared_retired",
+    /// The runtime: a stream's output allocation was too small for an op's outputs and was
+    /// replaced by a larger one.
+    RuntimeOutputsGrown = "runtime.outputs_grown",
+    /// The runtime: drawn rows whose pending tokens an earlier op of the step resolved in their
+    /// shared upload were not resolved again.
+    RuntimeResolvedOnce = "runtime.resolved_once",
     /// The runtime: a page copy failed after some of its runs were queued; the stream ran them
     /// out before the error returned, so nothing of the failed call is still queued.
     RuntimePartialCopyDrained = "runtime.partial_copy_drained",

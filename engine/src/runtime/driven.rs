@@ -10,11 +10,13 @@
 //! (`SharedUpload`); an array an op borrows is uploaded for that op alone, and so are a gather
 //! copy's page pairs. Every upload is staged through a pinned ring per stream (`staging.rs`)
 //! into a stream-ordered allocation; an upload above a quarter of the ring is copied from
-//! pageable memory instead. An op's drawn inputs and RoPE rows go into one stream-ordered
-//! output allocation, freed on the op's stream after its launches. The model's inputs are drawn
-//! on the device from each row's token and position, and RoPE rows gathered from a table of the
-//! model's rows (made again, after a context synchronisation, when a position lies past it;
-//! only the rows it adds are computed). `check_op`'s verdict on the first layer's op of a step
+//! pageable memory instead. An op's drawn inputs and RoPE rows go into the start of its
+//! stream's output allocation (stream-ordered, grown when an op needs more: the ops of a stream
+//! run one after another, and an op's outputs are read by its own kernels alone). The model's
+//! inputs are drawn on the device from each row's token and position (a step's pending rows
+//! resolved from its tokens once, by the first op that draws them), and RoPE rows gathered from
+//! a table of the model's rows (made again, after a context synchronisation, when a position
+//! lies past it; only the rows it adds are computed). `check_op`'s verdict on the first layer's op of a step
 //! is taken for the others (`device::memo`). Each event recorded on the load stream also
 //! queues a host callback that signals the completion ring (`ring.rs`), which `query` reads
 //! before it asks the driver — when the event's ring slot is free (its previous callback ran;
@@ -152,6 +154,9 @@ struct SharedUpload {
     /// What of the array was uploaded.
     what: Derived,
     ptr: Ptr,
+    /// Drawn rows: the tokens region their pending rows were resolved from, in place in this
+    /// upload (by the first op that named them; the others find none pending).
+    resolved: Option<Ptr>,
 }
 
 /// What of a shared array an upload holds.
@@ -205,6 +210,10 @@ pub struct DrivenDevice<D: Driver> {
     rope: Option<RopeTable>,
     /// Stream-ordered allocations of the op being enqueued, freed on its stream after it.
     scratch: Vec<Mem>,
+    /// Per stream, the stream-ordered allocation every op's outputs on it are drawn into (from
+    /// its start: the ops of a stream run one after another, and an op's outputs are read by
+    /// its own kernels alone). It grows by a free and an allocation on its stream.
+    outputs: [Option<Ptr>; StreamKind::ALL.len()],
     /// The shared index arrays on the device (a handful a step).
     shared: Vec<SharedUpload>,
     /// The ops checked, by key: the other layers of a step take their verdict.
@@ -250,6 +259,7 @@ impl<D: Driver> DrivenDevice<D> {
             staging_bytes,
             rope: None,
             scratch: Vec::new(),
+            outputs: [None; StreamKind::ALL.len()],
             shared: Vec::new(),
             checked: Default::default(),
             ring: Arc::new(CompletionRing::new(RING_SLOTS)),
@@ -478,14 +488,48 @@ impl<D: Driver> DrivenDevice<D> {
         self.driver.copy_async(s, to, src)
     }
 
-    /// Allocates the op's outputs: one stream-ordered allocation for the whole op (none for an
-    /// op without).
+    /// Places the op's outputs at the start of its stream's output allocation (none for an op
+    /// without), grown first when they do not fit: the old one freed on the stream, after every
+    /// op that wrote it, and a new one of the next power of two of bytes made.
     fn stage(&mut self, s: StreamKind, p: &Pack) -> Result<Staged, DeviceError> {
-        let outs = match p.outs {
-            0 => None,
-            n => Some(self.scratch_alloc(s, Bytes(n))?),
+        let n = Bytes(p.outs);
+        if n.0 == 0 {
+            return Ok(Staged { outs: None });
+        }
+        let held = self.outputs[s.index()].filter(|o| o.bytes >= n);
+        let outs = match held {
+            Some(o) => o,
+            None => {
+                if let Some(old) = self.outputs[s.index()].take() {
+                    self.driver.free_async(s, old.mem)?;
+                }
+                let o = self.scratch_alloc(s, Bytes(n.0.next_power_of_two()))?;
+                // The allocation is the stream's now, not the op's.
+                let mem = self.scratch.pop().expect("the outputs' allocation");
+                assert_eq!(mem, o.mem, "the outputs' allocation is the last one made");
+                crate::probe::hit(crate::probe::Probe::RuntimeOutputsGrown);
+                self.outputs[s.index()] = Some(o);
+                o
+            }
         };
-        Ok(Staged { outs })
+        Ok(Staged {
+            outs: Some(outs.at(Bytes(0), n)),
+        })
+    }
+
+    /// Frees every stream's output allocation on its stream (a free the driver refuses is the
+    /// call's error; its memory goes with the context in error that refused it).
+    fn retire_outputs(&mut self) -> Result<(), DeviceError> {
+        let mut first = Ok(());
+        for s in StreamKind::ALL {
+            if let Some(o) = self.outputs[s.index()].take() {
+                let r = self.driver.free_async(s, o.mem);
+                if first.is_ok() {
+                    first = r;
+                }
+            }
+        }
+        first
     }
 
     /// The device copy on `s` of an index array: the one uploaded already when the array is
@@ -534,6 +578,7 @@ impl<D: Driver> DrivenDevice<D> {
             array: Identity::of(a),
             what,
             ptr,
+            resolved: None,
         });
         Ok(ptr)
     }
@@ -686,11 +731,19 @@ impl<D: Driver> DrivenDevice<D> {
         })
     }
 
+    /// The shared upload of drawn rows at `rows_dev`.
+    fn rows_upload(&mut self, rows_dev: Ptr) -> &mut SharedUpload {
+        self.shared
+            .iter_mut()
+            .find(|u| u.ptr == rows_dev && u.what == Derived::Bytes)
+            .expect("drawn rows are uploaded shared")
+    }
+
     /// Draws the synthetic model's inputs of `d`'s rows on stream `s` into the op's outputs (the
     /// host sends 8 bytes a row instead of the values; pending rows take their token from the
     /// op's tokens region first, on the device, in place in the rows' upload: the layers of a
-    /// step share that upload, the first layer's launch resolves the rows and the others' find
-    /// none pending, as no token id reads as pending), and gathers their RoPE rows from `rope`
+    /// step share that upload, and only the first op that draws from it resolves the rows), and
+    /// gathers their RoPE rows from `rope`
     /// (the table and its rows) when the plan has them.
     fn draw(
         &mut self,
@@ -703,15 +756,23 @@ impl<D: Driver> DrivenDevice<D> {
         let rows_dev = plan.rows;
         if let Some(t) = d.tokens {
             let tokens = self.region(&t);
-            self.driver.launch(
-                s,
-                &Launch::ResolvePending {
-                    rows: &d.rows,
-                    rows_dev,
-                    tokens,
-                    tokens_len: u32_count(t.bytes) as u32,
-                },
-            )?;
+            // The rows' upload resolved from these tokens already (by an earlier layer's op of
+            // the step): nothing of it is pending any more.
+            // A launch the driver refused resolved nothing: the op's next try launches it again.
+            if self.rows_upload(rows_dev).resolved == Some(tokens) {
+                crate::probe::hit(crate::probe::Probe::RuntimeResolvedOnce);
+            } else {
+                self.driver.launch(
+                    s,
+                    &Launch::ResolvePending {
+                        rows: &d.rows,
+                        rows_dev,
+                        tokens,
+                        tokens_len: u32_count(t.bytes) as u32,
+                    },
+                )?;
+                self.rows_upload(rows_dev).resolved = Some(tokens);
+            }
         }
         for (&kind, &out) in kinds.iter().zip(&plan.outs) {
             self.driver.launch(
@@ -926,6 +987,7 @@ impl<D: Driver> Drop for DrivenDevice<D> {
     fn drop(&mut self) {
         let _ = self.driver.bind();
         let _ = self.retire_shared(true);
+        let _ = self.retire_outputs();
         let _ = self.synchronize_all();
     }
 }
@@ -1023,8 +1085,9 @@ impl<D: Driver> Device for DrivenDevice<D> {
             }
         }
         // What a shared array's upload holds after a fault is not known: each is uploaded
-        // again when next named.
-        self.retire_shared(true)
+        // again when next named. The output allocations are made again when next needed.
+        let outputs = self.retire_outputs();
+        self.retire_shared(true).and(outputs)
     }
     fn context_generation(&self) -> u64 {
         self.driver.context_generation()
