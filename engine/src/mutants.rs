@@ -173,6 +173,14 @@ pub enum Mutant {
     ///     the event's latest record: the compute stream then waits for the backup, not for the
     ///     load, and reads the layer while its copy may still run.
     LoadEventPooledAtIssue,
+    /// 46. Runtime, CUDA graphs: a recovery frees the uploads and output allocations the
+    ///     compute stream's graphs name, but keeps the graphs. When the step is run again, an
+    ///     op equal to one captured before the fault names new allocations that took the freed
+    ///     ones' ids and offsets, and replays the kept graph, which runs on the freed memory
+    ///     (a graph replayed over buffers freed since its capture: the class of vLLM's and
+    ///     PyTorch's CUDA-graph pools, where a captured graph keeps the addresses of its
+    ///     capture).
+    GraphsKeptOnRecovery,
 }
 
 /// The lease of mutant 40: how long a load's host copies are kept from eviction (simulated
@@ -180,7 +188,7 @@ pub enum Mutant {
 pub const HOST_LEASE_NS: u64 = 20_000;
 
 impl Mutant {
-    pub const ALL: [Mutant; 45] = [
+    pub const ALL: [Mutant; 46] = [
         Mutant::HostIndexKFromFp8Defaults,
         Mutant::UngatedIndexKRead,
         Mutant::IndexKNotMirrored,
@@ -226,6 +234,7 @@ impl Mutant {
         Mutant::RecreationKeepsDeviceTier,
         Mutant::PdAdmitsAcrossRecreation,
         Mutant::LoadEventPooledAtIssue,
+        Mutant::GraphsKeptOnRecovery,
     ];
     /// The mutants of prefill/decode disaggregation: they act only in a prefill/decode pair, so
     /// the zoo runs them under the `pd` profile.
@@ -253,6 +262,7 @@ impl Mutant {
                 | Mutant::ScratchFreedOnOtherStream
                 | Mutant::CallbackOnComputeStream
                 | Mutant::PageableBufferReused
+                | Mutant::GraphsKeptOnRecovery
         )
     }
     /// The mutants of an engine that runs one step ahead: the simulator switches the overlap
@@ -310,6 +320,7 @@ impl Mutant {
             Mutant::RecreationKeepsDeviceTier => "recreation-keeps-device-tier",
             Mutant::PdAdmitsAcrossRecreation => "pd-admits-across-recreation",
             Mutant::LoadEventPooledAtIssue => "load-event-pooled-at-issue",
+            Mutant::GraphsKeptOnRecovery => "graphs-kept-on-recovery",
         }
     }
     pub fn incident(self) -> &'static str {
@@ -366,6 +377,9 @@ impl Mutant {
             }
             Mutant::LoadEventPooledAtIssue => {
                 "runtime: an event back in its pool while another stream still waits on it"
+            }
+            Mutant::GraphsKeptOnRecovery => {
+                "runtime: CUDA graphs replayed over buffers freed since their capture"
             }
         }
     }
@@ -646,6 +660,11 @@ impl Mutants {
     /// queued.
     pub fn load_events_pooled_at_issue(&self) -> bool {
         self.on(Mutant::LoadEventPooledAtIssue)
+    }
+    /// Mutant 46: whether the graphs that name an allocation being freed are kept. Clean:
+    /// never; the mutant keeps them when the free is a recovery's (`recovering`).
+    pub fn graphs_kept(&self, recovering: bool) -> bool {
+        recovering && self.on(Mutant::GraphsKeptOnRecovery)
     }
     /// Mutants 7 and 11: a load may be acknowledged before its copy finished (its layer waits
     /// were skipped, or its slot reclaimed without waiting). The clean engine never does.

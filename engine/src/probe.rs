@@ -261,6 +261,12 @@ probes! {
     /// The runtime: drawn rows whose pending tokens an earlier op of the step resolved in their
     /// shared upload were not resolved again.
     RuntimeResolvedOnce = "runtime.resolved_once",
+    /// The runtime, graphs on: an op's launches were captured into a graph, which was launched.
+    RuntimeGraphCaptured = "runtime.graph_captured",
+    /// The runtime, graphs on: an op equal to one captured before launched that graph again.
+    RuntimeGraphReplayed = "runtime.graph_replayed",
+    /// The runtime, graphs on: a graph was destroyed because an allocation it names was freed.
+    RuntimeGraphForgotten = "runtime.graph_forgotten",
     /// The runtime: a page copy failed after some of its runs were queued; the stream ran them
     /// out before the error returned, so nothing of the failed call is still queued.
     RuntimePartialCopyDrained = "runtime.partial_copy_drained",

@@ -5,9 +5,10 @@
 //! built-in excerpt, `tierkv replay`'s configuration) are submitted at once and the engine
 //! stepped until idle.
 //!
-//! `cargo run --release -p tierkv-sim --example host_cost -- [LAYERS [REQUESTS [OVERLAP]]]`
-//! (defaults: 61 60 0). Prints the mean host time per computing step (inside the engine's
-//! enqueue phase, and the whole step) and the driver calls and launches a step.
+//! `cargo run --release -p tierkv-sim --example host_cost -- [LAYERS [REQUESTS [OVERLAP [GRAPHS]]]]`
+//! (defaults: 61 60 0 1). Prints the mean host time per computing step (inside the engine's
+//! enqueue phase, and the whole step) and the driver calls, launches (captured or not) and
+//! graph launches a step. With GRAPHS 1 the compute stream's ops go through graphs, as on CUDA.
 
 use clap::Parser;
 use std::process::ExitCode;
@@ -15,7 +16,7 @@ use tierkv_engine::device::{BufferDesc, DeviceError, EventState, StreamKind};
 use tierkv_engine::layout::Bytes;
 use tierkv_engine::runtime::driven::{CopyStrategy, DrivenDevice};
 use tierkv_engine::runtime::driver::{
-    Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, MemTable, Ptr,
+    Copy2d, Driver, DrvEvent, DrvGraph, EventUse, HostCallback, Launch, Mem, MemTable, Ptr,
 };
 use tierkv_engine::runtime::MonotonicClock;
 use tierkv_engine::{Engine, EngineOptions};
@@ -29,6 +30,8 @@ struct NullDriver {
     events: u32,
     launches: u64,
     calls: u64,
+    graphs: u32,
+    graph_launches: u64,
 }
 
 impl Driver for NullDriver {
@@ -145,6 +148,27 @@ impl Driver for NullDriver {
         Ok(())
     }
     fn observed_by_callback(&mut self, _: DrvEvent) {}
+    fn capture_begin(&mut self, _: StreamKind) -> Result<(), DeviceError> {
+        self.calls += 1;
+        Ok(())
+    }
+    fn capture_end(
+        &mut self,
+        _: StreamKind,
+        into: Option<DrvGraph>,
+    ) -> Result<DrvGraph, DeviceError> {
+        self.calls += 1;
+        Ok(into.unwrap_or_else(|| {
+            self.graphs += 1;
+            DrvGraph(self.graphs - 1)
+        }))
+    }
+    fn graph_launch(&mut self, _: StreamKind, _: DrvGraph) -> Result<(), DeviceError> {
+        self.calls += 1;
+        self.graph_launches += 1;
+        Ok(())
+    }
+    fn graph_destroy(&mut self, _: DrvGraph) {}
 }
 
 #[derive(Parser)]
@@ -157,6 +181,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let num = |i: usize, d: u64| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
     let (layers, requests, overlap) = (num(1, 61), num(2, 60), num(3, 0) != 0);
+    let graphs = num(4, 1) != 0;
     let cli = Cli::parse_from([
         "host_cost".to_string(),
         format!("--layers={layers}"),
@@ -169,7 +194,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let dev = DrivenDevice::over(NullDriver::default(), CopyStrategy::Gather).expect("device");
+    let mut dev = DrivenDevice::over(NullDriver::default(), CopyStrategy::Gather).expect("device");
+    dev.set_graphs(graphs);
     let options = EngineOptions {
         overlap,
         ..EngineOptions::default()
@@ -194,12 +220,13 @@ fn main() -> ExitCode {
     }
     let d = &engine.dev.driver;
     println!(
-        "{layers} layers, {requests} requests, overlap {overlap}: {steps} computing steps in {:.2} s; per step: host enqueue {:.3} ms, whole step {:.3} ms; {:.1} driver calls and {:.1} launches a step (all steps)",
+        "{layers} layers, {requests} requests, overlap {overlap}, graphs {graphs}: {steps} computing steps in {:.2} s; per step: host enqueue {:.3} ms, whole step {:.3} ms; {:.1} driver calls, {:.1} launches and {:.1} graph launches a step (all steps)",
         started.elapsed().as_secs_f64(),
         enqueue_ns as f64 / steps.max(1) as f64 / 1e6,
         wall_ns as f64 / steps.max(1) as f64 / 1e6,
         d.calls as f64 / steps.max(1) as f64,
         d.launches as f64 / steps.max(1) as f64,
+        d.graph_launches as f64 / steps.max(1) as f64,
     );
     ExitCode::SUCCESS
 }

@@ -49,7 +49,7 @@ use tierkv_engine::device::*;
 use tierkv_engine::layout::{Bytes, LayoutFingerprint};
 use tierkv_engine::runtime::driven::DrivenDevice;
 use tierkv_engine::runtime::driver::{
-    Copy2d, Driver, DrvEvent, EventUse, HostCallback, Launch, Mem, MemTable, Ptr,
+    Copy2d, Driver, DrvEvent, DrvGraph, EventUse, HostCallback, Launch, Mem, MemTable, Ptr,
 };
 
 /// Race-detector cells of a staging ring: its regions start on 256-byte boundaries, so two
@@ -78,6 +78,25 @@ struct SimMem {
     /// Where the allocation starts in its buffer: 0, but for an import of part of an allocation
     /// ([`Driver::import`]).
     at: u64,
+    /// Which allocation of the driver it is (its id may be reused after its free; this is not).
+    serial: u64,
+}
+
+/// The launches of a graph: each kernel op as it was queued at its capture (its device
+/// arguments and arrays as the capture saw them), and the allocations they name, each with its
+/// serial.
+#[derive(Clone, Debug, Default)]
+struct SimGraph {
+    nodes: Vec<(Op, LaunchArgs)>,
+    mems: Vec<(Mem, u64)>,
+}
+
+/// A capture in progress on one stream: its graph so far, and whether a launch failed in it
+/// (CUDA invalidates such a capture: its end makes no graph).
+#[derive(Default)]
+struct Capture {
+    graph: SimGraph,
+    failed: bool,
 }
 
 /// The simulated address space of the driver's allocations: allocation `m` starts at
@@ -210,6 +229,12 @@ pub struct SimDriver {
     /// Per call kind and stream (and one entry past the streams for calls of none), the calls
     /// made: each call's number keys its fault draw.
     calls: [[u64; CALL_ENTITIES]; Call::COUNT],
+    /// Per stream, its capture in progress.
+    captures: [Option<Capture>; 3],
+    /// The executable graphs, by `DrvGraph` id.
+    graphs: MemTable<SimGraph>,
+    /// Allocations made so far (the next one's serial).
+    serials: u64,
 }
 
 impl SimDriver {
@@ -229,7 +254,28 @@ impl SimDriver {
             last_record: [None; 3],
             callback_ran: BTreeMap::new(),
             calls: [[0; CALL_ENTITIES]; Call::COUNT],
+            captures: [None, None, None],
+            graphs: MemTable::default(),
+            serials: 0,
         }
+    }
+
+    /// The next allocation's serial.
+    fn serial(&mut self) -> u64 {
+        self.serials += 1;
+        self.serials
+    }
+
+    /// Panics when `what`, a call CUDA refuses during a capture or would record into its graph,
+    /// comes while stream `s` (`None`: any stream) captures: the runtime makes only launches on
+    /// a capturing stream and waits for nothing meanwhile (`Driver::capture_begin`).
+    fn outside_capture(&self, what: &str, s: Option<StreamKind>) {
+        let open = |i: usize| self.captures[i].is_some();
+        let during = match s {
+            Some(s) => open(s.index()),
+            None => (0..self.captures.len()).any(open),
+        };
+        assert!(!during, "the runtime called {what} during a stream capture");
     }
 
     /// Whether this call (of kind `call`, on stream `s` or none) fails by a fault of its own
@@ -372,6 +418,92 @@ impl SimDriver {
             .push((ArgField::PageTable, self.range(page_table)));
         a.patches
             .push((ArgField::ContextLens, self.range(context_lens)));
+    }
+
+    /// Queues `op` on `s`, or records it as the next node of the stream's capture.
+    fn queue_or_capture(
+        &mut self,
+        s: StreamKind,
+        op: Op,
+        args: LaunchArgs,
+    ) -> Result<(), DeviceError> {
+        match self.captures[s.index()].as_mut() {
+            Some(c) => {
+                c.graph.nodes.push((op, args));
+                Ok(())
+            }
+            None => self.side.at().enqueue_with(s, op, Some(Box::new(args))),
+        }
+    }
+
+    /// A launch on `s`: queued, or recorded into the stream's capture. A launch fused into its
+    /// consumer (a draw, a pending-token resolution, a RoPE gather) is bookkeeping of the host
+    /// either way, read when its consumer is launched or captured.
+    fn launch_or_capture(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
+        if self.refused(Call::Launch, Some(s), 1.0) {
+            return Err(Call::Launch.refusal());
+        }
+        if self.captures[s.index()].is_none() {
+            self.last_record[s.index()] = None;
+        }
+        let r = match *l {
+            Launch::ResolvePending {
+                rows_dev, tokens, ..
+            } => {
+                self.side.at().refuse(28)?;
+                let f = self
+                    .fused
+                    .entry((rows_dev.mem, rows_dev.offset.0))
+                    .or_default();
+                // The layers of a step resolve one shared upload of rows: each declares the
+                // tokens read once.
+                f.tokens = Some(tokens);
+                if !f.reads.contains(&tokens) {
+                    f.reads.push(tokens);
+                }
+                Ok(())
+            }
+            Launch::Draw { rows_dev, out, .. } => {
+                self.side.at().refuse(28)?;
+                let f = Fused {
+                    reads: vec![rows_dev],
+                    rows: Some(rows_dev),
+                    tokens: None,
+                };
+                self.fused.insert((out.mem, out.offset.0), f);
+                Ok(())
+            }
+            Launch::RopeRows {
+                table,
+                positions_dev,
+                out,
+                ..
+            } => {
+                self.side.at().refuse(28)?;
+                let f = Fused {
+                    reads: vec![table, positions_dev],
+                    rows: None,
+                    tokens: None,
+                };
+                self.fused.insert((out.mem, out.offset.0), f);
+                Ok(())
+            }
+            _ => {
+                let (op, args) = self.sim_op(l);
+                self.queue_or_capture(s, op, args)
+            }
+        };
+        if r.is_ok() {
+            let mems: Vec<(Mem, u64)> = l
+                .ptrs()
+                .iter()
+                .map(|p| (p.mem, self.mem(p.mem).serial))
+                .collect();
+            if let Some(c) = self.captures[s.index()].as_mut() {
+                c.graph.mems.extend(mems);
+            }
+        }
+        r
     }
 
     /// Blocks until everything queued on `s` completed: an internal record, synchronised.
@@ -583,11 +715,13 @@ impl Driver for SimDriver {
             }
             _ => self.side.at().alloc(*desc)?,
         };
+        let serial = self.serial();
         Ok(self.mems.insert(SimMem {
             buf,
             pooled: false,
             cap,
             at: 0,
+            serial,
         }))
     }
     fn free(&mut self, mem: Mem) -> Result<(), DeviceError> {
@@ -596,6 +730,7 @@ impl Driver for SimDriver {
         Ok(())
     }
     fn alloc_async(&mut self, s: StreamKind, bytes: u64) -> Result<Mem, DeviceError> {
+        self.outside_capture("cuMemAllocAsync", Some(s));
         self.deliver();
         self.side.at().refuse(25)?;
         let cap = bytes.max(1).next_power_of_two().max(DRIVER_CELL_BYTES);
@@ -633,14 +768,17 @@ impl Driver for SimDriver {
                 cap,
             )?,
         };
+        let serial = self.serial();
         Ok(self.mems.insert(SimMem {
             buf,
             pooled: true,
             cap,
             at: 0,
+            serial,
         }))
     }
     fn trim_pool(&mut self) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemPoolTrimTo", None);
         self.deliver();
         self.side.at().refuse(32)?;
         // Every freed buffer goes back to the device, where the next growth of any stream may
@@ -651,6 +789,7 @@ impl Driver for SimDriver {
         Ok(())
     }
     fn free_async(&mut self, s: StreamKind, mem: Mem) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemFreeAsync", Some(s));
         let m = self.mem(mem);
         assert!(m.pooled, "allocation {} is not stream-ordered", mem.0);
         // Accepted even on a side in error: its memory would go with a lost context in CUDA,
@@ -681,12 +820,14 @@ impl Driver for SimDriver {
         self.side.at().host_read(buf, at, out)
     }
     fn copy_async(&mut self, s: StreamKind, dst: Ptr, src: Ptr) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemcpyAsync", Some(s));
         if self.refused(Call::CopyAsync, Some(s), 1.0) {
             return Err(Call::CopyAsync.refusal());
         }
         self.linear(s, dst, src)
     }
     fn copy_2d_async(&mut self, s: StreamKind, c: &Copy2d) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemcpy2DAsync", Some(s));
         if self.refused(Call::Copy2d, Some(s), 1.0) {
             return Err(Call::Copy2d.refusal());
         }
@@ -700,6 +841,7 @@ impl Driver for SimDriver {
         Ok(())
     }
     fn copy_pageable(&mut self, s: StreamKind, dst: Ptr, data: &[u8]) -> Result<(), DeviceError> {
+        self.outside_capture("a pageable cuMemcpyHtoDAsync", Some(s));
         self.deliver();
         self.side.at().refuse(27)?;
         if self.refused(Call::CopyPageable, Some(s), 1.0) {
@@ -757,57 +899,70 @@ impl Driver for SimDriver {
     }
     fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
         self.deliver();
+        let r = self.launch_or_capture(s, l);
+        if let (Err(_), Some(c)) = (&r, self.captures[s.index()].as_mut()) {
+            c.failed = true;
+        }
+        r
+    }
+    fn capture_begin(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        self.outside_capture("cuStreamBeginCapture", Some(s));
+        self.deliver();
+        self.side.at().refuse(28)?;
+        self.captures[s.index()] = Some(Capture::default());
+        Ok(())
+    }
+    /// A graph whose every node is of the same op kind as the capture's, in order, is updated
+    /// in place (CUDA updates an executable graph whose nodes match one for one).
+    fn capture_end(
+        &mut self,
+        s: StreamKind,
+        into: Option<DrvGraph>,
+    ) -> Result<DrvGraph, DeviceError> {
+        let c = self.captures[s.index()]
+            .take()
+            .expect("a capture ends on a capturing stream");
+        if c.failed {
+            probes::hit(SimProbe::DriverCaptureDropped);
+            return Err(Call::Launch.refusal());
+        }
+        let kinds = |g: &SimGraph| g.nodes.iter().map(|(op, _)| op.kind()).collect::<Vec<_>>();
+        if let Some(g) = into {
+            let held = self.graphs.get_mut(Mem(g.0));
+            if kinds(held) == kinds(&c.graph) {
+                *held = c.graph;
+                return Ok(g);
+            }
+        }
+        Ok(DrvGraph(self.graphs.insert(c.graph).0))
+    }
+    /// Queues the graph's ops as they were captured. Every allocation they name must be the
+    /// one of their capture: a graph launched over memory freed since (an id reused, or none)
+    /// runs on whatever holds it now, and that is the runtime's error.
+    fn graph_launch(&mut self, s: StreamKind, g: DrvGraph) -> Result<(), DeviceError> {
+        self.outside_capture("cuGraphLaunch", Some(s));
+        self.deliver();
         if self.refused(Call::Launch, Some(s), 1.0) {
             return Err(Call::Launch.refusal());
         }
-        self.last_record[s.index()] = None;
-        match *l {
-            Launch::ResolvePending {
-                rows_dev, tokens, ..
-            } => {
-                self.side.at().refuse(28)?;
-                let f = self
-                    .fused
-                    .entry((rows_dev.mem, rows_dev.offset.0))
-                    .or_default();
-                // The layers of a step resolve one shared upload of rows: each declares the
-                // tokens read once.
-                f.tokens = Some(tokens);
-                if !f.reads.contains(&tokens) {
-                    f.reads.push(tokens);
-                }
-                Ok(())
-            }
-            Launch::Draw { rows_dev, out, .. } => {
-                self.side.at().refuse(28)?;
-                let f = Fused {
-                    reads: vec![rows_dev],
-                    rows: Some(rows_dev),
-                    tokens: None,
-                };
-                self.fused.insert((out.mem, out.offset.0), f);
-                Ok(())
-            }
-            Launch::RopeRows {
-                table,
-                positions_dev,
-                out,
-                ..
-            } => {
-                self.side.at().refuse(28)?;
-                let f = Fused {
-                    reads: vec![table, positions_dev],
-                    rows: None,
-                    tokens: None,
-                };
-                self.fused.insert((out.mem, out.offset.0), f);
-                Ok(())
-            }
-            _ => {
-                let (op, args) = self.sim_op(l);
-                self.side.at().enqueue_with(s, op, Some(Box::new(args)))
-            }
+        let graph = self.graphs.get(Mem(g.0)).clone();
+        for &(m, serial) in &graph.mems {
+            let now = self.mems.try_get(m).map(|x| x.serial);
+            assert_eq!(
+                now,
+                Some(serial),
+                "a graph launched over allocation {} freed since its capture",
+                m.0
+            );
         }
+        self.last_record[s.index()] = None;
+        for (op, args) in graph.nodes {
+            self.side.at().enqueue_with(s, op, Some(Box::new(args)))?;
+        }
+        Ok(())
+    }
+    fn graph_destroy(&mut self, g: DrvGraph) {
+        self.graphs.take(Mem(g.0));
     }
     fn event_create(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError> {
         if self.refused(Call::EventCreate, None, 1.0) {
@@ -824,6 +979,7 @@ impl Driver for SimDriver {
         Ok(DrvEvent(self.events.len() as u32 - 1))
     }
     fn event_record(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
+        self.outside_capture("cuEventRecord", Some(s));
         self.deliver();
         if self.refused(Call::EventRecord, Some(s), 1.0) {
             return Err(Call::EventRecord.refusal());
@@ -834,6 +990,7 @@ impl Driver for SimDriver {
         r
     }
     fn event_query(&mut self, e: DrvEvent) -> EventState {
+        self.outside_capture("cuEventQuery", None);
         self.deliver();
         let ev = self.events[e.0 as usize];
         // A timing event is a measure the runtime reads, not a synchronisation the engine may
@@ -848,6 +1005,7 @@ impl Driver for SimDriver {
         self.side.at().query(ev)
     }
     fn event_synchronize(&mut self, e: DrvEvent) -> EventState {
+        self.outside_capture("cuEventSynchronize", None);
         let ev = self.events[e.0 as usize];
         let state = self.side.at().synchronize(ev);
         self.deliver();
@@ -859,6 +1017,7 @@ impl Driver for SimDriver {
         Some(at(end)?.saturating_sub(at(start)?))
     }
     fn stream_wait(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
+        self.outside_capture("cuStreamWaitEvent", Some(s));
         self.deliver();
         if self.refused(Call::StreamWait, Some(s), 1.0) {
             return Err(Call::StreamWait.refusal());
@@ -868,9 +1027,11 @@ impl Driver for SimDriver {
         self.side.at().wait(s, ev)
     }
     fn stream_synchronize(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        self.outside_capture("cuStreamSynchronize", None);
         self.sync_stream(s)
     }
     fn context_synchronize(&mut self) -> Result<(), DeviceError> {
+        self.outside_capture("cuCtxSynchronize", None);
         let mut first = Ok(());
         for s in StreamKind::ALL {
             let r = self.sync_stream(s);
@@ -881,6 +1042,7 @@ impl Driver for SimDriver {
         first
     }
     fn recover(&mut self) -> Result<(), DeviceError> {
+        self.outside_capture("a recovery", None);
         self.deliver();
         self.side.at().recover()
     }
@@ -890,6 +1052,7 @@ impl Driver for SimDriver {
         self.side.context_generation()
     }
     fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
+        self.outside_capture("cuLaunchHostFunc", Some(s));
         self.deliver();
         self.side.at().refuse(29)?;
         if self.refused(Call::HostCallback, Some(s), 1.0) {
@@ -925,12 +1088,16 @@ impl Driver for SimDriver {
             .and_then(|id| u32::try_from(id).ok())
             .and_then(|id| self.mems.try_get(Mem(id)).copied());
         match found {
-            Some(m) if m.at + at + bytes <= m.cap => Ok(self.mems.insert(SimMem {
-                buf: m.buf,
-                pooled: false,
-                cap: m.cap,
-                at: m.at + at,
-            })),
+            Some(m) if m.at + at + bytes <= m.cap => {
+                let serial = self.serial();
+                Ok(self.mems.insert(SimMem {
+                    buf: m.buf,
+                    pooled: false,
+                    cap: m.cap,
+                    at: m.at + at,
+                    serial,
+                }))
+            }
             _ => Err(DeviceError::Backend {
                 detail: format!(
                     "import: {bytes} bytes at {base:#x} are no allocation of this driver"
@@ -1067,5 +1234,95 @@ impl Device for SimDevice {
     }
     fn take_timing(&mut self) -> Option<DeviceTiming> {
         self.dev().take_timing()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::{GpuOptions, SimGpu};
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    use tierkv_engine::runtime::driver::DrawKind;
+
+    /// A driver over a fresh simulated GPU, with a drawn-rows upload and an output allocation
+    /// of 4 KiB each on the compute stream.
+    fn driver() -> (SimDriver, Ptr, Ptr) {
+        let gpu = Rc::new(RefCell::new(
+            SimGpu::new(1, GpuOptions::default()).expect("a simulated GPU"),
+        ));
+        let mut d = SimDriver::new(SimSide { gpu, side: 0 });
+        let s = StreamKind::Compute;
+        let rows = d.alloc_async(s, 4096).expect("rows");
+        let out = d.alloc_async(s, 4096).expect("outputs");
+        (
+            d,
+            Ptr::whole(rows, Bytes(4096)),
+            Ptr::whole(out, Bytes(4096)),
+        )
+    }
+
+    fn draw<'a>(rows: Ptr, out: Ptr) -> Launch<'a> {
+        Launch::Draw {
+            kind: DrawKind::KvRows,
+            seed: 1,
+            layer: 0,
+            rows: 2,
+            rows_dev: rows,
+            out,
+        }
+    }
+
+    /// A graph of a capture launches, again and again, while what it names is allocated.
+    #[test]
+    fn a_graph_launches_while_its_allocations_live() {
+        let (mut d, rows, out) = driver();
+        let s = StreamKind::Compute;
+        d.capture_begin(s).unwrap();
+        d.launch(s, &draw(rows, out)).unwrap();
+        let g = d.capture_end(s, None).unwrap();
+        d.graph_launch(s, g).unwrap();
+        d.graph_launch(s, g).unwrap();
+        // A capture of the same kinds updates the graph in place.
+        d.capture_begin(s).unwrap();
+        d.launch(s, &draw(rows, out)).unwrap();
+        assert_eq!(d.capture_end(s, Some(g)).unwrap(), g);
+        d.graph_destroy(g);
+    }
+
+    /// The allocation a graph's launch names was freed, and its id reused by a new one, since
+    /// the capture: launching the graph is the runtime's error.
+    #[test]
+    #[should_panic(expected = "freed since its capture")]
+    fn a_graph_launched_over_a_freed_allocation_is_refused() {
+        let (mut d, rows, out) = driver();
+        let s = StreamKind::Compute;
+        d.capture_begin(s).unwrap();
+        d.launch(s, &draw(rows, out)).unwrap();
+        let g = d.capture_end(s, None).unwrap();
+        d.free_async(s, out.mem).unwrap();
+        let again = d.alloc_async(s, 4096).unwrap();
+        assert_eq!(again, out.mem, "the freed id is reused");
+        let _ = d.graph_launch(s, g);
+    }
+
+    /// No event is recorded on a capturing stream (CUDA would make it a node of the graph).
+    #[test]
+    #[should_panic(expected = "during a stream capture")]
+    fn an_event_record_during_a_capture_is_refused() {
+        let (mut d, _, _) = driver();
+        let s = StreamKind::Compute;
+        let e = d.event_create(EventUse::Engine).unwrap();
+        d.capture_begin(s).unwrap();
+        let _ = d.event_record(s, e);
+    }
+
+    /// Nor does the host wait for anything while a capture is open.
+    #[test]
+    #[should_panic(expected = "during a stream capture")]
+    fn a_host_synchronisation_during_a_capture_is_refused() {
+        let (mut d, _, _) = driver();
+        d.capture_begin(StreamKind::Compute).unwrap();
+        let _ = d.stream_synchronize(StreamKind::Load);
     }
 }

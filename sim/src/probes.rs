@@ -91,6 +91,9 @@ pub enum SimProbe {
     /// The runtime over the simulated driver: a host callback was dropped because its side was
     /// in error.
     DriverCallbackDropped,
+    /// The runtime over the simulated driver: a launch failed inside a stream capture, so the
+    /// capture made no graph.
+    DriverCaptureDropped,
     /// The simulated driver's own fault: a synchronous allocation (a RoPE table) met out-of-memory.
     DriverRefusedAlloc,
     /// The simulated driver's own fault: a stream-ordered allocation that had to grow its pool met out-of-memory.
@@ -152,6 +155,7 @@ impl SimProbe {
         SimProbe::DriverStagingWrapped,
         SimProbe::DriverPageableCopy,
         SimProbe::DriverCallbackDropped,
+        SimProbe::DriverCaptureDropped,
         SimProbe::DriverRefusedAlloc,
         SimProbe::DriverRefusedAllocAsync,
         SimProbe::DriverRefusedCopyAsync,
@@ -203,6 +207,7 @@ impl SimProbe {
             SimProbe::DriverStagingWrapped => "driver.staging_wrapped",
             SimProbe::DriverPageableCopy => "driver.pageable_copy",
             SimProbe::DriverCallbackDropped => "driver.callback_dropped",
+            SimProbe::DriverCaptureDropped => "driver.capture_dropped",
             SimProbe::DriverRefusedAlloc => "driver.refused_alloc",
             SimProbe::DriverRefusedAllocAsync => "driver.refused_alloc_async",
             SimProbe::DriverRefusedCopyAsync => "driver.refused_copy_async",

@@ -682,15 +682,13 @@ fn start_engine(
                 // its ops on a real GPU (whose executor takes the ops themselves).
                 let dev = if staging > 0 && !opts.cuda {
                     let driver = SimDriver::new(side(0));
-                    let strategy = if sc.gpu.runtime_copy_runs {
-                        CopyStrategy::MemcpyRuns
-                    } else {
-                        CopyStrategy::Gather
-                    };
+                    let strategy = [CopyStrategy::Gather, CopyStrategy::MemcpyRuns]
+                        [sc.gpu.runtime_copy_runs as usize];
                     let mut rt = DrivenDevice::with_staging(driver, strategy, staging)
                         .map_err(EngineError::Device)?;
                     rt.mutants = eopts.mutants;
                     rt.set_timing(sc.gpu.runtime_timing);
+                    rt.set_graphs(sc.gpu.runtime_graphs);
                     SimDevice::Runtime(Box::new(rt))
                 } else {
                     SimDevice::Direct(side(0))

@@ -57,7 +57,7 @@ impl Workload {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GpuKnobs {
     /// "random_walk" or "pct".
@@ -115,6 +115,10 @@ pub struct GpuKnobs {
     /// (`DrivenDevice::set_timing`, as `tierkv replay --device cuda` does).
     #[serde(default)]
     pub runtime_timing: bool,
+    /// The runtime launches the compute stream's kernel ops from CUDA graphs
+    /// (`DrivenDevice::set_graphs`, on in production).
+    #[serde(default)]
+    pub runtime_graphs: bool,
 }
 
 impl GpuKnobs {
@@ -501,12 +505,14 @@ impl Scenario {
         }
         // The driver's faults and copy strategy are the runtime's: without it they would do
         // nothing, silently.
-        if staging == 0 && (g.driver_fault_rate > 0.0 || g.runtime_copy_runs || g.runtime_timing) {
+        let runtime = [g.runtime_copy_runs, g.runtime_timing, g.runtime_graphs];
+        if staging == 0 && (g.driver_fault_rate > 0.0 || runtime.contains(&true)) {
             return Err(bad(
                 "gpu.runtime_staging_bytes",
                 staging,
-                "must not be 0 with gpu.driver_fault_rate > 0, gpu.runtime_copy_runs or \
-                 gpu.runtime_timing: they act in the runtime, which a scenario with 0 does not run",
+                "must not be 0 with gpu.driver_fault_rate > 0, gpu.runtime_copy_runs, \
+                 gpu.runtime_timing or gpu.runtime_graphs: they act in the runtime, which a \
+                 scenario with 0 does not run",
             ));
         }
         rate("gpu.failed_copy_rate", g.failed_copy_rate)
@@ -605,10 +611,11 @@ impl Scenario {
             match self.gpu.runtime_staging_bytes {
                 0 => "device direct".to_string(),
                 b => format!(
-                    "runtime staging {b} B, {}, driver-fail {}{}",
+                    "runtime staging {b} B, {}, driver-fail {}{}{}",
                     if self.gpu.runtime_copy_runs { "copy per run" } else { "gather" },
                     self.gpu.driver_fault_rate,
-                    if self.gpu.runtime_timing { ", timed" } else { "" }
+                    if self.gpu.runtime_timing { ", timed" } else { "" },
+                    if self.gpu.runtime_graphs { ", graphs" } else { "" }
                 ),
             },
             self.device_pages_refused_rate,
@@ -701,16 +708,7 @@ pub fn draw(
     // Its own stream too: every seed drew the same scenario as before, but for this.
     let overlap = profile != "pd" && rng.fork(5).chance(0.5);
     debug_assert_eq!(overlap, draws_overlap(seed, profile));
-    // The runtime's copy strategy and the driver's own faults: a stream of their own, forked
-    // after every other, so that adding them left every other draw as it was.
-    let mut dr = rng.fork(6);
-    gpu.runtime_copy_runs = dr.chance(0.25);
-    gpu.driver_fault_rate = if dr.chance(0.4) {
-        0.0
-    } else {
-        *dr.pick(&[0.0005, 0.002, 0.01])
-    };
-    gpu.runtime_timing = dr.chance(0.25);
+    draw_runtime(&mut rng.fork(6), &mut gpu);
     // The pair's link notifications: a stream of their own, forked last (every other draw is
     // as it was); half the pd seeds model them, some lost and some later than the decode
     // side's deadline (`pd::NOTIFICATION_DEADLINE_NS`, 10 ms).
@@ -1024,11 +1022,23 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         },
         // Small rings, so that they wrap within a run and large arguments go pageable.
         runtime_staging_bytes: *gr.pick(&[1024, 4096, 16384, 65536]),
-        // Drawn in `draw`, from a stream of their own.
-        runtime_copy_runs: false,
-        driver_fault_rate: 0.0,
-        runtime_timing: false,
+        // The runtime's knobs are drawn in `draw_runtime`, from a stream of their own.
+        ..GpuKnobs::default()
     }
+}
+
+/// The runtime's knobs: its copy strategy, the driver's own faults, timing and graphs. A
+/// stream of their own (`rng.fork(6)`), forked after every other, so that adding them left every
+/// other draw as it was; graphs drawn last, so the others are as they were before them.
+fn draw_runtime(dr: &mut Rng, gpu: &mut GpuKnobs) {
+    gpu.runtime_copy_runs = dr.chance(0.25);
+    gpu.driver_fault_rate = if dr.chance(0.4) {
+        0.0
+    } else {
+        *dr.pick(&[0.0005, 0.002, 0.01])
+    };
+    gpu.runtime_timing = dr.chance(0.25);
+    gpu.runtime_graphs = dr.chance(0.5);
 }
 
 /// The workload of `profile` for the configuration `cfg`.

@@ -357,6 +357,10 @@ pub struct DeviceTiming {
     /// Host time inside `enqueue` of the compute stream, per op kind (`Op::NAMES` order):
     /// the launchers' checks, argument uploads and launches.
     pub enqueue_ns: [u64; op::Op::KINDS],
+    /// Kernel launches of the compute stream's ops queued, and how many of them were queued
+    /// from graphs (captured for the op, or replayed), not launched one by one.
+    pub launches: u64,
+    pub launches_from_graphs: u64,
 }
 
 impl DeviceTiming {
@@ -370,6 +374,8 @@ impl DeviceTiming {
         for (sum, ns) in self.enqueue_ns.iter_mut().zip(o.enqueue_ns) {
             *sum += ns;
         }
+        self.launches += o.launches;
+        self.launches_from_graphs += o.launches_from_graphs;
     }
 }
 

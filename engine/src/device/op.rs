@@ -180,7 +180,7 @@ pub trait OpSpec {
 }
 
 /// `index_k_store` into one layer's index-K pool.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct IndexKStore {
     pub dst: BufferId,
     /// The dtype, the scale format and each token's slot.
@@ -196,7 +196,7 @@ pub struct IndexKStore {
 }
 
 /// `kv_store` into one layer's KV pool.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct KvStore {
     pub dst: BufferId,
     /// The dtype and each token's slot.
@@ -207,7 +207,7 @@ pub struct KvStore {
 }
 
 /// `q_prep` of `args.rows` query rows.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct QPrep {
     /// Rows, heads and the scale format (`ue8m0`: each head's fp8 scale rounded up to a power
     /// of two, the model's `scale_fmt = "ue8m0"`).
@@ -224,7 +224,7 @@ pub struct QPrep {
 /// The token each of a step's query rows generates (`cpu::draw::next_tokens`), from the step's
 /// digests into the tokens buffer, where the next step's pending rows read it: an engine that
 /// runs one step ahead never waits for a token on the host.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct NextTokens {
     /// The seed, the step's layers and rows, and the rows of the digests buffer.
     pub args: args::NextTokens,
@@ -244,7 +244,7 @@ impl NextTokens {
 }
 
 /// `index_logits` over one layer's index-K pool.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct IndexLogits {
     /// The dtype, the heads, each row's page table and context length, the output stride.
     pub args: args::IndexLogits<'static>,
@@ -256,7 +256,7 @@ pub struct IndexLogits {
 }
 
 /// `topk` with the configured `index_topk`.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct TopK {
     /// `k`, the logits' stride, each row's context length and page table.
     pub args: args::TopK<'static>,
@@ -265,7 +265,7 @@ pub struct TopK {
 }
 
 /// `sparse_read` of one layer's KV pool through `TopK`'s selection.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SparseRead {
     /// The dtype, the rows and `k`.
     pub args: args::SparseRead,
@@ -281,7 +281,7 @@ pub struct SparseRead {
 }
 
 /// Whole pages between two paged views (device pool ↔ host mirror).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PageCopy {
     pub src: BufferId,
     pub src_view: PagedView,
@@ -291,14 +291,14 @@ pub struct PageCopy {
 }
 
 /// A linear copy (digests to the pinned readback buffer).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LinearCopy {
     pub src: Region,
     pub dst: Region,
 }
 
 /// Every operation a device runs.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     IndexKStore(IndexKStore),
     KvStore(KvStore),

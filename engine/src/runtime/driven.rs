@@ -22,10 +22,19 @@
 //! before it asks the driver — when the event's ring slot is free (its previous callback ran;
 //! otherwise `query` asks the driver alone).
 //!
+//! With graphs on ([`DrivenDevice::set_graphs`]; the production CUDA device turns them on), the
+//! launches of each kernel op of the compute stream are queued as one CUDA graph: captured from
+//! the stream (after every upload, allocation and event of the op: a capture holds launches
+//! only), made into an executable graph (the least recently used of the four kept per class, op
+//! kind and launch count, updated in place when the class is full), and launched. An op equal to
+//! one captured before (its record, and its launches' kinds, device arguments and RoPE table)
+//! launches that graph again with no capture. Freeing an allocation forgets every graph that
+//! names it, so no graph runs on memory freed since its capture.
+//!
 //! Page transfers have two strategies ([`CopyStrategy`]): one pitched copy per coalesced run, or
 //! one gather kernel over mapped host memory for all pages. `tierkv bench` measures both.
 
-use super::driver::{Copy2d, DrawKind, Driver, DrvEvent, EventUse, Launch, Mem, Ptr};
+use super::driver::{Copy2d, DrawKind, Driver, DrvEvent, DrvGraph, EventUse, Launch, Mem, Ptr};
 use super::ring::{CompletionRing, Ticket};
 use super::staging::{Copies, StagingRing};
 use crate::device::memo::Identity;
@@ -168,6 +177,86 @@ enum Derived {
     Positions,
 }
 
+/// Graphs of the compute stream's ops kept for replay, at most this many per class (op kind
+/// and launch count).
+const GRAPHS_PER_CLASS: usize = 4;
+
+/// The compute stream's ops as CUDA graphs ([`DrivenDevice::set_graphs`]): each op's launches
+/// are captured into a graph and the graph launched, and an op equal to one captured before
+/// (its record, and the kinds, device arguments and RoPE table of its launches) launches that
+/// graph again without a capture.
+#[derive(Default)]
+struct Graphs {
+    on: bool,
+    slots: Vec<GraphSlot>,
+    /// Uses so far (which slot of a class was used least recently).
+    clock: u64,
+    /// Inside `recover` (zoo mutant 46 keeps the graphs there).
+    recovering: bool,
+    /// Kernel launches of compute-stream ops since the last `take_timing`, and of them those
+    /// queued from graphs.
+    launches: u64,
+    from_graphs: u64,
+}
+
+impl Graphs {
+    /// The slot whose graph a capture of `class` is made into: the least recently used of the
+    /// class when it holds [`GRAPHS_PER_CLASS`] (`None`: a new graph).
+    fn victim(&self, class: (usize, usize)) -> Option<usize> {
+        let of_class = || {
+            self.slots
+                .iter()
+                .enumerate()
+                .filter(|(_, g)| g.class == class)
+        };
+        match of_class().count() >= GRAPHS_PER_CLASS {
+            true => of_class().min_by_key(|(_, g)| g.used).map(|(i, _)| i),
+            false => None,
+        }
+    }
+}
+
+/// A graph and the op it holds the launches of.
+struct GraphSlot {
+    graph: DrvGraph,
+    /// Op kind and launch count: a graph is updated only to a capture of its class.
+    class: (usize, usize),
+    op: Op,
+    /// What the launches add to the op ([`launch_words`]).
+    words: Vec<u64>,
+    /// The allocations its launches name: freeing one forgets the slot.
+    mems: Vec<Mem>,
+    used: u64,
+}
+
+/// What a list of launches adds to the op they belong to: each launch's kind, its device
+/// arguments (allocation, offset, bytes) and, for RoPE rows, the table's rows. The rest of a
+/// launch (draw kinds, seeds, layers, rows, positions, tokens, fingerprints) follows from the
+/// op's record and its buffers.
+fn launch_words(ls: &[Launch<'_>]) -> Vec<u64> {
+    let mut w = Vec::with_capacity(ls.len() * 16);
+    for l in ls {
+        let (kind, extra) = match *l {
+            Launch::ResolvePending { .. } => (0, 0),
+            Launch::Draw { .. } => (1, 0),
+            Launch::RopeRows { table_rows, .. } => (2, table_rows as u64),
+            Launch::IndexKStore { .. } => (3, 0),
+            Launch::KvStore { .. } => (4, 0),
+            Launch::QPrep { .. } => (5, 0),
+            Launch::IndexLogits { .. } => (6, 0),
+            Launch::TopK { .. } => (7, 0),
+            Launch::SparseRead { .. } => (8, 0),
+            Launch::NextTokens { .. } => (9, 0),
+            Launch::PageGather { .. } => (10, 0),
+        };
+        w.extend([kind, extra]);
+        for p in l.ptrs() {
+            w.extend([p.mem.0 as u64, p.offset.0, p.bytes.0]);
+        }
+    }
+    w
+}
+
 /// An op's outputs on the device (`None`: the op has none).
 struct Staged {
     outs: Option<Ptr>,
@@ -179,6 +268,14 @@ impl Staged {
             .expect("planned outputs")
             .at(Bytes(p.0), Bytes(p.1))
     }
+}
+
+/// A resolution of drawn rows' pending tokens, in place in their upload at `rows_dev`, from the
+/// tokens at `tokens`.
+#[derive(Clone, Copy)]
+struct Resolve {
+    rows_dev: Ptr,
+    tokens: Ptr,
 }
 
 /// A drawn input's rows and positions on the device, and where its outputs and RoPE rows lie
@@ -216,6 +313,8 @@ pub struct DrivenDevice<D: Driver> {
     outputs: [Option<Ptr>; StreamKind::ALL.len()],
     /// The shared index arrays on the device (a handful a step).
     shared: Vec<SharedUpload>,
+    /// The compute stream's ops as graphs, when on.
+    graphs: Graphs,
     /// The ops checked, by key: the other layers of a step take their verdict.
     checked: crate::device::memo::CheckMemo,
     /// Load-stream events also signal this ring from a host callback; `query` reads it.
@@ -261,6 +360,7 @@ impl<D: Driver> DrivenDevice<D> {
             scratch: Vec::new(),
             outputs: [None; StreamKind::ALL.len()],
             shared: Vec::new(),
+            graphs: Graphs::default(),
             checked: Default::default(),
             ring: Arc::new(CompletionRing::new(RING_SLOTS)),
             tickets: std::collections::BTreeMap::new(),
@@ -317,6 +417,101 @@ impl<D: Driver> DrivenDevice<D> {
     /// 4-layer step), so that `take_timing` answers.
     pub fn set_timing(&mut self, on: bool) {
         self.timing = on.then(ComputeTiming::default);
+    }
+
+    /// Launches the compute stream's kernel ops from CUDA graphs (see `Graphs`), or one by
+    /// one. Turning them off destroys the graphs kept.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs.on = on;
+        if !on {
+            for g in std::mem::take(&mut self.graphs.slots) {
+                self.driver.graph_destroy(g.graph);
+            }
+        }
+    }
+
+    /// Forgets (and destroys) every graph whose launches name `mem`, which is being freed: a
+    /// graph launched after its buffers' free would run on memory reused since.
+    fn forget_graphs_of(&mut self, mem: Mem) {
+        if self.graphs.slots.is_empty() || self.mutants.graphs_kept(self.graphs.recovering) {
+            return;
+        }
+        let (gone, kept) = std::mem::take(&mut self.graphs.slots)
+            .into_iter()
+            .partition(|g| g.mems.contains(&mem));
+        self.graphs.slots = kept;
+        let gone: Vec<GraphSlot> = gone;
+        for g in gone {
+            crate::probe::hit(crate::probe::Probe::RuntimeGraphForgotten);
+            self.driver.graph_destroy(g.graph);
+        }
+    }
+
+    /// Queues op `op`'s launches `ls` on `s`: from a graph on the compute stream when graphs
+    /// are on (the graph of an equal op, launched again; else a capture of `ls`, made into the
+    /// least recently used graph of its class when the class is full), else one by one. A
+    /// launch or capture that fails queues nothing of a capture.
+    fn submit(&mut self, s: StreamKind, op: &Op, ls: &[Launch<'_>]) -> Result<(), DeviceError> {
+        if s == StreamKind::Compute {
+            self.graphs.launches += ls.len() as u64;
+        }
+        if !self.graphs.on || s != StreamKind::Compute || ls.is_empty() {
+            for l in ls {
+                self.driver.launch(s, l)?;
+            }
+            return Ok(());
+        }
+        let words = launch_words(ls);
+        let class = (op.kind(), ls.len());
+        self.graphs.clock += 1;
+        let clock = self.graphs.clock;
+        let same = self
+            .graphs
+            .slots
+            .iter_mut()
+            .find(|g| g.class == class && g.words == words && g.op == *op);
+        if let Some(g) = same {
+            g.used = clock;
+            let graph = g.graph;
+            self.driver.graph_launch(s, graph)?;
+            crate::probe::hit(crate::probe::Probe::RuntimeGraphReplayed);
+            self.graphs.from_graphs += ls.len() as u64;
+            return Ok(());
+        }
+        let victim = self.graphs.victim(class);
+        self.driver.capture_begin(s)?;
+        for l in ls {
+            if let Err(e) = self.driver.launch(s, l) {
+                // The capture is dropped: nothing of it runs.
+                if let Ok(g) = self.driver.capture_end(s, None) {
+                    self.driver.graph_destroy(g);
+                }
+                return Err(e);
+            }
+        }
+        let into = victim.map(|i| self.graphs.slots[i].graph);
+        let graph = self.driver.capture_end(s, into)?;
+        let slot = GraphSlot {
+            graph,
+            class,
+            op: op.clone(),
+            words,
+            mems: ls.iter().flat_map(|l| l.ptrs()).map(|p| p.mem).collect(),
+            used: clock,
+        };
+        match victim {
+            Some(i) => {
+                let old = std::mem::replace(&mut self.graphs.slots[i], slot);
+                if old.graph != graph {
+                    self.driver.graph_destroy(old.graph);
+                }
+            }
+            None => self.graphs.slots.push(slot),
+        }
+        crate::probe::hit(crate::probe::Probe::RuntimeGraphCaptured);
+        self.driver.graph_launch(s, graph)?;
+        self.graphs.from_graphs += ls.len() as u64;
+        Ok(())
     }
 
     /// Records a timing event on the compute stream.
@@ -501,6 +696,7 @@ impl<D: Driver> DrivenDevice<D> {
             Some(o) => o,
             None => {
                 if let Some(old) = self.outputs[s.index()].take() {
+                    self.forget_graphs_of(old.mem);
                     self.driver.free_async(s, old.mem)?;
                 }
                 let o = self.scratch_alloc(s, Bytes(n.0.next_power_of_two()))?;
@@ -523,6 +719,7 @@ impl<D: Driver> DrivenDevice<D> {
         let mut first = Ok(());
         for s in StreamKind::ALL {
             if let Some(o) = self.outputs[s.index()].take() {
+                self.forget_graphs_of(o.mem);
                 let r = self.driver.free_async(s, o.mem);
                 if first.is_ok() {
                     first = r;
@@ -603,6 +800,7 @@ impl<D: Driver> DrivenDevice<D> {
         );
         for u in gone {
             crate::probe::hit(crate::probe::Probe::RuntimeSharedRetired);
+            self.forget_graphs_of(u.ptr.mem);
             let r = self.driver.free_async(u.stream, u.ptr.mem);
             if first.is_ok() {
                 first = r;
@@ -689,6 +887,7 @@ impl<D: Driver> DrivenDevice<D> {
                 lost: false,
             });
             if let Some(old) = old {
+                self.forget_graphs_of(old.table);
                 self.driver.free(old.table)?;
             }
         }
@@ -745,68 +944,76 @@ impl<D: Driver> DrivenDevice<D> {
     /// step share that upload, and only the first op that draws from it resolves the rows), and
     /// gathers their RoPE rows from `rope`
     /// (the table and its rows) when the plan has them.
-    fn draw(
+    fn draw<'a>(
         &mut self,
-        s: StreamKind,
-        d: &Drawn,
+        d: &'a Drawn,
         kinds: &[DrawKind],
-        plan: &DrawPlan,
+        plan: &'a DrawPlan,
         st: &Staged,
-    ) -> Result<(), DeviceError> {
+        ls: &mut Vec<Launch<'a>>,
+    ) -> Option<Resolve> {
         let rows_dev = plan.rows;
+        let mut resolve = None;
         if let Some(t) = d.tokens {
             let tokens = self.region(&t);
             // The rows' upload resolved from these tokens already (by an earlier layer's op of
-            // the step): nothing of it is pending any more.
-            // A launch the driver refused resolved nothing: the op's next try launches it again.
+            // the step): nothing of it is pending any more. The resolution counts once its
+            // launch is queued (`resolved`): a launch the driver refused resolved nothing, and
+            // the op's next try launches it again.
             if self.rows_upload(rows_dev).resolved == Some(tokens) {
                 crate::probe::hit(crate::probe::Probe::RuntimeResolvedOnce);
             } else {
-                self.driver.launch(
-                    s,
-                    &Launch::ResolvePending {
-                        rows: &d.rows,
-                        rows_dev,
-                        tokens,
-                        tokens_len: u32_count(t.bytes) as u32,
-                    },
-                )?;
-                self.rows_upload(rows_dev).resolved = Some(tokens);
+                ls.push(Launch::ResolvePending {
+                    rows: &d.rows,
+                    rows_dev,
+                    tokens,
+                    tokens_len: u32_count(t.bytes) as u32,
+                });
+                resolve = Some(Resolve { rows_dev, tokens });
             }
         }
         for (&kind, &out) in kinds.iter().zip(&plan.outs) {
-            self.driver.launch(
-                s,
-                &Launch::Draw {
-                    kind,
-                    seed: d.seed,
-                    layer: d.layer,
-                    rows: d.rows.len(),
-                    rows_dev,
-                    out: st.out(out),
-                },
-            )?;
+            ls.push(Launch::Draw {
+                kind,
+                seed: d.seed,
+                layer: d.layer,
+                rows: d.rows.len(),
+                rows_dev,
+                out: st.out(out),
+            });
         }
         if let (Some((table, table_rows)), Some(pos), Some(out)) =
             (plan.table, plan.positions, plan.rope_out)
         {
-            self.driver.launch(
-                s,
-                &Launch::RopeRows {
-                    table,
-                    table_rows,
-                    positions: &plan.positions_host,
-                    positions_dev: pos,
-                    out: st.out(out),
-                },
-            )?;
+            ls.push(Launch::RopeRows {
+                table,
+                table_rows,
+                positions: &plan.positions_host,
+                positions_dev: pos,
+                out: st.out(out),
+            });
+        }
+        resolve
+    }
+
+    /// Queues `ls`, the launches of `op`, and then counts the rows' resolution `r` done.
+    fn submit_drawn(
+        &mut self,
+        s: StreamKind,
+        op: &Op,
+        ls: &[Launch<'_>],
+        r: Option<Resolve>,
+    ) -> Result<(), DeviceError> {
+        self.submit(s, op, ls)?;
+        if let Some(r) = r {
+            self.rows_upload(r.rows_dev).resolved = Some(r.tokens);
         }
         Ok(())
     }
 
-    /// Queues `op`'s launches and copies on `s` (the op was checked). The one dispatch over the
-    /// op set.
-    fn run(&mut self, s: StreamKind, op: &Op) -> Result<(), DeviceError> {
+    /// Queues the launches of `op`, an op whose inputs are drawn on the device (the stores and
+    /// `q_prep`), on `s`: the draws, their RoPE rows, then the op's kernel.
+    fn run_drawn(&mut self, s: StreamKind, op: &Op) -> Result<(), DeviceError> {
         let mut p = Pack::default();
         match op {
             Op::IndexKStore(o) => {
@@ -815,8 +1022,9 @@ impl<D: Driver> DrivenDevice<D> {
                 let (gamma, beta) = (self.shared(s, &o.gamma)?, self.shared(s, &o.beta)?);
                 let slots = self.shared_arg(s, &o.args.slots)?;
                 let st = self.stage(s, &p)?;
-                self.draw(s, &o.keys, &kinds, &plan, &st)?;
-                let l = Launch::IndexKStore {
+                let mut ls = Vec::with_capacity(4);
+                let r = self.draw(&o.keys, &kinds, &plan, &st, &mut ls);
+                ls.push(Launch::IndexKStore {
                     op: o,
                     keys: st.out(plan.outs[0]),
                     gamma,
@@ -825,40 +1033,51 @@ impl<D: Driver> DrivenDevice<D> {
                     slots,
                     dst: self.buffer(o.dst),
                     dst_fp: self.desc(o.dst).fingerprint,
-                };
-                self.driver.launch(s, &l)
+                });
+                self.submit_drawn(s, op, &ls, r)
             }
             Op::KvStore(o) => {
                 let kinds = [DrawKind::KvRows];
                 let plan = self.plan_draws(s, &mut p, &o.rows, &kinds, None)?;
                 let slots = self.shared_arg(s, &o.args.slots)?;
                 let st = self.stage(s, &p)?;
-                self.draw(s, &o.rows, &kinds, &plan, &st)?;
-                let l = Launch::KvStore {
+                let mut ls = Vec::with_capacity(3);
+                let r = self.draw(&o.rows, &kinds, &plan, &st, &mut ls);
+                ls.push(Launch::KvStore {
                     op: o,
                     rows: st.out(plan.outs[0]),
                     slots,
                     dst: self.buffer(o.dst),
                     dst_fp: self.desc(o.dst).fingerprint,
-                };
-                self.driver.launch(s, &l)
+                });
+                self.submit_drawn(s, op, &ls, r)
             }
             Op::QPrep(o) => {
                 let heads = o.args.heads;
                 let kinds = [DrawKind::Queries { heads }, DrawKind::HeadWeights { heads }];
                 let plan = self.plan_draws(s, &mut p, &o.inputs, &kinds, Some(&o.rope))?;
                 let st = self.stage(s, &p)?;
-                self.draw(s, &o.inputs, &kinds, &plan, &st)?;
-                let l = Launch::QPrep {
+                let mut ls = Vec::with_capacity(5);
+                let r = self.draw(&o.inputs, &kinds, &plan, &st, &mut ls);
+                ls.push(Launch::QPrep {
                     op: o,
                     q: st.out(plan.outs[0]),
                     w: st.out(plan.outs[1]),
                     rope: st.out(plan.rope_out.expect("planned")),
                     q_out: self.region(&o.q_out),
                     w_out: self.region(&o.w_out),
-                };
-                self.driver.launch(s, &l)
+                });
+                self.submit_drawn(s, op, &ls, r)
             }
+            _ => unreachable!("not a drawn op: {}", op.name()),
+        }
+    }
+
+    /// Queues `op`'s launches and copies on `s` (the op was checked). The one dispatch over the
+    /// op set.
+    fn run(&mut self, s: StreamKind, op: &Op) -> Result<(), DeviceError> {
+        match op {
+            Op::IndexKStore(_) | Op::KvStore(_) | Op::QPrep(_) => self.run_drawn(s, op),
             Op::IndexLogits(o) => {
                 let page_table = self.shared_arg(s, &o.args.page_table)?;
                 let context_lens = self.shared_arg(s, &o.args.context_lens)?;
@@ -872,7 +1091,7 @@ impl<D: Driver> DrivenDevice<D> {
                     k_fp: self.desc(o.k).fingerprint,
                     out: self.region(&o.out),
                 };
-                self.driver.launch(s, &l)
+                self.submit(s, op, &[l])
             }
             Op::TopK(o) => {
                 let page_table = self.shared_arg(s, &o.args.page_table)?;
@@ -884,7 +1103,7 @@ impl<D: Driver> DrivenDevice<D> {
                     page_table,
                     out: self.region(&o.out),
                 };
-                self.driver.launch(s, &l)
+                self.submit(s, op, &[l])
             }
             Op::SparseRead(o) => {
                 let l = Launch::SparseRead {
@@ -894,16 +1113,16 @@ impl<D: Driver> DrivenDevice<D> {
                     kv_fp: self.desc(o.kv).fingerprint,
                     out: self.region(&o.out),
                 };
-                self.driver.launch(s, &l)
+                self.submit(s, op, &[l])
             }
-            Op::PageCopy(o) => self.page_copy(s, o),
+            Op::PageCopy(o) => self.page_copy(s, op, o),
             Op::NextTokens(o) => {
                 let l = Launch::NextTokens {
                     op: o,
                     digests: self.region(&o.digests),
                     out: self.region(&o.out),
                 };
-                self.driver.launch(s, &l)
+                self.submit(s, op, &[l])
             }
             Op::Copy(o) => {
                 let (src, dst) = (self.region(&o.src), self.region(&o.dst));
@@ -912,7 +1131,7 @@ impl<D: Driver> DrivenDevice<D> {
         }
     }
 
-    fn page_copy(&mut self, s: StreamKind, o: &PageCopy) -> Result<(), DeviceError> {
+    fn page_copy(&mut self, s: StreamKind, op: &Op, o: &PageCopy) -> Result<(), DeviceError> {
         let (src, dst) = (self.buffer(o.src), self.buffer(o.dst));
         let (sv, dv) = (&o.src_view, &o.dst_view);
         tierkv_kernels::cpu::check_page_copy(sv, src.bytes.0, dv, dst.bytes.0, &o.runs).map_err(
@@ -954,15 +1173,13 @@ impl<D: Driver> DrivenDevice<D> {
             CopyStrategy::Gather => {
                 let flat = tierkv_kernels::cuda::gather_pairs(&o.runs);
                 let pairs = self.upload(s, bytes_of(&flat))?;
-                self.driver.launch(
-                    s,
-                    &Launch::PageGather {
-                        op: o,
-                        src,
-                        dst,
-                        pairs,
-                    },
-                )
+                let l = Launch::PageGather {
+                    op: o,
+                    src,
+                    dst,
+                    pairs,
+                };
+                self.submit(s, op, &[l])
             }
         }
     }
@@ -972,6 +1189,7 @@ impl<D: Driver> DrivenDevice<D> {
         let mut first = Ok(());
         let s = self.mutants.scratch_free_stream(s);
         for mem in std::mem::take(&mut self.scratch) {
+            self.forget_graphs_of(mem);
             let r = self.driver.free_async(s, mem);
             if first.is_ok() {
                 first = r;
@@ -1066,6 +1284,8 @@ impl<D: Driver> Device for DrivenDevice<D> {
         }
         t.marks = kept;
         out.enqueue_ns = std::mem::take(&mut t.enqueue_ns);
+        out.launches = std::mem::take(&mut self.graphs.launches);
+        out.launches_from_graphs = std::mem::take(&mut self.graphs.from_graphs);
         self.timing = Some(t);
         Some(out)
     }
@@ -1085,9 +1305,13 @@ impl<D: Driver> Device for DrivenDevice<D> {
             }
         }
         // What a shared array's upload holds after a fault is not known: each is uploaded
-        // again when next named. The output allocations are made again when next needed.
+        // again when next named. The output allocations are made again when next needed. The
+        // graphs that name either go with them.
+        self.graphs.recovering = true;
         let outputs = self.retire_outputs();
-        self.retire_shared(true).and(outputs)
+        let shared = self.retire_shared(true);
+        self.graphs.recovering = false;
+        shared.and(outputs)
     }
     fn context_generation(&self) -> u64 {
         self.driver.context_generation()

@@ -233,6 +233,65 @@ pub enum Launch<'a> {
     },
 }
 
+impl Launch<'_> {
+    /// Every device argument of the launch, in the order of its fields.
+    pub fn ptrs(&self) -> Vec<Ptr> {
+        match *self {
+            Launch::ResolvePending {
+                rows_dev, tokens, ..
+            } => vec![rows_dev, tokens],
+            Launch::Draw { rows_dev, out, .. } => vec![rows_dev, out],
+            Launch::RopeRows {
+                table,
+                positions_dev,
+                out,
+                ..
+            } => vec![table, positions_dev, out],
+            Launch::IndexKStore {
+                keys,
+                gamma,
+                beta,
+                rope,
+                slots,
+                dst,
+                ..
+            } => vec![keys, gamma, beta, rope, slots, dst],
+            Launch::KvStore {
+                rows, slots, dst, ..
+            } => vec![rows, slots, dst],
+            Launch::QPrep {
+                q,
+                w,
+                rope,
+                q_out,
+                w_out,
+                ..
+            } => vec![q, w, rope, q_out, w_out],
+            Launch::IndexLogits {
+                q,
+                w,
+                page_table,
+                context_lens,
+                k,
+                out,
+                ..
+            } => vec![q, w, page_table, context_lens, k, out],
+            Launch::TopK {
+                logits,
+                context_lens,
+                page_table,
+                out,
+                ..
+            } => vec![logits, context_lens, page_table, out],
+            Launch::SparseRead { slots, kv, out, .. } => vec![slots, kv, out],
+            Launch::NextTokens { digests, out, .. } => vec![digests, out],
+            Launch::PageGather {
+                src, dst, pairs, ..
+            } => vec![src, dst, pairs],
+        }
+    }
+}
+
 /// A pitched copy of `height` rows of `width` bytes: row `i` from `src.offset + i·src_pitch` to
 /// `dst.offset + i·dst_pitch` (`cuMemcpy2DAsync`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -336,7 +395,33 @@ pub trait Driver {
     /// nothing; a simulated driver orders the host after the record's work here, as the ring's
     /// acquire does.
     fn observed_by_callback(&mut self, e: DrvEvent);
+
+    /// Starts capturing stream `s` (CUDA's stream capture): until [`Driver::capture_end`], each
+    /// launch on `s` is recorded as a node of a graph, in order, and runs only when the graph is
+    /// launched. While a capture is open the runtime makes no other call on `s` and waits for
+    /// nothing on the host (no event query or synchronisation): CUDA refuses some of those
+    /// calls during a capture, and would record the others into the graph.
+    fn capture_begin(&mut self, s: StreamKind) -> Result<(), DeviceError>;
+    /// Ends the capture of `s` and returns an executable graph of its launches: `into` (a graph
+    /// of this driver) updated in place to them, when its nodes match them one for one and the
+    /// driver can update it; else a new graph (and `into` stays as it was). A capture a launch
+    /// failed in, or one the driver could not make a graph of, is dropped: the call fails, and
+    /// none of its launches will run.
+    fn capture_end(
+        &mut self,
+        s: StreamKind,
+        into: Option<DrvGraph>,
+    ) -> Result<DrvGraph, DeviceError>;
+    /// Queues graph `g`'s launches on `s`, in the order they were captured, with the arguments
+    /// of its latest capture: the buffers they name must still be allocated when they run.
+    fn graph_launch(&mut self, s: StreamKind, g: DrvGraph) -> Result<(), DeviceError>;
+    /// Destroys graph `g` (launches of it already queued still run).
+    fn graph_destroy(&mut self, g: DrvGraph);
 }
+
+/// One executable graph of a driver ([`Driver::capture_end`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DrvGraph(pub u32);
 
 /// Whether no destination range of a copy list (`[dst, src, bytes]` triples) overlaps any other
 /// range of it, source or destination: then its copies may run in any order.

@@ -161,9 +161,17 @@ fn run(engine_outputs: &mut Vec<Output>, mut step: impl FnMut() -> (bool, Vec<Ou
     panic!("no quiescence");
 }
 
+/// The GPU engine (the compute stream's ops launched from CUDA graphs, the production default)
+/// computes what the CPU engine computes, request by request, bit for bit.
 #[test]
 fn the_engine_on_the_gpu_matches_the_engine_on_the_cpu() {
-    engine_on_gpu_and_cpu(LogitsKernel::Exact, false);
+    engine_on_gpu_and_cpu(LogitsKernel::Exact, false, true);
+}
+
+/// The same with every kernel launched on its own (`DrivenDevice::set_graphs(false)`).
+#[test]
+fn the_engine_on_the_gpu_without_graphs_matches_the_engine_on_the_cpu() {
+    engine_on_gpu_and_cpu(LogitsKernel::Exact, false, false);
 }
 
 /// The engine running one step ahead on the GPU (each step enqueued before the previous one is
@@ -171,7 +179,7 @@ fn the_engine_on_the_gpu_matches_the_engine_on_the_cpu() {
 /// engine on the CPU computes, request by request, bit for bit.
 #[test]
 fn the_engine_running_ahead_on_the_gpu_matches_the_engine_on_the_cpu() {
-    engine_on_gpu_and_cpu(LogitsKernel::Exact, true);
+    engine_on_gpu_and_cpu(LogitsKernel::Exact, true, true);
 }
 
 /// The production default: logits on the tensor cores, within 1e-5 of their magnitude but not
@@ -180,10 +188,10 @@ fn the_engine_running_ahead_on_the_gpu_matches_the_engine_on_the_cpu() {
 /// consistent, and the run prints how many digest rows agree with the CPU.
 #[test]
 fn the_engine_on_the_gpu_with_tensor_core_logits_runs_the_same_requests() {
-    engine_on_gpu_and_cpu(LogitsKernel::TensorCore, false);
+    engine_on_gpu_and_cpu(LogitsKernel::TensorCore, false, true);
 }
 
-fn engine_on_gpu_and_cpu(logits: LogitsKernel, gpu_ahead: bool) {
+fn engine_on_gpu_and_cpu(logits: LogitsKernel, gpu_ahead: bool, graphs: bool) {
     let mut cfg = Config::preset("sim-small").unwrap();
     cfg.model.layers = 2;
     cfg.model.index_n_heads = 4;
@@ -211,6 +219,7 @@ fn engine_on_gpu_and_cpu(logits: LogitsKernel, gpu_ahead: bool) {
     .unwrap();
     let mut dev = CudaDevice::new(CopyStrategy::default()).unwrap();
     dev.driver.logits = logits;
+    dev.set_graphs(graphs);
     let gpu_opts = EngineOptions {
         overlap: gpu_ahead,
         ..opts

@@ -69,6 +69,10 @@ pub struct ReplayArgs {
     /// several microseconds of host time per op), so the report has no device breakdown.
     #[arg(long)]
     pub no_device_timing: bool,
+    /// With `--device cuda`: launch each of the compute stream's kernels on its own, not from
+    /// CUDA graphs (`DrivenDevice::set_graphs`; graphs are the production default).
+    #[arg(long)]
+    pub no_graphs: bool,
     /// Run the engine one step ahead: each step is enqueued before the host waits for the one
     /// in flight, its pending tokens read on the device (`EngineOptions::overlap`).
     #[arg(long, conflicts_with = "pd")]
@@ -125,6 +129,7 @@ pub fn prepare(a: &ReplayArgs) -> Result<(Config, Vec<(Duration, RequestSpec)>),
             ("--copy", a.copy.is_some()),
             ("--logits", a.logits.is_some()),
             ("--no-device-timing", a.no_device_timing),
+            ("--no-graphs", a.no_graphs),
             ("--pd-gpus", a.pd_gpus != 1),
         ];
         if let Some((flag, _)) = gpu_only.iter().find(|f| f.1) {
@@ -405,6 +410,7 @@ fn start_service(cfg: &Config, a: &ReplayArgs) -> Result<Result<Service, Service
             a.copy.as_deref().unwrap_or("gather"),
             a.logits.as_deref().unwrap_or("tensor-core"),
             !a.no_device_timing,
+            !a.no_graphs,
             options,
         ),
     }
@@ -583,6 +589,45 @@ fn report(m: &Metrics, samples: &[StepSample], mut seen: Seen, wall: Duration) -
     }
 }
 
+/// Per op kind, the device's busy time and the host's time inside the device's enqueue, per
+/// timed step; then the share of launches from CUDA graphs.
+fn per_op_breakdown(timed: &[(u64, DeviceTiming)]) {
+    let ms = |ns: u64| ns as f64 / timed.len() as f64 / 1e6;
+    let per_op = |of: &dyn Fn(&DeviceTiming) -> [u64; Op::KINDS]| {
+        let mut sum = [0u64; Op::KINDS];
+        for (_, d) in timed {
+            for (s, ns) in sum.iter_mut().zip(of(d)) {
+                *s += ns;
+            }
+        }
+        Op::NAMES
+            .iter()
+            .zip(sum)
+            .filter(|(_, ns)| *ns > 0)
+            .map(|(name, ns)| format!("{name} {:.3}", ms(ns)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "per op kind, ms per step (mean): device busy: {}; host inside the device's enqueue (checks, uploads, launches): {}",
+        per_op(&|d| d.busy_by_op_ns),
+        per_op(&|d| d.enqueue_ns)
+    );
+    graph_share(timed);
+}
+
+/// The compute stream's kernel launches per timed step, and the share of them queued from CUDA
+/// graphs.
+fn graph_share(timed: &[(u64, DeviceTiming)]) {
+    let launches: u64 = timed.iter().map(|t| t.1.launches).sum();
+    let graphed: u64 = timed.iter().map(|t| t.1.launches_from_graphs).sum();
+    println!(
+        "kernel launches of the compute stream's ops per step (mean): {:.1}, of which {:.1}% from CUDA graphs (captured for their op, or replayed)",
+        launches as f64 / timed.len() as f64,
+        100.0 * graphed as f64 / launches.max(1) as f64
+    );
+}
+
 /// Where the computing steps' time went: the host's phases, the device's busy and stalled time,
 /// and the host time the device did not overlap. Steps that computed nothing (they only waited
 /// for copies) are left out.
@@ -630,26 +675,7 @@ fn step_breakdown(m: &Metrics, samples: &[StepSample]) {
         percentile(&mut exposed, 0.5),
         percentile(&mut exposed, 0.9),
     );
-    let per_op = |of: &dyn Fn(&DeviceTiming) -> [u64; Op::KINDS]| {
-        let mut sum = [0u64; Op::KINDS];
-        for (_, d) in &timed {
-            for (s, ns) in sum.iter_mut().zip(of(d)) {
-                *s += ns;
-            }
-        }
-        Op::NAMES
-            .iter()
-            .zip(sum)
-            .filter(|(_, ns)| *ns > 0)
-            .map(|(name, ns)| format!("{name} {:.3}", ms(ns)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    println!(
-        "per op kind, ms per step (mean): device busy: {}; host inside the device's enqueue (checks, uploads, launches): {}",
-        per_op(&|d| d.busy_by_op_ns),
-        per_op(&|d| d.enqueue_ns)
-    );
+    per_op_breakdown(&timed);
     let load_s = m.load_latency.sum_ns as f64 / 1e9;
     let stalled_s = m.step_device.stalled_ns as f64 / 1e9;
     println!(
@@ -684,6 +710,7 @@ fn start_cuda(
     copy: &str,
     logits: &str,
     timing: bool,
+    graphs: bool,
     options: EngineOptions,
 ) -> Result<Result<Service, ServiceError>, CliError> {
     use tierkv_engine::runtime::cuda::{CopyStrategy, CudaDevice, LogitsKernel};
@@ -701,6 +728,7 @@ fn start_cuda(
         let mut dev = CudaDevice::new(strategy)?;
         dev.driver.logits = logits;
         dev.set_timing(timing);
+        dev.set_graphs(graphs);
         Engine::new(cfg, dev, MonotonicClock::new(), options)
     });
     // No usable device above is the environment's refusal (exit 2); an engine that refuses to
@@ -713,6 +741,7 @@ fn start_cuda(
     _: Config,
     _: &str,
     _: &str,
+    _: bool,
     _: bool,
     _: EngineOptions,
 ) -> Result<Result<Service, ServiceError>, CliError> {
