@@ -193,6 +193,8 @@ struct Graphs {
     clock: u64,
     /// Inside `recover` (zoo mutant 46 keeps the graphs there).
     recovering: bool,
+    /// The words of the op being submitted ([`launch_words`]; kept to spare an allocation).
+    words: Vec<u64>,
     /// Kernel launches of compute-stream ops since the last `take_timing`, and of them those
     /// queued from graphs.
     launches: u64,
@@ -233,8 +235,8 @@ struct GraphSlot {
 /// arguments (allocation, offset, bytes) and, for RoPE rows, the table's rows. The rest of a
 /// launch (draw kinds, seeds, layers, rows, positions, tokens, fingerprints) follows from the
 /// op's record and its buffers.
-fn launch_words(ls: &[Launch<'_>]) -> Vec<u64> {
-    let mut w = Vec::with_capacity(ls.len() * 16);
+fn launch_words(ls: &[Launch<'_>], w: &mut Vec<u64>) {
+    w.clear();
     for l in ls {
         let (kind, extra) = match *l {
             Launch::ResolvePending { .. } => (0, 0),
@@ -250,11 +252,8 @@ fn launch_words(ls: &[Launch<'_>]) -> Vec<u64> {
             Launch::PageGather { .. } => (10, 0),
         };
         w.extend([kind, extra]);
-        for p in l.ptrs() {
-            w.extend([p.mem.0 as u64, p.offset.0, p.bytes.0]);
-        }
+        l.for_each_ptr(|p| w.extend([p.mem.0 as u64, p.offset.0, p.bytes.0]));
     }
-    w
 }
 
 /// An op's outputs on the device (`None`: the op has none).
@@ -433,7 +432,8 @@ impl<D: Driver> DrivenDevice<D> {
     /// Forgets (and destroys) every graph whose launches name `mem`, which is being freed: a
     /// graph launched after its buffers' free would run on memory reused since.
     fn forget_graphs_of(&mut self, mem: Mem) {
-        if self.graphs.slots.is_empty() || self.mutants.graphs_kept(self.graphs.recovering) {
+        let named = self.graphs.slots.iter().any(|g| g.mems.contains(&mem));
+        if !named || self.mutants.graphs_kept(self.graphs.recovering) {
             return;
         }
         let (gone, kept) = std::mem::take(&mut self.graphs.slots)
@@ -461,7 +461,8 @@ impl<D: Driver> DrivenDevice<D> {
             }
             return Ok(());
         }
-        let words = launch_words(ls);
+        let mut words = std::mem::take(&mut self.graphs.words);
+        launch_words(ls, &mut words);
         let class = (op.kind(), ls.len());
         self.graphs.clock += 1;
         let clock = self.graphs.clock;
@@ -470,9 +471,12 @@ impl<D: Driver> DrivenDevice<D> {
             .slots
             .iter_mut()
             .find(|g| g.class == class && g.words == words && g.op == *op);
-        if let Some(g) = same {
+        let same = same.map(|g| {
             g.used = clock;
-            let graph = g.graph;
+            g.graph
+        });
+        if let Some(graph) = same {
+            self.graphs.words = words;
             self.driver.graph_launch(s, graph)?;
             crate::probe::hit(crate::probe::Probe::RuntimeGraphReplayed);
             self.graphs.from_graphs += ls.len() as u64;
@@ -496,7 +500,11 @@ impl<D: Driver> DrivenDevice<D> {
             class,
             op: op.clone(),
             words,
-            mems: ls.iter().flat_map(|l| l.ptrs()).map(|p| p.mem).collect(),
+            mems: {
+                let mut mems = Vec::with_capacity(ls.len() * 4);
+                ls.iter().for_each(|l| l.for_each_ptr(|p| mems.push(p.mem)));
+                mems
+            },
             used: clock,
         };
         match victim {

@@ -236,17 +236,24 @@ pub enum Launch<'a> {
 impl Launch<'_> {
     /// Every device argument of the launch, in the order of its fields.
     pub fn ptrs(&self) -> Vec<Ptr> {
-        match *self {
+        let mut v = Vec::with_capacity(6);
+        self.for_each_ptr(|p| v.push(p));
+        v
+    }
+
+    /// Calls `f` with every device argument of the launch, in the order of its fields.
+    pub fn for_each_ptr(&self, mut f: impl FnMut(Ptr)) {
+        let ptrs: &[Ptr] = match *self {
             Launch::ResolvePending {
                 rows_dev, tokens, ..
-            } => vec![rows_dev, tokens],
-            Launch::Draw { rows_dev, out, .. } => vec![rows_dev, out],
+            } => &[rows_dev, tokens],
+            Launch::Draw { rows_dev, out, .. } => &[rows_dev, out],
             Launch::RopeRows {
                 table,
                 positions_dev,
                 out,
                 ..
-            } => vec![table, positions_dev, out],
+            } => &[table, positions_dev, out],
             Launch::IndexKStore {
                 keys,
                 gamma,
@@ -255,10 +262,10 @@ impl Launch<'_> {
                 slots,
                 dst,
                 ..
-            } => vec![keys, gamma, beta, rope, slots, dst],
+            } => &[keys, gamma, beta, rope, slots, dst],
             Launch::KvStore {
                 rows, slots, dst, ..
-            } => vec![rows, slots, dst],
+            } => &[rows, slots, dst],
             Launch::QPrep {
                 q,
                 w,
@@ -266,7 +273,7 @@ impl Launch<'_> {
                 q_out,
                 w_out,
                 ..
-            } => vec![q, w, rope, q_out, w_out],
+            } => &[q, w, rope, q_out, w_out],
             Launch::IndexLogits {
                 q,
                 w,
@@ -275,20 +282,21 @@ impl Launch<'_> {
                 k,
                 out,
                 ..
-            } => vec![q, w, page_table, context_lens, k, out],
+            } => &[q, w, page_table, context_lens, k, out],
             Launch::TopK {
                 logits,
                 context_lens,
                 page_table,
                 out,
                 ..
-            } => vec![logits, context_lens, page_table, out],
-            Launch::SparseRead { slots, kv, out, .. } => vec![slots, kv, out],
-            Launch::NextTokens { digests, out, .. } => vec![digests, out],
+            } => &[logits, context_lens, page_table, out],
+            Launch::SparseRead { slots, kv, out, .. } => &[slots, kv, out],
+            Launch::NextTokens { digests, out, .. } => &[digests, out],
             Launch::PageGather {
                 src, dst, pairs, ..
-            } => vec![src, dst, pairs],
-        }
+            } => &[src, dst, pairs],
+        };
+        ptrs.iter().copied().for_each(&mut f);
     }
 }
 
