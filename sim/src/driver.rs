@@ -230,7 +230,7 @@ pub struct SimDriver {
     /// made: each call's number keys its fault draw.
     calls: [[u64; CALL_ENTITIES]; Call::COUNT],
     /// Per stream, its capture in progress.
-    captures: [Option<Capture>; 3],
+    captures: [Option<Capture>; StreamKind::ALL.len()],
     /// The executable graphs, by `DrvGraph` id.
     graphs: MemTable<SimGraph>,
     /// Allocations made so far (the next one's serial).
@@ -254,7 +254,7 @@ impl SimDriver {
             last_record: [None; 3],
             callback_ran: BTreeMap::new(),
             calls: [[0; CALL_ENTITIES]; Call::COUNT],
-            captures: [None, None, None],
+            captures: std::array::from_fn(|_| None),
             graphs: MemTable::default(),
             serials: 0,
         }
@@ -493,15 +493,11 @@ impl SimDriver {
                 self.queue_or_capture(s, op, args)
             }
         };
-        if r.is_ok() {
-            let mems: Vec<(Mem, u64)> = l
-                .ptrs()
-                .iter()
-                .map(|p| (p.mem, self.mem(p.mem).serial))
-                .collect();
-            if let Some(c) = self.captures[s.index()].as_mut() {
-                c.graph.mems.extend(mems);
-            }
+        if r.is_ok() && self.captures[s.index()].is_some() {
+            let mut mems = Vec::with_capacity(6);
+            l.for_each_ptr(|p| mems.push((p.mem, self.mem(p.mem).serial)));
+            let c = self.captures[s.index()].as_mut().expect("capturing");
+            c.graph.mems.extend(mems);
         }
         r
     }
@@ -725,6 +721,7 @@ impl Driver for SimDriver {
         }))
     }
     fn free(&mut self, mem: Mem) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemFree", None);
         let m = self.mems.take(mem);
         assert!(!m.pooled, "a stream-ordered allocation freed synchronously");
         Ok(())
@@ -922,7 +919,8 @@ impl Driver for SimDriver {
         let c = self.captures[s.index()]
             .take()
             .expect("a capture ends on a capturing stream");
-        if c.failed {
+        // CUDA may refuse to make or update the graph (out of memory); the capture is gone.
+        if c.failed || self.refused(Call::Launch, Some(s), 1.0) {
             probes::hit(SimProbe::DriverCaptureDropped);
             return Err(Call::Launch.refusal());
         }
@@ -1012,6 +1010,7 @@ impl Driver for SimDriver {
         state
     }
     fn event_elapsed_ns(&mut self, start: DrvEvent, end: DrvEvent) -> Option<u64> {
+        self.outside_capture("cuEventElapsedTime", None);
         let g = self.side.at();
         let at = |e: DrvEvent| g.record_done_at(self.events[e.0 as usize]);
         Some(at(end)?.saturating_sub(at(start)?))
@@ -1238,91 +1237,4 @@ impl Device for SimDevice {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::gpu::{GpuOptions, SimGpu};
-    use std::cell::RefCell;
-    use std::rc::Rc;
-    use tierkv_engine::runtime::driver::DrawKind;
-
-    /// A driver over a fresh simulated GPU, with a drawn-rows upload and an output allocation
-    /// of 4 KiB each on the compute stream.
-    fn driver() -> (SimDriver, Ptr, Ptr) {
-        let gpu = Rc::new(RefCell::new(
-            SimGpu::new(1, GpuOptions::default()).expect("a simulated GPU"),
-        ));
-        let mut d = SimDriver::new(SimSide { gpu, side: 0 });
-        let s = StreamKind::Compute;
-        let rows = d.alloc_async(s, 4096).expect("rows");
-        let out = d.alloc_async(s, 4096).expect("outputs");
-        (
-            d,
-            Ptr::whole(rows, Bytes(4096)),
-            Ptr::whole(out, Bytes(4096)),
-        )
-    }
-
-    fn draw<'a>(rows: Ptr, out: Ptr) -> Launch<'a> {
-        Launch::Draw {
-            kind: DrawKind::KvRows,
-            seed: 1,
-            layer: 0,
-            rows: 2,
-            rows_dev: rows,
-            out,
-        }
-    }
-
-    /// A graph of a capture launches, again and again, while what it names is allocated.
-    #[test]
-    fn a_graph_launches_while_its_allocations_live() {
-        let (mut d, rows, out) = driver();
-        let s = StreamKind::Compute;
-        d.capture_begin(s).unwrap();
-        d.launch(s, &draw(rows, out)).unwrap();
-        let g = d.capture_end(s, None).unwrap();
-        d.graph_launch(s, g).unwrap();
-        d.graph_launch(s, g).unwrap();
-        // A capture of the same kinds updates the graph in place.
-        d.capture_begin(s).unwrap();
-        d.launch(s, &draw(rows, out)).unwrap();
-        assert_eq!(d.capture_end(s, Some(g)).unwrap(), g);
-        d.graph_destroy(g);
-    }
-
-    /// The allocation a graph's launch names was freed, and its id reused by a new one, since
-    /// the capture: launching the graph is the runtime's error.
-    #[test]
-    #[should_panic(expected = "freed since its capture")]
-    fn a_graph_launched_over_a_freed_allocation_is_refused() {
-        let (mut d, rows, out) = driver();
-        let s = StreamKind::Compute;
-        d.capture_begin(s).unwrap();
-        d.launch(s, &draw(rows, out)).unwrap();
-        let g = d.capture_end(s, None).unwrap();
-        d.free_async(s, out.mem).unwrap();
-        let again = d.alloc_async(s, 4096).unwrap();
-        assert_eq!(again, out.mem, "the freed id is reused");
-        let _ = d.graph_launch(s, g);
-    }
-
-    /// No event is recorded on a capturing stream (CUDA would make it a node of the graph).
-    #[test]
-    #[should_panic(expected = "during a stream capture")]
-    fn an_event_record_during_a_capture_is_refused() {
-        let (mut d, _, _) = driver();
-        let s = StreamKind::Compute;
-        let e = d.event_create(EventUse::Engine).unwrap();
-        d.capture_begin(s).unwrap();
-        let _ = d.event_record(s, e);
-    }
-
-    /// Nor does the host wait for anything while a capture is open.
-    #[test]
-    #[should_panic(expected = "during a stream capture")]
-    fn a_host_synchronisation_during_a_capture_is_refused() {
-        let (mut d, _, _) = driver();
-        d.capture_begin(StreamKind::Compute).unwrap();
-        let _ = d.stream_synchronize(StreamKind::Load);
-    }
-}
+mod tests;

@@ -57,7 +57,7 @@ impl Workload {
     }
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GpuKnobs {
     /// "random_walk" or "pct".
@@ -961,11 +961,7 @@ fn production_workload(r: &mut Rng, s: &Shape) -> Workload {
 fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
     let pct = gr.chance(0.4);
     GpuKnobs {
-        policy: if pct {
-            "pct".into()
-        } else {
-            "random_walk".into()
-        },
+        policy: ["random_walk", "pct"][pct as usize].into(),
         pct_depth: gr.range(1, 4) as u32,
         jitter_ns: gr.range(2_000, 60_000),
         copy_bytes_per_ns: *gr.pick(&[5.0, 12.0, 25.0, 50.0]),
@@ -1022,8 +1018,11 @@ fn draw_gpu(gr: &mut Rng) -> GpuKnobs {
         },
         // Small rings, so that they wrap within a run and large arguments go pageable.
         runtime_staging_bytes: *gr.pick(&[1024, 4096, 16384, 65536]),
-        // The runtime's knobs are drawn in `draw_runtime`, from a stream of their own.
-        ..GpuKnobs::default()
+        // Drawn in `draw_runtime`, from a stream of their own.
+        runtime_copy_runs: false,
+        driver_fault_rate: 0.0,
+        runtime_timing: false,
+        runtime_graphs: false,
     }
 }
 

@@ -33,7 +33,7 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("engine/src/engine/pair.rs", "start_transfers", 98),
     ("engine/src/metrics.rs", "render_prometheus", 85),
     ("engine/src/metrics.rs", "series", 155),
-    ("engine/src/runtime/cuda.rs", "launch", 162),
+    ("engine/src/runtime/cuda.rs", "launch_kernels", 162),
     ("engine/src/runtime/nccl.rs", "measure", 108),
     ("engine/src/scheduler.rs", "build_batch", 90),
     ("engine/src/scheduler.rs", "record_forward", 75),

@@ -59,8 +59,9 @@ pub struct PinnedHost {
 // SAFETY: the allocation is plain memory owned by this value; access is serialised by its owner.
 unsafe impl Send for PinnedHost {}
 
-/// An executable CUDA graph of the driver's context.
-struct GraphExec(sys::CUgraphExec);
+/// An executable CUDA graph of the driver's context, and the `index_logits` kernel and launch
+/// shape its launches were captured with.
+struct GraphExec(sys::CUgraphExec, (LogitsKernel, LogitsTuning));
 
 // SAFETY: a handle of the driver's context, used only by the driver that owns it, one call at a
 // time.
@@ -145,9 +146,10 @@ pub struct CudaDriver {
     pub kernels: Option<&'static Kernels>,
     /// Which `index_logits` kernel runs: the tensor cores by default (production); the
     /// simulator's CUDA executor sets [`LogitsKernel::Exact`], because its oracles compare
-    /// digests bit for bit against the CPU reference.
+    /// digests bit for bit against the CPU reference. Set before the first launch: a graph
+    /// keeps the kernel it was captured with, and launching one captured with another panics.
     pub logits: LogitsKernel,
-    /// The tensor-core kernel's launch shape.
+    /// The tensor-core kernel's launch shape (set before the first launch, as `logits`).
     pub tuning: LogitsTuning,
     streams: [Arc<CudaStream>; 3],
     mems: MemTable<Alloc>,
@@ -167,6 +169,10 @@ pub struct CudaDriver {
     next_list: usize,
     /// The executable graphs made from captures (`capture_end`), by `DrvGraph` id.
     graphs: MemTable<GraphExec>,
+    /// Per stream: a capture is open, and a launch failed in it (a launcher's own check refused
+    /// it before CUDA saw it, which leaves CUDA's capture valid).
+    capturing: [bool; 3],
+    capture_failed: [bool; 3],
 }
 
 /// How many copy lists are staged at once: the host may run this many slices ahead of the GPU.
@@ -223,6 +229,8 @@ impl CudaDriver {
             lists: Vec::new(),
             next_list: 0,
             graphs: MemTable::default(),
+            capturing: [false; 3],
+            capture_failed: [false; 3],
         })
     }
 
@@ -245,6 +253,8 @@ impl CudaDriver {
             lists: Vec::new(),
             next_list: 0,
             graphs: MemTable::default(),
+            capturing: [false; 3],
+            capture_failed: [false; 3],
         })
     }
 
@@ -665,6 +675,186 @@ impl Driver for CudaDriver {
             .map_err(backend("cuMemcpyHtoDAsync"))
     }
     fn launch(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
+        let r = self.launch_kernels(s, l);
+        if r.is_err() && self.capturing[s.index()] {
+            self.capture_failed[s.index()] = true;
+        }
+        r
+    }
+    fn event_create(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError> {
+        let timing = matches!(purpose, EventUse::Timing | EventUse::Transfer);
+        let flags = timing.then_some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let ev = self
+            .ctx
+            .new_event(flags)
+            .map_err(backend("cuEventCreate"))?;
+        self.events.push(ev);
+        Ok(DrvEvent(self.events.len() as u32 - 1))
+    }
+    fn event_record(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
+        self.events[e.0 as usize]
+            .record(&self.streams[s.index()])
+            .map_err(backend("cuEventRecord"))
+    }
+    fn event_query(&mut self, e: DrvEvent) -> EventState {
+        match self.events[e.0 as usize].try_is_complete() {
+            Ok(true) => EventState::Done,
+            Ok(false) => EventState::Pending,
+            Err(_) => EventState::Failed,
+        }
+    }
+    fn event_synchronize(&mut self, e: DrvEvent) -> EventState {
+        match self.events[e.0 as usize].synchronize() {
+            Ok(()) => EventState::Done,
+            Err(_) => EventState::Failed,
+        }
+    }
+    fn event_elapsed_ns(&mut self, start: DrvEvent, end: DrvEvent) -> Option<u64> {
+        let (a, b) = (&self.events[start.0 as usize], &self.events[end.0 as usize]);
+        a.elapsed_ms(b).ok().map(|ms| (ms as f64 * 1e6) as u64)
+    }
+    fn stream_wait(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
+        self.streams[s.index()]
+            .wait(&self.events[e.0 as usize])
+            .map_err(backend("cuStreamWaitEvent"))
+    }
+    fn stream_synchronize(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        self.streams[s.index()]
+            .synchronize()
+            .map_err(backend("cuStreamSynchronize"))
+    }
+    fn context_synchronize(&mut self) -> Result<(), DeviceError> {
+        self.ctx.synchronize().map_err(backend("cuCtxSynchronize"))
+    }
+    fn recover(&mut self) -> Result<(), DeviceError> {
+        // An error from asynchronous work is sticky in CUDA: the context is lost and every later
+        // call fails with it, so nothing can be recovered in place. A context that still
+        // synchronises had no such error (an event's failure was its own): go on. A lost
+        // context is not recreated: after a `trap`, a primary-context reset (with or without a
+        // release first) and `cuCtxCreate` each left the context refused
+        // (`CUDA_ERROR_LAUNCH_FAILED`, then `CUDA_ERROR_INVALID_CONTEXT`; kernels/GPU.md, runs
+        // 87-88). The engine stops with this error, and the process must be restarted.
+        self.ctx
+            .synchronize()
+            .map_err(backend("the CUDA context did not survive a device fault"))
+    }
+    fn context_generation(&self) -> u64 {
+        0 // never recreated: see `recover`
+    }
+    fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError> {
+        self.bind()?;
+        let mut start: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: out-pointers to locals; the driver only reads `base`.
+        check(
+            unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) },
+            "cuMemGetAddressRange (is the server's memory on this driver's GPU?)",
+        )?;
+        if base + bytes > start + size as u64 {
+            return Err(DeviceError::Backend {
+                detail: format!(
+                    "import: {bytes} bytes at {base:#x} run past the allocation holding it \
+                     ({size} bytes at {start:#x})"
+                ),
+            });
+        }
+        Ok(self.mems.insert(Alloc::Foreign { ptr: base, bytes }))
+    }
+    fn event_record_foreign(&mut self, stream: u64, e: DrvEvent) -> Result<(), DeviceError> {
+        self.bind()?;
+        // 0, 1 and 2 are CUDA's special handles (the legacy default stream, CU_STREAM_LEGACY,
+        // CU_STREAM_PER_THREAD); any other must be a stream of this driver's context.
+        if stream > 2 {
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: an out-pointer to a local; the driver validates the handle.
+            let r = unsafe { sys::cuStreamGetCtx(stream as sys::CUstream, &mut ctx) };
+            if r != sys::CUresult::CUDA_SUCCESS || ctx != self.ctx.cu_ctx() {
+                return Err(DeviceError::Backend {
+                    detail: format!(
+                        "stream {stream:#x} is not a stream of this GPU's primary context ({r:?})"
+                    ),
+                });
+            }
+        }
+        let ev = self.events[e.0 as usize].cu_event();
+        // SAFETY: `stream` is the caller's live CUstream of this context (0: the legacy default).
+        check(
+            unsafe { sys::cuEventRecord(ev, stream as sys::CUstream) },
+            "cuEventRecord on the server's stream",
+        )
+    }
+    fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
+        let data = Box::into_raw(Box::new(cb));
+        let stream = self.streams[s.index()].cu_stream();
+        // SAFETY: `run_callback` takes ownership of `data` when CUDA runs it.
+        let r = unsafe { sys::cuLaunchHostFunc(stream, Some(run_callback), data as *mut _) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: the callback was not enqueued, so we still own `data`.
+            drop(unsafe { Box::from_raw(data) });
+        }
+        check(r, "cuLaunchHostFunc")
+    }
+    /// CUDA has no such call: the ring's acquire in `runtime::ring` orders the host.
+    fn observed_by_callback(&mut self, _e: DrvEvent) {}
+    fn capture_begin(&mut self, s: StreamKind) -> Result<(), DeviceError> {
+        let stream = self.streams[s.index()].cu_stream();
+        // Thread-local: CUDA refuses this thread's potentially unsafe calls during the capture
+        // (the runtime makes none), as the simulated driver does.
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: a live stream of this context.
+        check(
+            unsafe { sys::cuStreamBeginCapture_v2(stream, mode) },
+            "cuStreamBeginCapture",
+        )?;
+        self.capturing[s.index()] = true;
+        self.capture_failed[s.index()] = false;
+        Ok(())
+    }
+    fn capture_end(
+        &mut self,
+        s: StreamKind,
+        into: Option<DrvGraph>,
+    ) -> Result<DrvGraph, DeviceError> {
+        let stream = self.streams[s.index()].cu_stream();
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        self.capturing[s.index()] = false;
+        // SAFETY: the stream this driver began capturing; an invalidated capture returns an
+        // error and no graph.
+        check(
+            unsafe { sys::cuStreamEndCapture(stream, &mut graph) },
+            "cuStreamEndCapture",
+        )?;
+        let made = match self.capture_failed[s.index()] {
+            true => Err(DeviceError::Backend {
+                detail: "a launch failed during the stream capture: no graph made".into(),
+            }),
+            false => self.exec_of(graph, into),
+        };
+        // SAFETY: the graph the capture made; an executable graph keeps its own copy.
+        unsafe { sys::cuGraphDestroy(graph) };
+        made
+    }
+    fn graph_launch(&mut self, s: StreamKind, g: DrvGraph) -> Result<(), DeviceError> {
+        let GraphExec(exec, made_with) = *self.graphs.get(Mem(g.0));
+        assert_eq!(
+            made_with,
+            (self.logits, self.tuning),
+            "the index_logits kernel changed after a graph was captured with the old one"
+        );
+        let stream = self.streams[s.index()].cu_stream();
+        // SAFETY: an executable graph of this context on one of its streams.
+        check(unsafe { sys::cuGraphLaunch(exec, stream) }, "cuGraphLaunch")
+    }
+    fn graph_destroy(&mut self, g: DrvGraph) {
+        let exec = self.graphs.take(Mem(g.0)).0;
+        // SAFETY: launches already queued keep their own reference (CUDA defers the release).
+        unsafe { sys::cuGraphExecDestroy(exec) };
+    }
+}
+
+impl CudaDriver {
+    /// Launches `l`'s kernels on `s`.
+    fn launch_kernels(&mut self, s: StreamKind, l: &Launch<'_>) -> Result<(), DeviceError> {
         let st = &self.streams[s.index()];
         let k = self.kernels()?;
         let p = |x: Ptr| self.dev_ptr(x);
@@ -826,164 +1016,7 @@ impl Driver for CudaDriver {
         }
         .map_err(kernel)
     }
-    fn event_create(&mut self, purpose: EventUse) -> Result<DrvEvent, DeviceError> {
-        let timing = matches!(purpose, EventUse::Timing | EventUse::Transfer);
-        let flags = timing.then_some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let ev = self
-            .ctx
-            .new_event(flags)
-            .map_err(backend("cuEventCreate"))?;
-        self.events.push(ev);
-        Ok(DrvEvent(self.events.len() as u32 - 1))
-    }
-    fn event_record(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
-        self.events[e.0 as usize]
-            .record(&self.streams[s.index()])
-            .map_err(backend("cuEventRecord"))
-    }
-    fn event_query(&mut self, e: DrvEvent) -> EventState {
-        match self.events[e.0 as usize].try_is_complete() {
-            Ok(true) => EventState::Done,
-            Ok(false) => EventState::Pending,
-            Err(_) => EventState::Failed,
-        }
-    }
-    fn event_synchronize(&mut self, e: DrvEvent) -> EventState {
-        match self.events[e.0 as usize].synchronize() {
-            Ok(()) => EventState::Done,
-            Err(_) => EventState::Failed,
-        }
-    }
-    fn event_elapsed_ns(&mut self, start: DrvEvent, end: DrvEvent) -> Option<u64> {
-        let (a, b) = (&self.events[start.0 as usize], &self.events[end.0 as usize]);
-        a.elapsed_ms(b).ok().map(|ms| (ms as f64 * 1e6) as u64)
-    }
-    fn stream_wait(&mut self, s: StreamKind, e: DrvEvent) -> Result<(), DeviceError> {
-        self.streams[s.index()]
-            .wait(&self.events[e.0 as usize])
-            .map_err(backend("cuStreamWaitEvent"))
-    }
-    fn stream_synchronize(&mut self, s: StreamKind) -> Result<(), DeviceError> {
-        self.streams[s.index()]
-            .synchronize()
-            .map_err(backend("cuStreamSynchronize"))
-    }
-    fn context_synchronize(&mut self) -> Result<(), DeviceError> {
-        self.ctx.synchronize().map_err(backend("cuCtxSynchronize"))
-    }
-    fn recover(&mut self) -> Result<(), DeviceError> {
-        // An error from asynchronous work is sticky in CUDA: the context is lost and every later
-        // call fails with it, so nothing can be recovered in place. A context that still
-        // synchronises had no such error (an event's failure was its own): go on. A lost
-        // context is not recreated: after a `trap`, a primary-context reset (with or without a
-        // release first) and `cuCtxCreate` each left the context refused
-        // (`CUDA_ERROR_LAUNCH_FAILED`, then `CUDA_ERROR_INVALID_CONTEXT`; kernels/GPU.md, runs
-        // 87-88). The engine stops with this error, and the process must be restarted.
-        self.ctx
-            .synchronize()
-            .map_err(backend("the CUDA context did not survive a device fault"))
-    }
-    fn context_generation(&self) -> u64 {
-        0 // never recreated: see `recover`
-    }
-    fn import(&mut self, base: u64, bytes: u64) -> Result<Mem, DeviceError> {
-        self.bind()?;
-        let mut start: sys::CUdeviceptr = 0;
-        let mut size: usize = 0;
-        // SAFETY: out-pointers to locals; the driver only reads `base`.
-        check(
-            unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) },
-            "cuMemGetAddressRange (is the server's memory on this driver's GPU?)",
-        )?;
-        if base + bytes > start + size as u64 {
-            return Err(DeviceError::Backend {
-                detail: format!(
-                    "import: {bytes} bytes at {base:#x} run past the allocation holding it \
-                     ({size} bytes at {start:#x})"
-                ),
-            });
-        }
-        Ok(self.mems.insert(Alloc::Foreign { ptr: base, bytes }))
-    }
-    fn event_record_foreign(&mut self, stream: u64, e: DrvEvent) -> Result<(), DeviceError> {
-        self.bind()?;
-        // 0, 1 and 2 are CUDA's special handles (the legacy default stream, CU_STREAM_LEGACY,
-        // CU_STREAM_PER_THREAD); any other must be a stream of this driver's context.
-        if stream > 2 {
-            let mut ctx: sys::CUcontext = std::ptr::null_mut();
-            // SAFETY: an out-pointer to a local; the driver validates the handle.
-            let r = unsafe { sys::cuStreamGetCtx(stream as sys::CUstream, &mut ctx) };
-            if r != sys::CUresult::CUDA_SUCCESS || ctx != self.ctx.cu_ctx() {
-                return Err(DeviceError::Backend {
-                    detail: format!(
-                        "stream {stream:#x} is not a stream of this GPU's primary context ({r:?})"
-                    ),
-                });
-            }
-        }
-        let ev = self.events[e.0 as usize].cu_event();
-        // SAFETY: `stream` is the caller's live CUstream of this context (0: the legacy default).
-        check(
-            unsafe { sys::cuEventRecord(ev, stream as sys::CUstream) },
-            "cuEventRecord on the server's stream",
-        )
-    }
-    fn host_callback(&mut self, s: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
-        let data = Box::into_raw(Box::new(cb));
-        let stream = self.streams[s.index()].cu_stream();
-        // SAFETY: `run_callback` takes ownership of `data` when CUDA runs it.
-        let r = unsafe { sys::cuLaunchHostFunc(stream, Some(run_callback), data as *mut _) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            // SAFETY: the callback was not enqueued, so we still own `data`.
-            drop(unsafe { Box::from_raw(data) });
-        }
-        check(r, "cuLaunchHostFunc")
-    }
-    /// CUDA has no such call: the ring's acquire in `runtime::ring` orders the host.
-    fn observed_by_callback(&mut self, _e: DrvEvent) {}
-    fn capture_begin(&mut self, s: StreamKind) -> Result<(), DeviceError> {
-        let stream = self.streams[s.index()].cu_stream();
-        // Relaxed: the runtime's other threads (the completion ring's callbacks make no driver
-        // call) and this thread's calls on other streams go on during the capture.
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        // SAFETY: a live stream of this context.
-        check(
-            unsafe { sys::cuStreamBeginCapture_v2(stream, mode) },
-            "cuStreamBeginCapture",
-        )
-    }
-    fn capture_end(
-        &mut self,
-        s: StreamKind,
-        into: Option<DrvGraph>,
-    ) -> Result<DrvGraph, DeviceError> {
-        let stream = self.streams[s.index()].cu_stream();
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: the stream this driver began capturing; an invalidated capture returns an
-        // error and no graph.
-        check(
-            unsafe { sys::cuStreamEndCapture(stream, &mut graph) },
-            "cuStreamEndCapture",
-        )?;
-        let made = self.exec_of(graph, into);
-        // SAFETY: the graph the capture made; an executable graph keeps its own copy.
-        unsafe { sys::cuGraphDestroy(graph) };
-        made
-    }
-    fn graph_launch(&mut self, s: StreamKind, g: DrvGraph) -> Result<(), DeviceError> {
-        let exec = self.graphs.get(Mem(g.0)).0;
-        let stream = self.streams[s.index()].cu_stream();
-        // SAFETY: an executable graph of this context on one of its streams.
-        check(unsafe { sys::cuGraphLaunch(exec, stream) }, "cuGraphLaunch")
-    }
-    fn graph_destroy(&mut self, g: DrvGraph) {
-        let exec = self.graphs.take(Mem(g.0)).0;
-        // SAFETY: launches already queued keep their own reference (CUDA defers the release).
-        unsafe { sys::cuGraphExecDestroy(exec) };
-    }
-}
 
-impl CudaDriver {
     /// `graph` as an executable graph: `into` updated to it when CUDA can (the same nodes, one
     /// for one), else a new one.
     fn exec_of(
@@ -998,6 +1031,7 @@ impl CudaDriver {
             // SAFETY: an executable graph and a complete graph of this context.
             let r = unsafe { sys::cuGraphExecUpdate_v2(exec, graph, &mut info) };
             if r == sys::CUresult::CUDA_SUCCESS {
+                self.graphs.get_mut(Mem(g.0)).1 = (self.logits, self.tuning);
                 return Ok(g);
             }
         }
@@ -1007,7 +1041,8 @@ impl CudaDriver {
             unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
             "cuGraphInstantiate",
         )?;
-        Ok(DrvGraph(self.graphs.insert(GraphExec(exec)).0))
+        let made_with = (self.logits, self.tuning);
+        Ok(DrvGraph(self.graphs.insert(GraphExec(exec, made_with)).0))
     }
 }
 
@@ -1020,10 +1055,12 @@ impl DrivenDevice<CudaDriver> {
     }
 
     /// The device on GPU `ordinal` (a prefill/decode pair puts each engine on its own), with
-    /// the compute stream's ops launched from CUDA graphs (`DrivenDevice::set_graphs`; on an
-    /// H100, kernels/GPU.md run 95 measured a launch at 2.4 µs of host time, a captured launch
-    /// at 1.0 µs and a graph's launch at 1.2 µs, and 2.4 against 0.9 µs of device time per
-    /// kernel).
+    /// the compute stream's ops launched from CUDA graphs (`DrivenDevice::set_graphs`). On an
+    /// H100 (kernels/GPU.md runs 95 and 96): a launch costs 2.4 µs of host time, a captured one
+    /// about 1 µs, and a graph's update and launch 2–3 µs more; a kernel launched alone 2.4 µs
+    /// of device time, one from a graph 0.9 µs. At 61 layers graphs took the host's enqueue from
+    /// 11.3 to 4.3 ms a step (the host then waits for the device instead), while the runtime's
+    /// own bookkeeping for them costs host time: at 4 layers the step did not get shorter.
     pub fn on(ordinal: usize, strategy: CopyStrategy) -> Result<CudaDevice, DeviceError> {
         let mut dev = DrivenDevice::over(CudaDriver::on(ordinal)?, strategy)?;
         dev.set_graphs(true);

@@ -16,9 +16,9 @@
 //! inputs are drawn on the device from each row's token and position (a step's pending rows
 //! resolved from its tokens once, by the first op that draws them), and RoPE rows gathered from
 //! a table of the model's rows (made again, after a context synchronisation, when a position
-//! lies past it; only the rows it adds are computed). `check_op`'s verdict on the first layer's op of a step
-//! is taken for the others (`device::memo`). Each event recorded on the load stream also
-//! queues a host callback that signals the completion ring (`ring.rs`), which `query` reads
+//! lies past it; only the rows it adds are computed). `check_op`'s verdict on the first layer's
+//! op of a step is taken for the others (`device::memo`). Each event recorded on the load stream
+//! also queues a host callback that signals the completion ring (`ring.rs`), which `query` reads
 //! before it asks the driver — when the event's ring slot is free (its previous callback ran;
 //! otherwise `query` asks the driver alone).
 //!
@@ -154,8 +154,9 @@ impl Pack {
 /// An array the ops of a step share (slots, page tables, context lengths, drawn rows and their
 /// positions; a layer's LayerNorm parameters, shared by that layer's ops of every step),
 /// uploaded once to a stream. It stays on the device while a holder of the array may still
-/// enqueue an op that names it; once none holds it, it is freed on its stream (at the next
-/// event record, recovery or drop), after every op that read it. Its identity's weak reference
+/// enqueue an op that names it (the engine, or a kept graph's op: at most [`CLASS_GRAPHS_MAX`]
+/// a class); once none holds it, it is freed on its stream (at the next event record, recovery
+/// or drop), after every op that read it. Its identity's weak reference
 /// keeps the array's address from being reused meanwhile.
 struct SharedUpload {
     stream: StreamKind,
@@ -177,9 +178,15 @@ enum Derived {
     Positions,
 }
 
-/// Graphs of the compute stream's ops kept for replay, at most this many per class (op kind
-/// and launch count).
-const GRAPHS_PER_CLASS: usize = 4;
+/// Graphs of the compute stream's ops kept for replay, at most this many per [`GraphClass`].
+const CLASS_GRAPHS_MAX: usize = 4;
+
+/// What a graph can be updated to a capture of: an op kind and its launch count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GraphClass {
+    kind: usize,
+    launches: usize,
+}
 
 /// The compute stream's ops as CUDA graphs ([`DrivenDevice::set_graphs`]): each op's launches
 /// are captured into a graph and the graph launched, and an op equal to one captured before
@@ -203,15 +210,15 @@ struct Graphs {
 
 impl Graphs {
     /// The slot whose graph a capture of `class` is made into: the least recently used of the
-    /// class when it holds [`GRAPHS_PER_CLASS`] (`None`: a new graph).
-    fn victim(&self, class: (usize, usize)) -> Option<usize> {
+    /// class when it holds [`CLASS_GRAPHS_MAX`] (`None`: a new graph).
+    fn victim(&self, class: GraphClass) -> Option<usize> {
         let of_class = || {
             self.slots
                 .iter()
                 .enumerate()
                 .filter(|(_, g)| g.class == class)
         };
-        match of_class().count() >= GRAPHS_PER_CLASS {
+        match of_class().count() >= CLASS_GRAPHS_MAX {
             true => of_class().min_by_key(|(_, g)| g.used).map(|(i, _)| i),
             false => None,
         }
@@ -221,8 +228,10 @@ impl Graphs {
 /// A graph and the op it holds the launches of.
 struct GraphSlot {
     graph: DrvGraph,
-    /// Op kind and launch count: a graph is updated only to a capture of its class.
-    class: (usize, usize),
+    /// A graph is updated only to a capture of its class.
+    class: GraphClass,
+    /// The op, held: the arrays it names stay allocated, and their uploads with them, while the
+    /// slot is kept (so a slot's op can never equal a later op by an address reused).
     op: Op,
     /// What the launches add to the op ([`launch_words`]).
     words: Vec<u64>,
@@ -445,6 +454,10 @@ impl<D: Driver> DrivenDevice<D> {
             crate::probe::hit(crate::probe::Probe::RuntimeGraphForgotten);
             self.driver.graph_destroy(g.graph);
         }
+        debug_assert!(
+            !self.graphs.slots.iter().any(|g| g.mems.contains(&mem)),
+            "a graph still names allocation {mem:?} after its forgetting"
+        );
     }
 
     /// Queues op `op`'s launches `ls` on `s`: from a graph on the compute stream when graphs
@@ -463,7 +476,10 @@ impl<D: Driver> DrivenDevice<D> {
         }
         let mut words = std::mem::take(&mut self.graphs.words);
         launch_words(ls, &mut words);
-        let class = (op.kind(), ls.len());
+        let class = GraphClass {
+            kind: op.kind(),
+            launches: ls.len(),
+        };
         self.graphs.clock += 1;
         let clock = self.graphs.clock;
         let same = self
@@ -471,22 +487,36 @@ impl<D: Driver> DrivenDevice<D> {
             .slots
             .iter_mut()
             .find(|g| g.class == class && g.words == words && g.op == *op);
-        let same = same.map(|g| {
-            g.used = clock;
-            g.graph
-        });
-        if let Some(graph) = same {
-            self.graphs.words = words;
-            self.driver.graph_launch(s, graph)?;
-            crate::probe::hit(crate::probe::Probe::RuntimeGraphReplayed);
-            self.graphs.from_graphs += ls.len() as u64;
-            return Ok(());
-        }
+        let graph = match same {
+            Some(g) => {
+                g.used = clock;
+                self.graphs.words = words;
+                crate::probe::hit(crate::probe::Probe::RuntimeGraphReplayed);
+                g.graph
+            }
+            None => self.capture(s, op, ls, class, words)?,
+        };
+        self.driver.graph_launch(s, graph)?;
+        self.graphs.from_graphs += ls.len() as u64;
+        Ok(())
+    }
+
+    /// Captures `ls`, the launches of `op` (whose [`launch_words`] are `words`), into a graph
+    /// of `class`, kept in a slot: a new one, or the class's least recently used one updated or
+    /// replaced when the class is full. Nothing of a failed capture runs; a graph a failed
+    /// update may have left part-updated is forgotten.
+    fn capture(
+        &mut self,
+        s: StreamKind,
+        op: &Op,
+        ls: &[Launch<'_>],
+        class: GraphClass,
+        words: Vec<u64>,
+    ) -> Result<DrvGraph, DeviceError> {
         let victim = self.graphs.victim(class);
         self.driver.capture_begin(s)?;
         for l in ls {
             if let Err(e) = self.driver.launch(s, l) {
-                // The capture is dropped: nothing of it runs.
                 if let Ok(g) = self.driver.capture_end(s, None) {
                     self.driver.graph_destroy(g);
                 }
@@ -494,18 +524,25 @@ impl<D: Driver> DrivenDevice<D> {
             }
         }
         let into = victim.map(|i| self.graphs.slots[i].graph);
-        let graph = self.driver.capture_end(s, into)?;
+        let graph = match self.driver.capture_end(s, into) {
+            Ok(g) => g,
+            Err(e) => {
+                if let Some(i) = victim {
+                    let old = self.graphs.slots.swap_remove(i);
+                    self.driver.graph_destroy(old.graph);
+                }
+                return Err(e);
+            }
+        };
+        let mut mems = Vec::with_capacity(ls.len() * 4);
+        ls.iter().for_each(|l| l.for_each_ptr(|p| mems.push(p.mem)));
         let slot = GraphSlot {
             graph,
             class,
             op: op.clone(),
             words,
-            mems: {
-                let mut mems = Vec::with_capacity(ls.len() * 4);
-                ls.iter().for_each(|l| l.for_each_ptr(|p| mems.push(p.mem)));
-                mems
-            },
-            used: clock,
+            mems,
+            used: self.graphs.clock,
         };
         match victim {
             Some(i) => {
@@ -513,13 +550,21 @@ impl<D: Driver> DrivenDevice<D> {
                 if old.graph != graph {
                     self.driver.graph_destroy(old.graph);
                 }
+                self.graphs.words = old.words;
             }
             None => self.graphs.slots.push(slot),
         }
+        debug_assert!(
+            self.graphs
+                .slots
+                .iter()
+                .filter(|g| g.class == class)
+                .count()
+                <= CLASS_GRAPHS_MAX,
+            "a class holds more graphs than its maximum"
+        );
         crate::probe::hit(crate::probe::Probe::RuntimeGraphCaptured);
-        self.driver.graph_launch(s, graph)?;
-        self.graphs.from_graphs += ls.len() as u64;
-        Ok(())
+        Ok(graph)
     }
 
     /// Records a timing event on the compute stream.

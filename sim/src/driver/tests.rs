@@ -1,0 +1,107 @@
+//! The simulated driver's CUDA-graph semantics: a capture's launches run at each launch of its
+//! graph, and the calls CUDA refuses during a capture, or a graph over freed memory, are the
+//! runtime's errors.
+
+use super::*;
+use crate::gpu::{GpuOptions, SimGpu};
+use std::cell::RefCell;
+use std::rc::Rc;
+use tierkv_engine::runtime::driver::DrawKind;
+
+/// A driver over a fresh simulated GPU, with a drawn-rows upload and an output allocation
+/// of 4 KiB each on the compute stream.
+fn driver() -> (SimDriver, Ptr, Ptr) {
+    let gpu = Rc::new(RefCell::new(
+        SimGpu::new(1, GpuOptions::default()).expect("a simulated GPU"),
+    ));
+    let mut d = SimDriver::new(SimSide { gpu, side: 0 });
+    let s = StreamKind::Compute;
+    let rows = d.alloc_async(s, 4096).expect("rows");
+    let out = d.alloc_async(s, 4096).expect("outputs");
+    (
+        d,
+        Ptr::whole(rows, Bytes(4096)),
+        Ptr::whole(out, Bytes(4096)),
+    )
+}
+
+fn draw<'a>(rows: Ptr, out: Ptr) -> Launch<'a> {
+    Launch::Draw {
+        kind: DrawKind::KvRows,
+        seed: 1,
+        layer: 0,
+        rows: 2,
+        rows_dev: rows,
+        out,
+    }
+}
+
+/// The message `f` panics with (it must panic).
+fn refusal(f: impl FnOnce()) -> String {
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("a refusal");
+    match (e.downcast_ref::<String>(), e.downcast_ref::<&str>()) {
+        (Some(s), _) => s.clone(),
+        (None, Some(s)) => s.to_string(),
+        (None, None) => String::from("(a panic without a message)"),
+    }
+}
+
+/// A graph names the allocations of its capture and launches, again and again, while they
+/// live; a capture of the same op kinds updates it in place.
+#[test]
+fn a_graph_launches_while_its_allocations_live() {
+    let (mut d, rows, out) = driver();
+    let s = StreamKind::Compute;
+    d.capture_begin(s).unwrap();
+    d.launch(s, &draw(rows, out)).unwrap();
+    let g = d.capture_end(s, None).unwrap();
+    let named: Vec<Mem> = d.graphs.get(Mem(g.0)).mems.iter().map(|m| m.0).collect();
+    assert_eq!(named, vec![rows.mem, out.mem]);
+    d.graph_launch(s, g).unwrap();
+    d.graph_launch(s, g).unwrap();
+    d.capture_begin(s).unwrap();
+    d.launch(s, &draw(rows, out)).unwrap();
+    assert_eq!(d.capture_end(s, Some(g)).unwrap(), g);
+    d.graph_destroy(g);
+}
+
+/// The allocation a graph's launch names was freed, and its id reused by a new one, since
+/// the capture: launching the graph is the runtime's error.
+#[test]
+fn a_graph_launched_over_a_freed_allocation_is_refused() {
+    let (mut d, rows, out) = driver();
+    let s = StreamKind::Compute;
+    d.capture_begin(s).unwrap();
+    d.launch(s, &draw(rows, out)).unwrap();
+    let g = d.capture_end(s, None).unwrap();
+    d.free_async(s, out.mem).unwrap();
+    let again = d.alloc_async(s, 4096).unwrap();
+    assert_eq!(again, out.mem, "the freed id is reused");
+    let m = refusal(|| drop(d.graph_launch(s, g)));
+    assert!(
+        m.contains("a graph launched over allocation 1 freed since its capture"),
+        "{m}"
+    );
+}
+
+/// No event is recorded on a capturing stream (CUDA would make it a node of the graph), and
+/// the host waits for nothing while a capture is open.
+#[test]
+fn calls_during_a_capture_are_refused() {
+    let s = StreamKind::Compute;
+    let (mut d, _, _) = driver();
+    let e = d.event_create(EventUse::Engine).unwrap();
+    d.capture_begin(s).unwrap();
+    let m = refusal(|| drop(d.event_record(s, e)));
+    assert_eq!(
+        m,
+        "the runtime called cuEventRecord during a stream capture"
+    );
+    let (mut d, _, _) = driver();
+    d.capture_begin(s).unwrap();
+    let m = refusal(|| drop(d.stream_synchronize(StreamKind::Load)));
+    assert_eq!(
+        m,
+        "the runtime called cuStreamSynchronize during a stream capture"
+    );
+}
