@@ -1059,8 +1059,8 @@ impl DrivenDevice<CudaDriver> {
     /// H100 (kernels/GPU.md runs 95 and 96): a launch costs 2.4 µs of host time, a captured one
     /// about 1 µs, and a graph's update and launch 2–3 µs more; a kernel launched alone 2.4 µs
     /// of device time, one from a graph 0.9 µs. At 61 layers graphs took the host's enqueue from
-    /// 11.3 to 4.3 ms a step (the host then waits for the device instead), while the runtime's
-    /// own bookkeeping for them costs host time: at 4 layers the step did not get shorter.
+    /// 11.3–11.6 to 4.1–4.5 ms a step (the host then waits for the device instead; runs 96 and
+    /// 97); at 4 layers the step did not get shorter (run 96).
     pub fn on(ordinal: usize, strategy: CopyStrategy) -> Result<CudaDevice, DeviceError> {
         let mut dev = DrivenDevice::over(CudaDriver::on(ordinal)?, strategy)?;
         dev.set_graphs(true);
