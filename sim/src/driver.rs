@@ -21,6 +21,12 @@
 //!   what they compute (from the drawn rows it reads);
 //! - events are the GPU's events; the runtime's own (staging copies, callbacks) are internal,
 //!   so the record log counts only the engine's;
+//! - a stream capture records each launch on the capturing stream as the op it would queue
+//!   (fused launches as above); the graph it makes runs those ops, in order, at each of its
+//!   launches, and a capture of the same op kinds updates it in place. Any other call on a
+//!   capturing stream, a host wait, query or synchronous free during a capture, and a graph
+//!   launched over an allocation that is not the one of its capture (an id reused is another
+//!   allocation: each has a serial) are the runtime's errors, and panic;
 //! - a host callback is an internal record on its stream, run by the driver at its next call
 //!   once the record completed and its callback time came (`GpuOptions::completion_delay_ns`),
 //!   and dropped when its side is in error or the record failed (CUDA does not run host
