@@ -230,8 +230,8 @@ struct GraphSlot {
     graph: DrvGraph,
     /// A graph is updated only to a capture of its class.
     class: GraphClass,
-    /// The op, held: the arrays it names stay allocated, and their uploads with them, while the
-    /// slot is kept (so a slot's op can never equal a later op by an address reused).
+    /// The op, held: the arrays it names stay allocated, and so do their uploads, which its
+    /// graph's launches name, while the slot is kept.
     op: Op,
     /// What the launches add to the op ([`launch_words`]).
     words: Vec<u64>,
@@ -631,6 +631,13 @@ impl<D: Driver> DrivenDevice<D> {
         Ok(Ptr::whole(mem, bytes))
     }
 
+    /// Takes `p`'s allocation, the last one `scratch_alloc` made, out of the op's scratch: the
+    /// runtime frees it later itself, not after the op.
+    fn keep(&mut self, p: Ptr) {
+        let mem = self.scratch.pop().expect("an allocation just made");
+        assert_eq!(mem, p.mem, "the allocation kept is the last one made");
+    }
+
     /// Uploads `data` into a stream-ordered allocation (freed after the op), staged through the
     /// stream's pinned ring, so that the copy is queued without waiting; above a quarter of the
     /// ring, from pageable memory.
@@ -754,8 +761,7 @@ impl<D: Driver> DrivenDevice<D> {
                 }
                 let o = self.scratch_alloc(s, Bytes(n.0.next_power_of_two()))?;
                 // The allocation is the stream's now, not the op's.
-                let mem = self.scratch.pop().expect("the outputs' allocation");
-                assert_eq!(mem, o.mem, "the outputs' allocation is the last one made");
+                self.keep(o);
                 crate::probe::hit(crate::probe::Probe::RuntimeOutputsGrown);
                 self.outputs[s.index()] = Some(o);
                 o
@@ -821,8 +827,7 @@ impl<D: Driver> DrivenDevice<D> {
         }
         let ptr = upload(a, self)?;
         // The upload's allocation is the array's now, not the op's.
-        let mem = self.scratch.pop().expect("the upload's allocation");
-        assert_eq!(mem, ptr.mem, "the upload's allocation is the last one made");
+        self.keep(ptr);
         self.shared.push(SharedUpload {
             stream: s,
             array: Identity::of(a),

@@ -234,13 +234,6 @@ pub enum Launch<'a> {
 }
 
 impl Launch<'_> {
-    /// Every device argument of the launch, in the order of its fields.
-    pub fn ptrs(&self) -> Vec<Ptr> {
-        let mut v = Vec::with_capacity(6);
-        self.for_each_ptr(|p| v.push(p));
-        v
-    }
-
     /// Calls `f` with every device argument of the launch, in the order of its fields.
     pub fn for_each_ptr(&self, mut f: impl FnMut(Ptr)) {
         let ptrs: &[Ptr] = match *self {
