@@ -37,6 +37,7 @@
 use super::driver::{Copy2d, DrawKind, Driver, DrvEvent, DrvGraph, EventUse, Launch, Mem, Ptr};
 use super::ring::{CompletionRing, Ticket};
 use super::staging::{Copies, StagingRing};
+use crate::config::limits::CONTEXT_TOKENS_MAX;
 use crate::device::memo::Identity;
 use crate::device::*;
 use crate::layout::{f32_bytes, u32_count, Bytes, LayoutFingerprint, ROPE_DIM};
@@ -438,6 +439,24 @@ impl<D: Driver> DrivenDevice<D> {
         }
     }
 
+    /// The rows of the device's RoPE table (0 before the first op or preparation that needs
+    /// one).
+    pub fn rope_rows(&self) -> u32 {
+        self.rope.as_ref().map_or(0, |t| t.rows)
+    }
+
+    /// Makes the device's RoPE table of `rope` hold the rows of positions `0..positions` now,
+    /// as a server computes its cos/sin cache when it loads the model, so that no step
+    /// computes rows on the host or waits for the device to drain while the table grows (the
+    /// first op past a table's rows does both). A later op past `positions` still grows it.
+    /// More positions than `config::limits::CONTEXT_TOKENS_MAX` are refused, as any op's
+    /// position past it is.
+    pub fn prepare_rope(&mut self, rope: &Rope, positions: u32) -> Result<(), DeviceError> {
+        match positions.checked_sub(1) {
+            Some(max) => self.rope_table(StreamKind::Compute, rope, max).map(|_| ()),
+            None => Ok(()),
+        }
+    }
     /// Forgets (and destroys) every graph whose launches name `mem`, which is being freed: a
     /// graph launched after its buffers' free would run on memory reused since.
     fn forget_graphs_of(&mut self, mem: Mem) {
@@ -911,14 +930,16 @@ impl<D: Driver> DrivenDevice<D> {
             .as_ref()
             .is_some_and(|t| t.rope == *rope && max < t.rows)
         {
-            let rows = max
-                .checked_add(1)
-                .and_then(u32::checked_next_power_of_two)
-                .ok_or_else(|| DeviceError::Kernel {
+            if max >= CONTEXT_TOKENS_MAX {
+                return Err(DeviceError::Kernel {
                     op: "rope_rows",
-                    detail: format!("RoPE position {max} past any table"),
-                })?
-                .max(ROPE_TABLE_ROWS_MIN);
+                    detail: format!(
+                        "RoPE position {max} past the longest context ({CONTEXT_TOKENS_MAX} tokens)"
+                    ),
+                });
+            }
+            // A power of two no larger than CONTEXT_TOKENS_MAX (itself one).
+            let rows = (max + 1).next_power_of_two().max(ROPE_TABLE_ROWS_MIN);
             // The rows of the table it replaces, when it is the same model's, are kept.
             let mut host = match self.rope.as_mut().filter(|t| t.rope == *rope) {
                 Some(t) => std::mem::take(&mut t.host),

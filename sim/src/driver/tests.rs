@@ -6,7 +6,10 @@ use super::*;
 use crate::gpu::{GpuOptions, SimGpu};
 use std::cell::RefCell;
 use std::rc::Rc;
+use tierkv_engine::config::limits::CONTEXT_TOKENS_MAX;
+use tierkv_engine::runtime::driven::CopyStrategy;
 use tierkv_engine::runtime::driver::DrawKind;
+use tierkv_kernels::rope::Rope;
 
 /// A driver over a fresh simulated GPU, with a drawn-rows upload and an output allocation
 /// of 4 KiB each on the compute stream.
@@ -103,5 +106,46 @@ fn calls_during_a_capture_are_refused() {
     assert_eq!(
         m,
         "the runtime called cuStreamSynchronize during a stream capture"
+    );
+}
+
+/// A RoPE table prepared for a model's context holds every position of it before the first
+/// step; preparing fewer keeps it, and more positions than any context is a typed refusal
+/// that leaves the table as it was.
+#[test]
+fn a_rope_table_is_prepared_for_a_whole_context() {
+    let (d, _, _) = driver();
+    let mut dev = DrivenDevice::with_staging(d, CopyStrategy::Gather, 1 << 16).expect("device");
+    let rope = Rope::new(
+        &tierkv_engine::Config::preset("deepseek-v3.2")
+            .expect("a preset")
+            .rope(),
+    );
+    assert_eq!(dev.rope_rows(), 0);
+    dev.prepare_rope(&rope, 0).expect("no positions");
+    assert_eq!(dev.rope_rows(), 0, "no positions need no table");
+    dev.prepare_rope(&rope, 10_000).expect("a table");
+    assert_eq!(
+        dev.rope_rows(),
+        16_384,
+        "positions 0..10000 in the next power of two"
+    );
+    dev.prepare_rope(&rope, 300).expect("fewer positions");
+    assert_eq!(
+        dev.rope_rows(),
+        16_384,
+        "a table with the rows asked is kept"
+    );
+    let past = CONTEXT_TOKENS_MAX + 1;
+    let e = dev.prepare_rope(&rope, past).expect_err("past any context");
+    assert!(
+        e.to_string()
+            .contains(&format!("RoPE position {}", past - 1)),
+        "{e}"
+    );
+    assert_eq!(
+        dev.rope_rows(),
+        16_384,
+        "a refused preparation keeps the table"
     );
 }
