@@ -412,18 +412,45 @@ fn push_page(out: &mut Vec<Access>, buf: BufferId, fmt: PageFormat, page: u32, w
 /// The distinct pages the rows' contexts cover, ascending. Negative entries (never valid) are
 /// skipped here and refused by the kernel's bounds check when the op runs.
 pub fn used_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> Vec<u32> {
-    let mut pages: Vec<u32> = Vec::new();
-    for (r, &len) in context_lens.iter().enumerate() {
+    let rows = context_lens.iter().enumerate().map(|(r, &len)| {
         let n = (len.max(0) as u32).div_ceil(PAGE_TOKENS) as usize;
-        let row = &page_table[r * pt_stride as usize..][..n.min(pt_stride as usize)];
-        for &p in row {
-            if p >= 0 {
-                pages.push(p as u32);
-            }
+        &page_table[r * pt_stride as usize..][..n.min(pt_stride as usize)]
+    });
+    let (mut count, mut max) = (0usize, None);
+    for &p in rows.clone().flatten().filter(|&&p| p >= 0) {
+        count += 1;
+        max = max.max(Some(p as u32));
+    }
+    let Some(max) = max else {
+        return Vec::new();
+    };
+    let words = max as usize / 64 + 1;
+    if words > count.saturating_mul(4) {
+        // Few pages far apart: sorting them costs less than a bitmap up to the largest.
+        let mut pages: Vec<u32> = rows
+            .flatten()
+            .filter(|&&p| p >= 0)
+            .map(|&p| p as u32)
+            .collect();
+        pages.sort_unstable();
+        pages.dedup();
+        return pages;
+    }
+    // One bit a page up to the largest: ascending and distinct without a sort (the rows of a
+    // step share their prefix's pages, and a sort of every row's pages was most of a step's
+    // checks).
+    let mut bits = vec![0u64; words];
+    for &p in rows.flatten().filter(|&&p| p >= 0) {
+        bits[p as usize / 64] |= 1 << (p % 64);
+    }
+    let mut pages = Vec::with_capacity(count.min(max as usize + 1));
+    for (w, &word) in bits.iter().enumerate() {
+        let mut word = word;
+        while word != 0 {
+            pages.push(w as u32 * 64 + word.trailing_zeros());
+            word &= word - 1;
         }
     }
-    pages.sort_unstable();
-    pages.dedup();
     pages
 }
 
@@ -827,3 +854,6 @@ impl OpSpec for LinearCopy {
         )
     }
 }
+
+#[cfg(test)]
+mod tests;
