@@ -94,9 +94,13 @@ impl<T> Array<'_, T> {
     }
 }
 
-impl<T: PartialEq> PartialEq for Array<'_, T> {
+/// Equal contents. Two views of one allocation are equal without reading it (`T: Eq`, so
+/// every element equals itself): the layers of a step share their arrays, and comparing an op
+/// with the one its graph was captured for (`runtime::driven`) meets the same arrays.
+impl<T: Eq> PartialEq for Array<'_, T> {
     fn eq(&self, other: &Self) -> bool {
-        **self == **other
+        let (a, b): (&[T], &[T]) = (self, other);
+        std::ptr::eq(a, b) || a == b
     }
 }
 
@@ -564,3 +568,6 @@ impl NextTokens {
         ]
     }
 }
+
+#[cfg(test)]
+mod tests;
