@@ -9,7 +9,8 @@
 //! (defaults: 61 60 0 1). Makes the RoPE table for the model's whole context first, as the
 //! replay on CUDA does. Prints the host time per computing step inside the engine's enqueue
 //! phase (median, 90th percentile, largest, mean) and of the whole step (mean), and the driver
-//! calls, launches (captured or not) and graph launches a step. With GRAPHS 1 the compute stream's ops go through graphs, as on CUDA.
+//! calls, launches (captured or not) and graph launches a step. With GRAPHS 1 the compute
+//! stream's ops go through graphs, as on CUDA.
 
 use clap::Parser;
 use std::process::ExitCode;

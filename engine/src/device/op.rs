@@ -437,8 +437,8 @@ pub fn used_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> V
         return pages;
     }
     // One bit a page up to the largest: ascending and distinct without a sort (the rows of a
-    // step share their prefix's pages, and a sort of every row's pages was most of a step's
-    // checks).
+    // step share their prefix's pages; the sort was about a fifth of a step's checks in a
+    // profile of `host_cost` at 4 layers).
     let mut bits = vec![0u64; words];
     for &p in rows.flatten().filter(|&&p| p >= 0) {
         bits[p as usize / 64] |= 1 << (p % 64);
