@@ -387,20 +387,37 @@ mod tests {
         assert_eq!(sum.wait_ns, 600);
     }
 
+    /// A tier's hit rate is its hits over the prompt pages looked up, and 0 before any.
+    #[test]
+    fn a_hit_rate_is_hits_over_pages_looked_up() {
+        let mut m = Metrics::default();
+        assert_eq!(m.hit_rate(0), 0.0);
+        m.prefix_pages_queried = 8;
+        assert_eq!(m.hit_rate(2), 0.25);
+    }
+
     /// Nanosecond counters are exported in seconds.
     #[test]
     fn host_phases_are_exported_in_seconds() {
         let m = Metrics {
             step_host: StepTimes {
                 schedule_ns: 1_500_000_000,
-                enqueue_ns: 0,
+                enqueue_ns: 750_000_000,
                 wait_ns: 2_000_000_000,
                 finish_ns: 250_000_000,
+            },
+            step_device: crate::device::DeviceTiming {
+                busy_ns: 3_000_000_000,
+                stalled_ns: 500_000_000,
+                ..Default::default()
             },
             ..Metrics::default()
         };
         let text = m.render_prometheus();
         for line in [
+            "tierkv_step_device_seconds_total{part=\"busy\"} 3",
+            "tierkv_step_device_seconds_total{part=\"stalled\"} 0.5",
+            "tierkv_step_host_seconds_total{phase=\"enqueue\"} 0.75",
             "tierkv_step_host_seconds_total{phase=\"schedule\"} 1.5",
             "tierkv_step_host_seconds_total{phase=\"wait\"} 2",
             "tierkv_step_host_seconds_total{phase=\"finish\"} 0.25",

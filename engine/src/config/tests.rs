@@ -274,10 +274,38 @@ fn each_bound_is_refused_by_its_own_rule() {
                 .to_string(),
             "device memory of the pools and the step scratch",
         ),
+        // 2^25 pages of 64 tokens: slot 2^31, one past i32.
+        (
+            "preset = \"sim-small\"\n[cache]\ndevice_pages = 33554432".to_string(),
+            "within i32, the kernels' slot type",
+        ),
+        // One layer past the limit (a value over a limit, not only one equal to it, is refused).
+        (
+            format!(
+                "preset = \"sim-small\"\n[model]\nlayers = {}",
+                limits::LAYERS_MAX + 1
+            ),
+            "the limit",
+        ),
     ];
     for (text, rule) in cases {
         let msg = err_field(&text);
         assert!(msg.contains(rule), "{text:?} gave {msg:?}, not {rule:?}");
+    }
+    // At a bound is within it; host tokens of 2^21 pages are far from 2^32 pages.
+    for text in [
+        format!(
+            "preset = \"sim-small\"\n[cache]\nload_slots = {}",
+            limits::LOAD_SLOTS_MAX
+        ),
+        format!(
+            "preset = \"sim-small\"\n[scheduler]\nqueued_requests_max = {}",
+            limits::QUEUED_REQUESTS_MAX
+        ),
+        "preset = \"sim-small\"\n[cache]\nhost_tokens = 134217728".to_string(),
+    ] {
+        let within = Config::from_toml(&text);
+        assert!(within.is_ok(), "{text:?}: {within:?}");
     }
 }
 

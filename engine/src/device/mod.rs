@@ -453,6 +453,8 @@ mod tests {
         let mut step = DeviceTiming {
             busy_ns: 5,
             stalled_ns: 7,
+            launches: 13,
+            launches_from_graphs: 9,
             ..DeviceTiming::default()
         };
         step.busy_by_op_ns[1] = 3;
@@ -462,6 +464,7 @@ mod tests {
         assert_eq!((sum.busy_ns, sum.stalled_ns), (10, 14));
         assert_eq!((sum.busy_by_op_ns[1], sum.enqueue_ns[2]), (6, 22));
         assert_eq!(sum.busy_by_op_ns[0] + sum.enqueue_ns[0], 0);
+        assert_eq!((sum.launches, sum.launches_from_graphs), (26, 18));
     }
 
     /// Errors and reports name buffers by role.
