@@ -428,8 +428,18 @@ pub fn check_op(op: &Op, desc: impl Fn(BufferId) -> BufferDesc) -> Result<(), De
             });
         }
     }
+    // An op's accesses come buffer by buffer (a page table's pages one after another): the
+    // buffer of the access before is looked up once.
+    let mut last: Option<(BufferId, BufferDesc)> = None;
     for a in op.accesses() {
-        let d = desc(a.range.buffer);
+        let d = match last {
+            Some((b, d)) if b == a.range.buffer => d,
+            _ => {
+                let d = desc(a.range.buffer);
+                last = Some((a.range.buffer, d));
+                d
+            }
+        };
         if a.range.end > d.bytes || a.range.start > a.range.end {
             return Err(DeviceError::OutOfBounds {
                 op: spec.name(),
