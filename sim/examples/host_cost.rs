@@ -45,7 +45,14 @@ impl Driver for NullDriver {
         // buffer); the host mirror's do not (reads of it answer zeros).
         let pinned = desc.tier == tierkv_engine::device::MemoryTier::PinnedHost;
         Ok(self.mems.insert(if pinned && desc.bytes.0 <= 256 << 20 {
-            vec![0; desc.bytes.0 as usize]
+            // Every page written now, as pinned memory is mapped when it is allocated: the
+            // steps' first writes to it are not page faults here either.
+            let mut v = vec![0u8; desc.bytes.0 as usize];
+            for b in v.iter_mut().step_by(4096) {
+                // SAFETY: a valid, aligned byte of `v`; volatile, so that the write is kept.
+                unsafe { std::ptr::write_volatile(b, 0) };
+            }
+            v
         } else {
             Vec::new()
         }))

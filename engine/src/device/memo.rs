@@ -239,9 +239,11 @@ impl CheckKey {
             desc,
             key: CheckKey {
                 kind: op.kind(),
-                words: Vec::new(),
-                buffers: Vec::new(),
-                arrays: Vec::new(),
+                // Room for the largest key of the op kinds above (`index_logits`: 10 words, 4
+                // buffers, 2 arrays), so that no key grows while it is built.
+                words: Vec::with_capacity(16),
+                buffers: Vec::with_capacity(8),
+                arrays: Vec::with_capacity(4),
             },
             shared: true,
         };
