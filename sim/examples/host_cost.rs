@@ -8,9 +8,10 @@
 //! `cargo run --release -p tierkv-sim --example host_cost -- [LAYERS [REQUESTS [OVERLAP [GRAPHS]]]]`
 //! (defaults: 61 60 0 1). Makes the RoPE table for the model's whole context first, as the
 //! replay on CUDA does. Prints the host time per computing step inside the engine's enqueue
-//! phase (median, 90th percentile, largest, mean) and of the whole step (mean), and the driver
-//! calls, launches (captured or not) and graph launches a step. With GRAPHS 1 the compute
-//! stream's ops go through graphs, as on CUDA.
+//! phase (median, 90th percentile and largest, each the step at that rank rounded down; and
+//! the mean) and of the whole step (mean), and the driver calls, launches (captured or not)
+//! and graph launches a step. With GRAPHS 1 the compute stream's ops go through graphs, as on
+//! CUDA.
 
 use clap::Parser;
 use std::process::ExitCode;
@@ -48,9 +49,10 @@ impl Driver for NullDriver {
             // Every page written now, as pinned memory is mapped when it is allocated: the
             // steps' first writes to it are not page faults here either.
             let mut v = vec![0u8; desc.bytes.0 as usize];
-            for b in v.iter_mut().step_by(4096) {
-                // SAFETY: a valid, aligned byte of `v`; volatile, so that the write is kept.
-                unsafe { std::ptr::write_volatile(b, 0) };
+            let n = v.len();
+            for i in (0..n).step_by(4096).chain(n.checked_sub(1)) {
+                // SAFETY: a valid byte of `v`; volatile, so that the write is kept.
+                unsafe { std::ptr::write_volatile(&mut v[i], 0) };
             }
             v
         } else {

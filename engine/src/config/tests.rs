@@ -274,7 +274,7 @@ fn each_bound_is_refused_by_its_own_rule() {
                 .to_string(),
             "device memory of the pools and the step scratch",
         ),
-        // 2^25 pages of 64 tokens: slot 2^31, one past i32.
+        // 2^25 pages of 64 tokens: 2^31 slots, one more than i32 numbers from 0.
         (
             "preset = \"sim-small\"\n[cache]\ndevice_pages = 33554432".to_string(),
             "within i32, the kernels' slot type",

@@ -49,6 +49,12 @@ impl Identity {
     }
 }
 
+/// The most words, buffers and arrays a key holds (`index_logits`' key is the largest today:
+/// 10 words, 4 buffers, 2 arrays); `CheckKey::of` asserts them in debug builds.
+const KEY_WORDS_MAX: usize = 16;
+const KEY_BUFFERS_MAX: usize = 8;
+const KEY_ARRAYS_MAX: usize = 4;
+
 /// What `check_op`'s verdict on one op depends on (see the module doc). Two ops with equal keys
 /// get the same verdict.
 #[derive(Debug)]
@@ -235,15 +241,17 @@ impl CheckKey {
     /// op's row tags (they are the oracles'), its RoPE frequencies or its LayerNorm parameters
     /// (what the device computes with, which the launcher binds).
     pub fn of(op: &Op, desc: &dyn Fn(BufferId) -> BufferDesc) -> Option<CheckKey> {
+        if let Op::QPrep(_) | Op::PageCopy(_) | Op::NextTokens(_) | Op::Copy(_) = op {
+            return None;
+        }
         let mut b = Builder {
             desc,
             key: CheckKey {
                 kind: op.kind(),
-                // Room for the largest key of the op kinds above (`index_logits`: 10 words, 4
-                // buffers, 2 arrays), so that no key grows while it is built.
-                words: Vec::with_capacity(16),
-                buffers: Vec::with_capacity(8),
-                arrays: Vec::with_capacity(4),
+                // Room for the largest key, so that no key grows while it is built.
+                words: Vec::with_capacity(KEY_WORDS_MAX),
+                buffers: Vec::with_capacity(KEY_BUFFERS_MAX),
+                arrays: Vec::with_capacity(KEY_ARRAYS_MAX),
             },
             shared: true,
         };
@@ -253,8 +261,20 @@ impl CheckKey {
             Op::IndexLogits(o) => b.index_logits(o),
             Op::TopK(o) => b.topk(o),
             Op::SparseRead(o) => b.sparse_read(o),
-            Op::QPrep(_) | Op::PageCopy(_) | Op::NextTokens(_) | Op::Copy(_) => return None,
+            Op::QPrep(_) | Op::PageCopy(_) | Op::NextTokens(_) | Op::Copy(_) => {
+                unreachable!("refused above")
+            }
         }
+        let k = &b.key;
+        debug_assert!(
+            k.words.len() <= KEY_WORDS_MAX
+                && k.buffers.len() <= KEY_BUFFERS_MAX
+                && k.arrays.len() <= KEY_ARRAYS_MAX,
+            "a check key past its room: {} words, {} buffers, {} arrays",
+            k.words.len(),
+            k.buffers.len(),
+            k.arrays.len()
+        );
         b.shared.then_some(b.key)
     }
 

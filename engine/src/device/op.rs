@@ -425,8 +425,9 @@ pub fn used_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> V
         return Vec::new();
     };
     let words = max as usize / 64 + 1;
-    if words > count.saturating_mul(4) {
-        // Few pages far apart: sorting them costs less than a bitmap up to the largest.
+    if words > count / 2 {
+        // Few pages far apart: sorting them costs less than a bitmap up to the largest (the
+        // bitmap is used only where it takes no more memory than the sort's list).
         let mut pages: Vec<u32> = rows
             .flatten()
             .filter(|&&p| p >= 0)
@@ -438,7 +439,7 @@ pub fn used_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> V
     }
     // One bit a page up to the largest: ascending and distinct without a sort (the rows of a
     // step share their prefix's pages; the sort was about a fifth of a step's checks in a
-    // profile of `host_cost` at 4 layers).
+    // perf profile of `host_cost` at 4 layers, bench/results/2026-12-06-host-profile.txt).
     let mut bits = vec![0u64; words];
     for &p in rows.flatten().filter(|&&p| p >= 0) {
         bits[p as usize / 64] |= 1 << (p % 64);

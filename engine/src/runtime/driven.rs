@@ -62,6 +62,10 @@ pub const STAGING_BYTES: usize = 64 << 20;
 const STAGING_ALIGN_BYTES: usize = 256;
 /// The fewest rows a RoPE table holds (it doubles past the largest position seen).
 const ROPE_TABLE_ROWS_MIN: u32 = 8192;
+// A table of the longest context holds `CONTEXT_TOKENS_MAX` rows: a power of two, so that
+// doubling a smaller table reaches it and no further.
+const _: () =
+    assert!(CONTEXT_TOKENS_MAX.is_power_of_two() && ROPE_TABLE_ROWS_MIN <= CONTEXT_TOKENS_MAX);
 /// Slots of the completion ring (events with larger ids are answered by the driver alone).
 const RING_SLOTS: usize = 4096;
 
@@ -457,6 +461,7 @@ impl<D: Driver> DrivenDevice<D> {
             None => Ok(()),
         }
     }
+
     /// Forgets (and destroys) every graph whose launches name `mem`, which is being freed: a
     /// graph launched after its buffers' free would run on memory reused since.
     fn forget_graphs_of(&mut self, mem: Mem) {

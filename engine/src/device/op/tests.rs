@@ -43,7 +43,8 @@ fn used_pages_are_the_distinct_pages_of_the_contexts_ascending() {
                     _ => next(spread) as i32,
                 });
             }
-            lens.push(next(stride as u64 * PAGE_TOKENS as u64 + 2) as i32 - 1);
+            // Some contexts longer than the row (its stride bounds the pages read).
+            lens.push(next(stride as u64 * PAGE_TOKENS as u64 * 2 + 2) as i32 - 1);
         }
         assert_eq!(
             used_pages(&table, stride, &lens),
@@ -52,5 +53,7 @@ fn used_pages_are_the_distinct_pages_of_the_contexts_ascending() {
         );
     }
     assert_eq!(used_pages(&[-1, -2], 2, &[128]), Vec::<u32>::new());
+    let far = [i32::MAX, 0, i32::MAX];
+    assert_eq!(used_pages(&far, 3, &[192]), vec![0, i32::MAX as u32]);
     assert_eq!(used_pages(&[], 0, &[]), Vec::<u32>::new());
 }
