@@ -324,10 +324,6 @@ impl InOrderDevice {
                 .sum(),
         )
     }
-    /// Raw view of a buffer, for tests.
-    pub fn peek(&self, b: BufferId) -> &[u8] {
-        self.mem.bytes(b)
-    }
     pub fn buffers_of(&self, kind: BufferKind) -> Vec<BufferId> {
         (0..self.mem.descs.len() as u32)
             .map(BufferId)

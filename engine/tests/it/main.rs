@@ -3,6 +3,7 @@
 mod architecture;
 mod cache_model;
 mod config_docs;
+mod cpu_device;
 mod cuda_device;
 mod device_calls;
 mod engine_smoke;

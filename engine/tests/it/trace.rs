@@ -218,6 +218,12 @@ fn hit_rate_matches_a_simple_computation() {
         host_hits > 0,
         "the finite device tier sends some hits to the host tier"
     );
+    assert!(
+        replay.evictions > 0 && replay.evicted >= replay.evictions,
+        "a device tier the trace outgrows evicts: {} evictions of {} pages",
+        replay.evictions,
+        replay.evicted
+    );
     // The split between the tiers, request by request, against the LRU model.
     let model = lru_model_hits(&recs, DEVICE_PAGES as usize);
     if let Some(i) = (0..recs.len()).find(|&i| per_request[i] != model[i]) {
