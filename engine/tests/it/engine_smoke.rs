@@ -359,6 +359,11 @@ fn a_weight_update_leaves_the_old_weights_kv_unmatched() {
             .collect()
     };
     e.submit(spec()).unwrap();
+    assert_eq!(
+        e.queued_tokens(),
+        spec().prompt.len() as u64,
+        "the queued prompt's tokens"
+    );
     let err = e.update_weights(1).expect_err("a queued request");
     assert!(
         matches!(
