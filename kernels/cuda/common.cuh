@@ -128,3 +128,17 @@ __device__ __forceinline__ u32 tkv_e4m3x2_to_bf16x2(u32 two) {
     __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);  // exact: e4m3 values are bf16 values
     return *reinterpret_cast<u32*>(&b);
 }
+
+// A guarded launch's report of the first entry it refused (guard.cu's header: the status record
+// in mapped pinned host memory, and the claim word in device memory that the first reporter
+// takes). The guard kernels and top-k's row-length check call it.
+static __device__ void guard_report(u64* status, u64* claim, int what, long long index,
+                                    long long value, u64 limit) {
+    if (atomicCAS(claim, 0ull, 1ull) != 0ull) return;
+    status[1] = (u64)index;
+    status[2] = (u64)value;
+    status[3] = limit;
+    __threadfence_system();
+    *reinterpret_cast<volatile u64*>(&status[0]) = (u64)what;
+}
+

@@ -10,17 +10,7 @@
 // from the Rust enum `GuardRefusal`), [1] the entry's index, [2] its value, [3] the limit it
 // broke. claim (device memory, where atomics are always atomic; atomics on mapped host memory
 // need the platform's PCIe atomics): 0 until the first reporter takes it and writes the record;
-// the host clears it on its stream after reading a record.
-
-__device__ void guard_report(u64* status, u64* claim, int what, long long index,
-                             long long value, u64 limit) {
-    if (atomicCAS(claim, 0ull, 1ull) != 0ull) return;
-    status[1] = (u64)index;
-    status[2] = (u64)value;
-    status[3] = limit;
-    __threadfence_system();
-    *reinterpret_cast<volatile u64*>(&status[0]) = (u64)what;
-}
+// the host clears it on its stream after reading a record. guard_report (common.cuh) writes it.
 
 // Slots: -1 (a padding token) passes; any other entry outside 0..slots_max becomes -1.
 extern "C" __global__ void guard_slots(const int* __restrict__ slots, int n, u32 slots_max,

@@ -1,5 +1,8 @@
 // topk (cpu::topk is the specification): each row's k best positions, best first (key descending,
-// position ascending), as slots through the row's page table; -1 past the context.
+// position ascending), as slots through the row's page table; -1 past the context. A guarded launch
+// (launch/guarded.rs: lengths on the device, unchecked by the host) passes its status record, and
+// a row whose length is outside 0..=len_max is then taken as empty and reported; other launches
+// pass a null status (the host checked the lengths).
 //
 // A cluster of C CTAs (C = 1, 2, 4 or 8: one kernel per size, topk_c1 .. topk_c8, the launcher
 // picks) owns a row. CTA r owns the positions [r * chunk, (r + 1) * chunk) and, when they fit its
@@ -292,7 +295,8 @@ template <int C>
 __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int stride,
                                          const int* __restrict__ ctx_lens,
                                          const int* __restrict__ page_table, int pt_stride, int k,
-                                         int* __restrict__ out, int cap) {
+                                         int* __restrict__ out, int cap, int len_max, u64* status,
+                                         u64* claim) {
     typedef TopkCluster<C> Cl;
     extern __shared__ __align__(16) u32 t_keys[];
     __shared__ u32 hist[2][TOPK_BINS];
@@ -305,7 +309,14 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 rank = Cl::rank();
     const int row = blockIdx.x / C;
-    const int len = ctx_lens[row];
+    // A guarded launch (status not null: its lengths are on the device and unchecked) takes a
+    // row whose length is outside 0..=len_max as empty, and reports it (guard_rows' rule).
+    int len = ctx_lens[row];
+    if (status != nullptr && (len < 0 || len > len_max)) {
+        if (rank == 0 && tid == 0)
+            guard_report(status, claim, TKV_GUARD_CONTEXT_LEN, row, len, (u64)len_max);
+        len = 0;
+    }
     const float* lr = logits + (size_t)row * stride;
     const int chunk = (len + C - 1) / C;
     const int lo = min((int)rank * chunk, len);
@@ -608,8 +619,9 @@ __device__ __forceinline__ void topk_row(const float* __restrict__ logits, int s
     extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(TOPK_THREADS, 1)  \
         name(const float* __restrict__ logits, int stride, const int* __restrict__ ctx_lens,  \
              const int* __restrict__ page_table, int pt_stride, int k, int* __restrict__ out, \
-             int cap) {                                                                       \
-        topk_row<C>(logits, stride, ctx_lens, page_table, pt_stride, k, out, cap);           \
+             int cap, int len_max, u64* status, u64* claim) {                                 \
+        topk_row<C>(logits, stride, ctx_lens, page_table, pt_stride, k, out, cap, len_max,   \
+                    status, claim);                                                           \
     }
 TOPK_KERNEL(topk_c1, 1)
 TOPK_KERNEL(topk_c2, 2)

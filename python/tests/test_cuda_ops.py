@@ -212,15 +212,18 @@ def test_ops_replay_inside_a_cuda_graph():
         captured = chain(cache, gathered)
     # A call that would grow tierkv's guard array inside a capture is refused; outside one it
     # grows it, and the graph captured over the old array still replays right.
+    # (A top-k through a block table: one over positions has no guard array, its kernel checks
+    # the lengths itself.)
     rows_max = 1 << 20
     many = torch.zeros(rows_max, 8, device="cuda")
     many_lens = torch.full((rows_max,), 8, dtype=torch.int32, device="cuda")
+    many_table = torch.zeros(rows_max, 1, dtype=torch.int32, device="cuda")
     refused = torch.cuda.CUDAGraph()
     with pytest.raises(ops.OpError, match="captured into a CUDA graph"):
         with torch.cuda.graph(refused):
-            ops.topk(many, many_lens, 4)
+            ops.topk(many, many_lens, 4, block_table=many_table)
     del refused
-    ops.topk(many, many_lens, 4)
+    ops.topk(many, many_lens, 4, block_table=many_table)
     for round in range(3):
         fresh = store_inputs(blocks * 64, 20 + round)[0]
         keys.copy_(fresh)
@@ -260,6 +263,16 @@ def test_bad_index_entries_are_skipped_and_raised_after():
     with pytest.raises(ops.DeviceIndexError, match="not run.*row 1 names page 5000"):
         ops.topk(out, lens, 4)
     ops.check()
+    # A row length past the logits' row in a top-k over positions: the top-k kernel itself leaves
+    # that row empty and reports it; the other rows are selected.
+    lens[2] = 257
+    sel = ops.topk(out, lens, 4)
+    torch.cuda.synchronize()
+    assert (host(sel)[2] == -1).all()
+    lens[2] = 256
+    assert np.array_equal(host(sel)[0], ops.topk(host(out), host(lens), 4)[0])
+    with pytest.raises(ops.DeviceIndexError, match="row 2's context length 257 is outside 0..=256"):
+        ops.check()
     # A refused pair is not copied; the others are.
     src = torch.ones(4, 16, dtype=torch.uint8, device="cuda")
     dst = torch.zeros(4, 16, dtype=torch.uint8, device="cuda")

@@ -24,6 +24,15 @@ use crate::runtime::driver::{Driver, DrvEvent, EventUse, Mem, Ptr};
 /// The largest pinned allocation the host tier makes (1 GiB), unless one chunk is larger.
 pub const SEGMENT_BYTES_MAX: u64 = 1 << 30;
 
+/// The first batch of a job's copies handed to the driver. Small, so that the GPU starts moving
+/// bytes while the host still lists the rest; each later batch doubles, up to
+/// [`BATCH_COPIES_MAX`]. (Listing a whole job first left the GPU idle for as long as the
+/// listing took: 2.6 ms of 8.2 for 100 random blocks of DeepSeek-V3.2's caches, run 87.)
+pub const FIRST_BATCH_COPIES: usize = 256;
+
+/// The largest batch of copies handed to the driver at once.
+pub const BATCH_COPIES_MAX: usize = 16_384;
+
 /// A job's result: `(job_id, success, bytes, seconds)`.
 pub type Finished = (u64, bool, u64, f64);
 
@@ -275,7 +284,9 @@ impl<D: Driver> Transfers<D> {
             self.driver.stream_wait(s, job.ready)?;
         }
         self.driver.event_record(s, job.start)?;
-        let mut copies = Vec::with_capacity(plan.runs.len());
+        // Batches in list order on one stream: each batch's copies run after the previous ones'.
+        let mut batch = FIRST_BATCH_COPIES;
+        let mut copies = Vec::with_capacity(batch.min(plan.runs.len()));
         for run in &plan.runs {
             let cache = &self.host[run.tensor];
             let mut at = run.host;
@@ -297,12 +308,19 @@ impl<D: Driver> Transfers<D> {
                     bytes: Bytes(n),
                 };
                 copies.push(if store { (h, d) } else { (d, h) });
+                if copies.len() == batch {
+                    self.driver.copy_batch_async(s, &copies)?;
+                    copies.clear();
+                    batch = (2 * batch).min(BATCH_COPIES_MAX);
+                }
                 at += n;
                 device += n;
                 left -= n;
             }
         }
-        self.driver.copy_batch_async(s, &copies)?;
+        if !copies.is_empty() {
+            self.driver.copy_batch_async(s, &copies)?;
+        }
         self.driver.event_record(s, job.end)
     }
 

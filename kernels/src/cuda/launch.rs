@@ -778,6 +778,8 @@ impl Kernels {
         // Each CTA of a row's cluster stages its share of the row when it fits.
         let cap = len_max.div_ceil(cluster as usize).min(TOPK_STAGED_MAX);
         let (st, k32, pts, cap32) = (a.stride as i32, a.k as i32, a.pt_stride as i32, cap as i32);
+        // The lengths were checked on the host (`a.check()`): no status record, no device check.
+        let no_status = 0u64;
         let mut b = s.launch_builder(self.f(name));
         b.arg(&p.logits.ptr)
             .arg(&st)
@@ -786,7 +788,10 @@ impl Kernels {
             .arg(&pts)
             .arg(&k32)
             .arg(&p.out.ptr)
-            .arg(&cap32);
+            .arg(&cap32)
+            .arg(&st)
+            .arg(&no_status)
+            .arg(&no_status);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32 * cluster, 1, 1),
             block_dim: (TOPK_THREADS, 1, 1),

@@ -489,3 +489,110 @@ fn a_bad_call_file_is_refused_naming_the_line() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A job of 1,000 scattered pages goes to the driver in growing batches (256, 512, then the
+/// rest: `FIRST_BATCH_COPIES` and its doubling); every page of it is stored and loaded back,
+/// the last partial batch too, and nothing else is written.
+#[test]
+fn a_job_of_many_scattered_pages_is_moved_whole_in_its_batches() {
+    use tierkv_engine::offload::transfer::FIRST_BATCH_COPIES;
+    let gpu = Rc::new(RefCell::new(
+        SimGpu::new(5, GpuOptions::default()).expect("a simulated GPU"),
+    ));
+    let mut driver = SimDriver::new(SimSide {
+        gpu: gpu.clone(),
+        side: 0,
+    });
+    let (blocks, moved) = (2_000u64, 1_000u64);
+    // More copies than the first two batches, fewer than the first three.
+    assert!(moved > 3 * FIRST_BATCH_COPIES as u64 && moved < 7 * FIRST_BATCH_COPIES as u64);
+    let ik = buffer(
+        &mut driver,
+        "server index-k cache",
+        MemoryTier::Device,
+        blocks * IK,
+    );
+    let source = buffer(&mut driver, "source", MemoryTier::PinnedHost, blocks * IK);
+    let probe = buffer(&mut driver, "probe", MemoryTier::PinnedHost, blocks * IK);
+    let bytes: Vec<u8> = (0..blocks * IK).map(|i| (i / 61 % 253) as u8).collect();
+    driver.write_pinned(source, Bytes(0), &bytes).unwrap();
+    let whole = |m| Ptr::whole(m, Bytes(blocks * IK));
+    driver
+        .copy_async(StreamKind::Compute, whole(ik), whole(source))
+        .unwrap();
+    let base = driver.address(ik);
+    let tensors = vec![CacheTensor {
+        base,
+        blocks,
+        page_bytes: IK,
+        stride: IK,
+    }];
+    let groups = vec![Group {
+        tokens_per_block: 64,
+        refs: vec![LayerRef {
+            tensor: 0,
+            ref_bytes: IK,
+        }],
+    }];
+    let formats = [parse_format("index_k/fp8").unwrap()];
+    let reg = Registration::new(tensors, groups, &formats, 1, moved).expect("registered");
+    let mut tier = Transfers::new(driver, reg).expect("a host tier");
+    // The even blocks into chunks in reverse order: no two pages coalesce into one run.
+    let ptrs: Vec<u64> = (0..moved).map(|b| base + 2 * b * IK).collect();
+    let sizes = vec![IK; moved as usize];
+    let chunks: Vec<u64> = (0..moved).rev().collect();
+    let job = Job {
+        ptrs: &ptrs,
+        sizes: &sizes,
+        group_blocks: &[moved],
+        group_refs: &[1],
+        block_indices: &[0],
+        chunks: &chunks,
+    };
+    let plan = tier.registration().plan(&job).expect("a plan");
+    assert_eq!(plan.runs.len(), moved as usize);
+    tier.submit(true, 1, &plan, 0).unwrap();
+    tier.wait(&[1]);
+    assert!(tier.finished()[0].1);
+    // Wipe the cache and load the chunks into the odd blocks.
+    tier.driver()
+        .write_pinned(source, Bytes(0), &vec![0; (blocks * IK) as usize])
+        .unwrap();
+    tier.driver()
+        .copy_async(StreamKind::Compute, whole(ik), whole(source))
+        .unwrap();
+    let back: Vec<u64> = (0..moved).map(|b| base + (2 * b + 1) * IK).collect();
+    let job = Job { ptrs: &back, ..job };
+    let plan = tier.registration().plan(&job).expect("a plan");
+    tier.submit(false, 2, &plan, 0).unwrap();
+    tier.wait(&[2]);
+    assert!(tier.finished()[0].1);
+    let d = tier.driver();
+    d.copy_async(StreamKind::Compute, whole(probe), whole(ik))
+        .unwrap();
+    d.stream_synchronize(StreamKind::Compute).unwrap();
+    let mut got = vec![0u8; (blocks * IK) as usize];
+    d.read_pinned(probe, Bytes(0), &mut got).unwrap();
+    let page = IK as usize;
+    for b in 0..moved as usize {
+        let (even, odd) = (2 * b * page, (2 * b + 1) * page);
+        assert!(
+            got[even..even + page].iter().all(|&x| x == 0),
+            "block {} was written",
+            2 * b
+        );
+        assert_eq!(
+            &got[odd..odd + page],
+            &bytes[even..even + page],
+            "block {} does not hold block {}",
+            2 * b + 1,
+            2 * b
+        );
+    }
+    assert_eq!(
+        gpu.borrow().races.len(),
+        0,
+        "{:?}",
+        gpu.borrow().races.first()
+    );
+}

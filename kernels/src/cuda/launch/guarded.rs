@@ -8,7 +8,9 @@
 //! stream before the work kernel: it writes a copy of the index array in which every entry the
 //! work kernel must not follow is replaced by one the kernel skips (a slot or page pair of -1, a
 //! row's length of 0), and records the first replaced entry in a [`GuardStatus`] (mapped pinned
-//! host memory). No kernel reads or writes outside its buffers, whatever the arrays hold; the
+//! host memory). A top-k over positions has no guard kernel: its only index array is the rows'
+//! lengths, which the top-k kernel itself checks (given the status record) before it reads a
+//! row. No kernel reads or writes outside its buffers, whatever the arrays hold; the
 //! refusal reaches the host later, when it reads the status ([`GuardStatus::take`]), the way a
 //! CUDA launch's asynchronous error does.
 //!
@@ -482,30 +484,42 @@ impl Kernels {
             return Ok(());
         }
         g.on_its_stream(s);
-        let (pt, pt_stride, len_max) = match a.page_table {
+        // Over positions (the identity table, which holds no bad page), the kernel itself takes
+        // a row whose length is outside 0..=stride as empty and reports it: no guard kernel runs
+        // before it. Through a caller's page table, `guard_rows` checks the lengths and the
+        // table's entries first, and the kernel reads its checked lengths.
+        let (pt, pt_stride, lens, len_max, status) = match a.page_table {
             Some((pt, pts)) => {
                 args::bind_at_least(OP, pt_need, pt.bytes)?;
-                (
+                let len_max = stride.min(pts as usize * PAGE_TOKENS as usize);
+                // A table's entries are only mapped to slots, never dereferenced: any page whose
+                // slots are int32 and not negative goes.
+                let lens = self.guard_rows(
+                    s,
+                    g,
+                    OP,
+                    rows,
                     pt,
                     pts as usize,
-                    stride.min(pts as usize * PAGE_TOKENS as usize),
+                    a.context_lens,
+                    len_max,
+                    (i32::MAX as u64 + 1) / PAGE_TOKENS as u64,
+                )?;
+                (pt, pts as usize, lens, len_max, None)
+            }
+            None => {
+                need(OP, "context_lens", a.context_lens, i32_bytes(rows as u64))?;
+                aligned(OP, "context_lens", a.context_lens, 4)?;
+                let table = self.positions_table(g, stride)?;
+                (
+                    table,
+                    0,
+                    a.context_lens,
+                    stride,
+                    Some((g.device, g.claim_ptr)),
                 )
             }
-            None => (self.positions_table(g, stride)?, 0, stride),
         };
-        // A table's entries are only mapped to slots, never dereferenced: any page whose slots
-        // are int32 and not negative goes.
-        let lens = self.guard_rows(
-            s,
-            g,
-            OP,
-            rows,
-            pt,
-            pt_stride,
-            a.context_lens,
-            len_max,
-            (i32::MAX as u64 + 1) / PAGE_TOKENS as u64,
-        )?;
         let cluster = topk_cluster(rows, stride, self.sms);
         let Some(&(_, name)) = TOPK_KERNELS.iter().find(|(c, _)| *c == cluster) else {
             unreachable!("topk_cluster answers 1, 2, 4 or 8, not {cluster}")
@@ -515,17 +529,21 @@ impl Kernels {
         }
         let cap = stride.div_ceil(cluster as usize).min(TOPK_STAGED_MAX);
         let (st, k32, pts, cap32) = (stride as i32, k as i32, pt_stride as i32, cap as i32);
+        let len_max32 = len_max as i32;
+        let (status_ptr, claim_ptr) = status.unwrap_or((0, 0));
         let lens_ptr = lens.ptr;
         let mut b = s.launch_builder(self.f(name));
         b.arg(&a.logits.ptr).arg(&st).arg(&lens_ptr).arg(&pt.ptr);
         b.arg(&pts).arg(&k32).arg(&a.out.ptr).arg(&cap32);
+        b.arg(&len_max32).arg(&status_ptr).arg(&claim_ptr);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32 * cluster, 1, 1),
             block_dim: (TOPK_THREADS, 1, 1),
             shared_mem_bytes: i32_bytes((cap + TOPK_BUCKET_WORDS) as u64).0 as u32,
         };
-        // SAFETY: sizes checked above; every row's length is within its logits row and table
-        // (`guard_rows`, in stream order before this launch).
+        // SAFETY: sizes checked above; every row's length is within its logits row and table:
+        // checked by `guard_rows` in stream order before this launch, or by the kernel itself
+        // (a non-null status) before it reads the row.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
     }
