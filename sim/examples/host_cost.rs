@@ -209,9 +209,7 @@ fn main() -> ExitCode {
     dev.set_graphs(graphs);
     // As `tierkv replay --device cuda` does: every position's RoPE row before the first step.
     let prepared = std::time::Instant::now();
-    let rope = tierkv_kernels::rope::Rope::new(&cfg.rope());
-    dev.prepare_rope(&rope, cfg.model.context_tokens_max)
-        .expect("RoPE table");
+    dev.prepare_rope_for(&cfg).expect("RoPE table");
     let prepared = prepared.elapsed();
     let context = cfg.model.context_tokens_max;
     let options = EngineOptions {

@@ -462,6 +462,13 @@ impl<D: Driver> DrivenDevice<D> {
         }
     }
 
+    /// [`DrivenDevice::prepare_rope`] for a server of `cfg`: its model's RoPE, every position
+    /// of its longest context (`model.context_tokens_max`).
+    pub fn prepare_rope_for(&mut self, cfg: &crate::config::Config) -> Result<(), DeviceError> {
+        let rope = Rope::new(&cfg.rope());
+        self.prepare_rope(&rope, cfg.model.context_tokens_max)
+    }
+
     /// Forgets (and destroys) every graph whose launches name `mem`, which is being freed: a
     /// graph launched after its buffers' free would run on memory reused since.
     fn forget_graphs_of(&mut self, mem: Mem) {

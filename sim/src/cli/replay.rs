@@ -730,8 +730,7 @@ fn start_cuda(
         dev.set_timing(timing);
         dev.set_graphs(graphs);
         // The cos/sin rows of every position a request may reach, before the first step.
-        let rope = tierkv_kernels::rope::Rope::new(&cfg.rope());
-        dev.prepare_rope(&rope, cfg.model.context_tokens_max)?;
+        dev.prepare_rope_for(&cfg)?;
         Engine::new(cfg, dev, MonotonicClock::new(), options)
     });
     // No usable device above is the environment's refusal (exit 2); an engine that refuses to

@@ -358,8 +358,7 @@ fn cuda(cfg: &Config, work: &[RequestSpec], a: &ReplayArgs) -> Result<bool, Stri
         let mut dev =
             CudaDevice::on(ordinal, strategy).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
         dev.driver.logits = logits;
-        let rope = tierkv_kernels::rope::Rope::new(&cfg.rope());
-        dev.prepare_rope(&rope, cfg.model.context_tokens_max)
+        dev.prepare_rope_for(&cfg)
             .map_err(|e| format!("CUDA device {ordinal}: the RoPE table: {e}"))?;
         Ok::<_, String>(dev)
     };

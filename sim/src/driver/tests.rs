@@ -116,11 +116,8 @@ fn calls_during_a_capture_are_refused() {
 fn a_rope_table_is_prepared_for_a_whole_context() {
     let (d, _, _) = driver();
     let mut dev = DrivenDevice::with_staging(d, CopyStrategy::Gather, 1 << 16).expect("device");
-    let rope = Rope::new(
-        &tierkv_engine::Config::preset("deepseek-v3.2")
-            .expect("a preset")
-            .rope(),
-    );
+    let cfg = tierkv_engine::Config::preset("deepseek-v3.2").expect("a preset");
+    let rope = Rope::new(&cfg.rope());
     assert_eq!(dev.rope_rows(), 0);
     dev.prepare_rope(&rope, 0).expect("no positions");
     assert_eq!(dev.rope_rows(), 0, "no positions need no table");
@@ -148,4 +145,11 @@ fn a_rope_table_is_prepared_for_a_whole_context() {
         16_384,
         "a refused preparation keeps the table"
     );
+    // A server's preparation: every position of its model's longest context.
+    dev.prepare_rope_for(&cfg).expect("the model's context");
+    assert_eq!(
+        dev.rope_rows(),
+        cfg.model.context_tokens_max.next_power_of_two()
+    );
+    assert!(cfg.model.context_tokens_max > 16_384, "the table grew");
 }
