@@ -402,3 +402,17 @@ fn a_weight_update_leaves_the_old_weights_kv_unmatched() {
     e.update_weights(max).expect("the largest version");
     assert_eq!(e.weights(), max);
 }
+
+/// The pool sizes the metrics export from the first step on are the configured ones: the
+/// device pool's pages and the host tier's tokens (a capacity in whole pages).
+#[test]
+fn the_metrics_start_with_the_configured_pool_sizes() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.device_pages = 40;
+    cfg.cache.host = tierkv_engine::config::HostCapacity::Tokens(100 * 64);
+    let e = engine(cfg, EngineOptions::default());
+    assert_eq!(e.metrics.device_pages_total, 40);
+    assert_eq!(e.metrics.host_tokens_capacity, 6_400);
+    assert_eq!(e.metrics.device_pages_used, 0);
+    assert_eq!(e.metrics.host_tokens_used, 0);
+}
