@@ -309,6 +309,16 @@ pub struct GuardedTopK {
     pub out: DevPtr,
 }
 
+/// A guarded top-k's page table (the caller's, or the shared identity row at a stride of 0),
+/// the lengths its kernel reads, the longest length it may take, and the status record it
+/// reports a bad length to (`None`: the lengths were checked by `guard_rows`).
+struct TopKRows {
+    table: DevPtr,
+    lens: DevPtr,
+    len_max: usize,
+    status: Option<(u64, u64)>,
+}
+
 /// Whole pages from `src` to `dst` (`page_bytes` each, pages back to back from each pointer):
 /// pair `i` copies page `src_pages_dev[i]` to page `dst_pages_dev[i]`, both checked by
 /// `guard_pairs` (a refused pair is not copied). Either side may be mapped pinned host memory.
@@ -484,42 +494,7 @@ impl Kernels {
             return Ok(());
         }
         g.on_its_stream(s);
-        // Over positions (the identity table, which holds no bad page), the kernel itself takes
-        // a row whose length is outside 0..=stride as empty and reports it: no guard kernel runs
-        // before it. Through a caller's page table, `guard_rows` checks the lengths and the
-        // table's entries first, and the kernel reads its checked lengths.
-        let (pt, pt_stride, lens, len_max, status) = match a.page_table {
-            Some((pt, pts)) => {
-                args::bind_at_least(OP, pt_need, pt.bytes)?;
-                let len_max = stride.min(pts as usize * PAGE_TOKENS as usize);
-                // A table's entries are only mapped to slots, never dereferenced: any page whose
-                // slots are int32 and not negative goes.
-                let lens = self.guard_rows(
-                    s,
-                    g,
-                    OP,
-                    rows,
-                    pt,
-                    pts as usize,
-                    a.context_lens,
-                    len_max,
-                    (i32::MAX as u64 + 1) / PAGE_TOKENS as u64,
-                )?;
-                (pt, pts as usize, lens, len_max, None)
-            }
-            None => {
-                need(OP, "context_lens", a.context_lens, i32_bytes(rows as u64))?;
-                aligned(OP, "context_lens", a.context_lens, 4)?;
-                let table = self.positions_table(g, stride)?;
-                (
-                    table,
-                    0,
-                    a.context_lens,
-                    stride,
-                    Some((g.device, g.claim_ptr)),
-                )
-            }
-        };
+        let rows_in = self.topk_rows(s, g, a, pt_need)?;
         let cluster = topk_cluster(rows, stride, self.sms);
         let Some(&(_, name)) = TOPK_KERNELS.iter().find(|(c, _)| *c == cluster) else {
             unreachable!("topk_cluster answers 1, 2, 4 or 8, not {cluster}")
@@ -529,6 +504,12 @@ impl Kernels {
         }
         let cap = stride.div_ceil(cluster as usize).min(TOPK_STAGED_MAX);
         let (st, k32, pts, cap32) = (stride as i32, k as i32, pt_stride as i32, cap as i32);
+        let TopKRows {
+            table: pt,
+            lens,
+            len_max,
+            status,
+        } = rows_in;
         let len_max32 = len_max as i32;
         let (status_ptr, claim_ptr) = status.unwrap_or((0, 0));
         let lens_ptr = lens.ptr;
@@ -546,6 +527,53 @@ impl Kernels {
         // (a non-null status) before it reads the row.
         unsafe { b.launch(cfg) }.map_err(cuda(OP))?;
         Ok(())
+    }
+
+    /// What a guarded top-k's kernel reads its rows through. Over positions (the identity
+    /// table, which holds no bad page), the caller's lengths and the status record: the kernel
+    /// itself takes a row whose length is outside 0..=stride as empty and reports it, with no
+    /// guard kernel before it. Through a caller's page table, the lengths `guard_rows` checked
+    /// with the table's entries, and no status.
+    fn topk_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        g: &mut GuardStatus,
+        a: &GuardedTopK,
+        pt_need: args::Operand,
+    ) -> Result<TopKRows> {
+        const OP: &str = args::TopK::OP;
+        let stride = a.stride as usize;
+        let Some((pt, pts)) = a.page_table else {
+            need(OP, "context_lens", a.context_lens, i32_bytes(a.rows as u64))?;
+            aligned(OP, "context_lens", a.context_lens, 4)?;
+            return Ok(TopKRows {
+                table: self.positions_table(g, stride)?,
+                lens: a.context_lens,
+                len_max: stride,
+                status: Some((g.device, g.claim_ptr)),
+            });
+        };
+        args::bind_at_least(OP, pt_need, pt.bytes)?;
+        let len_max = stride.min(pts as usize * PAGE_TOKENS as usize);
+        // A table's entries are only mapped to slots, never dereferenced: any page whose slots
+        // are int32 and not negative goes.
+        let lens = self.guard_rows(
+            s,
+            g,
+            OP,
+            a.rows,
+            pt,
+            pts as usize,
+            a.context_lens,
+            len_max,
+            (i32::MAX as u64 + 1) / PAGE_TOKENS as u64,
+        )?;
+        Ok(TopKRows {
+            table: pt,
+            lens,
+            len_max,
+            status: None,
+        })
     }
 
     /// The page table of a top-k over positions: one identity row (page i is page i) that
