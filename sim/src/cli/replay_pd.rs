@@ -358,7 +358,7 @@ fn cuda(cfg: &Config, work: &[RequestSpec], a: &ReplayArgs) -> Result<bool, Stri
         let mut dev =
             CudaDevice::on(ordinal, strategy).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
         dev.driver.logits = logits;
-        dev.prepare_rope_for(&cfg)
+        dev.prepare_rope_for(cfg)
             .map_err(|e| format!("CUDA device {ordinal}: the RoPE table: {e}"))?;
         Ok::<_, String>(dev)
     };
