@@ -235,9 +235,17 @@ impl CudaDriver {
     }
 
     /// A driver on GPU `ordinal`'s primary context (the one PyTorch uses) for copies only: its
-    /// three streams, no kernels compiled (a launch is refused). The host tier of a server's
-    /// offloading runs on it (`crate::offload::transfer`).
+    /// three streams, and of the kernels only `copy_list`, compiled and loaded now so that a
+    /// server's first job does not wait for NVRTC (where it cannot be compiled, batches go to
+    /// the copy engines); any other launch is refused. The host tier of a server's offloading
+    /// runs on it (`crate::offload::transfer`).
     pub fn copies_on(ordinal: usize) -> Result<CudaDriver, DeviceError> {
+        let mut d = CudaDriver::copies_only(ordinal)?;
+        d.copy_kernel();
+        Ok(d)
+    }
+
+    fn copies_only(ordinal: usize) -> Result<CudaDriver, DeviceError> {
         let ctx = CudaContext::new(ordinal).map_err(backend("cuDevicePrimaryCtxRetain"))?;
         let mk = || ctx.new_stream().map_err(backend("cuStreamCreate"));
         let streams = [mk()?, mk()?, mk()?];
