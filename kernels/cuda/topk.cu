@@ -2,7 +2,8 @@
 // position ascending), as slots through the row's page table; -1 past the context. A guarded launch
 // (launch/guarded.rs: lengths on the device, unchecked by the host) passes its status record, and
 // a row whose length is outside 0..=len_max is then taken as empty and reported; other launches
-// pass a null status (the host checked the lengths).
+// pass a null status (the host checked the lengths, or guard_rows did on the device). Every
+// thread reads its row's length itself: the lengths must not be written while the kernel runs.
 //
 // A cluster of C CTAs (C = 1, 2, 4 or 8: one kernel per size, topk_c1 .. topk_c8, the launcher
 // picks) owns a row. CTA r owns the positions [r * chunk, (r + 1) * chunk) and, when they fit its

@@ -273,6 +273,13 @@ def test_bad_index_entries_are_skipped_and_raised_after():
     assert np.array_equal(host(sel)[0], ops.topk(host(out), host(lens), 4)[0])
     with pytest.raises(ops.DeviceIndexError, match="row 2's context length 257 is outside 0..=256"):
         ops.check()
+    lens[2] = -1
+    sel = ops.topk(out, lens, 4)
+    torch.cuda.synchronize()
+    assert (host(sel)[2] == -1).all()
+    lens[2] = 256
+    with pytest.raises(ops.DeviceIndexError, match="row 2's context length -1 is outside 0..=256"):
+        ops.check()
     # A refused pair is not copied; the others are.
     src = torch.ones(4, 16, dtype=torch.uint8, device="cuda")
     dst = torch.zeros(4, 16, dtype=torch.uint8, device="cuda")

@@ -154,17 +154,16 @@ pub struct CudaDriver {
     streams: [Arc<CudaStream>; 3],
     mems: MemTable<Alloc>,
     events: Vec<CudaEvent>,
-    /// `copy_list` (`page_copy.cu`), compiled on the first batch large enough for it: `None`
-    /// before, `Some(None)` where it could not be compiled or loaded (the batch then goes to the
+    /// `copy_list` (`page_copy.cu`), compiled on the first batch large enough for it (a
+    /// copies-only driver's when it is made): `None` before, `Some(None)` where it could not be compiled or loaded (the batch then goes to the
     /// copy engines).
     copy_kernel: Option<Option<CudaFunction>>,
-    /// Pinned staging for `copy_list`'s copy lists, used in turn ([`COPY_LISTS`] of
-    /// [`KERNEL_SLICE_COPIES`] entries, made on the first kernel copy), each with the event
-    /// recorded after its upload: the host reuses one only after that event. An upload from
-    /// pageable memory may be synchronous (CUDA's documentation allows the driver to wait),
-    /// while one from pinned memory is queued and returns: the host can list the next slice
-    /// while the GPU copies this one. (Whether this changed a measured transfer is for the
-    /// first GPU run after it, kernels/GPU.md.)
+    /// Pinned staging for `copy_list`'s copy lists, used in turn (up to [`COPY_LISTS_MAX`] of
+    /// [`KERNEL_SLICE_COPIES`] entries, made as needed), each with the event recorded after its
+    /// upload: the host reuses one only after that event. An upload from pageable memory may
+    /// be synchronous (CUDA's documentation allows the driver to wait), while one from pinned
+    /// memory is queued and returns: the host can list the next batch while the GPU copies
+    /// this one.
     lists: Vec<(PinnedHost, CudaEvent)>,
     next_list: usize,
     /// The executable graphs made from captures (`capture_end`), by `DrvGraph` id.
@@ -175,8 +174,10 @@ pub struct CudaDriver {
     capture_failed: [bool; 3],
 }
 
-/// How many copy lists are staged at once: the host may run this many slices ahead of the GPU.
-const COPY_LISTS: usize = 4;
+/// The most copy lists staged at once: the host may run this many batches ahead of the GPU
+/// before it waits for one (each holds [`KERNEL_SLICE_COPIES`] copies: 384 KiB of pinned
+/// memory; a 1,000-block job of DeepSeek-V3.2's 61 layers is 13 batches).
+const COPY_LISTS_MAX: usize = 32;
 
 /// The fewest copies of one [`Driver::copy_batch_async`] that go to the copy kernel
 /// (`copy_list`) rather than the copy engines: the engines cost about 1 us of host time per
@@ -325,30 +326,40 @@ impl CudaDriver {
         Ok(())
     }
 
-    /// The next pinned copy-list buffer, free to write: made on first use (all
-    /// [`COPY_LISTS`] at once, or none), and waited for when its last upload may still be
-    /// reading it.
+    /// The next pinned copy-list buffer, free to write: the oldest one when its last upload is
+    /// done; else a new one, while there are fewer than [`COPY_LISTS_MAX`]; else the oldest,
+    /// once its upload is done. An upload waits behind everything queued before it on its
+    /// stream (for a host-tier job, the caller's stream reaching the job's point): waiting for
+    /// one would hold the host to the GPU's progress, so the pool grows instead.
     fn copy_list_staging(&mut self, bytes: usize) -> Result<usize, DeviceError> {
         let capacity = crate::layout::u64_bytes(3 * KERNEL_SLICE_COPIES as u64).usize();
         assert!(bytes <= capacity, "a copy list longer than a slice");
-        if self.lists.is_empty() {
-            let mut lists = Vec::with_capacity(COPY_LISTS);
-            for _ in 0..COPY_LISTS {
-                let event = self
-                    .ctx
-                    .new_event(None)
-                    .map_err(backend("cuEventCreate (a copy list)"))?;
-                lists.push((PinnedHost::new(&self.ctx, capacity)?, event));
-            }
-            self.lists = lists;
-        }
         let i = self.next_list;
-        self.next_list = (i + 1) % COPY_LISTS;
         // An event never recorded is complete.
-        self.lists[i]
-            .1
-            .synchronize()
-            .map_err(backend("cuEventSynchronize (a copy list)"))?;
+        let free = match self.lists.get(i) {
+            Some((_, uploaded)) => uploaded
+                .try_is_complete()
+                .map_err(backend("cuEventQuery (a copy list)"))?,
+            None => false,
+        };
+        if !free && self.lists.len() < COPY_LISTS_MAX {
+            let event = self
+                .ctx
+                .new_event(None)
+                .map_err(backend("cuEventCreate (a copy list)"))?;
+            let list = (PinnedHost::new(&self.ctx, capacity)?, event);
+            // Before the oldest, which stays next in turn.
+            self.lists.insert(i, list);
+            self.next_list = (i + 1) % self.lists.len();
+            return Ok(i);
+        }
+        self.next_list = (i + 1) % self.lists.len();
+        if !free {
+            self.lists[i]
+                .1
+                .synchronize()
+                .map_err(backend("cuEventSynchronize (a copy list)"))?;
+        }
         Ok(i)
     }
 

@@ -778,8 +778,9 @@ impl Kernels {
         // Each CTA of a row's cluster stages its share of the row when it fits.
         let cap = len_max.div_ceil(cluster as usize).min(TOPK_STAGED_MAX);
         let (st, k32, pts, cap32) = (a.stride as i32, a.k as i32, a.pt_stride as i32, cap as i32);
-        // The lengths were checked on the host (`a.check()`): no status record, no device check.
-        let no_status = 0u64;
+        // The lengths were checked on the host (`a.check()`): no status record, no device check
+        // (the kernel's length bound is then unused; the stride is passed).
+        let (no_status, len_bound) = (0u64, st);
         let mut b = s.launch_builder(self.f(name));
         b.arg(&p.logits.ptr)
             .arg(&st)
@@ -789,7 +790,7 @@ impl Kernels {
             .arg(&k32)
             .arg(&p.out.ptr)
             .arg(&cap32)
-            .arg(&st)
+            .arg(&len_bound)
             .arg(&no_status)
             .arg(&no_status);
         let cfg = LaunchConfig {

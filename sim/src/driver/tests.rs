@@ -145,11 +145,12 @@ fn a_rope_table_is_prepared_for_a_whole_context() {
         16_384,
         "a refused preparation keeps the table"
     );
-    // A server's preparation: every position of its model's longest context.
+    // A server's preparation: every position of its model's longest context (longer than the
+    // table so far, so the preparation must grow it).
+    assert!(cfg.model.context_tokens_max > 16_384);
     dev.prepare_rope_for(&cfg).expect("the model's context");
     assert_eq!(
         dev.rope_rows(),
         cfg.model.context_tokens_max.next_power_of_two()
     );
-    assert!(cfg.model.context_tokens_max > 16_384, "the table grew");
 }

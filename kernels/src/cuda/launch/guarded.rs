@@ -10,7 +10,9 @@
 //! row's length of 0), and records the first replaced entry in a [`GuardStatus`] (mapped pinned
 //! host memory). A top-k over positions has no guard kernel: its only index array is the rows'
 //! lengths, which the top-k kernel itself checks (given the status record) before it reads a
-//! row. No kernel reads or writes outside its buffers, whatever the arrays hold; the
+//! row. No kernel reads or writes outside its buffers, whatever the arrays hold (as long as
+//! nothing writes them while the launch runs: top-k's kernel reads a row's length in every
+//! thread, where a guard kernel reads each entry once); the
 //! refusal reaches the host later, when it reads the status ([`GuardStatus::take`]), the way a
 //! CUDA launch's asynchronous error does.
 //!
@@ -41,7 +43,7 @@ const STATUS_WORDS: usize = 4;
 /// Threads of a guard kernel's block.
 const GUARD_THREADS: u32 = 256;
 
-/// Where the guard kernels record the first entry they refused: four words of mapped pinned host
+/// Where the guard kernels (and top-k over positions) record the first entry they refused: four words of mapped pinned host
 /// memory (`cuMemHostAlloc`, portable and mapped), read by the host without synchronising, and a
 /// claim word in device memory (the first reporter's atomic).
 ///
@@ -73,7 +75,7 @@ pub struct GuardStatus {
 unsafe impl Send for GuardStatus {}
 unsafe impl Sync for GuardStatus {}
 
-/// The first entry a guard kernel refused since the last [`GuardStatus::take`].
+/// The first entry a guarded launch refused since the last [`GuardStatus::take`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GuardFinding {
     pub refusal: GuardRefusal,
@@ -295,7 +297,8 @@ pub struct GuardedIndexLogits {
 }
 
 /// A `topk` over `rows` rows whose context lengths (on the device) are checked by `guard_rows`
-/// (a refused row selects nothing: -1 everywhere). `page_table` (with its stride) maps
+/// through a page table, and by the top-k kernel itself over positions (a refused row selects
+/// nothing: -1 everywhere). `page_table` (with its stride) maps
 /// positions to slots as in [`crate::args::TopK`]; `None` selects positions (an identity table,
 /// made on the device).
 #[derive(Clone, Copy, Debug)]
