@@ -259,54 +259,114 @@ fn the_vllm_profile_is_clean_and_catches_each_mutant() {
     }
 }
 
-/// Chunks of two blocks, jobs that start inside a chunk, and host segments of three chunks, so
-/// that runs cross segment boundaries: every block comes back from the host tier as it went.
-#[test]
-fn runs_split_at_segment_boundaries_and_chunks_hold_two_blocks() {
+/// A simulated GPU with one server cache of `blocks` pages of `page` bytes, filled on the
+/// compute stream with a pattern (`bytes`) from a pinned source, and a pinned probe to read it
+/// back; its registration is one tensor in one group, one layer reference a page.
+struct OneCache {
+    gpu: Rc<RefCell<SimGpu>>,
+    cache: Mem,
+    source: Mem,
+    probe: Mem,
+    base: u64,
+    bytes: Vec<u8>,
+    page: u64,
+    blocks: u64,
+}
+
+fn one_cache(seed: u64, name: &'static str, page: u64, blocks: u64) -> (OneCache, SimDriver) {
     let gpu = Rc::new(RefCell::new(
-        SimGpu::new(3, GpuOptions::default()).expect("a simulated GPU"),
+        SimGpu::new(seed, GpuOptions::default()).expect("a simulated GPU"),
     ));
     let mut driver = SimDriver::new(SimSide {
         gpu: gpu.clone(),
         side: 0,
     });
-    let blocks = 12u64;
-    let kv = buffer(
-        &mut driver,
-        "server kv cache",
-        MemoryTier::Device,
-        blocks * KV,
-    );
-    let source = buffer(&mut driver, "source", MemoryTier::PinnedHost, blocks * KV);
-    let probe = buffer(&mut driver, "probe", MemoryTier::PinnedHost, blocks * KV);
-    let bytes: Vec<u8> = (0..blocks * KV).map(|i| (i / 997 % 251) as u8).collect();
-    driver.write_pinned(source, Bytes(0), &bytes).unwrap();
-    let whole = |m| Ptr::whole(m, Bytes(blocks * KV));
-    driver
-        .copy_async(StreamKind::Compute, whole(kv), whole(source))
-        .unwrap();
-    let base = driver.address(kv);
-    let tensors = vec![CacheTensor {
+    let cache = buffer(&mut driver, name, MemoryTier::Device, blocks * page);
+    let source = buffer(&mut driver, "source", MemoryTier::PinnedHost, blocks * page);
+    let probe = buffer(&mut driver, "probe", MemoryTier::PinnedHost, blocks * page);
+    let bytes: Vec<u8> = (0..blocks * page).map(|i| (i / 997 % 251) as u8).collect();
+    let base = driver.address(cache);
+    let c = OneCache {
+        gpu,
+        cache,
+        source,
+        probe,
         base,
+        bytes,
+        page,
         blocks,
-        page_bytes: KV,
-        stride: KV,
-    }];
-    let groups = vec![Group {
-        tokens_per_block: 64,
-        refs: vec![LayerRef {
-            tensor: 0,
-            ref_bytes: KV,
-        }],
-    }];
-    let formats = [parse_format("kv/fp8_packed").unwrap()];
-    let reg = Registration::new(tensors, groups, &formats, 2, 8).expect("registered");
+    };
+    c.fill(&mut driver, &c.bytes);
+    (c, driver)
+}
+
+impl OneCache {
+    fn whole(&self, m: Mem) -> Ptr {
+        Ptr::whole(m, Bytes(self.blocks * self.page))
+    }
+
+    /// The server's kernel: writes `data` over the whole cache, on the compute stream.
+    fn fill(&self, d: &mut SimDriver, data: &[u8]) {
+        d.write_pinned(self.source, Bytes(0), data).unwrap();
+        d.copy_async(
+            StreamKind::Compute,
+            self.whole(self.cache),
+            self.whole(self.source),
+        )
+        .unwrap();
+    }
+
+    /// The cache's bytes, once the compute stream is done.
+    fn read(&self, d: &mut SimDriver) -> Vec<u8> {
+        d.copy_async(
+            StreamKind::Compute,
+            self.whole(self.probe),
+            self.whole(self.cache),
+        )
+        .unwrap();
+        d.stream_synchronize(StreamKind::Compute).unwrap();
+        let mut got = vec![0u8; self.bytes.len()];
+        d.read_pinned(self.probe, Bytes(0), &mut got).unwrap();
+        got
+    }
+
+    /// The cache's registration in format `format`: `blocks_per_chunk` blocks a chunk, `chunks`
+    /// chunks.
+    fn registration(&self, format: &str, blocks_per_chunk: u64, chunks: u64) -> Registration {
+        let tensors = vec![CacheTensor {
+            base: self.base,
+            blocks: self.blocks,
+            page_bytes: self.page,
+            stride: self.page,
+        }];
+        let groups = vec![Group {
+            tokens_per_block: 64,
+            refs: vec![LayerRef {
+                tensor: 0,
+                ref_bytes: self.page,
+            }],
+        }];
+        let formats = [parse_format(format).unwrap()];
+        Registration::new(tensors, groups, &formats, blocks_per_chunk, chunks).expect("registered")
+    }
+
+    fn races(&self) -> usize {
+        self.gpu.borrow().races.len()
+    }
+}
+
+/// Chunks of two blocks, jobs that start inside a chunk, and host segments of three chunks, so
+/// that runs cross segment boundaries: every block comes back from the host tier as it went.
+#[test]
+fn runs_split_at_segment_boundaries_and_chunks_hold_two_blocks() {
+    let (kv, driver) = one_cache(3, "server kv cache", KV, 12);
+    let reg = kv.registration("kv/fp8_packed", 2, 8);
     // Segments of three two-block chunks.
     let mut tier = Transfers::with_segments(driver, reg, 3 * 2 * KV).expect("a host tier");
     assert_eq!(tier.host_bytes(), 8 * 2 * KV);
     // Blocks 0..9, the request's first block at its chunk's second slot: chunks 1..6, whose
     // slots 3..13 cross the segment boundary after chunk 2.
-    let ptrs: Vec<u64> = (0..9).map(|b| base + b * KV).collect();
+    let ptrs: Vec<u64> = (0..9).map(|b| kv.base + b * KV).collect();
     let sizes = vec![KV; 9];
     let chunks = [1u64, 2, 3, 4, 5];
     let job = Job {
@@ -326,33 +386,18 @@ fn runs_split_at_segment_boundaries_and_chunks_hold_two_blocks() {
     tier.wait(&[1]);
     assert!(tier.finished()[0].1);
     // Wipe the cache, load the same blocks back into 3..12.
-    tier.driver()
-        .write_pinned(source, Bytes(0), &vec![0; (blocks * KV) as usize])
-        .unwrap();
-    tier.driver()
-        .copy_async(StreamKind::Compute, whole(kv), whole(source))
-        .unwrap();
-    let back: Vec<u64> = (3..12).map(|b| base + b * KV).collect();
+    kv.fill(tier.driver(), &vec![0; kv.bytes.len()]);
+    let back: Vec<u64> = (3..12).map(|b| kv.base + b * KV).collect();
     let job = Job { ptrs: &back, ..job };
     let plan = tier.registration().plan(&job).expect("a plan");
     tier.submit(false, 2, &plan, 0).unwrap();
     tier.wait(&[2]);
     assert!(tier.finished()[0].1);
-    let d = tier.driver();
-    d.copy_async(StreamKind::Compute, whole(probe), whole(kv))
-        .unwrap();
-    d.stream_synchronize(StreamKind::Compute).unwrap();
-    let mut got = vec![0u8; (blocks * KV) as usize];
-    d.read_pinned(probe, Bytes(0), &mut got).unwrap();
+    let got = kv.read(tier.driver());
     let kv_bytes = KV as usize;
-    assert_eq!(&got[3 * kv_bytes..12 * kv_bytes], &bytes[..9 * kv_bytes]);
+    assert_eq!(&got[3 * kv_bytes..12 * kv_bytes], &kv.bytes[..9 * kv_bytes]);
     assert!(got[..3 * kv_bytes].iter().all(|&b| b == 0));
-    assert_eq!(
-        gpu.borrow().races.len(),
-        0,
-        "{:?}",
-        gpu.borrow().races.first()
-    );
+    assert_eq!(kv.races(), 0, "{:?}", kv.gpu.borrow().races.first());
 }
 
 /// The recording `python/tests/test_vllm.py` makes of a small server on vLLM 0.34's own classes.
@@ -497,49 +542,14 @@ fn a_bad_call_file_is_refused_naming_the_line() {
 #[test]
 fn a_job_of_many_scattered_pages_is_moved_whole() {
     use tierkv_engine::offload::transfer::FIRST_BATCH_COPIES;
-    let gpu = Rc::new(RefCell::new(
-        SimGpu::new(5, GpuOptions::default()).expect("a simulated GPU"),
-    ));
-    let mut driver = SimDriver::new(SimSide {
-        gpu: gpu.clone(),
-        side: 0,
-    });
-    let (blocks, moved) = (2_000u64, 1_000u64);
+    let moved = 1_000u64;
     // More copies than the first two batches, fewer than the first three.
     assert!(moved > 3 * FIRST_BATCH_COPIES as u64 && moved < 7 * FIRST_BATCH_COPIES as u64);
-    let ik = buffer(
-        &mut driver,
-        "server index-k cache",
-        MemoryTier::Device,
-        blocks * IK,
-    );
-    let source = buffer(&mut driver, "source", MemoryTier::PinnedHost, blocks * IK);
-    let probe = buffer(&mut driver, "probe", MemoryTier::PinnedHost, blocks * IK);
-    let bytes: Vec<u8> = (0..blocks * IK).map(|i| (i / 61 % 253) as u8).collect();
-    driver.write_pinned(source, Bytes(0), &bytes).unwrap();
-    let whole = |m| Ptr::whole(m, Bytes(blocks * IK));
-    driver
-        .copy_async(StreamKind::Compute, whole(ik), whole(source))
-        .unwrap();
-    let base = driver.address(ik);
-    let tensors = vec![CacheTensor {
-        base,
-        blocks,
-        page_bytes: IK,
-        stride: IK,
-    }];
-    let groups = vec![Group {
-        tokens_per_block: 64,
-        refs: vec![LayerRef {
-            tensor: 0,
-            ref_bytes: IK,
-        }],
-    }];
-    let formats = [parse_format("index_k/fp8").unwrap()];
-    let reg = Registration::new(tensors, groups, &formats, 1, moved).expect("registered");
+    let (ik, driver) = one_cache(5, "server index-k cache", IK, 2 * moved);
+    let reg = ik.registration("index_k/fp8", 1, moved);
     let mut tier = Transfers::new(driver, reg).expect("a host tier");
     // The even blocks into chunks in reverse order: no two pages coalesce into one run.
-    let ptrs: Vec<u64> = (0..moved).map(|b| base + 2 * b * IK).collect();
+    let ptrs: Vec<u64> = (0..moved).map(|b| ik.base + 2 * b * IK).collect();
     let sizes = vec![IK; moved as usize];
     let chunks: Vec<u64> = (0..moved).rev().collect();
     let job = Job {
@@ -556,24 +566,14 @@ fn a_job_of_many_scattered_pages_is_moved_whole() {
     tier.wait(&[1]);
     assert!(tier.finished()[0].1);
     // Wipe the cache and load the chunks into the odd blocks.
-    tier.driver()
-        .write_pinned(source, Bytes(0), &vec![0; (blocks * IK) as usize])
-        .unwrap();
-    tier.driver()
-        .copy_async(StreamKind::Compute, whole(ik), whole(source))
-        .unwrap();
-    let back: Vec<u64> = (0..moved).map(|b| base + (2 * b + 1) * IK).collect();
+    ik.fill(tier.driver(), &vec![0; ik.bytes.len()]);
+    let back: Vec<u64> = (0..moved).map(|b| ik.base + (2 * b + 1) * IK).collect();
     let job = Job { ptrs: &back, ..job };
     let plan = tier.registration().plan(&job).expect("a plan");
     tier.submit(false, 2, &plan, 0).unwrap();
     tier.wait(&[2]);
     assert!(tier.finished()[0].1);
-    let d = tier.driver();
-    d.copy_async(StreamKind::Compute, whole(probe), whole(ik))
-        .unwrap();
-    d.stream_synchronize(StreamKind::Compute).unwrap();
-    let mut got = vec![0u8; (blocks * IK) as usize];
-    d.read_pinned(probe, Bytes(0), &mut got).unwrap();
+    let got = ik.read(tier.driver());
     let page = IK as usize;
     for b in 0..moved as usize {
         let (even, odd) = (2 * b * page, (2 * b + 1) * page);
@@ -584,16 +584,11 @@ fn a_job_of_many_scattered_pages_is_moved_whole() {
         );
         assert_eq!(
             &got[odd..odd + page],
-            &bytes[even..even + page],
+            &ik.bytes[even..even + page],
             "block {} does not hold block {}",
             2 * b + 1,
             2 * b
         );
     }
-    assert_eq!(
-        gpu.borrow().races.len(),
-        0,
-        "{:?}",
-        gpu.borrow().races.first()
-    );
+    assert_eq!(ik.races(), 0, "{:?}", ik.gpu.borrow().races.first());
 }
