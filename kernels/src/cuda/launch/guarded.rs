@@ -250,6 +250,12 @@ impl Drop for GuardStatus {
     }
 }
 
+/// `lens` holds `rows` aligned `i32` row lengths.
+fn context_lens_hold(op: &'static str, lens: DevPtr, rows: usize) -> Result<()> {
+    need(op, "context_lens", lens, i32_bytes(rows as u64))?;
+    aligned(op, "context_lens", lens, 4)
+}
+
 fn blocks(n: usize) -> u32 {
     (n as u32).div_ceil(GUARD_THREADS).max(1)
 }
@@ -448,8 +454,7 @@ impl Kernels {
         len_max: usize,
         pages: u64,
     ) -> Result<DevPtr> {
-        need(op, "context_lens", lens, i32_bytes(rows as u64))?;
-        aligned(op, "context_lens", lens, 4)?;
+        context_lens_hold(op, lens, rows)?;
         aligned(op, "page_table", page_table, 4)?;
         if rows > i32::MAX as usize || len_max > i32::MAX as usize || pt_stride > i32::MAX as usize
         {
@@ -547,8 +552,7 @@ impl Kernels {
         const OP: &str = args::TopK::OP;
         let stride = a.stride as usize;
         let Some((pt, pts)) = a.page_table else {
-            need(OP, "context_lens", a.context_lens, i32_bytes(a.rows as u64))?;
-            aligned(OP, "context_lens", a.context_lens, 4)?;
+            context_lens_hold(OP, a.context_lens, a.rows)?;
             return Ok(TopKRows {
                 table: self.positions_table(g, stride)?,
                 lens: a.context_lens,
