@@ -51,6 +51,8 @@ fn main() -> ExitCode {
         exhaustive: false,
         corpus: None,
         branches: 0,
+        requests_max: None,
+        cut_share: None,
     };
     let results = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {

@@ -10,7 +10,7 @@
 //! replay on CUDA does. Prints the host time per computing step inside the engine's enqueue
 //! phase (median, 90th percentile and largest, each the step at that rank rounded down; and
 //! the mean) and of the whole step (mean), and the driver calls, launches (captured or not)
-//! and graph launches a step. With GRAPHS 1 the compute stream's ops go through graphs, as on
+//! and graph launches a step, in all and by driver call. With GRAPHS 1 the compute stream's ops go through graphs, as on
 //! CUDA.
 
 use clap::Parser;
@@ -33,8 +33,17 @@ struct NullDriver {
     events: u32,
     launches: u64,
     calls: u64,
+    /// Driver calls by name.
+    by_call: std::collections::BTreeMap<&'static str, u64>,
     graphs: u32,
     graph_launches: u64,
+}
+
+impl NullDriver {
+    fn count(&mut self, call: &'static str) {
+        self.calls += 1;
+        *self.by_call.entry(call).or_default() += 1;
+    }
 }
 
 impl Driver for NullDriver {
@@ -64,14 +73,14 @@ impl Driver for NullDriver {
         Ok(())
     }
     fn alloc_async(&mut self, _: StreamKind, _: u64) -> Result<Mem, DeviceError> {
-        self.calls += 1;
+        self.count("alloc_async");
         Ok(self.mems.insert(Vec::new()))
     }
     fn trim_pool(&mut self) -> Result<(), DeviceError> {
         Ok(())
     }
     fn free_async(&mut self, _: StreamKind, mem: Mem) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("free_async");
         self.mems.take(mem);
         Ok(())
     }
@@ -94,23 +103,23 @@ impl Driver for NullDriver {
         Ok(())
     }
     fn copy_async(&mut self, _: StreamKind, _: Ptr, _: Ptr) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("copy_async");
         Ok(())
     }
     fn copy_batch_async(&mut self, _: StreamKind, _: &[(Ptr, Ptr)]) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("copy_batch_async");
         Ok(())
     }
     fn copy_2d_async(&mut self, _: StreamKind, _: &Copy2d) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("copy_2d_async");
         Ok(())
     }
     fn copy_pageable(&mut self, _: StreamKind, _: Ptr, _: &[u8]) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("copy_pageable");
         Ok(())
     }
     fn launch(&mut self, _: StreamKind, _: &Launch<'_>) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("launch");
         self.launches += 1;
         Ok(())
     }
@@ -119,7 +128,7 @@ impl Driver for NullDriver {
         Ok(DrvEvent(self.events - 1))
     }
     fn event_record(&mut self, _: StreamKind, _: DrvEvent) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("event_record");
         Ok(())
     }
     fn event_query(&mut self, _: DrvEvent) -> EventState {
@@ -132,7 +141,7 @@ impl Driver for NullDriver {
         None
     }
     fn stream_wait(&mut self, _: StreamKind, _: DrvEvent) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("stream_wait");
         Ok(())
     }
     fn stream_synchronize(&mut self, _: StreamKind) -> Result<(), DeviceError> {
@@ -148,7 +157,7 @@ impl Driver for NullDriver {
         0
     }
     fn host_callback(&mut self, _: StreamKind, cb: HostCallback) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("host_callback");
         cb();
         Ok(())
     }
@@ -160,7 +169,7 @@ impl Driver for NullDriver {
     }
     fn observed_by_callback(&mut self, _: DrvEvent) {}
     fn capture_begin(&mut self, _: StreamKind) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("capture_begin");
         Ok(())
     }
     fn capture_end(
@@ -168,14 +177,14 @@ impl Driver for NullDriver {
         _: StreamKind,
         into: Option<DrvGraph>,
     ) -> Result<DrvGraph, DeviceError> {
-        self.calls += 1;
+        self.count("capture_end");
         Ok(into.unwrap_or_else(|| {
             self.graphs += 1;
             DrvGraph(self.graphs - 1)
         }))
     }
     fn graph_launch(&mut self, _: StreamKind, _: DrvGraph) -> Result<(), DeviceError> {
-        self.calls += 1;
+        self.count("graph_launch");
         self.graph_launches += 1;
         Ok(())
     }
@@ -258,5 +267,11 @@ fn main() -> ExitCode {
         d.launches as f64 / steps.max(1) as f64,
         d.graph_launches as f64 / steps.max(1) as f64,
     );
+    let by_call: Vec<String> = d
+        .by_call
+        .iter()
+        .map(|(call, n)| format!("{call} {:.1}", *n as f64 / steps.max(1) as f64))
+        .collect();
+    println!("driver calls a step by call: {}", by_call.join(", "));
     ExitCode::SUCCESS
 }

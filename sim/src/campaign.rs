@@ -55,6 +55,11 @@ pub struct CampaignOptions {
     pub corpus: Option<Arc<Mutex<Corpus>>>,
     /// Runs branched from the corpus before each fresh seed (`--branches`).
     pub branches: u32,
+    /// Cut each seed's workload to its first this many requests (`--requests-max`).
+    pub requests_max: Option<u32>,
+    /// Cut this share of the seeds to their first few requests (`--cut-share`;
+    /// [`crate::scenario::drawn_cut`]).
+    pub cut_share: Option<f64>,
 }
 
 /// The seeds of a campaign: `first..end`, and of those only `seed % n == i` under a shard
@@ -113,6 +118,10 @@ impl CampaignOptions {
     pub fn scenario(&self, seed: u64) -> Scenario {
         let mut sc = draw(seed, &self.profile, self.trace_records.as_deref());
         sc.mutant = self.mutant.clone();
+        let cut = (self.requests_max).or_else(|| crate::scenario::drawn_cut(seed, self.cut_share?));
+        if let Some(n) = cut {
+            sc.keep_requests(n);
+        }
         if let Some(on) = self.overlap {
             sc.overlap = on && sc.profile != "pd";
         }
@@ -1019,6 +1028,8 @@ mod tests {
             exhaustive: false,
             corpus: None,
             branches: 0,
+            requests_max: None,
+            cut_share: None,
         }
     }
 

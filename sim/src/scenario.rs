@@ -55,6 +55,50 @@ impl Workload {
     pub fn requests(&self) -> usize {
         self.sessions.iter().map(|s| s.turns.len()).sum::<usize>() + self.oneshots.len()
     }
+
+    /// Keeps the first `n` requests by arrival (a session arrives at its start, and all its
+    /// turns count from then; one arriving when fewer than its turns remain keeps its first
+    /// turns), and drops the rest. Ties go to sessions, then to the earlier in each list. The
+    /// kept sessions and one-shots keep their order.
+    pub fn keep_first(&mut self, n: usize) {
+        // (arrival, 0 = session / 1 = one-shot, index)
+        let before = self.requests();
+        let mut arrivals: Vec<(u64, u8, usize)> = (self.sessions.iter().enumerate())
+            .map(|(i, s)| (s.start_ns, 0, i))
+            .chain(
+                self.oneshots
+                    .iter()
+                    .enumerate()
+                    .map(|(i, o)| (o.at_ns, 1, i)),
+            )
+            .collect();
+        arrivals.sort_unstable();
+        let mut turns = vec![0usize; self.sessions.len()];
+        let mut oneshot = vec![false; self.oneshots.len()];
+        let mut left = n;
+        for (_, kind, i) in arrivals {
+            if left == 0 {
+                break;
+            }
+            if kind == 0 {
+                turns[i] = self.sessions[i].turns.len().min(left);
+                left -= turns[i];
+            } else {
+                oneshot[i] = true;
+                left -= 1;
+            }
+        }
+        let mut kept = turns.iter();
+        self.sessions.retain_mut(|s| {
+            let t = *kept.next().expect("one count a session");
+            s.turns.truncate(t);
+            t > 0
+        });
+        let mut kept = oneshot.iter();
+        self.oneshots
+            .retain(|_| *kept.next().expect("one flag a one-shot"));
+        debug_assert_eq!(self.requests(), n.min(before));
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -212,6 +256,10 @@ pub struct Scenario {
     pub steps_max: u64,
     /// The mutant to switch on (bug zoo), by name.
     pub mutant: Option<String>,
+    /// The drawn workload was cut to its first this many requests (`tierkv sim
+    /// --requests-max`; [`Scenario::keep_requests`]); 0: not cut. Left out of the JSON when 0.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub requests_max: u32,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -219,6 +267,10 @@ fn is_zero(v: &f64) -> bool {
 }
 
 fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_u32(v: &u32) -> bool {
     *v == 0
 }
 
@@ -293,7 +345,21 @@ fn at_most<T: PartialOrd + std::fmt::Display>(
     }
 }
 
+/// Engine steps a drawn run of `requests` requests may take before it is declared stuck.
+fn steps_max(requests: u64) -> u64 {
+    2_000 + 200 * requests
+}
+
 impl Scenario {
+    /// Cuts the workload to its first `n` requests by arrival ([`Workload::keep_first`]; a
+    /// workload of fewer is kept whole), with the step limit of a drawn run of that many, and
+    /// records `n`. Every other draw of the seed (configuration, faults, schedule) is kept.
+    pub fn keep_requests(&mut self, n: u32) {
+        self.workload.keep_first(n as usize);
+        self.steps_max = steps_max(self.workload.requests() as u64);
+        self.requests_max = n;
+    }
+
     /// A rough measure of the work a run of this scenario does, in arbitrary units, for ordering
     /// a campaign's seeds longest first: per layer, every token stored (weighted as about 150
     /// keys scored by one head) and every key each query scores — a query per prompt token under
@@ -573,12 +639,20 @@ impl Scenario {
         })
     }
 
+    /// What the summary adds to a cut workload's request count.
+    fn cut_note(&self) -> String {
+        match self.requests_max {
+            0 => String::new(),
+            n => format!(" (cut to the first {n})"),
+        }
+    }
+
     /// One line describing the drawn configuration.
     pub fn summary(&self) -> String {
         let c = self.engine_config();
         let m = &c.model;
         format!(
-            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} context-wide {} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | {} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {}{}{} | {} sessions, {} one-shots, {} requests",
+            "profile {} | layers {} (base {}) heads {} topk {} | index-K {} KV {}{} | device {} pages, host {} pages {} | {} | load slots {} | running {} prefill {} {} | gpu {}{} slow {:.2} fail {:.3} enqueue-fail {:.3} kernel-fail {:.3} sticky {} context-wide {} launch-refused {:.3} hang {:.4} torn {:.2} callback-delay ≤{} ns fail-alloc #{} | {} | page-refusals device {:.2} host {:.2} | aborts {:.3} mid-load {:.2} | evictions {:.3} | {}{}{} | {} sessions, {} one-shots, {} requests{}",
             self.profile,
             m.layers,
             m.layer_base,
@@ -639,6 +713,7 @@ impl Scenario {
             self.workload.sessions.len(),
             self.workload.oneshots.len(),
             self.workload.requests(),
+            self.cut_note(),
         )
     }
 }
@@ -664,6 +739,27 @@ pub fn draws_overlap(seed: u64, profile: &str) -> bool {
     profile != "pd" && rng.fork(5).chance(0.5)
 }
 
+/// The most requests a seed cut by `--cut-share` keeps.
+pub const CUT_REQUESTS_MAX: u32 = 8;
+
+/// What `--cut-share share` cuts seed `seed`'s workload to: for a share `share` of the seeds,
+/// drawn from a stream of the seed's own apart from every draw of its scenario, its first 1 to
+/// [`CUT_REQUESTS_MAX`] requests ([`Scenario::keep_requests`]); `None`: the seed runs whole.
+pub fn drawn_cut(seed: u64, share: f64) -> Option<u32> {
+    let mut r = Rng::new(seed).fork(9);
+    r.chance(share)
+        .then(|| r.range(1, CUT_REQUESTS_MAX as u64) as u32)
+}
+
+/// 0 with probability `zero`, else uniform in `[lo, lo + span)`.
+fn rate_or_zero(r: &mut Rng, zero: f64, lo: f64, span: f64) -> f64 {
+    if r.chance(zero) {
+        0.0
+    } else {
+        lo + r.unit() * span
+    }
+}
+
 /// Draws the scenario of `seed` under `profile`. `trace` is a Mooncake trace for the trace
 /// profile, which must have passed [`check_trace`] (a trace that did not panics here: its
 /// arrival times would wrap).
@@ -678,33 +774,13 @@ pub fn draw(
     let mut wr = rng.fork(3);
     let cfg = draw_config(&mut cr, seed, profile);
     let mut gpu = draw_gpu(&mut gr);
-    let abort_rate = if gr.chance(0.6) {
-        0.0
-    } else {
-        0.01 + gr.unit() * 0.05
-    };
-    let abort_mid_load_rate = if gr.chance(0.35) {
-        0.0
-    } else {
-        0.3 + gr.unit() * 0.6
-    };
-    let device_pages_refused_rate = if gr.chance(0.75) {
-        0.0
-    } else {
-        0.01 + gr.unit() * 0.09
-    };
-    let host_pages_refused_rate = if gr.chance(0.75) {
-        0.0
-    } else {
-        0.02 + gr.unit() * 0.3
-    };
+    let abort_rate = rate_or_zero(&mut gr, 0.6, 0.01, 0.05);
+    let abort_mid_load_rate = rate_or_zero(&mut gr, 0.35, 0.3, 0.6);
+    let device_pages_refused_rate = rate_or_zero(&mut gr, 0.75, 0.01, 0.09);
+    let host_pages_refused_rate = rate_or_zero(&mut gr, 0.75, 0.02, 0.3);
     // Drawn from a stream of its own, so that adding it left every other draw as it was.
     let mut er = rng.fork(4);
-    let evict_rate = if er.chance(0.8) {
-        0.0
-    } else {
-        0.02 + er.unit() * 0.1
-    };
+    let evict_rate = rate_or_zero(&mut er, 0.8, 0.02, 0.1);
     // Its own stream too: every seed drew the same scenario as before, but for this.
     let overlap = profile != "pd" && rng.fork(5).chance(0.5);
     debug_assert_eq!(overlap, draws_overlap(seed, profile));
@@ -753,8 +829,9 @@ pub fn draw(
         notify_loss_rate,
         notify_late_ns_max,
         weights_update_ns,
-        steps_max: 2_000 + 200 * requests,
+        steps_max: steps_max(requests),
         mutant: None,
+        requests_max: 0,
     };
     // Every draw is a scenario a file could hold.
     debug_assert_eq!(

@@ -138,6 +138,14 @@ pub struct ShardResult {
     /// (Left out of the JSON when drawn, so that files from before it still read.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overlap: Option<bool>,
+    /// `--requests-max`: each seed's workload cut to its first this many requests. (Left out of
+    /// the JSON when not cut.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_max: Option<u32>,
+    /// `--cut-share`: this share of the seeds cut to their first few requests. (Left out of the
+    /// JSON when none is.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut_share: Option<f64>,
     /// The campaign's seed range, `first..end`.
     pub first: u64,
     pub end: u64,
@@ -369,6 +377,8 @@ impl ShardResult {
             mutant: opts.mutant.clone(),
             schedules: opts.schedules,
             overlap: opts.overlap,
+            requests_max: opts.requests_max,
+            cut_share: opts.cut_share,
             first: opts.first,
             end: opts.end,
             shard_index,
@@ -764,6 +774,54 @@ pub struct Merged {
     pub interrupted: Vec<(PathBuf, u64, u64)>,
 }
 
+/// What two shards of one campaign must agree on: each field's name and its value in `r` and in
+/// `first`.
+fn campaign_fields(r: &ShardResult, first: &ShardResult) -> [(&'static str, String, String); 9] {
+    [
+        ("profile", r.profile.clone(), first.profile.clone()),
+        (
+            "overlap",
+            format!("{:?}", r.overlap),
+            format!("{:?}", first.overlap),
+        ),
+        (
+            "cut-share",
+            format!("{:?}", r.cut_share),
+            format!("{:?}", first.cut_share),
+        ),
+        (
+            "requests-max",
+            format!("{:?}", r.requests_max),
+            format!("{:?}", first.requests_max),
+        ),
+        (
+            "mutant",
+            format!("{:?}", r.mutant),
+            format!("{:?}", first.mutant),
+        ),
+        (
+            "schedules",
+            r.schedules.to_string(),
+            first.schedules.to_string(),
+        ),
+        (
+            "seeds",
+            format!("{}..{}", r.first, r.end),
+            format!("{}..{}", first.first, first.end),
+        ),
+        (
+            "shard count",
+            r.shard_count.to_string(),
+            first.shard_count.to_string(),
+        ),
+        (
+            "format version",
+            r.version.to_string(),
+            first.version.to_string(),
+        ),
+    ]
+}
+
 /// Combines the results of one campaign's shards. `partial`: merge even when shards are missing.
 pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged, MergeError> {
     let Some((first_file, first)) = results.first() else {
@@ -781,39 +839,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
                 build_first: first.build.to_string(),
             });
         }
-        let fields: [(&'static str, String, String); 7] = [
-            ("profile", r.profile.clone(), first.profile.clone()),
-            (
-                "overlap",
-                format!("{:?}", r.overlap),
-                format!("{:?}", first.overlap),
-            ),
-            (
-                "mutant",
-                format!("{:?}", r.mutant),
-                format!("{:?}", first.mutant),
-            ),
-            (
-                "schedules",
-                r.schedules.to_string(),
-                first.schedules.to_string(),
-            ),
-            (
-                "seeds",
-                format!("{}..{}", r.first, r.end),
-                format!("{}..{}", first.first, first.end),
-            ),
-            (
-                "shard count",
-                r.shard_count.to_string(),
-                first.shard_count.to_string(),
-            ),
-            (
-                "format version",
-                r.version.to_string(),
-                first.version.to_string(),
-            ),
-        ];
+        let fields = campaign_fields(r, first);
         if let Some((field, value_file, value_first)) = fields.into_iter().find(|(_, a, b)| a != b)
         {
             return Err(MergeError::OtherCampaign {
@@ -952,6 +978,8 @@ mod tests {
             mutant: None,
             schedules: 1,
             overlap: None,
+            requests_max: None,
+            cut_share: None,
             first: 0,
             end: 10,
             shard_index: i,

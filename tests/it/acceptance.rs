@@ -31,6 +31,8 @@ fn a_removed_layer_wait_is_caught_on_the_first_seed() {
         exhaustive: false,
         corpus: None,
         branches: 0,
+        requests_max: None,
+        cut_share: None,
     };
     let sc = opts.scenario(0);
     let out = run(
@@ -135,6 +137,8 @@ fn the_same_seed_gives_the_same_event_log() {
         exhaustive: false,
         corpus: None,
         branches: 0,
+        requests_max: None,
+        cut_share: None,
     };
     for seed in [3u64, 4, 13] {
         let sc = opts.scenario(seed);

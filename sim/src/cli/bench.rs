@@ -66,6 +66,11 @@ pub struct BenchArgs {
     /// Mutants of another profile than the corpus's run plain in both.
     #[arg(long, requires = "catch", conflicts_with = "baseline")]
     pub guided: Option<std::path::PathBuf>,
+    /// With --catch: measure this build's campaigns with these `sim` flags too (one argument,
+    /// flags apart by spaces; e.g. `--with "--cut-share 0.5"`) against its plain ones, in the
+    /// same run.
+    #[arg(long, requires = "catch", conflicts_with_all = ["baseline", "guided"], allow_hyphen_values = true)]
+    pub with: Option<String>,
     /// Measure the prefix cache's logic over a whole trace instead, on one core (no GPU needed):
     /// match, lock, device and host eviction, insert and write-through backup per request.
     #[arg(long, conflicts_with_all = ["torch_json", "campaign", "catch"])]
@@ -241,6 +246,7 @@ fn catch_plan(args: &BenchArgs) -> Result<super::bench_catch::Plan, CliError> {
         }
         None => None,
     };
+    let with = with_flags(args.with.as_deref())?;
     // Checked last, so that a build without the mutants still checks the other arguments.
     if !cfg!(feature = "mutants") {
         return Err(CliError::NotBuilt {
@@ -267,23 +273,75 @@ fn catch_plan(args: &BenchArgs) -> Result<super::bench_catch::Plan, CliError> {
         jobs,
         out_dir,
         guided,
+        with,
     })
 }
 
+/// The flags the catch bench gives every campaign itself, which `--with` may not give.
+const CATCH_OWN_FLAGS: &[&str] = &[
+    "--seeds",
+    "--seed",
+    "--mutant",
+    "--profile",
+    "--jobs",
+    "--out-dir",
+    "--no-shrink",
+    "--corpus",
+    "--keep-going",
+    "--json",
+    "--shard",
+    "--replay",
+];
+
+/// `--with`'s flags, split at spaces; refused when empty or when one is the bench's own.
+fn with_flags(with: Option<&str>) -> Result<Option<Vec<String>>, CliError> {
+    let Some(with) = with else {
+        return Ok(None);
+    };
+    let flags: Vec<String> = with.split_whitespace().map(str::to_string).collect();
+    if flags.is_empty() {
+        return Err(CliError::Arguments(
+            "--with: give the sim flags to measure, e.g. --with \"--cut-share 0.5\"".into(),
+        ));
+    }
+    if let Some(own) = flags.iter().find(|f| {
+        let name = f.split('=').next().unwrap_or(f);
+        CATCH_OWN_FLAGS.contains(&name)
+    }) {
+        return Err(CliError::Arguments(format!(
+            "--with: `{own}` is set by the catch bench for every campaign; it sets {}",
+            CATCH_OWN_FLAGS.join(", ")
+        )));
+    }
+    Ok(Some(flags))
+}
+
 /// The configurations `--catch` compares, the one compared against last: this build and
-/// `--baseline`, or this build guided by `--guided`'s corpus and plain.
+/// `--baseline`, this build guided by `--guided`'s corpus and plain, or this build with
+/// `--with`'s flags and plain.
 fn catch_configs(
     me: std::path::PathBuf,
     args: &BenchArgs,
     plan: &super::bench_catch::Plan,
 ) -> Vec<super::bench_catch::Config> {
     use super::bench_catch::Config;
+    if let Some(flags) = &plan.with {
+        return vec![
+            Config {
+                name: format!("with `{}`", flags.join(" ")),
+                args: flags.clone(),
+                ..Config::plain(me.clone(), String::new())
+            },
+            Config::plain(me, "plain".into()),
+        ];
+    }
     match &plan.guided {
         Some((file, profile)) => vec![
             Config {
                 bin: me.clone(),
                 name: format!("guided by `{}`", file.display()),
                 corpus: Some((file.clone(), profile.clone())),
+                args: Vec::new(),
             },
             Config::plain(me, "plain".into()),
         ],

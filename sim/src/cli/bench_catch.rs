@@ -51,6 +51,8 @@ pub struct Plan {
     pub out_dir: PathBuf,
     /// `--guided`: the corpus file and the profile it holds.
     pub guided: Option<(PathBuf, String)>,
+    /// `--with`: the sim flags of the configuration measured against plain campaigns.
+    pub with: Option<Vec<String>>,
 }
 
 impl Plan {
@@ -69,6 +71,8 @@ pub struct Config {
     /// How the report names it.
     pub name: String,
     pub corpus: Option<(PathBuf, String)>,
+    /// Sim flags each campaign of it is given besides the bench's own (`--with`).
+    pub args: Vec<String>,
 }
 
 impl Config {
@@ -77,6 +81,7 @@ impl Config {
             bin,
             name,
             corpus: None,
+            args: Vec::new(),
         }
     }
 }
@@ -160,21 +165,19 @@ fn campaign(
         "--no-shrink",
         "--out-dir",
     ];
-    let mut cmd = Command::new(bin);
-    super::bench_campaign::ends_with_this_process(&mut cmd);
-    let mut child = cmd
-        .args(args)
-        .arg(&dir)
-        .args(&corpus_args)
-        .stdin(Stdio::null())
-        .stderr(stderr)
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("{}: could not run it: {e}", bin.display()))?;
+    let mut child = spawn(bin, (&args, &dir), &corpus_args, config, stderr)?;
     let stdout = super::bench_campaign::read_stdout(&mut child, STDOUT_BYTES_MAX);
     let (code, cpu_s) = wait_measured(child.id())?;
     let text = String::from_utf8_lossy(&stdout);
-    let what = || format!("{} {} {}", bin.display(), args.join(" "), dir.display());
+    let extra = config.args.join(" ");
+    let what = || {
+        format!(
+            "{} {} {} {extra}",
+            bin.display(),
+            args.join(" "),
+            dir.display()
+        )
+    };
     match (code, caught_at(&text)) {
         (Some(1), Some(seed)) if (seeds.0..seeds.1).contains(&seed) || guided => {
             let own = cpu_to_catch(&text);
@@ -197,6 +200,28 @@ fn campaign(
         }),
         _ => Err(no_outcome(&what(), code, &stderr_path)),
     }
+}
+
+/// Starts `bin` with `args` and the folder `dir` after them, then `corpus_args` and `config`'s
+/// own flags, its stdout piped and its stderr to `stderr`, ended with this process.
+fn spawn(
+    bin: &Path,
+    (args, dir): (&[&str], &Path),
+    corpus_args: &[String],
+    config: &Config,
+    stderr: std::fs::File,
+) -> Result<std::process::Child, String> {
+    let mut cmd = Command::new(bin);
+    super::bench_campaign::ends_with_this_process(&mut cmd);
+    cmd.args(args)
+        .arg(dir)
+        .args(corpus_args)
+        .args(&config.args)
+        .stdin(Stdio::null())
+        .stderr(stderr)
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{}: could not run it: {e}", bin.display()))
 }
 
 /// Why a campaign `what` that ended with `code` has no outcome: the last line of its stderr.
@@ -526,6 +551,7 @@ mod tests {
             jobs: 2,
             out_dir: PathBuf::from("x"),
             guided: None,
+            with: None,
         };
         let c = |cpu_s: f64| Catch {
             seeds: Some(1),

@@ -67,6 +67,15 @@ pub struct SimArgs {
     /// draws it (half the seeds; never under `pd`). Mutants of the overlap (zoo 18, 28) need it on.
     #[arg(long, value_parser = ["on", "off"], conflicts_with = "replay")]
     pub overlap: Option<String>,
+    /// Cut each seed's drawn workload to its first N requests by arrival, every other draw of
+    /// the seed kept (a smaller, cheaper run of the same configuration, faults and schedule).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "replay")]
+    pub requests_max: Option<u32>,
+    /// Cut a share of the seeds (0 to 1; which ones, drawn from each seed) to their first 1 to 8
+    /// requests, the others whole: a swarm over workload sizes too. A failure's replay command
+    /// names its seed's cut.
+    #[arg(long, value_parser = cut_share, conflicts_with_all = ["replay", "requests_max"])]
+    pub cut_share: Option<f64>,
     /// Replay a saved scenario (e.g. a shrunk reproduction). `--mutant` replaces the file's.
     #[arg(long, conflicts_with_all = ["seeds", "shard", "profile", "jobs", "mooncake"])]
     pub replay: Option<PathBuf>,
@@ -173,12 +182,20 @@ enum Origin {
     File(PathBuf),
 }
 
+/// `--cut-share`'s value: a share in [0, 1].
+fn cut_share(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("{v:?} is not a share: give a number from 0 to 1")),
+    }
+}
+
 /// The one-line command that replays `sc`'s seed (with `--overlap` when the scenario's engine
-/// mode is not the one its seed draws).
+/// mode is not the one its seed draws, and `--requests-max` when its workload was cut).
 pub fn replay_command(sc: &Scenario) -> String {
     let drawn = crate::scenario::draws_overlap(sc.seed, &sc.profile);
     format!(
-        "cargo run --release -p tierkv-sim{} -- sim --seed {} --profile {}{}{}",
+        "cargo run --release -p tierkv-sim{} -- sim --seed {} --profile {}{}{}{}",
         features(sc),
         sc.seed,
         sc.profile,
@@ -190,6 +207,10 @@ pub fn replay_command(sc: &Scenario) -> String {
             (true, false) => " --overlap on",
             (false, true) => " --overlap off",
             _ => "",
+        },
+        match sc.requests_max {
+            0 => String::new(),
+            n => format!(" --requests-max {n}"),
         }
     )
 }
@@ -627,17 +648,7 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, CliError> {
             "--mooncake gives the trace of `--profile trace`; add it, or drop --mooncake".into(),
         ));
     }
-    if args.schedules == 0 || args.schedules > SCHEDULES_MAX {
-        return Err(CliError::Arguments(format!(
-            "--schedules {}: give 1..={SCHEDULES_MAX} schedules per seed",
-            args.schedules
-        )));
-    }
-    if args.schedule.is_some() && args.seed.is_none() && args.replay.is_none() {
-        return Err(CliError::Arguments(
-            "--schedule replays a schedule of one scenario: add --seed or --replay".into(),
-        ));
-    }
+    check_schedules(args)?;
     let (first, end) = args.seeds.unwrap_or((0, DEFAULT_SEEDS));
     let seeds = SeedSet::new(first, end, args.shard);
     if seeds.is_empty() && args.seed.is_none() && args.replay.is_none() {
@@ -662,7 +673,25 @@ fn setup(args: &SimArgs) -> Result<CampaignOptions, CliError> {
         exhaustive: args.exhaustive,
         corpus: read_corpus(args)?,
         branches: args.branches,
+        requests_max: args.requests_max,
+        cut_share: args.cut_share,
     })
+}
+
+/// `--schedules`' count, and `--schedule` only with one scenario.
+fn check_schedules(args: &SimArgs) -> Result<(), CliError> {
+    if args.schedules == 0 || args.schedules > SCHEDULES_MAX {
+        return Err(CliError::Arguments(format!(
+            "--schedules {}: give 1..={SCHEDULES_MAX} schedules per seed",
+            args.schedules
+        )));
+    }
+    if args.schedule.is_some() && args.seed.is_none() && args.replay.is_none() {
+        return Err(CliError::Arguments(
+            "--schedule replays a schedule of one scenario: add --seed or --replay".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The flags of a campaign refused with one run (`--seed`, `--replay`) and those of one run
@@ -1163,6 +1192,8 @@ fn vllm_unsupported(args: &SimArgs) -> Option<&'static str> {
         ("--save-scenario", args.save_scenario.is_some()),
         ("--mooncake", args.mooncake.is_some()),
         ("--overlap", args.overlap.is_some()),
+        ("--requests-max", args.requests_max.is_some()),
+        ("--cut-share", args.cut_share.is_some()),
         ("--check-determinism", args.check_determinism),
         ("--exhaustive", args.exhaustive),
         ("--coverage", args.coverage),

@@ -70,6 +70,8 @@ pub fn zoo_row(
         exhaustive: false,
         corpus: None,
         branches: 0,
+        requests_max: None,
+        cut_share: None,
     };
     let s = run_campaign(&opts, |_| {})?;
     let first = s.failures.first().cloned();

@@ -3,6 +3,7 @@
 
 mod bad_inputs;
 mod corpus;
+mod cut;
 mod driver_faults;
 mod independence;
 mod offload;
@@ -30,6 +31,8 @@ fn campaign(profile: &str, first: u64, end: u64) -> CampaignOptions {
         exhaustive: false,
         corpus: None,
         branches: 0,
+        requests_max: None,
+        cut_share: None,
     }
 }
 
