@@ -401,6 +401,10 @@ fn a_weight_update_leaves_the_old_weights_kv_unmatched() {
     ));
     e.update_weights(max).expect("the largest version");
     assert_eq!(e.weights(), max);
+    // A prefix key's first word holds the version in its top 16 bits, above the token id: 2^16
+    // would wrap to version 0's keys, so it is refused however the limit is computed.
+    assert!(e.update_weights(65_536).is_err(), "a version past 16 bits");
+    assert_eq!(max, 65_535);
 }
 
 /// The pool sizes the metrics export from the first step on are the configured ones: the

@@ -1,6 +1,7 @@
 //! Integration tests of the engine through its public entry points, on the in-order CPU device.
 
 mod architecture;
+mod cache_locks;
 mod cache_model;
 mod config_docs;
 mod cpu_device;
