@@ -817,4 +817,18 @@ mod tests {
     fn a_load_is_named_by_its_number() {
         assert_eq!(LoadId(42).to_string(), "load42");
     }
+
+    /// A transfer's state is its worst event's: a failure over anything, then pending.
+    #[test]
+    fn the_worse_of_two_event_states() {
+        use EventState::*;
+        let all = [Done, Pending, Failed];
+        let rank = |s: EventState| all.iter().position(|&x| x == s).expect("a state");
+        for a in all {
+            for b in all {
+                let want = all[rank(a).max(rank(b))];
+                assert_eq!(worse(a, b), want, "{a:?} and {b:?}");
+            }
+        }
+    }
 }

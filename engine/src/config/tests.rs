@@ -473,3 +473,37 @@ fn a_host_tier_of_no_more_pages_than_the_device_is_refused() {
         assert!(e.to_string().contains(field), "{e}");
     }
 }
+
+/// The documentation's lines break at spaces, at most `width` characters each, and a line one
+/// character too long for the next word breaks there.
+#[test]
+fn wrap_breaks_lines_at_the_width() {
+    assert_eq!(wrap("aaa bbb ccc", 7), ["aaa bbb", "ccc"]);
+    assert_eq!(wrap("aaa bbbb", 7), ["aaa", "bbbb"]);
+    assert_eq!(
+        wrap("aaaaaaaaa b", 7),
+        ["aaaaaaaaa", "b"],
+        "a long word keeps its line"
+    );
+    assert_eq!(wrap("", 7), [""]);
+}
+
+/// A value of the wrong type is named in the refusal by what it is.
+#[test]
+fn a_wrong_type_names_what_was_found() {
+    for (text, found) in [
+        ("preset = 3", "the number 3"),
+        ("preset = true", "the boolean true"),
+        ("preset = [1]", "an array"),
+        ("preset = { a = 1 }", "a table"),
+    ] {
+        let e = Config::from_toml(text).expect_err(text).to_string();
+        assert!(e.contains(&format!("found {found}")), "{text}: {e}");
+    }
+    let json: Value = serde_json::from_str(r#"{"preset": null}"#).expect("JSON");
+    let e = Config::from_value(&json).expect_err("null").to_string();
+    assert!(e.contains("found null"), "{e}");
+    let json: Value = serde_json::from_str(r#""sim-small""#).expect("JSON");
+    let e = Config::from_value(&json).expect_err("a string").to_string();
+    assert!(e.contains(r#"found the string "sim-small""#), "{e}");
+}
