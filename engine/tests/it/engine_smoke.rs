@@ -13,6 +13,16 @@ fn engine(cfg: Config, options: EngineOptions) -> Engine<InOrderDevice, ManualCl
     Engine::new(cfg, InOrderDevice::new(), ManualClock::default(), options).unwrap()
 }
 
+/// The tokens generated in `out`, in order.
+fn tokens_of(out: &[Output]) -> Vec<u32> {
+    out.iter()
+        .filter_map(|o| match o {
+            Output::Token { token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect()
+}
+
 fn run_to_idle(e: &mut Engine<InOrderDevice, ManualClock>) -> Vec<Output> {
     let mut out = Vec::new();
     for _ in 0..10_000 {
@@ -269,32 +279,44 @@ fn write_back_eviction_keeps_the_prefix_on_the_host() {
     // 4 full pages and a part: all 4 can be matched again.
     let spec = || RequestSpec {
         prompt: prompt(&s, 256, 32, 1),
-        max_new_tokens: 1,
+        max_new_tokens: 4,
     };
     e.submit(spec()).unwrap();
-    run_to_idle(&mut e);
+    let computed = tokens_of(&run_to_idle(&mut e));
     assert_eq!(e.metrics.backups, 0, "write-back backs up only on eviction");
     // Hand every page back; a leaf goes once its backup landed, then its parent is a leaf.
-    for _ in 0..16 {
-        if e.metrics.device_pages_used == 0 {
-            break;
+    let evict_all = |e: &mut Engine<InOrderDevice, ManualClock>| {
+        for _ in 0..16 {
+            if e.metrics.device_pages_used == 0 {
+                break;
+            }
+            e.evict_device(4).unwrap();
+            run_to_idle(e);
         }
-        e.evict_device(4).unwrap();
-        run_to_idle(&mut e);
-    }
-    assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
+        assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
+    };
+    evict_all(&mut e);
     assert!(e.metrics.backups > 0);
     assert_eq!(
         e.metrics.host_tokens_used,
         4 * 64,
         "the 4 pages, on the host"
     );
+    // Another prompt of the same length takes the freed device pages (the most recently freed
+    // first) and writes its own rows into them, so that a load must bring the prefix's back.
+    e.submit(RequestSpec {
+        prompt: prompt(&s, 0, 288, 2),
+        max_new_tokens: 1,
+    })
+    .unwrap();
+    run_to_idle(&mut e);
+    evict_all(&mut e);
     let (device_hits, host_hits) = (
         e.metrics.prefix_pages_device_hit,
         e.metrics.prefix_pages_host_hit,
     );
     e.submit(spec()).unwrap();
-    run_to_idle(&mut e);
+    let loaded = tokens_of(&run_to_idle(&mut e));
     assert_eq!(
         (
             e.metrics.prefix_pages_device_hit - device_hits,
@@ -304,6 +326,9 @@ fn write_back_eviction_keeps_the_prefix_on_the_host() {
         "the prefix was kept on the host: {:?}",
         e.metrics
     );
+    // Both caches of every layer came back: what the loaded prefix's KV and index-K give is
+    // what computing them gave.
+    assert_eq!(loaded, computed, "the tokens after a load from the host");
 }
 
 /// Under write-back, a page whose backup cannot be issued (here the host tier refuses every
@@ -349,14 +374,6 @@ fn a_weight_update_leaves_the_old_weights_kv_unmatched() {
     let spec = || RequestSpec {
         prompt: prompt(&s, 256, 40, 1),
         max_new_tokens: 4,
-    };
-    let tokens_of = |out: &[Output]| -> Vec<u32> {
-        out.iter()
-            .filter_map(|o| match o {
-                Output::Token { token, .. } => Some(*token),
-                _ => None,
-            })
-            .collect()
     };
     e.submit(spec()).unwrap();
     assert_eq!(
