@@ -30,7 +30,7 @@ def main(out):
     setup = time.perf_counter() - t0
     stream = torch.cuda.current_stream().cuda_stream
     rec = lambda **kw: (print(json.dumps(kw)), out.write(json.dumps(kw) + "\n"))
-    rec(what="setup", host_gib=tier.host_bytes / 2**30, seconds=setup)
+    rec(what="setup", host_gib=tier.host_bytes / 2**30, seconds=setup, copy_path=tier.copy_path)
     rng = np.random.default_rng(0)
     job = 0
     for n in (1000, 100):

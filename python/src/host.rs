@@ -403,6 +403,21 @@ impl HostTier {
     }
 
     /// Page copies asked for, and the runs they were coalesced into, since construction.
+    /// How a batch of small scattered copies moves: "kernel" (one `copy_list` launch),
+    /// "copy engines: WHY" where that kernel could not be compiled or loaded, or "host" (CPU
+    /// caches, no GPU).
+    #[getter]
+    fn copy_path(&self) -> String {
+        match &self.backend {
+            Backend::Host(_) => "host".into(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(t) => match lock(t).driver().copy_path() {
+                Ok(()) => "kernel".into(),
+                Err(why) => format!("copy engines: {why}"),
+            },
+        }
+    }
+
     #[getter]
     fn copies(&self) -> (u64, u64) {
         (self.pages, self.runs)

@@ -57,6 +57,8 @@ def test_random_mappings_both_ways_match_a_torch_reference(blocks_per_chunk):
     kv, ik = caches(blocks, 1)
     tier = tierkv.HostTier([kv, ik], GROUPS, FORMATS, blocks_per_chunk, chunks)
     assert tier.backend == "cuda"
+    # The copy kernel compiled at registration: batches of small copies are one launch.
+    assert tier.copy_path == "kernel", tier.copy_path
     host = [torch.zeros((chunks * blocks_per_chunk, KV), dtype=torch.int8), torch.zeros((chunks * blocks_per_chunk, IK), dtype=torch.int8)]
     for job in range(60):
         # Up to 40 scattered blocks: jobs of fewer than 16 page copies go to the copy engines,

@@ -38,6 +38,7 @@ def test_random_mappings_both_ways_leave_the_source_unchanged_and_the_destinatio
     refs = [(0, KV), (1, IK)]
     tier = tierkv.HostTier([kv, ik], [(64, refs)], FORMATS, blocks_per_chunk, chunks)
     assert tier.host_bytes == chunks * blocks_per_chunk * (KV + IK)
+    assert (tier.backend, tier.copy_path) == ("host", "host")
     # Reference host tier: per array, chunks of blocks_per_chunk pages.
     host = [np.zeros((chunks * blocks_per_chunk, KV), np.int8), np.zeros((chunks * blocks_per_chunk, IK), np.int8)]
     for job in range(40):

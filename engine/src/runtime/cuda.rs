@@ -155,9 +155,10 @@ pub struct CudaDriver {
     mems: MemTable<Alloc>,
     events: Vec<CudaEvent>,
     /// `copy_list` (`page_copy.cu`), compiled on the first batch large enough for it (a
-    /// copies-only driver's when it is made): `None` before, `Some(None)` where it could not be compiled or loaded (the batch then goes to the
-    /// copy engines).
-    copy_kernel: Option<Option<CudaFunction>>,
+    /// copies-only driver's when it is made): `None` before, `Some(Err(why))` where it could
+    /// not be compiled or loaded (the batches then go to the copy engines; `copy_path` says
+    /// why).
+    copy_kernel: Option<Result<CudaFunction, String>>,
     /// Pinned staging for `copy_list`'s copy lists, used in turn (up to [`COPY_LISTS_MAX`] of
     /// [`KERNEL_SLICE_COPIES`] entries, made as needed), each with the event recorded after its
     /// upload: the host reuses one only after that event. An upload from pageable memory may
@@ -371,12 +372,30 @@ impl CudaDriver {
                 .find(|s| s.file == "page_copy.cu")
                 .expect("page_copy.cu is a kernel source");
             let loaded = tierkv_kernels::cuda::compile(src)
-                .ok()
-                .and_then(|ptx| self.ctx.load_module(ptx).ok())
-                .and_then(|m| m.load_function("copy_list").ok());
+                .map_err(|e| format!("page_copy.cu did not compile: {e}"))
+                .and_then(|ptx| {
+                    (self.ctx.load_module(ptx))
+                        .map_err(|e| format!("page_copy.cu's module did not load: {e:?}"))
+                })
+                .and_then(|m| {
+                    m.load_function("copy_list")
+                        .map_err(|e| format!("copy_list did not load: {e:?}"))
+                });
             self.copy_kernel = Some(loaded);
         }
-        self.copy_kernel.as_ref().and_then(|f| f.as_ref())
+        self.copy_kernel.as_ref().and_then(|f| f.as_ref().ok())
+    }
+
+    /// How this driver moves a batch of copies that suits the copy kernel: `Ok(())` by
+    /// `copy_list`, or `Err(why)` by the copy engines because the kernel could not be compiled
+    /// or loaded. Compiles it if that was not tried yet.
+    pub fn copy_path(&mut self) -> Result<(), String> {
+        self.copy_kernel();
+        match &self.copy_kernel {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(why)) => Err(why.clone()),
+            None => unreachable!("copy_kernel sets it"),
+        }
     }
 
     /// `copies` as one `copy_list` launch on `s`, where every range is 16-byte aligned, the mean
