@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run 100 (kernels/GPU.md): issue 32's GPU paths changed after run 99 (`791aa8c`), at the final
 # commit: the copy kernel compiled when the worker registers its caches (`CudaDriver::copies_on`),
-# the pinned copy lists grown as needed up to 32, the top-k length test with -1. Staged by
+# the pinned copy lists grown as needed up to 32, the top-k length test with -1, and
+# `HostTier.copy_path` (the kernel, or why the copy engines). Staged by
 # bench/stage.sh; .gpu/wheels/new holds the CUDA wheel (`maturin build --release --features cuda`).
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -23,7 +24,7 @@ rows = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r.get("what") == "setup":
-        print("setup", round(r["seconds"], 3), "s,", round(r["host_gib"], 2), "GiB")
+        print("setup", round(r["seconds"], 3), "s,", round(r["host_gib"], 2), "GiB, copy path", r.get("copy_path"))
     if r.get("what") in ("tier", "one pinned copy"):
         rows[(r["what"], r["direction"], r["blocks"], r["layout"])].append(
             (round(r["gbps"], 1), round(r.get("submit_ms", 0), 2), round(r.get("gpu_ms", 0), 2), round(r["wall_ms"], 2)))
