@@ -437,3 +437,40 @@ fn the_metrics_start_with_the_configured_pool_sizes() {
     assert_eq!(e.metrics.device_pages_used, 0);
     assert_eq!(e.metrics.host_tokens_used, 0);
 }
+
+/// A weight update is refused while any work is left, and the refusal counts each kind: here a
+/// step in flight (running one step ahead), one request running and one queued.
+#[test]
+fn a_weight_update_counts_the_work_left() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.scheduler.running_requests_max = 1;
+    let options = EngineOptions {
+        overlap: true,
+        ..EngineOptions::default()
+    };
+    let mut e = engine(cfg, options);
+    let s = e.synth;
+    let spec = |stream| RequestSpec {
+        prompt: prompt(&s, 0, 100, stream),
+        max_new_tokens: 8,
+    };
+    e.submit(spec(1)).unwrap();
+    e.step().expect("step");
+    e.submit(spec(2)).unwrap();
+    let err = e.update_weights(1).expect_err("work is left");
+    assert!(
+        matches!(
+            err,
+            tierkv_engine::EngineError::NotIdle {
+                step_in_flight: 1,
+                requests: 2,
+                loads: 0,
+                exports: 0,
+                imports: 0
+            }
+        ),
+        "{err}"
+    );
+    run_to_idle(&mut e);
+    e.update_weights(1).expect("idle");
+}
