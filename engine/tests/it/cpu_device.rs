@@ -1,14 +1,15 @@
 //! The in-order CPU device's injected copy failures (`InOrderDevice::fail_next_copies`): each
 //! failed copy moves nothing and fails the next event its stream records; the count runs down,
-//! and the copies after it move their bytes.
+//! and the copies after it move their bytes. And its host accesses: pinned memory only, inside
+//! the buffer.
 
 use tierkv_engine::cpu_device::InOrderDevice;
 use tierkv_engine::device::*;
 use tierkv_engine::layout::*;
 
-#[test]
-fn injected_copy_failures_fail_their_event_and_run_out() {
-    let l = Layout::new(LayoutParams {
+/// One layer, 4 device pages and 8 host pages.
+fn layout() -> Layout {
+    Layout::new(LayoutParams {
         layers: 1,
         layer_base: 0,
         index_n_heads: 1,
@@ -18,7 +19,12 @@ fn injected_copy_failures_fail_their_event_and_run_out() {
         host_pages: 8,
         host_layout: HostLayout::LayerFirst,
     })
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn injected_copy_failures_fail_their_event_and_run_out() {
+    let l = layout();
     let kind = BufferKind::Kv;
     let mut dev = InOrderDevice::default();
     let mut buffer = |role, tier, bytes| {
@@ -91,4 +97,47 @@ fn injected_copy_failures_fail_their_event_and_run_out() {
         src[at(&hv, 2)],
         "the copy after the failures did not move its page"
     );
+}
+
+#[test]
+fn the_host_reads_and_writes_pinned_memory_only_and_inside_it() {
+    let mut dev = InOrderDevice::default();
+    let kind = BufferKind::Kv;
+    let fingerprint = layout().fingerprint(kind);
+    let pinned = (dev.alloc(BufferDesc {
+        role: BufferRole::Mirror { kind },
+        tier: MemoryTier::PinnedHost,
+        bytes: Bytes(64),
+        fingerprint,
+    }))
+    .unwrap();
+    let device = (dev.alloc(BufferDesc {
+        role: BufferRole::Pool {
+            kind,
+            layer: LayerId(0),
+        },
+        tier: MemoryTier::Device,
+        bytes: Bytes(64),
+        fingerprint,
+    }))
+    .unwrap();
+    let mut out = [0u8; 16];
+    dev.host_write(pinned, Bytes(48), &[7; 16]).expect("inside");
+    dev.host_read(pinned, Bytes(48), &mut out).expect("inside");
+    assert_eq!(out, [7; 16]);
+    for e in [
+        dev.host_read(device, Bytes(0), &mut out),
+        dev.host_write(device, Bytes(0), &out),
+    ] {
+        assert!(matches!(e, Err(DeviceError::NotHostMemory { .. })), "{e:?}");
+    }
+    for e in [
+        dev.host_read(pinned, Bytes(49), &mut out),
+        dev.host_write(pinned, Bytes(u64::MAX), &out),
+    ] {
+        assert!(
+            matches!(e, Err(DeviceError::OutOfBounds { size: 64, .. })),
+            "{e:?}"
+        );
+    }
 }
