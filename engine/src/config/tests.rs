@@ -267,6 +267,11 @@ fn each_bound_is_refused_by_its_own_rule() {
             format!("preset = \"sim-small\"\n[cache]\nhost_tokens = {host_tokens_over}"),
             "gives more than 2^32 host pages",
         ),
+        // Far fewer than 2^32 pages, but more pinned memory than the mirror's limit.
+        (
+            "preset = \"deepseek-v3.2\"\n[cache]\nhost_ratio = 1e5".to_string(),
+            "pinned host memory of the mirror",
+        ),
         // About 3 MB a page over 61 layers: 400,000 pages pass 1 TiB of device memory, while
         // the host mirror (1% larger) stays within its own limit.
         (
