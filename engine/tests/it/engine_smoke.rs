@@ -474,3 +474,25 @@ fn a_weight_update_counts_the_work_left() {
     run_to_idle(&mut e);
     e.update_weights(1).expect("idle");
 }
+
+/// Selective write-through backs a prefix up once it is matched for the second time, and not
+/// before: the first run stores it, the second matches it once, the third twice.
+#[test]
+fn selective_write_through_backs_up_on_the_second_hit() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteThroughSelective;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = || RequestSpec {
+        prompt: prompt(&s, 256, 32, 1),
+        max_new_tokens: 1,
+    };
+    let mut backups = Vec::new();
+    for _ in 0..3 {
+        e.submit(spec()).unwrap();
+        run_to_idle(&mut e);
+        backups.push(e.metrics.backups);
+    }
+    assert_eq!(backups[..2], [0, 0], "backups after each run: {backups:?}");
+    assert!(backups[2] > 0, "backups after each run: {backups:?}");
+}
