@@ -496,3 +496,27 @@ fn selective_write_through_backs_up_on_the_second_hit() {
     assert_eq!(backups[..2], [0, 0], "backups after each run: {backups:?}");
     assert!(backups[2] > 0, "backups after each run: {backups:?}");
 }
+
+/// Under write-through, a prefix's pages and an extension of it, stored by two requests
+/// submitted together, all end up on the host.
+#[test]
+fn write_through_backs_up_a_prefix_and_its_extension() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteThrough;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    for own in [0, 256] {
+        e.submit(RequestSpec {
+            prompt: prompt(&s, 256, own + 32, 1),
+            max_new_tokens: 1,
+        })
+        .unwrap();
+    }
+    run_to_idle(&mut e);
+    assert_eq!(
+        e.metrics.host_tokens_used,
+        8 * 64,
+        "every full page on the host: {:?}",
+        e.metrics
+    );
+}
