@@ -57,7 +57,7 @@ pub struct CampaignOptions {
     pub branches: u32,
     /// Cut each seed's workload to its first this many requests (`--requests-max`).
     pub requests_max: Option<u32>,
-    /// Cut this share of the seeds to their first few requests (`--cut-share`;
+    /// Cut this share of the seeds to a few requests (`--cut-share`;
     /// [`crate::scenario::drawn_cut`]).
     pub cut_share: Option<f64>,
 }

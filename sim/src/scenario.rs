@@ -56,36 +56,40 @@ impl Workload {
         self.sessions.iter().map(|s| s.turns.len()).sum::<usize>() + self.oneshots.len()
     }
 
-    /// Keeps the first `n` requests by arrival (a session arrives at its start, and all its
-    /// turns count from then; one arriving when fewer than its turns remain keeps its first
-    /// turns), and drops the rest. Ties go to sessions, then to the earlier in each list. The
-    /// kept sessions and one-shots keep their order.
+    /// Keeps `n` requests: sessions and one-shots in the order they start (a session at its
+    /// start time, a one-shot at its arrival; ties to sessions, then to the earlier in each
+    /// list), a session with all its turns, or its first turns when fewer remain; drops the
+    /// rest. Not the first `n` requests to arrive: a session's later turns arrive as its earlier
+    /// ones end, which only a run decides. The kept sessions and one-shots keep their order.
     pub fn keep_first(&mut self, n: usize) {
-        // (arrival, 0 = session / 1 = one-shot, index)
+        /// What starts: a session or a one-shot, by its index in its list.
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+        enum Start {
+            Session(usize),
+            OneShot(usize),
+        }
         let before = self.requests();
-        let mut arrivals: Vec<(u64, u8, usize)> = (self.sessions.iter().enumerate())
-            .map(|(i, s)| (s.start_ns, 0, i))
-            .chain(
-                self.oneshots
-                    .iter()
-                    .enumerate()
-                    .map(|(i, o)| (o.at_ns, 1, i)),
-            )
+        let mut starts: Vec<(u64, Start)> = (self.sessions.iter().enumerate())
+            .map(|(i, s)| (s.start_ns, Start::Session(i)))
+            .chain((self.oneshots.iter().enumerate()).map(|(i, o)| (o.at_ns, Start::OneShot(i))))
             .collect();
-        arrivals.sort_unstable();
+        starts.sort_unstable();
         let mut turns = vec![0usize; self.sessions.len()];
         let mut oneshot = vec![false; self.oneshots.len()];
         let mut left = n;
-        for (_, kind, i) in arrivals {
+        for (_, start) in starts {
             if left == 0 {
                 break;
             }
-            if kind == 0 {
-                turns[i] = self.sessions[i].turns.len().min(left);
-                left -= turns[i];
-            } else {
-                oneshot[i] = true;
-                left -= 1;
+            match start {
+                Start::Session(i) => {
+                    turns[i] = self.sessions[i].turns.len().min(left);
+                    left -= turns[i];
+                }
+                Start::OneShot(i) => {
+                    oneshot[i] = true;
+                    left -= 1;
+                }
             }
         }
         let mut kept = turns.iter();
@@ -256,8 +260,8 @@ pub struct Scenario {
     pub steps_max: u64,
     /// The mutant to switch on (bug zoo), by name.
     pub mutant: Option<String>,
-    /// The drawn workload was cut to its first this many requests (`tierkv sim
-    /// --requests-max`; [`Scenario::keep_requests`]); 0: not cut. Left out of the JSON when 0.
+    /// The drawn workload was cut to at most this many requests (`tierkv sim --requests-max`
+    /// or `--cut-share`; [`Scenario::keep_requests`]); 0: not cut. Left out of the JSON when 0.
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     pub requests_max: u32,
 }
@@ -351,10 +355,12 @@ fn steps_max(requests: u64) -> u64 {
 }
 
 impl Scenario {
-    /// Cuts the workload to its first `n` requests by arrival ([`Workload::keep_first`]; a
-    /// workload of fewer is kept whole), with the step limit of a drawn run of that many, and
-    /// records `n`. Every other draw of the seed (configuration, faults, schedule) is kept.
+    /// Cuts the workload to `n` requests in the order its sessions and one-shots start
+    /// ([`Workload::keep_first`]; a workload of fewer is kept whole), with the step limit of a
+    /// drawn run of that many, and records `n`. Every other draw of the seed (configuration,
+    /// faults, schedule) is kept. `n` is at least 1 (0 records "not cut").
     pub fn keep_requests(&mut self, n: u32) {
+        assert!(n >= 1, "a workload cut to no request");
         self.workload.keep_first(n as usize);
         self.steps_max = steps_max(self.workload.requests() as u64);
         self.requests_max = n;
@@ -448,6 +454,16 @@ impl Scenario {
             ));
         }
         self.validate_gpu()?;
+        if self.requests_max > 0 && self.workload.requests() > self.requests_max as usize {
+            return Err(bad(
+                "requests_max",
+                self.requests_max,
+                format!(
+                    "the workload holds {} requests, more than it was cut to",
+                    self.workload.requests()
+                ),
+            ));
+        }
         rate("abort_rate", self.abort_rate)?;
         rate("abort_mid_load_rate", self.abort_mid_load_rate)?;
         rate("device_pages_refused_rate", self.device_pages_refused_rate)?;
@@ -643,7 +659,7 @@ impl Scenario {
     fn cut_note(&self) -> String {
         match self.requests_max {
             0 => String::new(),
-            n => format!(" (cut to the first {n})"),
+            n => format!(" (cut to at most {n})"),
         }
     }
 
@@ -743,7 +759,7 @@ pub fn draws_overlap(seed: u64, profile: &str) -> bool {
 pub const CUT_REQUESTS_MAX: u32 = 8;
 
 /// What `--cut-share share` cuts seed `seed`'s workload to: for a share `share` of the seeds,
-/// drawn from a stream of the seed's own apart from every draw of its scenario, its first 1 to
+/// drawn from a stream of the seed's own apart from every draw of its scenario, 1 to
 /// [`CUT_REQUESTS_MAX`] requests ([`Scenario::keep_requests`]); `None`: the seed runs whole.
 pub fn drawn_cut(seed: u64, share: f64) -> Option<u32> {
     let mut r = Rng::new(seed).fork(9);

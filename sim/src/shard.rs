@@ -568,6 +568,33 @@ impl ShardResult {
         Ok(())
     }
 
+    /// The cut of its seeds' workloads: a request count of at least 1, a share in [0, 1], not
+    /// both (the campaign's own flags refuse the same).
+    fn check_cut(
+        &self,
+        inconsistent: &dyn Fn(&'static str, String) -> MergeError,
+    ) -> Result<(), MergeError> {
+        if self.requests_max == Some(0) {
+            return Err(inconsistent(
+                "requests-max",
+                "0 requests (at least 1)".into(),
+            ));
+        }
+        if let Some(p) = self.cut_share.filter(|p| !(0.0..=1.0).contains(p)) {
+            return Err(inconsistent(
+                "cut-share",
+                format!("{p} is not a share in [0, 1]"),
+            ));
+        }
+        if self.requests_max.is_some() && self.cut_share.is_some() {
+            return Err(inconsistent(
+                "cut",
+                "both --requests-max and --cut-share (a campaign takes one)".into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn check(&self, file: &Path) -> Result<(), MergeError> {
         let here = || file.to_path_buf();
         if self.shard_count == 0
@@ -615,6 +642,7 @@ impl ShardResult {
                 ),
             ));
         }
+        self.check_cut(&inconsistent)?;
         let names = all_names();
         if let Some(p) = self.coverage.keys().find(|p| !names.contains(&p.as_str())) {
             return Err(MergeError::UnknownProbe {
@@ -1191,6 +1219,14 @@ mod tests {
         assert_eq!(what(bad(|r| r.schedules = 0)), "schedules");
         assert_eq!(what(bad(|r| r.profile = "nope".into())), "profile");
         assert_eq!(what(bad(|r| r.mutant = Some("nope".into()))), "mutant");
+        assert_eq!(what(bad(|r| r.requests_max = Some(0))), "requests-max");
+        assert_eq!(what(bad(|r| r.cut_share = Some(7.5))), "cut-share");
+        assert_eq!(what(bad(|r| r.cut_share = Some(-1.0))), "cut-share");
+        let both = |r: &mut ShardResult| {
+            r.requests_max = Some(3);
+            r.cut_share = Some(0.5);
+        };
+        assert_eq!(what(bad(both)), "cut");
         let mut zoo = result(1, &[3]);
         zoo.mutant = Some("ungated-index-k-read".into());
         let text = serde_json::to_string(&zoo).unwrap();

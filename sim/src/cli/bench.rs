@@ -277,24 +277,24 @@ fn catch_plan(args: &BenchArgs) -> Result<super::bench_catch::Plan, CliError> {
     })
 }
 
-/// The flags the catch bench gives every campaign itself, which `--with` may not give.
+/// The flags the catch bench gives every campaign itself (`bench_catch::campaign`), and those
+/// that do not fit a campaign that stops at its first failure on its own seeds; `--with` may
+/// give none of them.
 const CATCH_OWN_FLAGS: &[&str] = &[
     "--seeds",
-    "--seed",
     "--mutant",
     "--profile",
     "--jobs",
     "--out-dir",
     "--no-shrink",
     "--corpus",
-    "--keep-going",
-    "--json",
-    "--shard",
-    "--replay",
 ];
+const CATCH_UNFIT_FLAGS: &[&str] = &["--seed", "--keep-going", "--json", "--shard", "--replay"];
 
-/// `--with`'s flags, split at spaces; refused when empty or when one is the bench's own.
+/// `--with`'s flags, split at spaces; refused when empty, when a flag is not one of `sim`'s, or
+/// when it is one the bench sets or one that does not fit its campaigns.
 fn with_flags(with: Option<&str>) -> Result<Option<Vec<String>>, CliError> {
+    use clap::Args;
     let Some(with) = with else {
         return Ok(None);
     };
@@ -304,14 +304,28 @@ fn with_flags(with: Option<&str>) -> Result<Option<Vec<String>>, CliError> {
             "--with: give the sim flags to measure, e.g. --with \"--cut-share 0.5\"".into(),
         ));
     }
-    if let Some(own) = flags.iter().find(|f| {
+    let sim = super::sim::SimArgs::augment_args(clap::Command::new("sim"));
+    let known: Vec<String> = (sim.get_arguments())
+        .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+        .collect();
+    for f in flags.iter().filter(|f| f.starts_with('-')) {
         let name = f.split('=').next().unwrap_or(f);
-        CATCH_OWN_FLAGS.contains(&name)
-    }) {
-        return Err(CliError::Arguments(format!(
-            "--with: `{own}` is set by the catch bench for every campaign; it sets {}",
-            CATCH_OWN_FLAGS.join(", ")
-        )));
+        let why = if CATCH_OWN_FLAGS.contains(&name) {
+            format!(
+                "the catch bench sets it for every campaign ({})",
+                CATCH_OWN_FLAGS.join(", ")
+            )
+        } else if CATCH_UNFIT_FLAGS.contains(&name) {
+            format!(
+                "a catch campaign runs its own seeds and stops at its first failure, so it takes none of {}",
+                CATCH_UNFIT_FLAGS.join(", ")
+            )
+        } else if !known.iter().any(|k| k == name) {
+            "it is not a flag of `tierkv sim` (`tierkv sim --help`)".to_string()
+        } else {
+            continue;
+        };
+        return Err(CliError::Arguments(format!("--with: `{f}`: {why}")));
     }
     Ok(Some(flags))
 }

@@ -67,11 +67,12 @@ pub struct SimArgs {
     /// draws it (half the seeds; never under `pd`). Mutants of the overlap (zoo 18, 28) need it on.
     #[arg(long, value_parser = ["on", "off"], conflicts_with = "replay")]
     pub overlap: Option<String>,
-    /// Cut each seed's drawn workload to its first N requests by arrival, every other draw of
-    /// the seed kept (a smaller, cheaper run of the same configuration, faults and schedule).
+    /// Cut each seed's drawn workload to N requests (its sessions and one-shots in the order
+    /// they start, a session with its first turns), every other draw of the seed kept (a
+    /// smaller, cheaper run of the same configuration, faults and schedule).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "replay")]
     pub requests_max: Option<u32>,
-    /// Cut a share of the seeds (0 to 1; which ones, drawn from each seed) to their first 1 to 8
+    /// Cut a share of the seeds (0 to 1; which ones, drawn from each seed) to 1 to 8
     /// requests, the others whole: a swarm over workload sizes too. A failure's replay command
     /// names its seed's cut.
     #[arg(long, value_parser = cut_share, conflicts_with_all = ["replay", "requests_max"])]
