@@ -454,16 +454,6 @@ impl Scenario {
             ));
         }
         self.validate_gpu()?;
-        if self.requests_max > 0 && self.workload.requests() > self.requests_max as usize {
-            return Err(bad(
-                "requests_max",
-                self.requests_max,
-                format!(
-                    "the workload holds {} requests, more than it was cut to",
-                    self.workload.requests()
-                ),
-            ));
-        }
         rate("abort_rate", self.abort_rate)?;
         rate("abort_mid_load_rate", self.abort_mid_load_rate)?;
         rate("device_pages_refused_rate", self.device_pages_refused_rate)?;
@@ -603,6 +593,16 @@ impl Scenario {
     /// Sessions and one-shots: counts, times, and token counts a request of this configuration
     /// can have.
     fn validate_workload(&self, cfg: &Config) -> Result<(), ScenarioError> {
+        if self.requests_max > 0 && self.workload.requests() > self.requests_max as usize {
+            return Err(bad(
+                "requests_max",
+                self.requests_max,
+                format!(
+                    "the workload holds {} requests, more than it was cut to",
+                    self.workload.requests()
+                ),
+            ));
+        }
         let w = &self.workload;
         let ctx = cfg.model.context_tokens_max;
         // A request may ask for more than the engine serves (the engine must refuse it), but

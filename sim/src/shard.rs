@@ -568,12 +568,22 @@ impl ShardResult {
         Ok(())
     }
 
-    /// The cut of its seeds' workloads: a request count of at least 1, a share in [0, 1], not
-    /// both (the campaign's own flags refuse the same).
-    fn check_cut(
+    /// The campaign's schedules a seed, and the cut of its seeds' workloads: a request count of
+    /// at least 1, a share in [0, 1], not both (the campaign's own flags refuse the same).
+    fn check_options(
         &self,
         inconsistent: &dyn Fn(&'static str, String) -> MergeError,
     ) -> Result<(), MergeError> {
+        if self.schedules == 0 || self.schedules > crate::campaign::SCHEDULES_MAX {
+            return Err(inconsistent(
+                "schedules",
+                format!(
+                    "{} schedules per seed (a campaign runs 1..={})",
+                    self.schedules,
+                    crate::campaign::SCHEDULES_MAX
+                ),
+            ));
+        }
         if self.requests_max == Some(0) {
             return Err(inconsistent(
                 "requests-max",
@@ -632,17 +642,7 @@ impl ShardResult {
                 ));
             }
         }
-        if self.schedules == 0 || self.schedules > crate::campaign::SCHEDULES_MAX {
-            return Err(inconsistent(
-                "schedules",
-                format!(
-                    "{} schedules per seed (a campaign runs 1..={})",
-                    self.schedules,
-                    crate::campaign::SCHEDULES_MAX
-                ),
-            ));
-        }
-        self.check_cut(&inconsistent)?;
+        self.check_options(&inconsistent)?;
         let names = all_names();
         if let Some(p) = self.coverage.keys().find(|p| !names.contains(&p.as_str())) {
             return Err(MergeError::UnknownProbe {
