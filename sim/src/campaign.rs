@@ -55,7 +55,8 @@ pub struct CampaignOptions {
     pub corpus: Option<Arc<Mutex<Corpus>>>,
     /// Runs branched from the corpus before each fresh seed (`--branches`).
     pub branches: u32,
-    /// Cut each seed's workload to its first this many requests (`--requests-max`).
+    /// Cut each seed's workload to this many requests (`--requests-max`;
+    /// [`Scenario::keep_requests`]).
     pub requests_max: Option<u32>,
     /// Cut this share of the seeds to a few requests (`--cut-share`;
     /// [`crate::scenario::drawn_cut`]).

@@ -358,7 +358,7 @@ impl Scenario {
     /// Cuts the workload to `n` requests in the order its sessions and one-shots start
     /// ([`Workload::keep_first`]; a workload of fewer is kept whole), with the step limit of a
     /// drawn run of that many, and records `n`. Every other draw of the seed (configuration,
-    /// faults, schedule) is kept. `n` is at least 1 (0 records "not cut").
+    /// faults, schedule policy) is kept. `n` is at least 1 (0 records "not cut").
     pub fn keep_requests(&mut self, n: u32) {
         assert!(n >= 1, "a workload cut to no request");
         self.workload.keep_first(n as usize);

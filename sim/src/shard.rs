@@ -138,12 +138,12 @@ pub struct ShardResult {
     /// (Left out of the JSON when drawn, so that files from before it still read.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overlap: Option<bool>,
-    /// `--requests-max`: each seed's workload cut to its first this many requests. (Left out of
-    /// the JSON when not cut.)
+    /// `--requests-max`: each seed's workload cut to this many requests. (Left out of the JSON
+    /// when not cut.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requests_max: Option<u32>,
-    /// `--cut-share`: this share of the seeds cut to their first few requests. (Left out of the
-    /// JSON when none is.)
+    /// `--cut-share`: this share of the seeds cut to a few requests. (Left out of the JSON when
+    /// none is.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cut_share: Option<f64>,
     /// The campaign's seed range, `first..end`.

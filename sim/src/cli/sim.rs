@@ -69,7 +69,7 @@ pub struct SimArgs {
     pub overlap: Option<String>,
     /// Cut each seed's drawn workload to N requests (its sessions and one-shots in the order
     /// they start, a session with its first turns), every other draw of the seed kept (a
-    /// smaller, cheaper run of the same configuration, faults and schedule).
+    /// smaller, cheaper run of the same configuration, faults and schedule policy).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "replay")]
     pub requests_max: Option<u32>,
     /// Cut a share of the seeds (0 to 1; which ones, drawn from each seed) to 1 to 8
