@@ -2,6 +2,8 @@
 # Mutation testing of engine/src with cargo-mutants, one shard at a time, in two stages.
 #
 #   bench/mutants.sh SHARD [OUT]      e.g. bench/mutants.sh 0/8 target/mutants/shard-0
+#   MUTANTS_DONE=FILE bench/mutants.sh SHARD [OUT]   the shard taken up again: stage 1 skips the
+#                                    mutants FILE names (one a line, as cargo-mutants lists them)
 #
 # Stage 1 tests every mutant of the shard with the engine's own tests (its unit tests and
 # engine/tests/it): a mutant there takes about 10 s on a 2-core box. Stage 2 takes the mutants
@@ -30,16 +32,32 @@ shard=${1:?usage: bench/mutants.sh SHARD [OUT], e.g. 0/8}
 out=${2:-target/mutants/shard-${shard%/*}}
 cd "$(dirname "$0")/.."
 mkdir -p "$out/stage1" "$out/stage2" # cargo-mutants makes no parent folders
+files=(-p tierkv-engine -e engine/src/runtime/cuda.rs -e engine/src/runtime/nccl.rs)
+# One `--re '^NAME$'` per name on stdin, the name's regex characters escaped, into `re`.
+names_re() {
+    re=()
+    local n
+    while IFS= read -r n; do
+        re+=(--re "^$(printf '%s' "$n" | sed 's/[][\\.^$*+?(){}|]/\\&/g')\$")
+    done
+}
 # cargo-mutants exits non-zero when a mutant survives; that is a result, not a failure here.
-cargo mutants -p tierkv-engine -e engine/src/runtime/cuda.rs -e engine/src/runtime/nccl.rs \
-    --shard "$shard" --sharding round-robin --build-timeout 900 -o "$out/stage1" \
-    --test-package tierkv-engine --timeout 120 || true
-# One `--re '^NAME$'` per missed mutant, the name's regex characters escaped.
-mapfile -t names < "$out/stage1/mutants.out/missed.txt"
-re=()
-for n in "${names[@]}"; do
-    re+=(--re "^$(printf '%s' "$n" | sed 's/[][\\.^$*+?(){}|]/\\&/g')\$")
-done
+if [ -n "${MUTANTS_DONE:-}" ]; then
+    # A shard taken up again: MUTANTS_DONE names a file of the mutants an earlier stage 1 of
+    # this shard already tested (its caught, missed, timeout and unviable lists together);
+    # stage 1 tests the rest of the shard by name. Its results hold only those.
+    [ -f "$MUTANTS_DONE" ] || { echo "mutants.sh: MUTANTS_DONE=$MUTANTS_DONE is not a file" >&2; exit 2; }
+    names_re < <(comm -23 <(cargo mutants "${files[@]}" --shard "$shard" --sharding round-robin --list | sort -u) \
+        <(sort -u "$MUTANTS_DONE"))
+    [ ${#re[@]} -gt 0 ] || { echo "mutants.sh: nothing left of shard $shard" >&2; exit 2; }
+    cargo mutants "${files[@]}" "${re[@]}" --build-timeout 900 -o "$out/stage1" \
+        --test-package tierkv-engine --timeout 120 || true
+else
+    cargo mutants "${files[@]}" --shard "$shard" --sharding round-robin --build-timeout 900 \
+        -o "$out/stage1" --test-package tierkv-engine --timeout 120 || true
+fi
+# Stage 2 takes stage 1's missed mutants by name.
+names_re < "$out/stage1/mutants.out/missed.txt"
 if [ ${#re[@]} -gt 0 ]; then
     cargo mutants -p tierkv-engine "${re[@]}" --build-timeout 900 -o "$out/stage2" \
         --test-package tierkv-sim --timeout 300 \
