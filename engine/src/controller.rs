@@ -290,6 +290,8 @@ impl CacheController {
         io: &mut Io<'_, D, C, T>,
     ) -> (usize, Option<LoadAck>) {
         let slot = self.ring.next;
+        let held = self.ring.holder.iter().filter(|h| h.is_some()).count();
+        probe::watermark(probe::Watermark::LoadRingHeld, held as u64);
         self.ring.next = (slot + 1) % self.ring.holder.len();
         let mut reclaimed = None;
         if let Some(old) = self.ring.holder[slot] {
@@ -610,6 +612,7 @@ impl CacheController {
         }
         let freed = io.cache.evict_host(want, keep);
         probe::hit_if(Probe::HostEvicted, !freed.is_empty());
+        probe::watermark(probe::Watermark::HostPagesEvictedAtOnce, freed.len() as u64);
         io.pools.host_pages.free(&freed);
         io.pools.host_pages.alloc(n)
     }

@@ -454,6 +454,7 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             }
         }
         if r.is_ok() {
+            probe::watermark(probe::Watermark::QueuedTokens, self.sched.queued_tokens());
             self.refresh_gauges();
         }
         r
@@ -468,6 +469,10 @@ impl<D: Device, C: Clock, T: Transfer> Engine<D, C, T> {
             return false;
         };
         probe::hit_if(Probe::AbortMidBackup, self.ctl.backups_in_flight() > 0);
+        probe::watermark(
+            probe::Watermark::LoadsInFlightAtAbort,
+            self.ctl.loads_in_flight() as u64,
+        );
         probe::hit_if(Probe::AbortQueued, req.state == RequestState::Queued);
         if req.state == RequestState::Running {
             probe::hit(Probe::AbortRunning);

@@ -49,6 +49,70 @@ pub fn first_hits() -> BTreeMap<&'static str, u64> {
     FIRST.with(|f| f.borrow().clone())
 }
 
+/// A numeric watermark: a quantity whose highest values a campaign should reach (issue 33's
+/// "numeric watermarks"). A value is counted as probes of its own, one for each power of two
+/// up to it (`mark.NAME>=1`, `>=2`, `>=4`, … up to `>=2^`[`MARK_BUCKETS`]` - 1`), so a
+/// campaign's coverage says how many seeds reached each level and a guided campaign's corpus
+/// keeps a run that reached a rare one, as it does a rare probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Watermark {
+    /// Loads in flight when a request was aborted.
+    LoadsInFlightAtAbort,
+    /// Slots of the load ring held by other loads when a load claimed one.
+    LoadRingHeld,
+    /// Prompt tokens queued once a request was accepted (`scheduler.pending_tokens_max` bounds
+    /// them).
+    QueuedTokens,
+    /// Host pages one eviction of the host tier dropped.
+    HostPagesEvictedAtOnce,
+}
+
+/// The levels of a watermark: powers of two from 1 to 2^(MARK_BUCKETS - 1).
+pub const MARK_BUCKETS: usize = 24;
+
+impl Watermark {
+    pub const ALL: [Watermark; 4] = [
+        Watermark::LoadsInFlightAtAbort,
+        Watermark::LoadRingHeld,
+        Watermark::QueuedTokens,
+        Watermark::HostPagesEvictedAtOnce,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Watermark::LoadsInFlightAtAbort => "abort.loads_in_flight",
+            Watermark::LoadRingHeld => "load.ring_held",
+            Watermark::QueuedTokens => "intake.queued_tokens",
+            Watermark::HostPagesEvictedAtOnce => "host.pages_evicted_at_once",
+        }
+    }
+
+    /// The probe name of level `k` (values of at least 2^k).
+    pub fn level_name(self, k: usize) -> &'static str {
+        static NAMES: std::sync::OnceLock<Vec<Vec<&'static str>>> = std::sync::OnceLock::new();
+        let names = NAMES.get_or_init(|| {
+            (Watermark::ALL.iter())
+                .map(|w| {
+                    (0..MARK_BUCKETS)
+                        .map(|k| -> &'static str {
+                            Box::leak(format!("mark.{}>={}", w.name(), 1u64 << k).into_boxed_str())
+                        })
+                        .collect()
+                })
+                .collect()
+        });
+        names[self as usize][k]
+    }
+}
+
+/// Counts `value` of `w`: a hit of each of its levels up to `value` (none for 0).
+pub fn watermark(w: Watermark, value: u64) {
+    let levels = (u64::BITS - value.leading_zeros()) as usize;
+    for k in 0..levels.min(MARK_BUCKETS) {
+        hit_named(w.level_name(k));
+    }
+}
+
 /// Counts one hit of `p` on this thread.
 pub fn hit(p: Probe) {
     hit_named(p.name());
@@ -291,5 +355,22 @@ mod tests {
         assert_eq!(counts.get("load.issued"), Some(&2));
         assert_eq!(counts.get("load.failed"), None);
         assert!(take().is_empty());
+    }
+
+    #[test]
+    fn a_watermark_hits_every_level_up_to_its_value() {
+        take();
+        watermark(Watermark::LoadRingHeld, 0);
+        assert!(take().is_empty(), "0 reaches no level");
+        watermark(Watermark::LoadRingHeld, 5);
+        watermark(Watermark::LoadRingHeld, 1);
+        let counts = take();
+        assert_eq!(counts.get("mark.load.ring_held>=1"), Some(&2));
+        assert_eq!(counts.get("mark.load.ring_held>=2"), Some(&1));
+        assert_eq!(counts.get("mark.load.ring_held>=4"), Some(&1));
+        assert_eq!(counts.get("mark.load.ring_held>=8"), None);
+        watermark(Watermark::QueuedTokens, u64::MAX);
+        let top = format!("mark.intake.queued_tokens>={}", 1u64 << (MARK_BUCKETS - 1));
+        assert_eq!(take().len(), MARK_BUCKETS, "at most {top}");
     }
 }

@@ -354,7 +354,7 @@ impl CampaignSummary {
         );
     }
 
-    /// Determinism reruns, failing seeds and the coverage line.
+    /// Determinism reruns, failing seeds and the coverage lines (probes, then targets).
     pub fn print_checks(&self) {
         let names = self.coverage.names();
         let never = self.coverage.below(f64::MIN_POSITIVE);
@@ -379,6 +379,10 @@ impl CampaignSummary {
             } else {
                 format!("; never: {}", never.join(", "))
             }
+        );
+        println!(
+            "{}",
+            crate::targets::summary(&self.coverage.probes, self.coverage.seeds)
         );
     }
 }

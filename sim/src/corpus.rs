@@ -21,8 +21,11 @@
 //! one (sim/CAMPAIGNS.md): the zoo's slow mutants need a scenario more than an interleaving, and
 //! a branch keeps its checkpoint's scenario. It is opt-in.
 //!
-//! Not yet kept (issue 33's items 3 and 5): pairs of probes, numeric watermarks, combination
-//! targets; nor is a checkpoint's worth measured by what its branches went on to find.
+//! The probes include the targets of `targets` (happens-before pairs and combinations of a
+//! run's factors), so a rare pair or combination is kept as a probe is; a combination of two
+//! configuration factors is reached at a run's start (an empty prefix: its branches are fresh
+//! runs of the seed). Not yet kept (issue 33's items 3 and 5): numeric watermarks; nor is a
+//! checkpoint's worth measured by what its branches went on to find.
 //!
 //! The file is JSON, read and written whole; `campaign merge-corpus` combines files of one
 //! profile. What would make a file unusable is refused when it is read ([`CorpusError`]).

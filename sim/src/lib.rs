@@ -27,5 +27,6 @@ pub mod scenario;
 pub mod schedule;
 pub mod shard;
 pub mod shrink;
+pub mod targets;
 pub mod trace_out;
 pub mod undeclared;

@@ -288,7 +288,8 @@ impl Coverage {
             .collect()
     }
 
-    /// The report: one line per probe, hits and the share of seeds, the cold ones marked.
+    /// The report: one line per probe, hits and the share of seeds, the cold ones marked; then
+    /// the targets' (`targets::table`).
     pub fn table(&self) -> String {
         let mut out = format!("{:<40} {:>10} {:>8}\n", "probe", "hits", "seeds");
         for name in self.names() {
@@ -303,6 +304,6 @@ impl Coverage {
             };
             out += &format!("{name:<40} {hits:>10} {pct:>7.1}%{mark}\n");
         }
-        out
+        out + "\n" + &crate::targets::table(&self.probes, self.seeds)
     }
 }

@@ -5,9 +5,16 @@
 //! `synchronize`, completion callbacks). Those observations, and so the engine's later calls,
 //! depend on the schedule, so a race can be reported under one schedule and not under another
 //! (`tests/it/acceptance.rs` finds one only under schedules other than the scenario's own).
+//!
+//! An access ordered after a conflicting one (one of the two a write) is a happens-before pair,
+//! counted once a run under its name (`targets`): which orders of which ops a campaign has seen.
 
 use std::collections::BTreeMap;
+use std::hash::{Hash, Hasher};
 use tierkv_engine::device::{BufferId, ByteRange};
+
+use crate::fasthash::{FastHasher, FastMap};
+use crate::targets::{self, Side};
 
 /// The streams of both sides of the simulated GPU (`gpu::STREAMS`: the first engine's three,
 /// then a prefill/decode pair's decode engine's three), then the host.
@@ -30,7 +37,12 @@ pub struct Accessor {
     /// The op id (for streams) or host action number.
     pub id: u64,
     pub what: String,
+    /// The op's name (`Op::NAMES`), or the host's action (`targets::HOST_ACTIONS`).
+    pub op: &'static str,
 }
+
+/// One side of a happens-before pair: the op (or host action), the entity, whether it wrote.
+type Party = (&'static str, usize, bool);
 
 #[derive(Clone, Debug, Default)]
 struct Cell {
@@ -52,17 +64,37 @@ pub struct Race {
 #[derive(Debug, Default)]
 pub struct RaceDetector {
     cells: BTreeMap<(BufferId, u64), Cell>,
-    /// Cell size per buffer.
-    cell_bytes: BTreeMap<BufferId, u64>,
+    /// Cell size and class (`targets::buffer_class`) per buffer.
+    buffers: BTreeMap<BufferId, (u64, &'static str)>,
+    /// The happens-before pairs this run has seen (`targets`), by a hash of their parts; each
+    /// one's probe is hit at its first sight.
+    pairs: FastMap<u64, ()>,
 }
 
 impl RaceDetector {
-    pub fn register(&mut self, buf: BufferId, cell_bytes: u64) {
-        self.cell_bytes.insert(buf, cell_bytes.max(1));
+    pub fn register(&mut self, buf: BufferId, cell_bytes: u64, class: &'static str) {
+        self.buffers.insert(buf, (cell_bytes.max(1), class));
     }
 
     pub fn cell_bytes(&self, buf: BufferId) -> u64 {
-        self.cell_bytes[&buf]
+        self.buffers[&buf].0
+    }
+
+    /// Counts the pair `earlier` then `later` (each an op or host action, the entity that made
+    /// it and whether it wrote) on a buffer of `class`, ordered and one a write, at its first
+    /// sight in this run.
+    fn pair(&mut self, class: &'static str, earlier: Party, later: Party) {
+        let mut h = FastHasher::default();
+        (class, earlier, later).hash(&mut h);
+        if self.pairs.insert(h.finish(), ()).is_none() {
+            let side = |(op, entity, write): Party| Side {
+                op,
+                stream: crate::gpu::entity_name(entity),
+                write,
+            };
+            let name = targets::pair_name(class, &side(earlier), &side(later));
+            tierkv_engine::probe::hit_named(targets::intern(&name));
+        }
     }
 
     /// Checks and records one access made with clock `vc` by `who`. Returns the races found.
@@ -71,12 +103,21 @@ impl RaceDetector {
         if range.is_empty() {
             return races;
         }
-        let cb = self.cell_bytes[&range.buffer];
+        let (cb, class) = self.buffers[&range.buffer];
         let first = range.start.0 / cb;
         let last = (range.end.0 - 1) / cb;
+        let ordered = |a: &Accessor| a.entity == who.entity || a.epoch <= vc[a.entity];
+        // The earlier sides of this access's pairs (one a cell: they repeat over the cells).
+        let mut seen: Vec<Party> = Vec::new();
         for c in first..=last {
             let cell = self.cells.entry((range.buffer, c)).or_default();
-            let ordered = |a: &Accessor| a.entity == who.entity || a.epoch <= vc[a.entity];
+            let earlier = cell.write.iter().map(|w| (w, true));
+            let earlier = earlier.chain(cell.reads.iter().filter(|_| write).map(|r| (r, false)));
+            for (a, aw) in earlier {
+                if ordered(a) && !seen.contains(&(a.op, a.entity, aw)) {
+                    seen.push((a.op, a.entity, aw));
+                }
+            }
             if let Some(w) = &cell.write {
                 if !ordered(w) {
                     races.push(Race {
@@ -110,6 +151,9 @@ impl RaceDetector {
                 cell.reads.retain(|r| r.entity != who.entity);
                 cell.reads.push(who.clone());
             }
+        }
+        for earlier in seen {
+            self.pair(class, earlier, (who.op, who.entity, write));
         }
         races
     }

@@ -545,6 +545,24 @@ struct Counters {
     host_hit: u64,
 }
 
+/// This thread's probe counts and first hits since the run began, with the combinations of the
+/// run's factors (`targets::add_combinations`) added; the table starts empty again.
+fn take_probes(
+    cfg: &Config,
+    overlap: bool,
+) -> (BTreeMap<&'static str, u64>, BTreeMap<&'static str, u64>) {
+    let (mut first_hits, mut probes) = (
+        tierkv_engine::probe::first_hits(),
+        tierkv_engine::probe::take(),
+    );
+    crate::targets::add_combinations(
+        &crate::targets::config_factors(cfg, overlap),
+        &mut probes,
+        &mut first_hits,
+    );
+    (first_hits, probes)
+}
+
 /// Runs one scenario.
 pub fn run(sc: &Scenario, opts: &RunOptions) -> RunOutcome {
     let wall = std::time::Instant::now();
@@ -1972,6 +1990,7 @@ impl<'a> Run<'a> {
         }
         let stats = self.run_stats(wall);
         let mut gpu = self.gpu.borrow_mut();
+        let (first_hits, probes) = take_probes(&self.cfg, self.sc.overlap);
         RunOutcome {
             seed: self.sc.seed,
             findings: self.findings,
@@ -1984,8 +2003,8 @@ impl<'a> Run<'a> {
             },
             marks: std::mem::take(&mut gpu.trace.marks),
             racing_ops: gpu.trace.racing_ops.clone(),
-            first_hits: tierkv_engine::probe::first_hits(),
-            probes: tierkv_engine::probe::take(),
+            first_hits,
+            probes,
             rerun: false,
             decision_counts: gpu.decision_counts(),
             decisions: gpu.take_schedule(),

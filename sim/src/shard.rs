@@ -20,6 +20,7 @@ use crate::probes::all_names;
 use crate::report::Finding;
 use crate::runner::RunStats;
 use crate::schedule::Policy;
+use crate::targets;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -156,7 +157,8 @@ pub struct ShardResult {
     pub runs: u64,
     pub reruns: u64,
     pub failures: Vec<FailureRecord>,
-    /// Every probe of the build, hit or not.
+    /// Every probe of the build, hit or not, and every target (`targets`: pairs, combinations,
+    /// factors) the shard's runs reached.
     pub coverage: BTreeMap<String, ProbeCount>,
     pub totals: RunStats,
     pub wall_s: f64,
@@ -362,13 +364,19 @@ impl ShardResult {
         replay: impl Fn(&CampaignFailure) -> String,
     ) -> ShardResult {
         let (shard_index, shard_count) = opts.shard.unwrap_or((0, 1));
-        let coverage = all_names()
+        let mut coverage: BTreeMap<String, ProbeCount> = all_names()
             .into_iter()
             .map(|name| {
                 let (hits, seeds) = s.coverage.probes.get(name).copied().unwrap_or((0, 0));
                 (name.to_string(), ProbeCount { hits, seeds })
             })
             .collect();
+        // The targets the campaign reached (`targets`): their universe is not listed.
+        for (name, &(hits, seeds)) in &s.coverage.probes {
+            if targets::is_target_name(name) {
+                coverage.insert(name.to_string(), ProbeCount { hits, seeds });
+            }
+        }
         ShardResult {
             format: FORMAT.to_string(),
             version: VERSION,
@@ -517,6 +525,28 @@ impl ShardResult {
         Ok(())
     }
 
+    /// Every coverage name is a probe of this build or a target in its grammar
+    /// (`targets::is_target`), and the targets are at most `targets::TARGETS_MAX`.
+    fn check_names(&self, file: &Path) -> Result<(), MergeError> {
+        let names = all_names();
+        let known = |p: &str| names.contains(&p) || targets::is_target(p, &names);
+        if let Some(p) = self.coverage.keys().find(|p| !known(p)) {
+            return Err(MergeError::UnknownProbe {
+                file: file.to_path_buf(),
+                probe: p.clone(),
+            });
+        }
+        let reached = self.coverage.keys().filter(|p| targets::is_target_name(p));
+        if reached.count() > targets::TARGETS_MAX {
+            return Err(MergeError::Inconsistent {
+                file: file.to_path_buf(),
+                what: "coverage",
+                why: format!("more than {} targets", targets::TARGETS_MAX),
+            });
+        }
+        Ok(())
+    }
+
     /// The per-seed records against the counts: failures, log hashes, coverage, wall time and
     /// the replay lines (which `merge` prints for a person to paste). `seeds` is how many seeds
     /// the shard holds.
@@ -643,13 +673,7 @@ impl ShardResult {
             }
         }
         self.check_options(&inconsistent)?;
-        let names = all_names();
-        if let Some(p) = self.coverage.keys().find(|p| !names.contains(&p.as_str())) {
-            return Err(MergeError::UnknownProbe {
-                file: here(),
-                probe: p.clone(),
-            });
-        }
+        self.check_names(file)?;
         if let Some((p, c)) = self.coverage.iter().find(|(_, c)| c.seeds > self.seeds_run) {
             return Err(inconsistent(
                 "coverage",
@@ -768,6 +792,14 @@ impl ShardResult {
         for name in all_names() {
             if let Some(c) = self.coverage.get(name) {
                 s.coverage.probes.insert(name, (c.hits, c.seeds));
+            }
+        }
+        // Targets' names were checked by `check` (`targets::is_target`): a bounded set.
+        for (name, c) in &self.coverage {
+            if targets::is_target_name(name) {
+                s.coverage
+                    .probes
+                    .insert(targets::intern(name), (c.hits, c.seeds));
             }
         }
         for f in &self.failures {
@@ -1172,6 +1204,25 @@ mod tests {
             bad(|r| {
                 r.coverage
                     .insert("no.such_probe".into(), ProbeCount::default());
+            }),
+            MergeError::UnknownProbe { .. }
+        ));
+        // Targets: a name in their grammar is taken, and is one of the summary's; one outside
+        // it (an op this build has not) is refused.
+        let pair = "hb.device_kv.page_copy@load:w>sparse_read@compute:r";
+        let mut with_pair = result(0, &[]);
+        with_pair
+            .coverage
+            .insert(pair.into(), ProbeCount { hits: 2, seeds: 2 });
+        let text = serde_json::to_string(&with_pair).expect("serialise");
+        let back = ShardResult::parse(&text, Path::new("x.json")).expect("a target is taken");
+        assert_eq!(back.summary().coverage.probes.get(pair), Some(&(2, 2)));
+        assert!(matches!(
+            bad(|r| {
+                r.coverage.insert(
+                    "hb.device_kv.mystery@load:w>sparse_read@compute:r".into(),
+                    ProbeCount::default(),
+                );
             }),
             MergeError::UnknownProbe { .. }
         ));

@@ -62,7 +62,7 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("sim/src/scenario.rs", "add_production_shapes", 71),
     ("sim/src/scenario.rs", "draw", 78),
     ("sim/src/scenario.rs", "validate", 94),
-    ("sim/src/shard.rs", "check", 145),
+    ("sim/src/shard.rs", "check", 139),
     ("sim/src/shard.rs", "merge", 128),
     ("sim/src/shrink.rs", "candidates", 125),
     ("sim/src/trace_out.rs", "chrome_trace", 106),

@@ -527,7 +527,14 @@ impl SimGpu {
         self.sched.counts()
     }
 
-    fn host_access(&mut self, what: &str, buf: BufferId, offset: Bytes, len: usize, write: bool) {
+    fn host_access(
+        &mut self,
+        what: &'static str,
+        buf: BufferId,
+        offset: Bytes,
+        len: usize,
+        write: bool,
+    ) {
         self.host_actions += 1;
         self.host_vc[HOST] += 1;
         let who = Accessor {
@@ -535,6 +542,7 @@ impl SimGpu {
             epoch: self.host_vc[HOST],
             id: self.host_actions,
             what: what.to_string(),
+            op: what,
         };
         let vc = self.host_vc;
         let range = ByteRange::new(buf, offset, Bytes(len as u64));
@@ -599,7 +607,8 @@ impl SimGpu {
         cell: u64,
     ) -> Result<BufferId, DeviceError> {
         let id = self.alloc(desc)?;
-        self.race.register(id, cell);
+        self.race
+            .register(id, cell, crate::targets::buffer_class(&desc.role));
         Ok(id)
     }
 
@@ -713,7 +722,8 @@ impl Device for SimGpu {
         } else {
             4096
         };
-        self.race.register(id, cell);
+        self.race
+            .register(id, cell, crate::targets::buffer_class(&desc.role));
         self.log(&[4, id.0 as u64, desc.bytes.0]);
         Ok(id)
     }

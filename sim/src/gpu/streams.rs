@@ -345,6 +345,7 @@ impl SimGpu {
                 epoch: vc[s],
                 id,
                 what: who_what.clone(),
+                op: Op::NAMES[op.kind()],
             };
             let races = self.race.access(a.range, a.write, &vc, &who);
             if !races.is_empty() {

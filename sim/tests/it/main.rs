@@ -8,6 +8,7 @@ mod driver_faults;
 mod independence;
 mod offload;
 mod shards;
+mod targets;
 
 use std::process::Command;
 #[cfg(target_os = "linux")]

@@ -82,10 +82,21 @@ fn shard_results_merged_equal_the_whole_campaign() {
     assert!(stdout.contains("3 of 3 shards of seeds 0..10"), "{stdout}");
     assert!(stdout.contains("seeds run: 10"), "{stdout}");
     assert!(stdout.contains("probe "), "the coverage table: {stdout}");
+    assert!(
+        stdout.contains("happens-before pairs of accesses") && stdout.contains("if indep."),
+        "the targets' table: {stdout}"
+    );
     // Seeds are deterministic: the merged counts, coverage and totals are the whole campaign's.
     let (m, w) = (without_timing(read(&merged)), without_timing(read(&whole)));
     assert_eq!(m, w);
     assert_eq!(m.seeds_run, 10);
+    // The targets (`targets`) travel in the shard files and merge as the probes do.
+    assert!(
+        m.coverage.keys().any(|n| n.starts_with("hb."))
+            && m.coverage.contains_key("factor.ahead=off"),
+        "{:?}",
+        m.coverage.keys().collect::<Vec<_>>()
+    );
 
     // Refused: a shard missing (unless --partial), another campaign, another
     // build, a file that is not a result.

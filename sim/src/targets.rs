@@ -1,0 +1,449 @@
+//! Coverage targets beyond the named probes (issue 33, item 3 in part): happens-before pairs and
+//! pairwise combinations of a run's configuration and faults. They count in the probes' table
+//! under names of their own, so a campaign's coverage, its shard files and its corpus carry them
+//! as they carry probes:
+//!
+//! - **Happens-before pairs** `hb.CLASS.A>B`: two accesses to one race-detector cell of a buffer
+//!   of class `CLASS`, at least one a write, the later one (`B`) ordered after the earlier (`A`;
+//!   a race is a finding instead). `A` and `B` are `OP@STREAM:r` or `:w`: the op's name (or the
+//!   host's `host_read` / `host_write`) and the stream (or `host`) that made it. A pair is
+//!   covered in both orders when both `hb.C.A>B` and `hb.C.B>A` were seen; the report lists the
+//!   pairs seen in one order only, the interleavings a campaign has not yet tried.
+//! - **Combinations** `combo.F=V+G=W`: two factors of one run together. The factors are the
+//!   run's configuration (`ik`, the index-K dtype; `kv`, the KV dtype; `layout`, the host
+//!   mirror's; `policy`, the write policy; `ahead`, whether the engine runs one step ahead) and
+//!   `fault`, each fault kind the run met (every `fault.*` and `driver.refused_*` probe it hit).
+//!   Each run also counts `factor.F=V` for each of its factors, so the report can set a
+//!   combination's share beside the share it would have if its two factors were drawn
+//!   independently.
+//!
+//! A pair is counted once a run, at its first sight (the corpus's checkpoint prefix reaches it
+//! there); a combination once a run, at the first hit of its fault (or at the run's start, for
+//! two configuration factors).
+//!
+//! Names are interned (one leaked string per distinct name a process meets). They are made only
+//! from the op, stream, buffer-class, factor and probe names of this build, and a shard file's
+//! names are checked against that grammar ([`is_target`]) and counted ([`TARGETS_MAX`]) before
+//! they are interned, so the set stays bounded.
+//!
+//! - **Watermarks** `mark.NAME>=V`: the levels (powers of two) a numeric quantity of the engine
+//!   reached (`tierkv_engine::probe::Watermark`: loads in flight at an abort, load-ring slots
+//!   held at a claim, prompt tokens queued at an accepted submit, host pages one eviction
+//!   dropped). The engine counts them; the report gives each level's share of seeds.
+//!
+//! Not built of issue 33's item 3: the watermarks it also names that are not the engine's
+//! (host pages free at an eviction, the distance between a record and its wait).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+
+use tierkv_engine::config::{Config, WritePolicy};
+use tierkv_engine::device::{BufferRole, Op};
+use tierkv_engine::probe::{Watermark, MARK_BUCKETS};
+use tierkv_kernels::layout::{BufferKind, HostLayout, IndexKDtype, KvDtype};
+
+/// The prefix of a happens-before pair's name.
+pub const PAIR_PREFIX: &str = "hb.";
+/// The prefix of a combination's name.
+pub const COMBO_PREFIX: &str = "combo.";
+/// The prefix of a single factor's name.
+pub const FACTOR_PREFIX: &str = "factor.";
+/// The prefix of a watermark's levels (`tierkv_engine::probe::Watermark`).
+pub const MARK_PREFIX: &str = "mark.";
+/// The most targets a shard file may carry (this build's pairs and combinations number a few
+/// thousand at most).
+pub const TARGETS_MAX: usize = 100_000;
+/// The longest target name a shard file may carry.
+pub const NAME_BYTES_MAX: usize = 200;
+
+static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+
+/// The one `&'static str` of `name` in this process (leaked at its first use).
+pub fn intern(name: &str) -> &'static str {
+    let mut names = NAMES
+        .lock()
+        .expect("the target names' lock is never poisoned");
+    if let Some(&n) = names.get(name) {
+        return n;
+    }
+    let n: &'static str = Box::leak(name.to_string().into_boxed_str());
+    names.insert(n);
+    n
+}
+
+/// Whether `name` is a target's name (a pair, a combination or a factor), not a probe's.
+pub fn is_target_name(name: &str) -> bool {
+    [PAIR_PREFIX, COMBO_PREFIX, FACTOR_PREFIX, MARK_PREFIX]
+        .iter()
+        .any(|p| name.starts_with(p))
+}
+
+/// The class of a buffer in pair names: its role without its layer or segment.
+pub fn buffer_class(role: &BufferRole) -> &'static str {
+    match role {
+        BufferRole::Pool {
+            kind: BufferKind::Kv,
+            ..
+        } => "device_kv",
+        BufferRole::Pool {
+            kind: BufferKind::IndexK,
+            ..
+        } => "device_index_k",
+        BufferRole::Mirror {
+            kind: BufferKind::Kv,
+        } => "mirror_kv",
+        BufferRole::Mirror {
+            kind: BufferKind::IndexK,
+        } => "mirror_index_k",
+        BufferRole::Scratch { name } => intern(&format!("scratch_{}", word(name))),
+        BufferRole::OffloadHost { .. } => "offload_host",
+    }
+}
+
+/// `s` with every character other than ASCII letters, digits and `_` made `_`.
+fn word(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// One side of a pair: who accessed, where, and how.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Side {
+    /// The op's name, or the host's action.
+    pub op: &'static str,
+    /// The stream's name (`gpu::entity_name`), or `host`.
+    pub stream: &'static str,
+    pub write: bool,
+}
+
+impl Side {
+    fn name(&self) -> String {
+        let rw = if self.write { 'w' } else { 'r' };
+        format!("{}@{}:{rw}", self.op, word(self.stream))
+    }
+}
+
+/// The name of the pair `earlier` then `later` on a buffer of `class`.
+pub fn pair_name(class: &str, earlier: &Side, later: &Side) -> String {
+    format!("{PAIR_PREFIX}{class}.{}>{}", earlier.name(), later.name())
+}
+
+/// A run's factors: its configuration's (see the module's doc).
+pub fn config_factors(cfg: &Config, ahead: bool) -> Vec<(&'static str, &'static str)> {
+    vec![
+        (
+            "ik",
+            match cfg.model.index_k_dtype {
+                IndexKDtype::Fp8 => "fp8",
+                IndexKDtype::Bf16 => "bf16",
+            },
+        ),
+        (
+            "kv",
+            match cfg.model.kv_dtype {
+                KvDtype::Bf16 => "bf16",
+                KvDtype::Fp8Packed => "fp8",
+                KvDtype::Fp8Unpacked => "fp8_unpacked",
+            },
+        ),
+        (
+            "layout",
+            match cfg.cache.host_layout {
+                HostLayout::LayerFirst => "layer_first",
+                HostLayout::PageFirst => "page_first",
+            },
+        ),
+        (
+            "policy",
+            match cfg.cache.write_policy {
+                WritePolicy::WriteThrough => "write_through",
+                WritePolicy::WriteThroughSelective => "selective",
+                WritePolicy::WriteBack => "write_back",
+            },
+        ),
+        ("ahead", if ahead { "on" } else { "off" }),
+    ]
+}
+
+/// Whether the probe `name` is a fault kind (a `fault.*` or `driver.refused_*` probe).
+pub fn is_fault(name: &str) -> bool {
+    name.starts_with("fault.") || name.starts_with("driver.refused_")
+}
+
+/// Adds a run's factors and their pairwise combinations to its probe counts `probes` and first
+/// hits `first` (see the module's doc): `config` its configuration's factors, its faults read
+/// from `probes`.
+pub fn add_combinations(
+    config: &[(&'static str, &'static str)],
+    probes: &mut BTreeMap<&'static str, u64>,
+    first: &mut BTreeMap<&'static str, u64>,
+) {
+    // (factor, value, position of its first hit)
+    let mut factors: Vec<(&str, &str, u64)> = config.iter().map(|&(f, v)| (f, v, 0)).collect();
+    for (&name, &n) in probes.iter() {
+        if n > 0 && is_fault(name) {
+            let at = first.get(name).copied().unwrap_or(0);
+            factors.push(("fault", name, at));
+        }
+    }
+    let mut add = |name: String, at: u64| {
+        let name = intern(&name);
+        *probes.entry(name).or_default() += 1;
+        first.entry(name).or_insert(at);
+    };
+    for (i, &(f, v, at)) in factors.iter().enumerate() {
+        add(format!("{FACTOR_PREFIX}{f}={v}"), at);
+        for &(g, w, at2) in &factors[i + 1..] {
+            if g != f {
+                add(format!("{COMBO_PREFIX}{f}={v}+{g}={w}"), at.max(at2));
+            }
+        }
+    }
+}
+
+/// Whether `name` is a target this build can make: a pair of known ops and streams on a class
+/// in the grammar, or a factor or combination of known factors and values. Shard files' names
+/// are checked with it before they are interned.
+pub fn is_target(name: &str, probe_names: &[&str]) -> bool {
+    if name.len() > NAME_BYTES_MAX {
+        return false;
+    }
+    if let Some(rest) = name.strip_prefix(PAIR_PREFIX) {
+        return is_pair(rest);
+    }
+    if let Some(rest) = name.strip_prefix(FACTOR_PREFIX) {
+        return is_factor(rest, probe_names);
+    }
+    if name.starts_with(MARK_PREFIX) {
+        return Watermark::ALL
+            .iter()
+            .any(|w| (0..MARK_BUCKETS).any(|k| w.level_name(k) == name));
+    }
+    if let Some(rest) = name.strip_prefix(COMBO_PREFIX) {
+        return rest.split_once('+').is_some_and(|(a, b)| {
+            let factor = |s: &str| s.split_once('=').map(|(f, _)| f.to_string());
+            is_factor(a, probe_names) && is_factor(b, probe_names) && factor(a) != factor(b)
+        });
+    }
+    false
+}
+
+/// The factor of `s`, a `F=V`.
+fn factor_of(s: &str) -> &str {
+    s.split_once('=').map_or("", |(f, _)| f)
+}
+
+/// Every factor's values, `fault` aside.
+const FACTOR_VALUES: [(&str, &[&str]); 5] = [
+    ("ik", &["fp8", "bf16"]),
+    ("kv", &["bf16", "fp8", "fp8_unpacked"]),
+    ("layout", &["layer_first", "page_first"]),
+    ("policy", &["write_through", "selective", "write_back"]),
+    ("ahead", &["on", "off"]),
+];
+
+fn is_factor(s: &str, probe_names: &[&str]) -> bool {
+    let Some((f, v)) = s.split_once('=') else {
+        return false;
+    };
+    if f == "fault" {
+        return is_fault(v) && probe_names.contains(&v);
+    }
+    FACTOR_VALUES
+        .iter()
+        .any(|(g, values)| *g == f && values.contains(&v))
+}
+
+/// The host's actions a pair may hold, beside the ops (`Op::NAMES`).
+pub const HOST_ACTIONS: [&str; 2] = ["host_read", "host_write"];
+
+fn is_pair(rest: &str) -> bool {
+    let Some((class, sides)) = rest.split_once('.') else {
+        return false;
+    };
+    let side = |s: &str| {
+        let Some((op, rest)) = s.split_once('@') else {
+            return false;
+        };
+        let Some((stream, rw)) = rest.split_once(':') else {
+            return false;
+        };
+        (Op::NAMES.contains(&op) || HOST_ACTIONS.contains(&op))
+            && !stream.is_empty()
+            && stream.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            && (rw == "r" || rw == "w")
+    };
+    !class.is_empty()
+        && class.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && sides
+            .split_once('>')
+            .is_some_and(|(a, b)| side(a) && side(b))
+}
+
+/// A campaign's probe table (name → hits, seeds), as `probes::Coverage` holds it.
+type Table = BTreeMap<&'static str, (u64, u64)>;
+
+/// The pairs of a campaign: (class, its two sides in name order) → the seeds that saw the first
+/// side before the second, and the second before the first.
+fn pairs(probes: &Table) -> BTreeMap<(&str, &str, &str), (u64, u64)> {
+    let mut pairs: BTreeMap<(&str, &str, &str), (u64, u64)> = BTreeMap::new();
+    for (name, &(_, n)) in probes.range(PAIR_PREFIX..) {
+        let Some(rest) = name.strip_prefix(PAIR_PREFIX) else {
+            break;
+        };
+        let Some((class, (a, b))) = rest
+            .split_once('.')
+            .and_then(|(c, sides)| Some((c, sides.split_once('>')?)))
+        else {
+            continue;
+        };
+        if a <= b {
+            pairs.entry((class, a, b)).or_default().0 += n;
+        } else {
+            pairs.entry((class, b, a)).or_default().1 += n;
+        }
+    }
+    pairs
+}
+
+/// Whether a pair was seen in one order only. A side paired with itself (a kernel's write
+/// after its own last write) has one order, and is not.
+fn one_order_only((_, a, b): &(&str, &str, &str), &(x, y): &(u64, u64)) -> bool {
+    a != b && (x == 0) != (y == 0)
+}
+
+/// One combination of a campaign's report: its two factor values, the share of seeds that met
+/// both, and the share independent draws of the two would give (percent).
+struct Combination {
+    a: String,
+    b: String,
+    share: f64,
+    independent: f64,
+}
+
+/// Every combination of two values of different factors that the campaign's seeds had.
+fn combinations(probes: &Table, seeds: u64) -> Vec<Combination> {
+    let share = |n: u64| 100.0 * n as f64 / seeds.max(1) as f64;
+    let seeds_of = |name: &str| probes.get(name).map_or(0, |e| e.1);
+    let factors: Vec<&str> = (probes.range(FACTOR_PREFIX..))
+        .map(|(n, _)| *n)
+        .take_while(|n| n.starts_with(FACTOR_PREFIX))
+        .map(|n| &n[FACTOR_PREFIX.len()..])
+        .collect();
+    let mut rows = Vec::new();
+    for (i, a) in factors.iter().enumerate() {
+        for b in factors[i + 1..]
+            .iter()
+            .filter(|b| factor_of(a) != factor_of(b))
+        {
+            let fa = seeds_of(&format!("{FACTOR_PREFIX}{a}"));
+            let fb = seeds_of(&format!("{FACTOR_PREFIX}{b}"));
+            let both = seeds_of(&format!("{COMBO_PREFIX}{a}+{b}"))
+                + seeds_of(&format!("{COMBO_PREFIX}{b}+{a}"));
+            rows.push(Combination {
+                a: a.to_string(),
+                b: b.to_string(),
+                share: share(both),
+                independent: share(fa) * share(fb) / 100.0,
+            });
+        }
+    }
+    rows
+}
+
+/// The targets' lines of a campaign's summary: how many pairs and combinations it reached.
+pub fn summary(probes: &Table, seeds: u64) -> String {
+    let p = pairs(probes);
+    let one_order = p.iter().filter(|(k, v)| one_order_only(k, v)).count();
+    let c = combinations(probes, seeds);
+    let highest: Vec<String> = (marks(probes).into_iter())
+        .map(|(name, levels)| {
+            let top = levels
+                .last()
+                .map_or("0".to_string(), |&(v, _)| format!(">={v}"));
+            format!("{name} {top}")
+        })
+        .collect();
+    format!(
+        "targets: {} happens-before pairs of accesses, {one_order} seen in one order only; \
+         {} combinations of two factor values, {} in fewer than 5% of seeds ({} never); \
+         highest watermarks: {}",
+        p.len(),
+        c.len(),
+        c.iter().filter(|r| r.share < 5.0).count(),
+        c.iter().filter(|r| r.share == 0.0).count(),
+        highest.join(", ")
+    )
+}
+
+/// Each watermark's levels: (its name, for each level reached the level's value and the
+/// seeds that reached it), in `Watermark::ALL` order.
+fn marks(probes: &Table) -> Vec<(&'static str, Vec<(u64, u64)>)> {
+    (Watermark::ALL.iter())
+        .map(|&w| {
+            let levels = (0..MARK_BUCKETS)
+                .filter_map(|k| Some((1u64 << k, probes.get(w.level_name(k))?.1)))
+                .collect();
+            (w.name(), levels)
+        })
+        .collect()
+}
+
+/// The report of a campaign's targets: its pairs by class (each pair's two orders, and the
+/// share of seeds that saw each), then its combinations beside the share that independent
+/// draws would give.
+pub fn table(probes: &Table, seeds: u64) -> String {
+    let share = |n: u64| 100.0 * n as f64 / seeds.max(1) as f64;
+    let mut out = summary(probes, seeds) + "\n";
+    for (name, levels) in marks(probes) {
+        let levels: Vec<String> = (levels.iter())
+            .map(|&(v, n)| format!(">={v} {:.1}%", share(n)))
+            .collect();
+        out += &format!("watermark {name}: {}\n", levels.join(", "));
+    }
+    out += &format!(
+        "{:<24} {:<34} {:<34} {:>7} {:>7}\n",
+        "class", "A", "B", "A>B", "B>A"
+    );
+    for (key @ (class, a, b), counts @ (ab, ba)) in &pairs(probes) {
+        let mark = if a == b {
+            "  (itself)"
+        } else if one_order_only(key, counts) {
+            "  one order"
+        } else if share(*ab) < 5.0 || share(*ba) < 5.0 {
+            "  < 5%"
+        } else {
+            ""
+        };
+        let (ab, ba) = (share(*ab), share(*ba));
+        out += &format!("{class:<24} {a:<34} {b:<34} {ab:>6.1}% {ba:>6.1}%{mark}\n");
+    }
+    out += &format!(
+        "\n{:<36} {:<36} {:>7} {:>9}\n",
+        "factor", "factor", "seeds", "if indep."
+    );
+    for c in combinations(probes, seeds) {
+        let mark = if c.share == 0.0 {
+            "  never"
+        } else if c.share < c.independent / 2.0 {
+            "  < half of indep."
+        } else if c.share < 5.0 {
+            "  < 5%"
+        } else {
+            ""
+        };
+        let (a, b, got, ind) = (c.a, c.b, c.share, c.independent);
+        out += &format!("{a:<36} {b:<36} {got:>6.1}% {ind:>8.1}%{mark}\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

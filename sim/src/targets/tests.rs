@@ -1,0 +1,187 @@
+use super::*;
+
+fn config() -> Vec<(&'static str, &'static str)> {
+    vec![("ik", "fp8"), ("kv", "bf16"), ("ahead", "off")]
+}
+
+#[test]
+fn combinations_pair_every_two_factors_and_start_at_the_fault() {
+    let mut probes: BTreeMap<&'static str, u64> = [
+        ("fault.copy_torn", 3),
+        ("driver.refused_launch", 1),
+        ("load.issued", 9),
+    ]
+    .into();
+    let mut first: BTreeMap<&'static str, u64> = [
+        ("fault.copy_torn", 17),
+        ("driver.refused_launch", 40),
+        ("load.issued", 2),
+    ]
+    .into();
+    add_combinations(&config(), &mut probes, &mut first);
+    let at = |name: &str| (probes.get(name).copied(), first.get(name).copied());
+    assert_eq!(at("factor.ik=fp8"), (Some(1), Some(0)));
+    assert_eq!(at("factor.fault=fault.copy_torn"), (Some(1), Some(17)));
+    assert_eq!(at("combo.ik=fp8+kv=bf16"), (Some(1), Some(0)));
+    assert_eq!(
+        at("combo.ik=fp8+fault=fault.copy_torn"),
+        (Some(1), Some(17))
+    );
+    assert_eq!(
+        at("combo.ahead=off+fault=driver.refused_launch"),
+        (Some(1), Some(40))
+    );
+    // Two faults are one factor's values: no combination of them; no probe but a fault's is one.
+    assert!(!probes.keys().any(|n| n.contains("copy_torn+fault=")));
+    assert!(!probes
+        .keys()
+        .any(|n| n.contains("load.issued") && *n != "load.issued"));
+    // 3 configuration factors and 2 faults: 5 factors, and 3 + 3·2 = 9 combinations.
+    assert_eq!(
+        probes
+            .keys()
+            .filter(|n| n.starts_with(FACTOR_PREFIX))
+            .count(),
+        5
+    );
+    assert_eq!(
+        probes
+            .keys()
+            .filter(|n| n.starts_with(COMBO_PREFIX))
+            .count(),
+        9
+    );
+}
+
+#[test]
+fn target_names_follow_the_grammar() {
+    let probes = ["fault.copy_torn", "load.issued"];
+    let side = |op, stream, write| Side { op, stream, write };
+    let pair = pair_name(
+        "device_kv",
+        &side("page_copy", "decode load", true),
+        &side("sparse_read", "compute", false),
+    );
+    assert_eq!(
+        pair,
+        "hb.device_kv.page_copy@decode_load:w>sparse_read@compute:r"
+    );
+    for good in [
+        pair.as_str(),
+        "hb.scratch_RoPE_table.host_write@host:w>copy@load:r",
+        "factor.policy=write_back",
+        "factor.fault=fault.copy_torn",
+        "combo.ik=bf16+fault=fault.copy_torn",
+        "combo.layout=page_first+ahead=on",
+    ] {
+        assert!(is_target(good, &probes), "{good}");
+        assert!(is_target_name(good), "{good}");
+    }
+    let long = format!("hb.{}.copy@load:w>copy@load:r", "x".repeat(NAME_BYTES_MAX));
+    for bad in [
+        "hb.device_kv.mystery@compute:w>sparse_read@compute:r",
+        "hb.device_kv.copy@compute:x>sparse_read@compute:r",
+        "hb.device kv.copy@compute:w>sparse_read@compute:r",
+        "hb.device_kv.copy@compute:w",
+        "factor.policy=write_sideways",
+        "factor.fault=load.issued",
+        "factor.fault=fault.never_heard_of",
+        "combo.ik=bf16+ik=fp8",
+        "combo.ik=bf16",
+        "load.issued",
+        long.as_str(),
+    ] {
+        assert!(!is_target(bad, &probes), "{bad}");
+    }
+}
+
+#[test]
+fn the_table_names_pairs_seen_in_one_order_and_combinations_never_seen() {
+    let n = |s: &str| intern(s);
+    let probes: BTreeMap<&'static str, (u64, u64)> = [
+        (
+            n("hb.device_kv.page_copy@load:w>sparse_read@compute:r"),
+            (4, 4),
+        ),
+        (
+            n("hb.device_kv.sparse_read@compute:r>page_copy@load:w"),
+            (1, 1),
+        ),
+        (n("hb.mirror_kv.page_copy@write:w>page_copy@load:r"), (2, 2)),
+        (n("factor.ik=fp8"), (5, 5)),
+        (n("factor.ik=bf16"), (5, 5)),
+        (n("factor.ahead=on"), (2, 2)),
+        (n("combo.ik=fp8+ahead=on"), (2, 2)),
+    ]
+    .into();
+    let t = table(&probes, 10);
+    assert!(
+        t.contains("2 happens-before pairs of accesses, 1 seen in one order only"),
+        "{t}"
+    );
+    let line = |needle: &str| {
+        t.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or("")
+            .to_string()
+    };
+    assert!(line("mirror_kv").ends_with("one order"), "{t}");
+    assert!(!line("device_kv").contains("one order"), "{t}");
+    // ik=bf16 with ahead=on: never, where independence gives 10%.
+    let never = t
+        .lines()
+        .find(|l| l.contains("ik=bf16") && l.contains("ahead=on"))
+        .unwrap_or("");
+    assert!(
+        never.contains("0.0%") && never.contains("10.0%") && never.ends_with("never"),
+        "{t}"
+    );
+    // ik=fp8 with ahead=on: 20% seen, 10% if independent.
+    let seen = t
+        .lines()
+        .find(|l| l.contains("ik=fp8") && l.contains("ahead=on"))
+        .unwrap_or("");
+    assert!(seen.contains("20.0%") && seen.contains("10.0%"), "{t}");
+}
+
+#[test]
+fn a_side_paired_with_itself_is_not_a_missing_order() {
+    let probes: BTreeMap<&'static str, (u64, u64)> = [(
+        intern("hb.device_kv.kv_store@compute:w>kv_store@compute:w"),
+        (3, 3),
+    )]
+    .into();
+    let t = table(&probes, 3);
+    assert!(
+        t.contains("1 happens-before pairs of accesses, 0 seen in one order only"),
+        "{t}"
+    );
+    assert!(t.lines().any(|l| l.ends_with("(itself)")), "{t}");
+}
+
+#[test]
+fn watermark_levels_are_targets_and_reported_by_level() {
+    let probes = ["load.issued"];
+    assert!(is_target("mark.load.ring_held>=4", &probes));
+    assert!(is_target_name("mark.load.ring_held>=4"));
+    for bad in [
+        "mark.load.ring_held>=3",
+        "mark.load.ring_held>=0",
+        "mark.load.nothing>=4",
+        "mark.load.ring_held>=16777216",
+    ] {
+        assert!(!is_target(bad, &probes), "{bad}");
+    }
+    let t: BTreeMap<&'static str, (u64, u64)> = [
+        (intern("mark.load.ring_held>=1"), (9, 4)),
+        (intern("mark.load.ring_held>=2"), (3, 1)),
+    ]
+    .into();
+    let report = table(&t, 8);
+    assert!(
+        report.contains("watermark load.ring_held: >=1 50.0%, >=2 12.5%"),
+        "{report}"
+    );
+    assert!(report.contains("load.ring_held >=2"), "{report}");
+    assert!(report.contains("abort.loads_in_flight 0"), "{report}");
+}
