@@ -7,6 +7,12 @@
 //! - `scenario`: bytes as a saved scenario file (`tierkv sim --replay FILE`). A malformed or
 //!   invalid file must be refused with an error; a valid one small enough for a fuzz iteration
 //!   runs on the clean engine, where any finding but liveness is a crash.
+//! - `guided` (issue 33, item 5): bytes choose a swarm seed, a cut of its workload to 1 to
+//!   [`GUIDED_REQUESTS_MAX`] requests and a prefix of its schedule's decisions (the rest drawn
+//!   by the random walk). Any finding is a crash. After the run, each probe and target
+//!   (`targets`: happens-before pairs, combinations, watermark levels) it reached is turned into
+//!   code coverage ([`lighthouse`]), so libFuzzer keeps an input that reached a state no input
+//!   before it reached, and mutates it further: its corpus machinery steers toward rare states.
 //! - `cli_numbers`: arbitrary numbers and strings in the numeric arguments of `tierkv sim` and
 //!   `tierkv replay`, through the same parser and checks the binary runs before it starts work.
 //!   A panic is a crash, and so is an accepted command whose campaign or replay breaks the rules
@@ -15,11 +21,14 @@
 use crate::cli::replay::{prepare, ReplayArgs};
 use crate::cli::sim::{check_args, parse_scenario, JOBS_MAX};
 use crate::cli::{Cli, Command};
+use crate::fasthash::FastHasher;
 use crate::report::OracleKind;
 use crate::runner::{run, RunOptions};
 use crate::scenario::{draw, OneShot, Session, Turn, PROFILES};
+use crate::schedule::{Policy, Source, DECISIONS_MAX};
 use arbitrary::{Arbitrary, Unstructured};
 use clap::Parser;
+use std::hash::Hasher;
 
 /// A session's (start, system prompt) and its turns' (appended, generated, think) sizes.
 type FuzzSession = (u8, u8, Vec<(u8, u8, u8)>);
@@ -118,6 +127,86 @@ pub fn fuzz_scenario(data: &[u8]) {
     {
         panic!("finding on the clean engine: {f}\nscenario: {text}");
     }
+}
+
+/// The most requests a `guided` input keeps of its seed's workload (a fuzz iteration stays
+/// short: a swarm seed cut to 8 costs about a fifth of a whole one, sim/CAMPAIGNS.md).
+pub const GUIDED_REQUESTS_MAX: u32 = 8;
+/// The largest configuration a `guided` input runs (pools and mirror): libFuzzer's default
+/// memory limit is 2 GiB.
+const GUIDED_RUN_BYTES_MAX: u64 = 256 << 20;
+
+#[derive(Debug, Arbitrary)]
+struct GuidedCase {
+    seed: u32,
+    requests: u8,
+    decisions: Vec<u8>,
+}
+
+pub fn fuzz_guided(data: &[u8]) {
+    let mut u = Unstructured::new(data);
+    let Ok(case) = GuidedCase::arbitrary(&mut u) else {
+        return;
+    };
+    let mut sc = draw(case.seed as u64, "swarm", None);
+    let cfg = sc.engine_config();
+    let fp = cfg.footprint(cfg.model.index_topk);
+    if fp.expect("a drawn scenario has a footprint").total().0 > GUIDED_RUN_BYTES_MAX {
+        return;
+    }
+    sc.keep_requests(1 + case.requests as u32 % GUIDED_REQUESTS_MAX);
+    let mut prefix = case.decisions;
+    prefix.truncate(DECISIONS_MAX);
+    let opts = RunOptions {
+        schedule: Some(Source::Branch {
+            prefix,
+            index: 0,
+            policy: Policy::RandomWalk,
+        }),
+        ..RunOptions::default()
+    };
+    let out = run(&sc, &opts);
+    if let Some(f) = out.findings.first() {
+        panic!(
+            "finding on the clean engine: {f}\nscenario: {}",
+            sc.summary()
+        );
+    }
+    for name in out.probes.keys() {
+        let mut h = FastHasher::default();
+        h.write(name.as_bytes());
+        lighthouse((h.finish() % LIGHTHOUSES as u64) as u16);
+    }
+}
+
+/// The slots of [`lighthouse`]. A campaign's probes and targets number several hundred, so
+/// some share a slot (a hash of the name picks it): a state whose slot another state already
+/// lit gives libFuzzer nothing new.
+pub const LIGHTHOUSES: u16 = 1024;
+
+/// Runs one of [`LIGHTHOUSES`] functions of its own, chosen by `slot`: each is code of its own,
+/// so libFuzzer's coverage counts which slots an input lit. Slots past the last are ignored.
+#[inline(never)]
+pub fn lighthouse(slot: u16) {
+    #[inline(never)]
+    fn beam<const H: u16, const L: u16>() {
+        std::hint::black_box((H, L));
+    }
+    macro_rules! beams {
+        ($h:ident, $low:expr; $($n:literal)*) => {
+            match $low { $($n => beam::<$h, $n>(),)* _ => {} }
+        };
+    }
+    #[inline(never)]
+    fn high<const H: u16>(low: u16) {
+        beams!(H, low; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
+    }
+    macro_rules! highs {
+        ($high:expr, $low:expr; $($n:literal)*) => {
+            match $high { $($n => high::<$n>($low),)* _ => {} }
+        };
+    }
+    highs!(slot / 32, slot % 32; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
 }
 
 /// A value for a numeric argument: a number of some type, or any string.

@@ -64,3 +64,19 @@ fn a_run_counts_its_pairs_and_the_combinations_of_its_factors() {
         assert_eq!(combos, n * (n - 1) / 2 - same_factor, "seed {seed}");
     }
 }
+
+#[test]
+fn the_guided_fuzz_body_runs_its_inputs_and_lights_every_slot() {
+    // Seed bytes, a cut, a schedule prefix: each a clean run (a finding panics).
+    for input in [
+        &[][..],
+        &[7, 0, 0, 0, 3],
+        &[1, 2, 3, 4, 255, 4, 4, 4, 1, 0, 2],
+    ] {
+        tierkv_sim::fuzz::fuzz_guided(input);
+    }
+    // Every slot has its code; a slot past the last is ignored.
+    for slot in 0..=tierkv_sim::fuzz::LIGHTHOUSES {
+        tierkv_sim::fuzz::lighthouse(slot);
+    }
+}
