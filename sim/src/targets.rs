@@ -319,6 +319,15 @@ fn one_order_only((_, a, b): &(&str, &str, &str), &(x, y): &(u64, u64)) -> bool 
     a != b && (x == 0) != (y == 0)
 }
 
+/// Whether both sides of a pair are on one stream (or both the host's): their order is the
+/// program's, which a schedule cannot change.
+fn one_stream(a: &str, b: &str) -> bool {
+    fn stream(side: &str) -> Option<&str> {
+        side.split_once('@')?.1.split(':').next()
+    }
+    stream(a) == stream(b)
+}
+
 /// One combination of a campaign's report: its two factor values, the share of seeds that met
 /// both, and the share independent draws of the two would give (percent).
 struct Combination {
@@ -361,7 +370,12 @@ fn combinations(probes: &Table, seeds: u64) -> Vec<Combination> {
 /// The targets' lines of a campaign's summary: how many pairs and combinations it reached.
 pub fn summary(probes: &Table, seeds: u64) -> String {
     let p = pairs(probes);
-    let one_order = p.iter().filter(|(k, v)| one_order_only(k, v)).count();
+    let one_order = p.iter().filter(|(k, v)| one_order_only(k, v));
+    let across = one_order
+        .clone()
+        .filter(|((_, a, b), _)| !one_stream(a, b))
+        .count();
+    let one_order = one_order.count();
     let c = combinations(probes, seeds);
     let highest: Vec<String> = (marks(probes).into_iter())
         .map(|(name, levels)| {
@@ -372,7 +386,8 @@ pub fn summary(probes: &Table, seeds: u64) -> String {
         })
         .collect();
     format!(
-        "targets: {} happens-before pairs of accesses, {one_order} seen in one order only; \
+        "targets: {} happens-before pairs of accesses, {one_order} seen in one order only \
+         ({across} of them across streams); \
          {} combinations of two factor values, {} in fewer than 5% of seeds ({} never); \
          highest watermarks: {}",
         p.len(),
@@ -415,8 +430,10 @@ pub fn table(probes: &Table, seeds: u64) -> String {
     for (key @ (class, a, b), counts @ (ab, ba)) in &pairs(probes) {
         let mark = if a == b {
             "  (itself)"
+        } else if one_order_only(key, counts) && one_stream(a, b) {
+            "  one order (one stream)"
         } else if one_order_only(key, counts) {
-            "  one order"
+            "  one order, across streams"
         } else if share(*ab) < 5.0 || share(*ba) < 5.0 {
             "  < 5%"
         } else {

@@ -116,7 +116,7 @@ fn the_table_names_pairs_seen_in_one_order_and_combinations_never_seen() {
     .into();
     let t = table(&probes, 10);
     assert!(
-        t.contains("2 happens-before pairs of accesses, 1 seen in one order only"),
+        t.contains("2 happens-before pairs of accesses, 1 seen in one order only (1 of them across streams)"),
         "{t}"
     );
     let line = |needle: &str| {
@@ -125,7 +125,10 @@ fn the_table_names_pairs_seen_in_one_order_and_combinations_never_seen() {
             .unwrap_or("")
             .to_string()
     };
-    assert!(line("mirror_kv").ends_with("one order"), "{t}");
+    assert!(
+        line("mirror_kv").ends_with("one order, across streams"),
+        "{t}"
+    );
     assert!(!line("device_kv").contains("one order"), "{t}");
     // ik=bf16 with ahead=on: never, where independence gives 10%.
     let never = t
@@ -153,7 +156,7 @@ fn a_side_paired_with_itself_is_not_a_missing_order() {
     .into();
     let t = table(&probes, 3);
     assert!(
-        t.contains("1 happens-before pairs of accesses, 0 seen in one order only"),
+        t.contains("1 happens-before pairs of accesses, 0 seen in one order only (0 of them across streams)"),
         "{t}"
     );
     assert!(t.lines().any(|l| l.ends_with("(itself)")), "{t}");
