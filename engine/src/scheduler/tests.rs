@@ -339,3 +339,58 @@ fn a_requeued_request_recomputes_what_it_generated_and_goes_on() {
     assert_eq!(s.requests[&a].generated, 3);
     s.check_invariants();
 }
+
+/// A scheduler of the `sim-small` preset with `pending_tokens_max` set to `pending`.
+fn scheduler_with_pending(pending: u64) -> Scheduler {
+    let mut cfg = Config::preset("sim-small").expect("preset");
+    cfg.scheduler.pending_tokens_max = pending;
+    Scheduler::new(&cfg, Mutants::none())
+}
+
+fn spec(prompt: usize, max_new_tokens: u32) -> RequestSpec {
+    RequestSpec {
+        prompt: vec![7; prompt],
+        max_new_tokens,
+    }
+}
+
+#[test]
+fn a_request_at_each_limit_is_accepted_and_one_past_it_is_invalid() {
+    let cfg = Config::preset("sim-small").expect("preset");
+    let out_max = cfg.scheduler.output_tokens_max;
+    let mut s = Scheduler::new(&cfg, Mutants::none());
+    assert!(
+        s.submit(spec(10, out_max)).is_ok(),
+        "max_new_tokens at its limit"
+    );
+    assert!(matches!(
+        s.submit(spec(10, out_max + 1)),
+        Err(Rejection::Invalid { .. })
+    ));
+    // A prompt as long as the pending-token bound can be queued alone.
+    let mut s = scheduler_with_pending(300);
+    assert!(
+        s.submit(spec(300, 1)).is_ok(),
+        "a prompt at pending_tokens_max"
+    );
+    assert!(matches!(
+        s.submit(spec(301, 1)),
+        Err(Rejection::Invalid { .. })
+    ));
+    s.check_invariants();
+}
+
+#[test]
+fn a_queued_request_reports_its_prompt_and_what_the_cache_may_serve() {
+    let mut s = scheduler_with_pending(65_536);
+    for (prompt, cacheable) in [(129usize, 2usize), (128, 1), (64, 0), (1, 0)] {
+        let id = s.submit(spec(prompt, 1)).expect("a valid request");
+        let r = s.request(id).expect("the request");
+        assert_eq!(r.prompt_len(), prompt);
+        assert_eq!(r.tokens().len(), prompt);
+        assert_eq!(r.computed(), 0, "nothing computed before admission");
+        assert!(r.in_prefill(), "a queued request is in prefill");
+        // The last prompt token is always computed: only the full pages before it are served.
+        assert_eq!(r.cacheable_pages(), cacheable, "prompt of {prompt}");
+    }
+}
