@@ -379,3 +379,19 @@ fn the_selective_policy_remembers_exactly_its_bound() {
         1
     );
 }
+
+#[test]
+fn an_index_is_empty_until_a_store_and_a_key_shows_as_hex() {
+    let mut ix = OffloadIndex::new(4, WritePolicy::WriteThrough, false).unwrap();
+    assert!(ix.is_empty());
+    ix.prepare_store(&refs(&[k(3)])).unwrap().unwrap();
+    assert!(!ix.is_empty(), "a pending store holds its key");
+    assert_eq!(ix.len(), 1);
+    // Up to 20 bytes in full; longer keys by their first 16 and last 4 bytes, and their length.
+    assert_eq!(key_text(&[0x0a, 0xff]), "0aff");
+    let long = k(0xab);
+    assert_eq!(
+        key_text(&long),
+        format!("{}…00000001 (36 bytes)", "ab".repeat(16))
+    );
+}

@@ -57,3 +57,10 @@ fn used_pages_are_the_distinct_pages_of_the_contexts_ascending() {
     assert_eq!(used_pages(&far, 3, &[192]), vec![0, i32::MAX as u32]);
     assert_eq!(used_pages(&[], 0, &[]), Vec::<u32>::new());
 }
+
+#[test]
+fn a_byte_range_is_empty_when_it_holds_no_byte() {
+    let buf = BufferId(0);
+    assert!(ByteRange::new(buf, Bytes(8), Bytes(0)).is_empty());
+    assert!(!ByteRange::new(buf, Bytes(8), Bytes(1)).is_empty());
+}
