@@ -47,8 +47,9 @@ if [ -n "${MUTANTS_DONE:-}" ]; then
     # this shard already tested (its caught, missed, timeout and unviable lists together);
     # stage 1 tests the rest of the shard by name. Its results hold only those.
     [ -f "$MUTANTS_DONE" ] || { echo "mutants.sh: MUTANTS_DONE=$MUTANTS_DONE is not a file" >&2; exit 2; }
-    names_re < <(comm -23 <(cargo mutants "${files[@]}" --shard "$shard" --sharding round-robin --list | sort -u) \
-        <(sort -u "$MUTANTS_DONE"))
+    all=$(cargo mutants "${files[@]}" --shard "$shard" --sharding round-robin --list) ||
+        { echo "mutants.sh: cargo mutants --list failed" >&2; exit 2; }
+    names_re < <(comm -23 <(printf '%s\n' "$all" | sort -u) <(sort -u "$MUTANTS_DONE"))
     [ ${#re[@]} -gt 0 ] || { echo "mutants.sh: nothing left of shard $shard" >&2; exit 2; }
     cargo mutants "${files[@]}" "${re[@]}" --build-timeout 900 -o "$out/stage1" \
         --test-package tierkv-engine --timeout 120 || true

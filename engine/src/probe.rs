@@ -51,9 +51,9 @@ pub fn first_hits() -> BTreeMap<&'static str, u64> {
 
 /// A numeric watermark: a quantity whose highest values a campaign should reach (issue 33's
 /// "numeric watermarks"). A value is counted as probes of its own, one for each power of two
-/// up to it (`mark.NAME>=1`, `>=2`, `>=4`, … up to `>=2^`[`MARK_BUCKETS`]` - 1`), so a
-/// campaign's coverage says how many seeds reached each level and a guided campaign's corpus
-/// keeps a run that reached a rare one, as it does a rare probe.
+/// up to it (`mark.NAME>=2^0`, `>=2^1`, `>=2^2`, …, the highest `>=2^23`: [`MARK_LEVELS`]
+/// levels), so a campaign's coverage says how many seeds reached each level and a guided
+/// campaign's corpus keeps a run that reached a rare one, as it does a rare probe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Watermark {
     /// Loads in flight when a request was aborted.
@@ -67,8 +67,8 @@ pub enum Watermark {
     HostPagesEvictedAtOnce,
 }
 
-/// The levels of a watermark: powers of two from 1 to 2^(MARK_BUCKETS - 1).
-pub const MARK_BUCKETS: usize = 24;
+/// How many levels a watermark has: the powers of two from 1 to 2^23.
+pub const MARK_LEVELS: usize = 24;
 
 impl Watermark {
     pub const ALL: [Watermark; 4] = [
@@ -89,26 +89,29 @@ impl Watermark {
 
     /// The probe name of level `k` (values of at least 2^k).
     pub fn level_name(self, k: usize) -> &'static str {
-        static NAMES: std::sync::OnceLock<Vec<Vec<&'static str>>> = std::sync::OnceLock::new();
-        let names = NAMES.get_or_init(|| {
-            (Watermark::ALL.iter())
-                .map(|w| {
-                    (0..MARK_BUCKETS)
-                        .map(|k| -> &'static str {
-                            Box::leak(format!("mark.{}>={}", w.name(), 1u64 << k).into_boxed_str())
-                        })
-                        .collect()
-                })
-                .collect()
-        });
-        names[self as usize][k]
+        /// Each watermark's level names, in `ALL` order (a test holds them to `name`).
+        macro_rules! levels {
+            ($name:literal) => {
+                levels!(@ $name; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23)
+            };
+            (@ $name:literal; $($v:literal)*) => {
+                [$(concat!("mark.", $name, ">=2^", $v)),*]
+            };
+        }
+        const LEVELS: [[&str; MARK_LEVELS]; 4] = [
+            levels!("abort.loads_in_flight"),
+            levels!("load.ring_held"),
+            levels!("intake.queued_tokens"),
+            levels!("host.pages_evicted_at_once"),
+        ];
+        LEVELS[self as usize][k]
     }
 }
 
 /// Counts `value` of `w`: a hit of each of its levels up to `value` (none for 0).
 pub fn watermark(w: Watermark, value: u64) {
     let levels = (u64::BITS - value.leading_zeros()) as usize;
-    for k in 0..levels.min(MARK_BUCKETS) {
+    for k in 0..levels.min(MARK_LEVELS) {
         hit_named(w.level_name(k));
     }
 }
@@ -365,12 +368,16 @@ mod tests {
         watermark(Watermark::LoadRingHeld, 5);
         watermark(Watermark::LoadRingHeld, 1);
         let counts = take();
-        assert_eq!(counts.get("mark.load.ring_held>=1"), Some(&2));
-        assert_eq!(counts.get("mark.load.ring_held>=2"), Some(&1));
-        assert_eq!(counts.get("mark.load.ring_held>=4"), Some(&1));
-        assert_eq!(counts.get("mark.load.ring_held>=8"), None);
+        assert_eq!(counts.get("mark.load.ring_held>=2^0"), Some(&2));
+        assert_eq!(counts.get("mark.load.ring_held>=2^1"), Some(&1));
+        assert_eq!(counts.get("mark.load.ring_held>=2^2"), Some(&1));
+        assert_eq!(counts.get("mark.load.ring_held>=2^3"), None);
+        for w in Watermark::ALL {
+            for k in 0..MARK_LEVELS {
+                assert_eq!(w.level_name(k), format!("mark.{}>=2^{k}", w.name()));
+            }
+        }
         watermark(Watermark::QueuedTokens, u64::MAX);
-        let top = format!("mark.intake.queued_tokens>={}", 1u64 << (MARK_BUCKETS - 1));
-        assert_eq!(take().len(), MARK_BUCKETS, "at most {top}");
+        assert_eq!(take().len(), MARK_LEVELS, "at most 2^{}", MARK_LEVELS - 1);
     }
 }

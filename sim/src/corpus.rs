@@ -17,15 +17,17 @@
 //! A checkpoint names its seed, not its scenario: under another mutant, `--overlap` or build the
 //! seed's scenario may differ, and its prefix, still a valid schedule, may lead elsewhere.
 //!
-//! Measured on the bug zoo, a guided campaign has so far been slower to a catch than the plain
-//! one (sim/CAMPAIGNS.md): the zoo's slow mutants need a scenario more than an interleaving, and
-//! a branch keeps its checkpoint's scenario. It is opt-in.
+//! Measured on 8 mutants of the bug zoo (sim/CAMPAIGNS.md), a guided campaign was slower to a
+//! catch than the plain one with probes alone in its corpus, and about as fast with the targets
+//! in it (sooner for some mutants, later for the slowest): the zoo's slow mutants need a
+//! scenario more than an interleaving, and a branch keeps its checkpoint's scenario. It is
+//! opt-in.
 //!
-//! The probes include the targets of `targets` (happens-before pairs and combinations of a
-//! run's factors), so a rare pair or combination is kept as a probe is; a combination of two
-//! configuration factors is reached at a run's start (an empty prefix: its branches are fresh
-//! runs of the seed). Not yet kept (issue 33's items 3 and 5): numeric watermarks; nor is a
-//! checkpoint's worth measured by what its branches went on to find.
+//! The probes include the targets of `targets` (happens-before pairs, combinations of a run's
+//! factors, the levels of the engine's watermarks), so a rare one is kept as a probe is; a
+//! combination of two configuration factors is reached at a run's start (an empty prefix: its
+//! branches are fresh runs of the seed). Not done: a checkpoint's worth measured by what its
+//! branches went on to find.
 //!
 //! The file is JSON, read and written whole; `campaign merge-corpus` combines files of one
 //! profile. What would make a file unusable is refused when it is read ([`CorpusError`]).

@@ -10,10 +10,9 @@
 //! counted once a run under its name (`targets`): which orders of which ops a campaign has seen.
 
 use std::collections::BTreeMap;
-use std::hash::{Hash, Hasher};
 use tierkv_engine::device::{BufferId, ByteRange};
 
-use crate::fasthash::{FastHasher, FastMap};
+use crate::fasthash::FastMap;
 use crate::targets::{self, Side};
 
 /// The streams of both sides of the simulated GPU (`gpu::STREAMS`: the first engine's three,
@@ -66,9 +65,9 @@ pub struct RaceDetector {
     cells: BTreeMap<(BufferId, u64), Cell>,
     /// Cell size and class (`targets::buffer_class`) per buffer.
     buffers: BTreeMap<BufferId, (u64, &'static str)>,
-    /// The happens-before pairs this run has seen (`targets`), by a hash of their parts; each
-    /// one's probe is hit at its first sight.
-    pairs: FastMap<u64, ()>,
+    /// The happens-before pairs this run has seen (`targets`): each one's probe is hit at its
+    /// first sight.
+    pairs: FastMap<(&'static str, Party, Party), ()>,
 }
 
 impl RaceDetector {
@@ -84,9 +83,7 @@ impl RaceDetector {
     /// it and whether it wrote) on a buffer of `class`, ordered and one a write, at its first
     /// sight in this run.
     fn pair(&mut self, class: &'static str, earlier: Party, later: Party) {
-        let mut h = FastHasher::default();
-        (class, earlier, later).hash(&mut h);
-        if self.pairs.insert(h.finish(), ()).is_none() {
+        if self.pairs.insert((class, earlier, later), ()).is_none() {
             let side = |(op, entity, write): Party| Side {
                 op,
                 stream: crate::gpu::entity_name(entity),
@@ -158,3 +155,6 @@ impl RaceDetector {
         races
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -461,7 +461,11 @@ impl Decider {
         let at = self.recorded.len();
         let policy = match &self.source {
             Source::Replay(list) => Err(list.get(at).map_or(0, |&d| d.min(kind.max()))),
-            Source::Branch { prefix, .. } if at < prefix.len() => Err(prefix[at].min(kind.max())),
+            // A checkpoint's prefix holds valid decisions, which this leaves as they are; a fuzz
+            // input's bytes (`fuzz::fuzz_guided`) spread over every decision of the kind.
+            Source::Branch { prefix, .. } if at < prefix.len() => {
+                Err(prefix[at] % (kind.max() + 1))
+            }
             Source::Draw { policy, .. } | Source::Branch { policy, .. } => Ok(*policy),
         };
         let d = match policy {

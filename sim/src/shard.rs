@@ -158,7 +158,7 @@ pub struct ShardResult {
     pub reruns: u64,
     pub failures: Vec<FailureRecord>,
     /// Every probe of the build, hit or not, and every target (`targets`: pairs, combinations,
-    /// factors) the shard's runs reached.
+    /// factors, watermark levels) the shard's runs reached.
     pub coverage: BTreeMap<String, ProbeCount>,
     pub totals: RunStats,
     pub wall_s: f64,
@@ -993,12 +993,10 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
             .map_err(|what| MergeError::Overflow { what })?;
         m.wall_s = m.wall_s.max(r.wall_s);
         m.worker_s += r.worker_s;
-        m.jobs = m
-            .jobs
-            .checked_add(r.jobs)
-            .ok_or(MergeError::Overflow { what: "jobs" })?;
+        m.jobs = (m.jobs.checked_add(r.jobs)).ok_or(MergeError::Overflow { what: "jobs" })?;
     }
     sum("checked reads", m.totals.rows_checked, m.totals.rows_cached)?;
+    targets_within_bound(&m, first_file)?;
     m.held_s = Some(held_s);
     m.interrupted = seen.values().any(|(_, r)| r.interrupted);
     m.failures.sort_by_key(|f| (f.seed, f.schedule));
@@ -1010,6 +1008,26 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         cross_checked,
         interrupted: cut,
     })
+}
+
+/// Each file's targets were at most `TARGETS_MAX` (`ShardResult::check`); so are the shards'
+/// together, `merged`.
+fn targets_within_bound(merged: &ShardResult, first_file: &Path) -> Result<(), MergeError> {
+    let targets = merged
+        .coverage
+        .keys()
+        .filter(|n| targets::is_target_name(n));
+    if targets.count() > targets::TARGETS_MAX {
+        return Err(MergeError::Inconsistent {
+            file: first_file.to_path_buf(),
+            what: "coverage",
+            why: format!(
+                "the shards together hold more than {} targets",
+                targets::TARGETS_MAX
+            ),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1225,6 +1243,20 @@ mod tests {
                 );
             }),
             MergeError::UnknownProbe { .. }
+        ));
+        assert!(matches!(
+            bad(|r| {
+                for i in 0..=targets::TARGETS_MAX {
+                    r.coverage.insert(
+                        format!("hb.scratch_b{i}.copy@load:w>copy@write:r"),
+                        ProbeCount::default(),
+                    );
+                }
+            }),
+            MergeError::Inconsistent {
+                what: "coverage",
+                ..
+            }
         ));
         assert!(matches!(
             bad(|r| r.wall_s = -1.0),

@@ -9,13 +9,15 @@
 //!   host's `host_read` / `host_write`) and the stream (or `host`) that made it. A pair is
 //!   covered in both orders when both `hb.C.A>B` and `hb.C.B>A` were seen; the report lists the
 //!   pairs seen in one order only, the interleavings a campaign has not yet tried.
-//! - **Combinations** `combo.F=V+G=W`: two factors of one run together. The factors are the
+//! - **Combinations** `combo.F=V+G=W`: two factors of one run together (two fault kinds are
+//!   values of one factor, and are not combined). The factors are the
 //!   run's configuration (`ik`, the index-K dtype; `kv`, the KV dtype; `layout`, the host
 //!   mirror's; `policy`, the write policy; `ahead`, whether the engine runs one step ahead) and
 //!   `fault`, each fault kind the run met (every `fault.*` and `driver.refused_*` probe it hit).
-//!   Each run also counts `factor.F=V` for each of its factors, so the report can set a
-//!   combination's share beside the share it would have if its two factors were drawn
-//!   independently.
+//!   Each run also counts `factor.F=V` for each of its configuration's values (a fault kind's
+//!   share is its probe's), so the report can set a combination's share beside the share it
+//!   would have if its two values were drawn independently, and can name the configuration
+//!   values no seed drew.
 //!
 //! A pair is counted once a run, at its first sight (the corpus's checkpoint prefix reaches it
 //! there); a combination once a run, at the first hit of its fault (or at the run's start, for
@@ -26,7 +28,7 @@
 //! names are checked against that grammar ([`is_target`]) and counted ([`TARGETS_MAX`]) before
 //! they are interned, so the set stays bounded.
 //!
-//! - **Watermarks** `mark.NAME>=V`: the levels (powers of two) a numeric quantity of the engine
+//! - **Watermarks** `mark.NAME>=2^K`: the levels (powers of two) a numeric quantity of the engine
 //!   reached (`tierkv_engine::probe::Watermark`: loads in flight at an abort, load-ring slots
 //!   held at a claim, prompt tokens queued at an accepted submit, host pages one eviction
 //!   dropped). The engine counts them; the report gives each level's share of seeds.
@@ -37,9 +39,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
+use crate::race::ENTITIES;
 use tierkv_engine::config::{Config, WritePolicy};
 use tierkv_engine::device::{BufferRole, Op};
-use tierkv_engine::probe::{Watermark, MARK_BUCKETS};
+use tierkv_engine::probe::{Watermark, MARK_LEVELS};
 use tierkv_kernels::layout::{BufferKind, HostLayout, IndexKDtype, KvDtype};
 
 /// The prefix of a happens-before pair's name.
@@ -71,7 +74,8 @@ pub fn intern(name: &str) -> &'static str {
     n
 }
 
-/// Whether `name` is a target's name (a pair, a combination or a factor), not a probe's.
+/// Whether `name` is a target's name (a pair, a combination, a factor or a watermark's level),
+/// not a probe's.
 pub fn is_target_name(name: &str) -> bool {
     [PAIR_PREFIX, COMBO_PREFIX, FACTOR_PREFIX, MARK_PREFIX]
         .iter()
@@ -199,7 +203,10 @@ pub fn add_combinations(
         first.entry(name).or_insert(at);
     };
     for (i, &(f, v, at)) in factors.iter().enumerate() {
-        add(format!("{FACTOR_PREFIX}{f}={v}"), at);
+        // A fault's own share is its probe's: no factor name of its own.
+        if f != "fault" {
+            add(format!("{FACTOR_PREFIX}{f}={v}"), at);
+        }
         for &(g, w, at2) in &factors[i + 1..] {
             if g != f {
                 add(format!("{COMBO_PREFIX}{f}={v}+{g}={w}"), at.max(at2));
@@ -208,9 +215,10 @@ pub fn add_combinations(
     }
 }
 
-/// Whether `name` is a target this build can make: a pair of known ops and streams on a class
-/// in the grammar, or a factor or combination of known factors and values. Shard files' names
-/// are checked with it before they are interned.
+/// Whether `name` is a target this build can make: a pair of known ops and streams on a known
+/// class (a scratch buffer's by a name of at most `SCRATCH_NAME_BYTES_MAX` word characters), a
+/// factor or combination of known factors and values, or a watermark's level. Shard files'
+/// names are checked with it before they are interned.
 pub fn is_target(name: &str, probe_names: &[&str]) -> bool {
     if name.len() > NAME_BYTES_MAX {
         return false;
@@ -224,7 +232,7 @@ pub fn is_target(name: &str, probe_names: &[&str]) -> bool {
     if name.starts_with(MARK_PREFIX) {
         return Watermark::ALL
             .iter()
-            .any(|w| (0..MARK_BUCKETS).any(|k| w.level_name(k) == name));
+            .any(|w| (0..MARK_LEVELS).any(|k| w.level_name(k) == name));
     }
     if let Some(rest) = name.strip_prefix(COMBO_PREFIX) {
         return rest.split_once('+').is_some_and(|(a, b)| {
@@ -264,6 +272,26 @@ fn is_factor(s: &str, probe_names: &[&str]) -> bool {
 /// The host's actions a pair may hold, beside the ops (`Op::NAMES`).
 pub const HOST_ACTIONS: [&str; 2] = ["host_read", "host_write"];
 
+/// The classes a pair may name: the pools', the mirrors', the offload tier's, and a scratch
+/// buffer's by its name (`buffer_class`), which the engine does not list.
+const CLASSES: [&str; 5] = [
+    "device_kv",
+    "device_index_k",
+    "mirror_kv",
+    "mirror_index_k",
+    "offload_host",
+];
+/// The longest scratch buffer name a pair's class may hold.
+const SCRATCH_NAME_BYTES_MAX: usize = 40;
+
+fn is_class(class: &str) -> bool {
+    CLASSES.contains(&class)
+        || class.strip_prefix("scratch_").is_some_and(|n| {
+            (1..=SCRATCH_NAME_BYTES_MAX).contains(&n.len())
+                && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+}
+
 fn is_pair(rest: &str) -> bool {
     let Some((class, sides)) = rest.split_once('.') else {
         return false;
@@ -276,12 +304,10 @@ fn is_pair(rest: &str) -> bool {
             return false;
         };
         (Op::NAMES.contains(&op) || HOST_ACTIONS.contains(&op))
-            && !stream.is_empty()
-            && stream.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            && (0..ENTITIES).any(|e| word(crate::gpu::entity_name(e)) == stream)
             && (rw == "r" || rw == "w")
     };
-    !class.is_empty()
-        && class.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    is_class(class)
         && sides
             .split_once('>')
             .is_some_and(|(a, b)| side(a) && side(b))
@@ -337,37 +363,51 @@ struct Combination {
     independent: f64,
 }
 
-/// Every combination of two values of different factors that the campaign's seeds had.
-fn combinations(probes: &Table, seeds: u64) -> Vec<Combination> {
+/// Every combination of two values of different factors, over the configuration's values that
+/// some seed drew and the fault kinds some seed met, with the values no seed drew.
+fn combinations(probes: &Table, seeds: u64) -> (Vec<Combination>, Vec<String>) {
     let share = |n: u64| 100.0 * n as f64 / seeds.max(1) as f64;
     let seeds_of = |name: &str| probes.get(name).map_or(0, |e| e.1);
-    let factors: Vec<&str> = (probes.range(FACTOR_PREFIX..))
-        .map(|(n, _)| *n)
-        .take_while(|n| n.starts_with(FACTOR_PREFIX))
-        .map(|n| &n[FACTOR_PREFIX.len()..])
-        .collect();
+    // Each value with the seeds that had it: a configuration value's by its factor name, a
+    // fault kind's by its probe.
+    let mut values: Vec<(String, u64)> = Vec::new();
+    let mut undrawn = Vec::new();
+    for (f, vs) in FACTOR_VALUES {
+        for v in vs {
+            let n = seeds_of(&format!("{FACTOR_PREFIX}{f}={v}"));
+            if n > 0 {
+                values.push((format!("{f}={v}"), n));
+            } else {
+                undrawn.push(format!("{f}={v}"));
+            }
+        }
+    }
+    for (name, &(_, n)) in probes {
+        if n > 0 && is_fault(name) {
+            values.push((format!("fault={name}"), n));
+        }
+    }
     let mut rows = Vec::new();
-    for (i, a) in factors.iter().enumerate() {
-        for b in factors[i + 1..]
+    for (i, (a, fa)) in values.iter().enumerate() {
+        for (b, fb) in values[i + 1..]
             .iter()
-            .filter(|b| factor_of(a) != factor_of(b))
+            .filter(|(b, _)| factor_of(a) != factor_of(b))
         {
-            let fa = seeds_of(&format!("{FACTOR_PREFIX}{a}"));
-            let fb = seeds_of(&format!("{FACTOR_PREFIX}{b}"));
             let both = seeds_of(&format!("{COMBO_PREFIX}{a}+{b}"))
                 + seeds_of(&format!("{COMBO_PREFIX}{b}+{a}"));
             rows.push(Combination {
-                a: a.to_string(),
-                b: b.to_string(),
+                a: a.clone(),
+                b: b.clone(),
                 share: share(both),
-                independent: share(fa) * share(fb) / 100.0,
+                independent: share(*fa) * share(*fb) / 100.0,
             });
         }
     }
-    rows
+    (rows, undrawn)
 }
 
-/// The targets' lines of a campaign's summary: how many pairs and combinations it reached.
+/// The targets' line of a campaign's summary: how many pairs it saw, how many combinations of
+/// the factor values its seeds had it met, and each watermark's highest level.
 pub fn summary(probes: &Table, seeds: u64) -> String {
     let p = pairs(probes);
     let one_order = p.iter().filter(|(k, v)| one_order_only(k, v));
@@ -376,7 +416,7 @@ pub fn summary(probes: &Table, seeds: u64) -> String {
         .filter(|((_, a, b), _)| !one_stream(a, b))
         .count();
     let one_order = one_order.count();
-    let c = combinations(probes, seeds);
+    let (c, undrawn) = combinations(probes, seeds);
     let highest: Vec<String> = (marks(probes).into_iter())
         .map(|(name, levels)| {
             let top = levels
@@ -388,12 +428,17 @@ pub fn summary(probes: &Table, seeds: u64) -> String {
     format!(
         "targets: {} happens-before pairs of accesses, {one_order} seen in one order only \
          ({across} of them across streams); \
-         {} combinations of two factor values, {} in fewer than 5% of seeds ({} never); \
+         {} combinations of two factor values, {} in fewer than 5% of seeds ({} never){}; \
          highest watermarks: {}",
         p.len(),
         c.len(),
         c.iter().filter(|r| r.share < 5.0).count(),
         c.iter().filter(|r| r.share == 0.0).count(),
+        if undrawn.is_empty() {
+            String::new()
+        } else {
+            format!("; values no seed drew: {}", undrawn.join(", "))
+        },
         highest.join(", ")
     )
 }
@@ -403,7 +448,7 @@ pub fn summary(probes: &Table, seeds: u64) -> String {
 fn marks(probes: &Table) -> Vec<(&'static str, Vec<(u64, u64)>)> {
     (Watermark::ALL.iter())
         .map(|&w| {
-            let levels = (0..MARK_BUCKETS)
+            let levels = (0..MARK_LEVELS)
                 .filter_map(|k| Some((1u64 << k, probes.get(w.level_name(k))?.1)))
                 .collect();
             (w.name(), levels)
@@ -416,13 +461,15 @@ fn marks(probes: &Table) -> Vec<(&'static str, Vec<(u64, u64)>)> {
 /// draws would give.
 pub fn table(probes: &Table, seeds: u64) -> String {
     let share = |n: u64| 100.0 * n as f64 / seeds.max(1) as f64;
-    let mut out = summary(probes, seeds) + "\n";
+    let mut out = String::new();
     for (name, levels) in marks(probes) {
         let levels: Vec<String> = (levels.iter())
             .map(|&(v, n)| format!(">={v} {:.1}%", share(n)))
             .collect();
         out += &format!("watermark {name}: {}\n", levels.join(", "));
     }
+    out += "happens-before pairs (A>B: the share of seeds where an access A came before a \
+            conflicting access B, ordered)\n";
     out += &format!(
         "{:<24} {:<34} {:<34} {:>7} {:>7}\n",
         "class", "A", "B", "A>B", "B>A"
@@ -442,11 +489,13 @@ pub fn table(probes: &Table, seeds: u64) -> String {
         let (ab, ba) = (share(*ab), share(*ba));
         out += &format!("{class:<24} {a:<34} {b:<34} {ab:>6.1}% {ba:>6.1}%{mark}\n");
     }
+    out += "\ncombinations of two factor values (seeds: the share that had both; if indep.: \
+            the product of the two values' shares)\n";
     out += &format!(
-        "\n{:<36} {:<36} {:>7} {:>9}\n",
+        "{:<36} {:<36} {:>7} {:>9}\n",
         "factor", "factor", "seeds", "if indep."
     );
-    for c in combinations(probes, seeds) {
+    for c in combinations(probes, seeds).0 {
         let mark = if c.share == 0.0 {
             "  never"
         } else if c.share < c.independent / 2.0 {

@@ -63,7 +63,7 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("sim/src/scenario.rs", "draw", 78),
     ("sim/src/scenario.rs", "validate", 94),
     ("sim/src/shard.rs", "check", 139),
-    ("sim/src/shard.rs", "merge", 128),
+    ("sim/src/shard.rs", "merge", 126),
     ("sim/src/shrink.rs", "candidates", 125),
     ("sim/src/trace_out.rs", "chrome_trace", 106),
 ];

@@ -118,7 +118,8 @@ pub struct SimArgs {
     /// `--seed` or `--replay`, which print their one run's anyway).
     #[arg(long, conflicts_with_all = ["seed", "replay"])]
     pub verbose: bool,
-    /// Print the coverage table: each probe's hits and the share of seeds that hit it.
+    /// Print the coverage table: each probe's hits and the share of seeds that hit it; then
+    /// the coverage targets' (watermark levels, happens-before pairs, combinations).
     #[arg(long)]
     pub coverage: bool,
     /// Where the ops run: `cpu` (the kernels' CPU references) or `cuda` (a real GPU; needs
