@@ -7,8 +7,9 @@
 //!   of class `CLASS`, at least one a write, the later one (`B`) ordered after the earlier (`A`;
 //!   a race is a finding instead). `A` and `B` are `OP@STREAM:r` or `:w`: the op's name (or the
 //!   host's `host_read` / `host_write`) and the stream (or `host`) that made it. A pair is
-//!   covered in both orders when both `hb.C.A>B` and `hb.C.B>A` were seen; the report lists the
-//!   pairs seen in one order only, the interleavings a campaign has not yet tried.
+//!   covered in both orders when both `hb.C.A>B` and `hb.C.B>A` were seen; the report marks the
+//!   pairs seen in one order only: across streams, an interleaving the campaign has not yet
+//!   tried (or one the engine's waits rule out); on one stream, the program's own order.
 //! - **Combinations** `combo.F=V+G=W`: two factors of one run together (two fault kinds are
 //!   values of one factor, and are not combined). The factors are the
 //!   run's configuration (`ik`, the index-K dtype; `kv`, the KV dtype; `layout`, the host
