@@ -49,63 +49,57 @@ pub fn first_hits() -> BTreeMap<&'static str, u64> {
     FIRST.with(|f| f.borrow().clone())
 }
 
-/// A numeric watermark: a quantity whose highest values a campaign should reach (issue 33's
-/// "numeric watermarks"). A value is counted as probes of its own, one for each power of two
-/// up to it (`mark.NAME>=2^0`, `>=2^1`, `>=2^2`, …, the highest `>=2^23`: [`MARK_LEVELS`]
-/// levels), so a campaign's coverage says how many seeds reached each level and a guided
-/// campaign's corpus keeps a run that reached a rare one, as it does a rare probe.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Watermark {
-    /// Loads in flight when a request was aborted.
-    LoadsInFlightAtAbort,
-    /// Slots of the load ring held by other loads when a load claimed one.
-    LoadRingHeld,
-    /// Prompt tokens queued once a request was accepted (`scheduler.pending_tokens_max` bounds
-    /// them).
-    QueuedTokens,
-    /// Host pages one eviction of the host tier dropped.
-    HostPagesEvictedAtOnce,
-}
-
 /// How many levels a watermark has: the powers of two from 1 to 2^23.
 pub const MARK_LEVELS: usize = 24;
 
-impl Watermark {
-    pub const ALL: [Watermark; 4] = [
-        Watermark::LoadsInFlightAtAbort,
-        Watermark::LoadRingHeld,
-        Watermark::QueuedTokens,
-        Watermark::HostPagesEvictedAtOnce,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Watermark::LoadsInFlightAtAbort => "abort.loads_in_flight",
-            Watermark::LoadRingHeld => "load.ring_held",
-            Watermark::QueuedTokens => "intake.queued_tokens",
-            Watermark::HostPagesEvictedAtOnce => "host.pages_evicted_at_once",
+macro_rules! watermarks {
+    ($( $(#[doc = $doc:literal])* $name:ident = $text:literal, )*) => {
+        /// A numeric watermark: a quantity whose highest values a campaign should reach (issue
+        /// 33's "numeric watermarks"). A value is counted as probes of its own, one for each
+        /// power of two up to it (`mark.NAME>=2^0`, `>=2^1`, `>=2^2`, …, the highest `>=2^23`:
+        /// [`MARK_LEVELS`] levels), so a campaign's coverage says how many seeds reached each
+        /// level and a guided campaign's corpus keeps a run that reached a rare one, as it does
+        /// a rare probe.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub enum Watermark {
+            $( $(#[doc = $doc])* $name, )*
         }
-    }
 
-    /// The probe name of level `k` (values of at least 2^k).
-    pub fn level_name(self, k: usize) -> &'static str {
-        /// Each watermark's level names, in `ALL` order (a test holds them to `name`).
-        macro_rules! levels {
-            ($name:literal) => {
-                levels!(@ $name; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23)
-            };
-            (@ $name:literal; $($v:literal)*) => {
-                [$(concat!("mark.", $name, ">=2^", $v)),*]
-            };
+        impl Watermark {
+            pub const ALL: &'static [Watermark] = &[$(Watermark::$name),*];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Watermark::$name => $text,)*
+                }
+            }
+
+            /// The probe name of level `k` (values of at least 2^k).
+            pub fn level_name(self, k: usize) -> &'static str {
+                match self {
+                    $(Watermark::$name => watermarks!(@levels $text)[k],)*
+                }
+            }
         }
-        const LEVELS: [[&str; MARK_LEVELS]; 4] = [
-            levels!("abort.loads_in_flight"),
-            levels!("load.ring_held"),
-            levels!("intake.queued_tokens"),
-            levels!("host.pages_evicted_at_once"),
-        ];
-        LEVELS[self as usize][k]
-    }
+    };
+    (@levels $text:literal) => {
+        watermarks!(@levels $text; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23)
+    };
+    (@levels $text:literal; $($k:literal)*) => {
+        [$(concat!("mark.", $text, ">=2^", $k)),*]
+    };
+}
+
+watermarks! {
+    /// Loads in flight when a request was aborted.
+    LoadsInFlightAtAbort = "abort.loads_in_flight",
+    /// Slots of the load ring held by other loads when a load claimed one.
+    LoadRingHeld = "load.ring_held",
+    /// Prompt tokens queued once a request was accepted (`scheduler.pending_tokens_max` bounds
+    /// them).
+    QueuedTokens = "intake.queued_tokens",
+    /// Host pages one eviction of the host tier dropped.
+    HostPagesEvictedAtOnce = "host.pages_evicted_at_once",
 }
 
 /// Counts `value` of `w`: a hit of each of its levels up to `value` (none for 0).
@@ -372,7 +366,7 @@ mod tests {
         assert_eq!(counts.get("mark.load.ring_held>=2^1"), Some(&1));
         assert_eq!(counts.get("mark.load.ring_held>=2^2"), Some(&1));
         assert_eq!(counts.get("mark.load.ring_held>=2^3"), None);
-        for w in Watermark::ALL {
+        for &w in Watermark::ALL {
             for k in 0..MARK_LEVELS {
                 assert_eq!(w.level_name(k), format!("mark.{}>=2^{k}", w.name()));
             }

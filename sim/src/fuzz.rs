@@ -24,7 +24,7 @@ use crate::cli::sim::{check_args, parse_scenario, JOBS_MAX};
 use crate::cli::{Cli, Command};
 use crate::report::OracleKind;
 use crate::runner::{run, RunOptions};
-use crate::scenario::{draw, OneShot, Session, Turn, PROFILES};
+use crate::scenario::{draw, OneShot, Scenario, Session, Turn, PROFILES};
 use crate::schedule::{Policy, Source, DECISIONS_MAX};
 use arbitrary::{Arbitrary, Unstructured};
 use clap::Parser;
@@ -101,6 +101,15 @@ const SCENARIO_RUN_BYTES_MAX: u64 = 64 << 20;
 const SCENARIO_RUN_REQUESTS_MAX: usize = 48;
 const SCENARIO_RUN_STEPS_MAX: u64 = 20_000;
 
+/// The bytes of `sc`'s pools, mirror and scratch (a valid scenario's configuration has them).
+fn footprint_bytes(sc: &Scenario) -> u64 {
+    let cfg = sc.engine_config();
+    let fp = cfg.footprint(cfg.model.index_topk);
+    fp.expect("a valid scenario's configuration has a footprint")
+        .total()
+        .0
+}
+
 pub fn fuzz_scenario(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
@@ -108,11 +117,8 @@ pub fn fuzz_scenario(data: &[u8]) {
     let Ok(sc) = parse_scenario(text) else {
         return;
     };
-    let cfg = sc.engine_config();
-    let fp = cfg.footprint(cfg.model.index_topk);
-    let bytes = fp.expect("a validated scenario has a footprint").total().0;
     if sc.mutant.is_some()
-        || bytes > SCENARIO_RUN_BYTES_MAX
+        || footprint_bytes(&sc) > SCENARIO_RUN_BYTES_MAX
         || sc.workload.requests() > SCENARIO_RUN_REQUESTS_MAX
         || sc.steps_max > SCENARIO_RUN_STEPS_MAX
     {
@@ -149,9 +155,7 @@ pub fn fuzz_guided(data: &[u8]) {
         return;
     };
     let mut sc = draw(case.seed as u64, "swarm", None);
-    let cfg = sc.engine_config();
-    let fp = cfg.footprint(cfg.model.index_topk);
-    if fp.expect("a drawn scenario has a footprint").total().0 > GUIDED_RUN_BYTES_MAX {
+    if footprint_bytes(&sc) > GUIDED_RUN_BYTES_MAX {
         return;
     }
     sc.keep_requests(1 + case.requests as u32 % GUIDED_REQUESTS_MAX);

@@ -536,15 +536,7 @@ impl ShardResult {
                 probe: p.clone(),
             });
         }
-        let reached = self.coverage.keys().filter(|p| targets::is_target_name(p));
-        if reached.count() > targets::TARGETS_MAX {
-            return Err(MergeError::Inconsistent {
-                file: file.to_path_buf(),
-                what: "coverage",
-                why: format!("more than {} targets", targets::TARGETS_MAX),
-            });
-        }
-        Ok(())
+        targets_within_bound(self, file)
     }
 
     /// The per-seed records against the counts: failures, log hashes, coverage, wall time and
@@ -1010,21 +1002,18 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
     })
 }
 
-/// Each file's targets were at most `TARGETS_MAX` (`ShardResult::check`); so are the shards'
-/// together, `merged`.
-fn targets_within_bound(merged: &ShardResult, first_file: &Path) -> Result<(), MergeError> {
-    let targets = merged
+/// `result` (one shard's, or the shards' merged) holds at most `targets::TARGETS_MAX` targets;
+/// `file` names it (the first of a merge's).
+fn targets_within_bound(result: &ShardResult, file: &Path) -> Result<(), MergeError> {
+    let targets = result
         .coverage
         .keys()
         .filter(|n| targets::is_target_name(n));
     if targets.count() > targets::TARGETS_MAX {
         return Err(MergeError::Inconsistent {
-            file: first_file.to_path_buf(),
+            file: file.to_path_buf(),
             what: "coverage",
-            why: format!(
-                "the shards together hold more than {} targets",
-                targets::TARGETS_MAX
-            ),
+            why: format!("more than {} targets", targets::TARGETS_MAX),
         });
     }
     Ok(())

@@ -180,3 +180,33 @@ fn watermark_levels_are_targets_and_reported_by_level() {
     assert!(report.contains("load.ring_held >=2"), "{report}");
     assert!(report.contains("abort.loads_in_flight 0"), "{report}");
 }
+
+#[test]
+fn a_configurations_factors_name_its_values() {
+    let mut cfg = Config::preset("sim-small").expect("preset");
+    // sim-small: a bf16 index-K, an fp8 KV, a page-first mirror, write-through.
+    assert_eq!(
+        config_factors(&cfg, false),
+        [
+            ("ik", "bf16"),
+            ("kv", "fp8"),
+            ("layout", "page_first"),
+            ("policy", "write_through"),
+            ("ahead", "off"),
+        ]
+    );
+    cfg.model.index_k_dtype = IndexKDtype::Fp8;
+    cfg.model.kv_dtype = KvDtype::Bf16;
+    cfg.cache.host_layout = HostLayout::LayerFirst;
+    cfg.cache.write_policy = WritePolicy::WriteBack;
+    assert_eq!(
+        config_factors(&cfg, true),
+        [
+            ("ik", "fp8"),
+            ("kv", "bf16"),
+            ("layout", "layer_first"),
+            ("policy", "write_back"),
+            ("ahead", "on"),
+        ]
+    );
+}
