@@ -141,7 +141,7 @@ pub fn pair_name(class: &str, earlier: &Side, later: &Side) -> String {
 }
 
 /// A run's factors: its configuration's (see the module's doc), each value named by
-/// [`FACTOR_VALUES`].
+/// `FACTOR_VALUES`.
 pub fn config_factors(cfg: &Config, ahead: bool) -> Vec<(&'static str, &'static str)> {
     let ik = match cfg.model.index_k_dtype {
         IndexKDtype::Fp8 => 0,
