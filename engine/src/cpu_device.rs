@@ -465,4 +465,36 @@ mod tests {
         d.host_read(b, Bytes(3), &mut out).unwrap();
         assert_eq!(out, [9, 1, 2, 3, 8]);
     }
+
+    /// The per-thread memo of RoPE rows answers each model its own rows: a thread that runs
+    /// one model's ops and then another's (the simulator's workers run seed after seed) gets
+    /// the second model's rows, not the first's kept.
+    #[test]
+    fn rope_rows_follow_the_model_on_one_thread() {
+        use tierkv_kernels::rope::RopeParams;
+        let drawn = |positions: &[u32]| Drawn {
+            seed: 0,
+            layer: 0,
+            rows: positions
+                .iter()
+                .map(|&position| TokenAt { token: 1, position })
+                .collect(),
+            tokens: None,
+        };
+        let one = Rope::new(&RopeParams::deepseek_v32(4096));
+        let other = Rope::new(&RopeParams {
+            theta: 50_000.0,
+            ..RopeParams::deepseek_v32(4096)
+        });
+        assert_ne!(one, other);
+        for rope in [one, other, one] {
+            for positions in [&[3, 0, 70][..], &[200, 5]] {
+                assert_eq!(
+                    rope_rows(&rope, &drawn(positions)),
+                    rope.rows(positions.iter().copied()),
+                    "{positions:?}"
+                );
+            }
+        }
+    }
 }

@@ -108,3 +108,6 @@ impl Synth {
         (mix64(self.stream(Stream::Token, stream, i, 0)) % VOCAB as u64) as u32
     }
 }
+
+#[cfg(test)]
+mod tests;

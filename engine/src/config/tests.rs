@@ -512,3 +512,22 @@ fn a_wrong_type_names_what_was_found() {
     let e = Config::from_value(&json).expect_err("a string").to_string();
     assert!(e.contains(r#"found the string "sim-small""#), "{e}");
 }
+
+/// Only ue8m0 scales are rounded up to powers of two.
+#[test]
+fn only_ue8m0_scales_round_to_powers_of_two() {
+    assert!(ScaleFmt::Ue8m0.ue8m0());
+    assert!(!ScaleFmt::Fp32.ue8m0());
+}
+
+/// An original RoPE length at the context limit is a length the limit allows; one past it is
+/// refused, naming the key.
+#[test]
+fn a_rope_original_length_at_the_context_limit_is_accepted() {
+    let mut c = Config::preset("sim-small").unwrap();
+    c.model.rope_original_seq_len = limits::CONTEXT_TOKENS_MAX;
+    c.validate().expect("the limit itself");
+    c.model.rope_original_seq_len = limits::CONTEXT_TOKENS_MAX + 1;
+    let e = c.validate().expect_err("past the limit").to_string();
+    assert!(e.contains("model.rope_original_seq_len"), "{e}");
+}

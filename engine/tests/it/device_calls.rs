@@ -122,3 +122,31 @@ fn a_call_of_a_lost_generation_is_not_repeated() {
     });
     assert_eq!((r, dev.recoveries), (Ok(2), 2));
 }
+
+/// A device in error says which op's fault put it there, on which stream, and for a hung op
+/// after how long.
+#[test]
+fn a_device_in_error_names_its_fault() {
+    let failed = DeviceError::InError {
+        cause: DeviceFault::Failed {
+            op: "topk",
+            stream: StreamKind::Compute,
+        },
+    };
+    let hung = DeviceError::InError {
+        cause: DeviceFault::Hung {
+            op: "copy",
+            stream: StreamKind::Load,
+            after_ns: 5_000,
+        },
+    };
+    let (failed, hung) = (failed.to_string(), hung.to_string());
+    assert!(
+        failed.contains("since topk failed on the compute stream;"),
+        "{failed}"
+    );
+    assert!(
+        hung.contains("since copy on the load stream did not finish within 5000 ns;"),
+        "{hung}"
+    );
+}

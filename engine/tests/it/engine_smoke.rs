@@ -439,7 +439,8 @@ fn the_metrics_start_with_the_configured_pool_sizes() {
 }
 
 /// A weight update is refused while any work is left, and the refusal counts each kind: here a
-/// step in flight (running one step ahead), one request running and one queued.
+/// step in flight (running one step ahead), one request running and one queued. The
+/// quiescence audit refuses the engine then, and passes it once idle.
 #[test]
 fn a_weight_update_counts_the_work_left() {
     let mut cfg = Config::preset("sim-small").unwrap();
@@ -471,7 +472,11 @@ fn a_weight_update_counts_the_work_left() {
         ),
         "{err}"
     );
+    // The quiescence audit refuses it too, and names the work left.
+    let left = e.check_quiescent().expect_err("work is left");
+    assert!(left.starts_with("not idle: 1 queued, 1 running,"), "{left}");
     run_to_idle(&mut e);
+    e.check_quiescent().expect("idle, nothing leaked");
     e.update_weights(1).expect("idle");
 }
 
@@ -519,4 +524,34 @@ fn write_through_backs_up_a_prefix_and_its_extension() {
         "every full page on the host: {:?}",
         e.metrics
     );
+}
+
+/// Indexing every prompt token changes no generated token: the synthetic model draws each
+/// position's query from its token and position alone, so the last prompt token's selection is
+/// the same either way. A 150-token prompt is three launches of query rows under every-token
+/// indexing (`QUERY_ROWS_PER_LAUNCH` = 64), so the later launches' rows must land where the first
+/// launch's do not.
+#[test]
+fn indexing_every_prompt_token_generates_the_same_tokens() {
+    let run = |indexer| {
+        let mut cfg = Config::preset("sim-small").unwrap();
+        cfg.model.prefill_indexer = indexer;
+        let mut e = engine(cfg, EngineOptions::default());
+        let s = e.synth;
+        for stream in [1, 2] {
+            e.submit(RequestSpec {
+                prompt: prompt(&s, 20, 130, stream),
+                max_new_tokens: 6,
+            })
+            .unwrap();
+        }
+        let out = run_to_idle(&mut e);
+        assert!(e.metrics.requests_finished == 2);
+        tokens_of(&out)
+    };
+    use tierkv_engine::config::PrefillIndexer;
+    const { assert!(tierkv_engine::engine::QUERY_ROWS_PER_LAUNCH < 150 / 2) };
+    let every = run(PrefillIndexer::EveryToken);
+    assert_eq!(every.len(), 12);
+    assert_eq!(every, run(PrefillIndexer::LastToken));
 }

@@ -310,3 +310,38 @@ fn malformed_traces_name_the_line() {
         assert!(e.contains(needle), "{text:?}: {e}");
     }
 }
+
+/// `trace::generate`, the stand-in for a real trace: every record is one the parser accepts
+/// (written as a JSON line and read back, equal), asks for at least one token, and its block ids
+/// form one tree (an id has the same parent wherever it appears); most requests share a prefix
+/// with an earlier one, as the conversation trace's do.
+#[test]
+fn a_generated_trace_is_a_valid_tree_of_shared_prefixes() {
+    let recs = trace::generate(300, 9);
+    let mut parent: HashMap<u64, Option<u64>> = HashMap::new();
+    let mut first_blocks = HashSet::new();
+    let mut sharing = 0;
+    for (i, r) in recs.iter().enumerate() {
+        let line = format!(
+            "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": {}, \"hash_ids\": {:?}}}",
+            r.timestamp_ms, r.input_length, r.output_length, r.hash_ids
+        );
+        let back = trace::parse_line(&line, r.line).unwrap_or_else(|e| panic!("record {i}: {e}"));
+        assert_eq!(&back, r, "record {i}");
+        assert!(r.output_length >= 1, "record {i} generates nothing");
+        for (j, &id) in r.hash_ids.iter().enumerate() {
+            let p = j.checked_sub(1).map(|k| r.hash_ids[k]);
+            let was = *parent.entry(id).or_insert(p);
+            assert_eq!(
+                was, p,
+                "record {i}: block {id} under {p:?}, before under {was:?}"
+            );
+        }
+        sharing += !first_blocks.insert(r.hash_ids[0]) as usize;
+    }
+    assert!(
+        sharing * 2 > recs.len(),
+        "{sharing} of {} share a prefix",
+        recs.len()
+    );
+}

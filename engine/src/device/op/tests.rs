@@ -1,4 +1,6 @@
 use super::*;
+use crate::device::{BufferDesc, MemoryTier};
+use crate::layout::{IndexKDtype, KvDtype, LayerId};
 
 /// The distinct pages of the rows' contexts, ascending, by a sort: what `used_pages` answers.
 fn sorted_pages(page_table: &[i32], pt_stride: u32, context_lens: &[i32]) -> Vec<u32> {
@@ -63,4 +65,174 @@ fn a_byte_range_is_empty_when_it_holds_no_byte() {
     let buf = BufferId(0);
     assert!(ByteRange::new(buf, Bytes(8), Bytes(0)).is_empty());
     assert!(!ByteRange::new(buf, Bytes(8), Bytes(1)).is_empty());
+}
+
+/// Buffer 0: a pool of 4 pages of `fmt`; every other buffer: 1 MiB of scratch.
+fn descs(fmt: PageFormat) -> impl Fn(BufferId) -> BufferDesc {
+    move |b: BufferId| {
+        let (role, fingerprint, bytes) = match b.0 {
+            0 => (
+                BufferRole::Pool {
+                    kind: fmt.kind(),
+                    layer: LayerId(0),
+                },
+                fmt.fingerprint(),
+                fmt.page_bytes() * 4,
+            ),
+            _ => (
+                BufferRole::Scratch { name: "scratch" },
+                LayoutFingerprint::unpaged(1 << 20),
+                1 << 20,
+            ),
+        };
+        BufferDesc {
+            role,
+            tier: MemoryTier::Device,
+            bytes: Bytes(bytes),
+            fingerprint,
+        }
+    }
+}
+
+fn region(buffer: u32, bytes: u64) -> Region {
+    Region {
+        buffer: BufferId(buffer),
+        offset: Bytes::ZERO,
+        bytes: Bytes(bytes),
+    }
+}
+
+/// The four ops over a pool (two stored tokens or one query row of a 2-page context), each in
+/// the formats of `ik` and `kv`, pool buffer 0.
+fn pool_ops(ik: IndexKDtype, kv: KvDtype) -> Vec<Op> {
+    let tags = RowTags {
+        layer_global: 0,
+        rows: Arc::from([RowTag {
+            request: 1,
+            position: 70,
+        }]),
+    };
+    let drawn = Drawn {
+        seed: 1,
+        layer: 0,
+        rows: Arc::from(
+            [TokenAt {
+                token: 5,
+                position: 0,
+            }; 2],
+        ),
+        tokens: None,
+    };
+    let rope = Rope::new(&tierkv_kernels::rope::RopeParams::deepseek_v32(4096));
+    let (table, lens): (Arc<[i32]>, Arc<[i32]>) = (Arc::from([0, 1]), Arc::from([71]));
+    vec![
+        Op::IndexKStore(IndexKStore {
+            dst: BufferId(0),
+            args: args::IndexKStore {
+                dtype: ik,
+                ue8m0: false,
+                slots: vec![0, 1].into(),
+            },
+            keys: drawn.clone(),
+            gamma: Arc::from([1.0; 128]),
+            beta: Arc::from([0.0; 128]),
+            rope,
+            tags: tags.clone(),
+        }),
+        Op::KvStore(KvStore {
+            dst: BufferId(0),
+            args: args::KvStore {
+                dtype: kv,
+                slots: vec![0, 1].into(),
+            },
+            rows: drawn,
+            tags: tags.clone(),
+        }),
+        Op::IndexLogits(IndexLogits {
+            args: args::IndexLogits {
+                dtype: ik,
+                heads: 1,
+                page_table: table.clone().into(),
+                pt_stride: 2,
+                context_lens: lens.clone().into(),
+                out_stride: 128,
+            },
+            q: region(1, 128),
+            w: region(2, 4),
+            k: BufferId(0),
+            out: region(3, 128 * 4),
+            tags: tags.clone(),
+        }),
+        Op::SparseRead(SparseRead {
+            args: args::SparseRead {
+                dtype: kv,
+                rows: 1,
+                k: 4,
+            },
+            slots: region(1, 4 * 4),
+            kv: BufferId(0),
+            page_table: table,
+            pt_stride: 2,
+            context_lens: lens,
+            out: region(2, 8),
+            tags,
+        }),
+    ]
+}
+
+/// Every op over a pool declares the pool's format: `check_op` runs it on a pool of that format
+/// and refuses it, naming the op and the pool, on a pool of the other dtype (the check against
+/// a store that ignores the pool's dtype, the incident `IndexKStore`'s dtype exists for).
+#[test]
+fn an_op_over_a_pool_of_another_format_is_refused() {
+    let formats = |ik, kv| {
+        [
+            PageFormat::IndexK(ik),
+            PageFormat::Kv(kv),
+            PageFormat::IndexK(ik),
+            PageFormat::Kv(kv),
+        ]
+    };
+    let dtypes = [
+        (IndexKDtype::Fp8, KvDtype::Bf16),
+        (IndexKDtype::Bf16, KvDtype::Fp8Packed),
+    ];
+    for (i, &(ik, kv)) in dtypes.iter().enumerate() {
+        let (other_ik, other_kv) = dtypes[1 - i];
+        let ops = pool_ops(ik, kv);
+        for ((op, fmt), other) in ops
+            .iter()
+            .zip(formats(ik, kv))
+            .zip(formats(other_ik, other_kv))
+        {
+            let name = op.name();
+            assert_eq!(name, Op::NAMES[op.kind()]);
+            crate::device::check_op(op, descs(fmt)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            match crate::device::check_op(op, descs(other)) {
+                Err(DeviceError::LayoutMismatch { op, buffer, .. }) => {
+                    assert_eq!((op, buffer), (name, BufferId(0)))
+                }
+                r => panic!("{name} over a pool of {other:?}: {r:?}"),
+            }
+        }
+    }
+}
+
+/// A linear copy between regions of different sizes is refused by its shape check, by name.
+#[test]
+fn a_linear_copy_between_unequal_regions_is_refused() {
+    let op = Op::Copy(LinearCopy {
+        src: region(1, 16),
+        dst: region(2, 16),
+    });
+    assert_eq!(op.name(), "copy");
+    crate::device::check_op(&op, descs(PageFormat::Kv(KvDtype::Bf16))).expect("equal sizes");
+    let op = Op::Copy(LinearCopy {
+        src: region(1, 16),
+        dst: region(2, 24),
+    });
+    match crate::device::check_op(&op, descs(PageFormat::Kv(KvDtype::Bf16))) {
+        Err(e) => assert!(e.to_string().contains("24 B from a 16 B region"), "{e}"),
+        Ok(()) => panic!("a 16 B region copied into 24 B"),
+    }
 }

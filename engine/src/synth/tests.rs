@@ -1,0 +1,74 @@
+use super::*;
+use std::collections::BTreeSet;
+
+/// Every weights version up to the engine's limit draws a model of its own: no two versions
+/// (and no version and the original) share an index key, so rows computed under one version
+/// never pass for another's.
+#[test]
+fn every_weights_version_draws_its_own_model() {
+    let mut seen = BTreeSet::new();
+    for version in (0..1024).chain([u16::MAX as u32]) {
+        let key: Vec<u16> = Synth::with_weights(11, version)
+            .index_key(5, 3, 1)
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert!(
+            seen.insert(key),
+            "version {version} draws an earlier version's model"
+        );
+    }
+    assert_eq!(Synth::with_weights(11, 0), Synth::new(11));
+}
+
+/// A query holds `heads × 128` values, the draw's, and its heads differ.
+#[test]
+fn a_query_is_every_heads_draw() {
+    let s = Synth::new(3);
+    let t = TokenAt {
+        token: 9,
+        position: 40,
+    };
+    for heads in [1, 4, 64] {
+        let q = s.query(t.token, t.position, 2, heads);
+        assert_eq!(q.len(), heads as usize * INDEX_HEAD_DIM as usize);
+        let mut want = Vec::new();
+        draw::query_into(3, t, 2, heads, &mut want);
+        assert_eq!(q, want, "{heads} heads");
+        if heads > 1 {
+            assert_ne!(
+                q[..128],
+                q[128..256],
+                "{heads} heads: the first two are one head"
+            );
+        }
+    }
+}
+
+/// The LayerNorm weight and bias of a layer are 128 values each, drawn apart from one stream
+/// of the layer: the weight `1 + 0.25 u` from its elements 0..128, the bias `0.1 u` from
+/// elements 128..256 (so the weight in [0.75, 1.25), the bias in [-0.1, 0.1)). Pinned because
+/// the engine, the CUDA device (which uploads them) and the oracles take them from here.
+#[test]
+fn layer_norm_weight_and_bias_are_drawn_apart() {
+    let s = Synth::new(21);
+    for layer in 0..8 {
+        let (g, b) = s.ln_params(layer);
+        let ln = draw::stream(21, Stream::Ln, layer as u64, 0, 0);
+        let want_g: Vec<f32> = (0..128).map(|i| 1.0 + 0.25 * draw::unit(ln, i)).collect();
+        let want_b: Vec<f32> = (0..128).map(|i| 0.1 * draw::unit(ln, 128 + i)).collect();
+        assert_eq!(
+            (&g[..], &b[..]),
+            (&want_g[..], &want_b[..]),
+            "layer {layer}"
+        );
+        assert!(
+            g.iter().all(|x| (0.75..1.25).contains(x)),
+            "layer {layer}: {g:?}"
+        );
+        assert!(
+            b.iter().all(|x| (-0.1..0.1).contains(x)),
+            "layer {layer}: {b:?}"
+        );
+    }
+}
