@@ -431,14 +431,6 @@ impl PrefixCache {
             .expect("device accounting went negative");
     }
 
-    /// Device pages held by the tree that eviction may take / may not take now.
-    pub fn evictable_pages(&self) -> u64 {
-        self.evictable
-    }
-    pub fn protected_pages(&self) -> u64 {
-        self.protected
-    }
-
     /// Matches `keys` from the root: the resident prefix, then the backed-up suffix that can be
     /// loaded. Stops at a node with a load in flight (nothing is published before its copy ends).
     /// Read-only: a match that is not acted on (a request that cannot be admitted yet) must not

@@ -610,6 +610,10 @@ impl CacheController {
             // Evicting would drop host copies and still not make room: keep them.
             return None;
         }
+        probe::watermark(
+            probe::Watermark::HostPagesFreeAtEviction,
+            io.pools.host_pages.free_count() as u64,
+        );
         let freed = io.cache.evict_host(want, keep);
         probe::hit_if(Probe::HostEvicted, !freed.is_empty());
         probe::watermark(probe::Watermark::HostPagesEvictedAtOnce, freed.len() as u64);

@@ -100,6 +100,12 @@ watermarks! {
     QueuedTokens = "intake.queued_tokens",
     /// Host pages one eviction of the host tier dropped.
     HostPagesEvictedAtOnce = "host.pages_evicted_at_once",
+    /// Host pages free when a backup that could not have its pages evicted the host tier for
+    /// more (the backup needed more than these).
+    HostPagesFreeAtEviction = "host.pages_free_at_eviction",
+    /// Ops enqueued, on every stream, between an event's record and a wait on it (a stream's
+    /// wait or the host's synchronize): how stale an event the engine still waits on.
+    OpsFromRecordToWait = "runtime.ops_from_record_to_wait",
 }
 
 /// Counts `value` of `w`: a hit of each of its levels up to `value` (none for 0).
@@ -373,5 +379,30 @@ mod tests {
         }
         watermark(Watermark::QueuedTokens, u64::MAX);
         assert_eq!(take().len(), MARK_LEVELS, "at most 2^{}", MARK_LEVELS - 1);
+    }
+
+    /// `first_hits` holds the position each probe was at when first hit since the last
+    /// `take`, and `take` empties it and the position.
+    #[test]
+    fn first_hits_keep_the_position_of_each_first_hit() {
+        take();
+        set_position(5);
+        hit(Probe::LoadIssued);
+        set_position(9);
+        hit(Probe::LoadIssued);
+        hit(Probe::LoadFailed);
+        let first = first_hits();
+        assert_eq!(first.get("load.issued"), Some(&5));
+        assert_eq!(first.get("load.failed"), Some(&9));
+        assert_eq!(first.len(), 2);
+        take();
+        assert!(first_hits().is_empty());
+        hit(Probe::LoadFailed);
+        assert_eq!(
+            first_hits().get("load.failed"),
+            Some(&0),
+            "take resets the position"
+        );
+        take();
     }
 }

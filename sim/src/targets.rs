@@ -32,10 +32,9 @@
 //! - **Watermarks** `mark.NAME>=2^K`: the levels (powers of two) a numeric quantity of the engine
 //!   reached (`tierkv_engine::probe::Watermark`: loads in flight at an abort, load-ring slots
 //!   held at a claim, prompt tokens queued at an accepted submit, host pages one eviction
-//!   dropped). The engine counts them; the report gives each level's share of seeds.
-//!
-//! Not built of issue 33's item 3: the watermarks it also names that are not the engine's
-//! (host pages free at an eviction, the distance between a record and its wait).
+//!   dropped, host pages free when a backup evicts the host tier, and the ops enqueued between
+//!   an event's record and a wait on it, counted by the runtime). The engine counts them; the
+//!   report gives each level's share of seeds.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;

@@ -312,6 +312,11 @@ pub struct DrivenDevice<D: Driver> {
     /// Each buffer's allocation and description.
     buffers: Vec<(Mem, BufferDesc)>,
     events: Vec<DrvEvent>,
+    /// Each event's last record: the ops enqueued (on every stream) before it, for the
+    /// record-to-wait watermark.
+    recorded_at: Vec<u64>,
+    /// Ops enqueued so far, on every stream.
+    enqueued: u64,
     /// Per stream, the pinned ring its ops' arguments are staged through.
     staging: [Option<Staging>; StreamKind::ALL.len()],
     /// Bytes of each staging ring.
@@ -367,6 +372,8 @@ impl<D: Driver> DrivenDevice<D> {
             mutants: crate::mutants::Mutants::none(),
             buffers: Vec::new(),
             events: Vec::new(),
+            recorded_at: Vec::new(),
+            enqueued: 0,
             staging: [None, None, None],
             staging_bytes,
             rope: None,
@@ -467,6 +474,12 @@ impl<D: Driver> DrivenDevice<D> {
     pub fn prepare_rope_for(&mut self, cfg: &crate::config::Config) -> Result<(), DeviceError> {
         let rope = Rope::new(&cfg.rope());
         self.prepare_rope(&rope, cfg.model.context_tokens_max)
+    }
+
+    /// Counts, for a wait on `ev`, the ops enqueued since its last record.
+    fn mark_wait(&self, ev: EventId) {
+        let since = self.enqueued - self.recorded_at[ev.0 as usize];
+        crate::probe::watermark(crate::probe::Watermark::OpsFromRecordToWait, since);
     }
 
     /// Forgets (and destroys) every graph whose launches name `mem`, which is being freed: a
@@ -1313,6 +1326,7 @@ impl<D: Driver> Device for DrivenDevice<D> {
     fn new_event(&mut self) -> Result<EventId, DeviceError> {
         let ev = self.driver.event_create(EventUse::Engine)?;
         self.events.push(ev);
+        self.recorded_at.push(0);
         Ok(EventId(self.events.len() as u32 - 1))
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
@@ -1322,6 +1336,7 @@ impl<D: Driver> Device for DrivenDevice<D> {
         self.retire_shared(false)?;
         self.driver
             .event_record(stream, self.events[ev.0 as usize])?;
+        self.recorded_at[ev.0 as usize] = self.enqueued;
         // A slot whose previous callback has not run yet (late, or never: CUDA drops the
         // callbacks of a context in error) is not issued again: `query` asks the driver about
         // this record instead of blocking the host until that callback.
@@ -1349,6 +1364,7 @@ impl<D: Driver> Device for DrivenDevice<D> {
         Ok(())
     }
     fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.mark_wait(ev);
         let e = self.events[ev.0 as usize];
         self.timed(stream, None, |d| d.driver.stream_wait(stream, e))
     }
@@ -1418,11 +1434,13 @@ impl<D: Driver> Device for DrivenDevice<D> {
         self.driver.event_query(self.events[ev.0 as usize])
     }
     fn synchronize(&mut self, ev: EventId) -> EventState {
+        self.mark_wait(ev);
         self.driver.event_synchronize(self.events[ev.0 as usize])
     }
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
         // Real time only while timed: the runtime names no clock otherwise.
         let t0 = self.timing.is_some().then(std::time::Instant::now);
+        self.enqueued += 1;
         let buffers = &self.buffers;
         self.checked.check(&op, &|b| buffers[b.0 as usize].1)?;
         self.driver.bind()?;

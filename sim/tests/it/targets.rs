@@ -41,6 +41,10 @@ fn a_run_counts_its_pairs_and_the_combinations_of_its_factors() {
         // Every accepted request queues its prompt's tokens: a watermark of at least 1.
         let queued = "mark.intake.queued_tokens>=2^0";
         assert!(reached.contains(&queued), "seed {seed}: {reached:?}");
+        // The runtime counts the ops enqueued between an event's record and a wait on it:
+        // these seeds wait on an event with ops enqueued after its record.
+        let stale = "mark.runtime.ops_from_record_to_wait>=2^0";
+        assert!(reached.contains(&stale), "seed {seed}: {reached:?}");
         // The configuration's factors, each once, and every two of them together.
         let cfg = Config::from_toml(&sc.config).expect("the scenario's configuration");
         let factors = config_factors(&cfg, sc.overlap);
