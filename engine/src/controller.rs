@@ -610,12 +610,11 @@ impl CacheController {
             // Evicting would drop host copies and still not make room: keep them.
             return None;
         }
-        probe::watermark(
-            probe::Watermark::HostPagesFreeAtEviction,
-            io.pools.host_pages.free_count() as u64,
-        );
+        let free = io.pools.host_pages.free_count();
         let freed = io.cache.evict_host(want, keep);
-        probe::hit_if(Probe::HostEvicted, !freed.is_empty());
+        if probe::hit_if(Probe::HostEvicted, !freed.is_empty()) {
+            probe::watermark(probe::Watermark::HostPagesFreeAtEviction, free as u64);
+        }
         probe::watermark(probe::Watermark::HostPagesEvictedAtOnce, freed.len() as u64);
         io.pools.host_pages.free(&freed);
         io.pools.host_pages.alloc(n)

@@ -100,8 +100,8 @@ watermarks! {
     QueuedTokens = "intake.queued_tokens",
     /// Host pages one eviction of the host tier dropped.
     HostPagesEvictedAtOnce = "host.pages_evicted_at_once",
-    /// Host pages free when a backup that could not have its pages evicted the host tier for
-    /// more (the backup needed more than these).
+    /// Host pages free when a backup needed more and evicted host copies to make room (an
+    /// eviction that dropped nothing is not counted).
     HostPagesFreeAtEviction = "host.pages_free_at_eviction",
     /// Ops enqueued, on every stream, between an event's record and a wait on it (a stream's
     /// wait or the host's synchronize): how stale an event the engine still waits on.

@@ -513,9 +513,10 @@ fn a_wrong_type_names_what_was_found() {
     assert!(e.contains(r#"found the string "sim-small""#), "{e}");
 }
 
-/// Only ue8m0 scales are rounded up to powers of two.
+/// `ScaleFmt::ue8m0`, the flag the kernels take to round their scales up to powers of two,
+/// holds for the ue8m0 format only.
 #[test]
-fn only_ue8m0_scales_round_to_powers_of_two() {
+fn the_ue8m0_flag_is_the_ue8m0_formats_alone() {
     assert!(ScaleFmt::Ue8m0.ue8m0());
     assert!(!ScaleFmt::Fp32.ue8m0());
 }

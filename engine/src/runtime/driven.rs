@@ -313,8 +313,8 @@ pub struct DrivenDevice<D: Driver> {
     buffers: Vec<(Mem, BufferDesc)>,
     events: Vec<DrvEvent>,
     /// Each event's last record: the ops enqueued (on every stream) before it, for the
-    /// record-to-wait watermark.
-    recorded_at: Vec<u64>,
+    /// record-to-wait watermark (`None`: never recorded).
+    recorded_at: Vec<Option<u64>>,
     /// Ops enqueued so far, on every stream.
     enqueued: u64,
     /// Per stream, the pinned ring its ops' arguments are staged through.
@@ -476,10 +476,13 @@ impl<D: Driver> DrivenDevice<D> {
         self.prepare_rope(&rope, cfg.model.context_tokens_max)
     }
 
-    /// Counts, for a wait on `ev`, the ops enqueued since its last record.
+    /// Counts, for a wait on `ev`, the ops enqueued since its last record (nothing for an
+    /// event never recorded).
     fn mark_wait(&self, ev: EventId) {
-        let since = self.enqueued - self.recorded_at[ev.0 as usize];
-        crate::probe::watermark(crate::probe::Watermark::OpsFromRecordToWait, since);
+        if let Some(at) = self.recorded_at[ev.0 as usize] {
+            let since = self.enqueued - at;
+            crate::probe::watermark(crate::probe::Watermark::OpsFromRecordToWait, since);
+        }
     }
 
     /// Forgets (and destroys) every graph whose launches name `mem`, which is being freed: a
@@ -1326,7 +1329,7 @@ impl<D: Driver> Device for DrivenDevice<D> {
     fn new_event(&mut self) -> Result<EventId, DeviceError> {
         let ev = self.driver.event_create(EventUse::Engine)?;
         self.events.push(ev);
-        self.recorded_at.push(0);
+        self.recorded_at.push(None);
         Ok(EventId(self.events.len() as u32 - 1))
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
@@ -1336,7 +1339,7 @@ impl<D: Driver> Device for DrivenDevice<D> {
         self.retire_shared(false)?;
         self.driver
             .event_record(stream, self.events[ev.0 as usize])?;
-        self.recorded_at[ev.0 as usize] = self.enqueued;
+        self.recorded_at[ev.0 as usize] = Some(self.enqueued);
         // A slot whose previous callback has not run yet (late, or never: CUDA drops the
         // callbacks of a context in error) is not issued again: `query` asks the driver about
         // this record instead of blocking the host until that callback.

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 #[test]
 fn every_weights_version_draws_its_own_model() {
     let mut seen = BTreeSet::new();
-    for version in (0..1024).chain([u16::MAX as u32]) {
+    for version in 0..=crate::cache::WEIGHTS_VERSION_MAX {
         let key: Vec<u16> = Synth::with_weights(11, version)
             .index_key(5, 3, 1)
             .iter()
@@ -21,7 +21,7 @@ fn every_weights_version_draws_its_own_model() {
     assert_eq!(Synth::with_weights(11, 0), Synth::new(11));
 }
 
-/// A query holds `heads × 128` values, the draw's, and its heads differ.
+/// A query holds `heads × 128` values, the draw's, and no two neighbouring heads are one.
 #[test]
 fn a_query_is_every_heads_draw() {
     let s = Synth::new(3);

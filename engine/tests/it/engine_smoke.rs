@@ -528,9 +528,9 @@ fn write_through_backs_up_a_prefix_and_its_extension() {
 
 /// Indexing every prompt token changes no generated token: the synthetic model draws each
 /// position's query from its token and position alone, so the last prompt token's selection is
-/// the same either way. A 150-token prompt is three launches of query rows under every-token
-/// indexing (`QUERY_ROWS_PER_LAUNCH` = 64), so the later launches' rows must land where the first
-/// launch's do not.
+/// the same either way. Under every-token indexing each 150-token prompt's query rows take more
+/// than two launches (`QUERY_ROWS_PER_LAUNCH` = 64), so the later launches' rows must land
+/// where the first launch's do not.
 #[test]
 fn indexing_every_prompt_token_generates_the_same_tokens() {
     let run = |indexer| {
@@ -546,7 +546,7 @@ fn indexing_every_prompt_token_generates_the_same_tokens() {
             .unwrap();
         }
         let out = run_to_idle(&mut e);
-        assert!(e.metrics.requests_finished == 2);
+        assert_eq!(e.metrics.requests_finished, 2);
         tokens_of(&out)
     };
     use tierkv_engine::config::PrefillIndexer;

@@ -1,6 +1,6 @@
 //! The simulated driver's CUDA-graph semantics: a capture's launches run at each launch of its
 //! graph, and the calls CUDA refuses during a capture, or a graph over freed memory, are the
-//! runtime's errors.
+//! runtime's errors. Also the runtime over it: its RoPE table, its record-to-wait count.
 
 use super::*;
 use crate::gpu::{GpuOptions, SimGpu};
@@ -152,5 +152,60 @@ fn a_rope_table_is_prepared_for_a_whole_context() {
     assert_eq!(
         dev.rope_rows(),
         cfg.model.context_tokens_max.next_power_of_two()
+    );
+}
+
+/// The runtime counts the ops enqueued, on every stream, between an event's record and a wait
+/// on it (`mark.runtime.ops_from_record_to_wait`): five ops give the levels 2^0 to 2^2, a wait
+/// right after a record none, and a wait on an event never recorded none.
+#[test]
+fn a_wait_counts_the_ops_since_its_events_record() {
+    use tierkv_engine::device::{
+        BufferDesc, BufferRole, Device, LinearCopy, MemoryTier, Op, Region,
+    };
+    use tierkv_engine::layout::LayoutFingerprint;
+    use tierkv_engine::probe;
+    let (d, _, _) = driver();
+    let mut dev = DrivenDevice::with_staging(d, CopyStrategy::Gather, 1 << 16).expect("device");
+    let desc = BufferDesc {
+        role: BufferRole::Scratch { name: "test" },
+        tier: MemoryTier::Device,
+        bytes: Bytes(64),
+        fingerprint: LayoutFingerprint::unpaged(64),
+    };
+    let (a, b) = (dev.alloc(desc).expect("a"), dev.alloc(desc).expect("b"));
+    let region = |buffer| Region {
+        buffer,
+        offset: Bytes::ZERO,
+        bytes: Bytes(64),
+    };
+    let copy = Op::Copy(LinearCopy {
+        src: region(a),
+        dst: region(b),
+    });
+    let (ev, never) = (
+        dev.new_event().expect("event"),
+        dev.new_event().expect("event"),
+    );
+    let level = |k: u32| format!("mark.runtime.ops_from_record_to_wait>=2^{k}");
+    probe::take();
+    dev.record(StreamKind::Compute, ev).expect("record");
+    for i in 0..5 {
+        let s = [StreamKind::Compute, StreamKind::Write][i % 2];
+        dev.enqueue(s, copy.clone()).expect("a copy");
+    }
+    dev.synchronize(ev);
+    let hits = probe::take();
+    for k in 0..3 {
+        assert_eq!(hits.get(level(k).as_str()), Some(&1), "level {k}: {hits:?}");
+    }
+    assert_eq!(hits.get(level(3).as_str()), None, "{hits:?}");
+    dev.record(StreamKind::Compute, ev).expect("record");
+    dev.synchronize(ev);
+    dev.wait(StreamKind::Load, never).expect("a wait");
+    let hits = probe::take();
+    assert!(
+        !hits.keys().any(|n| n.starts_with("mark.runtime")),
+        "{hits:?}"
     );
 }

@@ -45,6 +45,14 @@ fn a_run_counts_its_pairs_and_the_combinations_of_its_factors() {
         // these seeds wait on an event with ops enqueued after its record.
         let stale = "mark.runtime.ops_from_record_to_wait>=2^0";
         assert!(reached.contains(&stale), "seed {seed}: {reached:?}");
+        // Free host pages are counted at an eviction that dropped host copies only.
+        let free_at_eviction = reached
+            .iter()
+            .any(|n| n.starts_with("mark.host.pages_free_at_eviction"));
+        assert!(
+            !free_at_eviction || out.probes.contains_key("host.evicted"),
+            "seed {seed}: free pages counted without an eviction"
+        );
         // The configuration's factors, each once, and every two of them together.
         let cfg = Config::from_toml(&sc.config).expect("the scenario's configuration");
         let factors = config_factors(&cfg, sc.overlap);
