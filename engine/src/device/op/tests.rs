@@ -238,3 +238,50 @@ fn a_linear_copy_between_unequal_regions_is_refused() {
         r => panic!("a 16 B region copied into 24 B: {r:?}"),
     }
 }
+
+/// Each op's detail, the text a refusal or a trace shows beside its name, gives its shape and
+/// the pool it works on.
+#[test]
+fn an_ops_detail_gives_its_shape() {
+    let fmt = PageFormat::IndexK(IndexKDtype::Fp8);
+    let role = |b: BufferId| descs(fmt)(b).role;
+    let pool = role(BufferId(0));
+    let mut ops = pool_ops(IndexKDtype::Fp8, KvDtype::Bf16);
+    ops.push(Op::TopK(TopK {
+        args: args::TopK {
+            k: 4,
+            stride: 128,
+            context_lens: vec![71, 9].into(),
+            page_table: vec![0, 1, 2, 3].into(),
+            pt_stride: 2,
+        },
+        logits: region(1, 2 * 128 * 4),
+        out: region(2, 2 * 4 * 4),
+    }));
+    ops.push(Op::NextTokens(NextTokens {
+        args: args::NextTokens {
+            seed: 1,
+            layers: 3,
+            rows_max: 8,
+            rows: 5,
+        },
+        digests: region(1, 3 * 8 * 8),
+        out: region(2, 5 * 4),
+        tags: RowTags {
+            layer_global: 0,
+            rows: Arc::from([]),
+        },
+    }));
+    let details: Vec<String> = ops.iter().map(|op| op.spec().detail(&role)).collect();
+    assert_eq!(
+        details,
+        [
+            format!("2 tokens into {pool}"),
+            format!("2 tokens into {pool}"),
+            format!("1 rows over {pool}"),
+            format!("1 rows x top-4 of {pool}"),
+            "2 rows, k = 4".to_string(),
+            "5 rows x 3 layers".to_string(),
+        ]
+    );
+}
