@@ -168,6 +168,21 @@ mod tests {
         assert!(s.done.get() > 0, "the ring reused memory without waiting");
     }
 
+    /// A region that only touches a pending copy's region does not wait for that copy: with
+    /// the stream stalled, regions laid end to end in the ring are handed out at once.
+    #[test]
+    fn a_region_next_to_a_pending_copy_does_not_wait_for_it() {
+        let mut s = Stage::new(64);
+        for (n, start) in [(16, 0), (16, 16), (32, 32)] {
+            assert_eq!(s.stage(n), start);
+        }
+        assert_eq!(
+            s.done.get(),
+            0,
+            "a region waited for a copy it does not overlap"
+        );
+    }
+
     /// Random sizes and random progress of the stream: no region handed out overlaps a copy
     /// still pending.
     #[test]
