@@ -471,4 +471,24 @@ mod tests {
         }
         assert_eq!(memo.passed.len(), 1, "{:?}", memo.passed);
     }
+
+    /// A key whose arrays are still held stays through the insertion of another: its op is
+    /// remembered after another op's check.
+    #[test]
+    fn keys_of_held_arrays_stay() {
+        let mut memo = CheckMemo::default();
+        let desc = descs(4);
+        let (table, lens): (Arc<[i32]>, Arc<[i32]>) = (Arc::from([0, 3]), Arc::from([100]));
+        let other: Arc<[i32]> = Arc::from([1, 2]);
+        crate::probe::take();
+        memo.check(&logits(0, &table, &lens), &desc)
+            .expect("good op");
+        memo.check(&logits(0, &other, &lens), &desc)
+            .expect("another good op");
+        memo.check(&logits(0, &table, &lens), &desc)
+            .expect("the first again");
+        assert_eq!(memo.passed.len(), 2, "{:?}", memo.passed);
+        let hits = crate::probe::take();
+        assert_eq!(hits.get("device.check_remembered"), Some(&1), "{hits:?}");
+    }
 }
