@@ -182,6 +182,33 @@ fn a_bf16_prefill_index_k_and_an_fp8_decode_are_refused() {
     );
 }
 
+/// The scale format is part of the handshake where either side's index-K is fp8: a bf16 prefill
+/// with ue8m0 scales and an fp8 decode with fp32 ones are refused naming both fields; two bf16
+/// sides with different scale formats store the same bytes, and pair.
+#[test]
+fn the_scale_format_matters_where_either_index_k_is_fp8() {
+    use tierkv_engine::config::ScaleFmt;
+    let mut p = Config::preset("sim-small").unwrap();
+    p.model.index_k_dtype = IndexKDtype::Bf16;
+    p.model.scale_fmt = ScaleFmt::Ue8m0;
+    let mut d = p.clone();
+    d.model.index_k_dtype = IndexKDtype::Fp8;
+    d.model.scale_fmt = ScaleFmt::Fp32;
+    let text = pair(p.clone(), d.clone(), 0)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        text.contains("model.index_k_dtype") && text.contains("model.scale_fmt"),
+        "{text}"
+    );
+    d.model.index_k_dtype = IndexKDtype::Bf16;
+    assert!(
+        pair(p, d, 0).is_ok(),
+        "two bf16 sides pair whatever their scales"
+    );
+}
+
 #[test]
 fn aborts_in_every_stage_leak_nothing() {
     let cfg = Config::preset("sim-small").unwrap();
@@ -329,4 +356,20 @@ fn a_transfer_whose_notification_never_comes_times_out() {
         "{} ns",
         clock.0.get()
     );
+}
+
+/// The two engines of a pair share one device: a recovery through either handle recreates the
+/// one context, and both handles see its new generation.
+#[test]
+fn a_shared_device_has_one_context_generation() {
+    use tierkv_engine::device::Device;
+    let mut inner = InOrderDevice::new();
+    inner.recover_recreates = true;
+    let mut a = SharedDevice(Rc::new(RefCell::new(inner)));
+    let b = a.clone();
+    assert_eq!((a.context_generation(), b.context_generation()), (0, 0));
+    a.recover().expect("a recovery");
+    a.recover().expect("a recovery");
+    assert_eq!((a.context_generation(), b.context_generation()), (2, 2));
+    assert_eq!(b.0.borrow().recoveries, 2);
 }
