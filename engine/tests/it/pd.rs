@@ -138,8 +138,12 @@ fn a_pair_emits_what_one_engine_emits() {
     for s in &specs {
         p.submit(s.clone()).unwrap();
     }
+    // The stage report (a stuck pair's diagnosis) names each request in prefill before a step.
+    let prefill: Vec<String> = (0..specs.len()).map(|i| format!("{i}: prefill")).collect();
+    assert_eq!(p.stages(), prefill.join(", "));
     let mut paired = BTreeMap::new();
     run_pair(&mut p, &mut paired);
+    assert_eq!(p.stages(), "", "an idle pair holds no request");
     // A request of one output token ends on the prefill side; every other one crosses.
     let crossing = specs.iter().filter(|s| s.max_new_tokens > 1).count();
     assert!(crossing > 0 && crossing < specs.len());

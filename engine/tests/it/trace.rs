@@ -273,8 +273,13 @@ fn a_replay_refuses_a_request_over_the_device_tier_and_evicts_a_small_host_tier(
     assert!(e.to_string().contains("device tier of 4 pages"), "{e}");
     replay.cache().check_invariants();
     assert_eq!(replay.cache().device_pages().len(), 0);
-    // A host tier of a few pages: the replay evicts host copies (or skips a backup) instead.
-    let mut small_host = CacheReplay::new(1 << 10, 16);
+    // A request of exactly the tier's pages fits.
+    let whole = &prompt_page_keys(big, &synth)[..4];
+    replay.request(whole).expect("4 pages in a tier of 4");
+    assert_eq!(replay.cache().device_pages().len(), 4);
+    // A host tier of a few pages: the replay evicts host copies to back new pages up, and
+    // skips a backup that eviction cannot make room for.
+    let mut small_host = CacheReplay::new(1 << 10, 32);
     for r in &recs {
         let keys = prompt_page_keys(r, &synth);
         if keys.len() <= 1 << 10 {
@@ -284,10 +289,16 @@ fn a_replay_refuses_a_request_over_the_device_tier_and_evicts_a_small_host_tier(
         }
     }
     small_host.cache().check_invariants();
-    assert!(small_host.cache().host_pages().len() <= 16);
+    assert_eq!(
+        small_host.cache().host_pages().len(),
+        32,
+        "a full host tier"
+    );
     assert!(
-        small_host.host_evicted + small_host.backups_skipped > 0,
-        "a 16-page host tier evicted or skipped"
+        small_host.host_evicted > 0 && small_host.backups_skipped > 0,
+        "a 32-page host tier evicted {} pages and skipped {} backups",
+        small_host.host_evicted,
+        small_host.backups_skipped
     );
 }
 
