@@ -168,8 +168,9 @@ mod tests {
         assert!(s.done.get() > 0, "the ring reused memory without waiting");
     }
 
-    /// A region that only touches a pending copy's region does not wait for that copy: with
-    /// the stream stalled, regions laid end to end in the ring are handed out at once.
+    /// A region that only touches a pending copy's region, after it or (wrapped) before it,
+    /// does not wait for that copy: with the stream stalled, regions laid end to end in the
+    /// ring are handed out at once.
     #[test]
     fn a_region_next_to_a_pending_copy_does_not_wait_for_it() {
         let mut s = Stage::new(64);
@@ -180,6 +181,15 @@ mod tests {
             s.done.get(),
             0,
             "a region waited for a copy it does not overlap"
+        );
+        // The first copy completes; a wrapped region ending where the second begins does not
+        // wait for the second.
+        s.done.set(1);
+        assert_eq!(s.stage(16), 0);
+        assert_eq!(
+            s.done.get(),
+            1,
+            "a wrapped region waited for the copy after it"
         );
     }
 

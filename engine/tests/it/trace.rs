@@ -356,3 +356,26 @@ fn a_generated_trace_is_a_valid_tree_of_shared_prefixes() {
         recs.len()
     );
 }
+
+/// A replay evicts exactly what a request lacks: on a device tier of 8 pages holding a 6-page
+/// prompt, a new 4-page prompt evicts 2 pages; on a host tier of 4 pages holding one prompt's
+/// copies, a new 4-page prompt's backup evicts all 4 (exactly enough) rather than skipping.
+#[test]
+fn a_replay_evicts_exactly_what_a_request_lacks() {
+    let synth = Synth::new(2);
+    let keys = |stream: u64, pages: usize| {
+        let tokens: Vec<u32> = (0..pages as u64 * 64)
+            .map(|i| synth.token(stream, i))
+            .collect();
+        page_keys(&tokens, pages)
+    };
+    let mut device = CacheReplay::new(8, 1 << 10);
+    device.request(&keys(1, 6)).expect("6 pages of 8");
+    device.request(&keys(2, 4)).expect("4 more: 2 evicted");
+    assert_eq!(device.evicted, 2);
+    let mut host = CacheReplay::new(1 << 10, 4);
+    host.request(&keys(3, 4)).expect("backed up whole");
+    assert_eq!(host.cache().host_pages().len(), 4);
+    host.request(&keys(4, 4)).expect("another prompt");
+    assert_eq!((host.host_evicted, host.backups_skipped), (4, 0));
+}
