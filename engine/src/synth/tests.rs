@@ -3,7 +3,7 @@ use std::collections::BTreeSet;
 
 /// Every weights version up to the engine's limit draws a model of its own: no two versions
 /// (and no version and the original) share an index key, so rows computed under one version
-/// never pass for another's.
+/// never pass for another's; and two seeds' models stay apart at every version.
 #[test]
 fn every_weights_version_draws_its_own_model() {
     let mut seen = BTreeSet::new();
@@ -19,6 +19,30 @@ fn every_weights_version_draws_its_own_model() {
         );
     }
     assert_eq!(Synth::with_weights(11, 0), Synth::new(11));
+    // Two seeds' models stay apart at every version too.
+    for version in 1..64 {
+        let key = |seed| Synth::with_weights(seed, version).index_key(5, 3, 1);
+        assert_ne!(key(8), key(11), "seeds 8 and 11 at version {version}");
+    }
+}
+
+/// A KV row holds the 576 values of the draw.
+#[test]
+fn a_kv_row_is_the_draw() {
+    let s = Synth::new(4);
+    let row = s.kv_row(9, 70, 2);
+    let mut want = Vec::new();
+    draw::kv_row_into(
+        4,
+        TokenAt {
+            token: 9,
+            position: 70,
+        },
+        2,
+        &mut want,
+    );
+    assert_eq!(row.len(), KV_ROW_VALUES as usize);
+    assert_eq!(row, want);
 }
 
 /// A query holds `heads × 128` values, the draw's, and no two neighbouring heads are one.

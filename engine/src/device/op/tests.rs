@@ -285,3 +285,29 @@ fn an_ops_detail_gives_its_shape() {
         ]
     );
 }
+
+/// A query or output region not exactly the size its operand needs is refused by the op's
+/// shape check, naming the op.
+#[test]
+fn a_region_of_the_wrong_size_is_refused() {
+    let fmt = |op: &Op| match op {
+        Op::IndexLogits(_) => PageFormat::IndexK(IndexKDtype::Fp8),
+        _ => PageFormat::Kv(KvDtype::Bf16),
+    };
+    for mut op in pool_ops(IndexKDtype::Fp8, KvDtype::Bf16)
+        .into_iter()
+        .skip(2)
+    {
+        let name = op.name();
+        crate::device::check_op(&op, descs(fmt(&op))).unwrap_or_else(|e| panic!("{name}: {e}"));
+        match &mut op {
+            Op::IndexLogits(o) => o.q.bytes = Bytes(o.q.bytes.0 - 4),
+            Op::SparseRead(o) => o.out.bytes = Bytes(o.out.bytes.0 + 8),
+            other => panic!("pool_ops changed: {}", other.name()),
+        }
+        match crate::device::check_op(&op, descs(fmt(&op))) {
+            Err(DeviceError::Kernel { op, .. }) => assert_eq!(op, name),
+            r => panic!("{name} with a region of the wrong size: {r:?}"),
+        }
+    }
+}
