@@ -263,3 +263,6 @@ impl Pools {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
