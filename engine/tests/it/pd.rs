@@ -258,6 +258,21 @@ fn intake_checks_the_decode_side_limits() {
             .contains("the decode engine's scheduler.output_tokens_max"),
         "{e}"
     );
+    // A request that fills the decode engine's context to the token is taken; one token more
+    // is refused, naming that limit.
+    let ctx = p.decode().config().model.context_tokens_max as usize;
+    let fill = |extra: usize| RequestSpec {
+        prompt: vec![1; ctx - 4 + extra],
+        max_new_tokens: 4,
+    };
+    p.submit(fill(0))
+        .expect("prompt + max_new_tokens = the context");
+    let e = p.submit(fill(1)).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("exceeds the decode engine's model.context_tokens_max"),
+        "{e}"
+    );
 }
 
 /// A clock the test and its link share.
