@@ -183,7 +183,9 @@ impl ContentOracle {
             request_weights: BTreeMap::new(),
             ik_dtype: cfg.model.index_k_dtype,
             kv_dtype: cfg.model.kv_dtype,
-            ue8m0: cfg.model.scale_fmt.ue8m0(),
+            // The configured format read here, not through `ScaleFmt::ue8m0`, the engine's own
+            // reading of it (a flag the engine got wrong would otherwise be the oracle's too).
+            ue8m0: cfg.model.scale_fmt == tierkv_engine::config::ScaleFmt::Ue8m0,
             topk: cfg.model.index_topk,
             heads: cfg.model.index_n_heads,
             inv_freq: spec::rope_inv_freq(&cfg.rope()),
