@@ -4,6 +4,8 @@
 #   bench/mutants.sh SHARD [OUT]      e.g. bench/mutants.sh 0/8 target/mutants/shard-0
 #   MUTANTS_DONE=FILE bench/mutants.sh SHARD [OUT]   the shard taken up again: stage 1 skips the
 #                                    mutants FILE names (one a line, as cargo-mutants lists them)
+#   MUTANTS_STAGE2=FILE bench/mutants.sh SHARD [OUT] stage 2 alone, over the mutants FILE names
+#                                    (e.g. stage 1's missed list less those killed since)
 #
 # Stage 1 tests every mutant of the shard with the engine's own tests (its unit tests and
 # engine/tests/it): a mutant there takes about 10 s on a 2-core box. Stage 2 takes the mutants
@@ -47,7 +49,9 @@ names_re() {
     done
 }
 # cargo-mutants exits non-zero when a mutant survives; that is a result, not a failure here.
-if [ -n "${MUTANTS_DONE:-}" ]; then
+if [ -n "${MUTANTS_STAGE2:-}" ]; then
+    [ -f "$MUTANTS_STAGE2" ] || { echo "mutants.sh: MUTANTS_STAGE2=$MUTANTS_STAGE2 is not a file" >&2; exit 2; }
+elif [ -n "${MUTANTS_DONE:-}" ]; then
     # A shard taken up again: MUTANTS_DONE names a file of the mutants an earlier stage 1 of
     # this shard already tested (its caught, missed, timeout and unviable lists together);
     # stage 1 tests the rest of the shard by name. Its results hold only those.
@@ -62,8 +66,8 @@ else
     cargo mutants "${files[@]}" --shard "$shard" --sharding round-robin --build-timeout 900 \
         -o "$out/stage1" --test-package tierkv-engine --timeout 120 || true
 fi
-# Stage 2 takes stage 1's missed mutants by name.
-names_re < "$out/stage1/mutants.out/missed.txt"
+# Stage 2 takes stage 1's missed mutants (or MUTANTS_STAGE2's) by name.
+names_re < "${MUTANTS_STAGE2:-$out/stage1/mutants.out/missed.txt}"
 if [ ${#re[@]} -gt 0 ]; then
     cargo mutants -p tierkv-engine "${re[@]}" --build-timeout 900 -o "$out/stage2" \
         --test-package tierkv-sim --timeout 300 \

@@ -766,3 +766,6 @@ impl Mutants {
         self.on(Mutant::OverlapOneReadback)
     }
 }
+
+#[cfg(test)]
+mod tests;

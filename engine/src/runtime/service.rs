@@ -269,9 +269,7 @@ fn engine_loop<D: Device, C: Clock, T: Transfer>(
             publish(&engine, published, Some(sample));
         } else {
             let mut p = published.lock().expect("published lock");
-            if p.steps.len() < STEP_SAMPLES {
-                p.steps.push(sample);
-            }
+            keep_sample(&mut p.steps, sample, STEP_SAMPLES);
         }
     }
 }
@@ -360,9 +358,14 @@ fn publish<D: Device, C: Clock, T: Transfer>(
     p.metrics_text = text;
     p.metrics = engine.metrics.clone();
     if let Some(s) = step {
-        if p.steps.len() < STEP_SAMPLES {
-            p.steps.push(s);
-        }
+        keep_sample(&mut p.steps, s, STEP_SAMPLES);
+    }
+}
+
+/// Keeps `sample` when fewer than `limit` are kept: the first `limit` steps of a run.
+fn keep_sample(steps: &mut Vec<StepSample>, sample: StepSample, limit: usize) {
+    if steps.len() < limit {
+        steps.push(sample);
     }
 }
 
@@ -408,6 +411,9 @@ pub async fn serve_metrics(
         });
     }
 }
+
+#[cfg(test)]
+mod tests;
 
 #[cfg(all(test, tierkv_loom))]
 mod loom_tests {

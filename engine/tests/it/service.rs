@@ -90,6 +90,22 @@ fn requests_complete_rejections_are_typed_and_metrics_answer() {
         let _ = stop_tx.send(true);
         server.await.unwrap().unwrap();
     });
+    // The service's own text is what it published with the metrics (the engine is idle now:
+    // nothing changes them), and every step the engine ran left a sample, not only the steps
+    // that published.
+    let text = service.metrics_text();
+    let shared = service.published.clone();
+    {
+        let p = shared.lock().unwrap();
+        assert_eq!(text, p.metrics.render_prometheus());
+        assert!(p.metrics.steps > 0);
+        assert!(
+            p.steps.len() as u64 >= p.metrics.steps,
+            "{} step samples for {} steps",
+            p.steps.len(),
+            p.metrics.steps
+        );
+    }
     service.shutdown().unwrap();
 }
 
