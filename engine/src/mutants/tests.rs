@@ -28,9 +28,18 @@ fn answers(m: &Mutants) -> Vec<(&'static str, String)> {
     let reserved = [PageId(10), PageId(11), PageId(12)];
     let host = m.host_layout(device_layout()).params();
     vec![
-        ("host_layout", format!("{:?} {:?}", host.index_k_dtype, host.kv_dtype)),
-        ("copy_trusts_source_size", m.copy_trusts_source_size().to_string()),
-        ("abort_frees_in_flight_pages", m.abort_frees_in_flight_pages().to_string()),
+        (
+            "host_layout",
+            format!("{:?} {:?}", host.index_k_dtype, host.kv_dtype),
+        ),
+        (
+            "copy_trusts_source_size",
+            m.copy_trusts_source_size().to_string(),
+        ),
+        (
+            "abort_frees_in_flight_pages",
+            m.abort_frees_in_flight_pages().to_string(),
+        ),
         ("staging_waits", m.staging_waits().to_string()),
         (
             "scratch_free_stream",
@@ -40,37 +49,103 @@ fn answers(m: &Mutants) -> Vec<(&'static str, String)> {
                 m.scratch_free_stream(StreamKind::Load)
             ),
         ),
-        ("callback_stream", format!("{:?}", m.callback_stream(StreamKind::Write))),
+        (
+            "callback_stream",
+            format!("{:?}", m.callback_stream(StreamKind::Write)),
+        ),
         ("pageable_is_pinned", m.pageable_is_pinned().to_string()),
-        ("pd_received_pages", format!("{:?}", m.pd_received_pages(&reserved, 2))),
-        ("sparse_read_dtype", format!("{:?}", m.sparse_read_dtype(KvDtype::Fp8Packed))),
-        ("recreation_keeps_device_tier", m.recreation_keeps_device_tier().to_string()),
+        (
+            "pd_received_pages",
+            format!("{:?}", m.pd_received_pages(&reserved, 2)),
+        ),
+        (
+            "sparse_read_dtype",
+            format!("{:?}", m.sparse_read_dtype(KvDtype::Fp8Packed)),
+        ),
+        (
+            "recreation_keeps_device_tier",
+            m.recreation_keeps_device_tier().to_string(),
+        ),
         ("load_ok_at_issue", m.load_ok_at_issue().to_string()),
-        ("pd_gives_up_at_first_failure", m.pd_gives_up_at_first_failure().to_string()),
+        (
+            "pd_gives_up_at_first_failure",
+            m.pd_gives_up_at_first_failure().to_string(),
+        ),
         ("host_lease_ns", format!("{:?}", m.host_lease_ns())),
-        ("pd_notification_deadline_ns", format!("{:?}", m.pd_notification_deadline_ns(7))),
-        ("pd_admits_across_recreation", m.pd_admits_across_recreation().to_string()),
+        (
+            "pd_notification_deadline_ns",
+            format!("{:?}", m.pd_notification_deadline_ns(7)),
+        ),
+        (
+            "pd_admits_across_recreation",
+            m.pd_admits_across_recreation().to_string(),
+        ),
         ("key_weights", m.key_weights(3).to_string()),
         ("index_k_read_ungated", m.index_k_read_ungated().to_string()),
         ("backup_skips_index_k", m.backup_skips_index_k().to_string()),
-        ("store_ue8m0", format!("{} {}", m.store_ue8m0(false), m.store_ue8m0(true))),
+        (
+            "store_ue8m0",
+            format!("{} {}", m.store_ue8m0(false), m.store_ue8m0(true)),
+        ),
         ("load_skips_index_k", m.load_skips_index_k().to_string()),
-        ("host_eviction_ignores_pins", m.host_eviction_ignores_pins().to_string()),
-        ("load_publishes_at_issue", m.load_publishes_at_issue().to_string()),
+        (
+            "host_eviction_ignores_pins",
+            m.host_eviction_ignores_pins().to_string(),
+        ),
+        (
+            "load_publishes_at_issue",
+            m.load_publishes_at_issue().to_string(),
+        ),
         ("gate_layer_index", m.gate_layer_index(1, 5).to_string()),
-        ("page_table_entry", m.page_table_entry(PageId(3)).to_string()),
+        (
+            "page_table_entry",
+            m.page_table_entry(PageId(3)).to_string(),
+        ),
         ("index_topk", m.index_topk(2048).to_string()),
-        ("store_dtype", format!("{:?}", m.store_dtype(IndexKDtype::Bf16))),
-        ("slot_reused_without_wait", m.slot_reused_without_wait().to_string()),
-        ("load_events_pooled_at_issue", m.load_events_pooled_at_issue().to_string()),
-        ("graphs_kept", format!("{} {}", m.graphs_kept(false), m.graphs_kept(true))),
-        ("acks_may_precede_copy", m.acks_may_precede_copy().to_string()),
-        ("abort_frees_load_pages", m.abort_frees_load_pages().to_string()),
-        ("admission_passes_blocked", m.admission_passes_blocked().to_string()),
-        ("prefill_budget_left", m.prefill_budget_left(10, 4).to_string()),
-        ("device_eviction_newest_first", m.device_eviction_newest_first().to_string()),
-        ("host_eviction_newest_first", m.host_eviction_newest_first().to_string()),
-        ("write_through_backs_up", m.write_through_backs_up().to_string()),
+        (
+            "store_dtype",
+            format!("{:?}", m.store_dtype(IndexKDtype::Bf16)),
+        ),
+        (
+            "slot_reused_without_wait",
+            m.slot_reused_without_wait().to_string(),
+        ),
+        (
+            "load_events_pooled_at_issue",
+            m.load_events_pooled_at_issue().to_string(),
+        ),
+        (
+            "graphs_kept",
+            format!("{} {}", m.graphs_kept(false), m.graphs_kept(true)),
+        ),
+        (
+            "acks_may_precede_copy",
+            m.acks_may_precede_copy().to_string(),
+        ),
+        (
+            "abort_frees_load_pages",
+            m.abort_frees_load_pages().to_string(),
+        ),
+        (
+            "admission_passes_blocked",
+            m.admission_passes_blocked().to_string(),
+        ),
+        (
+            "prefill_budget_left",
+            m.prefill_budget_left(10, 4).to_string(),
+        ),
+        (
+            "device_eviction_newest_first",
+            m.device_eviction_newest_first().to_string(),
+        ),
+        (
+            "host_eviction_newest_first",
+            m.host_eviction_newest_first().to_string(),
+        ),
+        (
+            "write_through_backs_up",
+            m.write_through_backs_up().to_string(),
+        ),
         ("selective_hits", m.selective_hits().to_string()),
         (
             "eviction_policy",
@@ -84,7 +159,10 @@ fn answers(m: &Mutants) -> Vec<(&'static str, String)> {
         ("no_admission_control", m.no_admission_control().to_string()),
         ("pd_publishes_aborted", m.pd_publishes_aborted().to_string()),
         ("pd_frees_before_send", m.pd_frees_before_send().to_string()),
-        ("pd_decode_layer", format!("{} {}", m.pd_decode_layer(1, 4), m.pd_decode_layer(3, 4))),
+        (
+            "pd_decode_layer",
+            format!("{} {}", m.pd_decode_layer(1, 4), m.pd_decode_layer(3, 4)),
+        ),
         ("pd_layers_awaited", m.pd_layers_awaited(4).to_string()),
         ("overlap_one_readback", m.overlap_one_readback().to_string()),
     ]
@@ -146,7 +224,11 @@ fn every_point_is_the_identity_on_the_clean_engine() {
     assert_eq!(got, want);
     assert_eq!(Mutants::none().active(), None);
     for m in Mutant::ALL {
-        assert!(!Mutants::none().on(m), "{} on in the clean engine", m.name());
+        assert!(
+            !Mutants::none().on(m),
+            "{} on in the clean engine",
+            m.name()
+        );
     }
 }
 
@@ -195,7 +277,10 @@ fn the_field_mutants_have_their_mechanisms_and_the_others_none() {
 /// Only the two one-step-ahead mutants switch the overlap on.
 #[test]
 fn only_the_mutants_of_an_engine_ahead_need_the_overlap() {
-    let need: Vec<Mutant> = Mutant::ALL.into_iter().filter(|m| m.needs_overlap()).collect();
+    let need: Vec<Mutant> = Mutant::ALL
+        .into_iter()
+        .filter(|m| m.needs_overlap())
+        .collect();
     assert_eq!(
         need,
         [Mutant::OverlapOneReadback, Mutant::AbortFreesPagesInFlight]
@@ -213,66 +298,171 @@ fn each_mutant_changes_its_points_and_no_other() {
     let changes: Vec<(Mutant, Vec<(&str, &str)>)> = vec![
         (
             Mutant::HostIndexKFromFp8Defaults,
-            vec![("host_layout", "Fp8 Fp8Packed"), ("copy_trusts_source_size", "true")],
+            vec![
+                ("host_layout", "Fp8 Fp8Packed"),
+                ("copy_trusts_source_size", "true"),
+            ],
         ),
-        (Mutant::UngatedIndexKRead, vec![("index_k_read_ungated", "true")]),
-        (Mutant::IndexKNotMirrored, vec![("backup_skips_index_k", "true")]),
+        (
+            Mutant::UngatedIndexKRead,
+            vec![("index_k_read_ungated", "true")],
+        ),
+        (
+            Mutant::IndexKNotMirrored,
+            vec![("backup_skips_index_k", "true")],
+        ),
         (
             Mutant::HostKvRow576,
-            vec![("host_layout", "Bf16 Fp8Unpacked"), ("copy_trusts_source_size", "true")],
+            vec![
+                ("host_layout", "Bf16 Fp8Unpacked"),
+                ("copy_trusts_source_size", "true"),
+            ],
         ),
-        (Mutant::EvictionIgnoresLoadPins, vec![("host_eviction_ignores_pins", "true")]),
-        (Mutant::PublishBeforeCopy, vec![("load_publishes_at_issue", "true")]),
+        (
+            Mutant::EvictionIgnoresLoadPins,
+            vec![("host_eviction_ignores_pins", "true")],
+        ),
+        (
+            Mutant::PublishBeforeCopy,
+            vec![("load_publishes_at_issue", "true")],
+        ),
         (
             Mutant::GlobalLayerCounter,
             vec![("gate_layer_index", "6"), ("acks_may_precede_copy", "true")],
         ),
-        (Mutant::IndexKAddressedBySlot, vec![("page_table_entry", &slot3)]),
+        (
+            Mutant::IndexKAddressedBySlot,
+            vec![("page_table_entry", &slot3)],
+        ),
         (Mutant::TopkHardcoded512, vec![("index_topk", &topk)]),
         (Mutant::StoreIgnoresPoolDtype, vec![("store_dtype", "Fp8")]),
         (
             Mutant::LoadSlotReusedEarly,
-            vec![("slot_reused_without_wait", "true"), ("acks_may_precede_copy", "true")],
+            vec![
+                ("slot_reused_without_wait", "true"),
+                ("acks_may_precede_copy", "true"),
+            ],
         ),
-        (Mutant::WriteOnLoadingPage, vec![("abort_frees_load_pages", "true")]),
-        (Mutant::NoAdmissionControl, vec![("no_admission_control", "true")]),
-        (Mutant::PdPublishesAbortedPrefill, vec![("pd_publishes_aborted", "true")]),
-        (Mutant::PdFreesBeforeSend, vec![("pd_frees_before_send", "true")]),
-        (Mutant::PdLayerLayoutMismatch, vec![("pd_decode_layer", "2 0")]),
-        (Mutant::PdAdmitsBeforeEveryLayer, vec![("pd_layers_awaited", "1")]),
-        (Mutant::OverlapOneReadback, vec![("overlap_one_readback", "true")]),
-        (Mutant::AdmissionPassesBlocked, vec![("admission_passes_blocked", "true")]),
-        (Mutant::PrefillBudgetPerRequest, vec![("prefill_budget_left", "10")]),
-        (Mutant::DeviceEvictsNewest, vec![("device_eviction_newest_first", "true")]),
-        (Mutant::HostEvictsNewest, vec![("host_eviction_newest_first", "true")]),
-        (Mutant::WriteThroughSkipsBackup, vec![("write_through_backs_up", "false")]),
+        (
+            Mutant::WriteOnLoadingPage,
+            vec![("abort_frees_load_pages", "true")],
+        ),
+        (
+            Mutant::NoAdmissionControl,
+            vec![("no_admission_control", "true")],
+        ),
+        (
+            Mutant::PdPublishesAbortedPrefill,
+            vec![("pd_publishes_aborted", "true")],
+        ),
+        (
+            Mutant::PdFreesBeforeSend,
+            vec![("pd_frees_before_send", "true")],
+        ),
+        (
+            Mutant::PdLayerLayoutMismatch,
+            vec![("pd_decode_layer", "2 0")],
+        ),
+        (
+            Mutant::PdAdmitsBeforeEveryLayer,
+            vec![("pd_layers_awaited", "1")],
+        ),
+        (
+            Mutant::OverlapOneReadback,
+            vec![("overlap_one_readback", "true")],
+        ),
+        (
+            Mutant::AdmissionPassesBlocked,
+            vec![("admission_passes_blocked", "true")],
+        ),
+        (
+            Mutant::PrefillBudgetPerRequest,
+            vec![("prefill_budget_left", "10")],
+        ),
+        (
+            Mutant::DeviceEvictsNewest,
+            vec![("device_eviction_newest_first", "true")],
+        ),
+        (
+            Mutant::HostEvictsNewest,
+            vec![("host_eviction_newest_first", "true")],
+        ),
+        (
+            Mutant::WriteThroughSkipsBackup,
+            vec![("write_through_backs_up", "false")],
+        ),
         (Mutant::SelectiveOnFirstHit, vec![("selective_hits", "1")]),
         (
             Mutant::WriteBackDropsUnbacked,
             vec![("eviction_policy", "WriteThrough WriteThroughSelective")],
         ),
-        (Mutant::DeviceHitCountsLoads, vec![("prefix_hits", "(5, 3)")]),
+        (
+            Mutant::DeviceHitCountsLoads,
+            vec![("prefix_hits", "(5, 3)")],
+        ),
         (Mutant::HostHitPerRequest, vec![("prefix_hits", "(2, 1)")]),
-        (Mutant::AbortFreesPagesInFlight, vec![("abort_frees_in_flight_pages", "true")]),
-        (Mutant::LoadSkipsIndexK, vec![("load_skips_index_k", "true")]),
-        (Mutant::StoreScalesThroughUe8m0, vec![("store_ue8m0", "true true")]),
+        (
+            Mutant::AbortFreesPagesInFlight,
+            vec![("abort_frees_in_flight_pages", "true")],
+        ),
+        (
+            Mutant::LoadSkipsIndexK,
+            vec![("load_skips_index_k", "true")],
+        ),
+        (
+            Mutant::StoreScalesThroughUe8m0,
+            vec![("store_ue8m0", "true true")],
+        ),
         (Mutant::StagingReusedEarly, vec![("staging_waits", "false")]),
-        (Mutant::ScratchFreedOnOtherStream, vec![("scratch_free_stream", "Write Compute")]),
-        (Mutant::CallbackOnComputeStream, vec![("callback_stream", "Compute")]),
-        (Mutant::PageableBufferReused, vec![("pageable_is_pinned", "true")]),
-        (Mutant::PdReceivesIntoLastPages, vec![("pd_received_pages", "[PageId(11), PageId(12)]")]),
+        (
+            Mutant::ScratchFreedOnOtherStream,
+            vec![("scratch_free_stream", "Write Compute")],
+        ),
+        (
+            Mutant::CallbackOnComputeStream,
+            vec![("callback_stream", "Compute")],
+        ),
+        (
+            Mutant::PageableBufferReused,
+            vec![("pageable_is_pinned", "true")],
+        ),
+        (
+            Mutant::PdReceivesIntoLastPages,
+            vec![("pd_received_pages", "[PageId(11), PageId(12)]")],
+        ),
         // Its mistake is in a kernel's reference (`Mutant::kernel`), not at an engine point.
         (Mutant::IndexKReadInterleaved, vec![]),
-        (Mutant::SparseReadComputeDtype, vec![("sparse_read_dtype", "Bf16")]),
+        (
+            Mutant::SparseReadComputeDtype,
+            vec![("sparse_read_dtype", "Bf16")],
+        ),
         (Mutant::LoadOkAtIssue, vec![("load_ok_at_issue", "true")]),
-        (Mutant::PdRetryBeforeStaleCopies, vec![("pd_gives_up_at_first_failure", "true")]),
+        (
+            Mutant::PdRetryBeforeStaleCopies,
+            vec![("pd_gives_up_at_first_failure", "true")],
+        ),
         (Mutant::HostLeaseExpires, vec![("host_lease_ns", &lease)]),
-        (Mutant::PdNoNotificationDeadline, vec![("pd_notification_deadline_ns", "None")]),
+        (
+            Mutant::PdNoNotificationDeadline,
+            vec![("pd_notification_deadline_ns", "None")],
+        ),
         (Mutant::PrefixKeysIgnoreWeights, vec![("key_weights", "0")]),
-        (Mutant::RecreationKeepsDeviceTier, vec![("recreation_keeps_device_tier", "true")]),
-        (Mutant::PdAdmitsAcrossRecreation, vec![("pd_admits_across_recreation", "true")]),
-        (Mutant::LoadEventPooledAtIssue, vec![("load_events_pooled_at_issue", "true")]),
-        (Mutant::GraphsKeptOnRecovery, vec![("graphs_kept", "false true")]),
+        (
+            Mutant::RecreationKeepsDeviceTier,
+            vec![("recreation_keeps_device_tier", "true")],
+        ),
+        (
+            Mutant::PdAdmitsAcrossRecreation,
+            vec![("pd_admits_across_recreation", "true")],
+        ),
+        (
+            Mutant::LoadEventPooledAtIssue,
+            vec![("load_events_pooled_at_issue", "true")],
+        ),
+        (
+            Mutant::GraphsKeptOnRecovery,
+            vec![("graphs_kept", "false true")],
+        ),
     ];
     assert_eq!(
         changes.iter().map(|c| c.0).collect::<Vec<_>>(),
@@ -283,7 +473,13 @@ fn each_mutant_changes_its_points_and_no_other() {
         let on = Mutants::only(m);
         assert_eq!(on.active(), Some(m));
         for other in Mutant::ALL {
-            assert_eq!(on.on(other), other == m, "{} with {} on", other.name(), m.name());
+            assert_eq!(
+                on.on(other),
+                other == m,
+                "{} with {} on",
+                other.name(),
+                m.name()
+            );
         }
         let want: Vec<(&str, String)> = CLEAN
             .iter()

@@ -209,3 +209,64 @@ fn a_wait_counts_the_ops_since_its_events_record() {
         "{hits:?}"
     );
 }
+
+/// A timed runtime answers, for the work the host has waited for, the device time of each op
+/// kind (their sum the busy time) and the host time its enqueues took, once: a second answer
+/// holds only what ran since. Untimed, it answers nothing; shared by a pair, the one device's.
+#[test]
+fn a_timed_runtime_answers_its_ops_time_once() {
+    use tierkv_engine::device::{
+        BufferDesc, BufferRole, Device, LinearCopy, MemoryTier, Op, Region,
+    };
+    use tierkv_engine::layout::LayoutFingerprint;
+    use tierkv_engine::pd::SharedDevice;
+    let (d, _, _) = driver();
+    let mut dev = DrivenDevice::with_staging(d, CopyStrategy::Gather, 1 << 16).expect("device");
+    assert_eq!(dev.take_timing(), None, "untimed");
+    dev.set_timing(true);
+    let desc = BufferDesc {
+        role: BufferRole::Scratch { name: "test" },
+        tier: MemoryTier::Device,
+        bytes: Bytes(1 << 20),
+        fingerprint: LayoutFingerprint::unpaged(1 << 20),
+    };
+    let (a, b) = (dev.alloc(desc).expect("a"), dev.alloc(desc).expect("b"));
+    let region = |buffer| Region {
+        buffer,
+        offset: Bytes::ZERO,
+        bytes: Bytes(1 << 20),
+    };
+    let copy = Op::Copy(LinearCopy {
+        src: region(a),
+        dst: region(b),
+    });
+    let kind = copy.kind();
+    let ev = dev.new_event().expect("event");
+    for _ in 0..3 {
+        dev.enqueue(StreamKind::Compute, copy.clone())
+            .expect("a copy");
+    }
+    dev.record(StreamKind::Compute, ev).expect("record");
+    dev.synchronize(ev);
+    let t = dev.take_timing().expect("timed");
+    assert!(t.busy_by_op_ns[kind] > 0, "{t:?}");
+    assert_eq!(t.busy_ns, t.busy_by_op_ns.iter().sum::<u64>(), "{t:?}");
+    assert!(t.enqueue_ns[kind] > 0, "{t:?}");
+    assert_eq!(
+        t.enqueue_ns.iter().sum::<u64>(),
+        t.enqueue_ns[kind],
+        "{t:?}"
+    );
+    let again = dev.take_timing().expect("still timed");
+    assert_eq!(again.busy_ns, 0, "{again:?}");
+    assert_eq!(again.enqueue_ns, [0; Op::KINDS], "{again:?}");
+    // Shared by the two engines of a pair: the one device's timing, to whichever asks.
+    let one = Rc::new(RefCell::new(dev));
+    let mut shared = SharedDevice(one.clone());
+    shared.enqueue(StreamKind::Compute, copy).expect("a copy");
+    shared.record(StreamKind::Compute, ev).expect("record");
+    shared.synchronize(ev);
+    let t = shared.take_timing().expect("the shared device is timed");
+    assert!(t.busy_by_op_ns[kind] > 0, "{t:?}");
+    assert_eq!(one.borrow_mut().take_timing().map(|t| t.busy_ns), Some(0));
+}

@@ -188,7 +188,17 @@ impl ContentOracle {
             ue8m0: cfg.model.scale_fmt == tierkv_engine::config::ScaleFmt::Ue8m0,
             topk: cfg.model.index_topk,
             heads: cfg.model.index_n_heads,
-            inv_freq: spec::rope_inv_freq(&cfg.rope()),
+            // The configured RoPE fields read here, not through `Config::rope`, the engine's own
+            // mapping of them (a field it mapped wrongly would otherwise be the oracle's too).
+            inv_freq: spec::rope_inv_freq(&tierkv_kernels::rope::RopeParams {
+                theta: cfg.model.rope_theta,
+                factor: cfg.model.rope_factor,
+                original_seq_len: cfg.model.rope_original_seq_len,
+                beta_fast: cfg.model.rope_beta_fast,
+                beta_slow: cfg.model.rope_beta_slow,
+                max_seq_len: cfg.model.context_tokens_max,
+                yarn_rule: cfg.model.rope_yarn,
+            }),
             ln: BTreeMap::new(),
             tokens: BTreeMap::new(),
             confirmed: BTreeMap::new(),
