@@ -230,7 +230,9 @@ fn a_timed_runtime_answers_its_ops_time_once() {
         bytes: Bytes(1 << 20),
         fingerprint: LayoutFingerprint::unpaged(1 << 20),
     };
+    assert_eq!(dev.buffers(), 0);
     let (a, b) = (dev.alloc(desc).expect("a"), dev.alloc(desc).expect("b"));
+    assert_eq!(dev.buffers(), 2, "the buffers alloc made");
     let region = |buffer| Region {
         buffer,
         offset: Bytes::ZERO,

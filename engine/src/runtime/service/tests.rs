@@ -13,3 +13,27 @@ fn the_first_steps_up_to_the_limit_are_kept() {
     let kept: Vec<u64> = steps.iter().map(|s| s.wall_ns).collect();
     assert_eq!(kept, [0, 1, 2]);
 }
+
+/// The engine thread's wait returns at once while work is queued, and once intake is closed:
+/// it sleeps only with nothing to do. (A wait that slept anyway would sleep here for an hour.)
+#[test]
+fn the_intake_wait_returns_at_once_with_work_queued_or_intake_closed() {
+    use super::{Intake, Submission};
+    use crate::scheduler::RequestSpec;
+    use std::time::{Duration, Instant};
+    let intake = Intake::new();
+    let (reply, _rx) = tokio::sync::oneshot::channel();
+    let queued = Submission {
+        spec: RequestSpec {
+            prompt: vec![1, 2, 3],
+            max_new_tokens: 1,
+        },
+        submitted: Instant::now(),
+        reply,
+    };
+    assert!(intake.push(queued).is_ok());
+    intake.wait(Duration::from_secs(3600));
+    assert_eq!(intake.drain().len(), 1);
+    intake.close();
+    intake.wait(Duration::from_secs(3600));
+}
