@@ -233,12 +233,20 @@ fn every_point_is_the_identity_on_the_clean_engine() {
 }
 
 #[test]
-fn every_mutant_is_found_by_its_name_and_only_its_own() {
+fn every_mutant_is_found_by_its_name_and_names_its_own_incident() {
     for m in Mutant::ALL {
         assert_eq!(Mutant::parse(m.name()), Some(m));
         assert_eq!(Mutant::parse(&m.name().to_uppercase()), None);
     }
     assert_eq!(Mutant::parse("no-such-mutant"), None);
+    let incidents: std::collections::BTreeSet<&str> =
+        Mutant::ALL.iter().map(|m| m.incident()).collect();
+    assert_eq!(
+        incidents.len(),
+        Mutant::ALL.len(),
+        "two mutants share an incident"
+    );
+    assert!(!incidents.contains(""), "a mutant names no incident");
     let names: std::collections::BTreeSet<&str> = Mutant::ALL.iter().map(|m| m.name()).collect();
     assert_eq!(names.len(), Mutant::ALL.len(), "two mutants share a name");
 }
@@ -272,6 +280,40 @@ fn the_field_mutants_have_their_mechanisms_and_the_others_none() {
             None => assert!(!field.contains(&m), "{} lost its mechanism", m.name()),
         }
     }
+}
+
+/// The prefill/decode mutants (run under the `pd` profile) and the runtime's (which act only
+/// on the production runtime), by name.
+#[test]
+fn the_pd_and_runtime_mutants_are_those_named() {
+    let pd: Vec<Mutant> = Mutant::ALL.into_iter().filter(|m| m.is_pd()).collect();
+    assert_eq!(
+        pd,
+        [
+            Mutant::PdPublishesAbortedPrefill,
+            Mutant::PdFreesBeforeSend,
+            Mutant::PdLayerLayoutMismatch,
+            Mutant::PdAdmitsBeforeEveryLayer,
+            Mutant::PdReceivesIntoLastPages,
+            Mutant::PdRetryBeforeStaleCopies,
+            Mutant::PdNoNotificationDeadline,
+            Mutant::PdAdmitsAcrossRecreation,
+        ]
+    );
+    for m in &pd {
+        assert!(m.name().starts_with("pd-"), "{}", m.name());
+    }
+    let runtime: Vec<Mutant> = Mutant::ALL.into_iter().filter(|m| m.is_runtime()).collect();
+    assert_eq!(
+        runtime,
+        [
+            Mutant::StagingReusedEarly,
+            Mutant::ScratchFreedOnOtherStream,
+            Mutant::CallbackOnComputeStream,
+            Mutant::PageableBufferReused,
+            Mutant::GraphsKeptOnRecovery,
+        ]
+    );
 }
 
 /// Only the two one-step-ahead mutants switch the overlap on.
