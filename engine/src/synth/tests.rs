@@ -45,6 +45,25 @@ fn a_kv_row_is_the_draw() {
     assert_eq!(row, want);
 }
 
+/// An index key holds the 128 values of the draw, appended to what the buffer held.
+#[test]
+fn an_index_key_is_the_draw() {
+    let s = Synth::new(4);
+    let t = TokenAt {
+        token: 9,
+        position: 70,
+    };
+    let key = s.index_key(t.token, t.position, 2);
+    let mut want = Vec::new();
+    draw::index_key_into(4, t, 2, &mut want);
+    assert_eq!(key.len(), INDEX_HEAD_DIM as usize);
+    assert_eq!(key, want);
+    let mut out = vec![bf16::ZERO];
+    s.index_key_into(t.token, t.position, 2, &mut out);
+    assert_eq!(out.len(), 1 + INDEX_HEAD_DIM as usize);
+    assert_eq!(out[1..], key[..]);
+}
+
 /// A query holds `heads × 128` values, the draw's, and no two neighbouring heads are one.
 #[test]
 fn a_query_is_every_heads_draw() {

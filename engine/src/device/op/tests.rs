@@ -220,13 +220,15 @@ fn an_op_over_a_pool_of_another_format_is_refused() {
 
 /// A linear copy between regions of different sizes is refused by its shape check, by name.
 #[test]
-fn a_linear_copy_between_unequal_regions_is_refused() {
+fn a_linear_copy_touches_both_regions_and_unequal_ones_are_refused() {
     let op = Op::Copy(LinearCopy {
         src: region(1, 16),
         dst: region(2, 16),
     });
     assert_eq!(op.name(), "copy");
     crate::device::check_op(&op, descs(PageFormat::Kv(KvDtype::Bf16))).expect("equal sizes");
+    // The devices' time model: a copy touches its bytes twice, read and written.
+    assert_eq!(op.bytes_touched(), Bytes(32));
     let op = Op::Copy(LinearCopy {
         src: region(1, 16),
         dst: region(2, 24),
