@@ -144,6 +144,47 @@ proptest! {
     }
 }
 
+/// A load whose host pins were dropped while it ran (`unpin`: mutant 40's lease) ends as any
+/// other: a failed one hands its device pages back, a successful one publishes them, and
+/// neither drops a pin it no longer holds.
+#[test]
+fn a_load_unpinned_while_it_ran_ends_as_any_other() {
+    use crate::config::WritePolicy;
+    for ok in [false, true] {
+        let mut c = PrefixCache::new();
+        let (mut dev, mut host) = (PageAllocator::new(8), PageAllocator::new(8));
+        let keys: Vec<PageKey> = (1..=2).map(key).collect();
+        let pages = dev.alloc(2).expect("room");
+        c.insert(&keys, &pages);
+        let m = c.match_prefix(&keys);
+        let path = c.needs_backup(m.nodes[1]);
+        let hp = host.alloc(path.len()).expect("room");
+        c.begin_backup(&path, &hp);
+        let (host_freed, dev_freed) = c.finish_backup(&path, true);
+        assert!(host_freed.is_empty() && dev_freed.is_empty());
+        let freed = c.evict_device(2, WritePolicy::WriteThrough).freed;
+        dev.free(&freed);
+        let m = c.match_prefix(&keys);
+        assert_eq!((m.device, m.host), (0, 2), "on the host alone");
+        let load = dev.alloc(2).expect("room");
+        c.pin_host(&m.nodes);
+        c.begin_load(&m.nodes, &load);
+        c.unpin(&m.nodes);
+        assert_eq!(c.pinned_nodes(), 0);
+        let back = c.finish_load_unpinned(&m.nodes, ok);
+        assert_eq!(c.pinned_nodes(), 0);
+        c.check_invariants();
+        let now = c.match_prefix(&keys);
+        if ok {
+            assert!(back.is_empty(), "{back:?}");
+            assert_eq!(now.device, 2, "published");
+        } else {
+            assert_eq!(back, load, "handed back");
+            assert_eq!((now.device, now.host), (0, 2), "still on the host alone");
+        }
+    }
+}
+
 /// The cache's policies, each pinned by a test (the invariants above hold for any policy).
 mod policy {
     use super::*;

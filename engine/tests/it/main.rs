@@ -3,6 +3,8 @@
 mod architecture;
 mod cache_locks;
 mod cache_model;
+#[cfg(feature = "mutants")]
+mod cache_mutants;
 mod config_docs;
 mod cpu_device;
 mod cuda_device;
