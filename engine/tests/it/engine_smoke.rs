@@ -555,3 +555,25 @@ fn indexing_every_prompt_token_generates_the_same_tokens() {
     assert_eq!(every.len(), 12);
     assert_eq!(every, run(PrefillIndexer::LastToken));
 }
+
+/// A request's tokens come out numbered from 0, one each, in order.
+#[test]
+fn a_requests_tokens_are_numbered_in_order() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let id = e
+        .submit(RequestSpec {
+            prompt: prompt(&s, 0, 70, 3),
+            max_new_tokens: 5,
+        })
+        .unwrap();
+    let indices: Vec<u32> = run_to_idle(&mut e)
+        .iter()
+        .filter_map(|o| match o {
+            Output::Token { request, index, .. } if *request == id => Some(*index),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(indices, [0, 1, 2, 3, 4]);
+}
