@@ -313,3 +313,105 @@ fn a_region_of_the_wrong_size_is_refused() {
         }
     }
 }
+
+/// A read of `len` bytes of `buffer` from `start`.
+fn reads(buffer: u32, start: u64, len: u64) -> Access {
+    Access {
+        range: ByteRange::new(BufferId(buffer), Bytes(start), Bytes(len)),
+        write: false,
+    }
+}
+
+/// A write of `len` bytes of `buffer` from `start`.
+fn writes(buffer: u32, start: u64, len: u64) -> Access {
+    Access {
+        range: ByteRange::new(BufferId(buffer), Bytes(start), Bytes(len)),
+        write: true,
+    }
+}
+
+/// What an op declares it reads and writes, written out from its shape: the race detector and
+/// the undeclared-write check take these as the op's accesses.
+#[test]
+fn each_op_declares_what_it_reads_and_writes() {
+    // Next tokens: each layer's rows of the digests buffer (`[layers][rows_max]` u64) and the
+    // one u32 a row it writes; its tags are the rows given.
+    let tags = RowTags {
+        layer_global: 0,
+        rows: Arc::from(
+            [RowTag {
+                request: 1,
+                position: 5,
+            }; 3],
+        ),
+    };
+    let next = Op::NextTokens(NextTokens {
+        args: args::NextTokens {
+            seed: 1,
+            layers: 2,
+            rows_max: 4,
+            rows: 3,
+        },
+        digests: region(5, 2 * 4 * 8),
+        out: region(6, 3 * 4),
+        tags: tags.clone(),
+    });
+    assert_eq!(
+        next.accesses(),
+        [reads(5, 0, 24), reads(5, 32, 24), writes(6, 0, 12)]
+    );
+    assert_eq!(next.tags(), Some(&tags));
+    // A page copy: each page of each run, read from the source view, written to the
+    // destination's, every row of each destination page written in full.
+    let fmt = PageFormat::Kv(KvDtype::Bf16);
+    let pb = fmt.page_bytes();
+    let view = |base: u64, stride: u64| PagedView {
+        base,
+        page_stride: stride,
+        pages: 8,
+        fingerprint: fmt.fingerprint(),
+    };
+    let copy = Op::PageCopy(PageCopy {
+        src: BufferId(1),
+        src_view: view(100, 3 * pb),
+        dst: BufferId(2),
+        dst_view: view(0, pb),
+        runs: vec![PageRun {
+            src: PageId(1),
+            dst: PageId(4),
+            count: 2,
+        }],
+    });
+    assert_eq!(
+        copy.accesses(),
+        [
+            reads(1, 100 + 3 * pb, pb),
+            writes(2, 4 * pb, pb),
+            reads(1, 100 + 6 * pb, pb),
+            writes(2, 5 * pb, pb),
+        ]
+    );
+    assert_eq!(
+        copy.spec().full_rows(),
+        [(BufferId(2), 4, u64::MAX), (BufferId(2), 5, u64::MAX)]
+    );
+    // A store whose rows take pending tokens reads the tokens buffer too, beside the pool page
+    // it writes; it writes in full one row a slot (slots 0 and 1: page 0, rows 0 and 1).
+    for op in pool_ops(IndexKDtype::Fp8, KvDtype::Bf16) {
+        let Op::IndexKStore(mut store) = op else {
+            continue;
+        };
+        let plain = Op::IndexKStore(store.clone()).accesses();
+        assert!(plain
+            .iter()
+            .all(|a| a.range.buffer == BufferId(0) && a.write));
+        assert_eq!(
+            Op::IndexKStore(store.clone()).spec().full_rows(),
+            [(BufferId(0), 0, 0b01), (BufferId(0), 0, 0b10)]
+        );
+        store.keys.tokens = Some(region(7, 8));
+        let with_tokens = Op::IndexKStore(store).accesses();
+        assert_eq!(with_tokens[0], reads(7, 0, 8));
+        assert_eq!(with_tokens[1..], plain[..]);
+    }
+}
