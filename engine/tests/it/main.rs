@@ -3,8 +3,6 @@
 mod architecture;
 mod cache_locks;
 mod cache_model;
-#[cfg(feature = "mutants")]
-mod cache_mutants;
 mod config_docs;
 mod cpu_device;
 mod cuda_device;
@@ -14,3 +12,5 @@ mod input;
 mod pd;
 mod service;
 mod trace;
+#[cfg(feature = "mutants")]
+mod zoo_points;
