@@ -1,4 +1,5 @@
 use tierkv_engine::cpu_device::{InOrderDevice, ManualClock};
+use tierkv_engine::layout::BufferKind;
 use tierkv_engine::synth::Synth;
 use tierkv_engine::{Config, Engine, EngineOptions, Output, Rejection, RequestSpec};
 
@@ -329,6 +330,15 @@ fn write_back_eviction_keeps_the_prefix_on_the_host() {
     // Both caches of every layer came back: what the loaded prefix's KV and index-K give is
     // what computing them gave.
     assert_eq!(loaded, computed, "the tokens after a load from the host");
+    // What moved, every layer's KV and index-K page of each page: the four pages loaded, and
+    // the two prompts' four pages each backed up at their eviction.
+    let layout = e.layout();
+    let page: u64 = (0..layout.layers())
+        .map(|_| layout.page_bytes(BufferKind::Kv).0 + layout.page_bytes(BufferKind::IndexK).0)
+        .sum();
+    assert_eq!(e.metrics.load_bytes, 4 * page, "{:?}", e.metrics);
+    assert_eq!(e.metrics.backups, 2, "{:?}", e.metrics);
+    assert_eq!(e.metrics.backup_bytes, 2 * 4 * page, "{:?}", e.metrics);
 }
 
 /// Under write-back, a page whose backup cannot be issued (here the host tier refuses every
