@@ -532,3 +532,39 @@ fn a_rope_original_length_at_the_context_limit_is_accepted() {
     let e = c.validate().expect_err("past the limit").to_string();
     assert!(e.contains("model.rope_original_seq_len"), "{e}");
 }
+
+/// A host footprint (the mirror and the readback buffer) of exactly `HOST_BYTES_MAX` is
+/// accepted, and one page more is refused by that limit. The footprint lands on the limit
+/// exactly for some running-batch size: the search finds one from the footprints of one and two
+/// host pages, not from the layout's formulas.
+#[test]
+fn a_host_footprint_of_exactly_the_limit_is_accepted() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.model.prefill_indexer = PrefillIndexer::LastToken;
+    cfg.model.index_k_dtype = IndexKDtype::Bf16;
+    cfg.model.kv_dtype = KvDtype::Bf16;
+    let host = |cfg: &Config, pages: u64| {
+        let mut c = cfg.clone();
+        c.cache.host = HostCapacity::Tokens(pages * PAGE_TOKENS as u64);
+        c.footprint(c.model.index_topk).unwrap().host.0
+    };
+    let page = host(&cfg, 2) - host(&cfg, 1);
+    let found = (1..=4096).find_map(|rows| {
+        cfg.scheduler.running_requests_max = rows;
+        let fixed = host(&cfg, 1) - page;
+        let left = limits::HOST_BYTES_MAX - fixed;
+        (left % page == 0).then_some(left / page)
+    });
+    let pages = found.expect("a running-batch size whose footprint lands on the limit");
+    cfg.cache.host = HostCapacity::Tokens(pages * PAGE_TOKENS as u64);
+    assert_eq!(
+        cfg.footprint(cfg.model.index_topk).unwrap().host.0,
+        limits::HOST_BYTES_MAX
+    );
+    cfg.validate().expect("exactly the limit");
+    cfg.cache.host = HostCapacity::Tokens((pages + 1) * PAGE_TOKENS as u64);
+    match cfg.validate() {
+        Err(ConfigError::TooLarge { field, .. }) => assert_eq!(field, "cache.host_tokens"),
+        r => panic!("one page past the limit: {r:?}"),
+    }
+}
