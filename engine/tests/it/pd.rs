@@ -148,6 +148,23 @@ fn a_pair_emits_what_one_engine_emits() {
     let crossing = specs.iter().filter(|s| s.max_new_tokens > 1).count();
     assert!(crossing > 0 && crossing < specs.len());
     assert_eq!(p.stats.transfers_done, crossing as u64);
+    // Each crossing request sent once, its prompt's pages of every layer.
+    let layers = p.decode().layout().layers() as u64;
+    let pages: u64 = specs
+        .iter()
+        .filter(|s| s.max_new_tokens > 1)
+        .map(|s| s.prompt.len().div_ceil(64) as u64)
+        .sum();
+    assert_eq!(
+        (
+            p.stats.transfers_started,
+            p.stats.transfers_failed,
+            p.stats.layer_pages_sent
+        ),
+        (crossing as u64, 0, pages * layers),
+        "{:?}",
+        p.stats
+    );
     assert_eq!(single.len(), specs.len());
     for (id, s) in &single {
         let q = &paired[id];
@@ -368,6 +385,19 @@ fn a_transfer_whose_notification_never_comes_times_out() {
     let tries = tierkv_engine::engine::pair::TRANSFER_TRIES_MAX;
     assert_eq!(ended, Some((id, tries)));
     assert_eq!(p.stats.transfers_timed_out, tries as u64);
+    // Each try sent the prompt's two pages of every layer, and failed; the request failed once.
+    let layers = p.decode().layout().layers() as u64;
+    assert_eq!(
+        (
+            p.stats.transfers_started,
+            p.stats.transfers_failed,
+            p.stats.requests_failed,
+            p.stats.layer_pages_sent
+        ),
+        (tries as u64, tries as u64, 1, tries as u64 * 2 * layers),
+        "{:?}",
+        p.stats
+    );
     p.check_quiescent().expect("quiescent");
     let deadline = tierkv_engine::pd::NOTIFICATION_DEADLINE_NS;
     assert!(
