@@ -566,7 +566,7 @@ fn indexing_every_prompt_token_generates_the_same_tokens() {
     assert_eq!(every, run(PrefillIndexer::LastToken));
 }
 
-/// A request's tokens come out numbered from 0, one each, in order.
+/// A request's tokens come out numbered from 0, one each, in order, and the metrics count them.
 #[test]
 fn a_requests_tokens_are_numbered_in_order() {
     let cfg = Config::preset("sim-small").unwrap();
@@ -586,4 +586,9 @@ fn a_requests_tokens_are_numbered_in_order() {
         })
         .collect();
     assert_eq!(indices, [0, 1, 2, 3, 4]);
+    // Counted: the 70 prompt tokens computed once, the 5 generated.
+    assert_eq!(
+        (e.metrics.prefill_tokens, e.metrics.generated_tokens),
+        (70, 5)
+    );
 }
