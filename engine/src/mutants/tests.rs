@@ -155,7 +155,10 @@ fn answers(m: &Mutants) -> Vec<(&'static str, String)> {
                 m.eviction_policy(WritePolicy::WriteThroughSelective)
             ),
         ),
-        ("prefix_hits", format!("{:?}", m.prefix_hits(2, 3))),
+        (
+            "prefix_hits",
+            format!("{:?} {:?}", m.prefix_hits(2, 3), m.prefix_hits(2, 0)),
+        ),
         ("no_admission_control", m.no_admission_control().to_string()),
         ("pd_publishes_aborted", m.pd_publishes_aborted().to_string()),
         ("pd_frees_before_send", m.pd_frees_before_send().to_string()),
@@ -208,7 +211,7 @@ const CLEAN: &[(&str, &str)] = &[
     ("write_through_backs_up", "true"),
     ("selective_hits", "2"),
     ("eviction_policy", "WriteBack WriteThroughSelective"),
-    ("prefix_hits", "(2, 3)"),
+    ("prefix_hits", "(2, 3) (2, 0)"),
     ("no_admission_control", "false"),
     ("pd_publishes_aborted", "false"),
     ("pd_frees_before_send", "false"),
@@ -440,9 +443,12 @@ fn each_mutant_changes_its_points_and_no_other() {
         ),
         (
             Mutant::DeviceHitCountsLoads,
-            vec![("prefix_hits", "(5, 3)")],
+            vec![("prefix_hits", "(5, 3) (2, 0)")],
         ),
-        (Mutant::HostHitPerRequest, vec![("prefix_hits", "(2, 1)")]),
+        (
+            Mutant::HostHitPerRequest,
+            vec![("prefix_hits", "(2, 1) (2, 0)")],
+        ),
         (
             Mutant::AbortFreesPagesInFlight,
             vec![("abort_frees_in_flight_pages", "true")],
