@@ -16,7 +16,14 @@
 # 1 (2026-12-04/05) ran a narrower stage 2 (the `tests::` modules and the two campaigns only),
 # which left out the fault, schedule, bad-input and command-line tests.
 # A mutant is caught when either
-# stage's tests fail; both are part of the README's test command. A stage-1 timeout (the
+# stage's tests fail; both are part of the README's test command.
+#
+# Both stages build with the `mutants` feature (the zoo's switches), as the README's test command
+# does: `cargo test --workspace` unifies the root package's dev-dependency
+# `tierkv-sim = { features = ["mutants"] }` into every crate's build, so the engine's zoo points
+# and their tests (`engine/src/mutants/tests.rs`, `engine/tests/it/zoo_points.rs`) run there.
+# Runs before 2026-12-07 (shards 0-4, the first stage 2s) built without it: their stage 1
+# counted as missed the mutants that only a build with the feature can catch. A stage-1 timeout (the
 # engine's tests never end) is a catch too and is not tested again.
 #
 # (cargo-mutants' `--iterate` cannot carry a shard into stage 2: it shards what is left after
@@ -61,16 +68,16 @@ elif [ -n "${MUTANTS_DONE:-}" ]; then
     names_re < <(comm -23 <(printf '%s\n' "$all" | sort -u) <(sort -u "$MUTANTS_DONE"))
     [ ${#re[@]} -gt 0 ] || { echo "mutants.sh: nothing left of shard $shard" >&2; exit 2; }
     cargo mutants "${files[@]}" "${re[@]}" --build-timeout 900 -o "$out/stage1" \
-        --test-package tierkv-engine --timeout 120 || true
+        --test-package tierkv-engine --features mutants --timeout 120 || true
 else
     cargo mutants "${files[@]}" --shard "$shard" --sharding round-robin --build-timeout 900 \
-        -o "$out/stage1" --test-package tierkv-engine --timeout 120 || true
+        -o "$out/stage1" --test-package tierkv-engine --features mutants --timeout 120 || true
 fi
 # Stage 2 takes stage 1's missed mutants (or MUTANTS_STAGE2's) by name.
 names_re < "${MUTANTS_STAGE2:-$out/stage1/mutants.out/missed.txt}"
 if [ ${#re[@]} -gt 0 ]; then
     cargo mutants -p tierkv-engine "${re[@]}" --build-timeout 900 -o "$out/stage2" \
-        --test-package tierkv-sim --timeout 300 \
+        --test-package tierkv-sim --features mutants --timeout 300 \
         -- --lib --test it || true
 fi
 for stage in stage1 stage2; do
