@@ -3,10 +3,10 @@
 //! to what. A switch that stopped acting, acted at another point, or acted on the clean engine
 //! fails here at once, without a campaign.
 
-use super::{Mutant, Mutants, HARDCODED_TOPK, HOST_LEASE_NS};
+use super::{Mutant, Mutants};
 use crate::config::WritePolicy;
 use crate::device::StreamKind;
-use crate::layout::{slot, HostLayout, IndexKDtype, KvDtype, Layout, LayoutParams, PageId};
+use crate::layout::{HostLayout, IndexKDtype, KvDtype, Layout, LayoutParams, PageId};
 
 /// A device layout on which both host-layout mutants act: bf16 index-K, packed fp8 KV.
 fn device_layout() -> Layout {
@@ -337,6 +337,8 @@ fn only_the_mutants_of_an_engine_ahead_need_the_overlap() {
 #[cfg(feature = "mutants")]
 #[test]
 fn each_mutant_changes_its_points_and_no_other() {
+    use super::{HARDCODED_TOPK, HOST_LEASE_NS};
+    use crate::layout::slot;
     let lease = format!("Some({HOST_LEASE_NS})");
     let topk = HARDCODED_TOPK.to_string();
     let slot3 = slot(PageId(3), 0).kernel().to_string();
