@@ -6,6 +6,7 @@ mod corpus;
 mod cut;
 mod driver_faults;
 mod independence;
+mod loads;
 mod offload;
 mod shards;
 mod targets;
