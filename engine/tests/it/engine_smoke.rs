@@ -592,3 +592,51 @@ fn a_requests_tokens_are_numbered_in_order() {
         (70, 5)
     );
 }
+
+/// The coverage probes of admission and eviction count only what happened: a prefix found on
+/// the device or on the host, pages a device eviction freed or queued for a write-back (the
+/// simulator's coverage reads
+/// them, so a probe counted for nothing would claim coverage no seed reached).
+#[test]
+fn the_prefix_and_eviction_probes_count_only_what_happened() {
+    use tierkv_engine::probe;
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = || RequestSpec {
+        prompt: prompt(&s, 256, 32, 1),
+        max_new_tokens: 1,
+    };
+    let (device, host) = ("admit.device_prefix", "admit.host_prefix");
+    let (evicted, pending) = ("device.evicted", "device.write_back_pending");
+    probe::take();
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    let h = probe::take();
+    assert!(!h.contains_key(device) && !h.contains_key(host), "{h:?}");
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    let h = probe::take();
+    assert!(h.contains_key(device) && !h.contains_key(host), "{h:?}");
+    for _ in 0..16 {
+        if e.metrics.device_pages_used == 0 {
+            break;
+        }
+        e.evict_device(4).unwrap();
+        run_to_idle(&mut e);
+    }
+    assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
+    let h = probe::take();
+    assert!(h.contains_key(evicted) && h.contains_key(pending), "{h:?}");
+    assert_eq!(e.evict_device(4).unwrap(), 0, "nothing left to evict");
+    let h = probe::take();
+    assert!(
+        !h.contains_key(evicted) && !h.contains_key(pending),
+        "{h:?}"
+    );
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    let h = probe::take();
+    assert!(!h.contains_key(device) && h.contains_key(host), "{h:?}");
+}
