@@ -640,3 +640,42 @@ fn the_prefix_and_eviction_probes_count_only_what_happened() {
     let h = probe::take();
     assert!(!h.contains_key(device) && h.contains_key(host), "{h:?}");
 }
+
+/// The scheduler's coverage probes count only what happened: a prompt cached whole (on a page
+/// boundary or not) when it ran before, and never a request that fills the context or a batch
+/// that recomputes generated tokens here (a prompt prefilled in chunks recomputes none).
+#[test]
+fn the_scheduler_probes_count_only_what_happened() {
+    use tierkv_engine::probe;
+    let mut cfg = Config::preset("sim-small").unwrap();
+    // Prompts longer than a step's budget are prefilled in chunks.
+    cfg.scheduler.prefill_tokens_per_step_max = 64;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let (fills, whole, boundary, recomputes) = (
+        "intake.request_fills_context",
+        "admit.whole_prompt_cached",
+        "admit.cached_prompt_on_page_boundary",
+        "batch.recomputes_generated",
+    );
+    let mut run = |len: usize, stream: u64| {
+        probe::take();
+        e.submit(RequestSpec {
+            prompt: prompt(&s, 0, len, stream),
+            max_new_tokens: 3,
+        })
+        .unwrap();
+        run_to_idle(&mut e);
+        let h = probe::take();
+        assert!(
+            !h.contains_key(fills) && !h.contains_key(recomputes),
+            "{h:?}"
+        );
+        (h.contains_key(whole), h.contains_key(boundary))
+    };
+    assert_eq!(run(100, 1), (false, false), "nothing cached yet");
+    assert_eq!(run(100, 1), (true, false), "cached whole, 100 tokens");
+    assert_eq!(run(128, 2), (false, false), "nothing cached yet");
+    assert_eq!(run(128, 2), (true, true), "cached whole, two pages");
+    assert_eq!(run(200, 3), (false, false), "chunked, nothing cached yet");
+}
