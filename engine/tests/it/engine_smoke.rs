@@ -679,3 +679,67 @@ fn the_scheduler_probes_count_only_what_happened() {
     assert_eq!(run(128, 2), (true, true), "cached whole, two pages");
     assert_eq!(run(200, 3), (false, false), "chunked, nothing cached yet");
 }
+
+/// The top-k probes count a query row as covering its context exactly when its position is
+/// below `index_topk` (every earlier key selected), and as selecting from position
+/// `index_topk` on.
+#[test]
+fn the_topk_probes_split_rows_at_index_topk() {
+    use tierkv_engine::probe;
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.model.index_topk = 64;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let mut run = |len: usize, new: u32| {
+        probe::take();
+        e.submit(RequestSpec {
+            prompt: prompt(&s, 0, len, len as u64),
+            max_new_tokens: new,
+        })
+        .unwrap();
+        run_to_idle(&mut e);
+        let h = probe::take();
+        (
+            h.contains_key("indexer.topk_covers_context"),
+            h.contains_key("indexer.topk_selects"),
+        )
+    };
+    assert_eq!(run(10, 3), (true, false), "positions 9 to 11");
+    // The prompt's last row (63) covers its context; the first generated (64) selects.
+    assert_eq!(run(64, 2), (true, true), "positions 63 and 64");
+}
+
+/// The abort probes name the request's state: a queued one, a running one, and no backup in
+/// flight when there is none.
+#[test]
+fn the_abort_probes_name_the_requests_state() {
+    use tierkv_engine::probe;
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.scheduler.running_requests_max = 1;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = |stream| RequestSpec {
+        prompt: prompt(&s, 0, 100, stream),
+        max_new_tokens: 8,
+    };
+    let running = e.submit(spec(1)).unwrap();
+    e.step().expect("step");
+    let queued = e.submit(spec(2)).unwrap();
+    let state = |h: &std::collections::BTreeMap<&str, u64>| {
+        ["abort.queued", "abort.running", "abort.mid_backup"].map(|p| h.contains_key(p))
+    };
+    probe::take();
+    assert!(e.abort(queued));
+    assert_eq!(
+        state(&probe::take()),
+        [true, false, false],
+        "the queued one"
+    );
+    assert!(e.abort(running));
+    assert_eq!(
+        state(&probe::take()),
+        [false, true, false],
+        "the running one"
+    );
+    run_to_idle(&mut e);
+}
