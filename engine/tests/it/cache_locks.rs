@@ -62,3 +62,45 @@ fn a_lock_released_after_use_makes_the_nodes_most_recently_used() {
     assert_eq!(cache.match_prefix(&a).device, 3, "`a`, used last, is kept");
     assert_eq!(cache.match_prefix(&b).device, 0, "`b` is evicted first");
 }
+
+/// An insert is a use: a document inserted again (its nodes resident, the request's pages
+/// duplicates) becomes the most recently used, so device eviction takes the other one first,
+/// though its nodes are newer.
+#[test]
+fn inserting_a_document_again_makes_it_the_most_recently_used() {
+    let (mut cache, a, b) = two_documents();
+    // Pages of its own (past the six the documents hold), as a second request's would be.
+    let mut other = PageAllocator::new(16);
+    other.alloc(6).expect("room");
+    let again = other.alloc(a.len()).expect("room");
+    let dup = cache.insert(&a, &again).duplicates;
+    assert_eq!(dup.len(), a.len(), "every page of `a` a duplicate");
+    let first = cache.evict_device(3, WritePolicy::WriteThrough).freed;
+    let b_pages: Vec<u32> = (3..6).collect();
+    let mut got: Vec<u32> = first.iter().map(|p| p.0).collect();
+    got.sort();
+    assert_eq!(got, b_pages, "`b` ({b:?}) goes first");
+}
+
+/// A node's slot reused by another node has another generation: what was deferred for the
+/// first one is not taken for the second.
+#[test]
+fn a_reused_node_slot_has_a_new_generation() {
+    let mut cache = PrefixCache::new();
+    let mut pages = PageAllocator::new(16);
+    let a = keys(&[1]);
+    let table = pages.alloc(1).expect("room");
+    cache.insert(&a, &table);
+    let first = cache.match_prefix(&a).nodes[0];
+    let generation = cache.generation(first);
+    let freed = cache.evict_device(1, WritePolicy::WriteThrough).freed;
+    assert_eq!(freed, table, "the node deleted with its page");
+    assert!(!cache.is_live(first));
+    let b = keys(&[2]);
+    let table = pages.alloc(1).expect("room");
+    cache.insert(&b, &table);
+    let second = cache.match_prefix(&b).nodes[0];
+    assert_eq!(second, first, "the slot reused");
+    assert!(cache.is_live(second));
+    assert_ne!(cache.generation(second), generation);
+}

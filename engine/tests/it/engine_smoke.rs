@@ -743,3 +743,86 @@ fn the_abort_probes_name_the_requests_state() {
     );
     run_to_idle(&mut e);
 }
+
+/// A backup whose copy fails is counted as failed, and the prefix it was backing up stays
+/// cached on the device: a second run finds it there, not on the host.
+#[test]
+fn a_failed_backup_is_counted_and_its_prefix_stays_on_the_device() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = || RequestSpec {
+        prompt: prompt(&s, 256, 32, 1),
+        max_new_tokens: 1,
+    };
+    // The first page copy is the backup's (the prompt's stores are kernels, not copies).
+    e.dev.fail_next_copies = 1;
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    assert_eq!(
+        (e.metrics.backups, e.metrics.backup_failures),
+        (1, 1),
+        "{:?}",
+        e.metrics
+    );
+    assert_eq!(e.metrics.host_tokens_used, 0, "nothing kept on the host");
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    assert_eq!(e.metrics.prefix_pages_host_hit, 0, "{:?}", e.metrics);
+    assert!(e.metrics.prefix_pages_device_hit >= 4, "{:?}", e.metrics);
+}
+
+/// A backup whose own copy fails is counted as failed even when the recovery recreates the
+/// context (lost is for a backup whose copy did not fail, its memory lost under it), and the
+/// recreation drops the device tier: nothing of the prompt stays cached.
+#[test]
+fn a_backup_that_failed_is_failed_even_when_its_recovery_recreates_the_context() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    e.dev.fail_next_copies = 1;
+    e.dev.recover_recreates = true;
+    e.submit(RequestSpec {
+        prompt: prompt(&s, 256, 32, 1),
+        max_new_tokens: 1,
+    })
+    .unwrap();
+    run_to_idle(&mut e);
+    let m = &e.metrics;
+    assert_eq!(
+        (m.backup_failures, m.backups_lost, m.context_recreations),
+        (1, 0, 1),
+        "{m:?}"
+    );
+    assert_eq!((m.device_pages_used, m.host_tokens_used), (0, 0), "{m:?}");
+}
+
+/// The copy probes name the host layout a backup copied with, and the page-first one only with
+/// a bf16 index-K (the case of the field's incident).
+#[test]
+fn the_copy_probes_name_the_host_layout_and_the_index_k_dtype() {
+    use tierkv_engine::layout::{HostLayout, IndexKDtype};
+    use tierkv_engine::probe;
+    for (host, ik, want) in [
+        (HostLayout::PageFirst, IndexKDtype::Bf16, [false, true]),
+        (HostLayout::PageFirst, IndexKDtype::Fp8, [false, false]),
+        (HostLayout::LayerFirst, IndexKDtype::Bf16, [true, false]),
+    ] {
+        let mut cfg = Config::preset("sim-small").unwrap();
+        cfg.cache.host_layout = host;
+        cfg.model.index_k_dtype = ik;
+        let mut e = engine(cfg, EngineOptions::default());
+        let s = e.synth;
+        probe::take();
+        e.submit(RequestSpec {
+            prompt: prompt(&s, 256, 32, 1),
+            max_new_tokens: 1,
+        })
+        .unwrap();
+        run_to_idle(&mut e);
+        assert_eq!(e.metrics.backups, 1);
+        let h = probe::take();
+        let got = ["copy.layer_first", "copy.page_first_bf16_index_k"].map(|p| h.contains_key(p));
+        assert_eq!(got, want, "{host:?} {ik:?}");
+    }
+}
