@@ -458,6 +458,13 @@ pub fn check_op(op: &Op, desc: impl Fn(BufferId) -> BufferDesc) -> Result<(), De
 mod tests {
     use super::*;
 
+    /// Each stream has its own index into per-stream state, in `ALL`'s order.
+    #[test]
+    fn each_stream_has_its_own_index() {
+        let got: Vec<usize> = StreamKind::ALL.iter().map(|s| s.index()).collect();
+        assert_eq!(got, [0, 1, 2]);
+    }
+
     #[test]
     fn device_timing_adds_up_per_field_and_per_op() {
         let mut step = DeviceTiming {

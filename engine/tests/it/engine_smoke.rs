@@ -586,6 +586,8 @@ fn a_requests_tokens_are_numbered_in_order() {
         })
         .collect();
     assert_eq!(indices, [0, 1, 2, 3, 4]);
+    // The engine's cache holds the prompt's one full page, on the device (`Engine::cache`).
+    assert_eq!(e.cache().device_pages().len(), 1);
     // Counted: the 70 prompt tokens computed once, the 5 generated.
     assert_eq!(
         (e.metrics.prefill_tokens, e.metrics.generated_tokens),
