@@ -185,6 +185,39 @@ fn a_load_unpinned_while_it_ran_ends_as_any_other() {
     }
 }
 
+/// A host eviction passes over the host copies loads pin, and counts each it passed over
+/// (`keep`'s aside: the caller keeps it anyway) in its coverage probe.
+#[test]
+fn a_host_eviction_counts_the_pinned_copies_it_passes_over() {
+    use crate::config::WritePolicy;
+    let mut c = PrefixCache::new();
+    let (mut dev, mut host) = (PageAllocator::new(8), PageAllocator::new(8));
+    // Three one-page documents, each backed up and then evicted from the device.
+    let mut nodes = Vec::new();
+    for k in 1..=3 {
+        let keys = [key(k)];
+        c.insert(&keys, &dev.alloc(1).expect("room"));
+        let n = c.match_prefix(&keys).nodes[0];
+        let hp = host.alloc(1).expect("room");
+        c.begin_backup(&[n], &hp);
+        assert_eq!(c.finish_backup(&[n], true), (vec![], vec![]));
+        nodes.push((n, hp[0]));
+    }
+    let freed = c.evict_device(3, WritePolicy::WriteThrough).freed;
+    assert_eq!(freed.len(), 3, "all three on the host alone");
+    let (x, y, (z, z_page)) = (nodes[0].0, nodes[1].0, nodes[2]);
+    c.pin_host(&[x, y]);
+    probe::take();
+    assert_eq!(c.evict_host(1, x), [z_page], "the one unpinned copy");
+    let h = probe::take();
+    assert_eq!(
+        h.get("host.evict_skipped_pinned"),
+        Some(&1),
+        "y's, not x's: {h:?}"
+    );
+    c.check_invariants();
+}
+
 /// The cache's policies, each pinned by a test (the invariants above hold for any policy).
 mod policy {
     use super::*;
