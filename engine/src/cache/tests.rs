@@ -205,7 +205,7 @@ fn a_host_eviction_counts_the_pinned_copies_it_passes_over() {
     }
     let freed = c.evict_device(3, WritePolicy::WriteThrough).freed;
     assert_eq!(freed.len(), 3, "all three on the host alone");
-    let (x, y, (z, z_page)) = (nodes[0].0, nodes[1].0, nodes[2]);
+    let (x, y, z_page) = (nodes[0].0, nodes[1].0, nodes[2].1);
     c.pin_host(&[x, y]);
     probe::take();
     assert_eq!(c.evict_host(1, x), [z_page], "the one unpinned copy");
