@@ -395,3 +395,17 @@ fn an_index_is_empty_until_a_store_and_a_key_shows_as_hex() {
         format!("{}…00000001 (36 bytes)", "ab".repeat(16))
     );
 }
+
+/// The index's self-check refuses a count that disagrees with its entries: the check the
+/// simulator and the tests above lean on is not a check that passes whatever it sees.
+#[test]
+fn the_invariant_check_refuses_a_count_that_disagrees() {
+    let ix = OffloadIndex::new(4, WritePolicy::WriteThrough, true).unwrap();
+    ix.check_invariants();
+    let mut broken = OffloadIndex::new(4, WritePolicy::WriteThrough, true).unwrap();
+    broken.pending += 1;
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| broken.check_invariants()))
+        .expect_err("a pending count with no pending entry");
+    let text = e.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(text.contains("pending count"), "{text}");
+}

@@ -712,7 +712,7 @@ fn the_topk_probes_split_rows_at_index_topk() {
 }
 
 /// The abort probes name the request's state: a queued one, a running one, and no backup in
-/// flight when there is none; the metrics count both aborts.
+/// flight when there is none; the metrics count both submissions and both aborts.
 #[test]
 fn the_abort_probes_name_the_requests_state() {
     use tierkv_engine::probe;
@@ -744,7 +744,10 @@ fn the_abort_probes_name_the_requests_state() {
         "the running one"
     );
     run_to_idle(&mut e);
-    assert_eq!(e.metrics.requests_aborted, 2);
+    assert_eq!(
+        (e.metrics.requests_submitted, e.metrics.requests_aborted),
+        (2, 2)
+    );
 }
 
 /// A backup whose copy fails is counted as failed, and the prefix it was backing up stays
