@@ -395,14 +395,16 @@ fn a_queued_request_reports_its_prompt_and_what_the_cache_may_serve() {
     }
 }
 
-/// A request reports its id, and once its prompt is computed it is out of prefill and counts
+/// Each request reports its own id, and once its prompt is computed it is out of prefill and counts
 /// the tokens it generated: one from its last prompt position, one more a decode step.
 #[test]
 fn a_request_reports_what_its_forward_did() {
     let mut s = scheduler(512, PrefillIndexer::LastToken);
-    submit(&mut s, 3, 1);
+    let first = submit(&mut s, 3, 1);
     let id = submit(&mut s, 100, 3);
+    assert_ne!(first, id);
     admit_all(&mut s, 0, false);
+    assert_eq!(s.request(first).expect("running").id(), first);
     assert_eq!(s.request(id).expect("running").id(), id);
     let rows = s.build_batch(64, None);
     forward(&mut s, &rows);

@@ -212,7 +212,8 @@ fn a_wait_counts_the_ops_since_its_events_record() {
 
 /// A timed runtime answers, for the work the host has waited for, the device time of each op
 /// kind (their sum the busy time) and the host time its enqueues took, once: a second answer
-/// holds only what ran since. Untimed, it answers nothing; shared by a pair, the one device's.
+/// holds only what ran since. Untimed, it answers nothing; shared by a pair, the one device's
+/// (its records too).
 #[test]
 fn a_timed_runtime_answers_its_ops_time_once() {
     use tierkv_engine::device::{
@@ -265,10 +266,28 @@ fn a_timed_runtime_answers_its_ops_time_once() {
     // Shared by the two engines of a pair: the one device's timing, to whichever asks.
     let one = Rc::new(RefCell::new(dev));
     let mut shared = SharedDevice(one.clone());
-    shared.enqueue(StreamKind::Compute, copy).expect("a copy");
+    shared
+        .enqueue(StreamKind::Compute, copy.clone())
+        .expect("a copy");
     shared.record(StreamKind::Compute, ev).expect("record");
     shared.synchronize(ev);
     let t = shared.take_timing().expect("the shared device is timed");
     assert!(t.busy_by_op_ns[kind] > 0, "{t:?}");
     assert_eq!(one.borrow_mut().take_timing().map(|t| t.busy_ns), Some(0));
+    // A record through the shared handle is the one device's: a wait on its event counts the
+    // ops enqueued since (`mark.runtime.ops_from_record_to_wait`; an event never recorded
+    // counts none).
+    let fresh = shared.new_event().expect("event");
+    tierkv_engine::probe::take();
+    shared.record(StreamKind::Compute, fresh).expect("record");
+    shared
+        .enqueue(StreamKind::Compute, copy.clone())
+        .expect("a copy");
+    shared.synchronize(fresh);
+    let hits = tierkv_engine::probe::take();
+    assert_eq!(
+        hits.get("mark.runtime.ops_from_record_to_wait>=2^0"),
+        Some(&1),
+        "{hits:?}"
+    );
 }
