@@ -22,7 +22,7 @@
 # does: `cargo test --workspace` unifies the root package's dev-dependency
 # `tierkv-sim = { features = ["mutants"] }` into every crate's build, so the engine's zoo points
 # and their tests (`engine/src/mutants/tests.rs`, `engine/tests/it/zoo_points.rs`) run there.
-# Runs before 2026-12-07 (shards 0-4, the first stage 2s) built without it: their stage 1
+# Runs before commit 79870cf (shards 0-4 and their stage 2s) built without it: their stage 1
 # counted as missed the mutants that only a build with the feature can catch. A stage-1 timeout (the
 # engine's tests never end) is a catch too and is not tested again.
 #
@@ -56,6 +56,10 @@ names_re() {
     done
 }
 # cargo-mutants exits non-zero when a mutant survives; that is a result, not a failure here.
+if [ -n "${MUTANTS_STAGE2:-}" ] && [ -n "${MUTANTS_DONE:-}" ]; then
+    echo "mutants.sh: MUTANTS_STAGE2 and MUTANTS_DONE together: stage 2 alone takes no stage 1" >&2
+    exit 2
+fi
 if [ -n "${MUTANTS_STAGE2:-}" ]; then
     [ -f "$MUTANTS_STAGE2" ] || { echo "mutants.sh: MUTANTS_STAGE2=$MUTANTS_STAGE2 is not a file" >&2; exit 2; }
 elif [ -n "${MUTANTS_DONE:-}" ]; then
@@ -80,7 +84,9 @@ if [ ${#re[@]} -gt 0 ]; then
         --test-package tierkv-sim --features mutants --timeout 300 \
         -- --lib --test it || true
 fi
-for stage in stage1 stage2; do
+stages=(stage1 stage2)
+[ -z "${MUTANTS_STAGE2:-}" ] || stages=(stage2) # an earlier run's stage 1 is not this run's
+for stage in "${stages[@]}"; do
     [ -d "$out/$stage/mutants.out" ] || continue
     printf '%s:' "$stage"
     for f in caught missed timeout unviable; do

@@ -22,8 +22,6 @@
 
 use crate::args;
 use crate::cpu;
-/// The RoPE settings a caller names in [`rope_inv_freq`]: plain values.
-pub use crate::rope::RopeParams;
 use crate::{IndexKDtype, KvDtype};
 use half::bf16;
 

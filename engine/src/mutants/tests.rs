@@ -254,8 +254,8 @@ fn every_mutant_is_found_by_its_name_and_names_its_own_incident() {
     assert_eq!(names.len(), Mutant::ALL.len(), "two mutants share a name");
 }
 
-/// The field zoo (incidents of other serving stacks) is the table of docs/ZOO.md whose rows each
-/// have a mechanism; the other mutants have none.
+/// The field zoo (incidents of other serving stacks: the twelve rows of docs/ZOO.md's table,
+/// written out here) has a mechanism each, all distinct; the other mutants have none.
 #[test]
 fn the_field_mutants_have_their_mechanisms_and_the_others_none() {
     let field = [

@@ -80,11 +80,15 @@ impl Intake {
     fn drain(&self) -> Vec<Submission> {
         self.queue.lock().expect("intake lock").drain(..).collect()
     }
-    fn wait(&self, timeout: Duration) {
+    /// Sleeps up to `timeout` for a submission or the close, unless either is there already;
+    /// answers whether it slept.
+    fn wait(&self, timeout: Duration) -> bool {
         let q = self.queue.lock().expect("intake lock");
-        if q.is_empty() && !self.closed.load(Ordering::Acquire) {
+        let idle = q.is_empty() && !self.closed.load(Ordering::Acquire);
+        if idle {
             let _ = self.ready.wait_timeout(q, timeout);
         }
+        idle
     }
     fn close(&self) {
         // Under the lock: a waiter checks `closed` under it, so the notify cannot fall between

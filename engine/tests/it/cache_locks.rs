@@ -82,8 +82,8 @@ fn inserting_a_document_again_makes_it_the_most_recently_used() {
     assert_eq!(got, b_pages, "`b` ({b:?}) goes first");
 }
 
-/// A node's slot reused by another node has another generation: what was deferred for the
-/// first one is not taken for the second.
+/// A node's slot reused by another node has another generation (what the controller compares
+/// before it retries a deferred backup of the first one).
 #[test]
 fn a_reused_node_slot_has_a_new_generation() {
     let mut cache = PrefixCache::new();

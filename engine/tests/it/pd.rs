@@ -153,7 +153,7 @@ fn a_pair_emits_what_one_engine_emits() {
     let pages: u64 = specs
         .iter()
         .filter(|s| s.max_new_tokens > 1)
-        .map(|s| s.prompt.len().div_ceil(64) as u64)
+        .map(|s| (s.prompt.len() as u64).div_ceil(tierkv_engine::layout::PAGE_TOKENS as u64))
         .sum();
     assert_eq!(
         (

@@ -90,14 +90,29 @@ fn requests_complete_rejections_are_typed_and_metrics_answer() {
         let _ = stop_tx.send(true);
         server.await.unwrap().unwrap();
     });
-    // The service's own text is what it published with the metrics (the engine is idle now:
-    // nothing changes them), and every step the engine ran left a sample, not only the steps
-    // that published.
-    let text = service.metrics_text();
+    // The service's own text is what it published with the metrics, under one lock (a step
+    // may still run after the last reply, a backup's, and publish again: read until the
+    // service's text and the published one agree), and every step the engine ran left a
+    // sample, not only the steps that published.
     let shared = service.published.clone();
+    let mut agreed = false;
+    for _ in 0..1_000 {
+        let text = service.metrics_text();
+        let p = shared.lock().unwrap();
+        assert_eq!(p.metrics_text, p.metrics.render_prometheus());
+        if text == p.metrics_text {
+            agreed = true;
+            break;
+        }
+        drop(p);
+        std::thread::yield_now();
+    }
+    assert!(
+        agreed,
+        "the service's metrics text is not the one it published"
+    );
     {
         let p = shared.lock().unwrap();
-        assert_eq!(text, p.metrics.render_prometheus());
         assert!(p.metrics.steps > 0);
         assert!(
             p.steps.len() as u64 >= p.metrics.steps,

@@ -190,7 +190,7 @@ impl ContentOracle {
             heads: cfg.model.index_n_heads,
             // The configured RoPE fields read here, not through `Config::rope`, the engine's own
             // mapping of them (a field it mapped wrongly would otherwise be the oracle's too).
-            inv_freq: spec::rope_inv_freq(&spec::RopeParams {
+            inv_freq: spec::rope_inv_freq(&tierkv_kernels::rope::RopeParams {
                 theta: cfg.model.rope_theta,
                 factor: cfg.model.rope_factor,
                 original_seq_len: cfg.model.rope_original_seq_len,

@@ -34,7 +34,13 @@ fn the_oracles_share_no_code_with_the_references_or_the_layout() {
                 "slot_page",
                 "PagedView",
                 "page_range",
-                "rope::Rope",
+                // The rotation the references apply (`rope::Rope`); its plain settings
+                // (`rope::RopeParams`) are the specification's input too.
+                "rope::Rope;",
+                "rope::Rope,",
+                "rope::Rope}",
+                "rope::Rope::",
+                "Rope::new(",
             ],
         );
         assert!(

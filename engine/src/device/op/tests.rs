@@ -397,10 +397,12 @@ fn each_op_declares_what_it_reads_and_writes() {
     );
     // A store whose rows take pending tokens reads the tokens buffer too, beside the pool page
     // it writes; it writes in full one row a slot (slots 0 and 1: page 0, rows 0 and 1).
+    let mut stores = 0;
     for op in pool_ops(IndexKDtype::Fp8, KvDtype::Bf16) {
         let Op::IndexKStore(mut store) = op else {
             continue;
         };
+        stores += 1;
         let plain = Op::IndexKStore(store.clone()).accesses();
         assert!(plain
             .iter()
@@ -414,4 +416,5 @@ fn each_op_declares_what_it_reads_and_writes() {
         assert_eq!(with_tokens[0], reads(7, 0, 8));
         assert_eq!(with_tokens[1..], plain[..]);
     }
+    assert_eq!(stores, 1, "the pool ops hold one index-K store");
 }
