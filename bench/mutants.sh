@@ -20,8 +20,9 @@
 #
 # Both stages build with the `mutants` feature (the zoo's switches), as the README's test command
 # does: `cargo test --workspace` unifies the root package's dev-dependency
-# `tierkv-sim = { features = ["mutants"] }` into every crate's build, so the engine's zoo points
-# and their tests (`engine/src/mutants/tests.rs`, `engine/tests/it/zoo_points.rs`) run there.
+# `tierkv-sim = { features = ["mutants"] }` into the workspace's one build of the simulator,
+# engine and kernels, so the engine's zoo points and their tests
+# (`engine/src/mutants/tests.rs`, `engine/tests/it/zoo_points.rs`) run there.
 # Runs before commit 79870cf (shards 0-4 and their stage 2s) built without it: their stage 1
 # counted as missed the mutants that only a build with the feature can catch. A stage-1 timeout (the
 # engine's tests never end) is a catch too and is not tested again.

@@ -37,6 +37,17 @@ fn run_to_idle(e: &mut Engine<InOrderDevice, ManualClock>) -> Vec<Output> {
     panic!("engine did not go idle");
 }
 
+/// The coverage probes `spec`'s request hits, submitted alone and run to idle.
+fn probes_of(
+    e: &mut Engine<InOrderDevice, ManualClock>,
+    spec: RequestSpec,
+) -> std::collections::BTreeMap<&'static str, u64> {
+    tierkv_engine::probe::take();
+    e.submit(spec).unwrap();
+    run_to_idle(e);
+    tierkv_engine::probe::take()
+}
+
 #[test]
 fn requests_finish_and_share_their_prefix() {
     let cfg = Config::preset("sim-small").unwrap();
@@ -612,14 +623,9 @@ fn the_prefix_and_eviction_probes_count_only_what_happened() {
     };
     let (device, host) = ("admit.device_prefix", "admit.host_prefix");
     let (evicted, pending) = ("device.evicted", "device.write_back_pending");
-    probe::take();
-    e.submit(spec()).unwrap();
-    run_to_idle(&mut e);
-    let h = probe::take();
+    let h = probes_of(&mut e, spec());
     assert!(!h.contains_key(device) && !h.contains_key(host), "{h:?}");
-    e.submit(spec()).unwrap();
-    run_to_idle(&mut e);
-    let h = probe::take();
+    let h = probes_of(&mut e, spec());
     assert!(h.contains_key(device) && !h.contains_key(host), "{h:?}");
     for _ in 0..16 {
         if e.metrics.device_pages_used == 0 {
@@ -637,9 +643,7 @@ fn the_prefix_and_eviction_probes_count_only_what_happened() {
         !h.contains_key(evicted) && !h.contains_key(pending),
         "{h:?}"
     );
-    e.submit(spec()).unwrap();
-    run_to_idle(&mut e);
-    let h = probe::take();
+    let h = probes_of(&mut e, spec());
     assert!(!h.contains_key(device) && h.contains_key(host), "{h:?}");
 }
 
@@ -648,7 +652,6 @@ fn the_prefix_and_eviction_probes_count_only_what_happened() {
 /// that recomputes generated tokens here (a prompt prefilled in chunks recomputes none).
 #[test]
 fn the_scheduler_probes_count_only_what_happened() {
-    use tierkv_engine::probe;
     let mut cfg = Config::preset("sim-small").unwrap();
     // Prompts longer than a step's budget are prefilled in chunks.
     cfg.scheduler.prefill_tokens_per_step_max = 64;
@@ -661,14 +664,11 @@ fn the_scheduler_probes_count_only_what_happened() {
         "batch.recomputes_generated",
     );
     let mut run = |len: usize, stream: u64| {
-        probe::take();
-        e.submit(RequestSpec {
+        let spec = RequestSpec {
             prompt: prompt(&s, 0, len, stream),
             max_new_tokens: 3,
-        })
-        .unwrap();
-        run_to_idle(&mut e);
-        let h = probe::take();
+        };
+        let h = probes_of(&mut e, spec);
         assert!(
             !h.contains_key(fills) && !h.contains_key(recomputes),
             "{h:?}"
@@ -687,20 +687,16 @@ fn the_scheduler_probes_count_only_what_happened() {
 /// `index_topk` on.
 #[test]
 fn the_topk_probes_split_rows_at_index_topk() {
-    use tierkv_engine::probe;
     let mut cfg = Config::preset("sim-small").unwrap();
     cfg.model.index_topk = 64;
     let mut e = engine(cfg, EngineOptions::default());
     let s = e.synth;
     let mut run = |len: usize, new: u32| {
-        probe::take();
-        e.submit(RequestSpec {
+        let spec = RequestSpec {
             prompt: prompt(&s, 0, len, len as u64),
             max_new_tokens: new,
-        })
-        .unwrap();
-        run_to_idle(&mut e);
-        let h = probe::take();
+        };
+        let h = probes_of(&mut e, spec);
         (
             h.contains_key("indexer.topk_covers_context"),
             h.contains_key("indexer.topk_selects"),
@@ -808,7 +804,6 @@ fn a_backup_that_failed_is_failed_even_when_its_recovery_recreates_the_context()
 #[test]
 fn the_copy_probes_name_the_host_layout_and_the_index_k_dtype() {
     use tierkv_engine::layout::{HostLayout, IndexKDtype};
-    use tierkv_engine::probe;
     for (host, ik, want) in [
         (HostLayout::PageFirst, IndexKDtype::Bf16, [false, true]),
         (HostLayout::PageFirst, IndexKDtype::Fp8, [false, false]),
@@ -819,15 +814,12 @@ fn the_copy_probes_name_the_host_layout_and_the_index_k_dtype() {
         cfg.model.index_k_dtype = ik;
         let mut e = engine(cfg, EngineOptions::default());
         let s = e.synth;
-        probe::take();
-        e.submit(RequestSpec {
+        let spec = RequestSpec {
             prompt: prompt(&s, 256, 32, 1),
             max_new_tokens: 1,
-        })
-        .unwrap();
-        run_to_idle(&mut e);
+        };
+        let h = probes_of(&mut e, spec);
         assert_eq!(e.metrics.backups, 1);
-        let h = probe::take();
         let got = ["copy.layer_first", "copy.page_first_bf16_index_k"].map(|p| h.contains_key(p));
         assert_eq!(got, want, "{host:?} {ik:?}");
     }
