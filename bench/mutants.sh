@@ -6,6 +6,8 @@
 #                                    mutants FILE names (one a line, as cargo-mutants lists them)
 #   MUTANTS_STAGE2=FILE bench/mutants.sh SHARD [OUT] stage 2 alone, over the mutants FILE names
 #                                    (e.g. stage 1's missed list less those killed since)
+#   MUTANTS_STAGE1_ONLY=1 bench/mutants.sh SHARD [OUT]  stage 1 alone (with or without
+#                                    MUTANTS_DONE); its missed list is a later MUTANTS_STAGE2
 #
 # Stage 1 tests every mutant of the shard with the engine's own tests (its unit tests and
 # engine/tests/it): a mutant there takes about 10 s on a 2-core box. Stage 2 takes the mutants
@@ -61,6 +63,10 @@ if [ -n "${MUTANTS_STAGE2:-}" ] && [ -n "${MUTANTS_DONE:-}" ]; then
     echo "mutants.sh: MUTANTS_STAGE2 and MUTANTS_DONE together: stage 2 alone takes no stage 1" >&2
     exit 2
 fi
+if [ -n "${MUTANTS_STAGE2:-}" ] && [ -n "${MUTANTS_STAGE1_ONLY:-}" ]; then
+    echo "mutants.sh: MUTANTS_STAGE2 and MUTANTS_STAGE1_ONLY together: nothing would run" >&2
+    exit 2
+fi
 if [ -n "${MUTANTS_STAGE2:-}" ]; then
     [ -f "$MUTANTS_STAGE2" ] || { echo "mutants.sh: MUTANTS_STAGE2=$MUTANTS_STAGE2 is not a file" >&2; exit 2; }
 elif [ -n "${MUTANTS_DONE:-}" ]; then
@@ -79,7 +85,8 @@ else
         -o "$out/stage1" --test-package tierkv-engine --features mutants --timeout 120 || true
 fi
 # Stage 2 takes stage 1's missed mutants (or MUTANTS_STAGE2's) by name.
-names_re < "${MUTANTS_STAGE2:-$out/stage1/mutants.out/missed.txt}"
+re=()
+[ -n "${MUTANTS_STAGE1_ONLY:-}" ] || names_re < "${MUTANTS_STAGE2:-$out/stage1/mutants.out/missed.txt}"
 if [ ${#re[@]} -gt 0 ]; then
     cargo mutants -p tierkv-engine "${re[@]}" --build-timeout 900 -o "$out/stage2" \
         --test-package tierkv-sim --features mutants --timeout 300 \
