@@ -568,3 +568,69 @@ fn a_host_footprint_of_exactly_the_limit_is_accepted() {
         r => panic!("one page past the limit: {r:?}"),
     }
 }
+
+/// `nan` and `inf` (TOML reads both as floats) are refused as not finite, named by their field,
+/// in a section and in a nested array alike — not left to a range rule that would name another
+/// fault or none (a `nan` passes every `<` check).
+#[test]
+fn non_finite_numbers_are_refused_by_their_own_rule() {
+    for (text, field, value) in [
+        (
+            "preset = \"sim-small\"\n[model]\nrope_theta = nan",
+            "model.rope_theta",
+            "NaN",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nrope_factor = inf",
+            "model.rope_factor",
+            "inf",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nhost_ratio = -inf",
+            "cache.host_ratio",
+            "-inf",
+        ),
+    ] {
+        match Config::from_toml(text) {
+            Err(ConfigError::NotFinite { field: f, value: v }) => {
+                assert_eq!((f.as_str(), v.as_str()), (field, value), "{text}")
+            }
+            other => panic!("{text}: {other:?}"),
+        }
+    }
+}
+
+/// Each key of the documented TOML has its own entry of `KEY_DOCS` right above it, word for
+/// word (wrapped), not another key's.
+#[test]
+fn the_documented_toml_puts_each_keys_own_text_above_it() {
+    let text = Config::preset("sim-small").unwrap().to_documented_toml();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut section = String::new();
+    let mut keys = 0;
+    for (i, line) in lines.iter().enumerate() {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = format!("{name}.");
+        }
+        let Some((key, _)) = line.split_once(" = ") else {
+            continue;
+        };
+        let path = format!("{section}{key}");
+        let doc = KEY_DOCS.iter().find(|(k, _)| *k == path).map(|(_, d)| *d);
+        let doc = doc.unwrap_or_else(|| panic!("{path} has an entry"));
+        let above: Vec<&str> = lines[..i]
+            .iter()
+            .rev()
+            .take_while(|l| l.starts_with("# "))
+            .map(|l| &l[2..])
+            .collect();
+        let above: Vec<&str> = above.into_iter().rev().collect();
+        assert_eq!(
+            above.join(" ").split_whitespace().collect::<Vec<_>>(),
+            doc.split_whitespace().collect::<Vec<_>>(),
+            "{path}"
+        );
+        keys += 1;
+    }
+    assert!(keys >= 20, "{keys} keys in the documented TOML");
+}
