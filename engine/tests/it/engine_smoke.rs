@@ -824,3 +824,44 @@ fn the_copy_probes_name_the_host_layout_and_the_index_k_dtype() {
         assert_eq!(got, want, "{host:?} {ik:?}");
     }
 }
+
+/// The page count holds while a load is in flight and after its request is aborted: a prefix
+/// kept on the host alone is loaded back for a new request (the engine one step ahead), the
+/// request is aborted with the load in flight, and the invariants (the device pages in use are
+/// the tree's, the requests', the loads' and the rest) hold at each point, the orphaned load's
+/// pages counted until it lands.
+#[test]
+fn the_page_count_holds_with_a_load_in_flight_and_its_request_aborted() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    let options = EngineOptions {
+        overlap: true,
+        ..EngineOptions::default()
+    };
+    let mut e = engine(cfg, options);
+    let s = e.synth;
+    let spec = || RequestSpec {
+        prompt: prompt(&s, 0, 288, 7),
+        max_new_tokens: 4,
+    };
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    for _ in 0..16 {
+        if e.metrics.device_pages_used == 0 {
+            break;
+        }
+        e.evict_device(4).unwrap();
+        run_to_idle(&mut e);
+    }
+    assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
+    let id = e.submit(spec()).unwrap();
+    e.step().expect("step");
+    assert_eq!(e.loads_in_flight(), 1, "{:?}", e.metrics);
+    e.check_invariants();
+    assert!(e.abort(id));
+    assert_eq!(e.loads_in_flight(), 1, "the load outlives its request");
+    e.check_invariants();
+    run_to_idle(&mut e);
+    assert_eq!(e.loads_in_flight(), 0);
+    e.check_quiescent().unwrap();
+}

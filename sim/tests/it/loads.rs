@@ -1,5 +1,5 @@
 //! The engine over the simulated GPU, one step ahead, where a load's copy takes device time:
-//! a load still in flight once its request is gone.
+//! a load still in flight once its request is gone, its pages counted until it lands.
 
 use tierkv_engine::config::WritePolicy;
 use tierkv_engine::{Config, Engine, EngineError, EngineOptions, RequestSpec};
@@ -7,7 +7,9 @@ use tierkv_sim::gpu::{GpuOptions, SimGpu};
 
 /// A prefix kept on the host alone is loaded back for a new request; the request is aborted
 /// while the load is in flight (the engine one step ahead). The load is still counted: a weight
-/// update is refused naming it, beside the step in flight, and goes through once idle.
+/// update is refused naming it, beside the step in flight, and goes through once idle; the
+/// engine's page count (tree, requests, loads in flight, orphaned ones included) holds after
+/// every step and at the abort.
 #[test]
 fn a_load_in_flight_outlives_its_aborted_request() {
     let gpu = SimGpu::new(1, GpuOptions::default()).expect("a simulated GPU");
@@ -26,7 +28,9 @@ fn a_load_in_flight_outlives_its_aborted_request() {
     };
     let run_to_idle = |e: &mut Engine<SimGpu, _>| {
         for _ in 0..10_000 {
-            if e.step().expect("step").idle {
+            let idle = e.step().expect("step").idle;
+            e.check_invariants();
+            if idle {
                 return;
             }
         }
@@ -47,6 +51,7 @@ fn a_load_in_flight_outlives_its_aborted_request() {
     assert_eq!(e.loads_in_flight(), 1, "{:?}", e.metrics);
     assert!(e.abort(id));
     assert_eq!(e.loads_in_flight(), 1, "the load outlives its request");
+    e.check_invariants();
     let err = e.update_weights(1).expect_err("a load in flight");
     assert!(
         matches!(
