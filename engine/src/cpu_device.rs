@@ -289,13 +289,16 @@ fn page_copy(o: &PageCopy, mem: &mut Memory) -> KResult {
 }
 
 /// A device that runs every op at once, in enqueue order, with the CPU references. Events are done
-/// as soon as they are recorded. Faults can be injected into copies for tests of failure handling.
+/// as soon as they are recorded. Faults can be injected into copies and kernels for tests of failure
+/// handling.
 #[derive(Debug, Default)]
 pub struct InOrderDevice {
     pub mem: Memory,
     events: Vec<EventState>,
     /// Copies (PageCopy) to fail from now on, counted down.
     pub fail_next_copies: u32,
+    /// Kernels (every op but a PageCopy) to fail from now on, counted down.
+    pub fail_next_kernels: u32,
     /// Whether any op failed since the last record, per stream.
     failed_since_record: [bool; 3],
     /// Ops run, by name (tests look at what happened).
@@ -368,11 +371,12 @@ impl Device for InOrderDevice {
         if self.recover_recreates {
             self.generation += 1;
         }
-        // A failure here is the failed copy's alone (`fail_next_copies`): nothing stays broken.
+        // A failure here is the failed op's alone (`fail_next_copies`, `fail_next_kernels`):
+        // nothing stays broken.
         Ok(())
     }
     fn context_generation(&self) -> u64 {
-        // Its faults are the failed copy's alone: nothing is recreated unless a test says so.
+        // Its faults are the failed op's alone: nothing is recreated unless a test says so.
         self.generation
     }
     fn query(&mut self, ev: EventId) -> EventState {
@@ -384,8 +388,12 @@ impl Device for InOrderDevice {
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
         check_op(&op, |b| self.mem.desc(b))?;
         self.log.push(op.name());
-        if matches!(op, Op::PageCopy(_)) && self.fail_next_copies > 0 {
-            self.fail_next_copies -= 1;
+        let fail = match op {
+            Op::PageCopy(_) => &mut self.fail_next_copies,
+            _ => &mut self.fail_next_kernels,
+        };
+        if *fail > 0 {
+            *fail -= 1;
             self.failed_since_record[stream.index()] = true;
             return Ok(());
         }

@@ -865,3 +865,197 @@ fn the_page_count_holds_with_a_load_in_flight_and_its_request_aborted() {
     assert_eq!(e.loads_in_flight(), 0);
     e.check_quiescent().unwrap();
 }
+
+/// Prefixes on the host alone, under write-back: each prompt of `specs` run once and the pages
+/// handed back until none is on the device. Returns the engine and each prompt's tokens.
+fn host_only_prefixes(
+    options: EngineOptions,
+    specs: &dyn Fn(&Synth) -> Vec<RequestSpec>,
+) -> (Engine<InOrderDevice, ManualClock>, Vec<Vec<u32>>) {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    let mut e = engine(cfg, options);
+    let s = e.synth;
+    let mut computed = Vec::new();
+    for spec in specs(&s) {
+        e.submit(spec).unwrap();
+        computed.push(tokens_of(&run_to_idle(&mut e)));
+    }
+    for _ in 0..16 {
+        if e.metrics.device_pages_used == 0 {
+            break;
+        }
+        e.evict_device(4).unwrap();
+        run_to_idle(&mut e);
+    }
+    assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
+    (e, computed)
+}
+
+fn prefix_spec(s: &Synth) -> Vec<RequestSpec> {
+    vec![RequestSpec {
+        prompt: prompt(s, 256, 32, 1),
+        max_new_tokens: 4,
+    }]
+}
+
+/// A load from the host succeeds: no failure counted, and the loaded pages are published on
+/// the device, where the next run of the prompt finds them.
+#[test]
+fn a_load_from_the_host_lands_and_publishes_its_pages() {
+    let (mut e, computed) = host_only_prefixes(EngineOptions::default(), &prefix_spec);
+    let s = e.synth;
+    e.submit(prefix_spec(&s).remove(0)).unwrap();
+    assert_eq!(tokens_of(&run_to_idle(&mut e)), computed[0]);
+    let m = &e.metrics;
+    assert_eq!(
+        (m.prefix_pages_host_hit, m.load_failures, m.loads_lost),
+        (4, 0, 0),
+        "{m:?}"
+    );
+    let device_hits = m.prefix_pages_device_hit;
+    e.submit(prefix_spec(&s).remove(0)).unwrap();
+    assert_eq!(tokens_of(&run_to_idle(&mut e)), computed[0]);
+    assert_eq!(
+        e.metrics.prefix_pages_device_hit - device_hits,
+        4,
+        "{:?}",
+        e.metrics
+    );
+}
+
+/// A load whose own copy fails, under a recovery that recreates the context, is a failure (not
+/// a loss: its copy did not complete), the request recomputes the prefix and gets the same
+/// tokens, and the engine ends quiescent.
+#[test]
+fn a_load_whose_copy_fails_as_the_context_is_recreated_is_a_failure() {
+    let (mut e, computed) = host_only_prefixes(EngineOptions::default(), &prefix_spec);
+    let s = e.synth;
+    e.dev.fail_next_copies = 1;
+    e.dev.recover_recreates = true;
+    e.submit(prefix_spec(&s).remove(0)).unwrap();
+    assert_eq!(tokens_of(&run_to_idle(&mut e)), computed[0]);
+    let m = &e.metrics;
+    assert_eq!(
+        (m.load_failures, m.loads_lost, m.context_recreations),
+        (1, 0, 1),
+        "{m:?}"
+    );
+    e.check_quiescent().unwrap();
+}
+
+/// A load in flight when its step's failed kernel is recovered by recreating the context: the
+/// load's copy completed, into memory the recreation lost, so it is lost (not failed); the
+/// request recomputes, gets the same tokens, and the engine ends quiescent.
+#[test]
+fn a_load_in_flight_when_a_kernel_recreates_the_context_is_lost() {
+    let (mut e, computed) = host_only_prefixes(EngineOptions::default(), &prefix_spec);
+    let s = e.synth;
+    e.submit(prefix_spec(&s).remove(0)).unwrap();
+    e.dev.fail_next_kernels = 1;
+    e.dev.recover_recreates = true;
+    e.step().expect("step");
+    assert_eq!(
+        e.loads_in_flight(),
+        1,
+        "the failed step leaves its load unacknowledged"
+    );
+    assert_eq!(tokens_of(&run_to_idle(&mut e)), computed[0]);
+    let m = &e.metrics;
+    assert_eq!(
+        (
+            m.load_failures,
+            m.loads_lost,
+            m.context_recreations,
+            m.steps_failed
+        ),
+        (0, 1, 1, 1),
+        "{m:?}"
+    );
+    e.check_quiescent().unwrap();
+}
+
+/// One step ahead, the first step's kernel fails and its recovery recreates the context: the
+/// failed step and the step built on it are counted (one failed, one discarded), the device
+/// tier is dropped once, and the request still gets its tokens.
+#[test]
+fn running_ahead_a_failed_step_and_the_one_built_on_it_are_counted() {
+    let options = EngineOptions {
+        overlap: true,
+        ..EngineOptions::default()
+    };
+    let (mut e, computed) = host_only_prefixes(options, &prefix_spec);
+    let s = e.synth;
+    e.submit(prefix_spec(&s).remove(0)).unwrap();
+    e.dev.fail_next_kernels = 1;
+    e.dev.recover_recreates = true;
+    assert_eq!(tokens_of(&run_to_idle(&mut e)), computed[0]);
+    let m = &e.metrics;
+    assert_eq!(
+        (m.steps_failed, m.steps_discarded, m.context_recreations),
+        (1, 1, 1),
+        "{m:?}"
+    );
+    e.check_quiescent().unwrap();
+}
+
+/// A device that fails every step stops the engine with a typed error after
+/// `STEP_FAILURES_MAX` failed steps in a row, each counted.
+#[test]
+fn a_device_that_fails_every_step_stops_the_engine() {
+    use tierkv_engine::EngineError;
+    let mut e = engine(
+        Config::preset("sim-small").unwrap(),
+        EngineOptions::default(),
+    );
+    let s = e.synth;
+    e.submit(prefix_spec(&s).remove(0)).unwrap();
+    e.dev.fail_next_kernels = u32::MAX;
+    let mut steps = 0;
+    let err = loop {
+        steps += 1;
+        assert!(steps <= 100, "the engine never gave up");
+        match e.step() {
+            Ok(_) => {}
+            Err(err) => break err,
+        }
+    };
+    assert!(
+        matches!(&err, EngineError::Device(_)) && err.to_string().contains("steps in a row"),
+        "{err}"
+    );
+    assert_eq!(steps, tierkv_engine::engine::STEP_FAILURES_MAX as u64);
+    assert_eq!(e.metrics.steps_failed, steps, "{:?}", e.metrics);
+}
+
+/// One step ahead, a load's copy fails and its recovery recreates the context while a step is
+/// in flight: the load is a failure, and the step in flight is discarded (it may have read
+/// what the device lost), or counted failed when its own kernel failed too.
+#[test]
+fn running_ahead_a_recreation_discards_or_fails_the_step_in_flight() {
+    for (kernel_fails, want) in [(false, (1, 0, 1, 1)), (true, (1, 1, 0, 1))] {
+        let options = EngineOptions {
+            overlap: true,
+            ..EngineOptions::default()
+        };
+        let (mut e, computed) = host_only_prefixes(options, &prefix_spec);
+        let s = e.synth;
+        e.submit(prefix_spec(&s).remove(0)).unwrap();
+        e.dev.fail_next_copies = 1;
+        e.dev.fail_next_kernels = kernel_fails as u32;
+        e.dev.recover_recreates = true;
+        assert_eq!(tokens_of(&run_to_idle(&mut e)), computed[0]);
+        let m = &e.metrics;
+        assert_eq!(
+            (
+                m.load_failures,
+                m.steps_failed,
+                m.steps_discarded,
+                m.context_recreations
+            ),
+            want,
+            "kernel fails: {kernel_fails}; {m:?}"
+        );
+        e.check_quiescent().unwrap();
+    }
+}
