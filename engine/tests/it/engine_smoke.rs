@@ -1059,3 +1059,33 @@ fn running_ahead_a_recreation_discards_or_fails_the_step_in_flight() {
         e.check_quiescent().unwrap();
     }
 }
+
+/// Under write-through with a host tier just larger than the device tier, distinct prompts fill
+/// the host; each later backup makes room by evicting the least recently used host pages
+/// instead of being skipped: every prompt's full pages are backed up, the host stays full, and
+/// the last prompt is found on the host once the device lets it go.
+#[test]
+fn write_through_evicts_from_a_full_host_tier_to_back_up() {
+    use tierkv_engine::probe;
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteThrough;
+    let device_pages = cfg.cache.device_pages as u64;
+    cfg.cache.host = tierkv_engine::config::HostCapacity::Tokens((device_pages + 1) * 64);
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = |stream| RequestSpec {
+        prompt: prompt(&s, 0, 288, stream),
+        max_new_tokens: 1,
+    };
+    probe::take();
+    let prompts = device_pages / 4 + 2;
+    for stream in 0..prompts {
+        e.submit(spec(stream)).unwrap();
+        run_to_idle(&mut e);
+    }
+    assert!(probe::take().contains_key("host.evicted"));
+    let m = &e.metrics;
+    assert_eq!((m.backups, m.backup_failures), (prompts, 0), "{m:?}");
+    assert_eq!(m.host_tokens_used, (device_pages + 1) * 64, "full: {m:?}");
+    assert_eq!(m.prefix_pages_queried, prompts * 4, "{m:?}");
+}
