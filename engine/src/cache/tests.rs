@@ -376,3 +376,34 @@ mod policy {
         c.check_invariants();
     }
 }
+
+/// A load published early (mutant 6's bug, `publish_early`) puts its pages on the device at
+/// once: the match finds them resident, nothing is loading, and `unpin` then ends the load.
+#[test]
+fn a_load_published_early_is_resident_at_once() {
+    use crate::config::WritePolicy;
+    let mut c = PrefixCache::new();
+    let (mut dev, mut host) = (PageAllocator::new(8), PageAllocator::new(8));
+    let keys: Vec<PageKey> = (1..=2).map(key).collect();
+    let pages = dev.alloc(2).expect("room");
+    c.insert(&keys, &pages);
+    let m = c.match_prefix(&keys);
+    let path = c.needs_backup(m.nodes[1]);
+    let hp = host.alloc(path.len()).expect("room");
+    c.begin_backup(&path, &hp);
+    c.finish_backup(&path, true);
+    dev.free(&c.evict_device(2, WritePolicy::WriteThrough).freed);
+    let m = c.match_prefix(&keys);
+    let load = dev.alloc(2).expect("room");
+    c.pin_host(&m.nodes);
+    c.begin_load(&m.nodes, &load);
+    assert_eq!(c.match_prefix(&keys).nodes.len(), 0, "a load in flight stops the match");
+    c.publish_early(&m.nodes);
+    let now = c.match_prefix(&keys);
+    assert_eq!((now.device, now.host), (2, 0), "published at once");
+    let table: Vec<PageId> = now.nodes.iter().map(|&n| c.node(n).device.unwrap()).collect();
+    assert_eq!(table, load);
+    c.unpin(&m.nodes);
+    assert_eq!(c.pinned_nodes(), 0);
+    c.check_invariants();
+}

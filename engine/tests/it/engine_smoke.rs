@@ -178,6 +178,18 @@ fn over_limit_intake_is_rejected_and_the_queue_stays_bounded() {
         })
         .unwrap_err();
     assert!(matches!(err, Rejection::Invalid { .. }));
+    let err = e
+        .submit(RequestSpec {
+            prompt: vec![u32::MAX],
+            max_new_tokens: 2,
+        })
+        .unwrap_err();
+    assert!(matches!(err, Rejection::Invalid { .. }), "{err}");
+    assert_eq!(
+        (e.metrics.rejected_invalid, e.metrics.requests_submitted),
+        (2, 3),
+        "each invalid request counted once"
+    );
     run_to_idle(&mut e);
     e.check_quiescent().unwrap();
 }
