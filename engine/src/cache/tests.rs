@@ -397,11 +397,19 @@ fn a_load_published_early_is_resident_at_once() {
     let load = dev.alloc(2).expect("room");
     c.pin_host(&m.nodes);
     c.begin_load(&m.nodes, &load);
-    assert_eq!(c.match_prefix(&keys).nodes.len(), 0, "a load in flight stops the match");
+    assert_eq!(
+        c.match_prefix(&keys).nodes.len(),
+        0,
+        "a load in flight stops the match"
+    );
     c.publish_early(&m.nodes);
     let now = c.match_prefix(&keys);
     assert_eq!((now.device, now.host), (2, 0), "published at once");
-    let table: Vec<PageId> = now.nodes.iter().map(|&n| c.node(n).device.unwrap()).collect();
+    let table: Vec<PageId> = now
+        .nodes
+        .iter()
+        .map(|&n| c.node(n).device.unwrap())
+        .collect();
     assert_eq!(table, load);
     c.unpin(&m.nodes);
     assert_eq!(c.pinned_nodes(), 0);

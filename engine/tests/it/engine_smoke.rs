@@ -692,6 +692,62 @@ fn the_scheduler_probes_count_only_what_happened() {
     assert_eq!(run(128, 2), (false, false), "nothing cached yet");
     assert_eq!(run(128, 2), (true, true), "cached whole, two pages");
     assert_eq!(run(200, 3), (false, false), "chunked, nothing cached yet");
+    assert_eq!(run(200, 2), (false, false), "two of three pages cached");
+    assert_eq!(run(64, 4), (false, false), "one page, none of it cacheable");
+    assert_eq!(run(64, 4), (false, false), "one page, none of it cacheable");
+}
+
+/// The probe of a request that stops at `scheduler.output_tokens_max` counts only that: not a
+/// request that asked for fewer tokens, whatever it generated.
+#[test]
+fn the_output_limit_probe_counts_only_a_request_stopped_there() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.scheduler.output_tokens_max = 4;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let mut run = |max_new_tokens| {
+        let spec = RequestSpec {
+            prompt: prompt(&s, 0, 40, max_new_tokens as u64),
+            max_new_tokens,
+        };
+        probes_of(&mut e, spec).contains_key("finish.at_output_max")
+    };
+    assert!(!run(3), "stopped below the limit");
+    assert!(run(4), "stopped at the limit");
+}
+
+/// An abort while a backup is in flight (under write-through, one request's prompt backed up
+/// once it finished, acknowledged at the next step; another request aborted) hits its probe.
+#[test]
+fn an_abort_with_a_backup_in_flight_hits_its_probe() {
+    use tierkv_engine::probe;
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteThrough;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    e.submit(RequestSpec {
+        prompt: prompt(&s, 0, 288, 1),
+        max_new_tokens: 1,
+    })
+    .unwrap();
+    let id = e
+        .submit(RequestSpec {
+            prompt: prompt(&s, 0, 40, 2),
+            max_new_tokens: 32,
+        })
+        .unwrap();
+    for _ in 0..100 {
+        e.step().expect("step");
+        if e.metrics.backups > 0 {
+            break;
+        }
+    }
+    assert_eq!(e.metrics.backups, 1, "{:?}", e.metrics);
+    probe::take();
+    assert!(e.abort(id));
+    assert!(probe::take().contains_key("abort.mid_backup"));
+    run_to_idle(&mut e);
+    e.check_quiescent().unwrap();
 }
 
 /// The top-k probes count a query row as covering its context exactly when its position is
