@@ -418,3 +418,85 @@ fn each_op_declares_what_it_reads_and_writes() {
     }
     assert_eq!(stores, 1, "the pool ops hold one index-K store");
 }
+
+/// A KV store declares the pool rows it writes, one whole bf16 row (576 values of 2 bytes) a
+/// slot, and the tokens it reads when its rows take pending tokens; a sparse read's tags are
+/// the rows it was given.
+#[test]
+fn a_kv_store_declares_its_rows_and_a_sparse_read_its_tags() {
+    let ops = pool_ops(IndexKDtype::Fp8, KvDtype::Bf16);
+    let Some(Op::KvStore(store)) = ops.iter().find(|o| matches!(o, Op::KvStore(_))).cloned() else {
+        panic!("the pool ops hold a KV store");
+    };
+    assert_eq!(
+        Op::KvStore(store.clone()).accesses(),
+        [writes(0, 0, 1152), writes(0, 1152, 1152)]
+    );
+    let mut pending = store;
+    pending.rows.tokens = Some(region(7, 8));
+    assert_eq!(
+        Op::KvStore(pending).accesses(),
+        [reads(7, 0, 8), writes(0, 0, 1152), writes(0, 1152, 1152)]
+    );
+    let read = ops
+        .iter()
+        .find(|o| matches!(o, Op::SparseRead(_)))
+        .expect("a sparse read");
+    let want = [RowTag {
+        request: 1,
+        position: 70,
+    }];
+    assert_eq!(read.tags().map(|t| &t.rows[..]), Some(&want[..]));
+}
+
+/// A query prep's output regions are exactly its record's (2 rows of 1 head: 256 bytes of fp8
+/// queries, 8 bytes of f32 weights): one byte short of either is refused, naming the op; and a
+/// store's pending row naming a token past the tokens region is refused.
+#[test]
+fn a_query_preps_outputs_and_a_pending_rows_token_are_checked() {
+    let inputs = Drawn {
+        seed: 1,
+        layer: 0,
+        rows: Arc::from(
+            [TokenAt {
+                token: 5,
+                position: 3,
+            }; 2],
+        ),
+        tokens: None,
+    };
+    let prep = |q: u64, w: u64| {
+        Op::QPrep(QPrep {
+            args: args::QPrep {
+                rows: 2,
+                heads: 1,
+                ue8m0: false,
+            },
+            inputs: inputs.clone(),
+            rope: Rope::new(&tierkv_kernels::rope::RopeParams::deepseek_v32(4096)),
+            q_out: region(1, q),
+            w_out: region(2, w),
+        })
+    };
+    let fmt = PageFormat::Kv(KvDtype::Bf16);
+    crate::device::check_op(&prep(256, 8), descs(fmt)).expect("the record's sizes");
+    for (q, w) in [(255, 8), (256, 7)] {
+        match crate::device::check_op(&prep(q, w), descs(fmt)) {
+            Err(DeviceError::Kernel { op, .. }) => assert_eq!(op, "q_prep"),
+            r => panic!("q_out {q}, w_out {w}: {r:?}"),
+        }
+    }
+    // Two pending rows, entries 0 and 1, over a tokens region of one u32 and of two.
+    for (entries, ok) in [(1, false), (2, true)] {
+        let Some(Op::KvStore(mut store)) = pool_ops(IndexKDtype::Fp8, KvDtype::Bf16)
+            .into_iter()
+            .find(|o| matches!(o, Op::KvStore(_)))
+        else {
+            panic!("the pool ops hold a KV store");
+        };
+        store.rows.rows = Arc::from([TokenAt::pending(0, 0), TokenAt::pending(1, 1)]);
+        store.rows.tokens = Some(region(7, 4 * entries));
+        let r = crate::device::check_op(&Op::KvStore(store), descs(fmt));
+        assert_eq!(r.is_ok(), ok, "{entries} entries: {r:?}");
+    }
+}
