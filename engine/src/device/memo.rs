@@ -451,12 +451,50 @@ mod tests {
         assert_eq!(key(&at(0)), key(&at(4096)));
         let past = (1 << 20) - 256; // the output is 512 bytes
         assert_ne!(key(&at(0)), key(&at(past)));
+        // An offset whose end overflows is not inside either, and not keyed as one that is.
+        let wraps = u64::MAX - 100;
+        assert_ne!(key(&at(0)), key(&at(wraps)));
         let mut memo = CheckMemo::default();
         memo.check(&at(0), &desc).expect("inside");
         assert!(
             memo.check(&at(past), &desc).is_err(),
             "past the buffer's end"
         );
+        assert!(memo.check(&at(wraps), &desc).is_err(), "an end past u64");
+    }
+
+    /// A sparse read's key holds its scalars, its regions and its arrays: reads that differ in
+    /// any of them have their own keys; the same read over another layer's pool shares one.
+    #[test]
+    fn a_sparse_reads_key_holds_its_fields() {
+        use crate::layout::KvDtype;
+        let (table, lens): (Arc<[i32]>, Arc<[i32]>) = (Arc::from([0, 3]), Arc::from([100]));
+        let read = |kv: u32, k: u32, rows: u32, out: u64| {
+            Op::SparseRead(SparseRead {
+                args: args::SparseRead {
+                    dtype: KvDtype::Bf16,
+                    rows,
+                    k,
+                },
+                slots: region(2, rows as u64 * k as u64 * 4),
+                kv: BufferId(kv),
+                page_table: table.clone(),
+                pt_stride: 2,
+                context_lens: lens.clone(),
+                out: region(3, out),
+                tags: RowTags {
+                    layer_global: kv,
+                    rows: Arc::from([]),
+                },
+            })
+        };
+        let desc = descs(4);
+        let key = |op: &Op| CheckKey::of(op, &desc).expect("shared arrays");
+        let first = key(&read(0, 4, 1, 8));
+        assert_eq!(first, key(&read(1, 4, 1, 8)));
+        for other in [read(0, 8, 1, 8), read(0, 4, 2, 8), read(0, 4, 1, 16)] {
+            assert_ne!(first, key(&other), "{other:?}");
+        }
     }
 
     /// A key whose arrays nobody holds any more is dropped at the next insertion.

@@ -74,11 +74,14 @@ pub struct ByteRange {
 }
 
 impl ByteRange {
+    /// `len` bytes of `buffer` from `start`. An end past `u64::MAX` is kept at `u64::MAX`,
+    /// which no buffer reaches: `check_op` refuses such a region as out of bounds (a typed
+    /// error naming the op), where an overflow would panic.
     pub fn new(buffer: BufferId, start: Bytes, len: Bytes) -> ByteRange {
         ByteRange {
             buffer,
             start,
-            end: start + len,
+            end: Bytes(start.0.saturating_add(len.0)),
         }
     }
     pub fn len(&self) -> Bytes {
