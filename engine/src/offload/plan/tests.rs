@@ -226,6 +226,17 @@ fn a_bf16_index_k_behind_an_fp8_configuration_is_refused_naming_the_group() {
         text.contains("group 1") && text.contains("16384") && text.contains("8448"),
         "{text}"
     );
+    // The configured formats, by name, each with the bytes a block of it takes.
+    let RegisterError::Layout {
+        formats, expected, ..
+    } = &err
+    else {
+        unreachable!("matched above");
+    };
+    assert_eq!(
+        (formats.as_str(), expected.as_str()),
+        ("kv/fp8_packed or index_k/fp8", "41984 or 8448")
+    );
 }
 
 #[test]
