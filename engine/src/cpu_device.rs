@@ -303,6 +303,8 @@ pub struct InOrderDevice {
     failed_since_record: [bool; 3],
     /// Ops run, by name (tests look at what happened).
     pub log: Vec<&'static str>,
+    /// Stream waits made, in order (tests look at what happened).
+    pub waits: Vec<(StreamKind, EventId)>,
     /// `recover` calls made, and whether they fail (a lost device, for tests).
     pub recoveries: u32,
     pub recover_fails: bool,
@@ -358,7 +360,8 @@ impl Device for InOrderDevice {
         };
         Ok(())
     }
-    fn wait(&mut self, _stream: StreamKind, _ev: EventId) -> Result<(), DeviceError> {
+    fn wait(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        self.waits.push((stream, ev));
         Ok(())
     }
     fn recover(&mut self) -> Result<(), DeviceError> {

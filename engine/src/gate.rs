@@ -87,3 +87,6 @@ impl<'a> LayerGate<'a> {
         Ok(self.gated(BufferKind::Kv))
     }
 }
+
+#[cfg(test)]
+mod tests;
