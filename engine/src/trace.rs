@@ -242,22 +242,27 @@ pub fn generate(n: usize, seed: u64) -> Vec<TraceRecord> {
 }
 
 /// Fuzz body (`fuzz/fuzz_targets/trace.rs`): any bytes parse to records that obey the format's
-/// rules, or to an error naming a line — never a panic.
-pub fn fuzz_trace(data: &[u8]) {
+/// rules, or to an error naming a line — never a panic. Returns how many records it held to
+/// those rules (those of fewer than 2^16 input tokens, whose prompts it builds).
+pub fn fuzz_trace(data: &[u8]) -> usize {
     let Ok(text) = std::str::from_utf8(data) else {
-        return;
+        return 0;
     };
-    if let Ok(recs) = parse_jsonl(text) {
-        let synth = Synth::new(1);
-        for r in recs.iter().filter(|r| r.input_length < 1 << 16) {
-            assert_eq!(
-                r.hash_ids.len(),
-                r.input_length.div_ceil(BLOCK_TOKENS) as usize
-            );
-            assert_eq!(
-                prompt_tokens(r, &synth, usize::MAX).len(),
-                r.input_length as usize
-            );
-        }
+    let Ok(recs) = parse_jsonl(text) else {
+        return 0;
+    };
+    let synth = Synth::new(1);
+    let mut checked = 0;
+    for r in recs.iter().filter(|r| r.input_length < 1 << 16) {
+        assert_eq!(
+            r.hash_ids.len(),
+            r.input_length.div_ceil(BLOCK_TOKENS) as usize
+        );
+        assert_eq!(
+            prompt_tokens(r, &synth, usize::MAX).len(),
+            r.input_length as usize
+        );
+        checked += 1;
     }
+    checked
 }

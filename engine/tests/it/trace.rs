@@ -379,3 +379,23 @@ fn a_replay_evicts_exactly_what_a_request_lacks() {
     host.request(&keys(4, 4)).expect("another prompt");
     assert_eq!((host.host_evicted, host.backups_skipped), (4, 0));
 }
+
+/// The fuzz body holds every record under 2^16 input tokens to the format's rules (the ones it
+/// builds prompts for) and checks nothing of input that does not parse.
+#[test]
+fn the_fuzz_body_checks_each_record_it_parses() {
+    let line = |ts: u64, input: u32, ids: usize| {
+        format!(
+            "{{\"timestamp\": {ts}, \"input_length\": {input}, \"output_length\": 1, \"hash_ids\": [{}]}}",
+            (1..=ids).map(|i| i.to_string()).collect::<Vec<_>>().join(", ")
+        )
+    };
+    let text = [line(0, 10, 1), line(5, 1025, 3), line(9, 70_000, 137)].join("\n");
+    assert_eq!(
+        trace::fuzz_trace(text.as_bytes()),
+        2,
+        "the two under 2^16 tokens"
+    );
+    assert_eq!(trace::fuzz_trace(b"{bad"), 0);
+    assert_eq!(trace::fuzz_trace(&[0xff, 0xfe]), 0, "not UTF-8");
+}
