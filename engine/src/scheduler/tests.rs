@@ -416,3 +416,23 @@ fn a_request_reports_what_its_forward_did() {
     assert_eq!(s.request(id).expect("still running").generated(), 2);
     s.check_invariants();
 }
+
+/// A batch never holds more query rows than the scratch has: two requests' prompts (one query
+/// row each, last-token indexing) fit two rows and break the engine's invariant at one, which
+/// panics naming the count rather than writing past the scratch.
+#[test]
+fn a_batch_over_the_scratchs_rows_is_a_broken_invariant() {
+    let build = |rows_max: usize| {
+        let mut s = scheduler(512, PrefillIndexer::LastToken);
+        submit(&mut s, 40, 4);
+        submit(&mut s, 40, 4);
+        admit_all(&mut s, 0, false);
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            s.build_batch(rows_max, None).len()
+        }))
+    };
+    assert_eq!(build(2).ok(), Some(2));
+    let e = build(1).expect_err("two rows over a scratch of one");
+    let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("batch of 2 query rows over the scratch's 1"), "{msg}");
+}
