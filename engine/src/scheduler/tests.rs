@@ -434,5 +434,8 @@ fn a_batch_over_the_scratchs_rows_is_a_broken_invariant() {
     assert_eq!(build(2).ok(), Some(2));
     let e = build(1).expect_err("two rows over a scratch of one");
     let msg = e.downcast_ref::<String>().cloned().unwrap_or_default();
-    assert!(msg.contains("batch of 2 query rows over the scratch's 1"), "{msg}");
+    assert!(
+        msg.contains("batch of 2 query rows over the scratch's 1"),
+        "{msg}"
+    );
 }

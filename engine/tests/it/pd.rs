@@ -1,6 +1,7 @@
 //! Prefill/decode pairs on the in-order CPU device (both engines share one, joined by the peer
 //! link): the pair's outputs equal one engine's for the same requests, digest for digest; a pair
-//! whose layouts differ is refused before anything is built; aborts anywhere leak nothing.
+//! whose layouts differ is refused before anything is built; aborts anywhere leak nothing; a
+//! context recreated at any step requeues what it must and changes no token.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -57,6 +58,12 @@ struct Seen {
 }
 
 fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Seen>) {
+    collect_as(out, seen, false)
+}
+
+/// [`collect`]; with `requeues`, a request may be requeued by a recreated context and emit a
+/// position's digests again, equal.
+fn collect_as(out: Vec<Output>, seen: &mut BTreeMap<u64, Seen>, requeues: bool) {
     for o in out {
         match o {
             Output::Digests {
@@ -68,9 +75,9 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Seen>) {
                     .entry(request)
                     .or_default()
                     .digests
-                    .insert(position, digests);
+                    .insert(position, digests.clone());
                 assert!(
-                    prev.is_none(),
+                    prev.is_none() || requeues && prev.as_ref() == Some(&digests),
                     "request {request} position {position} twice"
                 );
             }
@@ -89,18 +96,23 @@ fn collect(out: Vec<Output>, seen: &mut BTreeMap<u64, Seen>) {
                 seen.entry(request).or_default().transfer_failed = true
             }
             Output::Recompute { .. } => {}
-            Output::Requeued { request } => {
-                panic!("request {request} requeued: a pair's engine never requeues")
-            }
+            Output::Requeued { request } => assert!(
+                requeues,
+                "request {request} requeued: a pair's engine requeues only after a recreation"
+            ),
         }
     }
 }
 
 fn run_pair(p: &mut Pair, seen: &mut BTreeMap<u64, Seen>) {
+    run_pair_as(p, seen, false)
+}
+
+fn run_pair_as(p: &mut Pair, seen: &mut BTreeMap<u64, Seen>, requeues: bool) {
     for _ in 0..10_000 {
         let r = p.step().expect("pair step");
         p.check_invariants();
-        collect(p.drain_outputs(), seen);
+        collect_as(p.drain_outputs(), seen, requeues);
         if r.idle {
             p.check_quiescent().expect("quiescent");
             return;
@@ -421,4 +433,82 @@ fn a_shared_device_has_one_context_generation() {
     a.recover().expect("a recovery");
     assert_eq!((a.context_generation(), b.context_generation()), (2, 2));
     assert_eq!(b.0.borrow().recoveries, 2);
+}
+
+/// A kernel fails and its recovery recreates the shared device's context, at each of the
+/// pair's first steps in turn: exports waiting for their transfers go back to the prefill
+/// queue (at some of those points), every request still gets the tokens one engine gives it,
+/// and the pair ends quiescent (no lock or page of a requeued export left behind).
+#[test]
+fn a_recreation_at_any_step_requeues_exports_and_the_tokens_stay() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut one = Engine::new(
+        cfg.clone(),
+        InOrderDevice::new(),
+        ManualClock::default(),
+        EngineOptions {
+            seed: 11,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let specs = specs(&one.synth);
+    let mut single = BTreeMap::new();
+    for s in &specs {
+        one.submit(s.clone()).unwrap();
+    }
+    for _ in 0..10_000 {
+        let r = one.step().unwrap();
+        collect(one.drain_outputs(), &mut single);
+        if r.idle {
+            break;
+        }
+    }
+    // The decode engine runs one request at a time: the others' exports wait for it.
+    let mut d_cfg = cfg.clone();
+    d_cfg.scheduler.running_requests_max = 1;
+    let mut requeued = 0;
+    for at in 0..12 {
+        let dev = SharedDevice(Rc::new(RefCell::new(InOrderDevice::new())));
+        let mut p = PdPair::new(
+            cfg.clone(),
+            d_cfg.clone(),
+            dev.clone(),
+            dev.clone(),
+            ManualClock::default(),
+            ManualClock::default(),
+            PeerLink,
+            EngineOptions {
+                seed: 11,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for s in &specs {
+            p.submit(s.clone()).unwrap();
+        }
+        let mut paired = BTreeMap::new();
+        tierkv_engine::probe::take();
+        for _ in 0..at {
+            p.step().expect("pair step");
+            collect_as(p.drain_outputs(), &mut paired, true);
+        }
+        {
+            let mut d = dev.0.borrow_mut();
+            d.fail_next_kernels = 1;
+            d.recover_recreates = true;
+        }
+        run_pair_as(&mut p, &mut paired, true);
+        let probes = tierkv_engine::probe::take();
+        requeued += probes.contains_key("pd.export_requeued") as u32;
+        for (id, s) in &single {
+            let q = &paired[id];
+            assert_eq!(
+                (&q.tokens, &q.finished),
+                (&s.tokens, &s.finished),
+                "failure at step {at}: request {id}"
+            );
+        }
+    }
+    assert!(requeued > 0, "no export was requeued at any of the steps");
 }
