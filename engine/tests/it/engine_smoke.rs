@@ -900,10 +900,21 @@ fn the_copy_probes_name_the_host_layout_and_the_index_k_dtype() {
 /// pages counted until it lands.
 #[test]
 fn the_page_count_holds_with_a_load_in_flight_and_its_request_aborted() {
+    for fails in [false, true] {
+        for overlap in [false, true] {
+            page_count_with_an_orphaned_load(fails, overlap);
+        }
+    }
+}
+
+/// [`the_page_count_holds_with_a_load_in_flight_and_its_request_aborted`], the load's copy
+/// failing or not, the engine one step ahead or in order (its step failed, which leaves the load
+/// unacknowledged): either way the orphaned load's pages go back once it is acknowledged.
+fn page_count_with_an_orphaned_load(fails: bool, overlap: bool) {
     let mut cfg = Config::preset("sim-small").unwrap();
     cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
     let options = EngineOptions {
-        overlap: true,
+        overlap,
         ..EngineOptions::default()
     };
     let mut e = engine(cfg, options);
@@ -923,6 +934,10 @@ fn the_page_count_holds_with_a_load_in_flight_and_its_request_aborted() {
     }
     assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
     let id = e.submit(spec()).unwrap();
+    e.dev.fail_next_copies = fails as u32;
+    // In order, a step acknowledges its loads unless it failed: one kernel fails, so that the
+    // load is still in flight after it (and its request in no step in flight).
+    e.dev.fail_next_kernels = !overlap as u32;
     e.step().expect("step");
     assert_eq!(e.loads_in_flight(), 1, "{:?}", e.metrics);
     e.check_invariants();
@@ -931,6 +946,7 @@ fn the_page_count_holds_with_a_load_in_flight_and_its_request_aborted() {
     e.check_invariants();
     run_to_idle(&mut e);
     assert_eq!(e.loads_in_flight(), 0);
+    assert_eq!(e.metrics.load_failures, fails as u64, "{:?}", e.metrics);
     e.check_quiescent().unwrap();
 }
 
@@ -942,6 +958,15 @@ fn host_only_prefixes(
 ) -> (Engine<InOrderDevice, ManualClock>, Vec<Vec<u32>>) {
     let mut cfg = Config::preset("sim-small").unwrap();
     cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    host_only_prefixes_of(cfg, options, specs)
+}
+
+/// [`host_only_prefixes`] under `cfg` (a write-back one).
+fn host_only_prefixes_of(
+    cfg: Config,
+    options: EngineOptions,
+    specs: &dyn Fn(&Synth) -> Vec<RequestSpec>,
+) -> (Engine<InOrderDevice, ManualClock>, Vec<Vec<u32>>) {
     let mut e = engine(cfg, options);
     let s = e.synth;
     let mut computed = Vec::new();
@@ -1156,4 +1181,50 @@ fn write_through_evicts_from_a_full_host_tier_to_back_up() {
     assert_eq!((m.backups, m.backup_failures), (prompts, 0), "{m:?}");
     assert_eq!(m.host_tokens_used, (device_pages + 1) * 64, "full: {m:?}");
     assert_eq!(m.prefix_pages_queried, prompts * 4, "{m:?}");
+}
+
+/// Two prefixes on the host, both asked for at once through a load ring of one slot: the second
+/// load takes the slot once the first is waited for and acknowledged (the ring-full probe), and
+/// both requests get the tokens their prompts computed.
+#[test]
+fn a_load_ring_of_one_slot_serves_two_loads_in_turn() {
+    use tierkv_engine::probe;
+    let two = |s: &Synth| {
+        (1..=2)
+            .map(|stream| RequestSpec {
+                prompt: prompt(s, 0, 288, stream),
+                max_new_tokens: 4,
+            })
+            .collect()
+    };
+    for overlap in [false, true] {
+        let mut cfg = Config::preset("sim-small").unwrap();
+        cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+        cfg.cache.load_slots = 1;
+        let options = EngineOptions {
+            overlap,
+            ..EngineOptions::default()
+        };
+        let (mut e, computed) = host_only_prefixes_of(cfg, options, &two);
+        let s = e.synth;
+        probe::take();
+        for spec in two(&s) {
+            e.submit(spec).unwrap();
+        }
+        let out = run_to_idle(&mut e);
+        let hits = probe::take();
+        assert!(
+            hits.contains_key("load.ring_full"),
+            "overlap {overlap}: {hits:?}"
+        );
+        let m = &e.metrics;
+        assert_eq!(
+            (m.loads, m.load_failures),
+            (2, 0),
+            "overlap {overlap}: {m:?}"
+        );
+        let got: Vec<Vec<u32>> = per_request(&out).into_values().map(|r| r.1).collect();
+        assert_eq!(got, computed, "overlap {overlap}");
+        e.check_quiescent().unwrap();
+    }
 }
