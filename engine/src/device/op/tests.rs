@@ -239,6 +239,21 @@ fn a_linear_copy_touches_both_regions_and_unequal_ones_are_refused() {
         }
         r => panic!("a 16 B region copied into 24 B: {r:?}"),
     }
+    // An empty copy at a buffer's very end is inside it; one byte there is not.
+    let at_end = |bytes: u64| {
+        let r = Region {
+            buffer: BufferId(1),
+            offset: Bytes(1 << 20),
+            bytes: Bytes(bytes),
+        };
+        Op::Copy(LinearCopy { src: r, dst: r })
+    };
+    let fmt = PageFormat::Kv(KvDtype::Bf16);
+    crate::device::check_op(&at_end(0), descs(fmt)).expect("an empty copy at the end");
+    assert!(matches!(
+        crate::device::check_op(&at_end(1), descs(fmt)),
+        Err(DeviceError::OutOfBounds { .. })
+    ));
 }
 
 /// Each op's detail, the text a refusal or a trace shows beside its name, gives its shape and
