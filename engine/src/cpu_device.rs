@@ -299,6 +299,9 @@ pub struct InOrderDevice {
     pub fail_next_copies: u32,
     /// Kernels (every op but a PageCopy) to fail from now on, counted down.
     pub fail_next_kernels: u32,
+    /// Event records to refuse from now on, counted down, as a device in error refuses them
+    /// (`DeviceError::InError`: the caller recovers and records again); nothing is recorded.
+    pub in_error_next_records: u32,
     /// Whether any op failed since the last record, per stream.
     failed_since_record: [bool; 3],
     /// Ops run, by name (tests look at what happened).
@@ -352,6 +355,15 @@ impl Device for InOrderDevice {
         Ok(EventId(self.events.len() as u32 - 1))
     }
     fn record(&mut self, stream: StreamKind, ev: EventId) -> Result<(), DeviceError> {
+        if self.in_error_next_records > 0 {
+            self.in_error_next_records -= 1;
+            return Err(DeviceError::InError {
+                cause: DeviceFault::Failed {
+                    op: "record",
+                    stream,
+                },
+            });
+        }
         let failed = std::mem::take(&mut self.failed_since_record[stream.index()]);
         self.events[ev.0 as usize] = if failed {
             EventState::Failed
@@ -390,6 +402,7 @@ impl Device for InOrderDevice {
     }
     fn enqueue(&mut self, stream: StreamKind, op: Op) -> Result<(), DeviceError> {
         check_op(&op, |b| self.mem.desc(b))?;
+
         self.log.push(op.name());
         let fail = match op {
             Op::PageCopy(_) => &mut self.fail_next_copies,

@@ -1228,3 +1228,32 @@ fn a_load_ring_of_one_slot_serves_two_loads_in_turn() {
         e.check_quiescent().unwrap();
     }
 }
+
+/// The device refuses a load's event record as a device in error while a request is admitted,
+/// and the recovery recreates the context: the step stops after admission (nothing it would compute
+/// can read what the device lost), reporting the request it admitted; the next steps drop the
+/// device tier, requeue the request and give it its tokens.
+#[test]
+fn a_recreation_within_admission_stops_the_step_and_reports_the_admission() {
+    let (mut e, computed) = host_only_prefixes(EngineOptions::default(), &prefix_spec);
+    let s = e.synth;
+    e.submit(prefix_spec(&s).remove(0)).unwrap();
+    e.dev.in_error_next_records = 1;
+    e.dev.recover_recreates = true;
+    let steps = e.metrics.steps;
+    let report = e.step().expect("step");
+    assert_eq!(
+        (report.admitted, report.rows, e.metrics.steps - steps),
+        (1, 0, 0),
+        "{report:?}"
+    );
+    let out = run_to_idle(&mut e);
+    assert_eq!(tokens_of(&out), computed[0]);
+    let m = &e.metrics;
+    assert_eq!(
+        (m.context_recreations, m.requests_requeued),
+        (1, 1),
+        "{m:?}"
+    );
+    e.check_quiescent().unwrap();
+}
