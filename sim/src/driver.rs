@@ -79,7 +79,9 @@ struct SimMem {
     buf: BufferId,
     /// A stream-ordered allocation: its buffer goes back to the pool when freed.
     pooled: bool,
-    /// The buffer's bytes (at least the allocation's).
+    /// Where the allocation ends in its buffer: the buffer's bytes (at least the allocation's),
+    /// but for an import, the end of the range imported (a copy past it is past what the server
+    /// registered).
     cap: u64,
     /// Where the allocation starts in its buffer: 0, but for an import of part of an allocation
     /// ([`Driver::import`]).
@@ -340,11 +342,12 @@ impl SimDriver {
         ByteRange::new(m.buf, p.offset, p.bytes)
     }
 
+    /// The simulator's region of a range, held to its allocation as [`SimDriver::range`] holds it.
     fn region(&self, p: Ptr) -> Region {
-        let m = self.mem(p.mem);
+        let r = self.range(p);
         Region {
-            buffer: m.buf,
-            offset: Bytes(p.offset.0 + m.at),
+            buffer: r.buffer,
+            offset: r.start,
             bytes: p.bytes,
         }
     }
@@ -1098,7 +1101,7 @@ impl Driver for SimDriver {
                 Ok(self.mems.insert(SimMem {
                     buf: m.buf,
                     pooled: false,
-                    cap: m.cap,
+                    cap: m.at + at + bytes,
                     at: m.at + at,
                     serial,
                 }))
