@@ -986,3 +986,6 @@ impl<D: Device, C: Clock, T: Transfer> Reserve for Admission<'_, D, C, T> {
             .reserve(&mut self.io, r.id, &keys, total, self.step_done, acks)
     }
 }
+
+#[cfg(test)]
+mod tests;
