@@ -1257,3 +1257,79 @@ fn a_recreation_within_admission_stops_the_step_and_reports_the_admission() {
     );
     e.check_quiescent().unwrap();
 }
+
+/// Under write-back, a full device tier makes admission evict with a backup while another
+/// request decodes; that request's kernel fails in the same step and its recovery recreates
+/// the context, with the backup in flight: the backup is lost (its copy may have read pages the
+/// recreation took), not failed, and both requests still get their tokens.
+#[test]
+fn a_backup_in_flight_when_the_context_is_recreated_is_lost() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    assert_eq!(cfg.cache.device_pages, 48);
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = |stream, len, max_new_tokens| RequestSpec {
+        prompt: prompt(&s, 0, len, stream),
+        max_new_tokens,
+    };
+    // Ten prompts leave 4 full pages each in the tree: 40 of 48 pages.
+    for stream in 0..10 {
+        e.submit(spec(stream, 288, 1)).unwrap();
+        run_to_idle(&mut e);
+    }
+    // A decoding request holds 3 more (100 + 32 tokens); the next prompt, 350 tokens and one
+    // generated, needs 6 pages of the 5 free: admission evicts one, behind its backup.
+    e.submit(spec(500, 100, 32)).unwrap();
+    e.step().expect("step");
+    e.submit(spec(501, 350, 1)).unwrap();
+    assert_eq!(e.metrics.backups, 0, "{:?}", e.metrics);
+    e.dev.fail_next_kernels = 1;
+    e.dev.recover_recreates = true;
+    e.step().expect("step");
+    assert_eq!(
+        e.metrics.backups, 1,
+        "admission evicted with a backup: {:?}",
+        e.metrics
+    );
+    assert_eq!(e.metrics.steps_failed, 1, "{:?}", e.metrics);
+    run_to_idle(&mut e);
+    let m = &e.metrics;
+    assert_eq!(
+        (m.backups_lost, m.backup_failures, m.context_recreations),
+        (1, 0, 1),
+        "{m:?}"
+    );
+    e.check_quiescent().unwrap();
+}
+
+/// A step whose event record the device refuses as a device in error, and whose recovery
+/// recreates the context, computes its rows but is discarded unrecorded (what it read is not
+/// known to be what was stored); the request recomputes and gets its tokens.
+#[test]
+fn a_step_recreated_while_it_ran_is_discarded() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut clean = engine(cfg.clone(), EngineOptions::default());
+    let s = clean.synth;
+    let spec = || RequestSpec {
+        prompt: prompt(&s, 0, 100, 3),
+        max_new_tokens: 4,
+    };
+    clean.submit(spec()).unwrap();
+    let want = tokens_of(&run_to_idle(&mut clean));
+    let mut e = engine(cfg, EngineOptions::default());
+    e.submit(spec()).unwrap();
+    e.step().expect("step");
+    e.dev.in_error_next_records = 1;
+    e.dev.recover_recreates = true;
+    let mut out = e.drain_outputs();
+    out.extend(run_to_idle(&mut e));
+    assert_eq!(tokens_of(&out), want);
+    let m = &e.metrics;
+    assert_eq!(
+        (m.steps_discarded, m.steps_failed, m.context_recreations),
+        (1, 0, 1),
+        "{m:?}"
+    );
+    e.check_quiescent().unwrap();
+}
