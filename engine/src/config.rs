@@ -1511,23 +1511,26 @@ impl<'a> Fields<'a> {
 mod tests;
 
 /// Fuzz body (`fuzz/fuzz_targets/config.rs`): any bytes, as TOML or JSON, give a configuration
-/// that validates and round-trips, or a typed error — never a panic.
-pub fn fuzz_config(data: &[u8]) {
+/// that validates and round-trips, or a typed error — never a panic. The first byte picks the
+/// format (even: TOML, odd: JSON); answers whether the rest parsed to a configuration.
+pub fn fuzz_config(data: &[u8]) -> bool {
     let Some((&which, rest)) = data.split_first() else {
-        return;
+        return false;
     };
     let Ok(text) = std::str::from_utf8(rest) else {
-        return;
+        return false;
     };
     let parsed = if which % 2 == 0 {
         Config::from_toml(text)
     } else {
         Config::from_json(text)
     };
-    if let Ok(c) = parsed {
-        c.validate().expect("a parsed configuration validates");
-        let l = c.layout().expect("a valid configuration has a layout");
-        assert!(l.host_tokens().0 > l.device_tokens().0);
-        assert_eq!(Config::from_toml(&c.to_toml()).expect("round trip"), c);
-    }
+    let Ok(c) = parsed else {
+        return false;
+    };
+    c.validate().expect("a parsed configuration validates");
+    let l = c.layout().expect("a valid configuration has a layout");
+    assert!(l.host_tokens().0 > l.device_tokens().0);
+    assert_eq!(Config::from_toml(&c.to_toml()).expect("round trip"), c);
+    true
 }

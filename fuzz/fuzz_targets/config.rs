@@ -1,2 +1,4 @@
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| tierkv_engine::config::fuzz_config(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    tierkv_engine::config::fuzz_config(data);
+});

@@ -634,3 +634,56 @@ fn the_documented_toml_puts_each_keys_own_text_above_it() {
     }
     assert!(keys >= 20, "{keys} keys in the documented TOML");
 }
+
+/// The fuzz body reads its input as TOML after an even first byte and as JSON after an odd one.
+#[test]
+fn the_fuzz_body_picks_the_format_by_its_first_byte() {
+    let toml = "preset = \"sim-small\"";
+    let json = "{\"preset\": \"sim-small\"}";
+    let input = |first: u8, text: &str| [&[first], text.as_bytes()].concat();
+    assert!(fuzz_config(&input(0, toml)));
+    assert!(fuzz_config(&input(254, toml)));
+    assert!(fuzz_config(&input(1, json)));
+    assert!(fuzz_config(&input(255, json)));
+    assert!(!fuzz_config(&input(0, json)), "JSON is no TOML");
+    assert!(!fuzz_config(&input(1, toml)), "TOML is no JSON");
+    assert!(!fuzz_config(&[]));
+}
+
+/// A syntax error's message is the parser's, each line cut to 160 characters and marked: a
+/// line of 300 characters is not echoed whole.
+#[test]
+fn a_syntax_errors_lines_are_clipped() {
+    let long = format!(
+        "preset = \"sim-small\"\n[model\nlayers = \"{}",
+        "x".repeat(300)
+    );
+    for (text, format) in [
+        (long.clone(), "TOML"),
+        (format!("{{\"preset\": \"{}", "y".repeat(300)), "JSON"),
+    ] {
+        let parsed = match format {
+            "TOML" => Config::from_toml(&text),
+            _ => Config::from_json(&text),
+        };
+        match parsed {
+            Err(ConfigError::Syntax { format: f, message }) => {
+                assert_eq!(f, format);
+                assert!(!message.is_empty());
+                assert!(
+                    message.lines().all(|l| l.chars().count() <= 161),
+                    "{message}"
+                );
+            }
+            other => panic!("{format}: {other:?}"),
+        }
+    }
+    // The TOML parser echoes the offending line: cut, with the mark.
+    match Config::from_toml(&format!("[{}", "z".repeat(300))) {
+        Err(ConfigError::Syntax { message, .. }) => {
+            assert!(message.contains("zzzz…"), "{message}");
+            assert!(message.contains("unclosed table"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
