@@ -515,3 +515,124 @@ fn a_query_preps_outputs_and_a_pending_rows_token_are_checked() {
         assert_eq!(r.is_ok(), ok, "{entries} entries: {r:?}");
     }
 }
+
+/// The details of a query prep, a page copy and a linear copy give their shapes and buffers.
+#[test]
+fn a_preps_and_a_copys_detail_gives_its_shape() {
+    let fmt = PageFormat::Kv(KvDtype::Bf16);
+    let role = |b: BufferId| descs(fmt)(b).role;
+    let (pool, scratch) = (role(BufferId(0)), role(BufferId(1)));
+    let prep = QPrep {
+        args: args::QPrep {
+            rows: 2,
+            heads: 3,
+            ue8m0: false,
+        },
+        inputs: Drawn {
+            seed: 1,
+            layer: 0,
+            rows: Arc::from([]),
+            tokens: None,
+        },
+        rope: Rope::new(&tierkv_kernels::rope::RopeParams::deepseek_v32(4096)),
+        q_out: region(1, 0),
+        w_out: region(2, 0),
+    };
+    let view = PagedView {
+        base: 0,
+        page_stride: fmt.page_bytes(),
+        pages: 4,
+        fingerprint: fmt.fingerprint(),
+    };
+    let copy = PageCopy {
+        src: BufferId(0),
+        src_view: view,
+        dst: BufferId(1),
+        dst_view: view,
+        runs: vec![
+            PageRun {
+                src: PageId(1),
+                dst: PageId(2),
+                count: 2,
+            },
+            PageRun {
+                src: PageId(3),
+                dst: PageId(0),
+                count: 1,
+            },
+        ],
+    };
+    let linear = LinearCopy {
+        src: region(1, 16),
+        dst: region(2, 16),
+    };
+    assert_eq!(prep.detail(&role), "2 rows x 3 heads");
+    assert_eq!(
+        copy.detail(&role),
+        format!(
+            "{pool} → {scratch}: 3 pages in 2 runs (first run {}→{} x2)",
+            PageId(1),
+            PageId(2)
+        )
+    );
+    assert_eq!(
+        linear.detail(&role),
+        format!("{scratch} → {scratch} (16 B)")
+    );
+}
+
+/// A KV store's tags are the rows it was given; a store's and a next-token op's shapes are
+/// checked: a KV store with a slot fewer than its drawn rows, and a next-token op whose output
+/// is not one u32 a row, are refused naming the op.
+#[test]
+fn a_stores_tags_and_shapes_are_checked() {
+    let fmt = PageFormat::IndexK(IndexKDtype::Fp8);
+    let ops = pool_ops(IndexKDtype::Fp8, KvDtype::Bf16);
+    let kv = ops
+        .iter()
+        .find(|o| matches!(o, Op::KvStore(_)))
+        .expect("a KV store");
+    let want = [RowTag {
+        request: 1,
+        position: 70,
+    }];
+    assert_eq!(kv.tags().map(|t| &t.rows[..]), Some(&want[..]));
+    let Some(Op::IndexKStore(mut store)) = ops
+        .iter()
+        .find(|o| matches!(o, Op::IndexKStore(_)))
+        .cloned()
+    else {
+        panic!("an index-K store");
+    };
+    store.args.slots = vec![0].into();
+    match crate::device::check_op(&Op::IndexKStore(store), descs(fmt)) {
+        Err(DeviceError::Kernel { op, .. }) => assert_eq!(op, "index_k_store"),
+        r => panic!("one slot for two rows: {r:?}"),
+    }
+    let next = |out: u64| {
+        Op::NextTokens(NextTokens {
+            args: args::NextTokens {
+                seed: 1,
+                layers: 1,
+                rows_max: 4,
+                rows: 3,
+            },
+            digests: region(5, 4 * 8),
+            out: region(6, out),
+            tags: RowTags {
+                layer_global: 0,
+                rows: Arc::from(
+                    [RowTag {
+                        request: 1,
+                        position: 5,
+                    }; 3],
+                ),
+            },
+        })
+    };
+    crate::device::check_op(&next(12), descs(fmt)).expect("3 rows, 12 bytes");
+    match crate::device::check_op(&next(8), descs(fmt)) {
+        Err(DeviceError::Kernel { op, .. }) => assert_eq!(op, "next_tokens"),
+        r => panic!("3 rows into 8 bytes: {r:?}"),
+    }
+}

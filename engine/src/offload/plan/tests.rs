@@ -505,3 +505,24 @@ fn each_groups_blocks_take_their_own_chunks_in_order() {
         assert!(reg.plan(&bad).is_err(), "{blocks:?} {refs:?} {indices:?}");
     }
 }
+
+/// The formats a registration may name, each parsed back from its name.
+#[test]
+fn every_format_name_parses_back() {
+    let names = format_names();
+    let mut sorted = names.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [
+            "index_k/bf16",
+            "index_k/fp8",
+            "kv/bf16",
+            "kv/fp8_packed",
+            "kv/fp8_unpacked"
+        ]
+    );
+    for n in &names {
+        assert_eq!(&parse_format(n).unwrap().to_string(), n);
+    }
+}
