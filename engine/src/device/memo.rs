@@ -497,6 +497,53 @@ mod tests {
         }
     }
 
+    /// An index-K store's key holds its format and its slots: stores that differ in either have
+    /// their own keys; the same store over another layer's pool shares one.
+    #[test]
+    fn an_index_k_stores_key_holds_its_fields() {
+        use crate::device::op::IndexKStore;
+        use tierkv_kernels::cpu::draw::TokenAt;
+        let slots: Arc<[i32]> = Arc::from([0, 1]);
+        let other: Arc<[i32]> = Arc::from([0, 1]);
+        let rows: Arc<[TokenAt]> = Arc::from(
+            [TokenAt {
+                token: 5,
+                position: 0,
+            }; 2],
+        );
+        let store = |dst: u32, ue8m0: bool, slots: &Arc<[i32]>| {
+            Op::IndexKStore(IndexKStore {
+                dst: BufferId(dst),
+                args: args::IndexKStore {
+                    dtype: IndexKDtype::Fp8,
+                    ue8m0,
+                    slots: slots.clone().into(),
+                },
+                keys: Drawn {
+                    seed: 1,
+                    layer: dst,
+                    rows: rows.clone(),
+                    tokens: None,
+                },
+                gamma: Arc::from([1.0; 128]),
+                beta: Arc::from([0.0; 128]),
+                rope: crate::device::Rope::new(&tierkv_kernels::rope::RopeParams::deepseek_v32(
+                    4096,
+                )),
+                tags: RowTags {
+                    layer_global: dst,
+                    rows: Arc::from([]),
+                },
+            })
+        };
+        let desc = descs(4);
+        let key = |op: &Op| CheckKey::of(op, &desc).expect("shared arrays");
+        let first = key(&store(0, false, &slots));
+        assert_eq!(first, key(&store(1, false, &slots)));
+        assert_ne!(first, key(&store(0, true, &slots)));
+        assert_ne!(first, key(&store(0, false, &other)));
+    }
+
     /// A key whose arrays nobody holds any more is dropped at the next insertion.
     #[test]
     fn keys_of_dropped_arrays_go() {

@@ -378,6 +378,17 @@ fn a_request_at_each_limit_is_accepted_and_one_past_it_is_invalid() {
         Err(Rejection::Invalid { .. })
     ));
     s.check_invariants();
+    // A prompt and its tokens that fill the context exactly are taken; one token more is not,
+    // and the refusal names the limit.
+    let ctx = cfg.model.context_tokens_max as usize;
+    let mut s = scheduler_with_pending(ctx as u64);
+    assert!(s.submit(spec(ctx - 1, 1)).is_ok(), "the context filled");
+    match s.submit(spec(ctx, 1)) {
+        Err(Rejection::Invalid { reason }) => {
+            assert!(reason.contains("model.context_tokens_max"), "{reason}")
+        }
+        r => panic!("one token past the context: {r:?}"),
+    }
 }
 
 #[test]

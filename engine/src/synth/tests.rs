@@ -88,6 +88,24 @@ fn a_query_is_every_heads_draw() {
     }
 }
 
+/// A query token's head weights are one positive value a head, the draw's.
+#[test]
+fn head_weights_are_every_heads_draw() {
+    let s = Synth::new(3);
+    let t = TokenAt {
+        token: 9,
+        position: 40,
+    };
+    for heads in [1, 4, 64] {
+        let w = s.head_weights(t.token, t.position, 2, heads);
+        assert_eq!(w.len(), heads as usize);
+        assert!(w.iter().all(|&x| x > 0.0), "{w:?}");
+        let mut want = Vec::new();
+        draw::head_weights_into(3, t, 2, heads, &mut want);
+        assert_eq!(w, want, "{heads} heads");
+    }
+}
+
 /// The LayerNorm weight and bias of a layer are 128 values each, drawn apart from one stream
 /// of the layer: the weight `1 + 0.25 u` from its elements 0..128, the bias `0.1 u` from
 /// elements 128..256 (so the weight in [0.75, 1.25), the bias in [-0.1, 0.1)). Pinned because

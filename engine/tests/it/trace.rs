@@ -306,7 +306,8 @@ fn a_replay_refuses_a_request_over_the_device_tier_and_evicts_a_small_host_tier(
 fn malformed_traces_name_the_line() {
     let cases = [
         ("{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n{bad", "line 2"),
-        ("{\"timestamp\": -5, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}", "timestamp"),
+        ("{\"timestamp\": -5, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}", "-5 is negative"),
+        ("{\"timestamp\": 0.5, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}", "expected a non-negative integer, found 0.5"),
         ("{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}", "missing field `timestamp`"),
         ("{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1, 2, 3]}", "hash_ids"),
         ("{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [-1]}", "hash_ids"),

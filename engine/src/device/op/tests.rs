@@ -636,3 +636,25 @@ fn a_stores_tags_and_shapes_are_checked() {
         r => panic!("3 rows into 8 bytes: {r:?}"),
     }
 }
+
+/// A drawn input's positions are its rows', in row order.
+#[test]
+fn drawn_rows_give_their_positions_in_order() {
+    let drawn = Drawn {
+        seed: 1,
+        layer: 0,
+        rows: Arc::from([
+            TokenAt {
+                token: 5,
+                position: 9,
+            },
+            TokenAt::pending(0, 3),
+            TokenAt {
+                token: 7,
+                position: 4,
+            },
+        ]),
+        tokens: None,
+    };
+    assert_eq!(drawn.positions(), [9, 3, 4]);
+}
