@@ -463,8 +463,9 @@ mod tests {
         assert!(memo.check(&at(wraps), &desc).is_err(), "an end past u64");
     }
 
-    /// A sparse read's key holds its scalars, its regions and its arrays: reads that differ in
-    /// any of them have their own keys; the same read over another layer's pool shares one.
+    /// A sparse read's key holds its scalars and its regions: reads that differ in `k`, in their
+    /// rows or in their output's size have their own keys; the same read over another layer's
+    /// pool shares one.
     #[test]
     fn a_sparse_reads_key_holds_its_fields() {
         use crate::layout::KvDtype;
@@ -497,8 +498,9 @@ mod tests {
         }
     }
 
-    /// An index-K store's key holds its format and its slots: stores that differ in either have
-    /// their own keys; the same store over another layer's pool shares one.
+    /// An index-K store's key holds its scale format and its slots array (by identity: another
+    /// allocation of the same values is another key); the same store over another layer's pool
+    /// shares one.
     #[test]
     fn an_index_k_stores_key_holds_its_fields() {
         use crate::device::op::IndexKStore;

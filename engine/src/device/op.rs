@@ -605,7 +605,10 @@ impl OpSpec for NextTokens {
     fn accesses(&self, out: &mut Vec<Access>) {
         let a = &self.args;
         for l in 0..a.layers as u64 {
-            let at = self.digests.offset + u64_bytes(l * a.rows_max as u64);
+            // Saturating, as `ByteRange::new`: a start past `u64::MAX` is out of bounds for
+            // `check_op` to refuse, not an overflow.
+            let rows_at = (l * a.rows_max as u64).saturating_mul(8);
+            let at = Bytes(self.digests.offset.0.saturating_add(rows_at));
             read(
                 out,
                 ByteRange::new(self.digests.buffer, at, u64_bytes(a.rows as u64)),

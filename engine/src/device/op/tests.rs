@@ -582,8 +582,8 @@ fn a_preps_and_a_copys_detail_gives_its_shape() {
 }
 
 /// A KV store's tags are the rows it was given; a store's and a next-token op's shapes are
-/// checked: a KV store with a slot fewer than its drawn rows, and a next-token op whose output
-/// is not one u32 a row, are refused naming the op.
+/// checked: an index-K store with a slot fewer than its drawn rows, and a next-token op whose
+/// output is not one u32 a row, are refused naming the op.
 #[test]
 fn a_stores_tags_and_shapes_are_checked() {
     let fmt = PageFormat::IndexK(IndexKDtype::Fp8);
