@@ -147,25 +147,32 @@ proptest! {
 /// A load whose host pins were dropped while it ran (`unpin`: mutant 40's lease) ends as any
 /// other: a failed one hands its device pages back, a successful one publishes them, and
 /// neither drops a pin it no longer holds.
+/// A two-page prefix (keys 1 and 2) inserted, backed up and evicted from the device: on the
+/// host alone. Returns the cache, the device pages' allocator, the keys and their match.
+fn on_the_host_alone() -> (PrefixCache, PageAllocator, Vec<PageKey>, Match) {
+    use crate::config::WritePolicy;
+    let mut c = PrefixCache::new();
+    let (mut dev, mut host) = (PageAllocator::new(8), PageAllocator::new(8));
+    let keys: Vec<PageKey> = (1..=2).map(key).collect();
+    let pages = dev.alloc(2).expect("room");
+    c.insert(&keys, &pages);
+    let m = c.match_prefix(&keys);
+    let path = c.needs_backup(m.nodes[1]);
+    let hp = host.alloc(path.len()).expect("room");
+    c.begin_backup(&path, &hp);
+    let (host_freed, dev_freed) = c.finish_backup(&path, true);
+    assert!(host_freed.is_empty() && dev_freed.is_empty());
+    let freed = c.evict_device(2, WritePolicy::WriteThrough).freed;
+    dev.free(&freed);
+    let m = c.match_prefix(&keys);
+    assert_eq!((m.device, m.host), (0, 2), "on the host alone");
+    (c, dev, keys, m)
+}
+
 #[test]
 fn a_load_unpinned_while_it_ran_ends_as_any_other() {
-    use crate::config::WritePolicy;
     for ok in [false, true] {
-        let mut c = PrefixCache::new();
-        let (mut dev, mut host) = (PageAllocator::new(8), PageAllocator::new(8));
-        let keys: Vec<PageKey> = (1..=2).map(key).collect();
-        let pages = dev.alloc(2).expect("room");
-        c.insert(&keys, &pages);
-        let m = c.match_prefix(&keys);
-        let path = c.needs_backup(m.nodes[1]);
-        let hp = host.alloc(path.len()).expect("room");
-        c.begin_backup(&path, &hp);
-        let (host_freed, dev_freed) = c.finish_backup(&path, true);
-        assert!(host_freed.is_empty() && dev_freed.is_empty());
-        let freed = c.evict_device(2, WritePolicy::WriteThrough).freed;
-        dev.free(&freed);
-        let m = c.match_prefix(&keys);
-        assert_eq!((m.device, m.host), (0, 2), "on the host alone");
+        let (mut c, mut dev, keys, m) = on_the_host_alone();
         let load = dev.alloc(2).expect("room");
         c.pin_host(&m.nodes);
         c.begin_load(&m.nodes, &load);
@@ -381,19 +388,7 @@ mod policy {
 /// once: the match finds them resident, nothing is loading, and `unpin` then ends the load.
 #[test]
 fn a_load_published_early_is_resident_at_once() {
-    use crate::config::WritePolicy;
-    let mut c = PrefixCache::new();
-    let (mut dev, mut host) = (PageAllocator::new(8), PageAllocator::new(8));
-    let keys: Vec<PageKey> = (1..=2).map(key).collect();
-    let pages = dev.alloc(2).expect("room");
-    c.insert(&keys, &pages);
-    let m = c.match_prefix(&keys);
-    let path = c.needs_backup(m.nodes[1]);
-    let hp = host.alloc(path.len()).expect("room");
-    c.begin_backup(&path, &hp);
-    c.finish_backup(&path, true);
-    dev.free(&c.evict_device(2, WritePolicy::WriteThrough).freed);
-    let m = c.match_prefix(&keys);
+    let (mut c, mut dev, keys, m) = on_the_host_alone();
     let load = dev.alloc(2).expect("room");
     c.pin_host(&m.nodes);
     c.begin_load(&m.nodes, &load);

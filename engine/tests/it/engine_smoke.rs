@@ -919,29 +919,13 @@ fn the_page_count_holds_with_a_load_in_flight_and_its_request_aborted() {
 /// failing or not, the engine one step ahead or in order (its step failed, which leaves the load
 /// unacknowledged): either way the orphaned load's pages go back once it is acknowledged.
 fn page_count_with_an_orphaned_load(fails: bool, overlap: bool) {
-    let mut cfg = Config::preset("sim-small").unwrap();
-    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
     let options = EngineOptions {
         overlap,
         ..EngineOptions::default()
     };
-    let mut e = engine(cfg, options);
+    let (mut e, _) = host_only_prefixes(options, &prefix_spec);
     let s = e.synth;
-    let spec = || RequestSpec {
-        prompt: prompt(&s, 0, 288, 7),
-        max_new_tokens: 4,
-    };
-    e.submit(spec()).unwrap();
-    run_to_idle(&mut e);
-    for _ in 0..16 {
-        if e.metrics.device_pages_used == 0 {
-            break;
-        }
-        e.evict_device(4).unwrap();
-        run_to_idle(&mut e);
-    }
-    assert_eq!(e.metrics.device_pages_used, 0, "{:?}", e.metrics);
-    let id = e.submit(spec()).unwrap();
+    let id = e.submit(prefix_spec(&s).remove(0)).unwrap();
     e.dev.fail_next_copies = fails as u32;
     // In order, a step acknowledges its loads unless it failed: one kernel fails, so that the
     // load is still in flight after it (and its request in no step in flight).

@@ -121,15 +121,15 @@ fn run_pair_as(p: &mut Pair, seen: &mut BTreeMap<u64, Seen>, requeues: bool) {
     panic!("the pair did not go idle");
 }
 
-#[test]
-fn a_pair_emits_what_one_engine_emits() {
-    let cfg = Config::preset("sim-small").unwrap();
+/// The requests of [`specs`] run to idle on one engine of `cfg` (seed `seed`): the requests and
+/// what the engine emitted for each.
+fn one_engine(cfg: &Config, seed: u64) -> (Vec<RequestSpec>, BTreeMap<u64, Seen>) {
     let mut one = Engine::new(
         cfg.clone(),
         InOrderDevice::new(),
         ManualClock::default(),
         EngineOptions {
-            seed: 11,
+            seed,
             ..Default::default()
         },
     )
@@ -143,9 +143,16 @@ fn a_pair_emits_what_one_engine_emits() {
         let r = one.step().unwrap();
         collect(one.drain_outputs(), &mut single);
         if r.idle {
-            break;
+            return (specs, single);
         }
     }
+    panic!("the engine did not go idle");
+}
+
+#[test]
+fn a_pair_emits_what_one_engine_emits() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let (specs, single) = one_engine(&cfg, 11);
     let mut p = pair(cfg.clone(), cfg, 11).unwrap();
     for s in &specs {
         p.submit(s.clone()).unwrap();
@@ -442,48 +449,13 @@ fn a_shared_device_has_one_context_generation() {
 #[test]
 fn a_recreation_at_any_step_requeues_exports_and_the_tokens_stay() {
     let cfg = Config::preset("sim-small").unwrap();
-    let mut one = Engine::new(
-        cfg.clone(),
-        InOrderDevice::new(),
-        ManualClock::default(),
-        EngineOptions {
-            seed: 11,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let specs = specs(&one.synth);
-    let mut single = BTreeMap::new();
-    for s in &specs {
-        one.submit(s.clone()).unwrap();
-    }
-    for _ in 0..10_000 {
-        let r = one.step().unwrap();
-        collect(one.drain_outputs(), &mut single);
-        if r.idle {
-            break;
-        }
-    }
+    let (specs, single) = one_engine(&cfg, 11);
     // The decode engine runs one request at a time: the others' exports wait for it.
     let mut d_cfg = cfg.clone();
     d_cfg.scheduler.running_requests_max = 1;
     let mut requeued = 0;
     for at in 0..12 {
-        let dev = SharedDevice(Rc::new(RefCell::new(InOrderDevice::new())));
-        let mut p = PdPair::new(
-            cfg.clone(),
-            d_cfg.clone(),
-            dev.clone(),
-            dev.clone(),
-            ManualClock::default(),
-            ManualClock::default(),
-            PeerLink,
-            EngineOptions {
-                seed: 11,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let mut p = pair(cfg.clone(), d_cfg.clone(), 11).unwrap();
         for s in &specs {
             p.submit(s.clone()).unwrap();
         }
@@ -494,7 +466,8 @@ fn a_recreation_at_any_step_requeues_exports_and_the_tokens_stay() {
             collect_as(p.drain_outputs(), &mut paired, true);
         }
         {
-            let mut d = dev.0.borrow_mut();
+            // Both engines' handles name the one shared device.
+            let mut d = p.prefill().dev.0.borrow_mut();
             d.fail_next_kernels = 1;
             d.recover_recreates = true;
         }

@@ -435,10 +435,10 @@ fn each_op_declares_what_it_reads_and_writes() {
 }
 
 /// A KV store declares the pool rows it writes, one whole bf16 row (576 values of 2 bytes) a
-/// slot, and the tokens it reads when its rows take pending tokens; a sparse read's tags are
-/// the rows it was given.
+/// slot, and the tokens it reads when its rows take pending tokens; a KV store's and a sparse
+/// read's tags are the rows they were given.
 #[test]
-fn a_kv_store_declares_its_rows_and_a_sparse_read_its_tags() {
+fn kv_stores_and_sparse_reads_declare_their_rows_and_tags() {
     let ops = pool_ops(IndexKDtype::Fp8, KvDtype::Bf16);
     let Some(Op::KvStore(store)) = ops.iter().find(|o| matches!(o, Op::KvStore(_))).cloned() else {
         panic!("the pool ops hold a KV store");
@@ -453,15 +453,22 @@ fn a_kv_store_declares_its_rows_and_a_sparse_read_its_tags() {
         Op::KvStore(pending).accesses(),
         [reads(7, 0, 8), writes(0, 0, 1152), writes(0, 1152, 1152)]
     );
-    let read = ops
-        .iter()
-        .find(|o| matches!(o, Op::SparseRead(_)))
-        .expect("a sparse read");
+    // Both a sparse read's and a KV store's tags are the rows they were given.
     let want = [RowTag {
         request: 1,
         position: 70,
     }];
-    assert_eq!(read.tags().map(|t| &t.rows[..]), Some(&want[..]));
+    for op in ops
+        .iter()
+        .filter(|o| matches!(o, Op::SparseRead(_) | Op::KvStore(_)))
+    {
+        assert_eq!(
+            op.tags().map(|t| &t.rows[..]),
+            Some(&want[..]),
+            "{}",
+            op.name()
+        );
+    }
 }
 
 /// A query prep's output regions are exactly its record's (2 rows of 1 head: 256 bytes of fp8
@@ -581,22 +588,13 @@ fn a_preps_and_a_copys_detail_gives_its_shape() {
     );
 }
 
-/// A KV store's tags are the rows it was given; a store's and a next-token op's shapes are
-/// checked: an index-K store with a slot fewer than its drawn rows, and a next-token op whose
-/// output is not one u32 a row, are refused naming the op.
+/// A store's and a next-token op's shapes are checked: an index-K store with a slot fewer than
+/// its drawn rows, and a next-token op whose output is not one u32 a row, are refused naming
+/// the op.
 #[test]
-fn a_stores_tags_and_shapes_are_checked() {
+fn a_stores_and_a_next_token_ops_shapes_are_checked() {
     let fmt = PageFormat::IndexK(IndexKDtype::Fp8);
     let ops = pool_ops(IndexKDtype::Fp8, KvDtype::Bf16);
-    let kv = ops
-        .iter()
-        .find(|o| matches!(o, Op::KvStore(_)))
-        .expect("a KV store");
-    let want = [RowTag {
-        request: 1,
-        position: 70,
-    }];
-    assert_eq!(kv.tags().map(|t| &t.rows[..]), Some(&want[..]));
     let Some(Op::IndexKStore(mut store)) = ops
         .iter()
         .find(|o| matches!(o, Op::IndexKStore(_)))
