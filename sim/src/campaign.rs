@@ -53,7 +53,8 @@ pub struct CampaignOptions {
     /// The corpus the campaign branches from and grows (`--corpus`; `corpus`), shared by its
     /// workers.
     pub corpus: Option<Arc<Mutex<Corpus>>>,
-    /// Runs branched from the corpus before each fresh seed (`--branches`).
+    /// Runs branched from the corpus before each fresh seed (`--branches`), at most
+    /// [`BRANCHES_PER_SEED_MAX`].
     pub branches: u32,
     /// Cut each seed's workload to this many requests (`--requests-max`;
     /// [`Scenario::keep_requests`]).
@@ -149,6 +150,10 @@ pub struct CampaignFailure {
     /// The policy that drew that schedule (`None`: the scenario's own).
     pub policy: Option<Policy>,
     pub finding: Finding,
+    /// A branch's decisions, the only way to replay it (a corpus checkpoint's prefix and what
+    /// the run drew after it; `--json` writes them as a schedule file); empty for a seed's own
+    /// schedules, which replay from the seed.
+    pub decisions: Vec<u8>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -198,6 +203,9 @@ pub struct CampaignSummary {
     pub(crate) cpu_before_failure: Duration,
 }
 
+/// The most runs a guided campaign branches from its corpus before each fresh seed.
+pub const BRANCHES_PER_SEED_MAX: u32 = 64;
+
 /// How a campaign's summary starts the line of [`CampaignSummary::cpu_to_first_failure`]
 /// (`bench --catch` reads it).
 pub const FIRST_FAILURE_AFTER: &str = "first failure after ";
@@ -233,6 +241,11 @@ impl CampaignSummary {
                 schedule: o.schedule,
                 policy: o.policy,
                 finding: f.clone(),
+                decisions: if crate::schedule::is_branch(o.schedule) {
+                    o.decisions.clone()
+                } else {
+                    Vec::new()
+                },
             });
             if self.first_failure.is_none_or(|x| o.seed < x) {
                 self.first_failure = Some(o.seed);

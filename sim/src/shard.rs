@@ -54,6 +54,10 @@ pub fn shown_list(items: &[u64]) -> String {
 /// any real campaign, far below what `Duration` can hold.
 pub const TIME_S_MAX: f64 = 1e12;
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// What produced a result: the same sources (a hash of every file that decides a seed's
 /// outcome, made by the build script), features and profile give the same outcome per seed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -154,11 +158,21 @@ pub struct ShardResult {
     pub shard_index: u64,
     pub shard_count: u64,
     pub seeds_run: u64,
+    /// Runs in all: each seed's schedules (a failing seed stops at its failure) and the
+    /// branches from the corpus.
     pub runs: u64,
     pub reruns: u64,
+    /// A guided campaign (`--corpus`): the runs it branched from its corpus before each fresh
+    /// seed (`--branches`). (Left out of the JSON when not guided.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guided: Option<u32>,
+    /// Of `runs`, those branched from the corpus (left out when none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub branches: u64,
     pub failures: Vec<FailureRecord>,
     /// Every probe of the build, hit or not, and every target (`targets`: pairs, combinations,
-    /// factors, watermark levels) the shard's runs reached.
+    /// factors, watermark levels) the shard's runs reached; each with its hits and the runs
+    /// (`seeds`: one a seed when each seed runs one schedule and nothing branches) that hit it.
     pub coverage: BTreeMap<String, ProbeCount>,
     pub totals: RunStats,
     pub wall_s: f64,
@@ -394,6 +408,8 @@ impl ShardResult {
             seeds_run: s.seeds_run,
             runs: s.runs,
             reruns: s.reruns,
+            guided: opts.corpus.is_some().then_some(opts.branches),
+            branches: s.branches,
             failures: s
                 .failures
                 .iter()
@@ -479,11 +495,16 @@ impl ShardResult {
             what,
             why,
         };
+        // A guided shard's branches run under schedules of their own, and from its corpus's
+        // checkpoints: of any seed, the shard's or not.
+        let branch =
+            |f: &FailureRecord| self.guided.is_some() && crate::schedule::is_branch(f.schedule);
         let outside = self.failures.iter().find(|f| {
-            f.seed < self.first
-                || f.seed >= self.end
-                || f.seed % self.shard_count != self.shard_index
-                || f.schedule >= self.schedules
+            !branch(f)
+                && (f.seed < self.first
+                    || f.seed >= self.end
+                    || f.seed % self.shard_count != self.shard_index
+                    || f.schedule >= self.schedules)
         });
         if let Some(f) = outside {
             return Err(inconsistent(
@@ -496,16 +517,14 @@ impl ShardResult {
         }
         let distinct: std::collections::BTreeSet<(u64, u64)> =
             self.failures.iter().map(|f| (f.seed, f.schedule)).collect();
-        let runs_max = self.seeds_run.saturating_mul(self.schedules);
-        if distinct.len() < self.failures.len() || self.failures.len() as u64 > runs_max {
+        if distinct.len() < self.failures.len() || self.failures.len() as u64 > self.runs {
             return Err(inconsistent(
                 "failures",
                 format!(
-                    "{} failures, {} of them distinct runs, for {} seeds of {} schedules",
+                    "{} failures, {} of them distinct runs, for {} runs",
                     self.failures.len(),
                     distinct.len(),
-                    self.seeds_run,
-                    self.schedules
+                    self.runs,
                 ),
             ));
         }
@@ -666,12 +685,6 @@ impl ShardResult {
         }
         self.check_options(&inconsistent)?;
         self.check_names(file)?;
-        if let Some((p, c)) = self.coverage.iter().find(|(_, c)| c.seeds > self.seeds_run) {
-            return Err(inconsistent(
-                "coverage",
-                format!("probe {p} hit in {} seeds of {}", c.seeds, self.seeds_run),
-            ));
-        }
         let set = crate::campaign::SeedSet::new(
             self.first,
             self.end.max(self.first),
@@ -691,6 +704,54 @@ impl ShardResult {
                 ),
             ));
         }
+        if self.guided.is_none() && self.branches > 0 {
+            return Err(inconsistent(
+                "branches",
+                format!(
+                    "{} runs branched from a corpus in a campaign without one",
+                    self.branches
+                ),
+            ));
+        }
+        if self
+            .guided
+            .is_some_and(|b| b > crate::campaign::BRANCHES_PER_SEED_MAX)
+        {
+            return Err(inconsistent(
+                "branches",
+                format!(
+                    "{:?} branches before each fresh seed (a campaign takes 0..={})",
+                    self.guided,
+                    crate::campaign::BRANCHES_PER_SEED_MAX
+                ),
+            ));
+        }
+        // Every seed run ran its schedule 0, and at most `schedules` schedules; the branches
+        // are runs beside them; a determinism rerun repeats a run.
+        let runs_max = self.seeds_run.saturating_mul(self.schedules);
+        let own = self.runs.checked_sub(self.branches);
+        if own.is_none_or(|own| own < self.seeds_run || own > runs_max) || self.reruns > self.runs {
+            return Err(inconsistent(
+                "runs",
+                format!(
+                    "{} runs ({} of them branches) and {} reruns for {} seeds of {} schedule{} \
+                     (need seeds <= runs - branches <= seeds x schedules, reruns <= runs)",
+                    self.runs,
+                    self.branches,
+                    self.reruns,
+                    self.seeds_run,
+                    self.schedules,
+                    if self.schedules == 1 { "" } else { "s" }
+                ),
+            ));
+        }
+        // A probe's `seeds` counts the runs that hit it.
+        if let Some((p, c)) = self.coverage.iter().find(|(_, c)| c.seeds > self.runs) {
+            return Err(inconsistent(
+                "coverage",
+                format!("probe {p} hit in {} runs of {}", c.seeds, self.runs),
+            ));
+        }
         self.check_records(file, set.len())?;
         if self.log_hashes.len() as u64 > self.seeds_run {
             return Err(inconsistent(
@@ -706,23 +767,6 @@ impl ShardResult {
             return Err(inconsistent(
                 "log hashes",
                 format!("seed {seed} is not a seed of this shard"),
-            ));
-        }
-        // Every seed run ran its schedule 0, and at most `schedules` schedules; a determinism
-        // rerun repeats a run.
-        let runs_max = self.seeds_run.saturating_mul(self.schedules);
-        if self.runs < self.seeds_run || self.runs > runs_max || self.reruns > self.runs {
-            return Err(inconsistent(
-                "runs",
-                format!(
-                    "{} runs and {} reruns for {} seeds of {} schedule{} (need seeds <= runs <= \
-                     seeds x schedules, reruns <= runs)",
-                    self.runs,
-                    self.reruns,
-                    self.seeds_run,
-                    self.schedules,
-                    if self.schedules == 1 { "" } else { "s" }
-                ),
             ));
         }
         // One shard's workers, or (a merged result, which holds `held_s`) every shard's.
@@ -773,13 +817,15 @@ impl ShardResult {
             seeds_run: self.seeds_run,
             runs: self.runs,
             reruns: self.reruns,
+            branches: self.branches,
             totals: self.totals,
             wall: Duration::from_secs_f64(self.wall_s),
             worker: Duration::from_secs_f64(self.worker_s),
             jobs: self.jobs,
             ..CampaignSummary::default()
         };
-        s.coverage.seeds = self.seeds_run;
+        // As a campaign counts them: the runs (`Coverage::add`).
+        s.coverage.seeds = self.runs;
         s.coverage.pd = self.profile == "pd";
         for name in all_names() {
             if let Some(c) = self.coverage.get(name) {
@@ -801,6 +847,7 @@ impl ShardResult {
                 schedule: f.schedule,
                 policy: f.policy,
                 finding: f.finding.clone(),
+                decisions: Vec::new(),
             });
         }
         s.failures.sort_by_key(|f| (f.seed, f.schedule));
@@ -828,8 +875,13 @@ pub struct Merged {
 
 /// What two shards of one campaign must agree on: each field's name and its value in `r` and in
 /// `first`.
-fn campaign_fields(r: &ShardResult, first: &ShardResult) -> [(&'static str, String, String); 9] {
+fn campaign_fields(r: &ShardResult, first: &ShardResult) -> [(&'static str, String, String); 10] {
     [
+        (
+            "guided (--branches)",
+            format!("{:?}", r.guided),
+            format!("{:?}", first.guided),
+        ),
         ("profile", r.profile.clone(), first.profile.clone()),
         (
             "overlap",
@@ -952,6 +1004,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         seeds_run: 0,
         runs: 0,
         reruns: 0,
+        branches: 0,
         failures: Vec::new(),
         coverage: BTreeMap::new(),
         totals: RunStats::default(),
@@ -973,6 +1026,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
         m.seeds_run = sum("seeds run", m.seeds_run, r.seeds_run)?;
         m.runs = sum("runs", m.runs, r.runs)?;
         m.reruns = sum("reruns", m.reruns, r.reruns)?;
+        m.branches = sum("branches", m.branches, r.branches)?;
         m.failures.extend(r.failures.iter().cloned());
         for (name, c) in &r.coverage {
             let e = m.coverage.entry(name.clone()).or_default();
@@ -1054,6 +1108,8 @@ mod tests {
             seeds_run: 5,
             runs: 5,
             reruns: 1,
+            guided: None,
+            branches: 0,
             failures: fails
                 .iter()
                 .map(|&seed| FailureRecord {
@@ -1126,6 +1182,97 @@ mod tests {
             "coverage"
         );
         assert_eq!(what(result(1, &[3]), |r| r.wall_s = 0.0), "times");
+    }
+
+    /// A guided shard: 3 of its 8 runs branched from the corpus, one of them (seed 3's) failed.
+    fn guided(i: u64) -> ShardResult {
+        let mut r = result(i, &[]);
+        r.guided = Some(1);
+        r.runs = 8;
+        r.branches = 3;
+        r.coverage.get_mut("load.issued").unwrap().seeds = 7;
+        r
+    }
+
+    #[test]
+    fn guided_shards_count_their_branches_and_merge_only_with_their_kind() {
+        let branch = crate::schedule::branch_index(2);
+        let failing = |mut r: ShardResult, seed: u64| {
+            r.failures.push(FailureRecord {
+                seed,
+                schedule: branch,
+                policy: Some(Policy::Pct { depth: 2, ops: 40 }),
+                finding: Finding {
+                    oracle: OracleKind::Race,
+                    time_ns: 1,
+                    message: "a race".into(),
+                },
+                replay: format!("tierkv sim --seed {seed} --schedule out/s.json"),
+            });
+            r
+        };
+        let read = |r: &ShardResult| {
+            ShardResult::parse(&serde_json::to_string(r).unwrap(), Path::new("g"))
+        };
+        // A probe hit in more runs than seeds (7 of 8 runs, 5 seeds) and a branch's failure,
+        // of a seed from the corpus that is not the shard's.
+        let (a, b) = (failing(guided(1), 40), guided(0));
+        assert_eq!(read(&a).as_ref(), Ok(&a));
+        let m = merge(
+            &[(PathBuf::from("a"), a.clone()), (PathBuf::from("b"), b)],
+            false,
+        )
+        .expect("two guided shards merge");
+        assert_eq!((m.result.runs, m.result.branches), (16, 6));
+        assert_eq!(m.result.guided, Some(1));
+        assert_eq!(m.result.failures.len(), 1);
+        let s = m.result.summary();
+        assert_eq!((s.branches, s.coverage.seeds), (6, 16));
+        // Refused: a guided shard beside a plain one, or one of another `--branches`.
+        let other = |edit: fn(&mut ShardResult)| {
+            let mut r = guided(0);
+            edit(&mut r);
+            match merge(
+                &[(PathBuf::from("a"), a.clone()), (PathBuf::from("b"), r)],
+                false,
+            ) {
+                Err(MergeError::OtherCampaign { field, .. }) => field,
+                other => panic!("merged: {other:?}"),
+            }
+        };
+        assert_eq!(other(|r| r.guided = Some(2)), "guided (--branches)");
+        assert_eq!(
+            other(|r| {
+                r.guided = None;
+                r.runs = 5;
+                r.branches = 0;
+                r.coverage.get_mut("load.issued").unwrap().seeds = 2;
+            }),
+            "guided (--branches)"
+        );
+        // Refused as inconsistent: branches without a corpus, a branch's failure in a plain
+        // shard, more branches than leave each seed its run, a probe hit in more runs than ran.
+        let what = |r: ShardResult| match read(&r) {
+            Err(MergeError::Inconsistent { what, .. }) => what,
+            other => panic!("not refused as inconsistent: {other:?}"),
+        };
+        let mut r = guided(0);
+        r.guided = None;
+        assert_eq!(what(r), "branches");
+        let r = failing(result(1, &[]), 3);
+        assert_eq!(what(r), "failures");
+        let mut r = guided(0);
+        r.branches = 4;
+        assert_eq!(what(r), "runs");
+        let mut r = guided(0);
+        r.branches = 9;
+        assert_eq!(what(r), "runs");
+        let mut r = guided(0);
+        r.coverage.get_mut("load.issued").unwrap().seeds = 9;
+        assert_eq!(what(r), "coverage");
+        let mut r = guided(0);
+        r.guided = Some(crate::campaign::BRANCHES_PER_SEED_MAX + 1);
+        assert_eq!(what(r), "branches");
     }
 
     #[test]
@@ -1281,7 +1428,7 @@ mod tests {
         );
         assert_eq!(what(bad(|r| r.jobs = 0)), "jobs");
         assert_eq!(what(bad(|r| r.jobs = usize::MAX)), "jobs");
-        assert_eq!(what(bad(|r| r.runs = 0)), "runs", "fewer runs than seeds");
+        assert_eq!(what(bad(|r| r.runs = 4)), "runs", "fewer runs than seeds");
         assert_eq!(
             what(bad(|r| r.runs = 6)),
             "runs",

@@ -14,6 +14,7 @@ use crate::schedule::{explore_policy, Kind, Policy, Schedule, Source};
 use crate::shard::ShardResult;
 use crate::shrink::{shrink, shrink_schedule, shrink_under, Budget};
 use crate::trace_out::chrome_trace;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -135,16 +136,17 @@ pub struct SimArgs {
     pub json: Option<PathBuf>,
     /// A guided campaign: branch from the checkpoints of this corpus file (a new one when it does
     /// not exist), keep the checkpoints of rare probes the campaign reaches, and write the corpus
-    /// back when it ends. `tierkv campaign merge-corpus` combines corpus files.
-    /// (Not with `--json`: a shard's result has no place for branch runs.)
-    #[arg(long, conflicts_with_all = ["seed", "replay", "json"])]
+    /// back when it ends. `tierkv campaign merge-corpus` combines corpus files; with `--json`,
+    /// the shard's result counts the branches, and a failing branch's replay line names the
+    /// schedule file it writes to `--out-dir`.
+    #[arg(long, conflicts_with_all = ["seed", "replay"])]
     pub corpus: Option<PathBuf>,
     /// With `--corpus`: how many runs branch from the corpus before each fresh seed.
     #[arg(
         long,
         default_value_t = 1,
         requires = "corpus",
-        value_parser = clap::value_parser!(u32).range(0..=64)
+        value_parser = clap::value_parser!(u32).range(0..=crate::campaign::BRANCHES_PER_SEED_MAX as i64)
     )]
     pub branches: u32,
 }
@@ -309,6 +311,12 @@ fn under(opts: RunOptions, decisions: &[u8]) -> RunOptions {
     }
 }
 
+/// Where a failing run's schedule is written: `--out-dir`, named by its seed and schedule.
+fn schedule_file(args: &SimArgs, sc: &Scenario, s: &Sched) -> PathBuf {
+    args.out_dir
+        .join(format!("tierkv-seed-{}.schedule-{}.json", sc.seed, s.index))
+}
+
 /// Writes a schedule artifact.
 fn write_schedule(file: &Path, sc: &Scenario, s: &Sched, decisions: &[u8]) -> Result<(), String> {
     let schedule = Schedule {
@@ -346,9 +354,7 @@ fn report_failure(
         // Replayed from a file: that file is the schedule; it is not written over.
         with_schedule = format!(" --schedule {}", file.display());
     } else if let Some(s) = sched {
-        let file = args
-            .out_dir
-            .join(format!("tierkv-seed-{}.schedule-{}.json", sc.seed, s.index));
+        let file = schedule_file(args, sc, s);
         match write_schedule(&file, sc, s, &out.decisions) {
             Ok(()) => {
                 let which = if crate::schedule::is_branch(s.index) {
@@ -740,8 +746,34 @@ fn write_json(
     let Some(file) = &args.json else {
         return Ok(());
     };
+    // A branch replays only from its decisions: each failing branch's schedule is written
+    // first, and its replay line names the file (or the result is not written).
+    let mut branch_files = BTreeMap::new();
+    for f in summary
+        .failures
+        .iter()
+        .filter(|f| crate::schedule::is_branch(f.schedule))
+    {
+        let sc = copts.scenario(f.seed);
+        let policy = f
+            .policy
+            .expect("a branch runs under a policy of its checkpoint");
+        let sched = Sched {
+            index: f.schedule,
+            policy,
+            file: None,
+        };
+        let path = schedule_file(args, &sc, &sched);
+        write_schedule(&path, &sc, &sched, &f.decisions)
+            .map_err(|e| CliError::output("--json", file, e))?;
+        branch_files.insert((f.seed, f.schedule), path);
+    }
     let result = ShardResult::of(copts, summary, |f| {
-        failure_replay(&copts.scenario(f.seed), f.schedule)
+        let sc = copts.scenario(f.seed);
+        match branch_files.get(&(f.seed, f.schedule)) {
+            Some(path) => format!("{} --schedule {}", replay_command(&sc), path.display()),
+            None => failure_replay(&sc, f.schedule),
+        }
     });
     let text = serde_json::to_string_pretty(&result).expect("a shard result serialises");
     write_artifact(file, &text).map_err(|e| {

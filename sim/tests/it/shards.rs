@@ -339,3 +339,139 @@ fn the_slurm_job_array_runs_one_shard_per_task() {
         "merge.sbatch"
     )));
 }
+
+/// Guided shards (`--corpus` with `--json`): each grows its own corpus, its result counts the
+/// runs that branched, and `campaign merge` adds them up.
+#[test]
+fn guided_shards_count_their_branches_and_merge() {
+    let dir = scratch("guided");
+    // 22 seeds a shard: past the corpus's warm-up of 20 runs, so each shard branches.
+    for i in 0..2 {
+        let status = tierkv()
+            .args([
+                "sim",
+                "--profile",
+                "quick",
+                "--seeds",
+                "0..44",
+                "--jobs",
+                "1",
+            ])
+            .args(["--shard", &format!("{i}/2"), "--corpus"])
+            .arg(dir.join(format!("corpus-{i}.json")))
+            .arg("--json")
+            .arg(dir.join(format!("shard-{i}.json")))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("a guided shard");
+        assert!(status.success(), "a clean guided shard");
+    }
+    let shards: Vec<ShardResult> = (0..2)
+        .map(|i| read(&dir.join(format!("shard-{i}.json"))))
+        .collect();
+    for r in &shards {
+        assert_eq!(r.guided, Some(1));
+        assert!(r.branches > 0, "a shard past its warm-up branches");
+        assert_eq!(r.runs, r.seeds_run + r.branches);
+    }
+    let out = tierkv()
+        .args(["campaign", "merge", "--json"])
+        .arg(dir.join("merged.json"))
+        .args((0..2).map(|i| dir.join(format!("shard-{i}.json"))))
+        .output()
+        .expect("merge");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let m = read(&dir.join("merged.json"));
+    assert_eq!(m.branches, shards[0].branches + shards[1].branches);
+    assert_eq!((m.seeds_run, m.guided), (44, Some(1)));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A failing branch is replayable only from its decisions: a guided shard's result names the
+/// schedule file written for it, and that line replays the failure.
+#[cfg(feature = "mutants")]
+#[test]
+fn a_failing_branch_in_a_shard_result_replays_from_its_schedule_file() {
+    let dir = scratch("branch-fails");
+    let corpus = dir.join("corpus.json");
+    // A clean campaign grows the corpus past its warm-up.
+    let status = tierkv()
+        .args([
+            "sim",
+            "--profile",
+            "quick",
+            "--seeds",
+            "0..24",
+            "--jobs",
+            "1",
+        ])
+        .arg("--corpus")
+        .arg(&corpus)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("the clean campaign");
+    assert!(status.success());
+    // A mutant that fails every quick run (top-k ignores index_topk), its branches included.
+    let zoo = || Command::new(env!("CARGO_BIN_EXE_tierkv-zoo"));
+    let result = dir.join("result.json");
+    let out = zoo()
+        .args([
+            "sim",
+            "--profile",
+            "quick",
+            "--seeds",
+            "100..102",
+            "--jobs",
+            "1",
+        ])
+        .args([
+            "--mutant",
+            "topk-hardcoded-512",
+            "--keep-going",
+            "--no-shrink",
+        ])
+        .arg("--corpus")
+        .arg(&corpus)
+        .arg("--json")
+        .arg(&result)
+        .arg("--out-dir")
+        .arg(dir.join("out"))
+        .output()
+        .expect("the mutant's campaign");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let r = read(&result);
+    let branch = r
+        .failures
+        .iter()
+        .find(|f| tierkv_sim::schedule::is_branch(f.schedule))
+        .unwrap_or_else(|| panic!("a failing branch among {:#?}", r.failures));
+    assert!(
+        r.branches > 0 && r.runs == r.seeds_run + r.branches,
+        "{r:?}"
+    );
+    // `cargo run … -- sim --seed N … --schedule FILE`: its arguments, on the zoo binary.
+    let (_, args) = branch
+        .replay
+        .split_once(" -- ")
+        .unwrap_or_else(|| panic!("a cargo run line: {}", branch.replay));
+    let file = args
+        .split(" --schedule ")
+        .nth(1)
+        .expect("the replay names a schedule file");
+    assert!(Path::new(file).is_file(), "{file} was written");
+    let replay = zoo()
+        .args(args.split(' '))
+        .arg("--out-dir")
+        .arg(dir.join("replay"))
+        .output()
+        .expect("the replay");
+    let stdout = String::from_utf8_lossy(&replay.stdout);
+    assert_eq!(replay.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains(&format!("FAIL seed {}", branch.seed)),
+        "{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
