@@ -237,6 +237,13 @@ impl ModelStep {
         Scratch::alloc(dev, layout, ahead).map(ScratchHandle)
     }
 
+    /// The indexer's LayerNorm parameters, a layer's each (the engine's unit tests check a
+    /// weight update's).
+    #[cfg(test)]
+    pub(crate) fn ln(&self) -> &[LnParams] {
+        &self.ln
+    }
+
     /// New weights: the indexer's LayerNorm parameters of `synth`'s model.
     pub(crate) fn set_weights(&mut self, cfg: &Config, synth: &Synth) {
         let m = &cfg.model;

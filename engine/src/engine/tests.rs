@@ -45,3 +45,24 @@ fn quiescence_names_a_pin_or_a_lock_left_behind() {
         Err("1 tree nodes still locked".to_string())
     );
 }
+
+/// A weight update gives the model the new version's LayerNorm parameters, a layer's each (the
+/// inputs the synthetic model draws change with the version too, so tokens alone would not
+/// show parameters left at the old version).
+#[test]
+fn a_weight_update_gives_every_layer_the_new_layernorm() {
+    use crate::synth::LnParams;
+    let mut e = idle_with_a_prefix();
+    let m = &e.cfg.model;
+    let of = |version: u32| -> Vec<LnParams> {
+        let s = Synth::with_weights(e.synth_seed, version);
+        (0..m.layers)
+            .map(|l| s.ln_params(m.layer_base + l))
+            .collect()
+    };
+    let (old, new) = (of(0), of(1));
+    assert_eq!(e.model.ln(), &old[..]);
+    assert_ne!(old, new);
+    e.update_weights(1).expect("idle");
+    assert_eq!(e.model.ln(), &new[..]);
+}

@@ -936,6 +936,23 @@ fn page_count_with_an_orphaned_load(fails: bool, overlap: bool) {
     assert!(e.abort(id));
     assert_eq!(e.loads_in_flight(), 1, "the load outlives its request");
     e.check_invariants();
+    if !overlap {
+        // Nothing is left but the orphaned load: a weight update waits for it too.
+        let err = e.update_weights(1).expect_err("a load in flight");
+        assert!(
+            matches!(
+                err,
+                tierkv_engine::EngineError::NotIdle {
+                    step_in_flight: 0,
+                    requests: 0,
+                    loads: 1,
+                    exports: 0,
+                    imports: 0
+                }
+            ),
+            "{err}"
+        );
+    }
     run_to_idle(&mut e);
     assert_eq!(e.loads_in_flight(), 0);
     assert_eq!(e.metrics.load_failures, fails as u64, "{:?}", e.metrics);
