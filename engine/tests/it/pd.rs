@@ -167,6 +167,12 @@ fn a_pair_emits_what_one_engine_emits() {
     let crossing = specs.iter().filter(|s| s.max_new_tokens > 1).count();
     assert!(crossing > 0 && crossing < specs.len());
     assert_eq!(p.stats.transfers_done, crossing as u64);
+    // Each send's copies wait on the load stream for the prefill's work, through the one
+    // device both engines share.
+    let load_waits = (p.decode().dev.0.borrow().waits.iter())
+        .filter(|(s, _)| *s == tierkv_engine::device::StreamKind::Load)
+        .count();
+    assert!(load_waits >= crossing, "{load_waits} load-stream waits");
     // Each crossing request sent once, its prompt's pages of every layer.
     let layers = p.decode().layout().layers() as u64;
     let pages: u64 = specs
