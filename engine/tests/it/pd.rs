@@ -283,6 +283,40 @@ fn aborts_in_every_stage_leak_nothing() {
     }
 }
 
+/// A request aborted while its prompt is part computed on the prefill side ends there: it is
+/// not exported to the decode side, which never computes from KV nobody wrote (zoo mutant 14's
+/// bug, here with every mutant off).
+#[test]
+fn a_request_aborted_mid_prefill_is_not_exported() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.scheduler.prefill_tokens_per_step_max = 64;
+    let mut p = pair(cfg.clone(), cfg, 3).unwrap();
+    let s = Synth::new(3);
+    let id = p
+        .submit(RequestSpec {
+            prompt: (0..300u64).map(|i| s.token(1, i)).collect(),
+            max_new_tokens: 4,
+        })
+        .unwrap();
+    p.step().unwrap();
+    assert_eq!(
+        p.stages(),
+        format!("{id}: prefill"),
+        "its prompt part computed"
+    );
+    assert!(p.abort(id).unwrap(), "found");
+    assert_eq!(p.stages(), "", "ended on the prefill side");
+    let mut seen = BTreeMap::new();
+    collect(p.drain_outputs(), &mut seen);
+    run_pair(&mut p, &mut seen);
+    let r = &seen[&id];
+    assert!(
+        r.aborted && r.finished.is_none() && r.tokens.is_empty(),
+        "{r:?}"
+    );
+    assert_eq!(p.stats.transfers_started, 0, "{:?}", p.stats);
+}
+
 #[test]
 fn intake_checks_the_decode_side_limits() {
     let p_cfg = Config::preset("sim-small").unwrap();
