@@ -646,6 +646,56 @@ impl ShardResult {
         Ok(())
     }
 
+    /// The runs against the seeds: every seed run ran its schedule 0 and at most `schedules`,
+    /// the branches (a guided campaign's alone) beside them.
+    fn check_runs(
+        &self,
+        inconsistent: &dyn Fn(&'static str, String) -> MergeError,
+    ) -> Result<(), MergeError> {
+        if self.guided.is_none() && self.branches > 0 {
+            return Err(inconsistent(
+                "branches",
+                format!(
+                    "{} runs branched from a corpus in a campaign without one",
+                    self.branches
+                ),
+            ));
+        }
+        if self
+            .guided
+            .is_some_and(|b| b > crate::campaign::BRANCHES_PER_SEED_MAX)
+        {
+            return Err(inconsistent(
+                "branches",
+                format!(
+                    "{:?} branches before each fresh seed (a campaign takes 0..={})",
+                    self.guided,
+                    crate::campaign::BRANCHES_PER_SEED_MAX
+                ),
+            ));
+        }
+        // Every seed run ran its schedule 0, and at most `schedules` schedules; the branches
+        // are runs beside them; a determinism rerun repeats a run.
+        let runs_max = self.seeds_run.saturating_mul(self.schedules);
+        let own = self.runs.checked_sub(self.branches);
+        if own.is_none_or(|own| own < self.seeds_run || own > runs_max) || self.reruns > self.runs {
+            return Err(inconsistent(
+                "runs",
+                format!(
+                    "{} runs ({} of them branches) and {} reruns for {} seeds of {} schedule{} \
+                     (need seeds <= runs - branches <= seeds x schedules, reruns <= runs)",
+                    self.runs,
+                    self.branches,
+                    self.reruns,
+                    self.seeds_run,
+                    self.schedules,
+                    if self.schedules == 1 { "" } else { "s" }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn check(&self, file: &Path) -> Result<(), MergeError> {
         let here = || file.to_path_buf();
         if self.shard_count == 0
@@ -704,47 +754,7 @@ impl ShardResult {
                 ),
             ));
         }
-        if self.guided.is_none() && self.branches > 0 {
-            return Err(inconsistent(
-                "branches",
-                format!(
-                    "{} runs branched from a corpus in a campaign without one",
-                    self.branches
-                ),
-            ));
-        }
-        if self
-            .guided
-            .is_some_and(|b| b > crate::campaign::BRANCHES_PER_SEED_MAX)
-        {
-            return Err(inconsistent(
-                "branches",
-                format!(
-                    "{:?} branches before each fresh seed (a campaign takes 0..={})",
-                    self.guided,
-                    crate::campaign::BRANCHES_PER_SEED_MAX
-                ),
-            ));
-        }
-        // Every seed run ran its schedule 0, and at most `schedules` schedules; the branches
-        // are runs beside them; a determinism rerun repeats a run.
-        let runs_max = self.seeds_run.saturating_mul(self.schedules);
-        let own = self.runs.checked_sub(self.branches);
-        if own.is_none_or(|own| own < self.seeds_run || own > runs_max) || self.reruns > self.runs {
-            return Err(inconsistent(
-                "runs",
-                format!(
-                    "{} runs ({} of them branches) and {} reruns for {} seeds of {} schedule{} \
-                     (need seeds <= runs - branches <= seeds x schedules, reruns <= runs)",
-                    self.runs,
-                    self.branches,
-                    self.reruns,
-                    self.seeds_run,
-                    self.schedules,
-                    if self.schedules == 1 { "" } else { "s" }
-                ),
-            ));
-        }
+        self.check_runs(&inconsistent)?;
         // A probe's `seeds` counts the runs that hit it.
         if let Some((p, c)) = self.coverage.iter().find(|(_, c)| c.seeds > self.runs) {
             return Err(inconsistent(
@@ -809,6 +819,28 @@ impl ShardResult {
             ));
         }
         Ok(())
+    }
+
+    /// This result's campaign (build, options, seed range) as shard 0 of 1 with nothing run:
+    /// where a merge adds its shards' counts.
+    fn emptied(&self) -> ShardResult {
+        ShardResult {
+            shard_index: 0,
+            shard_count: 1,
+            seeds_run: 0,
+            runs: 0,
+            reruns: 0,
+            branches: 0,
+            failures: Vec::new(),
+            coverage: BTreeMap::new(),
+            totals: RunStats::default(),
+            wall_s: 0.0,
+            worker_s: 0.0,
+            jobs: 0,
+            log_hashes: BTreeMap::new(),
+            interrupted: false,
+            ..self.clone()
+        }
     }
 
     /// The same run as a summary, to print.
@@ -998,23 +1030,7 @@ pub fn merge(results: &[(PathBuf, ShardResult)], partial: bool) -> Result<Merged
             list: shown_list(&missing),
         });
     }
-    let mut m = ShardResult {
-        shard_index: 0,
-        shard_count: 1,
-        seeds_run: 0,
-        runs: 0,
-        reruns: 0,
-        branches: 0,
-        failures: Vec::new(),
-        coverage: BTreeMap::new(),
-        totals: RunStats::default(),
-        wall_s: 0.0,
-        worker_s: 0.0,
-        jobs: 0,
-        log_hashes: BTreeMap::new(),
-        interrupted: false,
-        ..first.clone()
-    };
+    let mut m = first.emptied();
     // Every count is summed with a check: files can hold anything, and a wrapped total would
     // be printed as if it were true.
     let sum =

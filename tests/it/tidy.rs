@@ -62,8 +62,8 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("sim/src/scenario.rs", "add_production_shapes", 71),
     ("sim/src/scenario.rs", "draw", 78),
     ("sim/src/scenario.rs", "validate", 94),
-    ("sim/src/shard.rs", "check", 139),
-    ("sim/src/shard.rs", "merge", 126),
+    ("sim/src/shard.rs", "check", 124),
+    ("sim/src/shard.rs", "merge", 112),
     ("sim/src/shrink.rs", "candidates", 125),
     ("sim/src/trace_out.rs", "chrome_trace", 106),
 ];
