@@ -270,7 +270,8 @@ fn is_zero(v: &f64) -> bool {
     *v == 0.0
 }
 
-fn is_zero_u64(v: &u64) -> bool {
+/// Serde's test for a count left out of the JSON when zero (`shard::ShardResult` too).
+pub(crate) fn is_zero_u64(v: &u64) -> bool {
     *v == 0
 }
 

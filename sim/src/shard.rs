@@ -54,10 +54,6 @@ pub fn shown_list(items: &[u64]) -> String {
 /// any real campaign, far below what `Duration` can hold.
 pub const TIME_S_MAX: f64 = 1e12;
 
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
 /// What produced a result: the same sources (a hash of every file that decides a seed's
 /// outcome, made by the build script), features and profile give the same outcome per seed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,7 +163,7 @@ pub struct ShardResult {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guided: Option<u32>,
     /// Of `runs`, those branched from the corpus (left out when none).
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "crate::scenario::is_zero_u64")]
     pub branches: u64,
     pub failures: Vec<FailureRecord>,
     /// Every probe of the build, hit or not, and every target (`targets`: pairs, combinations,

@@ -284,8 +284,8 @@ fn aborts_in_every_stage_leak_nothing() {
 }
 
 /// A request aborted while its prompt is part computed on the prefill side ends there: it is
-/// not exported to the decode side, which never computes from KV nobody wrote (zoo mutant 14's
-/// bug, here with every mutant off).
+/// not exported to the decode side, which would compute from KV nobody wrote (zoo mutant 14's
+/// bug; here with the mutants off).
 #[test]
 fn a_request_aborted_mid_prefill_is_not_exported() {
     let mut cfg = Config::preset("sim-small").unwrap();

@@ -20,6 +20,11 @@ fn tierkv() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tierkv"))
 }
 
+/// `sim --profile quick --seeds SEEDS --jobs 1`: a small campaign on one worker.
+fn quick(seeds: &str) -> [&str; 7] {
+    ["sim", "--profile", "quick", "--seeds", seeds, "--jobs", "1"]
+}
+
 fn read(file: &Path) -> ShardResult {
     ShardResult::read(file).unwrap_or_else(|e| panic!("{e}"))
 }
@@ -348,15 +353,7 @@ fn guided_shards_count_their_branches_and_merge() {
     // 22 seeds a shard: past the corpus's warm-up of 20 runs, so each shard branches.
     for i in 0..2 {
         let status = tierkv()
-            .args([
-                "sim",
-                "--profile",
-                "quick",
-                "--seeds",
-                "0..44",
-                "--jobs",
-                "1",
-            ])
+            .args(quick("0..44"))
             .args(["--shard", &format!("{i}/2"), "--corpus"])
             .arg(dir.join(format!("corpus-{i}.json")))
             .arg("--json")
@@ -397,15 +394,7 @@ fn a_failing_branch_in_a_shard_result_replays_from_its_schedule_file() {
     let corpus = dir.join("corpus.json");
     // A clean campaign grows the corpus past its warm-up.
     let status = tierkv()
-        .args([
-            "sim",
-            "--profile",
-            "quick",
-            "--seeds",
-            "0..24",
-            "--jobs",
-            "1",
-        ])
+        .args(quick("0..24"))
         .arg("--corpus")
         .arg(&corpus)
         .stdout(Stdio::null())
@@ -413,19 +402,12 @@ fn a_failing_branch_in_a_shard_result_replays_from_its_schedule_file() {
         .status()
         .expect("the clean campaign");
     assert!(status.success());
-    // A mutant that fails every quick run (top-k ignores index_topk), its branches included.
+    // A mutant the quick profile catches at once (top-k ignores index_topk: it failed each of
+    // 8 quick seeds tried); the test needs one of its branches to fail, and finds one.
     let zoo = || Command::new(env!("CARGO_BIN_EXE_tierkv-zoo"));
     let result = dir.join("result.json");
     let out = zoo()
-        .args([
-            "sim",
-            "--profile",
-            "quick",
-            "--seeds",
-            "100..102",
-            "--jobs",
-            "1",
-        ])
+        .args(quick("100..102"))
         .args([
             "--mutant",
             "topk-hardcoded-512",
