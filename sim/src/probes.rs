@@ -288,6 +288,13 @@ impl Coverage {
             .collect()
     }
 
+    /// The targets reached in fewer than 5% of the runs (`targets::rare`), each with the
+    /// reason it is rare where one is known.
+    pub fn rare(&self) -> String {
+        use crate::targets::rare;
+        rare::report(&rare::rare(&self.probes, self.seeds, &self.names()))
+    }
+
     /// The report: one line per probe, hits and the share of seeds, the cold ones marked; then
     /// the targets' (`targets::table`).
     pub fn table(&self) -> String {

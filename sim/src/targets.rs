@@ -502,5 +502,7 @@ pub fn table(probes: &Table, seeds: u64) -> String {
     out
 }
 
+pub mod rare;
+
 #[cfg(test)]
 mod tests;

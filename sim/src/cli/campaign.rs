@@ -44,6 +44,10 @@ pub struct MergeArgs {
     /// Print the coverage table.
     #[arg(long)]
     pub coverage: bool,
+    /// Print the targets reached in fewer than 5% of the runs, each with the reason it is rare
+    /// where one is known.
+    #[arg(long)]
+    pub rare: bool,
     /// Write the merged result here (JSON, as one shard of one). Not with --partial.
     #[arg(long, conflicts_with = "partial")]
     pub json: Option<PathBuf>,
@@ -103,7 +107,7 @@ fn merge_files(args: &MergeArgs) -> Result<i32, CliError> {
         results.push((file.clone(), ShardResult::read(file)?));
     }
     let merged = merge(&results, args.partial)?;
-    print_merged(&merged, results[0].1.shard_count, args.coverage);
+    print_merged(&merged, results[0].1.shard_count, args);
     let r = &merged.result;
     if let Some(file) = &args.json {
         let text = serde_json::to_string_pretty(r).expect("a shard result serialises");
@@ -121,7 +125,7 @@ fn merge_files(args: &MergeArgs) -> Result<i32, CliError> {
 
 /// Prints what a merge found: the campaign, what is missing or cut, the cross-run determinism
 /// check, the summary and the first failures.
-fn print_merged(merged: &Merged, count: u64, coverage: bool) {
+fn print_merged(merged: &Merged, count: u64, args: &MergeArgs) {
     let r = &merged.result;
     println!(
         "== tierkv campaign merge: {} of {count} shards of seeds {}..{} (profile {}{}{})",
@@ -179,8 +183,11 @@ fn print_merged(merged: &Merged, count: u64, coverage: bool) {
     summary.print_counts();
     summary.print_throughput(r.wall_s, Some((merged.shards as usize, r.held_s())));
     summary.print_checks();
-    if coverage {
+    if args.coverage {
         print!("{}", summary.coverage.table());
+    }
+    if args.rare {
+        print!("{}", summary.coverage.rare());
     }
     print_failures(&r.failures);
 }
