@@ -48,7 +48,9 @@
 # stage-1 test timeout in seconds (the engine's tests take about 2 s a mutant there).
 #
 # Survivors settled by hand at an earlier commit (killed by a later test, or equivalent) carry
-# to a later commit's names where the mutated file is unchanged: bench/mutants_carry.py.
+# to a later commit's names where the mutated file is unchanged: bench/mutants_carry.py. One
+# mutant applied by hand against any command (a new test, a subset of the simulator's tests):
+# bench/mutants_hand.py.
 #
 # Results: OUT/stage1/mutants.out and OUT/stage2/mutants.out (caught.txt, missed.txt,
 # timeout.txt, unviable.txt); the missed mutants are stage 2's missed.txt. The record of each
