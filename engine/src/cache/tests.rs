@@ -372,6 +372,97 @@ mod policy {
         c.check_invariants();
     }
 
+    /// Host eviction's order is the order the copies were written in, not the nodes' order:
+    /// backups that end one after the other are each more recent than the one before.
+    #[test]
+    fn host_eviction_follows_the_order_backups_ended_in() {
+        let (mut c, nodes) = with_pages(&[1, 2, 3]);
+        // All three begin, then end last node first: the last node's copy is the oldest.
+        for (i, &n) in nodes.iter().rev().enumerate() {
+            c.begin_backup(&[n], &[PageId(100 + i as u32)]);
+        }
+        for &n in nodes.iter().rev() {
+            c.finish_backup(&[n], true);
+        }
+        assert_eq!(c.clone().evict_host(1, ROOT), vec![PageId(100)]);
+        assert_eq!(c.evict_host(2, ROOT), vec![PageId(100), PageId(101)]);
+        c.check_invariants();
+    }
+
+    /// A load's end makes its nodes' host copies the most recent: of two loads, the copy whose
+    /// load ended first is evicted first, whatever the nodes' order.
+    #[test]
+    fn host_eviction_follows_the_order_loads_ended_in() {
+        let (mut c, nodes) = with_pages(&[1, 2]);
+        backed_up(&mut c, &nodes, 100);
+        let freed = c.evict_device(2, WritePolicy::WriteThrough).freed;
+        assert_eq!(freed.len(), 2, "both on the host alone");
+        // The second node's load ends first.
+        for (i, &n) in nodes.iter().rev().enumerate() {
+            c.pin_host(&[n]);
+            c.begin_load(&[n], &[PageId(10 + i as u32)]);
+            assert!(c.finish_load(&[n], true).is_empty());
+        }
+        assert_eq!(c.evict_host(1, ROOT), vec![PageId(101)]);
+        c.check_invariants();
+    }
+
+    /// A node written back for a device eviction gives its device page up once its backup ends.
+    #[test]
+    fn a_write_back_eviction_frees_the_device_page_when_its_backup_ends() {
+        let (mut c, nodes) = with_pages(&[1, 2]);
+        let ev = c.evict_device(1, WritePolicy::WriteBack);
+        assert_eq!(ev.write_back, vec![nodes[0]]);
+        c.begin_backup(&nodes[..1], &[PageId(100)]);
+        assert_eq!(
+            c.finish_backup(&nodes[..1], true),
+            (vec![], vec![PageId(0)]),
+            "the device page is freed, the host copy kept"
+        );
+        assert!(c.node(nodes[0]).device.is_none());
+        c.check_invariants();
+    }
+
+    /// A lost device drops a path no host copy backs leaf first, even where a slot reused by
+    /// the leaf gives it a lower id than its parent: nothing of the path is left.
+    #[test]
+    fn forgetting_the_device_drops_a_path_whose_leaf_has_the_lower_id() {
+        let mut c = PrefixCache::new();
+        let a = c.insert(&[key(1)], &[PageId(0)]);
+        let b = c.insert(&[key(5), key(6)], &[PageId(1), PageId(2)]);
+        // The oldest leaf (key 1) goes, and its slot is reused by the next node made.
+        assert_eq!(
+            c.evict_device(1, WritePolicy::WriteThrough).freed,
+            vec![PageId(0)]
+        );
+        let longer = c.insert(
+            &[key(5), key(6), key(7)],
+            &[PageId(1), PageId(2), PageId(3)],
+        );
+        let leaf = longer.nodes[2];
+        assert_eq!(leaf, a.nodes[0], "the slot is reused");
+        assert!(
+            leaf < b.nodes[1] && leaf < b.nodes[0],
+            "the leaf's id is the lowest"
+        );
+        let mut freed = c.forget_device();
+        freed.sort();
+        assert_eq!(freed, vec![PageId(1), PageId(2), PageId(3)]);
+        assert_eq!(c.live_nodes().count(), 0, "the whole path went");
+        c.check_invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "is backed up but its parent")]
+    fn the_invariants_catch_a_backed_up_node_under_a_parent_that_is_not() {
+        let mut c = PrefixCache::new();
+        let a = c.insert(&[key(1), key(2)], &[PageId(0), PageId(1)]);
+        backed_up(&mut c, &a.nodes, 100);
+        // Drop the parent's host copy behind the policies' back (its device page stays).
+        c.update(a.nodes[0], |n| n.host = None);
+        c.check_invariants();
+    }
+
     #[test]
     #[should_panic(expected = "is resident but its parent")]
     fn the_invariants_catch_a_resident_node_under_a_dropped_parent() {

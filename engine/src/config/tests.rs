@@ -687,3 +687,17 @@ fn a_syntax_errors_lines_are_clipped() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_footprint_totals_its_device_and_host_bytes() {
+    let f = Footprint {
+        device: Bytes(3 << 30),
+        host: Bytes(5 << 20),
+    };
+    assert_eq!(f.total(), Bytes((3 << 30) + (5 << 20)));
+    let huge = Footprint {
+        device: Bytes(u64::MAX - 1),
+        host: Bytes(2),
+    };
+    assert_eq!(huge.total(), Bytes(u64::MAX), "saturates");
+}
