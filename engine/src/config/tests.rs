@@ -701,3 +701,95 @@ fn a_footprint_totals_its_device_and_host_bytes() {
     };
     assert_eq!(huge.total(), Bytes(u64::MAX), "saturates");
 }
+
+/// A refusal names the first rule the value breaks, not a later check that happens to refuse
+/// it too (the index head's block rule comes before its 128 rule; the host ratio's own rule
+/// before the page count it gives).
+#[test]
+fn a_refusal_names_the_first_rule_its_value_breaks() {
+    for (text, field, rule) in [
+        (
+            "preset = \"sim-small\"\n[model]\nindex_head_dim = 100",
+            "model.index_head_dim",
+            "must be a non-zero multiple of the 128-value quantization block",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_head_dim = 0",
+            "model.index_head_dim",
+            "must be a non-zero multiple of the 128-value quantization block",
+        ),
+        (
+            "preset = \"sim-small\"\n[model]\nindex_head_dim = 256",
+            "model.index_head_dim",
+            "must be 128: the Hadamard transform",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nhost_ratio = 1.0",
+            "cache.host_ratio",
+            "must be a finite number above 1",
+        ),
+        (
+            "preset = \"sim-small\"\n[cache]\nhost_ratio = 0.5",
+            "cache.host_ratio",
+            "must be a finite number above 1",
+        ),
+    ] {
+        match Config::from_toml(text) {
+            Err(ConfigError::Invalid {
+                field: f, rule: r, ..
+            }) => {
+                assert_eq!(f, field, "{text}");
+                assert!(r.starts_with(rule), "{text}: {r}");
+            }
+            other => panic!("{text}: {other:?}"),
+        }
+    }
+}
+
+/// The device tier's limit is inclusive: a configuration whose pools and scratch come to
+/// exactly `limits::DEVICE_BYTES_MAX` is accepted, one page more is refused. (One layer of the
+/// DeepSeek preset: 101,794,304 B of scratch and 50,432 B a page, so 21,799,846 pages are
+/// 2^40 B exactly.)
+#[test]
+fn a_device_tier_of_exactly_the_limit_is_accepted() {
+    let text = |pages: u32| {
+        format!(
+            "preset = \"deepseek-v3.2\"\n[model]\nlayers = 1\n[cache]\ndevice_pages = {pages}\nhost_ratio = 1.5"
+        )
+    };
+    let at = Config::from_toml(&text(21_799_846)).expect("exactly the limit");
+    let fp = at.footprint(at.model.index_topk).expect("a footprint");
+    assert_eq!(fp.device.0, limits::DEVICE_BYTES_MAX);
+    match Config::from_toml(&text(21_799_847)) {
+        Err(ConfigError::TooLarge { field, .. }) => assert_eq!(field, "cache.device_pages"),
+        other => panic!("one page over the limit: {other:?}"),
+    }
+}
+
+/// A host tier of exactly 2^32 − 1 pages has a page count the engine can hold, so its refusal
+/// is the mirror's size; one page more is refused for its count.
+#[test]
+fn a_host_tier_of_the_most_pages_is_refused_for_its_bytes_not_its_count() {
+    let text = |t: u64| format!("preset = \"sim-small\"\n[cache]\nhost_tokens = {t}");
+    let most = u32::MAX as u64 * 64;
+    for t in [most, most + 63] {
+        match Config::from_toml(&text(t)) {
+            Err(ConfigError::TooLarge { field, why, .. }) => {
+                assert_eq!(
+                    (field, why),
+                    ("cache.host_tokens", "pinned host memory of the mirror")
+                )
+            }
+            other => panic!("{t}: {other:?}"),
+        }
+    }
+    match Config::from_toml(&text(most + 64)) {
+        Err(ConfigError::Invalid { field, rule, .. }) => {
+            assert_eq!(
+                (field, rule.as_str()),
+                ("cache.host_tokens", "gives more than 2^32 host pages")
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}
