@@ -292,7 +292,10 @@ impl Coverage {
     /// reason it is rare where one is known.
     pub fn rare(&self) -> String {
         use crate::targets::rare;
-        rare::report(&rare::rare(&self.probes, self.seeds, &self.names()))
+        rare::report(
+            &rare::rare(&self.probes, self.seeds, &self.names()),
+            self.seeds,
+        )
     }
 
     /// The report: one line per probe, hits and the share of seeds, the cold ones marked; then

@@ -345,6 +345,21 @@ fn one_stream(a: &str, b: &str) -> bool {
     stream(a) == stream(b)
 }
 
+/// Whether a combination met in `share` percent of `runs` runs met less often than values of
+/// its two values' shares meeting independently would (`independent` percent), by more than two
+/// standard deviations of that share over `runs` runs: its values avoid each other, more than
+/// chance explains.
+fn short_of_independent(share: f64, independent: f64, runs: u64) -> bool {
+    share < independent - two_sigma(independent, runs)
+}
+
+/// Two standard deviations (percent) of the share of `runs` runs that meet a target each run
+/// meets with probability `p` percent.
+fn two_sigma(p: f64, runs: u64) -> f64 {
+    let q = p / 100.0;
+    200.0 * (q * (1.0 - q) / runs.max(1) as f64).sqrt()
+}
+
 /// One combination of a campaign's report: its two factor values, the share of seeds that met
 /// both, and the share independent draws of the two would give (percent).
 struct Combination {
@@ -489,8 +504,8 @@ pub fn table(probes: &Table, seeds: u64) -> String {
     for c in combinations(probes, seeds).0 {
         let mark = if c.share == 0.0 {
             "  never"
-        } else if c.share < c.independent / 2.0 {
-            "  < half of indep."
+        } else if short_of_independent(c.share, c.independent, seeds) {
+            "  short of indep."
         } else if c.share < 5.0 {
             "  < 5%"
         } else {

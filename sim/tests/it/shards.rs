@@ -94,7 +94,7 @@ fn shard_results_merged_equal_the_whole_campaign() {
     // Ten seeds leave many targets under 5% (combinations never met among them): the rare list
     // names each with its reason.
     let rare = (stdout.lines())
-        .skip_while(|l| !l.starts_with("rare targets (reached in fewer than 5% of the runs): "))
+        .skip_while(|l| !l.starts_with("rare targets, reached in fewer than 5% of the 10 runs: "))
         .collect::<Vec<_>>();
     assert!(
         rare.len() > 1 && rare[1..].iter().any(|l| l.contains("%  combo.")),
