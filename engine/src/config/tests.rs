@@ -793,3 +793,22 @@ fn a_host_tier_of_the_most_pages_is_refused_for_its_bytes_not_its_count() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A configuration prints as its TOML.
+#[test]
+fn a_config_displays_as_its_toml() {
+    let c = Config::from_toml("preset = \"sim-small\"").unwrap();
+    assert_eq!(c.to_string(), c.to_toml());
+    assert_eq!(Config::from_toml(&c.to_string()).unwrap(), c);
+}
+
+/// A `nan` or `inf` inside an array is named by its place, before the field's type is judged.
+#[test]
+fn a_non_finite_number_in_an_array_is_named_by_its_index() {
+    match Config::from_toml("preset = \"sim-small\"\n[model]\nlayers = [1.0, nan]") {
+        Err(ConfigError::NotFinite { field, value }) => {
+            assert_eq!((field.as_str(), value.as_str()), ("model.layers[1]", "NaN"))
+        }
+        other => panic!("{other:?}"),
+    }
+}
