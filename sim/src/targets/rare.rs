@@ -5,7 +5,7 @@
 //!
 //! A target is rare when fewer than [`RARE_SHARE`] of the campaign's runs reached it, never
 //! included: every probe the campaign can reach (`Coverage::names`), every configuration value
-//! ([`FACTOR_VALUES`]), every combination of two values some run had (configuration values
+//! (`FACTOR_VALUES`), every combination of two values some run had (configuration values
 //! drawn, fault kinds met), every happens-before pair the campaign saw at all (an access pair
 //! never seen has no name to list: the pairs' table marks the orders never seen), and every
 //! watermark level up to the highest one reached (level 0 of a watermark never reached). The
