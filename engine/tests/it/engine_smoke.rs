@@ -1,6 +1,8 @@
 use tierkv_engine::cpu_device::{InOrderDevice, ManualClock};
+use tierkv_engine::device::DeviceError;
 use tierkv_engine::layout::BufferKind;
 use tierkv_engine::synth::Synth;
+use tierkv_engine::EngineError;
 use tierkv_engine::{Config, Engine, EngineOptions, Output, Rejection, RequestSpec};
 
 fn prompt(synth: &Synth, shared: usize, own: usize, stream: u64) -> Vec<u32> {
@@ -848,6 +850,37 @@ fn a_failed_backup_is_counted_and_its_prefix_stays_on_the_device() {
     run_to_idle(&mut e);
     assert_eq!(e.metrics.prefix_pages_host_hit, 0, "{:?}", e.metrics);
     assert!(e.metrics.prefix_pages_device_hit >= 4, "{:?}", e.metrics);
+}
+
+/// A backup whose copy fails on a device that then cannot recover stops the engine with the
+/// recovery's error, at the next step, even though the device answers every later call (the
+/// failure was the copy's alone, nothing stays in error).
+#[test]
+fn a_failed_backup_on_a_device_that_cannot_recover_stops_the_engine() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    // The first page copy is the backup's (the prompt's stores are kernels, not copies).
+    e.dev.fail_next_copies = 1;
+    e.dev.recover_fails = true;
+    e.submit(RequestSpec {
+        prompt: prompt(&s, 256, 32, 1),
+        max_new_tokens: 1,
+    })
+    .unwrap();
+    for _ in 0..1_000 {
+        match e.step() {
+            Ok(r) if r.idle => panic!("went idle with the device lost: {:?}", e.metrics),
+            Ok(_) => {}
+            Err(EngineError::Device(DeviceError::Backend { detail })) => {
+                assert_eq!(detail, "injected: the device is lost");
+                assert_eq!(e.dev.recoveries, 1, "one recovery tried");
+                return;
+            }
+            Err(other) => panic!("expected the recovery's error, got {other:?}"),
+        }
+    }
+    panic!("the engine never stopped");
 }
 
 /// A backup whose own copy fails is counted as failed even when the recovery recreates the
