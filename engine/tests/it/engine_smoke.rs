@@ -1225,6 +1225,39 @@ fn write_through_evicts_from_a_full_host_tier_to_back_up() {
     assert_eq!(m.prefix_pages_queried, prompts * 4, "{m:?}");
 }
 
+/// Two prefixes on the host, both asked for at once through a load ring of two slots: the step
+/// that admits both issues both loads, each its own (no slot waited for), and both requests get
+/// the tokens their prompts computed.
+#[test]
+fn two_loads_issued_in_one_step_each_land() {
+    use tierkv_engine::probe;
+    let two = |s: &Synth| {
+        (1..=2)
+            .map(|stream| RequestSpec {
+                prompt: prompt(s, 0, 288, stream),
+                max_new_tokens: 4,
+            })
+            .collect()
+    };
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    cfg.cache.load_slots = 2;
+    let (mut e, computed) = host_only_prefixes_of(cfg, EngineOptions::default(), &two);
+    let s = e.synth;
+    probe::take();
+    for spec in two(&s) {
+        e.submit(spec).unwrap();
+    }
+    let report = e.step().expect("the step that admits both");
+    assert_eq!(report.admitted, 2, "{report:?}");
+    let out = run_to_idle(&mut e);
+    assert!(!probe::take().contains_key("load.ring_full"));
+    assert_eq!((e.metrics.loads, e.metrics.load_failures), (2, 0));
+    let got: Vec<Vec<u32>> = per_request(&out).into_values().map(|r| r.1).collect();
+    assert_eq!(got, computed);
+    e.check_quiescent().unwrap();
+}
+
 /// Two prefixes on the host, both asked for at once through a load ring of one slot: the second
 /// load takes the slot once the first is waited for and acknowledged (the ring-full probe), and
 /// both requests get the tokens their prompts computed.
