@@ -1225,6 +1225,32 @@ fn write_through_evicts_from_a_full_host_tier_to_back_up() {
     assert_eq!(m.prefix_pages_queried, prompts * 4, "{m:?}");
 }
 
+/// A request whose prompt is cached on the device is given pages only for what the cache does
+/// not hold: the device pages in use after its admission are the cached prompt's and its own.
+#[test]
+fn a_cached_prompt_is_given_pages_only_beyond_its_cached_prefix() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = || RequestSpec {
+        prompt: prompt(&s, 256, 32, 1),
+        max_new_tokens: 8,
+    };
+    e.submit(spec()).unwrap();
+    run_to_idle(&mut e);
+    let cached = e.metrics.device_pages_used;
+    e.submit(spec()).unwrap();
+    let report = e.step().expect("the step that admits it");
+    assert_eq!(report.admitted, 1, "{report:?}");
+    eprintln!(
+        "cached {cached}, after admission {}",
+        e.metrics.device_pages_used
+    );
+    assert_eq!(e.metrics.device_pages_used, cached + 1, "{:?}", e.metrics);
+    run_to_idle(&mut e);
+    assert_eq!(e.metrics.device_pages_used, cached);
+}
+
 /// Two prefixes on the host, both asked for at once through a load ring of two slots: the step
 /// that admits both issues both loads, each its own (no slot waited for), and both requests get
 /// the tokens their prompts computed.
