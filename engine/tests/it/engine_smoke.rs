@@ -382,11 +382,7 @@ fn write_back_eviction_drops_what_it_cannot_back_up() {
     };
     let mut e = engine(cfg, options);
     let s = e.synth;
-    e.submit(RequestSpec {
-        prompt: prompt(&s, 256, 32, 1),
-        max_new_tokens: 1,
-    })
-    .unwrap();
+    e.submit(backed_up_prompt(&s)).unwrap();
     run_to_idle(&mut e);
     let used = e.metrics.device_pages_used;
     assert!(used >= 4, "{:?}", e.metrics);
@@ -824,6 +820,15 @@ fn the_abort_probes_name_the_requests_state() {
     );
 }
 
+/// One request whose prompt's full pages are backed up when it finishes (write-through): its
+/// first page copy is that backup's (the prompt's stores are kernels, not copies).
+fn backed_up_prompt(s: &Synth) -> RequestSpec {
+    RequestSpec {
+        prompt: prompt(s, 256, 32, 1),
+        max_new_tokens: 1,
+    }
+}
+
 /// A backup whose copy fails is counted as failed, and the prefix it was backing up stays
 /// cached on the device: a second run finds it there, not on the host.
 #[test]
@@ -831,10 +836,7 @@ fn a_failed_backup_is_counted_and_its_prefix_stays_on_the_device() {
     let cfg = Config::preset("sim-small").unwrap();
     let mut e = engine(cfg, EngineOptions::default());
     let s = e.synth;
-    let spec = || RequestSpec {
-        prompt: prompt(&s, 256, 32, 1),
-        max_new_tokens: 1,
-    };
+    let spec = || backed_up_prompt(&s);
     // The first page copy is the backup's (the prompt's stores are kernels, not copies).
     e.dev.fail_next_copies = 1;
     e.submit(spec()).unwrap();
@@ -863,11 +865,7 @@ fn a_failed_backup_on_a_device_that_cannot_recover_stops_the_engine() {
     // The first page copy is the backup's (the prompt's stores are kernels, not copies).
     e.dev.fail_next_copies = 1;
     e.dev.recover_fails = true;
-    e.submit(RequestSpec {
-        prompt: prompt(&s, 256, 32, 1),
-        max_new_tokens: 1,
-    })
-    .unwrap();
+    e.submit(backed_up_prompt(&s)).unwrap();
     for _ in 0..1_000 {
         match e.step() {
             Ok(r) if r.idle => panic!("went idle with the device lost: {:?}", e.metrics),
@@ -893,11 +891,7 @@ fn a_backup_that_failed_is_failed_even_when_its_recovery_recreates_the_context()
     let s = e.synth;
     e.dev.fail_next_copies = 1;
     e.dev.recover_recreates = true;
-    e.submit(RequestSpec {
-        prompt: prompt(&s, 256, 32, 1),
-        max_new_tokens: 1,
-    })
-    .unwrap();
+    e.submit(backed_up_prompt(&s)).unwrap();
     run_to_idle(&mut e);
     let m = &e.metrics;
     assert_eq!(
@@ -1251,24 +1245,35 @@ fn a_cached_prompt_is_given_pages_only_beyond_its_cached_prefix() {
     assert_eq!(e.metrics.device_pages_used, cached);
 }
 
+/// Two 288-token prompts of different streams, four tokens each.
+fn two(s: &Synth) -> Vec<RequestSpec> {
+    (1..=2)
+        .map(|stream| RequestSpec {
+            prompt: prompt(s, 0, 288, stream),
+            max_new_tokens: 4,
+        })
+        .collect()
+}
+
+/// The `sim-small` preset under write-back with a load ring of `slots` slots.
+fn write_back_with_load_slots(slots: u32) -> Config {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
+    cfg.cache.load_slots = slots;
+    cfg
+}
+
 /// Two prefixes on the host, both asked for at once through a load ring of two slots: the step
 /// that admits both issues both loads, each its own (no slot waited for), and both requests get
 /// the tokens their prompts computed.
 #[test]
 fn two_loads_issued_in_one_step_each_land() {
     use tierkv_engine::probe;
-    let two = |s: &Synth| {
-        (1..=2)
-            .map(|stream| RequestSpec {
-                prompt: prompt(s, 0, 288, stream),
-                max_new_tokens: 4,
-            })
-            .collect()
-    };
-    let mut cfg = Config::preset("sim-small").unwrap();
-    cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
-    cfg.cache.load_slots = 2;
-    let (mut e, computed) = host_only_prefixes_of(cfg, EngineOptions::default(), &two);
+    let (mut e, computed) = host_only_prefixes_of(
+        write_back_with_load_slots(2),
+        EngineOptions::default(),
+        &two,
+    );
     let s = e.synth;
     probe::take();
     for spec in two(&s) {
@@ -1290,23 +1295,12 @@ fn two_loads_issued_in_one_step_each_land() {
 #[test]
 fn a_load_ring_of_one_slot_serves_two_loads_in_turn() {
     use tierkv_engine::probe;
-    let two = |s: &Synth| {
-        (1..=2)
-            .map(|stream| RequestSpec {
-                prompt: prompt(s, 0, 288, stream),
-                max_new_tokens: 4,
-            })
-            .collect()
-    };
     for overlap in [false, true] {
-        let mut cfg = Config::preset("sim-small").unwrap();
-        cfg.cache.write_policy = tierkv_engine::config::WritePolicy::WriteBack;
-        cfg.cache.load_slots = 1;
         let options = EngineOptions {
             overlap,
             ..EngineOptions::default()
         };
-        let (mut e, computed) = host_only_prefixes_of(cfg, options, &two);
+        let (mut e, computed) = host_only_prefixes_of(write_back_with_load_slots(1), options, &two);
         let s = e.synth;
         probe::take();
         for spec in two(&s) {
