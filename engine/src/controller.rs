@@ -837,4 +837,100 @@ mod tests {
             }
         }
     }
+
+    /// A controller of two ring slots of three layers each, on the in-order CPU device, with
+    /// nothing in flight.
+    fn idle() -> CacheController {
+        let mut dev = crate::cpu_device::InOrderDevice::new();
+        CacheController::new(&mut dev, WritePolicy::WriteBack, 2, 3).expect("a controller")
+    }
+
+    /// A load of `nodes` nodes and `pages` device pages that says it holds `slot`.
+    fn load(slot: usize, nodes: u32, pages: u32) -> Load {
+        Load {
+            request: 1,
+            slot,
+            nodes: (0..nodes).collect(),
+            dev_pages: (0..pages).map(PageId).collect(),
+            issued_ns: 0,
+            enqueue_failed: false,
+            orphaned: false,
+            lease_expired: false,
+        }
+    }
+
+    /// The ring's check holds for a load in its slot, and panics, naming what is wrong, for
+    /// each way a ring and its loads can disagree (planted by hand, as a broken controller
+    /// would leave them).
+    #[test]
+    fn the_ring_check_holds_for_a_load_in_its_slot() {
+        let mut c = idle();
+        c.loads.insert(LoadId(7), load(1, 2, 2));
+        c.ring.holder[1] = Some(LoadId(7));
+        c.check_invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "ring slot 0 names load3, not in flight")]
+    fn the_ring_check_catches_a_slot_that_names_no_load() {
+        let mut c = idle();
+        c.ring.holder[0] = Some(LoadId(3));
+        c.check_invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "load7 holds slot 0 but says 1")]
+    fn the_ring_check_catches_a_load_in_another_slot_than_it_says() {
+        let mut c = idle();
+        c.loads.insert(LoadId(7), load(1, 2, 2));
+        c.ring.holder[0] = Some(LoadId(7));
+        c.check_invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "load7 in flight without its ring slot 1")]
+    fn the_ring_check_catches_a_load_without_its_slot() {
+        let mut c = idle();
+        c.loads.insert(LoadId(7), load(1, 2, 2));
+        c.check_invariants();
+    }
+
+    #[test]
+    #[should_panic(expected = "load7: nodes vs pages")]
+    fn the_ring_check_catches_a_load_with_more_nodes_than_pages() {
+        let mut c = idle();
+        c.loads.insert(LoadId(7), load(1, 2, 1));
+        c.ring.holder[1] = Some(LoadId(7));
+        c.check_invariants();
+    }
+
+    /// A load's layer gates wait for its own slot's events, one per layer, in layer order.
+    #[test]
+    fn a_loads_layer_events_are_its_slots() {
+        let mut c = idle();
+        for (id, slot) in [(LoadId(4), 1), (LoadId(5), 0)] {
+            c.loads.insert(id, load(slot, 1, 1));
+            c.ring.holder[slot] = Some(id);
+        }
+        let got = c.layer_events(&[LoadId(4), LoadId(5)]);
+        assert_eq!(
+            got,
+            vec![c.ring.events[1].clone(), c.ring.events[0].clone()]
+        );
+        assert_eq!(got[0].len(), 3);
+        assert_ne!(got[0], got[1], "two slots, two sets of events");
+    }
+
+    /// `has_backups` answers whether a backup is in flight.
+    #[test]
+    fn has_backups_answers_whether_one_is_in_flight() {
+        let mut c = idle();
+        assert!(!c.has_backups());
+        c.backups.push(Backup {
+            nodes: vec![0],
+            event: EventId(0),
+            issued_ns: 0,
+        });
+        assert!(c.has_backups());
+    }
 }

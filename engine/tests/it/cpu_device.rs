@@ -130,6 +130,9 @@ fn the_host_reads_and_writes_pinned_memory_only_and_inside_it() {
         dev.host_write(device, Bytes(0), &out),
     ] {
         assert!(matches!(e, Err(DeviceError::NotHostMemory { .. })), "{e:?}");
+        // The message names the buffer as the simulator's findings and traces do.
+        let msg = e.unwrap_err().to_string();
+        assert!(msg.contains(&format!(" buf{} ", device.0)), "{msg}");
     }
     for e in [
         dev.host_read(pinned, Bytes(49), &mut out),

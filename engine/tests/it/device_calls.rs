@@ -2,7 +2,7 @@
 
 use tierkv_engine::cpu_device::InOrderDevice;
 use tierkv_engine::device::{
-    call_recovering, call_recovering_since, Device, DeviceError, DeviceFault, StreamKind,
+    call_recovering, call_recovering_since, Device, DeviceError, DeviceFault, EventId, StreamKind,
     CALL_TRIES_MAX,
 };
 
@@ -149,4 +149,12 @@ fn a_device_in_error_names_its_fault() {
         hung.contains("since copy on the load stream did not finish within 5000 ns;"),
         "{hung}"
     );
+}
+
+/// An event is named `ev<N>` in messages (the simulator's findings about a record or a wait
+/// name it so).
+#[test]
+fn an_event_displays_as_ev_and_its_number() {
+    assert_eq!(EventId(9).to_string(), "ev9");
+    assert_eq!(EventId(0).to_string(), "ev0");
 }

@@ -196,6 +196,46 @@ fn over_limit_intake_is_rejected_and_the_queue_stays_bounded() {
     e.check_quiescent().unwrap();
 }
 
+/// A prompt that would take the queued tokens past `pending_tokens_max` is refused and counted
+/// as that refusal alone; the queue's first request is served as before.
+#[test]
+fn a_refusal_for_pending_tokens_is_counted_as_one() {
+    let mut cfg = Config::preset("sim-small").unwrap();
+    cfg.scheduler.pending_tokens_max = 300;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = |stream| RequestSpec {
+        prompt: prompt(&s, 0, 200, stream),
+        max_new_tokens: 2,
+    };
+    e.submit(spec(1)).unwrap();
+    for stream in 2..5 {
+        let err = e.submit(spec(stream)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Rejection::PendingTokens {
+                    pending: 200,
+                    prompt: 200,
+                    limit: 300
+                }
+            ),
+            "{err}"
+        );
+    }
+    let m = &e.metrics;
+    assert_eq!(
+        (
+            m.rejected_pending_tokens,
+            m.rejected_queue_full,
+            m.rejected_invalid,
+            m.requests_submitted
+        ),
+        (3, 0, 0, 1)
+    );
+    assert_eq!(tokens_of(&run_to_idle(&mut e)).len(), 2);
+}
+
 /// Each request's digests (by position) and generated tokens.
 type PerRequest = std::collections::BTreeMap<u64, (Vec<(u32, Vec<u64>)>, Vec<u32>)>;
 
@@ -1236,10 +1276,6 @@ fn a_cached_prompt_is_given_pages_only_beyond_its_cached_prefix() {
     e.submit(spec()).unwrap();
     let report = e.step().expect("the step that admits it");
     assert_eq!(report.admitted, 1, "{report:?}");
-    eprintln!(
-        "cached {cached}, after admission {}",
-        e.metrics.device_pages_used
-    );
     assert_eq!(e.metrics.device_pages_used, cached + 1, "{:?}", e.metrics);
     run_to_idle(&mut e);
     assert_eq!(e.metrics.device_pages_used, cached);
@@ -1427,4 +1463,27 @@ fn a_step_recreated_while_it_ran_is_discarded() {
         "{m:?}"
     );
     e.check_quiescent().unwrap();
+}
+
+/// A device that does not time its work (the CPU device) gives no step a device timing: a
+/// report says so with `None`, not with a timing of zeros that would read as an idle GPU.
+#[test]
+fn a_device_that_does_not_time_its_work_reports_no_timing() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    for spec in two(&s) {
+        e.submit(spec).unwrap();
+    }
+    let mut steps = 0;
+    loop {
+        let r = e.step().expect("step");
+        assert!(r.device.is_none(), "step {steps}: {:?}", r.device);
+        steps += 1;
+        if r.idle {
+            break;
+        }
+        assert!(steps < 10_000, "the engine did not go idle");
+    }
+    assert!(steps > 2, "{steps} steps");
 }
