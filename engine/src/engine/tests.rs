@@ -66,3 +66,24 @@ fn a_weight_update_gives_every_layer_the_new_layernorm() {
     e.update_weights(1).expect("idle");
     assert_eq!(e.model.ln(), &new[..]);
 }
+
+/// The engine's invariant check holds on an idle engine and catches a device page in use that
+/// nothing accounts for (planted by hand, as a leaking engine would leave it).
+#[test]
+#[should_panic(expected = "device pages in use = tree")]
+fn the_invariants_catch_a_device_page_nothing_holds() {
+    let mut e = idle_with_a_prefix();
+    e.check_invariants();
+    e.pools.device_pages.alloc(1).expect("a free device page");
+    e.check_invariants();
+}
+
+/// The same for a host page the tree does not hold.
+#[test]
+#[should_panic(expected = "host pages in use = pages held by the tree")]
+fn the_invariants_catch_a_host_page_the_tree_does_not_hold() {
+    let mut e = idle_with_a_prefix();
+    e.check_invariants();
+    e.pools.host_pages.alloc(1).expect("a free host page");
+    e.check_invariants();
+}

@@ -196,6 +196,35 @@ fn over_limit_intake_is_rejected_and_the_queue_stays_bounded() {
     e.check_quiescent().unwrap();
 }
 
+/// A finished request whose full pages the tree already holds (the same prompt computed beside
+/// it) hits `finish.duplicate_pages`; one whose pages are new to the tree does not.
+#[test]
+fn only_a_finish_over_pages_the_tree_holds_hits_the_duplicate_probe() {
+    use tierkv_engine::probe;
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = |stream| RequestSpec {
+        prompt: prompt(&s, 0, 200, stream),
+        max_new_tokens: 2,
+    };
+    probe::take();
+    e.submit(spec(1)).unwrap();
+    run_to_idle(&mut e);
+    assert!(
+        !probe::take().contains_key("finish.duplicate_pages"),
+        "a prompt alone"
+    );
+    // Two of another prompt side by side: neither finds the other's pages at admission.
+    e.submit(spec(2)).unwrap();
+    e.submit(spec(2)).unwrap();
+    run_to_idle(&mut e);
+    assert!(
+        probe::take().contains_key("finish.duplicate_pages"),
+        "two of one prompt"
+    );
+}
+
 /// A prompt that would take the queued tokens past `pending_tokens_max` is refused and counted
 /// as that refusal alone; the queue's first request is served as before.
 #[test]
