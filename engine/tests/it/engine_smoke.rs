@@ -225,6 +225,44 @@ fn only_a_finish_over_pages_the_tree_holds_hits_the_duplicate_probe() {
     );
 }
 
+/// A backup whose host-page allocation is refused by an injected fault, on an empty host tier
+/// (nothing to evict, every page free), allocates once more rather than giving up as if the
+/// host were full: on a fresh write-through engine, one request's backup is issued exactly
+/// when fewer than two of its allocations were refused.
+#[test]
+fn a_refused_host_allocation_on_an_empty_host_is_tried_again() {
+    use tierkv_engine::pools::EngineFaults;
+    use tierkv_engine::probe;
+    let mut refused_once = 0;
+    for seed in 0..24 {
+        let cfg = Config::preset("sim-small").unwrap();
+        let mut e = engine(cfg, EngineOptions::default());
+        e.inject(EngineFaults {
+            seed,
+            device_pages_refused_rate: 0.0,
+            host_pages_refused_rate: 0.5,
+        });
+        let s = e.synth;
+        probe::take();
+        e.submit(RequestSpec {
+            prompt: prompt(&s, 0, 200, 1),
+            max_new_tokens: 2,
+        })
+        .unwrap();
+        run_to_idle(&mut e);
+        let hits = probe::take();
+        let refused = hits.get("fault.host_pages_refused").copied().unwrap_or(0);
+        assert_eq!(
+            e.metrics.backups,
+            u64::from(refused < 2),
+            "seed {seed}: {refused} refusals, {:?}",
+            e.metrics
+        );
+        refused_once += u32::from(refused == 1);
+    }
+    assert!(refused_once > 0, "no seed refused exactly once");
+}
+
 /// A prompt that would take the queued tokens past `pending_tokens_max` is refused and counted
 /// as that refusal alone; the queue's first request is served as before.
 #[test]
