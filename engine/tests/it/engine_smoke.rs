@@ -263,6 +263,41 @@ fn a_refused_host_allocation_on_an_empty_host_is_tried_again() {
     assert!(refused_once > 0, "no seed refused exactly once");
 }
 
+/// Under write-through, two prompts that share a prefix and finish in one step: the second's
+/// backup waits for the first's (which covers the shared pages) and goes once that one ends,
+/// so both are whole on the host; a prompt finished again, its pages on the host already,
+/// defers nothing.
+#[test]
+fn a_backup_deferred_behind_an_ancestors_goes_once_that_one_ends() {
+    use tierkv_engine::probe;
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    let spec = |stream| RequestSpec {
+        prompt: prompt(&s, 128, 128, stream),
+        max_new_tokens: 2,
+    };
+    probe::take();
+    e.submit(spec(1)).unwrap();
+    e.submit(spec(2)).unwrap();
+    run_to_idle(&mut e);
+    let hits = probe::take();
+    assert!(
+        hits.contains_key("backup.deferred") && hits.contains_key("backup.retried"),
+        "{hits:?}"
+    );
+    // Two shared pages and two of each prompt's own: six, all on the host.
+    assert_eq!(e.metrics.host_tokens_used, 6 * 64, "{:?}", e.metrics);
+    e.submit(spec(1)).unwrap();
+    run_to_idle(&mut e);
+    let hits = probe::take();
+    assert!(
+        !hits.contains_key("backup.deferred") && !hits.contains_key("backup.retried"),
+        "{hits:?}"
+    );
+    assert_eq!(e.metrics.host_tokens_used, 6 * 64, "{:?}", e.metrics);
+}
+
 /// A prompt that would take the queued tokens past `pending_tokens_max` is refused and counted
 /// as that refusal alone; the queue's first request is served as before.
 #[test]
