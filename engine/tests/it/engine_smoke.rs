@@ -298,6 +298,87 @@ fn a_backup_deferred_behind_an_ancestors_goes_once_that_one_ends() {
     assert_eq!(e.metrics.host_tokens_used, 6 * 64, "{:?}", e.metrics);
 }
 
+/// A transfer that refuses its first copy with `error`, then copies.
+struct RefusesFirst(Option<DeviceError>);
+
+impl tierkv_engine::transfer::Transfer for RefusesFirst {
+    fn copy_pages<D: tierkv_engine::device::Device>(
+        &mut self,
+        dev: &mut D,
+        stream: tierkv_engine::device::StreamKind,
+        src: tierkv_engine::pools::PoolSide,
+        dst: tierkv_engine::pools::PoolSide,
+        pairs: &[(tierkv_engine::layout::PageId, tierkv_engine::layout::PageId)],
+    ) -> Result<(), tierkv_engine::transfer::TransferError> {
+        match self.0.take() {
+            Some(e) => Err(e.into()),
+            None => tierkv_engine::transfer::PageRuns.copy_pages(dev, stream, src, dst, pairs),
+        }
+    }
+}
+
+/// A write-through engine (`sim-small`) whose first copy, a backup's, is refused with `error`,
+/// given one 200-token prompt.
+fn first_backup_refused(error: DeviceError) -> Engine<InOrderDevice, ManualClock, RefusesFirst> {
+    let cfg = Config::preset("sim-small").unwrap();
+    let mut e = Engine::with_transfer(
+        cfg,
+        InOrderDevice::new(),
+        ManualClock::default(),
+        RefusesFirst(Some(error)),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let s = e.synth;
+    e.submit(RequestSpec {
+        prompt: prompt(&s, 0, 200, 1),
+        max_new_tokens: 2,
+    })
+    .unwrap();
+    e
+}
+
+/// A copy the transfer refuses for a reason that is not transient (a refusal of its arguments,
+/// as a layout check gives one) is a bug, not a failed transfer: the engine stops with it
+/// rather than unwinding the backup and going on.
+#[test]
+fn a_copy_refused_for_its_arguments_stops_the_engine() {
+    let mut e = first_backup_refused(DeviceError::Kernel {
+        op: "page_copy",
+        detail: "refused by the test".into(),
+    });
+    for _ in 0..1_000 {
+        match e.step() {
+            Ok(r) => assert!(!r.idle, "the engine went idle past the refused copy"),
+            Err(err) => {
+                assert!(err.to_string().contains("refused by the test"), "{err}");
+                return;
+            }
+        }
+    }
+    panic!("the engine never stopped");
+}
+
+/// A backup whose copy could not be enqueued for a transient reason fails alone: the engine
+/// goes on, and recovers no device whose event reports no failure.
+#[test]
+fn a_backup_not_enqueued_fails_without_recovering_a_healthy_device() {
+    use tierkv_engine::probe;
+    let mut e = first_backup_refused(DeviceError::Backend {
+        detail: "busy (the test)".into(),
+    });
+    probe::take();
+    let mut steps = 0;
+    while !e.step().expect("the engine goes on").idle {
+        steps += 1;
+        assert!(steps < 1_000, "the engine did not go idle");
+    }
+    let hits = probe::take();
+    assert!(hits.contains_key("backup.enqueue_failed"), "{hits:?}");
+    assert!(!hits.contains_key("device.recovered"), "{hits:?}");
+    assert_eq!(e.metrics.backup_failures, 1, "{:?}", e.metrics);
+}
+
 /// A prompt that would take the queued tokens past `pending_tokens_max` is refused and counted
 /// as that refusal alone; the queue's first request is served as before.
 #[test]
