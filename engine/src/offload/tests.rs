@@ -409,3 +409,18 @@ fn the_invariant_check_refuses_a_count_that_disagrees() {
     let text = e.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(text.contains("pending count"), "{text}");
 }
+
+/// The index reports the capacity it was built with and the chunks its stores have reserved
+/// until they complete.
+#[test]
+fn the_index_reports_its_capacity_and_its_pending_stores() {
+    let mut ix = OffloadIndex::new(5, WritePolicy::WriteThrough, false).unwrap();
+    assert_eq!((ix.capacity(), ix.pending()), (5, 0));
+    let keys = vec![k(1), k(2), k(3)];
+    ix.prepare_store(&refs(&keys)).unwrap().unwrap();
+    assert_eq!(ix.pending(), 3);
+    ix.complete_store(&refs(&keys[..2]), true).unwrap();
+    assert_eq!(ix.pending(), 1);
+    ix.complete_store(&refs(&keys[2..]), false).unwrap();
+    assert_eq!((ix.capacity(), ix.pending()), (5, 0));
+}
