@@ -87,3 +87,100 @@ fn the_invariants_catch_a_host_page_the_tree_does_not_hold() {
     e.pools.host_pages.alloc(1).expect("a free host page");
     e.check_invariants();
 }
+
+/// A weight update waits for an idle engine: pages held for a transfer (decode side) and a
+/// request held as an export (prefill side) each refuse it, named in the refusal, and it goes
+/// once they are given back.
+#[test]
+fn a_weight_update_is_refused_while_an_import_or_an_export_is_held() {
+    let mut e = idle_with_a_prefix();
+    let pages = e.reserve_import(2).expect("no error").expect("room");
+    assert_eq!(e.pages_held_for_transfers(), 2);
+    let refused = e.update_weights(1);
+    assert!(
+        matches!(
+            refused,
+            Err(EngineError::NotIdle {
+                step_in_flight: 0,
+                requests: 0,
+                loads: 0,
+                exports: 0,
+                imports: 2
+            })
+        ),
+        "{refused:?}"
+    );
+    e.cancel_import(&pages);
+    assert_eq!(e.pages_held_for_transfers(), 0);
+    e.update_weights(1).expect("idle again");
+
+    let mut e = idle_with_a_prefix();
+    e.set_role(Role::Prefill);
+    let s = e.synth;
+    let id = e
+        .submit(RequestSpec {
+            prompt: (0..100u64).map(|i| s.token(3, i)).collect(),
+            max_new_tokens: 1,
+        })
+        .expect("accepted");
+    for _ in 0..1_000 {
+        if e.export(id).is_some() {
+            break;
+        }
+        e.step().expect("step");
+    }
+    assert!(e.export(id).is_some(), "the prefill engine holds it");
+    let refused = e.update_weights(1);
+    assert!(
+        matches!(
+            refused,
+            Err(EngineError::NotIdle {
+                step_in_flight: 0,
+                requests: 0,
+                loads: 0,
+                exports: 1,
+                imports: 0
+            })
+        ),
+        "{refused:?}"
+    );
+    // Dropped (as after a recreated context), the export holds nothing: the update goes.
+    let used = e.pools.device_pages.used_count();
+    assert!(!e.drop_export(id + 1), "no such export");
+    assert!(e.drop_export(id));
+    assert!(e.export(id).is_none());
+    assert!(
+        e.pools.device_pages.used_count() < used,
+        "its own pages freed"
+    );
+    e.check_invariants();
+    e.update_weights(1).expect("idle again");
+}
+
+/// Zoo mutant 14's hook (`export_unfinished`): a running request is taken out as an export
+/// with its prompt published as computed up to its last token, however much was computed; a
+/// request that is not running is not taken.
+#[test]
+fn an_unfinished_export_is_published_up_to_its_last_prompt_token() {
+    let mut e = idle_with_a_prefix();
+    e.set_role(Role::Prefill);
+    let s = e.synth;
+    let id = e
+        .submit(RequestSpec {
+            prompt: (0..1_200u64).map(|i| s.token(4, i)).collect(),
+            max_new_tokens: 1,
+        })
+        .expect("accepted");
+    assert!(!e.export_unfinished(id), "queued, not running");
+    e.step().expect("step");
+    let computed = e.sched.request(id).expect("running").computed;
+    assert!(
+        computed < 1_199,
+        "{computed} of 1200 computed after one step"
+    );
+    assert!(!e.export_unfinished(id + 1), "no such request");
+    assert!(e.export_unfinished(id));
+    let r = e.export(id).expect("held as an export");
+    assert_eq!((r.computed, r.prompt_len), (1_199, 1_200));
+    assert!(e.sched.request(id).is_none(), "no longer running");
+}
