@@ -42,3 +42,46 @@ fn a_copy_sees_its_destination_as_it_is_unless_a_mutant_trusts_the_source() {
     };
     assert_eq!((trusted.buffer, trusted.view), (dst.buffer, want));
 }
+
+/// Each fault seed draws its own refusals on each tier, and the two tiers of one seed draw
+/// apart: seeds that differ only in the bits of a tier's salt must not collapse into one
+/// sequence (a campaign's seeds would then explore fewer fault patterns than they claim). (A
+/// tier of one seed may draw as the other tier of another seed: the salts are xored in.)
+#[test]
+fn every_fault_seed_draws_its_own_refusals_on_each_tier() {
+    let mut dev = crate::cpu_device::InOrderDevice::new();
+    let layout = crate::Config::preset("sim-small")
+        .expect("preset")
+        .layout()
+        .expect("a layout");
+    let mut pools = Pools::new(&mut dev, layout, Mutants::none()).expect("pools");
+    // 64 one-page allocations, freed at once: which were refused.
+    let pattern = |a: &mut PageAllocator| -> u64 {
+        (0..64).fold(0u64, |bits, i| match a.alloc(1) {
+            Some(p) => {
+                a.free(&p);
+                bits
+            }
+            None => bits | 1 << i,
+        })
+    };
+    let seeds = [0u64, 1, 4, 5, 0x10, 0x40, 0x80, 0xD0, 0xD5, 0x1_0000];
+    let mut seen = std::collections::BTreeMap::new();
+    for seed in seeds {
+        pools.inject(EngineFaults {
+            seed,
+            device_pages_refused_rate: 0.5,
+            host_pages_refused_rate: 0.5,
+        });
+        let (d, h) = (
+            pattern(&mut pools.device_pages),
+            pattern(&mut pools.host_pages),
+        );
+        assert_ne!(d, h, "seed {seed:#x}: both tiers drew the same refusals");
+        for (tier, bits) in [("device", d), ("host", h)] {
+            if let Some(other) = seen.insert((tier, bits), seed) {
+                panic!("the {tier} tier of seed {seed:#x} drew as that of seed {other:#x}");
+            }
+        }
+    }
+}
