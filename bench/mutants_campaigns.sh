@@ -15,6 +15,9 @@
 # the simulator has other tests (faults, loads, offload, regressions); it goes to a full stage 2
 # (MUTANTS_STAGE2 in bench/mutants.sh) or to a hand test.
 #
+# Each campaign is stopped after 900 s: a mutant that hangs the engine is caught (its test would
+# never end; cargo-mutants counts a timeout as caught too).
+#
 # Appends `NAME<TAB>killed|passed<TAB>which campaign, first finding` to OUT/results.tsv and keeps
 # each mutant's output in OUT/logs/. Names already in results.tsv are skipped, so a stopped run
 # is taken up by running it again. "delete match arm" and "delete field" mutants are skipped
@@ -30,9 +33,9 @@ touch "$out/results.tsv"
 # The command run in TREE with a mutant applied: build, then the swarm, then the pairs.
 cmd='cargo build -q -p tierkv-sim --features mutants --bin tierkv || exit 3
      echo "=== campaign swarm 0..25"
-     target/debug/tierkv sim --seeds 0..25 --jobs 2 --no-shrink --out-dir target/mutants-campaigns || exit 1
+     timeout 900 target/debug/tierkv sim --seeds 0..25 --jobs 2 --no-shrink --out-dir target/mutants-campaigns || exit 1
      echo "=== campaign pd 0..6"
-     target/debug/tierkv sim --profile pd --seeds 0..6 --jobs 2 --no-shrink --out-dir target/mutants-campaigns || exit 1'
+     timeout 900 target/debug/tierkv sim --profile pd --seeds 0..6 --jobs 2 --no-shrink --out-dir target/mutants-campaigns || exit 1'
 # MUTANTS_ZOO="ZOO-MUTANT PROFILE" instead: for code that only a zoo mutant runs (compiled out
 # of the product), the zoo test's row of that mutant (tests/it/zoo.rs: caught within 100 seeds
 # of PROFILE, `pd` for the pairs' mutants, else `swarm`). The product mutant is killed when the
@@ -42,10 +45,12 @@ if [ -n "${MUTANTS_ZOO:-}" ]; then
     read -r zoo_mutant zoo_profile <<<"$MUTANTS_ZOO"
     cmd="cargo build -q -p tierkv-sim --features mutants --bin tierkv-zoo || exit 3
          echo '=== campaign zoo-$zoo_mutant 0..100'
-         if target/debug/tierkv-zoo sim --mutant $zoo_mutant --profile $zoo_profile --seeds 0..100 \\
-                --jobs 2 --no-shrink --out-dir target/mutants-campaigns; then
-             echo 'finding: zoo mutant $zoo_mutant not caught within 100 seeds'; exit 1
-         fi"
+         timeout 900 target/debug/tierkv-zoo sim --mutant $zoo_mutant --profile $zoo_profile \\
+             --seeds 0..100 --jobs 2 --no-shrink --out-dir target/mutants-campaigns
+         case \$? in
+             0) echo 'finding: zoo mutant $zoo_mutant not caught within 100 seeds'; exit 1 ;;
+             124) echo 'finding: timeout (900 s)'; exit 1 ;;
+         esac"
 fi
 # The unmutated tree first: both campaigns must pass there, or no result below means anything.
 if ! grep -q '^(unmutated)' "$out/results.tsv"; then

@@ -184,3 +184,37 @@ fn an_unfinished_export_is_published_up_to_its_last_prompt_token() {
     assert_eq!((r.computed, r.prompt_len), (1_199, 1_200));
     assert!(e.sched.request(id).is_none(), "no longer running");
 }
+
+/// Two backups in flight, the first's copy failed: its recovery recreates the device's context,
+/// so the second, whose event reports it done, may have read memory the recreation lost. It is
+/// not acknowledged as done: it counts as lost, and its prompt is not kept on the host.
+#[test]
+fn a_backup_done_across_a_recreated_context_is_lost_not_kept() {
+    let cfg = Config::preset("sim-small").expect("preset");
+    let mut dev = InOrderDevice::new();
+    dev.recover_recreates = true;
+    dev.fail_next_copies = 1;
+    let mut e =
+        Engine::new(cfg, dev, ManualClock::default(), EngineOptions::default()).expect("an engine");
+    let s = e.synth;
+    for stream in [1, 2] {
+        e.submit(RequestSpec {
+            prompt: (0..200u64).map(|i| s.token(stream, i)).collect(),
+            max_new_tokens: 2,
+        })
+        .expect("accepted");
+    }
+    for _ in 0..1_000 {
+        if e.step().expect("step").idle {
+            break;
+        }
+    }
+    e.check_quiescent().expect("quiescent");
+    let m = &e.metrics;
+    assert_eq!(
+        (m.backups, m.backup_failures, m.backups_lost),
+        (2, 1, 1),
+        "{m:?}"
+    );
+    assert_eq!(m.host_tokens_used, 0, "nothing kept on the host: {m:?}");
+}
