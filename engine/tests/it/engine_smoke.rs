@@ -1508,6 +1508,36 @@ fn two_loads_issued_in_one_step_each_land() {
     e.check_quiescent().unwrap();
 }
 
+/// A running request shows its page table, a page for each 64 positions its prompt holds, and
+/// while the prefix it loads from the host is in flight (an engine one step ahead returns before
+/// the step that waits for it ends), that load.
+#[test]
+fn a_running_request_shows_its_pages_and_its_load() {
+    let options = EngineOptions {
+        overlap: true,
+        ..EngineOptions::default()
+    };
+    let (mut e, _) = host_only_prefixes(options, &prefix_spec);
+    let s = e.synth;
+    let spec = prefix_spec(&s).remove(0);
+    let pages = spec.prompt.len().div_ceil(64);
+    let id = e.submit(spec).unwrap();
+    let mut loads = Vec::new();
+    for _ in 0..1_000 {
+        if let Some(r) = e.request(id) {
+            if r.state() == tierkv_engine::scheduler::RequestState::Running {
+                assert!(r.pages().len() >= pages, "{} pages", r.pages().len());
+            }
+            loads.push(r.load());
+        }
+        if e.step().expect("step").idle {
+            break;
+        }
+    }
+    assert!(loads.iter().any(|l| l.is_some()), "{loads:?}");
+    assert!(loads.last().is_some_and(|l| l.is_none()), "{loads:?}");
+}
+
 /// Two prefixes on the host, both asked for at once through a load ring of one slot: the second
 /// load takes the slot once the first is waited for and acknowledged (the ring-full probe), and
 /// both requests get the tokens their prompts computed.

@@ -167,3 +167,22 @@ fn shutdown_drains_accepted_requests() {
     }));
     assert_eq!(late, Err(ServiceError::ShuttingDown));
 }
+
+/// The production clock counts real nanoseconds since it was made: it moves forward between
+/// two reads with work between them, and never back.
+#[test]
+fn the_monotonic_clock_moves_forward() {
+    use tierkv_engine::device::Clock;
+    let c = MonotonicClock::new();
+    let first = c.now_ns();
+    let mut last = first;
+    for _ in 0..100_000_000u64 {
+        let now = c.now_ns();
+        assert!(now >= last, "{now} after {last}");
+        last = now;
+        if now > first {
+            return;
+        }
+    }
+    panic!("the clock stayed at {first} ns");
+}
