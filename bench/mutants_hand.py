@@ -52,15 +52,19 @@ m = re.match(r"\s*replace (.+?) with (.+?)(?: in .*)?$", desc)
 d = re.match(r"\s*delete (\S+) in ", desc)
 if "match arm" in desc or "delete field" in desc:
     fail(f"cannot apply {desc.strip()!r}: delete the arm or field by hand")
+guard = False
 if d:
     old, new = d.group(1), ""
 elif m:
     old, new = m.group(1), m.group(2)
-    if old.startswith("match guard "):
+    guard = old.startswith("match guard ")
+    if guard:
         old = old[len("match guard "):]
 else:
     fail(f"cannot apply: {desc!r}")
-body = m and ("::" in old or " -> " in old or (re.match(r"^[A-Za-z_<][^ ]*$", old) and old[0].isupper()))
+# A function's body replaced: cargo-mutants names the function (an operator never starts with
+# a letter; a match guard's expression does, and is replaced where it stands).
+body = m and not d and not guard and re.match(r"^[A-Za-z_<]", old)
 if body:
     ret = "return;" if new == "()" else f"return {new};"
     lines[l - 1] = line[:at] + "#[allow(unreachable_code)] { " + ret + " } " + line[at:]

@@ -1538,6 +1538,107 @@ fn a_running_request_shows_its_pages_and_its_load() {
     assert!(loads.last().is_some_and(|l| l.is_none()), "{loads:?}");
 }
 
+/// A write-back engine (`sim-small`, one load slot) holding two 256-token prompts of streams 1
+/// and 2 on the device, computed in that order.
+fn two_prompts_on_the_device() -> Engine<InOrderDevice, ManualClock> {
+    let mut e = engine(write_back_with_load_slots(1), EngineOptions::default());
+    let s = e.synth;
+    for stream in [1, 2] {
+        e.submit(RequestSpec {
+            prompt: prompt(&s, 0, 256, stream),
+            max_new_tokens: 2,
+        })
+        .unwrap();
+        run_to_idle(&mut e);
+    }
+    assert_eq!(e.metrics.device_pages_used, 8, "{:?}", e.metrics);
+    e
+}
+
+/// Under write-back, an eviction whose backups all go frees nothing at once and drops nothing
+/// else: the prompt it did not pick stays whole on the device (asked for again, every page of
+/// it is a device hit), and the picked one's pages come free when its backup ends.
+#[test]
+fn a_write_back_eviction_drops_nothing_while_its_backups_run() {
+    use tierkv_engine::probe;
+    let mut e = two_prompts_on_the_device();
+    probe::take();
+    assert_eq!(
+        e.evict_device(4).unwrap(),
+        0,
+        "the backup's pages are not free yet"
+    );
+    assert_eq!(e.metrics.device_pages_used, 8, "nothing dropped");
+    run_to_idle(&mut e);
+    assert!(e.metrics.device_pages_used < 8, "{:?}", e.metrics);
+    let hits = probe::take();
+    assert!(!hits.contains_key("device.write_back_dropped"), "{hits:?}");
+    let (queried, hit) = (
+        e.metrics.prefix_pages_queried,
+        e.metrics.prefix_pages_device_hit,
+    );
+    let s = e.synth;
+    e.submit(RequestSpec {
+        prompt: prompt(&s, 0, 256, 2),
+        max_new_tokens: 2,
+    })
+    .unwrap();
+    run_to_idle(&mut e);
+    let m = &e.metrics;
+    assert!(m.prefix_pages_queried > queried);
+    assert_eq!(
+        m.prefix_pages_device_hit - hit,
+        m.prefix_pages_queried - queried,
+        "{m:?}"
+    );
+}
+
+/// Under write-back, an eviction that frees pages with a host copy and cannot back the rest up
+/// (every host allocation refused) drops only what it still lacks, leaf first.
+#[test]
+fn a_write_back_eviction_that_cannot_back_up_drops_only_what_it_lacks() {
+    use tierkv_engine::pools::EngineFaults;
+    use tierkv_engine::probe;
+    let mut e = engine(write_back_with_load_slots(1), EngineOptions::default());
+    let s = e.synth;
+    let spec = |stream| RequestSpec {
+        prompt: prompt(&s, 0, 256, stream),
+        max_new_tokens: 2,
+    };
+    // Stream 1's prompt: a page evicted, so its path is backed up; the rest stays on the device,
+    // each page with a host copy.
+    e.submit(spec(1)).unwrap();
+    run_to_idle(&mut e);
+    e.evict_device(1).unwrap();
+    run_to_idle(&mut e);
+    let with_copies = e.metrics.device_pages_used;
+    // Stream 2's, on the device alone.
+    e.submit(spec(2)).unwrap();
+    run_to_idle(&mut e);
+    let used = e.metrics.device_pages_used;
+    assert!(used - with_copies >= 3, "{:?}", e.metrics);
+    e.inject(EngineFaults {
+        seed: 0,
+        device_pages_refused_rate: 0.0,
+        host_pages_refused_rate: 1.0,
+    });
+    probe::take();
+    let want = with_copies as usize + 2;
+    assert_eq!(e.evict_device(want).unwrap(), want);
+    assert_eq!(
+        e.metrics.device_pages_used,
+        used - want as u64,
+        "{:?}",
+        e.metrics
+    );
+    let hits = probe::take();
+    assert!(
+        hits.contains_key("device.write_back_cancelled")
+            && hits.contains_key("device.write_back_dropped"),
+        "{hits:?}"
+    );
+}
+
 /// Two prefixes on the host, both asked for at once through a load ring of one slot: the second
 /// load takes the slot once the first is waited for and acknowledged (the ring-full probe), and
 /// both requests get the tokens their prompts computed.
