@@ -183,6 +183,8 @@ fn an_unfinished_export_is_published_up_to_its_last_prompt_token() {
     let r = e.export(id).expect("held as an export");
     assert_eq!((r.computed, r.prompt_len), (1_199, 1_200));
     assert!(e.sched.request(id).is_none(), "no longer running");
+    assert_eq!(e.sched.running_len(), 0);
+    e.check_invariants();
 }
 
 /// Two backups in flight, the first's copy failed: its recovery recreates the device's context,

@@ -379,6 +379,30 @@ fn a_backup_not_enqueued_fails_without_recovering_a_healthy_device() {
     assert_eq!(e.metrics.backup_failures, 1, "{:?}", e.metrics);
 }
 
+/// `intake.request_fills_context` is hit by a request whose prompt and new tokens together
+/// take exactly the longest context, and not by one a token shorter.
+#[test]
+fn only_a_request_that_fills_the_context_hits_its_probe() {
+    let cfg = Config::preset("sim-small").unwrap();
+    let max = cfg.model.context_tokens_max;
+    let mut e = engine(cfg, EngineOptions::default());
+    let s = e.synth;
+    for (new, fills) in [(4, true), (3, false)] {
+        let hits = probes_of(
+            &mut e,
+            RequestSpec {
+                prompt: prompt(&s, 0, max as usize - 4, u64::from(new)),
+                max_new_tokens: new,
+            },
+        );
+        assert_eq!(
+            hits.contains_key("intake.request_fills_context"),
+            fills,
+            "{new} new tokens: {hits:?}"
+        );
+    }
+}
+
 /// A prompt that would take the queued tokens past `pending_tokens_max` is refused and counted
 /// as that refusal alone; the queue's first request is served as before.
 #[test]
