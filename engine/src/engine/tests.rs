@@ -220,3 +220,44 @@ fn a_backup_done_across_a_recreated_context_is_lost_not_kept() {
     );
     assert_eq!(m.host_tokens_used, 0, "nothing kept on the host: {m:?}");
 }
+
+/// A backup whose copy failed, still in flight when the device's context is recreated, counts
+/// as failed (its own fault), not as lost to the recreation, and the device is recovered for
+/// its failure as a poll would have done.
+#[test]
+fn a_failed_backup_in_flight_at_a_recreation_counts_as_failed() {
+    let cfg = Config::preset("sim-small").expect("preset");
+    let mut dev = InOrderDevice::new();
+    dev.recover_recreates = true;
+    dev.fail_next_copies = 1;
+    let mut e =
+        Engine::new(cfg, dev, ManualClock::default(), EngineOptions::default()).expect("an engine");
+    let s = e.synth;
+    e.submit(RequestSpec {
+        prompt: (0..200u64).map(|i| s.token(1, i)).collect(),
+        max_new_tokens: 2,
+    })
+    .expect("accepted");
+    for _ in 0..1_000 {
+        if e.metrics.backups > 0 {
+            break;
+        }
+        e.step().expect("step");
+    }
+    assert_eq!(
+        e.ctl.backups_in_flight(),
+        1,
+        "the prompt's backup, its copy failed"
+    );
+    // The context is recreated by another recovery before the backup is polled.
+    e.dev.recover().expect("recovers");
+    let recoveries = e.dev.recoveries;
+    e.drop_device_tier().expect("the device tier dropped");
+    let m = &e.metrics;
+    assert_eq!((m.backup_failures, m.backups_lost), (1, 0), "{m:?}");
+    assert_eq!(
+        e.dev.recoveries,
+        recoveries + 1,
+        "recovered for the failed copy"
+    );
+}
