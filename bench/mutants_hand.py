@@ -14,7 +14,8 @@ whatever happens. Used to settle stage-1 survivors against tests cargo-mutants' 
 have, or against a subset of the simulator's tests (bench/mutants.sh's stage 2 runs them all).
 
 Not handled: "delete match arm" mutants (deleted by hand) and cargo-mutants' "delete field"
-ones. A mutant it cannot apply exits 2 and names why.
+ones; a body replaced in a function returning `impl Trait` is applied but does not build (the
+early return's type is not the body's): replace that body by hand. A mutant it cannot apply exits 2 and names why.
 """
 import os
 import re
