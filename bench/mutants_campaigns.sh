@@ -52,13 +52,15 @@ if [ -n "${MUTANTS_ZOO:-}" ]; then
              124) echo 'finding: timeout (900 s)'; exit 1 ;;
          esac"
 fi
+passed_what="both campaigns"
+[ -n "${MUTANTS_ZOO:-}" ] && passed_what="the zoo mutant caught"
 # The unmutated tree first: both campaigns must pass there, or no result below means anything.
 if ! grep -q '^(unmutated)' "$out/results.tsv"; then
     if ! (cd "$tree" && bash -c "$cmd") >"$out/logs/unmutated.log" 2>&1; then
         echo "mutants_campaigns.sh: the unmutated tree fails; see $out/logs/unmutated.log" >&2
         exit 1
     fi
-    printf '(unmutated)\tpassed\t%s\n' "${MUTANTS_ZOO:+the zoo mutant caught}${MUTANTS_ZOO:-both campaigns}" >>"$out/results.tsv"
+    printf '(unmutated)\tpassed\t%s\n' "$passed_what" >>"$out/results.tsv"
 fi
 i=0
 while IFS= read -r name; do
@@ -88,7 +90,7 @@ while IFS= read -r name; do
             printf '%s\tkilled\t%s: %s (%ss)\n' "$name" "$which" "$first" "$secs" >>"$out/results.tsv"
         fi
     elif grep -q '^SURVIVED ' "$log"; then
-        printf '%s\tpassed\t%s (%ss)\n' "$name" "${MUTANTS_ZOO:+the zoo mutant still caught}${MUTANTS_ZOO:-both campaigns}" "$secs" >>"$out/results.tsv"
+        printf '%s\tpassed\t%s (%ss)\n' "$name" "$passed_what" "$secs" >>"$out/results.tsv"
     else
         printf '%s\terror\tmutants_hand.py exit %s: %s\n' "$name" "$rc" "$(tail -1 "$log")" >>"$out/results.tsv"
     fi
