@@ -656,3 +656,26 @@ fn drawn_rows_give_their_positions_in_order() {
     };
     assert_eq!(drawn.positions(), [9, 3, 4]);
 }
+
+/// Declaring a page merges it only into a repeat of the access just before it (the same
+/// buffer, direction and page): the same page of another buffer, the page written after read,
+/// and the next page are each their own access.
+#[test]
+fn a_page_declared_again_merges_only_into_the_same_access_before_it() {
+    let fmt = PageFormat::Kv(KvDtype::Bf16);
+    let pb = fmt.page_bytes();
+    let mut out = Vec::new();
+    push_page(&mut out, BufferId(1), fmt, 3, false);
+    push_page(&mut out, BufferId(1), fmt, 3, false);
+    push_page(&mut out, BufferId(2), fmt, 3, false);
+    push_page(&mut out, BufferId(2), fmt, 3, true);
+    push_page(&mut out, BufferId(2), fmt, 4, true);
+    let got: Vec<(u32, u64, bool)> = out
+        .iter()
+        .map(|a| (a.range.buffer.0, a.range.start.0 / pb, a.write))
+        .collect();
+    assert_eq!(
+        got,
+        [(1, 3, false), (2, 3, false), (2, 3, true), (2, 4, true)]
+    );
+}
