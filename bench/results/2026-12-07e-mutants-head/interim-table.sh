@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The interim table of this run (issue 29, item 9), from the repository root:
 #   bash bench/results/2026-12-07e-mutants-head/interim-table.sh > …/interim-table.md
-# Its parts: carried shard-6 outcomes (filtered to the carried names) + stage 1's four parts
+# Its parts: carried shard-6 outcomes (filtered to the carried names) + stage 1's five parts
 # + stage 2 (campaign kills as 'caught', passes as 'missed'), settled = this run's settled lines
 # still missed after stage 2, plus the carried settlements.
 set -euo pipefail
@@ -46,5 +46,5 @@ open(T+"/settled.txt","w").write("\n".join(out)+"\n")
 print(len(out), "settled lines", file=__import__("sys").stderr)
 PY
 P=$D/stage1-partial
-python3 bench/mutants_table.py $T/shard6 $P $P"2" $P"3" $P"4" $T/s2 --settled $T/settled.txt
+python3 bench/mutants_table.py $T/shard6 $P $P"2" $P"3" $P"4" $P"5" $T/s2 --settled $T/settled.txt
 rm -rf "$T"
