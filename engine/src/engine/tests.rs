@@ -187,11 +187,10 @@ fn an_unfinished_export_is_published_up_to_its_last_prompt_token() {
     e.check_invariants();
 }
 
-/// Two backups in flight, the first's copy failed: its recovery recreates the device's context,
-/// so the second, whose event reports it done, may have read memory the recreation lost. It is
-/// not acknowledged as done: it counts as lost, and its prompt is not kept on the host.
-#[test]
-fn a_backup_done_across_a_recreated_context_is_lost_not_kept() {
+/// A write-through engine (`sim-small`) on an in-order device whose first copy (a backup's)
+/// fails and whose recoveries recreate the context, given a 200-token prompt of each of
+/// `streams`.
+fn first_copy_fails_and_recreates(streams: &[u64]) -> Engine<InOrderDevice, ManualClock> {
     let cfg = Config::preset("sim-small").expect("preset");
     let mut dev = InOrderDevice::new();
     dev.recover_recreates = true;
@@ -199,13 +198,22 @@ fn a_backup_done_across_a_recreated_context_is_lost_not_kept() {
     let mut e =
         Engine::new(cfg, dev, ManualClock::default(), EngineOptions::default()).expect("an engine");
     let s = e.synth;
-    for stream in [1, 2] {
+    for &stream in streams {
         e.submit(RequestSpec {
             prompt: (0..200u64).map(|i| s.token(stream, i)).collect(),
             max_new_tokens: 2,
         })
         .expect("accepted");
     }
+    e
+}
+
+/// Two backups in flight, the first's copy failed: its recovery recreates the device's context,
+/// so the second, whose event reports it done, may have read memory the recreation lost. It is
+/// not acknowledged as done: it counts as lost, and its prompt is not kept on the host.
+#[test]
+fn a_backup_done_across_a_recreated_context_is_lost_not_kept() {
+    let mut e = first_copy_fails_and_recreates(&[1, 2]);
     for _ in 0..1_000 {
         if e.step().expect("step").idle {
             break;
@@ -226,18 +234,7 @@ fn a_backup_done_across_a_recreated_context_is_lost_not_kept() {
 /// its failure as a poll would have done.
 #[test]
 fn a_failed_backup_in_flight_at_a_recreation_counts_as_failed() {
-    let cfg = Config::preset("sim-small").expect("preset");
-    let mut dev = InOrderDevice::new();
-    dev.recover_recreates = true;
-    dev.fail_next_copies = 1;
-    let mut e =
-        Engine::new(cfg, dev, ManualClock::default(), EngineOptions::default()).expect("an engine");
-    let s = e.synth;
-    e.submit(RequestSpec {
-        prompt: (0..200u64).map(|i| s.token(1, i)).collect(),
-        max_new_tokens: 2,
-    })
-    .expect("accepted");
+    let mut e = first_copy_fails_and_recreates(&[1]);
     for _ in 0..1_000 {
         if e.metrics.backups > 0 {
             break;
